@@ -1,0 +1,309 @@
+//! Approximate prefix index: which blocks were routed to (or reported by) which endpoint.
+//!
+//! One global map answers "which endpoints hold block h" as a bitset, so a lookup costs one
+//! probe a block whatever the fleet size. Each endpoint also keeps an LRU of its blocks bounded by
+//! its KV capacity, and every entry has a TTL, so the index forgets what the replica has most
+//! likely evicted. Time is passed in; nothing here reads a clock.
+
+use std::collections::VecDeque;
+
+use hashbrown::HashMap;
+
+/// Most endpoints one index tracks (the bitset width). Adding more is refused, not a panic.
+pub const MAX_ENDPOINTS: usize = 256;
+const WORDS: usize = MAX_ENDPOINTS / 64;
+
+/// Dense id of an endpoint inside one index/router (`0..MAX_ENDPOINTS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointId(pub u16);
+
+/// A set of endpoints as a fixed-width bitset: 32 bytes, no allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EndpointSet([u64; WORDS]);
+
+impl EndpointSet {
+    /// Adds `id` to the set.
+    pub fn insert(&mut self, id: EndpointId) {
+        let i = usize::from(id.0);
+        self.0[i / 64] |= 1 << (i % 64);
+    }
+    /// Removes `id` from the set.
+    pub fn remove(&mut self, id: EndpointId) {
+        let i = usize::from(id.0);
+        self.0[i / 64] &= !(1 << (i % 64));
+    }
+    /// Whether `id` is in the set.
+    pub fn contains(&self, id: EndpointId) -> bool {
+        let i = usize::from(id.0);
+        self.0[i / 64] & (1 << (i % 64)) != 0
+    }
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
+    fn and(&self, other: &Self) -> Self {
+        let mut out = *self;
+        for (a, b) in out.0.iter_mut().zip(other.0) {
+            *a &= b;
+        }
+        out
+    }
+    fn and_not(&self, other: &Self) -> Self {
+        let mut out = *self;
+        for (a, b) in out.0.iter_mut().zip(other.0) {
+            *a &= !b;
+        }
+        out
+    }
+    /// Iterates the ids in the set in increasing order.
+    pub fn iter(&self) -> impl Iterator<Item = EndpointId> + '_ {
+        self.0.iter().enumerate().flat_map(|(w, word)| {
+            (0..64u16).filter(move |b| word & (1 << b) != 0).map(move |b| EndpointId(w as u16 * 64 + b))
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Stamp {
+    seq: u64,
+    at_ms: u64,
+}
+
+/// One endpoint's blocks in LRU order (a lazily compacted queue of touches).
+#[derive(Debug, Default)]
+struct EndpointBlocks {
+    capacity: usize,
+    live: HashMap<u64, Stamp>,
+    order: VecDeque<(u64, u64)>,
+}
+
+/// Approximate prefix index over chained block hashes.
+#[derive(Debug)]
+pub struct PrefixIndex {
+    holders: HashMap<u64, EndpointSet>,
+    endpoints: Vec<EndpointBlocks>,
+    ttl_ms: u64,
+    seq: u64,
+}
+
+impl PrefixIndex {
+    /// An empty index whose entries live at most `ttl_ms` after their last touch.
+    pub fn new(ttl_ms: u64) -> Self {
+        Self { holders: HashMap::new(), endpoints: Vec::new(), ttl_ms, seq: 0 }
+    }
+
+    /// Bounds `id`'s share of the index to `capacity_blocks` (its KV capacity), evicting LRU.
+    pub fn set_capacity(&mut self, id: EndpointId, capacity_blocks: usize) {
+        self.slot(id).capacity = capacity_blocks;
+        self.evict_over_capacity(id);
+    }
+
+    fn slot(&mut self, id: EndpointId) -> &mut EndpointBlocks {
+        let i = usize::from(id.0);
+        if self.endpoints.len() <= i {
+            self.endpoints.resize_with(i + 1, || EndpointBlocks { capacity: usize::MAX, ..Default::default() });
+        }
+        &mut self.endpoints[i]
+    }
+
+    /// Records that `id` now holds `hashes` (touching them as most recently used).
+    pub fn insert(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) {
+        for &h in hashes {
+            self.seq += 1;
+            let stamp = Stamp { seq: self.seq, at_ms: now_ms };
+            let slot = self.slot(id);
+            slot.live.insert(h, stamp);
+            slot.order.push_back((h, stamp.seq));
+            self.holders.entry(h).or_default().insert(id);
+        }
+        self.compact(id);
+        self.evict_over_capacity(id);
+    }
+
+    /// Forgets that `id` holds `hash` (a `BlockRemoved` event in precise mode).
+    pub fn remove(&mut self, id: EndpointId, hash: u64) {
+        let slot = self.slot(id);
+        if slot.live.remove(&hash).is_some() {
+            self.unset_holder(hash, id);
+        }
+    }
+
+    /// Forgets everything about `id` (endpoint removed, cache cleared, event stream lost).
+    pub fn clear_endpoint(&mut self, id: EndpointId) {
+        let slot = self.slot(id);
+        let hashes: Vec<u64> = slot.live.drain().map(|(h, _)| h).collect();
+        slot.order.clear();
+        for h in hashes {
+            self.unset_holder(h, id);
+        }
+    }
+
+    fn unset_holder(&mut self, hash: u64, id: EndpointId) {
+        if let Some(set) = self.holders.get_mut(&hash) {
+            set.remove(id);
+            if set.is_empty() {
+                self.holders.remove(&hash);
+            }
+        }
+    }
+
+    fn evict_over_capacity(&mut self, id: EndpointId) {
+        loop {
+            let slot = self.slot(id);
+            if slot.live.len() <= slot.capacity {
+                return;
+            }
+            let Some(h) = pop_oldest(slot) else { return };
+            self.unset_holder(h, id);
+        }
+    }
+
+    /// Drops the stale touches that pile up in an endpoint's queue when hot blocks are re-touched.
+    fn compact(&mut self, id: EndpointId) {
+        let slot = self.slot(id);
+        if slot.order.len() > 2 * slot.live.len() + 64 {
+            let live = &slot.live;
+            slot.order.retain(|(h, seq)| live.get(h).is_some_and(|s| s.seq == *seq));
+        }
+    }
+
+    /// Drops entries whose TTL ran out. Cheap when nothing expired: one look at each queue head.
+    pub fn expire(&mut self, now_ms: u64) {
+        for i in 0..self.endpoints.len() {
+            let id = EndpointId(i as u16);
+            loop {
+                let ttl = self.ttl_ms;
+                let slot = &mut self.endpoints[i];
+                let Some(&(h, seq)) = slot.order.front() else { break };
+                match slot.live.get(&h) {
+                    Some(s) if s.seq == seq => {
+                        if s.at_ms.saturating_add(ttl) > now_ms {
+                            break;
+                        }
+                        slot.order.pop_front();
+                        slot.live.remove(&h);
+                        self.unset_holder(h, id);
+                    }
+                    _ => {
+                        slot.order.pop_front();
+                    }
+                }
+            }
+        }
+    }
+
+    /// For each endpoint holding at least the first block, how many leading blocks of `hashes`
+    /// it holds (contiguous prefix only, as a prefix cache reuses). Calls `found(id, depth)`.
+    pub fn matched_prefix(&self, hashes: &[u64], mut found: impl FnMut(EndpointId, usize)) {
+        let Some(first) = hashes.first().and_then(|h| self.holders.get(h)) else { return };
+        let mut alive = *first;
+        for (depth, h) in hashes.iter().enumerate().skip(1) {
+            let next = self.holders.get(h).map_or(EndpointSet::default(), |s| alive.and(s));
+            for id in alive.and_not(&next).iter() {
+                found(id, depth);
+            }
+            alive = next;
+            if alive.is_empty() {
+                return;
+            }
+        }
+        for id in alive.iter() {
+            found(id, hashes.len());
+        }
+    }
+
+    /// Blocks indexed for `id`.
+    pub fn len_for(&self, id: EndpointId) -> usize {
+        self.endpoints.get(usize::from(id.0)).map_or(0, |s| s.live.len())
+    }
+
+    /// Distinct blocks in the index.
+    pub fn distinct_blocks(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// Approximate heap bytes used, for the index-memory metric.
+    pub fn approx_bytes(&self) -> usize {
+        let holder = self.holders.capacity() * (8 + std::mem::size_of::<EndpointSet>() + 1);
+        let per: usize = self
+            .endpoints
+            .iter()
+            .map(|s| s.live.capacity() * (8 + std::mem::size_of::<Stamp>() + 1) + s.order.capacity() * 16)
+            .sum();
+        holder + per
+    }
+}
+
+fn pop_oldest(slot: &mut EndpointBlocks) -> Option<u64> {
+    while let Some((h, seq)) = slot.order.pop_front() {
+        if slot.live.get(&h).is_some_and(|s| s.seq == seq) {
+            slot.live.remove(&h);
+            return Some(h);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn depths(index: &PrefixIndex, hashes: &[u64]) -> Vec<(u16, usize)> {
+        let mut out = Vec::new();
+        index.matched_prefix(hashes, |id, d| out.push((id.0, d)));
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn contiguous_prefix_per_endpoint() {
+        let mut idx = PrefixIndex::new(10_000);
+        idx.insert(EndpointId(0), &[1, 2, 3], 0);
+        idx.insert(EndpointId(1), &[1, 2], 0);
+        idx.insert(EndpointId(2), &[2, 3], 0);
+        assert_eq!(depths(&idx, &[1, 2, 3, 4]), vec![(0, 3), (1, 2)]);
+        assert!(depths(&idx, &[9, 1]).is_empty());
+    }
+
+    #[test]
+    fn capacity_evicts_least_recently_used() {
+        let mut idx = PrefixIndex::new(10_000);
+        idx.set_capacity(EndpointId(3), 3);
+        idx.insert(EndpointId(3), &[1, 2, 3], 0);
+        idx.insert(EndpointId(3), &[1], 1); // touch 1: 2 is now the oldest
+        idx.insert(EndpointId(3), &[4], 2);
+        assert_eq!(idx.len_for(EndpointId(3)), 3);
+        assert_eq!(depths(&idx, &[1]), vec![(3, 1)]);
+        assert!(depths(&idx, &[2]).is_empty());
+    }
+
+    #[test]
+    fn ttl_expires_untouched_blocks() {
+        let mut idx = PrefixIndex::new(100);
+        idx.insert(EndpointId(0), &[1], 0);
+        idx.insert(EndpointId(0), &[2], 50);
+        idx.expire(120);
+        assert!(depths(&idx, &[1]).is_empty());
+        assert_eq!(depths(&idx, &[2]), vec![(0, 1)]);
+        assert_eq!(idx.distinct_blocks(), 1);
+    }
+
+    #[test]
+    fn remove_and_clear() {
+        let mut idx = PrefixIndex::new(1000);
+        idx.insert(EndpointId(200), &[1, 2], 0);
+        idx.remove(EndpointId(200), 2);
+        assert_eq!(depths(&idx, &[1, 2]), vec![(200, 1)]);
+        idx.clear_endpoint(EndpointId(200));
+        assert_eq!(idx.distinct_blocks(), 0);
+    }
+
+    #[test]
+    fn repeated_touches_stay_bounded() {
+        let mut idx = PrefixIndex::new(u64::MAX / 2);
+        for t in 0..10_000 {
+            idx.insert(EndpointId(0), &[1, 2], t);
+        }
+        assert!(idx.endpoints[0].order.len() < 200);
+    }
+}

@@ -1,0 +1,16 @@
+//! kvroute's routing core: pure logic, no I/O, for wasm32 and native alike.
+//!
+//! - [`canon`] turns an OpenAI request body into canonical prompt bytes;
+//! - [`hash`] hashes them in chained blocks;
+//! - [`index`] remembers which endpoint holds which blocks;
+//! - [`router`] scores endpoints and keeps load accounting;
+//! - [`protocol`] is the JSON the filter and the control plane exchange.
+//!
+//! Invariant: nothing here reads a clock, draws ambient randomness, spawns a thread or does
+//! I/O. Time (`now_ms`) and seeds are arguments, so fleet-sim can replay it in virtual time.
+
+pub mod canon;
+pub mod hash;
+pub mod index;
+pub mod protocol;
+pub mod router;

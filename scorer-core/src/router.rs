@@ -1,0 +1,638 @@
+//! The routing state machine: endpoints, their load, the prefix index, and the scorer.
+//!
+//! `Router` is sans-IO in quinn's style: inputs are method calls with `now_ms` (and a seed where a
+//! random choice is made), outputs are returned values. The control plane drives it from HTTP
+//! and scrapes; fleet-sim drives the very same code from virtual time.
+//!
+//! Cost model: for each usable endpoint, an estimate in milliseconds of how long this request
+//! would wait and prefill there:
+//! `queue_ms` (prefill work already sent there and not yet drained, router-side) +
+//! `prefill_ms` (this request's uncached tokens) + `decode_ms` (running sequences slow every
+//! step) + `kv_ms` (KV pressure: near-full caches evict and preempt). Lowest cost wins; ties
+//! break by the seed; a guard keeps one hot replica from taking everything.
+
+use hashbrown::HashMap;
+use serde::{Deserialize, Serialize};
+
+use crate::index::{EndpointId, MAX_ENDPOINTS, PrefixIndex};
+use crate::protocol::{Outcome, RouteRequest, RouteResponse};
+
+/// Tunables of the scorer. Defaults come from fleet-sim sweeps (see README).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScoringConfig {
+    /// Assumed prefill throughput of one replica, tokens per millisecond.
+    pub prefill_tokens_per_ms: f64,
+    /// Added cost per active sequence on a replica (decode steps grow with batch size).
+    pub decode_ms_per_seq: f64,
+    /// KV usage above which a replica is penalised.
+    pub kv_pressure_threshold: f64,
+    /// Penalty at 100% KV usage, scaled linearly from the threshold.
+    pub kv_pressure_ms: f64,
+    /// Tokens assumed for each waiting request the router did not send itself.
+    pub unknown_request_tokens: f64,
+    /// Guard: a replica with this many more in-flight requests than the least loaded one ...
+    pub guard_abs: u32,
+    /// ... and this many times as many, is skipped while any other replica is usable.
+    pub guard_rel: f64,
+    /// Costs within this many ms of the best count as a tie (broken by the seed).
+    pub tie_ms: f64,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        Self {
+            prefill_tokens_per_ms: 10.0,
+            decode_ms_per_seq: 1.0,
+            kv_pressure_threshold: 0.9,
+            kv_pressure_ms: 500.0,
+            unknown_request_tokens: 512.0,
+            guard_abs: 16,
+            guard_rel: 2.0,
+            tie_ms: 0.5,
+        }
+    }
+}
+
+/// Router-wide configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Canonical bytes a hash block covers (must match the filter's setting).
+    pub block_bytes: usize,
+    /// Canonical bytes per token, to turn blocks into tokens.
+    pub bytes_per_token: f64,
+    /// How long an approximate index entry lives without a touch.
+    pub index_ttl_ms: u64,
+    /// How long an in-flight entry lives without feedback (a lost report leaks nothing).
+    pub inflight_ttl_ms: u64,
+    /// Fallback endpoints returned after the chosen one.
+    pub fallbacks: usize,
+    /// Metrics older than this count as stale.
+    pub stale_after_ms: u64,
+    /// The scorer's tunables.
+    pub scoring: ScoringConfig,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            block_bytes: crate::hash::DEFAULT_BLOCK_BYTES,
+            bytes_per_token: 4.0,
+            index_ttl_ms: 120_000,
+            inflight_ttl_ms: 300_000,
+            fallbacks: 2,
+            stale_after_ms: 2_000,
+            scoring: ScoringConfig::default(),
+        }
+    }
+}
+
+/// The scraped view of one replica (vLLM `/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EndpointMetrics {
+    /// `vllm:num_requests_running`.
+    pub running: u32,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// `vllm:kv_cache_usage_perc` (0..=1).
+    pub kv_usage: f64,
+    /// KV capacity in tokens (`num_gpu_blocks * block_size` of `vllm:cache_config_info`).
+    pub capacity_tokens: Option<u64>,
+}
+
+/// Why an endpoint is not a candidate right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    /// Usable.
+    Ready,
+    /// Its metrics endpoint does not answer.
+    Unreachable,
+}
+
+#[derive(Debug, Clone)]
+struct Slot {
+    address: String,
+    health: Health,
+    metrics: Option<EndpointMetrics>,
+    scraped_at_ms: u64,
+    /// Prefill tokens sent here and not yet drained, as of `backlog_at_ms`.
+    backlog_tokens: f64,
+    backlog_at_ms: u64,
+    inflight: u32,
+}
+
+#[derive(Debug, Clone)]
+struct InFlight {
+    endpoint: EndpointId,
+    started_ms: u64,
+    predicted_cached_tokens: u32,
+}
+
+/// One candidate's score terms: what the explain output shows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CandidateScore {
+    /// `ip:port` of the candidate.
+    pub endpoint: String,
+    /// Leading prompt blocks the candidate is believed to hold.
+    pub cached_blocks: u32,
+    /// Prompt tokens that would still need prefill there.
+    pub uncached_tokens: u32,
+    /// Wait for prefill work queued ahead.
+    pub queue_ms: f64,
+    /// This request's own prefill.
+    pub prefill_ms: f64,
+    /// Slow-down from running sequences.
+    pub decode_ms: f64,
+    /// KV-pressure penalty.
+    pub kv_ms: f64,
+    /// Sum of the terms: estimated time to first token.
+    pub total_ms: f64,
+    /// Router-side in-flight requests on the candidate.
+    pub inflight: u32,
+    /// Set when the guard skipped this candidate.
+    pub guarded: bool,
+}
+
+/// A routing decision and its explanation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    /// What the filter gets back.
+    pub response: RouteResponse,
+    /// Every candidate's terms, best first.
+    pub candidates: Vec<CandidateScore>,
+}
+
+/// Counters the control plane exports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RouterStats {
+    /// Decisions made.
+    pub decisions: u64,
+    /// Decisions with no usable endpoint (the filter fails open).
+    pub no_endpoint: u64,
+    /// Decisions where the guard skipped the cheapest candidate.
+    pub guarded: u64,
+    /// Outcomes received.
+    pub outcomes: u64,
+    /// In-flight entries that expired without an outcome.
+    pub expired_inflight: u64,
+    /// Sum of cached tokens the router predicted, over outcomes that reported cached tokens.
+    pub predicted_cached_tokens: u64,
+    /// Sum of cached tokens the engines reported, over the same outcomes.
+    pub actual_cached_tokens: u64,
+}
+
+/// Read-only view of one endpoint for metrics and the fleet page.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndpointView {
+    /// `ip:port`.
+    pub address: String,
+    /// Health as the scraper last saw it.
+    pub health: Health,
+    /// Whether the last scrape is older than `stale_after_ms`.
+    pub stale: bool,
+    /// Last scraped metrics.
+    pub metrics: Option<EndpointMetrics>,
+    /// Router-side in-flight requests.
+    pub inflight: u32,
+    /// Undrained prefill tokens the router sent.
+    pub backlog_tokens: f64,
+    /// Blocks the index holds for it.
+    pub indexed_blocks: usize,
+}
+
+/// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouterError {
+    /// The fleet is at `MAX_ENDPOINTS`.
+    #[error("too many endpoints (at most {MAX_ENDPOINTS})")]
+    TooManyEndpoints,
+}
+
+/// Endpoints, load accounting, prefix index and scorer behind one sans-IO API.
+#[derive(Debug)]
+pub struct Router {
+    config: RouterConfig,
+    slots: Vec<Option<Slot>>,
+    by_address: HashMap<String, EndpointId>,
+    index: PrefixIndex,
+    inflight: HashMap<u64, InFlight>,
+    next_decision_id: u64,
+    stats: RouterStats,
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+impl Router {
+    /// A router with no endpoints. `first_decision_id` lets a restarted control plane avoid
+    /// reusing ids (pass e.g. the start time).
+    pub fn new(config: RouterConfig, first_decision_id: u64) -> Self {
+        let index = PrefixIndex::new(config.index_ttl_ms);
+        Self {
+            config,
+            slots: Vec::new(),
+            by_address: HashMap::new(),
+            index,
+            inflight: HashMap::new(),
+            next_decision_id: first_decision_id.max(1),
+            stats: RouterStats::default(),
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Tokens one hash block stands for.
+    pub fn tokens_per_block(&self) -> f64 {
+        (self.config.block_bytes as f64 / self.config.bytes_per_token).max(1.0)
+    }
+
+    /// Adds an endpoint (idempotent) and returns its id.
+    pub fn upsert_endpoint(&mut self, address: &str) -> Result<EndpointId, RouterError> {
+        if let Some(id) = self.by_address.get(address) {
+            return Ok(*id);
+        }
+        let free = self.slots.iter().position(Option::is_none);
+        let i = match free {
+            Some(i) => i,
+            None if self.slots.len() < MAX_ENDPOINTS => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+            None => return Err(RouterError::TooManyEndpoints),
+        };
+        let id = EndpointId(i as u16);
+        self.slots[i] = Some(Slot {
+            address: address.to_string(),
+            health: Health::Ready,
+            metrics: None,
+            scraped_at_ms: 0,
+            backlog_tokens: 0.0,
+            backlog_at_ms: 0,
+            inflight: 0,
+        });
+        self.index.clear_endpoint(id);
+        self.by_address.insert(address.to_string(), id);
+        Ok(id)
+    }
+
+    /// Removes an endpoint and everything known about it.
+    pub fn remove_endpoint(&mut self, address: &str) {
+        if let Some(id) = self.by_address.remove(address) {
+            self.slots[usize::from(id.0)] = None;
+            self.index.clear_endpoint(id);
+            self.inflight.retain(|_, f| f.endpoint != id);
+        }
+    }
+
+    /// The id of `address`, if known.
+    pub fn endpoint_id(&self, address: &str) -> Option<EndpointId> {
+        self.by_address.get(address).copied()
+    }
+
+    fn slot_mut(&mut self, address: &str) -> Option<(EndpointId, &mut Slot)> {
+        let id = *self.by_address.get(address)?;
+        self.slots[usize::from(id.0)].as_mut().map(|s| (id, s))
+    }
+
+    /// Records a successful scrape of `address`.
+    pub fn update_metrics(&mut self, address: &str, metrics: EndpointMetrics, now_ms: u64) {
+        let tokens_per_block = self.tokens_per_block();
+        let Some((id, slot)) = self.slot_mut(address) else { return };
+        slot.metrics = Some(metrics);
+        slot.scraped_at_ms = now_ms;
+        slot.health = Health::Ready;
+        if let Some(cap) = metrics.capacity_tokens {
+            let blocks = (cap as f64 / tokens_per_block) as usize;
+            self.index.set_capacity(id, blocks.max(1));
+        }
+    }
+
+    /// Records a failed scrape: the endpoint stops being a candidate until it answers again.
+    pub fn mark_unreachable(&mut self, address: &str) {
+        if let Some((_, slot)) = self.slot_mut(address) {
+            slot.health = Health::Unreachable;
+        }
+    }
+
+    /// Gives the index direct access (precise mode feeds it from KV events).
+    pub fn index_mut(&mut self) -> &mut PrefixIndex {
+        &mut self.index
+    }
+
+    /// Drops expired index entries and in-flight entries whose report never came.
+    pub fn expire(&mut self, now_ms: u64) {
+        self.index.expire(now_ms);
+        let ttl = self.config.inflight_ttl_ms;
+        let mut expired = Vec::new();
+        self.inflight.retain(|_, f| {
+            let keep = f.started_ms.saturating_add(ttl) > now_ms;
+            if !keep {
+                expired.push(f.endpoint);
+            }
+            keep
+        });
+        for id in expired {
+            self.stats.expired_inflight += 1;
+            if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
+                slot.inflight = slot.inflight.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Chooses endpoints for `request`. Never fails: with no usable endpoint the list is empty
+    /// and the filter lets Envoy's fallback policy pick.
+    pub fn route(&mut self, request: &RouteRequest, now_ms: u64, seed: u64) -> Decision {
+        self.expire(now_ms);
+        let decision_id = self.next_decision_id;
+        self.next_decision_id += 1;
+        self.stats.decisions += 1;
+
+        let tokens_per_block = self.tokens_per_block();
+        let prompt_tokens = f64::from(request.prompt_tokens.max(1));
+        let mut matched = vec![0usize; self.slots.len()];
+        self.index.matched_prefix(&request.block_hashes, |id, depth| {
+            if let Some(m) = matched.get_mut(usize::from(id.0)) {
+                *m = depth;
+            }
+        });
+
+        let s = &self.config.scoring;
+        let stale_after = self.config.stale_after_ms;
+        let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(slot) = slot else { continue };
+            if slot.health != Health::Ready {
+                continue;
+            }
+            drain_backlog(slot, now_ms, s.prefill_tokens_per_ms);
+            let fresh = slot.metrics.filter(|_| now_ms.saturating_sub(slot.scraped_at_ms) <= stale_after);
+            let cached_tokens = (matched[i] as f64 * tokens_per_block).min(prompt_tokens - 1.0).max(0.0);
+            let uncached = prompt_tokens - cached_tokens;
+            let (unknown_waiting, active, kv_usage) = match fresh {
+                Some(m) => {
+                    let seen = m.running + m.waiting;
+                    (m.waiting.saturating_sub(slot.inflight), seen.max(slot.inflight), m.kv_usage)
+                }
+                None => (0, slot.inflight, 0.0),
+            };
+            let queue_ms = (slot.backlog_tokens + f64::from(unknown_waiting) * s.unknown_request_tokens)
+                / s.prefill_tokens_per_ms;
+            let prefill_ms = uncached / s.prefill_tokens_per_ms;
+            let decode_ms = f64::from(active) * s.decode_ms_per_seq;
+            let kv_ms = if kv_usage > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
+                s.kv_pressure_ms * (kv_usage - s.kv_pressure_threshold) / (1.0 - s.kv_pressure_threshold)
+            } else {
+                0.0
+            };
+            candidates.push((
+                EndpointId(i as u16),
+                CandidateScore {
+                    endpoint: slot.address.clone(),
+                    cached_blocks: matched[i] as u32,
+                    uncached_tokens: uncached as u32,
+                    queue_ms,
+                    prefill_ms,
+                    decode_ms,
+                    kv_ms,
+                    total_ms: queue_ms + prefill_ms + decode_ms + kv_ms,
+                    inflight: slot.inflight,
+                    guarded: false,
+                },
+            ));
+        }
+
+        if candidates.is_empty() {
+            self.stats.no_endpoint += 1;
+            return Decision {
+                response: RouteResponse { decision_id, reason: "no_endpoint".into(), ..Default::default() },
+                candidates: Vec::new(),
+            };
+        }
+
+        // Guard against piling onto one hot replica.
+        let min_inflight = candidates.iter().map(|(_, c)| c.inflight).min().unwrap_or(0);
+        for (_, c) in candidates.iter_mut() {
+            c.guarded = c.inflight >= min_inflight + s.guard_abs
+                && f64::from(c.inflight) >= s.guard_rel * f64::from(min_inflight.max(1));
+        }
+        // Order: unguarded first, then by cost; near-ties shuffled by the seed.
+        candidates.sort_by(|a, b| {
+            a.1.guarded.cmp(&b.1.guarded).then(a.1.total_ms.total_cmp(&b.1.total_ms))
+        });
+        let best = &candidates[0].1;
+        let (best_guarded, best_cost) = (best.guarded, best.total_ms);
+        let ties = candidates
+            .iter()
+            .take_while(|(_, c)| c.guarded == best_guarded && c.total_ms - best_cost <= s.tie_ms)
+            .count();
+        if ties > 1 {
+            let pick = (splitmix64(seed ^ decision_id) % ties as u64) as usize;
+            candidates.swap(0, pick);
+        }
+        let any_guarded = candidates.iter().any(|(_, c)| c.guarded);
+        let cheapest_guarded = candidates.iter().min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms)).is_some_and(|(_, c)| c.guarded);
+        if cheapest_guarded {
+            self.stats.guarded += 1;
+        }
+
+        let (chosen, chosen_score) = (candidates[0].0, candidates[0].1.clone());
+        let max_cached = candidates.iter().map(|(_, c)| c.cached_blocks).max().unwrap_or(0);
+        let reason = if cheapest_guarded && any_guarded {
+            "guard"
+        } else if chosen_score.cached_blocks > 0 && chosen_score.cached_blocks == max_cached {
+            "prefix"
+        } else {
+            "load"
+        };
+
+        // Account the decision: the chosen replica now has this prefill queued and holds the blocks.
+        if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
+            slot.backlog_tokens += f64::from(chosen_score.uncached_tokens);
+            slot.inflight += 1;
+        }
+        self.index.insert(chosen, &request.block_hashes, now_ms);
+        let predicted_cached_tokens = request.prompt_tokens.saturating_sub(chosen_score.uncached_tokens);
+        self.inflight.insert(decision_id, InFlight { endpoint: chosen, started_ms: now_ms, predicted_cached_tokens });
+
+        let endpoints = candidates
+            .iter()
+            .take(1 + self.config.fallbacks)
+            .map(|(_, c)| c.endpoint.clone())
+            .collect();
+        Decision {
+            response: RouteResponse {
+                decision_id,
+                endpoints,
+                cached_blocks: chosen_score.cached_blocks,
+                reason: reason.into(),
+            },
+            candidates: candidates.into_iter().map(|(_, c)| c).collect(),
+        }
+    }
+
+    /// Takes one request's outcome: releases its in-flight load and records prediction accuracy.
+    pub fn feedback(&mut self, outcome: &Outcome, _now_ms: u64) {
+        self.stats.outcomes += 1;
+        let Some(entry) = self.inflight.remove(&outcome.decision_id) else { return };
+        if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
+            slot.inflight = slot.inflight.saturating_sub(1);
+        }
+        if let Some(actual) = outcome.cached_tokens {
+            self.stats.predicted_cached_tokens += u64::from(entry.predicted_cached_tokens);
+            self.stats.actual_cached_tokens += u64::from(actual);
+        }
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> RouterStats {
+        self.stats
+    }
+
+    /// Requests routed and not yet reported.
+    pub fn inflight_len(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// The index, read-only (sizes for metrics).
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// A view of every endpoint, for metrics and the fleet page.
+    pub fn endpoints(&self, now_ms: u64) -> Vec<EndpointView> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|s| (i, s)))
+            .map(|(i, s)| EndpointView {
+                address: s.address.clone(),
+                health: s.health,
+                stale: now_ms.saturating_sub(s.scraped_at_ms) > self.config.stale_after_ms,
+                metrics: s.metrics,
+                inflight: s.inflight,
+                backlog_tokens: s.backlog_tokens,
+                indexed_blocks: self.index.len_for(EndpointId(i as u16)),
+            })
+            .collect()
+    }
+}
+
+/// The replica drains queued prefill at its prefill rate: forget what it has done since.
+fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {
+    let elapsed = now_ms.saturating_sub(slot.backlog_at_ms) as f64;
+    slot.backlog_tokens = (slot.backlog_tokens - elapsed * tokens_per_ms).max(0.0);
+    slot.backlog_at_ms = now_ms.max(slot.backlog_at_ms);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::{block_hashes, model_seed};
+
+    fn router(n: usize) -> Router {
+        let mut r = Router::new(RouterConfig::default(), 1);
+        for i in 0..n {
+            r.upsert_endpoint(&format!("10.0.0.{i}:8000")).unwrap();
+        }
+        r
+    }
+
+    fn request(text: &str) -> RouteRequest {
+        let hashes = block_hashes(model_seed("m"), text.as_bytes(), 256);
+        RouteRequest {
+            model: "m".into(),
+            block_hashes: hashes,
+            prompt_bytes: text.len() as u64,
+            prompt_tokens: (text.len() / 4) as u32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn second_turn_follows_first() {
+        let mut r = router(4);
+        let t1 = "system prompt ".repeat(200);
+        let first = r.route(&request(&t1), 0, 7);
+        let t2 = format!("{t1} and the next turn");
+        // Much later, so the backlog has drained.
+        let second = r.route(&request(&t2), 10_000, 8);
+        assert_eq!(first.response.endpoints[0], second.response.endpoints[0]);
+        assert_eq!(second.response.reason, "prefix");
+        assert!(second.response.cached_blocks > 0);
+        assert_eq!(second.response.endpoints.len(), 3);
+    }
+
+    #[test]
+    fn distinct_prompts_spread_over_the_fleet() {
+        let mut r = router(4);
+        let mut used = std::collections::BTreeSet::new();
+        for i in 0..8 {
+            let d = r.route(&request(&format!("{i} conversation ").repeat(100)), 0, i);
+            used.insert(d.response.endpoints[0].clone());
+        }
+        assert_eq!(used.len(), 4);
+    }
+
+    #[test]
+    fn busy_replica_is_avoided() {
+        let mut r = router(2);
+        r.update_metrics("10.0.0.0:8000", EndpointMetrics { running: 50, waiting: 30, kv_usage: 0.95, capacity_tokens: None }, 0);
+        r.update_metrics("10.0.0.1:8000", EndpointMetrics::default(), 0);
+        let d = r.route(&request(&"x".repeat(1000)), 10, 1);
+        assert_eq!(d.response.endpoints[0], "10.0.0.1:8000");
+    }
+
+    #[test]
+    fn unreachable_is_skipped_and_none_left_is_empty() {
+        let mut r = router(1);
+        r.mark_unreachable("10.0.0.0:8000");
+        let d = r.route(&request("abc"), 0, 1);
+        assert!(d.response.endpoints.is_empty());
+        assert_eq!(r.stats().no_endpoint, 1);
+    }
+
+    #[test]
+    fn feedback_releases_and_expiry_cleans() {
+        let mut r = router(2);
+        let d = r.route(&request(&"y".repeat(600)), 0, 1);
+        assert_eq!(r.inflight_len(), 1);
+        r.feedback(&Outcome { decision_id: d.response.decision_id, cached_tokens: Some(0), ..Default::default() }, 5);
+        assert_eq!(r.inflight_len(), 0);
+        r.route(&request(&"z".repeat(600)), 0, 1);
+        r.expire(10_000_000);
+        assert_eq!(r.inflight_len(), 0);
+        assert!(r.endpoints(0).iter().all(|e| e.inflight == 0));
+    }
+
+    #[test]
+    fn guard_stops_hot_spotting() {
+        let mut r = router(2);
+        let shared = "same prefix ".repeat(200);
+        let mut counts = HashMap::new();
+        for i in 0..64 {
+            let d = r.route(&request(&format!("{shared}{i}")), 0, i);
+            *counts.entry(d.response.endpoints[0].clone()).or_insert(0) += 1;
+        }
+        assert_eq!(counts.len(), 2, "{counts:?}");
+    }
+
+    #[test]
+    fn endpoint_limit_is_an_error() {
+        let mut r = router(0);
+        for i in 0..MAX_ENDPOINTS {
+            r.upsert_endpoint(&format!("e{i}")).unwrap();
+        }
+        assert_eq!(r.upsert_endpoint("one-more"), Err(RouterError::TooManyEndpoints));
+        r.remove_endpoint("e3");
+        assert!(r.upsert_endpoint("one-more").is_ok());
+    }
+}

@@ -1,0 +1,1 @@
+//! kvroute test support: simulator, harness, workloads.
