@@ -198,7 +198,11 @@ fn canonicalize_completion(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
             out.extend_from_slice(text.as_bytes());
         }
         Some(b'[') => push_prompt_array(&mut out, raw)?,
-        _ => return Err(CanonError::InvalidBody("prompt must be a string or an array".into())),
+        _ => {
+            return Err(CanonError::InvalidBody(
+                "prompt must be a string or an array".into(),
+            ));
+        }
     }
     Ok(CanonicalPrompt {
         model: parsed.model.map(Cow::into_owned).unwrap_or_default(),
@@ -245,7 +249,9 @@ mod tests {
 
     #[test]
     fn later_turn_extends_earlier_turn() {
-        let t1 = chat(r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}"#);
+        let t1 = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}"#,
+        );
         let t2 = chat(
             r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"},
             {"role":"assistant","content":"hello"},{"role":"user","content":"more"}],"stream":true}"#,
@@ -258,19 +264,34 @@ mod tests {
     #[test]
     fn text_parts_equal_plain_string_and_images_count() {
         let plain = chat(r#"{"messages":[{"role":"user","content":"abc"}]}"#);
-        let parts = chat(r#"{"messages":[{"role":"user","content":[{"type":"text","text":"abc"}]}]}"#);
-        assert!(parts.bytes.starts_with(&plain.bytes[..plain.bytes.len() - 1]));
-        let img1 = chat(r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"a"}}]}]}"#);
-        let img2 = chat(r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"b"}}]}]}"#);
+        let parts =
+            chat(r#"{"messages":[{"role":"user","content":[{"type":"text","text":"abc"}]}]}"#);
+        assert!(
+            parts
+                .bytes
+                .starts_with(&plain.bytes[..plain.bytes.len() - 1])
+        );
+        let img1 = chat(
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"a"}}]}]}"#,
+        );
+        let img2 = chat(
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"b"}}]}]}"#,
+        );
         assert_ne!(img1.bytes, img2.bytes);
     }
 
     #[test]
     fn tools_and_tool_calls_are_part_of_the_prompt() {
-        let a = chat(r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#);
-        let b = chat(r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"g"}}]}"#);
+        let a = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        );
+        let b = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"g"}}]}"#,
+        );
         assert_ne!(a.bytes, b.bytes);
-        let c = chat(r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"tool","tool_call_id":"1","content":"r"}]}"#);
+        let c = chat(
+            r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"tool","tool_call_id":"1","content":"r"}]}"#,
+        );
         assert!(!c.bytes.is_empty());
     }
 
@@ -283,7 +304,11 @@ mod tests {
 
     #[test]
     fn completion_prompt_shapes() {
-        let s = canonicalize(ApiKind::Completion, br#"{"model":"m","prompt":"hello","max_tokens":5}"#).unwrap();
+        let s = canonicalize(
+            ApiKind::Completion,
+            br#"{"model":"m","prompt":"hello","max_tokens":5}"#,
+        )
+        .unwrap();
         assert_eq!(s.bytes, b"hello");
         assert_eq!(s.max_output_tokens, Some(5));
         let t = canonicalize(ApiKind::Completion, br#"{"prompt":[1,2]}"#).unwrap();
@@ -294,10 +319,23 @@ mod tests {
 
     #[test]
     fn bad_bodies_are_errors_not_panics() {
-        for body in ["", "{", "[]", "{\"messages\":5}", "{\"messages\":[{\"content\":5}]}", "\u{0}"] {
-            assert!(canonicalize(ApiKind::Chat, body.as_bytes()).is_err(), "{body}");
+        for body in [
+            "",
+            "{",
+            "[]",
+            "{\"messages\":5}",
+            "{\"messages\":[{\"content\":5}]}",
+            "\u{0}",
+        ] {
+            assert!(
+                canonicalize(ApiKind::Chat, body.as_bytes()).is_err(),
+                "{body}"
+            );
         }
-        assert_eq!(canonicalize(ApiKind::Chat, b"{}"), Err(CanonError::MissingPrompt));
+        assert_eq!(
+            canonicalize(ApiKind::Chat, b"{}"),
+            Err(CanonError::MissingPrompt)
+        );
         assert!(canonicalize(ApiKind::Completion, br#"{"prompt":5}"#).is_err());
         assert!(canonicalize(ApiKind::Chat, &[0xff, 0xfe]).is_err());
     }

@@ -58,7 +58,9 @@ impl EndpointSet {
     /// Iterates the ids in the set in increasing order.
     pub fn iter(&self) -> impl Iterator<Item = EndpointId> + '_ {
         self.0.iter().enumerate().flat_map(|(w, word)| {
-            (0..64u16).filter(move |b| word & (1 << b) != 0).map(move |b| EndpointId(w as u16 * 64 + b))
+            (0..64u16)
+                .filter(move |b| word & (1 << b) != 0)
+                .map(move |b| EndpointId(w as u16 * 64 + b))
         })
     }
 }
@@ -89,7 +91,12 @@ pub struct PrefixIndex {
 impl PrefixIndex {
     /// An empty index whose entries live at most `ttl_ms` after their last touch.
     pub fn new(ttl_ms: u64) -> Self {
-        Self { holders: HashMap::new(), endpoints: Vec::new(), ttl_ms, seq: 0 }
+        Self {
+            holders: HashMap::new(),
+            endpoints: Vec::new(),
+            ttl_ms,
+            seq: 0,
+        }
     }
 
     /// Bounds `id`'s share of the index to `capacity_blocks` (its KV capacity), evicting LRU.
@@ -101,7 +108,10 @@ impl PrefixIndex {
     fn slot(&mut self, id: EndpointId) -> &mut EndpointBlocks {
         let i = usize::from(id.0);
         if self.endpoints.len() <= i {
-            self.endpoints.resize_with(i + 1, || EndpointBlocks { capacity: usize::MAX, ..Default::default() });
+            self.endpoints.resize_with(i + 1, || EndpointBlocks {
+                capacity: usize::MAX,
+                ..Default::default()
+            });
         }
         &mut self.endpoints[i]
     }
@@ -110,7 +120,10 @@ impl PrefixIndex {
     pub fn insert(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) {
         for &h in hashes {
             self.seq += 1;
-            let stamp = Stamp { seq: self.seq, at_ms: now_ms };
+            let stamp = Stamp {
+                seq: self.seq,
+                at_ms: now_ms,
+            };
             let slot = self.slot(id);
             slot.live.insert(h, stamp);
             slot.order.push_back((h, stamp.seq));
@@ -163,7 +176,8 @@ impl PrefixIndex {
         let slot = self.slot(id);
         if slot.order.len() > 2 * slot.live.len() + 64 {
             let live = &slot.live;
-            slot.order.retain(|(h, seq)| live.get(h).is_some_and(|s| s.seq == *seq));
+            slot.order
+                .retain(|(h, seq)| live.get(h).is_some_and(|s| s.seq == *seq));
         }
     }
 
@@ -174,7 +188,9 @@ impl PrefixIndex {
             loop {
                 let ttl = self.ttl_ms;
                 let slot = &mut self.endpoints[i];
-                let Some(&(h, seq)) = slot.order.front() else { break };
+                let Some(&(h, seq)) = slot.order.front() else {
+                    break;
+                };
                 match slot.live.get(&h) {
                     Some(s) if s.seq == seq => {
                         if s.at_ms.saturating_add(ttl) > now_ms {
@@ -195,10 +211,15 @@ impl PrefixIndex {
     /// For each endpoint holding at least the first block, how many leading blocks of `hashes`
     /// it holds (contiguous prefix only, as a prefix cache reuses). Calls `found(id, depth)`.
     pub fn matched_prefix(&self, hashes: &[u64], mut found: impl FnMut(EndpointId, usize)) {
-        let Some(first) = hashes.first().and_then(|h| self.holders.get(h)) else { return };
+        let Some(first) = hashes.first().and_then(|h| self.holders.get(h)) else {
+            return;
+        };
         let mut alive = *first;
         for (depth, h) in hashes.iter().enumerate().skip(1) {
-            let next = self.holders.get(h).map_or(EndpointSet::default(), |s| alive.and(s));
+            let next = self
+                .holders
+                .get(h)
+                .map_or(EndpointSet::default(), |s| alive.and(s));
             for id in alive.and_not(&next).iter() {
                 found(id, depth);
             }
@@ -214,7 +235,9 @@ impl PrefixIndex {
 
     /// Blocks indexed for `id`.
     pub fn len_for(&self, id: EndpointId) -> usize {
-        self.endpoints.get(usize::from(id.0)).map_or(0, |s| s.live.len())
+        self.endpoints
+            .get(usize::from(id.0))
+            .map_or(0, |s| s.live.len())
     }
 
     /// Distinct blocks in the index.
@@ -228,7 +251,9 @@ impl PrefixIndex {
         let per: usize = self
             .endpoints
             .iter()
-            .map(|s| s.live.capacity() * (8 + std::mem::size_of::<Stamp>() + 1) + s.order.capacity() * 16)
+            .map(|s| {
+                s.live.capacity() * (8 + std::mem::size_of::<Stamp>() + 1) + s.order.capacity() * 16
+            })
             .sum();
         holder + per
     }

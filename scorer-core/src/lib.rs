@@ -12,5 +12,6 @@
 pub mod canon;
 pub mod hash;
 pub mod index;
+pub mod precise;
 pub mod protocol;
 pub mod router;

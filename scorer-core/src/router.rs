@@ -306,7 +306,9 @@ impl Router {
     /// Records a successful scrape of `address`.
     pub fn update_metrics(&mut self, address: &str, metrics: EndpointMetrics, now_ms: u64) {
         let tokens_per_block = self.tokens_per_block();
-        let Some((id, slot)) = self.slot_mut(address) else { return };
+        let Some((id, slot)) = self.slot_mut(address) else {
+            return;
+        };
         slot.metrics = Some(metrics);
         slot.scraped_at_ms = now_ms;
         slot.health = Health::Ready;
@@ -359,11 +361,12 @@ impl Router {
         let tokens_per_block = self.tokens_per_block();
         let prompt_tokens = f64::from(request.prompt_tokens.max(1));
         let mut matched = vec![0usize; self.slots.len()];
-        self.index.matched_prefix(&request.block_hashes, |id, depth| {
-            if let Some(m) = matched.get_mut(usize::from(id.0)) {
-                *m = depth;
-            }
-        });
+        self.index
+            .matched_prefix(&request.block_hashes, |id, depth| {
+                if let Some(m) = matched.get_mut(usize::from(id.0)) {
+                    *m = depth;
+                }
+            });
 
         let s = &self.config.scoring;
         let stale_after = self.config.stale_after_ms;
@@ -374,22 +377,32 @@ impl Router {
                 continue;
             }
             drain_backlog(slot, now_ms, s.prefill_tokens_per_ms);
-            let fresh = slot.metrics.filter(|_| now_ms.saturating_sub(slot.scraped_at_ms) <= stale_after);
-            let cached_tokens = (matched[i] as f64 * tokens_per_block).min(prompt_tokens - 1.0).max(0.0);
+            let fresh = slot
+                .metrics
+                .filter(|_| now_ms.saturating_sub(slot.scraped_at_ms) <= stale_after);
+            let cached_tokens = (matched[i] as f64 * tokens_per_block)
+                .min(prompt_tokens - 1.0)
+                .max(0.0);
             let uncached = prompt_tokens - cached_tokens;
             let (unknown_waiting, active, kv_usage) = match fresh {
                 Some(m) => {
                     let seen = m.running + m.waiting;
-                    (m.waiting.saturating_sub(slot.inflight), seen.max(slot.inflight), m.kv_usage)
+                    (
+                        m.waiting.saturating_sub(slot.inflight),
+                        seen.max(slot.inflight),
+                        m.kv_usage,
+                    )
                 }
                 None => (0, slot.inflight, 0.0),
             };
-            let queue_ms = (slot.backlog_tokens + f64::from(unknown_waiting) * s.unknown_request_tokens)
+            let queue_ms = (slot.backlog_tokens
+                + f64::from(unknown_waiting) * s.unknown_request_tokens)
                 / s.prefill_tokens_per_ms;
             let prefill_ms = uncached / s.prefill_tokens_per_ms;
             let decode_ms = f64::from(active) * s.decode_ms_per_seq;
             let kv_ms = if kv_usage > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
-                s.kv_pressure_ms * (kv_usage - s.kv_pressure_threshold) / (1.0 - s.kv_pressure_threshold)
+                s.kv_pressure_ms * (kv_usage - s.kv_pressure_threshold)
+                    / (1.0 - s.kv_pressure_threshold)
             } else {
                 0.0
             };
@@ -413,20 +426,30 @@ impl Router {
         if candidates.is_empty() {
             self.stats.no_endpoint += 1;
             return Decision {
-                response: RouteResponse { decision_id, reason: "no_endpoint".into(), ..Default::default() },
+                response: RouteResponse {
+                    decision_id,
+                    reason: "no_endpoint".into(),
+                    ..Default::default()
+                },
                 candidates: Vec::new(),
             };
         }
 
         // Guard against piling onto one hot replica.
-        let min_inflight = candidates.iter().map(|(_, c)| c.inflight).min().unwrap_or(0);
+        let min_inflight = candidates
+            .iter()
+            .map(|(_, c)| c.inflight)
+            .min()
+            .unwrap_or(0);
         for (_, c) in candidates.iter_mut() {
             c.guarded = c.inflight >= min_inflight + s.guard_abs
                 && f64::from(c.inflight) >= s.guard_rel * f64::from(min_inflight.max(1));
         }
         // Order: unguarded first, then by cost; near-ties shuffled by the seed.
         candidates.sort_by(|a, b| {
-            a.1.guarded.cmp(&b.1.guarded).then(a.1.total_ms.total_cmp(&b.1.total_ms))
+            a.1.guarded
+                .cmp(&b.1.guarded)
+                .then(a.1.total_ms.total_cmp(&b.1.total_ms))
         });
         let best = &candidates[0].1;
         let (best_guarded, best_cost) = (best.guarded, best.total_ms);
@@ -439,13 +462,20 @@ impl Router {
             candidates.swap(0, pick);
         }
         let any_guarded = candidates.iter().any(|(_, c)| c.guarded);
-        let cheapest_guarded = candidates.iter().min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms)).is_some_and(|(_, c)| c.guarded);
+        let cheapest_guarded = candidates
+            .iter()
+            .min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms))
+            .is_some_and(|(_, c)| c.guarded);
         if cheapest_guarded {
             self.stats.guarded += 1;
         }
 
         let (chosen, chosen_score) = (candidates[0].0, candidates[0].1.clone());
-        let max_cached = candidates.iter().map(|(_, c)| c.cached_blocks).max().unwrap_or(0);
+        let max_cached = candidates
+            .iter()
+            .map(|(_, c)| c.cached_blocks)
+            .max()
+            .unwrap_or(0);
         let reason = if cheapest_guarded && any_guarded {
             "guard"
         } else if chosen_score.cached_blocks > 0 && chosen_score.cached_blocks == max_cached {
@@ -460,8 +490,17 @@ impl Router {
             slot.inflight += 1;
         }
         self.index.insert(chosen, &request.block_hashes, now_ms);
-        let predicted_cached_tokens = request.prompt_tokens.saturating_sub(chosen_score.uncached_tokens);
-        self.inflight.insert(decision_id, InFlight { endpoint: chosen, started_ms: now_ms, predicted_cached_tokens });
+        let predicted_cached_tokens = request
+            .prompt_tokens
+            .saturating_sub(chosen_score.uncached_tokens);
+        self.inflight.insert(
+            decision_id,
+            InFlight {
+                endpoint: chosen,
+                started_ms: now_ms,
+                predicted_cached_tokens,
+            },
+        );
 
         let endpoints = candidates
             .iter()
@@ -482,7 +521,9 @@ impl Router {
     /// Takes one request's outcome: releases its in-flight load and records prediction accuracy.
     pub fn feedback(&mut self, outcome: &Outcome, _now_ms: u64) {
         self.stats.outcomes += 1;
-        let Some(entry) = self.inflight.remove(&outcome.decision_id) else { return };
+        let Some(entry) = self.inflight.remove(&outcome.decision_id) else {
+            return;
+        };
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.inflight = slot.inflight.saturating_sub(1);
         }
@@ -585,7 +626,16 @@ mod tests {
     #[test]
     fn busy_replica_is_avoided() {
         let mut r = router(2);
-        r.update_metrics("10.0.0.0:8000", EndpointMetrics { running: 50, waiting: 30, kv_usage: 0.95, capacity_tokens: None }, 0);
+        r.update_metrics(
+            "10.0.0.0:8000",
+            EndpointMetrics {
+                running: 50,
+                waiting: 30,
+                kv_usage: 0.95,
+                capacity_tokens: None,
+            },
+            0,
+        );
         r.update_metrics("10.0.0.1:8000", EndpointMetrics::default(), 0);
         let d = r.route(&request(&"x".repeat(1000)), 10, 1);
         assert_eq!(d.response.endpoints[0], "10.0.0.1:8000");
@@ -605,7 +655,14 @@ mod tests {
         let mut r = router(2);
         let d = r.route(&request(&"y".repeat(600)), 0, 1);
         assert_eq!(r.inflight_len(), 1);
-        r.feedback(&Outcome { decision_id: d.response.decision_id, cached_tokens: Some(0), ..Default::default() }, 5);
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                cached_tokens: Some(0),
+                ..Default::default()
+            },
+            5,
+        );
         assert_eq!(r.inflight_len(), 0);
         r.route(&request(&"z".repeat(600)), 0, 1);
         r.expire(10_000_000);
@@ -631,7 +688,10 @@ mod tests {
         for i in 0..MAX_ENDPOINTS {
             r.upsert_endpoint(&format!("e{i}")).unwrap();
         }
-        assert_eq!(r.upsert_endpoint("one-more"), Err(RouterError::TooManyEndpoints));
+        assert_eq!(
+            r.upsert_endpoint("one-more"),
+            Err(RouterError::TooManyEndpoints)
+        );
         r.remove_endpoint("e3");
         assert!(r.upsert_endpoint("one-more").is_ok());
     }

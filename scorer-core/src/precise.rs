@@ -1,0 +1,323 @@
+//! Precise mode: turning an engine's KV events into index entries keyed by kvroute's own hash.
+//!
+//! vLLM names blocks by its own hash (sha256 of pickle or CBOR, seeded per process or not,
+//! truncated to 64 bits or not). We never reproduce it: a `BlockStored` event carries the
+//! blocks' `token_ids`, so we recompute our chained xxh3 hash over them (seeded by the model or
+//! LoRA name) and remember, per endpoint, which engine hash maps to which of ours, for parents
+//! of later stores and for removals. This is Dynamo's and llm-d's approach.
+
+use hashbrown::HashMap;
+
+use crate::hash::{model_seed, token_block_hashes};
+use crate::index::{EndpointId, PrefixIndex};
+
+/// Which tier a block lives in (vLLM's `medium`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// GPU memory: reusable at no cost.
+    Gpu,
+    /// CPU offload: cheaper than recompute, dearer than GPU.
+    Cpu,
+    /// Disk or remote storage.
+    Storage,
+}
+
+impl Medium {
+    /// Parses vLLM's medium string; `None` (absent) means GPU.
+    pub fn parse(s: Option<&str>) -> Medium {
+        match s.map(str::to_ascii_uppercase).as_deref() {
+            Some("CPU") => Medium::Cpu,
+            Some("STORAGE") | Some("DISK") => Medium::Storage,
+            _ => Medium::Gpu,
+        }
+    }
+}
+
+/// One KV-cache event, decoded from whatever wire encoding the engine used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Full blocks were stored (computed or loaded).
+    BlockStored {
+        /// Engine hashes of the new blocks, in order.
+        block_hashes: Vec<u64>,
+        /// Engine hash of the block before the first new one (`None` at the prompt start).
+        parent_block_hash: Option<u64>,
+        /// Tokens of all new blocks, concatenated.
+        token_ids: Vec<u32>,
+        /// Tokens a block holds.
+        block_size: u32,
+        /// LoRA adapter the blocks belong to.
+        lora_name: Option<String>,
+        /// Tier the blocks are in.
+        medium: Medium,
+    },
+    /// Blocks were evicted from a tier.
+    BlockRemoved {
+        /// Engine hashes of the evicted blocks.
+        block_hashes: Vec<u64>,
+        /// Tier they left.
+        medium: Medium,
+    },
+    /// The engine dropped its whole prefix cache.
+    AllBlocksCleared,
+}
+
+/// Why an event could not be applied. The caller drops the endpoint's state rather than keep a
+/// possibly corrupt view.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    /// A stored run's parent was never seen: an event was missed.
+    #[error("unknown parent block {0:#x}: an event was missed")]
+    UnknownParent(u64),
+    /// `token_ids` does not hold `block_size` tokens for every block hash.
+    #[error("{tokens} tokens do not fill {blocks} blocks of {block_size}")]
+    TokenCountMismatch {
+        /// Tokens in the event.
+        tokens: usize,
+        /// Block hashes in the event.
+        blocks: usize,
+        /// Declared block size.
+        block_size: u32,
+    },
+}
+
+/// Per-endpoint mapping from engine hashes to our hashes, feeding two indexes (GPU, offload).
+#[derive(Debug, Default)]
+pub struct PreciseTracker {
+    maps: HashMap<EndpointId, HashMap<u64, (u64, Medium)>>,
+}
+
+impl PreciseTracker {
+    /// An empty tracker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies `event` from endpoint `id` serving `model`, updating `gpu` (GPU tier) and
+    /// `offload` (CPU and storage tiers). On error nothing was changed for that event.
+    pub fn apply(
+        &mut self,
+        id: EndpointId,
+        model: &str,
+        event: &KvEvent,
+        gpu: &mut PrefixIndex,
+        offload: &mut PrefixIndex,
+        now_ms: u64,
+    ) -> Result<(), ApplyError> {
+        let map = self.maps.entry(id).or_default();
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_name,
+                medium,
+            } => {
+                let bs = *block_size as usize;
+                if bs == 0 || token_ids.len() != block_hashes.len() * bs {
+                    return Err(ApplyError::TokenCountMismatch {
+                        tokens: token_ids.len(),
+                        blocks: block_hashes.len(),
+                        block_size: *block_size,
+                    });
+                }
+                let seed = match parent_block_hash {
+                    None => model_seed(lora_name.as_deref().unwrap_or(model)),
+                    Some(p) => map
+                        .get(p)
+                        .map(|(ours, _)| *ours)
+                        .ok_or(ApplyError::UnknownParent(*p))?,
+                };
+                let ours = token_block_hashes(seed, token_ids, bs);
+                let target = if *medium == Medium::Gpu { gpu } else { offload };
+                target.insert(id, &ours, now_ms);
+                for (engine, our) in block_hashes.iter().zip(ours) {
+                    map.insert(*engine, (our, *medium));
+                }
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                for engine in block_hashes {
+                    if let Some((our, m)) = map.get(engine).copied() {
+                        if m == *medium {
+                            map.remove(engine);
+                        }
+                        let target = if *medium == Medium::Gpu {
+                            &mut *gpu
+                        } else {
+                            &mut *offload
+                        };
+                        target.remove(id, our);
+                    }
+                }
+            }
+            KvEvent::AllBlocksCleared => self.clear(id, gpu, offload),
+        }
+        Ok(())
+    }
+
+    /// Forgets everything about endpoint `id` (cleared cache, publisher restart, lost events).
+    pub fn clear(&mut self, id: EndpointId, gpu: &mut PrefixIndex, offload: &mut PrefixIndex) {
+        self.maps.remove(&id);
+        gpu.clear_endpoint(id);
+        offload.clear_endpoint(id);
+    }
+
+    /// Engine blocks tracked for `id`.
+    pub fn tracked(&self, id: EndpointId) -> usize {
+        self.maps.get(&id).map_or(0, HashMap::len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: std::ops::Range<u32>,
+        medium: Medium,
+    ) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: tokens.collect(),
+            block_size: 4,
+            lora_name: None,
+            medium,
+        }
+    }
+
+    fn depth(index: &PrefixIndex, hashes: &[u64]) -> usize {
+        let mut d = 0;
+        index.matched_prefix(hashes, |_, x| d = d.max(x));
+        d
+    }
+
+    #[test]
+    fn chained_stores_match_request_hashes() {
+        let (mut t, mut gpu, mut off) = (
+            PreciseTracker::new(),
+            PrefixIndex::new(u64::MAX / 2),
+            PrefixIndex::new(u64::MAX / 2),
+        );
+        let id = EndpointId(1);
+        t.apply(
+            id,
+            "m",
+            &stored(&[100, 101], None, 0..8, Medium::Gpu),
+            &mut gpu,
+            &mut off,
+            0,
+        )
+        .unwrap();
+        t.apply(
+            id,
+            "m",
+            &stored(&[102], Some(101), 8..12, Medium::Gpu),
+            &mut gpu,
+            &mut off,
+            0,
+        )
+        .unwrap();
+        let tokens: Vec<u32> = (0..14).collect();
+        let request = token_block_hashes(model_seed("m"), &tokens, 4);
+        assert_eq!(depth(&gpu, &request), 3);
+        t.apply(
+            id,
+            "m",
+            &KvEvent::BlockRemoved {
+                block_hashes: vec![101],
+                medium: Medium::Gpu,
+            },
+            &mut gpu,
+            &mut off,
+            0,
+        )
+        .unwrap();
+        assert_eq!(depth(&gpu, &request), 1);
+        t.apply(id, "m", &KvEvent::AllBlocksCleared, &mut gpu, &mut off, 0)
+            .unwrap();
+        assert_eq!(depth(&gpu, &request), 0);
+        assert_eq!(t.tracked(id), 0);
+    }
+
+    #[test]
+    fn offload_tier_goes_to_its_own_index() {
+        let (mut t, mut gpu, mut off) = (
+            PreciseTracker::new(),
+            PrefixIndex::new(1000),
+            PrefixIndex::new(1000),
+        );
+        t.apply(
+            EndpointId(0),
+            "m",
+            &stored(&[1], None, 0..4, Medium::Cpu),
+            &mut gpu,
+            &mut off,
+            0,
+        )
+        .unwrap();
+        let request = token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4);
+        assert_eq!(depth(&gpu, &request), 0);
+        assert_eq!(depth(&off, &request), 1);
+    }
+
+    #[test]
+    fn missed_parent_and_bad_counts_are_errors() {
+        let (mut t, mut gpu, mut off) = (
+            PreciseTracker::new(),
+            PrefixIndex::new(1000),
+            PrefixIndex::new(1000),
+        );
+        let e = t.apply(
+            EndpointId(0),
+            "m",
+            &stored(&[5], Some(4), 0..4, Medium::Gpu),
+            &mut gpu,
+            &mut off,
+            0,
+        );
+        assert_eq!(e, Err(ApplyError::UnknownParent(4)));
+        let e = t.apply(
+            EndpointId(0),
+            "m",
+            &stored(&[5], None, 0..3, Medium::Gpu),
+            &mut gpu,
+            &mut off,
+            0,
+        );
+        assert!(matches!(e, Err(ApplyError::TokenCountMismatch { .. })));
+        assert_eq!(gpu.distinct_blocks(), 0);
+    }
+
+    #[test]
+    fn lora_blocks_use_the_adapter_seed() {
+        let (mut t, mut gpu, mut off) = (
+            PreciseTracker::new(),
+            PrefixIndex::new(1000),
+            PrefixIndex::new(1000),
+        );
+        let mut e = stored(&[1], None, 0..4, Medium::Gpu);
+        if let KvEvent::BlockStored { lora_name, .. } = &mut e {
+            *lora_name = Some("sql".into());
+        }
+        t.apply(EndpointId(0), "m", &e, &mut gpu, &mut off, 0)
+            .unwrap();
+        assert_eq!(
+            depth(&gpu, &token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4)),
+            0
+        );
+        assert_eq!(
+            depth(
+                &gpu,
+                &token_block_hashes(model_seed("sql"), &[0, 1, 2, 3], 4)
+            ),
+            1
+        );
+    }
+}
