@@ -1,1 +1,38 @@
-//! kvroute proxy-wasm filter (being built).
+//! kvroute's proxy-wasm HTTP filter for Envoy.
+//!
+//! For each inference request (`POST /v1/chat/completions`, `POST /v1/completions`) the filter
+//! holds the headers, buffers the JSON body, canonicalises and block-hashes the prompt with
+//! `scorer-core`, asks the control plane `POST /v1/route` (hashes and numbers only, never the
+//! prompt), writes the answer into `x-gateway-destination-endpoint` and resumes; Envoy's
+//! `override_host` load balancer then sends the request there. Outcomes (status, latency, token
+//! usage) go back in batches to `POST /v1/feedback`. Any failure fails open.
+//!
+//! Layout (sans-IO core, thin glue):
+//! - [`config`]: the plugin configuration JSON;
+//! - [`machine`]: the per-request state machine, returning actions and effects;
+//! - [`usage`]: bounded scanning of response bodies for the `usage` object;
+//! - [`root`]: root-context state (outcome queue, counters);
+//! - `host` (wasm32 only): the only module that touches proxy-wasm.
+//!
+//! Plugin configuration (all fields optional):
+//! `{"control_plane_cluster":"kvroute_control_plane","control_plane_authority":"kvroute-control-plane",
+//!   "route_timeout_ms":50,"destination_header":"x-gateway-destination-endpoint","block_bytes":256,
+//!   "feedback_interval_ms":200,"feedback_timeout_ms":1000,"max_body_bytes":4194304,
+//!   "max_queued_outcomes":4096,"auth_token":null,
+//!   "routes":[{"path":"/v1/chat/completions","api":"chat"},{"path":"/v1/completions","api":"completion"}]}`
+
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+pub mod config;
+pub mod machine;
+pub mod root;
+pub mod usage;
+
+#[cfg(target_arch = "wasm32")]
+mod host;
+
+/// Header carrying the shared secret on calls to the control plane.
+pub const TOKEN_HEADER: &str = "x-kvroute-token";

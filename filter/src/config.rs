@@ -1,0 +1,252 @@
+//! Plugin configuration: the JSON string in Envoy's wasm `configuration`.
+//!
+//! Every field is optional; an empty configuration means "all defaults". Unknown fields are
+//! rejected so that a typo fails `on_configure` loudly instead of being silently ignored.
+
+use scorer_core::hash::DEFAULT_BLOCK_BYTES;
+use scorer_core::protocol::ApiKind;
+use serde::Deserialize;
+
+/// Why a plugin configuration was rejected. `on_configure` logs it and returns false.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The configuration is not valid JSON or has a field of the wrong type.
+    #[error("plugin configuration is not valid JSON for kvroute: {0}")]
+    Json(String),
+    /// A field parsed but its value cannot work.
+    #[error("invalid plugin configuration field `{field}`: {reason}")]
+    Invalid {
+        /// The offending field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// One inference path the filter routes, and which API shape its body has.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRule {
+    /// Request path, matched exactly after dropping any query string.
+    pub path: String,
+    /// How the body of requests on this path is canonicalised.
+    pub api: ApiKind,
+}
+
+/// The filter's configuration; see the crate docs for the JSON shape.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    /// Envoy cluster name of the control plane (target of `dispatch_http_call`).
+    pub control_plane_cluster: String,
+    /// `:authority` of calls to the control plane.
+    pub control_plane_authority: String,
+    /// Deadline of the route call; past it the request fails open.
+    pub route_timeout_ms: u64,
+    /// Request header that carries the chosen `ip:port` list to Envoy's override_host LB.
+    pub destination_header: String,
+    /// Canonical bytes per hashed block; must match the control plane's expectation.
+    pub block_bytes: usize,
+    /// How often the root context flushes outcomes to `/v1/feedback`.
+    pub feedback_interval_ms: u64,
+    /// Deadline of one feedback call.
+    pub feedback_timeout_ms: u64,
+    /// Bodies larger than this are not buffered or routed (Envoy's fallback LB picks).
+    pub max_body_bytes: usize,
+    /// Outcomes kept while waiting for a flush; older ones are dropped past this.
+    pub max_queued_outcomes: usize,
+    /// Optional shared secret sent as `x-kvroute-token`.
+    pub auth_token: Option<String>,
+    /// Which paths are inference paths.
+    pub routes: Vec<RouteRule>,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        Self {
+            control_plane_cluster: "kvroute_control_plane".into(),
+            control_plane_authority: "kvroute-control-plane".into(),
+            route_timeout_ms: 50,
+            destination_header: "x-gateway-destination-endpoint".into(),
+            block_bytes: DEFAULT_BLOCK_BYTES,
+            feedback_interval_ms: 200,
+            feedback_timeout_ms: 1000,
+            max_body_bytes: 4 * 1024 * 1024,
+            max_queued_outcomes: 4096,
+            auth_token: None,
+            routes: vec![
+                RouteRule {
+                    path: "/v1/chat/completions".into(),
+                    api: ApiKind::Chat,
+                },
+                RouteRule {
+                    path: "/v1/completions".into(),
+                    api: ApiKind::Completion,
+                },
+            ],
+        }
+    }
+}
+
+impl FilterConfig {
+    /// Parses and validates a plugin configuration. Empty or whitespace-only input means
+    /// defaults (Envoy passes an empty buffer when `configuration` is unset).
+    pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let trimmed = bytes.trim_ascii_start();
+        let config = if trimmed.is_empty() {
+            Self::default()
+        } else if trimmed.first() != Some(&b'{') {
+            // serde would also accept a JSON array as a struct; only an object is meant.
+            return Err(ConfigError::Json("expected a JSON object".into()));
+        } else {
+            serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the values serde cannot: positive sizes and durations, a usable header name.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+            ConfigError::Invalid {
+                field,
+                reason: reason.into(),
+            }
+        }
+        if self.control_plane_cluster.is_empty() {
+            return Err(invalid("control_plane_cluster", "must not be empty"));
+        }
+        if self.control_plane_authority.is_empty() {
+            return Err(invalid("control_plane_authority", "must not be empty"));
+        }
+        if self.route_timeout_ms == 0 || self.route_timeout_ms > u64::from(u32::MAX) {
+            return Err(invalid(
+                "route_timeout_ms",
+                "must be between 1 and 4294967295",
+            ));
+        }
+        if self.feedback_interval_ms == 0 || self.feedback_interval_ms > u64::from(u32::MAX) {
+            return Err(invalid(
+                "feedback_interval_ms",
+                "must be between 1 and 4294967295",
+            ));
+        }
+        if self.feedback_timeout_ms == 0 || self.feedback_timeout_ms > u64::from(u32::MAX) {
+            return Err(invalid(
+                "feedback_timeout_ms",
+                "must be between 1 and 4294967295",
+            ));
+        }
+        if !is_header_name(&self.destination_header) {
+            return Err(invalid(
+                "destination_header",
+                "must be a non-empty lowercase HTTP header name",
+            ));
+        }
+        if self.block_bytes == 0 {
+            return Err(invalid("block_bytes", "must be positive"));
+        }
+        if self.max_body_bytes == 0 {
+            return Err(invalid("max_body_bytes", "must be positive"));
+        }
+        if self.max_queued_outcomes == 0 {
+            return Err(invalid("max_queued_outcomes", "must be positive"));
+        }
+        let bad_token = |t: &String| t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic());
+        if self.auth_token.as_ref().is_some_and(bad_token) {
+            return Err(invalid("auth_token", "must be non-empty visible ASCII"));
+        }
+        if let Some(rule) = self.routes.iter().find(|r| !r.path.starts_with('/')) {
+            return Err(invalid(
+                "routes",
+                format!("path {:?} must start with '/'", rule.path),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The API of an inference path, or `None` when requests on `path` are not routed.
+    /// The query string is ignored.
+    pub fn api_for_path(&self, path: &str) -> Option<ApiKind> {
+        let path = path.split_once('?').map_or(path, |(p, _)| p);
+        self.routes.iter().find(|r| r.path == path).map(|r| r.api)
+    }
+}
+
+/// Lowercase RFC 9110 token characters only (Envoy keeps header names lowercase).
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_means_defaults() {
+        assert_eq!(
+            FilterConfig::from_json(b"").unwrap(),
+            FilterConfig::default()
+        );
+        assert_eq!(
+            FilterConfig::from_json(b" \n").unwrap(),
+            FilterConfig::default()
+        );
+        assert_eq!(
+            FilterConfig::from_json(b"{}").unwrap(),
+            FilterConfig::default()
+        );
+    }
+
+    #[test]
+    fn agreed_fields_parse() {
+        let c = FilterConfig::from_json(
+            br#"{"control_plane_cluster":"cp","control_plane_authority":"a","route_timeout_ms":20,
+            "destination_header":"x-dest","block_bytes":64,"feedback_interval_ms":100,
+            "max_body_bytes":1000,"auth_token":"s3cret",
+            "routes":[{"path":"/chat","api":"chat"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.control_plane_cluster, "cp");
+        assert_eq!(c.route_timeout_ms, 20);
+        assert_eq!(c.block_bytes, 64);
+        assert_eq!(c.auth_token.as_deref(), Some("s3cret"));
+        assert_eq!(c.api_for_path("/chat?x=1"), Some(ApiKind::Chat));
+        assert_eq!(c.api_for_path("/v1/chat/completions"), None);
+    }
+
+    #[test]
+    fn default_routes() {
+        let c = FilterConfig::default();
+        assert_eq!(c.api_for_path("/v1/chat/completions"), Some(ApiKind::Chat));
+        assert_eq!(c.api_for_path("/v1/completions"), Some(ApiKind::Completion));
+        assert_eq!(c.api_for_path("/v1/models"), None);
+        assert_eq!(c.api_for_path("/v1/chat/completions/x"), None);
+    }
+
+    #[test]
+    fn bad_configs_are_errors() {
+        for bad in [
+            "{",
+            "[]",
+            r#"{"route_timeout_ms":"fast"}"#,
+            r#"{"unknown_field":1}"#,
+            r#"{"route_timeout_ms":0}"#,
+            r#"{"block_bytes":0}"#,
+            r#"{"destination_header":"X-Upper"}"#,
+            r#"{"destination_header":""}"#,
+            r#"{"max_body_bytes":0}"#,
+            r#"{"feedback_interval_ms":0}"#,
+            r#"{"auth_token":""}"#,
+            r#"{"auth_token":"a b"}"#,
+            r#"{"routes":[{"path":"chat","api":"chat"}]}"#,
+            r#"{"routes":[{"path":"/chat","api":"embeddings"}]}"#,
+            r#"{"control_plane_cluster":""}"#,
+        ] {
+            assert!(FilterConfig::from_json(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+}

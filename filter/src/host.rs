@@ -1,0 +1,423 @@
+//! proxy-wasm glue: the only module that talks to the host.
+//!
+//! Callbacks are translated into [`RequestMachine`] / [`RootState`] calls and the returned
+//! effects are executed with `proxy_wasm::hostcalls`. Every hostcall result is handled: a
+//! failing hostcall fails the request open, it never panics across the ABI.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use log::{error, info, warn};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{
+    Action as HostAction, BufferType, ContextType, LogLevel, MapType, MetricType,
+};
+use scorer_core::protocol::{FEEDBACK_PATH, ROUTE_PATH};
+
+use crate::TOKEN_HEADER;
+use crate::config::FilterConfig;
+use crate::machine::{Action, BodyStep, Counter, Effect, RequestMachine, Step};
+use crate::root::RootState;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// Proxy metric ids (`None` when the host refused to define one).
+#[derive(Debug, Clone, Copy, Default)]
+struct Metrics {
+    routed: Option<u32>,
+    skipped: Option<u32>,
+    fail_open: Option<u32>,
+    body_parse_errors: Option<u32>,
+    outcomes_dropped: Option<u32>,
+    feedback_sent: Option<u32>,
+    feedback_failed: Option<u32>,
+    route_latency_ms: Option<u32>,
+}
+
+impl Metrics {
+    fn define() -> Self {
+        let counter = |name| hostcalls::define_metric(MetricType::Counter, name).ok();
+        Metrics {
+            routed: counter("kvroute_requests_routed"),
+            skipped: counter("kvroute_requests_skipped"),
+            fail_open: counter("kvroute_fail_open"),
+            body_parse_errors: counter("kvroute_body_parse_errors"),
+            outcomes_dropped: counter("kvroute_outcomes_dropped"),
+            feedback_sent: counter("kvroute_feedback_sent"),
+            feedback_failed: counter("kvroute_feedback_failed"),
+            route_latency_ms: hostcalls::define_metric(
+                MetricType::Histogram,
+                "kvroute_route_latency_ms",
+            )
+            .ok(),
+        }
+    }
+
+    fn bump(id: Option<u32>) {
+        if let Some(id) = id {
+            // A metric the host rejects is not worth failing a request over.
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+}
+
+/// What the root context shares with its HTTP contexts.
+struct Shared {
+    state: RootState,
+    metrics: Metrics,
+}
+
+impl Shared {
+    fn count(&mut self, counter: Counter) {
+        let first = self.state.count(counter);
+        match counter {
+            Counter::Routed => Metrics::bump(self.metrics.routed),
+            Counter::Skipped(_) => Metrics::bump(self.metrics.skipped),
+            Counter::FailOpen(kind) => {
+                Metrics::bump(self.metrics.fail_open);
+                if kind == crate::machine::FailKind::BodyParse {
+                    Metrics::bump(self.metrics.body_parse_errors);
+                }
+                if first {
+                    warn!(
+                        "kvroute: request failed open ({}); later occurrences are only counted \
+                         in kvroute_fail_open",
+                        kind.as_str()
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn status_of(map: MapType) -> Option<u16> {
+    let value = hostcalls::get_map_value_bytes(map, ":status").ok()??;
+    std::str::from_utf8(&value).ok()?.trim().parse().ok()
+}
+
+/// POSTs JSON to the control plane; returns the call's token.
+fn post(config: &FilterConfig, path: &str, body: &[u8], timeout_ms: u64) -> Option<u32> {
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", config.control_plane_authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    if let Some(token) = &config.auth_token {
+        headers.push((TOKEN_HEADER, token.as_str()));
+    }
+    hostcalls::dispatch_http_call(
+        &config.control_plane_cluster,
+        headers,
+        Some(body),
+        Vec::new(),
+        Duration::from_millis(timeout_ms),
+    )
+    .ok()
+}
+
+/// Root context: configuration, the outcome queue and the feedback tick.
+#[derive(Default)]
+struct Root {
+    shared: Option<Rc<RefCell<Shared>>>,
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        num_headers: usize,
+        _body: usize,
+        _trailers: usize,
+    ) {
+        let status = if num_headers == 0 {
+            None
+        } else {
+            status_of(MapType::HttpCallResponseHeaders)
+        };
+        if let Some(shared) = &self.shared {
+            let mut shared = shared.borrow_mut();
+            let ok = shared.state.on_feedback_response(status);
+            let metric = if ok {
+                shared.metrics.feedback_sent
+            } else {
+                shared.metrics.feedback_failed
+            };
+            Metrics::bump(metric);
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
+        let bytes = match hostcalls::get_buffer(
+            BufferType::PluginConfiguration,
+            0,
+            plugin_configuration_size,
+        ) {
+            Ok(bytes) => bytes.unwrap_or_default(),
+            Err(status) => {
+                error!("kvroute: cannot read plugin configuration: {status:?}");
+                return false;
+            }
+        };
+        let config = match FilterConfig::from_json(&bytes) {
+            Ok(config) => config,
+            Err(e) => {
+                error!("kvroute: {e}");
+                return false;
+            }
+        };
+        let tick = Duration::from_millis(config.feedback_interval_ms);
+        if let Err(status) = hostcalls::set_tick_period(tick) {
+            error!("kvroute: cannot set tick period: {status:?}");
+            return false;
+        }
+        info!(
+            "kvroute: configured (control plane cluster {}, {} inference paths)",
+            config.control_plane_cluster,
+            config.routes.len()
+        );
+        let shared = Shared {
+            state: RootState::new(config),
+            metrics: Metrics::define(),
+        };
+        self.shared = Some(Rc::new(RefCell::new(shared)));
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(shared) = &self.shared else { return };
+        let mut shared = shared.borrow_mut();
+        let Some(call) = shared.state.on_tick(now_ms()) else {
+            return;
+        };
+        let config = Rc::clone(shared.state.config());
+        if post(
+            &config,
+            FEEDBACK_PATH,
+            &call.body,
+            config.feedback_timeout_ms,
+        )
+        .is_none()
+        {
+            shared.state.on_feedback_dispatch_failed();
+            Metrics::bump(shared.metrics.feedback_failed);
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let shared = self.shared.clone();
+        let machine = shared.as_ref().map(|s| s.borrow().state.new_request());
+        Some(Box::new(Request { shared, machine }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// One HTTP request. Without a configuration (`machine == None`) it passes everything through.
+struct Request {
+    shared: Option<Rc<RefCell<Shared>>>,
+    machine: Option<RequestMachine>,
+}
+
+impl Request {
+    /// Executes a step's effects and returns the action for the current callback.
+    fn run(&mut self, step: Step) -> HostAction {
+        match self.execute(step) {
+            Action::Continue => HostAction::Continue,
+            Action::Pause => HostAction::Pause,
+        }
+    }
+
+    fn execute(&mut self, step: Step) -> Action {
+        let mut action = step.action;
+        for effect in step.effects {
+            match effect {
+                Effect::RemoveRequestHeader(name) => {
+                    if let Err(status) =
+                        hostcalls::remove_map_value(MapType::HttpRequestHeaders, &name)
+                    {
+                        warn!("kvroute: cannot remove request header {name}: {status:?}");
+                    }
+                }
+                Effect::SetRequestHeader { name, value } => {
+                    if let Err(status) =
+                        hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value))
+                    {
+                        warn!("kvroute: cannot set request header {name}: {status:?}");
+                    }
+                }
+                Effect::DispatchRoute { body } => {
+                    let Some(machine) = self.machine.as_mut() else {
+                        continue;
+                    };
+                    let config = self
+                        .shared
+                        .as_ref()
+                        .map(|s| Rc::clone(s.borrow().state.config()));
+                    let token =
+                        config.and_then(|c| post(&c, ROUTE_PATH, &body, c.route_timeout_ms));
+                    if token.is_some() {
+                        machine.on_dispatched();
+                    } else {
+                        let failed = machine.on_dispatch_failed();
+                        action = self.execute(failed);
+                    }
+                }
+                Effect::ResumeRequest => {
+                    if let Err(status) = hostcalls::resume_http_request() {
+                        warn!("kvroute: cannot resume request: {status:?}");
+                    }
+                }
+                Effect::Count(counter) => {
+                    if let Some(shared) = &self.shared {
+                        shared.borrow_mut().count(counter);
+                    }
+                }
+                Effect::RouteLatencyMs(ms) => {
+                    if let Some(id) = self
+                        .shared
+                        .as_ref()
+                        .and_then(|s| s.borrow().metrics.route_latency_ms)
+                    {
+                        let _ = hostcalls::record_metric(id, ms);
+                    }
+                }
+            }
+        }
+        action
+    }
+
+    fn finish(&mut self) {
+        let Some(outcome) = self.machine.as_mut().and_then(|m| m.on_done(now_ms())) else {
+            return;
+        };
+        if let Some(shared) = &self.shared {
+            let mut shared = shared.borrow_mut();
+            if shared.state.push_outcome(outcome) {
+                Metrics::bump(shared.metrics.outcomes_dropped);
+            }
+        }
+    }
+}
+
+impl Context for Request {
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        num_headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        let Some(machine) = self.machine.as_mut() else {
+            return;
+        };
+        let status = if num_headers == 0 {
+            None
+        } else {
+            status_of(MapType::HttpCallResponseHeaders)
+        };
+        let body = match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
+            Ok(body) => body.unwrap_or_default(),
+            Err(_) => {
+                let step = machine.on_route_failure(crate::machine::FailKind::BadResponse);
+                self.run(step);
+                return;
+            }
+        };
+        let step = machine.on_route_response(status, &body, now_ms());
+        self.run(step);
+    }
+
+    fn on_done(&mut self) -> bool {
+        self.finish();
+        true
+    }
+}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> HostAction {
+        let Some(machine) = self.machine.as_mut() else {
+            return HostAction::Continue;
+        };
+        let headers = match hostcalls::get_map_bytes(MapType::HttpRequestHeaders) {
+            Ok(headers) => headers,
+            Err(status) => {
+                warn!("kvroute: cannot read request headers: {status:?}");
+                return HostAction::Continue;
+            }
+        };
+        let step = machine.on_request_headers(
+            headers.iter().map(|(k, v)| (k.as_str(), v.as_slice())),
+            end_of_stream,
+        );
+        self.run(step)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> HostAction {
+        let Some(machine) = self.machine.as_mut() else {
+            return HostAction::Continue;
+        };
+        let step = match machine.on_request_body(body_size, end_of_stream) {
+            BodyStep::Step(step) => step,
+            BodyStep::ReadBody(len) => {
+                match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, len) {
+                    Ok(body) => machine.on_body_complete(&body.unwrap_or_default(), now_ms()),
+                    Err(_) => machine.on_body_read_failed(),
+                }
+            }
+        };
+        self.run(step)
+    }
+
+    fn on_http_response_headers(
+        &mut self,
+        _num_headers: usize,
+        _end_of_stream: bool,
+    ) -> HostAction {
+        let Some(machine) = self.machine.as_mut() else {
+            return HostAction::Continue;
+        };
+        if machine.wants_response_body() {
+            let status = status_of(MapType::HttpResponseHeaders);
+            let upstream = hostcalls::get_property(vec!["upstream", "address"])
+                .ok()
+                .flatten()
+                .and_then(|b| String::from_utf8(b).ok());
+            machine.on_response_headers(status, upstream.as_deref());
+        }
+        HostAction::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> HostAction {
+        let Some(machine) = self.machine.as_mut() else {
+            return HostAction::Continue;
+        };
+        if !machine.wants_response_body() || body_size == 0 {
+            return HostAction::Continue;
+        }
+        if let Ok(Some(chunk)) = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+            machine.on_response_body(&chunk, now_ms());
+        }
+        HostAction::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.finish();
+    }
+}

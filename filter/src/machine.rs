@@ -1,0 +1,927 @@
+//! The per-request state machine, free of proxy-wasm so it runs in native unit tests.
+//!
+//! The host glue ([`crate::host`] on wasm32) feeds it callbacks and the time, and executes the
+//! [`Effect`]s it returns. The life of a routed request:
+//!
+//! ```text
+//! headers ──Pause──▶ body… (Pause until end_of_stream) ──ReadBody──▶ body complete
+//!   ──DispatchRoute──▶ route answer ──SetRequestHeader + ResumeRequest──▶ response… ──▶ done
+//! ```
+//!
+//! Every error on the way fails open: the request is released without a destination header and
+//! Envoy's fallback load balancer picks the endpoint.
+
+use std::rc::Rc;
+
+use scorer_core::canon::{self, CanonError};
+use scorer_core::hash::{block_hashes, model_seed};
+use scorer_core::protocol::{ApiKind, Outcome, RouteRequest, RouteResponse};
+
+use crate::config::FilterConfig;
+use crate::usage::UsageScanner;
+
+/// Header a client may use to pin a session (takes precedence over the body's `user`).
+pub const SESSION_HEADER: &str = "x-session-id";
+/// Disaggregated-prefill header that only the router may set; clients' copies are removed.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+/// Longest session key forwarded to the control plane.
+const MAX_SESSION_BYTES: usize = 256;
+
+/// What the host returns from the current callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Let the stream continue.
+    Continue,
+    /// Hold the stream (headers stay mutable, body keeps buffering).
+    Pause,
+}
+
+/// Why a request was let through without asking the control plane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkipReason {
+    /// Not a POST.
+    NotPost,
+    /// A compressed body cannot be read.
+    ContentEncoding,
+    /// `content-type` is set and is not JSON.
+    NotJson,
+    /// `content-length` is above `max_body_bytes`.
+    TooLarge,
+    /// The request has no body.
+    NoBody,
+}
+
+/// Why a request that should have been routed was released unrouted (fail open).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailKind {
+    /// The body grew past `max_body_bytes` while buffering.
+    BodyTooLarge,
+    /// The host could not hand over the buffered body.
+    BodyRead,
+    /// The body is not a valid request for its API.
+    BodyParse,
+    /// The route call could not be started (unknown cluster, host failure).
+    Dispatch,
+    /// The route call timed out (Envoy answers a callout timeout with 504).
+    Timeout,
+    /// The route call was reset: no response headers at all.
+    Reset,
+    /// The control plane answered with a non-2xx status.
+    Status,
+    /// The route answer is not a valid `RouteResponse`.
+    BadResponse,
+    /// The control plane had no endpoint to offer.
+    NoEndpoint,
+}
+
+impl FailKind {
+    /// Every kind, for per-kind bookkeeping.
+    pub const ALL: [FailKind; 9] = [
+        FailKind::BodyTooLarge,
+        FailKind::BodyRead,
+        FailKind::BodyParse,
+        FailKind::Dispatch,
+        FailKind::Timeout,
+        FailKind::Reset,
+        FailKind::Status,
+        FailKind::BadResponse,
+        FailKind::NoEndpoint,
+    ];
+
+    /// Stable snake_case name for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailKind::BodyTooLarge => "body_too_large",
+            FailKind::BodyRead => "body_read",
+            FailKind::BodyParse => "body_parse",
+            FailKind::Dispatch => "dispatch",
+            FailKind::Timeout => "timeout",
+            FailKind::Reset => "reset",
+            FailKind::Status => "status",
+            FailKind::BadResponse => "bad_response",
+            FailKind::NoEndpoint => "no_endpoint",
+        }
+    }
+
+    /// Position in [`FailKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Something the host should count (and, for failures, log once per kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counter {
+    /// A destination header was set from the control plane's answer.
+    Routed,
+    /// An inference request was let through without routing.
+    Skipped(SkipReason),
+    /// A request failed open.
+    FailOpen(FailKind),
+}
+
+/// A side effect for the host to carry out, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// Remove a request header.
+    RemoveRequestHeader(String),
+    /// Set (replace) a request header.
+    SetRequestHeader {
+        /// Lowercase header name.
+        name: String,
+        /// Header value.
+        value: String,
+    },
+    /// POST this JSON `RouteRequest` to the control plane's route path; the host then reports
+    /// [`RequestMachine::on_dispatched`] or [`RequestMachine::on_dispatch_failed`].
+    DispatchRoute {
+        /// Serialized `RouteRequest` (hashes and numbers only).
+        body: Vec<u8>,
+    },
+    /// Resume the paused request (after an asynchronous route answer).
+    ResumeRequest,
+    /// Bump a counter.
+    Count(Counter),
+    /// Record the route call's round trip.
+    RouteLatencyMs(u64),
+}
+
+/// The host's instructions for one callback: what to return and what to do first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    /// Value to return from the callback.
+    pub action: Action,
+    /// Effects to execute before returning, in order.
+    pub effects: Vec<Effect>,
+}
+
+impl Step {
+    fn go(effects: Vec<Effect>) -> Self {
+        Step {
+            action: Action::Continue,
+            effects,
+        }
+    }
+
+    fn hold(effects: Vec<Effect>) -> Self {
+        Step {
+            action: Action::Pause,
+            effects,
+        }
+    }
+}
+
+/// Answer to a request body callback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BodyStep {
+    /// Return this step.
+    Step(Step),
+    /// The body is complete: read `len` buffered bytes from offset 0 and pass them to
+    /// [`RequestMachine::on_body_complete`] (or report [`RequestMachine::on_body_read_failed`]).
+    ReadBody(usize),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for request headers.
+    Start,
+    /// Not ours to route; nothing more to do.
+    Passthrough,
+    /// Paused, buffering the body.
+    Buffering(ApiKind),
+    /// The route request was handed to the host for dispatch.
+    Dispatching { started_ms: u64 },
+    /// Waiting for the control plane's answer.
+    AwaitingRoute { started_ms: u64 },
+    /// The request went upstream (routed or failed open).
+    Released,
+}
+
+#[derive(Debug, Clone)]
+struct Routed {
+    decision_id: u64,
+    endpoint: String,
+    routed_ms: u64,
+}
+
+/// One HTTP request's routing state.
+#[derive(Debug)]
+pub struct RequestMachine {
+    config: Rc<FilterConfig>,
+    phase: Phase,
+    session: Option<String>,
+    routed: Option<Routed>,
+    status: u16,
+    upstream: Option<String>,
+    first_byte_ms: Option<u64>,
+    usage: UsageScanner,
+    finished: bool,
+}
+
+impl RequestMachine {
+    /// A fresh machine for a new request.
+    pub fn new(config: Rc<FilterConfig>) -> Self {
+        RequestMachine {
+            config,
+            phase: Phase::Start,
+            session: None,
+            routed: None,
+            status: 0,
+            upstream: None,
+            first_byte_ms: None,
+            usage: UsageScanner::default(),
+            finished: false,
+        }
+    }
+
+    /// Request headers arrived. Strips routing headers a client must not set, then decides
+    /// whether to hold the request for routing.
+    pub fn on_request_headers<'a, I>(&mut self, headers: I, end_of_stream: bool) -> Step
+    where
+        I: IntoIterator<Item = (&'a str, &'a [u8])>,
+    {
+        if self.phase != Phase::Start {
+            return Step::go(Vec::new());
+        }
+        self.phase = Phase::Passthrough;
+        let mut effects = Vec::new();
+        let mut method = None;
+        let mut path = None;
+        let mut content_encoding = None;
+        let mut content_type = None;
+        let mut content_length = None;
+        for (name, value) in headers {
+            let is = |n: &str| name.eq_ignore_ascii_case(n);
+            if is(&self.config.destination_header) || is(PREFILLER_HEADER) {
+                let name = name.to_ascii_lowercase();
+                if !effects.contains(&Effect::RemoveRequestHeader(name.clone())) {
+                    effects.push(Effect::RemoveRequestHeader(name));
+                }
+            } else if is(":method") {
+                method = Some(value);
+            } else if is(":path") {
+                path = Some(value);
+            } else if is("content-encoding") {
+                content_encoding = Some(value);
+            } else if is("content-type") {
+                content_type = Some(value);
+            } else if is("content-length") {
+                content_length = Some(value);
+            } else if is(SESSION_HEADER) && !value.is_empty() {
+                let value = &value[..value.len().min(MAX_SESSION_BYTES)];
+                self.session = Some(String::from_utf8_lossy(value).into_owned());
+            }
+        }
+        let Some(api) = path
+            .and_then(|p| std::str::from_utf8(p).ok())
+            .and_then(|p| self.config.api_for_path(p))
+        else {
+            return Step::go(effects);
+        };
+        let skip = if method != Some(b"POST".as_slice()) {
+            Some(SkipReason::NotPost)
+        } else if content_encoding
+            .is_some_and(|v| !v.trim_ascii().eq_ignore_ascii_case(b"identity"))
+        {
+            Some(SkipReason::ContentEncoding)
+        } else if content_type.is_some_and(|v| !is_json(v)) {
+            Some(SkipReason::NotJson)
+        } else if content_length
+            .is_some_and(|v| parse_len(v).is_none_or(|n| n > self.config.max_body_bytes))
+        {
+            Some(SkipReason::TooLarge)
+        } else if end_of_stream || content_length.and_then(parse_len) == Some(0) {
+            Some(SkipReason::NoBody)
+        } else {
+            None
+        };
+        if let Some(reason) = skip {
+            effects.push(Effect::Count(Counter::Skipped(reason)));
+            return Step::go(effects);
+        }
+        self.phase = Phase::Buffering(api);
+        Step::hold(effects)
+    }
+
+    /// A request body chunk arrived; `body_size` is everything buffered so far.
+    pub fn on_request_body(&mut self, body_size: usize, end_of_stream: bool) -> BodyStep {
+        let Phase::Buffering(_) = self.phase else {
+            return BodyStep::Step(Step::go(Vec::new()));
+        };
+        if body_size > self.config.max_body_bytes {
+            return BodyStep::Step(self.fail_open(FailKind::BodyTooLarge, false));
+        }
+        if end_of_stream {
+            BodyStep::ReadBody(body_size)
+        } else {
+            BodyStep::Step(Step::hold(Vec::new()))
+        }
+    }
+
+    /// The host could not read the buffered body.
+    pub fn on_body_read_failed(&mut self) -> Step {
+        match self.phase {
+            Phase::Buffering(_) => self.fail_open(FailKind::BodyRead, false),
+            _ => Step::go(Vec::new()),
+        }
+    }
+
+    /// The whole body: canonicalise and hash it and ask the host to dispatch the route call.
+    pub fn on_body_complete(&mut self, body: &[u8], now_ms: u64) -> Step {
+        let Phase::Buffering(api) = self.phase else {
+            return Step::go(Vec::new());
+        };
+        match self.route_request(api, body) {
+            Ok(request) => match serde_json::to_vec(&request) {
+                Ok(body) => {
+                    self.phase = Phase::Dispatching { started_ms: now_ms };
+                    Step::hold(vec![Effect::DispatchRoute { body }])
+                }
+                Err(_) => self.fail_open(FailKind::BodyParse, false),
+            },
+            Err(_) => self.fail_open(FailKind::BodyParse, false),
+        }
+    }
+
+    fn route_request(&self, api: ApiKind, body: &[u8]) -> Result<RouteRequest, CanonError> {
+        let prompt = canon::canonicalize(api, body)?;
+        let block_hashes = block_hashes(
+            model_seed(&prompt.model),
+            &prompt.bytes,
+            self.config.block_bytes,
+        );
+        let prompt_tokens = prompt.estimated_tokens();
+        let session = self.session.clone().or_else(|| {
+            prompt
+                .user
+                .as_ref()
+                .filter(|u| !u.is_empty())
+                .map(|u| truncate(u, MAX_SESSION_BYTES))
+        });
+        Ok(RouteRequest {
+            prompt_bytes: prompt.bytes.len() as u64,
+            model: prompt.model,
+            block_hashes,
+            prompt_tokens,
+            max_output_tokens: prompt.max_output_tokens,
+            session,
+            // Approximate mode: the prompt text never leaves the proxy.
+            prompt_text: None,
+        })
+    }
+
+    /// The host started the route call; the answer comes later.
+    pub fn on_dispatched(&mut self) {
+        if let Phase::Dispatching { started_ms } = self.phase {
+            self.phase = Phase::AwaitingRoute { started_ms };
+        }
+    }
+
+    /// The host could not start the route call (still inside the body callback, so the
+    /// returned step continues the stream directly instead of resuming it).
+    pub fn on_dispatch_failed(&mut self) -> Step {
+        match self.phase {
+            Phase::Dispatching { .. } => self.fail_open(FailKind::Dispatch, false),
+            _ => Step::go(Vec::new()),
+        }
+    }
+
+    /// The control plane answered. `status` is `None` when the call was reset (no headers).
+    pub fn on_route_response(&mut self, status: Option<u16>, body: &[u8], now_ms: u64) -> Step {
+        let Phase::AwaitingRoute { started_ms } = self.phase else {
+            return Step::go(Vec::new());
+        };
+        let latency = Effect::RouteLatencyMs(now_ms.saturating_sub(started_ms));
+        let kind = match status {
+            None => FailKind::Reset,
+            Some(504) => FailKind::Timeout,
+            Some(s) if !(200..300).contains(&s) => FailKind::Status,
+            Some(_) => match serde_json::from_slice::<RouteResponse>(body) {
+                Err(_) => FailKind::BadResponse,
+                Ok(r) if r.endpoints.is_empty() => FailKind::NoEndpoint,
+                Ok(r) if !r.endpoints.iter().all(|e| is_endpoint(e)) => FailKind::BadResponse,
+                Ok(r) => {
+                    let value = r.endpoints.join(",");
+                    self.routed = Some(Routed {
+                        decision_id: r.decision_id,
+                        endpoint: r.endpoints.into_iter().next().unwrap_or_default(),
+                        routed_ms: now_ms,
+                    });
+                    self.phase = Phase::Released;
+                    return Step::go(vec![
+                        latency,
+                        Effect::SetRequestHeader {
+                            name: self.config.destination_header.clone(),
+                            value,
+                        },
+                        Effect::ResumeRequest,
+                        Effect::Count(Counter::Routed),
+                    ]);
+                }
+            },
+        };
+        let mut step = self.fail_open(kind, true);
+        step.effects.insert(0, latency);
+        step
+    }
+
+    /// The route call failed in a way the host detected itself (e.g. unreadable answer).
+    pub fn on_route_failure(&mut self, kind: FailKind) -> Step {
+        match self.phase {
+            Phase::AwaitingRoute { .. } => self.fail_open(kind, true),
+            _ => Step::go(Vec::new()),
+        }
+    }
+
+    /// Releases the request unrouted. `resume` is true when the request is paused outside of
+    /// a callback (after an asynchronous answer) and must be resumed explicitly.
+    fn fail_open(&mut self, kind: FailKind, resume: bool) -> Step {
+        self.phase = Phase::Released;
+        let mut effects = Vec::with_capacity(2);
+        if resume {
+            effects.push(Effect::ResumeRequest);
+        }
+        effects.push(Effect::Count(Counter::FailOpen(kind)));
+        Step::go(effects)
+    }
+
+    /// Response headers from upstream; `upstream` is the `ip:port` that served, when known.
+    pub fn on_response_headers(&mut self, status: Option<u16>, upstream: Option<&str>) {
+        if let Some(status) = status {
+            self.status = status;
+        }
+        if let Some(upstream) = upstream.filter(|u| !u.is_empty()) {
+            self.upstream = Some(truncate(upstream, 128));
+        }
+    }
+
+    /// Whether the host should pass response body chunks (only routed requests are reported).
+    pub fn wants_response_body(&self) -> bool {
+        self.routed.is_some() && !self.finished
+    }
+
+    /// One response body chunk (not cumulative).
+    pub fn on_response_body(&mut self, chunk: &[u8], now_ms: u64) {
+        if !self.wants_response_body() {
+            return;
+        }
+        if !chunk.is_empty() && self.first_byte_ms.is_none() {
+            self.first_byte_ms = Some(now_ms);
+        }
+        self.usage.feed(chunk);
+    }
+
+    /// The stream ended (completed or reset). Returns the outcome of a routed request, once.
+    pub fn on_done(&mut self, now_ms: u64) -> Option<Outcome> {
+        if self.finished {
+            return None;
+        }
+        self.finished = true;
+        let routed = self.routed.as_ref()?;
+        let usage = self.usage.usage().unwrap_or_default();
+        Some(Outcome {
+            decision_id: routed.decision_id,
+            endpoint: self
+                .upstream
+                .clone()
+                .unwrap_or_else(|| routed.endpoint.clone()),
+            status: self.status,
+            ttfb_ms: self
+                .first_byte_ms
+                .map(|t| t.saturating_sub(routed.routed_ms)),
+            total_ms: now_ms.saturating_sub(routed.routed_ms),
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: usage.completion_tokens,
+            cached_tokens: usage.cached_tokens,
+        })
+    }
+}
+
+fn is_json(content_type: &[u8]) -> bool {
+    let essence = content_type
+        .split(|&b| b == b';')
+        .next()
+        .unwrap_or_default()
+        .trim_ascii();
+    essence.eq_ignore_ascii_case(b"application/json")
+        || (essence.len() > 5 && essence[essence.len() - 5..].eq_ignore_ascii_case(b"+json"))
+}
+
+fn parse_len(value: &[u8]) -> Option<usize> {
+    std::str::from_utf8(value).ok()?.trim().parse().ok()
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+/// A plausible `host:port` for a header value: visible ASCII, no separators.
+fn is_endpoint(e: &str) -> bool {
+    !e.is_empty()
+        && e.len() <= 128
+        && e.contains(':')
+        && e.bytes().all(|b| b.is_ascii_graphic() && b != b',')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use scorer_core::hash::DEFAULT_BLOCK_BYTES;
+
+    const CHAT: &str = "/v1/chat/completions";
+
+    fn machine() -> RequestMachine {
+        RequestMachine::new(Rc::new(FilterConfig::default()))
+    }
+
+    fn headers<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Iterator<Item = (&'a str, &'a [u8])> {
+        pairs.iter().map(|(k, v)| (*k, v.as_bytes()))
+    }
+
+    fn post(path: &str) -> Vec<(&str, &str)> {
+        vec![
+            (":method", "POST"),
+            (":path", path),
+            ("content-type", "application/json"),
+        ]
+    }
+
+    fn chat_body(text: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "model": "m", "user": "u1", "max_tokens": 9,
+            "messages": [{"role": "user", "content": text}]
+        }))
+        .unwrap()
+    }
+
+    /// Drives a machine to the point where the route call is dispatched; returns the request.
+    fn to_dispatch(m: &mut RequestMachine, extra: &[(&str, &str)], body: &[u8]) -> RouteRequest {
+        let mut h = post(CHAT);
+        h.extend_from_slice(extra);
+        assert_eq!(
+            m.on_request_headers(headers(&h), false).action,
+            Action::Pause
+        );
+        assert_eq!(
+            m.on_request_body(body.len() / 2, false),
+            BodyStep::Step(Step::hold(vec![]))
+        );
+        assert_eq!(
+            m.on_request_body(body.len(), true),
+            BodyStep::ReadBody(body.len())
+        );
+        let step = m.on_body_complete(body, 100);
+        assert_eq!(step.action, Action::Pause);
+        let [Effect::DispatchRoute { body }] = step.effects.as_slice() else {
+            panic!("{step:?}")
+        };
+        m.on_dispatched();
+        serde_json::from_slice(body).unwrap()
+    }
+
+    fn answer(endpoints: &[&str]) -> Vec<u8> {
+        serde_json::to_vec(&RouteResponse {
+            decision_id: 42,
+            endpoints: endpoints.iter().map(|e| e.to_string()).collect(),
+            cached_blocks: 1,
+            reason: "prefix".into(),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn happy_path_sets_header_and_reports_outcome() {
+        let mut m = machine();
+        let text = "x".repeat(3 * DEFAULT_BLOCK_BYTES);
+        let req = to_dispatch(&mut m, &[], &chat_body(&text));
+        assert_eq!(req.model, "m");
+        assert!(req.block_hashes.len() >= 3);
+        assert_eq!(req.max_output_tokens, Some(9));
+        assert_eq!(req.session.as_deref(), Some("u1"));
+        assert_eq!(req.prompt_text, None);
+        assert!(req.prompt_tokens as u64 * 4 >= req.prompt_bytes);
+
+        let step =
+            m.on_route_response(Some(200), &answer(&["10.0.0.1:8000", "10.0.0.2:8000"]), 103);
+        assert_eq!(
+            step.effects,
+            vec![
+                Effect::RouteLatencyMs(3),
+                Effect::SetRequestHeader {
+                    name: "x-gateway-destination-endpoint".into(),
+                    value: "10.0.0.1:8000,10.0.0.2:8000".into()
+                },
+                Effect::ResumeRequest,
+                Effect::Count(Counter::Routed),
+            ]
+        );
+        m.on_response_headers(Some(200), Some("10.0.0.1:8000"));
+        assert!(m.wants_response_body());
+        m.on_response_body(b"", 104);
+        m.on_response_body(b"data: {\"choices\":[]}\n\n", 110);
+        m.on_response_body(
+            b"data: {\"usage\":{\"prompt_tokens\":200,\"completion_tokens\":3,",
+            120,
+        );
+        m.on_response_body(
+            b"\"prompt_tokens_details\":{\"cached_tokens\":128}}}\n\ndata: [DONE]\n\n",
+            130,
+        );
+        let outcome = m.on_done(140).unwrap();
+        assert_eq!(
+            outcome,
+            Outcome {
+                decision_id: 42,
+                endpoint: "10.0.0.1:8000".into(),
+                status: 200,
+                ttfb_ms: Some(7),
+                total_ms: 37,
+                prompt_tokens: Some(200),
+                completion_tokens: Some(3),
+                cached_tokens: Some(128),
+            }
+        );
+        assert_eq!(m.on_done(150), None, "reported once");
+    }
+
+    #[test]
+    fn hashes_are_those_of_scorer_core() {
+        let mut m = machine();
+        let body = chat_body(&"abc".repeat(400));
+        let req = to_dispatch(&mut m, &[], &body);
+        let prompt = canon::canonicalize(ApiKind::Chat, &body).unwrap();
+        assert_eq!(
+            req.block_hashes,
+            block_hashes(model_seed("m"), &prompt.bytes, DEFAULT_BLOCK_BYTES)
+        );
+        assert_eq!(req.prompt_bytes, prompt.bytes.len() as u64);
+    }
+
+    #[test]
+    fn session_header_wins_over_user() {
+        let mut m = machine();
+        let req = to_dispatch(&mut m, &[("x-session-id", "s-7")], &chat_body("hi"));
+        assert_eq!(req.session.as_deref(), Some("s-7"));
+    }
+
+    #[test]
+    fn client_routing_headers_are_always_stripped() {
+        for path in [CHAT, "/v1/models"] {
+            let mut m = machine();
+            let mut h = post(path);
+            h.push(("X-Gateway-Destination-Endpoint", "6.6.6.6:1"));
+            h.push(("x-prefiller-host-port", "6.6.6.6:2"));
+            let step = m.on_request_headers(headers(&h), false);
+            assert_eq!(
+                step.effects[..2],
+                [
+                    Effect::RemoveRequestHeader("x-gateway-destination-endpoint".into()),
+                    Effect::RemoveRequestHeader("x-prefiller-host-port".into()),
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn non_inference_requests_pass_untouched() {
+        let mut m = machine();
+        let step = m.on_request_headers(headers(&post("/v1/models")), false);
+        assert_eq!(step, Step::go(vec![]));
+        assert_eq!(
+            m.on_request_body(10, true),
+            BodyStep::Step(Step::go(vec![]))
+        );
+        assert_eq!(m.on_done(5), None);
+    }
+
+    #[test]
+    fn skip_reasons() {
+        type Case<'a> = (&'a [(&'a str, &'a str)], bool, SkipReason);
+        let cases: [Case<'_>; 7] = [
+            (
+                &[(":method", "GET"), (":path", CHAT)],
+                false,
+                SkipReason::NotPost,
+            ),
+            (
+                &[
+                    (":method", "POST"),
+                    (":path", CHAT),
+                    ("content-encoding", "gzip"),
+                ],
+                false,
+                SkipReason::ContentEncoding,
+            ),
+            (
+                &[
+                    (":method", "POST"),
+                    (":path", CHAT),
+                    ("content-type", "text/plain"),
+                ],
+                false,
+                SkipReason::NotJson,
+            ),
+            (
+                &[
+                    (":method", "POST"),
+                    (":path", CHAT),
+                    ("content-length", "4194305"),
+                ],
+                false,
+                SkipReason::TooLarge,
+            ),
+            (
+                &[
+                    (":method", "POST"),
+                    (":path", CHAT),
+                    ("content-length", "lots"),
+                ],
+                false,
+                SkipReason::TooLarge,
+            ),
+            (
+                &[(":method", "POST"), (":path", CHAT)],
+                true,
+                SkipReason::NoBody,
+            ),
+            (
+                &[
+                    (":method", "POST"),
+                    (":path", CHAT),
+                    ("content-length", "0"),
+                ],
+                false,
+                SkipReason::NoBody,
+            ),
+        ];
+        for (h, eos, reason) in cases {
+            let mut m = machine();
+            let step = m.on_request_headers(headers(h), eos);
+            assert_eq!(
+                step,
+                Step::go(vec![Effect::Count(Counter::Skipped(reason))]),
+                "{h:?}"
+            );
+        }
+        let mut m = machine();
+        let h = [
+            (":method", "POST"),
+            (":path", "/v1/completions?x=1"),
+            ("content-type", "application/json; charset=utf-8"),
+            ("content-encoding", "identity"),
+            ("content-length", "100"),
+        ];
+        assert_eq!(
+            m.on_request_headers(headers(&h), false).action,
+            Action::Pause
+        );
+    }
+
+    #[test]
+    fn body_limit_while_buffering() {
+        let config = FilterConfig {
+            max_body_bytes: 100,
+            ..FilterConfig::default()
+        };
+        let mut m = RequestMachine::new(Rc::new(config));
+        assert_eq!(
+            m.on_request_headers(headers(&post(CHAT)), false).action,
+            Action::Pause
+        );
+        assert_eq!(
+            m.on_request_body(100, false),
+            BodyStep::Step(Step::hold(vec![]))
+        );
+        assert_eq!(
+            m.on_request_body(101, false),
+            BodyStep::Step(Step::go(vec![Effect::Count(Counter::FailOpen(
+                FailKind::BodyTooLarge
+            ))]))
+        );
+        assert_eq!(
+            m.on_request_body(200, true),
+            BodyStep::Step(Step::go(vec![]))
+        );
+    }
+
+    #[test]
+    fn unparseable_body_fails_open_in_callback() {
+        for body in [&b"{not json"[..], b"{}", b"{\"messages\":5}", b"\xff"] {
+            let mut m = machine();
+            m.on_request_headers(headers(&post(CHAT)), false);
+            assert_eq!(
+                m.on_request_body(body.len(), true),
+                BodyStep::ReadBody(body.len())
+            );
+            assert_eq!(
+                m.on_body_complete(body, 1),
+                Step::go(vec![Effect::Count(Counter::FailOpen(FailKind::BodyParse))])
+            );
+        }
+        let mut m = machine();
+        m.on_request_headers(headers(&post(CHAT)), false);
+        m.on_request_body(3, true);
+        assert_eq!(
+            m.on_body_read_failed(),
+            Step::go(vec![Effect::Count(Counter::FailOpen(FailKind::BodyRead))])
+        );
+    }
+
+    #[test]
+    fn dispatch_failure_continues_without_resume() {
+        let mut m = machine();
+        m.on_request_headers(headers(&post(CHAT)), false);
+        m.on_request_body(2, true);
+        let step = m.on_body_complete(&chat_body("hi"), 1);
+        assert_eq!(step.action, Action::Pause);
+        assert_eq!(
+            m.on_dispatch_failed(),
+            Step::go(vec![Effect::Count(Counter::FailOpen(FailKind::Dispatch))])
+        );
+        assert_eq!(
+            m.on_route_response(Some(200), &answer(&["1.2.3.4:5"]), 2),
+            Step::go(vec![])
+        );
+    }
+
+    #[test]
+    fn every_bad_route_answer_fails_open_with_resume() {
+        let cases: [(Option<u16>, Vec<u8>, FailKind); 7] = [
+            (None, vec![], FailKind::Reset),
+            (
+                Some(504),
+                b"upstream request timeout".to_vec(),
+                FailKind::Timeout,
+            ),
+            (Some(503), answer(&["1.2.3.4:5"]), FailKind::Status),
+            (Some(200), b"garbage".to_vec(), FailKind::BadResponse),
+            (Some(200), answer(&[]), FailKind::NoEndpoint),
+            (
+                Some(200),
+                answer(&["1.2.3.4:5", "evil\r\nx: y"]),
+                FailKind::BadResponse,
+            ),
+            (Some(200), answer(&["a:1,b:2"]), FailKind::BadResponse),
+        ];
+        for (status, body, kind) in cases {
+            let mut m = machine();
+            to_dispatch(&mut m, &[], &chat_body("hi"));
+            let step = m.on_route_response(status, &body, 150);
+            assert_eq!(
+                step,
+                Step::go(vec![
+                    Effect::RouteLatencyMs(50),
+                    Effect::ResumeRequest,
+                    Effect::Count(Counter::FailOpen(kind))
+                ]),
+                "{kind:?}"
+            );
+            assert!(!m.wants_response_body());
+            assert_eq!(m.on_done(200), None, "unrouted requests report no outcome");
+        }
+        let mut m = machine();
+        to_dispatch(&mut m, &[], &chat_body("hi"));
+        assert_eq!(
+            m.on_route_failure(FailKind::BadResponse),
+            Step::go(vec![
+                Effect::ResumeRequest,
+                Effect::Count(Counter::FailOpen(FailKind::BadResponse))
+            ])
+        );
+    }
+
+    #[test]
+    fn reset_stream_still_reports_outcome() {
+        let mut m = machine();
+        to_dispatch(&mut m, &[], &chat_body("hi"));
+        m.on_route_response(Some(200), &answer(&["1.2.3.4:5"]), 110);
+        let o = m.on_done(300).unwrap();
+        assert_eq!(
+            (o.status, o.ttfb_ms, o.total_ms, o.endpoint.as_str()),
+            (0, None, 190, "1.2.3.4:5")
+        );
+        assert_eq!(o.prompt_tokens, None);
+    }
+
+    #[test]
+    fn non_streaming_json_usage() {
+        let mut m = machine();
+        to_dispatch(&mut m, &[], &chat_body("hi"));
+        m.on_route_response(Some(200), &answer(&["1.2.3.4:5"]), 110);
+        m.on_response_headers(Some(200), None);
+        m.on_response_body(
+            br#"{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":5,"#,
+            120,
+        );
+        m.on_response_body(br#""completion_tokens":1,"total_tokens":6}}"#, 121);
+        let o = m.on_done(125).unwrap();
+        assert_eq!(
+            (o.prompt_tokens, o.completion_tokens, o.cached_tokens),
+            (Some(5), Some(1), None)
+        );
+    }
+}
