@@ -1,0 +1,245 @@
+//! `fleet-sim`: compare routing policies on a simulated vLLM fleet in virtual time.
+//!
+//! `fleet-sim compare --workload shared-prefix --replicas 8 --json out.json` prints a table,
+//! writes the JSON summary and SVG plots (TTFT CDF; with `--sweep`, TTFT p50/p99 against load).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use kvroute_tests::fleet::des::{RunResult, SimConfig, run};
+use kvroute_tests::fleet::policy::{POLICY_NAMES, build};
+use kvroute_tests::fleet::report::{PolicySummary, line_chart, table, ttft_cdf_series};
+use kvroute_tests::fleet::workload::from_spec;
+use kvroute_tests::sim::Profile;
+use serde::Serialize;
+
+#[derive(Parser)]
+#[command(
+    name = "fleet-sim",
+    about = "Discrete-event simulation of a vLLM fleet behind routing policies"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay one workload through every policy and compare.
+    Compare(CompareArgs),
+    /// List the policies.
+    Policies,
+}
+
+#[derive(clap::Args)]
+struct CompareArgs {
+    /// A Mooncake `.jsonl` trace, or a generator: shared-prefix, multi-turn, long-doc, no-sharing
+    /// (options as `name:key=value,...`).
+    #[arg(long)]
+    workload: String,
+    /// Replicas in the fleet.
+    #[arg(long, default_value_t = 8)]
+    replicas: usize,
+    /// Comma-separated policies (default: all).
+    #[arg(long, value_delimiter = ',')]
+    policies: Option<Vec<String>>,
+    /// Compress arrival times by this factor (2 = twice the load).
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Seed of workload generators, policies and jitter.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Override the profile's per-replica KV capacity (tokens).
+    #[arg(long)]
+    kv_capacity_tokens: Option<u64>,
+    /// Engine profile YAML (default: Llama-8B on H100).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Write the JSON summary here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Directory for SVG plots (default: next to --json, or target/fleet-sim).
+    #[arg(long)]
+    svg_dir: Option<PathBuf>,
+    /// Also run these speedups and plot TTFT p50/p99 against load.
+    #[arg(long, value_delimiter = ',')]
+    sweep: Option<Vec<f64>>,
+    /// Metrics scrape interval of the simulated routers (virtual ms).
+    #[arg(long, default_value_t = 100.0)]
+    metrics_interval_ms: f64,
+}
+
+#[derive(Serialize)]
+struct SweepPoint {
+    speedup: f64,
+    results: Vec<PolicySummary>,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    workload: String,
+    replicas: usize,
+    speedup: f64,
+    seed: u64,
+    results: Vec<PolicySummary>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    sweep: Vec<SweepPoint>,
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Policies => {
+            for p in POLICY_NAMES {
+                println!("{p}");
+            }
+            Ok(())
+        }
+        Command::Compare(args) => compare(args),
+    }
+}
+
+fn run_all(
+    args: &CompareArgs,
+    policies: &[String],
+    cfg: &SimConfig,
+    speedup: f64,
+) -> anyhow::Result<Vec<RunResult>> {
+    let mut workload = from_spec(&args.workload, args.seed)?;
+    if let Some(n) = args.limit {
+        workload.truncate(n);
+    }
+    workload.speed_up(speedup);
+    let mut runs = Vec::new();
+    for name in policies {
+        let mut policy = build(name, cfg.replicas, args.seed)
+            .with_context(|| format!("unknown policy {name}"))?;
+        eprint!("  {name:<20} speedup {speedup:<5} ... ");
+        std::io::stderr().flush().ok();
+        let started = Instant::now();
+        let result = run(&workload, policy.as_mut(), cfg)?;
+        eprintln!(
+            "{} requests in {:.1}s",
+            result.records.len(),
+            started.elapsed().as_secs_f64()
+        );
+        runs.push(result);
+    }
+    Ok(runs)
+}
+
+fn compare(args: CompareArgs) -> anyhow::Result<()> {
+    if args.replicas == 0 || args.replicas > scorer_core::index::MAX_ENDPOINTS {
+        bail!(
+            "--replicas must be 1..={}",
+            scorer_core::index::MAX_ENDPOINTS
+        );
+    }
+    if !(args.speedup > 0.0) {
+        bail!("--speedup must be > 0");
+    }
+    let mut profile = match &args.profile {
+        Some(p) => Profile::load(p)?,
+        None => Profile::llama8b_h100(),
+    };
+    if let Some(t) = args.kv_capacity_tokens {
+        profile.kv_capacity_tokens = t;
+        profile.validate()?;
+    }
+    let policies: Vec<String> = args
+        .policies
+        .clone()
+        .unwrap_or_else(|| POLICY_NAMES.iter().map(|s| s.to_string()).collect());
+    for p in &policies {
+        if !POLICY_NAMES.contains(&p.as_str()) {
+            bail!("unknown policy {p:?}; known: {}", POLICY_NAMES.join(", "));
+        }
+    }
+    let cfg = SimConfig {
+        replicas: args.replicas,
+        profile,
+        seed: args.seed,
+        metrics_interval_ms: args.metrics_interval_ms,
+    };
+    eprintln!("fleet-sim: {} on {} replicas", args.workload, args.replicas);
+    let runs = run_all(&args, &policies, &cfg, args.speedup)?;
+    let results: Vec<PolicySummary> = runs.iter().map(PolicySummary::of).collect();
+    println!("{}", table(&results));
+
+    let svg_dir = args.svg_dir.clone().unwrap_or_else(|| match &args.json {
+        Some(j) => j.parent().map(PathBuf::from).unwrap_or_default(),
+        None => PathBuf::from("target/fleet-sim"),
+    });
+    let svg_dir = if svg_dir.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        svg_dir
+    };
+    std::fs::create_dir_all(&svg_dir).with_context(|| format!("creating {}", svg_dir.display()))?;
+    let cdf = line_chart(
+        &format!("TTFT CDF: {}", args.workload),
+        "TTFT (ms)",
+        "fraction of requests",
+        &ttft_cdf_series(&runs),
+        false,
+    );
+    let cdf_path = svg_dir.join("ttft_cdf.svg");
+    std::fs::write(&cdf_path, cdf)?;
+    eprintln!("wrote {}", cdf_path.display());
+
+    let mut sweep = Vec::new();
+    if let Some(speedups) = &args.sweep {
+        for &s in speedups {
+            let runs = run_all(&args, &policies, &cfg, s)?;
+            sweep.push(SweepPoint {
+                speedup: s,
+                results: runs.iter().map(PolicySummary::of).collect(),
+            });
+        }
+        let mut series = Vec::new();
+        for (i, p) in policies.iter().enumerate() {
+            let p50 = sweep
+                .iter()
+                .map(|pt| (pt.speedup, pt.results[i].ttft_ms.p50.max(0.1)))
+                .collect();
+            let p99 = sweep
+                .iter()
+                .map(|pt| (pt.speedup, pt.results[i].ttft_ms.p99.max(0.1)))
+                .collect();
+            series.push((format!("{p} p50"), p50));
+            series.push((format!("{p} p99"), p99));
+        }
+        let chart = line_chart(
+            "TTFT against load",
+            "arrival-rate speedup",
+            "TTFT (ms)",
+            &series,
+            true,
+        );
+        let path = svg_dir.join("ttft_vs_load.svg");
+        std::fs::write(&path, chart)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(json) = &args.json {
+        let summary = Summary {
+            workload: args.workload.clone(),
+            replicas: args.replicas,
+            speedup: args.speedup,
+            seed: args.seed,
+            results,
+            sweep,
+        };
+        if let Some(dir) = json.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(json, serde_json::to_string_pretty(&summary)?)
+            .with_context(|| format!("writing {}", json.display()))?;
+        eprintln!("wrote {}", json.display());
+    }
+    Ok(())
+}

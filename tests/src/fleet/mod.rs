@@ -1,0 +1,11 @@
+//! fleet-sim: a deterministic discrete-event simulation of a vLLM fleet behind a routing policy.
+//!
+//! - [`workload`] reads Mooncake traces and generates synthetic workloads;
+//! - [`policy`] holds the routing policies compared (peers and kvroute's own `Router`);
+//! - [`des`] replays a workload through the engines of [`crate::sim`] in virtual time;
+//! - [`report`] turns runs into tables, JSON and SVG.
+
+pub mod des;
+pub mod policy;
+pub mod report;
+pub mod workload;

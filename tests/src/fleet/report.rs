@@ -1,0 +1,320 @@
+//! Summaries of runs: percentiles, the printed table, the JSON summary and SVG plots.
+
+use serde::Serialize;
+
+use super::des::RunResult;
+
+/// Percentiles of a latency distribution (ms).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Latency {
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+/// Nearest-rank percentile of sorted values (`q` in 0..=1); 0 for no values.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+impl Latency {
+    /// Summarises `values` (any order).
+    pub fn of(values: &mut [f64]) -> Self {
+        values.sort_by(f64::total_cmp);
+        let mean = if values.is_empty() {
+            0.0
+        } else {
+            values.iter().sum::<f64>() / values.len() as f64
+        };
+        Self {
+            mean,
+            p50: percentile(values, 0.5),
+            p90: percentile(values, 0.9),
+            p99: percentile(values, 0.99),
+        }
+    }
+}
+
+/// One policy's line of `fleet-sim compare` (the JSON summary's `results[]` element).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PolicySummary {
+    /// Policy name.
+    pub policy: String,
+    /// Requests that finished.
+    pub requests: usize,
+    /// Requests the engines refused.
+    pub rejected: usize,
+    /// Time to first token from arrival.
+    pub ttft_ms: Latency,
+    /// Arrival to last token.
+    pub e2e_ms: Latency,
+    /// Output tokens over the makespan.
+    pub output_tokens_per_s: f64,
+    /// Prefix-cache hits over queries, in tokens, over all replicas.
+    pub prefix_hit_rate: f64,
+    /// Preemptions over all replicas.
+    pub preemptions: u64,
+    /// Largest waiting queue seen on a replica.
+    pub max_waiting: u32,
+    /// |predicted - actual| cached tokens over actual, summed over requests (policies that predict).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cached_prediction_error: Option<f64>,
+}
+
+impl PolicySummary {
+    /// Summarises one run.
+    pub fn of(run: &RunResult) -> Self {
+        let done: Vec<_> = run
+            .records
+            .iter()
+            .filter(|r| r.finish_ms.is_some())
+            .collect();
+        let mut ttft: Vec<f64> = done
+            .iter()
+            .filter_map(|r| Some(r.first_token_ms? - r.arrival_ms))
+            .collect();
+        let mut e2e: Vec<f64> = done
+            .iter()
+            .filter_map(|r| Some(r.finish_ms? - r.arrival_ms))
+            .collect();
+        let output: u64 = done.iter().map(|r| u64::from(r.output_tokens)).sum();
+        let (mut predicted, mut actual, mut any) = (0f64, 0f64, false);
+        for r in &done {
+            if let Some(p) = r.predicted_cached_tokens {
+                any = true;
+                predicted += f64::from(p);
+                actual += f64::from(r.cached_tokens);
+            }
+        }
+        Self {
+            policy: run.policy.clone(),
+            requests: done.len(),
+            rejected: run.records.iter().filter(|r| r.rejected).count(),
+            ttft_ms: Latency::of(&mut ttft),
+            e2e_ms: Latency::of(&mut e2e),
+            output_tokens_per_s: if run.makespan_ms > 0.0 {
+                output as f64 / (run.makespan_ms / 1000.0)
+            } else {
+                0.0
+            },
+            prefix_hit_rate: if run.prefix_queries > 0 {
+                run.prefix_hits as f64 / run.prefix_queries as f64
+            } else {
+                0.0
+            },
+            preemptions: run.preemptions,
+            max_waiting: run.max_waiting,
+            cached_prediction_error: (any && actual > 0.0)
+                .then(|| (predicted - actual).abs() / actual),
+        }
+    }
+}
+
+/// Renders summaries as an aligned text table.
+pub fn table(rows: &[PolicySummary]) -> String {
+    let mut out = format!(
+        "{:<20} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8}\n",
+        "policy",
+        "requests",
+        "ttft_mean",
+        "ttft_p50",
+        "ttft_p90",
+        "ttft_p99",
+        "e2e_p50",
+        "e2e_p99",
+        "out_tok/s",
+        "hit_rate",
+        "preempt"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:<20} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>9.0} {:>8.3} {:>8}\n",
+            r.policy, r.requests, r.ttft_ms.mean, r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99, r.e2e_ms.p50, r.e2e_ms.p99,
+            r.output_tokens_per_s, r.prefix_hit_rate, r.preemptions
+        ));
+    }
+    out
+}
+
+const COLORS: &[&str] = &[
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf",
+];
+
+/// A line chart as a standalone SVG: one polyline per series, log-scaled y when asked.
+pub fn line_chart(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    log_y: bool,
+) -> String {
+    let (w, h, left, right, top, bottom) = (760.0, 460.0, 70.0, 190.0, 40.0, 50.0);
+    let ty = |v: f64| if log_y { v.max(1e-3).log10() } else { v };
+    let pts = series.iter().flat_map(|(_, p)| p.iter());
+    let (mut x0, mut x1, mut y0, mut y1) = (
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+    );
+    for &(x, y) in pts {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        y0 = y0.min(ty(y));
+        y1 = y1.max(ty(y));
+    }
+    if !x0.is_finite() {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    if x1 <= x0 {
+        x1 = x0 + 1.0;
+    }
+    if y1 <= y0 {
+        y1 = y0 + 1.0;
+    }
+    let px = |x: f64| left + (x - x0) / (x1 - x0) * (w - left - right);
+    let py = |y: f64| h - bottom - (ty(y) - y0) / (y1 - y0) * (h - top - bottom);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"22\" font-size=\"15\">{}</text>\n",
+        left,
+        xml(title)
+    );
+    s.push_str(&format!(
+        "<line x1=\"{left}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/><line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{}\" stroke=\"black\"/>\n",
+        h - bottom, w - right, h - bottom, h - bottom
+    ));
+    for k in 0..=4 {
+        let f = f64::from(k) / 4.0;
+        let xv = x0 + f * (x1 - x0);
+        let yv_t = y0 + f * (y1 - y0);
+        let yv = if log_y { 10f64.powf(yv_t) } else { yv_t };
+        s.push_str(&format!(
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+            px(xv),
+            h - bottom + 16.0,
+            fmt_num(xv)
+        ));
+        let yy = h - bottom - f * (h - top - bottom);
+        s.push_str(&format!(
+            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n",
+            left - 6.0,
+            yy + 4.0,
+            fmt_num(yv)
+        ));
+        s.push_str(&format!(
+            "<line x1=\"{left}\" y1=\"{yy:.1}\" x2=\"{}\" y2=\"{yy:.1}\" stroke=\"#ddd\"/>\n",
+            w - right
+        ));
+    }
+    s.push_str(&format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+        (left + w - right) / 2.0,
+        h - 12.0,
+        xml(x_label)
+    ));
+    s.push_str(&format!(
+        "<text x=\"16\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {})\">{}{}</text>\n",
+        (top + h - bottom) / 2.0,
+        (top + h - bottom) / 2.0,
+        xml(y_label),
+        if log_y { " (log)" } else { "" }
+    ));
+    for (i, (name, points)) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let coords: Vec<String> = points
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
+            .collect();
+        s.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            coords.join(" ")
+        ));
+        let ly = top + 10.0 + 18.0 * i as f64;
+        s.push_str(&format!(
+            "<line x1=\"{}\" y1=\"{ly}\" x2=\"{}\" y2=\"{ly}\" stroke=\"{color}\" stroke-width=\"3\"/><text x=\"{}\" y=\"{}\">{}</text>\n",
+            w - right + 10.0,
+            w - right + 30.0,
+            w - right + 36.0,
+            ly + 4.0,
+            xml(name)
+        ));
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+fn xml(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// The TTFT CDF of each run as chart series (x = TTFT ms, y = fraction).
+pub fn ttft_cdf_series(runs: &[RunResult]) -> Vec<(String, Vec<(f64, f64)>)> {
+    runs.iter()
+        .map(|run| {
+            let mut v: Vec<f64> = run
+                .records
+                .iter()
+                .filter_map(|r| Some(r.first_token_ms? - r.arrival_ms))
+                .collect();
+            v.sort_by(f64::total_cmp);
+            let n = v.len().max(1) as f64;
+            let step = (v.len() / 200).max(1);
+            let pts = v
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| i % step == 0 || *i + 1 == v.len())
+                .map(|(i, x)| (*x, (i + 1) as f64 / n))
+                .collect();
+            (run.policy.clone(), pts)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_nearest_rank() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let l = Latency::of(&mut v);
+        assert_eq!((l.p50, l.p90, l.p99), (50.0, 90.0, 99.0));
+        assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn chart_is_wellformed_svg() {
+        let svg = line_chart(
+            "t<",
+            "x",
+            "y",
+            &[("a&b".into(), vec![(0.0, 1.0), (1.0, 10.0)])],
+            true,
+        );
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("a&amp;b") && svg.contains("t&lt;"));
+    }
+}
