@@ -1,0 +1,1145 @@
+//! A sans-IO model of a vLLM V1 engine: scheduler, paged KV cache with prefix caching, and a
+//! step-time cost model.
+//!
+//! The engine reads no clock and starts no thread. A driver calls [`Engine::step`] with the
+//! current simulated time; the step schedules one batch, "runs" it, and returns how long it
+//! took plus everything that happened, stamped at `end_s = now_s + duration_s`. The driver
+//! delivers the events at `end_s` and calls `step` again no earlier than that. The live
+//! `vllm-sim` server drives it in scaled wall time; fleet-sim drives it in virtual time.
+//!
+//! Scheduling follows vLLM V1 with chunked prefill: running requests first (decode needs one
+//! token, a partial prefill the rest of its prompt), each limited by the step's token budget;
+//! when a running request cannot get a block, the newest running request is preempted
+//! (recompute: its blocks are freed, it goes back to the head of the queue). Then, if nothing
+//! was preempted, waiting requests are admitted first-come-first-served while the batch has
+//! room, budget is left and their blocks fit. A newly admitted request reuses the longest run
+//! of cached full blocks of its tokens, but always recomputes at least its last token.
+//!
+//! Step duration = `decode_step_s_min + (decode_step_s_full - decode_step_s_min) *
+//! batch_kv_tokens / kv_capacity_tokens + prefill_tokens / prefill_tokens_per_s`, times
+//! optional seeded jitter, where `batch_kv_tokens` is the KV context of every scheduled
+//! sequence and `prefill_tokens` the prompt (or recomputed) tokens computed this step.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use super::SimError;
+use super::kv::{BlockId, BlockPool};
+use super::profile::Profile;
+use super::tokenizer::{Tokenizer, WordTokenizer};
+
+/// Caller-chosen request id, unique among the requests inside one engine.
+pub type RequestId = u64;
+
+/// Engine configuration: a profile plus the knobs that are not hardware.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Hardware and model numbers.
+    pub profile: Profile,
+    /// Seed of the step-time jitter.
+    pub seed: u64,
+    /// Seed of the block hash chain (vLLM's `PYTHONHASHSEED`); LoRA adapters mix their name in.
+    pub hash_seed: u64,
+    /// Ids the engine generates (deterministically from the prompt, like greedy decoding).
+    pub output_vocab: Arc<[u32]>,
+    /// Build [`KvEvent`]s (turn off in simulations that do not need them).
+    pub kv_events: bool,
+}
+
+impl EngineConfig {
+    /// Configuration for `profile` with the default tokenizer's output words and seed 0.
+    pub fn new(profile: Profile) -> Self {
+        Self {
+            profile,
+            seed: 0,
+            hash_seed: 0,
+            output_vocab: WordTokenizer::default().output_vocab().into(),
+            kv_events: true,
+        }
+    }
+}
+
+/// One request as the engine sees it: already tokenised.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    /// Unique id, echoed in every event about this request.
+    pub id: RequestId,
+    /// The prompt (never empty).
+    pub prompt_tokens: Vec<u32>,
+    /// Output length: the engine generates exactly this many tokens (ignore_eos semantics).
+    pub max_output_tokens: u32,
+    /// LoRA adapter name; blocks of different adapters never share cache.
+    pub lora: Option<String>,
+    /// Simulated arrival time, seconds.
+    pub arrival_s: f64,
+}
+
+/// What happened to one request during a step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub enum RequestEvent {
+    /// Prefill finished and the first output token was sampled.
+    FirstToken {
+        /// The request.
+        request: RequestId,
+        /// The sampled token.
+        token_id: u32,
+        /// Prompt tokens served from the prefix cache when the request was first scheduled.
+        cached_tokens: u32,
+    },
+    /// One more output token.
+    Token {
+        /// The request.
+        request: RequestId,
+        /// The sampled token.
+        token_id: u32,
+    },
+    /// The request was preempted (it will recompute; tokens already streamed stay valid).
+    Preempted {
+        /// The request.
+        request: RequestId,
+    },
+    /// The request produced its last token and left the engine (after its token event).
+    Finished {
+        /// The request.
+        request: RequestId,
+        /// Totals and timestamps.
+        summary: RequestSummary,
+    },
+}
+
+/// Totals and timestamps of a finished request (simulated seconds).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestSummary {
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// Generated tokens.
+    pub output_tokens: u32,
+    /// Prompt tokens served from the prefix cache at first scheduling.
+    pub cached_tokens: u32,
+    /// Times this request was preempted.
+    pub num_preemptions: u32,
+    /// Arrival time.
+    pub arrival_s: f64,
+    /// Time the request was first scheduled (end of queueing).
+    pub scheduled_s: f64,
+    /// Time of the first token.
+    pub first_token_s: f64,
+    /// Time of the last token.
+    pub finished_s: f64,
+    /// LoRA adapter, if any.
+    pub lora: Option<String>,
+}
+
+/// A KV cache event, as vLLM publishes them (medium is always `GPU`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub enum KvEvent {
+    /// Full blocks became cached. `token_ids` holds all their tokens, concatenated.
+    BlockStored {
+        /// Chained hashes of the stored blocks, in sequence order.
+        block_hashes: Vec<u64>,
+        /// Hash of the block before the first stored one; `None` at the start of a sequence.
+        parent_block_hash: Option<u64>,
+        /// Tokens of the stored blocks.
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: u32,
+        /// LoRA adapter id (1-based, in order of first use).
+        lora_id: Option<u32>,
+        /// LoRA adapter name.
+        lora_name: Option<String>,
+    },
+    /// A cached block was evicted (one event per block, as vLLM 0.33 does).
+    BlockRemoved {
+        /// The evicted hashes.
+        block_hashes: Vec<u64>,
+    },
+    /// The prefix cache was reset.
+    AllBlocksCleared,
+}
+
+/// Everything one step did.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    /// Simulated time the batch took; 0 when nothing was scheduled.
+    pub duration_s: f64,
+    /// `now_s + duration_s`: when the events below become visible.
+    pub end_s: f64,
+    /// Sequences in the batch.
+    pub num_scheduled: u32,
+    /// Tokens computed (prefill + decode).
+    pub num_batched_tokens: u32,
+    /// Per-request events, in order.
+    pub events: Vec<RequestEvent>,
+    /// KV cache events, in order (evictions happen while scheduling, stores after compute).
+    pub kv_events: Vec<KvEvent>,
+}
+
+/// A point-in-time view of the engine for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EngineStats {
+    /// Requests in the running batch.
+    pub num_running: u32,
+    /// Requests queued (including preempted ones).
+    pub num_waiting: u32,
+    /// Fraction of KV blocks referenced by requests (0..1).
+    pub kv_cache_usage: f64,
+    /// Total KV blocks.
+    pub num_gpu_blocks: u32,
+    /// Blocks holding a cached hash.
+    pub num_cached_blocks: u32,
+    /// Tokens looked up in the prefix cache (counter).
+    pub prefix_cache_queries: u64,
+    /// Tokens found in the prefix cache (counter).
+    pub prefix_cache_hits: u64,
+    /// Preemptions (counter).
+    pub num_preemptions: u64,
+    /// Prompt tokens of requests that produced a first token (counter).
+    pub prompt_tokens: u64,
+    /// Generated tokens (counter).
+    pub generation_tokens: u64,
+    /// Requests that finished (counter).
+    pub requests_finished: u64,
+    /// Requests aborted (counter).
+    pub requests_aborted: u64,
+    /// Steps run (counter).
+    pub steps: u64,
+    /// LoRA adapters of running requests.
+    pub running_loras: BTreeSet<String>,
+    /// LoRA adapters of waiting requests.
+    pub waiting_loras: BTreeSet<String>,
+}
+
+#[derive(Debug, Clone)]
+struct Req {
+    tokens: Vec<u32>,
+    prompt_len: u32,
+    max_output: u32,
+    lora_id: Option<u32>,
+    lora_name: Option<Arc<str>>,
+    chain_seed: u64,
+    output_seed: u64,
+    block_hashes: Vec<u64>,
+    blocks: Vec<BlockId>,
+    num_computed: u32,
+    num_registered: u32,
+    cached_tokens: Option<u32>,
+    num_preemptions: u32,
+    arrival_s: f64,
+    scheduled_s: Option<f64>,
+    first_token_s: Option<f64>,
+}
+
+impl Req {
+    fn output_len(&self) -> u32 {
+        self.tokens.len() as u32 - self.prompt_len
+    }
+
+    /// Extends the chained block hashes to cover the first `n` full blocks.
+    fn hashes_up_to(&mut self, n: usize, block_size: usize) {
+        let mut buf = Vec::with_capacity(block_size * 4);
+        while self.block_hashes.len() < n {
+            let i = self.block_hashes.len();
+            let parent = if i == 0 {
+                self.chain_seed
+            } else {
+                self.block_hashes[i - 1]
+            };
+            buf.clear();
+            for t in &self.tokens[i * block_size..(i + 1) * block_size] {
+                buf.extend_from_slice(&t.to_le_bytes());
+            }
+            self.block_hashes.push(xxh3_64_with_seed(&buf, parent));
+        }
+    }
+}
+
+/// The simulated engine (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Engine {
+    cfg: EngineConfig,
+    block_size: u32,
+    pool: BlockPool,
+    reqs: HashMap<RequestId, Req>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    lora_ids: HashMap<String, u32>,
+    rng: SmallRng,
+    stats: EngineStats,
+    evicted: Vec<u64>,
+}
+
+impl Engine {
+    /// An idle engine with an empty cache.
+    pub fn new(cfg: EngineConfig) -> Result<Self, SimError> {
+        cfg.profile.validate()?;
+        if cfg.output_vocab.is_empty() {
+            return Err(SimError::Config("output_vocab must not be empty".into()));
+        }
+        let blocks = cfg.profile.num_gpu_blocks() as u32;
+        Ok(Self {
+            block_size: cfg.profile.block_size,
+            pool: BlockPool::new(blocks),
+            reqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            lora_ids: HashMap::new(),
+            rng: SmallRng::seed_from_u64(cfg.seed),
+            stats: EngineStats {
+                num_gpu_blocks: blocks,
+                ..EngineStats::default()
+            },
+            evicted: Vec::new(),
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Queues a request. Rejects requests that could never run instead of letting them hang.
+    pub fn add_request(&mut self, req: EngineRequest) -> Result<(), SimError> {
+        let p = &self.cfg.profile;
+        if self.reqs.contains_key(&req.id) {
+            return Err(SimError::DuplicateRequest(req.id));
+        }
+        if req.prompt_tokens.is_empty() {
+            return Err(SimError::InvalidRequest("prompt is empty".into()));
+        }
+        if req.max_output_tokens == 0 {
+            return Err(SimError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        let prompt = req.prompt_tokens.len() as u64;
+        let total = prompt + u64::from(req.max_output_tokens);
+        if total > u64::from(p.max_model_len) {
+            return Err(SimError::InvalidRequest(format!(
+                "this model's maximum context length is {} tokens, but {prompt} prompt tokens \
+                 plus {} output tokens were requested",
+                p.max_model_len, req.max_output_tokens
+            )));
+        }
+        let blocks_needed = total.div_ceil(u64::from(self.block_size));
+        if blocks_needed > u64::from(self.pool.num_blocks()) {
+            return Err(SimError::InvalidRequest(format!(
+                "request needs {blocks_needed} KV blocks but the cache holds only {}",
+                self.pool.num_blocks()
+            )));
+        }
+        let (lora_id, lora_name, chain_seed) = match &req.lora {
+            Some(name) => {
+                let next = self.lora_ids.len() as u32 + 1;
+                let id = *self.lora_ids.entry(name.clone()).or_insert(next);
+                let seed = self.cfg.hash_seed ^ xxh3_64(name.as_bytes());
+                (Some(id), Some(Arc::<str>::from(name.as_str())), seed)
+            }
+            None => (None, None, self.cfg.hash_seed),
+        };
+        let output_seed = xxh3_64_with_seed(
+            &req.prompt_tokens
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect::<Vec<u8>>(),
+            chain_seed,
+        );
+        let mut tokens = req.prompt_tokens;
+        tokens.reserve(req.max_output_tokens as usize);
+        self.reqs.insert(
+            req.id,
+            Req {
+                prompt_len: tokens.len() as u32,
+                tokens,
+                max_output: req.max_output_tokens,
+                lora_id,
+                lora_name,
+                chain_seed,
+                output_seed,
+                block_hashes: Vec::new(),
+                blocks: Vec::new(),
+                num_computed: 0,
+                num_registered: 0,
+                cached_tokens: None,
+                num_preemptions: 0,
+                arrival_s: req.arrival_s,
+                scheduled_s: None,
+                first_token_s: None,
+            },
+        );
+        self.waiting.push_back(req.id);
+        Ok(())
+    }
+
+    /// Removes a request wherever it is (client went away). Returns false if unknown.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(req) = self.reqs.remove(&id) else {
+            return false;
+        };
+        self.pool.free(&req.blocks);
+        if let Some(i) = self.running.iter().position(|r| *r == id) {
+            self.running.remove(i);
+        } else if let Some(i) = self.waiting.iter().position(|r| *r == id) {
+            self.waiting.remove(i);
+        }
+        self.stats.requests_aborted += 1;
+        true
+    }
+
+    /// True while any request is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Requests inside the engine.
+    pub fn num_requests(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Forgets every cached block (vLLM `POST /reset_prefix_cache`); blocks in use stay
+    /// allocated but are no longer shared. Returns the event to publish.
+    pub fn reset_prefix_cache(&mut self) -> Vec<KvEvent> {
+        self.pool.clear_cache();
+        vec![KvEvent::AllBlocksCleared]
+    }
+
+    /// A metrics snapshot.
+    pub fn stats(&self) -> EngineStats {
+        let mut s = self.stats.clone();
+        s.num_running = self.running.len() as u32;
+        s.num_waiting = self.waiting.len() as u32;
+        s.kv_cache_usage = self.pool.usage();
+        s.num_cached_blocks = self.pool.num_cached() as u32;
+        let lora = |ids: &mut dyn Iterator<Item = &RequestId>| -> BTreeSet<String> {
+            ids.filter_map(|id| self.reqs.get(id)?.lora_name.as_deref().map(str::to_owned))
+                .collect()
+        };
+        s.running_loras = lora(&mut self.running.iter());
+        s.waiting_loras = lora(&mut self.waiting.iter());
+        s
+    }
+
+    /// Schedules and runs one batch at simulated time `now_s` (see the module docs).
+    pub fn step(&mut self, now_s: f64) -> StepOutput {
+        let mut out = StepOutput {
+            end_s: now_s,
+            ..StepOutput::default()
+        };
+        if !self.has_work() {
+            return out;
+        }
+        let bs = self.block_size;
+        let mut budget = self.cfg.profile.max_num_batched_tokens;
+        let max_seqs = self.cfg.profile.max_num_seqs as usize;
+        // (id, tokens computed this step)
+        let mut scheduled: Vec<(RequestId, u32)> = Vec::with_capacity(self.running.len() + 8);
+        let mut preempted = false;
+
+        // 1. Running requests, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let (num_new, need) = {
+                let r = &self.reqs[&id];
+                let num_new = (r.tokens.len() as u32 - r.num_computed).min(budget);
+                let blocks = (r.num_computed + num_new).div_ceil(bs) as usize;
+                (num_new, blocks.saturating_sub(r.blocks.len()) as u32)
+            };
+            let mut fits = true;
+            while need > self.pool.num_free() {
+                let Some(victim) = self.running.pop() else {
+                    fits = false;
+                    break;
+                };
+                self.preempt(victim, &mut out);
+                preempted = true;
+                if victim == id {
+                    fits = false;
+                    break;
+                }
+            }
+            if !fits {
+                break;
+            }
+            self.grow(id, need);
+            scheduled.push((id, num_new));
+            budget -= num_new;
+            i += 1;
+        }
+
+        // 2. Waiting requests, first come first served, unless memory is already short.
+        while !preempted && budget > 0 && self.running.len() < max_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let Some(admitted) = self.try_admit(id, budget, now_s) else {
+                break;
+            };
+            self.waiting.pop_front();
+            self.running.push(id);
+            scheduled.push((id, admitted));
+            budget -= admitted;
+        }
+
+        self.flush_evictions(&mut out);
+        if scheduled.is_empty() {
+            return out;
+        }
+
+        // 3. Cost of the batch.
+        let mut prefill_tokens = 0u64;
+        let mut kv_tokens = 0u64;
+        for (id, n) in &scheduled {
+            let r = &self.reqs[id];
+            let is_decode =
+                *n == 1 && r.output_len() > 0 && r.num_computed + 1 == r.tokens.len() as u32;
+            if !is_decode {
+                prefill_tokens += u64::from(*n);
+            }
+            kv_tokens += u64::from(r.num_computed + n);
+        }
+        let p = &self.cfg.profile;
+        let fill = kv_tokens as f64 / p.kv_capacity_tokens as f64;
+        let mut duration = p.decode_step_s_min
+            + (p.decode_step_s_full - p.decode_step_s_min) * fill
+            + prefill_tokens as f64 / p.prefill_tokens_per_s;
+        if p.jitter > 0.0 {
+            duration *= 1.0 + self.rng.random_range(-p.jitter..=p.jitter);
+        }
+        let end_s = now_s + duration;
+        out.duration_s = duration;
+        out.end_s = end_s;
+        out.num_scheduled = scheduled.len() as u32;
+        out.num_batched_tokens = scheduled.iter().map(|(_, n)| n).sum();
+        self.stats.steps += 1;
+
+        // 4. Results: cache newly full blocks, sample tokens, finish requests.
+        let mut finished = Vec::new();
+        for (id, n) in scheduled {
+            self.complete(id, n, end_s, &mut out, &mut finished);
+        }
+        if !finished.is_empty() {
+            self.running.retain(|id| !finished.contains(id));
+        }
+        out
+    }
+
+    /// Allocates `need` more blocks for a running request (the caller checked they are free).
+    fn grow(&mut self, id: RequestId, need: u32) {
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        for _ in 0..need {
+            match self.pool.allocate(&mut self.evicted) {
+                Some(b) => r.blocks.push(b),
+                None => break,
+            }
+        }
+    }
+
+    fn preempt(&mut self, id: RequestId, out: &mut StepOutput) {
+        if let Some(r) = self.reqs.get_mut(&id) {
+            self.pool.free(&r.blocks);
+            r.blocks.clear();
+            r.num_computed = 0;
+            r.num_registered = 0;
+            r.num_preemptions += 1;
+        }
+        self.waiting.push_front(id);
+        self.stats.num_preemptions += 1;
+        out.events.push(RequestEvent::Preempted { request: id });
+    }
+
+    /// Admits the waiting request `id` if its blocks fit; returns tokens to compute this step.
+    fn try_admit(&mut self, id: RequestId, budget: u32, now_s: f64) -> Option<u32> {
+        let bs = self.block_size;
+        let r = self.reqs.get_mut(&id)?;
+        let num_tokens = r.tokens.len() as u32;
+        // Always recompute at least the last token (vLLM: max_cache_hit_length = n - 1).
+        let max_hit_blocks = ((num_tokens - 1) / bs) as usize;
+        r.hashes_up_to(max_hit_blocks, bs as usize);
+        let mut hits: Vec<BlockId> = Vec::new();
+        for h in &r.block_hashes[..max_hit_blocks] {
+            match self.pool.lookup(*h) {
+                Some(b) => hits.push(b),
+                None => break,
+            }
+        }
+        let hit_tokens = hits.len() as u32 * bs;
+        let num_new = (num_tokens - hit_tokens).min(budget);
+        let total_blocks = (hit_tokens + num_new).div_ceil(bs);
+        let new_blocks = total_blocks - hits.len() as u32;
+        let pinned = hits
+            .iter()
+            .filter(|b| self.pool.ref_count(**b) == 0)
+            .count() as u32;
+        if new_blocks + pinned > self.pool.num_free() {
+            return None;
+        }
+        self.pool.touch(&hits);
+        r.blocks = hits;
+        for _ in 0..new_blocks {
+            if let Some(b) = self.pool.allocate(&mut self.evicted) {
+                r.blocks.push(b);
+            }
+        }
+        r.num_computed = hit_tokens;
+        r.num_registered = hit_tokens / bs;
+        if r.cached_tokens.is_none() {
+            r.cached_tokens = Some(hit_tokens);
+        }
+        if r.scheduled_s.is_none() {
+            r.scheduled_s = Some(now_s);
+        }
+        self.stats.prefix_cache_queries += u64::from(num_tokens);
+        self.stats.prefix_cache_hits += u64::from(hit_tokens);
+        Some(num_new)
+    }
+
+    fn flush_evictions(&mut self, out: &mut StepOutput) {
+        if self.cfg.kv_events {
+            out.kv_events
+                .extend(self.evicted.drain(..).map(|h| KvEvent::BlockRemoved {
+                    block_hashes: vec![h],
+                }));
+        } else {
+            self.evicted.clear();
+        }
+    }
+
+    fn complete(
+        &mut self,
+        id: RequestId,
+        n: u32,
+        end_s: f64,
+        out: &mut StepOutput,
+        finished: &mut Vec<RequestId>,
+    ) {
+        let bs = self.block_size;
+        let emit = self.cfg.kv_events;
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
+        r.num_computed += n;
+
+        // Cache the blocks that just became full, one BlockStored per contiguous run.
+        let full = r.num_computed / bs;
+        if full > r.num_registered {
+            r.hashes_up_to(full as usize, bs as usize);
+            let mut run: Option<KvEvent> = None;
+            for i in r.num_registered..full {
+                let i = i as usize;
+                let stored = self.pool.register(r.blocks[i], r.block_hashes[i]);
+                if !emit {
+                    continue;
+                }
+                if stored {
+                    let h = r.block_hashes[i];
+                    let toks = &r.tokens[i * bs as usize..(i + 1) * bs as usize];
+                    match &mut run {
+                        Some(KvEvent::BlockStored {
+                            block_hashes,
+                            token_ids,
+                            ..
+                        }) => {
+                            block_hashes.push(h);
+                            token_ids.extend_from_slice(toks);
+                        }
+                        _ => {
+                            run = Some(KvEvent::BlockStored {
+                                block_hashes: vec![h],
+                                parent_block_hash: i.checked_sub(1).map(|p| r.block_hashes[p]),
+                                token_ids: toks.to_vec(),
+                                block_size: bs,
+                                lora_id: r.lora_id,
+                                lora_name: r.lora_name.as_deref().map(str::to_owned),
+                            })
+                        }
+                    }
+                } else if let Some(ev) = run.take() {
+                    out.kv_events.push(ev);
+                }
+            }
+            if let Some(ev) = run {
+                out.kv_events.push(ev);
+            }
+            r.num_registered = full;
+        }
+
+        if r.num_computed < r.tokens.len() as u32 {
+            return; // chunked prefill continues next step
+        }
+        // Sample the next token, deterministically from the prompt (greedy-like).
+        let k = r.output_len();
+        let vocab = &self.cfg.output_vocab;
+        let pick = xxh3_64_with_seed(&k.to_le_bytes(), r.output_seed) % vocab.len() as u64;
+        let token_id = vocab[pick as usize];
+        r.tokens.push(token_id);
+        self.stats.generation_tokens += 1;
+        if r.first_token_s.is_none() {
+            r.first_token_s = Some(end_s);
+            self.stats.prompt_tokens += u64::from(r.prompt_len);
+            out.events.push(RequestEvent::FirstToken {
+                request: id,
+                token_id,
+                cached_tokens: r.cached_tokens.unwrap_or(0),
+            });
+        } else {
+            out.events.push(RequestEvent::Token {
+                request: id,
+                token_id,
+            });
+        }
+        if r.output_len() < r.max_output {
+            return;
+        }
+        let summary = RequestSummary {
+            prompt_tokens: r.prompt_len,
+            output_tokens: r.output_len(),
+            cached_tokens: r.cached_tokens.unwrap_or(0),
+            num_preemptions: r.num_preemptions,
+            arrival_s: r.arrival_s,
+            scheduled_s: r.scheduled_s.unwrap_or(r.arrival_s),
+            first_token_s: r.first_token_s.unwrap_or(end_s),
+            finished_s: end_s,
+            lora: r.lora_name.as_deref().map(str::to_owned),
+        };
+        let blocks = std::mem::take(&mut r.blocks);
+        self.pool.free(&blocks);
+        self.reqs.remove(&id);
+        self.stats.requests_finished += 1;
+        finished.push(id);
+        out.events.push(RequestEvent::Finished {
+            request: id,
+            summary,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 8 blocks of 4 tokens, 1000 prefill tokens/s, 10..20 ms decode steps.
+    fn tiny(blocks: u64) -> EngineConfig {
+        let mut p = Profile::llama8b_h100();
+        p.block_size = 4;
+        p.kv_capacity_tokens = blocks * 4;
+        p.prefill_tokens_per_s = 1000.0;
+        p.decode_step_s_min = 0.010;
+        p.decode_step_s_full = 0.020;
+        EngineConfig::new(p)
+    }
+
+    fn req(id: RequestId, prompt: &[u32], out: u32) -> EngineRequest {
+        EngineRequest {
+            id,
+            prompt_tokens: prompt.to_vec(),
+            max_output_tokens: out,
+            lora: None,
+            arrival_s: 0.0,
+        }
+    }
+
+    fn toks(range: std::ops::Range<u32>) -> Vec<u32> {
+        range.collect()
+    }
+
+    /// Runs until idle; returns every step's output.
+    fn drain(e: &mut Engine, mut now: f64) -> Vec<StepOutput> {
+        let mut outs = Vec::new();
+        for _ in 0..100_000 {
+            if !e.has_work() {
+                return outs;
+            }
+            let out = e.step(now);
+            now = out.end_s;
+            outs.push(out);
+        }
+        panic!("engine did not drain");
+    }
+
+    fn summaries(outs: &[StepOutput]) -> HashMap<RequestId, RequestSummary> {
+        outs.iter()
+            .flat_map(|o| &o.events)
+            .filter_map(|e| match e {
+                RequestEvent::Finished { request, summary } => Some((*request, summary.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn outputs(outs: &[StepOutput], id: RequestId) -> Vec<u32> {
+        outs.iter()
+            .flat_map(|o| &o.events)
+            .filter_map(|e| match e {
+                RequestEvent::FirstToken {
+                    request, token_id, ..
+                }
+                | RequestEvent::Token { request, token_id }
+                    if *request == id =>
+                {
+                    Some(*token_id)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn removed(outs: &[StepOutput]) -> Vec<u64> {
+        outs.iter()
+            .flat_map(|o| &o.kv_events)
+            .filter_map(|e| match e {
+                KvEvent::BlockRemoved { block_hashes } => Some(block_hashes[0]),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn hashes(tokens: &[u32], bs: usize) -> Vec<u64> {
+        scorer_core::hash::token_block_hashes(0, tokens, bs)
+    }
+
+    #[test]
+    fn warm_prefix_prefills_faster_by_its_cached_share() {
+        let cfg = EngineConfig::new(Profile::llama8b_h100());
+        let p = cfg.profile.clone();
+        let mut e = Engine::new(cfg).unwrap();
+        let prompt = toks(1000..5000); // 4000 tokens = 250 blocks
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        let cold = drain(&mut e, 0.0);
+        e.add_request(req(2, &prompt, 1)).unwrap();
+        let warm = drain(&mut e, 10.0);
+        // Last token recomputed: 249 of 250 blocks hit.
+        assert_eq!(summaries(&warm)[&2].cached_tokens, 3984);
+        let cold_s = cold[0].duration_s;
+        let warm_s = warm[0].duration_s;
+        let saved = cold_s - warm_s;
+        assert!(
+            (saved - 3984.0 / p.prefill_tokens_per_s).abs() < 1e-9,
+            "saved {saved}"
+        );
+        assert!(warm_s < cold_s * 0.05);
+        let st = e.stats();
+        assert_eq!(st.prefix_cache_queries, 8000);
+        assert_eq!(st.prefix_cache_hits, 3984);
+    }
+
+    #[test]
+    fn step_time_follows_the_profile() {
+        let cfg = EngineConfig::new(Profile::llama8b_h100());
+        let p = cfg.profile.clone();
+        let mut e = Engine::new(cfg).unwrap();
+        e.add_request(req(1, &toks(0..1000), 3)).unwrap();
+        let slope = (p.decode_step_s_full - p.decode_step_s_min) / p.kv_capacity_tokens as f64;
+        let prefill = e.step(0.0);
+        let want = p.decode_step_s_min + slope * 1000.0 + 1000.0 / p.prefill_tokens_per_s;
+        assert!((prefill.duration_s - want).abs() < 1e-12);
+        assert!((prefill.end_s - want).abs() < 1e-12);
+        let decode = e.step(prefill.end_s);
+        assert!((decode.duration_s - (p.decode_step_s_min + slope * 1001.0)).abs() < 1e-12);
+        // A batch whose KV fills the cache pool costs decode_step_s_full.
+        assert!((p.decode_step_s_min + slope * p.kv_capacity_tokens as f64 - 0.022).abs() < 1e-12);
+        // One short sequence costs about decode_step_s_min.
+        assert!((decode.duration_s - 0.0048).abs() < 0.0001);
+    }
+
+    #[test]
+    fn jitter_is_bounded_and_seeded() {
+        let mut cfg = tiny(64);
+        cfg.profile.jitter = 0.2;
+        cfg.seed = 7;
+        let run = |cfg: EngineConfig| {
+            let mut e = Engine::new(cfg).unwrap();
+            e.add_request(req(1, &toks(0..8), 20)).unwrap();
+            drain(&mut e, 0.0)
+                .iter()
+                .map(|o| o.duration_s)
+                .collect::<Vec<_>>()
+        };
+        let a = run(cfg.clone());
+        assert_eq!(a, run(cfg.clone()));
+        assert!(a.iter().any(|d| (d - a[1]).abs() > 1e-9), "jitter varies");
+        assert!(
+            a[1..]
+                .iter()
+                .all(|d| *d >= 0.010 * 0.8 && *d <= 0.012 * 1.2)
+        );
+    }
+
+    #[test]
+    fn last_prompt_token_is_always_recomputed() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        let prompt = toks(0..8); // exactly two blocks
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        drain(&mut e, 0.0);
+        e.add_request(req(2, &prompt, 1)).unwrap();
+        let outs = drain(&mut e, 1.0);
+        assert_eq!(summaries(&outs)[&2].cached_tokens, 4);
+        assert_eq!(outs[0].num_batched_tokens, 4);
+        // One token past the cached blocks: both blocks hit, one token computed.
+        e.add_request(req(3, &toks(0..9), 1)).unwrap();
+        let outs = drain(&mut e, 2.0);
+        assert_eq!(summaries(&outs)[&3].cached_tokens, 8);
+        assert_eq!(outs[0].num_batched_tokens, 1);
+    }
+
+    #[test]
+    fn eviction_only_under_pressure_and_lru() {
+        let mut e = Engine::new(tiny(8)).unwrap();
+        let (a, b, c, d) = (toks(0..8), toks(100..108), toks(200..216), toks(300..308));
+        e.add_request(req(1, &a, 1)).unwrap();
+        let mut outs = drain(&mut e, 0.0);
+        e.add_request(req(2, &b, 1)).unwrap();
+        outs.extend(drain(&mut e, 1.0));
+        // Reuse both blocks of A, so B becomes the least recently used.
+        e.add_request(req(3, &toks(0..9), 1)).unwrap();
+        outs.extend(drain(&mut e, 2.0));
+        assert_eq!(e.stats().num_cached_blocks, 4);
+        // C takes the four empty blocks: nothing is evicted yet.
+        e.add_request(req(4, &c, 1)).unwrap();
+        outs.extend(drain(&mut e, 3.0));
+        assert!(removed(&outs).is_empty(), "no eviction without pressure");
+        assert_eq!(e.stats().num_cached_blocks, 8);
+        // D needs two blocks: B's go, tail block first.
+        e.add_request(req(5, &d, 1)).unwrap();
+        let outs = drain(&mut e, 4.0);
+        let hb = hashes(&b, 4);
+        assert_eq!(removed(&outs), vec![hb[1], hb[0]]);
+        // A is still cached.
+        e.add_request(req(6, &toks(0..9), 1)).unwrap();
+        assert_eq!(summaries(&drain(&mut e, 5.0))[&6].cached_tokens, 8);
+    }
+
+    #[test]
+    fn preempts_newest_when_cache_overflows() {
+        // 8 blocks; each request needs 6 blocks at its end, both together 12.
+        let mut e = Engine::new(tiny(8)).unwrap();
+        e.add_request(req(1, &toks(0..12), 12)).unwrap();
+        e.add_request(req(2, &toks(100..112), 12)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        let pre: Vec<_> = outs
+            .iter()
+            .flat_map(|o| &o.events)
+            .filter_map(|e| match e {
+                RequestEvent::Preempted { request } => Some(*request),
+                _ => None,
+            })
+            .collect();
+        assert!(!pre.is_empty());
+        assert!(
+            pre.iter().all(|r| *r == 2),
+            "the newest request is preempted"
+        );
+        let s = summaries(&outs);
+        assert_eq!(s[&1].num_preemptions, 0);
+        assert_eq!(s[&2].num_preemptions as usize, pre.len());
+        assert_eq!(s[&1].output_tokens, 12);
+        assert_eq!(s[&2].output_tokens, 12);
+        assert_eq!(outputs(&outs, 2).len(), 12, "no token is lost or repeated");
+        assert_eq!(e.stats().num_preemptions as usize, pre.len());
+        assert_eq!(e.stats().kv_cache_usage, 0.0);
+    }
+
+    #[test]
+    fn generated_tokens_are_cached_for_the_next_turn() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        let prompt = toks(0..8);
+        e.add_request(req(1, &prompt, 8)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        let answer = outputs(&outs, 1);
+        assert_eq!(answer.len(), 8);
+        // 8 prompt + 7 computed output tokens = 3 full blocks.
+        let stored: Vec<u64> = outs
+            .iter()
+            .flat_map(|o| &o.kv_events)
+            .flat_map(|e| match e {
+                KvEvent::BlockStored { block_hashes, .. } => block_hashes.clone(),
+                _ => vec![],
+            })
+            .collect();
+        let mut turn2 = prompt.clone();
+        turn2.extend(&answer);
+        turn2.extend([900, 901, 902, 903]);
+        assert_eq!(stored, hashes(&turn2, 4)[..3].to_vec());
+        e.add_request(req(2, &turn2, 1)).unwrap();
+        assert_eq!(summaries(&drain(&mut e, 1.0))[&2].cached_tokens, 12);
+    }
+
+    #[test]
+    fn block_stored_events_chain_like_scorer_core() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        e.add_request(req(1, &toks(0..9), 1)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        let h = hashes(&toks(0..9), 4);
+        assert_eq!(
+            outs[0].kv_events,
+            vec![KvEvent::BlockStored {
+                block_hashes: h.clone(),
+                parent_block_hash: None,
+                token_ids: toks(0..8),
+                block_size: 4,
+                lora_id: None,
+                lora_name: None,
+            }]
+        );
+        e.add_request(req(2, &toks(0..13), 1)).unwrap();
+        let outs = drain(&mut e, 1.0);
+        match &outs[0].kv_events[..] {
+            [
+                KvEvent::BlockStored {
+                    parent_block_hash,
+                    token_ids,
+                    ..
+                },
+            ] => {
+                assert_eq!(*parent_block_hash, Some(h[1]));
+                assert_eq!(token_ids, &toks(8..12));
+            }
+            other => panic!("unexpected events {other:?}"),
+        }
+        assert_eq!(e.reset_prefix_cache(), vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(e.stats().num_cached_blocks, 0);
+    }
+
+    #[test]
+    fn lora_adapters_do_not_share_cache() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        let prompt = toks(0..9);
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        drain(&mut e, 0.0);
+        let mut r = req(2, &prompt, 1);
+        r.lora = Some("sql".into());
+        e.add_request(r).unwrap();
+        let outs = drain(&mut e, 1.0);
+        assert_eq!(summaries(&outs)[&2].cached_tokens, 0);
+        match &outs[0].kv_events[0] {
+            KvEvent::BlockStored {
+                lora_id, lora_name, ..
+            } => {
+                assert_eq!(*lora_id, Some(1));
+                assert_eq!(lora_name.as_deref(), Some("sql"));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn chunked_prefill_respects_the_token_budget() {
+        let mut cfg = tiny(64);
+        cfg.profile.max_num_batched_tokens = 16;
+        let mut e = Engine::new(cfg).unwrap();
+        e.add_request(req(1, &toks(0..40), 2)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        let batched: Vec<u32> = outs.iter().map(|o| o.num_batched_tokens).collect();
+        assert_eq!(batched, vec![16, 16, 8, 1]);
+        assert!(outs[0].events.is_empty() && outs[1].events.is_empty());
+        assert!(matches!(outs[2].events[0], RequestEvent::FirstToken { .. }));
+    }
+
+    #[test]
+    fn batch_size_is_capped() {
+        let mut cfg = tiny(64);
+        cfg.profile.max_num_seqs = 2;
+        let mut e = Engine::new(cfg).unwrap();
+        for i in 0..3 {
+            e.add_request(req(i, &toks(i as u32 * 10..i as u32 * 10 + 4), 3))
+                .unwrap();
+        }
+        let out = e.step(0.0);
+        assert_eq!(out.num_scheduled, 2);
+        assert_eq!(e.stats().num_waiting, 1);
+        let outs = drain(&mut e, out.end_s);
+        let s = summaries(&outs);
+        assert!(s[&2].scheduled_s > 0.0, "the third request queued");
+    }
+
+    #[test]
+    fn rejects_requests_that_cannot_run() {
+        let mut e = Engine::new(tiny(8)).unwrap();
+        assert!(e.add_request(req(1, &[], 1)).is_err());
+        assert!(e.add_request(req(1, &[1], 0)).is_err());
+        assert!(
+            e.add_request(req(1, &toks(0..30), 10)).is_err(),
+            "more than the cache"
+        );
+        e.add_request(req(1, &[1], 1)).unwrap();
+        assert!(matches!(
+            e.add_request(req(1, &[1], 1)),
+            Err(SimError::DuplicateRequest(1))
+        ));
+        let mut cfg = tiny(1 << 20);
+        cfg.profile.max_model_len = 100;
+        let mut e = Engine::new(cfg).unwrap();
+        assert!(e.add_request(req(1, &toks(0..90), 11)).is_err());
+    }
+
+    #[test]
+    fn abort_frees_blocks() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        e.add_request(req(1, &toks(0..20), 50)).unwrap();
+        e.add_request(req(2, &toks(50..70), 50)).unwrap();
+        e.step(0.0);
+        assert!(e.stats().kv_cache_usage > 0.0);
+        assert!(e.abort(1));
+        assert!(e.abort(2));
+        assert!(!e.abort(2));
+        assert!(!e.has_work());
+        assert_eq!(e.stats().kv_cache_usage, 0.0);
+        assert_eq!(e.stats().requests_aborted, 2);
+    }
+
+    #[test]
+    fn output_is_deterministic_per_prompt() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        e.add_request(req(1, &toks(0..5), 6)).unwrap();
+        e.add_request(req(2, &toks(0..5), 6)).unwrap();
+        e.add_request(req(3, &toks(1..6), 6)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        assert_eq!(outputs(&outs, 1), outputs(&outs, 2));
+        assert_ne!(outputs(&outs, 1), outputs(&outs, 3));
+    }
+
+    #[test]
+    fn thousands_of_requests_run_fast() {
+        let mut e = Engine::new(EngineConfig::new(Profile::llama8b_h100())).unwrap();
+        let system = toks(0..512);
+        let start = std::time::Instant::now();
+        let mut now = 0.0;
+        let mut finished = 0;
+        for i in 0..3000u32 {
+            let mut prompt = system.clone();
+            prompt.extend(10_000 + i * 300..10_000 + i * 300 + 200);
+            let mut r = req(u64::from(i), &prompt, 32);
+            r.arrival_s = now;
+            e.add_request(r).unwrap();
+            // 100 requests per simulated second.
+            let until = now + 0.01;
+            while e.has_work() && now < until {
+                let out = e.step(now);
+                now = out.end_s;
+                finished += out
+                    .events
+                    .iter()
+                    .filter(|e| matches!(e, RequestEvent::Finished { .. }))
+                    .count();
+            }
+            now = now.max(until);
+        }
+        finished += summaries(&drain(&mut e, now)).len();
+        assert_eq!(finished, 3000);
+        let st = e.stats();
+        assert!(st.prefix_cache_hits as f64 / st.prefix_cache_queries as f64 > 0.6);
+        assert!(
+            start.elapsed().as_secs_f64() < 10.0,
+            "took {:?}",
+            start.elapsed()
+        );
+    }
+}

@@ -1,0 +1,336 @@
+//! Prometheus text exposition with vLLM 0.33's metric names and labels.
+//!
+//! Rendered by hand rather than with a metrics library so names (`vllm:` prefix, `_total`
+//! counters), label sets and histogram buckets match vLLM exactly.
+
+use std::fmt::Write;
+
+use super::engine::EngineStats;
+
+/// vLLM's time-to-first-token buckets, seconds.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's inter-token-latency buckets, seconds.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+/// vLLM's request-latency buckets (e2e, queue), seconds.
+pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// A cumulative Prometheus histogram.
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    /// An empty histogram with upper bounds `bounds` (plus `+Inf`).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    /// Records one observation (negative values clamp to 0).
+    pub fn observe(&mut self, v: f64) {
+        let v = if v.is_finite() { v.max(0.0) } else { 0.0 };
+        if let Some(i) = self.bounds.iter().position(|b| v <= *b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let mut cum = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cum += c;
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{}\"}} {cum}", float(*b));
+        }
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", float(self.sum));
+    }
+}
+
+/// The latency histograms a server keeps.
+#[derive(Debug, Clone)]
+pub struct LatencyHistograms {
+    /// `vllm:time_to_first_token_seconds`.
+    pub ttft: Histogram,
+    /// `vllm:inter_token_latency_seconds`.
+    pub itl: Histogram,
+    /// `vllm:e2e_request_latency_seconds`.
+    pub e2e: Histogram,
+    /// `vllm:request_queue_time_seconds`.
+    pub queue: Histogram,
+}
+
+impl Default for LatencyHistograms {
+    fn default() -> Self {
+        Self {
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(REQUEST_LATENCY_BUCKETS),
+            queue: Histogram::new(REQUEST_LATENCY_BUCKETS),
+        }
+    }
+}
+
+/// Static facts shown in `vllm:cache_config_info` and `vllm:lora_requests_info`.
+#[derive(Debug, Clone)]
+pub struct ServerInfo {
+    /// Served model name (`model_name` label).
+    pub model_name: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Maximum number of LoRA adapters.
+    pub max_loras: u32,
+    /// KV bytes per token of the profile.
+    pub kv_bytes_per_token: u64,
+}
+
+/// Formats like Python's `float.__repr__` for the common cases (`1.0`, `0.25`).
+fn float(v: f64) -> String {
+    if v.is_finite() && v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.1}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// Escapes a Prometheus label value.
+pub fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, labels: &str, value: f64) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+    let _ = writeln!(out, "{name}{{{labels}}} {}", float(value));
+}
+
+/// Renders the full `/metrics` page. `unix_now_s` stamps `vllm:lora_requests_info`.
+pub fn render(
+    info: &ServerInfo,
+    stats: &EngineStats,
+    hist: &LatencyHistograms,
+    requests_aborted: u64,
+    unix_now_s: f64,
+) -> String {
+    let mut out = String::with_capacity(16 * 1024);
+    let l = format!(
+        "engine=\"0\",model_name=\"{}\"",
+        escape_label(&info.model_name)
+    );
+    let o = &mut out;
+    metric(
+        o,
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        &l,
+        f64::from(stats.num_running),
+    );
+    metric(
+        o,
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        &l,
+        f64::from(stats.num_waiting),
+    );
+    metric(
+        o,
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        &l,
+        stats.kv_cache_usage,
+    );
+    metric(
+        o,
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        &l,
+        stats.prefix_cache_queries as f64,
+    );
+    metric(
+        o,
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        &l,
+        stats.prefix_cache_hits as f64,
+    );
+    metric(
+        o,
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemption from the engine.",
+        &l,
+        stats.num_preemptions as f64,
+    );
+    metric(
+        o,
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        &l,
+        stats.prompt_tokens as f64,
+    );
+    metric(
+        o,
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        &l,
+        stats.generation_tokens as f64,
+    );
+
+    let _ = writeln!(
+        o,
+        "# HELP vllm:request_success_total Count of successfully processed requests."
+    );
+    let _ = writeln!(o, "# TYPE vllm:request_success_total counter");
+    for (reason, n) in [
+        ("stop", 0),
+        ("length", stats.requests_finished),
+        ("abort", requests_aborted),
+    ] {
+        let _ = writeln!(
+            o,
+            "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {}",
+            float(n as f64)
+        );
+    }
+
+    let cache_labels = format!(
+        "block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",\
+         gpu_memory_utilization=\"0.9\",kv_bytes_per_token=\"{}\",num_cpu_blocks=\"None\",\
+         num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"xxh3_64\"",
+        info.block_size, info.kv_bytes_per_token, stats.num_gpu_blocks
+    );
+    metric(
+        o,
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig",
+        &cache_labels,
+        1.0,
+    );
+
+    let join = |s: &std::collections::BTreeSet<String>| {
+        escape_label(&s.iter().cloned().collect::<Vec<_>>().join(","))
+    };
+    let lora_labels = format!(
+        "max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"",
+        info.max_loras,
+        join(&stats.running_loras),
+        join(&stats.waiting_loras)
+    );
+    metric(
+        o,
+        "vllm:lora_requests_info",
+        "gauge",
+        "Running stats on lora requests.",
+        &lora_labels,
+        unix_now_s,
+    );
+
+    hist.ttft.render(
+        o,
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        &l,
+    );
+    hist.itl.render(
+        o,
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        &l,
+    );
+    hist.e2e.render(
+        o,
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        &l,
+    );
+    hist.queue.render(
+        o,
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        &l,
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let mut h = Histogram::new(&[0.1, 1.0]);
+        h.observe(0.05);
+        h.observe(0.5);
+        h.observe(5.0);
+        let mut s = String::new();
+        h.render(&mut s, "x", "help", "a=\"b\"");
+        assert!(s.contains("x_bucket{a=\"b\",le=\"0.1\"} 1\n"));
+        assert!(s.contains("x_bucket{a=\"b\",le=\"1.0\"} 2\n"));
+        assert!(s.contains("x_bucket{a=\"b\",le=\"+Inf\"} 3\n"));
+        assert!(s.contains("x_count{a=\"b\"} 3\n"));
+        assert!(s.contains("x_sum{a=\"b\"} 5.55\n"));
+    }
+
+    #[test]
+    fn page_has_vllm_names() {
+        let info = ServerInfo {
+            model_name: "m\"x".into(),
+            block_size: 16,
+            max_loras: 4,
+            kv_bytes_per_token: 1,
+        };
+        let page = render(
+            &info,
+            &EngineStats::default(),
+            &LatencyHistograms::default(),
+            0,
+            1.0,
+        );
+        for name in [
+            "vllm:num_requests_running{engine=\"0\",model_name=\"m\\\"x\"} 0.0",
+            "vllm:kv_cache_usage_perc{",
+            "vllm:prefix_cache_hits_total{",
+            "vllm:request_success_total{engine=\"0\",model_name=\"m\\\"x\",finished_reason=\"length\"}",
+            "vllm:cache_config_info{block_size=\"16\"",
+            "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"\"",
+            "vllm:request_queue_time_seconds_bucket{",
+        ] {
+            assert!(page.contains(name), "missing {name}");
+        }
+    }
+}

@@ -1,0 +1,1101 @@
+//! The live `vllm-sim` server: one [`Engine`] behind a vLLM-compatible OpenAI HTTP API.
+//!
+//! A driver task runs the engine in scaled wall time: simulated time advances `speed` seconds
+//! per wall second. Busy, it runs steps back to back in simulated time and sleeps until each
+//! step's end (so sleep overshoot never accumulates); idle, it waits on a [`Notify`] and costs
+//! nothing, so many replicas share a small machine.
+//!
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE streaming),
+//! `GET /v1/models`, `GET /health`, `POST /tokenize`, `POST /v1/chat/completions/render`,
+//! `POST /v1/completions/render`, `POST /reset_prefix_cache`, `GET /metrics`, and for tests
+//! `GET|POST /sim/fault` (failure injection) and `GET /sim/stats`. Every response carries
+//! `x-vllm-sim-replica: host:port`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, mpsc, watch};
+
+use super::SimError;
+use super::engine::{Engine, EngineConfig, EngineRequest, RequestEvent, RequestId, RequestSummary};
+use super::kv_events::{DEFAULT_BUFFER_STEPS, Publisher};
+use super::metrics::{LatencyHistograms, ServerInfo};
+use super::profile::Profile;
+use super::tokenizer::{ChatMessage, ChatMl, ChatTemplate, Tokenizer, WordTokenizer};
+
+/// Response header naming the replica that served a request.
+pub const REPLICA_HEADER: &str = "x-vllm-sim-replica";
+
+/// Command line of `vllm-sim`.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "vllm-sim",
+    about = "A simulated vLLM server: OpenAI API, metrics, KV events"
+)]
+pub struct SimArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Served model name (default: the profile's model).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Simulated seconds per wall-clock second.
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
+    /// Profile YAML file, or a built-in name: `llama8b-h100` (default), `fast`.
+    #[arg(long)]
+    pub profile: Option<String>,
+    /// Override the profile's KV cache capacity, tokens.
+    #[arg(long)]
+    pub kv_capacity_tokens: Option<u64>,
+    /// Override the profile's block size, tokens.
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// Override the profile's maximum context length.
+    #[arg(long)]
+    pub max_model_len: Option<u32>,
+    /// Bind a ZMQ PUB socket here and publish KV events (e.g. `tcp://127.0.0.1:5557`).
+    #[arg(long)]
+    pub kv_events_endpoint: Option<String>,
+    /// Bind a ZMQ ROUTER replay socket here (needs `--kv-events-endpoint`).
+    #[arg(long)]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// Topic frame of KV event messages.
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
+    /// Seed of step-time jitter and failure injection.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Override the profile's relative step-time jitter.
+    #[arg(long)]
+    pub jitter: Option<f64>,
+    /// Override the profile's maximum batch size.
+    #[arg(long)]
+    pub max_num_seqs: Option<u32>,
+    /// Override the profile's per-step token budget.
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<u32>,
+    /// Output length when a request sets no `max_tokens`.
+    #[arg(long, default_value_t = 64)]
+    pub default_max_tokens: u32,
+    /// LoRA adapters served besides the base model (`name` or `name=path`; repeatable).
+    #[arg(long, num_args = 1..)]
+    pub lora_modules: Vec<String>,
+    /// Fraction of completion requests answered with `--fail-status` (failure injection).
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Status code of injected failures.
+    #[arg(long, default_value_t = 500)]
+    pub fail_status: u16,
+}
+
+impl SimArgs {
+    /// Resolves the profile and its overrides.
+    pub fn profile(&self) -> Result<Profile, SimError> {
+        let mut p = match self.profile.as_deref() {
+            None | Some("llama8b-h100") => Profile::llama8b_h100(),
+            Some("fast") => Profile::fast(),
+            Some(path) => Profile::load(&PathBuf::from(path))?,
+        };
+        if let Some(v) = self.kv_capacity_tokens {
+            p.kv_capacity_tokens = v;
+        }
+        if let Some(v) = self.block_size {
+            p.block_size = v;
+        }
+        if let Some(v) = self.max_model_len {
+            p.max_model_len = v;
+        }
+        if let Some(v) = self.jitter {
+            p.jitter = v;
+        }
+        if let Some(v) = self.max_num_seqs {
+            p.max_num_seqs = v;
+        }
+        if let Some(v) = self.max_num_batched_tokens {
+            p.max_num_batched_tokens = v;
+        }
+        p.validate()?;
+        Ok(p)
+    }
+}
+
+/// Failure injection state, changed with `POST /sim/fault` (fields absent keep their value).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultState {
+    /// Every endpoint except `/sim/*` stops answering until this is cleared.
+    pub hang: bool,
+    /// `/metrics` returns unparseable text.
+    pub garbage_metrics: bool,
+    /// Fraction of completion requests that fail with `fail_status`.
+    pub fail_rate: f64,
+    /// Status of injected failures.
+    pub fail_status: u16,
+    /// Extra latency before a completion request is handled, milliseconds.
+    pub delay_ms: u64,
+}
+
+/// Maps simulated time to wall time: `sim = (wall - epoch) * speed`.
+#[derive(Debug, Clone, Copy)]
+struct SimClock {
+    epoch: Instant,
+    speed: f64,
+}
+
+impl SimClock {
+    fn now(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * self.speed
+    }
+
+    fn instant_at(&self, sim_s: f64) -> Instant {
+        let wall = (sim_s / self.speed).clamp(0.0, 1e9);
+        self.epoch + Duration::from_secs_f64(wall)
+    }
+}
+
+/// What the driver tells a waiting HTTP handler.
+#[derive(Debug)]
+enum Delivery {
+    Token(u32),
+    Finished(RequestSummary),
+}
+
+struct Pending {
+    tx: mpsc::UnboundedSender<Delivery>,
+    arrival_s: f64,
+    last_token_s: Option<f64>,
+}
+
+struct Shared {
+    model: String,
+    loras: Vec<String>,
+    replica: String,
+    default_max_tokens: u32,
+    max_model_len: u32,
+    info: ServerInfo,
+    clock: SimClock,
+    engine: Mutex<Engine>,
+    wake: Notify,
+    pending: Mutex<HashMap<RequestId, Pending>>,
+    next_id: AtomicU64,
+    hist: Mutex<LatencyHistograms>,
+    aborted: AtomicU64,
+    fault: Mutex<FaultState>,
+    hang_tx: watch::Sender<bool>,
+    rng: Mutex<SmallRng>,
+    tokenizer: WordTokenizer,
+    template: ChatMl,
+    publisher: Option<Publisher>,
+    created: u64,
+}
+
+/// A running simulator; dropping it stops the server.
+pub struct SimServer {
+    /// The HTTP address (port resolved).
+    pub addr: SocketAddr,
+    /// The bound KV events PUB endpoint, if enabled.
+    pub kv_events_endpoint: Option<String>,
+    /// The bound KV events replay endpoint, if enabled.
+    pub kv_events_replay_endpoint: Option<String>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl SimServer {
+    /// Base URL, `http://host:port`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops serving and waits (at most 5 s) for the tasks to end.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        for t in self.tasks.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        }
+    }
+}
+
+impl Drop for SimServer {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Binds the sockets and starts serving. Must run inside a tokio runtime.
+pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
+    let profile = args.profile()?;
+    if !(args.speed.is_finite() && args.speed > 0.0) {
+        return Err(SimError::Config("--speed must be a positive number".into()));
+    }
+    if !(0.0..=1.0).contains(&args.fail_rate) {
+        return Err(SimError::Config("--fail-rate must be in [0, 1]".into()));
+    }
+    if args.default_max_tokens == 0 {
+        return Err(SimError::Config("--default-max-tokens must be > 0".into()));
+    }
+    if args.kv_events_replay_endpoint.is_some() && args.kv_events_endpoint.is_none() {
+        return Err(SimError::Config(
+            "--kv-events-replay-endpoint needs --kv-events-endpoint".into(),
+        ));
+    }
+    let model = args.model.clone().unwrap_or_else(|| profile.model.clone());
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .map_err(|e| SimError::Io(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| SimError::Io(e.to_string()))?;
+
+    let publisher = match &args.kv_events_endpoint {
+        Some(ep) => Some(
+            Publisher::start(
+                ep,
+                args.kv_events_replay_endpoint.as_deref(),
+                &args.kv_events_topic,
+                DEFAULT_BUFFER_STEPS,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+
+    let tokenizer = WordTokenizer::default();
+    let mut cfg = EngineConfig::new(profile.clone());
+    cfg.seed = args.seed;
+    cfg.output_vocab = tokenizer.output_vocab().into();
+    cfg.kv_events = publisher.is_some();
+    let engine = Engine::new(cfg)?;
+    let (hang_tx, _) = watch::channel(false);
+    let loras: Vec<String> = args
+        .lora_modules
+        .iter()
+        .map(|m| m.split('=').next().unwrap_or(m).to_owned())
+        .collect();
+    let shared = Arc::new(Shared {
+        info: ServerInfo {
+            model_name: model.clone(),
+            block_size: profile.block_size,
+            max_loras: loras.len() as u32,
+            kv_bytes_per_token: profile.kv_bytes_per_token,
+        },
+        model,
+        loras,
+        replica: addr.to_string(),
+        default_max_tokens: args.default_max_tokens,
+        max_model_len: profile.max_model_len,
+        clock: SimClock {
+            epoch: Instant::now(),
+            speed: args.speed,
+        },
+        engine: Mutex::new(engine),
+        wake: Notify::new(),
+        pending: Mutex::new(HashMap::new()),
+        next_id: AtomicU64::new(1),
+        hist: Mutex::new(LatencyHistograms::default()),
+        aborted: AtomicU64::new(0),
+        fault: Mutex::new(FaultState {
+            fail_rate: args.fail_rate,
+            fail_status: args.fail_status,
+            ..FaultState::default()
+        }),
+        hang_tx,
+        rng: Mutex::new(SmallRng::seed_from_u64(args.seed ^ 0x5eed)),
+        tokenizer,
+        template: ChatMl,
+        publisher,
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    });
+    let kv_events_endpoint = shared.publisher.as_ref().map(|p| p.endpoint.clone());
+    let kv_events_replay_endpoint = shared
+        .publisher
+        .as_ref()
+        .and_then(|p| p.replay_endpoint.clone());
+
+    let (shutdown, shutdown_rx) = watch::channel(false);
+    let driver = tokio::spawn(drive(shared.clone(), shutdown_rx.clone()));
+    let app = router(shared);
+    let mut stop = shutdown_rx;
+    let http = tokio::spawn(async move {
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!("vllm-sim http server failed: {e}");
+        }
+    });
+    Ok(SimServer {
+        addr,
+        kv_events_endpoint,
+        kv_events_replay_endpoint,
+        shutdown,
+        tasks: vec![driver, http],
+    })
+}
+
+fn router(shared: Arc<Shared>) -> Router {
+    let replica = HeaderValue::from_str(&shared.replica)
+        .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/v1/completions/render", post(render_completion))
+        .route("/tokenize", post(tokenize))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/metrics", get(metrics))
+        .route("/sim/fault", get(get_fault).post(set_fault))
+        .route("/sim/stats", get(sim_stats))
+        .layer(middleware::from_fn_with_state(shared.clone(), hang_layer))
+        .layer(middleware::map_response(move |mut res: Response| {
+            let replica = replica.clone();
+            async move {
+                res.headers_mut()
+                    .insert(HeaderName::from_static(REPLICA_HEADER), replica);
+                res
+            }
+        }))
+        .with_state(shared)
+}
+
+/// Holds every non-`/sim/` request while the `hang` fault is set.
+async fn hang_layer(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    if !req.uri().path().starts_with("/sim/") {
+        let mut rx = s.hang_tx.subscribe();
+        let _ = rx.wait_for(|hang| !*hang).await;
+    }
+    next.run(req).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine driver
+
+async fn drive(s: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+    /// Behind wall time by more than this (wall seconds), the simulation slips instead of
+    /// racing to catch up.
+    const MAX_LAG_WALL_S: f64 = 0.05;
+    let mut sim_now = 0.0f64;
+    let mut busy = false;
+    loop {
+        loop {
+            let notified = s.wake.notified();
+            if s.engine.lock().has_work() {
+                break;
+            }
+            busy = false;
+            tokio::select! {
+                _ = notified => {}
+                _ = shutdown.wait_for(|s| *s) => return,
+            }
+        }
+        let wall = s.clock.now();
+        if !busy || wall - sim_now > MAX_LAG_WALL_S * s.clock.speed {
+            sim_now = sim_now.max(wall);
+        }
+        let out = s.engine.lock().step(sim_now);
+        busy = true;
+        if out.num_scheduled == 0 {
+            // Nothing fits right now; wait for a request or an abort to change that.
+            tokio::select! {
+                _ = s.wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                _ = shutdown.wait_for(|s| *s) => return,
+            }
+            busy = false;
+            continue;
+        }
+        let deadline = s.clock.instant_at(out.end_s);
+        if deadline > Instant::now() {
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline.into()) => {}
+                _ = shutdown.wait_for(|s| *s) => return,
+            }
+        } else {
+            tokio::task::yield_now().await;
+        }
+        sim_now = out.end_s;
+        if let Some(p) = &s.publisher {
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0);
+            p.publish(ts, out.kv_events);
+        }
+        deliver(&s, out.end_s, out.events);
+    }
+}
+
+fn deliver(s: &Shared, end_s: f64, events: Vec<RequestEvent>) {
+    let mut pending = s.pending.lock();
+    let mut hist = s.hist.lock();
+    for ev in events {
+        match ev {
+            RequestEvent::FirstToken {
+                request, token_id, ..
+            } => {
+                if let Some(p) = pending.get_mut(&request) {
+                    hist.ttft.observe(end_s - p.arrival_s);
+                    p.last_token_s = Some(end_s);
+                    let _ = p.tx.send(Delivery::Token(token_id));
+                }
+            }
+            RequestEvent::Token { request, token_id } => {
+                if let Some(p) = pending.get_mut(&request) {
+                    if let Some(last) = p.last_token_s {
+                        hist.itl.observe(end_s - last);
+                    }
+                    p.last_token_s = Some(end_s);
+                    let _ = p.tx.send(Delivery::Token(token_id));
+                }
+            }
+            RequestEvent::Finished { request, summary } => {
+                hist.e2e.observe(summary.finished_s - summary.arrival_s);
+                hist.queue.observe(summary.scheduled_s - summary.arrival_s);
+                if let Some(p) = pending.remove(&request) {
+                    let _ = p.tx.send(Delivery::Finished(summary));
+                }
+            }
+            RequestEvent::Preempted { .. } => {}
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// OpenAI API
+
+/// A vLLM-style error response.
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let kind = match status {
+        StatusCode::BAD_REQUEST => "BadRequestError",
+        StatusCode::NOT_FOUND => "NotFoundError",
+        _ => "InternalServerError",
+    };
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": null,
+                                "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn bad_request(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, message)
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<RawMessage>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default = "yes")]
+    add_generation_prompt: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: Value,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<u32>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+struct RawMessage {
+    role: String,
+    #[serde(default)]
+    content: Value,
+}
+
+/// Flattens OpenAI message content (string, null, or a list of parts) into text.
+fn flatten_content(v: &Value) -> Result<String, String> {
+    match v {
+        Value::Null => Ok(String::new()),
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for part in parts {
+                match part.get("text").and_then(Value::as_str) {
+                    Some(t) => out.push_str(t),
+                    None if part.is_string() => out.push_str(part.as_str().unwrap_or_default()),
+                    None => return Err("only text content parts are supported".into()),
+                }
+            }
+            Ok(out)
+        }
+        _ => Err("message content must be a string or a list of parts".into()),
+    }
+}
+
+fn chat_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>, Response> {
+    if raw.is_empty() {
+        return Err(bad_request("messages must not be empty"));
+    }
+    raw.iter()
+        .map(|m| {
+            Ok(ChatMessage {
+                role: m.role.clone(),
+                content: flatten_content(&m.content).map_err(bad_request)?,
+            })
+        })
+        .collect()
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid request body: {e}")))
+}
+
+impl Shared {
+    /// Validates the `model` field; returns the LoRA adapter it names, if any.
+    fn resolve_model(&self, model: Option<&str>) -> Result<Option<String>, Response> {
+        match model {
+            None => Ok(None),
+            Some(m) if m == self.model => Ok(None),
+            Some(m) if self.loras.iter().any(|l| l == m) => Ok(Some(m.to_owned())),
+            Some(m) => Err(error(
+                StatusCode::NOT_FOUND,
+                format!("The model `{m}` does not exist."),
+            )),
+        }
+    }
+
+    fn completion_prompt(&self, prompt: &Value) -> Result<Vec<u32>, Response> {
+        match prompt {
+            Value::String(s) => Ok(self.tokenizer.encode(s)),
+            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+                Ok(self.tokenizer.encode(items[0].as_str().unwrap_or_default()))
+            }
+            Value::Array(items) if items.iter().all(Value::is_u64) => items
+                .iter()
+                .map(|t| {
+                    t.as_u64()
+                        .and_then(|t| u32::try_from(t).ok())
+                        .ok_or_else(|| bad_request("token ids must fit in u32"))
+                })
+                .collect(),
+            _ => Err(bad_request(
+                "prompt must be a string, a list with one string, or a list of token ids",
+            )),
+        }
+    }
+
+    fn chat_prompt(&self, msgs: &[ChatMessage], add_generation_prompt: bool) -> Vec<u32> {
+        self.tokenizer
+            .encode(&self.template.render(msgs, add_generation_prompt))
+    }
+
+    /// Failure injection common to both completion endpoints.
+    async fn inject_faults(&self) -> Option<Response> {
+        let f = self.fault.lock().clone();
+        if f.delay_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(f.delay_ms)).await;
+        }
+        if f.fail_rate > 0.0 && self.rng.lock().random_bool(f.fail_rate.clamp(0.0, 1.0)) {
+            let status =
+                StatusCode::from_u16(f.fail_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return Some(error(status, "injected failure"));
+        }
+        None
+    }
+}
+
+async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    if let Some(r) = s.inject_faults().await {
+        return r;
+    }
+    let req: ChatRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let lora = match s.resolve_model(req.model.as_deref()) {
+        Ok(l) => l,
+        Err(r) => return r,
+    };
+    let msgs = match chat_messages(&req.messages) {
+        Ok(m) => m,
+        Err(r) => return r,
+    };
+    let prompt = s.chat_prompt(&msgs, req.add_generation_prompt);
+    let job = Job {
+        chat: true,
+        model: req.model.unwrap_or_else(|| s.model.clone()),
+        lora,
+        prompt,
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        stream: req.stream,
+        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        n: req.n,
+    };
+    run_job(s, job).await
+}
+
+async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    if let Some(r) = s.inject_faults().await {
+        return r;
+    }
+    let req: CompletionRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let lora = match s.resolve_model(req.model.as_deref()) {
+        Ok(l) => l,
+        Err(r) => return r,
+    };
+    let prompt = match s.completion_prompt(&req.prompt) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let job = Job {
+        chat: false,
+        model: req.model.unwrap_or_else(|| s.model.clone()),
+        lora,
+        prompt,
+        max_tokens: req.max_tokens,
+        stream: req.stream,
+        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        n: req.n,
+    };
+    run_job(s, job).await
+}
+
+struct Job {
+    chat: bool,
+    model: String,
+    lora: Option<String>,
+    prompt: Vec<u32>,
+    max_tokens: Option<u32>,
+    stream: bool,
+    include_usage: bool,
+    n: Option<u32>,
+}
+
+/// Aborts the engine request if the handler (or stream) is dropped before it finished.
+struct AbortGuard {
+    shared: Arc<Shared>,
+    id: RequestId,
+    done: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.shared.pending.lock().remove(&self.id);
+            if self.shared.engine.lock().abort(self.id) {
+                self.shared.aborted.fetch_add(1, Ordering::Relaxed);
+            }
+            self.shared.wake.notify_one();
+        }
+    }
+}
+
+async fn run_job(s: Arc<Shared>, job: Job) -> Response {
+    if job.n.is_some_and(|n| n != 1) {
+        return bad_request("only n=1 is supported");
+    }
+    let max_tokens = job.max_tokens.unwrap_or(s.default_max_tokens);
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let arrival_s = s.clock.now();
+    s.pending.lock().insert(
+        id,
+        Pending {
+            tx,
+            arrival_s,
+            last_token_s: None,
+        },
+    );
+    let added = s.engine.lock().add_request(EngineRequest {
+        id,
+        prompt_tokens: job.prompt,
+        max_output_tokens: max_tokens,
+        lora: job.lora,
+        arrival_s,
+    });
+    if let Err(e) = added {
+        s.pending.lock().remove(&id);
+        return bad_request(e.to_string());
+    }
+    s.wake.notify_one();
+    let guard = AbortGuard {
+        shared: s.clone(),
+        id,
+        done: false,
+    };
+    let prefix = if job.chat { "chatcmpl" } else { "cmpl" };
+    let ctx = ChunkCtx {
+        id: format!("{prefix}-sim-{id}"),
+        chat: job.chat,
+        model: job.model,
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(s.created),
+    };
+    if job.stream {
+        stream_response(s, ctx, rx, guard, job.include_usage)
+    } else {
+        full_response(s, ctx, rx, guard).await
+    }
+}
+
+struct ChunkCtx {
+    id: String,
+    chat: bool,
+    model: String,
+    created: u64,
+}
+
+fn usage(summary: &RequestSummary) -> Value {
+    json!({
+        "prompt_tokens": summary.prompt_tokens,
+        "total_tokens": summary.prompt_tokens + summary.output_tokens,
+        "completion_tokens": summary.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": summary.cached_tokens},
+    })
+}
+
+async fn full_response(
+    s: Arc<Shared>,
+    ctx: ChunkCtx,
+    mut rx: mpsc::UnboundedReceiver<Delivery>,
+    mut guard: AbortGuard,
+) -> Response {
+    let mut ids = Vec::new();
+    let summary = loop {
+        match rx.recv().await {
+            Some(Delivery::Token(token_id)) => ids.push(token_id),
+            Some(Delivery::Finished(summary)) => break summary,
+            None => return error(StatusCode::INTERNAL_SERVER_ERROR, "request was dropped"),
+        }
+    };
+    guard.done = true;
+    let text = s.tokenizer.decode(&ids);
+    let choice = if ctx.chat {
+        json!({"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+               "logprobs": null, "finish_reason": "length", "stop_reason": null})
+    } else {
+        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+               "stop_reason": null, "prompt_logprobs": null})
+    };
+    let body = json!({
+        "id": ctx.id,
+        "object": if ctx.chat { "chat.completion" } else { "text_completion" },
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": [choice],
+        "usage": usage(&summary),
+    });
+    axum::Json(body).into_response()
+}
+
+fn stream_response(
+    s: Arc<Shared>,
+    ctx: ChunkCtx,
+    rx: mpsc::UnboundedReceiver<Delivery>,
+    guard: AbortGuard,
+    include_usage: bool,
+) -> Response {
+    struct St {
+        s: Arc<Shared>,
+        ctx: ChunkCtx,
+        rx: mpsc::UnboundedReceiver<Delivery>,
+        guard: AbortGuard,
+        include_usage: bool,
+        sent_role: bool,
+        done: bool,
+    }
+    let chunk = |ctx: &ChunkCtx, delta: Option<&str>, finish: Option<&str>, role: bool| {
+        let choice = if ctx.chat {
+            let mut d = serde_json::Map::new();
+            if role {
+                d.insert("role".into(), json!("assistant"));
+            }
+            d.insert("content".into(), json!(delta.unwrap_or("")));
+            json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": delta.unwrap_or(""), "logprobs": null,
+                   "finish_reason": finish, "stop_reason": null})
+        };
+        let obj = if ctx.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let v = json!({"id": ctx.id, "object": obj, "created": ctx.created,
+                       "model": ctx.model, "choices": [choice]});
+        format!("data: {v}\n\n")
+    };
+    let st = St {
+        s,
+        ctx,
+        rx,
+        guard,
+        include_usage,
+        sent_role: false,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(st, move |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let mut out = String::new();
+        if st.ctx.chat && !st.sent_role {
+            // vLLM opens a chat stream with an empty delta carrying the role.
+            st.sent_role = true;
+            out.push_str(&chunk(&st.ctx, Some(""), None, true));
+            return Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), st));
+        }
+        // Tokens are delivered one per step; send what is there, waiting for at least one.
+        let mut pending_text = String::new();
+        let mut finished: Option<RequestSummary> = None;
+        match st.rx.recv().await {
+            Some(Delivery::Token(token_id)) => {
+                pending_text.push_str(&st.s.tokenizer.decode(&[token_id]))
+            }
+            Some(Delivery::Finished(sum)) => finished = Some(sum),
+            None => return None,
+        }
+        while finished.is_none() {
+            match st.rx.try_recv() {
+                Ok(Delivery::Token(token_id)) => {
+                    pending_text.push_str(&st.s.tokenizer.decode(&[token_id]))
+                }
+                Ok(Delivery::Finished(sum)) => finished = Some(sum),
+                Err(_) => break,
+            }
+        }
+        match finished {
+            None => out.push_str(&chunk(&st.ctx, Some(&pending_text), None, false)),
+            Some(sum) => {
+                st.guard.done = true;
+                st.done = true;
+                out.push_str(&chunk(&st.ctx, Some(&pending_text), Some("length"), false));
+                if st.include_usage {
+                    let v = json!({"id": st.ctx.id,
+                        "object": if st.ctx.chat { "chat.completion.chunk" } else { "text_completion" },
+                        "created": st.ctx.created, "model": st.ctx.model, "choices": [],
+                        "usage": usage(&sum)});
+                    out.push_str(&format!("data: {v}\n\n"));
+                }
+                out.push_str("data: [DONE]\n\n");
+            }
+        }
+        Some((Ok(Bytes::from(out)), st))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "cannot build stream"))
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<Value>,
+    #[serde(default)]
+    messages: Option<Vec<RawMessage>>,
+    #[serde(default = "yes")]
+    add_generation_prompt: bool,
+    #[serde(default)]
+    return_token_strs: bool,
+}
+
+async fn tokenize(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    let req: TokenizeRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if let Err(r) = s.resolve_model(req.model.as_deref()) {
+        return r;
+    }
+    let tokens = match (&req.prompt, &req.messages) {
+        (Some(p), None) => match s.completion_prompt(p) {
+            Ok(t) => t,
+            Err(r) => return r,
+        },
+        (None, Some(m)) => match chat_messages(m) {
+            Ok(m) => s.chat_prompt(&m, req.add_generation_prompt),
+            Err(r) => return r,
+        },
+        _ => return bad_request("give exactly one of prompt or messages"),
+    };
+    let token_strs = req.return_token_strs.then(|| {
+        tokens
+            .iter()
+            .map(|t| s.tokenizer.decode(&[*t]))
+            .collect::<Vec<_>>()
+    });
+    axum::Json(
+        json!({"count": tokens.len(), "max_model_len": s.max_model_len,
+                      "tokens": tokens, "token_strs": token_strs}),
+    )
+    .into_response()
+}
+
+async fn render_chat(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    let req: ChatRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if let Err(r) = s.resolve_model(req.model.as_deref()) {
+        return r;
+    }
+    match chat_messages(&req.messages) {
+        Ok(m) => axum::Json(
+            json!({"token_ids": s.chat_prompt(&m, req.add_generation_prompt),
+                                   "model": s.model}),
+        )
+        .into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn render_completion(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    let req: CompletionRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if let Err(r) = s.resolve_model(req.model.as_deref()) {
+        return r;
+    }
+    match s.completion_prompt(&req.prompt) {
+        Ok(t) => axum::Json(json!({"token_ids": t, "model": s.model})).into_response(),
+        Err(r) => r,
+    }
+}
+
+async fn models(State(s): State<Arc<Shared>>) -> Response {
+    let card = |id: &str, parent: Option<&str>| {
+        json!({"id": id, "object": "model", "created": s.created, "owned_by": "vllm",
+               "root": id, "parent": parent, "max_model_len": s.max_model_len})
+    };
+    let mut data = vec![card(&s.model, None)];
+    data.extend(s.loras.iter().map(|l| card(l, Some(&s.model))));
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn reset_prefix_cache(State(s): State<Arc<Shared>>) -> Response {
+    let events = s.engine.lock().reset_prefix_cache();
+    if let Some(p) = &s.publisher {
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        p.publish(ts, events);
+    }
+    StatusCode::OK.into_response()
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    if s.fault.lock().garbage_metrics {
+        let body = "vllm:num_requests_running{model_name=\"\x01 }} NaNbogus\n# TYPE\n\u{fffd}{{{";
+        return ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response();
+    }
+    let stats = s.engine.lock().stats();
+    let hist = s.hist.lock().clone();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    let page = super::metrics::render(
+        &s.info,
+        &stats,
+        &hist,
+        s.aborted.load(Ordering::Relaxed),
+        now,
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        page,
+    )
+        .into_response()
+}
+
+async fn get_fault(State(s): State<Arc<Shared>>) -> Response {
+    axum::Json(s.fault.lock().clone()).into_response()
+}
+
+async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    let patch: Value = match parse(&body) {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let current = serde_json::to_value(s.fault.lock().clone()).unwrap_or(Value::Null);
+    let (Value::Object(mut merged), Value::Object(patch)) = (current, patch) else {
+        return bad_request("fault must be a JSON object");
+    };
+    merged.extend(patch);
+    let new: FaultState = match serde_json::from_value(Value::Object(merged)) {
+        Ok(f) => f,
+        Err(e) => return bad_request(format!("invalid fault: {e}")),
+    };
+    if !(0.0..=1.0).contains(&new.fail_rate) {
+        return bad_request("fail_rate must be in [0, 1]");
+    }
+    *s.fault.lock() = new.clone();
+    s.hang_tx.send_replace(new.hang);
+    axum::Json(new).into_response()
+}
+
+async fn sim_stats(State(s): State<Arc<Shared>>) -> Response {
+    let stats = s.engine.lock().stats();
+    axum::Json(json!({"replica": s.replica, "sim_time_s": s.clock.now(), "engine": stats}))
+        .into_response()
+}
