@@ -1,1 +1,65 @@
-fn main() {}
+//! `kvroute-control-plane --config FILE`: the routing service the kvroute filter calls.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use control_plane::ControlPlane;
+use control_plane::config::Config;
+use tracing_subscriber::EnvFilter;
+
+/// Cache-aware, load-aware routing for vLLM fleets: the control plane.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute-control-plane", version)]
+struct Cli {
+    /// YAML configuration file.
+    #[arg(long, value_name = "FILE")]
+    config: PathBuf,
+    /// Log filter, e.g. `info` or `control_plane=debug,info` (RUST_LOG syntax).
+    #[arg(long, default_value = "info", value_name = "LEVEL")]
+    log: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = EnvFilter::try_new(&cli.log)
+        .with_context(|| format!("invalid --log filter {:?}", cli.log))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+
+    let config = Config::load(&cli.config)?;
+    let service = ControlPlane::bind(config).await?;
+    service.run(shutdown_signal()).await?;
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM (Ctrl-C only where SIGTERM does not exist).
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => tracing::info!("SIGINT received"),
+        () = term => tracing::info!("SIGTERM received"),
+    }
+}

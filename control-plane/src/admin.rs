@@ -1,0 +1,78 @@
+//! The admin port: Prometheus `/metrics`, `/healthz`, and `/debug/*` explanations.
+//!
+//! Kept off the API port (and on loopback by default) because `/debug` reveals per-endpoint
+//! load and decision details that the data path has no business exposing.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, Query, State as AxumState};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use prometheus_client::registry::Registry;
+use serde::Deserialize;
+
+use crate::api::{healthz, not_found};
+use crate::state::State;
+use crate::telemetry;
+
+/// OpenMetrics text, what `prometheus_client::encoding::text` writes.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[derive(Debug)]
+struct Admin {
+    state: Arc<State>,
+    registry: Registry,
+}
+
+/// The admin router; serve it on `admin_listen`.
+pub fn router(state: Arc<State>) -> axum::Router {
+    let registry = telemetry::registry(state.clone());
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/debug/endpoints", get(endpoints))
+        .route("/debug/decisions", get(decisions))
+        .route("/debug/decisions/{id}", get(decision))
+        .fallback(not_found)
+        .with_state(Arc::new(Admin { state, registry }))
+}
+
+async fn metrics(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
+    let mut text = String::with_capacity(16 * 1024);
+    match prometheus_client::encoding::text::encode(&mut text, &admin.registry) {
+        Ok(()) => ([(header::CONTENT_TYPE, OPENMETRICS)], text).into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "metrics encoding failed").into_response(),
+    }
+}
+
+async fn endpoints(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
+    Json(admin.state.endpoints()).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    limit: Option<usize>,
+}
+
+async fn decisions(
+    AxumState(admin): AxumState<Arc<Admin>>,
+    Query(q): Query<ListQuery>,
+) -> Response {
+    Json(admin.state.recent_decisions(q.limit.unwrap_or(100))).into_response()
+}
+
+async fn decision(AxumState(admin): AxumState<Arc<Admin>>, Path(id): Path<String>) -> Response {
+    let Ok(id) = id.parse::<u64>() else {
+        let body = serde_json::json!({ "error": format!("decision id {id:?} is not a number") });
+        return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+    };
+    match admin.state.decision(id) {
+        Some(d) => Json(d).into_response(),
+        None => {
+            let body = serde_json::json!({ "error": format!("decision {id} is unknown or no longer kept") });
+            (StatusCode::NOT_FOUND, Json(body)).into_response()
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! kvroute's control plane: scrapes vLLM replicas, owns the routing state, answers the filter.
+//!
+//! - [`config`] reads and validates the YAML configuration;
+//! - [`prom`] turns a vLLM `/metrics` body into load numbers (pure, no I/O);
+//! - [`scrape`] polls every replica's `/metrics` and feeds the router;
+//! - [`state`] owns the `scorer_core::router::Router`, the clock and the seed;
+//! - [`api`] serves `POST /v1/route` and `POST /v1/feedback` to the filter;
+//! - [`admin`] serves `/metrics`, `/healthz` and `/debug/*` on a separate port;
+//! - [`telemetry`] defines what `/metrics` reports.
+//!
+//! Invariant: routing logic lives in `scorer-core`; this crate only moves bytes, time and
+//! metrics in and out of it. [`ControlPlane`] wires the pieces for the binary and for tests.
+
+pub mod admin;
+pub mod api;
+pub mod config;
+pub mod prom;
+pub mod scrape;
+pub mod state;
+pub mod telemetry;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::config::Config;
+use crate::state::State;
+
+/// How long shutdown waits for open connections before giving up on them.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often expired index and in-flight entries are swept when traffic is idle.
+const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Why the control plane could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// A listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address from the config.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The endpoint list does not fit the router.
+    #[error("endpoints: {0}")]
+    Router(#[from] scorer_core::router::RouterError),
+    /// A server loop failed.
+    #[error("{which} server failed: {source}")]
+    Serve {
+        /// `api` or `admin`.
+        which: &'static str,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+/// A bound, not yet running control plane (binding first lets tests use port 0).
+#[derive(Debug)]
+pub struct ControlPlane {
+    config: Config,
+    state: Arc<State>,
+    api: TcpListener,
+    admin: TcpListener,
+}
+
+impl ControlPlane {
+    /// Builds the state and binds both listeners. `config` must have been validated.
+    pub async fn bind(config: Config) -> Result<Self, ServiceError> {
+        // Decision ids start from wall-clock microseconds so a restart does not reuse ids.
+        let first_id = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(1);
+        let state = Arc::new(State::new(
+            config.router.clone(),
+            &config.endpoint_addresses(),
+            config.decision_history,
+            first_id,
+        )?);
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServiceError::Bind { addr, source })
+        };
+        let api = bind(config.listen).await?;
+        let admin = bind(config.admin_listen).await?;
+        Ok(Self {
+            config,
+            state,
+            api,
+            admin,
+        })
+    }
+
+    /// Where the route API actually listens.
+    pub fn api_addr(&self) -> SocketAddr {
+        self.api.local_addr().unwrap_or(self.config.listen)
+    }
+
+    /// Where the admin API actually listens.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin.local_addr().unwrap_or(self.config.admin_listen)
+    }
+
+    /// The shared state (for tests and embedding).
+    pub fn state(&self) -> Arc<State> {
+        self.state.clone()
+    }
+
+    /// Serves until `shutdown` completes, then drains connections for at most a few seconds.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServiceError> {
+        let Self {
+            config,
+            state,
+            api,
+            admin,
+        } = self;
+        let (stop_tx, stop_rx) = watch::channel(false);
+
+        let settings = scrape::ScrapeSettings {
+            interval: Duration::from_millis(config.scrape_interval_ms),
+            timeout: Duration::from_millis(config.scrape_timeout_ms),
+            unreachable_after: config.unreachable_after_failures,
+            max_body_bytes: config.max_metrics_bytes,
+        };
+        let mut background = scrape::spawn(
+            state.clone(),
+            config.endpoint_addresses(),
+            settings,
+            stop_rx.clone(),
+        );
+        background.push(tokio::spawn(housekeeping(state.clone(), stop_rx.clone())));
+
+        let api_router = api::router(
+            state.clone(),
+            api::ApiSettings {
+                auth_token: config.auth_token.clone(),
+                max_body_bytes: config.max_body_bytes,
+                max_block_hashes: config.max_block_hashes,
+                max_feedback_outcomes: config.max_feedback_outcomes,
+                body_timeout: Duration::from_millis(config.body_timeout_ms),
+            },
+        );
+        let admin_router = admin::router(state.clone());
+        let mut api_task = tokio::spawn(serve(api, api_router, stop_rx.clone()));
+        let mut admin_task = tokio::spawn(serve(admin, admin_router, stop_rx));
+        tracing::info!(
+            listen = %config.listen, admin_listen = %config.admin_listen,
+            endpoints = config.endpoints.len(), "kvroute control plane running"
+        );
+
+        let failed = tokio::select! {
+            () = shutdown => None,
+            r = &mut api_task => Some(("api", r)),
+            r = &mut admin_task => Some(("admin", r)),
+        };
+        let _ = stop_tx.send(true);
+        for task in &background {
+            task.abort();
+        }
+        if let Some((which, result)) = failed {
+            admin_task.abort();
+            api_task.abort();
+            let source = match result {
+                Ok(Err(e)) => e,
+                Ok(Ok(())) => std::io::Error::other("stopped unexpectedly"),
+                Err(join) => std::io::Error::other(join.to_string()),
+            };
+            return Err(ServiceError::Serve { which, source });
+        }
+        tracing::info!("shutting down");
+        let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
+            let _ = (&mut api_task).await;
+            let _ = (&mut admin_task).await;
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!("connections still open after {DRAIN_TIMEOUT:?}; closing them");
+            api_task.abort();
+            admin_task.abort();
+        }
+        Ok(())
+    }
+}
+
+async fn serve(
+    listener: TcpListener,
+    router: axum::Router,
+    mut stop: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await
+}
+
+async fn housekeeping(state: Arc<State>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(HOUSEKEEPING_INTERVAL);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => state.expire(),
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}

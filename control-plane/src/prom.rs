@@ -1,0 +1,697 @@
+//! A pure parser for the Prometheus text exposition format, reduced to what routing needs.
+//!
+//! vLLM's `/metrics` is a few hundred lines of Python `prometheus_client` output. We read four
+//! series out of it and sum them over DP ranks (`engine` label):
+//! - `vllm:num_requests_running` and `vllm:num_requests_waiting`;
+//! - `vllm:kv_cache_usage_perc` (or the pre-0.10 name `vllm:gpu_cache_usage_perc`), averaged over
+//!   engines and weighted by their capacity when known;
+//! - `vllm:cache_config_info{num_gpu_blocks, block_size}`, whose product is the KV capacity.
+//!
+//! Invariant: no I/O, no panics, linear time. Every line must be well-formed (so a non-metrics
+//! page is rejected), but unknown metrics, histograms, NaN and +Inf values elsewhere are fine.
+//! Timestamps and OpenMetrics exemplars are accepted and ignored.
+
+use std::borrow::Cow;
+
+use scorer_core::router::EndpointMetrics;
+
+/// `vllm:num_requests_running`: sequences in the running batch.
+pub const RUNNING: &str = "vllm:num_requests_running";
+/// `vllm:num_requests_waiting`: requests queued for admission.
+pub const WAITING: &str = "vllm:num_requests_waiting";
+/// `vllm:kv_cache_usage_perc`: fraction of KV blocks in use (1 = full).
+pub const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+/// The name `vllm:kv_cache_usage_perc` had before vLLM 0.10; accepted for older fleets.
+pub const KV_USAGE_OLD: &str = "vllm:gpu_cache_usage_perc";
+/// `vllm:cache_config_info`: the engine's CacheConfig as labels of a constant gauge.
+pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+
+/// Why a `/metrics` body could not be turned into [`EndpointMetrics`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PromError {
+    /// The body is not UTF-8.
+    #[error("metrics body is not UTF-8 (invalid byte at offset {0})")]
+    NotUtf8(usize),
+    /// A line does not follow the text exposition format.
+    #[error("line {line}: {kind}")]
+    Syntax {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        kind: SyntaxError,
+    },
+    /// A series routing needs is absent (not a vLLM server, or a much older one).
+    #[error("required metric {0} is missing")]
+    Missing(&'static str),
+    /// A needed gauge holds NaN, an infinity or a negative number.
+    #[error("{metric} has an unusable value {value}")]
+    BadValue {
+        /// The metric name.
+        metric: &'static str,
+        /// The offending value.
+        value: f64,
+    },
+    /// `vllm:cache_config_info` carries a block count or size that is not a number.
+    #[error("vllm:cache_config_info label {label}={value:?} is not a count")]
+    BadCacheConfig {
+        /// `num_gpu_blocks` or `block_size`.
+        label: &'static str,
+        /// The label value as found.
+        value: String,
+    },
+    /// `num_gpu_blocks * block_size` does not fit in 64 bits.
+    #[error("vllm:cache_config_info capacity overflows")]
+    CapacityOverflow,
+}
+
+/// The ways a single line can be malformed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SyntaxError {
+    /// The line does not start with a valid metric name.
+    #[error("invalid metric name")]
+    MetricName,
+    /// A label name is empty or has characters outside `[a-zA-Z0-9_]`.
+    #[error("invalid label name")]
+    LabelName,
+    /// A label is not written `name="value"`.
+    #[error("expected name=\"value\" in label set")]
+    LabelSyntax,
+    /// A label value's closing quote or the label set's `}` is missing.
+    #[error("unterminated label set")]
+    Unterminated,
+    /// No sample value after the name and labels.
+    #[error("missing sample value")]
+    MissingValue,
+    /// The sample value is not a float, `NaN` or `±Inf`.
+    #[error("invalid sample value")]
+    Value,
+    /// The optional timestamp is not an integer.
+    #[error("invalid timestamp")]
+    Timestamp,
+    /// Something other than a timestamp or an exemplar follows the value.
+    #[error("unexpected text after the sample")]
+    Trailing,
+}
+
+/// One sample line: name, raw label text (between the braces, still escaped) and value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample<'a> {
+    /// Metric name, e.g. `vllm:num_requests_running` or `x_bucket`.
+    pub name: &'a str,
+    /// The text between `{` and `}`; empty without labels. Read it with [`Sample::labels`].
+    pub raw_labels: &'a str,
+    /// The sample value (may be NaN or infinite).
+    pub value: f64,
+    /// 1-based line number in the body, for error messages.
+    pub line: usize,
+}
+
+impl<'a> Sample<'a> {
+    /// Calls `f(name, value)` for every label, unescaping values (`\\`, `\"`, `\n`).
+    pub fn labels(&self, f: impl FnMut(&'a str, Cow<'a, str>)) -> Result<(), SyntaxError> {
+        for_each_label(self.raw_labels, f)
+    }
+
+    /// The unescaped value of label `name`, if present.
+    pub fn label(&self, name: &str) -> Result<Option<Cow<'a, str>>, SyntaxError> {
+        let mut found = None;
+        self.labels(|k, v| {
+            if k == name && found.is_none() {
+                found = Some(v);
+            }
+        })?;
+        Ok(found)
+    }
+}
+
+/// Iterates over the samples of a text-format body, skipping comments and blank lines.
+///
+/// Labels are checked for well-formedness as each line is yielded, so a malformed line anywhere
+/// surfaces as an error with its line number.
+pub fn samples(text: &str) -> impl Iterator<Item = Result<Sample<'_>, PromError>> + '_ {
+    text.split('\n').enumerate().filter_map(|(i, line)| {
+        parse_line(line, i + 1)
+            .and_then(|s| match s {
+                Some(s) => for_each_label(s.raw_labels, |_, _| {}).map(|()| Some(s)),
+                None => Ok(None),
+            })
+            .map_err(|kind| PromError::Syntax { line: i + 1, kind })
+            .transpose()
+    })
+}
+
+/// Parses raw `/metrics` bytes (what the scraper receives) into routing metrics.
+pub fn parse_vllm_metrics_bytes(body: &[u8]) -> Result<EndpointMetrics, PromError> {
+    let text = std::str::from_utf8(body).map_err(|e| PromError::NotUtf8(e.valid_up_to()))?;
+    parse_vllm_metrics(text)
+}
+
+/// Parses a vLLM `/metrics` body into routing metrics, summed over DP engines.
+pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
+    let mut running: Option<f64> = None;
+    let mut waiting: Option<f64> = None;
+    // (engine label, usage) per series, for the new and the old KV metric name.
+    let mut kv_new: Vec<(Option<Cow<'_, str>>, f64)> = Vec::new();
+    let mut kv_old: Vec<(Option<Cow<'_, str>>, f64)> = Vec::new();
+    // (engine label, capacity in tokens; None when the engine has not profiled yet).
+    let mut capacity: Vec<(Option<Cow<'_, str>>, Option<u64>)> = Vec::new();
+
+    for sample in samples(text) {
+        let sample = sample?;
+        let syntax = |kind| PromError::Syntax {
+            line: sample.line,
+            kind,
+        };
+        match sample.name {
+            RUNNING => add_gauge(&mut running, RUNNING, sample.value)?,
+            WAITING => add_gauge(&mut waiting, WAITING, sample.value)?,
+            KV_USAGE | KV_USAGE_OLD => {
+                let metric = if sample.name == KV_USAGE {
+                    KV_USAGE
+                } else {
+                    KV_USAGE_OLD
+                };
+                if !sample.value.is_finite() || sample.value < 0.0 {
+                    return Err(PromError::BadValue {
+                        metric,
+                        value: sample.value,
+                    });
+                }
+                let engine = sample.label("engine").map_err(syntax)?;
+                let usage = sample.value.min(1.0);
+                if metric == KV_USAGE {
+                    kv_new.push((engine, usage))
+                } else {
+                    kv_old.push((engine, usage))
+                }
+            }
+            CACHE_CONFIG_INFO => {
+                let (mut blocks, mut block_size, mut engine) = (None, None, None);
+                sample
+                    .labels(|k, v| match k {
+                        "num_gpu_blocks" => blocks = Some(v),
+                        "block_size" => block_size = Some(v),
+                        "engine" => engine = Some(v),
+                        _ => {}
+                    })
+                    .map_err(syntax)?;
+                let blocks = count_label("num_gpu_blocks", blocks.as_deref())?;
+                let block_size = count_label("block_size", block_size.as_deref())?;
+                let tokens = match (blocks, block_size) {
+                    (Some(b), Some(s)) => {
+                        Some(b.checked_mul(s).ok_or(PromError::CapacityOverflow)?)
+                    }
+                    _ => None,
+                };
+                capacity.push((engine, tokens));
+            }
+            _ => {}
+        }
+    }
+
+    let running = running.ok_or(PromError::Missing(RUNNING))?;
+    let waiting = waiting.ok_or(PromError::Missing(WAITING))?;
+    let kv = if kv_new.is_empty() { kv_old } else { kv_new };
+    if kv.is_empty() {
+        return Err(PromError::Missing(KV_USAGE));
+    }
+    let capacity_tokens = total_capacity(&capacity)?;
+    Ok(EndpointMetrics {
+        running: to_count(running),
+        waiting: to_count(waiting),
+        kv_usage: weighted_usage(&kv, &capacity),
+        capacity_tokens,
+    })
+}
+
+fn add_gauge(acc: &mut Option<f64>, metric: &'static str, value: f64) -> Result<(), PromError> {
+    if !value.is_finite() || value < 0.0 {
+        return Err(PromError::BadValue { metric, value });
+    }
+    *acc = Some(acc.unwrap_or(0.0) + value);
+    Ok(())
+}
+
+fn to_count(v: f64) -> u32 {
+    // `as` saturates; the value is finite and non-negative here.
+    v.round() as u32
+}
+
+/// A block count label: `None` for "not known yet" (vLLM writes `None` before profiling).
+fn count_label(label: &'static str, value: Option<&str>) -> Result<Option<u64>, PromError> {
+    match value.map(str::trim) {
+        None | Some("" | "None" | "null") => Ok(None),
+        Some(v) => v
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| PromError::BadCacheConfig {
+                label,
+                value: v.to_string(),
+            }),
+    }
+}
+
+fn total_capacity(
+    capacity: &[(Option<Cow<'_, str>>, Option<u64>)],
+) -> Result<Option<u64>, PromError> {
+    if capacity.is_empty() || capacity.iter().any(|(_, c)| c.is_none()) {
+        return Ok(None);
+    }
+    let mut total: u64 = 0;
+    for (_, c) in capacity {
+        total = total
+            .checked_add(c.unwrap_or(0))
+            .ok_or(PromError::CapacityOverflow)?;
+    }
+    Ok(Some(total))
+}
+
+/// Mean KV usage over engines, weighted by each engine's capacity when every engine's is known.
+fn weighted_usage(
+    kv: &[(Option<Cow<'_, str>>, f64)],
+    capacity: &[(Option<Cow<'_, str>>, Option<u64>)],
+) -> f64 {
+    let weight = |engine: &Option<Cow<'_, str>>| {
+        capacity
+            .iter()
+            .find(|(e, _)| e == engine)
+            .and_then(|(_, c)| *c)
+            .filter(|c| *c > 0)
+    };
+    let weights: Option<Vec<f64>> = kv
+        .iter()
+        .map(|(e, _)| weight(e).map(|c| c as f64))
+        .collect();
+    let (sum, total) = match weights {
+        Some(w) => kv
+            .iter()
+            .zip(&w)
+            .fold((0.0, 0.0), |(s, t), ((_, u), w)| (s + u * w, t + w)),
+        None => kv
+            .iter()
+            .fold((0.0, 0.0), |(s, t), (_, u)| (s + u, t + 1.0)),
+    };
+    if total > 0.0 {
+        (sum / total).clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
+}
+
+fn is_name_start(c: u8) -> bool {
+    c.is_ascii_alphabetic() || c == b'_' || c == b':'
+}
+
+fn is_name_char(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_' || c == b':'
+}
+
+fn skip_ws(s: &str) -> &str {
+    s.trim_start_matches([' ', '\t'])
+}
+
+/// Parses one line; `Ok(None)` for blank lines and comments.
+fn parse_line(line: &str, number: usize) -> Result<Option<Sample<'_>>, SyntaxError> {
+    let line = line.trim_matches([' ', '\t', '\r']);
+    if line.is_empty() || line.starts_with('#') {
+        return Ok(None);
+    }
+    let bytes = line.as_bytes();
+    if !is_name_start(bytes[0]) {
+        return Err(SyntaxError::MetricName);
+    }
+    let name_len = bytes
+        .iter()
+        .position(|c| !is_name_char(*c))
+        .unwrap_or(bytes.len());
+    let (name, rest) = line.split_at(name_len);
+    if !(rest.is_empty() || rest.starts_with(['{', ' ', '\t'])) {
+        return Err(SyntaxError::MetricName);
+    }
+    let rest = skip_ws(rest);
+    let (raw_labels, rest) = match rest.strip_prefix('{') {
+        Some(inner) => {
+            let end = label_set_end(inner)?;
+            (&inner[..end], &inner[end + 1..])
+        }
+        None => ("", rest),
+    };
+    let mut fields = rest.split([' ', '\t']).filter(|f| !f.is_empty());
+    let value = parse_value(fields.next().ok_or(SyntaxError::MissingValue)?)?;
+    match fields.next() {
+        None => {}
+        Some(f) if f.starts_with('#') => {} // OpenMetrics exemplar: ignored.
+        Some(ts) => {
+            parse_timestamp(ts)?;
+            match fields.next() {
+                None => {}
+                Some(f) if f.starts_with('#') => {}
+                Some(_) => return Err(SyntaxError::Trailing),
+            }
+        }
+    }
+    Ok(Some(Sample {
+        name,
+        raw_labels,
+        value,
+        line: number,
+    }))
+}
+
+/// Finds the `}` closing a label set, skipping quoted values; `s` starts after the `{`.
+fn label_set_end(s: &str) -> Result<usize, SyntaxError> {
+    let mut in_quotes = false;
+    let mut escaped = false;
+    for (i, c) in s.bytes().enumerate() {
+        if in_quotes {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_quotes = false,
+                _ => {}
+            }
+        } else if c == b'"' {
+            in_quotes = true;
+        } else if c == b'}' {
+            return Ok(i);
+        }
+    }
+    Err(SyntaxError::Unterminated)
+}
+
+fn parse_value(s: &str) -> Result<f64, SyntaxError> {
+    // Rust's float parser also takes `inf`, `infinity` and `nan` in any case, which is a superset
+    // of the format's `+Inf`, `-Inf` and `NaN`. Reject hex and other oddities by charset.
+    let ok = s
+        .bytes()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'+' | b'-' | b'.'));
+    if !ok {
+        return Err(SyntaxError::Value);
+    }
+    s.parse::<f64>().map_err(|_| SyntaxError::Value)
+}
+
+fn parse_timestamp(s: &str) -> Result<(), SyntaxError> {
+    // Prometheus writes integer milliseconds; OpenMetrics allows float seconds.
+    if s.parse::<i64>().is_ok() || s.parse::<f64>().is_ok_and(f64::is_finite) {
+        Ok(())
+    } else {
+        Err(SyntaxError::Timestamp)
+    }
+}
+
+/// Walks `name="value"` pairs separated by commas (a trailing comma is allowed).
+fn for_each_label<'a>(
+    raw: &'a str,
+    mut f: impl FnMut(&'a str, Cow<'a, str>),
+) -> Result<(), SyntaxError> {
+    let mut rest = skip_ws(raw);
+    while !rest.is_empty() {
+        let bytes = rest.as_bytes();
+        if !(bytes[0].is_ascii_alphabetic() || bytes[0] == b'_') {
+            return Err(SyntaxError::LabelName);
+        }
+        let len = bytes
+            .iter()
+            .position(|c| !(c.is_ascii_alphanumeric() || *c == b'_'))
+            .unwrap_or(bytes.len());
+        let (name, after) = rest.split_at(len);
+        let after = skip_ws(after)
+            .strip_prefix('=')
+            .ok_or(SyntaxError::LabelSyntax)?;
+        let after = skip_ws(after)
+            .strip_prefix('"')
+            .ok_or(SyntaxError::LabelSyntax)?;
+        let (value, after) = unescape_value(after)?;
+        f(name, value);
+        let after = skip_ws(after);
+        rest = match after.strip_prefix(',') {
+            Some(more) => skip_ws(more),
+            None if after.is_empty() => after,
+            None => return Err(SyntaxError::LabelSyntax),
+        };
+    }
+    Ok(())
+}
+
+/// Reads a quoted value's body (opening quote already consumed); returns it and the rest.
+fn unescape_value(s: &str) -> Result<(Cow<'_, str>, &str), SyntaxError> {
+    let bytes = s.as_bytes();
+    let mut i = 0;
+    let mut owned: Option<String> = None;
+    let mut copied = 0; // bytes of `s` already copied into `owned`
+    while i < bytes.len() {
+        match bytes[i] {
+            b'"' => {
+                let value = match owned {
+                    Some(mut o) => {
+                        o.push_str(&s[copied..i]);
+                        Cow::Owned(o)
+                    }
+                    None => Cow::Borrowed(&s[..i]),
+                };
+                return Ok((value, &s[i + 1..]));
+            }
+            b'\\' if i + 1 < bytes.len() => {
+                let o = owned.get_or_insert_with(String::new);
+                o.push_str(&s[copied..i]);
+                match bytes[i + 1] {
+                    b'n' => o.push('\n'),
+                    b'\\' => o.push('\\'),
+                    b'"' => o.push('"'),
+                    // Unknown escapes are kept verbatim, as Prometheus does. The escaped char is
+                    // ASCII here or the start of a multi-byte char, which `copied` preserves.
+                    _ => {
+                        o.push('\\');
+                        copied = i + 1;
+                        i += 1;
+                        continue;
+                    }
+                }
+                i += 2;
+                copied = i;
+            }
+            _ => i += 1,
+        }
+    }
+    Err(SyntaxError::Unterminated)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shaped like vLLM 0.3x output with two DP engines (trimmed).
+    const VLLM_DP2: &str = r#"# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 12345.0
+python_info{implementation="CPython",major="3",minor="12",patchlevel="3",version="3.12.3"} 1.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+vllm:num_requests_running{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:num_requests_waiting{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+# HELP vllm:num_requests_waiting_by_reason Waiting requests by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 9.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.75
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1024.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} NaN
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="1000",prefix_caching_hash_algo="sha256"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",enable_prefix_caching="True",engine="1",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="3000",prefix_caching_hash_algo="sha256"} 1.0
+"#;
+
+    #[test]
+    fn sums_over_engines_and_weights_kv_by_capacity() {
+        let m = parse_vllm_metrics(VLLM_DP2).unwrap();
+        assert_eq!(m.running, 7);
+        assert_eq!(m.waiting, 2);
+        assert_eq!(m.capacity_tokens, Some(4000 * 16));
+        // 0.25 * 1000 + 0.75 * 3000 over 4000 blocks.
+        assert!((m.kv_usage - 0.625).abs() < 1e-12, "{}", m.kv_usage);
+    }
+
+    #[test]
+    fn old_kv_name_without_engine_or_config() {
+        let text = "vllm:num_requests_running{model_name=\"m\"} 1\n\
+                    vllm:num_requests_waiting{model_name=\"m\"} 0\n\
+                    vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n";
+        let m = parse_vllm_metrics(text).unwrap();
+        assert_eq!((m.running, m.waiting, m.capacity_tokens), (1, 0, None));
+        assert!((m.kv_usage - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn new_kv_name_wins_when_both_are_present() {
+        let text = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n\
+                    vllm:gpu_cache_usage_perc 0.9\nvllm:kv_cache_usage_perc 0.1\n";
+        assert!((parse_vllm_metrics(text).unwrap().kv_usage - 0.1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn unprofiled_capacity_is_unknown() {
+        let text = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n\
+                    vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1\n";
+        assert_eq!(parse_vllm_metrics(text).unwrap().capacity_tokens, None);
+    }
+
+    #[test]
+    fn escapes_timestamps_exemplars_and_whitespace() {
+        let text = "vllm:num_requests_running{model_name=\"a \\\"quoted\\\" \\\\ name\\n\", engine=\"0\",} 2 1700000000000\n\
+                    \tvllm:num_requests_waiting { engine = \"0\" }   5\r\n\
+                    vllm:kv_cache_usage_perc{engine=\"0\"} 0.5 # {trace_id=\"abc\"} 1.0\n\
+                    odd{path=\"C:\\\\dir\\x\",ü=\"\"} 1\n";
+        let err = parse_vllm_metrics(text).unwrap_err();
+        assert_eq!(
+            err,
+            PromError::Syntax {
+                line: 4,
+                kind: SyntaxError::LabelName
+            }
+        );
+        let text = text.replace(",ü=\"\"", "");
+        let m = parse_vllm_metrics(&text).unwrap();
+        assert_eq!((m.running, m.waiting), (2, 5));
+        let s = samples(&text).next().unwrap().unwrap();
+        assert_eq!(
+            s.label("model_name").unwrap().as_deref(),
+            Some("a \"quoted\" \\ name\n")
+        );
+        let last = samples(&text).nth(3).unwrap().unwrap();
+        assert_eq!(last.label("path").unwrap().as_deref(), Some("C:\\dir\\x"));
+    }
+
+    #[test]
+    fn special_values() {
+        let text = "a +Inf\nb -Inf\nc NaN\nd 1e3\ne -0.5\n";
+        let values: Vec<f64> = samples(text).map(|s| s.unwrap().value).collect();
+        assert_eq!(values[0], f64::INFINITY);
+        assert_eq!(values[1], f64::NEG_INFINITY);
+        assert!(values[2].is_nan());
+        assert_eq!(&values[3..], &[1000.0, -0.5]);
+    }
+
+    #[test]
+    fn unusable_gauges_are_errors() {
+        for (line, metric) in [
+            ("vllm:num_requests_running NaN", RUNNING),
+            ("vllm:num_requests_waiting -1", WAITING),
+            ("vllm:kv_cache_usage_perc +Inf", KV_USAGE),
+        ] {
+            let text = format!(
+                "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n{line}\n"
+            );
+            assert!(
+                matches!(parse_vllm_metrics(&text), Err(PromError::BadValue { metric: m, .. }) if m == metric),
+                "{line}"
+            );
+        }
+    }
+
+    #[test]
+    fn missing_metrics_are_named() {
+        assert_eq!(parse_vllm_metrics(""), Err(PromError::Missing(RUNNING)));
+        assert_eq!(
+            parse_vllm_metrics("vllm:num_requests_running 1\n"),
+            Err(PromError::Missing(WAITING))
+        );
+        assert_eq!(
+            parse_vllm_metrics("vllm:num_requests_running 1\nvllm:num_requests_waiting 1\n"),
+            Err(PromError::Missing(KV_USAGE))
+        );
+    }
+
+    #[test]
+    fn bad_cache_config() {
+        let base = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n";
+        let text =
+            format!("{base}vllm:cache_config_info{{block_size=\"x\",num_gpu_blocks=\"4\"}} 1\n");
+        assert!(matches!(
+            parse_vllm_metrics(&text),
+            Err(PromError::BadCacheConfig {
+                label: "block_size",
+                ..
+            })
+        ));
+        let text = format!(
+            "{base}vllm:cache_config_info{{block_size=\"{m}\",num_gpu_blocks=\"{m}\"}} 1\n",
+            m = u64::MAX
+        );
+        assert_eq!(parse_vllm_metrics(&text), Err(PromError::CapacityOverflow));
+    }
+
+    #[test]
+    fn garbage_is_a_typed_error() {
+        let cases: &[(&str, SyntaxError)] = &[
+            (
+                "<html><body>502 Bad Gateway</body></html>",
+                SyntaxError::MetricName,
+            ),
+            ("9abc 1", SyntaxError::MetricName),
+            ("abc", SyntaxError::MissingValue),
+            ("abc{", SyntaxError::Unterminated),
+            ("abc{a=\"x} 1", SyntaxError::Unterminated),
+            ("abc{a=\"x\\\"} 1", SyntaxError::Unterminated),
+            ("abc{a} 1", SyntaxError::LabelSyntax),
+            ("abc{a=x} 1", SyntaxError::LabelSyntax),
+            ("abc{a=\"x\" b=\"y\"} 1", SyntaxError::LabelSyntax),
+            ("abc{=\"x\"} 1", SyntaxError::LabelName),
+            ("abc{a=\"x\"}", SyntaxError::MissingValue),
+            ("abc one", SyntaxError::Value),
+            ("abc 0x10", SyntaxError::Value),
+            ("abc 1 soon", SyntaxError::Timestamp),
+            ("abc 1 2 3", SyntaxError::Trailing),
+            ("abc\"x\" 1", SyntaxError::MetricName),
+        ];
+        for (text, kind) in cases {
+            let err = parse_vllm_metrics(text).unwrap_err();
+            assert_eq!(
+                err,
+                PromError::Syntax {
+                    line: 1,
+                    kind: *kind
+                },
+                "{text:?}"
+            );
+        }
+        assert_eq!(
+            parse_vllm_metrics_bytes(b"ok 1\n\xff\xfe"),
+            Err(PromError::NotUtf8(5))
+        );
+    }
+
+    #[test]
+    fn never_panics_on_prefixes_and_mutations() {
+        // Every prefix of a realistic body, and every single-byte corruption of its first lines,
+        // parses or fails cleanly: a cheap stand-in until the fuzz target exists.
+        for end in 0..=VLLM_DP2.len() {
+            if VLLM_DP2.is_char_boundary(end) {
+                let _ = parse_vllm_metrics(&VLLM_DP2[..end]);
+            }
+        }
+        let mut bytes = VLLM_DP2.as_bytes()[..600].to_vec();
+        for i in 0..bytes.len() {
+            let orig = bytes[i];
+            for b in [b'"', b'\\', b'{', b'}', b'=', b',', b' ', b'\n', 0xC3, b'#'] {
+                bytes[i] = b;
+                let _ = parse_vllm_metrics_bytes(&bytes);
+            }
+            bytes[i] = orig;
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Scrapes each endpoint's `/metrics` on a fixed tick and feeds the router.
+//!
+//! One task per endpoint, each with its own deadline, so one slow replica never delays the
+//! others. A success updates the endpoint's load and makes it a candidate again; after
+//! `unreachable_after_failures` consecutive failures (refused, timed out, non-200, unparsable)
+//! it stops being a candidate until a scrape succeeds.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::Request;
+use hyper::header::{ACCEPT, HOST};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use scorer_core::router::EndpointMetrics;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::MissedTickBehavior;
+
+use crate::prom::{PromError, parse_vllm_metrics_bytes};
+use crate::state::State;
+
+/// How and how often endpoints are scraped.
+#[derive(Debug, Clone)]
+pub struct ScrapeSettings {
+    /// Tick between scrape starts of one endpoint.
+    pub interval: Duration,
+    /// Deadline for one scrape, connect to last body byte.
+    pub timeout: Duration,
+    /// Consecutive failures that make an endpoint unreachable.
+    pub unreachable_after: u32,
+    /// Largest body accepted.
+    pub max_body_bytes: usize,
+}
+
+/// Why one scrape failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    /// The whole scrape took longer than the timeout.
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// Connecting or sending the request failed.
+    #[error("request failed: {0}")]
+    Request(#[from] hyper_util::client::legacy::Error),
+    /// The endpoint answered with something other than 200.
+    #[error("HTTP status {0}")]
+    Status(u16),
+    /// Reading the body failed or it exceeded the size limit.
+    #[error("reading body: {0}")]
+    Body(String),
+    /// The body is not usable vLLM metrics.
+    #[error("bad metrics: {0}")]
+    Parse(#[from] PromError),
+    /// The address does not form a valid request URI.
+    #[error("bad request: {0}")]
+    BadRequest(#[from] hyper::http::Error),
+}
+
+impl ScrapeError {
+    /// Short label for the `kvroute_scrapes_total{result}` counter.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Timeout(_) => "timeout",
+            Self::Request(_) => "connect",
+            Self::Status(_) => "status",
+            Self::Body(_) => "body",
+            Self::Parse(_) => "parse",
+            Self::BadRequest(_) => "bad_request",
+        }
+    }
+}
+
+type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+
+/// A pooled HTTP/1 client for scraping (keep-alive, so a scrape is one round trip).
+pub fn client(settings: &ScrapeSettings) -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(settings.timeout));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build(connector)
+}
+
+/// Fetches and parses `http://{address}/metrics` once, within `settings.timeout`.
+pub async fn scrape_once(
+    client: &HttpClient,
+    address: &str,
+    settings: &ScrapeSettings,
+) -> Result<EndpointMetrics, ScrapeError> {
+    let fetch = async {
+        let request = Request::get(format!("http://{address}/metrics"))
+            .header(HOST, address)
+            .header(ACCEPT, "text/plain")
+            .body(Empty::<Bytes>::new())?;
+        let response = client.request(request).await?;
+        if response.status() != hyper::StatusCode::OK {
+            return Err(ScrapeError::Status(response.status().as_u16()));
+        }
+        let body = Limited::new(response.into_body(), settings.max_body_bytes)
+            .collect()
+            .await
+            .map_err(|e| ScrapeError::Body(e.to_string()))?
+            .to_bytes();
+        Ok(parse_vllm_metrics_bytes(&body)?)
+    };
+    tokio::time::timeout(settings.timeout, fetch)
+        .await
+        .map_err(|_| ScrapeError::Timeout(settings.timeout))?
+}
+
+/// Starts one scrape loop per endpoint; they stop when `shutdown` turns true or is dropped.
+pub fn spawn(
+    state: Arc<State>,
+    endpoints: Vec<String>,
+    settings: ScrapeSettings,
+    shutdown: watch::Receiver<bool>,
+) -> Vec<JoinHandle<()>> {
+    let client = client(&settings);
+    endpoints
+        .into_iter()
+        .map(|address| {
+            let (state, client, settings, shutdown) = (
+                state.clone(),
+                client.clone(),
+                settings.clone(),
+                shutdown.clone(),
+            );
+            tokio::spawn(scrape_loop(state, client, address, settings, shutdown))
+        })
+        .collect()
+}
+
+async fn scrape_loop(
+    state: Arc<State>,
+    client: HttpClient,
+    address: String,
+    settings: ScrapeSettings,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(settings.interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut failures: u32 = 0;
+    let mut down = false;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            changed = shutdown.changed() => {
+                if changed.is_err() || *shutdown.borrow() {
+                    return;
+                }
+                continue;
+            }
+        }
+        let started = Instant::now();
+        let result = tokio::select! {
+            r = scrape_once(&client, &address, &settings) => r,
+            _ = shutdown.changed() => return,
+        };
+        let elapsed = started.elapsed();
+        match result {
+            Ok(metrics) => {
+                state.telemetry().count_scrape(&address, "ok", elapsed);
+                state.update_metrics(&address, metrics);
+                if down {
+                    tracing::info!(endpoint = %address, "endpoint reachable again");
+                }
+                failures = 0;
+                down = false;
+            }
+            Err(e) => {
+                state.telemetry().count_scrape(&address, e.kind(), elapsed);
+                failures = failures.saturating_add(1);
+                if failures >= settings.unreachable_after {
+                    if !down {
+                        tracing::warn!(endpoint = %address, failures, error = %e, "endpoint unreachable");
+                    }
+                    state.mark_unreachable(&address);
+                    down = true;
+                } else {
+                    tracing::debug!(endpoint = %address, failures, error = %e, "scrape failed");
+                }
+            }
+        }
+    }
+}

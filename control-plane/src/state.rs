@@ -1,0 +1,273 @@
+//! The single owner of the routing state: one `Router` behind one lock, plus the clock and seed.
+//!
+//! Route decisions take microseconds, so a plain mutex beats anything cleverer. Time is
+//! milliseconds since process start from a monotonic clock; the Router never reads a clock
+//! itself (it is sans-IO), so this is the only place time enters it.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use scorer_core::protocol::{FeedbackBatch, RouteRequest, RouteResponse};
+use scorer_core::router::{
+    Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
+};
+
+use crate::telemetry::Telemetry;
+
+/// Shared by the API, admin and scrape tasks (behind an `Arc`).
+#[derive(Debug)]
+pub struct State {
+    inner: Mutex<Inner>,
+    started: Instant,
+    telemetry: Telemetry,
+}
+
+#[derive(Debug)]
+struct Inner {
+    router: Router,
+    seed: u64,
+    /// Recent decisions, oldest first; ids increase because they are pushed under the lock.
+    recent: VecDeque<Decision>,
+    recent_cap: usize,
+}
+
+/// A consistent snapshot for `/metrics`.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Every endpoint's view.
+    pub endpoints: Vec<EndpointView>,
+    /// Router counters.
+    pub stats: RouterStats,
+    /// Requests routed and not yet reported.
+    pub inflight: usize,
+    /// Distinct blocks in the prefix index.
+    pub index_blocks: usize,
+    /// Approximate heap bytes of the prefix index.
+    pub index_bytes: usize,
+}
+
+impl State {
+    /// A router over `endpoints`, keeping the last `decision_history` decisions for `/debug`.
+    ///
+    /// `first_decision_id` should differ across restarts (e.g. derived from wall-clock time) so
+    /// late feedback for a previous incarnation's decisions cannot match new ones.
+    pub fn new(
+        config: RouterConfig,
+        endpoints: &[String],
+        decision_history: usize,
+        first_decision_id: u64,
+    ) -> Result<Self, RouterError> {
+        let mut router = Router::new(config, first_decision_id);
+        for address in endpoints {
+            router.upsert_endpoint(address)?;
+        }
+        let seed = first_decision_id ^ 0x9e37_79b9_7f4a_7c15;
+        Ok(Self {
+            inner: Mutex::new(Inner {
+                router,
+                seed: seed.max(1),
+                recent: VecDeque::with_capacity(decision_history.min(4096)),
+                recent_cap: decision_history,
+            }),
+            started: Instant::now(),
+            telemetry: Telemetry::default(),
+        })
+    }
+
+    /// Milliseconds since this state was created (monotonic).
+    pub fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The counters handlers and scrapers update.
+    pub fn telemetry(&self) -> &Telemetry {
+        &self.telemetry
+    }
+
+    /// Routes one request and remembers the decision for `/debug/decisions/{id}`.
+    pub fn route(&self, request: &RouteRequest) -> RouteResponse {
+        let now = self.now_ms();
+        let response = {
+            let mut inner = self.inner.lock();
+            inner.seed = xorshift64(inner.seed);
+            let seed = inner.seed;
+            let decision = inner.router.route(request, now, seed);
+            let response = decision.response.clone();
+            if inner.recent_cap > 0 {
+                if inner.recent.len() >= inner.recent_cap {
+                    inner.recent.pop_front();
+                }
+                inner.recent.push_back(decision);
+            }
+            response
+        };
+        self.telemetry.count_decision(&response.reason);
+        response
+    }
+
+    /// Applies a batch of outcomes: releases in-flight load, records prediction accuracy.
+    pub fn feedback(&self, batch: &FeedbackBatch) {
+        let now = self.now_ms();
+        {
+            let mut inner = self.inner.lock();
+            for outcome in &batch.outcomes {
+                inner.router.feedback(outcome, now);
+            }
+        }
+        self.telemetry.count_feedback(batch.outcomes.len());
+    }
+
+    /// Records a successful scrape of `address` (it becomes a candidate again).
+    pub fn update_metrics(&self, address: &str, metrics: EndpointMetrics) {
+        let now = self.now_ms();
+        self.inner
+            .lock()
+            .router
+            .update_metrics(address, metrics, now);
+    }
+
+    /// Enough failed scrapes: stop routing to `address` until a scrape succeeds.
+    pub fn mark_unreachable(&self, address: &str) {
+        self.inner.lock().router.mark_unreachable(address);
+    }
+
+    /// Expires index and in-flight entries even while no requests arrive.
+    pub fn expire(&self) {
+        let now = self.now_ms();
+        self.inner.lock().router.expire(now);
+    }
+
+    /// Every endpoint's current view.
+    pub fn endpoints(&self) -> Vec<EndpointView> {
+        let now = self.now_ms();
+        self.inner.lock().router.endpoints(now)
+    }
+
+    /// A recent decision by id, with its candidate breakdown.
+    pub fn decision(&self, id: u64) -> Option<Decision> {
+        let inner = self.inner.lock();
+        let i = inner
+            .recent
+            .binary_search_by_key(&id, |d| d.response.decision_id)
+            .ok()?;
+        inner.recent.get(i).cloned()
+    }
+
+    /// The most recent decisions' responses, newest first (at most `limit`).
+    pub fn recent_decisions(&self, limit: usize) -> Vec<RouteResponse> {
+        let inner = self.inner.lock();
+        inner
+            .recent
+            .iter()
+            .rev()
+            .take(limit)
+            .map(|d| d.response.clone())
+            .collect()
+    }
+
+    /// Everything `/metrics` reports about the router, taken under one lock.
+    pub fn snapshot(&self) -> Snapshot {
+        let now = self.now_ms();
+        let inner = self.inner.lock();
+        let r = &inner.router;
+        Snapshot {
+            endpoints: r.endpoints(now),
+            stats: r.stats(),
+            inflight: r.inflight_len(),
+            index_blocks: r.index().distinct_blocks(),
+            index_bytes: r.index().approx_bytes(),
+        }
+    }
+}
+
+/// Marsaglia's xorshift64: a cheap per-decision seed for tie-breaking, not for secrets.
+fn xorshift64(mut x: u64) -> u64 {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    x
+}
+
+#[cfg(test)]
+mod tests {
+    use scorer_core::protocol::Outcome;
+    use scorer_core::router::Health;
+
+    use super::*;
+
+    fn state(history: usize) -> State {
+        let eps = vec!["10.0.0.1:8000".to_string(), "10.0.0.2:8000".to_string()];
+        State::new(RouterConfig::default(), &eps, history, 100).unwrap()
+    }
+
+    #[test]
+    fn decisions_are_kept_in_a_bounded_ring() {
+        let s = state(3);
+        let ids: Vec<u64> = (0..5)
+            .map(|i| {
+                let req = RouteRequest {
+                    model: "m".into(),
+                    block_hashes: vec![i],
+                    prompt_tokens: 10,
+                    ..Default::default()
+                };
+                s.route(&req).decision_id
+            })
+            .collect();
+        assert_eq!(ids, vec![100, 101, 102, 103, 104]);
+        assert!(s.decision(101).is_none());
+        let d = s.decision(103).unwrap();
+        assert_eq!(d.candidates.len(), 2);
+        assert_eq!(
+            s.recent_decisions(10)
+                .iter()
+                .map(|r| r.decision_id)
+                .collect::<Vec<_>>(),
+            vec![104, 103, 102]
+        );
+        assert!(state(0).decision(100).is_none());
+    }
+
+    #[test]
+    fn feedback_releases_inflight() {
+        let s = state(8);
+        let r = s.route(&RouteRequest {
+            model: "m".into(),
+            prompt_tokens: 5,
+            ..Default::default()
+        });
+        assert_eq!(s.snapshot().inflight, 1);
+        s.feedback(&FeedbackBatch {
+            outcomes: vec![Outcome {
+                decision_id: r.decision_id,
+                ..Default::default()
+            }],
+        });
+        assert_eq!(s.snapshot().inflight, 0);
+    }
+
+    #[test]
+    fn unreachable_endpoints_are_skipped_until_scraped_again() {
+        let s = state(0);
+        s.mark_unreachable("10.0.0.1:8000");
+        let req = RouteRequest {
+            model: "m".into(),
+            prompt_tokens: 5,
+            ..Default::default()
+        };
+        assert_eq!(s.route(&req).endpoints, vec!["10.0.0.2:8000".to_string()]);
+        s.update_metrics("10.0.0.1:8000", EndpointMetrics::default());
+        assert_eq!(s.route(&req).endpoints.len(), 2);
+        assert!(s.endpoints().iter().all(|e| e.health == Health::Ready));
+    }
+
+    #[test]
+    fn xorshift_never_sticks_at_zero() {
+        let mut x = 1;
+        for _ in 0..1000 {
+            x = xorshift64(x);
+            assert_ne!(x, 0);
+        }
+    }
+}

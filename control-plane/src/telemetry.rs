@@ -1,0 +1,305 @@
+//! What the control plane tells Prometheus about itself.
+//!
+//! Two sources: event counters the handlers bump as things happen ([`Telemetry`]), and a
+//! collector that reads the router's state at scrape time ([`registry`]), so gauges are never
+//! out of sync with the router and need no background updater.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use scorer_core::router::{EndpointView, Health};
+
+use crate::state::State;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RejectLabels {
+    path: &'static str,
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ScrapeLabels {
+    endpoint: String,
+    result: &'static str,
+}
+
+/// Event counters; cheap to bump from any task (all handles are atomics behind `Arc`s).
+#[derive(Debug, Clone)]
+pub struct Telemetry {
+    decisions: Family<ReasonLabels, Counter>,
+    route_seconds: Histogram,
+    rejected: Family<RejectLabels, Counter>,
+    feedback_batches: Counter,
+    feedback_outcomes: Counter,
+    scrapes: Family<ScrapeLabels, Counter>,
+    scrape_seconds: Histogram,
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Self {
+            decisions: Family::default(),
+            // 5 µs .. ~80 ms: the route handler should live in the first few buckets.
+            route_seconds: Histogram::new(exponential_buckets(5e-6, 2.0, 15)),
+            rejected: Family::default(),
+            feedback_batches: Counter::default(),
+            feedback_outcomes: Counter::default(),
+            scrapes: Family::default(),
+            // 100 µs .. ~3 s.
+            scrape_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 15)),
+        }
+    }
+}
+
+impl Telemetry {
+    /// One routing decision with its reason (`prefix`, `load`, `guard`, `no_endpoint`).
+    pub fn count_decision(&self, reason: &str) {
+        self.decisions
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Time spent in the route handler after the body was read.
+    pub fn observe_route(&self, elapsed: Duration) {
+        self.route_seconds.observe(elapsed.as_secs_f64());
+    }
+
+    /// A request the API refused (`unauthorized`, `bad_request`, `too_large`, `timeout`, ...).
+    pub fn count_rejected(&self, path: &'static str, reason: &'static str) {
+        self.rejected
+            .get_or_create(&RejectLabels { path, reason })
+            .inc();
+    }
+
+    /// One feedback batch of `outcomes` outcomes.
+    pub fn count_feedback(&self, outcomes: usize) {
+        self.feedback_batches.inc();
+        self.feedback_outcomes.inc_by(outcomes as u64);
+    }
+
+    /// One scrape of `endpoint` ending in `result` (`ok` or an error kind).
+    pub fn count_scrape(&self, endpoint: &str, result: &'static str, elapsed: Duration) {
+        self.scrapes
+            .get_or_create(&ScrapeLabels {
+                endpoint: endpoint.to_string(),
+                result,
+            })
+            .inc();
+        self.scrape_seconds.observe(elapsed.as_secs_f64());
+    }
+}
+
+/// The `/metrics` registry: event counters plus a live view of `state`, prefixed `kvroute_`.
+pub fn registry(state: Arc<State>) -> Registry {
+    let mut r = Registry::with_prefix("kvroute");
+    let t = state.telemetry().clone();
+    r.register("decisions", "Routing decisions by reason", t.decisions);
+    r.register(
+        "route_duration_seconds",
+        "Route handler time after the body is read",
+        t.route_seconds,
+    );
+    r.register(
+        "rejected_requests",
+        "API requests refused, by path and reason",
+        t.rejected,
+    );
+    r.register(
+        "feedback_batches",
+        "Feedback batches received",
+        t.feedback_batches,
+    );
+    r.register(
+        "feedback_outcomes",
+        "Request outcomes received in feedback",
+        t.feedback_outcomes,
+    );
+    r.register("scrapes", "Endpoint /metrics scrapes by result", t.scrapes);
+    r.register(
+        "scrape_duration_seconds",
+        "Endpoint /metrics scrape time",
+        t.scrape_seconds,
+    );
+    r.register_collector(Box::new(RouterCollector(state)));
+    r
+}
+
+/// Reads the router under its lock once per `/metrics` request.
+#[derive(Debug)]
+struct RouterCollector(Arc<State>);
+
+impl Collector for RouterCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let snap = self.0.snapshot();
+        let s = snap.stats;
+        let counters: [(&str, &str, u64); 5] = [
+            (
+                "no_endpoint_decisions",
+                "Decisions with no usable endpoint (the filter failed open)",
+                s.no_endpoint,
+            ),
+            (
+                "guarded_decisions",
+                "Decisions where the guard skipped the cheapest endpoint",
+                s.guarded,
+            ),
+            (
+                "expired_inflight",
+                "In-flight entries that expired without feedback",
+                s.expired_inflight,
+            ),
+            (
+                "predicted_cached_tokens",
+                "Cached prompt tokens the router predicted, over outcomes reporting cached tokens",
+                s.predicted_cached_tokens,
+            ),
+            (
+                "actual_cached_tokens",
+                "Cached prompt tokens the engines reported, over the same outcomes",
+                s.actual_cached_tokens,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let c = ConstCounter::new(value);
+            c.encode(encoder.encode_descriptor(name, help, None, MetricType::Counter)?)?;
+        }
+        let gauges: [(&str, &str, u64); 3] = [
+            (
+                "inflight",
+                "Requests routed and not yet reported",
+                snap.inflight as u64,
+            ),
+            (
+                "index_blocks",
+                "Distinct prompt blocks in the prefix index",
+                snap.index_blocks as u64,
+            ),
+            (
+                "index_bytes",
+                "Approximate memory of the prefix index",
+                snap.index_bytes as u64,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let g = ConstGauge::new(value as i64);
+            g.encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+        }
+
+        type Getter = fn(&EndpointView) -> Option<f64>;
+        let per_endpoint: [(&str, &str, Getter); 9] = [
+            (
+                "endpoint_up",
+                "1 while the endpoint's /metrics answers, else 0",
+                |e| Some(if e.health == Health::Ready { 1.0 } else { 0.0 }),
+            ),
+            (
+                "endpoint_stale",
+                "1 when the last successful scrape is older than stale_after_ms",
+                |e| Some(if e.stale { 1.0 } else { 0.0 }),
+            ),
+            (
+                "endpoint_running",
+                "vllm:num_requests_running as last scraped",
+                |e| e.metrics.map(|m| f64::from(m.running)),
+            ),
+            (
+                "endpoint_waiting",
+                "vllm:num_requests_waiting as last scraped",
+                |e| e.metrics.map(|m| f64::from(m.waiting)),
+            ),
+            (
+                "endpoint_kv_usage",
+                "vllm:kv_cache_usage_perc as last scraped (0..1)",
+                |e| e.metrics.map(|m| m.kv_usage),
+            ),
+            (
+                "endpoint_capacity_tokens",
+                "KV capacity in tokens from vllm:cache_config_info",
+                |e| e.metrics.and_then(|m| m.capacity_tokens).map(|c| c as f64),
+            ),
+            (
+                "endpoint_inflight",
+                "Requests routed to the endpoint and not yet reported",
+                |e| Some(f64::from(e.inflight)),
+            ),
+            (
+                "endpoint_backlog_tokens",
+                "Prefill tokens routed to the endpoint and not yet drained",
+                |e| Some(e.backlog_tokens),
+            ),
+            (
+                "endpoint_indexed_blocks",
+                "Prompt blocks the index believes the endpoint holds",
+                |e| Some(e.indexed_blocks as f64),
+            ),
+        ];
+        for (name, help, get) in per_endpoint {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for e in &snap.endpoints {
+                if let Some(v) = get(e) {
+                    let labels = [("endpoint", e.address.as_str())];
+                    ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::encoding::text::encode;
+    use scorer_core::protocol::RouteRequest;
+    use scorer_core::router::RouterConfig;
+
+    use super::*;
+
+    #[test]
+    fn exposition_has_event_and_state_metrics() {
+        let state =
+            Arc::new(State::new(RouterConfig::default(), &["10.0.0.1:80".into()], 4, 1).unwrap());
+        state.route(&RouteRequest {
+            model: "m".into(),
+            block_hashes: vec![1, 2],
+            prompt_tokens: 9,
+            ..Default::default()
+        });
+        state
+            .telemetry()
+            .count_rejected("/v1/route", "unauthorized");
+        let mut text = String::new();
+        encode(&mut text, &registry(state)).unwrap();
+        for needle in [
+            "kvroute_decisions_total{reason=\"load\"} 1",
+            "kvroute_rejected_requests_total{path=\"/v1/route\",reason=\"unauthorized\"} 1",
+            "kvroute_route_duration_seconds_bucket",
+            "kvroute_no_endpoint_decisions_total 0",
+            "kvroute_inflight 1",
+            "kvroute_index_blocks 2",
+            "kvroute_endpoint_up{endpoint=\"10.0.0.1:80\"} 1",
+            "kvroute_endpoint_inflight{endpoint=\"10.0.0.1:80\"} 1",
+            "kvroute_endpoint_indexed_blocks{endpoint=\"10.0.0.1:80\"} 2",
+            "# EOF",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+        }
+        // Our own parser reads our own exposition.
+        assert!(crate::prom::samples(&text).all(|s| s.is_ok()));
+    }
+}
