@@ -1,0 +1,646 @@
+//! End-to-end tests of the control plane over real sockets, against fake vLLM `/metrics` servers.
+//!
+//! Everything binds 127.0.0.1 on OS-chosen ports, and every wait has a deadline.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State as AxumState;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use control_plane::ControlPlane;
+use control_plane::config::{Config, EndpointConfig};
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+
+const DEADLINE: Duration = Duration::from_secs(5);
+
+/// What a fake replica's `/metrics` currently answers.
+#[derive(Debug, Clone)]
+struct FakeBehaviour {
+    status: u16,
+    body: String,
+    delay: Duration,
+}
+
+/// A tiny vLLM stand-in that only serves `/metrics`.
+struct FakeVllm {
+    addr: SocketAddr,
+    behaviour: Arc<Mutex<FakeBehaviour>>,
+}
+
+fn vllm_metrics(running: u32, waiting: u32, kv: f64) -> String {
+    format!(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}.0\n\
+         # TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {waiting}.0\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {kv}\n\
+         # TYPE vllm:time_to_first_token_seconds histogram\n\
+         vllm:time_to_first_token_seconds_bucket{{engine=\"0\",le=\"+Inf\",model_name=\"m\"}} 3.0\n\
+         vllm:time_to_first_token_seconds_sum{{engine=\"0\",model_name=\"m\"}} NaN\n\
+         vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"2048\"}} 1.0\n"
+    )
+}
+
+impl FakeVllm {
+    async fn start(body: String) -> Self {
+        let behaviour = Arc::new(Mutex::new(FakeBehaviour {
+            status: 200,
+            body,
+            delay: Duration::ZERO,
+        }));
+        let app = axum::Router::new()
+            .route("/metrics", axum::routing::get(fake_metrics))
+            .with_state(behaviour.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Self { addr, behaviour }
+    }
+
+    fn set(&self, f: impl FnOnce(&mut FakeBehaviour)) {
+        f(&mut self.behaviour.lock());
+    }
+}
+
+async fn fake_metrics(
+    AxumState(b): AxumState<Arc<Mutex<FakeBehaviour>>>,
+) -> axum::response::Response {
+    let b = b.lock().clone();
+    if !b.delay.is_zero() {
+        tokio::time::sleep(b.delay).await;
+    }
+    (StatusCode::from_u16(b.status).unwrap(), b.body).into_response()
+}
+
+/// A port nothing listens on (bound, then released).
+async fn closed_port() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap()
+}
+
+/// A running control plane; stops when dropped.
+struct Running {
+    api: SocketAddr,
+    admin: SocketAddr,
+    _stop: oneshot::Sender<()>,
+}
+
+fn test_config(endpoints: &[SocketAddr]) -> Config {
+    Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        scrape_interval_ms: 20,
+        scrape_timeout_ms: 200,
+        endpoints: endpoints
+            .iter()
+            .map(|a| EndpointConfig {
+                address: a.to_string(),
+            })
+            .collect(),
+        ..Config::default()
+    }
+}
+
+async fn start(config: Config) -> Running {
+    config.validate().unwrap();
+    let cp = ControlPlane::bind(config).await.unwrap();
+    let (api, admin) = (cp.api_addr(), cp.admin_addr());
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(cp.run(async move {
+        let _ = stopped.await;
+    }));
+    Running {
+        api,
+        admin,
+        _stop: stop,
+    }
+}
+
+/// One HTTP/1 request with a deadline; returns status and body text.
+async fn http(
+    method: &str,
+    url: String,
+    headers: &[(&str, &str)],
+    body: Option<String>,
+) -> (u16, String) {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let mut req = Request::builder().method(method).uri(&url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    if body.is_some() {
+        req = req.header("content-type", "application/json");
+    }
+    let req = req
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))
+        .unwrap();
+    let fut = async {
+        let resp = client.request(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    };
+    tokio::time::timeout(DEADLINE, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{method} {url} timed out"))
+}
+
+async fn get_json(url: String) -> Value {
+    let (status, body) = http("GET", url, &[], None).await;
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+async fn post_route(r: &Running, req: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
+    let (status, body) = http(
+        "POST",
+        format!("http://{}/v1/route", r.api),
+        headers,
+        Some(req.to_string()),
+    )
+    .await;
+    (
+        status,
+        serde_json::from_str(&body).unwrap_or(Value::String(body)),
+    )
+}
+
+/// Polls `check` until it returns true or the deadline passes.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < DEADLINE {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+async fn endpoint_view(r: &Running, addr: SocketAddr) -> Value {
+    let all = get_json(format!("http://{}/debug/endpoints", r.admin)).await;
+    all.as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["address"] == addr.to_string())
+        .cloned()
+        .unwrap()
+}
+
+async fn metrics_text(r: &Running) -> String {
+    let (status, body) = http("GET", format!("http://{}/metrics", r.admin), &[], None).await;
+    assert_eq!(status, 200);
+    body
+}
+
+fn route_request(blocks: std::ops::Range<u64>) -> Value {
+    let hashes: Vec<u64> = blocks.collect();
+    json!({ "model": "m", "block_hashes": hashes, "prompt_bytes": hashes.len() * 256, "prompt_tokens": hashes.len() * 64 })
+}
+
+#[tokio::test]
+async fn routes_follow_the_prefix_and_decisions_are_explained() {
+    let a = FakeVllm::start(vllm_metrics(1, 0, 0.1)).await;
+    let b = FakeVllm::start(vllm_metrics(1, 0, 0.1)).await;
+    let r = start(test_config(&[a.addr, b.addr])).await;
+    for addr in [a.addr, b.addr] {
+        eventually("first scrape", || async {
+            !endpoint_view(&r, addr).await["metrics"].is_null()
+        })
+        .await;
+    }
+    let view = endpoint_view(&r, a.addr).await;
+    assert_eq!(view["metrics"]["capacity_tokens"], 2048 * 16);
+    assert_eq!(view["health"], "ready");
+
+    let (status, first) = post_route(&r, &route_request(1..21), &[]).await;
+    assert_eq!(status, 200, "{first}");
+    let endpoints = first["endpoints"].as_array().unwrap();
+    assert_eq!(endpoints.len(), 2);
+    // A longer prompt with the same prefix follows the first once its prefill has drained.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_, second) = post_route(&r, &route_request(1..30), &[]).await;
+    assert_eq!(second["endpoints"][0], first["endpoints"][0], "{second}");
+    assert_eq!(second["reason"], "prefix");
+    assert_eq!(second["cached_blocks"], 20);
+
+    let id = second["decision_id"].as_u64().unwrap();
+    let explained = get_json(format!("http://{}/debug/decisions/{id}", r.admin)).await;
+    assert_eq!(explained["response"], second);
+    assert_eq!(explained["candidates"].as_array().unwrap().len(), 2);
+    assert_eq!(explained["candidates"][0]["cached_blocks"], 20);
+    let recent = get_json(format!("http://{}/debug/decisions?limit=1", r.admin)).await;
+    assert_eq!(recent[0]["decision_id"], id);
+
+    let (status, _) = http(
+        "GET",
+        format!("http://{}/debug/decisions/{}", r.admin, id + 1000),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(status, 404);
+    let (status, body) = http(
+        "GET",
+        format!("http://{}/debug/decisions/abc", r.admin),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+}
+
+#[tokio::test]
+async fn auth_token_guards_both_posts() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(Config {
+        auth_token: Some("s3cret".into()),
+        ..test_config(&[a.addr])
+    })
+    .await;
+    let req = route_request(0..4);
+    let (status, body) = post_route(&r, &req, &[]).await;
+    assert_eq!(status, 401);
+    assert!(
+        body["error"].as_str().unwrap().contains("x-kvroute-token"),
+        "{body}"
+    );
+    assert_eq!(
+        post_route(&r, &req, &[("x-kvroute-token", "wrong")])
+            .await
+            .0,
+        401
+    );
+    let (status, routed) = post_route(&r, &req, &[("x-kvroute-token", "s3cret")]).await;
+    assert_eq!(status, 200);
+
+    let batch = json!({ "outcomes": [{ "decision_id": routed["decision_id"], "status": 200, "total_ms": 5 }] });
+    let url = format!("http://{}/v1/feedback", r.api);
+    assert_eq!(
+        http("POST", url.clone(), &[], Some(batch.to_string()))
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        http(
+            "POST",
+            url,
+            &[("x-kvroute-token", "s3cret")],
+            Some(batch.to_string())
+        )
+        .await
+        .0,
+        204
+    );
+    // Health checks need no token.
+    assert_eq!(
+        http("GET", format!("http://{}/healthz", r.api), &[], None).await,
+        (200, "ok".into())
+    );
+    assert_eq!(
+        http("GET", format!("http://{}/healthz", r.admin), &[], None).await,
+        (200, "ok".into())
+    );
+    assert!(metrics_text(&r).await.contains(
+        "kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unauthorized\"} 1"
+    ));
+}
+
+#[tokio::test]
+async fn feedback_releases_inflight_load() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    let (_, routed) = post_route(&r, &route_request(0..8), &[]).await;
+    assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 1);
+    let batch = json!({ "outcomes": [{
+        "decision_id": routed["decision_id"], "endpoint": a.addr.to_string(), "status": 200,
+        "ttfb_ms": 12, "total_ms": 40, "prompt_tokens": 512, "completion_tokens": 16, "cached_tokens": 0
+    }] });
+    let (status, body) = http(
+        "POST",
+        format!("http://{}/v1/feedback", r.api),
+        &[],
+        Some(batch.to_string()),
+    )
+    .await;
+    assert_eq!(status, 204, "{body}");
+    assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
+    let text = metrics_text(&r).await;
+    assert!(text.contains("kvroute_feedback_outcomes_total 1"), "{text}");
+    assert!(text.contains("kvroute_inflight 0"), "{text}");
+    assert!(
+        text.contains("kvroute_actual_cached_tokens_total 0"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_json_error() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let config = Config {
+        max_block_hashes: 4,
+        max_body_bytes: 1024,
+        max_feedback_outcomes: 1,
+        ..test_config(&[a.addr])
+    };
+    let r = start(config).await;
+    let route = format!("http://{}/v1/route", r.api);
+
+    let (status, body) = http("POST", route.clone(), &[], Some("{not json".into())).await;
+    assert_eq!(status, 400);
+    assert!(body.contains("invalid JSON body"), "{body}");
+    let (status, body) = http(
+        "POST",
+        route.clone(),
+        &[],
+        Some(r#"{"block_hashes":[1]}"#.into()),
+    )
+    .await;
+    assert_eq!(status, 400, "model is required: {body}");
+    let (status, body) = http(
+        "POST",
+        route.clone(),
+        &[],
+        Some(r#"{"model":"m","block_hashes":[-1]}"#.into()),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = post_route(&r, &route_request(0..5), &[]).await;
+    assert_eq!(status, 400);
+    assert!(
+        body["error"].as_str().unwrap().contains("at most 4"),
+        "{body}"
+    );
+    let (status, body) = http(
+        "POST",
+        route,
+        &[],
+        Some(format!("{{\"model\":\"{}\"}}", "x".repeat(2000))),
+    )
+    .await;
+    assert_eq!(status, 413);
+    assert!(body.contains("exceeds 1024 bytes"), "{body}");
+
+    let batch = json!({ "outcomes": [{ "decision_id": 1 }, { "decision_id": 2 }] });
+    let (status, body) = http(
+        "POST",
+        format!("http://{}/v1/feedback", r.api),
+        &[],
+        Some(batch.to_string()),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(body.contains("at most 1"), "{body}");
+    let (status, body) = http("GET", format!("http://{}/v1/nothing", r.api), &[], None).await;
+    assert_eq!(status, 404, "{body}");
+    // The service is still fine.
+    assert_eq!(post_route(&r, &route_request(0..2), &[]).await.0, 200);
+}
+
+#[tokio::test]
+async fn dead_and_slow_endpoints_are_dropped_without_stalling_the_others() {
+    let healthy = FakeVllm::start(vllm_metrics(2, 0, 0.2)).await;
+    let slow = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    slow.set(|b| b.delay = Duration::from_secs(3));
+    let dead = closed_port().await;
+    let config = Config {
+        scrape_interval_ms: 20,
+        scrape_timeout_ms: 100,
+        unreachable_after_failures: 2,
+        ..test_config(&[healthy.addr, slow.addr, dead])
+    };
+    let r = start(config).await;
+    for addr in [slow.addr, dead] {
+        eventually("unreachable", || async {
+            endpoint_view(&r, addr).await["health"] == "unreachable"
+        })
+        .await;
+    }
+    // The healthy endpoint kept being scraped at its own pace meanwhile.
+    let ok_scrapes = |text: &str| -> u64 {
+        let needle = format!(
+            "kvroute_scrapes_total{{endpoint=\"{}\",result=\"ok\"}} ",
+            healthy.addr
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(&needle))
+            .map_or(0, |v| v.parse().unwrap())
+    };
+    let before = ok_scrapes(&metrics_text(&r).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let text = metrics_text(&r).await;
+    assert!(
+        ok_scrapes(&text) >= before + 8,
+        "healthy scrapes stalled: {before} -> {}",
+        ok_scrapes(&text)
+    );
+    assert!(text.contains(&format!(
+        "kvroute_scrapes_total{{endpoint=\"{}\",result=\"timeout\"}}",
+        slow.addr
+    )));
+    assert!(text.contains(&format!(
+        "kvroute_scrapes_total{{endpoint=\"{dead}\",result=\"connect\"}}"
+    )));
+    assert!(text.contains(&format!("kvroute_endpoint_up{{endpoint=\"{dead}\"}} 0")));
+
+    for i in 0..5 {
+        let (_, routed) = post_route(&r, &route_request(i * 100..i * 100 + 3), &[]).await;
+        assert_eq!(
+            routed["endpoints"],
+            json!([healthy.addr.to_string()]),
+            "{routed}"
+        );
+    }
+
+    // The slow one recovers.
+    slow.set(|b| b.delay = Duration::ZERO);
+    eventually("recovery", || async {
+        endpoint_view(&r, slow.addr).await["health"] == "ready"
+    })
+    .await;
+
+    // With every endpoint gone, routing answers an empty list (the filter fails open).
+    healthy.set(|b| b.status = 503);
+    slow.set(|b| b.body = "<html>not metrics</html>".into());
+    for addr in [healthy.addr, slow.addr] {
+        eventually("all down", || async {
+            endpoint_view(&r, addr).await["health"] == "unreachable"
+        })
+        .await;
+    }
+    let (status, routed) = post_route(&r, &route_request(0..3), &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(routed["endpoints"], json!([]));
+    assert_eq!(routed["reason"], "no_endpoint");
+    let text = metrics_text(&r).await;
+    assert!(
+        text.contains("kvroute_no_endpoint_decisions_total 1"),
+        "{text}"
+    );
+    assert!(text.contains(&format!(
+        "kvroute_scrapes_total{{endpoint=\"{}\",result=\"parse\"}}",
+        slow.addr
+    )));
+    assert!(text.contains(&format!(
+        "kvroute_scrapes_total{{endpoint=\"{}\",result=\"status\"}}",
+        healthy.addr
+    )));
+}
+
+#[tokio::test]
+async fn stale_metrics_are_flagged_but_the_endpoint_stays_usable() {
+    let a = FakeVllm::start(vllm_metrics(3, 1, 0.5)).await;
+    let mut config = Config {
+        unreachable_after_failures: 1_000_000,
+        ..test_config(&[a.addr])
+    };
+    config.router.stale_after_ms = 300;
+    let r = start(config).await;
+    eventually("first scrape", || async {
+        !endpoint_view(&r, a.addr).await["metrics"].is_null()
+    })
+    .await;
+    assert_eq!(endpoint_view(&r, a.addr).await["stale"], false);
+    a.set(|b| b.status = 500);
+    eventually("stale", || async {
+        endpoint_view(&r, a.addr).await["stale"] == true
+    })
+    .await;
+    let view = endpoint_view(&r, a.addr).await;
+    assert_eq!(view["health"], "ready");
+    assert_eq!(view["metrics"]["running"], 3);
+    let text = metrics_text(&r).await;
+    assert!(
+        text.contains(&format!(
+            "kvroute_endpoint_stale{{endpoint=\"{}\"}} 1",
+            a.addr
+        )),
+        "{text}"
+    );
+    let (_, routed) = post_route(&r, &route_request(0..3), &[]).await;
+    assert_eq!(routed["endpoints"], json!([a.addr.to_string()]));
+}
+
+#[tokio::test]
+async fn metrics_exposition_reports_load_and_decisions() {
+    let a = FakeVllm::start(vllm_metrics(7, 2, 0.25)).await;
+    let r = start(test_config(&[a.addr])).await;
+    eventually("first scrape", || async {
+        !endpoint_view(&r, a.addr).await["metrics"].is_null()
+    })
+    .await;
+    post_route(&r, &route_request(0..10), &[]).await;
+    let (status, text) = http("GET", format!("http://{}/metrics", r.admin), &[], None).await;
+    assert_eq!(status, 200);
+    let e = a.addr;
+    for needle in [
+        "kvroute_decisions_total{reason=\"load\"} 1".to_string(),
+        "kvroute_route_duration_seconds_count 1".into(),
+        format!("kvroute_endpoint_running{{endpoint=\"{e}\"}} 7"),
+        format!("kvroute_endpoint_waiting{{endpoint=\"{e}\"}} 2"),
+        format!("kvroute_endpoint_kv_usage{{endpoint=\"{e}\"}} 0.25"),
+        format!("kvroute_endpoint_capacity_tokens{{endpoint=\"{e}\"}} 32768"),
+        format!("kvroute_endpoint_inflight{{endpoint=\"{e}\"}} 1"),
+        format!("kvroute_endpoint_indexed_blocks{{endpoint=\"{e}\"}} 10"),
+        format!("kvroute_endpoint_backlog_tokens{{endpoint=\"{e}\"}}"),
+        "kvroute_index_blocks 10".into(),
+        "kvroute_index_bytes ".into(),
+        "kvroute_predicted_cached_tokens_total 0".into(),
+        "# EOF".into(),
+    ] {
+        assert!(text.contains(&needle), "missing {needle:?} in\n{text}");
+    }
+}
+
+/// A free port for the binary's config (bound and released; the OS rarely reuses it at once).
+async fn free_port() -> u16 {
+    closed_port().await.port()
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn binary_serves_and_exits_cleanly_on_sigterm() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let (api, admin) = (free_port().await, free_port().await);
+    let dir = std::env::temp_dir().join(format!("kvroute-cp-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "listen: 127.0.0.1:{api}\nadmin_listen: 127.0.0.1:{admin}\nauth_token: null\nscrape_interval_ms: 100\n\
+             endpoints:\n  - address: {}\nrouter: {{}}\n",
+            a.addr
+        ),
+    )
+    .unwrap();
+    let exe = env!("CARGO_BIN_EXE_kvroute-control-plane");
+    let mut child = tokio::process::Command::new(exe)
+        .args(["--config", path.to_str().unwrap(), "--log", "warn"])
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    eventually("binary healthz", || async {
+        let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+        let uri = format!("http://127.0.0.1:{admin}/healthz");
+        let req = Request::get(uri).body(Full::new(Bytes::new())).unwrap();
+        matches!(tokio::time::timeout(Duration::from_millis(500), client.request(req)).await, Ok(Ok(resp)) if resp.status() == 200)
+    })
+    .await;
+    let body = route_request(0..3).to_string();
+    let (status, _) = http(
+        "POST",
+        format!("http://127.0.0.1:{api}/v1/route"),
+        &[],
+        Some(body),
+    )
+    .await;
+    assert_eq!(status, 200);
+
+    let pid = child.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = tokio::time::timeout(DEADLINE, child.wait())
+        .await
+        .expect("no exit after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+
+    // A bad config is refused with a message naming the problem.
+    std::fs::write(&path, "endpoints:\n  - address: not-an-address\n").unwrap();
+    let out = tokio::time::timeout(
+        DEADLINE,
+        tokio::process::Command::new(exe)
+            .args(["--config", path.to_str().unwrap()])
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("is not ip:port"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
