@@ -491,6 +491,18 @@ pub struct RunSummary {
     pub prefix_cache_hit_rate: f64,
 }
 
+/// `summary.json` of the demo: `{"runs":[RunSummary, ...]}`, fields in contract order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DemoSummary {
+    /// One entry per router, kvroute first.
+    pub runs: Vec<RunSummary>,
+}
+
+fn round_to(v: f64, decimals: i32) -> f64 {
+    let f = 10f64.powi(decimals);
+    (v * f).round() / f
+}
+
 /// Nearest-rank percentile of sorted values (0 for an empty slice).
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -514,20 +526,16 @@ pub fn summarize(router: &str, run: &RunResult, prefix_cache_hit_rate: f64) -> R
         requests: run.records.len(),
         errors: run.records.len() - ok.len(),
         ttft_ms: TtftStats {
-            p50: percentile(&ttft, 50.0),
-            p90: percentile(&ttft, 90.0),
-            p99: percentile(&ttft, 99.0),
+            p50: round_to(percentile(&ttft, 50.0), 2),
+            p90: round_to(percentile(&ttft, 90.0), 2),
+            p99: round_to(percentile(&ttft, 99.0), 2),
         },
         e2e_ms: E2eStats {
-            p50: percentile(&e2e, 50.0),
-            p99: percentile(&e2e, 99.0),
+            p50: round_to(percentile(&e2e, 50.0), 2),
+            p99: round_to(percentile(&e2e, 99.0), 2),
         },
-        output_tokens_per_s: if secs > 0.0 {
-            tokens as f64 / secs
-        } else {
-            0.0
-        },
-        prefix_cache_hit_rate,
+        output_tokens_per_s: round_to(tokens as f64 / secs.max(1e-9), 2),
+        prefix_cache_hit_rate: round_to(prefix_cache_hit_rate, 4),
     }
 }
 
@@ -629,6 +637,16 @@ mod tests {
             assert!(v.get(key).is_some(), "{key}");
         }
         assert!(v["ttft_ms"].get("p90").is_some());
+        let text = serde_json::to_string(&DemoSummary {
+            runs: vec![s.clone()],
+        })
+        .unwrap();
+        assert!(
+            text.starts_with(
+                r#"{"runs":[{"router":"kvroute","requests":2,"errors":1,"ttft_ms":{"p50":5.0,"#
+            ),
+            "{text}"
+        );
         assert!(render_table(&[s]).contains("kvroute"));
     }
 }

@@ -237,7 +237,7 @@ async fn busy_replica_is_avoided() {
         tokio::time::sleep(Duration::from_millis(500)).await;
 
         let mut placed = Vec::new();
-        for c in 0..6u64 {
+        for c in 0..8u64 {
             let mut conv = Conversation::new(500 + c, 300);
             let out = conv.turn(&client, &fleet, 4, &[]).await;
             placed.push(replica_of(&out, &fleet));
@@ -317,6 +317,22 @@ async fn killing_the_control_plane_loses_no_request() {
         assert!(
             served_after_kill.len() >= 2,
             "after the kill everything went to {served_after_kill:?}"
+        );
+        // And the fail-open path was really taken (the filter counts it).
+        let stats = fleet
+            .envoy_stats("kvroute_fail_open")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let fail_open: f64 = stats
+            .lines()
+            .filter_map(|l| {
+                l.split_once(": ")
+                    .and_then(|(_, v)| v.trim().parse::<f64>().ok())
+            })
+            .sum();
+        assert!(
+            fail_open >= 1.0,
+            "no request took the fail-open path; Envoy stats: {stats:?}"
         );
     })
     .await;

@@ -118,7 +118,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     println!();
     print!("{}", loadgen::render_table(&rows));
-    let summary = serde_json::json!({ "runs": rows });
+    let summary = loadgen::DemoSummary { runs: rows.clone() };
     let summary_path = out_dir.join("summary.json");
     std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("cannot write {}", summary_path.display()))?;
