@@ -10,10 +10,11 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use kvroute_tests::fleet::des::{RunResult, SimConfig, run};
-use kvroute_tests::fleet::policy::{POLICY_NAMES, build};
+use kvroute_tests::fleet::policy::{POLICY_NAMES, build_with};
 use kvroute_tests::fleet::report::{PolicySummary, line_chart, table, ttft_cdf_series};
 use kvroute_tests::fleet::workload::from_spec;
 use kvroute_tests::sim::Profile;
+use scorer_core::router::RouterConfig;
 use serde::Serialize;
 
 #[derive(Parser)]
@@ -70,6 +71,10 @@ struct CompareArgs {
     /// Also run these speedups and plot TTFT p50/p99 against load.
     #[arg(long, value_delimiter = ',')]
     sweep: Option<Vec<f64>>,
+    /// kvroute router settings as YAML or JSON (`RouterConfig` fields, e.g.
+    /// `{scoring: {guard_abs: 32}}`), for sweeps of the scoring defaults.
+    #[arg(long)]
+    router_config: Option<String>,
     /// Metrics scrape interval of the simulated routers (virtual ms).
     #[arg(long, default_value_t = 100.0)]
     metrics_interval_ms: f64,
@@ -108,6 +113,7 @@ fn run_all(
     args: &CompareArgs,
     policies: &[String],
     cfg: &SimConfig,
+    router: &RouterConfig,
     speedup: f64,
 ) -> anyhow::Result<Vec<RunResult>> {
     let mut workload = from_spec(&args.workload, args.seed)?;
@@ -117,7 +123,7 @@ fn run_all(
     workload.speed_up(speedup);
     let mut runs = Vec::new();
     for name in policies {
-        let mut policy = build(name, cfg.replicas, args.seed)
+        let mut policy = build_with(name, cfg.replicas, args.seed, router)
             .with_context(|| format!("unknown policy {name}"))?;
         eprint!("  {name:<20} speedup {speedup:<5} ... ");
         std::io::stderr().flush().ok();
@@ -160,6 +166,10 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             bail!("unknown policy {p:?}; known: {}", POLICY_NAMES.join(", "));
         }
     }
+    let router: RouterConfig = match &args.router_config {
+        Some(text) => serde_yaml_ng::from_str(text).context("--router-config")?,
+        None => RouterConfig::default(),
+    };
     let cfg = SimConfig {
         replicas: args.replicas,
         profile,
@@ -167,7 +177,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         metrics_interval_ms: args.metrics_interval_ms,
     };
     eprintln!("fleet-sim: {} on {} replicas", args.workload, args.replicas);
-    let runs = run_all(&args, &policies, &cfg, args.speedup)?;
+    let runs = run_all(&args, &policies, &cfg, &router, args.speedup)?;
     let results: Vec<PolicySummary> = runs.iter().map(PolicySummary::of).collect();
     println!("{}", table(&results));
 
@@ -195,7 +205,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     let mut sweep = Vec::new();
     if let Some(speedups) = &args.sweep {
         for &s in speedups {
-            let runs = run_all(&args, &policies, &cfg, s)?;
+            let runs = run_all(&args, &policies, &cfg, &router, s)?;
             sweep.push(SweepPoint {
                 speedup: s,
                 results: runs.iter().map(PolicySummary::of).collect(),

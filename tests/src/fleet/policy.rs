@@ -81,8 +81,19 @@ pub const POLICY_NAMES: &[&str] = &[
     "kvroute-precise",
 ];
 
-/// Builds the policy called `name` for `replicas` replicas.
+/// Builds the policy called `name` for `replicas` replicas, with kvroute's scoring defaults.
 pub fn build(name: &str, replicas: usize, seed: u64) -> Option<Box<dyn Policy>> {
+    build_with(name, replicas, seed, &RouterConfig::default())
+}
+
+/// Builds the policy called `name`; kvroute policies take `kvroute` as their router config
+/// (block sizes are set by the mode).
+pub fn build_with(
+    name: &str,
+    replicas: usize,
+    seed: u64,
+    kvroute: &RouterConfig,
+) -> Option<Box<dyn Policy>> {
     Some(match name {
         "round-robin" => Box::new(RoundRobin {
             next: 0,
@@ -103,8 +114,8 @@ pub fn build(name: &str, replicas: usize, seed: u64) -> Option<Box<dyn Policy>> 
         "sglang-cache-aware" => Box::new(SglangCacheAware::new(replicas, seed)),
         "llmd" => Box::new(Llmd::new(replicas, seed)),
         "dynamo" => Box::new(Dynamo::new(replicas, seed)),
-        "kvroute" => Box::new(Kvroute::new(replicas, seed, false)),
-        "kvroute-precise" => Box::new(Kvroute::new(replicas, seed, true)),
+        "kvroute" => Box::new(Kvroute::new(replicas, seed, false, kvroute.clone())),
+        "kvroute-precise" => Box::new(Kvroute::new(replicas, seed, true, kvroute.clone())),
         _ => return None,
     })
 }
@@ -385,16 +396,19 @@ impl Policy for Llmd {
 }
 
 /// NVIDIA Dynamo's KV router with its defaults: KV events on (precise overlap), overlap credit
-/// 1.0, prefill load scale 1.0, temperature 0 (argmin, random ties). Cost per worker in blocks:
-/// `max(active_prefill + request_blocks - overlap, 0) + active_decode_blocks + request_blocks`,
-/// with router-side slot tracking (prefill released at first token, all at completion).
+/// 1.0, prefill load scale 1.0, temperature 0 (argmin, random ties), `router_assume_kv_reuse`.
+/// Cost per worker in blocks: `max(active_prefill + request_blocks - overlap, 0) +
+/// decode_blocks`, where decode blocks are the distinct blocks of active requests (shared
+/// prefixes counted once) plus the request's blocks new to that worker; router-side slot
+/// tracking releases prefill at the first token and everything at completion.
 struct Dynamo {
     gpu: PrefixIndex,
     offload: PrefixIndex,
     tracker: PreciseTracker,
     block_size: usize,
     prefill_blocks: Vec<f64>,
-    decode_blocks: Vec<f64>,
+    /// Per worker: refcounts of the blocks of its active requests.
+    active_blocks: Vec<HashMap<u64, u32>>,
     active: HashMap<usize, DynamoSlot>,
     rng: SplitMix,
 }
@@ -403,7 +417,7 @@ struct Dynamo {
 struct DynamoSlot {
     worker: usize,
     prefill_blocks: f64,
-    decode_blocks: f64,
+    hashes: Vec<u64>,
     prefill_pending: bool,
 }
 
@@ -415,7 +429,7 @@ impl Dynamo {
             tracker: PreciseTracker::new(),
             block_size: 16,
             prefill_blocks: vec![0.0; n],
-            decode_blocks: vec![0.0; n],
+            active_blocks: vec![HashMap::new(); n],
             active: HashMap::new(),
             rng: SplitMix(seed),
         }
@@ -458,21 +472,28 @@ impl Policy for Dynamo {
         let mut overlap = vec![0usize; n];
         self.gpu
             .matched_prefix(&hashes, |id, d| overlap[usize::from(id.0)] = d);
+        // The trailing partial block counts as load (it has no hash to share).
         let request_blocks = r.tokens.len().div_ceil(self.block_size) as f64;
+        let partial = request_blocks - hashes.len() as f64;
         let costs = (0..n).map(|w| {
             let prefill = (self.prefill_blocks[w] + request_blocks - overlap[w] as f64).max(0.0);
-            prefill + self.decode_blocks[w] + request_blocks
+            let active = &self.active_blocks[w];
+            let new_blocks =
+                hashes.iter().filter(|h| !active.contains_key(*h)).count() as f64 + partial;
+            prefill + active.len() as f64 + new_blocks
         });
         let pick = argmin_random(costs, &mut self.rng);
         let new_prefill = (request_blocks - overlap[pick] as f64).max(0.0);
         self.prefill_blocks[pick] += new_prefill;
-        self.decode_blocks[pick] += request_blocks;
+        for h in &hashes {
+            *self.active_blocks[pick].entry(*h).or_insert(0) += 1;
+        }
         self.active.insert(
             r.id,
             DynamoSlot {
                 worker: pick,
                 prefill_blocks: new_prefill,
-                decode_blocks: request_blocks,
+                hashes,
                 prefill_pending: true,
             },
         );
@@ -490,8 +511,15 @@ impl Policy for Dynamo {
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, _: u32) {
         self.on_first_token(id, replica, now_ms);
         if let Some(slot) = self.active.remove(&id) {
-            self.decode_blocks[slot.worker] =
-                (self.decode_blocks[slot.worker] - slot.decode_blocks).max(0.0);
+            let active = &mut self.active_blocks[slot.worker];
+            for h in slot.hashes {
+                if let hashbrown::hash_map::Entry::Occupied(mut e) = active.entry(h) {
+                    *e.get_mut() -= 1;
+                    if *e.get() == 0 {
+                        e.remove();
+                    }
+                }
+            }
         }
     }
 }
@@ -508,14 +536,14 @@ struct Kvroute {
     addresses: Vec<String>,
 }
 impl Kvroute {
-    fn new(n: usize, seed: u64, precise: bool) -> Self {
+    fn new(n: usize, seed: u64, precise: bool, base: RouterConfig) -> Self {
         // Approximate mode hashes 64-token blocks (256 canonical bytes at 4 bytes a token, as
         // the filter does); precise mode hashes engine blocks (16 tokens).
         let tokens_per_block = if precise { 16 } else { 64 };
         let config = RouterConfig {
             block_bytes: tokens_per_block * 4,
             bytes_per_token: 4.0,
-            ..RouterConfig::default()
+            ..base
         };
         let mut router = Router::new(config, 1);
         let addresses: Vec<String> = (0..n).map(|i| format!("replica-{i}")).collect();

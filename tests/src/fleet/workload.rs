@@ -417,7 +417,9 @@ mod tests {
         )
         .unwrap();
         assert_eq!(w.requests.len(), 6);
-        let g0: Vec<usize> = (0..6).filter(|&i| w.requests[i].session == Some(0)).collect();
+        let g0: Vec<usize> = (0..6)
+            .filter(|&i| w.requests[i].session == Some(0))
+            .collect();
         let (a, b) = (w.prompt_tokens(g0[0]), w.prompt_tokens(g0[1]));
         assert_eq!(a[..100], b[..100]);
         assert_ne!(a[100..], b[100..]);
