@@ -30,7 +30,8 @@ pub struct Config {
     pub unreachable_after_failures: u32,
     /// Largest `/metrics` body accepted from an endpoint.
     pub max_metrics_bytes: usize,
-    /// Largest request body accepted on the route and feedback API.
+    /// Largest request body accepted on the route and feedback API (precise routes carry the
+    /// prompt text, and the filter buffers up to 4 MiB).
     pub max_body_bytes: usize,
     /// Most `block_hashes` one route request may carry.
     pub max_block_hashes: usize,
@@ -64,7 +65,7 @@ impl Default for Config {
             scrape_timeout_ms: 250,
             unreachable_after_failures: 3,
             max_metrics_bytes: 8 << 20,
-            max_body_bytes: 1 << 20,
+            max_body_bytes: 16 << 20,
             max_block_hashes: 65_536,
             max_feedback_outcomes: 10_000,
             body_timeout_ms: 2_000,

@@ -16,15 +16,20 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     config: PathBuf,
     /// Log filter, e.g. `info` or `control_plane=debug,info` (RUST_LOG syntax).
-    #[arg(long, default_value = "info", value_name = "LEVEL")]
-    log: String,
+    /// Defaults to `$RUST_LOG`, else `info`.
+    #[arg(long, value_name = "LEVEL")]
+    log: Option<String>,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_new(&cli.log)
-        .with_context(|| format!("invalid --log filter {:?}", cli.log))?;
+    let directives = cli
+        .log
+        .or_else(|| std::env::var("RUST_LOG").ok())
+        .unwrap_or_else(|| "info".into());
+    let filter = EnvFilter::try_new(&directives)
+        .with_context(|| format!("invalid log filter {directives:?}"))?;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
