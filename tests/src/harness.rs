@@ -177,7 +177,7 @@ impl Tools {
             .get_or_init(|| Self::locate_uncached(vllm_sim_hint).map_err(|e| e.to_string()))
             .clone()
             .map_err(|e| HarnessError::ToolMissing {
-                what: "kvroute test tools",
+                what: "a tool the fleet needs",
                 hint: e,
             })
     }
