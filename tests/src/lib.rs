@@ -1,5 +1,5 @@
 //! kvroute test support: simulator, harness, workloads.
+pub mod fleet;
 pub mod harness;
 pub mod loadgen;
-pub mod fleet;
 pub mod sim;
