@@ -3,3 +3,4 @@ pub mod fleet;
 pub mod harness;
 pub mod loadgen;
 pub mod sim;
+pub mod wasm_host;
