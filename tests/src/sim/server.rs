@@ -46,7 +46,8 @@ pub const REPLICA_HEADER: &str = "x-vllm-sim-replica";
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "vllm-sim",
-    about = "A simulated vLLM server: OpenAI API, metrics, KV events"
+    about = "A simulated vLLM server: OpenAI API, metrics, KV events",
+    args_override_self = true
 )]
 pub struct SimArgs {
     /// Address to listen on.
@@ -491,20 +492,41 @@ fn deliver(s: &Shared, end_s: f64, events: Vec<RequestEvent>) {
 // ---------------------------------------------------------------------------------------------
 // OpenAI API
 
-/// A vLLM-style error response.
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    let kind = match status {
-        StatusCode::BAD_REQUEST => "BadRequestError",
-        StatusCode::NOT_FOUND => "NotFoundError",
-        _ => "InternalServerError",
-    };
-    let body = json!({"error": {"message": message.into(), "type": kind, "param": null,
-                                "code": status.as_u16()}});
-    (status, axum::Json(body)).into_response()
+/// An API error, rendered in vLLM's shape:
+/// `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
 }
 
-fn bad_request(message: impl Into<String>) -> Response {
-    error(StatusCode::BAD_REQUEST, message)
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::BAD_REQUEST => "BadRequestError",
+            StatusCode::NOT_FOUND => "NotFoundError",
+            _ => "InternalServerError",
+        };
+        let body = json!({"error": {"message": self.message, "type": kind, "param": null,
+                                    "code": self.status.as_u16()}});
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+/// What handlers return.
+type ApiResult = Result<Response, ApiError>;
+
+fn bad_request(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, message)
 }
 
 #[derive(Debug, Deserialize)]
@@ -578,7 +600,7 @@ fn flatten_content(v: &Value) -> Result<String, String> {
     }
 }
 
-fn chat_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>, Response> {
+fn chat_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>, ApiError> {
     if raw.is_empty() {
         return Err(bad_request("messages must not be empty"));
     }
@@ -592,25 +614,25 @@ fn chat_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>, Response> {
         .collect()
 }
 
-fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
+fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid request body: {e}")))
 }
 
 impl Shared {
     /// Validates the `model` field; returns the LoRA adapter it names, if any.
-    fn resolve_model(&self, model: Option<&str>) -> Result<Option<String>, Response> {
+    fn resolve_model(&self, model: Option<&str>) -> Result<Option<String>, ApiError> {
         match model {
             None => Ok(None),
             Some(m) if m == self.model => Ok(None),
             Some(m) if self.loras.iter().any(|l| l == m) => Ok(Some(m.to_owned())),
-            Some(m) => Err(error(
+            Some(m) => Err(ApiError::new(
                 StatusCode::NOT_FOUND,
                 format!("The model `{m}` does not exist."),
             )),
         }
     }
 
-    fn completion_prompt(&self, prompt: &Value) -> Result<Vec<u32>, Response> {
+    fn completion_prompt(&self, prompt: &Value) -> Result<Vec<u32>, ApiError> {
         match prompt {
             Value::String(s) => Ok(self.tokenizer.encode(s)),
             Value::Array(items) if items.len() == 1 && items[0].is_string() => {
@@ -636,7 +658,7 @@ impl Shared {
     }
 
     /// Failure injection common to both completion endpoints.
-    async fn inject_faults(&self) -> Option<Response> {
+    async fn inject_faults(&self) -> Result<(), ApiError> {
         let f = self.fault.lock().clone();
         if f.delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(f.delay_ms)).await;
@@ -644,28 +666,17 @@ impl Shared {
         if f.fail_rate > 0.0 && self.rng.lock().random_bool(f.fail_rate.clamp(0.0, 1.0)) {
             let status =
                 StatusCode::from_u16(f.fail_status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            return Some(error(status, "injected failure"));
+            return Err(ApiError::new(status, "injected failure"));
         }
-        None
+        Ok(())
     }
 }
 
-async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    if let Some(r) = s.inject_faults().await {
-        return r;
-    }
-    let req: ChatRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    let lora = match s.resolve_model(req.model.as_deref()) {
-        Ok(l) => l,
-        Err(r) => return r,
-    };
-    let msgs = match chat_messages(&req.messages) {
-        Ok(m) => m,
-        Err(r) => return r,
-    };
+async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    s.inject_faults().await?;
+    let req: ChatRequest = parse(&body)?;
+    let lora = s.resolve_model(req.model.as_deref())?;
+    let msgs = chat_messages(&req.messages)?;
     let prompt = s.chat_prompt(&msgs, req.add_generation_prompt);
     let job = Job {
         chat: true,
@@ -680,22 +691,11 @@ async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response
     run_job(s, job).await
 }
 
-async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    if let Some(r) = s.inject_faults().await {
-        return r;
-    }
-    let req: CompletionRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    let lora = match s.resolve_model(req.model.as_deref()) {
-        Ok(l) => l,
-        Err(r) => return r,
-    };
-    let prompt = match s.completion_prompt(&req.prompt) {
-        Ok(p) => p,
-        Err(r) => return r,
-    };
+async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    s.inject_faults().await?;
+    let req: CompletionRequest = parse(&body)?;
+    let lora = s.resolve_model(req.model.as_deref())?;
+    let prompt = s.completion_prompt(&req.prompt)?;
     let job = Job {
         chat: false,
         model: req.model.unwrap_or_else(|| s.model.clone()),
@@ -739,9 +739,9 @@ impl Drop for AbortGuard {
     }
 }
 
-async fn run_job(s: Arc<Shared>, job: Job) -> Response {
+async fn run_job(s: Arc<Shared>, job: Job) -> ApiResult {
     if job.n.is_some_and(|n| n != 1) {
-        return bad_request("only n=1 is supported");
+        return Err(bad_request("only n=1 is supported"));
     }
     let max_tokens = job.max_tokens.unwrap_or(s.default_max_tokens);
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
@@ -764,7 +764,7 @@ async fn run_job(s: Arc<Shared>, job: Job) -> Response {
     });
     if let Err(e) = added {
         s.pending.lock().remove(&id);
-        return bad_request(e.to_string());
+        return Err(bad_request(e.to_string()));
     }
     s.wake.notify_one();
     let guard = AbortGuard {
@@ -783,7 +783,7 @@ async fn run_job(s: Arc<Shared>, job: Job) -> Response {
             .unwrap_or(s.created),
     };
     if job.stream {
-        stream_response(s, ctx, rx, guard, job.include_usage)
+        Ok(stream_response(s, ctx, rx, guard, job.include_usage))
     } else {
         full_response(s, ctx, rx, guard).await
     }
@@ -810,13 +810,18 @@ async fn full_response(
     ctx: ChunkCtx,
     mut rx: mpsc::UnboundedReceiver<Delivery>,
     mut guard: AbortGuard,
-) -> Response {
+) -> ApiResult {
     let mut ids = Vec::new();
     let summary = loop {
         match rx.recv().await {
             Some(Delivery::Token(token_id)) => ids.push(token_id),
             Some(Delivery::Finished(summary)) => break summary,
-            None => return error(StatusCode::INTERNAL_SERVER_ERROR, "request was dropped"),
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "request was dropped",
+                ));
+            }
         }
     };
     guard.done = true;
@@ -836,7 +841,7 @@ async fn full_response(
         "choices": [choice],
         "usage": usage(&summary),
     });
-    axum::Json(body).into_response()
+    Ok(axum::Json(body).into_response())
 }
 
 fn stream_response(
@@ -937,7 +942,9 @@ fn stream_response(
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(stream))
-        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "cannot build stream"))
+        .unwrap_or_else(|_| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "cannot build stream").into_response()
+        })
 }
 
 #[derive(Debug, Deserialize)]
@@ -954,24 +961,13 @@ struct TokenizeRequest {
     return_token_strs: bool,
 }
 
-async fn tokenize(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    let req: TokenizeRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    if let Err(r) = s.resolve_model(req.model.as_deref()) {
-        return r;
-    }
+async fn tokenize(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let req: TokenizeRequest = parse(&body)?;
+    s.resolve_model(req.model.as_deref())?;
     let tokens = match (&req.prompt, &req.messages) {
-        (Some(p), None) => match s.completion_prompt(p) {
-            Ok(t) => t,
-            Err(r) => return r,
-        },
-        (None, Some(m)) => match chat_messages(m) {
-            Ok(m) => s.chat_prompt(&m, req.add_generation_prompt),
-            Err(r) => return r,
-        },
-        _ => return bad_request("give exactly one of prompt or messages"),
+        (Some(p), None) => s.completion_prompt(p)?,
+        (None, Some(m)) => s.chat_prompt(&chat_messages(m)?, req.add_generation_prompt),
+        _ => return Err(bad_request("give exactly one of prompt or messages")),
     };
     let token_strs = req.return_token_strs.then(|| {
         tokens
@@ -979,43 +975,23 @@ async fn tokenize(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
             .map(|t| s.tokenizer.decode(&[*t]))
             .collect::<Vec<_>>()
     });
-    axum::Json(
-        json!({"count": tokens.len(), "max_model_len": s.max_model_len,
-                      "tokens": tokens, "token_strs": token_strs}),
-    )
-    .into_response()
+    let body = json!({"count": tokens.len(), "max_model_len": s.max_model_len,
+                      "tokens": tokens, "token_strs": token_strs});
+    Ok(axum::Json(body).into_response())
 }
 
-async fn render_chat(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    let req: ChatRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    if let Err(r) = s.resolve_model(req.model.as_deref()) {
-        return r;
-    }
-    match chat_messages(&req.messages) {
-        Ok(m) => axum::Json(
-            json!({"token_ids": s.chat_prompt(&m, req.add_generation_prompt),
-                                   "model": s.model}),
-        )
-        .into_response(),
-        Err(r) => r,
-    }
+async fn render_chat(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let req: ChatRequest = parse(&body)?;
+    s.resolve_model(req.model.as_deref())?;
+    let tokens = s.chat_prompt(&chat_messages(&req.messages)?, req.add_generation_prompt);
+    Ok(axum::Json(json!({"token_ids": tokens, "model": s.model})).into_response())
 }
 
-async fn render_completion(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    let req: CompletionRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    if let Err(r) = s.resolve_model(req.model.as_deref()) {
-        return r;
-    }
-    match s.completion_prompt(&req.prompt) {
-        Ok(t) => axum::Json(json!({"token_ids": t, "model": s.model})).into_response(),
-        Err(r) => r,
-    }
+async fn render_completion(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let req: CompletionRequest = parse(&body)?;
+    s.resolve_model(req.model.as_deref())?;
+    let tokens = s.completion_prompt(&req.prompt)?;
+    Ok(axum::Json(json!({"token_ids": tokens, "model": s.model})).into_response())
 }
 
 async fn models(State(s): State<Arc<Shared>>) -> Response {
@@ -1072,26 +1048,21 @@ async fn get_fault(State(s): State<Arc<Shared>>) -> Response {
     axum::Json(s.fault.lock().clone()).into_response()
 }
 
-async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
-    let patch: Value = match parse(&body) {
-        Ok(v) => v,
-        Err(r) => return r,
-    };
+async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    let patch: Value = parse(&body)?;
     let current = serde_json::to_value(s.fault.lock().clone()).unwrap_or(Value::Null);
     let (Value::Object(mut merged), Value::Object(patch)) = (current, patch) else {
-        return bad_request("fault must be a JSON object");
+        return Err(bad_request("fault must be a JSON object"));
     };
     merged.extend(patch);
-    let new: FaultState = match serde_json::from_value(Value::Object(merged)) {
-        Ok(f) => f,
-        Err(e) => return bad_request(format!("invalid fault: {e}")),
-    };
+    let new: FaultState = serde_json::from_value(Value::Object(merged))
+        .map_err(|e| bad_request(format!("invalid fault: {e}")))?;
     if !(0.0..=1.0).contains(&new.fail_rate) {
-        return bad_request("fail_rate must be in [0, 1]");
+        return Err(bad_request("fail_rate must be in [0, 1]"));
     }
     *s.fault.lock() = new.clone();
     s.hang_tx.send_replace(new.hang);
-    axum::Json(new).into_response()
+    Ok(axum::Json(new).into_response())
 }
 
 async fn sim_stats(State(s): State<Arc<Shared>>) -> Response {
