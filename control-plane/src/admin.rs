@@ -33,6 +33,7 @@ pub fn router(state: Arc<State>) -> axum::Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/debug/endpoints", get(endpoints))
+        .route("/debug/scrapes", get(scrapes))
         .route("/debug/decisions", get(decisions))
         .route("/debug/decisions/{id}", get(decision))
         .fallback(not_found)
@@ -49,6 +50,10 @@ async fn metrics(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
 
 async fn endpoints(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
     Json(admin.state.endpoints()).into_response()
+}
+
+async fn scrapes(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
+    Json(admin.state.scrape_statuses()).into_response()
 }
 
 #[derive(Debug, Deserialize)]

@@ -38,6 +38,9 @@ const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(1);
 /// Why the control plane could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
+    /// The configuration does not validate.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
     /// A listen address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -69,8 +72,9 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    /// Builds the state and binds both listeners. `config` must have been validated.
+    /// Validates `config`, builds the state and binds both listeners.
     pub async fn bind(config: Config) -> Result<Self, ServiceError> {
+        config.validate()?;
         // Decision ids start from wall-clock microseconds so a restart does not reuse ids.
         let first_id = SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -164,6 +164,7 @@ async fn scrape_loop(
         match result {
             Ok(metrics) => {
                 state.telemetry().count_scrape(&address, "ok", elapsed);
+                state.record_scrape(&address, None, elapsed);
                 state.update_metrics(&address, metrics);
                 if down {
                     tracing::info!(endpoint = %address, "endpoint reachable again");
@@ -173,6 +174,7 @@ async fn scrape_loop(
             }
             Err(e) => {
                 state.telemetry().count_scrape(&address, e.kind(), elapsed);
+                state.record_scrape(&address, Some(e.to_string()), elapsed);
                 failures = failures.saturating_add(1);
                 if failures >= settings.unreachable_after {
                     if !down {

@@ -4,7 +4,7 @@
 //! milliseconds since process start from a monotonic clock; the Router never reads a clock
 //! itself (it is sans-IO), so this is the only place time enters it.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use parking_lot::Mutex;
@@ -12,6 +12,7 @@ use scorer_core::protocol::{FeedbackBatch, RouteRequest, RouteResponse};
 use scorer_core::router::{
     Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
 };
+use serde::Serialize;
 
 use crate::telemetry::Telemetry;
 
@@ -21,6 +22,27 @@ pub struct State {
     inner: Mutex<Inner>,
     started: Instant,
     telemetry: Telemetry,
+    /// Scrape bookkeeping per endpoint, apart from the router lock (debug only).
+    scrapes: Mutex<BTreeMap<String, ScrapeStatus>>,
+}
+
+/// How scraping one endpoint is going: what `/debug/scrapes` shows.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ScrapeStatus {
+    /// `ip:port` of the endpoint.
+    pub address: String,
+    /// Failed scrapes since the last success.
+    pub consecutive_failures: u32,
+    /// Successful scrapes since start.
+    pub successes: u64,
+    /// Failed scrapes since start.
+    pub failures: u64,
+    /// When the last success happened, in ms since start.
+    pub last_success_ms: Option<u64>,
+    /// The most recent failure's message, cleared by a success.
+    pub last_error: Option<String>,
+    /// Duration of the most recent scrape, in ms.
+    pub last_duration_ms: f64,
 }
 
 #[derive(Debug)]
@@ -72,6 +94,7 @@ impl State {
             }),
             started: Instant::now(),
             telemetry: Telemetry::default(),
+            scrapes: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -130,6 +153,42 @@ impl State {
     /// Enough failed scrapes: stop routing to `address` until a scrape succeeds.
     pub fn mark_unreachable(&self, address: &str) {
         self.inner.lock().router.mark_unreachable(address);
+    }
+
+    /// Notes one scrape's result for `/debug/scrapes` (`error` is `None` on success).
+    pub fn record_scrape(
+        &self,
+        address: &str,
+        error: Option<String>,
+        elapsed: std::time::Duration,
+    ) {
+        let now = self.now_ms();
+        let mut scrapes = self.scrapes.lock();
+        let status = scrapes
+            .entry(address.to_string())
+            .or_insert_with(|| ScrapeStatus {
+                address: address.to_string(),
+                ..Default::default()
+            });
+        status.last_duration_ms = elapsed.as_secs_f64() * 1e3;
+        match error {
+            None => {
+                status.successes += 1;
+                status.consecutive_failures = 0;
+                status.last_success_ms = Some(now);
+                status.last_error = None;
+            }
+            Some(e) => {
+                status.failures += 1;
+                status.consecutive_failures = status.consecutive_failures.saturating_add(1);
+                status.last_error = Some(e);
+            }
+        }
+    }
+
+    /// Every scraped endpoint's scrape status, by address.
+    pub fn scrape_statuses(&self) -> Vec<ScrapeStatus> {
+        self.scrapes.lock().values().cloned().collect()
     }
 
     /// Expires index and in-flight entries even while no requests arrive.

@@ -115,7 +115,6 @@ fn test_config(endpoints: &[SocketAddr]) -> Config {
 }
 
 async fn start(config: Config) -> Running {
-    config.validate().unwrap();
     let cp = ControlPlane::bind(config).await.unwrap();
     let (api, admin) = (cp.api_addr(), cp.admin_addr());
     let (stop, stopped) = oneshot::channel::<()>();
@@ -462,6 +461,32 @@ async fn dead_and_slow_endpoints_are_dropped_without_stalling_the_others() {
     )));
     assert!(text.contains(&format!("kvroute_endpoint_up{{endpoint=\"{dead}\"}} 0")));
 
+    let scrapes = get_json(format!("http://{}/debug/scrapes", r.admin)).await;
+    let status_of = |addr: String| {
+        scrapes
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["address"] == addr)
+            .cloned()
+            .unwrap()
+    };
+    let slow_status = status_of(slow.addr.to_string());
+    assert!(
+        slow_status["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("timed out"),
+        "{slow_status}"
+    );
+    assert!(slow_status["consecutive_failures"].as_u64().unwrap() >= 2);
+    let healthy_status = status_of(healthy.addr.to_string());
+    assert_eq!(healthy_status["last_error"], Value::Null);
+    assert!(
+        healthy_status["successes"].as_u64().unwrap() >= 8,
+        "{healthy_status}"
+    );
+
     for i in 0..5 {
         let (_, routed) = post_route(&r, &route_request(i * 100..i * 100 + 3), &[]).await;
         assert_eq!(
@@ -569,6 +594,22 @@ async fn metrics_exposition_reports_load_and_decisions() {
     ] {
         assert!(text.contains(&needle), "missing {needle:?} in\n{text}");
     }
+}
+
+#[tokio::test]
+async fn bind_refuses_an_invalid_config() {
+    let err = ControlPlane::bind(test_config(&[])).await.unwrap_err();
+    assert_eq!(err.to_string(), "no endpoints configured");
+    let taken = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let config = Config {
+        listen: taken.local_addr().unwrap(),
+        ..test_config(&[closed_port().await])
+    };
+    let err = ControlPlane::bind(config).await.unwrap_err();
+    assert!(
+        err.to_string().starts_with("cannot listen on 127.0.0.1:"),
+        "{err}"
+    );
 }
 
 /// A free port for the binary's config (bound and released; the OS rarely reuses it at once).
