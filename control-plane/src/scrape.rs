@@ -42,9 +42,9 @@ pub enum ScrapeError {
     /// The whole scrape took longer than the timeout.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
-    /// Connecting or sending the request failed.
+    /// Connecting or sending the request failed (the message includes the cause chain).
     #[error("request failed: {0}")]
-    Request(#[from] hyper_util::client::legacy::Error),
+    Request(String),
     /// The endpoint answered with something other than 200.
     #[error("HTTP status {0}")]
     Status(u16),
@@ -73,6 +73,18 @@ impl ScrapeError {
     }
 }
 
+/// `e: cause: cause...`: hyper's client errors say little without their sources.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
 /// A pooled HTTP/1 client for scraping (keep-alive, so a scrape is one round trip).
@@ -96,7 +108,10 @@ pub async fn scrape_once(
             .header(HOST, address)
             .header(ACCEPT, "text/plain")
             .body(Empty::<Bytes>::new())?;
-        let response = client.request(request).await?;
+        let response = client
+            .request(request)
+            .await
+            .map_err(|e| ScrapeError::Request(error_chain(&e)))?;
         if response.status() != hyper::StatusCode::OK {
             return Err(ScrapeError::Status(response.status().as_u16()));
         }

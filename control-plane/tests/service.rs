@@ -480,6 +480,14 @@ async fn dead_and_slow_endpoints_are_dropped_without_stalling_the_others() {
         "{slow_status}"
     );
     assert!(slow_status["consecutive_failures"].as_u64().unwrap() >= 2);
+    let dead_status = status_of(dead.to_string());
+    assert!(
+        dead_status["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("refused"),
+        "{dead_status}"
+    );
     let healthy_status = status_of(healthy.addr.to_string());
     assert_eq!(healthy_status["last_error"], Value::Null);
     assert!(
