@@ -23,8 +23,15 @@ use crate::protocol::{Outcome, RouteRequest, RouteResponse};
 pub struct ScoringConfig {
     /// Assumed prefill throughput of one replica, tokens per millisecond.
     pub prefill_tokens_per_ms: f64,
+    /// Weight of this request's own prefill in the cost. Above 1 it also charges the delay that
+    /// extra (uncached) work imposes on later requests to that replica, which keeps a
+    /// saturated fleet from trading cache hits for momentarily shorter queues.
+    pub prefill_weight: f64,
     /// Added cost per active sequence on a replica (decode steps grow with batch size).
     pub decode_ms_per_seq: f64,
+    /// Added cost at 100% KV usage, linear in usage: decode steps slow down as the batch's KV
+    /// grows (about two steps' worth of slow-down for a new request).
+    pub kv_decode_ms: f64,
     /// KV usage above which a replica is penalised.
     pub kv_pressure_threshold: f64,
     /// Penalty at 100% KV usage, scaled linearly from the threshold.
@@ -43,12 +50,14 @@ impl Default for ScoringConfig {
     fn default() -> Self {
         Self {
             prefill_tokens_per_ms: 10.0,
+            prefill_weight: 2.0,
             decode_ms_per_seq: 1.0,
+            kv_decode_ms: 0.0,
             kv_pressure_threshold: 0.9,
             kv_pressure_ms: 500.0,
             unknown_request_tokens: 512.0,
-            guard_abs: 16,
-            guard_rel: 2.0,
+            guard_abs: 64,
+            guard_rel: 1.5,
             tie_ms: 0.5,
         }
     }
@@ -147,7 +156,7 @@ pub struct CandidateScore {
     pub decode_ms: f64,
     /// KV-pressure penalty.
     pub kv_ms: f64,
-    /// Sum of the terms: estimated time to first token.
+    /// Cost: the terms summed, this request's prefill weighted by `prefill_weight`.
     pub total_ms: f64,
     /// Router-side in-flight requests on the candidate.
     pub inflight: u32,
@@ -399,7 +408,7 @@ impl Router {
                 + f64::from(unknown_waiting) * s.unknown_request_tokens)
                 / s.prefill_tokens_per_ms;
             let prefill_ms = uncached / s.prefill_tokens_per_ms;
-            let decode_ms = f64::from(active) * s.decode_ms_per_seq;
+            let decode_ms = f64::from(active) * s.decode_ms_per_seq + kv_usage * s.kv_decode_ms;
             let kv_ms = if kv_usage > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
                 s.kv_pressure_ms * (kv_usage - s.kv_pressure_threshold)
                     / (1.0 - s.kv_pressure_threshold)
@@ -416,7 +425,7 @@ impl Router {
                     prefill_ms,
                     decode_ms,
                     kv_ms,
-                    total_ms: queue_ms + prefill_ms + decode_ms + kv_ms,
+                    total_ms: queue_ms + s.prefill_weight * prefill_ms + decode_ms + kv_ms,
                     inflight: slot.inflight,
                     guarded: false,
                 },
