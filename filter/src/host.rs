@@ -303,6 +303,23 @@ impl Request {
         action
     }
 
+    /// Reads the body when the machine asks for it, then runs the resulting step.
+    fn body_step(&mut self, body_step: BodyStep) -> HostAction {
+        let Some(machine) = self.machine.as_mut() else {
+            return HostAction::Continue;
+        };
+        let step = match body_step {
+            BodyStep::Step(step) => step,
+            BodyStep::ReadBody(len) => {
+                match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, len) {
+                    Ok(body) => machine.on_body_complete(&body.unwrap_or_default(), now_ms()),
+                    Err(_) => machine.on_body_read_failed(),
+                }
+            }
+        };
+        self.run(step)
+    }
+
     fn finish(&mut self) {
         let Some(outcome) = self.machine.as_mut().and_then(|m| m.on_done(now_ms())) else {
             return;
@@ -373,16 +390,16 @@ impl HttpContext for Request {
         let Some(machine) = self.machine.as_mut() else {
             return HostAction::Continue;
         };
-        let step = match machine.on_request_body(body_size, end_of_stream) {
-            BodyStep::Step(step) => step,
-            BodyStep::ReadBody(len) => {
-                match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, len) {
-                    Ok(body) => machine.on_body_complete(&body.unwrap_or_default(), now_ms()),
-                    Err(_) => machine.on_body_read_failed(),
-                }
-            }
+        let body_step = machine.on_request_body(body_size, end_of_stream);
+        self.body_step(body_step)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> HostAction {
+        let Some(machine) = self.machine.as_mut() else {
+            return HostAction::Continue;
         };
-        self.run(step)
+        let body_step = machine.on_request_trailers();
+        self.body_step(body_step)
     }
 
     fn on_http_response_headers(

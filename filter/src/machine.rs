@@ -318,6 +318,15 @@ impl RequestMachine {
         }
     }
 
+    /// Request trailers arrived: the body ended without an `end_of_stream` body callback.
+    /// Returns [`BodyStep::ReadBody`] with an upper bound when the body is being buffered.
+    pub fn on_request_trailers(&mut self) -> BodyStep {
+        match self.phase {
+            Phase::Buffering(_) => BodyStep::ReadBody(self.config.max_body_bytes.saturating_add(1)),
+            _ => BodyStep::Step(Step::go(Vec::new())),
+        }
+    }
+
     /// The host could not read the buffered body.
     pub fn on_body_read_failed(&mut self) -> Step {
         match self.phase {
@@ -331,6 +340,9 @@ impl RequestMachine {
         let Phase::Buffering(api) = self.phase else {
             return Step::go(Vec::new());
         };
+        if body.len() > self.config.max_body_bytes {
+            return self.fail_open(FailKind::BodyTooLarge, false);
+        }
         match self.route_request(api, body) {
             Ok(request) => match serde_json::to_vec(&request) {
                 Ok(body) => {
@@ -367,6 +379,7 @@ impl RequestMachine {
             session,
             // Approximate mode: the prompt text never leaves the proxy.
             prompt_text: None,
+            token_block_hashes: Vec::new(),
         })
     }
 
@@ -806,6 +819,40 @@ mod tests {
             m.on_request_body(200, true),
             BodyStep::Step(Step::go(vec![]))
         );
+    }
+
+    #[test]
+    fn trailers_end_the_body() {
+        let config = FilterConfig {
+            max_body_bytes: 1000,
+            ..FilterConfig::default()
+        };
+        let mut m = RequestMachine::new(Rc::new(config));
+        m.on_request_headers(headers(&post(CHAT)), false);
+        assert_eq!(
+            m.on_request_body(10, false),
+            BodyStep::Step(Step::hold(vec![]))
+        );
+        assert_eq!(m.on_request_trailers(), BodyStep::ReadBody(1001));
+        assert_eq!(
+            m.on_body_complete(&chat_body("hi"), 5).action,
+            Action::Pause
+        );
+
+        let mut m = RequestMachine::new(Rc::new(FilterConfig {
+            max_body_bytes: 10,
+            ..FilterConfig::default()
+        }));
+        m.on_request_headers(headers(&post(CHAT)), false);
+        m.on_request_trailers();
+        assert_eq!(
+            m.on_body_complete(&[b' '; 11], 5),
+            Step::go(vec![Effect::Count(Counter::FailOpen(
+                FailKind::BodyTooLarge
+            ))])
+        );
+        let mut m = machine();
+        assert_eq!(m.on_request_trailers(), BodyStep::Step(Step::go(vec![])));
     }
 
     #[test]

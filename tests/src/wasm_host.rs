@@ -1164,6 +1164,26 @@ impl FilterHost {
         Ok(action)
     }
 
+    /// Delivers request trailers (the body ended without an end-of-stream body chunk).
+    pub fn send_request_trailers(
+        &mut self,
+        context: u32,
+        trailers: &[(&str, &str)],
+    ) -> Result<FilterAction, HostError> {
+        let stream = self.stream_mut(context)?;
+        stream.request_trailers = trailers
+            .iter()
+            .map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec()))
+            .collect();
+        let n = trailers.len() as i32;
+        let action =
+            Self::action(self.call("proxy_on_request_trailers", context, (context as i32, n))?)?;
+        if action == FilterAction::Continue {
+            self.stream_mut(context)?.release_request();
+        }
+        Ok(action)
+    }
+
     /// Delivers upstream response headers.
     pub fn send_response_headers(
         &mut self,

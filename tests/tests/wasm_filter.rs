@@ -516,3 +516,31 @@ fn feedback_failure_drops_the_batch_and_later_batches_flow() {
     assert_eq!(metric(&host, "kvroute_feedback_failed"), 1);
     assert_eq!(metric(&host, "kvroute_feedback_sent"), 1);
 }
+
+#[test]
+fn trailers_end_the_body_and_the_request_is_routed() {
+    let mut host = start("");
+    let id = host.new_stream().expect("stream");
+    host.send_request_headers(id, CHAT_HEADERS, false)
+        .expect("headers");
+    let body = chat_body("with trailers");
+    assert_eq!(
+        host.send_request_body(id, &body, false).expect("body"),
+        FilterAction::Pause
+    );
+    assert_eq!(
+        host.send_request_trailers(id, &[("x-trailer", "1")])
+            .expect("trailers"),
+        FilterAction::Pause
+    );
+    let call = host.pending_http_calls()[0].clone();
+    host.respond_http_call(call.token, 200, &[], &route_answer(&["10.0.0.9:8000"]))
+        .expect("answer");
+    assert_eq!(
+        host.upstream_request_header(id, DEST)
+            .expect("stream")
+            .as_deref(),
+        Some("10.0.0.9:8000")
+    );
+    assert_eq!(host.upstream_request_body(id).expect("stream"), body);
+}
