@@ -40,6 +40,10 @@ pub struct RouteRequest {
     /// Optional session key (header or body `user`) for session affinity.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+    /// Chained hashes of the prompt's token ids in engine-block units (precise mode). The
+    /// control plane fills these after tokenising `prompt_text`; fleet-sim fills them directly.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub token_block_hashes: Vec<u64>,
     /// Canonical prompt text; sent only on routes configured as precise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_text: Option<String>,

@@ -15,6 +15,7 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::index::{EndpointId, MAX_ENDPOINTS, PrefixIndex};
+use crate::precise::{ApplyError, KvEvent, PreciseTracker};
 use crate::protocol::{Outcome, RouteRequest, RouteResponse};
 
 /// Tunables of the scorer. Defaults come from fleet-sim sweeps (see README).
@@ -32,6 +33,15 @@ pub struct ScoringConfig {
     /// Added cost at 100% KV usage, linear in usage: decode steps slow down as the batch's KV
     /// grows (about two steps' worth of slow-down for a new request).
     pub kv_decode_ms: f64,
+    /// Time per output token on an idle replica (a decode step with one short sequence).
+    pub itl_ms_idle: f64,
+    /// Time per output token when the replica's KV cache is full.
+    pub itl_ms_full: f64,
+    /// Weight of the decode estimate (output tokens x time per token) in the cost: 0 scores
+    /// time to first token only, 1 scores time to the last token.
+    pub decode_weight: f64,
+    /// Output tokens assumed when a request sets no `max_tokens`.
+    pub default_output_tokens: u32,
     /// KV usage above which a replica is penalised.
     pub kv_pressure_threshold: f64,
     /// Penalty at 100% KV usage, scaled linearly from the threshold.
@@ -53,6 +63,10 @@ impl Default for ScoringConfig {
             prefill_weight: 2.0,
             decode_ms_per_seq: 1.0,
             kv_decode_ms: 0.0,
+            itl_ms_idle: 4.8,
+            itl_ms_full: 22.0,
+            decode_weight: 0.0,
+            default_output_tokens: 256,
             kv_pressure_threshold: 0.9,
             kv_pressure_ms: 500.0,
             unknown_request_tokens: 512.0,
@@ -81,6 +95,31 @@ pub struct RouterConfig {
     pub stale_after_ms: u64,
     /// The scorer's tunables.
     pub scoring: ScoringConfig,
+    /// Precise mode (KV events) tunables.
+    pub precise: PreciseConfig,
+}
+
+/// Tunables of precise mode: an index fed by the engines' KV events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreciseConfig {
+    /// Tokens per engine KV block (vLLM `block_size`); request token hashes use the same size.
+    pub block_tokens: usize,
+    /// How long a routed request's blocks count as present on its endpoint before events
+    /// confirm them, so a burst with one prefix does not scatter before the first events land.
+    pub speculative_ttl_ms: u64,
+    /// Credit for a block held in a CPU or storage tier, relative to GPU (recompute is 0).
+    pub offload_weight: f64,
+}
+
+impl Default for PreciseConfig {
+    fn default() -> Self {
+        Self {
+            block_tokens: 16,
+            speculative_ttl_ms: 2_000,
+            offload_weight: 0.5,
+        }
+    }
 }
 
 impl Default for RouterConfig {
@@ -93,6 +132,7 @@ impl Default for RouterConfig {
             fallbacks: 2,
             stale_after_ms: 2_000,
             scoring: ScoringConfig::default(),
+            precise: PreciseConfig::default(),
         }
     }
 }
@@ -130,6 +170,8 @@ struct Slot {
     backlog_tokens: f64,
     backlog_at_ms: u64,
     inflight: u32,
+    /// Whether this endpoint's KV-event stream is live (precise scoring trusts it).
+    events_live: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -144,15 +186,20 @@ struct InFlight {
 pub struct CandidateScore {
     /// `ip:port` of the candidate.
     pub endpoint: String,
-    /// Leading prompt blocks the candidate is believed to hold.
+    /// Leading prompt blocks the candidate is believed to hold (engine blocks when scored
+    /// precisely, hash blocks otherwise).
     pub cached_blocks: u32,
+    /// Prompt tokens the candidate is believed to hold (offload tiers count at their weight).
+    pub cached_tokens: u32,
+    /// Whether the KV-event index scored this candidate (false: the approximate index).
+    pub precise: bool,
     /// Prompt tokens that would still need prefill there.
     pub uncached_tokens: u32,
     /// Wait for prefill work queued ahead.
     pub queue_ms: f64,
     /// This request's own prefill.
     pub prefill_ms: f64,
-    /// Slow-down from running sequences.
+    /// Slow-down from running sequences, plus the weighted estimate of this request's decode.
     pub decode_ms: f64,
     /// KV-pressure penalty.
     pub kv_ms: f64,
@@ -190,6 +237,10 @@ pub struct RouterStats {
     pub predicted_cached_tokens: u64,
     /// Sum of cached tokens the engines reported, over the same outcomes.
     pub actual_cached_tokens: u64,
+    /// KV events applied.
+    pub kv_events: u64,
+    /// KV events that could not be applied (the endpoint's precise state was dropped).
+    pub kv_event_errors: u64,
 }
 
 /// Read-only view of one endpoint for metrics and the fleet page.
@@ -207,8 +258,12 @@ pub struct EndpointView {
     pub inflight: u32,
     /// Undrained prefill tokens the router sent.
     pub backlog_tokens: f64,
-    /// Blocks the index holds for it.
+    /// Blocks the approximate index holds for it.
     pub indexed_blocks: usize,
+    /// GPU blocks its KV events say it holds.
+    pub precise_blocks: usize,
+    /// Whether its KV-event stream is live.
+    pub events_live: bool,
 }
 
 /// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
@@ -226,9 +281,26 @@ pub struct Router {
     slots: Vec<Option<Slot>>,
     by_address: HashMap<String, EndpointId>,
     index: PrefixIndex,
+    precise: PreciseIndexes,
     inflight: HashMap<u64, InFlight>,
     next_decision_id: u64,
     stats: RouterStats,
+}
+
+/// The event-fed indexes of precise mode, keyed by token-block hashes.
+#[derive(Debug)]
+struct PreciseIndexes {
+    tracker: PreciseTracker,
+    gpu: PrefixIndex,
+    offload: PrefixIndex,
+    speculative: PrefixIndex,
+}
+
+impl PreciseIndexes {
+    fn clear(&mut self, id: EndpointId) {
+        self.tracker.clear(id, &mut self.gpu, &mut self.offload);
+        self.speculative.clear_endpoint(id);
+    }
 }
 
 fn splitmix64(mut x: u64) -> u64 {
@@ -243,11 +315,19 @@ impl Router {
     /// reusing ids (pass e.g. the start time).
     pub fn new(config: RouterConfig, first_decision_id: u64) -> Self {
         let index = PrefixIndex::new(config.index_ttl_ms);
+        // Event-fed entries live until the engine says they are gone.
+        let precise = PreciseIndexes {
+            tracker: PreciseTracker::new(),
+            gpu: PrefixIndex::new(u64::MAX / 4),
+            offload: PrefixIndex::new(u64::MAX / 4),
+            speculative: PrefixIndex::new(config.precise.speculative_ttl_ms),
+        };
         Self {
             config,
             slots: Vec::new(),
             by_address: HashMap::new(),
             index,
+            precise,
             inflight: HashMap::new(),
             next_decision_id: first_decision_id.max(1),
             stats: RouterStats::default(),
@@ -287,8 +367,10 @@ impl Router {
             backlog_tokens: 0.0,
             backlog_at_ms: 0,
             inflight: 0,
+            events_live: false,
         });
         self.index.clear_endpoint(id);
+        self.precise.clear(id);
         self.by_address.insert(address.to_string(), id);
         Ok(id)
     }
@@ -298,6 +380,7 @@ impl Router {
         if let Some(id) = self.by_address.remove(address) {
             self.slots[usize::from(id.0)] = None;
             self.index.clear_endpoint(id);
+            self.precise.clear(id);
             self.inflight.retain(|_, f| f.endpoint != id);
         }
     }
@@ -324,6 +407,8 @@ impl Router {
         if let Some(cap) = metrics.capacity_tokens {
             let blocks = (cap as f64 / tokens_per_block) as usize;
             self.index.set_capacity(id, blocks.max(1));
+            let engine_blocks = cap as usize / self.config.precise.block_tokens.max(1);
+            self.precise.gpu.set_capacity(id, engine_blocks.max(1));
         }
     }
 
@@ -339,9 +424,59 @@ impl Router {
         &mut self.index
     }
 
+    /// Marks `address`'s KV-event stream live or down. Going down drops its precise state: it
+    /// is scored from the approximate index until the stream is back and rebuilt.
+    pub fn set_event_stream(&mut self, address: &str, live: bool) {
+        let Some((id, slot)) = self.slot_mut(address) else {
+            return;
+        };
+        let was = slot.events_live;
+        slot.events_live = live;
+        if was && !live {
+            self.precise.clear(id);
+        }
+    }
+
+    /// Applies one KV event from `address` (serving `model`). On error the endpoint's precise
+    /// state is dropped rather than kept possibly corrupt, and the error is returned.
+    pub fn apply_kv_event(
+        &mut self,
+        address: &str,
+        model: &str,
+        event: &KvEvent,
+        now_ms: u64,
+    ) -> Result<(), ApplyError> {
+        let Some(id) = self.endpoint_id(address) else {
+            return Ok(());
+        };
+        let p = &mut self.precise;
+        match p
+            .tracker
+            .apply(id, model, event, &mut p.gpu, &mut p.offload, now_ms)
+        {
+            Ok(()) => {
+                self.stats.kv_events += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.stats.kv_event_errors += 1;
+                p.clear(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Forgets `address`'s precise state (cache reset, publisher restart, unreplayable gap).
+    pub fn clear_precise(&mut self, address: &str) {
+        if let Some(id) = self.endpoint_id(address) {
+            self.precise.clear(id);
+        }
+    }
+
     /// Drops expired index entries and in-flight entries whose report never came.
     pub fn expire(&mut self, now_ms: u64) {
         self.index.expire(now_ms);
+        self.precise.speculative.expire(now_ms);
         let ttl = self.config.inflight_ttl_ms;
         let mut expired = Vec::new();
         self.inflight.retain(|_, f| {
@@ -369,13 +504,33 @@ impl Router {
 
         let tokens_per_block = self.tokens_per_block();
         let prompt_tokens = f64::from(request.prompt_tokens.max(1));
-        let mut matched = vec![0usize; self.slots.len()];
-        self.index
-            .matched_prefix(&request.block_hashes, |id, depth| {
-                if let Some(m) = matched.get_mut(usize::from(id.0)) {
-                    *m = depth;
-                }
-            });
+        let n = self.slots.len();
+        let mut matched = vec![0usize; n];
+        record_depths(&self.index, &request.block_hashes, &mut matched);
+        // Precise mode: the event-fed GPU index (plus speculative entries of recent decisions)
+        // and the offload tiers, in engine blocks.
+        let precise = !request.token_block_hashes.is_empty();
+        let (mut gpu, mut spec, mut offload) = (vec![0usize; n], vec![0usize; n], vec![0usize; n]);
+        if precise {
+            record_depths(&self.precise.gpu, &request.token_block_hashes, &mut gpu);
+            record_depths(
+                &self.precise.speculative,
+                &request.token_block_hashes,
+                &mut spec,
+            );
+            record_depths(
+                &self.precise.offload,
+                &request.token_block_hashes,
+                &mut offload,
+            );
+        }
+        let block_tokens = self.config.precise.block_tokens.max(1);
+        // vLLM recomputes at least the last prompt token, so only blocks of the first n-1 count.
+        let hittable_blocks = (request.prompt_tokens.saturating_sub(1) as usize) / block_tokens;
+        let offload_weight = self.config.precise.offload_weight;
+        let output_tokens = request
+            .max_output_tokens
+            .unwrap_or(self.config.scoring.default_output_tokens);
 
         let s = &self.config.scoring;
         let stale_after = self.config.stale_after_ms;
@@ -389,9 +544,19 @@ impl Router {
             let fresh = slot
                 .metrics
                 .filter(|_| now_ms.saturating_sub(slot.scraped_at_ms) <= stale_after);
-            let cached_tokens = (matched[i] as f64 * tokens_per_block)
-                .min(prompt_tokens - 1.0)
-                .max(0.0);
+            let scored_precisely = precise && slot.events_live;
+            let (cached_blocks, cached_tokens) = if scored_precisely {
+                let on_gpu = gpu[i].max(spec[i]).min(hittable_blocks);
+                let offloaded = offload[i].min(hittable_blocks).saturating_sub(on_gpu);
+                let tokens = (on_gpu * block_tokens) as f64
+                    + offload_weight * (offloaded * block_tokens) as f64;
+                (on_gpu, tokens.min(prompt_tokens - 1.0).max(0.0))
+            } else {
+                let tokens = (matched[i] as f64 * tokens_per_block)
+                    .min(prompt_tokens - 1.0)
+                    .max(0.0);
+                (matched[i], tokens)
+            };
             let uncached = prompt_tokens - cached_tokens;
             let (unknown_waiting, active, kv_usage) = match fresh {
                 Some(m) => {
@@ -408,7 +573,10 @@ impl Router {
                 + f64::from(unknown_waiting) * s.unknown_request_tokens)
                 / s.prefill_tokens_per_ms;
             let prefill_ms = uncached / s.prefill_tokens_per_ms;
-            let decode_ms = f64::from(active) * s.decode_ms_per_seq + kv_usage * s.kv_decode_ms;
+            let itl_ms = s.itl_ms_idle + (s.itl_ms_full - s.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
+            let decode_ms = f64::from(active) * s.decode_ms_per_seq
+                + kv_usage * s.kv_decode_ms
+                + s.decode_weight * f64::from(output_tokens) * itl_ms;
             let kv_ms = if kv_usage > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
                 s.kv_pressure_ms * (kv_usage - s.kv_pressure_threshold)
                     / (1.0 - s.kv_pressure_threshold)
@@ -419,7 +587,9 @@ impl Router {
                 EndpointId(i as u16),
                 CandidateScore {
                     endpoint: slot.address.clone(),
-                    cached_blocks: matched[i] as u32,
+                    cached_blocks: cached_blocks as u32,
+                    cached_tokens: cached_tokens as u32,
+                    precise: scored_precisely,
                     uncached_tokens: uncached as u32,
                     queue_ms,
                     prefill_ms,
@@ -499,6 +669,11 @@ impl Router {
             slot.inflight += 1;
         }
         self.index.insert(chosen, &request.block_hashes, now_ms);
+        if precise {
+            self.precise
+                .speculative
+                .insert(chosen, &request.token_block_hashes, now_ms);
+        }
         let predicted_cached_tokens = request
             .prompt_tokens
             .saturating_sub(chosen_score.uncached_tokens);
@@ -571,9 +746,20 @@ impl Router {
                 inflight: s.inflight,
                 backlog_tokens: s.backlog_tokens,
                 indexed_blocks: self.index.len_for(EndpointId(i as u16)),
+                precise_blocks: self.precise.gpu.len_for(EndpointId(i as u16)),
+                events_live: s.events_live,
             })
             .collect()
     }
+}
+
+/// Writes each endpoint's matched prefix depth into `out` (ids beyond `out` are ignored).
+fn record_depths(index: &PrefixIndex, hashes: &[u64], out: &mut [usize]) {
+    index.matched_prefix(hashes, |id, depth| {
+        if let Some(m) = out.get_mut(usize::from(id.0)) {
+            *m = depth;
+        }
+    });
 }
 
 /// The replica drains queued prefill at its prefill rate: forget what it has done since.
@@ -703,5 +889,140 @@ mod tests {
         );
         r.remove_endpoint("e3");
         assert!(r.upsert_endpoint("one-more").is_ok());
+    }
+}
+
+#[cfg(test)]
+mod precise_tests {
+    use super::*;
+    use crate::hash::{model_seed, token_block_hashes};
+    use crate::precise::Medium;
+
+    fn router() -> Router {
+        let mut r = Router::new(RouterConfig::default(), 1);
+        for a in ["a:1", "b:1"] {
+            r.upsert_endpoint(a).unwrap();
+            r.set_event_stream(a, true);
+        }
+        r
+    }
+
+    fn stored(tokens: &[u32], medium: Medium) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: (0..tokens.len() as u64 / 16).map(|i| 1000 + i).collect(),
+            parent_block_hash: None,
+            token_ids: tokens.to_vec(),
+            block_size: 16,
+            lora_name: None,
+            medium,
+        }
+    }
+
+    fn request(tokens: &[u32]) -> RouteRequest {
+        RouteRequest {
+            model: "m".into(),
+            prompt_tokens: tokens.len() as u32,
+            token_block_hashes: token_block_hashes(model_seed("m"), tokens, 16),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn events_decide_where_the_prefix_is() {
+        let mut r = router();
+        let tokens: Vec<u32> = (0..321).collect();
+        r.apply_kv_event("b:1", "m", &stored(&tokens[..320], Medium::Gpu), 0)
+            .unwrap();
+        let d = r.route(&request(&tokens), 10, 3);
+        assert_eq!(d.response.endpoints[0], "b:1");
+        let best = &d.candidates[0];
+        assert!(best.precise);
+        assert_eq!(best.cached_blocks, 20);
+        assert_eq!(best.cached_tokens, 320);
+    }
+
+    #[test]
+    fn last_token_is_never_a_hit() {
+        let mut r = router();
+        let tokens: Vec<u32> = (0..320).collect();
+        r.apply_kv_event("a:1", "m", &stored(&tokens, Medium::Gpu), 0)
+            .unwrap();
+        let d = r.route(&request(&tokens), 10, 3);
+        assert_eq!(
+            d.candidates[0].cached_tokens, 304,
+            "19 of 20 blocks: the 320th token is recomputed"
+        );
+    }
+
+    #[test]
+    fn down_stream_falls_back_to_approximate_and_drops_state() {
+        let mut r = router();
+        let tokens: Vec<u32> = (0..160).collect();
+        r.apply_kv_event("b:1", "m", &stored(&tokens, Medium::Gpu), 0)
+            .unwrap();
+        r.set_event_stream("b:1", false);
+        let d = r.route(&request(&tokens), 10, 3);
+        assert!(
+            d.candidates
+                .iter()
+                .all(|c| !c.precise || c.cached_blocks == 0)
+        );
+        assert_eq!(
+            r.endpoints(10)
+                .iter()
+                .map(|e| e.precise_blocks)
+                .sum::<usize>(),
+            0
+        );
+    }
+
+    #[test]
+    fn offload_counts_below_gpu_and_above_nothing() {
+        let mut r = router();
+        let tokens: Vec<u32> = (0..161).collect();
+        r.apply_kv_event("a:1", "m", &stored(&tokens[..160], Medium::Cpu), 0)
+            .unwrap();
+        let d = r.route(&request(&tokens), 10, 3);
+        let a = d.candidates.iter().find(|c| c.endpoint == "a:1").unwrap();
+        assert_eq!(a.cached_tokens, 80, "half credit for 160 offloaded tokens");
+        assert_eq!(d.response.endpoints[0], "a:1");
+    }
+
+    #[test]
+    fn speculative_entries_hold_a_burst_together_then_expire() {
+        let mut r = router();
+        let tokens: Vec<u32> = (0..800).collect();
+        let first = r.route(&request(&tokens), 0, 1).response.endpoints[0].clone();
+        // Much later than the backlog drain, still within the speculative TTL.
+        let second = r.route(&request(&tokens), 1_500, 2);
+        assert_eq!(second.response.endpoints[0], first);
+        assert!(second.candidates[0].cached_blocks > 0);
+        r.expire(10_000);
+        let third = r.route(&request(&tokens), 10_000, 3);
+        assert!(
+            third
+                .candidates
+                .iter()
+                .all(|c| c.cached_blocks == 0 || c.endpoint == first)
+        );
+    }
+
+    #[test]
+    fn bad_event_drops_the_endpoint_state() {
+        let mut r = router();
+        let tokens: Vec<u32> = (0..32).collect();
+        r.apply_kv_event("a:1", "m", &stored(&tokens, Medium::Gpu), 0)
+            .unwrap();
+        let orphan = KvEvent::BlockStored {
+            block_hashes: vec![7],
+            parent_block_hash: Some(999),
+            token_ids: (0..16).collect(),
+            block_size: 16,
+            lora_name: None,
+            medium: Medium::Gpu,
+        };
+        assert!(r.apply_kv_event("a:1", "m", &orphan, 0).is_err());
+        assert_eq!(r.stats().kv_event_errors, 1);
+        assert_eq!(r.endpoints(0)[0].precise_blocks, 0);
     }
 }

@@ -528,20 +528,19 @@ impl Policy for Dynamo {
 /// learned from its own decisions) or precise mode (index fed by KV events, plus its decisions).
 struct Kvroute {
     router: Router,
-    precise: Option<(PreciseTracker, PrefixIndex)>,
-    tokens_per_block: usize,
+    precise: bool,
     decisions: HashMap<usize, (u64, u32)>,
     predicted: HashMap<usize, u32>,
     seed: SplitMix,
     addresses: Vec<String>,
 }
+/// Approximate mode hashes 64-token blocks: 256 canonical bytes at 4 bytes a token, as the
+/// filter does.
+const KVROUTE_APPROX_BLOCK: usize = 64;
 impl Kvroute {
     fn new(n: usize, seed: u64, precise: bool, base: RouterConfig) -> Self {
-        // Approximate mode hashes 64-token blocks (256 canonical bytes at 4 bytes a token, as
-        // the filter does); precise mode hashes engine blocks (16 tokens).
-        let tokens_per_block = if precise { 16 } else { 64 };
         let config = RouterConfig {
-            block_bytes: tokens_per_block * 4,
+            block_bytes: KVROUTE_APPROX_BLOCK * 4,
             bytes_per_token: 4.0,
             ..base
         };
@@ -550,11 +549,11 @@ impl Kvroute {
         for a in &addresses {
             // At most MAX_ENDPOINTS replicas are simulated; the CLI checks.
             let _ = router.upsert_endpoint(a);
+            router.set_event_stream(a, precise);
         }
         Self {
             router,
-            precise: precise.then(|| (PreciseTracker::new(), PrefixIndex::new(u64::MAX / 4))),
-            tokens_per_block,
+            precise,
             decisions: HashMap::new(),
             predicted: HashMap::new(),
             seed: SplitMix(seed),
@@ -564,14 +563,14 @@ impl Kvroute {
 }
 impl Policy for Kvroute {
     fn name(&self) -> &str {
-        if self.precise.is_some() {
+        if self.precise {
             "kvroute-precise"
         } else {
             "kvroute"
         }
     }
     fn wants_kv_events(&self) -> bool {
-        self.precise.is_some()
+        self.precise
     }
     fn on_metrics(&mut self, replicas: &[ReplicaSnapshot], now_ms: f64) {
         for (a, s) in self.addresses.iter().zip(replicas) {
@@ -585,35 +584,28 @@ impl Policy for Kvroute {
         }
     }
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_ms: f64) {
-        let Some((tracker, offload)) = self.precise.as_mut() else {
-            return;
-        };
-        let id = EndpointId(replica as u16);
+        let address = &self.addresses[replica];
         for e in events {
-            if tracker
-                .apply(
-                    id,
-                    MODEL,
-                    e,
-                    self.router.index_mut(),
-                    offload,
-                    now_ms as u64,
-                )
-                .is_err()
-            {
-                tracker.clear(id, self.router.index_mut(), offload);
-            }
+            // A failed event drops that replica's precise state inside the router; it is scored
+            // approximately until new stores rebuild it.
+            let _ = self.router.apply_kv_event(address, MODEL, e, now_ms as u64);
         }
     }
     fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
         let request = RouteRequest {
             model: MODEL.into(),
-            block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, self.tokens_per_block),
+            block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, KVROUTE_APPROX_BLOCK),
             prompt_bytes: r.tokens.len() as u64 * 4,
             prompt_tokens: r.tokens.len() as u32,
             max_output_tokens: Some(r.output_tokens),
             session: r.session.map(|s| s.to_string()),
             prompt_text: None,
+            token_block_hashes: if self.precise {
+                let block = self.router.config().precise.block_tokens;
+                token_block_hashes(model_seed(MODEL), r.tokens, block)
+            } else {
+                Vec::new()
+            },
         };
         let decision = self
             .router
@@ -624,9 +616,7 @@ impl Policy for Kvroute {
             .first()
             .and_then(|a| self.addresses.iter().position(|x| x == a))
             .unwrap_or_else(|| self.seed.below(self.addresses.len()));
-        let cached = decision.candidates.first().map_or(0, |c| {
-            (r.tokens.len() as u32).saturating_sub(c.uncached_tokens)
-        });
+        let cached = decision.candidates.first().map_or(0, |c| c.cached_tokens);
         self.decisions
             .insert(r.id, (decision.response.decision_id, cached));
         self.predicted.insert(r.id, cached);
