@@ -676,6 +676,26 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
     }
 
     #[test]
+    fn never_panics_on_random_bodies() {
+        // Bodies drawn from the format's own alphabet reach deep into the parser.
+        const ALPHABET: &[u8] = b"vllm:_num{}=\",# \t\n\r0123456789.+-eEInfNa\\\xc3\xa9";
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let len = (next() % 80) as usize;
+            let body: Vec<u8> = (0..len)
+                .map(|_| ALPHABET[(next() % ALPHABET.len() as u64) as usize])
+                .collect();
+            let _ = parse_vllm_metrics_bytes(&body);
+        }
+    }
+
+    #[test]
     fn never_panics_on_prefixes_and_mutations() {
         // Every prefix of a realistic body, and every single-byte corruption of its first lines,
         // parses or fails cleanly: a cheap stand-in until the fuzz target exists.
