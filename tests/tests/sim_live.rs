@@ -593,3 +593,28 @@ async fn the_binary_serves_and_stops() {
         .unwrap()
         .unwrap();
 }
+
+#[tokio::test]
+async fn shutdown_releases_hung_requests() {
+    let sim = start(&[]).await;
+    let c = HttpClient::new();
+    let base = sim.url();
+    post(&c, &format!("{base}/sim/fault"), json!({"hang": true})).await;
+    let hung = {
+        let c = c.clone();
+        let url = format!("{base}/v1/chat/completions");
+        tokio::spawn(async move {
+            c.request("POST", &url, &[], Some(chat("hi", 1, false).to_string()), T)
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    sim.shutdown().await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "shutdown waited for a hung request"
+    );
+    let r = hung.await.unwrap().expect("answered");
+    assert_eq!(r.status, 503);
+}

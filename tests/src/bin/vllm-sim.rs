@@ -14,6 +14,7 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     // One worker thread: eight replicas must share two cores.
     let rt = tokio::runtime::Builder::new_multi_thread()

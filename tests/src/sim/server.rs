@@ -203,6 +203,7 @@ struct Shared {
     aborted: AtomicU64,
     fault: Mutex<FaultState>,
     hang_tx: watch::Sender<bool>,
+    shutdown_rx: watch::Receiver<bool>,
     rng: Mutex<SmallRng>,
     tokenizer: WordTokenizer,
     template: ChatMl,
@@ -291,6 +292,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
     cfg.kv_events = publisher.is_some();
     let engine = Engine::new(cfg)?;
     let (hang_tx, _) = watch::channel(false);
+    let (shutdown, shutdown_rx) = watch::channel(false);
     let loras: Vec<String> = args
         .lora_modules
         .iter()
@@ -324,6 +326,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
             ..FaultState::default()
         }),
         hang_tx,
+        shutdown_rx: shutdown_rx.clone(),
         rng: Mutex::new(SmallRng::seed_from_u64(args.seed ^ 0x5eed)),
         tokenizer,
         template: ChatMl,
@@ -339,7 +342,6 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         .as_ref()
         .and_then(|p| p.replay_endpoint.clone());
 
-    let (shutdown, shutdown_rx) = watch::channel(false);
     let driver = tokio::spawn(drive(shared.clone(), shutdown_rx.clone()));
     let app = router(shared);
     let mut stop = shutdown_rx;
@@ -390,8 +392,15 @@ fn router(shared: Arc<Shared>) -> Router {
 /// Holds every non-`/sim/` request while the `hang` fault is set.
 async fn hang_layer(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
     if !req.uri().path().starts_with("/sim/") {
-        let mut rx = s.hang_tx.subscribe();
-        let _ = rx.wait_for(|hang| !*hang).await;
+        let mut hang = s.hang_tx.subscribe();
+        let mut stop = s.shutdown_rx.clone();
+        tokio::select! {
+            _ = hang.wait_for(|hang| !*hang) => {}
+            _ = stop.wait_for(|stop| *stop) => {
+                return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
+                    .into_response();
+            }
+        }
     }
     next.run(req).await
 }
@@ -405,6 +414,7 @@ async fn drive(s: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
     const MAX_LAG_WALL_S: f64 = 0.05;
     let mut sim_now = 0.0f64;
     let mut busy = false;
+    let mut empty_steps = 0u32;
     loop {
         loop {
             let notified = s.wake.notified();
@@ -424,7 +434,15 @@ async fn drive(s: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
         let out = s.engine.lock().step(sim_now);
         busy = true;
         if out.num_scheduled == 0 {
-            // Nothing fits right now; wait for a request or an abort to change that.
+            if let Some(p) = &s.publisher {
+                p.publish(unix_now_s(), out.kv_events);
+            }
+            // A step that only preempted: the next one admits again.
+            empty_steps += 1;
+            if empty_steps < 2 {
+                continue;
+            }
+            // Nothing fits at all; wait for a request or an abort to change that.
             tokio::select! {
                 _ = s.wake.notified() => {}
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
@@ -433,6 +451,7 @@ async fn drive(s: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
             busy = false;
             continue;
         }
+        empty_steps = 0;
         let deadline = s.clock.instant_at(out.end_s);
         if deadline > Instant::now() {
             tokio::select! {
@@ -444,14 +463,18 @@ async fn drive(s: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
         }
         sim_now = out.end_s;
         if let Some(p) = &s.publisher {
-            let ts = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs_f64())
-                .unwrap_or(0.0);
-            p.publish(ts, out.kv_events);
+            p.publish(unix_now_s(), out.kv_events);
         }
         deliver(&s, out.end_s, out.events);
     }
+}
+
+/// Wall-clock Unix time, seconds (KV event batch timestamps, `lora_requests_info`).
+fn unix_now_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 fn deliver(s: &Shared, end_s: f64, events: Vec<RequestEvent>) {
@@ -895,12 +918,6 @@ fn stream_response(
             return None;
         }
         let mut out = String::new();
-        if st.ctx.chat && !st.sent_role {
-            // vLLM opens a chat stream with an empty delta carrying the role.
-            st.sent_role = true;
-            out.push_str(&chunk(&st.ctx, Some(""), None, true));
-            return Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), st));
-        }
         // Tokens are delivered one per step; send what is there, waiting for at least one.
         let mut pending_text = String::new();
         let mut finished: Option<RequestSummary> = None;
@@ -910,6 +927,12 @@ fn stream_response(
             }
             Some(Delivery::Finished(sum)) => finished = Some(sum),
             None => return None,
+        }
+        if st.ctx.chat && !st.sent_role {
+            // Like vLLM, the chat stream opens (with an empty delta carrying the role) only
+            // once the first token exists, so clients measure TTFT at the first chunk.
+            st.sent_role = true;
+            out.push_str(&chunk(&st.ctx, Some(""), None, true));
         }
         while finished.is_none() {
             match st.rx.try_recv() {
@@ -936,7 +959,7 @@ fn stream_response(
                 out.push_str("data: [DONE]\n\n");
             }
         }
-        Some((Ok(Bytes::from(out)), st))
+        Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), st))
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -1007,11 +1030,7 @@ async fn models(State(s): State<Arc<Shared>>) -> Response {
 async fn reset_prefix_cache(State(s): State<Arc<Shared>>) -> Response {
     let events = s.engine.lock().reset_prefix_cache();
     if let Some(p) = &s.publisher {
-        let ts = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
-        p.publish(ts, events);
+        p.publish(unix_now_s(), events);
     }
     StatusCode::OK.into_response()
 }
@@ -1023,10 +1042,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     }
     let stats = s.engine.lock().stats();
     let hist = s.hist.lock().clone();
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0);
+    let now = unix_now_s();
     let page = super::metrics::render(
         &s.info,
         &stats,
