@@ -30,7 +30,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Replay one workload through every policy and compare.
-    Compare(CompareArgs),
+    Compare(Box<CompareArgs>),
     /// List the policies.
     Policies,
 }
@@ -105,7 +105,7 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Compare(args) => compare(args),
+        Command::Compare(args) => compare(*args),
     }
 }
 
@@ -146,7 +146,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             scorer_core::index::MAX_ENDPOINTS
         );
     }
-    if !(args.speedup > 0.0) {
+    if !args.speedup.is_finite() || args.speedup <= 0.0 {
         bail!("--speedup must be > 0");
     }
     let mut profile = match &args.profile {
