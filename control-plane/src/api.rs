@@ -221,6 +221,13 @@ impl App {
                 self.settings.max_block_hashes
             )));
         }
+        if r.token_block_hashes.len() > self.settings.max_block_hashes {
+            return Err(bad(format!(
+                "{} token_block_hashes, at most {} are accepted",
+                r.token_block_hashes.len(),
+                self.settings.max_block_hashes
+            )));
+        }
         if r.model.len() > MAX_KEY_BYTES {
             return Err(bad(format!("model is longer than {MAX_KEY_BYTES} bytes")));
         }

@@ -368,6 +368,26 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
     )?;
     positive("router.scoring.guard_rel", s.guard_rel)?;
     non_negative("router.scoring.tie_ms", s.tie_ms)?;
+    non_negative("router.scoring.prefill_weight", s.prefill_weight)?;
+    non_negative("router.scoring.kv_decode_ms", s.kv_decode_ms)?;
+    non_negative("router.scoring.itl_ms_idle", s.itl_ms_idle)?;
+    non_negative("router.scoring.itl_ms_full", s.itl_ms_full)?;
+    non_negative("router.scoring.decode_weight", s.decode_weight)?;
+    let p = &r.precise;
+    range_u64(
+        "router.precise.block_tokens",
+        p.block_tokens as u64,
+        1,
+        1 << 16,
+        "1..=65536",
+    )?;
+    if !(0.0..=1.0).contains(&p.offload_weight) {
+        return Err(ConfigError::OutOfRange {
+            field: "router.precise.offload_weight",
+            value: p.offload_weight.to_string(),
+            range: "0 <= x <= 1",
+        });
+    }
     Ok(())
 }
 
@@ -444,6 +464,24 @@ router: {}
 
     #[test]
     fn bad_limits() {
+        assert!(
+            err(&format!(
+                "{MINIMAL}router:\n  scoring:\n    decode_weight: -1\n"
+            ))
+            .contains("decode_weight")
+        );
+        assert!(
+            err(&format!(
+                "{MINIMAL}router:\n  precise:\n    block_tokens: 0\n"
+            ))
+            .contains("block_tokens")
+        );
+        assert!(
+            err(&format!(
+                "{MINIMAL}router:\n  precise:\n    offload_weight: 2\n"
+            ))
+            .contains("offload_weight")
+        );
         assert!(
             err(&format!("{MINIMAL}scrape_interval_ms: 0\n"))
                 .contains("scrape_interval_ms = 0 is out of range")

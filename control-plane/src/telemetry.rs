@@ -148,7 +148,17 @@ impl Collector for RouterCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
         let snap = self.0.snapshot();
         let s = snap.stats;
-        let counters: [(&str, &str, u64); 5] = [
+        let counters: [(&str, &str, u64); 7] = [
+            (
+                "kv_events",
+                "KV events applied to the precise index",
+                s.kv_events,
+            ),
+            (
+                "kv_event_errors",
+                "KV events that could not be applied (the endpoint's precise state was dropped)",
+                s.kv_event_errors,
+            ),
             (
                 "no_endpoint_decisions",
                 "Decisions with no usable endpoint (the filter failed open)",
@@ -202,7 +212,17 @@ impl Collector for RouterCollector {
         }
 
         type Getter = fn(&EndpointView) -> Option<f64>;
-        let per_endpoint: [(&str, &str, Getter); 9] = [
+        let per_endpoint: [(&str, &str, Getter); 11] = [
+            (
+                "endpoint_precise_blocks",
+                "GPU blocks the endpoint's KV events say it holds",
+                |e| Some(e.precise_blocks as f64),
+            ),
+            (
+                "endpoint_events_live",
+                "1 while the endpoint's KV-event stream is live",
+                |e| Some(if e.events_live { 1.0 } else { 0.0 }),
+            ),
             (
                 "endpoint_up",
                 "1 while the endpoint's /metrics answers, else 0",
