@@ -216,6 +216,10 @@ async fn completions_and_the_next_chat_turn_reuse_the_answer() {
         c.get(&format!("{base}/health"), T).await.unwrap().status,
         200
     );
+    let load = json_body(&c.get(&format!("{base}/load"), T).await.unwrap());
+    assert_eq!(load["server_load"], 0);
+    let version = json_body(&c.get(&format!("{base}/version"), T).await.unwrap());
+    assert!(version["version"].as_str().unwrap().starts_with("0.33"));
     sim.shutdown().await;
 }
 
@@ -346,18 +350,33 @@ async fn kv_events_over_zmq_with_replay() {
     let mut sub = SubSocket::new();
     sub.connect(&endpoint).await.expect("connect");
     sub.subscribe("").await.expect("subscribe");
-    // ZMQ's slow joiner: give the subscription a moment to reach the publisher.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
+    // ZMQ's slow joiner: events published before the subscription reached the publisher are
+    // lost, so send distinct prompts until one batch arrives (the replay below sees them all).
     let c = HttpClient::new();
-    let r = post(&c, &format!("{}/v1/completions", sim.url()),
-        json!({"prompt": (0..40).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" "), "max_tokens": 1})).await;
-    assert_eq!(r.status, 200);
-
-    let frames = recv(&mut sub).await;
+    let mut frames = None;
+    for attempt in 0..40 {
+        let prompt: Vec<String> = (0..40).map(|i| format!("w{attempt}x{i}")).collect();
+        let r = post(
+            &c,
+            &format!("{}/v1/completions", sim.url()),
+            json!({"prompt": prompt.join(" "), "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(250), sub.recv()).await {
+            frames = Some(
+                m.into_vec()
+                    .into_iter()
+                    .map(|b| b.to_vec())
+                    .collect::<Vec<_>>(),
+            );
+            break;
+        }
+    }
+    let frames = frames.expect("a kv event batch");
     assert_eq!(frames.len(), 3);
     assert_eq!(frames[0], b"kv@sim");
-    assert_eq!(frames[1], 0u64.to_be_bytes());
+    let first_seq = u64::from_be_bytes(frames[1].as_slice().try_into().unwrap());
     let (ts, events, rank) = decode(&frames[2]);
     assert!(ts > 1.7e9, "unix timestamp");
     assert_eq!(rank, 0);
@@ -388,7 +407,8 @@ async fn kv_events_over_zmq_with_replay() {
     let r = post(&c, &format!("{}/reset_prefix_cache", sim.url()), json!({})).await;
     assert_eq!(r.status, 200);
     let frames = recv(&mut sub).await;
-    assert_eq!(frames[1], 1u64.to_be_bytes());
+    let last_seq = first_seq + 1;
+    assert_eq!(frames[1], last_seq.to_be_bytes());
     let (_, events, _) = decode(&frames[2]);
     assert_eq!(field(&events[0], "type").as_str(), Some("AllBlocksCleared"));
 
@@ -418,7 +438,7 @@ async fn kv_events_over_zmq_with_replay() {
         seqs.push(u64::from_be_bytes(f[2].as_ref().try_into().unwrap()));
         decode(&f[3]);
     }
-    assert_eq!(seqs, vec![0, 1]);
+    assert_eq!(seqs, (0..=last_seq).collect::<Vec<_>>());
     sim.shutdown().await;
 }
 

@@ -6,7 +6,7 @@
 //! nothing, so many replicas share a small machine.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE streaming),
-//! `GET /v1/models`, `GET /health`, `POST /tokenize`, `POST /v1/chat/completions/render`,
+//! `GET /v1/models`, `GET /health`, `GET /version`, `GET /load`, `POST /tokenize`, `POST /v1/chat/completions/render`,
 //! `POST /v1/completions/render`, `POST /reset_prefix_cache`, `GET /metrics`, and for tests
 //! `GET|POST /sim/fault` (failure injection) and `GET /sim/stats`. Every response carries
 //! `x-vllm-sim-replica: host:port`.
@@ -38,6 +38,9 @@ use super::kv_events::{DEFAULT_BUFFER_STEPS, Publisher};
 use super::metrics::{LatencyHistograms, ServerInfo};
 use super::profile::Profile;
 use super::tokenizer::{ChatMessage, ChatMl, ChatTemplate, Tokenizer, WordTokenizer};
+
+/// What `GET /version` reports: the vLLM version whose API this simulates.
+pub const VERSION: &str = "0.33.0+sim";
 
 /// Response header naming the replica that served a request.
 pub const REPLICA_HEADER: &str = "x-vllm-sim-replica";
@@ -373,6 +376,11 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
+        .route(
+            "/version",
+            get(|| async { axum::Json(json!({"version": VERSION})) }),
+        )
+        .route("/load", get(load))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/metrics", get(metrics))
         .route("/sim/fault", get(get_fault).post(set_fault))
@@ -1058,6 +1066,11 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         page,
     )
         .into_response()
+}
+
+/// vLLM's `GET /load`: requests inside the server.
+async fn load(State(s): State<Arc<Shared>>) -> Response {
+    axum::Json(json!({"server_load": s.pending.lock().len()})).into_response()
 }
 
 async fn get_fault(State(s): State<Arc<Shared>>) -> Response {
