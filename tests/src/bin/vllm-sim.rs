@@ -6,8 +6,18 @@ use anyhow::Context;
 use clap::Parser;
 use kvroute_tests::sim::server::{self, SimArgs};
 
-fn main() -> anyhow::Result<()> {
-    let args = SimArgs::parse();
+fn main() -> std::process::ExitCode {
+    match run(SimArgs::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The whole cause chain on one line, without a backtrace.
+            eprintln!("vllm-sim: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: SimArgs) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
