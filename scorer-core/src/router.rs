@@ -466,6 +466,39 @@ impl Router {
         }
     }
 
+    /// Like [`Router::apply_kv_event`], for a stream whose history is known to be incomplete
+    /// (subscribed after the engine started, or after a gap that could not be replayed). There
+    /// a store whose parent was never seen is expected, not a sign of corruption: it is skipped
+    /// (the error is returned, nothing changed) and the endpoint keeps its state. Any other
+    /// error still drops the endpoint's precise state.
+    pub fn apply_kv_event_partial(
+        &mut self,
+        address: &str,
+        model: &str,
+        event: &KvEvent,
+        now_ms: u64,
+    ) -> Result<(), ApplyError> {
+        let Some(id) = self.endpoint_id(address) else {
+            return Ok(());
+        };
+        let p = &mut self.precise;
+        match p
+            .tracker
+            .apply(id, model, event, &mut p.gpu, &mut p.offload, now_ms)
+        {
+            Ok(()) => {
+                self.stats.kv_events += 1;
+                Ok(())
+            }
+            Err(e @ ApplyError::UnknownParent(_)) => Err(e),
+            Err(e) => {
+                self.stats.kv_event_errors += 1;
+                p.clear(id);
+                Err(e)
+            }
+        }
+    }
+
     /// Forgets `address`'s precise state (cache reset, publisher restart, unreplayable gap).
     pub fn clear_precise(&mut self, address: &str) {
         if let Some(id) = self.endpoint_id(address) {
@@ -1024,5 +1057,41 @@ mod precise_tests {
         assert!(r.apply_kv_event("a:1", "m", &orphan, 0).is_err());
         assert_eq!(r.stats().kv_event_errors, 1);
         assert_eq!(r.endpoints(0)[0].precise_blocks, 0);
+    }
+
+    #[test]
+    fn partial_history_skips_orphans_but_keeps_state() {
+        let mut r = router();
+        let tokens: Vec<u32> = (0..32).collect();
+        r.apply_kv_event_partial("a:1", "m", &stored(&tokens, Medium::Gpu), 0)
+            .unwrap();
+        let orphan = KvEvent::BlockStored {
+            block_hashes: vec![7],
+            parent_block_hash: Some(999),
+            token_ids: (0..16).collect(),
+            block_size: 16,
+            lora_name: None,
+            medium: Medium::Gpu,
+        };
+        assert_eq!(
+            r.apply_kv_event_partial("a:1", "m", &orphan, 0),
+            Err(ApplyError::UnknownParent(999))
+        );
+        assert_eq!(r.stats().kv_event_errors, 0);
+        assert_eq!(r.endpoints(0)[0].precise_blocks, 2);
+        let bad = KvEvent::BlockStored {
+            block_hashes: vec![8],
+            parent_block_hash: None,
+            token_ids: (0..3).collect(),
+            block_size: 16,
+            lora_name: None,
+            medium: Medium::Gpu,
+        };
+        assert!(r.apply_kv_event_partial("a:1", "m", &bad, 0).is_err());
+        assert_eq!(
+            r.endpoints(0)[0].precise_blocks,
+            0,
+            "other errors still drop"
+        );
     }
 }
