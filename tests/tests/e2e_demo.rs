@@ -4,6 +4,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvroute_tests::harness::Tools;
 use serde_json::Value;
 
 #[test]
@@ -11,7 +12,14 @@ fn demo_writes_the_summary_and_kvroute_reuses_more_cache() {
     let out_dir = kvroute_tests::harness::target_dir()
         .join("e2e-logs")
         .join(format!("demo-smoke-{}", std::process::id()));
+    // Locate (and build) the tools here, outside the demo's time limit, and hand them over.
+    let tools =
+        Tools::locate(option_env!("CARGO_BIN_EXE_vllm-sim")).unwrap_or_else(|e| panic!("{e}"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute-demo"))
+        .env("KVROUTE_ENVOY", &tools.envoy)
+        .env("KVROUTE_VLLM_SIM", &tools.vllm_sim)
+        .env("KVROUTE_CONTROL_PLANE", &tools.control_plane)
+        .env("KVROUTE_WASM", &tools.wasm)
         .args([
             "--conversations",
             "12",
