@@ -11,10 +11,10 @@
 //!   missing Envoy is an error that says so: end-to-end tests fail, they never skip.
 //! - `vllm-sim`: `$KVROUTE_VLLM_SIM`, else the caller's hint (`env!("CARGO_BIN_EXE_vllm-sim")`
 //!   in this crate's integration tests), else next to the running executable, else built.
-//! - `kvroute-control-plane` and the filter's `.wasm`: `$KVROUTE_CONTROL_PLANE` /
-//!   `$KVROUTE_WASM`, else built with cargo on first use (a no-op when up to date, so a stale
-//!   binary is never used), in the profile of the running executable for the control plane and
-//!   in release for the wasm (the Makefile's build).
+//! - `kvroute-control-plane`: `$KVROUTE_CONTROL_PLANE`, else the binary of the running
+//!   executable's profile when it is newer than its sources, else built with cargo.
+//! - The filter's `.wasm`: `$KVROUTE_WASM`, else `cargo build --release --target
+//!   wasm32-unknown-unknown -p filter` (the Makefile's build; a no-op when up to date).
 
 use std::fmt::Write as _;
 use std::fs::{self, File};
@@ -211,18 +211,55 @@ pub fn locate_vllm_sim(hint: Option<&str>) -> Result<PathBuf> {
     require_file("vllm-sim", path)
 }
 
-/// `kvroute-control-plane`: `$KVROUTE_CONTROL_PLANE`, else built (no-op when fresh) in the
-/// running executable's profile.
+/// `kvroute-control-plane`: `$KVROUTE_CONTROL_PLANE`, else the binary in the running
+/// executable's profile directory when it is newer than every source it is built from (as after
+/// `cargo test --workspace` or `make build`), else built with cargo.
+///
+/// Reusing a fresh binary matters: `cargo build -p control-plane` alone unifies dependency
+/// features differently from a workspace build and would recompile tokio, hyper and axum.
 pub fn locate_control_plane() -> Result<PathBuf> {
+    const BIN: &str = "kvroute-control-plane";
     let path = match env_path("KVROUTE_CONTROL_PLANE") {
         Some(p) => p,
-        None => cargo_build_bin(
-            "kvroute-control-plane",
-            "control-plane",
-            "kvroute-control-plane",
-        )?,
+        None => {
+            let built = profile_dir().join(BIN);
+            let root = workspace_root();
+            let sources = [
+                root.join("control-plane"),
+                root.join("scorer-core"),
+                root.join("Cargo.lock"),
+                root.join("Cargo.toml"),
+            ];
+            if is_newer_than(&built, &sources) {
+                built
+            } else {
+                cargo_build_bin(BIN, "control-plane", BIN)?
+            }
+        }
     };
-    require_file("kvroute-control-plane", path)
+    require_file(BIN, path)
+}
+
+/// True when `file` exists and is newer than every file under `sources`.
+fn is_newer_than(file: &Path, sources: &[PathBuf]) -> bool {
+    fn newest(path: &Path) -> Option<std::time::SystemTime> {
+        let meta = fs::metadata(path).ok()?;
+        if !meta.is_dir() {
+            return meta.modified().ok();
+        }
+        fs::read_dir(path)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| newest(&e.path()))
+            .max()
+    }
+    let Some(built) = fs::metadata(file).ok().and_then(|m| m.modified().ok()) else {
+        return false;
+    };
+    sources
+        .iter()
+        .filter_map(|s| newest(s))
+        .all(|source| source <= built)
 }
 
 /// The filter module: `$KVROUTE_WASM`, else built for wasm32 in release (no-op when fresh).
