@@ -53,3 +53,11 @@ fmt:
 
 clean-logs:
 	rm -rf target/e2e-logs target/kvroute-demo
+
+# The filter as an OCI image layout tarball (Wasm image spec "oci" variant) for Istio and Envoy
+# Gateway, built without Docker; push it with skopeo/oras/crane (docs/DEPLOY.md).
+OCI_TAR ?= target/oci/kvroute-filter.oci.tar
+OCI_REF ?= kvroute-filter:$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
+.PHONY: oci
+oci: wasm
+	scripts/oci-wasm.sh $(WASM) $(OCI_TAR) $(OCI_REF)

@@ -14,6 +14,7 @@
 pub mod admin;
 pub mod api;
 pub mod config;
+pub mod discovery;
 pub mod prom;
 pub mod scrape;
 pub mod state;
