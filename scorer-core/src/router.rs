@@ -172,6 +172,22 @@ struct Slot {
     inflight: u32,
     /// Whether this endpoint's KV-event stream is live (precise scoring trusts it).
     events_live: bool,
+    /// What the engine reported for requests it served (for per-endpoint hit rates).
+    served: ServedTotals,
+}
+
+/// Totals of the outcomes an endpoint served, as the engines reported them: the fleet page and
+/// `/metrics` turn their rates into per-endpoint prefix-cache hit rates.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServedTotals {
+    /// Outcomes reported for requests this endpoint served.
+    pub outcomes: u64,
+    /// Outcomes whose chosen endpoint was a different one (Envoy used a fallback).
+    pub fallbacks: u64,
+    /// `usage.prompt_tokens`, over outcomes reporting both prompt and cached tokens.
+    pub prompt_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`, over the same outcomes.
+    pub cached_tokens: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -241,6 +257,13 @@ pub struct RouterStats {
     pub kv_events: u64,
     /// KV events that could not be applied (the endpoint's precise state was dropped).
     pub kv_event_errors: u64,
+    /// Decisions whose chosen endpoint was scored from KV events (the rest, bar
+    /// `no_endpoint`, were scored from the approximate index).
+    #[serde(default)]
+    pub precise_decisions: u64,
+    /// Outcomes served by another endpoint than the chosen one (a fallback of the list).
+    #[serde(default)]
+    pub fallbacks: u64,
 }
 
 /// Read-only view of one endpoint for metrics and the fleet page.
@@ -264,6 +287,9 @@ pub struct EndpointView {
     pub precise_blocks: usize,
     /// Whether its KV-event stream is live.
     pub events_live: bool,
+    /// What the engine reported for the requests it served.
+    #[serde(default)]
+    pub served: ServedTotals,
 }
 
 /// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
@@ -368,6 +394,7 @@ impl Router {
             backlog_at_ms: 0,
             inflight: 0,
             events_live: false,
+            served: ServedTotals::default(),
         });
         self.index.clear_endpoint(id);
         self.precise.clear(id);
@@ -683,6 +710,9 @@ impl Router {
         }
 
         let (chosen, chosen_score) = (candidates[0].0, candidates[0].1.clone());
+        if chosen_score.precise {
+            self.stats.precise_decisions += 1;
+        }
         let max_cached = candidates
             .iter()
             .map(|(_, c)| c.cached_blocks)
@@ -744,6 +774,25 @@ impl Router {
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.inflight = slot.inflight.saturating_sub(1);
         }
+        // Credit the endpoint that really served (Envoy may have used a fallback).
+        let served_by = match self.by_address.get(outcome.endpoint.as_str()) {
+            Some(&id) if id != entry.endpoint => {
+                self.stats.fallbacks += 1;
+                id
+            }
+            _ => entry.endpoint,
+        };
+        if let Some(slot) = self.slots[usize::from(served_by.0)].as_mut() {
+            let served = &mut slot.served;
+            served.outcomes += 1;
+            if served_by != entry.endpoint {
+                served.fallbacks += 1;
+            }
+            if let (Some(prompt), Some(cached)) = (outcome.prompt_tokens, outcome.cached_tokens) {
+                served.prompt_tokens += u64::from(prompt);
+                served.cached_tokens += u64::from(cached.min(prompt));
+            }
+        }
         if let Some(actual) = outcome.cached_tokens {
             self.stats.predicted_cached_tokens += u64::from(entry.predicted_cached_tokens);
             self.stats.actual_cached_tokens += u64::from(actual);
@@ -781,6 +830,7 @@ impl Router {
                 indexed_blocks: self.index.len_for(EndpointId(i as u16)),
                 precise_blocks: self.precise.gpu.len_for(EndpointId(i as u16)),
                 events_live: s.events_live,
+                served: s.served,
             })
             .collect()
     }
@@ -911,6 +961,40 @@ mod tests {
     }
 
     #[test]
+    fn outcomes_are_credited_to_the_endpoint_that_served() {
+        let mut r = router(2);
+        let d = r.route(&request(&"w".repeat(600)), 0, 1);
+        let chosen = d.response.endpoints[0].clone();
+        let other = d.response.endpoints[1].clone();
+        let outcome = |endpoint: &str, id| Outcome {
+            decision_id: id,
+            endpoint: endpoint.into(),
+            prompt_tokens: Some(150),
+            cached_tokens: Some(100),
+            ..Default::default()
+        };
+        r.feedback(&outcome(&chosen, d.response.decision_id), 1);
+        let d2 = r.route(&request(&"v".repeat(600)), 0, 2);
+        let fallback = if d2.response.endpoints[0] == chosen {
+            other
+        } else {
+            chosen.clone()
+        };
+        r.feedback(&outcome(&fallback, d2.response.decision_id), 2);
+        let views = r.endpoints(2);
+        let served = |a: &str| views.iter().find(|e| e.address == a).unwrap().served;
+        let total: u64 = views.iter().map(|e| e.served.outcomes).sum();
+        assert_eq!(total, 2);
+        assert_eq!(served(&fallback).fallbacks, 1);
+        assert_eq!(r.stats().fallbacks, 1);
+        assert_eq!(
+            (served(&chosen).prompt_tokens, served(&chosen).cached_tokens),
+            if fallback == chosen { (300, 200) } else { (150, 100) }
+        );
+        assert_eq!(r.stats().precise_decisions, 0);
+    }
+
+    #[test]
     fn endpoint_limit_is_an_error() {
         let mut r = router(0);
         for i in 0..MAX_ENDPOINTS {
@@ -972,6 +1056,7 @@ mod precise_tests {
         assert!(best.precise);
         assert_eq!(best.cached_blocks, 20);
         assert_eq!(best.cached_tokens, 320);
+        assert_eq!(r.stats().precise_decisions, 1);
     }
 
     #[test]
