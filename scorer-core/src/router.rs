@@ -989,7 +989,11 @@ mod tests {
         assert_eq!(r.stats().fallbacks, 1);
         assert_eq!(
             (served(&chosen).prompt_tokens, served(&chosen).cached_tokens),
-            if fallback == chosen { (300, 200) } else { (150, 100) }
+            if fallback == chosen {
+                (300, 200)
+            } else {
+                (150, 100)
+            }
         );
         assert_eq!(r.stats().precise_decisions, 0);
     }
