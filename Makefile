@@ -61,3 +61,11 @@ OCI_REF ?= kvroute-filter:$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml
 .PHONY: oci
 oci: wasm
 	scripts/oci-wasm.sh $(WASM) $(OCI_TAR) $(OCI_REF)
+
+# Dependency policy (deny.toml): bans (no tokio in scorer-core/filter), licences, sources.
+# Offline and quick; the advisories check needs network (`cargo deny check advisories`).
+# Installs cargo-deny from crates.io on first use.
+.PHONY: deny
+deny:
+	@cargo deny --version >/dev/null 2>&1 || $(CARGO) install cargo-deny --locked
+	cargo deny --offline check --hide-inclusion-graph bans licenses sources
