@@ -11,7 +11,9 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use kvroute_tests::fleet::des::{RunResult, SimConfig, run};
 use kvroute_tests::fleet::policy::{POLICY_NAMES, build_with};
-use kvroute_tests::fleet::report::{PolicySummary, line_chart, table, ttft_cdf_series};
+use kvroute_tests::fleet::report::{
+    PolicySummary, line_chart, line_chart_axes, table, ttft_cdf_series,
+};
 use kvroute_tests::fleet::workload::from_spec;
 use kvroute_tests::sim::Profile;
 use scorer_core::router::RouterConfig;
@@ -191,11 +193,12 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         svg_dir
     };
     std::fs::create_dir_all(&svg_dir).with_context(|| format!("creating {}", svg_dir.display()))?;
-    let cdf = line_chart(
+    let cdf = line_chart_axes(
         &format!("TTFT CDF: {}", args.workload),
-        "TTFT (ms)",
+        "TTFT (ms, log)",
         "fraction of requests",
         &ttft_cdf_series(&runs),
+        true,
         false,
     );
     let cdf_path = svg_dir.join("ttft_cdf.svg");

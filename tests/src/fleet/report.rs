@@ -158,8 +158,21 @@ pub fn line_chart(
     series: &[(String, Vec<(f64, f64)>)],
     log_y: bool,
 ) -> String {
+    line_chart_axes(title, x_label, y_label, series, false, log_y)
+}
+
+/// A line chart with either axis log-scaled (latency CDFs span orders of magnitude).
+pub fn line_chart_axes(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    log_x: bool,
+    log_y: bool,
+) -> String {
     let (w, h, left, right, top, bottom) = (760.0, 460.0, 70.0, 190.0, 40.0, 50.0);
     let ty = |v: f64| if log_y { v.max(1e-3).log10() } else { v };
+    let tx = |v: f64| if log_x { v.max(1e-3).log10() } else { v };
     let pts = series.iter().flat_map(|(_, p)| p.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (
         f64::INFINITY,
@@ -168,8 +181,8 @@ pub fn line_chart(
         f64::NEG_INFINITY,
     );
     for &(x, y) in pts {
-        x0 = x0.min(x);
-        x1 = x1.max(x);
+        x0 = x0.min(tx(x));
+        x1 = x1.max(tx(x));
         y0 = y0.min(ty(y));
         y1 = y1.max(ty(y));
     }
@@ -182,7 +195,7 @@ pub fn line_chart(
     if y1 <= y0 {
         y1 = y0 + 1.0;
     }
-    let px = |x: f64| left + (x - x0) / (x1 - x0) * (w - left - right);
+    let px = |x: f64| left + (tx(x) - x0) / (x1 - x0) * (w - left - right);
     let py = |y: f64| h - bottom - (ty(y) - y0) / (y1 - y0) * (h - top - bottom);
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
@@ -196,7 +209,8 @@ pub fn line_chart(
     ));
     for k in 0..=4 {
         let f = f64::from(k) / 4.0;
-        let xv = x0 + f * (x1 - x0);
+        let xv_t = x0 + f * (x1 - x0);
+        let xv = if log_x { 10f64.powf(xv_t) } else { xv_t };
         let yv_t = y0 + f * (y1 - y0);
         let yv = if log_y { 10f64.powf(yv_t) } else { yv_t };
         s.push_str(&format!(
