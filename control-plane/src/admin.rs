@@ -1,4 +1,5 @@
-//! The admin port: Prometheus `/metrics`, `/healthz`, and `/debug/*` explanations.
+//! The admin port: Prometheus `/metrics`, `/healthz`, `/debug/*` explanations and the live
+//! fleet page (`/`, `/fleet`, `/debug/fleet.json`; see [`fleet_page`]).
 //!
 //! Kept off the API port (and on loopback by default) because `/debug` reveals per-endpoint
 //! load and decision details that the data path has no business exposing.
@@ -17,6 +18,11 @@ use crate::api::{healthz, not_found};
 use crate::state::State;
 use crate::telemetry;
 
+#[path = "fleet_page.rs"]
+pub mod fleet_page;
+
+use fleet_page::History;
+
 /// OpenMetrics text, what `prometheus_client::encoding::text` writes.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -24,20 +30,44 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 struct Admin {
     state: Arc<State>,
     registry: Registry,
+    /// Sparkline samples; the sampler task stops once this is dropped with the router.
+    history: Arc<History>,
 }
 
-/// The admin router; serve it on `admin_listen`.
+/// The admin router; serve it on `admin_listen`. Inside a tokio runtime it also starts the
+/// fleet page's sampler, which lives as long as the router.
 pub fn router(state: Arc<State>) -> axum::Router {
-    let registry = telemetry::registry(state.clone());
+    let mut registry = telemetry::registry(state.clone());
+    registry.register_collector(Box::new(fleet_page::ObservabilityCollector(state.clone())));
+    let history = Arc::new(History::default());
+    fleet_page::spawn_sampler(
+        Arc::downgrade(&state),
+        Arc::downgrade(&history),
+        fleet_page::SAMPLE_INTERVAL,
+    );
     axum::Router::new()
+        .route("/", get(fleet_page::page))
+        .route("/fleet", get(fleet_page::page))
+        .route("/assets/fleet.js", get(fleet_page::script))
+        .route("/assets/fleet.css", get(fleet_page::stylesheet))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
+        .route("/debug/fleet.json", get(fleet))
         .route("/debug/endpoints", get(endpoints))
         .route("/debug/scrapes", get(scrapes))
         .route("/debug/decisions", get(decisions))
         .route("/debug/decisions/{id}", get(decision))
         .fallback(not_found)
-        .with_state(Arc::new(Admin { state, registry }))
+        .with_state(Arc::new(Admin {
+            state,
+            registry,
+            history,
+        }))
+}
+
+async fn fleet(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
+    let body = fleet_page::fleet_json(&admin.state, &admin.history);
+    ([(header::CACHE_CONTROL, "no-store")], Json(body)).into_response()
 }
 
 async fn metrics(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
