@@ -1,0 +1,76 @@
+//! The filter's body parser: `scorer_core::canon::canonicalize` on arbitrary bytes, then block
+//! hashing. Beyond "never panics", it checks the properties routing relies on: the result is
+//! deterministic, hashes cover exactly the full blocks, and a chat body's canonical bytes with
+//! its last message dropped are a byte prefix of the full body's (turn N is a prefix of N+1).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use scorer_core::canon::canonicalize;
+use scorer_core::hash::{DEFAULT_BLOCK_BYTES, block_hashes, model_seed};
+use scorer_core::protocol::ApiKind;
+use serde_json::Value;
+
+fuzz_target!(|input: &[u8]| {
+    let Some((&selector, body)) = input.split_first() else {
+        return;
+    };
+    let api = if selector & 1 == 0 {
+        ApiKind::Chat
+    } else {
+        ApiKind::Completion
+    };
+    let block = match selector >> 1 {
+        0 => DEFAULT_BLOCK_BYTES,
+        n => usize::from(n),
+    };
+    let Ok(prompt) = canonicalize(api, body) else {
+        return;
+    };
+    assert_eq!(canonicalize(api, body).as_ref(), Ok(&prompt), "not deterministic");
+    let tokens = prompt.estimated_tokens();
+    assert!(tokens as usize >= prompt.bytes.len() / 4);
+    let seed = model_seed(&prompt.model);
+    let hashes = block_hashes(seed, &prompt.bytes, block);
+    assert_eq!(hashes.len(), prompt.bytes.len() / block);
+    // Chained: the hashes of a prefix are a prefix of the hashes.
+    let half = hashes.len() / 2;
+    assert_eq!(
+        block_hashes(seed, &prompt.bytes[..half * block], block),
+        hashes[..half]
+    );
+
+    if api == ApiKind::Chat {
+        prefix_property(body);
+    }
+});
+
+/// Dropping the last message of a valid chat body yields a canonical prefix.
+fn prefix_property(body: &[u8]) {
+    let Ok(Value::Object(mut full)) = serde_json::from_slice::<Value>(body) else {
+        return;
+    };
+    let Some(Value::Array(messages)) = full.get("messages").cloned() else {
+        return;
+    };
+    if messages.is_empty() {
+        return;
+    }
+    let full_bytes = serde_json::to_vec(&full).expect("a Value serialises");
+    let Ok(whole) = canonicalize(ApiKind::Chat, &full_bytes) else {
+        return;
+    };
+    full.insert(
+        "messages".into(),
+        Value::Array(messages[..messages.len() - 1].to_vec()),
+    );
+    let prefix_bytes = serde_json::to_vec(&full).expect("a Value serialises");
+    let prefix = canonicalize(ApiKind::Chat, &prefix_bytes)
+        .expect("a valid chat body minus its last message is still valid");
+    assert_eq!(prefix.model, whole.model);
+    assert!(
+        whole.bytes.starts_with(&prefix.bytes),
+        "turn N is not a prefix of turn N+1:\n{:?}\n{:?}",
+        String::from_utf8_lossy(&prefix.bytes),
+        String::from_utf8_lossy(&whole.bytes)
+    );
+}

@@ -1,0 +1,27 @@
+//! The control plane's Prometheus text parser (control-plane/src/prom.rs, compiled in directly:
+//! it needs only scorer-core and thiserror). Whatever a replica's `/metrics` returns, parsing
+//! must end without a panic, in linear time, and an accepted page must yield sane numbers.
+#![no_main]
+
+#[allow(dead_code, missing_docs, clippy::all)]
+#[path = "../../control-plane/src/prom.rs"]
+mod prom;
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|input: &[u8]| {
+    if let Ok(m) = prom::parse_vllm_metrics_bytes(input) {
+        assert!(m.kv_usage.is_finite(), "kv_usage {}", m.kv_usage);
+        assert!((0.0..=1.0).contains(&m.kv_usage), "kv_usage {}", m.kv_usage);
+    }
+    let Ok(text) = std::str::from_utf8(input) else {
+        return;
+    };
+    for sample in prom::samples(text).take(10_000) {
+        let Ok(sample) = sample else {
+            continue;
+        };
+        let _ = sample.labels(|_, _| {});
+        let _ = sample.label("engine");
+    }
+});
