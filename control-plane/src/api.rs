@@ -3,7 +3,9 @@
 //! `POST /v1/route` takes a JSON `RouteRequest` and answers a `RouteResponse`;
 //! `POST /v1/feedback` takes a `FeedbackBatch` and answers 204; `GET /healthz` answers `ok`.
 //! Errors are JSON `{"error": "..."}` with 400 (bad input), 401 (token), 408 (slow body) or 413
-//! (too large). The route handler does no I/O after reading the body: one lock, one decision.
+//! (too large). An approximate route does no I/O after reading the body: one lock, one
+//! decision. A precise route (with `prompt_text`) is tokenised first, which may call a replica
+//! (`precise.tokenizer: remote`) within `precise.tokenize_timeout_ms`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +22,7 @@ use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, ROUTE_PATH, RouteReque
 use serde::de::DeserializeOwned;
 
 use crate::state::State;
+use crate::tokenize::Precise;
 
 /// Header carrying the shared secret when `auth_token` is configured.
 pub const TOKEN_HEADER: &str = "x-kvroute-token";
@@ -40,6 +43,8 @@ pub struct ApiSettings {
     pub max_feedback_outcomes: usize,
     /// Deadline for receiving a request body.
     pub body_timeout: Duration,
+    /// Tokeniser and hashing of precise routes.
+    pub precise: Arc<Precise>,
 }
 
 #[derive(Debug)]
@@ -99,9 +104,12 @@ pub async fn not_found() -> ApiError {
 
 async fn route(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
-        let request: RouteRequest = app.read_json(&headers, body).await?;
+        let mut request: RouteRequest = app.read_json(&headers, body).await?;
         let started = Instant::now();
         app.check_route(&request)?;
+        if let Some(how) = app.settings.precise.prepare(&app.state, &mut request).await {
+            app.state.telemetry().count_precise_route(how);
+        }
         let response = app.state.route(&request);
         let out = Json(response).into_response();
         app.state.telemetry().observe_route(started.elapsed());

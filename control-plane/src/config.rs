@@ -45,14 +45,102 @@ pub struct Config {
     pub endpoints: Vec<EndpointConfig>,
     /// Scorer and index settings (`scorer_core::router::RouterConfig`).
     pub router: RouterConfig,
+    /// Precise mode: KV-event subscription and tokenisation of precise routes' prompts.
+    pub precise: PreciseSettings,
 }
 
 /// One vLLM replica.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointConfig {
     /// `ip:port` of the replica; also where its `/metrics` is scraped.
     pub address: String,
+    /// Served model name: seeds the hashes of the replica's blocks stored without a LoRA
+    /// adapter. Leave it unset on every endpoint (all base-model blocks share one seed) or set
+    /// it on every endpoint (requests naming it use its seed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// The replica's KV-event PUB socket (vLLM `--kv-events-config` `endpoint`), e.g.
+    /// `tcp://10.0.0.5:5557`; unset means the replica is always scored approximately.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// The replica's replay ROUTER socket (`replay_endpoint`); without it a gap drops state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<String>,
+}
+
+/// How precise routes' prompts become token ids.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerBackend {
+    /// Ask a healthy replica of the model (vLLM's render or tokenize API).
+    #[default]
+    Remote,
+    /// In process: the model's `tokenizer.json` and its chat template.
+    Hf,
+    /// Do not tokenise: precise routes are scored approximately.
+    None,
+}
+
+/// Which vLLM API the `remote` tokenizer calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RemoteApi {
+    /// `POST /v1/chat/completions/render`, `/v1/completions/render` (vLLM >= 0.33 with
+    /// `--enable-scale-out`, or a `vllm launch render` sidecar): `token_ids`.
+    #[default]
+    Render,
+    /// `POST /tokenize` (every vLLM release with the OpenAI server): `tokens`.
+    Tokenize,
+}
+
+/// The `precise:` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreciseSettings {
+    /// Tokenizer backend for precise routes.
+    pub tokenizer: TokenizerBackend,
+    /// API the `remote` backend calls.
+    pub remote_api: RemoteApi,
+    /// Deadline of one remote tokenisation (the filter's route timeout must cover it).
+    pub tokenize_timeout_ms: u64,
+    /// `hf` backend: path of the model's `tokenizer.json`.
+    pub tokenizer_json: Option<PathBuf>,
+    /// `hf` backend: path of `tokenizer_config.json` (chat template, BOS/EOS tokens).
+    pub tokenizer_config: Option<PathBuf>,
+    /// `hf` backend: a Jinja chat template file overriding the one in `tokenizer_config`.
+    pub chat_template: Option<PathBuf>,
+    /// Tokenised prompt segments (hf) or whole prompts (remote) kept for reuse.
+    pub cache_entries: usize,
+    /// Topic prefix subscribed to on every publisher (vLLM's `topic`; empty = all).
+    pub kv_events_topic: String,
+    /// Deadline for connecting to a publisher or replay socket.
+    pub kv_connect_timeout_ms: u64,
+    /// Deadline for a whole replay.
+    pub kv_replay_timeout_ms: u64,
+    /// First delay before reconnecting to a lost publisher (doubles up to the max).
+    pub kv_reconnect_min_ms: u64,
+    /// Largest reconnect delay.
+    pub kv_reconnect_max_ms: u64,
+}
+
+impl Default for PreciseSettings {
+    fn default() -> Self {
+        Self {
+            tokenizer: TokenizerBackend::Remote,
+            remote_api: RemoteApi::Render,
+            tokenize_timeout_ms: 500,
+            tokenizer_json: None,
+            tokenizer_config: None,
+            chat_template: None,
+            cache_entries: 65_536,
+            kv_events_topic: String::new(),
+            kv_connect_timeout_ms: 2_000,
+            kv_replay_timeout_ms: 2_000,
+            kv_reconnect_min_ms: 100,
+            kv_reconnect_max_ms: 5_000,
+        }
+    }
 }
 
 impl Default for Config {
@@ -72,6 +160,7 @@ impl Default for Config {
             decision_history: 1_024,
             endpoints: Vec::new(),
             router: RouterConfig::default(),
+            precise: PreciseSettings::default(),
         }
     }
 }
@@ -128,6 +217,26 @@ pub enum ConfigError {
     /// `auth_token` is set but empty or not a valid header value.
     #[error("auth_token must be non-empty visible ASCII (it is sent as an HTTP header)")]
     BadAuthToken,
+    /// A KV-event socket address is not a ZMQ `tcp://host:port` or `ipc://path` endpoint.
+    #[error("endpoints[{index}].{field} {value:?} is not a ZMQ endpoint ({reason})")]
+    BadZmqEndpoint {
+        /// Position in the `endpoints` list.
+        index: usize,
+        /// `kv_events` or `kv_events_replay`.
+        field: &'static str,
+        /// The value as written.
+        value: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// A `precise` setting is missing or inconsistent.
+    #[error("precise.{field}: {reason}")]
+    Precise {
+        /// The setting.
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl Config {
@@ -150,6 +259,22 @@ impl Config {
     /// Endpoint addresses in configuration order.
     pub fn endpoint_addresses(&self) -> Vec<String> {
         self.endpoints.iter().map(|e| e.address.clone()).collect()
+    }
+
+    /// Endpoints with a KV-event publisher, as subscriber sources.
+    pub fn event_sources(&self) -> Vec<crate::kv_events::EventSource> {
+        self.endpoints
+            .iter()
+            .filter_map(|e| {
+                Some(crate::kv_events::EventSource {
+                    address: e.address.clone(),
+                    endpoint: e.kv_events.clone()?,
+                    replay_endpoint: e.kv_events_replay.clone(),
+                    topic: self.precise.kv_events_topic.clone(),
+                    model: e.model.clone().unwrap_or_default(),
+                })
+            })
+            .collect()
     }
 
     /// Checks every cross-field and range constraint.
@@ -190,7 +315,37 @@ impl Config {
             if !seen.insert(addr) {
                 return Err(ConfigError::DuplicateEndpoint(e.address.clone()));
             }
+            for (field, value) in [
+                ("kv_events", &e.kv_events),
+                ("kv_events_replay", &e.kv_events_replay),
+            ] {
+                if let Some(v) = value {
+                    check_zmq_endpoint(v).map_err(|reason| ConfigError::BadZmqEndpoint {
+                        index,
+                        field,
+                        value: v.clone(),
+                        reason,
+                    })?;
+                }
+            }
+            if e.kv_events_replay.is_some() && e.kv_events.is_none() {
+                return Err(ConfigError::BadZmqEndpoint {
+                    index,
+                    field: "kv_events_replay",
+                    value: e.kv_events_replay.clone().unwrap_or_default(),
+                    reason: "set without kv_events",
+                });
+            }
         }
+        let with_model = self.endpoints.iter().filter(|e| e.model.is_some()).count();
+        if with_model != 0 && with_model != self.endpoints.len() {
+            return Err(ConfigError::Precise {
+                field: "model",
+                reason: "set `model` on every endpoint or on none (it seeds the block hashes)"
+                    .into(),
+            });
+        }
+        validate_precise(&self.precise)?;
         if self.listen == self.admin_listen && self.listen.port() != 0 {
             return Err(ConfigError::SameListener(self.listen));
         }
@@ -266,6 +421,75 @@ impl Config {
         )?;
         validate_router(&self.router)
     }
+}
+
+/// A ZMQ endpoint this subscriber can connect to: `tcp://host:port` (port > 0) or `ipc://path`.
+fn check_zmq_endpoint(v: &str) -> Result<(), &'static str> {
+    if let Some(rest) = v.strip_prefix("tcp://") {
+        let Some((host, port)) = rest.rsplit_once(':') else {
+            return Err("expected tcp://host:port");
+        };
+        if host.is_empty() || host == "*" {
+            return Err("a subscriber connects: give the publisher's host, not a bind address");
+        }
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => Ok(()),
+            _ => Err("port must be 1..=65535"),
+        }
+    } else if v.strip_prefix("ipc://").is_some_and(|p| !p.is_empty()) {
+        Ok(())
+    } else {
+        Err("expected tcp://host:port or ipc://path")
+    }
+}
+
+fn validate_precise(p: &PreciseSettings) -> Result<(), ConfigError> {
+    let bad = |field: &'static str, reason: &str| ConfigError::Precise {
+        field,
+        reason: reason.into(),
+    };
+    range_u64(
+        "precise.tokenize_timeout_ms",
+        p.tokenize_timeout_ms,
+        1,
+        60_000,
+        "1..=60000",
+    )?;
+    range_u64(
+        "precise.cache_entries",
+        p.cache_entries as u64,
+        0,
+        1 << 24,
+        "0..=16777216",
+    )?;
+    for (field, v) in [
+        ("precise.kv_connect_timeout_ms", p.kv_connect_timeout_ms),
+        ("precise.kv_replay_timeout_ms", p.kv_replay_timeout_ms),
+        ("precise.kv_reconnect_min_ms", p.kv_reconnect_min_ms),
+        ("precise.kv_reconnect_max_ms", p.kv_reconnect_max_ms),
+    ] {
+        range_u64(field, v, 1, 600_000, "1..=600000")?;
+    }
+    if p.kv_reconnect_min_ms > p.kv_reconnect_max_ms {
+        return Err(bad(
+            "kv_reconnect_min_ms",
+            "must not exceed kv_reconnect_max_ms",
+        ));
+    }
+    if p.tokenizer == TokenizerBackend::Hf {
+        if p.tokenizer_json.is_none() {
+            return Err(bad(
+                "tokenizer_json",
+                "the hf tokenizer needs tokenizer.json",
+            ));
+        }
+    } else if p.tokenizer_json.is_some() || p.chat_template.is_some() {
+        return Err(bad(
+            "tokenizer",
+            "tokenizer_json / chat_template are only read by `tokenizer: hf`",
+        ));
+    }
+    Ok(())
 }
 
 fn range_u64(
@@ -518,6 +742,67 @@ router: {}
         );
         assert!(err(&format!("{MINIMAL}auth_token: \"\"\n")).contains("auth_token"));
         assert!(err(&format!("{MINIMAL}auth_token: \"a b\"\n")).contains("auth_token"));
+    }
+
+    #[test]
+    fn precise_settings() {
+        let text = r#"
+endpoints:
+  - address: 127.0.0.1:8001
+    model: m
+    kv_events: tcp://127.0.0.1:5557
+    kv_events_replay: tcp://127.0.0.1:5558
+  - address: 127.0.0.1:8002
+    model: m
+precise:
+  tokenizer: remote
+  remote_api: tokenize
+  kv_events_topic: kv@
+"#;
+        let c = Config::from_yaml(text).unwrap();
+        assert_eq!(c.precise.remote_api, RemoteApi::Tokenize);
+        let sources = c.event_sources();
+        assert_eq!(sources.len(), 1);
+        assert_eq!(sources[0].address, "127.0.0.1:8001");
+        assert_eq!(
+            sources[0].replay_endpoint.as_deref(),
+            Some("tcp://127.0.0.1:5558")
+        );
+        assert_eq!(
+            (sources[0].model.as_str(), sources[0].topic.as_str()),
+            ("m", "kv@")
+        );
+
+        let ep = |extra: &str| format!("endpoints:\n  - address: 127.0.0.1:8001\n{extra}");
+        for (extra, needle) in [
+            ("    kv_events: 127.0.0.1:5557\n", "not a ZMQ endpoint"),
+            ("    kv_events: tcp://*:5557\n", "bind address"),
+            ("    kv_events: tcp://h:0\n", "port"),
+            ("    kv_events_replay: tcp://h:1\n", "without kv_events"),
+            ("    kv_event: tcp://h:1\n", "unknown field"),
+        ] {
+            assert!(
+                err(&ep(extra)).contains(needle),
+                "{extra}: {}",
+                err(&ep(extra))
+            );
+        }
+        let mixed =
+            "endpoints:\n  - address: 127.0.0.1:8001\n    model: m\n  - address: 127.0.0.1:8002\n";
+        assert!(err(mixed).contains("every endpoint or on none"));
+        assert!(err(&format!("{MINIMAL}precise:\n  tokenizer: hf\n")).contains("tokenizer_json"));
+        assert!(
+            err(&format!("{MINIMAL}precise:\n  tokenizer_json: /t.json\n"))
+                .contains("only read by `tokenizer: hf`")
+        );
+        assert!(
+            err(&format!("{MINIMAL}precise:\n  tokenizer: sentencepiece\n"))
+                .contains("invalid config")
+        );
+        assert!(
+            err(&format!("{MINIMAL}precise:\n  kv_reconnect_min_ms: 9000\n"))
+                .contains("kv_reconnect_min_ms")
+        );
     }
 
     #[test]

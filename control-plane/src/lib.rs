@@ -3,6 +3,8 @@
 //! - [`config`] reads and validates the YAML configuration;
 //! - [`prom`] turns a vLLM `/metrics` body into load numbers (pure, no I/O);
 //! - [`scrape`] polls every replica's `/metrics` and feeds the router;
+//! - [`kv_events`] subscribes to replicas' KV events (precise mode) and feeds the router;
+//! - [`tokenize`] turns precise routes' prompts into token ids and token-block hashes;
 //! - [`state`] owns the `scorer_core::router::Router`, the clock and the seed;
 //! - [`api`] serves `POST /v1/route` and `POST /v1/feedback` to the filter;
 //! - [`admin`] serves `/metrics`, `/healthz` and `/debug/*` on a separate port;
@@ -15,10 +17,12 @@ pub mod admin;
 pub mod api;
 pub mod config;
 pub mod discovery;
+pub mod kv_events;
 pub mod prom;
 pub mod scrape;
 pub mod state;
 pub mod telemetry;
+pub mod tokenize;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -53,6 +57,9 @@ pub enum ServiceError {
     /// The endpoint list does not fit the router.
     #[error("endpoints: {0}")]
     Router(#[from] scorer_core::router::RouterError),
+    /// The precise-mode tokenizer could not be set up.
+    #[error("precise: {0}")]
+    Tokenizer(#[from] tokenize::TokenizeError),
     /// A server loop failed.
     #[error("{which} server failed: {source}")]
     Serve {
@@ -68,6 +75,7 @@ pub enum ServiceError {
 pub struct ControlPlane {
     config: Config,
     state: Arc<State>,
+    precise: Arc<tokenize::Precise>,
     api: TcpListener,
     admin: TcpListener,
 }
@@ -87,6 +95,7 @@ impl ControlPlane {
             config.decision_history,
             first_id,
         )?);
+        let precise = Arc::new(tokenize::Precise::from_config(&config)?);
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
                 .await
@@ -97,6 +106,7 @@ impl ControlPlane {
         Ok(Self {
             config,
             state,
+            precise,
             api,
             admin,
         })
@@ -125,6 +135,7 @@ impl ControlPlane {
         let Self {
             config,
             state,
+            precise,
             api,
             admin,
         } = self;
@@ -143,6 +154,18 @@ impl ControlPlane {
             stop_rx.clone(),
         );
         background.push(tokio::spawn(housekeeping(state.clone(), stop_rx.clone())));
+        let p = &config.precise;
+        background.extend(kv_events::subscriber::spawn(
+            state.clone(),
+            config.event_sources(),
+            kv_events::SubscriberSettings {
+                connect_timeout: Duration::from_millis(p.kv_connect_timeout_ms),
+                replay_timeout: Duration::from_millis(p.kv_replay_timeout_ms),
+                reconnect_min: Duration::from_millis(p.kv_reconnect_min_ms),
+                reconnect_max: Duration::from_millis(p.kv_reconnect_max_ms),
+            },
+            stop_rx.clone(),
+        ));
 
         let api_router = api::router(
             state.clone(),
@@ -152,6 +175,7 @@ impl ControlPlane {
                 max_block_hashes: config.max_block_hashes,
                 max_feedback_outcomes: config.max_feedback_outcomes,
                 body_timeout: Duration::from_millis(config.body_timeout_ms),
+                precise,
             },
         );
         let admin_router = admin::router(state.clone());

@@ -4,10 +4,11 @@
 //! milliseconds since process start from a monotonic clock; the Router never reads a clock
 //! itself (it is sans-IO), so this is the only place time enters it.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use scorer_core::precise::{ApplyError, KvEvent};
 use scorer_core::protocol::{FeedbackBatch, RouteRequest, RouteResponse};
 use scorer_core::router::{
     Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
@@ -24,6 +25,61 @@ pub struct State {
     telemetry: Telemetry,
     /// Scrape bookkeeping per endpoint, apart from the router lock (debug only).
     scrapes: Mutex<BTreeMap<String, ScrapeStatus>>,
+    /// KV-event stream bookkeeping per endpoint, apart from the router lock.
+    kv_streams: Mutex<BTreeMap<String, KvStreamStatus>>,
+    /// LoRA adapter names seen in KV events: a request for one of these hashes its tokens with
+    /// the adapter's seed, as the events' blocks were.
+    loras: Mutex<HashSet<String>>,
+}
+
+/// Most LoRA names remembered from KV events (a bound against a misbehaving publisher).
+const MAX_LORAS: usize = 4096;
+
+/// How one endpoint's KV-event subscription is going: what tests and debugging look at.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct KvStreamStatus {
+    /// `ip:port` of the endpoint the events describe.
+    pub address: String,
+    /// The publisher's ZMQ endpoint.
+    pub endpoint: String,
+    /// Whether the SUB socket is connected and its initial replay is done.
+    pub connected: bool,
+    /// Whether the view may lack blocks stored before the history we saw (joined mid-stream,
+    /// or a gap could not be replayed).
+    pub partial: bool,
+    /// Connections made since start.
+    pub sessions: u64,
+    /// Batches applied (live and replayed).
+    pub batches: u64,
+    /// Events applied to the router.
+    pub events: u64,
+    /// Last applied sequence number per data-parallel rank.
+    pub last_seq: BTreeMap<u32, u64>,
+    /// Sequence gaps detected.
+    pub gaps: u64,
+    /// Replays that filled a gap (or the initial history).
+    pub replays: u64,
+    /// Replays that failed or could not cover a gap.
+    pub replay_failures: u64,
+    /// Times the endpoint's precise state was dropped.
+    pub resets: u64,
+    /// Messages that did not decode.
+    pub decode_errors: u64,
+    /// The most recent problem, for humans.
+    pub last_error: Option<String>,
+    /// Engine time to arrival of the latest live batch, in ms (clock skew included).
+    pub lag_ms: Option<f64>,
+}
+
+/// What applying one batch of KV events did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BatchApplied {
+    /// Events applied.
+    pub applied: usize,
+    /// Stores skipped because their parent precedes the history we have (partial view only).
+    pub unknown_parents: usize,
+    /// The error that made the router drop the endpoint's state, if one did.
+    pub dropped: Option<ApplyError>,
 }
 
 /// How scraping one endpoint is going: what `/debug/scrapes` shows.
@@ -95,7 +151,26 @@ impl State {
             started: Instant::now(),
             telemetry: Telemetry::default(),
             scrapes: Mutex::new(BTreeMap::new()),
+            kv_streams: Mutex::new(BTreeMap::new()),
+            loras: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// Adds a discovered endpoint (idempotent): routable at once, scraped by its own loop.
+    pub fn add_endpoint(&self, address: &str) -> Result<(), RouterError> {
+        self.inner
+            .lock()
+            .router
+            .upsert_endpoint(address)
+            .map(|_| ())
+    }
+
+    /// Forgets an endpoint that discovery no longer reports: its router slot (prefix-index
+    /// entries, in-flight requests, event-fed blocks) and its scrape and KV-stream status.
+    pub fn remove_endpoint(&self, address: &str) {
+        self.inner.lock().router.remove_endpoint(address);
+        self.scrapes.lock().remove(address);
+        self.kv_streams.lock().remove(address);
     }
 
     /// Milliseconds since this state was created (monotonic).
@@ -195,6 +270,90 @@ impl State {
     pub fn expire(&self) {
         let now = self.now_ms();
         self.inner.lock().router.expire(now);
+    }
+
+    /// Marks `address`'s KV-event stream live (precise scoring trusts it) or down (its precise
+    /// state is dropped and it is scored approximately).
+    pub fn set_event_stream(&self, address: &str, live: bool) {
+        self.inner.lock().router.set_event_stream(address, live);
+    }
+
+    /// Drops `address`'s precise state (publisher restart, unreplayable gap, bad message).
+    pub fn clear_precise(&self, address: &str) {
+        self.inner.lock().router.clear_precise(address);
+    }
+
+    /// Applies one batch of `address`'s KV events under one lock. `partial` says whether the
+    /// view already misses history; it becomes true when an error drops the state, and false
+    /// after `AllBlocksCleared` (an empty cache is an exactly known one).
+    pub fn apply_kv_batch(
+        &self,
+        address: &str,
+        model: &str,
+        events: &[KvEvent],
+        partial: &mut bool,
+    ) -> BatchApplied {
+        let now = self.now_ms();
+        let mut out = BatchApplied::default();
+        let mut new_loras = Vec::new();
+        {
+            let mut inner = self.inner.lock();
+            for event in events {
+                let result = if *partial {
+                    inner
+                        .router
+                        .apply_kv_event_partial(address, model, event, now)
+                } else {
+                    inner.router.apply_kv_event(address, model, event, now)
+                };
+                match result {
+                    Ok(()) => out.applied += 1,
+                    Err(ApplyError::UnknownParent(_)) if *partial => out.unknown_parents += 1,
+                    Err(e) => {
+                        *partial = true;
+                        out.dropped = Some(e);
+                    }
+                }
+                match event {
+                    KvEvent::AllBlocksCleared => *partial = false,
+                    KvEvent::BlockStored {
+                        lora_name: Some(l), ..
+                    } => new_loras.push(l),
+                    _ => {}
+                }
+            }
+        }
+        if !new_loras.is_empty() {
+            let mut loras = self.loras.lock();
+            for l in new_loras {
+                if loras.len() < MAX_LORAS && !loras.contains(l.as_str()) {
+                    loras.insert(l.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether KV events have named `model` as a LoRA adapter.
+    pub fn is_known_lora(&self, model: &str) -> bool {
+        self.loras.lock().contains(model)
+    }
+
+    /// Updates `address`'s KV-stream status with `f` (created on first use).
+    pub fn kv_stream<R>(&self, address: &str, f: impl FnOnce(&mut KvStreamStatus) -> R) -> R {
+        let mut streams = self.kv_streams.lock();
+        let status = streams
+            .entry(address.to_string())
+            .or_insert_with(|| KvStreamStatus {
+                address: address.to_string(),
+                ..Default::default()
+            });
+        f(status)
+    }
+
+    /// Every subscribed endpoint's KV-stream status, by address.
+    pub fn kv_streams(&self) -> Vec<KvStreamStatus> {
+        self.kv_streams.lock().values().cloned().collect()
     }
 
     /// Every endpoint's current view.

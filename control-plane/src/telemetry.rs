@@ -37,6 +37,29 @@ struct ScrapeLabels {
     result: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabels {
+    endpoint: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointReasonLabels {
+    endpoint: String,
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TokenizeLabels {
+    backend: &'static str,
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TokenSourceLabels {
+    backend: &'static str,
+    source: &'static str,
+}
+
 /// Event counters; cheap to bump from any task (all handles are atomics behind `Arc`s).
 #[derive(Debug, Clone)]
 pub struct Telemetry {
@@ -47,6 +70,18 @@ pub struct Telemetry {
     feedback_outcomes: Counter,
     scrapes: Family<ScrapeLabels, Counter>,
     scrape_seconds: Histogram,
+    kv_batches: Family<EndpointLabels, Counter>,
+    kv_applied: Family<EndpointLabels, Counter>,
+    kv_skipped: Family<EndpointReasonLabels, Counter>,
+    kv_decode_errors: Family<EndpointLabels, Counter>,
+    kv_gaps: Family<EndpointLabels, Counter>,
+    kv_replays: Family<ScrapeLabels, Counter>,
+    kv_resets: Family<EndpointReasonLabels, Counter>,
+    kv_lag_seconds: Histogram,
+    tokenize: Family<TokenizeLabels, Counter>,
+    tokenize_seconds: Histogram,
+    tokenize_tokens: Family<TokenSourceLabels, Counter>,
+    precise_routes: Family<ReasonLabels, Counter>,
 }
 
 impl Default for Telemetry {
@@ -61,6 +96,20 @@ impl Default for Telemetry {
             scrapes: Family::default(),
             // 100 µs .. ~3 s.
             scrape_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 15)),
+            kv_batches: Family::default(),
+            kv_applied: Family::default(),
+            kv_skipped: Family::default(),
+            kv_decode_errors: Family::default(),
+            kv_gaps: Family::default(),
+            kv_replays: Family::default(),
+            kv_resets: Family::default(),
+            // 100 µs .. ~3 s (engine clock to arrival, skew included).
+            kv_lag_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 15)),
+            tokenize: Family::default(),
+            // 10 µs .. ~160 ms.
+            tokenize_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 15)),
+            tokenize_tokens: Family::default(),
+            precise_routes: Family::default(),
         }
     }
 }
@@ -103,6 +152,113 @@ impl Telemetry {
             .inc();
         self.scrape_seconds.observe(elapsed.as_secs_f64());
     }
+
+    /// One KV-event batch of `endpoint` applied: `applied` events, `unknown_parents` stores
+    /// skipped in a partial view, and what the decoder skipped.
+    pub fn count_kv_batch(
+        &self,
+        endpoint: &str,
+        applied: usize,
+        unknown_parents: usize,
+        skipped: &crate::kv_events::decode::Skipped,
+    ) {
+        let e = EndpointLabels {
+            endpoint: endpoint.to_string(),
+        };
+        self.kv_batches.get_or_create(&e).inc();
+        self.kv_applied.get_or_create(&e).inc_by(applied as u64);
+        for (reason, n) in [
+            ("unknown_parent", unknown_parents as u64),
+            ("other_group", u64::from(skipped.other_groups)),
+            ("unknown_type", u64::from(skipped.unknown_types)),
+        ] {
+            if n > 0 {
+                self.kv_skipped
+                    .get_or_create(&EndpointReasonLabels {
+                        endpoint: endpoint.to_string(),
+                        reason,
+                    })
+                    .inc_by(n);
+            }
+        }
+    }
+
+    /// A KV-event message of `endpoint` that did not decode.
+    pub fn count_kv_decode_error(&self, endpoint: &str) {
+        self.kv_decode_errors
+            .get_or_create(&EndpointLabels {
+                endpoint: endpoint.to_string(),
+            })
+            .inc();
+    }
+
+    /// A sequence gap in `endpoint`'s KV events.
+    pub fn count_kv_gap(&self, endpoint: &str) {
+        self.kv_gaps
+            .get_or_create(&EndpointLabels {
+                endpoint: endpoint.to_string(),
+            })
+            .inc();
+    }
+
+    /// A replay request to `endpoint`'s publisher ending in `result` (`ok` or `failed`).
+    pub fn count_kv_replay(&self, endpoint: &str, result: &'static str) {
+        self.kv_replays
+            .get_or_create(&ScrapeLabels {
+                endpoint: endpoint.to_string(),
+                result,
+            })
+            .inc();
+    }
+
+    /// `endpoint`'s precise state was dropped for `reason` (`restart`, `unreplayable_gap`,
+    /// `decode_error`, `apply_error`, `disconnect`).
+    pub fn count_kv_reset(&self, endpoint: &str, reason: &'static str) {
+        self.kv_resets
+            .get_or_create(&EndpointReasonLabels {
+                endpoint: endpoint.to_string(),
+                reason,
+            })
+            .inc();
+    }
+
+    /// Engine timestamp to arrival of a live KV-event batch.
+    pub fn observe_kv_lag(&self, _endpoint: &str, seconds: f64) {
+        self.kv_lag_seconds.observe(seconds.max(0.0));
+    }
+
+    /// One tokenisation by `backend` (`remote`, `hf`) ending in `result` (`ok`, `error`), with
+    /// its duration and how many tokens came from the prefix cache versus fresh work.
+    pub fn observe_tokenize(
+        &self,
+        backend: &'static str,
+        result: &'static str,
+        elapsed: Duration,
+        cached_tokens: usize,
+        fresh_tokens: usize,
+    ) {
+        self.tokenize
+            .get_or_create(&TokenizeLabels { backend, result })
+            .inc();
+        self.tokenize_seconds.observe(elapsed.as_secs_f64());
+        for (source, n) in [("cached", cached_tokens), ("fresh", fresh_tokens)] {
+            if n > 0 {
+                self.tokenize_tokens
+                    .get_or_create(&TokenSourceLabels { backend, source })
+                    .inc_by(n as u64);
+            }
+        }
+    }
+
+    /// A route request that asked for precise mode, by how it was scored (`precise`, or the
+    /// reason it fell back to approximate).
+    pub fn count_precise_route(&self, how: &str) {
+        self.precise_routes
+            .get_or_create(&ReasonLabels {
+                reason: how.to_string(),
+            })
+            .inc();
+    }
 }
 
 /// The `/metrics` registry: event counters plus a live view of `state`, prefixed `kvroute_`.
@@ -135,6 +291,66 @@ pub fn registry(state: Arc<State>) -> Registry {
         "scrape_duration_seconds",
         "Endpoint /metrics scrape time",
         t.scrape_seconds,
+    );
+    r.register(
+        "kv_event_batches",
+        "KV-event batches applied, by endpoint",
+        t.kv_batches,
+    );
+    r.register(
+        "kv_events_applied",
+        "KV events applied to the precise index, by endpoint",
+        t.kv_applied,
+    );
+    r.register(
+        "kv_events_skipped",
+        "KV events skipped: other KV groups, unknown types, stores whose parent precedes a partial view",
+        t.kv_skipped,
+    );
+    r.register(
+        "kv_event_decode_errors",
+        "KV-event messages that did not decode (the endpoint's state was dropped)",
+        t.kv_decode_errors,
+    );
+    r.register(
+        "kv_event_gaps",
+        "Sequence gaps in an endpoint's KV events",
+        t.kv_gaps,
+    );
+    r.register(
+        "kv_event_replays",
+        "Replay requests to an endpoint's publisher, by result",
+        t.kv_replays,
+    );
+    r.register(
+        "kv_event_resets",
+        "Times an endpoint's precise state was dropped, by reason",
+        t.kv_resets,
+    );
+    r.register(
+        "kv_event_lag_seconds",
+        "Engine timestamp to arrival of live KV-event batches",
+        t.kv_lag_seconds,
+    );
+    r.register(
+        "tokenizations",
+        "Prompt tokenisations for precise routes, by backend and result",
+        t.tokenize,
+    );
+    r.register(
+        "tokenize_duration_seconds",
+        "Time to tokenise one precise route's prompt",
+        t.tokenize_seconds,
+    );
+    r.register(
+        "tokenized_tokens",
+        "Prompt tokens of precise routes, by backend and source (prefix cache or fresh)",
+        t.tokenize_tokens,
+    );
+    r.register(
+        "precise_routes",
+        "Route requests that asked for precise mode, by how they were scored",
+        t.precise_routes,
     );
     r.register_collector(Box::new(RouterCollector(state)));
     r

@@ -108,6 +108,7 @@ fn test_config(endpoints: &[SocketAddr]) -> Config {
             .iter()
             .map(|a| EndpointConfig {
                 address: a.to_string(),
+                ..Default::default()
             })
             .collect(),
         ..Config::default()

@@ -23,6 +23,18 @@ pub enum ConfigError {
     },
 }
 
+/// How requests on a path are scored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteMode {
+    /// Hashes of the canonical prompt bytes only: the prompt never leaves the proxy.
+    #[default]
+    Approximate,
+    /// Also sends the prompt fields to the control plane, which tokenises them and scores
+    /// endpoints on the KV blocks their engines report holding.
+    Precise,
+}
+
 /// One inference path the filter routes, and which API shape its body has.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -31,6 +43,9 @@ pub struct RouteRule {
     pub path: String,
     /// How the body of requests on this path is canonicalised.
     pub api: ApiKind,
+    /// `approximate` (default) or `precise`.
+    #[serde(default)]
+    pub mode: RouteMode,
 }
 
 /// The filter's configuration; see the crate docs for the JSON shape.
@@ -78,10 +93,12 @@ impl Default for FilterConfig {
                 RouteRule {
                     path: "/v1/chat/completions".into(),
                     api: ApiKind::Chat,
+                    mode: RouteMode::Approximate,
                 },
                 RouteRule {
                     path: "/v1/completions".into(),
                     api: ApiKind::Completion,
+                    mode: RouteMode::Approximate,
                 },
             ],
         }
@@ -168,8 +185,13 @@ impl FilterConfig {
     /// The API of an inference path, or `None` when requests on `path` are not routed.
     /// The query string is ignored.
     pub fn api_for_path(&self, path: &str) -> Option<ApiKind> {
+        self.route_for_path(path).map(|r| r.api)
+    }
+
+    /// The rule of an inference path (API and mode), or `None` when `path` is not routed.
+    pub fn route_for_path(&self, path: &str) -> Option<&RouteRule> {
         let path = path.split_once('?').map_or(path, |(p, _)| p);
-        self.routes.iter().find(|r| r.path == path).map(|r| r.api)
+        self.routes.iter().find(|r| r.path == path)
     }
 }
 
@@ -216,6 +238,25 @@ mod tests {
         assert_eq!(c.auth_token.as_deref(), Some("s3cret"));
         assert_eq!(c.api_for_path("/chat?x=1"), Some(ApiKind::Chat));
         assert_eq!(c.api_for_path("/v1/chat/completions"), None);
+        assert_eq!(
+            c.route_for_path("/chat").unwrap().mode,
+            RouteMode::Approximate
+        );
+    }
+
+    #[test]
+    fn per_route_mode() {
+        let c = FilterConfig::from_json(
+            br#"{"routes":[{"path":"/p","api":"chat","mode":"precise"},
+                          {"path":"/a","api":"completion","mode":"approximate"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.route_for_path("/p?q").unwrap().mode, RouteMode::Precise);
+        assert_eq!(c.route_for_path("/a").unwrap().mode, RouteMode::Approximate);
+        assert!(
+            FilterConfig::from_json(br#"{"routes":[{"path":"/p","api":"chat","mode":"exact"}]}"#)
+                .is_err()
+        );
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! For each inference request (`POST /v1/chat/completions`, `POST /v1/completions`) the filter
 //! holds the headers, buffers the JSON body, canonicalises and block-hashes the prompt with
 //! `scorer-core`, asks the control plane `POST /v1/route` (hashes and numbers only, never the
-//! prompt), writes the answer into `x-gateway-destination-endpoint` and resumes; Envoy's
+//! prompt, unless the route is configured as precise), writes the answer into
+//! `x-gateway-destination-endpoint` and resumes; Envoy's
 //! `override_host` load balancer then sends the request there. Outcomes (status, latency, token
 //! usage) go back in batches to `POST /v1/feedback`. Any failure fails open.
 //!
@@ -19,7 +20,13 @@
 //!   "route_timeout_ms":50,"destination_header":"x-gateway-destination-endpoint","block_bytes":256,
 //!   "feedback_interval_ms":200,"feedback_timeout_ms":1000,"max_body_bytes":4194304,
 //!   "max_queued_outcomes":4096,"auth_token":null,
-//!   "routes":[{"path":"/v1/chat/completions","api":"chat"},{"path":"/v1/completions","api":"completion"}]}`
+//!   "routes":[{"path":"/v1/chat/completions","api":"chat","mode":"approximate"},
+//!             {"path":"/v1/completions","api":"completion","mode":"approximate"}]}`
+//!
+//! A route with `"mode":"precise"` also sends the request's prompt fields (`model`, `messages`,
+//! `tools` and the chat-template options, or `model` and `prompt`) in `RouteRequest.prompt_text`,
+//! so the control plane can tokenise them and score on the engines' reported KV blocks;
+//! approximate routes never send prompt text.
 
 #![cfg_attr(
     not(test),

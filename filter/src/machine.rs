@@ -11,13 +11,14 @@
 //! Every error on the way fails open: the request is released without a destination header and
 //! Envoy's fallback load balancer picks the endpoint.
 
+use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use scorer_core::canon::{self, CanonError};
 use scorer_core::hash::{block_hashes, model_seed};
 use scorer_core::protocol::{ApiKind, Outcome, RouteRequest, RouteResponse};
 
-use crate::config::FilterConfig;
+use crate::config::{FilterConfig, RouteMode};
 use crate::usage::UsageScanner;
 
 /// Header a client may use to pin a session (takes precedence over the body's `user`).
@@ -26,6 +27,19 @@ pub const SESSION_HEADER: &str = "x-session-id";
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// Longest session key forwarded to the control plane.
 const MAX_SESSION_BYTES: usize = 256;
+/// Chat request fields that decide the engine's prompt tokens (template input and options).
+const CHAT_PROMPT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+];
+/// Completion request fields that decide the engine's prompt tokens.
+const COMPLETION_PROMPT_FIELDS: &[&str] = &["model", "prompt"];
 
 /// What the host returns from the current callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,6 +223,7 @@ struct Routed {
 pub struct RequestMachine {
     config: Rc<FilterConfig>,
     phase: Phase,
+    mode: RouteMode,
     session: Option<String>,
     routed: Option<Routed>,
     status: u16,
@@ -224,6 +239,7 @@ impl RequestMachine {
         RequestMachine {
             config,
             phase: Phase::Start,
+            mode: RouteMode::Approximate,
             session: None,
             routed: None,
             status: 0,
@@ -272,12 +288,14 @@ impl RequestMachine {
                 self.session = Some(String::from_utf8_lossy(value).into_owned());
             }
         }
-        let Some(api) = path
+        let Some((api, mode)) = path
             .and_then(|p| std::str::from_utf8(p).ok())
-            .and_then(|p| self.config.api_for_path(p))
+            .and_then(|p| self.config.route_for_path(p))
+            .map(|r| (r.api, r.mode))
         else {
             return Step::go(effects);
         };
+        self.mode = mode;
         let skip = if method != Some(b"POST".as_slice()) {
             Some(SkipReason::NotPost)
         } else if content_encoding
@@ -370,6 +388,12 @@ impl RequestMachine {
                 .filter(|u| !u.is_empty())
                 .map(|u| truncate(u, MAX_SESSION_BYTES))
         });
+        // Approximate routes never send the prompt; precise ones send its fields so the
+        // control plane can tokenise it like the engine will.
+        let (prompt_text, api) = match self.mode {
+            RouteMode::Approximate => (None, None),
+            RouteMode::Precise => (Some(prompt_fields(api, body)?), Some(api)),
+        };
         Ok(RouteRequest {
             prompt_bytes: prompt.bytes.len() as u64,
             model: prompt.model,
@@ -377,8 +401,8 @@ impl RequestMachine {
             prompt_tokens,
             max_output_tokens: prompt.max_output_tokens,
             session,
-            // Approximate mode: the prompt text never leaves the proxy.
-            prompt_text: None,
+            prompt_text,
+            api,
             token_block_hashes: Vec::new(),
         })
     }
@@ -508,6 +532,32 @@ impl RequestMachine {
             cached_tokens: usage.cached_tokens,
         })
     }
+}
+
+/// The fields of `body` that decide its prompt tokens, as a JSON object; values are copied
+/// verbatim (no re-serialisation of large message lists).
+fn prompt_fields(api: ApiKind, body: &[u8]) -> Result<String, CanonError> {
+    let map: BTreeMap<String, &serde_json::value::RawValue> =
+        serde_json::from_slice(body).map_err(|e| CanonError::InvalidBody(e.to_string()))?;
+    let fields = match api {
+        ApiKind::Chat => CHAT_PROMPT_FIELDS,
+        ApiKind::Completion => COMPLETION_PROMPT_FIELDS,
+    };
+    let mut out = String::with_capacity(body.len() + 2);
+    out.push('{');
+    for field in fields {
+        if let Some(value) = map.get(*field) {
+            if out.len() > 1 {
+                out.push(',');
+            }
+            out.push('"');
+            out.push_str(field);
+            out.push_str("\":");
+            out.push_str(value.get());
+        }
+    }
+    out.push('}');
+    Ok(out)
 }
 
 fn is_json(content_type: &[u8]) -> bool {
@@ -672,6 +722,31 @@ mod tests {
             block_hashes(model_seed("m"), &prompt.bytes, DEFAULT_BLOCK_BYTES)
         );
         assert_eq!(req.prompt_bytes, prompt.bytes.len() as u64);
+    }
+
+    #[test]
+    fn precise_routes_send_prompt_fields_approximate_ones_never() {
+        let config = FilterConfig::from_json(
+            br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
+        )
+        .unwrap();
+        let mut m = RequestMachine::new(Rc::new(config));
+        let body = br#"{"model":"m","temperature":0.5,"messages":[{"role":"user","content":"hi \u00e9"}],
+            "tools":[{"type":"function"}],"chat_template_kwargs":{"enable_thinking":false},"max_tokens":3}"#;
+        let req = to_dispatch(&mut m, &[], body);
+        assert_eq!(req.api, Some(ApiKind::Chat));
+        let text = req.prompt_text.unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"model":"m","messages":[{"role":"user","content":"hi é"}],
+                "tools":[{"type":"function"}],"chat_template_kwargs":{"enable_thinking":false}})
+        );
+        assert!(!req.block_hashes.is_empty() || req.prompt_bytes < 256);
+
+        let mut m = machine();
+        let req = to_dispatch(&mut m, &[], body);
+        assert_eq!((req.prompt_text, req.api), (None, None));
     }
 
     #[test]

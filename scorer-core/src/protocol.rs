@@ -44,9 +44,14 @@ pub struct RouteRequest {
     /// control plane fills these after tokenising `prompt_text`; fleet-sim fills them directly.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub token_block_hashes: Vec<u64>,
-    /// Canonical prompt text; sent only on routes configured as precise.
+    /// The request's prompt fields as a JSON object (`{"model","messages","tools",...}` for
+    /// chat, `{"model","prompt"}` for completions); sent only on routes configured as precise,
+    /// so the control plane can tokenise it exactly as the engine will.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_text: Option<String>,
+    /// Which API `prompt_text` belongs to (set whenever `prompt_text` is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api: Option<ApiKind>,
 }
 
 /// The control plane's answer: endpoints to try, best first.

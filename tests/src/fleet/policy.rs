@@ -600,6 +600,7 @@ impl Policy for Kvroute {
             max_output_tokens: Some(r.output_tokens),
             session: r.session.map(|s| s.to_string()),
             prompt_text: None,
+            api: None,
             token_block_hashes: if self.precise {
                 let block = self.router.config().precise.block_tokens;
                 token_block_hashes(model_seed(MODEL), r.tokens, block)

@@ -1,0 +1,529 @@
+//! In-process tokenisation: the model's `tokenizer.json` (`tokenizers` crate) and its chat
+//! template (minijinja, configured like transformers' `apply_chat_template`).
+//!
+//! Prefix reuse: a Hugging Face tokenizer splits its input at added tokens before anything else
+//! runs, so the text between two special tokens tokenises independently of the rest. The
+//! rendered prompt is therefore cut just before each special token (chat templates put one at
+//! every message boundary), each piece is tokenised on its own and cached by its content hash,
+//! and turn N of a chat only tokenises the pieces that are new. A piece keeps its leading special
+//! token, so it is tokenised in the same position-dependent way as inside the whole prompt
+//! (Metaspace's "prepend on first split only"). Tokens that strip whitespace on their left, match
+//! only whole words or are normalised are never cut before: inside a piece they behave as in the
+//! whole prompt.
+//!
+//! A self-check re-tokenises the whole prompt on the first requests and then on every
+//! [`VERIFY_EVERY`]th; on any difference it logs once and stops splitting.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use scorer_core::protocol::ApiKind;
+use serde_json::{Map, Value};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::cache::TokenCache;
+use super::{TokenizeError, Tokenized};
+use crate::config::PreciseSettings;
+
+/// Requests checked against whole-prompt tokenisation at start.
+const VERIFY_FIRST: u64 = 16;
+/// Then one request in this many is checked.
+const VERIFY_EVERY: u64 = 256;
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// The model's tokenizer and chat template, with a segment cache.
+pub struct HfTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    env: Option<minijinja::Environment<'static>>,
+    bos_token: String,
+    eos_token: String,
+    /// Special tokens a prompt may be cut before, longest first within each first byte.
+    cuts: Vec<String>,
+    cache: TokenCache,
+    requests: AtomicU64,
+    split_ok: AtomicBool,
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("cuts", &self.cuts.len())
+            .field("chat_template", &self.env.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HfTokenizer {
+    /// Loads `tokenizer_json`, and the chat template from `chat_template` or
+    /// `tokenizer_config` (`chat_template`, `bos_token`, `eos_token`).
+    pub fn load(p: &PreciseSettings) -> Result<Self, TokenizeError> {
+        let path = p
+            .tokenizer_json
+            .as_ref()
+            .ok_or_else(|| TokenizeError::Load("precise.tokenizer_json is not set".into()))?;
+        let json = std::fs::read(path)
+            .map_err(|e| TokenizeError::Load(format!("{}: {e}", path.display())))?;
+        let config = match &p.tokenizer_config {
+            Some(c) => {
+                let text = std::fs::read_to_string(c)
+                    .map_err(|e| TokenizeError::Load(format!("{}: {e}", c.display())))?;
+                Some(
+                    serde_json::from_str::<Value>(&text)
+                        .map_err(|e| TokenizeError::Load(format!("{}: {e}", c.display())))?,
+                )
+            }
+            None => None,
+        };
+        let template = match &p.chat_template {
+            Some(t) => Some(
+                std::fs::read_to_string(t)
+                    .map_err(|e| TokenizeError::Load(format!("{}: {e}", t.display())))?,
+            ),
+            None => config.as_ref().and_then(config_template),
+        };
+        let token = |key: &str| {
+            config
+                .as_ref()
+                .and_then(|c| c.get(key))
+                .and_then(|v| v.as_str().or_else(|| v.get("content")?.as_str()))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        Self::new(
+            &json,
+            template.as_deref(),
+            &token("bos_token"),
+            &token("eos_token"),
+            p.cache_entries,
+        )
+    }
+
+    /// A tokenizer from the bytes of a `tokenizer.json` and an optional chat template.
+    pub fn new(
+        tokenizer_json: &[u8],
+        chat_template: Option<&str>,
+        bos_token: &str,
+        eos_token: &str,
+        cache_entries: usize,
+    ) -> Result<Self, TokenizeError> {
+        let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+            .map_err(|e| TokenizeError::Load(format!("tokenizer.json: {e}")))?;
+        let mut cuts: Vec<String> = tokenizer
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.lstrip && !t.single_word && !t.normalized)
+            .map(|t| t.content)
+            .filter(|c| !c.is_empty())
+            .collect();
+        // Longest first, so a token that extends another one wins at the same position.
+        cuts.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        let env = chat_template.map(template_env).transpose()?;
+        Ok(Self {
+            tokenizer,
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+            cuts,
+            cache: TokenCache::new(cache_entries),
+            requests: AtomicU64::new(0),
+            split_ok: AtomicBool::new(true),
+        })
+    }
+
+    /// Token ids of a chat or completion prompt, as vLLM computes them: a chat is rendered
+    /// through the template and tokenised without added special tokens; a completion prompt
+    /// is tokenised with them (the post-processor's BOS).
+    pub fn tokenize(
+        &self,
+        api: ApiKind,
+        prompt: &Map<String, Value>,
+    ) -> Result<Tokenized, TokenizeError> {
+        match api {
+            ApiKind::Chat => {
+                let text = self.render(prompt)?;
+                self.encode_split(&text)
+            }
+            ApiKind::Completion => {
+                let text = match prompt.get("prompt") {
+                    Some(Value::String(s)) => s.as_str(),
+                    Some(Value::Array(a)) if a.len() == 1 => a[0].as_str().unwrap_or_default(),
+                    _ => return Err(TokenizeError::BadPrompt("prompt must be a string".into())),
+                };
+                Ok(Tokenized {
+                    ids: self.encode(text, true)?,
+                    cached: 0,
+                })
+            }
+        }
+    }
+
+    /// The chat template's output for `prompt` (its messages, tools and template options).
+    pub fn render(&self, prompt: &Map<String, Value>) -> Result<String, TokenizeError> {
+        let env = self
+            .env
+            .as_ref()
+            .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?;
+        let messages = prompt
+            .get("messages")
+            .and_then(Value::as_array)
+            .ok_or_else(|| TokenizeError::BadPrompt("messages must be an array".into()))?;
+        let mut ctx = Map::new();
+        if let Some(Value::Object(kwargs)) = prompt.get("chat_template_kwargs") {
+            ctx.extend(kwargs.clone());
+        }
+        ctx.insert(
+            "messages".into(),
+            Value::Array(messages.iter().map(flatten_message).collect()),
+        );
+        for key in ["tools", "documents"] {
+            if let Some(v) = prompt.get(key).filter(|v| !v.is_null()) {
+                ctx.insert(key.into(), v.clone());
+            }
+        }
+        let flag =
+            |k: &str, default: bool| prompt.get(k).and_then(Value::as_bool).unwrap_or(default);
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(flag("add_generation_prompt", true)),
+        );
+        ctx.insert(
+            "continue_final_message".into(),
+            Value::Bool(flag("continue_final_message", false)),
+        );
+        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
+        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
+        let template = env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        template
+            .render(minijinja::Value::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| {
+                let mut msg = e.to_string();
+                if let Some(d) = e.detail() {
+                    msg = format!("{msg}: {d}");
+                }
+                TokenizeError::Template(msg)
+            })
+    }
+
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Tokenizer(e.to_string()))
+    }
+
+    /// Tokenises `text` piece by piece through the cache (see the module docs).
+    pub fn encode_split(&self, text: &str) -> Result<Tokenized, TokenizeError> {
+        if !self.split_ok.load(Ordering::Relaxed) {
+            return Ok(Tokenized {
+                ids: self.encode(text, false)?,
+                cached: 0,
+            });
+        }
+        let mut ids = Vec::new();
+        let mut cached = 0;
+        let mut start = 0;
+        for end in self.cut_points(text).into_iter().chain([text.len()]) {
+            if end <= start {
+                continue;
+            }
+            let piece = &text[start..end];
+            // Only the first piece can lack a leading special token, and it is always at offset
+            // 0; every other piece tokenises the same wherever it sits: content is the key.
+            let key = xxh3_64(piece.as_bytes());
+            match self.cache.get(key) {
+                Some(hit) => {
+                    cached += hit.len();
+                    ids.extend_from_slice(&hit);
+                }
+                None => {
+                    let fresh = self.encode(piece, false)?;
+                    ids.extend_from_slice(&fresh);
+                    self.cache.insert(key, fresh.into());
+                }
+            }
+            start = end;
+        }
+        let n = self.requests.fetch_add(1, Ordering::Relaxed);
+        if n < VERIFY_FIRST || n % VERIFY_EVERY == 0 {
+            let whole = self.encode(text, false)?;
+            if whole != ids {
+                tracing::warn!(
+                    "piecewise tokenisation differs from whole-prompt tokenisation for this \
+                     tokenizer: segment caching disabled"
+                );
+                self.split_ok.store(false, Ordering::Relaxed);
+                return Ok(Tokenized {
+                    ids: whole,
+                    cached: 0,
+                });
+            }
+        }
+        Ok(Tokenized { ids, cached })
+    }
+
+    /// Byte offsets where a special token that may start a piece begins.
+    fn cut_points(&self, text: &str) -> Vec<usize> {
+        let bytes = text.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < bytes.len() {
+            let rest = &text[i..];
+            match self.cuts.iter().find(|c| rest.starts_with(c.as_str())) {
+                Some(c) => {
+                    out.push(i);
+                    i += c.len();
+                }
+                None => {
+                    i += rest.chars().next().map_or(1, char::len_utf8);
+                }
+            }
+        }
+        out
+    }
+
+    /// Pieces currently cached.
+    pub fn cached_pieces(&self) -> usize {
+        self.cache.len()
+    }
+}
+
+/// `chat_template` of a `tokenizer_config.json`: a string, or of a list of named templates the
+/// one named `default` (else the first).
+fn config_template(config: &Value) -> Option<String> {
+    match config.get("chat_template")? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .or_else(|| named.first())
+            .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+        _ => None,
+    }
+}
+
+/// vLLM's "string" content format: a list of text parts becomes their texts joined by newlines.
+fn flatten_message(m: &Value) -> Value {
+    let mut m = m.clone();
+    if let Some(Value::Array(parts)) = m.get("content") {
+        let texts: Vec<&str> = parts
+            .iter()
+            .filter_map(|p| match p {
+                Value::String(s) => Some(s.as_str()),
+                p => p.get("text").and_then(Value::as_str),
+            })
+            .collect();
+        let joined = texts.join("\n");
+        if let Some(obj) = m.as_object_mut() {
+            obj.insert("content".into(), Value::String(joined));
+        }
+    }
+    m
+}
+
+/// A minijinja environment configured like transformers' `apply_chat_template`.
+fn template_env(source: &str) -> Result<minijinja::Environment<'static>, TokenizeError> {
+    let mut env = minijinja::Environment::new();
+    let mut syntax = minijinja::syntax::SyntaxConfig::builder();
+    syntax.trim_blocks(true).lstrip_blocks(true);
+    env.set_syntax(
+        syntax
+            .build()
+            .map_err(|e| TokenizeError::Template(format!("syntax: {e}")))?,
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<String, _> {
+        Err(minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            msg,
+        ))
+    });
+    env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
+    env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+        .map_err(|e| TokenizeError::Template(format!("invalid chat template: {e:#}")))?;
+    Ok(env)
+}
+
+/// Today's UTC date for templates that print it: `%Y %m %d %b %B %%` (others pass through).
+fn strftime_now(fmt: &str) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400) as i64;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let name = MONTHS[(month - 1).clamp(0, 11) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('b') => out.push_str(&name[..3]),
+            Some('B') => out.push_str(name),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::models::wordlevel::WordLevel;
+    use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
+    use tokenizers::{AddedToken, Tokenizer};
+
+    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    /// A word-level tokenizer with a Metaspace pre-tokenizer that prepends only on the first
+    /// split: the position-dependent case the piece split must reproduce.
+    pub(crate) fn test_tokenizer_json() -> Vec<u8> {
+        let words = "▁hello ▁world ▁what ▁is ▁a ▁cache ▁and ▁prefix ? user assistant system \
+                     ▁be ▁brief . ▁user ▁assistant ▁system hello user\n assistant\n system\n \n";
+        let mut vocab: std::collections::HashMap<String, u32> = words
+            .split(' ')
+            .filter(|w| !w.is_empty())
+            .enumerate()
+            .map(|(i, w)| (w.to_string(), i as u32 + 10))
+            .collect();
+        vocab.insert("[UNK]".into(), 0);
+        let model = WordLevel::builder()
+            .vocab(vocab.into_iter().collect())
+            .unk_token("[UNK]".into())
+            .build()
+            .unwrap();
+        let mut t = Tokenizer::new(model);
+        t.with_pre_tokenizer(Some(Metaspace::new('▁', PrependScheme::First, true)));
+        t.add_special_tokens(vec![
+            AddedToken::from("<|im_start|>", true),
+            AddedToken::from("<|im_end|>", true),
+        ])
+        .unwrap();
+        t.to_string(false).unwrap().into_bytes()
+    }
+
+    fn tokenizer() -> HfTokenizer {
+        HfTokenizer::new(&test_tokenizer_json(), Some(CHATML), "", "", 1024).unwrap()
+    }
+
+    fn prompt(msgs: &[(&str, &str)]) -> Map<String, Value> {
+        let messages: Vec<Value> = msgs
+            .iter()
+            .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+            .collect();
+        serde_json::json!({"model": "m", "messages": messages})
+            .as_object()
+            .unwrap()
+            .clone()
+    }
+
+    #[test]
+    fn pieces_match_whole_prompt_and_turn_two_reuses_turn_one() {
+        let t = tokenizer();
+        let mut turn = vec![
+            ("system", "be brief."),
+            ("user", "hello world what is a cache?"),
+        ];
+        let one = t.tokenize(ApiKind::Chat, &prompt(&turn)).unwrap();
+        let text = t.render(&prompt(&turn)).unwrap();
+        assert!(text.starts_with("<|im_start|>system\nbe brief.<|im_end|>\n"));
+        assert_eq!(one.ids, t.encode(&text, false).unwrap());
+        // Only the repeated `<|im_end|>\n` piece is reused within turn 1.
+        assert_eq!(one.cached, 2);
+
+        turn.push(("assistant", "a prefix cache"));
+        turn.push(("user", "and a prefix?"));
+        let two = t.tokenize(ApiKind::Chat, &prompt(&turn)).unwrap();
+        let text2 = t.render(&prompt(&turn)).unwrap();
+        assert_eq!(two.ids, t.encode(&text2, false).unwrap());
+        // Everything but the generation prompt of turn 1 is reused.
+        assert!(
+            two.cached >= one.ids.len() - 3,
+            "{} of {}",
+            two.cached,
+            one.ids.len()
+        );
+        assert_eq!(two.ids[..one.ids.len() - 3], one.ids[..one.ids.len() - 3]);
+        assert!(t.split_ok.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn first_piece_is_position_dependent() {
+        let t = tokenizer();
+        // "hello" at offset 0 gets the Metaspace prefix, after a special token it does not.
+        let a = t.encode_split("hello<|im_start|>hello").unwrap();
+        assert_eq!(a.ids, t.encode("hello<|im_start|>hello", false).unwrap());
+        assert_ne!(a.ids[0], a.ids[2]);
+        let b = t.encode_split("<|im_start|>hello").unwrap();
+        assert_eq!(b.cached, 2, "the second piece of `a` is reused");
+    }
+
+    #[test]
+    fn completions_add_special_tokens_and_content_parts_flatten() {
+        let t = tokenizer();
+        let p = serde_json::json!({"prompt": "hello world"});
+        let ids = t
+            .tokenize(ApiKind::Completion, p.as_object().unwrap())
+            .unwrap()
+            .ids;
+        assert_eq!(ids, t.encode("hello world", true).unwrap());
+        let parts = serde_json::json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]});
+        let text = t.render(parts.as_object().unwrap()).unwrap();
+        assert!(text.contains("hello\nworld"), "{text}");
+    }
+
+    #[test]
+    fn template_errors_are_errors() {
+        let t = HfTokenizer::new(
+            &test_tokenizer_json(),
+            Some("{{ raise_exception('roles must alternate') }}"),
+            "",
+            "",
+            8,
+        )
+        .unwrap();
+        let e = t
+            .tokenize(ApiKind::Chat, &prompt(&[("user", "x")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("roles must alternate"), "{e}");
+        assert!(HfTokenizer::new(&test_tokenizer_json(), Some("{% if %}"), "", "", 8).is_err());
+        assert!(HfTokenizer::new(b"{}", None, "", "", 8).is_err());
+        let none = HfTokenizer::new(&test_tokenizer_json(), None, "", "", 8).unwrap();
+        assert!(none.render(&prompt(&[("user", "x")])).is_err());
+        let date = strftime_now("%Y-%m-%d %b %%");
+        assert_eq!(date.len(), "2026-01-01 Jan %".len(), "{date}");
+    }
+}

@@ -1,0 +1,283 @@
+//! Precise routes' prompts to token ids, then to the token-block hashes the router scores.
+//!
+//! The filter sends a precise route's prompt fields as JSON (`RouteRequest.prompt_text`). The
+//! control plane tokenises them like the engine will, either
+//! - [`remote`]: by asking a healthy replica (vLLM's render or `/tokenize` API), or
+//! - [`hf`] (feature `hf-tokenizer`): in process, with the model's `tokenizer.json` and chat
+//!   template, caching each rendered segment so turn N of a chat only tokenises what is new,
+//!
+//! then hashes the ids in engine blocks with `scorer_core::hash::token_block_hashes`. Any failure
+//! leaves the request approximate: its `block_hashes` still route it.
+
+pub mod cache;
+#[cfg(feature = "hf-tokenizer")]
+pub mod hf;
+pub mod remote;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use scorer_core::hash::{model_seed, token_block_hashes};
+use scorer_core::protocol::{ApiKind, RouteRequest};
+use serde_json::{Map, Value};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::config::{Config, TokenizerBackend};
+use crate::state::State;
+use cache::TokenCache;
+
+/// Why a prompt could not be tokenised (the request is then routed approximately).
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// `prompt_text` is not a usable prompt object.
+    #[error("bad prompt: {0}")]
+    BadPrompt(String),
+    /// No healthy replica to ask.
+    #[error("no healthy endpoint to tokenise with")]
+    NoEndpoint,
+    /// The call to a replica failed.
+    #[error("tokenize call failed: {0}")]
+    Http(String),
+    /// The replica refused.
+    #[error("{endpoint} answered {status}: {body}")]
+    Status {
+        /// The replica asked.
+        endpoint: String,
+        /// Its HTTP status.
+        status: u16,
+        /// The start of its answer.
+        body: String,
+    },
+    /// The replica's answer has no usable token ids.
+    #[error("bad tokenize answer: {0}")]
+    BadResponse(String),
+    /// The call did not finish in time.
+    #[error("tokenize call timed out after {0:?}")]
+    Timeout(Duration),
+    /// The chat template failed to render.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The in-process tokenizer failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The tokenizer files could not be loaded.
+    #[error("cannot load tokenizer: {0}")]
+    Load(String),
+}
+
+/// Token ids of one prompt and how many came from the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokenized {
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// How many of them were reused from earlier tokenisations.
+    pub cached: usize,
+}
+
+enum Backend {
+    None,
+    Remote(remote::RemoteTokenizer),
+    #[cfg(feature = "hf-tokenizer")]
+    Hf(Box<hf::HfTokenizer>),
+}
+
+/// Turns precise route requests into token-block hashes.
+pub struct Precise {
+    backend: Backend,
+    /// Whole-prompt cache of the remote backend.
+    prompts: TokenCache,
+    /// Configured base model names (hash seeds of blocks stored without LoRA).
+    base_models: HashSet<String>,
+    block_tokens: usize,
+    max_hashes: usize,
+}
+
+impl std::fmt::Debug for Precise {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Precise")
+            .field("backend", &self.backend_name())
+            .field("block_tokens", &self.block_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Precise {
+    /// The tokenizer and hashing settings of `config` (loads `hf` files now, so a bad path
+    /// fails at startup).
+    pub fn from_config(config: &Config) -> Result<Self, TokenizeError> {
+        let p = &config.precise;
+        let backend = match p.tokenizer {
+            TokenizerBackend::None => Backend::None,
+            TokenizerBackend::Remote => Backend::Remote(remote::RemoteTokenizer::new(
+                p.remote_api,
+                Duration::from_millis(p.tokenize_timeout_ms),
+            )),
+            #[cfg(feature = "hf-tokenizer")]
+            TokenizerBackend::Hf => Backend::Hf(Box::new(hf::HfTokenizer::load(p)?)),
+            #[cfg(not(feature = "hf-tokenizer"))]
+            TokenizerBackend::Hf => {
+                return Err(TokenizeError::Load(
+                    "this build has no in-process tokenizer (cargo feature `hf-tokenizer`)".into(),
+                ));
+            }
+        };
+        Ok(Self {
+            backend,
+            prompts: TokenCache::new(p.cache_entries),
+            base_models: config
+                .endpoints
+                .iter()
+                .filter_map(|e| e.model.clone())
+                .collect(),
+            block_tokens: config.router.precise.block_tokens.max(1),
+            max_hashes: config.max_block_hashes,
+        })
+    }
+
+    /// `remote`, `hf` or `none`.
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::None => "none",
+            Backend::Remote(_) => "remote",
+            #[cfg(feature = "hf-tokenizer")]
+            Backend::Hf(_) => "hf",
+        }
+    }
+
+    /// Fills `request.token_block_hashes` (and the exact `prompt_tokens`) from its
+    /// `prompt_text`, which is consumed. Returns how the request will be scored: `precise`, or
+    /// why it stays approximate. `None` when the request did not ask for precise mode.
+    pub async fn prepare(&self, state: &State, request: &mut RouteRequest) -> Option<&'static str> {
+        let text = request.prompt_text.take()?;
+        if matches!(self.backend, Backend::None) {
+            return Some("no_tokenizer");
+        }
+        let started = Instant::now();
+        let result = self.tokenize(state, request.api, &text).await;
+        let t = state.telemetry();
+        match result {
+            Ok(tokenized) => {
+                t.observe_tokenize(
+                    self.backend_name(),
+                    "ok",
+                    started.elapsed(),
+                    tokenized.cached,
+                    tokenized.ids.len() - tokenized.cached,
+                );
+                let seed = model_seed(self.seed_model(state, &request.model));
+                let mut hashes = token_block_hashes(seed, &tokenized.ids, self.block_tokens);
+                hashes.truncate(self.max_hashes);
+                request.token_block_hashes = hashes;
+                request.prompt_tokens = u32::try_from(tokenized.ids.len()).unwrap_or(u32::MAX);
+                Some("precise")
+            }
+            Err(e) => {
+                t.observe_tokenize(self.backend_name(), "error", started.elapsed(), 0, 0);
+                tracing::debug!(error = %e, "tokenisation failed: routing approximately");
+                Some("tokenize_error")
+            }
+        }
+    }
+
+    /// Token ids of `prompt_text` (the request's prompt fields as a JSON object).
+    pub async fn tokenize(
+        &self,
+        state: &State,
+        api: Option<ApiKind>,
+        prompt_text: &str,
+    ) -> Result<Tokenized, TokenizeError> {
+        let prompt: Map<String, Value> = serde_json::from_str(prompt_text)
+            .map_err(|e| TokenizeError::BadPrompt(format!("not a JSON object: {e}")))?;
+        let api = match api {
+            Some(a) => a,
+            None if prompt.contains_key("messages") => ApiKind::Chat,
+            None if prompt.contains_key("prompt") => ApiKind::Completion,
+            None => return Err(TokenizeError::BadPrompt("no messages and no prompt".into())),
+        };
+        match api {
+            ApiKind::Chat if !prompt.get("messages").is_some_and(Value::is_array) => {
+                return Err(TokenizeError::BadPrompt("messages must be an array".into()));
+            }
+            ApiKind::Completion => {
+                // A prompt of token ids needs no tokenizer.
+                if let Some(ids) = token_id_prompt(prompt.get("prompt")) {
+                    return Ok(Tokenized { ids, cached: 0 });
+                }
+                match prompt.get("prompt") {
+                    Some(Value::String(_)) => {}
+                    Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {}
+                    _ => {
+                        return Err(TokenizeError::BadPrompt(
+                            "prompt must be a string, one string in a list, or token ids".into(),
+                        ));
+                    }
+                }
+            }
+            ApiKind::Chat => {}
+        }
+        match &self.backend {
+            Backend::None => Err(TokenizeError::Load("no tokenizer configured".into())),
+            Backend::Remote(r) => {
+                let key = xxh3_64_with_seed(prompt_text.as_bytes(), api as u64);
+                if let Some(ids) = self.prompts.get(key) {
+                    return Ok(Tokenized {
+                        cached: ids.len(),
+                        ids: ids.to_vec(),
+                    });
+                }
+                let ids = r.tokenize(state, api, &prompt).await?;
+                self.prompts.insert(key, ids.clone().into());
+                Ok(Tokenized { ids, cached: 0 })
+            }
+            #[cfg(feature = "hf-tokenizer")]
+            // CPU work, but segment caching keeps it to the new text of each turn.
+            Backend::Hf(h) => h.tokenize(api, &prompt),
+        }
+    }
+
+    /// The name whose seed the request's tokens are hashed with, matching how blocks from KV
+    /// events are hashed: a configured base model or a LoRA adapter seen in events hashes
+    /// under its own name; with no models configured, base-model blocks use the empty name.
+    pub fn seed_model<'a>(&self, state: &State, model: &'a str) -> &'a str {
+        if self.base_models.contains(model) || state.is_known_lora(model) {
+            model
+        } else if self.base_models.is_empty() {
+            ""
+        } else {
+            // Not a configured base model: an adapter whose blocks have not been seen yet.
+            model
+        }
+    }
+}
+
+/// `prompt` as token ids when it is a list of integers (or a list holding one such list).
+fn token_id_prompt(prompt: Option<&Value>) -> Option<Vec<u32>> {
+    let items = match prompt? {
+        Value::Array(a) if a.len() == 1 && a[0].is_array() => a[0].as_array()?,
+        Value::Array(a) => a,
+        _ => return None,
+    };
+    if items.is_empty() {
+        return None;
+    }
+    items
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_id_prompts() {
+        let v = |s: &str| serde_json::from_str::<Value>(s).unwrap();
+        assert_eq!(token_id_prompt(Some(&v("[1,2]"))), Some(vec![1, 2]));
+        assert_eq!(token_id_prompt(Some(&v("[[3]]"))), Some(vec![3]));
+        assert_eq!(token_id_prompt(Some(&v("[]"))), None);
+        assert_eq!(token_id_prompt(Some(&v("[\"a\"]"))), None);
+        assert_eq!(token_id_prompt(Some(&v("[-1]"))), None);
+        assert_eq!(token_id_prompt(Some(&v("\"text\""))), None);
+    }
+}

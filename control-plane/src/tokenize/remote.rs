@@ -1,0 +1,229 @@
+//! Tokenisation by a replica: vLLM's render API (`/v1/chat/completions/render`,
+//! `/v1/completions/render` -> `token_ids`) or its `/tokenize` API (-> `tokens`).
+//!
+//! The replica applies its own chat template and tokenizer, so the ids are exactly what it will
+//! compute for the request. Each call goes to the next healthy endpoint in turn, within a short
+//! deadline; whole prompts are cached by content hash (a retried or repeated prompt costs
+//! nothing; a new chat turn is a new prompt, which only the in-process backend can split).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::Request;
+use hyper::header::{CONTENT_TYPE, HOST};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use scorer_core::protocol::ApiKind;
+use scorer_core::router::Health;
+use serde_json::{Map, Value};
+
+use super::TokenizeError;
+use crate::config::RemoteApi;
+use crate::state::State;
+
+/// Largest tokenisation answer read (4 MiB of JSON is about a million token ids).
+const MAX_RESPONSE_BYTES: usize = 16 << 20;
+
+/// Fields of a chat request that change how vLLM renders it.
+const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+];
+
+/// A client of the replicas' tokenisation API.
+#[derive(Debug)]
+pub struct RemoteTokenizer {
+    api: RemoteApi,
+    timeout: Duration,
+    client: Client<HttpConnector, Full<Bytes>>,
+    next: AtomicUsize,
+}
+
+impl RemoteTokenizer {
+    /// A client calling `api` with `timeout` per call.
+    pub fn new(api: RemoteApi, timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(timeout));
+        Self {
+            api,
+            timeout,
+            client: Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(30))
+                .build(connector),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Token ids of `prompt` (the request's prompt fields) as a healthy replica computes them.
+    pub async fn tokenize(
+        &self,
+        state: &State,
+        api: ApiKind,
+        prompt: &Map<String, Value>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let ready: Vec<String> = state
+            .endpoints()
+            .into_iter()
+            .filter(|e| e.health == Health::Ready)
+            .map(|e| e.address)
+            .collect();
+        if ready.is_empty() {
+            return Err(TokenizeError::NoEndpoint);
+        }
+        let address = &ready[self.next.fetch_add(1, Ordering::Relaxed) % ready.len()];
+        let (path, body) = self.request(api, prompt);
+        let body =
+            serde_json::to_vec(&body).map_err(|e| TokenizeError::BadPrompt(e.to_string()))?;
+        let call = async {
+            let request = Request::post(format!("http://{address}{path}"))
+                .header(HOST, address.as_str())
+                .header(CONTENT_TYPE, "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .map_err(|e| TokenizeError::Http(e.to_string()))?;
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| TokenizeError::Http(format!("{address}: {}", error_chain(&e))))?;
+            let status = response.status();
+            let bytes = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
+                .collect()
+                .await
+                .map_err(|e| TokenizeError::Http(format!("{address}: reading body: {e}")))?
+                .to_bytes();
+            if !status.is_success() {
+                let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
+                return Err(TokenizeError::Status {
+                    endpoint: address.clone(),
+                    status: status.as_u16(),
+                    body: text,
+                });
+            }
+            parse_ids(&bytes)
+        };
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| TokenizeError::Timeout(self.timeout))?
+    }
+
+    /// Path and body of the call for `api`.
+    fn request(&self, api: ApiKind, prompt: &Map<String, Value>) -> (&'static str, Value) {
+        let mut body = Map::new();
+        match api {
+            ApiKind::Chat => {
+                for f in CHAT_FIELDS {
+                    if let Some(v) = prompt.get(*f) {
+                        body.insert((*f).to_string(), v.clone());
+                    }
+                }
+            }
+            ApiKind::Completion => {
+                for f in ["model", "prompt"] {
+                    if let Some(v) = prompt.get(f) {
+                        body.insert(f.to_string(), v.clone());
+                    }
+                }
+            }
+        }
+        let path = match (self.api, api) {
+            (RemoteApi::Render, ApiKind::Chat) => "/v1/chat/completions/render",
+            (RemoteApi::Render, ApiKind::Completion) => "/v1/completions/render",
+            (RemoteApi::Tokenize, _) => "/tokenize",
+        };
+        (path, Value::Object(body))
+    }
+}
+
+/// Token ids from a render answer (`{"token_ids"}` or a list of them, vLLM renders completion
+/// prompts as a list) or a tokenize answer (`{"tokens"}`).
+pub fn parse_ids(bytes: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+    let v: Value = serde_json::from_slice(bytes)
+        .map_err(|e| TokenizeError::BadResponse(format!("not JSON: {e}")))?;
+    let obj = match &v {
+        Value::Array(items) => match items.as_slice() {
+            [one] => one,
+            _ => {
+                return Err(TokenizeError::BadResponse(format!(
+                    "expected one rendered prompt, got {}",
+                    items.len()
+                )));
+            }
+        },
+        other => other,
+    };
+    let ids = obj
+        .get("token_ids")
+        .or_else(|| obj.get("tokens"))
+        .and_then(Value::as_array)
+        .ok_or_else(|| TokenizeError::BadResponse("no token_ids or tokens array".into()))?;
+    ids.iter()
+        .map(|t| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| TokenizeError::BadResponse(format!("token id {t} is not a u32")))
+        })
+        .collect()
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_of_every_shape() {
+        assert_eq!(
+            parse_ids(br#"{"token_ids":[1,2,3],"model":"m"}"#).unwrap(),
+            vec![1, 2, 3]
+        );
+        assert_eq!(parse_ids(br#"[{"token_ids":[4]}]"#).unwrap(), vec![4]);
+        assert_eq!(parse_ids(br#"{"count":1,"tokens":[5]}"#).unwrap(), vec![5]);
+        for bad in [
+            &b"nope"[..],
+            br#"{"tokens":"x"}"#,
+            br#"{"token_ids":[-1]}"#,
+            br#"{"token_ids":[4294967296]}"#,
+            br#"[]"#,
+            br#"[{"token_ids":[1]},{"token_ids":[2]}]"#,
+            br#"{}"#,
+        ] {
+            assert!(parse_ids(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn request_keeps_only_prompt_fields() {
+        let t = RemoteTokenizer::new(RemoteApi::Render, Duration::from_millis(10));
+        let prompt: Map<String, Value> = serde_json::from_str(
+            r#"{"model":"m","messages":[],"tools":[],"temperature":1,"chat_template_kwargs":{"a":1}}"#,
+        )
+        .unwrap();
+        let (path, body) = t.request(ApiKind::Chat, &prompt);
+        assert_eq!(path, "/v1/chat/completions/render");
+        assert_eq!(body.as_object().unwrap().len(), 4);
+        assert!(body.get("temperature").is_none());
+        let t = RemoteTokenizer::new(RemoteApi::Tokenize, Duration::from_millis(10));
+        let (path, body) = t.request(ApiKind::Completion, &prompt);
+        assert_eq!((path, body.as_object().unwrap().len()), ("/tokenize", 1));
+    }
+}

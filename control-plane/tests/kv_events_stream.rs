@@ -1,0 +1,375 @@
+//! The KV-event subscriber over real ZMQ sockets against a fake vLLM publisher (PUB + ROUTER
+//! replay, wire-compatible with vLLM's `ZmqEventPublisher`): initial history, live batches, a
+//! replayed gap, a gap the replay cannot fill, an undecodable message, a cache reset and a
+//! publisher restart. Everything binds 127.0.0.1 on OS-chosen ports; every wait is bounded.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use control_plane::kv_events::subscriber::{self, EventSource, SubscriberSettings};
+use control_plane::state::{KvStreamStatus, State};
+use parking_lot::Mutex;
+use rmpv::Value;
+use scorer_core::router::RouterConfig;
+use tokio::sync::watch;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+const ADDRESS: &str = "10.0.0.1:8000";
+const BLOCK: u32 = 16;
+
+type Buffer = Arc<Mutex<Vec<(u64, Bytes)>>>;
+
+/// A vLLM-like publisher whose buffer and live sends the test controls.
+struct FakePublisher {
+    pub_socket: PubSocket,
+    buffer: Buffer,
+    replay_task: tokio::task::JoinHandle<()>,
+    endpoint: String,
+    replay_endpoint: String,
+    next_seq: u64,
+}
+
+impl FakePublisher {
+    async fn bind(endpoint: &str, replay_endpoint: &str) -> Self {
+        let mut pub_socket = PubSocket::new();
+        let endpoint = pub_socket.bind(endpoint).await.unwrap().to_string();
+        let mut router = RouterSocket::new();
+        let replay_endpoint = router.bind(replay_endpoint).await.unwrap().to_string();
+        let buffer: Buffer = Arc::default();
+        let replay_task = tokio::spawn(serve_replay(router, buffer.clone()));
+        Self {
+            pub_socket,
+            buffer,
+            replay_task,
+            endpoint,
+            replay_endpoint,
+            next_seq: 0,
+        }
+    }
+
+    /// Buffers the next batch for replay without sending it live (a lost message).
+    fn record(&mut self, payload: Vec<u8>) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.buffer.lock().push((seq, Bytes::from(payload)));
+        seq
+    }
+
+    async fn send_live(&mut self, seq: u64, payload: Bytes) {
+        let msg = ZmqMessage::try_from(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ])
+        .unwrap();
+        self.pub_socket.send(msg).await.unwrap();
+    }
+
+    /// Buffers and sends the next batch.
+    async fn publish(&mut self, payload: Vec<u8>) -> u64 {
+        let seq = self.record(payload.clone());
+        self.send_live(seq, Bytes::from(payload)).await;
+        seq
+    }
+
+    /// Drops buffered batches before `seq` (the replay buffer wrapped).
+    fn forget_before(&self, seq: u64) {
+        self.buffer.lock().retain(|(s, _)| *s >= seq);
+    }
+
+    async fn close(self) {
+        self.replay_task.abort();
+        let _ = self.replay_task.await;
+        drop(self.pub_socket);
+    }
+}
+
+async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
+    while let Ok(msg) = router.recv().await {
+        let frames = msg.into_vec();
+        let [id, _, start] = frames.as_slice() else {
+            continue;
+        };
+        let start = u64::from_be_bytes(start.as_ref().try_into().unwrap());
+        let batches: Vec<(u64, Bytes)> = buffer
+            .lock()
+            .iter()
+            .filter(|(s, _)| *s >= start)
+            .cloned()
+            .collect();
+        for (seq, payload) in batches {
+            let m = ZmqMessage::try_from(vec![
+                id.clone(),
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ])
+            .unwrap();
+            if router.send(m).await.is_err() {
+                break;
+            }
+        }
+        let end = ZmqMessage::try_from(vec![
+            id.clone(),
+            Bytes::new(),
+            Bytes::new(),
+            Bytes::copy_from_slice(&[0xff; 8]),
+            Bytes::new(),
+        ])
+        .unwrap();
+        let _ = router.send(end).await;
+    }
+}
+
+fn s(x: &str) -> Value {
+    Value::from(x)
+}
+
+/// A `BlockStored` of `n` blocks with hashes `first..first+n`, tokens derived from the hashes.
+fn stored(first: u64, n: u64, parent: Option<u64>) -> Value {
+    let tokens: Vec<Value> = (first..first + n)
+        .flat_map(|h| (0..BLOCK).map(move |i| Value::from(h as u32 * 100 + i)))
+        .collect();
+    Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (
+            s("block_hashes"),
+            Value::Array((first..first + n).map(Value::from).collect()),
+        ),
+        (
+            s("parent_block_hash"),
+            parent.map_or(Value::Nil, Value::from),
+        ),
+        (s("token_ids"), Value::Array(tokens)),
+        (s("block_size"), Value::from(BLOCK)),
+        (s("lora_id"), Value::Nil),
+        (s("medium"), s("GPU")),
+        (s("lora_name"), Value::Nil),
+    ])
+}
+
+fn cleared() -> Value {
+    Value::Map(vec![(s("type"), s("AllBlocksCleared"))])
+}
+
+fn batch(events: Vec<Value>) -> Vec<u8> {
+    let v = Value::Array(vec![Value::F64(1.0), Value::Array(events), Value::from(0)]);
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, &v).unwrap();
+    buf
+}
+
+struct Harness {
+    state: Arc<State>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Harness {
+    fn start(publisher: &FakePublisher, replay: bool) -> Self {
+        let state =
+            Arc::new(State::new(RouterConfig::default(), &[ADDRESS.to_string()], 16, 1).unwrap());
+        let (stop, stop_rx) = watch::channel(false);
+        let source = EventSource {
+            address: ADDRESS.into(),
+            endpoint: publisher.endpoint.clone(),
+            replay_endpoint: replay.then(|| publisher.replay_endpoint.clone()),
+            topic: String::new(),
+            model: "m".into(),
+        };
+        let settings = SubscriberSettings {
+            connect_timeout: Duration::from_millis(500),
+            replay_timeout: Duration::from_millis(1000),
+            reconnect_min: Duration::from_millis(50),
+            reconnect_max: Duration::from_millis(200),
+        };
+        let task = tokio::spawn(subscriber::run(state.clone(), source, settings, stop_rx));
+        Self { state, stop, task }
+    }
+
+    fn status(&self) -> KvStreamStatus {
+        self.state
+            .kv_streams()
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+    }
+
+    fn precise_blocks(&self) -> usize {
+        self.state.endpoints()[0].precise_blocks
+    }
+
+    fn live(&self) -> bool {
+        self.state.endpoints()[0].events_live
+    }
+
+    /// Polls `cond` for up to 5 s.
+    async fn wait(&self, what: &str, cond: impl Fn(&Self) -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !cond(self) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}: {:?}, precise_blocks {}",
+                self.status(),
+                self.precise_blocks()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        tokio::time::timeout(Duration::from_secs(5), self.task)
+            .await
+            .expect("subscriber stops")
+            .unwrap();
+        assert!(!self.state.endpoints()[0].events_live);
+    }
+}
+
+/// Publishes live batches until `cond` holds (a SUB only receives once the PUB has processed
+/// its subscription, so the first live sends may be lost; the gap logic then replays them).
+async fn publish_until(
+    publisher: &mut FakePublisher,
+    h: &Harness,
+    payload: impl Fn() -> Vec<u8>,
+    cond: impl Fn(&Harness) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !cond(h) {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", h.status());
+        publisher.publish(payload()).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_live_gap_and_unreplayable_gap() {
+    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    // Seq 0, before anyone listens: only the replay has it.
+    p.publish(batch(vec![stored(1, 2, None)])).await;
+    let h = Harness::start(&p, true);
+    h.wait("live", |h| h.live()).await;
+    assert_eq!(h.precise_blocks(), 2, "the initial replay rebuilt seq 0");
+    let st = h.status();
+    assert!(!st.partial, "history from seq 0 is complete: {st:?}");
+    assert_eq!(st.replays, 1);
+
+    // Live batches extend the chain (the parent is known). Empty batches get the SUB's
+    // subscription through without changing state.
+    publish_until(&mut p, &h, || batch(vec![]), |h| h.status().batches >= 2).await;
+    p.publish(batch(vec![stored(3, 1, Some(2))])).await;
+    h.wait("live store", |h| h.precise_blocks() == 3).await;
+
+    // A lost message: seq k only in the buffer, seq k+1 live -> gap -> replay fills it.
+    p.record(batch(vec![stored(4, 1, Some(3))]));
+    p.publish(batch(vec![stored(5, 1, Some(4))])).await;
+    h.wait("gap replayed", |h| h.precise_blocks() == 5).await;
+    let st = h.status();
+    assert_eq!(st.gaps, 1, "{st:?}");
+    assert_eq!(st.resets, 0, "{st:?}");
+    assert!(!st.partial);
+
+    // A gap the replay buffer no longer covers: the state is dropped, the view is partial and
+    // later stores extending forgotten blocks are skipped instead of resetting again.
+    let lost = p.record(batch(vec![stored(6, 1, Some(5))]));
+    p.forget_before(lost + 1);
+    p.publish(batch(vec![stored(100, 2, None)])).await;
+    h.wait("unreplayable gap", |h| h.status().resets == 1).await;
+    h.wait("tail kept", |h| h.precise_blocks() == 2).await;
+    assert!(h.status().partial);
+    p.publish(batch(vec![
+        stored(7, 1, Some(6)),
+        stored(102, 1, Some(101)),
+    ]))
+    .await;
+    h.wait("partial view grows", |h| h.precise_blocks() == 3)
+        .await;
+    assert_eq!(h.status().resets, 1);
+
+    // AllBlocksCleared: empty and exactly known again.
+    p.publish(batch(vec![cleared(), stored(200, 1, None)]))
+        .await;
+    h.wait("cleared", |h| {
+        h.precise_blocks() == 1 && !h.status().partial
+    })
+    .await;
+
+    h.stop().await;
+    p.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_message_drops_state_and_recovers() {
+    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let h = Harness::start(&p, true);
+    h.wait("live", |h| h.live()).await;
+    publish_until(
+        &mut p,
+        &h,
+        || batch(vec![stored(1, 1, None)]),
+        |h| h.precise_blocks() == 1,
+    )
+    .await;
+    // Garbage where a batch should be: clear, never a panic.
+    let seq = p.next_seq;
+    p.next_seq += 1;
+    p.send_live(seq, Bytes::from_static(b"\xc1 not msgpack"))
+        .await;
+    h.wait("decode error", |h| h.status().decode_errors == 1)
+        .await;
+    assert_eq!(h.precise_blocks(), 0);
+    assert!(h.live(), "a bad message does not take the stream down");
+    p.publish(batch(vec![stored(9, 2, None)])).await;
+    h.wait("recovered", |h| h.precise_blocks() == 2).await;
+    h.stop().await;
+    p.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_restart_and_no_replay_socket() {
+    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let (pub_ep, replay_ep) = (p.endpoint.clone(), p.replay_endpoint.clone());
+    for i in 0..3 {
+        p.publish(batch(vec![stored(10 * (i + 1), 1, None)])).await;
+    }
+    let h = Harness::start(&p, true);
+    h.wait("history", |h| h.precise_blocks() == 3).await;
+
+    // The engine restarts: its sockets go away, its cache is empty, its seq starts at 0.
+    p.close().await;
+    h.wait("down", |h| !h.live()).await;
+    assert_eq!(h.precise_blocks(), 0, "a down stream drops its state");
+    let mut p = FakePublisher::bind(&pub_ep, &replay_ep).await;
+    p.publish(batch(vec![stored(500, 1, None)])).await;
+    h.wait("back with the new history", |h| {
+        h.live() && h.precise_blocks() == 1 && !h.status().partial
+    })
+    .await;
+    assert!(h.status().sessions >= 2);
+    h.stop().await;
+    p.close().await;
+
+    // Without a replay socket a late joiner is partial, and a gap drops the state.
+    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    p.publish(batch(vec![])).await;
+    let h = Harness::start(&p, false);
+    h.wait("live", |h| h.live()).await;
+    publish_until(
+        &mut p,
+        &h,
+        || batch(vec![stored(1, 1, None)]),
+        |h| h.precise_blocks() >= 1,
+    )
+    .await;
+    assert!(h.status().partial);
+    let resets = h.status().resets;
+    p.record(batch(vec![]));
+    p.publish(batch(vec![stored(50, 1, None)])).await;
+    h.wait("gap without replay", |h| h.status().resets == resets + 1)
+        .await;
+    h.stop().await;
+    p.close().await;
+}
