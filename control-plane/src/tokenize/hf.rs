@@ -245,7 +245,7 @@ impl HfTokenizer {
             start = end;
         }
         let n = self.requests.fetch_add(1, Ordering::Relaxed);
-        if n < VERIFY_FIRST || n % VERIFY_EVERY == 0 {
+        if n < VERIFY_FIRST || n.is_multiple_of(VERIFY_EVERY) {
             let whole = self.encode(text, false)?;
             if whole != ids {
                 tracing::warn!(
