@@ -47,6 +47,9 @@ pub struct Config {
     pub router: RouterConfig,
     /// Precise mode: KV-event subscription and tokenisation of precise routes' prompts.
     pub precise: PreciseSettings,
+    /// Where more replicas come from at run time (Kubernetes pods or DNS); with it,
+    /// `endpoints` may be empty.
+    pub discovery: Option<crate::discovery::DiscoveryConfig>,
 }
 
 /// One vLLM replica.
@@ -161,6 +164,7 @@ impl Default for Config {
             endpoints: Vec::new(),
             router: RouterConfig::default(),
             precise: PreciseSettings::default(),
+            discovery: None,
         }
     }
 }
@@ -229,6 +233,9 @@ pub enum ConfigError {
         /// Why it is refused.
         reason: &'static str,
     },
+    /// The `discovery` section is unusable.
+    #[error(transparent)]
+    Discovery(#[from] crate::discovery::DiscoveryConfigError),
     /// A `precise` setting is missing or inconsistent.
     #[error("precise.{field}: {reason}")]
     Precise {
@@ -279,7 +286,7 @@ impl Config {
 
     /// Checks every cross-field and range constraint.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.endpoints.is_empty() {
+        if self.endpoints.is_empty() && self.discovery.is_none() {
             return Err(ConfigError::NoEndpoints);
         }
         if self.endpoints.len() > MAX_ENDPOINTS {
@@ -419,6 +426,9 @@ impl Config {
             1 << 20,
             "0..=1048576",
         )?;
+        if let Some(discovery) = &self.discovery {
+            discovery.validate()?;
+        }
         validate_router(&self.router)
     }
 }
@@ -803,6 +813,19 @@ precise:
             err(&format!("{MINIMAL}precise:\n  kv_reconnect_min_ms: 9000\n"))
                 .contains("kv_reconnect_min_ms")
         );
+    }
+
+    #[test]
+    fn discovery_replaces_the_endpoint_list() {
+        let c = Config::from_yaml(
+            "discovery:\n  kubernetes:\n    selector: {matchLabels: {app: vllm}}\n    port: 8000\n",
+        )
+        .unwrap();
+        assert!(c.endpoints.is_empty());
+        assert!(c.discovery.unwrap().kubernetes.is_some());
+        assert!(err("discovery:\n  dns: {name: vllm, port: 0}\n").contains("dns.port"));
+        assert!(err("discovery: {}\n").contains("exactly one of"));
+        assert!(err("discovery:\n  dns: {name: vllm}\n").contains("missing field `port`"));
     }
 
     #[test]

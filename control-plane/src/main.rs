@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::Parser;
 use control_plane::ControlPlane;
 use control_plane::config::Config;
+use control_plane::discovery;
 use tracing_subscriber::EnvFilter;
 
 /// Cache-aware, load-aware routing for vLLM fleets: the control plane.
@@ -36,8 +37,19 @@ async fn main() -> anyhow::Result<()> {
         .init();
 
     let config = Config::load(&cli.config)?;
+    // Kubernetes or DNS discovery adds and removes endpoints next to the configured ones.
+    let discovery = config
+        .discovery
+        .clone()
+        .map(|d| (d, discovery::apply::Settings::from_config(&config)));
     let service = ControlPlane::bind(config).await?;
-    service.run(shutdown_signal()).await?;
+    let discovery =
+        discovery.map(|(d, settings)| discovery::apply::spawn(service.state(), d, settings));
+    let result = service.run(shutdown_signal()).await;
+    if let Some(task) = discovery {
+        task.abort();
+    }
+    result?;
     Ok(())
 }
 

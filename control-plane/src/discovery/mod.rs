@@ -16,6 +16,7 @@
 //! Failure policy: an API or DNS error never empties the set. The last known endpoints stay
 //! (their scrapes mark dead ones unreachable), and the source retries with backoff.
 
+pub mod apply;
 pub mod dns;
 pub mod kube;
 pub mod kube_client;
