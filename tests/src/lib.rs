@@ -1,4 +1,5 @@
 //! kvroute test support: simulator, harness, workloads.
+pub mod analyze;
 pub mod fleet;
 pub mod harness;
 pub mod loadgen;
