@@ -319,6 +319,61 @@ mod tests {
         applier.shutdown();
     }
 
+    /// Precise mode: a discovered pod's KV-event subscription starts with it and ends with it.
+    #[tokio::test]
+    async fn kv_event_subscriptions_follow_pod_churn() {
+        let state = Arc::new(State::new(RouterConfig::default(), &[], 16, 1).unwrap());
+        let mut applier = Applier::new(state.clone(), settings());
+        let streams = |state: &State| -> Vec<(String, String)> {
+            state
+                .kv_streams()
+                .into_iter()
+                .map(|s| (s.address, s.endpoint))
+                .collect()
+        };
+        // Nothing listens on port 1: the subscriber keeps retrying, its status shows the source.
+        let mut pod = ep("127.0.0.1:8000", "llm/vllm-0");
+        pod.kv_events = Some("tcp://127.0.0.1:1".into());
+        applier.apply(&set(&[pod.clone()])).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while streams(&state).is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no subscriber started"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            streams(&state),
+            vec![(
+                "127.0.0.1:8000".to_string(),
+                "tcp://127.0.0.1:1".to_string()
+            )]
+        );
+        // The pod is re-created with another publisher port: re-subscribed there.
+        pod.kv_events = Some("tcp://127.0.0.1:2".into());
+        pod.name = Some("llm/vllm-0b".into());
+        applier.apply(&set(&[pod])).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while streams(&state)
+            != vec![(
+                "127.0.0.1:8000".to_string(),
+                "tcp://127.0.0.1:2".to_string(),
+            )]
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{:?}",
+                streams(&state)
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Gone: no status left, and none comes back from a lingering task.
+        applier.apply(&EndpointSet::new()).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(streams(&state).is_empty(), "{:?}", streams(&state));
+    }
+
     #[tokio::test]
     async fn run_applies_what_dns_discovery_publishes() {
         let state = Arc::new(State::new(RouterConfig::default(), &[], 16, 1).unwrap());
