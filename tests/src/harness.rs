@@ -705,6 +705,11 @@ pub struct FleetConfig {
     pub scrape_interval_ms: u64,
     /// Envoy worker threads.
     pub envoy_concurrency: u32,
+    /// Replicas publish KV events (PUB + replay socket on free ports) and the control plane
+    /// subscribes to them (precise mode).
+    pub kv_events: bool,
+    /// Extra top-level sections merged into the control plane's YAML (e.g. `precise:`).
+    pub control_plane_extra: Value,
 }
 
 impl FleetConfig {
@@ -722,6 +727,8 @@ impl FleetConfig {
             control_plane_router: json!({}),
             scrape_interval_ms: 100,
             envoy_concurrency: 2,
+            kv_events: false,
+            control_plane_extra: json!({}),
         }
     }
 }
@@ -731,6 +738,8 @@ impl FleetConfig {
 pub struct Replica {
     /// `127.0.0.1:port`, exactly as in Envoy's `vllm` cluster.
     pub address: String,
+    /// `(PUB, replay)` ZMQ endpoints of its KV events, when [`FleetConfig::kv_events`] is set.
+    pub kv_events: Option<(String, String)>,
     process: ManagedProcess,
 }
 
@@ -910,7 +919,7 @@ impl Fleet {
 
         let control_plane = match config.router {
             RouterKind::Kvroute => {
-                Some(start_control_plane(&config, tools, &log_dir, &addresses, &client).await?)
+                Some(start_control_plane(&config, tools, &log_dir, &replicas, &client).await?)
             }
             RouterKind::RoundRobin => None,
         };
@@ -1076,6 +1085,15 @@ async fn start_replica(
             .args(["--model", &config.model])
             .args(["--seed", &(config.seed + index as u64).to_string()])
             .args(&config.sim_args);
+        let kv_events = if config.kv_events {
+            let pub_ep = format!("tcp://127.0.0.1:{}", free_port()?);
+            let replay_ep = format!("tcp://127.0.0.1:{}", free_port()?);
+            cmd.args(["--kv-events-endpoint", &pub_ep])
+                .args(["--kv-events-replay-endpoint", &replay_ep]);
+            Some((pub_ep, replay_ep))
+        } else {
+            None
+        };
         if let Some(extra) = config.per_replica_args.get(index) {
             cmd.args(extra);
         }
@@ -1084,6 +1102,7 @@ async fn start_replica(
         wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
         Ok(Replica {
             address: format!("127.0.0.1:{port}"),
+            kv_events: kv_events.clone(),
             process,
         })
     })
@@ -1098,14 +1117,40 @@ pub fn control_plane_yaml(
     endpoints: &[String],
     router: &Value,
 ) -> Result<String> {
-    let cfg = json!({
+    let endpoints: Vec<Value> = endpoints.iter().map(|a| json!({"address": a})).collect();
+    control_plane_yaml_with(
+        listen_port,
+        admin_port,
+        scrape_interval_ms,
+        &endpoints,
+        router,
+        &json!({}),
+    )
+}
+
+/// [`control_plane_yaml`] with full endpoint entries (`address`, `model`, `kv_events`, ...) and
+/// `extra` top-level sections (e.g. `precise:`) merged in.
+pub fn control_plane_yaml_with(
+    listen_port: u16,
+    admin_port: u16,
+    scrape_interval_ms: u64,
+    endpoints: &[Value],
+    router: &Value,
+    extra: &Value,
+) -> Result<String> {
+    let mut cfg = json!({
         "listen": format!("127.0.0.1:{listen_port}"),
         "admin_listen": format!("127.0.0.1:{admin_port}"),
         "auth_token": null,
         "scrape_interval_ms": scrape_interval_ms,
-        "endpoints": endpoints.iter().map(|a| json!({"address": a})).collect::<Vec<_>>(),
+        "endpoints": endpoints,
         "router": router,
     });
+    if let (Some(cfg), Some(extra)) = (cfg.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            cfg.insert(k.clone(), v.clone());
+        }
+    }
     serde_yaml_ng::to_string(&cfg).map_err(|e| HarnessError::Config(e.to_string()))
 }
 
@@ -1113,19 +1158,28 @@ async fn start_control_plane(
     config: &FleetConfig,
     tools: &Tools,
     log_dir: &Path,
-    endpoints: &[String],
+    replicas: &[Replica],
     client: &HttpClient,
 ) -> Result<ControlPlane> {
     let name = "control-plane";
+    let endpoints: Vec<Value> = replicas
+        .iter()
+        .map(|r| match &r.kv_events {
+            Some((pub_ep, replay_ep)) => json!({"address": r.address, "model": config.model,
+                "kv_events": pub_ep, "kv_events_replay": replay_ep}),
+            None => json!({"address": r.address}),
+        })
+        .collect();
     start_with_retries(name, async || {
         let api_port = free_port()?;
         let admin_port = free_port()?;
-        let yaml = control_plane_yaml(
+        let yaml = control_plane_yaml_with(
             api_port,
             admin_port,
             config.scrape_interval_ms,
-            endpoints,
+            &endpoints,
             &config.control_plane_router,
+            &config.control_plane_extra,
         )?;
         let cfg_path = log_dir.join("control-plane.yaml");
         fs::write(&cfg_path, yaml).map_err(io_err(format!("writing {}", cfg_path.display())))?;

@@ -1,0 +1,304 @@
+//! Precise mode end to end: real Envoy with the kvroute filter (chat route in `precise` mode),
+//! the control plane subscribed to every `vllm-sim` replica's KV events (vLLM's ZMQ wire format,
+//! with replay) and tokenising prompts through the replicas' render API.
+//!
+//! - turn 2 lands on the replica that really holds turn 1;
+//! - after that replica drops its cache and another one caches turn 1's prompt (sent to it
+//!   directly, bypassing Envoy), turn 2 goes to the other one: events, not routing history,
+//!   decide;
+//! - over a multi-turn run the router's predicted cached tokens match the engines' reported
+//!   cached tokens within 5 %.
+//!
+//! A missing Envoy fails these tests with the reason (run `make setup`); they never skip.
+
+use std::future::Future;
+use std::time::Duration;
+
+use kvroute_tests::harness::{Fleet, FleetConfig, HttpClient, Tools, prometheus_sum};
+use kvroute_tests::loadgen::{StreamOutcome, stream_chat};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
+
+/// Every test finishes within this, or fails.
+const TEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// One request, stream included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const MODEL: &str = "kvroute-precise-model";
+/// Speculative entries of routed requests live this long (short, so that a test can see the
+/// events alone decide).
+const SPECULATIVE_TTL_MS: u64 = 300;
+
+fn tools() -> Tools {
+    Tools::locate(option_env!("CARGO_BIN_EXE_vllm-sim")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
+    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
+        panic!("{name} did not finish within {TEST_TIMEOUT:?}");
+    }
+}
+
+/// A fleet in precise mode: events on, render-API tokenisation, the chat route precise.
+async fn precise_fleet(tools: &Tools, name: &str, replicas: usize) -> Fleet {
+    let mut cfg = FleetConfig::new(name);
+    cfg.replicas = replicas;
+    cfg.model = MODEL.to_string();
+    cfg.envoy_concurrency = 1;
+    cfg.sim_args = vec!["--speed".into(), "5".into()];
+    cfg.kv_events = true;
+    cfg.control_plane_extra = json!({
+        "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
+    });
+    cfg.control_plane_router = json!({"precise": {"speculative_ttl_ms": SPECULATIVE_TTL_MS}});
+    cfg.plugin_config = json!({
+        "route_timeout_ms": 3000,
+        "routes": [
+            {"path": "/v1/chat/completions", "api": "chat", "mode": "precise"},
+            {"path": "/v1/completions", "api": "completion", "mode": "precise"}
+        ]
+    });
+    let fleet = Fleet::start(cfg, tools)
+        .await
+        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"));
+    // Precise scoring trusts an endpoint only once its stream is live.
+    let addresses = fleet.replica_addresses();
+    wait_metrics(&fleet, "every KV-event stream live", |m| {
+        addresses
+            .iter()
+            .all(|a| endpoint_value(m, "kvroute_endpoint_events_live", a) == Some(1.0))
+    })
+    .await;
+    fleet
+}
+
+/// The control plane's `/metrics` text.
+async fn cp_metrics(fleet: &Fleet) -> String {
+    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
+    let url = format!("http://{}/metrics", cp.admin_address);
+    fleet
+        .client()
+        .get(&url, Duration::from_secs(5))
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"))
+        .body
+}
+
+/// The sample of per-endpoint gauge `name` for `endpoint`.
+fn endpoint_value(text: &str, name: &str, endpoint: &str) -> Option<f64> {
+    let prefix = format!("{name}{{endpoint=\"{endpoint}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Polls the control plane's metrics until `cond` holds (at most 10 s).
+async fn wait_metrics(fleet: &Fleet, what: &str, cond: impl Fn(&str) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = cp_metrics(fleet).await;
+        if cond(&text) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what} ({}); control plane metrics:\n{}",
+            fleet.describe(),
+            text.lines()
+                .filter(|l| l.starts_with("kvroute_endpoint_precise")
+                    || l.starts_with("kvroute_endpoint_events")
+                    || l.starts_with("kvroute_kv_"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn text(seed: u64, n: usize) -> String {
+    kvroute_tests::loadgen::words(&mut SmallRng::seed_from_u64(seed), n)
+}
+
+fn chat_body(messages: &[Value], max_tokens: u32) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+/// A conversation with its own long system prompt.
+struct Conversation {
+    messages: Vec<Value>,
+    seed: u64,
+    turn: usize,
+}
+
+impl Conversation {
+    fn new(seed: u64, system_tokens: usize) -> Conversation {
+        let system = format!("Conversation {seed}. {}", text(seed, system_tokens));
+        Conversation {
+            messages: vec![json!({"role": "system", "content": system})],
+            seed,
+            turn: 0,
+        }
+    }
+
+    /// Appends the next user message; returns the request body for it.
+    fn ask(&mut self, max_tokens: u32) -> Value {
+        self.turn += 1;
+        let user = text(self.seed * 1_000 + self.turn as u64, 150);
+        self.messages.push(json!({"role": "user", "content": user}));
+        chat_body(&self.messages, max_tokens)
+    }
+
+    /// Sends `body` to `base_url` and appends the answer to the history.
+    async fn send(&mut self, client: &HttpClient, base_url: &str, body: &Value) -> StreamOutcome {
+        let out = stream_chat(client, base_url, body, &[], REQUEST_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| panic!("conversation {} turn {}: {e}", self.seed, self.turn));
+        self.messages
+            .push(json!({"role": "assistant", "content": out.text.clone()}));
+        out
+    }
+}
+
+fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
+    let replica = out
+        .replica
+        .clone()
+        .unwrap_or_else(|| panic!("response without x-vllm-sim-replica ({})", fleet.describe()));
+    assert!(fleet.replica_addresses().contains(&replica), "{replica}");
+    replica
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_two_follows_the_real_cache_even_after_eviction() {
+    let tools = tools();
+    bounded("precise affinity", async {
+        let fleet = precise_fleet(&tools, "e2e-precise-affinity", 3).await;
+        let client = HttpClient::new();
+
+        // Turn 2 lands where turn 1's blocks really are.
+        let mut conv = Conversation::new(7, 1_200);
+        let body = conv.ask(8);
+        let first = replica_of(&conv.send(&client, &fleet.url(), &body).await, &fleet);
+        wait_metrics(&fleet, "turn 1's blocks reported", |m| {
+            endpoint_value(m, "kvroute_endpoint_precise_blocks", &first).unwrap_or(0.0) >= 60.0
+        })
+        .await;
+        let body = conv.ask(8);
+        let out = conv.send(&client, &fleet.url(), &body).await;
+        assert_eq!(replica_of(&out, &fleet), first, "{}", fleet.describe());
+        assert!(
+            out.cached_tokens.unwrap_or(0) >= 1_000,
+            "turn 2 reused {:?} cached tokens",
+            out.cached_tokens
+        );
+
+        // A second conversation: its replica evicts everything, another replica caches turn
+        // 1's prompt behind the router's back; turn 2 must follow the cache there.
+        let mut conv = Conversation::new(8, 1_200);
+        let turn1 = conv.ask(8);
+        let holder = replica_of(&conv.send(&client, &fleet.url(), &turn1).await, &fleet);
+        let other = fleet
+            .replica_addresses()
+            .into_iter()
+            .find(|a| *a != holder)
+            .expect("at least two replicas");
+        let reset = format!("http://{holder}/reset_prefix_cache");
+        let r = client
+            .request("POST", &reset, &[], None, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|e| panic!("{reset}: {e}"));
+        assert_eq!(r.status, 200, "{reset}: {}", r.body);
+        let direct = stream_chat(
+            &client,
+            &format!("http://{other}"),
+            &turn1,
+            &[],
+            REQUEST_TIMEOUT,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("direct request to {other}: {e}"));
+        assert_eq!(direct.replica.as_deref(), Some(other.as_str()));
+        wait_metrics(&fleet, "the eviction and the new holder reported", |m| {
+            endpoint_value(m, "kvroute_endpoint_precise_blocks", &holder) == Some(0.0)
+                && endpoint_value(m, "kvroute_endpoint_precise_blocks", &other).unwrap_or(0.0)
+                    >= 60.0
+        })
+        .await;
+        // Let the speculative entries of turn 1's routing decision expire: events alone decide.
+        tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
+        let body = conv.ask(8);
+        let out = conv.send(&client, &fleet.url(), &body).await;
+        assert_eq!(
+            replica_of(&out, &fleet),
+            other,
+            "turn 2 did not follow the cache to {other} ({})",
+            fleet.describe()
+        );
+        assert!(
+            out.cached_tokens.unwrap_or(0) >= 1_000,
+            "turn 2 reused {:?} cached tokens on {other}",
+            out.cached_tokens
+        );
+        let m = cp_metrics(&fleet).await;
+        assert!(
+            prometheus_sum(&m, "kvroute_precise_routes_total") >= 4.0,
+            "precise routes were not tokenised:\n{m}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_cached_tokens_match_the_engines() {
+    let tools = tools();
+    bounded("precise prediction", async {
+        let fleet = precise_fleet(&tools, "e2e-precise-prediction", 3).await;
+        let client = HttpClient::new();
+        let mut convs: Vec<Conversation> =
+            (0..4).map(|c| Conversation::new(300 + c, 800)).collect();
+        let mut engine_cached = 0u64;
+        for _turn in 0..4 {
+            for conv in convs.iter_mut() {
+                let body = conv.ask(16);
+                let out = conv.send(&client, &fleet.url(), &body).await;
+                engine_cached += out.cached_tokens.unwrap_or(0);
+                // A user's think time: the engine's events for this turn land before the next.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        // Every outcome reached the control plane (the filter flushes feedback on a tick).
+        let mut m = String::new();
+        for _ in 0..100 {
+            m = cp_metrics(&fleet).await;
+            if prometheus_sum(&m, "kvroute_actual_cached_tokens_total") >= engine_cached as f64 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let predicted = prometheus_sum(&m, "kvroute_predicted_cached_tokens_total");
+        let actual = prometheus_sum(&m, "kvroute_actual_cached_tokens_total");
+        assert_eq!(actual, engine_cached as f64, "feedback lost:\n{m}");
+        assert!(
+            actual > 10_000.0,
+            "the run reused too little to judge: {actual}"
+        );
+        let error = (predicted - actual).abs() / actual;
+        println!(
+            "predicted {predicted} actual {actual} error {:.2} %",
+            error * 100.0
+        );
+        assert!(
+            error <= 0.05,
+            "predicted {predicted} vs actual {actual} cached tokens: {:.1} % off ({})",
+            error * 100.0,
+            fleet.describe()
+        );
+    })
+    .await;
+}
