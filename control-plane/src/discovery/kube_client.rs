@@ -647,6 +647,113 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    fn tls_fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("src/discovery/testdata/tls")
+            .join(name)
+    }
+
+    /// An https API server on 127.0.0.1 with a certificate from the test CA; answers every
+    /// request with the recorded PodList and reports the Authorization header it saw.
+    async fn tls_api_server() -> (u16, tokio::sync::mpsc::Receiver<Option<String>>) {
+        use rustls::pki_types::PrivateKeyDer;
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_file_iter(tls_fixture("server.crt"))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let key = PrivateKeyDer::from_pem_file(tls_fixture("server.key")).unwrap();
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (seen_tx, seen_rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, seen_tx) = (acceptor.clone(), seen_tx.clone());
+                tokio::spawn(async move {
+                    // A client that rejects the certificate makes this fail: nothing to answer.
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tls.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let head = String::from_utf8_lossy(&head).into_owned();
+                    let auth = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("authorization: "))
+                        .map(str::to_string);
+                    let _ = seen_tx.send(auth).await;
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{POD_LIST}",
+                        POD_LIST.len()
+                    );
+                    let _ = tls.write_all(answer.as_bytes()).await;
+                    let _ = tls.shutdown().await;
+                });
+            }
+        });
+        (port, seen_rx)
+    }
+
+    /// The in-cluster path: https with the cluster CA and a bearer token; a server whose
+    /// certificate another CA signed is refused.
+    #[tokio::test]
+    async fn https_with_the_cluster_ca() {
+        let (port, mut seen) = tls_api_server().await;
+        let dir = std::env::temp_dir().join(format!("kvroute-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "projected-token\n").unwrap();
+        let server = ApiServer::parse(&format!("https://127.0.0.1:{port}")).unwrap();
+        let client = ApiClient::new(
+            server.clone(),
+            Some(&tls_fixture("ca.crt")),
+            Some(token.clone()),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let selector =
+            LabelSelector::from_labels([("app".to_string(), "vllm-llama3".to_string())].into());
+        let list = client.list_pods("llm", &selector).await.unwrap();
+        assert_eq!(list.items.len(), 5);
+        assert_eq!(
+            seen.recv().await.flatten().as_deref(),
+            Some("Bearer projected-token")
+        );
+        // A rotated token is picked up without a restart.
+        std::fs::write(&token, "rotated-token").unwrap();
+        client.list_pods("llm", &selector).await.unwrap();
+        assert_eq!(
+            seen.recv().await.flatten().as_deref(),
+            Some("Bearer rotated-token")
+        );
+
+        let wrong = ApiClient::new(
+            server,
+            Some(&tls_fixture("other-ca.crt")),
+            Some(token),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let e = wrong.list_pods("llm", &selector).await.unwrap_err();
+        assert!(e.to_string().contains("TLS handshake"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// What the fake API server answers, in order, and what it saw.
     #[derive(Default)]
     struct Script {
