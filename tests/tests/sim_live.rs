@@ -229,7 +229,7 @@ async fn metrics_use_vllm_names_and_counters_move() {
     let c = HttpClient::new();
     let base = sim.url();
     let before = c.get(&format!("{base}/metrics"), T).await.unwrap().body;
-    let l = "{engine=\"0\",model_name=\"sim-llama\"}";
+    let l = "{model_name=\"sim-llama\",engine=\"0\"}";
     for name in [
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -278,7 +278,7 @@ async fn metrics_use_vllm_names_and_counters_move() {
     assert_eq!(
         metric(
             &after,
-            "vllm:request_success_total{engine=\"0\",model_name=\"sim-llama\",finished_reason=\"length\"}"
+            "vllm:request_success_total{model_name=\"sim-llama\",engine=\"0\",finished_reason=\"length\"}"
         ),
         3.0
     );

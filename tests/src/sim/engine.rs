@@ -13,7 +13,9 @@
 //! (recompute: its blocks are freed, it goes back to the head of the queue). Then, if nothing
 //! was preempted, waiting requests are admitted first-come-first-served while the batch has
 //! room, budget is left and their blocks fit. A newly admitted request reuses the longest run
-//! of cached full blocks of its tokens, but always recomputes at least its last token.
+//! of cached full blocks of its tokens, but always recomputes at least its last token. Blocks
+//! that become full are cached (and published in one `BlockStored` per request and step) even
+//! when another request cached the same tokens concurrently, as vLLM does not de-duplicate.
 //!
 //! Step duration = `decode_step_s_min + (decode_step_s_full - decode_step_s_min) *
 //! batch_kv_tokens / kv_capacity_tokens + prefill_tokens / prefill_tokens_per_s`, times
@@ -154,7 +156,8 @@ pub enum KvEvent {
         /// LoRA adapter name.
         lora_name: Option<String>,
     },
-    /// A cached block was evicted (one event per block, as vLLM 0.33 does).
+    /// A cached block was evicted (one event per block, as vLLM 0.33 does; a duplicate copy of
+    /// a block reports the same hash again when it goes).
     BlockRemoved {
         /// The evicted hashes.
         block_hashes: Vec<u64>,
@@ -193,9 +196,9 @@ pub struct EngineStats {
     pub num_gpu_blocks: u32,
     /// Blocks holding a cached hash.
     pub num_cached_blocks: u32,
-    /// Tokens looked up in the prefix cache (counter).
+    /// Tokens looked up in the prefix cache at first admission (counter).
     pub prefix_cache_queries: u64,
-    /// Tokens found in the prefix cache (counter).
+    /// Tokens found in the prefix cache at first admission (counter).
     pub prefix_cache_hits: u64,
     /// Preemptions (counter).
     pub num_preemptions: u64,
@@ -597,8 +600,12 @@ impl Engine {
         if r.scheduled_s.is_none() {
             r.scheduled_s = Some(now_s);
         }
-        self.stats.prefix_cache_queries += u64::from(num_tokens);
-        self.stats.prefix_cache_hits += u64::from(hit_tokens);
+        // vLLM counts a request's lookup at its first admission only; re-admissions after a
+        // preemption go to separate `preempted_*` stats that it does not export.
+        if r.num_preemptions == 0 {
+            self.stats.prefix_cache_queries += u64::from(num_tokens);
+            self.stats.prefix_cache_hits += u64::from(hit_tokens);
+        }
         Some(num_new)
     }
 

@@ -1,14 +1,17 @@
-//! The paged KV block pool with automatic prefix caching, shaped like vLLM V1's `BlockPool`.
+//! The paged KV block pool with automatic prefix caching, shaped like vLLM 0.33's `BlockPool`.
 //!
 //! Every block has a reference count and, once full and computed, the chained hash of the
 //! tokens it holds. Blocks with no references sit in a free queue (an intrusive doubly linked
-//! list, so touching a cached block is O(1)). A freed block that is cached goes to the tail and
-//! keeps its hash, so it can be reused by a later request; a freed block without a hash goes to
-//! the head, as it is worth nothing. Allocation pops the head, so a cached block is evicted only
-//! when no empty block is left, and then in least-recently-freed order.
+//! list, so touching a cached block is O(1)). Freeing a request's blocks walks them tail first
+//! (vLLM frees `reversed(blocks)`) and, as `BlockPool.free_blocks` does, appends the cached ones
+//! to the back of the queue (they keep their hash and can still be hit) and prepends the
+//! hashless ones to the front, in that order (they are worth nothing). Allocation pops the
+//! front, so a cached block is evicted only when no empty block is left, and then the least
+//! recently freed first; within one request, its tail before its head.
 //!
-//! (vLLM appends all freed blocks to the tail; putting hashless blocks first keeps strictly
-//! more cache and makes "evict only under pressure" exact.)
+//! Like vLLM, the pool does not de-duplicate: two requests that compute the same block at the
+//! same time both cache it under the same hash. A lookup returns the copy cached first; each
+//! copy's eviction reports the hash once.
 
 use hashbrown::HashMap;
 
@@ -28,7 +31,11 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     free_len: u32,
+    /// Hash -> the copy a lookup returns (the first cached).
     cached: HashMap<u64, BlockId>,
+    /// Hash -> further copies, in the order they were cached (rare).
+    duplicates: HashMap<u64, Vec<BlockId>>,
+    num_hashed: usize,
 }
 
 impl BlockPool {
@@ -45,6 +52,8 @@ impl BlockPool {
             tail: NIL,
             free_len: 0,
             cached: HashMap::new(),
+            duplicates: HashMap::new(),
+            num_hashed: 0,
         };
         for b in 0..num_blocks {
             pool.push_back(b);
@@ -62,9 +71,9 @@ impl BlockPool {
         self.free_len
     }
 
-    /// Blocks that hold a cached hash (referenced or not).
+    /// Blocks that hold a cached hash (referenced or not; duplicates counted).
     pub fn num_cached(&self) -> usize {
-        self.cached.len()
+        self.num_hashed
     }
 
     /// Fraction of blocks referenced by requests: vLLM's `kv_cache_usage_perc`.
@@ -76,9 +85,14 @@ impl BlockPool {
         f64::from(n - self.free_len) / f64::from(n)
     }
 
-    /// The cached block holding `hash`, if any.
+    /// The cached block holding `hash` (the copy cached first), if any.
     pub fn lookup(&self, hash: u64) -> Option<BlockId> {
         self.cached.get(&hash).copied()
+    }
+
+    /// The hash `block` holds, if it is cached.
+    pub fn block_hash(&self, block: BlockId) -> Option<u64> {
+        self.hash[block as usize]
     }
 
     /// References of `block`.
@@ -96,24 +110,26 @@ impl BlockPool {
         }
     }
 
-    /// Takes a free block, evicting its cached hash (pushed to `evicted`) if it has one.
+    /// Takes the block at the front of the free queue, evicting its cached hash (pushed to
+    /// `evicted`) if it has one.
     pub fn allocate(&mut self, evicted: &mut Vec<u64>) -> Option<BlockId> {
         let b = self.head;
         if b == NIL {
             return None;
         }
         self.unlink(b);
-        if let Some(h) = self.hash[b as usize].take() {
-            self.cached.remove(&h);
+        if let Some(h) = self.uncache(b) {
             evicted.push(h);
         }
         self.ref_cnt[b as usize] = 1;
         Some(b)
     }
 
-    /// Drops one reference on each block, releasing the last block of a sequence first so a
-    /// prefix outlives its tail in the LRU order.
+    /// Drops one reference on each of a request's blocks (given in sequence order). Blocks
+    /// that become unreferenced join the free queue tail first: cached ones at the back,
+    /// hashless ones at the front (see the module docs).
     pub fn free(&mut self, blocks: &[BlockId]) {
+        let mut hashless: Vec<BlockId> = Vec::new();
         for &b in blocks.iter().rev() {
             let rc = &mut self.ref_cnt[b as usize];
             debug_assert!(*rc > 0, "double free of block {b}");
@@ -122,20 +138,33 @@ impl BlockPool {
                 if self.hash[b as usize].is_some() {
                     self.push_back(b);
                 } else {
-                    self.push_front(b);
+                    hashless.push(b);
                 }
             }
         }
+        // vLLM's prepend_n keeps the list order at the front of the queue.
+        for &b in hashless.iter().rev() {
+            self.push_front(b);
+        }
     }
 
-    /// Marks a full, computed block as holding `hash`. Returns false (and leaves the block
-    /// hashless) when another block already caches the same hash.
+    /// Marks a full, computed block as holding `hash`. Returns false (and changes nothing)
+    /// when the block already holds a hash. A hash already cached in another block is cached
+    /// again (a duplicate copy), as vLLM does.
     pub fn register(&mut self, block: BlockId, hash: u64) -> bool {
-        if self.hash[block as usize].is_some() || self.cached.contains_key(&hash) {
+        if self.hash[block as usize].is_some() {
             return false;
         }
-        self.cached.insert(hash, block);
+        match self.cached.entry(hash) {
+            hashbrown::hash_map::Entry::Vacant(slot) => {
+                slot.insert(block);
+            }
+            hashbrown::hash_map::Entry::Occupied(_) => {
+                self.duplicates.entry(hash).or_default().push(block);
+            }
+        }
         self.hash[block as usize] = Some(hash);
+        self.num_hashed += 1;
         true
     }
 
@@ -145,6 +174,35 @@ impl BlockPool {
             *h = None;
         }
         self.cached.clear();
+        self.duplicates.clear();
+        self.num_hashed = 0;
+    }
+
+    /// Removes `b`'s hash from the cache; returns it.
+    fn uncache(&mut self, b: BlockId) -> Option<u64> {
+        let h = self.hash[b as usize].take()?;
+        self.num_hashed -= 1;
+        if self.cached.get(&h) == Some(&b) {
+            // The next copy, if any, becomes the one lookups return.
+            match self.duplicates.get_mut(&h) {
+                Some(copies) => {
+                    let next = copies.remove(0);
+                    if copies.is_empty() {
+                        self.duplicates.remove(&h);
+                    }
+                    self.cached.insert(h, next);
+                }
+                None => {
+                    self.cached.remove(&h);
+                }
+            }
+        } else if let Some(copies) = self.duplicates.get_mut(&h) {
+            copies.retain(|c| *c != b);
+            if copies.is_empty() {
+                self.duplicates.remove(&h);
+            }
+        }
+        Some(h)
     }
 
     fn push_back(&mut self, b: BlockId) {
@@ -202,6 +260,17 @@ impl BlockPool {
 mod tests {
     use super::*;
 
+    /// The free queue, front (next to allocate) first.
+    fn queue(pool: &BlockPool) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        let mut b = pool.head;
+        while b != NIL {
+            out.push(b);
+            b = pool.next[b as usize];
+        }
+        out
+    }
+
     #[test]
     fn empty_blocks_go_before_cached_ones() {
         let mut pool = BlockPool::new(4);
@@ -223,12 +292,107 @@ mod tests {
     }
 
     #[test]
+    fn free_order_matches_vllm_free_blocks() {
+        let mut pool = BlockPool::new(8);
+        let mut ev = Vec::new();
+        let blocks: Vec<_> = (0..6).map(|_| pool.allocate(&mut ev).unwrap()).collect();
+        assert_eq!(blocks, vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(queue(&pool), vec![6, 7]);
+        // A request whose first three blocks are full and cached, the rest not.
+        for (i, b) in blocks[..3].iter().enumerate() {
+            assert!(pool.register(*b, 100 + i as u64));
+        }
+        pool.free(&blocks);
+        // reversed(blocks): hashless [5, 4, 3] prepended as a group, cached [2, 1, 0] appended.
+        assert_eq!(queue(&pool), vec![5, 4, 3, 6, 7, 2, 1, 0]);
+        // So eviction takes the tail of the cached prefix first.
+        let got: Vec<_> = (0..6).map(|_| pool.allocate(&mut ev).unwrap()).collect();
+        assert_eq!(got, vec![5, 4, 3, 6, 7, 2]);
+        assert_eq!(ev, vec![102]);
+        assert_eq!(pool.lookup(100), Some(0));
+    }
+
+    #[test]
+    fn least_recently_freed_is_evicted_first() {
+        let mut pool = BlockPool::new(3);
+        let mut ev = Vec::new();
+        let (a, b, c) = (
+            pool.allocate(&mut ev).unwrap(),
+            pool.allocate(&mut ev).unwrap(),
+            pool.allocate(&mut ev).unwrap(),
+        );
+        for (blk, h) in [(a, 1), (b, 2), (c, 3)] {
+            assert!(pool.register(blk, h));
+        }
+        pool.free(&[b]);
+        pool.free(&[a]);
+        pool.free(&[c]);
+        // Reusing b moves it out of the queue; freed again, it is the most recent.
+        pool.touch(&[b]);
+        pool.free(&[b]);
+        assert_eq!(queue(&pool), vec![a, c, b]);
+        pool.allocate(&mut ev);
+        pool.allocate(&mut ev);
+        assert_eq!(ev, vec![1, 3]);
+        assert_eq!(pool.lookup(2), Some(b));
+    }
+
+    #[test]
+    fn duplicate_blocks_are_cached_and_evicted_like_vllm() {
+        let mut pool = BlockPool::new(2);
+        let mut ev = Vec::new();
+        let first = pool.allocate(&mut ev).unwrap();
+        let second = pool.allocate(&mut ev).unwrap();
+        assert!(pool.register(first, 42));
+        assert!(
+            pool.register(second, 42),
+            "the same block computed twice is cached twice"
+        );
+        assert_eq!(pool.num_cached(), 2);
+        assert_eq!(
+            pool.lookup(42),
+            Some(first),
+            "lookups return the first copy"
+        );
+        pool.free(&[first]);
+        pool.free(&[second]);
+        // Evicting the first copy reports the hash; the second still serves lookups.
+        assert_eq!(pool.allocate(&mut ev), Some(first));
+        assert_eq!(ev, vec![42]);
+        assert_eq!(pool.lookup(42), Some(second));
+        assert_eq!(pool.allocate(&mut ev), Some(second));
+        assert_eq!(ev, vec![42, 42], "each copy's eviction is reported");
+        assert_eq!(pool.lookup(42), None);
+        assert_eq!(pool.num_cached(), 0);
+    }
+
+    #[test]
+    fn evicting_a_duplicate_keeps_the_first_copy() {
+        let mut pool = BlockPool::new(3);
+        let mut ev = Vec::new();
+        let blocks: Vec<_> = (0..3).map(|_| pool.allocate(&mut ev).unwrap()).collect();
+        for b in &blocks {
+            pool.register(*b, 7);
+        }
+        pool.free(&[blocks[1]]);
+        assert_eq!(pool.allocate(&mut ev), Some(blocks[1]));
+        assert_eq!(pool.lookup(7), Some(blocks[0]));
+        pool.free(&[blocks[0]]);
+        assert_eq!(pool.allocate(&mut ev), Some(blocks[0]));
+        assert_eq!(pool.lookup(7), Some(blocks[2]));
+        pool.clear_cache();
+        assert_eq!(pool.lookup(7), None);
+        assert_eq!(pool.num_cached(), 0);
+    }
+
+    #[test]
     fn touch_pins_a_cached_block() {
         let mut pool = BlockPool::new(2);
         let mut ev = Vec::new();
         let a = pool.allocate(&mut ev).unwrap();
         assert!(pool.register(a, 5));
         assert!(!pool.register(a, 6), "a block holds one hash");
+        assert_eq!(pool.block_hash(a), Some(5));
         pool.free(&[a]);
         pool.touch(&[a]);
         assert_eq!(pool.num_free(), 1);

@@ -105,8 +105,8 @@ pub struct ServerInfo {
     pub block_size: u32,
     /// Maximum number of LoRA adapters.
     pub max_loras: u32,
-    /// KV bytes per token of the profile.
-    pub kv_bytes_per_token: u64,
+    /// The `prefix_caching_hash_algo` label (a vLLM value; informational).
+    pub prefix_caching_hash_algo: String,
 }
 
 /// Formats like Python's `float.__repr__` for the common cases (`1.0`, `0.25`).
@@ -140,8 +140,9 @@ pub fn render(
     unix_now_s: f64,
 ) -> String {
     let mut out = String::with_capacity(16 * 1024);
+    // prometheus_client writes labels in declaration order: vLLM declares model_name, engine.
     let l = format!(
-        "engine=\"0\",model_name=\"{}\"",
+        "model_name=\"{}\",engine=\"0\"",
         escape_label(&info.model_name)
     );
     let o = &mut out;
@@ -215,10 +216,13 @@ pub fn render(
         "# HELP vllm:request_success_total Count of successfully processed requests."
     );
     let _ = writeln!(o, "# TYPE vllm:request_success_total counter");
+    // Every vLLM 0.33 FinishReason, in enum order.
     for (reason, n) in [
         ("stop", 0),
         ("length", stats.requests_finished),
         ("abort", requests_aborted),
+        ("error", 0),
+        ("repetition", 0),
     ] {
         let _ = writeln!(
             o,
@@ -227,11 +231,15 @@ pub fn render(
         );
     }
 
+    // The CacheConfig fields routers read, in vLLM's field order, then `engine` (vLLM adds it
+    // last). Values are Python `str()`s of vLLM 0.33's defaults.
     let cache_labels = format!(
-        "block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",\
-         gpu_memory_utilization=\"0.9\",kv_bytes_per_token=\"{}\",num_cpu_blocks=\"None\",\
-         num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"xxh3_64\"",
-        info.block_size, info.kv_bytes_per_token, stats.num_gpu_blocks
+        "block_size=\"{}\",gpu_memory_utilization=\"0.92\",cache_dtype=\"auto\",\
+         enable_prefix_caching=\"True\",prefix_caching_hash_algo=\"{}\",num_gpu_blocks=\"{}\",\
+         num_cpu_blocks=\"None\",engine=\"0\"",
+        info.block_size,
+        escape_label(&info.prefix_caching_hash_algo),
+        stats.num_gpu_blocks
     );
     metric(
         o,
@@ -312,7 +320,7 @@ mod tests {
             model_name: "m\"x".into(),
             block_size: 16,
             max_loras: 4,
-            kv_bytes_per_token: 1,
+            prefix_caching_hash_algo: "sha256".into(),
         };
         let page = render(
             &info,
@@ -322,10 +330,10 @@ mod tests {
             1.0,
         );
         for name in [
-            "vllm:num_requests_running{engine=\"0\",model_name=\"m\\\"x\"} 0.0",
+            "vllm:num_requests_running{model_name=\"m\\\"x\",engine=\"0\"} 0.0",
             "vllm:kv_cache_usage_perc{",
             "vllm:prefix_cache_hits_total{",
-            "vllm:request_success_total{engine=\"0\",model_name=\"m\\\"x\",finished_reason=\"length\"}",
+            "vllm:request_success_total{model_name=\"m\\\"x\",engine=\"0\",finished_reason=\"length\"}",
             "vllm:cache_config_info{block_size=\"16\"",
             "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"\"",
             "vllm:request_queue_time_seconds_bucket{",

@@ -37,7 +37,10 @@ use super::engine::{Engine, EngineConfig, EngineRequest, RequestEvent, RequestId
 use super::kv_events::{DEFAULT_BUFFER_STEPS, Publisher};
 use super::metrics::{LatencyHistograms, ServerInfo};
 use super::profile::Profile;
-use super::tokenizer::{ChatMessage, ChatMl, ChatTemplate, Tokenizer, WordTokenizer};
+use super::tokenizer::{
+    ChatMessage, ChatMl, ChatTemplate, HfTokenizer, IncrementalDecoder, JinjaTemplate, Tokenizer,
+    TokenizerConfig, WordTokenizer,
+};
 
 /// What `GET /version` reports: the vLLM version whose API this simulates.
 pub const VERSION: &str = "0.33.0+sim";
@@ -110,6 +113,20 @@ pub struct SimArgs {
     /// Status code of injected failures.
     #[arg(long, default_value_t = 500)]
     pub fail_status: u16,
+    /// A Hugging Face `tokenizer.json` (or a model directory holding one) to tokenise with,
+    /// instead of the built-in word tokenizer. A `tokenizer_config.json` beside it supplies
+    /// `bos_token`, `eos_token` and the model's chat template, as in vLLM.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Jinja chat template: a file, or the template text itself (vLLM's `--chat-template`).
+    /// Default: the tokenizer's own template, else ChatML.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// `prefix_caching_hash_algo` label of `vllm:cache_config_info`. Informational only: the
+    /// simulator always hashes blocks with chained xxh3-64 (published like vLLM's default
+    /// 64-bit integer event hashes).
+    #[arg(long, default_value = "sha256", value_parser = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])]
+    pub prefix_caching_hash_algo: String,
 }
 
 impl SimArgs {
@@ -208,8 +225,8 @@ struct Shared {
     hang_tx: watch::Sender<bool>,
     shutdown_rx: watch::Receiver<bool>,
     rng: Mutex<SmallRng>,
-    tokenizer: WordTokenizer,
-    template: ChatMl,
+    tokenizer: Arc<dyn Tokenizer>,
+    template: Arc<dyn ChatTemplate>,
     publisher: Option<Publisher>,
     created: u64,
 }
@@ -288,7 +305,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         None => None,
     };
 
-    let tokenizer = WordTokenizer::default();
+    let (tokenizer, template) = text_pipeline(&args)?;
     let mut cfg = EngineConfig::new(profile.clone());
     cfg.seed = args.seed;
     cfg.output_vocab = tokenizer.output_vocab().into();
@@ -306,7 +323,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
             model_name: model.clone(),
             block_size: profile.block_size,
             max_loras: loras.len() as u32,
-            kv_bytes_per_token: profile.kv_bytes_per_token,
+            prefix_caching_hash_algo: args.prefix_caching_hash_algo.clone(),
         },
         model,
         loras,
@@ -332,7 +349,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         shutdown_rx: shutdown_rx.clone(),
         rng: Mutex::new(SmallRng::seed_from_u64(args.seed ^ 0x5eed)),
         tokenizer,
-        template: ChatMl,
+        template,
         publisher,
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -363,6 +380,31 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         shutdown,
         tasks: vec![driver, http],
     })
+}
+
+/// The tokenizer and chat template `args` ask for (see [`SimArgs::tokenizer`]).
+/// How a server turns request text into token ids.
+type TextPipeline = (Arc<dyn Tokenizer>, Arc<dyn ChatTemplate>);
+
+fn text_pipeline(args: &SimArgs) -> Result<TextPipeline, SimError> {
+    let (tokenizer, config): (Arc<dyn Tokenizer>, TokenizerConfig) = match &args.tokenizer {
+        Some(path) => (
+            Arc::new(HfTokenizer::from_file(path)?),
+            TokenizerConfig::load_beside(path)?,
+        ),
+        None => (
+            Arc::new(WordTokenizer::default()),
+            TokenizerConfig::default(),
+        ),
+    };
+    let bos = config.bos_token.as_deref().unwrap_or("");
+    let eos = config.eos_token.as_deref().unwrap_or("");
+    let template: Arc<dyn ChatTemplate> = match (&args.chat_template, &config.chat_template) {
+        (Some(spec), _) => Arc::new(JinjaTemplate::load(spec, bos, eos)?),
+        (None, Some(source)) => Arc::new(JinjaTemplate::new(source, bos, eos)?),
+        (None, None) => Arc::new(ChatMl),
+    };
+    Ok((tokenizer, template))
 }
 
 fn router(shared: Arc<Shared>) -> Router {
@@ -583,6 +625,8 @@ struct ChatRequest {
     n: Option<u32>,
     #[serde(default = "yes")]
     add_generation_prompt: bool,
+    #[serde(default)]
+    add_special_tokens: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -598,6 +642,8 @@ struct CompletionRequest {
     stream_options: Option<StreamOptions>,
     #[serde(default)]
     n: Option<u32>,
+    #[serde(default = "yes")]
+    add_special_tokens: bool,
 }
 
 fn yes() -> bool {
@@ -663,11 +709,20 @@ impl Shared {
         }
     }
 
-    fn completion_prompt(&self, prompt: &Value) -> Result<Vec<u32>, ApiError> {
+    fn completion_prompt(
+        &self,
+        prompt: &Value,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, ApiError> {
+        let encode = |text: &str| {
+            self.tokenizer
+                .encode(text, add_special_tokens)
+                .map_err(|e| bad_request(e.to_string()))
+        };
         match prompt {
-            Value::String(s) => Ok(self.tokenizer.encode(s)),
+            Value::String(s) => encode(s),
             Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-                Ok(self.tokenizer.encode(items[0].as_str().unwrap_or_default()))
+                encode(items[0].as_str().unwrap_or_default())
             }
             Value::Array(items) if items.iter().all(Value::is_u64) => items
                 .iter()
@@ -683,9 +738,21 @@ impl Shared {
         }
     }
 
-    fn chat_prompt(&self, msgs: &[ChatMessage], add_generation_prompt: bool) -> Vec<u32> {
+    /// The prompt ids of a chat request: rendered through the template, then tokenised
+    /// (special tokens are not added by default: the template writes them).
+    fn chat_prompt(
+        &self,
+        msgs: &[ChatMessage],
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, ApiError> {
+        let text = self
+            .template
+            .render(msgs, add_generation_prompt)
+            .map_err(|e| bad_request(e.to_string()))?;
         self.tokenizer
-            .encode(&self.template.render(msgs, add_generation_prompt))
+            .encode(&text, add_special_tokens)
+            .map_err(|e| bad_request(e.to_string()))
     }
 
     /// Failure injection common to both completion endpoints.
@@ -708,7 +775,7 @@ async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResul
     let req: ChatRequest = parse(&body)?;
     let lora = s.resolve_model(req.model.as_deref())?;
     let msgs = chat_messages(&req.messages)?;
-    let prompt = s.chat_prompt(&msgs, req.add_generation_prompt);
+    let prompt = s.chat_prompt(&msgs, req.add_generation_prompt, req.add_special_tokens)?;
     let job = Job {
         chat: true,
         model: req.model.unwrap_or_else(|| s.model.clone()),
@@ -726,7 +793,7 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
     s.inject_faults().await?;
     let req: CompletionRequest = parse(&body)?;
     let lora = s.resolve_model(req.model.as_deref())?;
-    let prompt = s.completion_prompt(&req.prompt)?;
+    let prompt = s.completion_prompt(&req.prompt, req.add_special_tokens)?;
     let job = Job {
         chat: false,
         model: req.model.unwrap_or_else(|| s.model.clone()),
@@ -890,6 +957,7 @@ fn stream_response(
         include_usage: bool,
         sent_role: bool,
         done: bool,
+        detok: IncrementalDecoder,
     }
     let chunk = |ctx: &ChunkCtx, delta: Option<&str>, finish: Option<&str>, role: bool| {
         let choice = if ctx.chat {
@@ -920,6 +988,7 @@ fn stream_response(
         include_usage,
         sent_role: false,
         done: false,
+        detok: IncrementalDecoder::default(),
     };
     let stream = futures_util::stream::unfold(st, move |mut st| async move {
         if st.done {
@@ -931,7 +1000,7 @@ fn stream_response(
         let mut finished: Option<RequestSummary> = None;
         match st.rx.recv().await {
             Some(Delivery::Token(token_id)) => {
-                pending_text.push_str(&st.s.tokenizer.decode(&[token_id]))
+                pending_text.push_str(&st.detok.push(st.s.tokenizer.as_ref(), token_id))
             }
             Some(Delivery::Finished(sum)) => finished = Some(sum),
             None => return None,
@@ -945,7 +1014,7 @@ fn stream_response(
         while finished.is_none() {
             match st.rx.try_recv() {
                 Ok(Delivery::Token(token_id)) => {
-                    pending_text.push_str(&st.s.tokenizer.decode(&[token_id]))
+                    pending_text.push_str(&st.detok.push(st.s.tokenizer.as_ref(), token_id))
                 }
                 Ok(Delivery::Finished(sum)) => finished = Some(sum),
                 Err(_) => break,
@@ -990,20 +1059,27 @@ struct TokenizeRequest {
     add_generation_prompt: bool,
     #[serde(default)]
     return_token_strs: bool,
+    /// Default: true for a prompt, false for messages (vLLM's defaults).
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
 }
 
 async fn tokenize(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
     let req: TokenizeRequest = parse(&body)?;
     s.resolve_model(req.model.as_deref())?;
     let tokens = match (&req.prompt, &req.messages) {
-        (Some(p), None) => s.completion_prompt(p)?,
-        (None, Some(m)) => s.chat_prompt(&chat_messages(m)?, req.add_generation_prompt),
+        (Some(p), None) => s.completion_prompt(p, req.add_special_tokens.unwrap_or(true))?,
+        (None, Some(m)) => s.chat_prompt(
+            &chat_messages(m)?,
+            req.add_generation_prompt,
+            req.add_special_tokens.unwrap_or(false),
+        )?,
         _ => return Err(bad_request("give exactly one of prompt or messages")),
     };
     let token_strs = req.return_token_strs.then(|| {
         tokens
             .iter()
-            .map(|t| s.tokenizer.decode(&[*t]))
+            .map(|t| s.tokenizer.token_str(*t))
             .collect::<Vec<_>>()
     });
     let body = json!({"count": tokens.len(), "max_model_len": s.max_model_len,
@@ -1014,14 +1090,18 @@ async fn tokenize(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
 async fn render_chat(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
     let req: ChatRequest = parse(&body)?;
     s.resolve_model(req.model.as_deref())?;
-    let tokens = s.chat_prompt(&chat_messages(&req.messages)?, req.add_generation_prompt);
+    let tokens = s.chat_prompt(
+        &chat_messages(&req.messages)?,
+        req.add_generation_prompt,
+        req.add_special_tokens,
+    )?;
     Ok(axum::Json(json!({"token_ids": tokens, "model": s.model})).into_response())
 }
 
 async fn render_completion(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
     let req: CompletionRequest = parse(&body)?;
     s.resolve_model(req.model.as_deref())?;
-    let tokens = s.completion_prompt(&req.prompt)?;
+    let tokens = s.completion_prompt(&req.prompt, req.add_special_tokens)?;
     Ok(axum::Json(json!({"token_ids": tokens, "model": s.model})).into_response())
 }
 

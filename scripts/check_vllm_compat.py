@@ -1,0 +1,460 @@
+#!/usr/bin/env python3
+"""Check vllm-sim's KV events and metric names against vLLM 0.33's own code.
+
+vLLM's source is never copied into this repository: the script reads three files from a vLLM
+wheel (a zip) in memory and keeps only what it needs, via Python's ``ast``:
+
+- ``vllm/distributed/kv_events.py``: the msgspec ``Struct`` event classes (``EventBatch``,
+  ``KVCacheEvent``, ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, ``KVEventBatch``),
+  plus ``ExternalBlockHash`` from ``vllm/v1/core/kv_cache_utils.py``. They run on their own with
+  ``msgspec``. A second copy gets ``array_like=True`` on ``KVCacheEvent``: the positional
+  encoding vLLM used before PR #42892 (~0.23).
+- ``vllm/v1/metrics/loggers.py``: every ``vllm:*`` metric the Prometheus stat logger registers,
+  with its type.
+
+It writes (to ``tests/fixtures/vllm/`` by default) and checks:
+
+1. ``vllm_events.{map,array}.msgpack`` + ``vllm_events.json``: payloads ENCODED by vLLM's
+   classes, and what they must decode to. ``tests/tests/vllm_compat.rs`` decodes them with the
+   simulator's decoder (``kvroute_tests::sim::kv_events::decode_batch``).
+2. ``vllm_sim_shape.msgpack`` + ``vllm_sim_shape.json``: the events a vLLM 0.33 GPU block pool
+   publishes for a small scenario (fields set exactly as ``BlockPool`` sets them), encoded by
+   vLLM. The Rust test encodes the same events with the simulator's encoder and requires the
+   bytes to be identical.
+3. ``sim_capture/*.msgpack``: batches CAPTURED from a live ``vllm-sim`` (``--capture``, needs
+   pyzmq), DECODED here with vLLM's own ``msgspec`` decoder (strict types) and re-encoded: the
+   bytes must be identical, so vLLM itself could not tell our events from its own.
+4. ``metric_names.txt``: ``name<TAB>type`` of every metric vLLM 0.33 registers; each metric of
+   the captured ``sim_metrics.txt`` page must be there with the same type. The vLLM metrics the
+   simulator does not export are listed.
+
+Usage (msgspec, and pyzmq for --capture, in .venv):
+
+    pip download vllm==0.33.0 --no-deps -d /tmp/vllmwheel
+    .venv/bin/pip install msgspec pyzmq
+    cargo build -p kvroute-tests --bin vllm-sim
+    .venv/bin/python scripts/check_vllm_compat.py --capture target/debug/vllm-sim
+
+Without ``--capture`` the committed captures are checked again. Exit status 1 on any mismatch.
+"""
+
+import argparse
+import ast
+import glob
+import json
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import urllib.request
+import zipfile
+
+import msgspec
+
+KV_EVENTS = "vllm/distributed/kv_events.py"
+KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
+LOGGERS = "vllm/v1/metrics/loggers.py"
+CLASSES = ["EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+           "KVEventBatch"]
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FAILURES: list[str] = []
+
+
+def fail(msg: str) -> None:
+    FAILURES.append(msg)
+    print(f"FAIL: {msg}")
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's event classes
+
+
+def external_block_hash(utils_source: str) -> ast.stmt:
+    """The ``ExternalBlockHash`` alias as vLLM defines it (``bytes | int`` in 0.33)."""
+    for node in ast.parse(utils_source).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "ExternalBlockHash":
+            return ast.Assign(targets=[ast.Name("ExternalBlockHash", ast.Store())], value=node.value)
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "ExternalBlockHash" for t in node.targets
+        ):
+            return node
+    sys.exit(f"{KV_CACHE_UTILS} defines no ExternalBlockHash")
+
+
+def event_classes(source: str, alias: ast.stmt, array_like: bool) -> types.ModuleType:
+    """vLLM's event Structs; with ``array_like`` the events use the old positional encoding."""
+    keep: list[ast.stmt] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name in CLASSES:
+            if node.name == "KVCacheEvent" and array_like:
+                node.keywords = [k for k in node.keywords if k.arg != "array_like"]
+                node.keywords.append(ast.keyword(arg="array_like", value=ast.Constant(True)))
+            keep.append(node)
+        elif isinstance(node, ast.Assign) and any(
+            getattr(t, "id", "").startswith("MEDIUM_") for t in node.targets
+        ):
+            keep.append(node)
+    missing = set(CLASSES) - {n.name for n in keep if isinstance(n, ast.ClassDef)}
+    if missing:
+        sys.exit(f"{KV_EVENTS} lacks {sorted(missing)}")
+    prelude = ast.parse("import msgspec\nfrom typing import Any\n").body
+    module = ast.Module(body=prelude + [alias] + keep, type_ignores=[])
+    ast.fix_missing_locations(module)
+    mod = types.ModuleType("vllm_kv_events_array" if array_like else "vllm_kv_events")
+    exec(compile(module, KV_EVENTS, "exec"), mod.__dict__)
+    return mod
+
+
+def jsonable(v):
+    """A decoded msgpack value as JSON: bytes become {"bytes": hex}, tuples lists."""
+    if isinstance(v, bytes):
+        return {"bytes": v.hex()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    return v
+
+
+def describe(event) -> dict:
+    """Every field of a vLLM event that the simulator's decoder reports, as JSON."""
+    kind = type(event).__name__
+    if kind == "AllBlocksCleared":
+        return {"type": kind}
+    out = {"type": kind, "block_hashes": jsonable(event.block_hashes), "medium": event.medium,
+           "group_idx": event.group_idx}
+    if kind == "BlockStored":
+        out.update(parent_block_hash=jsonable(event.parent_block_hash),
+                   token_ids=list(event.token_ids), block_size=event.block_size,
+                   lora_id=event.lora_id, lora_name=event.lora_name,
+                   extra_keys=jsonable(event.extra_keys),
+                   kv_cache_spec_kind=event.kv_cache_spec_kind)
+    return out
+
+
+def vllm_made_batch(m):
+    """One batch covering every field shape vLLM has published."""
+    big = (1 << 64) - 2  # above i64::MAX: a u64 on the wire
+    digest = bytes(range(32))  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
+    stored = lambda **kw: m.BlockStored(**{"lora_id": None, "medium": "GPU", "lora_name": None,
+                                            **kw})
+    return m.KVEventBatch(
+        ts=1789095808.83,
+        events=[
+            stored(block_hashes=[big, 7], parent_block_hash=None, token_ids=list(range(1, 33)),
+                   block_size=16, extra_keys=[None, None], group_idx=0),
+            stored(block_hashes=[9], parent_block_hash=7, token_ids=list(range(33, 49)),
+                   block_size=16, lora_id=1, lora_name="sql-lora", extra_keys=[("sql-lora",)],
+                   group_idx=0, kv_cache_spec_kind="full_attention", session_id="s-1"),
+            stored(block_hashes=[digest], parent_block_hash=None, token_ids=[5] * 16,
+                   block_size=16, medium="CPU", locality="LOCAL"),
+            stored(block_hashes=[-5], parent_block_hash=None, token_ids=[6] * 16,
+                   block_size=16, medium=None),
+            m.BlockRemoved(block_hashes=[9], medium="GPU", group_idx=0),
+            m.BlockRemoved(block_hashes=[digest, -5], medium=None),
+            m.AllBlocksCleared(),
+        ],
+        data_parallel_rank=1,
+    )
+
+
+def sim_shape_batch(m):
+    """What vLLM 0.33's GPU BlockPool publishes for: cache two blocks, extend by one, a LoRA
+    request caches a block, one block is evicted, the cache is reset. Fields are set as
+    ``BlockPool._build_block_stored_event`` / ``_emit_block_removed_events`` set them."""
+    def stored(hashes, parent, tokens, lora=None):
+        return m.BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=16,
+            lora_id=None if lora is None else 1, medium="GPU", lora_name=lora,
+            extra_keys=[None if lora is None else (lora,) for _ in hashes], group_idx=0,
+            session_id=None, lookahead_token_ids=None)
+    return m.KVEventBatch(
+        ts=1789095808.5,
+        events=[
+            stored([11, (1 << 64) - 1], None, list(range(32))),
+            stored([13], (1 << 64) - 1, list(range(32, 48))),
+            stored([21], None, list(range(100, 116)), lora="sql-lora"),
+            m.BlockRemoved(block_hashes=[13], medium="GPU", group_idx=0),
+            m.AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+
+
+def write_vllm_made(out: pathlib.Path, mods: dict) -> None:
+    encoder = msgspec.msgpack.Encoder()
+    expected = {"generated_from": "vllm 0.33.0 " + KV_EVENTS, "encodings": {}}
+    for encoding, mod in mods.items():
+        batch = vllm_made_batch(mod)
+        payload = encoder.encode(batch)
+        assert msgspec.msgpack.Decoder(type=mod.KVEventBatch).decode(payload) == batch
+        (out / f"vllm_events.{encoding}.msgpack").write_bytes(payload)
+        expected["encodings"][encoding] = {
+            "file": f"vllm_events.{encoding}.msgpack", "ts": batch.ts,
+            "data_parallel_rank": batch.data_parallel_rank,
+            "events": [describe(e) for e in batch.events]}
+    (out / "vllm_events.json").write_text(json.dumps(expected, indent=1) + "\n")
+
+    batch = sim_shape_batch(mods["map"])
+    (out / "vllm_sim_shape.msgpack").write_bytes(encoder.encode(batch))
+    shape = {"generated_from": "vllm 0.33.0 " + KV_EVENTS, "ts": batch.ts,
+             "data_parallel_rank": batch.data_parallel_rank,
+             "events": [describe(e) for e in batch.events]}
+    (out / "vllm_sim_shape.json").write_text(json.dumps(shape, indent=1) + "\n")
+    print(f"wrote vLLM-made fixtures to {out}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Capturing a live vllm-sim
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body=None, timeout=30.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read().decode()
+
+
+PROFILE = """name: compat-capture
+model: sim-compat
+kv_capacity_tokens: 320
+block_size: 16
+prefill_tokens_per_s: 1000000
+decode_step_s_min: 0.1
+decode_step_s_full: 0.1
+"""
+
+
+def capture(sim_bin: str, out: pathlib.Path) -> None:
+    """Runs a scenario against a live vllm-sim and saves every KV event batch (via the replay
+    socket, so none is lost) and the /metrics page."""
+    import zmq
+
+    port, pub, replay = free_port(), free_port(), free_port()
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(PROFILE)
+        profile = f.name
+    proc = subprocess.Popen(
+        [sim_bin, "--host", "127.0.0.1", "--port", str(port), "--profile", profile,
+         "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+         "--lora-modules", "sql-lora=/adapters/sql"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 20
+        while True:
+            try:
+                http(base + "/health", timeout=1)
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    sys.exit("vllm-sim did not start")
+                time.sleep(0.1)
+        words = lambda tag, n: " ".join(f"{tag}{i}" for i in range(n))
+        done = lambda prompt, **kw: http(base + "/v1/completions",
+                                         {"prompt": prompt, "max_tokens": 1, **kw})
+        # Two full blocks, then the same prompt extended: a store with a parent.
+        done(words("a", 40))
+        done(words("a", 40) + " " + words("b", 20))
+        # A LoRA request: lora_id, lora_name, extra_keys.
+        done(words("c", 20), model="sql-lora")
+        # Identical prompts admitted in the same step compute (and cache) the same blocks.
+        blocker = threading.Thread(target=lambda: http(
+            base + "/v1/completions", {"prompt": "hold", "max_tokens": 8}))
+        blocker.start()
+        time.sleep(0.15)
+        twins = [threading.Thread(target=done, args=(words("d", 33),)) for _ in range(2)]
+        for t in twins:
+            t.start()
+        for t in twins + [blocker]:
+            t.join(30)
+        # Pressure: distinct prompts evict cached blocks.
+        for k in range(4):
+            done(words(f"e{k}x", 90))
+        http(base + "/reset_prefix_cache", {})
+        (out / "sim_metrics.txt").write_text(http(base + "/metrics"))
+        time.sleep(0.2)
+
+        ctx = zmq.Context.instance()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        dealer.connect(f"tcp://127.0.0.1:{replay}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        cap = out / "sim_capture"
+        cap.mkdir(exist_ok=True)
+        for old in cap.glob("*.msgpack"):
+            old.unlink()
+        n = 0
+        while True:
+            _, topic, seq, payload = dealer.recv_multipart()
+            if seq == b"\xff" * 8:
+                break
+            (cap / f"{int.from_bytes(seq, 'big'):03}.msgpack").write_bytes(payload)
+            n += 1
+        dealer.close(linger=0)
+        print(f"captured {n} batches and /metrics from vllm-sim into {out}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        pathlib.Path(profile).unlink(missing_ok=True)
+
+
+def check_capture(out: pathlib.Path, mod) -> None:
+    """Decodes every captured batch with vLLM's own decoder and re-encodes it."""
+    files = sorted(glob.glob(str(out / "sim_capture" / "*.msgpack")))
+    if not files:
+        fail("no captured vllm-sim batches (run with --capture)")
+        return
+    decoder = msgspec.msgpack.Decoder(type=mod.KVEventBatch)
+    encoder = msgspec.msgpack.Encoder()
+    kinds: dict[str, int] = {}
+    stored_twice = set()
+    seen = set()
+    for f in files:
+        raw = pathlib.Path(f).read_bytes()
+        try:
+            batch = decoder.decode(raw)
+        except msgspec.ValidationError as e:
+            fail(f"{f}: vLLM's decoder rejects it: {e}")
+            continue
+        if encoder.encode(batch) != raw:
+            fail(f"{f}: vLLM re-encodes it differently (field order, omitted defaults or "
+                 "integer widths differ)")
+        for e in batch.events:
+            kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+            if isinstance(e, mod.BlockStored):
+                if len(e.token_ids) != e.block_size * len(e.block_hashes):
+                    fail(f"{f}: token_ids do not fill block_hashes x block_size")
+                if e.extra_keys is not None and len(e.extra_keys) != len(e.block_hashes):
+                    fail(f"{f}: one extra_keys entry per block expected")
+                for h in e.block_hashes:
+                    (stored_twice if h in seen else seen).add(h)
+    for want in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+        if not kinds.get(want):
+            fail(f"the capture has no {want} event")
+    if not stored_twice:
+        fail("the capture shows no duplicate store of identical concurrent blocks")
+    print(f"vLLM's decoder read {len(files)} captured batches: {kinds}; "
+          f"{len(stored_twice)} hashes stored twice")
+
+
+# ---------------------------------------------------------------------------------------------
+# Metric names
+
+KINDS = {"_gauge_cls": "gauge", "_counter_cls": "counter", "_histogram_cls": "histogram",
+         "Gauge": "gauge", "Counter": "counter", "Histogram": "histogram"}
+
+
+def vllm_metric_names(source: str) -> dict[str, str]:
+    """``vllm:*`` name -> type, for every metric constructor call in loggers.py (a name given
+    through a local variable is resolved within its function)."""
+    names: dict[str, str] = {}
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        local = {}
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                    and isinstance(node.value.value, str) and node.value.value.startswith("vllm:"):
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        local[t.id] = node.value.value
+        for node in ast.walk(func):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            kind = KINDS.get(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+            if kind is None:
+                continue
+            for kw in node.keywords:
+                if kw.arg != "name":
+                    continue
+                if isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
+                    names[kw.value.value] = kind
+                elif isinstance(kw.value, ast.Name) and kw.value.id in local:
+                    names[local[kw.value.id]] = kind
+    return names
+
+
+def page_metrics(page: str) -> dict[str, str]:
+    """Metric family -> type from a Prometheus text page (counters lose ``_total``)."""
+    out = {}
+    for line in page.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            if kind == "counter" and name.endswith("_total"):
+                name = name[: -len("_total")]
+            out[name] = kind
+    return out
+
+
+def check_metrics(out: pathlib.Path, vllm: dict[str, str]) -> None:
+    page = out / "sim_metrics.txt"
+    if not page.exists():
+        fail("no captured sim_metrics.txt (run with --capture)")
+        return
+    ours = page_metrics(page.read_text())
+    for name, kind in sorted(ours.items()):
+        if name not in vllm:
+            fail(f"vllm-sim exports {name}, which vLLM 0.33 does not register")
+        elif vllm[name] != kind:
+            fail(f"vllm-sim exports {name} as a {kind}, vLLM as a {vllm[name]}")
+    print(f"all {len(ours)} vllm-sim metrics are vLLM 0.33 metrics of the same type")
+    missing = sorted(set(vllm) - set(ours))
+    print(f"vLLM 0.33 metrics vllm-sim does not export ({len(missing)}):")
+    for name in missing:
+        print(f"  {name} ({vllm[name]})")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_wheel = next(iter(sorted(glob.glob("/tmp/vllmwheel/vllm-0.33.0-*.whl"))), None)
+    ap.add_argument("--wheel", default=default_wheel, help="the vllm==0.33.0 wheel")
+    ap.add_argument("--out", default=str(ROOT / "tests/fixtures/vllm"), help="fixture folder")
+    ap.add_argument("--capture", metavar="VLLM_SIM",
+                    help="run this vllm-sim binary and capture its events and /metrics")
+    args = ap.parse_args()
+    if not args.wheel:
+        sys.exit("no wheel: pip download vllm==0.33.0 --no-deps -d /tmp/vllmwheel")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wheel = zipfile.ZipFile(args.wheel)
+    read = lambda name: wheel.read(name).decode()
+    alias = external_block_hash(read(KV_CACHE_UTILS))
+    mods = {"map": event_classes(read(KV_EVENTS), alias, False),
+            "array": event_classes(read(KV_EVENTS), alias, True)}
+
+    write_vllm_made(out, mods)
+    names = vllm_metric_names(read(LOGGERS))
+    header = (f"# Metrics vLLM 0.33.0 registers in {LOGGERS}: name<TAB>type.\n"
+              "# Generated by scripts/check_vllm_compat.py; do not edit.\n")
+    (out / "metric_names.txt").write_text(
+        header + "".join(f"{n}\t{k}\n" for n, k in sorted(names.items())))
+    print(f"wrote {len(names)} vLLM metric names to {out / 'metric_names.txt'}")
+
+    if args.capture:
+        capture(args.capture, out)
+    check_capture(out, mods["map"])
+    check_metrics(out, names)
+    if FAILURES:
+        sys.exit(f"{len(FAILURES)} incompatibilities")
+    print("vllm-sim is compatible with vLLM 0.33.0")
+
+
+if __name__ == "__main__":
+    main()
