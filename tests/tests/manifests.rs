@@ -1004,6 +1004,28 @@ fn oci_layout_has_correct_digests_and_the_shape_istio_and_eg_accept() {
         }
     }
 
+    // Where skopeo is installed (not by `make setup`), a real OCI client reads the archive and
+    // copies it without changing the manifest digest, i.e. a push keeps the pinned digest.
+    if Command::new("skopeo")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        let copy = dir.join("skopeo-copy");
+        let _ = std::fs::remove_dir_all(&copy);
+        let mut cmd = Command::new("skopeo");
+        cmd.arg("copy")
+            .arg(format!("oci-archive:{}", tar.display()))
+            .arg(format!("oci:{}:copied", copy.display()));
+        let o = run(cmd, "skopeo copy", Duration::from_secs(60));
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let index: Value = serde_json::from_slice(
+            &std::fs::read(copy.join("index.json")).expect("copied index.json"),
+        )
+        .expect("JSON");
+        assert_eq!(index["manifests"][0]["digest"], json!(digest));
+    }
+
     // Bad input is refused with a reason, and leaves no output behind.
     let not_wasm = dir.join("not.wasm");
     std::fs::write(&not_wasm, b"MZ\x90\0 definitely not wasm").expect("write");
