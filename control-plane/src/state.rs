@@ -351,6 +351,12 @@ impl State {
         f(status)
     }
 
+    /// Whether any endpoint's KV-event stream is connected (else precise scoring cannot help,
+    /// and tokenising a precise route's prompt would be wasted work).
+    pub fn any_event_stream(&self) -> bool {
+        self.kv_streams.lock().values().any(|s| s.connected)
+    }
+
     /// Every subscribed endpoint's KV-stream status, by address.
     pub fn kv_streams(&self) -> Vec<KvStreamStatus> {
         self.kv_streams.lock().values().cloned().collect()

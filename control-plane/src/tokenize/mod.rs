@@ -152,6 +152,9 @@ impl Precise {
         if matches!(self.backend, Backend::None) {
             return Some("no_tokenizer");
         }
+        if !state.any_event_stream() {
+            return Some("no_event_stream");
+        }
         let started = Instant::now();
         let result = self.tokenize(state, request.api, &text).await;
         let t = state.telemetry();
@@ -269,6 +272,7 @@ fn token_id_prompt(prompt: Option<&Value>) -> Option<Vec<u32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{EndpointConfig, PreciseSettings};
 
     #[test]
     fn token_id_prompts() {
@@ -279,5 +283,112 @@ mod tests {
         assert_eq!(token_id_prompt(Some(&v("[\"a\"]"))), None);
         assert_eq!(token_id_prompt(Some(&v("[-1]"))), None);
         assert_eq!(token_id_prompt(Some(&v("\"text\""))), None);
+    }
+
+    fn config(models: bool, tokenizer: TokenizerBackend) -> Config {
+        let endpoint = |a: &str| EndpointConfig {
+            address: a.into(),
+            model: models.then(|| "base".to_string()),
+            ..Default::default()
+        };
+        Config {
+            endpoints: vec![endpoint("10.0.0.1:80"), endpoint("10.0.0.2:80")],
+            precise: PreciseSettings {
+                tokenizer,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn state() -> State {
+        State::new(
+            Default::default(),
+            &["10.0.0.1:80".to_string(), "10.0.0.2:80".to_string()],
+            4,
+            1,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn seeds_follow_the_events_naming() {
+        let s = state();
+        let with = Precise::from_config(&config(true, TokenizerBackend::None)).unwrap();
+        assert_eq!(with.seed_model(&s, "base"), "base");
+        assert_eq!(with.seed_model(&s, "adapter"), "adapter");
+        let without = Precise::from_config(&config(false, TokenizerBackend::None)).unwrap();
+        assert_eq!(without.seed_model(&s, "base"), "");
+        let mut partial = true;
+        s.apply_kv_batch(
+            "10.0.0.1:80",
+            "",
+            &[scorer_core::precise::KvEvent::BlockStored {
+                block_hashes: vec![1],
+                parent_block_hash: None,
+                token_ids: vec![0; 16],
+                block_size: 16,
+                lora_name: Some("adapter".into()),
+                medium: scorer_core::precise::Medium::Gpu,
+            }],
+            &mut partial,
+        );
+        assert_eq!(without.seed_model(&s, "adapter"), "adapter");
+    }
+
+    #[tokio::test]
+    async fn prepare_says_why_a_request_stays_approximate() {
+        let s = state();
+        let request = || RouteRequest {
+            model: "base".into(),
+            prompt_text: Some(r#"{"model":"base","prompt":[1,2,3]}"#.into()),
+            ..Default::default()
+        };
+        let none = Precise::from_config(&config(true, TokenizerBackend::None)).unwrap();
+        let mut r = request();
+        assert_eq!(none.prepare(&s, &mut r).await, Some("no_tokenizer"));
+        assert!(r.prompt_text.is_none() && r.token_block_hashes.is_empty());
+
+        let remote = Precise::from_config(&config(true, TokenizerBackend::Remote)).unwrap();
+        assert_eq!(
+            remote.prepare(&s, &mut request()).await,
+            Some("no_event_stream")
+        );
+        s.kv_stream("10.0.0.1:80", |st| st.connected = true);
+        // Token-id prompts need no tokenizer call.
+        let mut r = request();
+        r.prompt_text = Some(format!(
+            r#"{{"model":"base","prompt":{:?}}}"#,
+            (0..40).collect::<Vec<u32>>()
+        ));
+        assert_eq!(remote.prepare(&s, &mut r).await, Some("precise"));
+        assert_eq!(r.prompt_tokens, 40);
+        let ids: Vec<u32> = (0..40).collect();
+        assert_eq!(
+            r.token_block_hashes,
+            token_block_hashes(model_seed("base"), &ids, 16)
+        );
+        for bad in [
+            r#"not json"#,
+            r#"{"model":"base"}"#,
+            r#"{"messages":3}"#,
+            r#"{"prompt":{}}"#,
+        ] {
+            let mut r = request();
+            r.prompt_text = Some(bad.into());
+            assert_eq!(
+                remote.prepare(&s, &mut r).await,
+                Some("tokenize_error"),
+                "{bad}"
+            );
+            assert!(r.token_block_hashes.is_empty());
+        }
+        assert!(
+            remote
+                .prepare(&s, &mut RouteRequest::default())
+                .await
+                .is_none(),
+            "approximate requests are left alone"
+        );
     }
 }
