@@ -152,10 +152,9 @@ function renderDecisions(data) {
       el("td", {}, el("span", { class: `badge ${d.reason}` }, d.reason)),
       el("td", {}, d.endpoints[0] || "–"),
       el("td", { class: "num" }, num(d.cached_blocks)),
-      el("td", { class: "muted" }, d.endpoints.slice(1).join(", ")),
     ));
   if (rows.length === 0) {
-    rows.push(el("tr", {}, el("td", { colspan: 5, class: "muted" }, "no decisions yet")));
+    rows.push(el("tr", {}, el("td", { colspan: 4, class: "muted" }, "no decisions yet")));
   }
   document.querySelector("#decisions tbody").replaceChildren(...rows);
 }
@@ -172,8 +171,8 @@ async function select(id) {
       body.replaceChildren(el("p", { class: "error" }, d.error || `HTTP ${resp.status}`));
       return;
     }
-    const head = el("tr", {}, ...["endpoint", "cached blk", "cached tok", "uncached tok", "queue ms",
-      "prefill ms", "decode ms", "kv ms", "total ms", "in flight", "scored", "guarded"]
+    const head = el("tr", {}, ...["endpoint", "cached blk", "cached tok", "uncached", "queue",
+      "prefill", "decode", "kv", "total ms", "in flight", ""]
       .map((h, i) => el("th", { class: i === 0 ? "" : "num" }, h)));
     const rows = d.candidates.map((c, i) =>
       el("tr", { class: i === 0 ? "chosen" : "" },
@@ -187,14 +186,15 @@ async function select(id) {
         el("td", { class: "num" }, num(c.kv_ms, 1)),
         el("td", { class: "num" }, num(c.total_ms, 1)),
         el("td", { class: "num" }, num(c.inflight)),
-        el("td", { class: "num" }, c.precise ? "precise" : "approx"),
-        el("td", { class: "num" }, c.guarded ? "yes" : ""),
+        el("td", { class: "muted" }, (c.precise ? "precise" : "approx") + (c.guarded ? " · guarded" : "")),
       ));
     const r = d.response;
     body.replaceChildren(
       el("p", {}, "reason ", el("span", { class: `badge ${r.reason}` }, r.reason),
         ` · sent to ${r.endpoints.join(", ") || "nobody (fail open)"} · ${num(r.cached_blocks)} cached blocks`),
       el("table", { id: "candidates" }, el("thead", {}, head), el("tbody", {}, ...rows)),
+      el("p", { class: "muted small" }, "Times in ms. Best first; the first row was chosen, the next ",
+        "ones are the fallbacks Envoy tries if it cannot connect."),
     );
   } catch (err) {
     body.replaceChildren(el("p", { class: "error" }, `cannot load decision ${id}: ${err}`));
