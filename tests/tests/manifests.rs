@@ -32,8 +32,9 @@ const MANIFEST_DIRS: [&str; 3] = [
     "envoy-config/envoy-gateway",
 ];
 /// Kustomizations that must render.
-const KUSTOMIZATIONS: [&str; 6] = [
+const KUSTOMIZATIONS: [&str; 7] = [
     "envoy-config/kubernetes/base",
+    "envoy-config/kubernetes/envoy",
     "envoy-config/kubernetes/overlays/precise",
     "envoy-config/kubernetes/overlays/inferencepool",
     "envoy-config/kubernetes/overlays/dns",
@@ -213,6 +214,10 @@ fn every_manifest_parses_and_names_itself() {
             if file.file_name().is_some_and(|n| n == "control-plane.yaml") {
                 continue;
             }
+            if file.file_name().is_some_and(|n| n == "envoy.yaml") {
+                assert!(doc["static_resources"].is_object(), "{}", rel(&file));
+                continue;
+            }
             let kind = doc["kind"].as_str().unwrap_or_default();
             assert!(!kind.is_empty(), "{}: document without kind", rel(&file));
             assert!(
@@ -338,7 +343,7 @@ fn kustomizations_render_and_kubernetes_objects_validate_against_schemas() {
         .into_iter()
         .filter(|p| {
             let name = p.file_name().unwrap_or_default();
-            name != "kustomization.yaml" && name != "control-plane.yaml"
+            name != "kustomization.yaml" && name != "control-plane.yaml" && name != "envoy.yaml"
         })
         .collect();
     let mut cmd = Command::new(&validator);
@@ -828,6 +833,100 @@ fn envoy_gateway_fragments_pass_envoy_validate() {
         "clusters": [vllm, cp]
     }});
     envoy_validate("envoy-gateway", &bootstrap);
+}
+
+/// The plain-Envoy-on-Kubernetes bootstrap, with the module path pointed at the local build,
+/// and its names checked against the objects they refer to.
+#[test]
+fn kubernetes_envoy_bootstrap_passes_envoy_validate() {
+    let objects = objects();
+    let wasm_file = locate_wasm().unwrap_or_else(|e| panic!("{e}"));
+    let path = root().join("envoy-config/kubernetes/envoy/envoy.yaml");
+    let docs = parse_docs(&read(&path), &rel(&path));
+    let mut bootstrap = docs.into_iter().next().expect("one document");
+    let hcm = &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let config = hcm["http_filters"][0]["typed_config"]["config"].clone();
+    let module = s(&config, "/vm_config/code/local/filename").to_string();
+    let plugin = kvroute_filter::config::FilterConfig::from_json(
+        s(&config, "/configuration/value").as_bytes(),
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", rel(&path)));
+    assert_eq!(config["allow_on_headers_stop_iteration"], true);
+    assert_eq!(s(&config, "/failure_policy"), "FAIL_OPEN");
+
+    // The module is mounted where the config looks for it.
+    let d = find(&objects, "Deployment", "kvroute-envoy");
+    let pod = &d["spec"]["template"]["spec"];
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .expect("mounts")
+        .iter()
+        .find(|m| module.starts_with(s(m, "/mountPath")))
+        .expect("a mount holding the module");
+    let volume = pod["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .expect("the module's volume");
+    assert_eq!(s(volume, "/configMap/name"), "kvroute-filter");
+
+    // Clusters: the control plane's Service, and the vLLM pods' headless Service on the port
+    // discovery uses.
+    let clusters = bootstrap["static_resources"]["clusters"]
+        .as_array()
+        .expect("clusters");
+    let cluster = |name: &str| -> &Value {
+        clusters
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("no cluster {name}"))
+    };
+    let addr = |c: &Value| -> (String, u64) {
+        let a = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+        (
+            s(a, "/address").to_string(),
+            a["port_value"].as_u64().unwrap_or(0),
+        )
+    };
+    let svc = find(&objects, "Service", "kvroute-control-plane");
+    assert_eq!(
+        addr(cluster(&plugin.control_plane_cluster)),
+        (
+            format!(
+                "{}.{}.svc.cluster.local",
+                s(svc, "/metadata/name"),
+                s(svc, "/metadata/namespace")
+            ),
+            svc["spec"]["ports"][0]["port"].as_u64().unwrap_or(0)
+        )
+    );
+    let vllm = cluster("vllm");
+    assert_eq!(s(vllm, "/type"), "STRICT_DNS");
+    assert!(
+        vllm["load_balancing_policy"]
+            .to_string()
+            .contains(&plugin.destination_header)
+    );
+    let headless = find(&objects, "Service", "vllm-llama3-headless");
+    assert_eq!(s(headless, "/spec/clusterIP"), "None");
+    assert_eq!(
+        addr(vllm),
+        (
+            format!(
+                "{}.{}.svc.cluster.local",
+                s(headless, "/metadata/name"),
+                s(headless, "/metadata/namespace")
+            ),
+            8000
+        )
+    );
+
+    let module_json = json!(wasm_file.display().to_string());
+    bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"][0]["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] =
+        module_json;
+    envoy_validate("kubernetes-envoy", &bootstrap);
 }
 
 // ---------------------------------------------------------------------------------------------
