@@ -10,7 +10,8 @@ ENVOY_VERSION := 1.40.0
 KUBECTL_VERSION := 1.37.1
 KUBERNETES_VALIDATE_VERSION := 1.37.0
 WASM_TARGET := wasm32-unknown-unknown
-WASM := target/$(WASM_TARGET)/release/kvroute_filter.wasm
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+WASM := $(TARGET_DIR)/$(WASM_TARGET)/release/kvroute_filter.wasm
 
 .PHONY: all setup wasm build test demo lint fmt clean-logs
 
@@ -49,8 +50,10 @@ build: wasm
 test: setup wasm
 	$(CARGO) test --workspace
 
+# Envoy+kvroute vs Envoy round robin on fresh simulated fleets; prints one table and writes
+# $(TARGET_DIR)/kvroute-demo/summary.json.
 demo: setup build
-	target/release/kvroute-demo
+	$(TARGET_DIR)/release/kvroute-demo
 
 lint: setup
 	$(CARGO) fmt --all -- --check
@@ -61,7 +64,7 @@ fmt:
 	$(CARGO) fmt --all
 
 clean-logs:
-	rm -rf target/e2e-logs target/kvroute-demo
+	rm -rf $(TARGET_DIR)/e2e-logs $(TARGET_DIR)/kvroute-demo
 
 # The filter as an OCI image layout tarball (Wasm image spec "oci" variant) for Istio and Envoy
 # Gateway, built without Docker; push it with skopeo/oras/crane (docs/DEPLOY.md).
