@@ -72,6 +72,10 @@ pub struct FilterConfig {
     pub max_queued_outcomes: usize,
     /// Optional shared secret sent as `x-kvroute-token`.
     pub auth_token: Option<String>,
+    /// Whether a request carrying `x-kvroute-explain: 1` gets an `x-kvroute-decision` response
+    /// header (decision id, reason, endpoint, cached blocks). Off by default: the header tells
+    /// clients which replica served them.
+    pub allow_explain: bool,
     /// Which paths are inference paths.
     pub routes: Vec<RouteRule>,
 }
@@ -89,6 +93,7 @@ impl Default for FilterConfig {
             max_body_bytes: 4 * 1024 * 1024,
             max_queued_outcomes: 4096,
             auth_token: None,
+            allow_explain: false,
             routes: vec![
                 RouteRule {
                     path: "/v1/chat/completions".into(),
@@ -228,7 +233,7 @@ mod tests {
         let c = FilterConfig::from_json(
             br#"{"control_plane_cluster":"cp","control_plane_authority":"a","route_timeout_ms":20,
             "destination_header":"x-dest","block_bytes":64,"feedback_interval_ms":100,
-            "max_body_bytes":1000,"auth_token":"s3cret",
+            "max_body_bytes":1000,"auth_token":"s3cret","allow_explain":true,
             "routes":[{"path":"/chat","api":"chat"}]}"#,
         )
         .unwrap();
@@ -236,6 +241,8 @@ mod tests {
         assert_eq!(c.route_timeout_ms, 20);
         assert_eq!(c.block_bytes, 64);
         assert_eq!(c.auth_token.as_deref(), Some("s3cret"));
+        assert!(c.allow_explain);
+        assert!(!FilterConfig::default().allow_explain);
         assert_eq!(c.api_for_path("/chat?x=1"), Some(ApiKind::Chat));
         assert_eq!(c.api_for_path("/v1/chat/completions"), None);
         assert_eq!(
@@ -286,6 +293,7 @@ mod tests {
             r#"{"routes":[{"path":"chat","api":"chat"}]}"#,
             r#"{"routes":[{"path":"/chat","api":"embeddings"}]}"#,
             r#"{"control_plane_cluster":""}"#,
+            r#"{"allow_explain":"yes"}"#,
         ] {
             assert!(FilterConfig::from_json(bad.as_bytes()).is_err(), "{bad}");
         }

@@ -37,6 +37,7 @@ struct Metrics {
     feedback_sent: Option<u32>,
     feedback_failed: Option<u32>,
     route_latency_ms: Option<u32>,
+    hash_duration_us: Option<u32>,
 }
 
 impl Metrics {
@@ -53,6 +54,11 @@ impl Metrics {
             route_latency_ms: hostcalls::define_metric(
                 MetricType::Histogram,
                 "kvroute_route_latency_ms",
+            )
+            .ok(),
+            hash_duration_us: hostcalls::define_metric(
+                MetricType::Histogram,
+                "kvroute_hash_duration_us",
             )
             .ok(),
         }
@@ -100,6 +106,14 @@ fn now_ms() -> u64 {
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The host clock in nanoseconds (Envoy: the system clock, read at call time).
+fn now_ns() -> Option<u64> {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .and_then(|d| u64::try_from(d.as_nanos()).ok())
 }
 
 fn status_of(map: MapType) -> Option<u16> {
@@ -298,6 +312,15 @@ impl Request {
                         let _ = hostcalls::record_metric(id, ms);
                     }
                 }
+                Effect::HashMicros(us) => {
+                    if let Some(id) = self
+                        .shared
+                        .as_ref()
+                        .and_then(|s| s.borrow().metrics.hash_duration_us)
+                    {
+                        let _ = hostcalls::record_metric(id, us);
+                    }
+                }
             }
         }
         action
@@ -312,7 +335,9 @@ impl Request {
             BodyStep::Step(step) => step,
             BodyStep::ReadBody(len) => {
                 match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, len) {
-                    Ok(body) => machine.on_body_complete(&body.unwrap_or_default(), now_ms()),
+                    Ok(body) => {
+                        machine.on_body_complete_timed(&body.unwrap_or_default(), now_ms(), now_ns)
+                    }
                     Err(_) => machine.on_body_read_failed(),
                 }
             }
@@ -410,6 +435,16 @@ impl HttpContext for Request {
         let Some(machine) = self.machine.as_mut() else {
             return HostAction::Continue;
         };
+        if let Some(value) = machine.decision_header() {
+            let set = hostcalls::set_map_value(
+                MapType::HttpResponseHeaders,
+                crate::machine::DECISION_HEADER,
+                Some(value),
+            );
+            if let Err(status) = set {
+                warn!("kvroute: cannot set the explain header: {status:?}");
+            }
+        }
         if machine.wants_response_body() {
             let status = status_of(MapType::HttpResponseHeaders);
             let upstream = hostcalls::get_property(vec!["upstream", "address"])

@@ -19,7 +19,7 @@
 //! `{"control_plane_cluster":"kvroute_control_plane","control_plane_authority":"kvroute-control-plane",
 //!   "route_timeout_ms":50,"destination_header":"x-gateway-destination-endpoint","block_bytes":256,
 //!   "feedback_interval_ms":200,"feedback_timeout_ms":1000,"max_body_bytes":4194304,
-//!   "max_queued_outcomes":4096,"auth_token":null,
+//!   "max_queued_outcomes":4096,"auth_token":null,"allow_explain":false,
 //!   "routes":[{"path":"/v1/chat/completions","api":"chat","mode":"approximate"},
 //!             {"path":"/v1/completions","api":"completion","mode":"approximate"}]}`
 //!

@@ -25,6 +25,12 @@ use crate::usage::UsageScanner;
 pub const SESSION_HEADER: &str = "x-session-id";
 /// Disaggregated-prefill header that only the router may set; clients' copies are removed.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+/// Request header asking for the explain header (`1`); honoured only with `allow_explain`.
+pub const EXPLAIN_HEADER: &str = "x-kvroute-explain";
+/// Response header explaining the routing decision; a client-sent copy is always removed.
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+/// Longest `reason` copied from the control plane into the explain header.
+const MAX_REASON_BYTES: usize = 32;
 /// Longest session key forwarded to the control plane.
 const MAX_SESSION_BYTES: usize = 256;
 /// Chat request fields that decide the engine's prompt tokens (template input and options).
@@ -63,6 +69,19 @@ pub enum SkipReason {
     TooLarge,
     /// The request has no body.
     NoBody,
+}
+
+impl SkipReason {
+    /// Stable snake_case name (the explain header's `skip=`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::NotPost => "not_post",
+            SkipReason::ContentEncoding => "content_encoding",
+            SkipReason::NotJson => "not_json",
+            SkipReason::TooLarge => "too_large",
+            SkipReason::NoBody => "no_body",
+        }
+    }
 }
 
 /// Why a request that should have been routed was released unrouted (fail open).
@@ -158,6 +177,8 @@ pub enum Effect {
     Count(Counter),
     /// Record the route call's round trip.
     RouteLatencyMs(u64),
+    /// Record how long canonicalising and hashing the prompt took (host clock, microseconds).
+    HashMicros(u64),
 }
 
 /// The host's instructions for one callback: what to return and what to do first.
@@ -231,6 +252,10 @@ pub struct RequestMachine {
     first_byte_ms: Option<u64>,
     usage: UsageScanner,
     finished: bool,
+    /// The client asked for the explain header and the configuration allows it.
+    explain: bool,
+    /// The explain header's value, once the request's fate is known.
+    decision: Option<String>,
 }
 
 impl RequestMachine {
@@ -247,6 +272,8 @@ impl RequestMachine {
             first_byte_ms: None,
             usage: UsageScanner::default(),
             finished: false,
+            explain: false,
+            decision: None,
         }
     }
 
@@ -268,7 +295,7 @@ impl RequestMachine {
         let mut content_length = None;
         for (name, value) in headers {
             let is = |n: &str| name.eq_ignore_ascii_case(n);
-            if is(&self.config.destination_header) || is(PREFILLER_HEADER) {
+            if is(&self.config.destination_header) || is(PREFILLER_HEADER) || is(DECISION_HEADER) {
                 let name = name.to_ascii_lowercase();
                 if !effects.contains(&Effect::RemoveRequestHeader(name.clone())) {
                     effects.push(Effect::RemoveRequestHeader(name));
@@ -283,6 +310,8 @@ impl RequestMachine {
                 content_type = Some(value);
             } else if is("content-length") {
                 content_length = Some(value);
+            } else if is(EXPLAIN_HEADER) {
+                self.explain = self.config.allow_explain && value.trim_ascii() == b"1";
             } else if is(SESSION_HEADER) && !value.is_empty() {
                 let value = &value[..value.len().min(MAX_SESSION_BYTES)];
                 self.session = Some(String::from_utf8_lossy(value).into_owned());
@@ -314,6 +343,9 @@ impl RequestMachine {
             None
         };
         if let Some(reason) = skip {
+            if self.explain {
+                self.decision = Some(format!("reason=skipped; skip={}", reason.as_str()));
+            }
             effects.push(Effect::Count(Counter::Skipped(reason)));
             return Step::go(effects);
         }
@@ -355,17 +387,37 @@ impl RequestMachine {
 
     /// The whole body: canonicalise and hash it and ask the host to dispatch the route call.
     pub fn on_body_complete(&mut self, body: &[u8], now_ms: u64) -> Step {
+        self.on_body_complete_timed(body, now_ms, || None)
+    }
+
+    /// [`RequestMachine::on_body_complete`], timing the prompt's canonicalisation and hashing
+    /// with `clock_ns` (the host clock in nanoseconds, `None` when unreadable). A routable
+    /// prompt's step then starts with [`Effect::HashMicros`].
+    pub fn on_body_complete_timed(
+        &mut self,
+        body: &[u8],
+        now_ms: u64,
+        mut clock_ns: impl FnMut() -> Option<u64>,
+    ) -> Step {
         let Phase::Buffering(api) = self.phase else {
             return Step::go(Vec::new());
         };
         if body.len() > self.config.max_body_bytes {
             return self.fail_open(FailKind::BodyTooLarge, false);
         }
-        match self.route_request(api, body) {
+        let started = clock_ns();
+        let request = self.route_request(api, body);
+        let elapsed = match (started, clock_ns()) {
+            (Some(a), Some(b)) => Some(Effect::HashMicros(b.saturating_sub(a) / 1_000)),
+            _ => None,
+        };
+        match request {
             Ok(request) => match serde_json::to_vec(&request) {
                 Ok(body) => {
                     self.phase = Phase::Dispatching { started_ms: now_ms };
-                    Step::hold(vec![Effect::DispatchRoute { body }])
+                    let mut effects: Vec<Effect> = elapsed.into_iter().collect();
+                    effects.push(Effect::DispatchRoute { body });
+                    Step::hold(effects)
                 }
                 Err(_) => self.fail_open(FailKind::BodyParse, false),
             },
@@ -439,6 +491,15 @@ impl RequestMachine {
                 Ok(r) if !r.endpoints.iter().all(|e| is_endpoint(e)) => FailKind::BadResponse,
                 Ok(r) => {
                     let value = r.endpoints.join(",");
+                    if self.explain {
+                        self.decision = Some(format!(
+                            "id={}; reason={}; endpoint={}; cached_blocks={}",
+                            r.decision_id,
+                            header_token(&r.reason),
+                            r.endpoints[0],
+                            r.cached_blocks
+                        ));
+                    }
                     self.routed = Some(Routed {
                         decision_id: r.decision_id,
                         endpoint: r.endpoints.into_iter().next().unwrap_or_default(),
@@ -474,6 +535,9 @@ impl RequestMachine {
     /// a callback (after an asynchronous answer) and must be resumed explicitly.
     fn fail_open(&mut self, kind: FailKind, resume: bool) -> Step {
         self.phase = Phase::Released;
+        if self.explain {
+            self.decision = Some(format!("reason=fail_open; error={}", kind.as_str()));
+        }
         let mut effects = Vec::with_capacity(2);
         if resume {
             effects.push(Effect::ResumeRequest);
@@ -490,6 +554,12 @@ impl RequestMachine {
         if let Some(upstream) = upstream.filter(|u| !u.is_empty()) {
             self.upstream = Some(truncate(upstream, 128));
         }
+    }
+
+    /// The `x-kvroute-decision` value to add to the response, when the client asked for it, the
+    /// configuration allows it and the request was an inference request.
+    pub fn decision_header(&self) -> Option<&str> {
+        self.decision.as_deref()
     }
 
     /// Whether the host should pass response body chunks (only routed requests are reported).
@@ -580,6 +650,21 @@ fn truncate(s: &str, max: usize) -> String {
         end -= 1;
     }
     s[..end].to_owned()
+}
+
+/// `reason` reduced to a safe header token: `[a-z0-9_:.-]`, at most [`MAX_REASON_BYTES`].
+fn header_token(reason: &str) -> String {
+    let token: String = reason
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || "_:.-".contains(*c))
+        .take(MAX_REASON_BYTES)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    if token.is_empty() {
+        "unknown".into()
+    } else {
+        token
+    }
 }
 
 /// A plausible `host:port` for a header value: visible ASCII, no separators.
@@ -1044,6 +1129,123 @@ mod tests {
         assert_eq!(
             (o.prompt_tokens, o.completion_tokens, o.cached_tokens),
             (Some(5), Some(1), None)
+        );
+    }
+
+    fn explaining() -> RequestMachine {
+        RequestMachine::new(Rc::new(FilterConfig {
+            allow_explain: true,
+            ..FilterConfig::default()
+        }))
+    }
+
+    #[test]
+    fn explain_header_names_the_decision_when_asked_and_allowed() {
+        let mut m = explaining();
+        to_dispatch(&mut m, &[("x-kvroute-explain", " 1 ")], &chat_body("hi"));
+        m.on_route_response(Some(200), &answer(&["10.0.0.1:8000", "10.0.0.2:8000"]), 110);
+        assert_eq!(
+            m.decision_header(),
+            Some("id=42; reason=prefix; endpoint=10.0.0.1:8000; cached_blocks=1")
+        );
+
+        // Asked but not allowed, allowed but not asked, or asked with another value: nothing.
+        for (mut m, extra) in [
+            (machine(), vec![("x-kvroute-explain", "1")]),
+            (explaining(), vec![]),
+            (explaining(), vec![("x-kvroute-explain", "yes")]),
+        ] {
+            to_dispatch(&mut m, &extra, &chat_body("hi"));
+            m.on_route_response(Some(200), &answer(&["10.0.0.1:8000"]), 110);
+            assert_eq!(m.decision_header(), None, "{extra:?}");
+        }
+    }
+
+    #[test]
+    fn explain_header_tells_fail_open_and_skip_apart() {
+        let mut m = explaining();
+        to_dispatch(&mut m, &[("x-kvroute-explain", "1")], &chat_body("hi"));
+        m.on_route_response(Some(504), b"", 110);
+        assert_eq!(m.decision_header(), Some("reason=fail_open; error=timeout"));
+
+        let mut m = explaining();
+        let h = [
+            (":method", "GET"),
+            (":path", CHAT),
+            ("x-kvroute-explain", "1"),
+        ];
+        m.on_request_headers(headers(&h), true);
+        assert_eq!(m.decision_header(), Some("reason=skipped; skip=not_post"));
+
+        let mut m = explaining();
+        let h = [
+            (":method", "GET"),
+            (":path", "/v1/models"),
+            ("x-kvroute-explain", "1"),
+        ];
+        m.on_request_headers(headers(&h), true);
+        assert_eq!(m.decision_header(), None, "not an inference path");
+    }
+
+    #[test]
+    fn client_sent_decision_header_is_removed_and_reason_is_sanitised() {
+        let mut m = explaining();
+        let mut h = post(CHAT);
+        h.push(("X-Kvroute-Decision", "id=1; endpoint=6.6.6.6:1"));
+        let step = m.on_request_headers(headers(&h), false);
+        assert!(
+            step.effects
+                .contains(&Effect::RemoveRequestHeader("x-kvroute-decision".into())),
+            "{step:?}"
+        );
+
+        let mut m = explaining();
+        to_dispatch(&mut m, &[("x-kvroute-explain", "1")], &chat_body("hi"));
+        let body = serde_json::to_vec(&RouteResponse {
+            decision_id: 7,
+            endpoints: vec!["10.0.0.1:8000".into()],
+            cached_blocks: 0,
+            reason: "Lo\r\nad; x=1 ".repeat(10),
+        })
+        .unwrap();
+        m.on_route_response(Some(200), &body, 110);
+        let value = m.decision_header().unwrap();
+        assert!(value.starts_with("id=7; reason=loadx1loadx1"), "{value}");
+        assert!(
+            value.bytes().all(|b| b.is_ascii_graphic() || b == b' '),
+            "{value}"
+        );
+    }
+
+    #[test]
+    fn hashing_is_timed_with_the_host_clock() {
+        let mut m = machine();
+        m.on_request_headers(headers(&post(CHAT)), false);
+        let body = chat_body(&"abc ".repeat(500));
+        m.on_request_body(body.len(), true);
+        let mut reads = [1_000_000u64, 1_250_999].into_iter();
+        let step = m.on_body_complete_timed(&body, 5, || reads.next());
+        assert_eq!(step.action, Action::Pause);
+        assert_eq!(step.effects[0], Effect::HashMicros(250));
+        assert!(matches!(step.effects[1], Effect::DispatchRoute { .. }));
+
+        // No clock, no measurement; an unparseable body records none either.
+        let mut m = machine();
+        m.on_request_headers(headers(&post(CHAT)), false);
+        m.on_request_body(body.len(), true);
+        let step = m.on_body_complete_timed(&body, 5, || None);
+        assert!(matches!(step.effects[..], [Effect::DispatchRoute { .. }]));
+        let mut m = machine();
+        m.on_request_headers(headers(&post(CHAT)), false);
+        m.on_request_body(3, true);
+        let mut t = 0;
+        let step = m.on_body_complete_timed(b"{x]", 5, || {
+            t += 1_000;
+            Some(t)
+        });
+        assert_eq!(
+            step.effects,
+            vec![Effect::Count(Counter::FailOpen(FailKind::BodyParse))]
         );
     }
 }
