@@ -638,3 +638,234 @@ async fn shutdown_releases_hung_requests() {
     let r = hung.await.unwrap().expect("answered");
     assert_eq!(r.status, 503);
 }
+
+/// `name{labels} value` of the first sample whose line starts with `prefix`, or 0.
+fn sample(page: &str, prefix: &str) -> f64 {
+    page.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn speed_scales_wall_time_not_simulated_time() {
+    use kvroute_tests::sim::{Engine, EngineConfig, EngineRequest, Profile, RequestEvent};
+
+    let sim = start(&["--speed", "10"]).await;
+    let c = HttpClient::new();
+    let base = sim.url();
+    let prompt: Vec<String> = (0..2000).map(|i| format!("p{i}")).collect();
+    let prompt = prompt.join(" ");
+    let max_tokens = 400;
+    let tokens: Vec<u32> = json_body(
+        &post(
+            &c,
+            &format!("{base}/tokenize"),
+            json!({"prompt": prompt.clone()}),
+        )
+        .await,
+    )["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(tokens.len(), 2000);
+
+    // The same request in a bare engine with the same (default) profile: simulated timings.
+    let mut engine = Engine::new(EngineConfig::new(Profile::llama8b_h100())).unwrap();
+    engine
+        .add_request(EngineRequest {
+            id: 1,
+            prompt_tokens: tokens,
+            max_output_tokens: max_tokens,
+            lora: None,
+            arrival_s: 0.0,
+        })
+        .unwrap();
+    let mut now = 0.0;
+    let mut summary = None;
+    while engine.has_work() {
+        let out = engine.step(now);
+        now = out.end_s;
+        for ev in out.events {
+            if let RequestEvent::Finished { summary: s, .. } = ev {
+                summary = Some(s);
+            }
+        }
+    }
+    let summary = summary.expect("finished");
+    let sim_e2e = summary.finished_s - summary.arrival_s;
+    let sim_ttft = summary.first_token_s - summary.arrival_s;
+    assert!(sim_e2e > 2.0, "a long enough run to time: {sim_e2e}");
+
+    let started = std::time::Instant::now();
+    let r = post(
+        &c,
+        &format!("{base}/v1/completions"),
+        json!({"prompt": prompt, "max_tokens": max_tokens}),
+    )
+    .await;
+    let wall = started.elapsed().as_secs_f64();
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Ten simulated seconds per wall second: never faster, and far from real time.
+    assert!(
+        wall >= sim_e2e / 10.0 * 0.95,
+        "wall {wall} for sim {sim_e2e}"
+    );
+    assert!(wall < sim_e2e / 10.0 + 1.0, "wall {wall} for sim {sim_e2e}");
+
+    // The latency metrics are in simulated seconds and match the engine's own timings (up to
+    // a slip forward if a loaded machine stalled the driver by more than 50 ms of wall time).
+    let page = c.get(&format!("{base}/metrics"), T).await.unwrap().body;
+    let l = "{model_name=\"sim-llama\",engine=\"0\"}";
+    let e2e = sample(&page, &format!("vllm:e2e_request_latency_seconds_sum{l}"));
+    let ttft = sample(&page, &format!("vllm:time_to_first_token_seconds_sum{l}"));
+    assert!(
+        e2e > 0.98 * sim_e2e && e2e < 1.5 * sim_e2e,
+        "e2e {e2e} vs {sim_e2e}"
+    );
+    assert!(
+        ttft > 0.98 * sim_ttft - 0.01 && ttft < 1.5 * sim_ttft + 0.1,
+        "ttft {ttft} vs {sim_ttft}"
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_real_tokenizer_and_chat_template_keep_chat_turns_cached() {
+    use kvroute_tests::sim::tokenizer::{CHATML_JINJA, SPECIAL_TOKENS, train_byte_level_bpe};
+
+    let corpus = [
+        "You are a terse assistant. Answer in one line.",
+        "Explain how a prefix cache helps the next turn of a conversation.",
+        "the of and to in is was that for on with as by at from it an be this are",
+        "which or have not has but were had their one all been can more its new other",
+        "Thanks! And how does the router pick a replica for each request?",
+    ];
+    let json = train_byte_level_bpe(&corpus, 400, &SPECIAL_TOKENS).unwrap();
+    let dir = std::env::temp_dir().join(format!("kvroute-sim-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), json).unwrap();
+    // The model's own template comes from tokenizer_config.json, as in vLLM.
+    let config = json!({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+                        "chat_template": format!("{{{{ bos_token }}}}{CHATML_JINJA}")});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let sim = start(&["--tokenizer", dir.to_str().unwrap()]).await;
+    let c = HttpClient::new();
+    let base = sim.url();
+
+    let mut messages = vec![
+        json!({"role": "system", "content": corpus[0]}),
+        json!({"role": "user", "content": corpus[1].repeat(4)}),
+    ];
+    let render = |messages: &Vec<Value>| {
+        let c = c.clone();
+        let url = format!("{base}/v1/chat/completions/render");
+        let body = json!({"messages": messages});
+        async move {
+            json_body(&post(&c, &url, body).await)["token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap())
+                .collect::<Vec<u64>>()
+        }
+    };
+    let turn1 = render(&messages).await;
+    assert_eq!(
+        turn1[0], 0,
+        "the template's bos_token is the special token <|endoftext|>"
+    );
+
+    // Streamed and whole answers are the same text.
+    let ask = |messages: &Vec<Value>, stream: bool| {
+        json!({"messages": messages, "max_tokens": 24, "stream": stream,
+               "stream_options": {"include_usage": true}})
+    };
+    let url = format!("{base}/v1/chat/completions");
+    let chunks = sse_chunks(&post(&c, &url, ask(&messages, true)).await.body);
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(
+        usage["prompt_tokens"].as_u64().unwrap() as usize,
+        turn1.len()
+    );
+    let v = json_body(&post(&c, &url, ask(&messages, false)).await);
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(answer, streamed);
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+
+    // Turn 2 carries the answer: turn 1's tokens are its prefix, and the cache covers turn 1
+    // plus the answer's computed tokens.
+    messages.push(json!({"role": "assistant", "content": answer}));
+    messages.push(json!({"role": "user", "content": corpus[4]}));
+    let turn2 = render(&messages).await;
+    assert_eq!(
+        turn2[..turn1.len()],
+        turn1[..],
+        "turn 1 is a token prefix of turn 2"
+    );
+    let v = json_body(&post(&c, &url, ask(&messages, false)).await);
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cached, (turn1.len() as u64 + 23) / 16 * 16);
+
+    // token_strs are vocabulary strings (byte-level BPE's "Ġ" for a space).
+    let tok = json_body(
+        &post(
+            &c,
+            &format!("{base}/tokenize"),
+            json!({"prompt": "Thanks!", "return_token_strs": true}),
+        )
+        .await,
+    );
+    assert!(tok["token_strs"][0].as_str().unwrap().starts_with("Th"));
+    sim.shutdown().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // An inline --chat-template; one that rejects the conversation gives a 400, as in vLLM.
+    let sim = start(&[
+        "--chat-template",
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}\
+         {{ messages[0]['content'] }}",
+    ])
+    .await;
+    let url = format!("{}/v1/chat/completions", sim.url());
+    let r = post(&c, &url, chat("hi", 1, false)).await;
+    assert_eq!(r.status, 400);
+    assert!(
+        json_body(&r)["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("user first"),
+        "{}",
+        r.body
+    );
+    let user_first = json!({"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 1});
+    let v = json_body(&post(&c, &url, user_first).await);
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+    sim.shutdown().await;
+
+    // Unusable files are startup errors that name the file.
+    for bad in [
+        ["--tokenizer", "/nonexistent/tokenizer.json"],
+        ["--chat-template", "/nonexistent/template"],
+    ] {
+        let mut argv = vec!["vllm-sim", "--port", "0"];
+        argv.extend_from_slice(&bad);
+        let err = server::start(SimArgs::try_parse_from(argv).unwrap())
+            .await
+            .err()
+            .expect("startup fails");
+        assert!(err.to_string().contains("/nonexistent"), "{err}");
+    }
+}

@@ -839,6 +839,57 @@ mod tests {
     }
 
     #[test]
+    fn a_partly_cached_prompt_saves_exactly_its_cached_share() {
+        let cfg = EngineConfig::new(Profile::llama8b_h100());
+        let p = cfg.profile.clone();
+        let mut e = Engine::new(cfg).unwrap();
+        // Two 4000-token prompts sharing their first 2000 tokens (125 blocks).
+        let mut a = toks(0..2000);
+        a.extend(10_000..12_000);
+        let mut b = toks(0..2000);
+        b.extend(20_000..22_000);
+        let mut c = toks(30_000..32_000);
+        c.extend(40_000..42_000);
+        e.add_request(req(1, &a, 1)).unwrap();
+        drain(&mut e, 0.0);
+        e.add_request(req(2, &b, 1)).unwrap();
+        let warm = drain(&mut e, 10.0);
+        e.add_request(req(3, &c, 1)).unwrap();
+        let cold = drain(&mut e, 20.0);
+        assert_eq!(summaries(&warm)[&2].cached_tokens, 2000);
+        assert_eq!(summaries(&cold)[&3].cached_tokens, 0);
+        let saved = cold[0].duration_s - warm[0].duration_s;
+        assert!(
+            (saved - 2000.0 / p.prefill_tokens_per_s).abs() < 1e-9,
+            "saved {saved}"
+        );
+        // Time to first token falls by the same amount.
+        let ttft = |o: &[StepOutput], id, start: f64| summaries(o)[&id].first_token_s - start;
+        assert!((ttft(&cold, 3, 20.0) - ttft(&warm, 2, 10.0) - saved).abs() < 1e-9);
+    }
+
+    #[test]
+    fn mixed_prefill_and_decode_step_costs_both() {
+        let cfg = EngineConfig::new(Profile::llama8b_h100());
+        let p = cfg.profile.clone();
+        let slope = (p.decode_step_s_full - p.decode_step_s_min) / p.kv_capacity_tokens as f64;
+        let mut e = Engine::new(cfg).unwrap();
+        e.add_request(req(1, &toks(0..500), 5)).unwrap();
+        let first = e.step(0.0);
+        // Request 1 decodes (1 token, 501 tokens of KV) while request 2 prefills 3000 tokens.
+        e.add_request(req(2, &toks(5000..8000), 5)).unwrap();
+        let mixed = e.step(first.end_s);
+        assert_eq!(mixed.num_scheduled, 2);
+        assert_eq!(mixed.num_batched_tokens, 3001);
+        let want = p.decode_step_s_min + slope * (501.0 + 3000.0) + 3000.0 / p.prefill_tokens_per_s;
+        assert!(
+            (mixed.duration_s - want).abs() < 1e-12,
+            "{}",
+            mixed.duration_s
+        );
+    }
+
+    #[test]
     fn step_time_follows_the_profile() {
         let cfg = EngineConfig::new(Profile::llama8b_h100());
         let p = cfg.profile.clone();
@@ -922,6 +973,81 @@ mod tests {
         // A is still cached.
         e.add_request(req(6, &toks(0..9), 1)).unwrap();
         assert_eq!(summaries(&drain(&mut e, 5.0))[&6].cached_tokens, 8);
+    }
+
+    #[test]
+    fn identical_concurrent_prompts_cache_duplicate_blocks() {
+        let mut e = Engine::new(tiny(8)).unwrap();
+        let prompt = toks(0..9); // two full blocks
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        e.add_request(req(2, &prompt, 1)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        // Admitted in the same step, neither finds the other's blocks...
+        let s = summaries(&outs);
+        assert_eq!((s[&1].cached_tokens, s[&2].cached_tokens), (0, 0));
+        // ...so both cache (and publish) them, as vLLM does.
+        let h = hashes(&prompt, 4);
+        let stored: Vec<Vec<u64>> = outs
+            .iter()
+            .flat_map(|o| &o.kv_events)
+            .filter_map(|e| match e {
+                KvEvent::BlockStored { block_hashes, .. } => Some(block_hashes.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(stored, vec![h[..2].to_vec(), h[..2].to_vec()]);
+        assert_eq!(e.stats().num_cached_blocks, 4);
+        // A later identical prompt hits the first copy.
+        e.add_request(req(3, &prompt, 1)).unwrap();
+        assert_eq!(summaries(&drain(&mut e, 1.0))[&3].cached_tokens, 8);
+        // Pressure evicts both copies, each reported: tail blocks first, request 2's copies
+        // (freed after request 1's, then re-freed by request 3) last.
+        e.add_request(req(4, &toks(100..129), 1)).unwrap();
+        let outs = drain(&mut e, 2.0);
+        let mut got = removed(&outs);
+        assert_eq!(got.len(), 4);
+        got.sort_unstable();
+        let mut want = vec![h[0], h[0], h[1], h[1]];
+        want.sort_unstable();
+        assert_eq!(got, want);
+        assert_eq!(e.stats().num_cached_blocks, 7, "request 4's full blocks");
+    }
+
+    #[test]
+    fn a_preempted_request_is_counted_once_and_recomputes_from_cache() {
+        let mut e = Engine::new(tiny(8)).unwrap();
+        e.add_request(req(1, &toks(0..12), 12)).unwrap();
+        e.add_request(req(2, &toks(100..112), 12)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        let s = summaries(&outs);
+        assert!(s[&2].num_preemptions > 0);
+        // vLLM exports the lookups of first admissions only.
+        let st = e.stats();
+        assert_eq!(st.prefix_cache_queries, 24);
+        assert_eq!(st.prefix_cache_hits, 0);
+        assert_eq!(
+            s[&2].cached_tokens, 0,
+            "cached tokens of the first admission"
+        );
+        // The re-admission reused the blocks request 2 had filled before its preemption:
+        // fewer tokens computed than its prompt plus everything it had generated.
+        // Preempted with 17 tokens (4 full blocks cached), request 2's blocks went to the free
+        // queue tail first; request 1's growth then evicted its two tail blocks, in that order.
+        let done1 = outs
+            .iter()
+            .position(|o| {
+                o.events
+                    .iter()
+                    .any(|e| matches!(e, RequestEvent::Finished { request: 1, .. }))
+            })
+            .unwrap();
+        let mut seq2 = toks(100..112);
+        seq2.extend(outputs(&outs, 2));
+        let h2 = hashes(&seq2, 4);
+        assert_eq!(removed(&outs[..=done1]), vec![h2[3], h2[2]]);
+        // Re-admitted after request 1 finished, it hit the two surviving blocks and computed
+        // the other 17 - 8 = 9 tokens.
+        assert_eq!(outs[done1 + 1].num_batched_tokens, 9);
     }
 
     #[test]
