@@ -184,6 +184,17 @@ impl FilterConfig {
                 format!("path {:?} must start with '/'", rule.path),
             ));
         }
+        // Requests are matched on the path without its query string, so a rule holding '?'
+        // (or a fragment) could never match: refuse it instead of silently never routing.
+        if let Some(rule) = self.routes.iter().find(|r| r.path.contains(['?', '#'])) {
+            return Err(invalid(
+                "routes",
+                format!(
+                    "path {:?} must not contain '?' or '#' (the query string is ignored)",
+                    rule.path
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -291,6 +302,8 @@ mod tests {
             r#"{"auth_token":""}"#,
             r#"{"auth_token":"a b"}"#,
             r#"{"routes":[{"path":"chat","api":"chat"}]}"#,
+            r#"{"routes":[{"path":"/v1/comple?tions","api":"completion"}]}"#,
+            r#"{"routes":[{"path":"/chat#x","api":"chat"}]}"#,
             r#"{"routes":[{"path":"/chat","api":"embeddings"}]}"#,
             r#"{"control_plane_cluster":""}"#,
             r#"{"allow_explain":"yes"}"#,

@@ -12,9 +12,10 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use kvroute_filter::config::FilterConfig;
+use kvroute_filter::config::{FilterConfig, RouteMode};
 use kvroute_filter::machine::{
-    BodyStep, Counter, Effect, FailKind, PREFILLER_HEADER, RequestMachine, Step,
+    BodyStep, Counter, DECISION_HEADER, EXPLAIN_HEADER, Effect, FailKind, PREFILLER_HEADER,
+    RequestMachine, Step,
 };
 use kvroute_filter::root::RootState;
 use libfuzzer_sys::fuzz_target;
@@ -30,6 +31,8 @@ enum Name {
     Session,
     Destination,
     Prefiller,
+    Explain,
+    Decision,
     Other(String),
 }
 
@@ -41,6 +44,7 @@ enum Val {
     CompletionPath,
     Json,
     Len(u32),
+    One,
     Raw(Vec<u8>),
 }
 
@@ -72,7 +76,8 @@ enum Event {
     Body(u32, bool),
     Trailers,
     BodyReadFailed,
-    BodyComplete(BodyKind),
+    /// With `Some(step)`, the timed variant whose clock advances `step` ns a call.
+    BodyComplete(BodyKind, Option<u32>),
     Dispatched,
     DispatchFailed,
     RouteResponse(Option<u16>, Answer),
@@ -89,6 +94,8 @@ enum Event {
 #[derive(Arbitrary, Debug)]
 struct Input {
     small_limits: bool,
+    precise: bool,
+    explain: bool,
     block_bytes: u8,
     events: Vec<Event>,
 }
@@ -114,6 +121,8 @@ fn header_name(n: &Name) -> String {
         Name::Session => "x-session-id".into(),
         Name::Destination => "x-gateway-destination-endpoint".into(),
         Name::Prefiller => PREFILLER_HEADER.into(),
+        Name::Explain => EXPLAIN_HEADER.into(),
+        Name::Decision => DECISION_HEADER.into(),
         Name::Other(s) => s.clone(),
     }
 }
@@ -126,6 +135,7 @@ fn header_value(v: &Val) -> Vec<u8> {
         Val::CompletionPath => b"/v1/completions?x=1".to_vec(),
         Val::Json => b"application/json; charset=utf-8".to_vec(),
         Val::Len(n) => n.to_string().into_bytes(),
+        Val::One => b"1".to_vec(),
         Val::Raw(b) => b.clone(),
     }
 }
@@ -175,11 +185,14 @@ fn answer_bytes(a: &Answer) -> Vec<u8> {
 }
 
 fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut RootState) {
+    let precise = config.routes.iter().any(|r| r.mode == RouteMode::Precise);
     for effect in &step.effects {
         match effect {
             Effect::RemoveRequestHeader(name) => {
                 assert!(
-                    name == &config.destination_header || name == PREFILLER_HEADER,
+                    name == &config.destination_header
+                        || name == PREFILLER_HEADER
+                        || name == DECISION_HEADER,
                     "removed an unrelated header {name:?}"
                 );
             }
@@ -202,7 +215,9 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
                 seen.dispatched = true;
                 let req: RouteRequest =
                     serde_json::from_slice(body).expect("the route call is a RouteRequest");
-                assert!(req.prompt_text.is_none(), "approximate mode sent the prompt");
+                if !precise {
+                    assert!(req.prompt_text.is_none(), "approximate mode sent the prompt");
+                }
                 assert_eq!(
                     req.block_hashes.len() as u64,
                     req.prompt_bytes / config.block_bytes as u64
@@ -227,7 +242,7 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
                 }
                 root.count(*counter);
             }
-            Effect::RouteLatencyMs(_) => {}
+            Effect::RouteLatencyMs(_) | Effect::HashMicros(_) => {}
         }
     }
 }
@@ -239,6 +254,12 @@ fn run(input: Input) {
         config.max_queued_outcomes = 3;
     }
     config.block_bytes = usize::from(input.block_bytes.max(1));
+    config.allow_explain = input.explain;
+    if input.precise {
+        for rule in &mut config.routes {
+            rule.mode = RouteMode::Precise;
+        }
+    }
     let mut root = RootState::new(config.clone());
     let mut machine: RequestMachine = root.new_request();
     let mut seen = Seen::default();
@@ -269,8 +290,18 @@ fn run(input: Input) {
                 let step = machine.on_body_read_failed();
                 check_step(&step, &mut seen, &config, &mut root);
             }
-            Event::BodyComplete(kind) => {
-                let step = machine.on_body_complete(&body_bytes(kind), now);
+            Event::BodyComplete(kind, timed) => {
+                let body = body_bytes(kind);
+                let step = match timed {
+                    None => machine.on_body_complete(&body, now),
+                    Some(tick) => {
+                        let mut clock = u64::from(*tick);
+                        machine.on_body_complete_timed(&body, now, || {
+                            clock = clock.wrapping_add(u64::from(*tick));
+                            (clock % 7 != 0).then_some(clock)
+                        })
+                    }
+                };
                 check_step(&step, &mut seen, &config, &mut root);
             }
             Event::Dispatched => machine.on_dispatched(),
@@ -289,6 +320,13 @@ fn run(input: Input) {
             }
             Event::ResponseHeaders(status, upstream) => {
                 machine.on_response_headers(*status, upstream.as_deref());
+                if let Some(value) = machine.decision_header() {
+                    assert!(config.allow_explain, "explain header without allow_explain");
+                    assert!(
+                        value.bytes().all(|b| b == b' ' || b.is_ascii_graphic()),
+                        "explain header is not a valid header value: {value:?}"
+                    );
+                }
             }
             Event::ResponseBody(chunk) => machine.on_response_body(chunk, now),
             Event::Done => {
