@@ -26,7 +26,11 @@ fuzz_target!(|input: &[u8]| {
     let Ok(prompt) = canonicalize(api, body) else {
         return;
     };
-    assert_eq!(canonicalize(api, body).as_ref(), Ok(&prompt), "not deterministic");
+    assert_eq!(
+        canonicalize(api, body).as_ref(),
+        Ok(&prompt),
+        "not deterministic"
+    );
     let tokens = prompt.estimated_tokens();
     assert!(tokens as usize >= prompt.bytes.len() / 4);
     let seed = model_seed(&prompt.model);

@@ -174,9 +174,7 @@ fn answer_bytes(a: &Answer) -> Vec<u8> {
         .unwrap_or_default(),
         Answer::Good(id, n) => serde_json::to_vec(&RouteResponse {
             decision_id: *id,
-            endpoints: (0..*n % 4)
-                .map(|i| format!("10.0.0.{i}:8000"))
-                .collect(),
+            endpoints: (0..*n % 4).map(|i| format!("10.0.0.{i}:8000")).collect(),
             cached_blocks: 1,
             reason: "prefix".into(),
         })
@@ -216,7 +214,10 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
                 let req: RouteRequest =
                     serde_json::from_slice(body).expect("the route call is a RouteRequest");
                 if !precise {
-                    assert!(req.prompt_text.is_none(), "approximate mode sent the prompt");
+                    assert!(
+                        req.prompt_text.is_none(),
+                        "approximate mode sent the prompt"
+                    );
                 }
                 assert_eq!(
                     req.block_hashes.len() as u64,
@@ -272,8 +273,10 @@ fn run(input: Input) {
                     .iter()
                     .map(|(n, v)| (header_name(n), header_value(v)))
                     .collect();
-                let step = machine
-                    .on_request_headers(owned.iter().map(|(n, v)| (n.as_str(), v.as_slice())), *eos);
+                let step = machine.on_request_headers(
+                    owned.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
+                    *eos,
+                );
                 check_step(&step, &mut seen, &config, &mut root);
             }
             Event::Body(size, eos) => {
@@ -331,7 +334,10 @@ fn run(input: Input) {
             Event::ResponseBody(chunk) => machine.on_response_body(chunk, now),
             Event::Done => {
                 if let Some(outcome) = machine.on_done(now) {
-                    assert!(seen.routed && seen.header_set, "outcome for an unrouted request");
+                    assert!(
+                        seen.routed && seen.header_set,
+                        "outcome for an unrouted request"
+                    );
                     assert!(!seen.outcome, "two outcomes for one request");
                     seen.outcome = true;
                     root.push_outcome(outcome);

@@ -104,7 +104,9 @@ fn run(input: Input) {
     let mut router = Router::new(config, 1_000);
     let mut known: BTreeSet<String> = BTreeSet::new();
     for i in 0..4 {
-        router.upsert_endpoint(&address(i)).expect("four endpoints fit");
+        router
+            .upsert_endpoint(&address(i))
+            .expect("four endpoints fit");
         known.insert(address(i));
     }
     let mut now: u64 = 0;
@@ -134,7 +136,10 @@ fn run(input: Input) {
                     assert!(!c.total_ms.is_nan(), "NaN cost: {c:?}");
                 }
                 if let Some(last) = decisions.last() {
-                    assert!(decision.response.decision_id > *last, "decision ids went back");
+                    assert!(
+                        decision.response.decision_id > *last,
+                        "decision ids went back"
+                    );
                 }
                 decisions.push(decision.response.decision_id);
             }
