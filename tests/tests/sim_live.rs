@@ -406,6 +406,7 @@ async fn kv_events_over_zmq_with_replay() {
 
     let r = post(&c, &format!("{}/reset_prefix_cache", sim.url()), json!({})).await;
     assert_eq!(r.status, 200);
+    assert_eq!(json_body(&r), json!({"success": true}));
     let frames = recv(&mut sub).await;
     let last_seq = first_seq + 1;
     assert_eq!(frames[1], last_seq.to_be_bytes());
@@ -868,4 +869,54 @@ async fn a_real_tokenizer_and_chat_template_keep_chat_turns_cached() {
             .expect("startup fails");
         assert!(err.to_string().contains("/nonexistent"), "{err}");
     }
+}
+
+#[tokio::test]
+async fn reset_prefix_cache_fails_while_blocks_are_held_like_vllm() {
+    let sim = start(&["--speed", "1"]).await;
+    let c = HttpClient::new();
+    let base = sim.url();
+    let running = {
+        let c = c.clone();
+        let url = format!("{base}/v1/completions");
+        tokio::spawn(async move {
+            let body = json!({"prompt": "a long story", "max_tokens": 60});
+            c.request("POST", &url, &[], Some(body.to_string()), T)
+                .await
+        })
+    };
+    let deadline = tokio::time::Instant::now() + T;
+    while json_body(&c.get(&format!("{base}/sim/stats"), T).await.unwrap())["engine"]["num_running"]
+        != 1
+    {
+        assert!(tokio::time::Instant::now() < deadline, "request never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let reset = format!("{base}/reset_prefix_cache");
+    let r = post(&c, &reset, json!({})).await;
+    assert_eq!(
+        json_body(&r),
+        json!({"success": false}),
+        "a running request holds blocks"
+    );
+    let r = post(
+        &c,
+        &format!("{reset}?reset_running_requests=maybe"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(r.status, 422);
+    let r = post(
+        &c,
+        &format!("{reset}?reset_running_requests=true"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(json_body(&r), json!({"success": true}));
+    // The preempted request recomputes and still returns every token.
+    let done = running.await.unwrap().expect("answered");
+    assert_eq!(json_body(&done)["usage"]["completion_tokens"], 60);
+    let stats = json_body(&c.get(&format!("{base}/sim/stats"), T).await.unwrap());
+    assert_eq!(stats["engine"]["num_preemptions"], 1);
+    sim.shutdown().await;
 }

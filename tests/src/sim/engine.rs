@@ -405,11 +405,22 @@ impl Engine {
         self.reqs.len()
     }
 
-    /// Forgets every cached block (vLLM `POST /reset_prefix_cache`); blocks in use stay
-    /// allocated but are no longer shared. Returns the event to publish.
-    pub fn reset_prefix_cache(&mut self) -> Vec<KvEvent> {
+    /// vLLM's `reset_prefix_cache`: forgets every cached block and returns the event to
+    /// publish. Like vLLM it fails (`None`, nothing changes) while running requests hold
+    /// blocks, unless `reset_running_requests` first preempts them all (newest first, so they
+    /// resume in their order; they recompute).
+    pub fn reset_prefix_cache(&mut self, reset_running_requests: bool) -> Option<Vec<KvEvent>> {
+        if reset_running_requests {
+            let mut out = StepOutput::default();
+            while let Some(id) = self.running.pop() {
+                self.preempt(id, &mut out);
+            }
+        }
+        if self.pool.num_free() != self.pool.num_blocks() {
+            return None;
+        }
         self.pool.clear_cache();
-        vec![KvEvent::AllBlocksCleared]
+        Some(vec![KvEvent::AllBlocksCleared])
     }
 
     /// A metrics snapshot.
@@ -1137,8 +1148,39 @@ mod tests {
             }
             other => panic!("unexpected events {other:?}"),
         }
-        assert_eq!(e.reset_prefix_cache(), vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(
+            e.reset_prefix_cache(false),
+            Some(vec![KvEvent::AllBlocksCleared])
+        );
         assert_eq!(e.stats().num_cached_blocks, 0);
+    }
+
+    #[test]
+    fn reset_prefix_cache_waits_for_running_requests_unless_told() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        e.add_request(req(1, &toks(0..9), 1)).unwrap();
+        drain(&mut e, 0.0);
+        e.add_request(req(2, &toks(100..120), 20)).unwrap();
+        e.add_request(req(3, &toks(200..220), 20)).unwrap();
+        e.step(1.0);
+        assert_eq!(e.stats().num_running, 2);
+        assert_eq!(e.reset_prefix_cache(false), None, "blocks are held");
+        assert!(e.stats().num_cached_blocks > 0);
+        assert_eq!(
+            e.reset_prefix_cache(true),
+            Some(vec![KvEvent::AllBlocksCleared])
+        );
+        let st = e.stats();
+        assert_eq!((st.num_running, st.num_waiting), (0, 2));
+        assert_eq!(st.num_cached_blocks, 0);
+        assert_eq!(st.num_preemptions, 2);
+        // Both resume in their order and finish; nothing is served from the old cache.
+        e.add_request(req(4, &toks(0..9), 1)).unwrap();
+        let outs = drain(&mut e, 2.0);
+        let s = summaries(&outs);
+        assert_eq!(s[&2].output_tokens, 20);
+        assert_eq!(s[&3].output_tokens, 20);
+        assert_eq!(s[&4].cached_tokens, 0);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Request, State};
+use axum::extract::{Query, Request, State};
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -1115,12 +1115,36 @@ async fn models(State(s): State<Arc<Shared>>) -> Response {
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
-async fn reset_prefix_cache(State(s): State<Arc<Shared>>) -> Response {
-    let events = s.engine.lock().reset_prefix_cache();
-    if let Some(p) = &s.publisher {
+/// Parses a boolean query parameter the way FastAPI/pydantic does.
+fn query_bool(
+    query: &std::collections::HashMap<String, String>,
+    name: &str,
+) -> Result<bool, ApiError> {
+    match query.get(name).map(|v| v.to_ascii_lowercase()).as_deref() {
+        None => Ok(false),
+        Some("true" | "1" | "yes" | "on" | "t" | "y") => Ok(true),
+        Some("false" | "0" | "no" | "off" | "f" | "n") => Ok(false),
+        Some(other) => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("{name} must be a boolean, not {other:?}"),
+        )),
+    }
+}
+
+/// vLLM's dev-mode `POST /reset_prefix_cache[?reset_running_requests=true]`:
+/// `{"success": bool}`, false while running requests hold blocks.
+async fn reset_prefix_cache(
+    State(s): State<Arc<Shared>>,
+    Query(query): Query<std::collections::HashMap<String, String>>,
+) -> ApiResult {
+    let reset_running = query_bool(&query, "reset_running_requests")?;
+    let events = s.engine.lock().reset_prefix_cache(reset_running);
+    let success = events.is_some();
+    if let (Some(p), Some(events)) = (&s.publisher, events) {
         p.publish(unix_now_s(), events);
     }
-    StatusCode::OK.into_response()
+    s.wake.notify_one();
+    Ok(axum::Json(json!({"success": success})).into_response())
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
