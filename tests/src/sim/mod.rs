@@ -4,9 +4,11 @@
 //!   caching, step-time cost model, KV events); fleet-sim drives it in virtual time;
 //! - [`kv`] is its block pool;
 //! - [`profile`] holds the hardware/model numbers (YAML data);
-//! - [`tokenizer`] is a fast deterministic tokenizer and the ChatML template;
+//! - [`tokenizer`] holds the Hugging Face tokenizer and Jinja chat templates, and the fast
+//!   built-in word tokenizer and ChatML template;
 //! - [`server`] is the live `vllm-sim` HTTP server (OpenAI API, `/metrics`, ZMQ KV events);
-//! - [`kv_events`] encodes KV events exactly as vLLM publishes them over ZMQ;
+//! - [`kv_events`] encodes KV events byte for byte as vLLM 0.33 publishes them over ZMQ, and
+//!   decodes what any vLLM version publishes;
 //! - [`metrics`] renders vLLM-named Prometheus metrics.
 
 pub mod engine;

@@ -149,8 +149,14 @@ impl HfTokenizer {
         Self::from_tokenizer(inner)
     }
 
-    /// Wraps a loaded tokenizer and picks its output vocabulary.
-    pub fn from_tokenizer(inner: tokenizers::Tokenizer) -> Result<Self, SimError> {
+    /// Wraps a loaded tokenizer and picks its output vocabulary. Padding and truncation
+    /// settings saved in the file are dropped, as transformers does unless asked for them
+    /// (a `tokenizer.json` exported for embeddings often pads every input to 128 ids).
+    pub fn from_tokenizer(mut inner: tokenizers::Tokenizer) -> Result<Self, SimError> {
+        inner.with_padding(None);
+        inner
+            .with_truncation(None)
+            .map_err(|e| SimError::Config(format!("cannot disable truncation: {e}")))?;
         let output_vocab = pick_output_vocab(&inner);
         if output_vocab.is_empty() {
             return Err(SimError::Config(
@@ -785,7 +791,11 @@ mod tests {
         let special =
             |name: &str, id: u32| serde_json::json!({"id": name, "ids": [id], "tokens": [name]});
         serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            // As sentence-embedding exports ship it: truncate to 8, pad every input to 8.
+            "version": "1.0", "added_tokens": added,
+            "truncation": {"max_length": 8, "strategy": "LongestFirst", "stride": 0},
+            "padding": {"strategy": {"Fixed": 8}, "direction": "Right",
+                "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"},
             "normalizer": {"type": "BertNormalizer", "clean_text": true,
                 "handle_chinese_chars": true, "strip_accents": null, "lowercase": true},
             "pre_tokenizer": {"type": "BertPreTokenizer"},
@@ -909,6 +919,8 @@ mod tests {
         assert_eq!(t.encode("Hello world", true).unwrap(), vec![2, 4, 5, 3]);
         assert_eq!(t.encode("Hello world", false).unwrap(), vec![4, 5]);
         assert_eq!(t.encode("blocks", false).unwrap(), vec![10, 11]);
+        let long = "hello world ".repeat(10);
+        assert_eq!(t.encode(&long, false).unwrap().len(), 20, "no truncation");
         let vocab = t.output_vocab();
         assert!(vocab.contains(&4) && vocab.contains(&10), "{vocab:?}");
         assert!(!vocab.contains(&11), "'##s' does not round-trip alone");
