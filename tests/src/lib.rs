@@ -1,5 +1,6 @@
 //! kvroute test support: simulator, harness, workloads.
 pub mod analyze;
+pub mod bench;
 pub mod fleet;
 pub mod harness;
 pub mod loadgen;
