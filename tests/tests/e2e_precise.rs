@@ -7,11 +7,14 @@
 //!   directly, bypassing Envoy), turn 2 goes to the other one: events, not routing history,
 //!   decide;
 //! - over a multi-turn run the router's predicted cached tokens match the engines' reported
-//!   cached tokens within 5 %.
+//!   cached tokens within 5 %, with the replicas' render API as the tokenizer and with the
+//!   control plane's in-process one (a real byte-level BPE `tokenizer.json` and a Jinja chat
+//!   template that the simulated engines use too).
 //!
 //! A missing Envoy fails these tests with the reason (run `make setup`); they never skip.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute_tests::harness::{Fleet, FleetConfig, HttpClient, Tools, prometheus_sum};
@@ -39,17 +42,37 @@ async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
     }
 }
 
-/// A fleet in precise mode: events on, render-API tokenisation, the chat route precise.
-async fn precise_fleet(tools: &Tools, name: &str, replicas: usize) -> Fleet {
+/// How the control plane tokenises precise routes.
+enum Tokenizer {
+    /// The replicas' render API (the simulator's built-in word tokenizer).
+    Remote,
+    /// In process, from this model directory (`tokenizer.json`, `tokenizer_config.json`),
+    /// which the replicas load too.
+    Hf(PathBuf),
+}
+
+/// A fleet in precise mode: events on, the chat route precise.
+async fn precise_fleet(tools: &Tools, name: &str, replicas: usize, tokenizer: &Tokenizer) -> Fleet {
     let mut cfg = FleetConfig::new(name);
     cfg.replicas = replicas;
     cfg.model = MODEL.to_string();
     cfg.envoy_concurrency = 1;
     cfg.sim_args = vec!["--speed".into(), "5".into()];
     cfg.kv_events = true;
-    cfg.control_plane_extra = json!({
-        "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
-    });
+    cfg.control_plane_extra = match tokenizer {
+        Tokenizer::Remote => json!({
+            "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
+        }),
+        Tokenizer::Hf(dir) => {
+            cfg.sim_args.push("--tokenizer".into());
+            cfg.sim_args.push(dir.display().to_string());
+            json!({"precise": {
+                "tokenizer": "hf",
+                "tokenizer_json": dir.join("tokenizer.json"),
+                "tokenizer_config": dir.join("tokenizer_config.json"),
+            }})
+        }
+    };
     cfg.control_plane_router = json!({"precise": {"speculative_ttl_ms": SPECULATIVE_TTL_MS}});
     cfg.plugin_config = json!({
         "route_timeout_ms": 3000,
@@ -178,7 +201,7 @@ fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
 async fn turn_two_follows_the_real_cache_even_after_eviction() {
     let tools = tools();
     bounded("precise affinity", async {
-        let fleet = precise_fleet(&tools, "e2e-precise-affinity", 3).await;
+        let fleet = precise_fleet(&tools, "e2e-precise-affinity", 3, &Tokenizer::Remote).await;
         let client = HttpClient::new();
 
         // Turn 2 lands where turn 1's blocks really are.
@@ -214,6 +237,7 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
             .await
             .unwrap_or_else(|e| panic!("{reset}: {e}"));
         assert_eq!(r.status, 200, "{reset}: {}", r.body);
+        assert!(!r.body.contains("false"), "{reset}: {}", r.body);
         let direct = stream_chat(
             &client,
             &format!("http://{other}"),
@@ -254,51 +278,114 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
     .await;
 }
 
+/// Runs 4 conversations of 4 turns through `fleet`; asserts the router's predicted cached
+/// tokens match the engines' within 5 %. Returns the control plane's final metrics.
+async fn assert_prediction_matches(fleet: &Fleet) -> String {
+    let client = HttpClient::new();
+    let mut convs: Vec<Conversation> = (0..4).map(|c| Conversation::new(300 + c, 800)).collect();
+    let mut engine_cached = 0u64;
+    for _turn in 0..4 {
+        for conv in convs.iter_mut() {
+            let body = conv.ask(16);
+            let out = conv.send(&client, &fleet.url(), &body).await;
+            engine_cached += out.cached_tokens.unwrap_or(0);
+            // A user's think time: the engine's events for this turn land before the next.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // Every outcome reached the control plane (the filter flushes feedback on a tick).
+    let mut m = String::new();
+    for _ in 0..100 {
+        m = cp_metrics(fleet).await;
+        if prometheus_sum(&m, "kvroute_actual_cached_tokens_total") >= engine_cached as f64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let predicted = prometheus_sum(&m, "kvroute_predicted_cached_tokens_total");
+    let actual = prometheus_sum(&m, "kvroute_actual_cached_tokens_total");
+    assert_eq!(actual, engine_cached as f64, "feedback lost:\n{m}");
+    assert!(
+        actual > 5_000.0,
+        "the run reused too little to judge: {actual}"
+    );
+    let error = (predicted - actual).abs() / actual;
+    println!(
+        "predicted {predicted} actual {actual} error {:.2} %",
+        error * 100.0
+    );
+    assert!(
+        error <= 0.05,
+        "predicted {predicted} vs actual {actual} cached tokens: {:.1} % off ({})",
+        error * 100.0,
+        fleet.describe()
+    );
+    assert_eq!(
+        metric_with(&m, "kvroute_precise_routes_total", "reason=\"precise\""),
+        16.0,
+        "every request was tokenised and scored precisely:\n{m}"
+    );
+    m
+}
+
+/// The sum of the samples of `name` whose labels contain `label`.
+fn metric_with(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predicted_cached_tokens_match_the_engines() {
     let tools = tools();
     bounded("precise prediction", async {
-        let fleet = precise_fleet(&tools, "e2e-precise-prediction", 3).await;
-        let client = HttpClient::new();
-        let mut convs: Vec<Conversation> =
-            (0..4).map(|c| Conversation::new(300 + c, 800)).collect();
-        let mut engine_cached = 0u64;
-        for _turn in 0..4 {
-            for conv in convs.iter_mut() {
-                let body = conv.ask(16);
-                let out = conv.send(&client, &fleet.url(), &body).await;
-                engine_cached += out.cached_tokens.unwrap_or(0);
-                // A user's think time: the engine's events for this turn land before the next.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-        // Every outcome reached the control plane (the filter flushes feedback on a tick).
-        let mut m = String::new();
-        for _ in 0..100 {
-            m = cp_metrics(&fleet).await;
-            if prometheus_sum(&m, "kvroute_actual_cached_tokens_total") >= engine_cached as f64 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let predicted = prometheus_sum(&m, "kvroute_predicted_cached_tokens_total");
-        let actual = prometheus_sum(&m, "kvroute_actual_cached_tokens_total");
-        assert_eq!(actual, engine_cached as f64, "feedback lost:\n{m}");
-        assert!(
-            actual > 10_000.0,
-            "the run reused too little to judge: {actual}"
+        let fleet = precise_fleet(&tools, "e2e-precise-prediction", 3, &Tokenizer::Remote).await;
+        assert_prediction_matches(&fleet).await;
+    })
+    .await;
+}
+
+/// A small byte-level BPE model directory with a ChatML template behind a BOS token, as a
+/// Hugging Face model ships it.
+fn model_dir(name: &str) -> PathBuf {
+    use kvroute_tests::sim::tokenizer::{CHATML_JINJA, SPECIAL_TOKENS, train_byte_level_bpe};
+    let corpus = [
+        "You are a terse assistant. Conversation about caches and routers.",
+        "the of and to in is was that for on with as by at from it an be this are",
+        "which or have not has but were had their one all been can more its new other",
+        "data model cache token request server route fleet block prefix latency batch queue",
+    ];
+    let json = train_byte_level_bpe(&corpus, 500, &SPECIAL_TOKENS).unwrap();
+    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), json).unwrap();
+    let config = json!({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+                        "chat_template": format!("{{{{ bos_token }}}}{CHATML_JINJA}")});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_tokenizer_matches_the_engines() {
+    let tools = tools();
+    let dir = model_dir("e2e-precise-hf");
+    bounded("precise hf", async {
+        let fleet = precise_fleet(&tools, "e2e-precise-hf", 3, &Tokenizer::Hf(dir.clone())).await;
+        let m = assert_prediction_matches(&fleet).await;
+        assert_eq!(
+            metric_with(&m, "kvroute_tokenizations_total", "result=\"ok\""),
+            16.0,
+            "{m}"
         );
-        let error = (predicted - actual).abs() / actual;
-        println!(
-            "predicted {predicted} actual {actual} error {:.2} %",
-            error * 100.0
-        );
+        // Later turns reuse the tokenisation of earlier ones.
+        let cached = metric_with(&m, "kvroute_tokenized_tokens_total", "source=\"cached\"");
+        let fresh = metric_with(&m, "kvroute_tokenized_tokens_total", "source=\"fresh\"");
         assert!(
-            error <= 0.05,
-            "predicted {predicted} vs actual {actual} cached tokens: {:.1} % off ({})",
-            error * 100.0,
-            fleet.describe()
+            cached > fresh,
+            "cached {cached} vs fresh {fresh} tokens:\n{m}"
         );
     })
     .await;
+    let _ = std::fs::remove_dir_all(&dir);
 }
