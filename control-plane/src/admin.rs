@@ -55,6 +55,7 @@ pub fn router(state: Arc<State>) -> axum::Router {
         .route("/debug/fleet.json", get(fleet))
         .route("/debug/endpoints", get(endpoints))
         .route("/debug/scrapes", get(scrapes))
+        .route("/debug/kv_events", get(kv_events))
         .route("/debug/decisions", get(decisions))
         .route("/debug/decisions/{id}", get(decision))
         .fallback(not_found)
@@ -84,6 +85,11 @@ async fn endpoints(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
 
 async fn scrapes(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
     Json(admin.state.scrape_statuses()).into_response()
+}
+
+/// Per-endpoint KV-event subscription status (precise mode).
+async fn kv_events(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
+    Json(admin.state.kv_streams()).into_response()
 }
 
 #[derive(Debug, Deserialize)]

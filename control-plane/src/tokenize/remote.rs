@@ -80,40 +80,60 @@ impl RemoteTokenizer {
         if ready.is_empty() {
             return Err(TokenizeError::NoEndpoint);
         }
-        let address = &ready[self.next.fetch_add(1, Ordering::Relaxed) % ready.len()];
         let (path, body) = self.request(api, prompt);
-        let body =
-            serde_json::to_vec(&body).map_err(|e| TokenizeError::BadPrompt(e.to_string()))?;
-        let call = async {
-            let request = Request::post(format!("http://{address}{path}"))
-                .header(HOST, address.as_str())
-                .header(CONTENT_TYPE, "application/json")
-                .body(Full::new(Bytes::from(body)))
-                .map_err(|e| TokenizeError::Http(e.to_string()))?;
-            let response = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| TokenizeError::Http(format!("{address}: {}", error_chain(&e))))?;
-            let status = response.status();
-            let bytes = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
-                .collect()
-                .await
-                .map_err(|e| TokenizeError::Http(format!("{address}: reading body: {e}")))?
-                .to_bytes();
-            if !status.is_success() {
-                let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
-                return Err(TokenizeError::Status {
-                    endpoint: address.clone(),
-                    status: status.as_u16(),
-                    body: text,
-                });
+        let body = Bytes::from(
+            serde_json::to_vec(&body).map_err(|e| TokenizeError::BadPrompt(e.to_string()))?,
+        );
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        let attempts = async {
+            // A replica that refuses or fails is not the prompt's fault: try one more.
+            let mut last = TokenizeError::NoEndpoint;
+            for i in 0..ready.len().min(2) {
+                let address = &ready[(first + i) % ready.len()];
+                match self.call(address, path, body.clone()).await {
+                    Ok(ids) => return Ok(ids),
+                    Err(e) => last = e,
+                }
             }
-            parse_ids(&bytes)
+            Err(last)
         };
-        tokio::time::timeout(self.timeout, call)
+        tokio::time::timeout(self.timeout, attempts)
             .await
             .map_err(|_| TokenizeError::Timeout(self.timeout))?
+    }
+
+    /// One tokenisation call to `address`.
+    async fn call(
+        &self,
+        address: &str,
+        path: &str,
+        body: Bytes,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let request = Request::post(format!("http://{address}{path}"))
+            .header(HOST, address)
+            .header(CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|e| TokenizeError::Http(e.to_string()))?;
+        let response = self
+            .client
+            .request(request)
+            .await
+            .map_err(|e| TokenizeError::Http(format!("{address}: {}", error_chain(&e))))?;
+        let status = response.status();
+        let bytes = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
+            .collect()
+            .await
+            .map_err(|e| TokenizeError::Http(format!("{address}: reading body: {e}")))?
+            .to_bytes();
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
+            return Err(TokenizeError::Status {
+                endpoint: address.to_string(),
+                status: status.as_u16(),
+                body: text,
+            });
+        }
+        parse_ids(&bytes)
     }
 
     /// Path and body of the call for `api`.
@@ -209,6 +229,54 @@ mod tests {
         ] {
             assert!(parse_ids(bad).is_err(), "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    /// Serves `answer` to every POST on 127.0.0.1 (port chosen by the OS).
+    async fn fake_replica(status: u16, answer: &'static str, delay: Duration) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let app = axum::Router::new().fallback(move || async move {
+            tokio::time::sleep(delay).await;
+            (axum::http::StatusCode::from_u16(status).unwrap(), answer)
+        });
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        address
+    }
+
+    #[tokio::test]
+    async fn a_failing_replica_is_skipped_and_a_hung_one_times_out() {
+        let bad = fake_replica(404, r#"{"error":"no such model"}"#, Duration::ZERO).await;
+        let good = fake_replica(200, r#"{"token_ids":[7,8,9]}"#, Duration::ZERO).await;
+        let state = State::new(Default::default(), &[bad.clone(), good], 4, 1).unwrap();
+        let t = RemoteTokenizer::new(RemoteApi::Render, Duration::from_secs(5));
+        let prompt: Map<String, Value> =
+            serde_json::from_str(r#"{"model":"m","messages":[]}"#).unwrap();
+        for _ in 0..3 {
+            assert_eq!(
+                t.tokenize(&state, ApiKind::Chat, &prompt).await.unwrap(),
+                vec![7, 8, 9]
+            );
+        }
+        let only_bad = State::new(Default::default(), &[bad], 4, 1).unwrap();
+        let e = t
+            .tokenize(&only_bad, ApiKind::Chat, &prompt)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, TokenizeError::Status { status: 404, .. }),
+            "{e}"
+        );
+
+        let hung = fake_replica(200, "{}", Duration::from_secs(30)).await;
+        let state = State::new(Default::default(), &[hung], 4, 1).unwrap();
+        let t = RemoteTokenizer::new(RemoteApi::Render, Duration::from_millis(100));
+        let started = std::time::Instant::now();
+        let e = t
+            .tokenize(&state, ApiKind::Chat, &prompt)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, TokenizeError::Timeout(_)), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 
     #[test]
