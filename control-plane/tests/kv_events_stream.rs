@@ -373,3 +373,30 @@ async fn publisher_restart_and_no_replay_socket() {
     h.stop().await;
     p.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequence_going_backwards_on_one_connection_is_a_restart() {
+    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    for i in 0..3 {
+        p.publish(batch(vec![stored(10 * (i + 1), 1, None)])).await;
+    }
+    let h = Harness::start(&p, true);
+    h.wait("history", |h| h.precise_blocks() == 3).await;
+    publish_until(&mut p, &h, || batch(vec![]), |h| h.status().batches >= 4).await;
+    // A forwarder in front of a restarted engine: same connection, numbering from 0 again.
+    p.buffer.lock().clear();
+    p.next_seq = 0;
+    p.publish(batch(vec![stored(900, 2, None)])).await;
+    h.wait("restart handled", |h| {
+        h.precise_blocks() == 2 && h.status().resets == 1 && !h.status().partial
+    })
+    .await;
+    assert!(h.live());
+    let replays = h.status().replays;
+    p.publish(batch(vec![stored(902, 1, Some(901))])).await;
+    h.wait("in order after the restart", |h| h.precise_blocks() == 3)
+        .await;
+    assert_eq!(h.status().replays, replays, "no replay was needed");
+    h.stop().await;
+    p.close().await;
+}

@@ -266,7 +266,13 @@ impl Stream {
         };
         let batch = match decode_batch(payload) {
             Ok(b) => b,
-            Err(e) => return self.decode_failed(&e),
+            Err(e) => {
+                self.decode_failed(&e);
+                // Its rank is unreadable; count it as rank 0's (one publisher per socket), so
+                // the next batch continues the sequence instead of replaying the bad one again.
+                self.seq.applied(0, seq);
+                return;
+            }
         };
         self.observe_lag(batch.ts);
         let rank = batch.data_parallel_rank.unwrap_or(0);
@@ -336,6 +342,10 @@ impl Stream {
                 }
                 Err(e) => self.count_replay(false, Some(&e)),
             }
+        }
+        if covered && first_contact && from == 0 {
+            // The whole history from the publisher's first batch: exact again.
+            self.partial = false;
         }
         if !covered {
             if first_contact {
