@@ -219,6 +219,25 @@ async fn explain_header_and_debug_endpoint_agree() {
             tokio::time::sleep(Duration::from_millis(500)).await;
         };
         eprintln!("hashing time as Envoy reports it: {hash}");
+
+        // The names the Grafana dashboard queries: Envoy exports the filter's metrics (its
+        // `wasmcustom` stat namespace) to Prometheus under their own names.
+        let url = format!("http://{}/stats/prometheus", fleet.envoy.admin_address);
+        let prom = client.get(&url, REQUEST_TIMEOUT).await.unwrap().body;
+        let value = |name: &str| -> f64 {
+            prom.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix("{} ")?.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in Envoy's /stats/prometheus"))
+        };
+        assert!(value("kvroute_requests_routed") >= 3.0);
+        assert_eq!(value("kvroute_fail_open"), 0.0);
+        assert_eq!(value("kvroute_body_parse_errors"), 0.0);
+        assert!(value("kvroute_hash_duration_us_count") >= 3.0);
+        assert!(
+            value("kvroute_hash_duration_us_sum") > 0.0,
+            "the host clock is too coarse"
+        );
+        assert!(value("kvroute_route_latency_ms_count") >= 3.0);
     };
     if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
         panic!("explain test did not finish within {TEST_TIMEOUT:?}");
