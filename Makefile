@@ -94,3 +94,10 @@ oci: wasm
 deny:
 	@cargo deny --version >/dev/null 2>&1 || $(CARGO) install cargo-deny --locked
 	cargo deny --offline check --hide-inclusion-graph bans licenses sources
+
+# Performance: router in process and over HTTP (pinned to core 0), filter natively and in
+# wasmtime, Envoy overhead (kvroute vs round robin vs direct), quality on cold 8-replica fleets.
+# Writes $(TARGET_DIR)/bench/summary.json and SVG plots; tables on stdout (docs/BENCHMARKS.md).
+.PHONY: bench
+bench: setup build
+	$(TARGET_DIR)/release/kvroute-bench
