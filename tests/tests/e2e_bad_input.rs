@@ -1562,6 +1562,7 @@ fn conflicting_content_length_and_chunked() {
         )
         .await;
         assert_no_5xx("CL+TE", &r);
+        eprintln!("CL+TE: {}", r.describe());
     });
 }
 

@@ -736,6 +736,7 @@ async fn control_plane_slow_or_hung_beyond_the_route_timeout() {
             assert_all_ok(&format!("{mode:?}"), &results, &topo);
             // The filter waits for the route answer no longer than its timeout.
             let m = median(results.iter().map(|d| d.elapsed).collect());
+            eprintln!("{mode:?}: median {m:?}, without the fault {base_median:?}");
             assert!(
                 m < base_median + Duration::from_millis(ROUTE_TIMEOUT_MS + 250),
                 "{mode:?}: median {m:?} vs {base_median:?} without the fault"
