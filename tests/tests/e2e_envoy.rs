@@ -319,21 +319,8 @@ async fn killing_the_control_plane_loses_no_request() {
             "after the kill everything went to {served_after_kill:?}"
         );
         // And the fail-open path was really taken (the filter counts it).
-        let stats = fleet
-            .envoy_stats("kvroute_fail_open")
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        let fail_open: f64 = stats
-            .lines()
-            .filter_map(|l| {
-                l.split_once(": ")
-                    .and_then(|(_, v)| v.trim().parse::<f64>().ok())
-            })
-            .sum();
-        assert!(
-            fail_open >= 1.0,
-            "no request took the fail-open path; Envoy stats: {stats:?}"
-        );
+        let fail_open = envoy_counter(&fleet, "kvroute_fail_open").await;
+        assert!(fail_open >= 1.0, "no request took the fail-open path");
     })
     .await;
 }
@@ -394,6 +381,68 @@ async fn client_supplied_destination_header_is_ignored() {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(resp.status, 200, "{}", resp.body);
+    })
+    .await;
+}
+
+/// Sum of the Envoy counters whose name contains `name` (the filter's `wasmcustom.*` stats).
+async fn envoy_counter(fleet: &Fleet, name: &str) -> f64 {
+    let stats = fleet
+        .envoy_stats(name)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    stats
+        .lines()
+        .filter(|l| l.contains(name))
+        .filter_map(|l| {
+            l.split_once(": ")
+                .and_then(|(_, v)| v.trim().parse::<f64>().ok())
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_secret_guards_the_route_api_and_a_mismatch_fails_open() {
+    let tools = tools();
+    bounded("auth", async {
+        let secret = json!({"auth_token": "kvroute-e2e-s3cret"});
+        // Matching secrets: requests are routed (and keep their affinity).
+        let good = start_fleet(&tools, "e2e-auth-good", 3, |cfg| {
+            cfg.control_plane_extra = secret.clone();
+            cfg.plugin_config = secret.clone();
+        })
+        .await;
+        // The filter sends the wrong secret: the control plane refuses, the filter fails open.
+        let bad = start_fleet(&tools, "e2e-auth-bad", 3, |cfg| {
+            cfg.control_plane_extra = secret.clone();
+            cfg.plugin_config = json!({"auth_token": "not-the-secret"});
+        })
+        .await;
+        let client = HttpClient::new();
+        for (fleet, seed) in [(&good, 1_000u64), (&bad, 2_000u64)] {
+            for c in 0..3u64 {
+                let mut conv = Conversation::new(seed + c, 600);
+                let first = replica_of(&conv.turn(&client, fleet, 4, &[]).await, fleet);
+                let second = replica_of(&conv.turn(&client, fleet, 4, &[]).await, fleet);
+                if fleet.config.name == "e2e-auth-good" {
+                    assert_eq!(first, second, "routed turn 2 moved ({})", fleet.describe());
+                }
+            }
+        }
+        let good_routed = envoy_counter(&good, "kvroute_requests_routed").await;
+        let good_failed = envoy_counter(&good, "kvroute_fail_open").await;
+        assert!(
+            good_routed >= 6.0 && good_failed == 0.0,
+            "matching secret: routed {good_routed}, failed open {good_failed} ({})",
+            good.describe()
+        );
+        let bad_routed = envoy_counter(&bad, "kvroute_requests_routed").await;
+        let bad_failed = envoy_counter(&bad, "kvroute_fail_open").await;
+        assert!(
+            bad_routed == 0.0 && bad_failed >= 6.0,
+            "wrong secret: routed {bad_routed}, failed open {bad_failed} ({})",
+            bad.describe()
+        );
     })
     .await;
 }
