@@ -53,11 +53,23 @@ enum Tokenizer {
 
 /// A fleet in precise mode: events on, the chat route precise.
 async fn precise_fleet(tools: &Tools, name: &str, replicas: usize, tokenizer: &Tokenizer) -> Fleet {
+    precise_fleet_with(tools, name, replicas, tokenizer, &[]).await
+}
+
+/// [`precise_fleet`] with extra `vllm-sim` arguments.
+async fn precise_fleet_with(
+    tools: &Tools,
+    name: &str,
+    replicas: usize,
+    tokenizer: &Tokenizer,
+    sim_args: &[String],
+) -> Fleet {
     let mut cfg = FleetConfig::new(name);
     cfg.replicas = replicas;
     cfg.model = MODEL.to_string();
     cfg.envoy_concurrency = 1;
     cfg.sim_args = vec!["--speed".into(), "5".into()];
+    cfg.sim_args.extend_from_slice(sim_args);
     cfg.kv_events = true;
     cfg.control_plane_extra = match tokenizer {
         Tokenizer::Remote => json!({
@@ -278,17 +290,28 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
     .await;
 }
 
-/// Runs 4 conversations of 4 turns through `fleet`; asserts the router's predicted cached
-/// tokens match the engines' within 5 %. Returns the control plane's final metrics.
-async fn assert_prediction_matches(fleet: &Fleet) -> String {
+/// Runs `conversations` conversations of 4 turns (system prompts of `system_tokens` words)
+/// through `fleet`; asserts the router's predicted cached tokens match the engines' within 5 %.
+/// Returns the control plane's final metrics and the prompt tokens of every last turn.
+async fn assert_prediction_matches(
+    fleet: &Fleet,
+    conversations: u64,
+    system_tokens: usize,
+) -> (String, u64) {
     let client = HttpClient::new();
-    let mut convs: Vec<Conversation> = (0..4).map(|c| Conversation::new(300 + c, 800)).collect();
+    let mut convs: Vec<Conversation> = (0..conversations)
+        .map(|c| Conversation::new(300 + c, system_tokens))
+        .collect();
+    let mut last_prompts = 0u64;
     let mut engine_cached = 0u64;
-    for _turn in 0..4 {
+    for turn in 0..4 {
         for conv in convs.iter_mut() {
             let body = conv.ask(16);
             let out = conv.send(&client, &fleet.url(), &body).await;
             engine_cached += out.cached_tokens.unwrap_or(0);
+            if turn == 3 {
+                last_prompts += out.prompt_tokens.unwrap_or(0);
+            }
             // A user's think time: the engine's events for this turn land before the next.
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -322,10 +345,10 @@ async fn assert_prediction_matches(fleet: &Fleet) -> String {
     );
     assert_eq!(
         metric_with(&m, "kvroute_precise_routes_total", "reason=\"precise\""),
-        16.0,
+        (conversations * 4) as f64,
         "every request was tokenised and scored precisely:\n{m}"
     );
-    m
+    (m, last_prompts)
 }
 
 /// The sum of the samples of `name` whose labels contain `label`.
@@ -341,7 +364,38 @@ async fn predicted_cached_tokens_match_the_engines() {
     let tools = tools();
     bounded("precise prediction", async {
         let fleet = precise_fleet(&tools, "e2e-precise-prediction", 3, &Tokenizer::Remote).await;
-        assert_prediction_matches(&fleet).await;
+        assert_prediction_matches(&fleet, 4, 800).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_cached_tokens_match_under_eviction() {
+    const CAPACITY: u64 = 2_400;
+    let tools = tools();
+    bounded("precise prediction under eviction", async {
+        let fleet = precise_fleet_with(
+            &tools,
+            "e2e-precise-eviction",
+            3,
+            &Tokenizer::Remote,
+            &["--kv-capacity-tokens".into(), CAPACITY.to_string()],
+        )
+        .await;
+        let (m, working_set) = assert_prediction_matches(&fleet, 6, 1_000).await;
+        // The conversations' blocks do not fit in the fleet: engines evicted, and the router
+        // followed their BlockRemoved events.
+        assert!(
+            working_set > 3 * CAPACITY,
+            "working set {working_set} tokens fits in 3 x {CAPACITY}"
+        );
+        for a in fleet.replica_addresses() {
+            let blocks = endpoint_value(&m, "kvroute_endpoint_precise_blocks", &a).unwrap_or(0.0);
+            assert!(
+                blocks <= (CAPACITY / 16) as f64,
+                "{a} holds {blocks} blocks"
+            );
+        }
     })
     .await;
 }
@@ -372,7 +426,7 @@ async fn in_process_tokenizer_matches_the_engines() {
     let dir = model_dir("e2e-precise-hf");
     bounded("precise hf", async {
         let fleet = precise_fleet(&tools, "e2e-precise-hf", 3, &Tokenizer::Hf(dir.clone())).await;
-        let m = assert_prediction_matches(&fleet).await;
+        let (m, _) = assert_prediction_matches(&fleet, 4, 800).await;
         assert_eq!(
             metric_with(&m, "kvroute_tokenizations_total", "result=\"ok\""),
             16.0,
