@@ -679,13 +679,22 @@ fn expect_big_body_refused(case: &str, r: &Reply) {
 #[test]
 fn chat_json_is_routed_and_served() {
     case("chat_json_is_routed_and_served", async |t| {
-        let before = t.stat("wasmcustom.kvroute_requests_routed").await;
-        let r = post_json(t.envoy_addr(), CHAT, &bytes_of(&chat("hello routing"))).await;
-        expect_completion("chat json", &r);
-        let after = t.stat("wasmcustom.kvroute_requests_routed").await;
+        // A route call slower than the 50 ms timeout (a loaded CI machine) fails open, which is
+        // correct too: allow a few attempts to see one routed.
+        let mut routed = false;
+        for attempt in 0..5 {
+            let before = t.stat("wasmcustom.kvroute_requests_routed").await;
+            let body = chat(&format!("hello routing {attempt}"));
+            let r = post_json(t.envoy_addr(), CHAT, &bytes_of(&body)).await;
+            expect_completion("chat json", &r);
+            if t.stat("wasmcustom.kvroute_requests_routed").await > before {
+                routed = true;
+                break;
+            }
+        }
         assert!(
-            after > before,
-            "the filter did not route a valid chat request"
+            routed,
+            "the filter did not route a valid chat request in 5 attempts"
         );
     });
 }
