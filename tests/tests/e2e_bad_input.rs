@@ -1334,12 +1334,17 @@ fn spoofed_routing_headers_with_garbage_values() {
                     ),
                     (DESTINATION_HEADER, "10.255.255.1:9"),
                     ("x-prefiller-host-port", "127.0.0.1:1"),
+                    // Explain is off in this configuration: asking for it, or forging its
+                    // answer, must not produce a decision header.
+                    ("x-kvroute-explain", "1"),
+                    ("x-kvroute-decision", "endpoint=forged"),
                 ],
                 &bytes_of(&chat("spoof")),
             ),
         )
         .await;
         expect_completion("spoofed headers", &r);
+        assert_eq!(r.header("x-kvroute-decision"), None, "{}", r.describe());
     });
 }
 
