@@ -34,6 +34,9 @@ use crate::state::State;
 pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(500);
 /// Points kept per endpoint: two minutes at [`SAMPLE_INTERVAL`].
 pub const HISTORY_LEN: usize = 240;
+/// Samples a sparkline's hit rate is computed over (5 s at [`SAMPLE_INTERVAL`]): outcomes
+/// arrive in bursts, a per-sample rate would mostly be gaps.
+pub const HIT_RATE_WINDOW: usize = 10;
 /// Decisions listed on the page.
 const RECENT_DECISIONS: usize = 25;
 /// Decisions the reason breakdown is computed over.
@@ -59,8 +62,8 @@ pub struct Sample {
     pub kv_usage: Option<f64>,
     /// Requests routed there and not yet reported.
     pub inflight: u32,
-    /// Prefix-cache hit rate of the outcomes reported since the previous sample (tokens), when
-    /// any were reported.
+    /// Prefix-cache hit rate of the outcomes reported over the last [`HIT_RATE_WINDOW`] samples
+    /// (tokens), when any were reported.
     pub hit_rate: Option<f64>,
     /// Whether the endpoint was a candidate (answering and not stale).
     pub up: bool,
@@ -69,8 +72,9 @@ pub struct Sample {
 #[derive(Debug, Default)]
 struct Ring {
     samples: VecDeque<Sample>,
-    /// Served totals at the previous sample, to turn cumulative counts into a rate.
-    last_served: ServedTotals,
+    /// Served totals at the latest samples (at most [`HIT_RATE_WINDOW`] + 1), to turn
+    /// cumulative counts into a windowed rate.
+    served: VecDeque<ServedTotals>,
 }
 
 /// Per-endpoint sample rings, bounded in points and in endpoints.
@@ -86,15 +90,13 @@ impl History {
         rings.retain(|address, _| views.iter().any(|v| &v.address == address));
         for view in views {
             let ring = rings.entry(view.address.clone()).or_default();
-            let prompt = view
-                .served
-                .prompt_tokens
-                .saturating_sub(ring.last_served.prompt_tokens);
-            let cached = view
-                .served
-                .cached_tokens
-                .saturating_sub(ring.last_served.cached_tokens);
-            ring.last_served = view.served;
+            let base = ring.served.front().copied().unwrap_or_default();
+            let prompt = view.served.prompt_tokens.saturating_sub(base.prompt_tokens);
+            let cached = view.served.cached_tokens.saturating_sub(base.cached_tokens);
+            if ring.served.len() >= HIT_RATE_WINDOW {
+                ring.served.pop_front();
+            }
+            ring.served.push_back(view.served);
             if ring.samples.len() >= HISTORY_LEN {
                 ring.samples.pop_front();
             }
@@ -440,6 +442,13 @@ mod tests {
             "10.0.0.1:8000"
         });
         assert_eq!(other[1].hit_rate, None);
+        // The rate covers a window of samples, then lapses without new outcomes.
+        for t in 1..=HIT_RATE_WINDOW as u64 {
+            history.record(500 + t * 500, &state.endpoints());
+        }
+        let samples = history.samples(chosen);
+        assert_eq!(samples[samples.len() - 2].hit_rate, Some(0.4));
+        assert_eq!(samples.last().unwrap().hit_rate, None);
         let scraped = history.samples("10.0.0.1:8000");
         assert_eq!((scraped[0].waiting, scraped[0].running), (Some(2), Some(3)));
         assert_eq!(history.samples("10.0.0.2:8000")[0].waiting, None);

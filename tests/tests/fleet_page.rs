@@ -31,9 +31,9 @@ fn admin_url(fleet: &Fleet) -> String {
 }
 
 /// A fleet that has served a few multi-turn conversations, and whose page has history.
-async fn busy_fleet(tools: &Tools, name: &str, speed: f64) -> Fleet {
+async fn busy_fleet(tools: &Tools, name: &str, replicas: usize, speed: f64) -> Fleet {
     let mut cfg = FleetConfig::new(name);
-    cfg.replicas = 3;
+    cfg.replicas = replicas;
     cfg.model = MODEL.to_string();
     cfg.envoy_concurrency = 1;
     cfg.sim_args = vec!["--speed".into(), speed.to_string()];
@@ -102,7 +102,7 @@ fn has_history_and_outcomes(json: &Value) -> bool {
 async fn fleet_page_and_json_reflect_the_traffic() {
     let tools = tools();
     let body = async {
-        let fleet = busy_fleet(&tools, "fleet-page-json", 4.0).await;
+        let fleet = busy_fleet(&tools, "fleet-page-json", 3, 4.0).await;
         let admin = admin_url(&fleet);
         let client = HttpClient::new();
         let get = |path: &str| {
@@ -366,7 +366,7 @@ async fn fleet_page_renders_in_headless_chromium() {
     };
     let tools = tools();
     let body = async {
-        let fleet = busy_fleet(&tools, "fleet-page-browser", 1.0).await;
+        let fleet = busy_fleet(&tools, "fleet-page-browser", 4, 1.0).await;
         fleet_json_when(&fleet, has_history_and_outcomes).await;
         let url = format!("{}/fleet", admin_url(&fleet));
 
@@ -403,13 +403,15 @@ async fn fleet_page_renders_in_headless_chromium() {
         assert!(!dom.contains("control plane unreachable"), "{dom}");
 
         // The screenshot, kept as a test artefact: taken while a second wave of conversations
-        // runs, with the newest decision's candidates explained.
-        let wave = {
+        // (three tenants, each with its own system prompt) runs, with the newest decision's
+        // candidates explained.
+        let mut wave = tokio::task::JoinSet::new();
+        for tenant in 12..15 {
             let url = fleet.url();
-            tokio::spawn(
-                async move { loadgen::run_workload(&url, &chats(12, 8, 120), |_, _| {}).await },
-            )
-        };
+            wave.spawn(async move {
+                loadgen::run_workload(&url, &chats(tenant, 4, 120), |_, _| {}).await
+            });
+        }
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let json = fleet_json_when(&fleet, |_| true).await;
         let newest = json["recent"][0]["decision_id"]
@@ -426,13 +428,15 @@ async fn fleet_page_renders_in_headless_chromium() {
         tokio::task::spawn_blocking(move || chromium(&browser, &args, &shot))
             .await
             .expect("chromium task");
-        let run = wave.await.expect("second wave");
-        let errors: Vec<_> = run
-            .records
-            .iter()
-            .filter_map(|r| r.error.as_ref())
-            .collect();
-        assert!(errors.is_empty(), "{errors:?} ({})", fleet.describe());
+        while let Some(run) = wave.join_next().await {
+            let run = run.expect("second wave");
+            let errors: Vec<_> = run
+                .records
+                .iter()
+                .filter_map(|r| r.error.as_ref())
+                .collect();
+            assert!(errors.is_empty(), "{errors:?} ({})", fleet.describe());
+        }
         let bytes = std::fs::read(&png).unwrap_or_else(|e| panic!("{}: {e}", png.display()));
         assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
         assert!(bytes.len() > 20_000, "suspiciously small screenshot");
