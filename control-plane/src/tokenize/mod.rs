@@ -78,7 +78,7 @@ enum Backend {
     None,
     Remote(remote::RemoteTokenizer),
     #[cfg(feature = "hf-tokenizer")]
-    Hf(Box<hf::HfTokenizer>),
+    Hf(std::sync::Arc<hf::HfTokenizer>),
 }
 
 /// Turns precise route requests into token-block hashes.
@@ -113,7 +113,7 @@ impl Precise {
                 Duration::from_millis(p.tokenize_timeout_ms),
             )),
             #[cfg(feature = "hf-tokenizer")]
-            TokenizerBackend::Hf => Backend::Hf(Box::new(hf::HfTokenizer::load(p)?)),
+            TokenizerBackend::Hf => Backend::Hf(std::sync::Arc::new(hf::HfTokenizer::load(p)?)),
             #[cfg(not(feature = "hf-tokenizer"))]
             TokenizerBackend::Hf => {
                 return Err(TokenizeError::Load(
@@ -233,8 +233,14 @@ impl Precise {
                 Ok(Tokenized { ids, cached: 0 })
             }
             #[cfg(feature = "hf-tokenizer")]
-            // CPU work, but segment caching keeps it to the new text of each turn.
-            Backend::Hf(h) => h.tokenize(api, &prompt),
+            // CPU work (segment caching keeps it to each turn's new text): off the async
+            // workers, so a long prompt does not stall other requests.
+            Backend::Hf(h) => {
+                let h = h.clone();
+                tokio::task::spawn_blocking(move || h.tokenize(api, &prompt))
+                    .await
+                    .map_err(|e| TokenizeError::Tokenizer(format!("tokenizer task: {e}")))?
+            }
         }
     }
 
