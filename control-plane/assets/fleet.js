@@ -112,6 +112,17 @@ function health(e) {
   return ["up", "ready"];
 }
 
+// The KV-event column: off (approximate only), down, or live with blocks and lag.
+function events(e) {
+  const k = e.kv_events;
+  if (!k) return el("td", { class: "num muted" }, "off");
+  const title = `gaps ${k.gaps} · replays ${k.replays} · resets ${k.resets}` +
+    (k.partial ? " · partial history" : "") + (k.last_error ? ` · ${k.last_error}` : "");
+  if (!e.events_live) return el("td", { class: "num error", title }, "down");
+  const lag = k.lag_ms === null || k.lag_ms === undefined ? "" : ` · ${num(k.lag_ms)} ms`;
+  return el("td", { class: "num", title }, `live · ${num(e.precise_blocks)}${lag}`);
+}
+
 function renderEndpoints(data) {
   const seconds = (data.sample_interval_ms * 240) / 1000;
   document.getElementById("window").textContent = `sparklines: last ${num(seconds)} s`;
@@ -136,7 +147,7 @@ function renderEndpoints(data) {
       spark(h.map((s) => s.hit_rate), 1),
       el("td", { class: "num" }, num(e.backlog_tokens)),
       el("td", { class: "num" }, num(e.indexed_blocks)),
-      el("td", { class: "num" }, e.events_live ? `live · ${num(e.precise_blocks)}` : "off"),
+      events(e),
       el("td", { class: "num" }, age(e.scrape_age_ms)),
     );
   });

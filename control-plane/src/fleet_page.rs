@@ -28,7 +28,7 @@ use scorer_core::protocol::RouteResponse;
 use scorer_core::router::{EndpointView, Health, ServedTotals};
 use serde::Serialize;
 
-use crate::state::State;
+use crate::state::{KvStreamStatus, State};
 
 /// How often the sampler records one point per endpoint.
 pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(500);
@@ -153,6 +153,8 @@ pub struct EndpointRow {
     pub scrape_error: Option<String>,
     /// Prefix-cache hit rate over every reported outcome it served (tokens).
     pub hit_rate: Option<f64>,
+    /// Its KV-event subscription (precise mode): connection, gaps, lag.
+    pub kv_events: Option<KvStreamStatus>,
     /// Its sparkline samples, oldest first.
     pub history: Vec<Sample>,
 }
@@ -216,6 +218,11 @@ pub fn fleet_json(state: &State, history: &History) -> FleetJson {
         .into_iter()
         .map(|s| (s.address.clone(), s))
         .collect();
+    let mut streams: BTreeMap<String, KvStreamStatus> = state
+        .kv_streams()
+        .into_iter()
+        .map(|s| (s.address.clone(), s))
+        .collect();
     let (mut prompt, mut cached) = (0, 0);
     let endpoints = snap
         .endpoints
@@ -230,6 +237,7 @@ pub fn fleet_json(state: &State, history: &History) -> FleetJson {
                     .map(|t| now_ms.saturating_sub(t)),
                 scrape_error: scrape.and_then(|s| s.last_error.clone()),
                 hit_rate: ratio(view.served.cached_tokens, view.served.prompt_tokens),
+                kv_events: streams.remove(&view.address),
                 history: history.samples(&view.address),
                 view,
             }
@@ -465,6 +473,21 @@ mod tests {
         let text = serde_json::to_value(&json).unwrap();
         assert!(text["endpoints"][0]["address"].is_string(), "{text}");
         assert!(text["endpoints"][0]["history"].is_array(), "{text}");
+    }
+
+    #[test]
+    fn rows_carry_the_kv_event_stream_of_their_endpoint() {
+        let state = state();
+        state.kv_stream("10.0.0.2:8000", |k| {
+            k.connected = true;
+            k.gaps = 2;
+            k.lag_ms = Some(3.5);
+        });
+        let json = fleet_json(&state, &History::default());
+        let row = |a: &str| json.endpoints.iter().find(|e| e.view.address == a).unwrap();
+        assert!(row("10.0.0.1:8000").kv_events.is_none());
+        let k = row("10.0.0.2:8000").kv_events.as_ref().unwrap();
+        assert_eq!((k.gaps, k.lag_ms), (2, Some(3.5)));
     }
 
     #[test]
