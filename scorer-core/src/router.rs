@@ -473,24 +473,7 @@ impl Router {
         event: &KvEvent,
         now_ms: u64,
     ) -> Result<(), ApplyError> {
-        let Some(id) = self.endpoint_id(address) else {
-            return Ok(());
-        };
-        let p = &mut self.precise;
-        match p
-            .tracker
-            .apply(id, model, event, &mut p.gpu, &mut p.offload, now_ms)
-        {
-            Ok(()) => {
-                self.stats.kv_events += 1;
-                Ok(())
-            }
-            Err(e) => {
-                self.stats.kv_event_errors += 1;
-                p.clear(id);
-                Err(e)
-            }
-        }
+        self.apply_event(address, model, event, now_ms, false)
     }
 
     /// Like [`Router::apply_kv_event`], for a stream whose history is known to be incomplete
@@ -505,6 +488,17 @@ impl Router {
         event: &KvEvent,
         now_ms: u64,
     ) -> Result<(), ApplyError> {
+        self.apply_event(address, model, event, now_ms, true)
+    }
+
+    fn apply_event(
+        &mut self,
+        address: &str,
+        model: &str,
+        event: &KvEvent,
+        now_ms: u64,
+        history_incomplete: bool,
+    ) -> Result<(), ApplyError> {
         let Some(id) = self.endpoint_id(address) else {
             return Ok(());
         };
@@ -517,7 +511,7 @@ impl Router {
                 self.stats.kv_events += 1;
                 Ok(())
             }
-            Err(e @ ApplyError::UnknownParent(_)) => Err(e),
+            Err(e @ ApplyError::UnknownParent(_)) if history_incomplete => Err(e),
             Err(e) => {
                 self.stats.kv_event_errors += 1;
                 p.clear(id);
