@@ -1123,20 +1123,25 @@ mod precise_tests {
         );
     }
 
-    #[test]
-    fn bad_event_drops_the_endpoint_state() {
-        let mut r = router();
-        let tokens: Vec<u32> = (0..32).collect();
-        r.apply_kv_event("a:1", "m", &stored(&tokens, Medium::Gpu), 0)
-            .unwrap();
-        let orphan = KvEvent::BlockStored {
+    /// A store whose parent block was never seen.
+    fn orphan_store() -> KvEvent {
+        KvEvent::BlockStored {
             block_hashes: vec![7],
             parent_block_hash: Some(999),
             token_ids: (0..16).collect(),
             block_size: 16,
             lora_name: None,
             medium: Medium::Gpu,
-        };
+        }
+    }
+
+    #[test]
+    fn bad_event_drops_the_endpoint_state() {
+        let mut r = router();
+        let tokens: Vec<u32> = (0..32).collect();
+        r.apply_kv_event("a:1", "m", &stored(&tokens, Medium::Gpu), 0)
+            .unwrap();
+        let orphan = orphan_store();
         assert!(r.apply_kv_event("a:1", "m", &orphan, 0).is_err());
         assert_eq!(r.stats().kv_event_errors, 1);
         assert_eq!(r.endpoints(0)[0].precise_blocks, 0);
@@ -1148,14 +1153,7 @@ mod precise_tests {
         let tokens: Vec<u32> = (0..32).collect();
         r.apply_kv_event_partial("a:1", "m", &stored(&tokens, Medium::Gpu), 0)
             .unwrap();
-        let orphan = KvEvent::BlockStored {
-            block_hashes: vec![7],
-            parent_block_hash: Some(999),
-            token_ids: (0..16).collect(),
-            block_size: 16,
-            lora_name: None,
-            medium: Medium::Gpu,
-        };
+        let orphan = orphan_store();
         assert_eq!(
             r.apply_kv_event_partial("a:1", "m", &orphan, 0),
             Err(ApplyError::UnknownParent(999))
