@@ -55,12 +55,19 @@ impl EndpointSet {
         }
         out
     }
-    /// Iterates the ids in the set in increasing order.
+    /// Iterates the ids in the set in increasing order, visiting only the set bits (this runs
+    /// once a prompt block on the routing hot path).
     pub fn iter(&self) -> impl Iterator<Item = EndpointId> + '_ {
-        self.0.iter().enumerate().flat_map(|(w, word)| {
-            (0..64u16)
-                .filter(move |b| word & (1 << b) != 0)
-                .map(move |b| EndpointId(w as u16 * 64 + b))
+        self.0.iter().enumerate().flat_map(|(w, &word)| {
+            let mut rest = word;
+            std::iter::from_fn(move || {
+                if rest == 0 {
+                    return None;
+                }
+                let bit = rest.trailing_zeros() as u16;
+                rest &= rest - 1;
+                Some(EndpointId(w as u16 * 64 + bit))
+            })
         })
     }
 }
@@ -118,16 +125,20 @@ impl PrefixIndex {
 
     /// Records that `id` now holds `hashes` (touching them as most recently used).
     pub fn insert(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) {
+        self.slot(id);
+        let slot = &mut self.endpoints[usize::from(id.0)];
         for &h in hashes {
             self.seq += 1;
             let stamp = Stamp {
                 seq: self.seq,
                 at_ms: now_ms,
             };
-            let slot = self.slot(id);
-            slot.live.insert(h, stamp);
             slot.order.push_back((h, stamp.seq));
-            self.holders.entry(h).or_default().insert(id);
+            // A re-touched block is already in `holders`: skip that probe of the big map (the
+            // common case for multi-turn chats and shared prefixes).
+            if slot.live.insert(h, stamp).is_none() {
+                self.holders.entry(h).or_default().insert(id);
+            }
         }
         self.compact(id);
         self.evict_over_capacity(id);
