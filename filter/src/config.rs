@@ -78,6 +78,12 @@ pub struct FilterConfig {
     pub allow_explain: bool,
     /// Which paths are inference paths.
     pub routes: Vec<RouteRule>,
+    /// Request header naming the tenant for admission and fair sharing (llm-d's
+    /// `x-llm-d-inference-fairness-id` is accepted when this one is absent).
+    pub tenant_header: String,
+    /// Request header carrying `critical`, `standard` or `sheddable` (llm-d's
+    /// `x-llm-d-inference-objective` is accepted when this one is absent).
+    pub criticality_header: String,
 }
 
 impl Default for FilterConfig {
@@ -94,6 +100,8 @@ impl Default for FilterConfig {
             max_queued_outcomes: 4096,
             auth_token: None,
             allow_explain: false,
+            tenant_header: "x-kvroute-tenant".into(),
+            criticality_header: "x-kvroute-criticality".into(),
             routes: vec![
                 RouteRule {
                     path: "/v1/chat/completions".into(),
@@ -162,6 +170,18 @@ impl FilterConfig {
         if !is_header_name(&self.destination_header) {
             return Err(invalid(
                 "destination_header",
+                "must be a non-empty lowercase HTTP header name",
+            ));
+        }
+        if !is_header_name(&self.tenant_header) {
+            return Err(invalid(
+                "tenant_header",
+                "must be a non-empty lowercase HTTP header name",
+            ));
+        }
+        if !is_header_name(&self.criticality_header) {
+            return Err(invalid(
+                "criticality_header",
                 "must be a non-empty lowercase HTTP header name",
             ));
         }

@@ -38,6 +38,7 @@ struct Metrics {
     feedback_failed: Option<u32>,
     route_latency_ms: Option<u32>,
     hash_duration_us: Option<u32>,
+    rejected: Option<u32>,
 }
 
 impl Metrics {
@@ -51,6 +52,7 @@ impl Metrics {
             outcomes_dropped: counter("kvroute_outcomes_dropped"),
             feedback_sent: counter("kvroute_feedback_sent"),
             feedback_failed: counter("kvroute_feedback_failed"),
+            rejected: counter("kvroute_requests_rejected"),
             route_latency_ms: hostcalls::define_metric(
                 MetricType::Histogram,
                 "kvroute_route_latency_ms",
@@ -84,6 +86,7 @@ impl Shared {
         match counter {
             Counter::Routed => Metrics::bump(self.metrics.routed),
             Counter::Skipped(_) => Metrics::bump(self.metrics.skipped),
+            Counter::Rejected(_) => Metrics::bump(self.metrics.rejected),
             Counter::FailOpen(kind) => {
                 Metrics::bump(self.metrics.fail_open);
                 if kind == crate::machine::FailKind::BodyParse {
@@ -310,6 +313,25 @@ impl Request {
                         .and_then(|s| s.borrow().metrics.route_latency_ms)
                     {
                         let _ = hostcalls::record_metric(id, ms);
+                    }
+                }
+                Effect::SendLocalResponse {
+                    status,
+                    headers,
+                    body,
+                } => {
+                    let headers: Vec<(&str, &str)> = headers
+                        .iter()
+                        .map(|(n, v)| (n.as_str(), v.as_str()))
+                        .collect();
+                    if let Err(e) =
+                        hostcalls::send_http_response(u32::from(status), headers, Some(&body))
+                    {
+                        // The request stays paused otherwise: let it go upstream (fail open).
+                        warn!("kvroute: cannot answer a rejected request locally: {e:?}");
+                        if let Err(status) = hostcalls::resume_http_request() {
+                            warn!("kvroute: cannot resume request: {status:?}");
+                        }
                     }
                 }
                 Effect::HashMicros(us) => {

@@ -16,7 +16,7 @@ use std::rc::Rc;
 
 use scorer_core::canon::{self, CanonError};
 use scorer_core::hash::{block_hashes, model_seed};
-use scorer_core::protocol::{ApiKind, Outcome, RouteRequest, RouteResponse};
+use scorer_core::protocol::{ApiKind, Outcome, Reject, RouteRequest, RouteResponse};
 
 use crate::config::{FilterConfig, RouteMode};
 use crate::usage::UsageScanner;
@@ -33,6 +33,13 @@ pub const DECISION_HEADER: &str = "x-kvroute-decision";
 const MAX_REASON_BYTES: usize = 32;
 /// Longest session key forwarded to the control plane.
 const MAX_SESSION_BYTES: usize = 256;
+/// llm-d's tenant (flow) header, accepted when the configured tenant header is absent.
+pub const LLMD_FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
+/// llm-d's objective header, accepted when the configured criticality header is absent; the
+/// control plane maps its value (a criticality name, an integer priority or an objective name).
+pub const LLMD_OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
+/// Longest tenant or criticality value forwarded to the control plane.
+const MAX_TENANT_BYTES: usize = 128;
 /// Chat request fields that decide the engine's prompt tokens (template input and options).
 const CHAT_PROMPT_FIELDS: &[&str] = &[
     "model",
@@ -151,6 +158,9 @@ pub enum Counter {
     Skipped(SkipReason),
     /// A request failed open.
     FailOpen(FailKind),
+    /// The control plane refused the request and the filter answered it locally with this
+    /// status (404 unknown model, 413 too large for the tenant, 429 shed under saturation).
+    Rejected(u16),
 }
 
 /// A side effect for the host to carry out, in order.
@@ -179,6 +189,15 @@ pub enum Effect {
     RouteLatencyMs(u64),
     /// Record how long canonicalising and hashing the prompt took (host clock, microseconds).
     HashMicros(u64),
+    /// Answer the paused request locally (an OpenAI-style error) instead of sending it upstream.
+    SendLocalResponse {
+        /// HTTP status.
+        status: u16,
+        /// Response headers (lowercase names).
+        headers: Vec<(String, String)>,
+        /// JSON body `{"error":{"message","type","code"}}`.
+        body: Vec<u8>,
+    },
 }
 
 /// The host's instructions for one callback: what to return and what to do first.
@@ -246,6 +265,14 @@ pub struct RequestMachine {
     phase: Phase,
     mode: RouteMode,
     session: Option<String>,
+    /// Tenant from the configured header (or llm-d's), for admission and fair sharing.
+    tenant: Option<String>,
+    /// Whether `tenant` came from the configured header (which wins over llm-d's).
+    tenant_primary: bool,
+    /// Criticality from the configured header (or llm-d's objective).
+    criticality: Option<String>,
+    /// Whether `criticality` came from the configured header (which wins over llm-d's).
+    criticality_primary: bool,
     routed: Option<Routed>,
     status: u16,
     upstream: Option<String>,
@@ -266,6 +293,10 @@ impl RequestMachine {
             phase: Phase::Start,
             mode: RouteMode::Approximate,
             session: None,
+            tenant: None,
+            tenant_primary: false,
+            criticality: None,
+            criticality_primary: false,
             routed: None,
             status: 0,
             upstream: None,
@@ -312,6 +343,16 @@ impl RequestMachine {
                 content_length = Some(value);
             } else if is(EXPLAIN_HEADER) {
                 self.explain = self.config.allow_explain && value.trim_ascii() == b"1";
+            } else if is(&self.config.tenant_header) && !value.is_empty() {
+                self.tenant = Some(header_text(value, MAX_TENANT_BYTES));
+                self.tenant_primary = true;
+            } else if is(LLMD_FAIRNESS_HEADER) && !value.is_empty() && !self.tenant_primary {
+                self.tenant = Some(header_text(value, MAX_TENANT_BYTES));
+            } else if is(&self.config.criticality_header) && !value.is_empty() {
+                self.criticality = Some(header_text(value, MAX_TENANT_BYTES));
+                self.criticality_primary = true;
+            } else if is(LLMD_OBJECTIVE_HEADER) && !value.is_empty() && !self.criticality_primary {
+                self.criticality = Some(header_text(value, MAX_TENANT_BYTES));
             } else if is(SESSION_HEADER) && !value.is_empty() {
                 let value = &value[..value.len().min(MAX_SESSION_BYTES)];
                 self.session = Some(String::from_utf8_lossy(value).into_owned());
@@ -456,6 +497,8 @@ impl RequestMachine {
             prompt_text,
             api,
             token_block_hashes: Vec::new(),
+            tenant: self.tenant.clone(),
+            criticality: self.criticality.clone(),
         })
     }
 
@@ -487,6 +530,13 @@ impl RequestMachine {
             Some(s) if !(200..300).contains(&s) => FailKind::Status,
             Some(_) => match serde_json::from_slice::<RouteResponse>(body) {
                 Err(_) => FailKind::BadResponse,
+                Ok(RouteResponse {
+                    reject: Some(reject),
+                    ..
+                }) if (400..600).contains(&reject.status) => {
+                    return self.reject(&reject, latency);
+                }
+                Ok(r) if r.reject.is_some() => FailKind::BadResponse,
                 Ok(r) if r.endpoints.is_empty() => FailKind::NoEndpoint,
                 Ok(r) if !r.endpoints.iter().all(|e| is_endpoint(e)) => FailKind::BadResponse,
                 Ok(r) => {
@@ -506,21 +556,63 @@ impl RequestMachine {
                         routed_ms: now_ms,
                     });
                     self.phase = Phase::Released;
-                    return Step::go(vec![
+                    let mut effects = vec![
                         latency,
                         Effect::SetRequestHeader {
                             name: self.config.destination_header.clone(),
                             value,
                         },
-                        Effect::ResumeRequest,
-                        Effect::Count(Counter::Routed),
-                    ]);
+                    ];
+                    if let Some(prefiller) = r.prefiller.filter(|p| is_endpoint(p)) {
+                        effects.push(Effect::SetRequestHeader {
+                            name: PREFILLER_HEADER.into(),
+                            value: prefiller,
+                        });
+                    }
+                    effects.extend([Effect::ResumeRequest, Effect::Count(Counter::Routed)]);
+                    return Step::go(effects);
                 }
             },
         };
         let mut step = self.fail_open(kind, true);
         step.effects.insert(0, latency);
         step
+    }
+
+    /// Answers the request locally with the control plane's refusal; it never goes upstream and
+    /// produces no outcome report.
+    fn reject(&mut self, reject: &Reject, latency: Effect) -> Step {
+        self.phase = Phase::Released;
+        if self.explain {
+            self.decision = Some(format!(
+                "reason=rejected; status={}; type={}",
+                reject.status,
+                header_token(&reject.error_type)
+            ));
+        }
+        let mut headers = vec![("content-type".to_string(), "application/json".to_string())];
+        if let Some(seconds) = reject.retry_after_s {
+            headers.push(("retry-after".to_string(), seconds.to_string()));
+        }
+        if let Some(decision) = &self.decision {
+            headers.push((DECISION_HEADER.to_string(), decision.clone()));
+        }
+        let body = serde_json::json!({
+            "error": {
+                "message": reject.message,
+                "type": reject.error_type,
+                "code": reject.status,
+            }
+        });
+        Step::go(vec![
+            latency,
+            Effect::SendLocalResponse {
+                status: reject.status,
+                headers,
+                body: body.to_string().into_bytes(),
+            },
+            Effect::Count(Counter::Rejected(reject.status)),
+        ])
     }
 
     /// The route call failed in a way the host detected itself (e.g. unreadable answer).
@@ -644,6 +736,11 @@ fn parse_len(value: &[u8]) -> Option<usize> {
     std::str::from_utf8(value).ok()?.trim().parse().ok()
 }
 
+/// A header value as trimmed text of at most `max` bytes (invalid UTF-8 replaced).
+fn header_text(value: &[u8], max: usize) -> String {
+    truncate(String::from_utf8_lossy(value.trim_ascii()).as_ref(), max)
+}
+
 fn truncate(s: &str, max: usize) -> String {
     let mut end = s.len().min(max);
     while !s.is_char_boundary(end) {
@@ -737,6 +834,7 @@ mod tests {
             endpoints: endpoints.iter().map(|e| e.to_string()).collect(),
             cached_blocks: 1,
             reason: "prefix".into(),
+            ..RouteResponse::default()
         })
         .unwrap()
     }
@@ -1206,6 +1304,7 @@ mod tests {
             endpoints: vec!["10.0.0.1:8000".into()],
             cached_blocks: 0,
             reason: "Lo\r\nad; x=1 ".repeat(10),
+            ..RouteResponse::default()
         })
         .unwrap();
         m.on_route_response(Some(200), &body, 110);
@@ -1247,5 +1346,170 @@ mod tests {
             step.effects,
             vec![Effect::Count(Counter::FailOpen(FailKind::BodyParse))]
         );
+    }
+
+    #[test]
+    fn tenant_and_criticality_headers_reach_the_route_call() {
+        let mut m = machine();
+        let req = to_dispatch(
+            &mut m,
+            &[
+                ("x-kvroute-tenant", " acme "),
+                ("x-kvroute-criticality", "sheddable"),
+            ],
+            &chat_body("hi"),
+        );
+        assert_eq!(req.tenant.as_deref(), Some("acme"));
+        assert_eq!(req.criticality.as_deref(), Some("sheddable"));
+        let mut m = machine();
+        let req = to_dispatch(&mut m, &[], &chat_body("hi"));
+        assert_eq!((req.tenant, req.criticality), (None, None));
+    }
+
+    #[test]
+    fn llmd_headers_are_accepted_but_the_configured_ones_win() {
+        let mut m = machine();
+        let req = to_dispatch(
+            &mut m,
+            &[
+                (LLMD_FAIRNESS_HEADER, "flow-a"),
+                (LLMD_OBJECTIVE_HEADER, "batch"),
+            ],
+            &chat_body("hi"),
+        );
+        assert_eq!(req.tenant.as_deref(), Some("flow-a"));
+        assert_eq!(req.criticality.as_deref(), Some("batch"));
+        for order in [true, false] {
+            let mut pairs = vec![
+                (LLMD_FAIRNESS_HEADER, "flow-a"),
+                ("x-kvroute-tenant", "acme"),
+                (LLMD_OBJECTIVE_HEADER, "-1"),
+                ("x-kvroute-criticality", "critical"),
+            ];
+            if order {
+                pairs.reverse();
+            }
+            let mut m = machine();
+            let req = to_dispatch(&mut m, &pairs, &chat_body("hi"));
+            assert_eq!(req.tenant.as_deref(), Some("acme"));
+            assert_eq!(req.criticality.as_deref(), Some("critical"));
+        }
+    }
+
+    #[test]
+    fn long_tenant_values_are_truncated() {
+        let long = "t".repeat(1000);
+        let mut m = machine();
+        let req = to_dispatch(&mut m, &[("x-kvroute-tenant", &long)], &chat_body("hi"));
+        assert_eq!(req.tenant.map(|t| t.len()), Some(MAX_TENANT_BYTES));
+    }
+
+    fn reject_answer(status: u16, retry_after_s: Option<u32>) -> Vec<u8> {
+        serde_json::to_vec(&RouteResponse {
+            decision_id: 5,
+            reject: Some(Reject {
+                status,
+                message: "fleet saturated: \"sheddable\" requests are shed".into(),
+                error_type: "rate_limit_exceeded".into(),
+                retry_after_s,
+            }),
+            ..RouteResponse::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_reject_is_answered_locally_with_an_openai_error() {
+        let mut m = machine();
+        to_dispatch(&mut m, &[], &chat_body("hi"));
+        let step = m.on_route_response(Some(200), &reject_answer(429, Some(2)), 104);
+        assert_eq!(step.action, Action::Continue);
+        assert_eq!(step.effects.len(), 3);
+        assert_eq!(step.effects[0], Effect::RouteLatencyMs(4));
+        let Effect::SendLocalResponse {
+            status,
+            headers,
+            body,
+        } = &step.effects[1]
+        else {
+            panic!("expected a local response, got {:?}", step.effects);
+        };
+        assert_eq!(*status, 429);
+        assert!(headers.contains(&("content-type".into(), "application/json".into())));
+        assert!(headers.contains(&("retry-after".into(), "2".into())));
+        let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+        assert_eq!(body["error"]["type"], "rate_limit_exceeded");
+        assert_eq!(body["error"]["code"], 429);
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("sheddable")
+        );
+        assert_eq!(step.effects[2], Effect::Count(Counter::Rejected(429)));
+        assert!(!step.effects.contains(&Effect::ResumeRequest));
+        // Nothing went upstream: no outcome is reported.
+        assert!(!m.wants_response_body());
+        assert_eq!(m.on_done(110), None);
+    }
+
+    #[test]
+    fn a_413_reject_has_no_retry_after_and_explains_itself() {
+        let mut m = explaining();
+        to_dispatch(&mut m, &[("x-kvroute-explain", "1")], &chat_body("hi"));
+        let step = m.on_route_response(Some(200), &reject_answer(413, None), 101);
+        let Effect::SendLocalResponse { headers, .. } = &step.effects[1] else {
+            panic!("expected a local response");
+        };
+        assert!(!headers.iter().any(|(n, _)| n == "retry-after"));
+        assert!(
+            m.decision_header()
+                .is_some_and(|d| d.contains("rejected") && d.contains("413"))
+        );
+    }
+
+    #[test]
+    fn a_reject_with_a_nonsense_status_fails_open() {
+        for status in [0, 200, 302, 700] {
+            let mut m = machine();
+            to_dispatch(&mut m, &[], &chat_body("hi"));
+            let step = m.on_route_response(Some(200), &reject_answer(status, None), 101);
+            assert!(step.effects.contains(&Effect::ResumeRequest), "{status}");
+            assert!(
+                step.effects
+                    .contains(&Effect::Count(Counter::FailOpen(FailKind::BadResponse)))
+            );
+        }
+    }
+
+    #[test]
+    fn a_prefiller_is_passed_on_when_well_formed() {
+        let mut m = machine();
+        to_dispatch(&mut m, &[], &chat_body("hi"));
+        let body = serde_json::to_vec(&RouteResponse {
+            decision_id: 1,
+            endpoints: vec!["10.0.0.1:8000".into()],
+            prefiller: Some("10.0.0.9:8000".into()),
+            ..RouteResponse::default()
+        })
+        .unwrap();
+        let step = m.on_route_response(Some(200), &body, 101);
+        assert!(step.effects.contains(&Effect::SetRequestHeader {
+            name: PREFILLER_HEADER.into(),
+            value: "10.0.0.9:8000".into()
+        }));
+        let mut m = machine();
+        to_dispatch(&mut m, &[], &chat_body("hi"));
+        let body = serde_json::to_vec(&RouteResponse {
+            decision_id: 1,
+            endpoints: vec!["10.0.0.1:8000".into()],
+            prefiller: Some("bad,value".into()),
+            ..RouteResponse::default()
+        })
+        .unwrap();
+        let step = m.on_route_response(Some(200), &body, 101);
+        assert!(!step.effects.iter().any(
+            |e| matches!(e, Effect::SetRequestHeader { name, .. } if name == PREFILLER_HEADER)
+        ));
     }
 }

@@ -23,6 +23,8 @@ pub struct Stats {
     pub skipped: u64,
     /// Requests released unrouted because something failed.
     pub fail_open: u64,
+    /// Requests the control plane refused, answered locally (404, 413, 429).
+    pub rejected: u64,
     /// Fail-opens caused by an unparseable request body.
     pub body_parse_errors: u64,
     /// Outcomes dropped because the queue was full.
@@ -91,6 +93,7 @@ impl RootState {
         match counter {
             Counter::Routed => self.stats.routed += 1,
             Counter::Skipped(_) => self.stats.skipped += 1,
+            Counter::Rejected(_) => self.stats.rejected += 1,
             Counter::FailOpen(kind) => {
                 self.stats.fail_open += 1;
                 if kind == FailKind::BodyParse {

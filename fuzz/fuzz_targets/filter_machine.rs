@@ -240,8 +240,17 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
                         seen.failed_open = true;
                     }
                     Counter::Skipped(_) => {}
+                    Counter::Rejected(status) => {
+                        assert!((400..600).contains(status), "bad reject status {status}");
+                        assert!(!seen.routed && !seen.failed_open);
+                    }
                 }
                 root.count(*counter);
+            }
+            Effect::SendLocalResponse { status, body, .. } => {
+                assert!(seen.dispatched, "answered a request that was never sent out");
+                assert!((400..600).contains(status), "bad local status {status}");
+                serde_json::from_slice::<serde_json::Value>(body).expect("the error is JSON");
             }
             Effect::RouteLatencyMs(_) | Effect::HashMicros(_) => {}
         }

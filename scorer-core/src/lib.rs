@@ -10,6 +10,7 @@
 //! I/O. Time (`now_ms`) and seeds are arguments, so fleet-sim can replay it in virtual time.
 
 pub mod canon;
+pub mod fairness;
 pub mod hash;
 pub mod index;
 pub mod precise;

@@ -52,6 +52,27 @@ pub struct RouteRequest {
     /// Which API `prompt_text` belongs to (set whenever `prompt_text` is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api: Option<ApiKind>,
+    /// Tenant (fairness id) from the tenant header, for per-tenant limits and fair sharing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Criticality from the criticality header (`critical`, `standard`, `sheddable`), so the
+    /// control plane sheds the least important requests first when the fleet is saturated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub criticality: Option<String>,
+}
+
+/// The control plane refuses a request; the filter answers it locally with an OpenAI-style error.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Reject {
+    /// HTTP status for the client (404 unknown model, 413 too large for the tenant, 429 shed).
+    pub status: u16,
+    /// Human-readable message for `error.message`.
+    pub message: String,
+    /// OpenAI-style `error.type`, e.g. `model_not_found`, `rate_limit_exceeded`, `request_too_large`.
+    pub error_type: String,
+    /// Seconds for a `Retry-After` header (429 only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_s: Option<u32>,
 }
 
 /// The control plane's answer: endpoints to try, best first.
@@ -67,6 +88,12 @@ pub struct RouteResponse {
     /// Short machine-readable reason (`prefix`, `load`, `guard`, ...).
     #[serde(default)]
     pub reason: String,
+    /// Set when the control plane refuses the request; the filter answers it locally.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reject: Option<Reject>,
+    /// `ip:port` of a prefill replica for `x-prefiller-host-port` (disaggregated serving).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefiller: Option<String>,
 }
 
 /// What happened to one routed request, reported after it finished.

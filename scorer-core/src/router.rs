@@ -754,6 +754,7 @@ impl Router {
                 endpoints,
                 cached_blocks: chosen_score.cached_blocks,
                 reason: reason.into(),
+                ..RouteResponse::default()
             },
             candidates: candidates.into_iter().map(|(_, c)| c).collect(),
         }

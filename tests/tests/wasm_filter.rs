@@ -136,6 +136,7 @@ fn route_answer(endpoints: &[&str]) -> Vec<u8> {
         endpoints: endpoints.iter().map(|e| (*e).to_owned()).collect(),
         cached_blocks: 3,
         reason: "prefix".into(),
+        ..RouteResponse::default()
     })
     .expect("json")
 }

@@ -23,6 +23,9 @@ use serde::Serialize;
 use crate::loadgen::{percentile, words};
 use crate::wasm_host::{FilterAction, FilterModule, HostError};
 
+pub mod aiperf;
+pub mod peers;
+
 /// Model name used by every benchmark request.
 pub const MODEL: &str = "kvroute-bench-model";
 
@@ -118,6 +121,22 @@ pub struct FilterFigures {
     /// Route request JSON bytes the filter sends for a 200 KB body (its per-request state
     /// apart from the body Envoy buffers).
     pub route_request_bytes_200k: usize,
+    /// Inside Envoy's V8: 16 KB bodies' bytes over the filter's own parse+hash time
+    /// (`kvroute_hash_duration_us` sum), MB/s; `None` when the overhead section did not run.
+    pub v8_mb_per_s_16k: Option<f64>,
+    /// Inside Envoy's V8, 200 KB bodies, MB/s.
+    pub v8_mb_per_s_200k: Option<f64>,
+    /// Mean parse+hash time inside V8 per 16 KB body, µs.
+    pub v8_us_per_body_16k: Option<f64>,
+    /// Mean parse+hash time inside V8 per 200 KB body, µs.
+    pub v8_us_per_body_200k: Option<f64>,
+    /// Filter memory per in-flight request, 16 KB bodies (wasmtime linear-memory growth with
+    /// many requests held paused on their route call, divided by their number), bytes.
+    pub inflight_bytes_per_request_16k: f64,
+    /// The same with 200 KB bodies, bytes.
+    pub inflight_bytes_per_request_200k: f64,
+    /// Requests held in flight in the memory measurement.
+    pub inflight_requests: usize,
 }
 
 /// Control-plane throughput figures.
@@ -288,6 +307,7 @@ pub fn filter_wasm(
         endpoints: vec!["127.0.0.1:8001".to_string()],
         cached_blocks: 0,
         reason: "prefix".to_string(),
+        ..RouteResponse::default()
     })
     .map_err(|e| BenchError::Filter(e.to_string()))?;
     let mut times = Vec::with_capacity(iters);

@@ -601,6 +601,8 @@ impl Policy for Kvroute {
             session: r.session.map(|s| s.to_string()),
             prompt_text: None,
             api: None,
+            tenant: None,
+            criticality: None,
             token_block_hashes: if self.precise {
                 let block = self.router.config().precise.block_tokens;
                 token_block_hashes(model_seed(MODEL), r.tokens, block)

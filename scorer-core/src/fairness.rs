@@ -1,0 +1,771 @@
+//! Admission at the gateway: priorities, per-tenant prompt limits and weighted fair sharing.
+//!
+//! Runs before routing. When every candidate replica is over its queue or KV limit (the fleet
+//! is saturated) it sheds `sheddable` requests first, `standard` ones at a higher saturation,
+//! and `critical` ones only at an optional hard limit. Among tenants of one priority it keeps a
+//! Virtual Token Counter (VTC, Sheng et al. 2024): each tenant's admitted prompt + output
+//! tokens, divided by its weight and decayed over a half-life; a saturated fleet sheds the
+//! standard requests of a tenant that is far over its weighted share, so one tenant's flood
+//! does not queue in front of everyone else's interactive traffic.
+//!
+//! Sans-IO like the rest of the crate: time is `now_ms`, endpoint loads are arguments.
+
+use std::collections::BTreeMap;
+
+use hashbrown::HashMap;
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::{Reject, RouteRequest};
+use crate::router::{EndpointView, Health};
+
+/// How important a request is when the fleet is saturated.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Criticality {
+    /// Shed last (only at `critical_at`, never by default).
+    Critical,
+    /// The default: shed at `standard_at`, or at `sheddable_at` when its tenant is over its
+    /// fair share.
+    #[default]
+    Standard,
+    /// Shed first, as soon as the fleet is saturated.
+    Sheddable,
+}
+
+impl Criticality {
+    /// Every level, most important first (for metrics).
+    pub const ALL: [Criticality; 3] = [
+        Criticality::Critical,
+        Criticality::Standard,
+        Criticality::Sheddable,
+    ];
+
+    /// Stable snake_case name (metric label, explain output).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Criticality::Critical => "critical",
+            Criticality::Standard => "standard",
+            Criticality::Sheddable => "sheddable",
+        }
+    }
+
+    /// Reads a header value: a level name (any case, as GIE's `Critical|Standard|Sheddable`),
+    /// or an llm-d `InferenceObjective`-style integer priority (negative = sheddable, 0 =
+    /// standard, positive = critical). Anything else is `None` (the caller then looks the
+    /// value up as a configured objective name).
+    pub fn parse(value: &str) -> Option<Criticality> {
+        let v = value.trim();
+        if v.eq_ignore_ascii_case("critical") {
+            Some(Criticality::Critical)
+        } else if v.eq_ignore_ascii_case("standard") {
+            Some(Criticality::Standard)
+        } else if v.eq_ignore_ascii_case("sheddable") {
+            Some(Criticality::Sheddable)
+        } else {
+            v.parse::<i64>().ok().map(|p| match p {
+                p if p < 0 => Criticality::Sheddable,
+                0 => Criticality::Standard,
+                _ => Criticality::Critical,
+            })
+        }
+    }
+}
+
+/// Per-tenant settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantPolicy {
+    /// Share of the fleet relative to other tenants (VTC weight); must be positive.
+    pub weight: f64,
+    /// Largest canonical prompt accepted, in bytes; larger ones get 413. `None`: no limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_prompt_bytes: Option<u64>,
+}
+
+impl Default for TenantPolicy {
+    fn default() -> Self {
+        Self {
+            weight: 1.0,
+            max_prompt_bytes: None,
+        }
+    }
+}
+
+/// Admission settings (`admission:` in the control plane's YAML). Without the section nothing
+/// is ever refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Waiting requests per replica that count as full (llm-d's `queueDepthThreshold`).
+    pub queue_limit: f64,
+    /// KV-cache use per replica that counts as full (llm-d's `kvCacheUtilThreshold`).
+    pub kv_limit: f64,
+    /// Fleet saturation at which sheddable requests are shed (1.0 = every replica at a limit).
+    pub sheddable_at: f64,
+    /// Fleet saturation at which standard requests are shed whatever their tenant's share.
+    pub standard_at: f64,
+    /// Fleet saturation at which even critical requests are shed; `None`: never.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub critical_at: Option<f64>,
+    /// Shed a saturated fleet's standard requests from tenants over their fair share.
+    pub fairness: bool,
+    /// A tenant is "over its fair share" when its weighted token usage exceeds this multiple
+    /// of its weighted share of all recently active tenants' usage.
+    pub fair_share_slack: f64,
+    /// Half-life of the per-tenant token counters.
+    pub usage_half_life_ms: u64,
+    /// Output tokens charged for a request without `max_tokens`.
+    pub default_output_tokens: u32,
+    /// `Retry-After` seconds on a 429.
+    pub retry_after_s: u32,
+    /// Criticality of a request without (or with an unknown) criticality header.
+    pub default_criticality: Criticality,
+    /// llm-d objective names (the `x-llm-d-inference-objective` value) mapped to a level.
+    pub objectives: BTreeMap<String, Criticality>,
+    /// Named tenants; they also keep their own metric label (others share `other`).
+    pub tenants: BTreeMap<String, TenantPolicy>,
+    /// Settings of tenants not named in `tenants` (and of requests without a tenant).
+    pub default_tenant: TenantPolicy,
+    /// Most tenants whose counters are kept (idle ones are forgotten first).
+    pub max_tracked_tenants: usize,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            queue_limit: 5.0,
+            kv_limit: 0.8,
+            sheddable_at: 1.0,
+            standard_at: 2.0,
+            critical_at: None,
+            fairness: true,
+            fair_share_slack: 1.5,
+            usage_half_life_ms: 10_000,
+            default_output_tokens: 256,
+            retry_after_s: 1,
+            default_criticality: Criticality::Standard,
+            objectives: BTreeMap::new(),
+            tenants: BTreeMap::new(),
+            default_tenant: TenantPolicy::default(),
+            max_tracked_tenants: 4096,
+        }
+    }
+}
+
+/// Why an admission configuration cannot work.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AdmissionConfigError {
+    /// A field is out of its range.
+    #[error("admission.{field}: {reason}")]
+    Invalid {
+        /// The offending field.
+        field: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+impl AdmissionConfig {
+    /// Checks ranges serde cannot: positive limits and weights, ordered shedding levels.
+    pub fn validate(&self) -> Result<(), AdmissionConfigError> {
+        let bad = |field: &str, reason| {
+            Err(AdmissionConfigError::Invalid {
+                field: field.to_string(),
+                reason,
+            })
+        };
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if !positive(self.queue_limit) {
+            return bad("queue_limit", "must be a positive number");
+        }
+        if !positive(self.kv_limit) {
+            return bad("kv_limit", "must be a positive number");
+        }
+        if !positive(self.sheddable_at) {
+            return bad("sheddable_at", "must be a positive number");
+        }
+        if !positive(self.standard_at) || self.standard_at < self.sheddable_at {
+            return bad("standard_at", "must be a number >= sheddable_at");
+        }
+        if self
+            .critical_at
+            .is_some_and(|c| !positive(c) || c < self.standard_at)
+        {
+            return bad("critical_at", "must be a number >= standard_at");
+        }
+        if !positive(self.fair_share_slack) || self.fair_share_slack < 1.0 {
+            return bad("fair_share_slack", "must be a number >= 1");
+        }
+        if self.usage_half_life_ms == 0 {
+            return bad("usage_half_life_ms", "must be positive");
+        }
+        if self.max_tracked_tenants == 0 {
+            return bad("max_tracked_tenants", "must be positive");
+        }
+        if !positive(self.default_tenant.weight) {
+            return bad("default_tenant.weight", "must be a positive number");
+        }
+        for (name, t) in &self.tenants {
+            if !positive(t.weight) {
+                return bad(
+                    &format!("tenants.{name}.weight"),
+                    "must be a positive number",
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Tenant name used for requests that carry none.
+pub const DEFAULT_TENANT: &str = "default";
+/// Metric label of tenants not named in the configuration (bounds label cardinality).
+pub const OTHER_TENANT_LABEL: &str = "other";
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ShedReason {
+    /// Its prompt is above its tenant's `max_prompt_bytes` (413).
+    PromptTooLarge,
+    /// The fleet is saturated past its criticality's level (429).
+    Saturated,
+    /// The fleet is saturated and its tenant is over its fair share (429).
+    OverFairShare,
+}
+
+impl ShedReason {
+    /// Stable snake_case name (metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShedReason::PromptTooLarge => "prompt_too_large",
+            ShedReason::Saturated => "saturated",
+            ShedReason::OverFairShare => "over_fair_share",
+        }
+    }
+}
+
+/// The verdict on one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmissionDecision {
+    /// The tenant as read from the request (or [`DEFAULT_TENANT`]).
+    pub tenant: String,
+    /// Bounded metric label of the tenant (configured name, `default` or `other`).
+    pub tenant_label: String,
+    /// The request's effective criticality.
+    pub criticality: Criticality,
+    /// Fleet saturation the verdict was based on.
+    pub saturation: f64,
+    /// The tenant's usage over its fair share at the time (1.0 = exactly its share).
+    pub share_ratio: f64,
+    /// Why it was refused, or `None` when admitted.
+    pub shed: Option<ShedReason>,
+    /// What the filter should answer instead of routing, when refused.
+    pub reject: Option<Reject>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Usage {
+    tokens: f64,
+    at_ms: u64,
+}
+
+/// Per-tenant token counters and the admission rules; one per control plane (or fleet-sim run).
+#[derive(Debug, Clone)]
+pub struct Admission {
+    config: AdmissionConfig,
+    usage: HashMap<String, Usage>,
+}
+
+/// One replica's load as admission sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplicaLoad {
+    /// Waiting requests (scraped, plus routed requests the scrape has not seen yet).
+    pub waiting: f64,
+    /// KV-cache use, 0..1.
+    pub kv_usage: f64,
+    /// Its metrics are stale or missing: treated as exactly saturated (1.0).
+    pub stale: bool,
+}
+
+impl ReplicaLoad {
+    /// From the router's view of an endpoint; `None` for an unreachable one (not a candidate).
+    /// Requests the router sent and the last scrape does not show yet count as waiting.
+    pub fn from_view(view: &EndpointView) -> Option<ReplicaLoad> {
+        if view.health != Health::Ready {
+            return None;
+        }
+        Some(match view.metrics {
+            Some(m) => {
+                let seen = m.running.saturating_add(m.waiting);
+                let unseen = view.inflight.saturating_sub(seen);
+                ReplicaLoad {
+                    waiting: f64::from(m.waiting) + f64::from(unseen),
+                    kv_usage: m.kv_usage,
+                    stale: view.stale,
+                }
+            }
+            None => ReplicaLoad {
+                waiting: f64::from(view.inflight),
+                kv_usage: 0.0,
+                stale: true,
+            },
+        })
+    }
+}
+
+impl Admission {
+    /// Admission with `config` (assumed validated) and no usage yet.
+    pub fn new(config: AdmissionConfig) -> Self {
+        Self {
+            config,
+            usage: HashMap::new(),
+        }
+    }
+
+    /// The active settings.
+    pub fn config(&self) -> &AdmissionConfig {
+        &self.config
+    }
+
+    /// One replica's saturation: the larger of queue / `queue_limit` and KV use / `kv_limit`;
+    /// at least 1.0 when its metrics are stale (unknown load counts as full).
+    pub fn replica_saturation(&self, load: &ReplicaLoad) -> f64 {
+        let s = (load.waiting / self.config.queue_limit).max(load.kv_usage / self.config.kv_limit);
+        let s = if s.is_finite() { s.max(0.0) } else { 0.0 };
+        if load.stale { s.max(1.0) } else { s }
+    }
+
+    /// Fleet saturation: the least saturated candidate's (the fleet is full only when every
+    /// candidate is). No candidate at all counts as 1.0.
+    pub fn fleet_saturation(&self, loads: &[ReplicaLoad]) -> f64 {
+        loads
+            .iter()
+            .map(|l| self.replica_saturation(l))
+            .min_by(f64::total_cmp)
+            .unwrap_or(1.0)
+    }
+
+    /// The effective criticality of a request's header value.
+    pub fn criticality_of(&self, value: Option<&str>) -> Criticality {
+        value
+            .and_then(|v| Criticality::parse(v).or_else(|| self.config.objectives.get(v).copied()))
+            .unwrap_or(self.config.default_criticality)
+    }
+
+    fn policy(&self, tenant: &str) -> &TenantPolicy {
+        self.config
+            .tenants
+            .get(tenant)
+            .unwrap_or(&self.config.default_tenant)
+    }
+
+    /// The bounded metric label of `tenant`.
+    pub fn tenant_label(&self, tenant: &str) -> String {
+        if tenant == DEFAULT_TENANT || self.config.tenants.contains_key(tenant) {
+            tenant.to_string()
+        } else {
+            OTHER_TENANT_LABEL.to_string()
+        }
+    }
+
+    fn decayed(&self, u: &Usage, now_ms: u64) -> f64 {
+        let dt = now_ms.saturating_sub(u.at_ms) as f64;
+        u.tokens * 0.5f64.powf(dt / self.config.usage_half_life_ms as f64)
+    }
+
+    /// `tenant`'s decayed weighted usage over its weighted share of all active tenants'
+    /// usage (1.0 = exactly its share; 0 when it has used nothing).
+    pub fn share_ratio(&self, tenant: &str, now_ms: u64) -> f64 {
+        let mine = self
+            .usage
+            .get(tenant)
+            .map_or(0.0, |u| self.decayed(u, now_ms));
+        if mine <= 0.0 {
+            return 0.0;
+        }
+        let mut total = 0.0;
+        let mut weights = 0.0;
+        for (name, u) in &self.usage {
+            let tokens = self.decayed(u, now_ms);
+            // A tenant idle for ~10 half-lives no longer claims a share.
+            if tokens >= 1.0 || name == tenant {
+                total += tokens;
+                weights += self.policy(name).weight;
+            }
+        }
+        let share = total * self.policy(tenant).weight / weights.max(f64::MIN_POSITIVE);
+        if share > 0.0 { mine / share } else { 0.0 }
+    }
+
+    /// Every tracked tenant's decayed token counter, by tenant (for metrics).
+    pub fn usage(&self, now_ms: u64) -> Vec<(String, f64)> {
+        let mut v: Vec<(String, f64)> = self
+            .usage
+            .iter()
+            .map(|(t, u)| (t.clone(), self.decayed(u, now_ms)))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// Decides whether `request` may be routed now, given the fleet's `saturation` (see
+    /// [`Admission::fleet_saturation`]); an admitted request is charged to its tenant.
+    pub fn decide(
+        &mut self,
+        request: &RouteRequest,
+        saturation: f64,
+        now_ms: u64,
+    ) -> AdmissionDecision {
+        let tenant = request
+            .tenant
+            .as_deref()
+            .filter(|t| !t.is_empty())
+            .unwrap_or(DEFAULT_TENANT)
+            .to_string();
+        let criticality = self.criticality_of(request.criticality.as_deref());
+        let share_ratio = self.share_ratio(&tenant, now_ms);
+        let mut decision = AdmissionDecision {
+            tenant_label: self.tenant_label(&tenant),
+            criticality,
+            saturation,
+            share_ratio,
+            shed: None,
+            reject: None,
+            tenant,
+        };
+        let c = &self.config;
+        let limit = self.policy(&decision.tenant).max_prompt_bytes;
+        if let Some(max) = limit.filter(|max| request.prompt_bytes > *max) {
+            decision.shed = Some(ShedReason::PromptTooLarge);
+            decision.reject = Some(Reject {
+                status: 413,
+                message: format!(
+                    "prompt of {} bytes exceeds the limit of {max} bytes for tenant {:?}",
+                    request.prompt_bytes, decision.tenant
+                ),
+                error_type: "request_too_large".into(),
+                retry_after_s: None,
+            });
+            return decision;
+        }
+        let shed = match criticality {
+            Criticality::Critical => c
+                .critical_at
+                .is_some_and(|at| saturation >= at)
+                .then_some(ShedReason::Saturated),
+            Criticality::Standard if saturation >= c.standard_at => Some(ShedReason::Saturated),
+            Criticality::Standard => {
+                (c.fairness && saturation >= c.sheddable_at && share_ratio > c.fair_share_slack)
+                    .then_some(ShedReason::OverFairShare)
+            }
+            Criticality::Sheddable => {
+                (saturation >= c.sheddable_at).then_some(ShedReason::Saturated)
+            }
+        };
+        if let Some(reason) = shed {
+            let message = match reason {
+                ShedReason::OverFairShare => format!(
+                    "the inference fleet is saturated and tenant {:?} is using {share_ratio:.1}x \
+                     its fair share; retry later",
+                    decision.tenant
+                ),
+                _ => format!(
+                    "the inference fleet is saturated (saturation {saturation:.2}); {} requests \
+                     are shed; retry later",
+                    criticality.as_str()
+                ),
+            };
+            decision.shed = Some(reason);
+            decision.reject = Some(Reject {
+                status: 429,
+                message,
+                error_type: "rate_limit_exceeded".into(),
+                retry_after_s: Some(c.retry_after_s),
+            });
+            return decision;
+        }
+        let tokens = f64::from(request.prompt_tokens)
+            + f64::from(request.max_output_tokens.unwrap_or(c.default_output_tokens));
+        self.charge(&decision.tenant, tokens, now_ms);
+        decision
+    }
+
+    /// Adds `tokens` to `tenant`'s counter (admission does it for every admitted request).
+    pub fn charge(&mut self, tenant: &str, tokens: f64, now_ms: u64) {
+        if !self.usage.contains_key(tenant) && self.usage.len() >= self.config.max_tracked_tenants {
+            self.forget_idlest(now_ms);
+        }
+        let current = self
+            .usage
+            .get(tenant)
+            .map_or(0.0, |u| self.decayed(u, now_ms));
+        self.usage.insert(
+            tenant.to_string(),
+            Usage {
+                tokens: current + tokens.max(0.0),
+                at_ms: now_ms,
+            },
+        );
+    }
+
+    fn forget_idlest(&mut self, now_ms: u64) {
+        let idlest = self
+            .usage
+            .iter()
+            .map(|(t, u)| (t, self.decayed(u, now_ms)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(t, _)| t.clone());
+        if let Some(t) = idlest {
+            self.usage.remove(&t);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(tenant: &str, criticality: &str, prompt_tokens: u32) -> RouteRequest {
+        RouteRequest {
+            model: "m".into(),
+            prompt_bytes: u64::from(prompt_tokens) * 4,
+            prompt_tokens,
+            max_output_tokens: Some(10),
+            tenant: Some(tenant.into()),
+            criticality: Some(criticality.into()),
+            ..RouteRequest::default()
+        }
+    }
+
+    fn load(waiting: f64, kv: f64) -> ReplicaLoad {
+        ReplicaLoad {
+            waiting,
+            kv_usage: kv,
+            stale: false,
+        }
+    }
+
+    #[test]
+    fn criticality_names_priorities_and_objectives() {
+        assert_eq!(
+            Criticality::parse("Sheddable"),
+            Some(Criticality::Sheddable)
+        );
+        assert_eq!(
+            Criticality::parse(" CRITICAL "),
+            Some(Criticality::Critical)
+        );
+        assert_eq!(Criticality::parse("-1"), Some(Criticality::Sheddable));
+        assert_eq!(Criticality::parse("0"), Some(Criticality::Standard));
+        assert_eq!(Criticality::parse("10"), Some(Criticality::Critical));
+        assert_eq!(Criticality::parse("batch"), None);
+        let mut config = AdmissionConfig::default();
+        config
+            .objectives
+            .insert("batch".into(), Criticality::Sheddable);
+        let a = Admission::new(config);
+        assert_eq!(a.criticality_of(Some("batch")), Criticality::Sheddable);
+        assert_eq!(a.criticality_of(Some("unknown")), Criticality::Standard);
+        assert_eq!(a.criticality_of(None), Criticality::Standard);
+    }
+
+    #[test]
+    fn saturation_is_the_least_loaded_candidates_and_stale_counts_as_full() {
+        let a = Admission::new(AdmissionConfig::default());
+        assert_eq!(a.replica_saturation(&load(10.0, 0.1)), 2.0);
+        assert_eq!(a.replica_saturation(&load(0.0, 0.4)), 0.5);
+        let stale = ReplicaLoad {
+            stale: true,
+            ..load(0.0, 0.0)
+        };
+        assert_eq!(a.replica_saturation(&stale), 1.0);
+        assert_eq!(a.fleet_saturation(&[load(10.0, 0.0), load(5.0, 0.0)]), 1.0);
+        assert_eq!(a.fleet_saturation(&[load(10.0, 0.0), load(0.0, 0.0)]), 0.0);
+        assert_eq!(a.fleet_saturation(&[]), 1.0);
+        assert_eq!(a.fleet_saturation(&[load(f64::NAN, f64::NAN)]), 0.0);
+    }
+
+    #[test]
+    fn sheddable_goes_first_standard_later_critical_never_by_default() {
+        let mut a = Admission::new(AdmissionConfig::default());
+        for (saturation, expect) in [
+            (0.5, [false, false, false]),
+            (1.0, [false, false, true]),
+            (2.0, [false, true, true]),
+            (50.0, [false, true, true]),
+        ] {
+            let shed: Vec<bool> = ["critical", "standard", "sheddable"]
+                .iter()
+                .map(|c| a.decide(&request("t", c, 10), saturation, 0).shed.is_some())
+                .collect();
+            assert_eq!(shed, expect, "saturation {saturation}");
+        }
+        let d = a.decide(&request("t", "sheddable", 10), 1.0, 0);
+        let r = d.reject.unwrap();
+        assert_eq!(
+            (r.status, r.error_type.as_str(), r.retry_after_s),
+            (429, "rate_limit_exceeded", Some(1))
+        );
+        let mut hard = Admission::new(AdmissionConfig {
+            critical_at: Some(4.0),
+            ..AdmissionConfig::default()
+        });
+        assert!(
+            hard.decide(&request("t", "critical", 10), 3.9, 0)
+                .shed
+                .is_none()
+        );
+        assert!(
+            hard.decide(&request("t", "critical", 10), 4.0, 0)
+                .shed
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn tenant_prompt_limit_answers_413_whatever_the_load() {
+        let mut config = AdmissionConfig::default();
+        config.tenants.insert(
+            "small".into(),
+            TenantPolicy {
+                weight: 1.0,
+                max_prompt_bytes: Some(100),
+            },
+        );
+        let mut a = Admission::new(config);
+        let d = a.decide(&request("small", "critical", 26), 0.0, 0);
+        assert_eq!(d.shed, Some(ShedReason::PromptTooLarge));
+        let r = d.reject.unwrap();
+        assert_eq!(
+            (r.status, r.error_type.as_str()),
+            (413, "request_too_large")
+        );
+        assert!(r.message.contains("104 bytes") && r.message.contains("small"));
+        assert!(
+            a.decide(&request("small", "critical", 25), 0.0, 0)
+                .shed
+                .is_none()
+        );
+        assert!(
+            a.decide(&request("big", "standard", 10_000), 0.0, 0)
+                .shed
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_flooding_tenant_is_shed_before_an_interactive_one() {
+        let mut a = Admission::new(AdmissionConfig::default());
+        for i in 0..50 {
+            assert!(
+                a.decide(&request("batch", "standard", 4000), 0.5, i)
+                    .shed
+                    .is_none()
+            );
+            assert!(
+                a.decide(&request("chat", "standard", 100), 0.5, i)
+                    .shed
+                    .is_none()
+            );
+        }
+        // Saturated: the flood is over its share, the interactive tenant far below it.
+        let flood = a.decide(&request("batch", "standard", 4000), 1.2, 60);
+        assert_eq!(flood.shed, Some(ShedReason::OverFairShare));
+        assert!(flood.share_ratio > 1.5, "{}", flood.share_ratio);
+        let chat = a.decide(&request("chat", "standard", 100), 1.2, 60);
+        assert_eq!(chat.shed, None);
+        assert!(chat.share_ratio < 0.2, "{}", chat.share_ratio);
+        // Not saturated: work-conserving, the flood is admitted.
+        assert!(
+            a.decide(&request("batch", "standard", 4000), 0.9, 61)
+                .shed
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn weights_scale_the_fair_share_and_a_lone_tenant_is_never_over_it() {
+        let mut config = AdmissionConfig::default();
+        config.tenants.insert(
+            "gold".into(),
+            TenantPolicy {
+                weight: 4.0,
+                max_prompt_bytes: None,
+            },
+        );
+        let mut a = Admission::new(config);
+        for i in 0..20 {
+            a.decide(&request("lone", "standard", 1000), 0.0, i);
+        }
+        assert!((a.share_ratio("lone", 20) - 1.0).abs() < 1e-9);
+        // gold uses 3x what lone does, but its weight is 4x: under its share.
+        for i in 0..60 {
+            a.decide(&request("gold", "standard", 1000), 0.0, 20 + i);
+        }
+        assert!(a.share_ratio("gold", 80) < 1.0);
+        assert!(
+            a.decide(&request("gold", "standard", 1000), 1.5, 81)
+                .shed
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn counters_decay_and_are_bounded() {
+        let mut a = Admission::new(AdmissionConfig {
+            max_tracked_tenants: 3,
+            ..AdmissionConfig::default()
+        });
+        a.charge("x", 1000.0, 0);
+        let later = a.usage(10_000);
+        assert!((later[0].1 - 500.0).abs() < 1e-6);
+        for (i, t) in ["a", "b", "c", "d"].iter().enumerate() {
+            a.charge(t, 10.0 + i as f64, 20_000);
+        }
+        assert_eq!(a.usage(20_000).len(), 3);
+        assert_eq!(a.tenant_label("d"), OTHER_TENANT_LABEL);
+        assert_eq!(a.tenant_label(DEFAULT_TENANT), DEFAULT_TENANT);
+    }
+
+    #[test]
+    fn validation_catches_unusable_settings() {
+        assert!(AdmissionConfig::default().validate().is_ok());
+        let bad = [
+            AdmissionConfig {
+                queue_limit: 0.0,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                standard_at: 0.5,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                critical_at: Some(1.5),
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                fair_share_slack: 0.9,
+                ..AdmissionConfig::default()
+            },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
+        let mut c = AdmissionConfig::default();
+        c.tenants.insert(
+            "t".into(),
+            TenantPolicy {
+                weight: -1.0,
+                max_prompt_bytes: None,
+            },
+        );
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("tenants.t.weight")
+        );
+    }
+}
