@@ -622,6 +622,32 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
             range: "0 <= x <= 1",
         });
     }
+    let l = &r.latency;
+    let unit_ranges = [
+        ("router.latency.blend", l.blend, 0.0, "0 <= x <= 1"),
+        (
+            "router.latency.forgetting",
+            l.forgetting,
+            0.5,
+            "0.5 <= x <= 1",
+        ),
+        (
+            "router.latency.error_smoothing",
+            l.error_smoothing,
+            0.001,
+            "0.001 <= x <= 1",
+        ),
+    ];
+    for (field, value, low, range) in unit_ranges {
+        if !(low..=1.0).contains(&value) {
+            return Err(ConfigError::OutOfRange {
+                field,
+                value: value.to_string(),
+                range,
+            });
+        }
+    }
+    non_negative("router.latency.overhead_ms", l.overhead_ms)?;
     Ok(())
 }
 
@@ -715,6 +741,10 @@ router: {}
                 "{MINIMAL}router:\n  precise:\n    offload_weight: 2\n"
             ))
             .contains("offload_weight")
+        );
+        assert!(
+            err(&format!("{MINIMAL}router:\n  latency:\n    blend: 1.5\n"))
+                .contains("router.latency.blend")
         );
         assert!(
             err(&format!("{MINIMAL}scrape_interval_ms: 0\n"))

@@ -494,8 +494,55 @@ impl Collector for RouterCollector {
                 }
             }
         }
+        encode_latency_model(&mut encoder, &snap.endpoints)?;
         Ok(())
     }
+}
+
+/// The learned latency model's figures per endpoint: how many outcomes taught it and how far
+/// its predictions were from what then happened (measured before each update).
+fn encode_latency_model(
+    encoder: &mut DescriptorEncoder,
+    endpoints: &[EndpointView],
+) -> fmt::Result {
+    type Getter = fn(&EndpointView) -> Option<f64>;
+    let gauges: [(&str, &str, Getter); 3] = [
+        (
+            "endpoint_ttft_prediction_error_ratio",
+            "Smoothed |predicted - observed| / observed TTFT of the endpoint's learned model",
+            |e| (e.latency_errors.ttft_samples > 0).then_some(e.latency_errors.ttft_error_ratio),
+        ),
+        (
+            "endpoint_ttft_prediction_error_ms",
+            "Smoothed |predicted - observed| TTFT of the endpoint's learned model, ms",
+            |e| (e.latency_errors.ttft_samples > 0).then_some(e.latency_errors.ttft_abs_error_ms),
+        ),
+        (
+            "endpoint_tpot_prediction_error_ratio",
+            "Smoothed |predicted - observed| / observed time per output token of the learned model",
+            |e| (e.latency_errors.tpot_samples > 0).then_some(e.latency_errors.tpot_error_ratio),
+        ),
+    ];
+    for (name, help, get) in gauges {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for e in endpoints {
+            if let Some(v) = get(e) {
+                let labels = [("endpoint", e.address.as_str())];
+                ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+            }
+        }
+    }
+    let mut family = encoder.encode_descriptor(
+        "endpoint_latency_samples",
+        "Outcomes the endpoint's learned latency model has learned from",
+        None,
+        MetricType::Counter,
+    )?;
+    for e in endpoints {
+        let labels = [("endpoint", e.address.as_str())];
+        ConstCounter::new(u64::from(e.latency_samples)).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -537,5 +584,47 @@ mod tests {
         }
         // Our own parser reads our own exposition.
         assert!(crate::prom::samples(&text).all(|s| s.is_ok()));
+    }
+}
+
+#[cfg(test)]
+mod latency_metric_tests {
+    use prometheus_client::encoding::text::encode;
+    use scorer_core::protocol::{FeedbackBatch, Outcome, RouteRequest};
+    use scorer_core::router::RouterConfig;
+
+    use super::*;
+
+    #[test]
+    fn prediction_error_is_exported_per_endpoint() {
+        let state =
+            Arc::new(State::new(RouterConfig::default(), &["10.0.0.1:80".into()], 4, 1).unwrap());
+        let response = state.route(&RouteRequest {
+            model: "m".into(),
+            block_hashes: vec![1, 2],
+            prompt_tokens: 900,
+            ..Default::default()
+        });
+        state.feedback(&FeedbackBatch {
+            outcomes: vec![Outcome {
+                decision_id: response.decision_id,
+                endpoint: "10.0.0.1:80".into(),
+                status: 200,
+                ttfb_ms: Some(200),
+                total_ms: 400,
+                completion_tokens: Some(11),
+                ..Default::default()
+            }],
+        });
+        let mut text = String::new();
+        encode(&mut text, &registry(state)).unwrap();
+        for needle in [
+            "kvroute_endpoint_latency_samples_total{endpoint=\"10.0.0.1:80\"} 1",
+            "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
+            "kvroute_endpoint_ttft_prediction_error_ms{endpoint=\"10.0.0.1:80\"} ",
+            "kvroute_endpoint_tpot_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} ",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+        }
     }
 }

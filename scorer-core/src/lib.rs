@@ -4,6 +4,7 @@
 //! - [`hash`] hashes them in chained blocks;
 //! - [`index`] remembers which endpoint holds which blocks;
 //! - [`router`] scores endpoints and keeps load accounting;
+//! - [`latency`] learns each endpoint's TTFT and time per output token from outcomes;
 //! - [`protocol`] is the JSON the filter and the control plane exchange.
 //!
 //! Invariant: nothing here reads a clock, draws ambient randomness, spawns a thread or does
@@ -13,6 +14,7 @@ pub mod canon;
 pub mod fairness;
 pub mod hash;
 pub mod index;
+pub mod latency;
 pub mod precise;
 pub mod protocol;
 pub mod router;

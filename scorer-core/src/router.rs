@@ -15,6 +15,10 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::index::{EndpointId, MAX_ENDPOINTS, PrefixIndex};
+use crate::latency::{
+    EndpointLatencyModel, LatencyConfig, LatencyFeatures, LatencyPrediction, Observation,
+    PredictionErrors,
+};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
 use crate::protocol::{Outcome, RouteRequest, RouteResponse};
 
@@ -97,6 +101,8 @@ pub struct RouterConfig {
     pub scoring: ScoringConfig,
     /// Precise mode (KV events) tunables.
     pub precise: PreciseConfig,
+    /// The learned per-endpoint latency model (predicted TTFT / time per output token).
+    pub latency: LatencyConfig,
 }
 
 /// Tunables of precise mode: an index fed by the engines' KV events.
@@ -133,6 +139,7 @@ impl Default for RouterConfig {
             stale_after_ms: 2_000,
             scoring: ScoringConfig::default(),
             precise: PreciseConfig::default(),
+            latency: LatencyConfig::default(),
         }
     }
 }
@@ -174,6 +181,8 @@ struct Slot {
     events_live: bool,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
+    /// TTFT / TPOT model learned from this endpoint's outcomes.
+    latency: EndpointLatencyModel,
 }
 
 /// Totals of the outcomes an endpoint served, as the engines reported them: the fleet page and
@@ -195,6 +204,8 @@ struct InFlight {
     endpoint: EndpointId,
     started_ms: u64,
     predicted_cached_tokens: u32,
+    /// The latency model's inputs at decision time, so the outcome can teach the model.
+    latency_features: LatencyFeatures,
 }
 
 /// One candidate's score terms: what the explain output shows.
@@ -225,6 +236,20 @@ pub struct CandidateScore {
     pub inflight: u32,
     /// Set when the guard skipped this candidate.
     pub guarded: bool,
+    /// Time to first token the endpoint's learned latency model predicts for this request.
+    #[serde(default)]
+    pub predicted_ttft_ms: f64,
+    /// Time per output token the learned model predicts there.
+    #[serde(default)]
+    pub predicted_tpot_ms: f64,
+    /// Outcomes the endpoint's model has learned from (it steers scoring from
+    /// `latency.min_samples` on).
+    #[serde(default)]
+    pub latency_samples: u32,
+    /// What the learned model adds to `total_ms`: `blend × (learned − analytic)` estimate of
+    /// this request's wait and prefill (0 while the model is cold or disabled).
+    #[serde(default)]
+    pub latency_ms: f64,
 }
 
 /// A routing decision and its explanation.
@@ -290,6 +315,12 @@ pub struct EndpointView {
     /// What the engine reported for the requests it served.
     #[serde(default)]
     pub served: ServedTotals,
+    /// How well its learned latency model predicted the outcomes it was then taught.
+    #[serde(default)]
+    pub latency_errors: PredictionErrors,
+    /// Outcomes its latency model has learned from.
+    #[serde(default)]
+    pub latency_samples: u32,
 }
 
 /// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
@@ -395,6 +426,7 @@ impl Router {
             inflight: 0,
             events_live: false,
             served: ServedTotals::default(),
+            latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
         });
         self.index.clear_endpoint(id);
         self.precise.clear(id);
@@ -588,6 +620,8 @@ impl Router {
 
         let s = &self.config.scoring;
         let stale_after = self.config.stale_after_ms;
+        let learned = &self.config.latency;
+        let mut latency_features = vec![LatencyFeatures::default(); n];
         let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::new();
         for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(slot) = slot else { continue };
@@ -637,6 +671,22 @@ impl Router {
             } else {
                 0.0
             };
+            let features = LatencyFeatures {
+                queue_tokens: queue_ms * s.prefill_tokens_per_ms,
+                uncached_tokens: uncached,
+                active: f64::from(active),
+                kv_usage,
+            };
+            latency_features[i] = features;
+            let predicted = slot.latency.predict(&features);
+            let latency_ms = learned_correction(
+                learned,
+                slot.latency.samples(),
+                &predicted,
+                queue_ms + prefill_ms + f64::from(active) * s.decode_ms_per_seq,
+                s.decode_weight * f64::from(output_tokens),
+                itl_ms,
+            );
             candidates.push((
                 EndpointId(i as u16),
                 CandidateScore {
@@ -649,9 +699,17 @@ impl Router {
                     prefill_ms,
                     decode_ms,
                     kv_ms,
-                    total_ms: queue_ms + s.prefill_weight * prefill_ms + decode_ms + kv_ms,
+                    total_ms: queue_ms
+                        + s.prefill_weight * prefill_ms
+                        + decode_ms
+                        + kv_ms
+                        + latency_ms,
                     inflight: slot.inflight,
                     guarded: false,
+                    predicted_ttft_ms: predicted.ttft_ms,
+                    predicted_tpot_ms: predicted.tpot_ms,
+                    latency_samples: slot.latency.samples(),
+                    latency_ms,
                 },
             ));
         }
@@ -740,6 +798,7 @@ impl Router {
                 endpoint: chosen,
                 started_ms: now_ms,
                 predicted_cached_tokens,
+                latency_features: latency_features[usize::from(chosen.0)],
             },
         );
 
@@ -787,6 +846,18 @@ impl Router {
                 served.prompt_tokens += u64::from(prompt);
                 served.cached_tokens += u64::from(cached.min(prompt));
             }
+            // The features describe the chosen endpoint: a fallback's outcome teaches nothing.
+            if served_by == entry.endpoint
+                && let Some(observed) = Observation::from_outcome(
+                    outcome.status,
+                    outcome.ttfb_ms,
+                    outcome.total_ms,
+                    outcome.completion_tokens,
+                )
+            {
+                slot.latency
+                    .observe(&entry.latency_features, observed, &self.config.latency);
+            }
         }
         if let Some(actual) = outcome.cached_tokens {
             self.stats.predicted_cached_tokens += u64::from(entry.predicted_cached_tokens);
@@ -826,8 +897,36 @@ impl Router {
                 precise_blocks: self.precise.gpu.len_for(EndpointId(i as u16)),
                 events_live: s.events_live,
                 served: s.served,
+                latency_errors: s.latency.errors(),
+                latency_samples: s.latency.samples(),
             })
             .collect()
+    }
+}
+
+/// The learned model's adjustment of a candidate's cost: `blend × (learned − analytic)` for
+/// the wait-and-prefill part (the endpoint-invariant overhead left out, so warm and cold
+/// endpoints stay comparable) and for the weighted decode part. Zero while the endpoint has
+/// fewer than `min_samples` outcomes or the model is disabled.
+fn learned_correction(
+    config: &LatencyConfig,
+    samples: u32,
+    predicted: &LatencyPrediction,
+    analytic_ttft_ms: f64,
+    weighted_output_tokens: f64,
+    analytic_tpot_ms: f64,
+) -> f64 {
+    if !config.enabled || samples < config.min_samples {
+        return 0.0;
+    }
+    let blend = config.blend.clamp(0.0, 1.0);
+    let ttft = predicted.ttft_variable_ms - analytic_ttft_ms;
+    let decode = weighted_output_tokens * (predicted.tpot_ms - analytic_tpot_ms);
+    let correction = blend * (ttft + decode);
+    if correction.is_finite() {
+        correction
+    } else {
+        0.0
     }
 }
 
@@ -1175,5 +1274,109 @@ mod precise_tests {
             0,
             "other errors still drop"
         );
+    }
+}
+
+#[cfg(test)]
+mod latency_tests {
+    use super::*;
+    use crate::hash::{block_hashes, model_seed};
+
+    fn request(i: u64, bytes: usize) -> RouteRequest {
+        let text = format!("{i} distinct prompt ").repeat(bytes / 20);
+        RouteRequest {
+            model: "m".into(),
+            block_hashes: block_hashes(model_seed("m"), text.as_bytes(), 256),
+            prompt_bytes: text.len() as u64,
+            prompt_tokens: (text.len() / 4) as u32,
+            max_output_tokens: Some(1),
+            ..Default::default()
+        }
+    }
+
+    /// `slow:1` prefills three times slower than the prior assumes, `fast:1` as assumed.
+    fn observed_ttft(endpoint: &str, uncached: u32) -> u64 {
+        let per_token = if endpoint == "slow:1" { 0.3 } else { 0.1 };
+        (10.0 + f64::from(uncached) * per_token) as u64
+    }
+
+    #[test]
+    fn outcomes_teach_each_endpoint_its_own_latency() {
+        let mut r = Router::new(RouterConfig::default(), 1);
+        for a in ["slow:1", "fast:1"] {
+            r.upsert_endpoint(a).unwrap();
+        }
+        let mut now = 0;
+        for i in 0..200u64 {
+            now += 60_000;
+            // Seeds that vary in every bit, so ties split evenly.
+            let seed = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let d = r.route(&request(i, 2_000 + (i as usize % 7) * 1_000), now, seed);
+            let chosen = &d.candidates[0];
+            assert!(chosen.predicted_ttft_ms > 0.0 && chosen.predicted_tpot_ms > 0.0);
+            let ttft = observed_ttft(&chosen.endpoint, chosen.uncached_tokens);
+            r.feedback(
+                &Outcome {
+                    decision_id: d.response.decision_id,
+                    endpoint: chosen.endpoint.clone(),
+                    status: 200,
+                    ttfb_ms: Some(ttft),
+                    total_ms: ttft,
+                    completion_tokens: Some(1),
+                    ..Default::default()
+                },
+                now,
+            );
+        }
+        let views = r.endpoints(now);
+        let slow = views.iter().find(|e| e.address == "slow:1").unwrap();
+        assert!(slow.latency_samples >= 32, "{views:?}");
+        assert!(slow.latency_errors.ttft_error_ratio < 0.2, "{views:?}");
+        // Once warm, the slow endpoint's learned TTFT is higher and it stops winning.
+        let d = r.route(&request(999, 4_000), now + 60_000, 1);
+        let by = |a: &str| d.candidates.iter().find(|c| c.endpoint == a).unwrap();
+        let (slow, fast) = (by("slow:1"), by("fast:1"));
+        let expected = observed_ttft("slow:1", slow.uncached_tokens) as f64;
+        assert!(
+            (slow.predicted_ttft_ms - expected).abs() / expected < 0.15,
+            "{slow:?}"
+        );
+        assert!(
+            slow.predicted_ttft_ms > 2.0 * fast.predicted_ttft_ms,
+            "{d:?}"
+        );
+        assert!(slow.latency_ms > fast.latency_ms, "{d:?}");
+        assert_eq!(d.response.endpoints[0], "fast:1");
+    }
+
+    #[test]
+    fn disabled_model_predicts_but_does_not_steer() {
+        let config = RouterConfig {
+            latency: LatencyConfig {
+                enabled: false,
+                ..LatencyConfig::default()
+            },
+            ..RouterConfig::default()
+        };
+        let mut r = Router::new(config, 1);
+        r.upsert_endpoint("a:1").unwrap();
+        for i in 0..50 {
+            let d = r.route(&request(i, 1_000), i * 60_000, i);
+            r.feedback(
+                &Outcome {
+                    decision_id: d.response.decision_id,
+                    endpoint: "a:1".into(),
+                    status: 200,
+                    ttfb_ms: Some(500),
+                    total_ms: 500,
+                    completion_tokens: Some(1),
+                    ..Default::default()
+                },
+                i * 60_000,
+            );
+        }
+        let d = r.route(&request(77, 1_000), 10_000_000, 1);
+        assert_eq!(d.candidates[0].latency_ms, 0.0);
+        assert!(d.candidates[0].predicted_ttft_ms > 300.0, "{d:?}");
     }
 }
