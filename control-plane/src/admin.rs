@@ -39,6 +39,15 @@ struct Admin {
 pub fn router(state: Arc<State>) -> axum::Router {
     let mut registry = telemetry::registry(state.clone());
     registry.register_collector(Box::new(fleet_page::ObservabilityCollector(state.clone())));
+    if let Some(gate) = state.admission() {
+        gate.register(&mut registry);
+    }
+    if let Some(window) = state.slo() {
+        registry.register_collector(Box::new(crate::slo::SloCollector {
+            state: state.clone(),
+            window: window.clone(),
+        }));
+    }
     let history = Arc::new(History::default());
     fleet_page::spawn_sampler(
         Arc::downgrade(&state),

@@ -50,6 +50,14 @@ pub struct Config {
     /// Where more replicas come from at run time (Kubernetes pods or DNS); with it,
     /// `endpoints` may be empty.
     pub discovery: Option<crate::discovery::DiscoveryConfig>,
+    /// Priorities, per-tenant prompt limits and fair sharing at the gateway
+    /// (`scorer_core::fairness::AdmissionConfig`); absent: every request is routed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admission: Option<scorer_core::fairness::AdmissionConfig>,
+    /// TTFT/ITL targets for the autoscaling gauges (`crate::slo::SloConfig`); absent: no
+    /// SLO gauges.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slo: Option<crate::slo::SloConfig>,
 }
 
 /// One vLLM replica.
@@ -165,6 +173,8 @@ impl Default for Config {
             router: RouterConfig::default(),
             precise: PreciseSettings::default(),
             discovery: None,
+            admission: None,
+            slo: None,
         }
     }
 }
@@ -236,6 +246,12 @@ pub enum ConfigError {
     /// The `discovery` section is unusable.
     #[error(transparent)]
     Discovery(#[from] crate::discovery::DiscoveryConfigError),
+    /// The `admission` section is unusable.
+    #[error(transparent)]
+    Admission(#[from] scorer_core::fairness::AdmissionConfigError),
+    /// The `slo` section is unusable.
+    #[error(transparent)]
+    Slo(#[from] crate::slo::SloConfigError),
     /// A `precise` setting is missing or inconsistent.
     #[error("precise.{field}: {reason}")]
     Precise {
@@ -286,6 +302,12 @@ impl Config {
 
     /// Checks every cross-field and range constraint.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(a) = &self.admission {
+            a.validate()?;
+        }
+        if let Some(s) = &self.slo {
+            s.validate()?;
+        }
         if self.endpoints.is_empty() && self.discovery.is_none() {
             return Err(ConfigError::NoEndpoints);
         }

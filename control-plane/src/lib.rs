@@ -14,12 +14,14 @@
 //! metrics in and out of it. [`ControlPlane`] wires the pieces for the binary and for tests.
 
 pub mod admin;
+pub mod admission;
 pub mod api;
 pub mod config;
 pub mod discovery;
 pub mod kv_events;
 pub mod prom;
 pub mod scrape;
+pub mod slo;
 pub mod state;
 pub mod telemetry;
 pub mod tokenize;
@@ -89,12 +91,23 @@ impl ControlPlane {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_micros() as u64)
             .unwrap_or(1);
-        let state = Arc::new(State::new(
-            config.router.clone(),
-            &config.endpoint_addresses(),
-            config.decision_history,
-            first_id,
-        )?);
+        let state = Arc::new(
+            State::new(
+                config.router.clone(),
+                &config.endpoint_addresses(),
+                config.decision_history,
+                first_id,
+            )?
+            .with_admission(config.admission.clone().map(admission::Gate::new))
+            .with_slo(config.slo.clone().map(|c| {
+                let pools = config
+                    .endpoints
+                    .iter()
+                    .filter_map(|e| Some((e.address.clone(), e.model.clone()?)))
+                    .collect();
+                slo::SloWindow::new(c, pools)
+            })),
+        );
         let precise = Arc::new(tokenize::Precise::from_config(&config)?);
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)

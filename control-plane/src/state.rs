@@ -30,6 +30,10 @@ pub struct State {
     /// LoRA adapter names seen in KV events: a request for one of these hashes its tokens with
     /// the adapter's seed, as the events' blocks were.
     loras: Mutex<HashSet<String>>,
+    /// Admission (priorities, tenant limits, fair share) before routing; `None`: admit all.
+    admission: Option<std::sync::Arc<crate::admission::Gate>>,
+    /// Outcomes of the SLO window for the autoscaling gauges; `None`: no SLO configured.
+    slo: Option<std::sync::Arc<Mutex<crate::slo::SloWindow>>>,
 }
 
 /// Most LoRA names remembered from KV events (a bound against a misbehaving publisher).
@@ -153,7 +157,31 @@ impl State {
             scrapes: Mutex::new(BTreeMap::new()),
             kv_streams: Mutex::new(BTreeMap::new()),
             loras: Mutex::new(HashSet::new()),
+            admission: None,
+            slo: None,
         })
+    }
+
+    /// Puts an admission gate in front of routing (the `admission:` section).
+    pub fn with_admission(mut self, gate: Option<crate::admission::Gate>) -> Self {
+        self.admission = gate.map(std::sync::Arc::new);
+        self
+    }
+
+    /// Keeps an SLO window of outcomes for the autoscaling gauges (the `slo:` section).
+    pub fn with_slo(mut self, window: Option<crate::slo::SloWindow>) -> Self {
+        self.slo = window.map(|w| std::sync::Arc::new(Mutex::new(w)));
+        self
+    }
+
+    /// The admission gate, when configured (its metrics are registered from it).
+    pub fn admission(&self) -> Option<&std::sync::Arc<crate::admission::Gate>> {
+        self.admission.as_ref()
+    }
+
+    /// The SLO window, when configured (the SLO collector reads it).
+    pub fn slo(&self) -> Option<&std::sync::Arc<Mutex<crate::slo::SloWindow>>> {
+        self.slo.as_ref()
     }
 
     /// Adds a discovered endpoint (idempotent): routable at once, scraped by its own loop.
@@ -186,6 +214,17 @@ impl State {
     /// Routes one request and remembers the decision for `/debug/decisions/{id}`.
     pub fn route(&self, request: &RouteRequest) -> RouteResponse {
         let now = self.now_ms();
+        if let Some(gate) = &self.admission {
+            let views = self.inner.lock().router.endpoints(now);
+            if let Some(reject) = gate.decide(request, &views, now).reject {
+                self.telemetry.count_decision("rejected");
+                return RouteResponse {
+                    reason: "rejected".into(),
+                    reject: Some(reject),
+                    ..RouteResponse::default()
+                };
+            }
+        }
         let response = {
             let mut inner = self.inner.lock();
             inner.seed = xorshift64(inner.seed);
@@ -212,6 +251,9 @@ impl State {
             for outcome in &batch.outcomes {
                 inner.router.feedback(outcome, now);
             }
+        }
+        if let Some(slo) = &self.slo {
+            slo.lock().record(&batch.outcomes, now);
         }
         self.telemetry.count_feedback(batch.outcomes.len());
     }

@@ -1,0 +1,121 @@
+//! The admission gate in front of routing: wraps `scorer_core::fairness::Admission` (the pure
+//! rules) with a lock and the Prometheus counters of what it admitted and refused.
+
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use scorer_core::fairness::{
+    Admission, AdmissionConfig, AdmissionDecision, ReplicaLoad, ShedReason,
+};
+use scorer_core::protocol::RouteRequest;
+use scorer_core::router::EndpointView;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClassLabels {
+    criticality: &'static str,
+    tenant: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabels {
+    tenant: String,
+}
+
+/// Admission rules plus their metrics; shared by every route call.
+#[derive(Debug)]
+pub struct Gate {
+    admission: Mutex<Admission>,
+    shed: Family<ClassLabels, Counter>,
+    over_share: Family<ClassLabels, Counter>,
+    admitted: Family<ClassLabels, Counter>,
+    too_large: Family<TenantLabels, Counter>,
+    saturation: Gauge<f64, AtomicU64>,
+}
+
+impl Gate {
+    /// A gate with `config` (validated by the caller's config loading).
+    pub fn new(config: AdmissionConfig) -> Self {
+        Self {
+            admission: Mutex::new(Admission::new(config)),
+            shed: Family::default(),
+            over_share: Family::default(),
+            admitted: Family::default(),
+            too_large: Family::default(),
+            saturation: Gauge::default(),
+        }
+    }
+
+    /// Decides on `request` against the fleet `views` at `now_ms` and counts the verdict.
+    pub fn decide(
+        &self,
+        request: &RouteRequest,
+        views: &[EndpointView],
+        now_ms: u64,
+    ) -> AdmissionDecision {
+        let loads: Vec<ReplicaLoad> = views.iter().filter_map(ReplicaLoad::from_view).collect();
+        let decision = {
+            let mut a = self.admission.lock();
+            let saturation = a.fleet_saturation(&loads);
+            a.decide(request, saturation, now_ms)
+        };
+        self.saturation.set(decision.saturation);
+        let class = ClassLabels {
+            criticality: decision.criticality.as_str(),
+            tenant: decision.tenant_label.clone(),
+        };
+        match decision.shed {
+            None => {
+                self.admitted.get_or_create(&class).inc();
+            }
+            Some(ShedReason::PromptTooLarge) => {
+                self.too_large
+                    .get_or_create(&TenantLabels {
+                        tenant: decision.tenant_label.clone(),
+                    })
+                    .inc();
+            }
+            Some(reason) => {
+                self.shed.get_or_create(&class).inc();
+                if reason == ShedReason::OverFairShare {
+                    self.over_share.get_or_create(&class).inc();
+                }
+            }
+        }
+        decision
+    }
+
+    /// Adds the gate's metrics to the control plane's registry (prefix `kvroute_`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "requests_shed",
+            "Requests answered 429 because the fleet was saturated, by criticality and tenant \
+             (tenants not named in admission.tenants share the label `other`)",
+            self.shed.clone(),
+        );
+        registry.register(
+            "requests_shed_over_fair_share",
+            "Of the shed requests, those refused because their tenant was over its fair share",
+            self.over_share.clone(),
+        );
+        registry.register(
+            "requests_admitted",
+            "Requests the admission gate let through to routing, by criticality and tenant",
+            self.admitted.clone(),
+        );
+        registry.register(
+            "requests_too_large",
+            "Requests answered 413 because the prompt exceeded the tenant's max_prompt_bytes",
+            self.too_large.clone(),
+        );
+        registry.register(
+            "fleet_saturation",
+            "Fleet saturation at the last admission decision: the least loaded replica's \
+             max(waiting/queue_limit, kv_usage/kv_limit); 1 = every replica at a limit",
+            self.saturation.clone(),
+        );
+    }
+}
