@@ -1391,6 +1391,15 @@ impl FilterHost {
     pub fn shared_data(&self, key: &str) -> Option<(Vec<u8>, u32)> {
         self.store.data().shared_data.get(key).cloned()
     }
+
+    /// Size of the module's linear memory in bytes (wasm memory only grows), so a benchmark
+    /// can measure what requests held in flight cost the filter.
+    pub fn memory_bytes(&mut self) -> usize {
+        match self.instance.get_export(&mut self.store, "memory") {
+            Some(wasmtime::Extern::Memory(m)) => m.data_size(&self.store),
+            _ => 0,
+        }
+    }
 }
 
 #[cfg(test)]

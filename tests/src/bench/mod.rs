@@ -24,6 +24,7 @@ use crate::loadgen::{percentile, words};
 use crate::wasm_host::{FilterAction, FilterModule, HostError};
 
 pub mod aiperf;
+pub mod metrics_fleet;
 pub mod peers;
 
 /// Model name used by every benchmark request.
@@ -367,6 +368,55 @@ pub fn filter_wasm(
     })
 }
 
+/// Filter memory per in-flight request: opens `in_flight` streams of `bytes`-byte chat bodies
+/// in wasmtime and leaves each paused on its unanswered route call, then divides the growth
+/// of the module's linear memory by their number (bytes per request). One request is run to
+/// completion first, so buffers the allocator reuses (the body copy, the route JSON) are not
+/// counted as per-request. Resolution is one 64 KiB wasm page over `in_flight`.
+pub fn filter_inflight_memory(
+    module: &FilterModule,
+    bytes: usize,
+    in_flight: usize,
+) -> Result<f64, BenchError> {
+    let mut host = module.start(b"{}")?;
+    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    let body = chat_body(bytes, 1, 16, false);
+    let len = body.len().to_string();
+    let headers = [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "bench"),
+        ("content-type", "application/json"),
+        ("content-length", len.as_str()),
+    ];
+    let open = |host: &mut crate::wasm_host::FilterHost| -> Result<u32, BenchError> {
+        let ctx = host.new_stream()?;
+        host.send_request_headers(ctx, &headers, false)?;
+        match host.send_request_body(ctx, body.as_bytes(), true)? {
+            FilterAction::Pause => Ok(ctx),
+            other => Err(BenchError::Filter(format!(
+                "request of {bytes} bytes was not held for routing (action {other:?})"
+            ))),
+        }
+    };
+    // Warm-up: one full request, answered and finished.
+    let ctx = open(&mut host)?;
+    let token = host
+        .pending_http_calls()
+        .first()
+        .map(|c| c.token)
+        .ok_or_else(|| BenchError::Filter("paused without a route call".into()))?;
+    host.respond_http_call(token, 503, &[], b"")?;
+    host.send_response_headers(ctx, &[(":status", "200")], true)?;
+    host.finish_stream(ctx)?;
+    let before = host.memory_bytes();
+    for _ in 0..in_flight {
+        open(&mut host)?;
+    }
+    let after = host.memory_bytes();
+    Ok(after.saturating_sub(before) as f64 / in_flight.max(1) as f64)
+}
+
 /// Result of a closed-loop HTTP load run.
 #[derive(Debug, Clone)]
 pub struct LoadResult {
@@ -491,9 +541,68 @@ pub fn route_bodies(n: usize) -> Vec<String> {
         .collect()
 }
 
+/// Route-request bodies for the HTTP benchmark with a filled index: `fill` holds about
+/// `blocks / 64` requests of 64 fresh blocks each (16 KB prompts), which fill the index when
+/// routed; `measure` holds `n` requests of which half extend one of those chains by a random
+/// length (a partial prefix hit) and half are new, like the in-process benchmark.
+pub fn filled_index_bodies(blocks: usize, n: usize) -> (Vec<String>, Vec<String>) {
+    const CHAIN: usize = 64;
+    let mut rng = SmallRng::seed_from_u64(17);
+    let body = |hashes: Vec<u64>| {
+        serde_json::to_string(&RouteRequest {
+            model: MODEL.to_string(),
+            block_hashes: hashes,
+            prompt_bytes: (CHAIN * DEFAULT_BLOCK_BYTES) as u64,
+            prompt_tokens: (CHAIN * DEFAULT_BLOCK_BYTES / 4) as u32,
+            max_output_tokens: Some(64),
+            ..RouteRequest::default()
+        })
+        .unwrap_or_default()
+    };
+    let chains: Vec<Vec<u64>> = (0..blocks.div_ceil(CHAIN))
+        .map(|_| (0..CHAIN).map(|_| rng.random()).collect())
+        .collect();
+    let measure = (0..n)
+        .map(|i| {
+            let mut hashes: Vec<u64> = if i % 2 == 0 && !chains.is_empty() {
+                let c = &chains[rng.random_range(0..chains.len())];
+                c[..rng.random_range(1..=CHAIN)].to_vec()
+            } else {
+                Vec::new()
+            };
+            while hashes.len() < CHAIN {
+                hashes.push(rng.random());
+            }
+            body(hashes)
+        })
+        .collect();
+    let fill = chains.into_iter().map(body).collect();
+    (fill, measure)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filled_index_bodies_cover_the_requested_blocks() {
+        let (fill, measure) = filled_index_bodies(640, 10);
+        assert_eq!(fill.len(), 10);
+        assert_eq!(measure.len(), 10);
+        let first: RouteRequest = serde_json::from_str(&fill[0]).unwrap();
+        assert_eq!(first.block_hashes.len(), 64);
+        // Even measurement requests start with a filled chain's first block.
+        let chains: Vec<RouteRequest> = fill
+            .iter()
+            .map(|b| serde_json::from_str(b).unwrap())
+            .collect();
+        let m0: RouteRequest = serde_json::from_str(&measure[0]).unwrap();
+        assert!(
+            chains
+                .iter()
+                .any(|c| c.block_hashes[0] == m0.block_hashes[0])
+        );
+    }
 
     #[test]
     fn chat_body_is_about_the_requested_size() {
