@@ -78,6 +78,10 @@ pub struct EndpointConfig {
     /// The replica's replay ROUTER socket (`replay_endpoint`); without it a gap drops state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_replay: Option<String>,
+    /// Its role in a disaggregated fleet: `prefill`, `decode` or `both` (the default). A
+    /// `prefill` replica is never a decode target; it prefills long prompts for one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<scorer_core::disagg::EndpointRole>,
 }
 
 /// How precise routes' prompts become token ids.
@@ -767,6 +771,19 @@ router: {}
         assert!(
             err(&format!("{MINIMAL}router:\n  latency:\n    blend: 1.5\n"))
                 .contains("router.latency.blend")
+        );
+        let roles = "endpoints:\n  - address: 10.0.0.1:80\n    role: prefill\n  - address: 10.0.0.2:80\n    role: decode\n";
+        let c = Config::from_yaml(roles).unwrap();
+        assert_eq!(
+            c.endpoints.iter().map(|e| e.role).collect::<Vec<_>>(),
+            [
+                Some(scorer_core::disagg::EndpointRole::Prefill),
+                Some(scorer_core::disagg::EndpointRole::Decode)
+            ]
+        );
+        assert!(
+            Config::from_yaml(&roles.replace("decode", "encode")).is_err(),
+            "unknown roles are errors"
         );
         assert!(
             err(&format!("{MINIMAL}scrape_interval_ms: 0\n"))

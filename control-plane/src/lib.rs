@@ -108,6 +108,11 @@ impl ControlPlane {
                 slo::SloWindow::new(c, pools)
             })),
         );
+        for e in &config.endpoints {
+            if let Some(role) = e.role {
+                state.set_role(&e.address, role);
+            }
+        }
         let precise = Arc::new(tokenize::Precise::from_config(&config)?);
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)

@@ -267,6 +267,11 @@ impl State {
             .update_metrics(address, metrics, now);
     }
 
+    /// Sets `address`'s prefill/decode role (from configuration).
+    pub fn set_role(&self, address: &str, role: scorer_core::disagg::EndpointRole) {
+        self.inner.lock().router.set_role(address, role);
+    }
+
     /// Enough failed scrapes: stop routing to `address` until a scrape succeeds.
     pub fn mark_unreachable(&self, address: &str) {
         self.inner.lock().router.mark_unreachable(address);

@@ -16,6 +16,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use scorer_core::disagg::EndpointRole;
 use scorer_core::router::{EndpointView, Health};
 
 use crate::state::State;
@@ -495,8 +496,50 @@ impl Collector for RouterCollector {
             }
         }
         encode_latency_model(&mut encoder, &snap.endpoints)?;
+        encode_disaggregation(&mut encoder, snap.stats.disaggregated, &snap.endpoints)?;
         Ok(())
     }
+}
+
+/// Prefill/decode disaggregation: decisions that named a prefill endpoint, how often each
+/// endpoint was that prefill endpoint, and every endpoint's role.
+fn encode_disaggregation(
+    encoder: &mut DescriptorEncoder,
+    disaggregated: u64,
+    endpoints: &[EndpointView],
+) -> fmt::Result {
+    ConstCounter::new(disaggregated).encode(encoder.encode_descriptor(
+        "disaggregated_decisions",
+        "Decisions that also named a prefill endpoint (x-prefiller-host-port)",
+        None,
+        MetricType::Counter,
+    )?)?;
+    let mut family = encoder.encode_descriptor(
+        "endpoint_prefill_picks",
+        "Times the endpoint was picked to prefill for a decode endpoint",
+        None,
+        MetricType::Counter,
+    )?;
+    for e in endpoints {
+        let labels = [("endpoint", e.address.as_str())];
+        ConstCounter::new(e.prefill_picks).encode(family.encode_family(&labels)?)?;
+    }
+    let mut family = encoder.encode_descriptor(
+        "endpoint_role",
+        "1 for the endpoint's prefill/decode role (prefill, decode or both)",
+        None,
+        MetricType::Gauge,
+    )?;
+    for e in endpoints {
+        let role = match e.role {
+            EndpointRole::Prefill => "prefill",
+            EndpointRole::Decode => "decode",
+            EndpointRole::Both => "both",
+        };
+        let labels = [("endpoint", e.address.as_str()), ("role", role)];
+        ConstGauge::new(1i64).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 /// The learned latency model's figures per endpoint: how many outcomes taught it and how far
@@ -623,6 +666,31 @@ mod latency_metric_tests {
             "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
             "kvroute_endpoint_ttft_prediction_error_ms{endpoint=\"10.0.0.1:80\"} ",
             "kvroute_endpoint_tpot_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} ",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn disaggregation_is_exported() {
+        let endpoints = ["10.0.0.1:80".to_string(), "10.0.0.2:80".to_string()];
+        let state = Arc::new(State::new(RouterConfig::default(), &endpoints, 4, 1).unwrap());
+        state.set_role("10.0.0.1:80", EndpointRole::Prefill);
+        let response = state.route(&RouteRequest {
+            model: "m".into(),
+            block_hashes: (0..40).collect(),
+            prompt_tokens: 2_600,
+            ..Default::default()
+        });
+        assert_eq!(response.prefiller.as_deref(), Some("10.0.0.1:80"));
+        assert_eq!(response.endpoints, ["10.0.0.2:80"]);
+        let mut text = String::new();
+        encode(&mut text, &registry(state)).unwrap();
+        for needle in [
+            "kvroute_disaggregated_decisions_total 1",
+            "kvroute_endpoint_prefill_picks_total{endpoint=\"10.0.0.1:80\"} 1",
+            "kvroute_endpoint_role{endpoint=\"10.0.0.1:80\",role=\"prefill\"} 1",
+            "kvroute_endpoint_role{endpoint=\"10.0.0.2:80\",role=\"both\"} 1",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }

@@ -14,6 +14,7 @@
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
+use crate::disagg::{EndpointRole, PdConfig};
 use crate::index::{EndpointId, MAX_ENDPOINTS, PrefixIndex};
 use crate::latency::{
     EndpointLatencyModel, LatencyConfig, LatencyFeatures, LatencyPrediction, Observation,
@@ -103,6 +104,8 @@ pub struct RouterConfig {
     pub precise: PreciseConfig,
     /// The learned per-endpoint latency model (predicted TTFT / time per output token).
     pub latency: LatencyConfig,
+    /// Prefill/decode disaggregation: when a request also gets a prefill endpoint.
+    pub pd: PdConfig,
 }
 
 /// Tunables of precise mode: an index fed by the engines' KV events.
@@ -140,6 +143,7 @@ impl Default for RouterConfig {
             scoring: ScoringConfig::default(),
             precise: PreciseConfig::default(),
             latency: LatencyConfig::default(),
+            pd: PdConfig::default(),
         }
     }
 }
@@ -183,6 +187,10 @@ struct Slot {
     served: ServedTotals,
     /// TTFT / TPOT model learned from this endpoint's outcomes.
     latency: EndpointLatencyModel,
+    /// Prefill, decode or both (disaggregated serving).
+    role: EndpointRole,
+    /// Times it was picked as a request's prefill endpoint.
+    prefill_picks: u64,
 }
 
 /// Totals of the outcomes an endpoint served, as the engines reported them: the fleet page and
@@ -209,7 +217,7 @@ struct InFlight {
 }
 
 /// One candidate's score terms: what the explain output shows.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CandidateScore {
     /// `ip:port` of the candidate.
     pub endpoint: String,
@@ -250,6 +258,10 @@ pub struct CandidateScore {
     /// this request's wait and prefill (0 while the model is cold or disabled).
     #[serde(default)]
     pub latency_ms: f64,
+    /// The candidate's role. `prefill` candidates are listed after the decode candidates and
+    /// scored on prefill terms only (`total_ms` = queue + weighted prefill + KV pressure).
+    #[serde(default)]
+    pub role: EndpointRole,
 }
 
 /// A routing decision and its explanation.
@@ -289,6 +301,9 @@ pub struct RouterStats {
     /// Outcomes served by another endpoint than the chosen one (a fallback of the list).
     #[serde(default)]
     pub fallbacks: u64,
+    /// Decisions that also named a prefill endpoint (disaggregated prefill/decode).
+    #[serde(default)]
+    pub disaggregated: u64,
 }
 
 /// Read-only view of one endpoint for metrics and the fleet page.
@@ -321,6 +336,12 @@ pub struct EndpointView {
     /// Outcomes its latency model has learned from.
     #[serde(default)]
     pub latency_samples: u32,
+    /// Prefill, decode or both.
+    #[serde(default)]
+    pub role: EndpointRole,
+    /// Times it was picked as a request's prefill endpoint.
+    #[serde(default)]
+    pub prefill_picks: u64,
 }
 
 /// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
@@ -427,6 +448,8 @@ impl Router {
             events_live: false,
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
+            role: EndpointRole::Both,
+            prefill_picks: 0,
         });
         self.index.clear_endpoint(id);
         self.precise.clear(id);
@@ -710,10 +733,13 @@ impl Router {
                     predicted_tpot_ms: predicted.tpot_ms,
                     latency_samples: slot.latency.samples(),
                     latency_ms,
+                    role: slot.role,
                 },
             ));
         }
 
+        // Prefill-only endpoints are never decode targets; they may prefill for one.
+        let prefill_only = crate::disagg::split_prefill_only(&mut candidates, s.prefill_weight);
         if candidates.is_empty() {
             self.stats.no_endpoint += 1;
             return Decision {
@@ -801,6 +827,7 @@ impl Router {
                 latency_features: latency_features[usize::from(chosen.0)],
             },
         );
+        let prefiller = self.pick_prefiller(request, chosen, &chosen_score, &prefill_only, now_ms);
 
         let endpoints = candidates
             .iter()
@@ -813,10 +840,59 @@ impl Router {
                 endpoints,
                 cached_blocks: chosen_score.cached_blocks,
                 reason: reason.into(),
+                prefiller,
                 ..RouteResponse::default()
             },
-            candidates: candidates.into_iter().map(|(_, c)| c).collect(),
+            candidates: candidates
+                .into_iter()
+                .chain(prefill_only)
+                .map(|(_, c)| c)
+                .collect(),
         }
+    }
+
+    /// Sets `address`'s role in a disaggregated fleet (endpoints start as `both`).
+    pub fn set_role(&mut self, address: &str, role: EndpointRole) {
+        if let Some((_, slot)) = self.slot_mut(address) {
+            slot.role = role;
+        }
+    }
+
+    /// Disaggregation: when the prompt's uncached part on the chosen decode endpoint exceeds
+    /// `pd.threshold_tokens`, the cheapest prefill endpoint (`prefill_only` is sorted) runs the
+    /// prefill. Its queue gets that prefill and its index the prompt's blocks; the decode
+    /// endpoint keeps the blocks (they arrive by KV transfer) but not the prefill work.
+    fn pick_prefiller(
+        &mut self,
+        request: &RouteRequest,
+        decode: EndpointId,
+        decode_score: &CandidateScore,
+        prefill_only: &[(EndpointId, CandidateScore)],
+        now_ms: u64,
+    ) -> Option<String> {
+        if !self
+            .config
+            .pd
+            .wants_remote_prefill(decode_score.uncached_tokens)
+        {
+            return None;
+        }
+        let (id, score) = prefill_only.first()?;
+        if let Some(slot) = self.slots[usize::from(decode.0)].as_mut() {
+            slot.backlog_tokens =
+                (slot.backlog_tokens - f64::from(decode_score.uncached_tokens)).max(0.0);
+        }
+        let slot = self.slots[usize::from(id.0)].as_mut()?;
+        slot.backlog_tokens += f64::from(score.uncached_tokens);
+        slot.prefill_picks += 1;
+        self.index.insert(*id, &request.block_hashes, now_ms);
+        if !request.token_block_hashes.is_empty() {
+            self.precise
+                .speculative
+                .insert(*id, &request.token_block_hashes, now_ms);
+        }
+        self.stats.disaggregated += 1;
+        Some(score.endpoint.clone())
     }
 
     /// Takes one request's outcome: releases its in-flight load and records prediction accuracy.
@@ -899,6 +975,8 @@ impl Router {
                 served: s.served,
                 latency_errors: s.latency.errors(),
                 latency_samples: s.latency.samples(),
+                role: s.role,
+                prefill_picks: s.prefill_picks,
             })
             .collect()
     }
@@ -1378,5 +1456,90 @@ mod latency_tests {
         let d = r.route(&request(77, 1_000), 10_000_000, 1);
         assert_eq!(d.candidates[0].latency_ms, 0.0);
         assert!(d.candidates[0].predicted_ttft_ms > 300.0, "{d:?}");
+    }
+}
+
+#[cfg(test)]
+mod disagg_tests {
+    use super::*;
+    use crate::hash::{block_hashes, model_seed};
+
+    fn request(i: u64, tokens: usize) -> RouteRequest {
+        let text = format!("{i} prompt ").repeat(tokens * 4 / 9 + 1);
+        RouteRequest {
+            model: "m".into(),
+            block_hashes: block_hashes(model_seed("m"), text.as_bytes(), 256),
+            prompt_bytes: text.len() as u64,
+            prompt_tokens: tokens as u32,
+            ..Default::default()
+        }
+    }
+
+    fn fleet() -> Router {
+        let mut r = Router::new(RouterConfig::default(), 1);
+        for (a, role) in [
+            ("p:1", EndpointRole::Prefill),
+            ("d:1", EndpointRole::Decode),
+            ("d:2", EndpointRole::Decode),
+        ] {
+            r.upsert_endpoint(a).unwrap();
+            r.set_role(a, role);
+        }
+        r
+    }
+
+    #[test]
+    fn long_uncached_prompts_get_a_prefill_endpoint_short_ones_do_not() {
+        let mut r = fleet();
+        let long = r.route(&request(1, 4_000), 0, 1);
+        assert!(long.response.endpoints[0].starts_with("d:"), "{long:?}");
+        assert!(!long.response.endpoints.contains(&"p:1".to_string()));
+        assert_eq!(long.response.prefiller.as_deref(), Some("p:1"));
+        let last = long.candidates.last().unwrap();
+        assert_eq!(
+            (last.endpoint.as_str(), last.role),
+            ("p:1", EndpointRole::Prefill)
+        );
+        let short = r.route(&request(2, 200), 60_000, 2);
+        assert_eq!(short.response.prefiller, None);
+        assert_eq!(r.stats().disaggregated, 1);
+        let views = r.endpoints(60_000);
+        let p = views.iter().find(|e| e.address == "p:1").unwrap();
+        assert_eq!((p.role, p.prefill_picks), (EndpointRole::Prefill, 1));
+        // The prefill work is queued on the prefill endpoint, not on the decode endpoint.
+        let d = views
+            .iter()
+            .find(|e| e.address == long.response.endpoints[0])
+            .unwrap();
+        assert!(
+            p.backlog_tokens > 0.0 || d.backlog_tokens == 0.0,
+            "{views:?}"
+        );
+    }
+
+    #[test]
+    fn a_prompt_cached_on_the_decode_endpoint_stays_there_whole() {
+        let mut r = fleet();
+        let first = r.route(&request(3, 4_000), 0, 1);
+        let again = r.route(&request(3, 4_000), 60_000, 2);
+        assert_eq!(again.response.endpoints[0], first.response.endpoints[0]);
+        assert_eq!(again.response.prefiller, None, "{again:?}");
+    }
+
+    #[test]
+    fn without_decode_endpoints_routing_fails_open_and_threshold_zero_disables() {
+        let mut r = Router::new(RouterConfig::default(), 1);
+        r.upsert_endpoint("p:1").unwrap();
+        r.set_role("p:1", EndpointRole::Prefill);
+        assert!(
+            r.route(&request(1, 4_000), 0, 1)
+                .response
+                .endpoints
+                .is_empty()
+        );
+
+        let mut r = fleet();
+        r.config.pd.threshold_tokens = 0;
+        assert_eq!(r.route(&request(1, 4_000), 0, 1).response.prefiller, None);
     }
 }

@@ -275,6 +275,9 @@ pub struct Engine {
     rng: SmallRng,
     stats: EngineStats,
     evicted: Vec<u64>,
+    /// Prompt tokens whose KV a remote prefill computed and transferred, per waiting request
+    /// (disaggregated serving): admission counts them as present, like local prefix hits.
+    remote_kv: HashMap<RequestId, u32>,
 }
 
 impl Engine {
@@ -293,6 +296,7 @@ impl Engine {
             running: Vec::new(),
             lora_ids: HashMap::new(),
             rng: SmallRng::seed_from_u64(cfg.seed),
+            remote_kv: HashMap::new(),
             stats: EngineStats {
                 num_gpu_blocks: blocks,
                 ..EngineStats::default()
@@ -380,11 +384,23 @@ impl Engine {
         Ok(())
     }
 
+    /// Queues a request whose prompt was prefilled on another replica and whose KV has been
+    /// transferred here (llm-d's P/D flow, vLLM's NIXL connector): its prompt blocks count as
+    /// present at admission (all but the last token, which vLLM always recomputes), and they
+    /// enter this replica's prefix cache once the step that admits it completes.
+    pub fn add_remote_prefilled(&mut self, req: EngineRequest) -> Result<(), SimError> {
+        let (id, prompt) = (req.id, req.prompt_tokens.len() as u32);
+        self.add_request(req)?;
+        self.remote_kv.insert(id, prompt);
+        Ok(())
+    }
+
     /// Removes a request wherever it is (client went away). Returns false if unknown.
     pub fn abort(&mut self, id: RequestId) -> bool {
         let Some(req) = self.reqs.remove(&id) else {
             return false;
         };
+        self.remote_kv.remove(&id);
         self.pool.free(&req.blocks);
         if let Some(i) = self.running.iter().position(|r| *r == id) {
             self.running.remove(i);
@@ -585,7 +601,13 @@ impl Engine {
                 None => break,
             }
         }
-        let hit_tokens = hits.len() as u32 * bs;
+        let local_hit_tokens = hits.len() as u32 * bs;
+        // Transferred KV (disaggregated prefill) covers what the local cache does not.
+        let remote_tokens = self
+            .remote_kv
+            .get(&id)
+            .map_or(0, |t| (*t).min(max_hit_blocks as u32 * bs) / bs * bs);
+        let hit_tokens = local_hit_tokens.max(remote_tokens);
         let num_new = (num_tokens - hit_tokens).min(budget);
         let total_blocks = (hit_tokens + num_new).div_ceil(bs);
         let new_blocks = total_blocks - hits.len() as u32;
@@ -604,10 +626,11 @@ impl Engine {
             }
         }
         r.num_computed = hit_tokens;
-        r.num_registered = hit_tokens / bs;
+        r.num_registered = local_hit_tokens / bs;
         if r.cached_tokens.is_none() {
-            r.cached_tokens = Some(hit_tokens);
+            r.cached_tokens = Some(local_hit_tokens);
         }
+        self.remote_kv.remove(&id);
         if r.scheduled_s.is_none() {
             r.scheduled_s = Some(now_s);
         }
@@ -615,7 +638,7 @@ impl Engine {
         // preemption go to separate `preempted_*` stats that it does not export.
         if r.num_preemptions == 0 {
             self.stats.prefix_cache_queries += u64::from(num_tokens);
-            self.stats.prefix_cache_hits += u64::from(hit_tokens);
+            self.stats.prefix_cache_hits += u64::from(local_hit_tokens);
         }
         Some(num_new)
     }
@@ -1316,5 +1339,72 @@ mod tests {
             "took {:?}",
             start.elapsed()
         );
+    }
+}
+
+#[cfg(test)]
+mod remote_prefill_tests {
+    use super::*;
+
+    fn engine() -> Engine {
+        let mut p = Profile::llama8b_h100();
+        p.block_size = 4;
+        p.kv_capacity_tokens = 4096;
+        p.prefill_tokens_per_s = 1000.0;
+        p.decode_step_s_min = 0.010;
+        p.decode_step_s_full = 0.020;
+        Engine::new(EngineConfig::new(p)).unwrap()
+    }
+
+    fn request(id: RequestId, prompt: &[u32]) -> EngineRequest {
+        EngineRequest {
+            id,
+            prompt_tokens: prompt.to_vec(),
+            max_output_tokens: 2,
+            lora: None,
+            arrival_s: 0.0,
+        }
+    }
+
+    /// Steps until `id` has its first token; returns that time and its reported cached tokens.
+    fn first_token(e: &mut Engine, id: RequestId) -> (f64, u32) {
+        let mut now = 0.0;
+        for _ in 0..10_000 {
+            let out = e.step(now);
+            now = out.end_s;
+            for ev in out.events {
+                if let RequestEvent::FirstToken {
+                    request,
+                    cached_tokens,
+                    ..
+                } = ev
+                    && request == id
+                {
+                    return (now, cached_tokens);
+                }
+            }
+        }
+        panic!("no first token");
+    }
+
+    #[test]
+    fn transferred_kv_skips_the_prefill_and_is_cached_afterwards() {
+        let prompt: Vec<u32> = (0..401).collect();
+        let mut local = engine();
+        local.add_request(request(1, &prompt)).unwrap();
+        let (local_ttft, _) = first_token(&mut local, 1);
+        assert!(local_ttft >= 0.4, "{local_ttft}");
+
+        let mut decode = engine();
+        decode.add_remote_prefilled(request(1, &prompt)).unwrap();
+        let (remote_ttft, cached) = first_token(&mut decode, 1);
+        assert!(remote_ttft < 0.05, "{remote_ttft}");
+        assert_eq!(cached, 0, "transferred blocks are not local prefix hits");
+        // The transferred blocks are in this replica's prefix cache now.
+        while decode.has_work() {
+            decode.step(1.0);
+        }
+        decode.add_request(request(2, &prompt)).unwrap();
+        assert_eq!(first_token(&mut decode, 2).1, 400);
     }
 }

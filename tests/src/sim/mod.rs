@@ -15,6 +15,7 @@ pub mod engine;
 pub mod kv;
 pub mod kv_events;
 pub mod metrics;
+pub mod pd;
 pub mod profile;
 pub mod server;
 pub mod tokenizer;

@@ -127,6 +127,10 @@ pub struct SimArgs {
     /// 64-bit integer event hashes).
     #[arg(long, default_value = "sha256", value_parser = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])]
     pub prefix_caching_hash_algo: String,
+    /// KV transfer bandwidth from a prefill replica, GB/s (llm-d's P/D sidecar: a request with
+    /// `x-prefiller-host-port` is prefilled there, then its KV moves here at this rate).
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_transfer_gbps: f64,
 }
 
 impl SimArgs {
@@ -229,6 +233,8 @@ struct Shared {
     template: Arc<dyn ChatTemplate>,
     publisher: Option<Publisher>,
     created: u64,
+    /// llm-d's P/D routing sidecar (remote prefill, KV transfer).
+    pd: super::pd::Sidecar,
 }
 
 /// A running simulator; dropping it stops the server.
@@ -278,6 +284,11 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
     }
     if args.default_max_tokens == 0 {
         return Err(SimError::Config("--default-max-tokens must be > 0".into()));
+    }
+    if !(args.kv_transfer_gbps.is_finite() && args.kv_transfer_gbps > 0.0) {
+        return Err(SimError::Config(
+            "--kv-transfer-gbps must be a positive number".into(),
+        ));
     }
     if args.kv_events_replay_endpoint.is_some() && args.kv_events_endpoint.is_none() {
         return Err(SimError::Config(
@@ -355,6 +366,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        pd: super::pd::Sidecar::new(profile.kv_bytes_per_token, args.kv_transfer_gbps),
     });
     let kv_events_endpoint = shared.publisher.as_ref().map(|p| p.endpoint.clone());
     let kv_events_replay_endpoint = shared
@@ -770,12 +782,18 @@ impl Shared {
     }
 }
 
-async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+async fn chat_completions(
+    State(s): State<Arc<Shared>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> ApiResult {
     s.inject_faults().await?;
     let req: ChatRequest = parse(&body)?;
     let lora = s.resolve_model(req.model.as_deref())?;
     let msgs = chat_messages(&req.messages)?;
     let prompt = s.chat_prompt(&msgs, req.add_generation_prompt, req.add_special_tokens)?;
+    let (remote_prefilled, kv_transfer) =
+        disaggregation(&s, &headers, "/v1/chat/completions", &body, prompt.len()).await;
     let job = Job {
         chat: true,
         model: req.model.unwrap_or_else(|| s.model.clone()),
@@ -785,15 +803,23 @@ async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResul
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         n: req.n,
+        remote_prefilled,
+        kv_transfer,
     };
     run_job(s, job).await
 }
 
-async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+async fn completions(
+    State(s): State<Arc<Shared>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> ApiResult {
     s.inject_faults().await?;
     let req: CompletionRequest = parse(&body)?;
     let lora = s.resolve_model(req.model.as_deref())?;
     let prompt = s.completion_prompt(&req.prompt, req.add_special_tokens)?;
+    let (remote_prefilled, kv_transfer) =
+        disaggregation(&s, &headers, "/v1/completions", &body, prompt.len()).await;
     let job = Job {
         chat: false,
         model: req.model.unwrap_or_else(|| s.model.clone()),
@@ -803,8 +829,32 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         n: req.n,
+        remote_prefilled,
+        kv_transfer,
     };
     run_job(s, job).await
+}
+
+/// The P/D part of a completion request: whether its KV was prefilled remotely (decode side,
+/// `x-prefiller-host-port`), and whether it is itself a prefill for a remote decode (prefill
+/// side, `kv_transfer_params.do_remote_decode`), whose answer carries `kv_transfer_params`.
+async fn disaggregation(
+    s: &Shared,
+    headers: &axum::http::HeaderMap,
+    path: &str,
+    body: &Bytes,
+    prompt_tokens: usize,
+) -> (bool, bool) {
+    let remote_decode = serde_json::from_slice::<Value>(body)
+        .is_ok_and(|v| super::pd::is_remote_decode_request(&v));
+    if remote_decode {
+        s.pd.count_prefill_served();
+        return (false, true);
+    }
+    let remote =
+        s.pd.prefill_remotely(headers, path, body, prompt_tokens, s.clock.speed)
+            .await;
+    (remote, false)
 }
 
 struct Job {
@@ -816,6 +866,10 @@ struct Job {
     stream: bool,
     include_usage: bool,
     n: Option<u32>,
+    /// The prompt's KV came from a prefill replica (llm-d's P/D sidecar).
+    remote_prefilled: bool,
+    /// This is a prefill for a remote decode: answer with `kv_transfer_params`.
+    kv_transfer: bool,
 }
 
 /// Aborts the engine request if the handler (or stream) is dropped before it finished.
@@ -853,13 +907,18 @@ async fn run_job(s: Arc<Shared>, job: Job) -> ApiResult {
             last_token_s: None,
         },
     );
-    let added = s.engine.lock().add_request(EngineRequest {
+    let request = EngineRequest {
         id,
         prompt_tokens: job.prompt,
         max_output_tokens: max_tokens,
         lora: job.lora,
         arrival_s,
-    });
+    };
+    let added = if job.remote_prefilled {
+        s.engine.lock().add_remote_prefilled(request)
+    } else {
+        s.engine.lock().add_request(request)
+    };
     if let Err(e) = added {
         s.pending.lock().remove(&id);
         return Err(bad_request(e.to_string()));
@@ -879,6 +938,7 @@ async fn run_job(s: Arc<Shared>, job: Job) -> ApiResult {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(s.created),
+        kv_transfer: job.kv_transfer,
     };
     if job.stream {
         Ok(stream_response(s, ctx, rx, guard, job.include_usage))
@@ -892,6 +952,8 @@ struct ChunkCtx {
     chat: bool,
     model: String,
     created: u64,
+    /// Answer with `kv_transfer_params` (a prefill for a remote decode).
+    kv_transfer: bool,
 }
 
 fn usage(summary: &RequestSummary) -> Value {
@@ -931,7 +993,7 @@ async fn full_response(
         json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
                "stop_reason": null, "prompt_logprobs": null})
     };
-    let body = json!({
+    let mut body = json!({
         "id": ctx.id,
         "object": if ctx.chat { "chat.completion" } else { "text_completion" },
         "created": ctx.created,
@@ -939,6 +1001,9 @@ async fn full_response(
         "choices": [choice],
         "usage": usage(&summary),
     });
+    if ctx.kv_transfer {
+        body["kv_transfer_params"] = super::pd::prefill_answer_params(&s.replica);
+    }
     Ok(axum::Json(body).into_response())
 }
 
@@ -1200,6 +1265,9 @@ async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
 
 async fn sim_stats(State(s): State<Arc<Shared>>) -> Response {
     let stats = s.engine.lock().stats();
-    axum::Json(json!({"replica": s.replica, "sim_time_s": s.clock.now(), "engine": stats}))
-        .into_response()
+    axum::Json(
+        json!({"replica": s.replica, "sim_time_s": s.clock.now(), "engine": stats,
+                      "pd": s.pd.stats()}),
+    )
+    .into_response()
 }
