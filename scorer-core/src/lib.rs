@@ -6,17 +6,22 @@
 //! - [`router`] scores endpoints and keeps load accounting;
 //! - [`latency`] learns each endpoint's TTFT and time per output token from outcomes;
 //! - [`disagg`] gives endpoints prefill/decode roles and picks a prefill endpoint;
+//! - [`pools`], [`affinity`] and [`lora`] keep model pools, session affinity and LoRA
+//!   adapter state for the router;
 //! - [`protocol`] is the JSON the filter and the control plane exchange.
 //!
 //! Invariant: nothing here reads a clock, draws ambient randomness, spawns a thread or does
 //! I/O. Time (`now_ms`) and seeds are arguments, so fleet-sim can replay it in virtual time.
 
+pub mod affinity;
 pub mod canon;
 pub mod disagg;
 pub mod fairness;
 pub mod hash;
 pub mod index;
 pub mod latency;
+pub mod lora;
+pub mod pools;
 pub mod precise;
 pub mod protocol;
 pub mod router;

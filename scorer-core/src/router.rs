@@ -14,12 +14,15 @@
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
+use crate::affinity::{SessionConfig, SessionStats};
 use crate::disagg::{EndpointRole, PdConfig};
 use crate::index::{EndpointId, MAX_ENDPOINTS, PrefixIndex};
 use crate::latency::{
     EndpointLatencyModel, LatencyConfig, LatencyFeatures, LatencyPrediction, Observation,
     PredictionErrors,
 };
+use crate::lora::{LoraConfig, LoraState};
+use crate::pools::{FleetState, ModelsConfig, PoolStats, ServedModel};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
 use crate::protocol::{Outcome, RouteRequest, RouteResponse};
 
@@ -102,6 +105,12 @@ pub struct RouterConfig {
     pub scoring: ScoringConfig,
     /// Precise mode (KV events) tunables.
     pub precise: PreciseConfig,
+    /// Model pools: how a request's `model` narrows the candidates.
+    pub models: ModelsConfig,
+    /// Session affinity: the bonus of a session's remembered replica.
+    pub sessions: SessionConfig,
+    /// LoRA awareness: adapter load and full-slot costs.
+    pub lora: LoraConfig,
     /// The learned per-endpoint latency model (predicted TTFT / time per output token).
     pub latency: LatencyConfig,
     /// Prefill/decode disaggregation: when a request also gets a prefill endpoint.
@@ -142,6 +151,9 @@ impl Default for RouterConfig {
             stale_after_ms: 2_000,
             scoring: ScoringConfig::default(),
             precise: PreciseConfig::default(),
+            models: ModelsConfig::default(),
+            sessions: SessionConfig::default(),
+            lora: LoraConfig::default(),
             latency: LatencyConfig::default(),
             pd: PdConfig::default(),
         }
@@ -244,6 +256,12 @@ pub struct CandidateScore {
     pub inflight: u32,
     /// Set when the guard skipped this candidate.
     pub guarded: bool,
+    /// Session-affinity bonus (negative) of the session's remembered, healthy replica.
+    #[serde(default)]
+    pub session_ms: f64,
+    /// LoRA cost: loading the adapter, plus a penalty when all adapter slots hold others.
+    #[serde(default)]
+    pub lora_ms: f64,
     /// Time to first token the endpoint's learned latency model predicts for this request.
     #[serde(default)]
     pub predicted_ttft_ms: f64,
@@ -363,6 +381,8 @@ pub struct Router {
     inflight: HashMap<u64, InFlight>,
     next_decision_id: u64,
     stats: RouterStats,
+    /// Model pools, sessions and LoRA adapters (see `pools`, `affinity`, `lora`).
+    fleet: FleetState,
 }
 
 /// The event-fed indexes of precise mode, keyed by token-block hashes.
@@ -378,6 +398,19 @@ impl PreciseIndexes {
     fn clear(&mut self, id: EndpointId) {
         self.tracker.clear(id, &mut self.gpu, &mut self.offload);
         self.speculative.clear_endpoint(id);
+    }
+}
+
+/// The decision for a request the router refuses (the filter answers it locally).
+fn rejected(decision_id: u64, reject: crate::protocol::Reject) -> Decision {
+    Decision {
+        response: RouteResponse {
+            decision_id,
+            reason: reject.error_type.clone(),
+            reject: Some(reject),
+            ..Default::default()
+        },
+        candidates: Vec::new(),
     }
 }
 
@@ -409,6 +442,7 @@ impl Router {
             inflight: HashMap::new(),
             next_decision_id: first_decision_id.max(1),
             stats: RouterStats::default(),
+            fleet: FleetState::default(),
         }
     }
 
@@ -453,6 +487,7 @@ impl Router {
         });
         self.index.clear_endpoint(id);
         self.precise.clear(id);
+        self.fleet.clear_endpoint(id);
         self.by_address.insert(address.to_string(), id);
         Ok(id)
     }
@@ -463,6 +498,7 @@ impl Router {
             self.slots[usize::from(id.0)] = None;
             self.index.clear_endpoint(id);
             self.precise.clear(id);
+            self.fleet.clear_endpoint(id);
             self.inflight.retain(|_, f| f.endpoint != id);
         }
     }
@@ -582,9 +618,53 @@ impl Router {
         }
     }
 
+    /// Records which models `address` serves (its `/v1/models`, plus configured names), so
+    /// requests for other models no longer go there.
+    pub fn set_served_models(&mut self, address: &str, models: Vec<ServedModel>) {
+        if let Some(id) = self.endpoint_id(address) {
+            self.fleet.catalog.set(id, models);
+        }
+    }
+
+    /// The models `address` is known to serve (`None`: not known yet).
+    pub fn served_models(&self, address: &str) -> Option<&[ServedModel]> {
+        self.fleet.catalog.models(self.endpoint_id(address)?)
+    }
+
+    /// Records `address`'s LoRA adapters (its `vllm:lora_requests_info`).
+    pub fn set_lora_state(&mut self, address: &str, state: LoraState) {
+        if let Some(id) = self.endpoint_id(address) {
+            self.fleet.loras.set(id, state);
+        }
+    }
+
+    /// `address`'s LoRA adapters as last scraped.
+    pub fn lora_state(&self, address: &str) -> Option<&LoraState> {
+        self.fleet.loras.get(self.endpoint_id(address)?)
+    }
+
+    /// Session-affinity counters since start, and the sessions remembered now.
+    pub fn session_stats(&self) -> (SessionStats, usize) {
+        (self.fleet.sessions.stats(), self.fleet.sessions.len())
+    }
+
+    /// Model-pool counters since start.
+    pub fn pool_stats(&self) -> PoolStats {
+        self.fleet.stats
+    }
+
+    /// Blocks `address`'s KV events say it holds in CPU or storage tiers (precise mode).
+    pub fn offload_blocks(&self, address: &str) -> usize {
+        self.endpoint_id(address)
+            .map_or(0, |id| self.precise.offload.len_for(id))
+    }
+
     /// Drops expired index entries and in-flight entries whose report never came.
     pub fn expire(&mut self, now_ms: u64) {
         self.index.expire(now_ms);
+        self.fleet
+            .sessions
+            .expire(now_ms, self.config.sessions.ttl_ms);
         self.precise.speculative.expire(now_ms);
         let ttl = self.config.inflight_ttl_ms;
         let mut expired = Vec::new();
@@ -641,6 +721,23 @@ impl Router {
             .max_output_tokens
             .unwrap_or(self.config.scoring.default_output_tokens);
 
+        // Model pools, session affinity and LoRA adapters (modules `pools`, `affinity`, `lora`).
+        let eligible = match self
+            .fleet
+            .admit(&request.model, n, self.config.models.unknown_model)
+        {
+            Ok(eligible) => eligible,
+            Err(reject) => return rejected(decision_id, reject),
+        };
+        let sessions = &self.config.sessions;
+        let session_key = request
+            .session
+            .as_deref()
+            .filter(|_| sessions.bonus_ms > 0.0);
+        let remembered =
+            session_key.and_then(|k| self.fleet.sessions.lookup(k, now_ms, sessions.ttl_ms));
+        let adapter = self.fleet.is_adapter(&request.model);
+
         let s = &self.config.scoring;
         let stale_after = self.config.stale_after_ms;
         let learned = &self.config.latency;
@@ -648,7 +745,7 @@ impl Router {
         let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::new();
         for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(slot) = slot else { continue };
-            if slot.health != Health::Ready {
+            if slot.health != Health::Ready || !eligible.allows(i) {
                 continue;
             }
             drain_backlog(slot, now_ms, s.prefill_tokens_per_ms);
@@ -694,6 +791,21 @@ impl Router {
             } else {
                 0.0
             };
+            let here = EndpointId(i as u16);
+            let session_ms = if remembered == Some(here)
+                && sessions.healthy(fresh.map(|m| (m.kv_usage, m.waiting)))
+            {
+                -sessions.bonus_ms
+            } else {
+                0.0
+            };
+            let lora_ms = if adapter {
+                self.fleet
+                    .loras
+                    .cost_ms(here, &request.model, &self.config.lora)
+            } else {
+                0.0
+            };
             let features = LatencyFeatures {
                 queue_tokens: queue_ms * s.prefill_tokens_per_ms,
                 uncached_tokens: uncached,
@@ -726,7 +838,9 @@ impl Router {
                         + s.prefill_weight * prefill_ms
                         + decode_ms
                         + kv_ms
-                        + latency_ms,
+                        + latency_ms
+                        + session_ms
+                        + lora_ms,
                     inflight: slot.inflight,
                     guarded: false,
                     predicted_ttft_ms: predicted.ttft_ms,
@@ -734,6 +848,8 @@ impl Router {
                     latency_samples: slot.latency.samples(),
                     latency_ms,
                     role: slot.role,
+                    session_ms,
+                    lora_ms,
                 },
             ));
         }
@@ -761,6 +877,11 @@ impl Router {
         for (_, c) in candidates.iter_mut() {
             c.guarded = c.inflight >= min_inflight + s.guard_abs
                 && f64::from(c.inflight) >= s.guard_rel * f64::from(min_inflight.max(1));
+            // A session's replica that the guard skips is overloaded: no bonus there.
+            if c.guarded && c.session_ms != 0.0 {
+                c.total_ms -= c.session_ms;
+                c.session_ms = 0.0;
+            }
         }
         // Order: unguarded first, then by cost; near-ties shuffled by the seed.
         candidates.sort_by(|a, b| {
@@ -788,6 +909,13 @@ impl Router {
         }
 
         let (chosen, chosen_score) = (candidates[0].0, candidates[0].1.clone());
+        if let Some(key) = session_key {
+            self.fleet.sessions.count(remembered, chosen);
+            let max_sessions = self.config.sessions.max_sessions;
+            self.fleet
+                .sessions
+                .remember(key, chosen, now_ms, max_sessions);
+        }
         if chosen_score.precise {
             self.stats.precise_decisions += 1;
         }
