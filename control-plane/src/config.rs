@@ -41,6 +41,9 @@ pub struct Config {
     pub body_timeout_ms: u64,
     /// Recent decisions kept for `/debug/decisions/{id}`.
     pub decision_history: usize,
+    /// How often each endpoint's `/v1/models` is polled for the models it serves (model
+    /// pools, LoRA adapters); 0 never polls, leaving only the configured `model`/`models`.
+    pub models_interval_ms: u64,
     /// The vLLM replicas, as `ip:port` exactly like Envoy's `vllm` cluster lists them.
     pub endpoints: Vec<EndpointConfig>,
     /// Scorer and index settings (`scorer_core::router::RouterConfig`).
@@ -71,6 +74,10 @@ pub struct EndpointConfig {
     /// it on every endpoint (requests naming it use its seed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// More model names the replica serves besides `model` (its model pool membership, known
+    /// before `/v1/models` is polled; polling adds what the replica lists itself).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
     /// The replica's KV-event PUB socket (vLLM `--kv-events-config` `endpoint`), e.g.
     /// `tcp://10.0.0.5:5557`; unset means the replica is always scored approximately.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -158,6 +165,21 @@ impl Default for PreciseSettings {
     }
 }
 
+impl EndpointConfig {
+    /// The model names configured for this endpoint: `model`, then `models`.
+    pub fn served_model_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.model.iter().cloned().collect();
+        names.extend(
+            self.models
+                .iter()
+                .filter(|m| !names.contains(m))
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
+        names
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Self {
@@ -173,6 +195,7 @@ impl Default for Config {
             max_feedback_outcomes: 10_000,
             body_timeout_ms: 2_000,
             decision_history: 1_024,
+            models_interval_ms: 5_000,
             endpoints: Vec::new(),
             router: RouterConfig::default(),
             precise: PreciseSettings::default(),

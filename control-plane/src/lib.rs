@@ -19,6 +19,7 @@ pub mod api;
 pub mod config;
 pub mod discovery;
 pub mod kv_events;
+pub mod pools;
 pub mod prom;
 pub mod scrape;
 pub mod slo;
@@ -109,6 +110,9 @@ impl ControlPlane {
             })),
         );
         for e in &config.endpoints {
+            state.set_configured_models(&e.address, e.served_model_names());
+        }
+        for e in &config.endpoints {
             if let Some(role) = e.role {
                 state.set_role(&e.address, role);
             }
@@ -164,6 +168,7 @@ impl ControlPlane {
             timeout: Duration::from_millis(config.scrape_timeout_ms),
             unreachable_after: config.unreachable_after_failures,
             max_body_bytes: config.max_metrics_bytes,
+            models_interval: Duration::from_millis(config.models_interval_ms),
         };
         let mut background = scrape::spawn(
             state.clone(),

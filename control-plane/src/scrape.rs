@@ -15,11 +15,14 @@ use hyper::header::{ACCEPT, HOST};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use scorer_core::lora::LoraState;
+use scorer_core::pools::ServedModel;
 use scorer_core::router::EndpointMetrics;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
+use crate::pools::{parse_lora_info, parse_models};
 use crate::prom::{PromError, parse_vllm_metrics_bytes};
 use crate::state::State;
 
@@ -34,6 +37,9 @@ pub struct ScrapeSettings {
     pub unreachable_after: u32,
     /// Largest body accepted.
     pub max_body_bytes: usize,
+    /// Tick between polls of the endpoint's `/v1/models` (its model pool membership);
+    /// zero never polls.
+    pub models_interval: Duration,
 }
 
 /// Why one scrape failed.
@@ -54,6 +60,9 @@ pub enum ScrapeError {
     /// The body is not usable vLLM metrics.
     #[error("bad metrics: {0}")]
     Parse(#[from] PromError),
+    /// The `/v1/models` body is not an OpenAI model list.
+    #[error("bad model list: {0}")]
+    Models(#[from] crate::pools::ModelsError),
     /// The address does not form a valid request URI.
     #[error("bad request: {0}")]
     BadRequest(#[from] hyper::http::Error),
@@ -68,6 +77,7 @@ impl ScrapeError {
             Self::Status(_) => "status",
             Self::Body(_) => "body",
             Self::Parse(_) => "parse",
+            Self::Models(_) => "models",
             Self::BadRequest(_) => "bad_request",
         }
     }
@@ -97,16 +107,41 @@ pub fn client(settings: &ScrapeSettings) -> HttpClient {
         .build(connector)
 }
 
-/// Fetches and parses `http://{address}/metrics` once, within `settings.timeout`.
+/// Fetches and parses `http://{address}/metrics` once, within `settings.timeout`: the load
+/// metrics, and the LoRA adapters when the page has `vllm:lora_requests_info`.
 pub async fn scrape_once(
     client: &HttpClient,
     address: &str,
     settings: &ScrapeSettings,
-) -> Result<EndpointMetrics, ScrapeError> {
+) -> Result<(EndpointMetrics, Option<LoraState>), ScrapeError> {
+    let body = fetch(client, address, "/metrics", "text/plain", settings).await?;
+    let metrics = parse_vllm_metrics_bytes(&body)?;
+    let lora = std::str::from_utf8(&body).ok().and_then(parse_lora_info);
+    Ok((metrics, lora))
+}
+
+/// Fetches and parses `http://{address}/v1/models` once: the models the endpoint serves.
+pub async fn models_once(
+    client: &HttpClient,
+    address: &str,
+    settings: &ScrapeSettings,
+) -> Result<Vec<ServedModel>, ScrapeError> {
+    let body = fetch(client, address, "/v1/models", "application/json", settings).await?;
+    Ok(parse_models(&body)?)
+}
+
+/// GETs `path` of `address` within `settings.timeout` and returns the 200 body.
+async fn fetch(
+    client: &HttpClient,
+    address: &str,
+    path: &str,
+    accept: &'static str,
+    settings: &ScrapeSettings,
+) -> Result<Bytes, ScrapeError> {
     let fetch = async {
-        let request = Request::get(format!("http://{address}/metrics"))
+        let request = Request::get(format!("http://{address}{path}"))
             .header(HOST, address)
-            .header(ACCEPT, "text/plain")
+            .header(ACCEPT, accept)
             .body(Empty::<Bytes>::new())?;
         let response = client
             .request(request)
@@ -120,7 +155,7 @@ pub async fn scrape_once(
             .await
             .map_err(|e| ScrapeError::Body(e.to_string()))?
             .to_bytes();
-        Ok(parse_vllm_metrics_bytes(&body)?)
+        Ok(body)
     };
     tokio::time::timeout(settings.timeout, fetch)
         .await
@@ -160,6 +195,8 @@ async fn scrape_loop(
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut failures: u32 = 0;
     let mut down = false;
+    // When `/v1/models` was last asked (None: never); polled after a successful scrape.
+    let mut models_polled: Option<Instant> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -177,10 +214,26 @@ async fn scrape_loop(
         };
         let elapsed = started.elapsed();
         match result {
-            Ok(metrics) => {
+            Ok((metrics, lora)) => {
                 state.telemetry().count_scrape(&address, "ok", elapsed);
                 state.record_scrape(&address, None, elapsed);
                 state.update_metrics(&address, metrics);
+                state.update_lora(&address, lora);
+                let due = !settings.models_interval.is_zero()
+                    && models_polled.is_none_or(|t| t.elapsed() >= settings.models_interval);
+                if due {
+                    models_polled = Some(Instant::now());
+                    let polled = tokio::select! {
+                        r = models_once(&client, &address, &settings) => r,
+                        _ = shutdown.changed() => return,
+                    };
+                    match polled {
+                        Ok(models) => state.set_polled_models(&address, models),
+                        Err(e) => {
+                            tracing::debug!(endpoint = %address, error = %e, "/v1/models failed");
+                        }
+                    }
+                }
                 if down {
                     tracing::info!(endpoint = %address, "endpoint reachable again");
                 }

@@ -8,6 +8,9 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use scorer_core::affinity::SessionStats;
+use scorer_core::lora::LoraState;
+use scorer_core::pools::{PoolStats, ServedModel};
 use scorer_core::precise::{ApplyError, KvEvent};
 use scorer_core::protocol::{FeedbackBatch, RouteRequest, RouteResponse};
 use scorer_core::router::{
@@ -27,6 +30,9 @@ pub struct State {
     scrapes: Mutex<BTreeMap<String, ScrapeStatus>>,
     /// KV-event stream bookkeeping per endpoint, apart from the router lock.
     kv_streams: Mutex<BTreeMap<String, KvStreamStatus>>,
+    /// Per endpoint: configured model names and the last `/v1/models` answer, merged into the
+    /// router's model catalogue whenever either changes.
+    catalogues: Mutex<BTreeMap<String, Catalogue>>,
     /// LoRA adapter names seen in KV events: a request for one of these hashes its tokens with
     /// the adapter's seed, as the events' blocks were.
     loras: Mutex<HashSet<String>>,
@@ -34,6 +40,44 @@ pub struct State {
     admission: Option<std::sync::Arc<crate::admission::Gate>>,
     /// Outcomes of the SLO window for the autoscaling gauges; `None`: no SLO configured.
     slo: Option<std::sync::Arc<Mutex<crate::slo::SloWindow>>>,
+}
+
+/// What one endpoint is known to serve, from configuration and from polling.
+#[derive(Debug, Clone, Default)]
+struct Catalogue {
+    configured: Vec<String>,
+    polled: Option<Vec<ServedModel>>,
+}
+
+/// Model pools, sessions and adapters: what `/metrics` shows of them.
+#[derive(Debug, Clone, Default)]
+pub struct FleetFeatures {
+    /// Session-affinity outcomes since start.
+    pub sessions: SessionStats,
+    /// Sessions remembered now.
+    pub sessions_remembered: usize,
+    /// Unknown-model counters since start.
+    pub pools: PoolStats,
+    /// Per endpoint: address, models served (`None`: unknown), running and waiting adapters,
+    /// and blocks in CPU/storage tiers.
+    pub endpoints: Vec<EndpointFeatures>,
+}
+
+/// One endpoint's pool, adapter and offload view.
+#[derive(Debug, Clone, Default)]
+pub struct EndpointFeatures {
+    /// `ip:port`.
+    pub address: String,
+    /// Models it serves, when known.
+    pub models: Option<usize>,
+    /// Adapters of running requests, when reported.
+    pub lora_running: Option<usize>,
+    /// Adapters of waiting requests, when reported.
+    pub lora_waiting: Option<usize>,
+    /// Adapter slots (`max_lora`), when reported.
+    pub max_lora: Option<u32>,
+    /// Blocks its KV events put in a CPU or storage tier.
+    pub offload_blocks: usize,
 }
 
 /// Most LoRA names remembered from KV events (a bound against a misbehaving publisher).
@@ -156,6 +200,7 @@ impl State {
             telemetry: Telemetry::default(),
             scrapes: Mutex::new(BTreeMap::new()),
             kv_streams: Mutex::new(BTreeMap::new()),
+            catalogues: Mutex::new(BTreeMap::new()),
             loras: Mutex::new(HashSet::new()),
             admission: None,
             slo: None,
@@ -184,6 +229,69 @@ impl State {
         self.slo.as_ref()
     }
 
+    /// Sets the model names configuration gives `address` (its pool membership before, or
+    /// without, `/v1/models` polling).
+    pub fn set_configured_models(&self, address: &str, names: Vec<String>) {
+        let mut catalogues = self.catalogues.lock();
+        let c = catalogues.entry(address.to_string()).or_default();
+        c.configured = names;
+        self.publish_catalogue(address, c);
+    }
+
+    /// Records `address`'s `/v1/models` answer.
+    pub fn set_polled_models(&self, address: &str, models: Vec<ServedModel>) {
+        let mut catalogues = self.catalogues.lock();
+        let c = catalogues.entry(address.to_string()).or_default();
+        if c.polled.as_ref() == Some(&models) {
+            return;
+        }
+        c.polled = Some(models);
+        self.publish_catalogue(address, c);
+    }
+
+    fn publish_catalogue(&self, address: &str, c: &Catalogue) {
+        if c.configured.is_empty() && c.polled.is_none() {
+            return;
+        }
+        let merged = crate::pools::merge_catalogue(&c.configured, c.polled.as_deref());
+        self.inner.lock().router.set_served_models(address, merged);
+    }
+
+    /// Records `address`'s LoRA adapters from its last scrape (`None`: the page had none).
+    pub fn update_lora(&self, address: &str, lora: Option<LoraState>) {
+        if let Some(lora) = lora {
+            self.inner.lock().router.set_lora_state(address, lora);
+        }
+    }
+
+    /// Model pools, sessions and adapters for `/metrics`.
+    pub fn fleet_features(&self) -> FleetFeatures {
+        let inner = self.inner.lock();
+        let r = &inner.router;
+        let (sessions, sessions_remembered) = r.session_stats();
+        let endpoints = r
+            .endpoints(self.now_ms())
+            .into_iter()
+            .map(|e| {
+                let lora = r.lora_state(&e.address);
+                EndpointFeatures {
+                    models: r.served_models(&e.address).map(<[_]>::len),
+                    lora_running: lora.map(|l| l.running.len()),
+                    lora_waiting: lora.map(|l| l.waiting.len()),
+                    max_lora: lora.map(|l| l.max_lora),
+                    offload_blocks: r.offload_blocks(&e.address),
+                    address: e.address,
+                }
+            })
+            .collect();
+        FleetFeatures {
+            sessions,
+            sessions_remembered,
+            pools: r.pool_stats(),
+            endpoints,
+        }
+    }
+
     /// Adds a discovered endpoint (idempotent): routable at once, scraped by its own loop.
     pub fn add_endpoint(&self, address: &str) -> Result<(), RouterError> {
         self.inner
@@ -197,6 +305,7 @@ impl State {
     /// entries, in-flight requests, event-fed blocks) and its scrape and KV-stream status.
     pub fn remove_endpoint(&self, address: &str) {
         self.inner.lock().router.remove_endpoint(address);
+        self.catalogues.lock().remove(address);
         self.scrapes.lock().remove(address);
         self.kv_streams.lock().remove(address);
     }

@@ -353,6 +353,9 @@ pub fn registry(state: Arc<State>) -> Registry {
         "Route requests that asked for precise mode, by how they were scored",
         t.precise_routes,
     );
+    r.register_collector(Box::new(crate::pools::FleetFeaturesCollector(
+        state.clone(),
+    )));
     r.register_collector(Box::new(RouterCollector(state)));
     r
 }

@@ -40,6 +40,7 @@ impl Settings {
                 timeout: Duration::from_millis(config.scrape_timeout_ms),
                 unreachable_after: config.unreachable_after_failures,
                 max_body_bytes: config.max_metrics_bytes,
+                models_interval: Duration::from_millis(config.models_interval_ms),
             },
             subscriber: SubscriberSettings {
                 connect_timeout: Duration::from_millis(p.kv_connect_timeout_ms),

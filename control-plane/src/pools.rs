@@ -1,0 +1,266 @@
+//! What each replica serves: its models (vLLM `GET /v1/models`: base models and LoRA adapters
+//! with their `parent`) and its loaded adapters (the `vllm:lora_requests_info` gauge).
+//!
+//! Both parsers are pure; the scrape loop fetches and feeds them. A configured `model` /
+//! `models` of an endpoint is part of its catalogue even before (or without) polling.
+
+use std::borrow::Cow;
+
+use scorer_core::lora::LoraState;
+use scorer_core::pools::ServedModel;
+use serde::Deserialize;
+
+use crate::prom::samples;
+
+/// The LoRA gauge vLLM exports; its value is a timestamp, its labels carry the adapters.
+pub const LORA_INFO: &str = "vllm:lora_requests_info";
+
+/// Why a `/v1/models` answer is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelsError {
+    /// Not the OpenAI list shape (`{"object":"list","data":[{"id":..}, ..]}`).
+    #[error("not an OpenAI model list: {0}")]
+    Shape(#[from] serde_json::Error),
+}
+
+#[derive(Deserialize)]
+struct ModelList {
+    data: Vec<ModelCard>,
+}
+
+#[derive(Deserialize)]
+struct ModelCard {
+    id: String,
+    #[serde(default)]
+    parent: Option<String>,
+}
+
+/// Parses a `/v1/models` body into the models it lists (adapters keep their `parent`).
+pub fn parse_models(body: &[u8]) -> Result<Vec<ServedModel>, ModelsError> {
+    let list: ModelList = serde_json::from_slice(body)?;
+    Ok(list
+        .data
+        .into_iter()
+        .map(|c| ServedModel {
+            id: c.id,
+            parent: c.parent.filter(|p| !p.is_empty()),
+        })
+        .collect())
+}
+
+/// The catalogue of one endpoint: configured names first, then polled ones not already there.
+pub fn merge_catalogue(configured: &[String], polled: Option<&[ServedModel]>) -> Vec<ServedModel> {
+    let mut out: Vec<ServedModel> = configured
+        .iter()
+        .map(|id| ServedModel {
+            id: id.clone(),
+            parent: None,
+        })
+        .collect();
+    for m in polled.unwrap_or_default() {
+        match out.iter_mut().find(|o| o.id == m.id) {
+            Some(o) => o.parent = m.parent.clone(),
+            None => out.push(m.clone()),
+        }
+    }
+    out
+}
+
+fn split_list(value: &str) -> Vec<String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Reads the newest `vllm:lora_requests_info` series of a `/metrics` body (`None`: absent,
+/// which vLLM does until an adapter is used, or malformed).
+pub fn parse_lora_info(text: &str) -> Option<LoraState> {
+    let mut best: Option<(f64, LoraState)> = None;
+    for sample in samples(text) {
+        let Ok(sample) = sample else { continue };
+        if sample.name != LORA_INFO {
+            continue;
+        }
+        let label = |name: &str| -> Cow<'_, str> {
+            sample
+                .label(name)
+                .ok()
+                .flatten()
+                .unwrap_or(Cow::Borrowed(""))
+        };
+        let state = LoraState {
+            running: split_list(&label("running_lora_adapters")),
+            waiting: split_list(&label("waiting_lora_adapters")),
+            max_lora: label("max_lora").trim().parse().unwrap_or(0),
+        };
+        if best.as_ref().is_none_or(|(t, _)| sample.value >= *t) {
+            best = Some((sample.value, state));
+        }
+    }
+    best.map(|(_, s)| s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_model_list_with_adapters() {
+        let body = br#"{"object":"list","data":[
+            {"id":"meta-llama/Llama-3.1-8B","object":"model","root":"meta-llama/Llama-3.1-8B","parent":null},
+            {"id":"sql-lora","object":"model","root":"/adapters/sql","parent":"meta-llama/Llama-3.1-8B"}]}"#;
+        let models = parse_models(body).unwrap();
+        assert_eq!(models.len(), 2);
+        assert_eq!(models[0].parent, None);
+        assert_eq!(models[1].parent.as_deref(), Some("meta-llama/Llama-3.1-8B"));
+        assert!(parse_models(b"<html>").is_err());
+        assert!(parse_models(br#"{"data":[{"name":"x"}]}"#).is_err());
+    }
+
+    #[test]
+    fn configured_names_and_polled_models_merge() {
+        let polled = vec![
+            ServedModel {
+                id: "a".into(),
+                parent: None,
+            },
+            ServedModel {
+                id: "a-sql".into(),
+                parent: Some("a".into()),
+            },
+        ];
+        let merged = merge_catalogue(&["a".into(), "alias".into()], Some(&polled));
+        let ids: Vec<&str> = merged.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["a", "alias", "a-sql"]);
+        assert!(merge_catalogue(&[], None).is_empty());
+    }
+
+    #[test]
+    fn lora_info_newest_series_wins() {
+        let text = "# TYPE vllm:lora_requests_info gauge\n\
+            vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"old\",waiting_lora_adapters=\"\"} 100\n\
+            vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,chat\",waiting_lora_adapters=\"x\"} 200\n";
+        let s = parse_lora_info(text).unwrap();
+        assert_eq!(s.running, ["sql", "chat"]);
+        assert_eq!(s.waiting, ["x"]);
+        assert_eq!(s.max_lora, 2);
+        assert_eq!(parse_lora_info("vllm:num_requests_running 1\n"), None);
+        // A bad max_lora label is read as "no limit known", not an error.
+        let s = parse_lora_info(
+            "vllm:lora_requests_info{max_lora=\"x\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1\n",
+        )
+        .unwrap();
+        assert_eq!(s, LoraState::default());
+    }
+}
+
+/// `/metrics` of model pools, session affinity, LoRA adapters and offload tiers, read from the
+/// router at scrape time.
+#[derive(Debug)]
+pub struct FleetFeaturesCollector(pub std::sync::Arc<crate::state::State>);
+
+impl prometheus_client::collector::Collector for FleetFeaturesCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+
+        let f = self.0.fleet_features();
+        let mut family = encoder.encode_descriptor(
+            "sessions",
+            "Routed requests with a session key, by result: hit (kept on its replica), miss \
+             (new or expired session), broken (moved: replica gone, overloaded or worse)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (result, v) in [
+            ("hit", f.sessions.hits),
+            ("miss", f.sessions.misses),
+            ("broken", f.sessions.broken),
+        ] {
+            ConstCounter::new(v).encode(family.encode_family(&[("result", result)])?)?;
+        }
+        ConstGauge::new(f.sessions_remembered as i64).encode(encoder.encode_descriptor(
+            "sessions_remembered",
+            "Sessions whose replica the router remembers now",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        let mut family = encoder.encode_descriptor(
+            "unknown_model",
+            "Requests for a model no endpoint serves, by action (rejected with 404, passed through)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (action, v) in [
+            ("rejected", f.pools.unknown_model_rejected),
+            ("passed", f.pools.unknown_model_passed),
+        ] {
+            ConstCounter::new(v).encode(family.encode_family(&[("action", action)])?)?;
+        }
+        type Getter = fn(&crate::state::EndpointFeatures) -> Option<f64>;
+        let per_endpoint: [(&str, &str, Getter); 4] = [
+            (
+                "endpoint_models",
+                "Models (base and LoRA adapters) the endpoint serves, from config and /v1/models",
+                |e| e.models.map(|n| n as f64),
+            ),
+            (
+                "endpoint_lora_running",
+                "LoRA adapters of the endpoint's running requests (vllm:lora_requests_info)",
+                |e| e.lora_running.map(|n| n as f64),
+            ),
+            (
+                "endpoint_lora_waiting",
+                "LoRA adapters of the endpoint's waiting requests (vllm:lora_requests_info)",
+                |e| e.lora_waiting.map(|n| n as f64),
+            ),
+            (
+                "endpoint_max_lora",
+                "LoRA adapter slots of the endpoint (max_lora of vllm:lora_requests_info)",
+                |e| e.max_lora.map(f64::from),
+            ),
+        ];
+        for (name, help, get) in per_endpoint {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for e in &f.endpoints {
+                if let Some(v) = get(e) {
+                    let labels = [("endpoint", e.address.as_str())];
+                    ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
+        // GPU blocks are `endpoint_precise_blocks`; this adds the offload tiers per endpoint and
+        // both tiers fleet-wide, so a dashboard can compare them.
+        let snapshot = self.0.snapshot();
+        let gpu: usize = snapshot.endpoints.iter().map(|e| e.precise_blocks).sum();
+        let offload: usize = f.endpoints.iter().map(|e| e.offload_blocks).sum();
+        let mut family = encoder.encode_descriptor(
+            "indexed_blocks",
+            "Blocks the KV-event index holds fleet-wide, by tier (gpu; offload = CPU or storage)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (tier, v) in [("gpu", gpu), ("offload", offload)] {
+            ConstGauge::new(v as i64).encode(family.encode_family(&[("tier", tier)])?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "endpoint_offload_blocks",
+            "Blocks the endpoint's KV events put in a CPU or storage tier",
+            None,
+            MetricType::Gauge,
+        )?;
+        for e in &f.endpoints {
+            let labels = [("endpoint", e.address.as_str())];
+            ConstGauge::new(e.offload_blocks as i64).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
