@@ -52,6 +52,10 @@ pub struct EngineConfig {
     pub output_vocab: Arc<[u32]>,
     /// Build [`KvEvent`]s (turn off in simulations that do not need them).
     pub kv_events: bool,
+    /// LoRA adapter slots (vLLM `--max-loras`); 0 = unlimited. A waiting request whose
+    /// adapter is not loaded and finds every slot held by adapters of running requests is
+    /// skipped until one frees (idle adapters are evicted least recently used first).
+    pub max_loras: u32,
 }
 
 impl EngineConfig {
@@ -63,6 +67,7 @@ impl EngineConfig {
             hash_seed: 0,
             output_vocab: WordTokenizer::default().output_vocab().into(),
             kv_events: true,
+            max_loras: 0,
         }
     }
 }
@@ -272,6 +277,8 @@ pub struct Engine {
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
     lora_ids: HashMap<String, u32>,
+    /// Adapters in GPU slots, least recently used first.
+    loaded_loras: Vec<Arc<str>>,
     rng: SmallRng,
     stats: EngineStats,
     evicted: Vec<u64>,
@@ -295,6 +302,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             lora_ids: HashMap::new(),
+            loaded_loras: Vec::new(),
             rng: SmallRng::seed_from_u64(cfg.seed),
             remote_kv: HashMap::new(),
             stats: EngineStats {
@@ -503,15 +511,30 @@ impl Engine {
             i += 1;
         }
 
-        // 2. Waiting requests, first come first served, unless memory is already short.
+        // 2. Waiting requests, first come first served, unless memory is already short. A
+        // request whose adapter finds no free slot is skipped (vLLM does the same).
+        let mut j = 0;
+        let mut lora_loads = 0u32;
         while !preempted && budget > 0 && self.running.len() < max_seqs {
-            let Some(&id) = self.waiting.front() else {
+            let Some(&id) = self.waiting.get(j) else {
                 break;
             };
+            let lora = self.reqs.get(&id).and_then(|r| r.lora_name.clone());
+            if let Some(l) = &lora
+                && !self.lora_slot_available(l)
+            {
+                j += 1;
+                continue;
+            }
             let Some(admitted) = self.try_admit(id, budget, now_s) else {
                 break;
             };
-            self.waiting.pop_front();
+            if let Some(l) = lora
+                && self.activate_lora(l)
+            {
+                lora_loads += 1;
+            }
+            self.waiting.remove(j);
             self.running.push(id);
             scheduled.push((id, admitted));
             budget -= admitted;
@@ -538,7 +561,8 @@ impl Engine {
         let fill = kv_tokens as f64 / p.kv_capacity_tokens as f64;
         let mut duration = p.decode_step_s_min
             + (p.decode_step_s_full - p.decode_step_s_min) * fill
-            + prefill_tokens as f64 / p.prefill_tokens_per_s;
+            + prefill_tokens as f64 / p.prefill_tokens_per_s
+            + f64::from(lora_loads) * p.lora_load_s;
         if p.jitter > 0.0 {
             duration *= 1.0 + self.rng.random_range(-p.jitter..=p.jitter);
         }
@@ -558,6 +582,49 @@ impl Engine {
             self.running.retain(|id| !finished.contains(id));
         }
         out
+    }
+
+    /// Whether a request for adapter `l` may run now: loaded, a slot free, or an idle
+    /// adapter (no running request uses it) to evict.
+    fn lora_slot_available(&self, l: &Arc<str>) -> bool {
+        let max = self.cfg.max_loras as usize;
+        max == 0
+            || self.loaded_loras.contains(l)
+            || self.loaded_loras.len() < max
+            || self.loaded_loras.iter().any(|a| !self.lora_in_use(a))
+    }
+
+    fn lora_in_use(&self, l: &Arc<str>) -> bool {
+        self.running
+            .iter()
+            .any(|id| self.reqs.get(id).and_then(|r| r.lora_name.as_ref()) == Some(l))
+    }
+
+    /// Marks `l` most recently used, loading it (evicting the least recently used idle
+    /// adapter when the slots are full); returns whether it had to be loaded.
+    fn activate_lora(&mut self, l: Arc<str>) -> bool {
+        if let Some(i) = self.loaded_loras.iter().position(|a| *a == l) {
+            let a = self.loaded_loras.remove(i);
+            self.loaded_loras.push(a);
+            return false;
+        }
+        let max = self.cfg.max_loras as usize;
+        if max > 0
+            && self.loaded_loras.len() >= max
+            && let Some(i) = self
+                .loaded_loras
+                .iter()
+                .position(|a| !self.lora_in_use(a) && *a != l)
+        {
+            self.loaded_loras.remove(i);
+        }
+        self.loaded_loras.push(l);
+        true
+    }
+
+    /// Adapters in GPU slots now, least recently used first.
+    pub fn loaded_loras(&self) -> Vec<String> {
+        self.loaded_loras.iter().map(|l| l.to_string()).collect()
     }
 
     /// Allocates `need` more blocks for a running request (the caller checked they are free).
@@ -1226,6 +1293,52 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    fn lora_req(id: RequestId, prompt: &[u32], out: u32, lora: &str) -> EngineRequest {
+        let mut r = req(id, prompt, out);
+        r.lora = Some(lora.into());
+        r
+    }
+
+    #[test]
+    fn at_max_loras_a_new_adapter_waits_for_a_slot_and_others_pass_it() {
+        let mut cfg = tiny(256);
+        cfg.max_loras = 1;
+        let mut e = Engine::new(cfg).unwrap();
+        e.add_request(lora_req(1, &toks(0..9), 20, "sql")).unwrap();
+        e.add_request(lora_req(2, &toks(100..109), 2, "chat"))
+            .unwrap();
+        e.add_request(req(3, &toks(200..209), 2)).unwrap();
+        e.add_request(lora_req(4, &toks(300..309), 2, "sql"))
+            .unwrap();
+        let first = e.step(0.0);
+        assert_eq!(first.num_scheduled, 3, "chat is skipped, base and sql run");
+        let s = e.stats();
+        assert_eq!(s.running_loras, BTreeSet::from(["sql".to_string()]));
+        assert_eq!(s.waiting_loras, BTreeSet::from(["chat".to_string()]));
+        let outs = drain(&mut e, first.end_s);
+        let sums = summaries(&outs);
+        // chat starts only after every sql request finished and freed the slot.
+        assert!(sums[&2].scheduled_s >= sums[&1].finished_s, "{sums:?}");
+        assert!(sums[&2].scheduled_s >= sums[&4].finished_s, "{sums:?}");
+        assert_eq!(e.loaded_loras(), ["chat"]);
+    }
+
+    #[test]
+    fn loading_an_adapter_costs_its_load_time_once() {
+        let mut cfg = tiny(256);
+        cfg.profile.lora_load_s = 0.5;
+        cfg.profile.jitter = 0.0;
+        let mut e = Engine::new(cfg).unwrap();
+        e.add_request(req(1, &toks(0..8), 1)).unwrap();
+        let base = e.step(0.0).duration_s;
+        e.add_request(lora_req(2, &toks(10..18), 1, "sql")).unwrap();
+        let loaded = e.step(1.0).duration_s;
+        assert!((loaded - base - 0.5).abs() < 1e-9, "{base} {loaded}");
+        e.add_request(lora_req(3, &toks(20..28), 1, "sql")).unwrap();
+        let warm = e.step(2.0).duration_s;
+        assert!((warm - base).abs() < 1e-9, "{base} {warm}");
     }
 
     #[test]

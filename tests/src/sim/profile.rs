@@ -50,6 +50,9 @@ pub struct Profile {
     /// Relative step-time noise, uniform in `[-jitter, +jitter]`.
     #[serde(default)]
     pub jitter: f64,
+    /// Time to load one LoRA adapter into a GPU slot, added to the step that first runs it.
+    #[serde(default)]
+    pub lora_load_s: f64,
 }
 
 fn default_model() -> String {
@@ -116,6 +119,9 @@ impl Profile {
         let bad = |what: &str| Err(SimError::Config(format!("profile {}: {what}", self.name)));
         if self.block_size == 0 {
             return bad("block_size must be > 0");
+        }
+        if !(self.lora_load_s.is_finite() && self.lora_load_s >= 0.0) {
+            return bad("lora_load_s must be a non-negative number");
         }
         if self.num_gpu_blocks() == 0 {
             return bad("kv_capacity_tokens must hold at least one block");

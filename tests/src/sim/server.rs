@@ -107,6 +107,13 @@ pub struct SimArgs {
     /// LoRA adapters served besides the base model (`name` or `name=path`; repeatable).
     #[arg(long, num_args = 1..)]
     pub lora_modules: Vec<String>,
+    /// LoRA adapter slots (vLLM `--max-loras`): a request whose adapter finds every slot held
+    /// by running requests' adapters waits. Default: one slot per `--lora-modules` adapter.
+    #[arg(long)]
+    pub max_loras: Option<u32>,
+    /// Override the profile's adapter load time, milliseconds (`lora_load_s`).
+    #[arg(long)]
+    pub lora_load_ms: Option<f64>,
     /// Fraction of completion requests answered with `--fail-status` (failure injection).
     #[arg(long, default_value_t = 0.0)]
     pub fail_rate: f64,
@@ -158,6 +165,9 @@ impl SimArgs {
         }
         if let Some(v) = self.max_num_batched_tokens {
             p.max_num_batched_tokens = v;
+        }
+        if let Some(ms) = self.lora_load_ms {
+            p.lora_load_s = ms / 1e3;
         }
         p.validate()?;
         Ok(p)
@@ -321,6 +331,8 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
     cfg.seed = args.seed;
     cfg.output_vocab = tokenizer.output_vocab().into();
     cfg.kv_events = publisher.is_some();
+    let max_loras = args.max_loras.unwrap_or(args.lora_modules.len() as u32);
+    cfg.max_loras = max_loras;
     let engine = Engine::new(cfg)?;
     let (hang_tx, _) = watch::channel(false);
     let (shutdown, shutdown_rx) = watch::channel(false);
@@ -333,7 +345,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         info: ServerInfo {
             model_name: model.clone(),
             block_size: profile.block_size,
-            max_loras: loras.len() as u32,
+            max_loras,
             prefix_caching_hash_algo: args.prefix_caching_hash_algo.clone(),
         },
         model,
