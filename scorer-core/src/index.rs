@@ -226,17 +226,28 @@ impl PrefixIndex {
             return;
         };
         let mut alive = *first;
-        for (depth, h) in hashes.iter().enumerate().skip(1) {
-            let next = self
-                .holders
-                .get(h)
-                .map_or(EndpointSet::default(), |s| alive.and(s));
-            for id in alive.and_not(&next).iter() {
-                found(id, depth);
+        // Probe a chunk of blocks before walking it: the probes are independent cache misses
+        // into a large map, and issuing them together lets the CPU overlap them (this loop is
+        // memory-bound). At most one chunk of probes is wasted after the last match.
+        const CHUNK: usize = 8;
+        let mut depth = 1;
+        for chunk in hashes[1..].chunks(CHUNK) {
+            let mut sets = [EndpointSet::default(); CHUNK];
+            for (slot, h) in sets.iter_mut().zip(chunk) {
+                if let Some(s) = self.holders.get(h) {
+                    *slot = *s;
+                }
             }
-            alive = next;
-            if alive.is_empty() {
-                return;
+            for set in &sets[..chunk.len()] {
+                let next = alive.and(set);
+                for id in alive.and_not(&next).iter() {
+                    found(id, depth);
+                }
+                alive = next;
+                if alive.is_empty() {
+                    return;
+                }
+                depth += 1;
             }
         }
         for id in alive.iter() {

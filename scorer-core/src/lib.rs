@@ -3,16 +3,18 @@
 //! - [`canon`] turns an OpenAI request body into canonical prompt bytes;
 //! - [`hash`] hashes them in chained blocks;
 //! - [`index`] remembers which endpoint holds which blocks;
-//! - [`router`] scores endpoints and keeps load accounting;
+//! - [`router`] scores endpoints and keeps load accounting ([`address`]: its shared addresses);
 //! - [`latency`] learns each endpoint's TTFT and time per output token from outcomes;
 //! - [`disagg`] gives endpoints prefill/decode roles and picks a prefill endpoint;
 //! - [`pools`], [`affinity`] and [`lora`] keep model pools, session affinity and LoRA
 //!   adapter state for the router;
+//! - [`fairness`] admits or sheds requests by criticality, tenant limits and fair share;
 //! - [`protocol`] is the JSON the filter and the control plane exchange.
 //!
 //! Invariant: nothing here reads a clock, draws ambient randomness, spawns a thread or does
 //! I/O. Time (`now_ms`) and seeds are arguments, so fleet-sim can replay it in virtual time.
 
+pub mod address;
 pub mod affinity;
 pub mod canon;
 pub mod disagg;

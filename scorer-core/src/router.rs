@@ -14,6 +14,8 @@
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
+use crate::address::EndpointAddress;
+
 use crate::affinity::{SessionConfig, SessionStats};
 use crate::disagg::{EndpointRole, PdConfig};
 use crate::index::{EndpointId, MAX_ENDPOINTS, PrefixIndex};
@@ -185,7 +187,7 @@ pub enum Health {
 
 #[derive(Debug, Clone)]
 struct Slot {
-    address: String,
+    address: EndpointAddress,
     health: Health,
     metrics: Option<EndpointMetrics>,
     scraped_at_ms: u64,
@@ -232,7 +234,7 @@ struct InFlight {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CandidateScore {
     /// `ip:port` of the candidate.
-    pub endpoint: String,
+    pub endpoint: EndpointAddress,
     /// Leading prompt blocks the candidate is believed to hold (engine blocks when scored
     /// precisely, hash blocks otherwise).
     pub cached_blocks: u32,
@@ -381,6 +383,8 @@ pub struct Router {
     inflight: HashMap<u64, InFlight>,
     next_decision_id: u64,
     stats: RouterStats,
+    /// `now_ms` of the last `expire`, so back-to-back decisions skip it.
+    last_expire_ms: u64,
     /// Model pools, sessions and LoRA adapters (see `pools`, `affinity`, `lora`).
     fleet: FleetState,
 }
@@ -442,6 +446,7 @@ impl Router {
             inflight: HashMap::new(),
             next_decision_id: first_decision_id.max(1),
             stats: RouterStats::default(),
+            last_expire_ms: u64::MAX,
             fleet: FleetState::default(),
         }
     }
@@ -472,7 +477,7 @@ impl Router {
         };
         let id = EndpointId(i as u16);
         self.slots[i] = Some(Slot {
-            address: address.to_string(),
+            address: address.into(),
             health: Health::Ready,
             metrics: None,
             scraped_at_ms: 0,
@@ -594,11 +599,16 @@ impl Router {
             return Ok(());
         };
         let p = &mut self.precise;
+        let evicted = p.tracker.removed_from_gpu(id, event);
         match p
             .tracker
             .apply(id, model, event, &mut p.gpu, &mut p.offload, now_ms)
         {
             Ok(()) => {
+                // A routed request's speculative blocks no longer count once the engine evicts them.
+                for h in evicted {
+                    p.speculative.remove(id, h);
+                }
                 self.stats.kv_events += 1;
                 Ok(())
             }
@@ -661,6 +671,7 @@ impl Router {
 
     /// Drops expired index entries and in-flight entries whose report never came.
     pub fn expire(&mut self, now_ms: u64) {
+        self.last_expire_ms = now_ms;
         self.index.expire(now_ms);
         self.fleet
             .sessions
@@ -686,7 +697,10 @@ impl Router {
     /// Chooses endpoints for `request`. Never fails: with no usable endpoint the list is empty
     /// and the filter lets Envoy's fallback policy pick.
     pub fn route(&mut self, request: &RouteRequest, now_ms: u64, seed: u64) -> Decision {
-        self.expire(now_ms);
+        // Expiry has per-endpoint work, and nothing new can expire within one millisecond.
+        if now_ms != self.last_expire_ms {
+            self.expire(now_ms);
+        }
         let decision_id = self.next_decision_id;
         self.next_decision_id += 1;
         self.stats.decisions += 1;
@@ -699,7 +713,13 @@ impl Router {
         // Precise mode: the event-fed GPU index (plus speculative entries of recent decisions)
         // and the offload tiers, in engine blocks.
         let precise = !request.token_block_hashes.is_empty();
-        let (mut gpu, mut spec, mut offload) = (vec![0usize; n], vec![0usize; n], vec![0usize; n]);
+        // Only precise requests read these (through `scored_precisely`): no allocation otherwise.
+        let per_endpoint = if precise { n } else { 0 };
+        let (mut gpu, mut spec, mut offload) = (
+            vec![0usize; per_endpoint],
+            vec![0usize; per_endpoint],
+            vec![0usize; per_endpoint],
+        );
         if precise {
             record_depths(&self.precise.gpu, &request.token_block_hashes, &mut gpu);
             record_depths(
@@ -742,7 +762,7 @@ impl Router {
         let stale_after = self.config.stale_after_ms;
         let learned = &self.config.latency;
         let mut latency_features = vec![LatencyFeatures::default(); n];
-        let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::new();
+        let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::with_capacity(n);
         for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(slot) = slot else { continue };
             if slot.health != Health::Ready || !eligible.allows(i) {
@@ -884,11 +904,7 @@ impl Router {
             }
         }
         // Order: unguarded first, then by cost; near-ties shuffled by the seed.
-        candidates.sort_by(|a, b| {
-            a.1.guarded
-                .cmp(&b.1.guarded)
-                .then(a.1.total_ms.total_cmp(&b.1.total_ms))
-        });
+        sort_by_cost(&mut candidates);
         let best = &candidates[0].1;
         let (best_guarded, best_cost) = (best.guarded, best.total_ms);
         let ties = candidates
@@ -960,7 +976,7 @@ impl Router {
         let endpoints = candidates
             .iter()
             .take(1 + self.config.fallbacks)
-            .map(|(_, c)| c.endpoint.clone())
+            .map(|(_, c)| c.endpoint.to_string())
             .collect();
         Decision {
             response: RouteResponse {
@@ -1020,7 +1036,7 @@ impl Router {
                 .insert(*id, &request.token_block_hashes, now_ms);
         }
         self.stats.disaggregated += 1;
-        Some(score.endpoint.clone())
+        Some(score.endpoint.to_string())
     }
 
     /// Takes one request's outcome: releases its in-flight load and records prediction accuracy.
@@ -1091,7 +1107,7 @@ impl Router {
             .enumerate()
             .filter_map(|(i, s)| s.as_ref().map(|s| (i, s)))
             .map(|(i, s)| EndpointView {
-                address: s.address.clone(),
+                address: s.address.to_string(),
                 health: s.health,
                 stale: now_ms.saturating_sub(s.scraped_at_ms) > self.config.stale_after_ms,
                 metrics: s.metrics,
@@ -1143,6 +1159,35 @@ fn record_depths(index: &PrefixIndex, hashes: &[u64], out: &mut [usize]) {
             *m = depth;
         }
     });
+}
+
+/// Stable sort, unguarded first, then by total cost. Sorts small keys and permutes once, since
+/// a candidate is large and moving it a dozen times a decision showed in profiles.
+fn sort_by_cost(candidates: &mut Vec<(EndpointId, CandidateScore)>) {
+    // One integer a candidate: guarded flag, cost in `f64::total_cmp` order, then the position
+    // (so the unstable sort gives the stable order), sorted branch-free.
+    let mut keys: Vec<u128> = candidates
+        .iter()
+        .enumerate()
+        .map(|(i, (_, c))| {
+            let bits = c.total_ms.to_bits();
+            let ordered = if bits >> 63 == 1 {
+                !bits
+            } else {
+                bits | 1 << 63
+            };
+            u128::from(c.guarded) << 127 | u128::from(ordered) << 63 | i as u128
+        })
+        .collect();
+    keys.sort_unstable();
+    let position = |k: &u128| (*k & ((1 << 63) - 1)) as usize;
+    if keys.iter().enumerate().all(|(at, k)| position(k) == at) {
+        return;
+    }
+    let mut taken: Vec<Option<(EndpointId, CandidateScore)>> =
+        std::mem::take(candidates).into_iter().map(Some).collect();
+    candidates.reserve_exact(keys.len());
+    candidates.extend(keys.iter().filter_map(|k| taken[position(k)].take()));
 }
 
 /// The replica drains queued prefill at its prefill rate: forget what it has done since.
@@ -1524,7 +1569,7 @@ mod latency_tests {
             r.feedback(
                 &Outcome {
                     decision_id: d.response.decision_id,
-                    endpoint: chosen.endpoint.clone(),
+                    endpoint: chosen.endpoint.to_string(),
                     status: 200,
                     ttfb_ms: Some(ttft),
                     total_ms: ttft,

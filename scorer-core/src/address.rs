@@ -1,0 +1,131 @@
+//! A shared, cheaply cloned endpoint address.
+//!
+//! Every decision lists every candidate with its address for explain output. Cloning a
+//! `String` per candidate was the largest allocation cost of `Router::route` in profiles, so the
+//! router keeps each address once behind an `Arc` and candidates share it.
+
+use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// An endpoint's `ip:port`, shared by reference count; reads like a `&str`.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct EndpointAddress(Arc<str>);
+
+impl EndpointAddress {
+    /// The address as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Deref for EndpointAddress {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<str> for EndpointAddress {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for EndpointAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for EndpointAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for EndpointAddress {
+    fn from(s: &str) -> Self {
+        Self(Arc::from(s))
+    }
+}
+
+impl From<String> for EndpointAddress {
+    fn from(s: String) -> Self {
+        Self(Arc::from(s))
+    }
+}
+
+impl From<EndpointAddress> for String {
+    fn from(a: EndpointAddress) -> Self {
+        a.0.to_string()
+    }
+}
+
+impl PartialEq<str> for EndpointAddress {
+    fn eq(&self, other: &str) -> bool {
+        &*self.0 == other
+    }
+}
+
+impl PartialEq<&str> for EndpointAddress {
+    fn eq(&self, other: &&str) -> bool {
+        &*self.0 == *other
+    }
+}
+
+impl PartialEq<String> for EndpointAddress {
+    fn eq(&self, other: &String) -> bool {
+        &*self.0 == other.as_str()
+    }
+}
+
+impl PartialEq<EndpointAddress> for String {
+    fn eq(&self, other: &EndpointAddress) -> bool {
+        self.as_str() == &*other.0
+    }
+}
+
+impl PartialEq<EndpointAddress> for &str {
+    fn eq(&self, other: &EndpointAddress) -> bool {
+        *self == &*other.0
+    }
+}
+
+impl Serialize for EndpointAddress {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for EndpointAddress {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        String::deserialize(deserializer).map(Self::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_compares_and_serialises_like_a_string() {
+        let a = EndpointAddress::from("10.0.0.1:8000");
+        let b = a.clone();
+        assert_eq!(a, b);
+        assert!(a == "10.0.0.1:8000");
+        assert!(a == *"10.0.0.1:8000");
+        let owned = String::from("10.0.0.1:8000");
+        assert!(a == owned);
+        assert!(owned == a);
+        assert_eq!(a.as_str(), "10.0.0.1:8000");
+        assert_eq!(a.to_string(), "10.0.0.1:8000");
+        let json = serde_json::to_string(&a).unwrap();
+        assert_eq!(json, "\"10.0.0.1:8000\"");
+        let back: EndpointAddress = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, a);
+        assert_eq!(format!("{a:?}"), "\"10.0.0.1:8000\"");
+    }
+}
