@@ -20,6 +20,7 @@
 //!   "route_timeout_ms":50,"destination_header":"x-gateway-destination-endpoint","block_bytes":256,
 //!   "feedback_interval_ms":200,"feedback_timeout_ms":1000,"max_body_bytes":4194304,
 //!   "max_queued_outcomes":4096,"auth_token":null,"allow_explain":false,
+//!   "tenant_header":"x-kvroute-tenant","criticality_header":"x-kvroute-criticality",
 //!   "routes":[{"path":"/v1/chat/completions","api":"chat","mode":"approximate"},
 //!             {"path":"/v1/completions","api":"completion","mode":"approximate"}]}`
 //!
@@ -27,6 +28,11 @@
 //! `tools` and the chat-template options, or `model` and `prompt`) in `RouteRequest.prompt_text`,
 //! so the control plane can tokenise them and score on the engines' reported KV blocks;
 //! approximate routes never send prompt text.
+//!
+//! The tenant and criticality headers (or llm-d's `x-llm-d-inference-fairness-id` and
+//! `x-llm-d-inference-objective`) travel in the route call for admission; when the control plane
+//! refuses a request (`RouteResponse.reject`), the filter answers it locally with an OpenAI-style
+//! JSON error (404, 413, 429 with `Retry-After`) and counts it in `kvroute_requests_rejected`.
 
 #![cfg_attr(
     not(test),

@@ -102,6 +102,11 @@ pub struct AdmissionConfig {
     pub queue_limit: f64,
     /// KV-cache use per replica that counts as full (llm-d's `kvCacheUtilThreshold`).
     pub kv_limit: f64,
+    /// Prompt tokens routed to a replica and not yet prefilled that count as full. vLLM admits
+    /// requests into its running batch at once, so a flood of long prompts delays everyone's
+    /// first token without ever showing as a waiting queue; this catches it. `None`: unused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_backlog_limit: Option<f64>,
     /// Fleet saturation at which sheddable requests are shed (1.0 = every replica at a limit).
     pub sheddable_at: f64,
     /// Fleet saturation at which standard requests are shed whatever their tenant's share.
@@ -137,6 +142,7 @@ impl Default for AdmissionConfig {
         Self {
             queue_limit: 5.0,
             kv_limit: 0.8,
+            prefill_backlog_limit: None,
             sheddable_at: 1.0,
             standard_at: 2.0,
             critical_at: None,
@@ -182,6 +188,9 @@ impl AdmissionConfig {
         }
         if !positive(self.kv_limit) {
             return bad("kv_limit", "must be a positive number");
+        }
+        if self.prefill_backlog_limit.is_some_and(|b| !positive(b)) {
+            return bad("prefill_backlog_limit", "must be a positive number");
         }
         if !positive(self.sheddable_at) {
             return bad("sheddable_at", "must be a positive number");
@@ -285,6 +294,8 @@ pub struct ReplicaLoad {
     pub waiting: f64,
     /// KV-cache use, 0..1.
     pub kv_usage: f64,
+    /// Prompt tokens sent to it and not yet prefilled (the router's estimate).
+    pub prefill_backlog_tokens: f64,
     /// Its metrics are stale or missing: treated as exactly saturated (1.0).
     pub stale: bool,
 }
@@ -303,12 +314,14 @@ impl ReplicaLoad {
                 ReplicaLoad {
                     waiting: f64::from(m.waiting) + f64::from(unseen),
                     kv_usage: m.kv_usage,
+                    prefill_backlog_tokens: view.backlog_tokens,
                     stale: view.stale,
                 }
             }
             None => ReplicaLoad {
                 waiting: f64::from(view.inflight),
                 kv_usage: 0.0,
+                prefill_backlog_tokens: view.backlog_tokens,
                 stale: true,
             },
         })
@@ -329,10 +342,17 @@ impl Admission {
         &self.config
     }
 
-    /// One replica's saturation: the larger of queue / `queue_limit` and KV use / `kv_limit`;
-    /// at least 1.0 when its metrics are stale (unknown load counts as full).
+    /// One replica's saturation: the largest of queue / `queue_limit`, KV use / `kv_limit` and
+    /// (when set) prefill backlog / `prefill_backlog_limit`; at least 1.0 when its metrics are
+    /// stale (unknown load counts as full).
     pub fn replica_saturation(&self, load: &ReplicaLoad) -> f64 {
-        let s = (load.waiting / self.config.queue_limit).max(load.kv_usage / self.config.kv_limit);
+        let backlog = self
+            .config
+            .prefill_backlog_limit
+            .map_or(0.0, |limit| load.prefill_backlog_tokens / limit);
+        let s = (load.waiting / self.config.queue_limit)
+            .max(load.kv_usage / self.config.kv_limit)
+            .max(backlog);
         let s = if s.is_finite() { s.max(0.0) } else { 0.0 };
         if load.stale { s.max(1.0) } else { s }
     }
@@ -543,8 +563,24 @@ mod tests {
         ReplicaLoad {
             waiting,
             kv_usage: kv,
+            prefill_backlog_tokens: 0.0,
             stale: false,
         }
+    }
+
+    #[test]
+    fn a_prefill_backlog_limit_counts_unprefilled_tokens() {
+        let flood = ReplicaLoad {
+            prefill_backlog_tokens: 12_000.0,
+            ..load(0.0, 0.1)
+        };
+        let off = Admission::new(AdmissionConfig::default());
+        assert!(off.replica_saturation(&flood) < 1.0);
+        let on = Admission::new(AdmissionConfig {
+            prefill_backlog_limit: Some(8_000.0),
+            ..AdmissionConfig::default()
+        });
+        assert_eq!(on.replica_saturation(&flood), 1.5);
     }
 
     #[test]

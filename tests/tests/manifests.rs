@@ -369,7 +369,8 @@ fn kustomizations_render_and_kubernetes_objects_validate_against_schemas() {
                 "extensions.istio.io",
                 "gateway.envoyproxy.io",
                 "gateway.networking.k8s.io",
-                "inference.networking.k8s.io"
+                "inference.networking.k8s.io",
+                "keda.sh"
             ]
             .iter()
             .any(|g| line.contains(g)),
@@ -1181,5 +1182,58 @@ fn deploy_guide_covers_envoy_istio_and_envoy_gateway_and_its_paths_exist() {
     assert!(
         readme.contains("docs/DEPLOY.md"),
         "envoy-config/README.md links the guide"
+    );
+}
+
+#[test]
+fn autoscaling_examples_scale_on_the_slo_gauges_the_control_plane_exports() {
+    let dir = root().join("envoy-config/kubernetes/autoscaling");
+    let slo_source = read(&root().join("control-plane/src/slo.rs"));
+    for gauge in ["desired_replicas", "queue_pressure", "slo_attainment_ratio"] {
+        assert!(
+            slo_source.contains(&format!("\"{gauge}\"")),
+            "the control plane no longer exports kvroute_{gauge}"
+        );
+    }
+    let hpas = parse_docs(&read(&dir.join("hpa.yaml")), "hpa.yaml");
+    let mut roles = Vec::new();
+    for hpa in &hpas {
+        assert_eq!(s(hpa, "/kind"), "HorizontalPodAutoscaler");
+        let metric = &hpa["spec"]["metrics"][0]["external"];
+        assert_eq!(s(metric, "/metric/name"), "kvroute_desired_replicas");
+        assert_eq!(s(metric, "/target/type"), "AverageValue");
+        roles.push(s(metric, "/metric/selector/matchLabels/role").to_string());
+    }
+    roles.sort();
+    assert_eq!(roles, ["decode", "prefill"]);
+    let scaled = parse_docs(
+        &read(&dir.join("keda-scaledobject.yaml")),
+        "keda-scaledobject.yaml",
+    );
+    assert_eq!(scaled.len(), 2);
+    for so in &scaled {
+        assert_eq!(s(so, "/apiVersion"), "keda.sh/v1alpha1");
+        assert_eq!(s(so, "/kind"), "ScaledObject");
+        let triggers = so["spec"]["triggers"].as_array().expect("triggers");
+        for t in triggers {
+            assert_eq!(s(t, "/type"), "prometheus");
+            let query = s(t, "/metadata/query");
+            assert!(
+                query.contains("kvroute_desired_replicas")
+                    || query.contains("kvroute_queue_pressure"),
+                "{query}"
+            );
+        }
+    }
+    let rules = parse_docs(
+        &read(&dir.join("prometheus-adapter-rules.yaml")),
+        "prometheus-adapter-rules.yaml",
+    );
+    let config = s(&rules[0], "/data/config.yaml");
+    let config: serde_yaml_ng::Value = serde_yaml_ng::from_str(config).expect("adapter rules");
+    assert!(
+        config["externalRules"]
+            .as_sequence()
+            .is_some_and(|r| r.len() == 3)
     );
 }

@@ -545,3 +545,42 @@ fn trailers_end_the_body_and_the_request_is_routed() {
     );
     assert_eq!(host.upstream_request_body(id).expect("stream"), body);
 }
+
+#[test]
+fn a_reject_is_answered_locally_with_an_openai_error_and_never_goes_upstream() {
+    let mut host = start("{}");
+    let (id, call) = send_chat(&mut host, &chat_body("hello"));
+    let answer = serde_json::to_vec(&RouteResponse {
+        reject: Some(scorer_core::protocol::Reject {
+            status: 429,
+            message: "the fleet is saturated".into(),
+            error_type: "rate_limit_exceeded".into(),
+            retry_after_s: Some(3),
+        }),
+        ..RouteResponse::default()
+    })
+    .expect("json");
+    host.respond_http_call(call.token, 200, &[], &answer)
+        .expect("route answer");
+    let local = host.local_responses();
+    assert_eq!(local.len(), 1, "{local:?}");
+    assert_eq!(local[0].status, 429);
+    let header = |n: &str| {
+        local[0]
+            .headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.as_str())
+    };
+    assert_eq!(header("content-type"), Some("application/json"));
+    assert_eq!(header("retry-after"), Some("3"));
+    let body: serde_json::Value = serde_json::from_slice(&local[0].body).expect("JSON error");
+    assert_eq!(body["error"]["type"], "rate_limit_exceeded", "{body}");
+    assert_eq!(body["error"]["message"], "the fleet is saturated");
+    assert_eq!(body["error"]["code"], 429);
+    assert_eq!(host.request_resumes(id).expect("stream"), 0);
+    assert_eq!(
+        host.metric("kvroute_requests_rejected").map(|m| m.value),
+        Some(1)
+    );
+}

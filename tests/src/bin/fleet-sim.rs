@@ -35,6 +35,45 @@ enum Command {
     Compare(Box<CompareArgs>),
     /// List the policies.
     Policies,
+    /// Two tenants (interactive + batch flood): interactive TTFT p99 alone, flooded without
+    /// admission and flooded behind fair admission; prints a table, `--json` writes it.
+    Fairness(Box<FairnessArgs>),
+}
+
+#[derive(clap::Args)]
+struct FairnessArgs {
+    /// Replicas in the fleet.
+    #[arg(long, default_value_t = 4)]
+    replicas: usize,
+    /// Virtual seconds both tenants send.
+    #[arg(long, default_value_t = 60.0)]
+    duration_s: f64,
+    /// Interactive requests per second.
+    #[arg(long, default_value_t = 4.0)]
+    interactive_rate: f64,
+    /// Interactive prompt tokens.
+    #[arg(long, default_value_t = 512)]
+    interactive_prompt: u32,
+    /// Batch requests per second (the flood).
+    #[arg(long, default_value_t = 12.0)]
+    batch_rate: f64,
+    /// Batch prompt tokens.
+    #[arg(long, default_value_t = 6000)]
+    batch_prompt: u32,
+    /// Admission settings as YAML or JSON (`admission:` fields of the control plane); default:
+    /// the control plane's defaults plus `{prefill_backlog_limit: 1000, standard_at: 100}`.
+    #[arg(long)]
+    admission: Option<String>,
+    /// Fail (exit 1) when the fair run's interactive TTFT p99 exceeds this multiple of the
+    /// alone run's.
+    #[arg(long)]
+    max_ratio: Option<f64>,
+    /// Seed of arrivals, routing and jitter.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Write the JSON summary here.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -108,7 +147,51 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Compare(args) => compare(*args),
+        Command::Fairness(args) => fairness(*args),
     }
+}
+
+fn fairness(args: FairnessArgs) -> anyhow::Result<()> {
+    use kvroute_tests::fleet::fairness::{Scenario, compare, table};
+    if args.replicas == 0 || args.replicas > scorer_core::index::MAX_ENDPOINTS {
+        bail!(
+            "--replicas must be between 1 and {}",
+            scorer_core::index::MAX_ENDPOINTS
+        );
+    }
+    let admission: scorer_core::fairness::AdmissionConfig = match &args.admission {
+        Some(text) => serde_yaml_ng::from_str(text).context("--admission")?,
+        None => kvroute_tests::fleet::fairness::benchmark_admission(),
+    };
+    admission.validate()?;
+    let scenario = Scenario {
+        replicas: args.replicas,
+        seed: args.seed,
+        duration_ms: args.duration_s * 1000.0,
+        interactive_rate: args.interactive_rate,
+        interactive_prompt: args.interactive_prompt,
+        batch_rate: args.batch_rate,
+        batch_prompt: args.batch_prompt,
+        admission,
+        ..Scenario::default()
+    };
+    let started = Instant::now();
+    let report = compare(&scenario)?;
+    eprintln!("simulated in {:.1}s", started.elapsed().as_secs_f64());
+    print!("{}", table(&report));
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(max) = args.max_ratio {
+        if report.ttft_p99_ratio_fair > max {
+            bail!(
+                "interactive TTFT p99 with fair admission is {:.2}x alone, above {max}x",
+                report.ttft_p99_ratio_fair
+            );
+        }
+    }
+    Ok(())
 }
 
 fn run_all(

@@ -3,9 +3,11 @@
 //! - [`workload`] reads Mooncake traces and generates synthetic workloads;
 //! - [`policy`] holds the routing policies compared (peers and kvroute's own `Router`);
 //! - [`des`] replays a workload through the engines of [`crate::sim`] in virtual time;
+//! - [`fairness`] runs the two-tenant fairness benchmark (admission in front of the router);
 //! - [`report`] turns runs into tables, JSON and SVG.
 
 pub mod des;
+pub mod fairness;
 pub mod policy;
 pub mod report;
 pub mod workload;
