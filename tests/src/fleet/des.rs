@@ -126,6 +126,25 @@ fn to_core(e: &KvEvent) -> CoreKvEvent {
             medium: Medium::Gpu,
         },
         KvEvent::AllBlocksCleared => CoreKvEvent::AllBlocksCleared,
+        KvEvent::OffloadStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_name,
+            ..
+        } => CoreKvEvent::BlockStored {
+            block_hashes: block_hashes.clone(),
+            parent_block_hash: *parent_block_hash,
+            token_ids: token_ids.clone(),
+            block_size: *block_size,
+            lora_name: lora_name.clone(),
+            medium: Medium::Cpu,
+        },
+        KvEvent::OffloadRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
+            block_hashes: block_hashes.clone(),
+            medium: Medium::Cpu,
+        },
     }
 }
 

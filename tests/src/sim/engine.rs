@@ -56,6 +56,11 @@ pub struct EngineConfig {
     /// adapter is not loaded and finds every slot held by adapters of running requests is
     /// skipped until one frees (idle adapters are evicted least recently used first).
     pub max_loras: u32,
+    /// Blocks of the CPU offload tier (vLLM's native KV offloading); 0 = none. Every block
+    /// cached on the GPU is also written to it (published as `BlockStored`, medium `CPU`); a
+    /// prefix that left the GPU but is still there is loaded at `cpu_load_tokens_per_s`
+    /// instead of being recomputed. Least recently used blocks leave first.
+    pub cpu_offload_blocks: u32,
 }
 
 impl EngineConfig {
@@ -68,6 +73,7 @@ impl EngineConfig {
             output_vocab: WordTokenizer::default().output_vocab().into(),
             kv_events: true,
             max_loras: 0,
+            cpu_offload_blocks: 0,
         }
     }
 }
@@ -169,6 +175,26 @@ pub enum KvEvent {
     },
     /// The prefix cache was reset.
     AllBlocksCleared,
+    /// Blocks were written to the CPU offload tier (`BlockStored` with medium `CPU`).
+    OffloadStored {
+        /// Chained hashes of the stored blocks, in sequence order.
+        block_hashes: Vec<u64>,
+        /// Hash of the block before the first stored one; `None` at the start of a sequence.
+        parent_block_hash: Option<u64>,
+        /// Tokens of the stored blocks.
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: u32,
+        /// LoRA adapter id.
+        lora_id: Option<u32>,
+        /// LoRA adapter name.
+        lora_name: Option<String>,
+    },
+    /// A block left the CPU offload tier (`BlockRemoved` with medium `CPU`).
+    OffloadRemoved {
+        /// The dropped hashes.
+        block_hashes: Vec<u64>,
+    },
 }
 
 /// Everything one step did.
@@ -267,6 +293,81 @@ impl Req {
     }
 }
 
+/// The CPU offload tier: block hashes, least recently used first out.
+#[derive(Debug, Clone, Default)]
+struct CpuTier {
+    /// Hash → use stamp.
+    stamps: HashMap<u64, u64>,
+    /// Use stamp → hash, oldest first.
+    order: std::collections::BTreeMap<u64, u64>,
+    clock: u64,
+}
+
+impl CpuTier {
+    fn contains(&self, hash: u64) -> bool {
+        self.stamps.contains_key(&hash)
+    }
+
+    fn bump(&mut self, hash: u64) {
+        self.clock += 1;
+        if let Some(old) = self.stamps.insert(hash, self.clock) {
+            self.order.remove(&old);
+        }
+        self.order.insert(self.clock, hash);
+    }
+
+    /// Marks loaded blocks recently used.
+    fn touch(&mut self, hashes: &[u64]) {
+        for h in hashes {
+            if self.contains(*h) {
+                self.bump(*h);
+            }
+        }
+    }
+
+    /// Writes `hash` (or refreshes it); returns whether it is new, and the hash dropped to
+    /// stay within `cap` blocks.
+    fn insert(&mut self, hash: u64, cap: usize) -> (bool, Option<u64>) {
+        let new = !self.contains(hash);
+        self.bump(hash);
+        let mut dropped = None;
+        if self.stamps.len() > cap
+            && let Some((_, oldest)) = self.order.pop_first()
+        {
+            self.stamps.remove(&oldest);
+            dropped = Some(oldest);
+        }
+        (new, dropped)
+    }
+
+    fn clear(&mut self) {
+        self.stamps.clear();
+        self.order.clear();
+    }
+}
+
+/// One `OffloadStored` per contiguous run of newly offloaded block indices of `r`.
+fn offload_events(r: &Req, offloaded: &[usize], bs: u32, events: &mut Vec<KvEvent>) {
+    let bsz = bs as usize;
+    let mut start = 0;
+    while start < offloaded.len() {
+        let mut end = start + 1;
+        while end < offloaded.len() && offloaded[end] == offloaded[end - 1] + 1 {
+            end += 1;
+        }
+        let (first, last) = (offloaded[start], offloaded[end - 1]);
+        events.push(KvEvent::OffloadStored {
+            block_hashes: r.block_hashes[first..=last].to_vec(),
+            parent_block_hash: first.checked_sub(1).map(|p| r.block_hashes[p]),
+            token_ids: r.tokens[first * bsz..(last + 1) * bsz].to_vec(),
+            block_size: bs,
+            lora_id: r.lora_id,
+            lora_name: r.lora_name.as_deref().map(str::to_owned),
+        });
+        start = end;
+    }
+}
+
 /// The simulated engine (see the module docs).
 #[derive(Debug, Clone)]
 pub struct Engine {
@@ -279,6 +380,12 @@ pub struct Engine {
     lora_ids: HashMap<String, u32>,
     /// Adapters in GPU slots, least recently used first.
     loaded_loras: Vec<Arc<str>>,
+    /// The CPU offload tier.
+    cpu: CpuTier,
+    /// Tokens loaded from the CPU tier by this step's admissions (costed in the step).
+    cpu_loaded_tokens: u64,
+    /// Hashes the CPU tier dropped, not yet published.
+    cpu_dropped: Vec<u64>,
     rng: SmallRng,
     stats: EngineStats,
     evicted: Vec<u64>,
@@ -303,6 +410,9 @@ impl Engine {
             running: Vec::new(),
             lora_ids: HashMap::new(),
             loaded_loras: Vec::new(),
+            cpu: CpuTier::default(),
+            cpu_loaded_tokens: 0,
+            cpu_dropped: Vec::new(),
             rng: SmallRng::seed_from_u64(cfg.seed),
             remote_kv: HashMap::new(),
             stats: EngineStats {
@@ -444,6 +554,7 @@ impl Engine {
             return None;
         }
         self.pool.clear_cache();
+        self.cpu.clear();
         Some(vec![KvEvent::AllBlocksCleared])
     }
 
@@ -562,7 +673,8 @@ impl Engine {
         let mut duration = p.decode_step_s_min
             + (p.decode_step_s_full - p.decode_step_s_min) * fill
             + prefill_tokens as f64 / p.prefill_tokens_per_s
-            + f64::from(lora_loads) * p.lora_load_s;
+            + f64::from(lora_loads) * p.lora_load_s
+            + std::mem::take(&mut self.cpu_loaded_tokens) as f64 / p.cpu_load_tokens_per_s;
         if p.jitter > 0.0 {
             duration *= 1.0 + self.rng.random_range(-p.jitter..=p.jitter);
         }
@@ -668,13 +780,19 @@ impl Engine {
                 None => break,
             }
         }
+        // The CPU offload tier continues the GPU hit where it stops.
+        let cpu_hit_blocks = r.block_hashes[hits.len()..max_hit_blocks]
+            .iter()
+            .take_while(|h| self.cpu.contains(**h))
+            .count() as u32;
         let local_hit_tokens = hits.len() as u32 * bs;
+        let cpu_hit_tokens = cpu_hit_blocks * bs;
         // Transferred KV (disaggregated prefill) covers what the local cache does not.
         let remote_tokens = self
             .remote_kv
             .get(&id)
             .map_or(0, |t| (*t).min(max_hit_blocks as u32 * bs) / bs * bs);
-        let hit_tokens = local_hit_tokens.max(remote_tokens);
+        let hit_tokens = (local_hit_tokens + cpu_hit_tokens).max(remote_tokens);
         let num_new = (num_tokens - hit_tokens).min(budget);
         let total_blocks = (hit_tokens + num_new).div_ceil(bs);
         let new_blocks = total_blocks - hits.len() as u32;
@@ -686,6 +804,7 @@ impl Engine {
             return None;
         }
         self.pool.touch(&hits);
+        let hits_len = hits.len();
         r.blocks = hits;
         for _ in 0..new_blocks {
             if let Some(b) = self.pool.allocate(&mut self.evicted) {
@@ -695,7 +814,13 @@ impl Engine {
         r.num_computed = hit_tokens;
         r.num_registered = local_hit_tokens / bs;
         if r.cached_tokens.is_none() {
-            r.cached_tokens = Some(local_hit_tokens);
+            // vLLM reports local and connector (offload) hits together.
+            r.cached_tokens = Some(local_hit_tokens + cpu_hit_tokens);
+        }
+        if hit_tokens == local_hit_tokens + cpu_hit_tokens && cpu_hit_tokens > 0 {
+            self.cpu_loaded_tokens += u64::from(cpu_hit_tokens);
+            let loaded = &r.block_hashes[hits_len..hits_len + cpu_hit_blocks as usize];
+            self.cpu.touch(loaded);
         }
         self.remote_kv.remove(&id);
         if r.scheduled_s.is_none() {
@@ -741,9 +866,20 @@ impl Engine {
         if full > r.num_registered {
             r.hashes_up_to(full as usize, bs as usize);
             let mut run: Option<KvEvent> = None;
+            let mut offloaded: Vec<usize> = Vec::new();
             for i in r.num_registered..full {
                 let i = i as usize;
                 let stored = self.pool.register(r.blocks[i], r.block_hashes[i]);
+                if self.cfg.cpu_offload_blocks > 0 {
+                    let cap = self.cfg.cpu_offload_blocks as usize;
+                    let (new, dropped) = self.cpu.insert(r.block_hashes[i], cap);
+                    if new {
+                        offloaded.push(i);
+                    }
+                    if emit && let Some(h) = dropped {
+                        self.cpu_dropped.push(h);
+                    }
+                }
                 if !emit {
                     continue;
                 }
@@ -776,6 +912,13 @@ impl Engine {
             }
             if let Some(ev) = run {
                 out.kv_events.push(ev);
+            }
+            if emit {
+                out.kv_events
+                    .extend(self.cpu_dropped.drain(..).map(|h| KvEvent::OffloadRemoved {
+                        block_hashes: vec![h],
+                    }));
+                offload_events(r, &offloaded, bs, &mut out.kv_events);
             }
             r.num_registered = full;
         }
@@ -1323,6 +1466,83 @@ mod tests {
         assert!(sums[&2].scheduled_s >= sums[&1].finished_s, "{sums:?}");
         assert!(sums[&2].scheduled_s >= sums[&4].finished_s, "{sums:?}");
         assert_eq!(e.loaded_loras(), ["chat"]);
+    }
+
+    #[test]
+    fn an_evicted_prefix_comes_back_from_the_cpu_tier_cheaper_than_recompute() {
+        let mut cfg = tiny(8);
+        cfg.cpu_offload_blocks = 64;
+        cfg.profile.jitter = 0.0;
+        cfg.profile.cpu_load_tokens_per_s = 10_000.0;
+        let mut e = Engine::new(cfg).unwrap();
+        let prompt = toks(0..17);
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        let first = drain(&mut e, 0.0);
+        let offloaded: Vec<&KvEvent> = first
+            .iter()
+            .flat_map(|o| &o.kv_events)
+            .filter(|ev| matches!(ev, KvEvent::OffloadStored { .. }))
+            .collect();
+        assert_eq!(offloaded.len(), 1, "{offloaded:?}");
+        match offloaded[0] {
+            KvEvent::OffloadStored {
+                block_hashes,
+                token_ids,
+                parent_block_hash,
+                ..
+            } => {
+                assert_eq!(block_hashes.len(), 4);
+                assert_eq!(token_ids, &toks(0..16));
+                assert_eq!(*parent_block_hash, None);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Another prompt takes every GPU block: the first one's blocks leave the GPU only.
+        e.add_request(req(2, &toks(100..129), 1)).unwrap();
+        let evict = drain(&mut e, 1.0);
+        assert!(
+            evict
+                .iter()
+                .flat_map(|o| &o.kv_events)
+                .any(|ev| matches!(ev, KvEvent::BlockRemoved { .. }))
+        );
+        // The first prompt again: its 16 leading tokens load from CPU instead of prefill.
+        e.add_request(req(3, &prompt, 1)).unwrap();
+        let again = drain(&mut e, 2.0);
+        let sums = summaries(&again);
+        assert_eq!(sums[&3].cached_tokens, 16);
+        let p = &e.config().profile;
+        let expected = p.decode_step_s_min
+            + (p.decode_step_s_full - p.decode_step_s_min) * 17.0 / p.kv_capacity_tokens as f64
+            + 1.0 / p.prefill_tokens_per_s
+            + 16.0 / p.cpu_load_tokens_per_s;
+        assert!(
+            (again[0].duration_s - expected).abs() < 1e-9,
+            "{} vs {expected}",
+            again[0].duration_s
+        );
+        // Loaded blocks are cached on the GPU again (published there).
+        assert!(
+            again
+                .iter()
+                .flat_map(|o| &o.kv_events)
+                .any(|ev| matches!(ev, KvEvent::BlockStored { .. }))
+        );
+    }
+
+    #[test]
+    fn the_cpu_tier_drops_least_recently_used_blocks() {
+        let mut cfg = tiny(64);
+        cfg.cpu_offload_blocks = 2;
+        let mut e = Engine::new(cfg).unwrap();
+        e.add_request(req(1, &toks(0..13), 1)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        let removed: usize = outs
+            .iter()
+            .flat_map(|o| &o.kv_events)
+            .filter(|ev| matches!(ev, KvEvent::OffloadRemoved { .. }))
+            .count();
+        assert_eq!(removed, 1, "three blocks through a two-block tier");
     }
 
     #[test]

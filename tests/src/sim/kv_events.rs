@@ -35,8 +35,21 @@ pub const END_SEQ: [u8; 8] = [0xFF; 8];
 fn event_value(ev: &KvEvent) -> Value {
     let s = |x: &str| Value::from(x);
     let opt_u64 = |x: Option<u64>| x.map_or(Value::Nil, Value::from);
+    // The CPU offload tier publishes the same events with medium `CPU`.
+    let medium = match ev {
+        KvEvent::OffloadStored { .. } | KvEvent::OffloadRemoved { .. } => "CPU",
+        _ => "GPU",
+    };
     match ev {
         KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id,
+            lora_name,
+        }
+        | KvEvent::OffloadStored {
             block_hashes,
             parent_block_hash,
             token_ids,
@@ -56,7 +69,7 @@ fn event_value(ev: &KvEvent) -> Value {
             ),
             (s("block_size"), Value::from(*block_size)),
             (s("lora_id"), opt_u64(lora_id.map(u64::from))),
-            (s("medium"), s("GPU")),
+            (s("medium"), s(medium)),
             (s("lora_name"), lora_name.as_deref().map_or(Value::Nil, s)),
             // One entry per block: the untagged extra hash keys (a LoRA's name), or nil.
             (
@@ -73,15 +86,17 @@ fn event_value(ev: &KvEvent) -> Value {
             ),
             (s("group_idx"), Value::from(0)),
         ]),
-        KvEvent::BlockRemoved { block_hashes } => Value::Map(vec![
-            (s("type"), s("BlockRemoved")),
-            (
-                s("block_hashes"),
-                Value::Array(block_hashes.iter().map(|h| Value::from(*h)).collect()),
-            ),
-            (s("medium"), s("GPU")),
-            (s("group_idx"), Value::from(0)),
-        ]),
+        KvEvent::BlockRemoved { block_hashes } | KvEvent::OffloadRemoved { block_hashes } => {
+            Value::Map(vec![
+                (s("type"), s("BlockRemoved")),
+                (
+                    s("block_hashes"),
+                    Value::Array(block_hashes.iter().map(|h| Value::from(*h)).collect()),
+                ),
+                (s("medium"), s(medium)),
+                (s("group_idx"), Value::from(0)),
+            ])
+        }
         KvEvent::AllBlocksCleared => Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
     }
 }

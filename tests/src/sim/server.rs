@@ -114,6 +114,11 @@ pub struct SimArgs {
     /// Override the profile's adapter load time, milliseconds (`lora_load_s`).
     #[arg(long)]
     pub lora_load_ms: Option<f64>,
+    /// Blocks of a CPU KV offload tier (vLLM's native offloading): GPU blocks are written
+    /// through to it, published as KV events with medium `CPU`, and a prefix that left the GPU
+    /// loads from it at the profile's `cpu_load_tokens_per_s` instead of being recomputed.
+    #[arg(long, default_value_t = 0)]
+    pub kv_offload_blocks: u32,
     /// Fraction of completion requests answered with `--fail-status` (failure injection).
     #[arg(long, default_value_t = 0.0)]
     pub fail_rate: f64,
@@ -333,6 +338,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
     cfg.kv_events = publisher.is_some();
     let max_loras = args.max_loras.unwrap_or(args.lora_modules.len() as u32);
     cfg.max_loras = max_loras;
+    cfg.cpu_offload_blocks = args.kv_offload_blocks;
     let engine = Engine::new(cfg)?;
     let (hang_tx, _) = watch::channel(false);
     let (shutdown, shutdown_rx) = watch::channel(false);
