@@ -1,0 +1,325 @@
+//! Model pools, session affinity and LoRA awareness end to end, through a real Envoy, the wasm
+//! filter, the control plane and `vllm-sim` replicas serving different models.
+//!
+//! Fleet: replicas 0 and 1 serve `pool-a`; replicas 2 and 3 serve `pool-b` plus the LoRA
+//! adapters `pool-b-sql` and `pool-b-chat`. The control plane learns this from each replica's
+//! `/v1/models` (no model names in its YAML), rejects unknown models with a 404 and keeps
+//! sessions on their replica.
+
+use std::time::{Duration, Instant};
+
+use kvroute_tests::harness::{Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
+
+/// Every test finishes within this, or fails.
+const TEST_TIMEOUT: Duration = Duration::from_secs(240);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the control plane may take to learn every replica's models.
+const CATALOGUE_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn tools() -> Tools {
+    Tools::locate(option_env!("CARGO_BIN_EXE_vllm-sim")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Two pools of two replicas; pool B also serves two adapters.
+async fn start(tools: &Tools, name: &str) -> Fleet {
+    let mut cfg = FleetConfig::new(name);
+    cfg.replicas = 4;
+    cfg.model = "pool-a".to_string();
+    cfg.envoy_concurrency = 1;
+    let pool_b: Vec<String> = [
+        "--model",
+        "pool-b",
+        "--lora-modules",
+        "pool-b-sql=/adapters/sql",
+        "pool-b-chat=/adapters/chat",
+    ]
+    .map(String::from)
+    .to_vec();
+    cfg.per_replica_args = vec![Vec::new(), Vec::new(), pool_b.clone(), pool_b];
+    cfg.plugin_config = json!({"allow_explain": true});
+    cfg.control_plane_router = json!({
+        "models": {"unknown_model": "reject"},
+        "sessions": {"bonus_ms": 5000.0, "ttl_ms": 60000},
+    });
+    cfg.control_plane_extra = json!({"models_interval_ms": 200});
+    Fleet::start(cfg, tools)
+        .await
+        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
+}
+
+fn admin_url(fleet: &Fleet) -> String {
+    format!(
+        "http://{}",
+        fleet.control_plane.as_ref().unwrap().admin_address
+    )
+}
+
+async fn control_plane_metrics(client: &HttpClient, fleet: &Fleet) -> String {
+    let url = format!("{}/metrics", admin_url(fleet));
+    let resp = client.get(&url, REQUEST_TIMEOUT).await.unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.body);
+    resp.body
+}
+
+/// The value of the sample `series` (name with labels, exactly as exposed), if present.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        rest.strip_prefix(' ')?.trim().parse().ok()
+    })
+}
+
+/// Waits until the control plane knows every replica's models (pool B lists 3).
+async fn wait_for_catalogues(client: &HttpClient, fleet: &Fleet) {
+    let deadline = Instant::now() + CATALOGUE_TIMEOUT;
+    loop {
+        let text = control_plane_metrics(client, fleet).await;
+        let counts: Vec<Option<f64>> = fleet
+            .replicas
+            .iter()
+            .map(|r| {
+                sample(
+                    &text,
+                    &format!("kvroute_endpoint_models{{endpoint=\"{}\"}}", r.address),
+                )
+            })
+            .collect();
+        if counts == [Some(1.0), Some(1.0), Some(3.0), Some(3.0)] {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "catalogues not learned: {counts:?} ({})",
+            fleet.describe()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A short chat whose prompt shares nothing with other calls (seeded words).
+fn chat_body(model: &str, seed: u64, user: Option<&str>) -> Value {
+    let words = kvroute_tests::loadgen::words(&mut SmallRng::seed_from_u64(seed), 60);
+    let mut body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": 4,
+    });
+    if let Some(u) = user {
+        body["user"] = json!(u);
+    }
+    body
+}
+
+async fn chat(
+    client: &HttpClient,
+    fleet: &Fleet,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> HttpResponse {
+    let url = format!("{}/v1/chat/completions", fleet.url());
+    client
+        .request(
+            "POST",
+            &url,
+            headers,
+            Some(body.to_string()),
+            REQUEST_TIMEOUT,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()))
+}
+
+fn served_by(resp: &HttpResponse, fleet: &Fleet) -> usize {
+    assert_eq!(resp.status, 200, "{} ({})", resp.body, fleet.describe());
+    let replica = resp
+        .header(REPLICA_HEADER)
+        .unwrap_or_else(|| panic!("no {REPLICA_HEADER} in {:?}", resp.headers));
+    fleet
+        .replicas
+        .iter()
+        .position(|r| r.address == replica)
+        .unwrap_or_else(|| panic!("unknown replica {replica}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
+    let tools = tools();
+    let body = async {
+        let fleet = start(&tools, "e2e-pools").await;
+        let client = HttpClient::new();
+        wait_for_catalogues(&client, &fleet).await;
+
+        for i in 0..12u64 {
+            let (model, pool) = match i % 3 {
+                0 => ("pool-a", [0, 1]),
+                1 => ("pool-b", [2, 3]),
+                _ => ("pool-b-sql", [2, 3]),
+            };
+            let resp = chat(&client, &fleet, &chat_body(model, i, None), &[]).await;
+            let replica = served_by(&resp, &fleet);
+            assert!(
+                pool.contains(&replica),
+                "{model} served by replica {replica}, outside its pool {pool:?}"
+            );
+        }
+
+        // A model nobody serves: the filter answers 404 itself, in OpenAI's error shape.
+        let resp = chat(&client, &fleet, &chat_body("gpt-9", 99, None), &[]).await;
+        assert_eq!(resp.status, 404, "{}", resp.body);
+        assert_eq!(resp.header(REPLICA_HEADER), None, "no replica saw it");
+        let err: Value = serde_json::from_str(&resp.body).unwrap();
+        assert_eq!(err["error"]["type"], "model_not_found", "{err:#}");
+        assert_eq!(err["error"]["code"], 404, "{err:#}");
+        assert!(
+            err["error"]["message"].as_str().unwrap().contains("gpt-9"),
+            "{err:#}"
+        );
+
+        let text = control_plane_metrics(&client, &fleet).await;
+        assert_eq!(
+            sample(&text, "kvroute_unknown_model_total{action=\"rejected\"}"),
+            Some(1.0),
+            "{text}"
+        );
+    };
+    tokio::time::timeout(TEST_TIMEOUT, body)
+        .await
+        .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
+    let tools = tools();
+    let body = async {
+        let fleet = start(&tools, "e2e-sessions").await;
+        let client = HttpClient::new();
+        wait_for_catalogues(&client, &fleet).await;
+
+        // Three conversations by header and one by the body's `user`, interleaved; prompts
+        // share no prefix, so only affinity keeps each on one replica.
+        let keys = ["s-1", "s-2", "s-3", "user-4"];
+        let mut homes: Vec<Option<usize>> = vec![None; keys.len()];
+        for round in 0..6u64 {
+            for (k, key) in keys.iter().enumerate() {
+                let seed = 1_000 * (k as u64 + 1) + round;
+                let resp = if key.starts_with("user") {
+                    chat(&client, &fleet, &chat_body("pool-a", seed, Some(key)), &[]).await
+                } else {
+                    let body = chat_body("pool-a", seed, None);
+                    chat(&client, &fleet, &body, &[("x-session-id", key)]).await
+                };
+                let replica = served_by(&resp, &fleet);
+                assert!([0, 1].contains(&replica), "{key} left pool-a: {replica}");
+                match homes[k] {
+                    None => homes[k] = Some(replica),
+                    Some(home) => assert_eq!(
+                        replica,
+                        home,
+                        "session {key} moved in round {round} ({})",
+                        fleet.describe()
+                    ),
+                }
+            }
+        }
+        let text = control_plane_metrics(&client, &fleet).await;
+        assert_eq!(
+            sample(&text, "kvroute_sessions_total{result=\"hit\"}"),
+            Some(20.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, "kvroute_sessions_total{result=\"miss\"}"),
+            Some(4.0),
+            "{text}"
+        );
+        assert_eq!(sample(&text, "kvroute_sessions_remembered"), Some(4.0));
+
+        // LoRA: a long request for `pool-b-sql` keeps the adapter running on one replica;
+        // further `pool-b-sql` requests go there (the other would have to load it).
+        let long = json!({
+            "model": "pool-b-sql",
+            "messages": [{"role": "user", "content": "write a long report"}],
+            "max_tokens": 4000,
+        });
+        let url = format!("{}/v1/chat/completions", fleet.url());
+        let background = {
+            let client = HttpClient::new();
+            let url = url.clone();
+            tokio::spawn(async move {
+                client
+                    .request("POST", &url, &[], Some(long.to_string()), TEST_TIMEOUT)
+                    .await
+            })
+        };
+        // Wait until a pool-B replica reports the adapter running.
+        let deadline = Instant::now() + CATALOGUE_TIMEOUT;
+        let holder = loop {
+            let text = control_plane_metrics(&client, &fleet).await;
+            let running: Vec<f64> = fleet.replicas[2..]
+                .iter()
+                .map(|r| {
+                    sample(
+                        &text,
+                        &format!(
+                            "kvroute_endpoint_lora_running{{endpoint=\"{}\"}}",
+                            r.address
+                        ),
+                    )
+                    .unwrap_or(0.0)
+                })
+                .collect();
+            if let Some(i) = running.iter().position(|&n| n >= 1.0) {
+                break 2 + i;
+            }
+            assert!(Instant::now() < deadline, "no replica runs the adapter");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        for i in 0..4u64 {
+            let resp = chat(
+                &client,
+                &fleet,
+                &chat_body("pool-b-sql", 5_000 + i, None),
+                &[("x-kvroute-explain", "1")],
+            )
+            .await;
+            assert_eq!(
+                served_by(&resp, &fleet),
+                holder,
+                "the adapter's holder serves it"
+            );
+        }
+        // The explain output shows the LoRA term: zero on the holder, a load on the other.
+        let resp = chat(
+            &client,
+            &fleet,
+            &chat_body("pool-b-sql", 6_000, None),
+            &[("x-kvroute-explain", "1")],
+        )
+        .await;
+        let decision = resp.header("x-kvroute-decision").unwrap_or_default();
+        let id = decision
+            .split("; ")
+            .find_map(|kv| kv.strip_prefix("id="))
+            .unwrap_or_else(|| panic!("no id in {decision:?}"));
+        let url = format!("{}/debug/decisions/{id}", admin_url(&fleet));
+        let d: Value =
+            serde_json::from_str(&client.get(&url, REQUEST_TIMEOUT).await.unwrap().body).unwrap();
+        let candidates = d["candidates"].as_array().unwrap();
+        assert_eq!(candidates.len(), 2, "only pool B: {d:#}");
+        for c in candidates {
+            let lora_ms = c["lora_ms"].as_f64().unwrap();
+            if c["endpoint"] == fleet.replicas[holder].address.as_str() {
+                assert_eq!(lora_ms, 0.0, "{d:#}");
+            } else {
+                assert!(lora_ms > 0.0, "{d:#}");
+            }
+        }
+        background.abort();
+    };
+    tokio::time::timeout(TEST_TIMEOUT, body)
+        .await
+        .expect("test timed out");
+}
