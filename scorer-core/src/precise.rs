@@ -166,6 +166,26 @@ impl PreciseTracker {
         offload.clear_endpoint(id);
     }
 
+    /// Our hashes of the blocks a `BlockRemoved` event from `id` takes out of its GPU tier (empty
+    /// for other events), looked up before the event is applied. The router drops them from
+    /// its speculative entries too: an eviction is newer news than a routing decision.
+    pub fn removed_from_gpu(&self, id: EndpointId, event: &KvEvent) -> Vec<u64> {
+        let (
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium: Medium::Gpu,
+            },
+            Some(map),
+        ) = (event, self.maps.get(&id))
+        else {
+            return Vec::new();
+        };
+        block_hashes
+            .iter()
+            .filter_map(|engine| map.get(engine).map(|(our, _)| *our))
+            .collect()
+    }
+
     /// Engine blocks tracked for `id`.
     pub fn tracked(&self, id: EndpointId) -> usize {
         self.maps.get(&id).map_or(0, HashMap::len)
@@ -244,6 +264,40 @@ mod tests {
             .unwrap();
         assert_eq!(depth(&gpu, &request), 0);
         assert_eq!(t.tracked(id), 0);
+    }
+
+    #[test]
+    fn removed_blocks_are_named_by_our_hashes_before_the_event_applies() {
+        let (mut t, mut gpu, mut off) = (
+            PreciseTracker::new(),
+            PrefixIndex::new(u64::MAX / 2),
+            PrefixIndex::new(u64::MAX / 2),
+        );
+        let id = EndpointId(0);
+        t.apply(
+            id,
+            "m",
+            &stored(&[7, 8], None, 0..8, Medium::Gpu),
+            &mut gpu,
+            &mut off,
+            0,
+        )
+        .unwrap();
+        let ours = token_block_hashes(model_seed("m"), &(0..8).collect::<Vec<u32>>(), 4);
+        let gone = |medium| KvEvent::BlockRemoved {
+            block_hashes: vec![8, 99],
+            medium,
+        };
+        assert_eq!(t.removed_from_gpu(id, &gone(Medium::Gpu)), vec![ours[1]]);
+        assert!(t.removed_from_gpu(id, &gone(Medium::Cpu)).is_empty());
+        assert!(
+            t.removed_from_gpu(EndpointId(3), &gone(Medium::Gpu))
+                .is_empty()
+        );
+        assert!(
+            t.removed_from_gpu(id, &KvEvent::AllBlocksCleared)
+                .is_empty()
+        );
     }
 
     #[test]
