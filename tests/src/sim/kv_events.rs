@@ -405,13 +405,26 @@ fn bind_spelling(endpoint: &str) -> String {
 
 type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
+/// What the publishing task is asked to do.
+#[derive(Debug)]
+enum Command {
+    /// Publish one engine step's events.
+    Batch(f64, Vec<KvEvent>),
+    /// Fault injection: keep the next `n` batches in the replay buffer but do not send them
+    /// on the PUB socket (a subscriber sees a sequence gap it can replay).
+    DropNext(u32),
+    /// Fault injection: behave like a restarted engine's new publisher: sequence numbers start
+    /// again at 0 and the replay buffer is empty.
+    Restart,
+}
+
 /// A running publisher: send batches into [`Publisher::sender`].
 pub struct Publisher {
     /// Where the PUB socket is bound (port resolved when 0 was asked).
     pub endpoint: String,
     /// Where the replay ROUTER socket is bound, if any.
     pub replay_endpoint: Option<String>,
-    sender: mpsc::UnboundedSender<(f64, Vec<KvEvent>)>,
+    sender: mpsc::UnboundedSender<Command>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -446,10 +459,24 @@ impl Publisher {
             )));
         }
 
-        let (sender, mut rx) = mpsc::unbounded_channel::<(f64, Vec<KvEvent>)>();
+        let (sender, mut rx) = mpsc::unbounded_channel::<Command>();
         tasks.push(tokio::spawn(async move {
             let mut seq: u64 = 0;
-            while let Some((ts, events)) = rx.recv().await {
+            let mut drop_next: u32 = 0;
+            while let Some(command) = rx.recv().await {
+                let (ts, events) = match command {
+                    Command::Batch(ts, events) => (ts, events),
+                    Command::DropNext(n) => {
+                        drop_next = n;
+                        continue;
+                    }
+                    Command::Restart => {
+                        seq = 0;
+                        drop_next = 0;
+                        buffer.lock().clear();
+                        continue;
+                    }
+                };
                 let payload = Bytes::from(encode_batch(ts, &events, 0));
                 let seq_bytes = Bytes::copy_from_slice(&seq.to_be_bytes());
                 {
@@ -458,6 +485,15 @@ impl Publisher {
                         buf.pop_front();
                     }
                     buf.push_back((seq, payload.clone()));
+                }
+                if drop_next > 0 {
+                    drop_next -= 1;
+                    tracing::info!(
+                        seq,
+                        "kv events: batch kept for replay but not published (fault)"
+                    );
+                    seq += 1;
+                    continue;
                 }
                 let msg = ZmqMessage::try_from(vec![topic.clone(), seq_bytes, payload]);
                 if let Ok(msg) = msg
@@ -480,8 +516,19 @@ impl Publisher {
     pub fn publish(&self, ts: f64, events: Vec<KvEvent>) {
         if !events.is_empty() {
             // The receiver lives as long as `self`; a send error means we are shutting down.
-            let _ = self.sender.send((ts, events));
+            let _ = self.sender.send(Command::Batch(ts, events));
         }
+    }
+
+    /// Fault injection: the next `n` batches go to the replay buffer only, not to subscribers.
+    pub fn drop_next(&self, n: u32) {
+        let _ = self.sender.send(Command::DropNext(n));
+    }
+
+    /// Fault injection: restart the sequence at 0 with an empty replay buffer, as a restarted
+    /// engine's publisher does (the sockets stay bound, so subscribers stay connected).
+    pub fn restart(&self) {
+        let _ = self.sender.send(Command::Restart);
     }
 }
 

@@ -193,6 +193,13 @@ pub struct FaultState {
     pub fail_status: u16,
     /// Extra latency before a completion request is handled, milliseconds.
     pub delay_ms: u64,
+    /// One-shot: the next this many KV-event batches are kept in the replay buffer but not
+    /// published (a sequence gap a subscriber can replay). Reads back as 0.
+    pub drop_kv_batches: u32,
+    /// One-shot: the engine restarts as far as KV state goes: its prefix cache is emptied
+    /// (without an event) and the publisher starts again at sequence 0 with an empty replay
+    /// buffer. Refused while running requests hold blocks. Reads back as false.
+    pub restart_kv_publisher: bool,
 }
 
 /// Maps simulated time to wall time: `sim = (wall - epoch) * speed`.
@@ -437,6 +444,10 @@ fn text_pipeline(args: &SimArgs) -> Result<TextPipeline, SimError> {
     Ok((tokenizer, template))
 }
 
+/// Largest request body the simulator reads: far above any proxy limit in front of it, like vLLM,
+/// which sets none.
+pub const MAX_REQUEST_BODY_BYTES: usize = 64 * 1024 * 1024;
+
 fn router(shared: Arc<Shared>) -> Router {
     let replica = HeaderValue::from_str(&shared.replica)
         .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
@@ -457,6 +468,9 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/sim/fault", get(get_fault).post(set_fault))
         .route("/sim/stats", get(sim_stats))
+        // vLLM (uvicorn) reads bodies of any size; axum's 2 MiB default would make the simulator
+        // refuse prompts a real replica serves, so only the proxy's limits apply.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
         .layer(middleware::from_fn_with_state(shared.clone(), hang_layer))
         .layer(middleware::map_response(move |mut res: Response| {
             let replica = replica.clone();
@@ -1275,6 +1289,30 @@ async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
         .map_err(|e| bad_request(format!("invalid fault: {e}")))?;
     if !(0.0..=1.0).contains(&new.fail_rate) {
         return Err(bad_request("fail_rate must be in [0, 1]"));
+    }
+    let mut new = new;
+    if new.drop_kv_batches > 0 || new.restart_kv_publisher {
+        let Some(publisher) = &s.publisher else {
+            return Err(bad_request(
+                "drop_kv_batches and restart_kv_publisher need --kv-events-endpoint",
+            ));
+        };
+        if new.restart_kv_publisher {
+            // A restarted engine starts with an empty cache; its subscribers learn of the
+            // restart only from the sequence going back to 0, so no event is published.
+            if s.engine.lock().reset_prefix_cache(false).is_none() {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "running requests hold KV blocks; restart when idle".to_string(),
+                ));
+            }
+            publisher.restart();
+        }
+        if new.drop_kv_batches > 0 {
+            publisher.drop_next(new.drop_kv_batches);
+        }
+        new.drop_kv_batches = 0;
+        new.restart_kv_publisher = false;
     }
     *s.fault.lock() = new.clone();
     s.hang_tx.send_replace(new.hang);
