@@ -68,6 +68,12 @@ test: setup wasm
 demo: setup build
 	$(TARGET_DIR)/release/kvroute-demo
 
+# Approximate vs precise mode on the same cold fleet with KV caches smaller than the working set;
+# prints one table and writes $(TARGET_DIR)/kvroute-demo-precise/summary.json.
+.PHONY: demo-precise
+demo-precise: setup build
+	$(TARGET_DIR)/release/kvroute-demo --compare approximate,precise
+
 lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
@@ -110,6 +116,14 @@ deny:
 .PHONY: bench-setup
 bench-setup:
 	PYTHON=$(PYTHON) scripts/bench-setup.sh
+
+# Soak: the demo topology under mixed load at 80% of its measured capacity for SOAK_MINUTES
+# (default 30); samples memory and index size every 30 s into $(TARGET_DIR)/soak/ and fails if
+# any request failed (docs/RELIABILITY.md).
+SOAK_MINUTES ?= 30
+.PHONY: soak
+soak: setup
+	scripts/soak.sh $(SOAK_MINUTES)
 
 # Performance: router in process and over HTTP (pinned to core 1, 1M-block index), filter
 # natively, in wasmtime and in Envoy's V8, Envoy overhead (kvroute vs Envoy round robin vs
