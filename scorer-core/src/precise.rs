@@ -23,6 +23,15 @@ pub enum Medium {
 }
 
 impl Medium {
+    /// This tier's bit in a block's set of tiers.
+    fn bit(self) -> u8 {
+        match self {
+            Medium::Gpu => 1,
+            Medium::Cpu => 2,
+            Medium::Storage => 4,
+        }
+    }
+
     /// Parses vLLM's medium string; `None` (absent) means GPU.
     pub fn parse(s: Option<&str>) -> Medium {
         match s.map(str::to_ascii_uppercase).as_deref() {
@@ -82,10 +91,16 @@ pub enum ApplyError {
 }
 
 /// Per-endpoint mapping from engine hashes to our hashes, feeding two indexes (GPU, offload).
+/// A block may sit in several tiers at once (an offloading engine writes GPU blocks through to
+/// CPU), so each engine hash keeps the set of tiers holding it, as `Medium::bit`s, and leaves
+/// the map only when the last one drops it.
 #[derive(Debug, Default)]
 pub struct PreciseTracker {
-    maps: HashMap<EndpointId, HashMap<u64, (u64, Medium)>>,
+    maps: HashMap<EndpointId, HashMap<u64, (u64, u8)>>,
 }
+
+/// Tier bits of the offload index (CPU and storage).
+const OFFLOAD_BITS: u8 = 2 | 4;
 
 impl PreciseTracker {
     /// An empty tracker.
@@ -133,7 +148,12 @@ impl PreciseTracker {
                 let target = if *medium == Medium::Gpu { gpu } else { offload };
                 target.insert(id, &ours, now_ms);
                 for (engine, our) in block_hashes.iter().zip(ours) {
-                    map.insert(*engine, (our, *medium));
+                    let entry = map.entry(*engine).or_insert((our, 0));
+                    if entry.0 != our {
+                        // The engine reused a hash for other content: only the new one holds.
+                        *entry = (our, 0);
+                    }
+                    entry.1 |= medium.bit();
                 }
             }
             KvEvent::BlockRemoved {
@@ -141,16 +161,18 @@ impl PreciseTracker {
                 medium,
             } => {
                 for engine in block_hashes {
-                    if let Some((our, m)) = map.get(engine).copied() {
-                        if m == *medium {
-                            map.remove(engine);
-                        }
-                        let target = if *medium == Medium::Gpu {
-                            &mut *gpu
-                        } else {
-                            &mut *offload
-                        };
-                        target.remove(id, our);
+                    let Some(entry) = map.get_mut(engine) else {
+                        continue;
+                    };
+                    let our = entry.0;
+                    entry.1 &= !medium.bit();
+                    if *medium == Medium::Gpu {
+                        gpu.remove(id, our);
+                    } else if entry.1 & OFFLOAD_BITS == 0 {
+                        offload.remove(id, our);
+                    }
+                    if entry.1 == 0 {
+                        map.remove(engine);
                     }
                 }
             }
@@ -182,7 +204,11 @@ impl PreciseTracker {
         };
         block_hashes
             .iter()
-            .filter_map(|engine| map.get(engine).map(|(our, _)| *our))
+            .filter_map(|engine| {
+                map.get(engine)
+                    .filter(|(_, tiers)| tiers & Medium::Gpu.bit() != 0)
+                    .map(|(our, _)| *our)
+            })
             .collect()
     }
 
@@ -298,6 +324,59 @@ mod tests {
             t.removed_from_gpu(id, &KvEvent::AllBlocksCleared)
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn a_block_in_gpu_and_cpu_leaves_each_index_with_its_own_removal() {
+        let (mut t, mut gpu, mut off) = (
+            PreciseTracker::new(),
+            PrefixIndex::new(1000),
+            PrefixIndex::new(1000),
+        );
+        let id = EndpointId(0);
+        let request = token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4);
+        // Written through: stored on the GPU, then in the CPU tier, under one engine hash.
+        for medium in [Medium::Gpu, Medium::Cpu] {
+            t.apply(
+                id,
+                "m",
+                &stored(&[1], None, 0..4, medium),
+                &mut gpu,
+                &mut off,
+                0,
+            )
+            .unwrap();
+        }
+        let removed = |medium| KvEvent::BlockRemoved {
+            block_hashes: vec![1],
+            medium,
+        };
+        // The CPU tier drops it first: the GPU copy stays known, and its removal still lands.
+        t.apply(id, "m", &removed(Medium::Cpu), &mut gpu, &mut off, 1)
+            .unwrap();
+        assert_eq!((depth(&gpu, &request), depth(&off, &request)), (1, 0));
+        assert_eq!(t.removed_from_gpu(id, &removed(Medium::Gpu)).len(), 1);
+        t.apply(id, "m", &removed(Medium::Gpu), &mut gpu, &mut off, 2)
+            .unwrap();
+        assert_eq!((depth(&gpu, &request), depth(&off, &request)), (0, 0));
+        assert_eq!(t.tracked(id), 0);
+        // The other order: GPU eviction keeps the CPU copy.
+        for medium in [Medium::Gpu, Medium::Cpu] {
+            t.apply(
+                id,
+                "m",
+                &stored(&[1], None, 0..4, medium),
+                &mut gpu,
+                &mut off,
+                3,
+            )
+            .unwrap();
+        }
+        t.apply(id, "m", &removed(Medium::Gpu), &mut gpu, &mut off, 4)
+            .unwrap();
+        assert_eq!((depth(&gpu, &request), depth(&off, &request)), (0, 1));
+        assert!(t.removed_from_gpu(id, &removed(Medium::Gpu)).is_empty());
+        assert_eq!(t.tracked(id), 1);
     }
 
     #[test]
