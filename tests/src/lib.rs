@@ -4,5 +4,6 @@ pub mod bench;
 pub mod fleet;
 pub mod harness;
 pub mod loadgen;
+pub mod precise_compare;
 pub mod sim;
 pub mod wasm_host;

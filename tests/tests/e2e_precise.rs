@@ -443,3 +443,74 @@ async fn in_process_tokenizer_matches_the_engines() {
     .await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A small `kvroute-demo --compare approximate,precise` run in precise mode: chats whose working
+/// set is larger than the fleet's KV caches, concurrently, through Envoy; the router's predicted
+/// cached tokens stay within 5 % of what the engines reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_comparison_precise_prediction_within_five_percent() {
+    use kvroute_tests::loadgen::Workload;
+    use kvroute_tests::precise_compare::{CompareConfig, Mode, run_mode};
+    let tools = tools();
+    bounded("precise live comparison", async {
+        let config = CompareConfig {
+            replicas: 3,
+            kv_capacity_tokens: 3_200,
+            speed: 5.0,
+            profile: "llama8b-h100".into(),
+            seed: 11,
+            route_timeout_ms: 3_000,
+            workload: Workload {
+                model: MODEL.into(),
+                conversations: 8,
+                turns: 4,
+                system_prompt_words: 200,
+                first_message_words: 900,
+                followup_words: 60,
+                max_tokens: 8,
+                seed: 11,
+                think_time: Duration::from_millis(400),
+                stagger: Duration::from_millis(100),
+                request_timeout: REQUEST_TIMEOUT,
+            },
+            decisions_dump: None,
+        };
+        let (row, run) = run_mode(&tools, &config, Mode::Precise, |_, _| {})
+            .await
+            .unwrap_or_else(|e| panic!("precise run: {e}"));
+        println!(
+            "{}",
+            kvroute_tests::precise_compare::render_table(std::slice::from_ref(&row))
+        );
+        let errors: Vec<_> = run
+            .records
+            .iter()
+            .filter_map(|r| r.error.as_ref())
+            .collect();
+        assert!(errors.is_empty(), "failed requests: {errors:?}");
+        assert!(
+            row.working_set_tokens > row.fleet_kv_capacity_tokens,
+            "working set {} fits in the fleet's {} KV tokens",
+            row.working_set_tokens,
+            row.fleet_kv_capacity_tokens
+        );
+        assert!(
+            row.actual_cached_tokens > 5_000.0,
+            "too little reuse to judge: {}",
+            row.actual_cached_tokens
+        );
+        assert_eq!(
+            row.precise_decisions,
+            (config.workload.conversations * config.workload.turns) as f64,
+            "every request was scored from KV events"
+        );
+        assert!(
+            row.prediction_error.abs() <= 0.05,
+            "predicted {} vs actual {} cached tokens: {:+.1} %",
+            row.predicted_cached_tokens,
+            row.actual_cached_tokens,
+            row.prediction_error * 100.0
+        );
+    })
+    .await;
+}

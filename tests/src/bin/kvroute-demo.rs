@@ -12,6 +12,7 @@ use anyhow::{Context as _, bail};
 use clap::Parser;
 use kvroute_tests::harness::{self, Fleet, FleetConfig, RouterKind, Tools};
 use kvroute_tests::loadgen::{self, RunSummary, Workload};
+use kvroute_tests::precise_compare::{self, CompareConfig, Mode, ModeSummary};
 
 /// Command line of `kvroute-demo`.
 #[derive(Debug, Parser)]
@@ -23,24 +24,24 @@ struct Args {
     /// vLLM replicas per fleet.
     #[arg(long, default_value_t = 4)]
     replicas: usize,
-    /// Concurrent conversations.
-    #[arg(long, default_value_t = 32)]
-    conversations: usize,
-    /// Turns per conversation.
-    #[arg(long, default_value_t = 4)]
-    turns: usize,
-    /// Words (about tokens) of the shared system prompt.
-    #[arg(long, default_value_t = 2000)]
-    system_prompt_tokens: usize,
-    /// Words of each conversation's first message.
-    #[arg(long, default_value_t = 1000)]
-    first_message_tokens: usize,
-    /// Words of each follow-up message.
-    #[arg(long, default_value_t = 60)]
-    followup_tokens: usize,
-    /// `max_tokens` per request.
-    #[arg(long, default_value_t = 48)]
-    max_tokens: u32,
+    /// Concurrent conversations [default: 32; with --compare: 20].
+    #[arg(long)]
+    conversations: Option<usize>,
+    /// Turns per conversation [default: 4; with --compare: 6].
+    #[arg(long)]
+    turns: Option<usize>,
+    /// Words (about tokens) of the shared system prompt [default: 2000; with --compare: 500].
+    #[arg(long)]
+    system_prompt_tokens: Option<usize>,
+    /// Words of each conversation's first message [default: 1000; with --compare: 2000].
+    #[arg(long)]
+    first_message_tokens: Option<usize>,
+    /// Words of each follow-up message [default: 60; with --compare: 100].
+    #[arg(long)]
+    followup_tokens: Option<usize>,
+    /// `max_tokens` per request [default: 48; with --compare: 16].
+    #[arg(long)]
+    max_tokens: Option<u32>,
     /// Simulated seconds per wall second of every replica (1 = real time).
     #[arg(long, default_value_t = 1.0)]
     speed: f64,
@@ -50,9 +51,25 @@ struct Args {
     /// Seed of the workload text and of the replicas.
     #[arg(long, default_value_t = 7)]
     seed: u64,
-    /// Pause between a conversation's turns, ms.
-    #[arg(long, default_value_t = 100)]
-    think_ms: u64,
+    /// Pause between a conversation's turns, ms [default: 100; with --compare: 5000].
+    #[arg(long)]
+    think_ms: Option<u64>,
+    /// Delay between the starts of consecutive conversations, ms [default: 30; with --compare:
+    /// the think time divided by the conversations].
+    #[arg(long)]
+    stagger_ms: Option<u64>,
+    /// Compare kvroute's modes instead of kvroute with round robin, e.g.
+    /// `--compare approximate,precise`: each mode on the same cold fleet configuration, with KV
+    /// events on and caches smaller than the workload's working set (`--kv-capacity-tokens`).
+    /// Writes `<target>/kvroute-demo-precise/summary.json`.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
+    /// KV cache capacity of every replica in `--compare` runs, tokens.
+    #[arg(long, default_value_t = 12_000)]
+    kv_capacity_tokens: u64,
+    /// The filter's route-call deadline in `--compare` runs, ms (precise routes tokenise first).
+    #[arg(long, default_value_t = 1_000)]
+    route_timeout_ms: u64,
     /// Output directory (default: `<target>/kvroute-demo`).
     #[arg(long)]
     out_dir: Option<std::path::PathBuf>,
@@ -60,8 +77,17 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.replicas == 0 || args.conversations == 0 || args.turns == 0 {
+    let modes = args
+        .compare
+        .iter()
+        .map(|m| Mode::parse(m))
+        .collect::<Result<Vec<Mode>, _>>()?;
+    let workload = workload(&args, !modes.is_empty());
+    if args.replicas == 0 || workload.conversations == 0 || workload.turns == 0 {
         bail!("--replicas, --conversations and --turns must be at least 1");
+    }
+    if !modes.is_empty() && args.kv_capacity_tokens == 0 {
+        bail!("--kv-capacity-tokens must be at least 1");
     }
     if !(args.speed.is_finite() && args.speed > 0.0) {
         bail!("--speed must be a positive number");
@@ -71,26 +97,52 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the tokio runtime")?;
-    rt.block_on(run(args))
+    if modes.is_empty() {
+        rt.block_on(run(args, workload))
+    } else {
+        rt.block_on(run_compare(args, workload, modes))
+    }
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
-    let started = Instant::now();
-    eprintln!("kvroute-demo: locating Envoy, vllm-sim, the control plane and the filter ...");
-    let tools = Tools::locate(None).context("the demo needs its tools (try `make setup build`)")?;
-    let workload = Workload {
+/// The workload of the flags, with the defaults of the demo or of `--compare`. The compare
+/// defaults make the working set (20 conversations growing to ~3,200 tokens) larger than the
+/// fleet's KV capacity (4 x 12,000 tokens) while keeping few requests in flight (long think
+/// time, short answers), so that replicas evict idle conversations rather than preempt running
+/// ones.
+fn workload(args: &Args, compare: bool) -> Workload {
+    let pick =
+        |v: Option<usize>, demo: usize, cmp: usize| v.unwrap_or(if compare { cmp } else { demo });
+    let mut w = Workload {
         model: "kvroute-demo-model".to_string(),
-        conversations: args.conversations,
-        turns: args.turns,
-        system_prompt_words: args.system_prompt_tokens,
-        first_message_words: args.first_message_tokens,
-        followup_words: args.followup_tokens,
-        max_tokens: args.max_tokens,
+        conversations: pick(args.conversations, 32, 20),
+        turns: pick(args.turns, 4, 6),
+        system_prompt_words: pick(args.system_prompt_tokens, 2000, 500),
+        first_message_words: pick(args.first_message_tokens, 1000, 2000),
+        followup_words: pick(args.followup_tokens, 60, 100),
+        max_tokens: args.max_tokens.unwrap_or(if compare { 16 } else { 48 }),
         seed: args.seed,
-        think_time: Duration::from_millis(args.think_ms),
+        think_time: Duration::from_millis(args.think_ms.unwrap_or(if compare {
+            5000
+        } else {
+            100
+        })),
         stagger: Duration::from_millis(30),
         request_timeout: Duration::from_secs(120),
     };
+    // Compare runs spread the conversations' starts over one think time, so that turns arrive
+    // continuously rather than in fleet-wide bursts of the same turn.
+    w.stagger = Duration::from_millis(args.stagger_ms.unwrap_or(if compare {
+        (w.think_time.as_millis() as u64 / w.conversations.max(1) as u64).max(30)
+    } else {
+        30
+    }));
+    w
+}
+
+async fn run(args: Args, workload: Workload) -> anyhow::Result<()> {
+    let started = Instant::now();
+    eprintln!("kvroute-demo: locating Envoy, vllm-sim, the control plane and the filter ...");
+    let tools = Tools::locate(None).context("the demo needs its tools (try `make setup build`)")?;
     eprintln!(
         "workload: {} conversations x {} turns, shared system prompt ~{} tokens, first message ~{} \
          tokens, follow-ups ~{} tokens, max_tokens {}; {} replicas at speed {}",
@@ -227,4 +279,144 @@ async fn run_one(
     );
     drop(fleet);
     Ok(summary)
+}
+
+/// `--compare`: every mode on its own cold fleet of the same configuration, one table.
+async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow::Result<()> {
+    let started = Instant::now();
+    eprintln!("kvroute-demo: locating Envoy, vllm-sim, the control plane and the filter ...");
+    let tools = Tools::locate(None).context("the demo needs its tools (try `make setup build`)")?;
+    let mut config = CompareConfig {
+        replicas: args.replicas,
+        kv_capacity_tokens: args.kv_capacity_tokens,
+        speed: args.speed,
+        profile: args.profile.clone(),
+        seed: args.seed,
+        route_timeout_ms: args.route_timeout_ms,
+        workload,
+        decisions_dump: None,
+    };
+    let w = &config.workload;
+    eprintln!(
+        "workload: {} conversations x {} turns, shared system prompt ~{} tokens, first message ~{} \
+         tokens, follow-ups ~{} tokens, max_tokens {}, think time {} ms; {} replicas with {} KV \
+         tokens each (fleet {}), speed {}",
+        w.conversations,
+        w.turns,
+        w.system_prompt_words,
+        w.first_message_words,
+        w.followup_words,
+        w.max_tokens,
+        w.think_time.as_millis(),
+        config.replicas,
+        config.kv_capacity_tokens,
+        config.replicas as u64 * config.kv_capacity_tokens,
+        config.speed
+    );
+    let out_dir = args
+        .out_dir
+        .clone()
+        .unwrap_or_else(|| harness::target_dir().join("kvroute-demo-precise"));
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    config.decisions_dump = Some(out_dir.join("decisions"));
+
+    let mut rows: Vec<ModeSummary> = Vec::new();
+    for mode in modes {
+        let label = mode.label();
+        eprintln!(
+            "[{label}] starting {} cold replicas, the control plane, Envoy ...",
+            config.replicas
+        );
+        let progress = progress_printer(label);
+        let (row, run) = precise_compare::run_mode(&tools, &config, mode, progress)
+            .await
+            .with_context(|| format!("the {label} run failed"))?;
+        let records_path = out_dir.join(format!("requests-{label}.json"));
+        std::fs::write(&records_path, serde_json::to_string_pretty(&run.records)?)
+            .with_context(|| format!("cannot write {}", records_path.display()))?;
+        for r in run.records.iter().filter(|r| r.error.is_some()).take(3) {
+            eprintln!(
+                "[{label}] error (conversation {}, turn {}): {}",
+                r.conversation,
+                r.turn,
+                r.error.as_deref().unwrap_or_default()
+            );
+        }
+        eprintln!(
+            "[{label}] done in {:.1}s: TTFT p90 {:.0} ms, hit rate {:.1}%, working set {} tokens \
+             (fleet KV capacity {})",
+            run.wall.as_secs_f64(),
+            row.run.ttft_ms.p90,
+            row.run.prefix_cache_hit_rate * 100.0,
+            row.working_set_tokens,
+            row.fleet_kv_capacity_tokens
+        );
+        rows.push(row);
+    }
+
+    println!();
+    print!("{}", precise_compare::render_table(&rows));
+    let summary = precise_compare::CompareSummary {
+        config: config.to_json(),
+        runs: rows.clone(),
+    };
+    let summary_path = out_dir.join("summary.json");
+    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    println!();
+    if let (Some(a), Some(p)) = (
+        rows.iter().find(|r| r.mode == "approximate"),
+        rows.iter().find(|r| r.mode == "precise"),
+    ) {
+        let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+        println!(
+            "precise TTFT p90 {:.0} ms vs approximate {:.0} ms: {}",
+            p.run.ttft_ms.p90,
+            a.run.ttft_ms.p90,
+            verdict(p.run.ttft_ms.p90 < a.run.ttft_ms.p90)
+        );
+        println!(
+            "precise prefix hit rate {:.1}% vs approximate {:.1}%: {}",
+            p.run.prefix_cache_hit_rate * 100.0,
+            a.run.prefix_cache_hit_rate * 100.0,
+            verdict(p.run.prefix_cache_hit_rate > a.run.prefix_cache_hit_rate)
+        );
+        println!(
+            "precise predicted cached tokens within 5% of the engines' ({:+.2}%): {}",
+            p.prediction_error * 100.0,
+            verdict(p.prediction_error.abs() <= 0.05)
+        );
+    }
+    println!(
+        "summary: {}  (took {:.0}s)",
+        summary_path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    let errors: usize = rows.iter().map(|r| r.run.errors).sum();
+    if errors > 0 {
+        bail!(
+            "{errors} requests failed; see {} and the logs under {}",
+            out_dir.display(),
+            harness::target_dir().join("e2e-logs").display()
+        );
+    }
+    Ok(())
+}
+
+/// Prints `[label] done/total requests` (in place on a terminal, every 16 otherwise).
+fn progress_printer(label: &str) -> impl Fn(usize, usize) + Send + Sync + 'static {
+    let tty = std::io::stderr().is_terminal();
+    let label = label.to_string();
+    move |done: usize, total: usize| {
+        if tty {
+            eprint!("\r[{label}] {done}/{total} requests");
+            if done == total {
+                eprintln!();
+            }
+            let _ = std::io::stderr().flush();
+        } else if done.is_multiple_of(16) || done == total {
+            eprintln!("[{label}] {done}/{total} requests");
+        }
+    }
 }
