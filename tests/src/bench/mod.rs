@@ -26,6 +26,7 @@ use crate::wasm_host::{FilterAction, FilterModule, HostError};
 pub mod aiperf;
 pub mod metrics_fleet;
 pub mod peers;
+pub mod tokenize;
 
 /// Model name used by every benchmark request.
 pub const MODEL: &str = "kvroute-bench-model";
