@@ -710,6 +710,9 @@ pub struct FleetConfig {
     pub kv_events: bool,
     /// Extra top-level sections merged into the control plane's YAML (e.g. `precise:`).
     pub control_plane_extra: Value,
+    /// Extra fields merged into replica i's control-plane endpoint entry (e.g.
+    /// `{"role": "prefill"}`); missing entries add nothing.
+    pub endpoint_extra: Vec<Value>,
 }
 
 impl FleetConfig {
@@ -729,6 +732,7 @@ impl FleetConfig {
             envoy_concurrency: 2,
             kv_events: false,
             control_plane_extra: json!({}),
+            endpoint_extra: Vec::new(),
         }
     }
 }
@@ -1168,6 +1172,14 @@ async fn start_control_plane(
             Some((pub_ep, replay_ep)) => json!({"address": r.address, "model": config.model,
                 "kv_events": pub_ep, "kv_events_replay": replay_ep}),
             None => json!({"address": r.address}),
+        })
+        .zip(0..)
+        .map(|(mut entry, i)| {
+            let extra = config.endpoint_extra.get(i).and_then(Value::as_object);
+            if let (Some(entry), Some(extra)) = (entry.as_object_mut(), extra) {
+                entry.extend(extra.clone());
+            }
+            entry
         })
         .collect();
     start_with_retries(name, async || {

@@ -38,6 +38,40 @@ enum Command {
     /// Two tenants (interactive + batch flood): interactive TTFT p99 alone, flooded without
     /// admission and flooded behind fair admission; prints a table, `--json` writes it.
     Fairness(Box<FairnessArgs>),
+    /// Prefill/decode disaggregation: each workload colocated and disaggregated; prints TTFT
+    /// p50/p99 and the ITL p99 of running streams, and when disaggregation helps.
+    Disagg(Box<DisaggArgs>),
+}
+
+#[derive(clap::Args)]
+struct DisaggArgs {
+    /// Comma-separated workloads: long-prompt, short-prompt, mix (default: all three).
+    #[arg(long, value_delimiter = ',')]
+    workload: Option<Vec<String>>,
+    /// Replicas in the fleet (the same number in both modes).
+    #[arg(long, default_value_t = 4)]
+    replicas: usize,
+    /// Of which prefill replicas in the disaggregated run.
+    #[arg(long, default_value_t = 1)]
+    prefill_replicas: usize,
+    /// Requests per workload.
+    #[arg(long, default_value_t = 400)]
+    requests: usize,
+    /// Mean arrivals per second (Poisson).
+    #[arg(long, default_value_t = 2.0)]
+    rate: f64,
+    /// The router's `pd.threshold_tokens`.
+    #[arg(long, default_value_t = 1024)]
+    threshold_tokens: u32,
+    /// KV transfer bandwidth, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    kv_gbps: f64,
+    /// Seed of arrivals, prompts and routing.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write the JSON summary here.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -148,7 +182,57 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Compare(args) => compare(*args),
         Command::Fairness(args) => fairness(*args),
+        Command::Disagg(args) => disagg(*args),
     }
+}
+
+fn disagg(args: DisaggArgs) -> anyhow::Result<()> {
+    use kvroute_tests::fleet::disagg::{DisaggScenario, DisaggWorkload, compare, table};
+    let workloads = match &args.workload {
+        None => DisaggWorkload::ALL.to_vec(),
+        Some(names) => names
+            .iter()
+            .map(|n| {
+                DisaggWorkload::parse(n).with_context(|| {
+                    format!("unknown workload {n:?} (long-prompt, short-prompt, mix)")
+                })
+            })
+            .collect::<anyhow::Result<_>>()?,
+    };
+    if args.replicas < 2
+        || args.replicas > scorer_core::index::MAX_ENDPOINTS
+        || args.prefill_replicas == 0
+        || args.prefill_replicas >= args.replicas
+    {
+        bail!("need 2..=256 replicas and 1..replicas prefill replicas");
+    }
+    if !(args.rate.is_finite() && args.rate > 0.0 && args.kv_gbps.is_finite() && args.kv_gbps > 0.0)
+    {
+        bail!("--rate and --kv-gbps must be positive");
+    }
+    let scenario = DisaggScenario {
+        replicas: args.replicas,
+        prefill_replicas: args.prefill_replicas,
+        requests: args.requests.max(1),
+        rate: args.rate,
+        threshold_tokens: args.threshold_tokens,
+        kv_gbps: args.kv_gbps,
+        seed: args.seed,
+        ..DisaggScenario::default()
+    };
+    let started = Instant::now();
+    let results = workloads
+        .into_iter()
+        .map(|w| compare(w, &scenario))
+        .collect::<Result<Vec<_>, _>>()?;
+    eprintln!("simulated in {:.1}s", started.elapsed().as_secs_f64());
+    print!("{}", table(&results));
+    if let Some(path) = &args.json {
+        let summary = serde_json::json!({"scenario": scenario, "results": results});
+        std::fs::write(path, serde_json::to_string_pretty(&summary)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn fairness(args: FairnessArgs) -> anyhow::Result<()> {
@@ -183,13 +267,13 @@ fn fairness(args: FairnessArgs) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    if let Some(max) = args.max_ratio {
-        if report.ttft_p99_ratio_fair > max {
-            bail!(
-                "interactive TTFT p99 with fair admission is {:.2}x alone, above {max}x",
-                report.ttft_p99_ratio_fair
-            );
-        }
+    if let Some(max) = args.max_ratio
+        && report.ttft_p99_ratio_fair > max
+    {
+        bail!(
+            "interactive TTFT p99 with fair admission is {:.2}x alone, above {max}x",
+            report.ttft_p99_ratio_fair
+        );
     }
     Ok(())
 }

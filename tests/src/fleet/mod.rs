@@ -4,9 +4,11 @@
 //! - [`policy`] holds the routing policies compared (peers and kvroute's own `Router`);
 //! - [`des`] replays a workload through the engines of [`crate::sim`] in virtual time;
 //! - [`fairness`] runs the two-tenant fairness benchmark (admission in front of the router);
+//! - [`disagg`] runs the prefill/decode disaggregation benchmark (colocated vs disaggregated);
 //! - [`report`] turns runs into tables, JSON and SVG.
 
 pub mod des;
+pub mod disagg;
 pub mod fairness;
 pub mod policy;
 pub mod report;
