@@ -54,7 +54,7 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
     /// Simulated seconds per wall second in the quality runs.
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 2.0)]
     speed: f64,
     /// Scales the quality workloads' request counts (1 = the documented runs).
     #[arg(long, default_value_t = 1.0)]
@@ -68,6 +68,9 @@ struct Args {
     /// Skip the quality section.
     #[arg(long)]
     no_quality: bool,
+    /// Run only the quality section (prints its table; writes `quality-summary.json`).
+    #[arg(long)]
+    quality_only: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -143,6 +146,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
     let mut loads = vec![("start".to_string(), loadavg())];
     let mut skipped: Vec<String> = Vec::new();
+    if args.quality_only {
+        let tools = Tools::locate(None).context("kvroute-bench needs its tools")?;
+        let quality = quality_section(&args, &tools, &out_dir, &mut skipped).await?;
+        print_quality(&quality, args.speed);
+        loads.push(("quality".into(), loadavg()));
+        println!("not measured: {skipped:?}\nload average: {loads:?}");
+        let path = out_dir.join("quality-summary.json");
+        let summary = json!({"quality": quality, "load_average": loads, "not_measured": skipped});
+        std::fs::write(&path, serde_json::to_string_pretty(&summary)?)?;
+        println!(
+            "summary: {}  (took {:.0}s)",
+            path.display(),
+            started.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
 
     // 1. Router in process.
     eprintln!(
@@ -204,6 +223,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "[router-http] {:.0} decisions/s, p50 {:.2} ms, {} errors, {} blocks indexed",
         http.rps, http.p50, http.errors, http.index_blocks
     );
+
+    // Tokenisation cost of precise routes (one-replica fleets, measured by the control plane).
+    eprintln!("[tokenize] hf and remote backends, multi-turn and cold ...");
+    let tokenize_config = kvroute_tests::bench::tokenize::TokenizeBenchConfig::default();
+    let tokenize =
+        match kvroute_tests::bench::tokenize::run(&tools, &tokenize_config, &out_dir).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                skipped.push(format!("tokenize: {e}"));
+                Vec::new()
+            }
+        };
+    loads.push(("tokenize".into(), loadavg()));
 
     let mut overhead = Vec::new();
     let mut quality = Vec::new();
@@ -279,6 +311,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
         mem16,
         mem200
     );
+    if !tokenize.is_empty() {
+        println!("\n== precise-mode tokenisation per request (control plane metrics) ==");
+        print!(
+            "{}",
+            kvroute_tests::bench::tokenize::render_table(&tokenize)
+        );
+    }
     if !overhead.is_empty() {
         println!("\n== data-plane overhead (upstream vllm-sim --profile fast, max_tokens 1) ==");
         let envoy_rps = overhead
@@ -316,50 +355,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         write_overhead_chart(&out_dir, &overhead)?;
     }
     if !quality.is_empty() {
-        println!(
-            "\n== routing quality (aiperf, 8 cold vllm-sim replicas each, default profile, speed {}) ==",
-            args.speed
-        );
-        println!(
-            "{:<15}{:<14}{:>9}{:>9}{:>8}{:>10}{:>7}{:>8}{:>9}{:>9}{:>6}",
-            "router",
-            "workload",
-            "TTFT p50",
-            "TTFT p99",
-            "ITL p99",
-            "out tok/s",
-            "hit",
-            "tok/s÷RR",
-            "p50 RR÷",
-            "p99 RR÷",
-            "err"
-        );
-        for q in &quality {
-            let rr = quality
-                .iter()
-                .find(|b| b.router == "round-robin" && b.workload == q.workload);
-            let (tput, p50, p99) = rr.map_or(("-".into(), "-".into(), "-".into()), |b| {
-                (
-                    ratio(q.output_tokens_per_s, b.output_tokens_per_s),
-                    ratio(b.ttft_ms.p50, q.ttft_ms.p50),
-                    ratio(b.ttft_ms.p99, q.ttft_ms.p99),
-                )
-            });
-            println!(
-                "{:<15}{:<14}{:>9.0}{:>9.0}{:>8.1}{:>10.0}{:>6.1}%{:>8}{:>9}{:>9}{:>6}",
-                q.router,
-                q.workload,
-                q.ttft_ms.p50,
-                q.ttft_ms.p99,
-                q.itl_ms.p99,
-                q.output_tokens_per_s,
-                q.prefix_hit_rate * 100.0,
-                tput,
-                p50,
-                p99,
-                q.errors
-            );
-        }
+        print_quality(&quality, args.speed);
     }
     if !skipped.is_empty() {
         println!("\nnot measured:");
@@ -375,6 +371,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "quality": quality,
         "filter": filter,
         "control_plane": control_plane,
+        "tokenize": {
+            "rows": tokenize,
+            "config": tokenize_config,
+            "hf_tokenizer": kvroute_tests::bench::tokenize::HF_TOKENIZER,
+        },
         "control_plane_http": {
             "decisions_per_s": http.rps,
             "latency_ms_p50": http.p50,
@@ -800,24 +801,24 @@ fn quality_workloads(scale: f64) -> Vec<(&'static str, AiperfWorkload, usize, us
         (
             "shared-prefix",
             AiperfWorkload::SharedPrefix {
-                groups: 48,
-                prefix_tokens: 3_000,
+                groups: 64,
+                prefix_tokens: 8_000,
                 question_tokens: 64,
-                requests: scaled(384),
+                requests: scaled(512),
             },
             32,
-            32,
+            64,
         ),
         (
             "multi-turn",
             AiperfWorkload::MultiTurn {
                 sessions: scaled(32),
-                turns: 4,
+                turns: 6,
                 system_prompt_tokens: 200,
-                message_tokens: 800,
+                message_tokens: 400,
             },
-            16,
-            64,
+            32,
+            32,
         ),
     ]
 }
@@ -962,6 +963,53 @@ async fn quality_section(
         std::fs::write(out_dir.join("quality-ttft-cdf.svg"), svg)?;
     }
     Ok(rows)
+}
+
+/// Prints the quality table with ratios to round robin side by side.
+fn print_quality(quality: &[QualityRow], speed: f64) {
+    println!(
+        "\n== routing quality (aiperf, 8 cold vllm-sim replicas each, default profile, speed {speed}) =="
+    );
+    println!(
+        "{:<15}{:<14}{:>9}{:>9}{:>8}{:>10}{:>7}{:>10}{:>9}{:>9}{:>6}",
+        "router",
+        "workload",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p99",
+        "out tok/s",
+        "hit",
+        "tok/s÷RR",
+        "p50 RR÷",
+        "p99 RR÷",
+        "err"
+    );
+    for q in quality {
+        let rr = quality
+            .iter()
+            .find(|b| b.router == "round-robin" && b.workload == q.workload);
+        let (tput, p50, p99) = rr.map_or(("-".into(), "-".into(), "-".into()), |b| {
+            (
+                ratio(q.output_tokens_per_s, b.output_tokens_per_s),
+                ratio(b.ttft_ms.p50, q.ttft_ms.p50),
+                ratio(b.ttft_ms.p99, q.ttft_ms.p99),
+            )
+        });
+        println!(
+            "{:<15}{:<14}{:>9.0}{:>9.0}{:>8.1}{:>10.0}{:>6.1}%{:>10}{:>9}{:>9}{:>6}",
+            q.router,
+            q.workload,
+            q.ttft_ms.p50,
+            q.ttft_ms.p99,
+            q.itl_ms.p99,
+            q.output_tokens_per_s,
+            q.prefix_hit_rate * 100.0,
+            tput,
+            p50,
+            p99,
+            q.errors
+        );
+    }
 }
 
 fn write_overhead_chart(out_dir: &std::path::Path, rows: &[OverheadRow]) -> anyhow::Result<()> {
