@@ -84,6 +84,9 @@ pub struct FilterConfig {
     /// Request header carrying `critical`, `standard` or `sheddable` (llm-d's
     /// `x-llm-d-inference-objective` is accepted when this one is absent).
     pub criticality_header: String,
+    /// Request header carrying the session key for session affinity (the body's `user` is the
+    /// fallback when it is absent).
+    pub session_header: String,
 }
 
 impl Default for FilterConfig {
@@ -102,6 +105,7 @@ impl Default for FilterConfig {
             allow_explain: false,
             tenant_header: "x-kvroute-tenant".into(),
             criticality_header: "x-kvroute-criticality".into(),
+            session_header: crate::machine::SESSION_HEADER.into(),
             routes: vec![
                 RouteRule {
                     path: "/v1/chat/completions".into(),
@@ -182,6 +186,12 @@ impl FilterConfig {
         if !is_header_name(&self.criticality_header) {
             return Err(invalid(
                 "criticality_header",
+                "must be a non-empty lowercase HTTP header name",
+            ));
+        }
+        if !is_header_name(&self.session_header) {
+            return Err(invalid(
+                "session_header",
                 "must be a non-empty lowercase HTTP header name",
             ));
         }

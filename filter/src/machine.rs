@@ -21,7 +21,8 @@ use scorer_core::protocol::{ApiKind, Outcome, Reject, RouteRequest, RouteRespons
 use crate::config::{FilterConfig, RouteMode};
 use crate::usage::UsageScanner;
 
-/// Header a client may use to pin a session (takes precedence over the body's `user`).
+/// Default header a client may use to name its session (takes precedence over the body's
+/// `user`); `session_header` in the configuration changes it.
 pub const SESSION_HEADER: &str = "x-session-id";
 /// Disaggregated-prefill header that only the router may set; clients' copies are removed.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -353,7 +354,7 @@ impl RequestMachine {
                 self.criticality_primary = true;
             } else if is(LLMD_OBJECTIVE_HEADER) && !value.is_empty() && !self.criticality_primary {
                 self.criticality = Some(header_text(value, MAX_TENANT_BYTES));
-            } else if is(SESSION_HEADER) && !value.is_empty() {
+            } else if is(&self.config.session_header) && !value.is_empty() {
                 let value = &value[..value.len().min(MAX_SESSION_BYTES)];
                 self.session = Some(String::from_utf8_lossy(value).into_owned());
             }
@@ -937,6 +938,21 @@ mod tests {
         let mut m = machine();
         let req = to_dispatch(&mut m, &[("x-session-id", "s-7")], &chat_body("hi"));
         assert_eq!(req.session.as_deref(), Some("s-7"));
+    }
+
+    #[test]
+    fn the_session_header_is_configurable() {
+        let config = FilterConfig {
+            session_header: "x-conversation".into(),
+            ..FilterConfig::default()
+        };
+        let mut m = RequestMachine::new(Rc::new(config));
+        let req = to_dispatch(
+            &mut m,
+            &[("x-session-id", "ignored"), ("x-conversation", "c-9")],
+            &chat_body("hi"),
+        );
+        assert_eq!(req.session.as_deref(), Some("c-9"));
     }
 
     #[test]
