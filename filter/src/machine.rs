@@ -39,6 +39,10 @@ pub const LLMD_FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
 /// llm-d's objective header, accepted when the configured criticality header is absent; the
 /// control plane maps its value (a criticality name, an integer priority or an objective name).
 pub const LLMD_OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
+/// Request header the filter sets on a request it answers itself, so an Envoy
+/// `local_reply_config` can pass its OpenAI error body through unchanged; clients' copies are
+/// removed.
+pub const LOCAL_REPLY_HEADER: &str = "x-kvroute-local-reply";
 /// Longest tenant or criticality value forwarded to the control plane.
 const MAX_TENANT_BYTES: usize = 128;
 /// Chat request fields that decide the engine's prompt tokens (template input and options).
@@ -327,7 +331,11 @@ impl RequestMachine {
         let mut content_length = None;
         for (name, value) in headers {
             let is = |n: &str| name.eq_ignore_ascii_case(n);
-            if is(&self.config.destination_header) || is(PREFILLER_HEADER) || is(DECISION_HEADER) {
+            if is(&self.config.destination_header)
+                || is(PREFILLER_HEADER)
+                || is(DECISION_HEADER)
+                || is(LOCAL_REPLY_HEADER)
+            {
                 let name = name.to_ascii_lowercase();
                 if !effects.contains(&Effect::RemoveRequestHeader(name.clone())) {
                     effects.push(Effect::RemoveRequestHeader(name));
@@ -607,6 +615,10 @@ impl RequestMachine {
         });
         Step::go(vec![
             latency,
+            Effect::SetRequestHeader {
+                name: LOCAL_REPLY_HEADER.into(),
+                value: "1".into(),
+            },
             Effect::SendLocalResponse {
                 status: reject.status,
                 headers,
@@ -1440,13 +1452,20 @@ mod tests {
         to_dispatch(&mut m, &[], &chat_body("hi"));
         let step = m.on_route_response(Some(200), &reject_answer(429, Some(2)), 104);
         assert_eq!(step.action, Action::Continue);
-        assert_eq!(step.effects.len(), 3);
+        assert_eq!(step.effects.len(), 4);
         assert_eq!(step.effects[0], Effect::RouteLatencyMs(4));
+        assert_eq!(
+            step.effects[1],
+            Effect::SetRequestHeader {
+                name: LOCAL_REPLY_HEADER.into(),
+                value: "1".into()
+            }
+        );
         let Effect::SendLocalResponse {
             status,
             headers,
             body,
-        } = &step.effects[1]
+        } = &step.effects[2]
         else {
             panic!("expected a local response, got {:?}", step.effects);
         };
@@ -1462,7 +1481,7 @@ mod tests {
                 .unwrap()
                 .contains("sheddable")
         );
-        assert_eq!(step.effects[2], Effect::Count(Counter::Rejected(429)));
+        assert_eq!(step.effects[3], Effect::Count(Counter::Rejected(429)));
         assert!(!step.effects.contains(&Effect::ResumeRequest));
         // Nothing went upstream: no outcome is reported.
         assert!(!m.wants_response_body());
@@ -1474,7 +1493,7 @@ mod tests {
         let mut m = explaining();
         to_dispatch(&mut m, &[("x-kvroute-explain", "1")], &chat_body("hi"));
         let step = m.on_route_response(Some(200), &reject_answer(413, None), 101);
-        let Effect::SendLocalResponse { headers, .. } = &step.effects[1] else {
+        let Effect::SendLocalResponse { headers, .. } = &step.effects[2] else {
             panic!("expected a local response");
         };
         assert!(!headers.iter().any(|(n, _)| n == "retry-after"));

@@ -14,8 +14,8 @@
 use arbitrary::Arbitrary;
 use kvroute_filter::config::{FilterConfig, RouteMode};
 use kvroute_filter::machine::{
-    BodyStep, Counter, DECISION_HEADER, EXPLAIN_HEADER, Effect, FailKind, PREFILLER_HEADER,
-    RequestMachine, Step,
+    BodyStep, Counter, DECISION_HEADER, EXPLAIN_HEADER, Effect, FailKind, LOCAL_REPLY_HEADER,
+    PREFILLER_HEADER, RequestMachine, Step,
 };
 use kvroute_filter::root::RootState;
 use libfuzzer_sys::fuzz_target;
@@ -190,9 +190,16 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
                 assert!(
                     name == &config.destination_header
                         || name == PREFILLER_HEADER
-                        || name == DECISION_HEADER,
+                        || name == DECISION_HEADER
+                        || name == LOCAL_REPLY_HEADER,
                     "removed an unrelated header {name:?}"
                 );
+            }
+            Effect::SetRequestHeader { name, value }
+                if name == PREFILLER_HEADER || name == LOCAL_REPLY_HEADER =>
+            {
+                assert!(seen.dispatched, "{name} set without a route call");
+                assert!(!value.is_empty());
             }
             Effect::SetRequestHeader { name, value } => {
                 assert_eq!(name, &config.destination_header);
