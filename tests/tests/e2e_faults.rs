@@ -24,8 +24,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_tests::harness::{
     ENVOY_KVROUTE_TEMPLATE, HttpClient, ManagedProcess, REPLICA_HEADER, Tools, control_plane_yaml,
-    envoy_base_id, free_port, log_tail, plugin_config_json, render_envoy_config, target_dir,
-    workspace_root,
+    envoy_base_id, free_port, log_tail, plugin_config_json, prometheus_sum, render_envoy_config,
+    target_dir, workspace_root,
 };
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
@@ -79,6 +79,8 @@ struct FaultProxy {
     mode: Arc<Mutex<Mode>>,
     /// Calls seen (route and feedback).
     calls: Arc<AtomicU64>,
+    /// Calls seen by path: `[/v1/route, /v1/feedback]` (to show the filter never stampedes).
+    by_path: Arc<[AtomicU64; 2]>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -94,17 +96,23 @@ impl FaultProxy {
         let port = listener.local_addr().expect("proxy address").port();
         let mode = Arc::new(Mutex::new(Mode::Pass));
         let calls = Arc::new(AtomicU64::new(0));
+        let by_path: Arc<[AtomicU64; 2]> = Arc::new(Default::default());
         let client = HttpClient::new();
-        let (m, c) = (mode.clone(), calls.clone());
+        let (m, c, p) = (mode.clone(), calls.clone(), by_path.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
-                let (m, c, client, upstream) =
-                    (m.clone(), c.clone(), client.clone(), upstream.clone());
+                let (m, c, p, client, upstream) = (
+                    m.clone(),
+                    c.clone(),
+                    p.clone(),
+                    client.clone(),
+                    upstream.clone(),
+                );
                 tokio::spawn(async move {
-                    let _ = serve_proxy_connection(stream, m, c, client, upstream).await;
+                    let _ = serve_proxy_connection(stream, m, c, p, client, upstream).await;
                 });
             }
         });
@@ -112,12 +120,21 @@ impl FaultProxy {
             port,
             mode,
             calls,
+            by_path,
             task,
         }
     }
 
     fn set(&self, mode: Mode) {
         *self.mode.lock() = mode;
+    }
+
+    /// `(route calls, feedback calls)` seen so far.
+    fn route_and_feedback_calls(&self) -> (u64, u64) {
+        (
+            self.by_path[0].load(Ordering::Relaxed),
+            self.by_path[1].load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -158,12 +175,18 @@ async fn serve_proxy_connection(
     mut stream: TcpStream,
     mode: Arc<Mutex<Mode>>,
     calls: Arc<AtomicU64>,
+    by_path: Arc<[AtomicU64; 2]>,
     client: HttpClient,
     upstream: String,
 ) -> std::io::Result<()> {
     while let Some((head, body)) = read_request(&mut stream).await? {
         calls.fetch_add(1, Ordering::Relaxed);
         let path = head.split(' ').nth(1).unwrap_or("/").to_string();
+        if path.starts_with("/v1/route") {
+            by_path[0].fetch_add(1, Ordering::Relaxed);
+        } else if path.starts_with("/v1/feedback") {
+            by_path[1].fetch_add(1, Ordering::Relaxed);
+        }
         let token = head
             .lines()
             .filter_map(|l| l.split_once(':'))
@@ -469,6 +492,18 @@ impl Topo {
                     .collect()
             })
             .unwrap_or_default()
+    }
+
+    /// `kvroute_index_blocks` from the control plane's admin metrics (0 when it is down).
+    async fn index_blocks(&self) -> f64 {
+        let url = format!("http://127.0.0.1:{}/metrics", self.cp_admin_port);
+        let body = self
+            .client
+            .get(&url, Duration::from_secs(2))
+            .await
+            .map(|r| r.body)
+            .unwrap_or_default();
+        prometheus_sum(&body, "kvroute_index_blocks")
     }
 
     async fn health_of(&self, i: usize) -> String {
@@ -811,16 +846,19 @@ async fn control_plane_killed_under_load_then_restarted() {
     let tools = tools();
     bounded("control plane restart", TEST_TIMEOUT, async {
         let mut topo = Topo::start(&tools, "faults-cp-restart", 3, 3).await;
-        // Load from 3 workers for the whole test.
+        // Load from 3 workers for the whole test; `sent` counts requests as they start.
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
         let mut load = tokio::task::JoinSet::new();
         for w in 0..3u64 {
-            let (client, url, stop) = (topo.client.clone(), topo.url(), stop.clone());
+            let (client, url, stop, sent) =
+                (topo.client.clone(), topo.url(), stop.clone(), sent.clone());
             load.spawn(async move {
                 let mut out = Vec::new();
                 let mut i = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let body = chat_body(300 + w, 3_000 + w * 1_000 + i, 4, i.is_multiple_of(2));
+                    sent.fetch_add(1, Ordering::Relaxed);
                     out.push(chat(&client, &url, &body, None).await);
                     i += 1;
                 }
@@ -829,9 +867,15 @@ async fn control_plane_killed_under_load_then_restarted() {
         }
         tokio::time::sleep(Duration::from_millis(700)).await;
         topo.kill_control_plane();
+        let down_calls = topo.proxy.route_and_feedback_calls();
+        let down_sent = sent.load(Ordering::Relaxed);
+        let down_at = Instant::now();
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let routed_before_restart = topo.counter("requests_routed").await;
         topo.start_control_plane().await;
+        let up_calls = topo.proxy.route_and_feedback_calls();
+        let up_sent = sent.load(Ordering::Relaxed);
+        let down_for = down_at.elapsed();
         topo.wait_for(
             Duration::from_secs(10),
             "endpoints ready after restart",
@@ -845,14 +889,69 @@ async fn control_plane_killed_under_load_then_restarted() {
             },
         )
         .await;
-        // Routing resumes against the new, empty state.
+        // Routing resumes against the new, empty state, and the index refills from the
+        // outcomes of routed requests.
         topo.wait_for(
             Duration::from_secs(10),
             "routing after restart",
             async |t| t.counter("requests_routed").await > routed_before_restart + 3.0,
         )
         .await;
+        topo.wait_for(
+            Duration::from_secs(10),
+            "the prefix index refilled after restart",
+            async |t| t.index_blocks().await > 0.0,
+        )
+        .await;
+        // No thundering herd: after the restart every request makes at most one route call
+        // (no retries, no backlog replayed), and feedback stays one batch per tick per VM
+        // (200 ms; `--concurrency 1` runs one worker VM, plus the main-thread VM).
+        let window_start = (
+            topo.proxy.route_and_feedback_calls(),
+            sent.load(Ordering::Relaxed),
+        );
+        let window_at = Instant::now();
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+        let window_end = (
+            topo.proxy.route_and_feedback_calls(),
+            sent.load(Ordering::Relaxed),
+        );
+        let window = window_at.elapsed();
         stop.store(true, Ordering::Relaxed);
+        let route_calls = window_end.0.0 - window_start.0.0;
+        let feedback_calls = window_end.0.1 - window_start.0.1;
+        // Requests in flight at the window's start may call too: at most one per worker.
+        let requests = window_end.1 - window_start.1 + 3;
+        let ticks = window.as_millis() as u64 / 200 + 1;
+        eprintln!(
+            "after restart, {window:?}: {requests} requests, {route_calls} route calls, \
+             {feedback_calls} feedback calls ({ticks} ticks)"
+        );
+        assert!(
+            route_calls <= requests,
+            "{route_calls} route calls for {requests} requests after the restart"
+        );
+        assert!(
+            feedback_calls <= 2 * ticks,
+            "{feedback_calls} feedback calls in {window:?} after the restart"
+        );
+        // While it was down, requests failed open without retrying the route call either.
+        let down_route_calls = up_calls.0 - down_calls.0;
+        let down_requests = up_sent - down_sent + 3;
+        let down_ticks = down_for.as_millis() as u64 / 200 + 1;
+        eprintln!(
+            "while down, {down_for:?}: {down_requests} requests, {down_route_calls} route \
+             calls, {} feedback calls",
+            up_calls.1 - down_calls.1
+        );
+        assert!(
+            down_route_calls <= down_requests,
+            "{down_route_calls} route calls for {down_requests} requests while down"
+        );
+        assert!(
+            up_calls.1 - down_calls.1 <= 2 * down_ticks,
+            "feedback retried in a loop while the control plane was down"
+        );
         let mut results = Vec::new();
         while let Some(joined) = load.join_next().await {
             results.extend(joined.expect("load worker"));
