@@ -37,7 +37,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
 
     let config = Config::load(&cli.config)?;
-    // Kubernetes or DNS discovery adds and removes endpoints next to the configured ones.
+    // Kubernetes, DNS or file discovery adds and removes endpoints next to the configured ones.
     let discovery = config
         .discovery
         .clone()

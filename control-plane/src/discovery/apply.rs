@@ -388,6 +388,7 @@ mod tests {
                 model: None,
                 interval_ms: 100,
             }),
+            file: None,
         };
         let task = spawn(state.clone(), config, settings());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -397,5 +398,48 @@ mod tests {
         }
         assert_eq!(routable(&state), vec!["127.0.0.3:1".to_string()]);
         task.abort();
+    }
+
+    /// File discovery gives every replica its own port (what loopback test fleets need), and
+    /// a replica taken out of the file stops being routable.
+    #[tokio::test]
+    async fn run_applies_what_file_discovery_publishes() {
+        let state = Arc::new(State::new(RouterConfig::default(), &[], 16, 1).unwrap());
+        let dir = std::env::temp_dir().join(format!("kvroute-apply-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("endpoints.yaml");
+        let write = |text: &str| {
+            let tmp = dir.join("endpoints.yaml.tmp");
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+        };
+        write("endpoints:\n  - 127.0.0.1:1\n  - 127.0.0.1:2\n");
+        let config = DiscoveryConfig {
+            file: Some(super::super::FileDiscovery {
+                path: path.clone(),
+                interval_ms: 20,
+            }),
+            ..DiscoveryConfig::default()
+        };
+        let task = spawn(state.clone(), config, settings());
+        let wait_for = |want: Vec<&'static str>| {
+            let state = state.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                while routable(&state) != want {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "{:?} != {want:?}",
+                        routable(&state)
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        wait_for(vec!["127.0.0.1:1", "127.0.0.1:2"]).await;
+        write("endpoints:\n  - 127.0.0.1:2\n");
+        wait_for(vec!["127.0.0.1:2"]).await;
+        task.abort();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

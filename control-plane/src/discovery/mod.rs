@@ -6,18 +6,21 @@
 //!   label selector or by an InferencePool's selector ([`kube`] is the pure part, tested on
 //!   recorded API-server JSON; [`kube_client`] is the HTTP/TLS client and the watch loop);
 //! - [`DnsDiscovery`]: resolve a headless Service name to its A/AAAA records on an interval
-//!   ([`dns`]), for use without Kubernetes API access.
+//!   ([`dns`]), for use without Kubernetes API access;
+//! - [`FileDiscovery`]: poll a YAML file of `ip:port` entries kept up to date by something else
+//!   (Consul-template, config management) ([`file`]); unlike DNS, every entry has its own port.
 //!
 //! Both publish the whole current [`EndpointSet`] into a `tokio::sync::watch` channel whenever
 //! it changes. A consumer compares it with what it applied last ([`diff`]) and adds or removes
 //! endpoints: the router slot, the `/metrics` scrape loop and, when `kv_events_port` is set,
 //! the KV-event subscription follow pod churn that way.
 //!
-//! Failure policy: an API or DNS error never empties the set. The last known endpoints stay
+//! Failure policy: an API, DNS or file error never empties the set. The last known endpoints stay
 //! (their scrapes mark dead ones unreachable), and the source retries with backoff.
 
 pub mod apply;
 pub mod dns;
+pub mod file;
 pub mod kube;
 pub mod kube_client;
 
@@ -131,6 +134,9 @@ pub struct DiscoveryConfig {
     /// Resolve a (headless Service) DNS name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<DnsDiscovery>,
+    /// Poll a file listing the endpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<FileDiscovery>,
 }
 
 /// Which InferencePool to follow.
@@ -236,11 +242,26 @@ fn default_dns_interval_ms() -> u64 {
     5_000
 }
 
+/// Replicas from a file (see [`file`] for its format and the write-then-rename rule).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileDiscovery {
+    /// The endpoint file.
+    pub path: PathBuf,
+    /// How often its modification time and size are checked.
+    #[serde(default = "default_file_interval_ms")]
+    pub interval_ms: u64,
+}
+
+fn default_file_interval_ms() -> u64 {
+    1_000
+}
+
 /// Why a `discovery:` section cannot be used.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum DiscoveryConfigError {
-    /// Neither or both of `kubernetes` and `dns`.
-    #[error("discovery needs exactly one of `kubernetes` and `dns`")]
+    /// Not exactly one of `kubernetes`, `dns` and `file`.
+    #[error("discovery needs exactly one of `kubernetes`, `dns` and `file`")]
     OneSource,
     /// Neither or both of `selector` and `inference_pool`.
     #[error("discovery.kubernetes needs exactly one of `selector` and `inference_pool`")]
@@ -275,9 +296,10 @@ impl DiscoveryConfig {
     /// Checks the section once at startup, so a typo stops the process instead of a watch loop
     /// retrying forever.
     pub fn validate(&self) -> Result<(), DiscoveryConfigError> {
-        match (&self.kubernetes, &self.dns) {
-            (Some(k), None) => k.validate(),
-            (None, Some(d)) => d.validate(),
+        match (&self.kubernetes, &self.dns, &self.file) {
+            (Some(k), None, None) => k.validate(),
+            (None, Some(d), None) => d.validate(),
+            (None, None, Some(f)) => f.validate(),
             _ => Err(DiscoveryConfigError::OneSource),
         }
     }
@@ -399,6 +421,25 @@ impl DnsDiscovery {
     }
 }
 
+impl FileDiscovery {
+    fn validate(&self) -> Result<(), DiscoveryConfigError> {
+        if self.path.as_os_str().is_empty() {
+            return Err(DiscoveryConfigError::Bad {
+                field: "file.path",
+                reason: "empty".into(),
+            });
+        }
+        if !(10..=3_600_000).contains(&self.interval_ms) {
+            return Err(DiscoveryConfigError::OutOfRange {
+                field: "file.interval_ms",
+                value: self.interval_ms.to_string(),
+                range: "10..=3600000",
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Runs the configured source until the task is dropped, publishing every change into `tx`.
 ///
 /// `tx` starts at `None` ("nothing discovered yet"); a consumer should not remove statically
@@ -406,10 +447,11 @@ impl DnsDiscovery {
 ///
 /// Call it with a validated config; a config without a source publishes nothing.
 pub async fn run(config: DiscoveryConfig, tx: watch::Sender<Option<EndpointSet>>) {
-    match (config.kubernetes, config.dns) {
-        (Some(k), _) => kube_client::run(k, tx).await,
-        (None, Some(d)) => dns::run(d, tx).await,
-        (None, None) => tracing::error!("discovery has no source; nothing to discover"),
+    match (config.kubernetes, config.dns, config.file) {
+        (Some(k), _, _) => kube_client::run(k, tx).await,
+        (None, Some(d), _) => dns::run(d, tx).await,
+        (None, None, Some(f)) => file::run(f, tx).await,
+        (None, None, None) => tracing::error!("discovery has no source; nothing to discover"),
     }
 }
 
@@ -543,6 +585,14 @@ mod tests {
                 interval_ms: 5000
             })
         );
+        let f = parse("file: {path: /etc/kvroute/endpoints.yaml}\n").unwrap();
+        assert_eq!(
+            f.file,
+            Some(FileDiscovery {
+                path: PathBuf::from("/etc/kvroute/endpoints.yaml"),
+                interval_ms: 1000
+            })
+        );
     }
 
     #[test]
@@ -586,11 +636,18 @@ mod tests {
             ("dns: {name: a, port: 1, interval_ms: 5}\n", "interval_ms"),
             ("dns: {name: a}\n", "missing field `port`"),
             ("consul: {name: a}\n", "unknown field `consul`"),
-            ("{}\n", "exactly one of `kubernetes` and `dns`"),
+            ("{}\n", "exactly one of `kubernetes`, `dns` and `file`"),
             (
                 "dns: {name: a, port: 1}\nkubernetes: {inference_pool: {name: p}}\n",
-                "exactly one of `kubernetes` and `dns`",
+                "exactly one of",
             ),
+            (
+                "dns: {name: a, port: 1}\nfile: {path: /etc/kvroute/endpoints.yaml}\n",
+                "exactly one of",
+            ),
+            ("file: {path: ''}\n", "file.path: empty"),
+            ("file: {path: e.yaml, interval_ms: 0}\n", "file.interval_ms"),
+            ("file: {interval_ms: 100}\n", "missing field `path`"),
         ];
         for (yaml, want) in cases {
             let e = parse(yaml).unwrap_err();
