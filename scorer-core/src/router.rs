@@ -228,6 +228,8 @@ struct InFlight {
     predicted_cached_tokens: u32,
     /// The latency model's inputs at decision time, so the outcome can teach the model.
     latency_features: LatencyFeatures,
+    /// Prefilled on another endpoint: its TTFT says nothing about this endpoint's prefill.
+    remote_prefill: bool,
 }
 
 /// One candidate's score terms: what the explain output shows.
@@ -969,9 +971,13 @@ impl Router {
                 started_ms: now_ms,
                 predicted_cached_tokens,
                 latency_features: latency_features[usize::from(chosen.0)],
+                remote_prefill: false,
             },
         );
         let prefiller = self.pick_prefiller(request, chosen, &chosen_score, &prefill_only, now_ms);
+        if let (Some(_), Some(entry)) = (&prefiller, self.inflight.get_mut(&decision_id)) {
+            entry.remote_prefill = true;
+        }
 
         let endpoints = candidates
             .iter()
@@ -1068,6 +1074,7 @@ impl Router {
             }
             // The features describe the chosen endpoint: a fallback's outcome teaches nothing.
             if served_by == entry.endpoint
+                && !entry.remote_prefill
                 && let Some(observed) = Observation::from_outcome(
                     outcome.status,
                     outcome.ttfb_ms,

@@ -149,6 +149,29 @@ pub struct DisaggRun {
     pub kv_transfer_ms: f64,
     /// Output tokens over the makespan.
     pub output_tokens_per_s: f64,
+    /// How far the router's learned latency model (scorer-core `latency`) was from the
+    /// simulated outcome, for requests decided once their endpoint's model was warm.
+    pub prediction: PredictionAccuracy,
+}
+
+/// Prediction error of the learned TTFT / TPOT model against the simulation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PredictionAccuracy {
+    /// Requests scored (served whole by their decode endpoint, model warm at decision).
+    pub requests: usize,
+    /// Median |predicted − simulated| TTFT, ms.
+    pub ttft_median_abs_ms: f64,
+    /// Median |predicted − simulated| / simulated TTFT.
+    pub ttft_median_abs_ratio: f64,
+    /// Mean |predicted − simulated| / simulated TTFT.
+    pub ttft_mean_abs_ratio: f64,
+    /// Median |predicted − simulated| / simulated time per output token.
+    pub tpot_median_abs_ratio: f64,
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Both modes of one workload.
@@ -250,6 +273,8 @@ struct Record {
     output_tokens: u32,
     transfer_ms: f64,
     max_gap_ms: f64,
+    /// (predicted TTFT, predicted TPOT) of the decode endpoint, when its model was warm.
+    predicted: Option<(f64, f64)>,
 }
 
 struct Sim<'a> {
@@ -311,10 +336,17 @@ impl Sim<'_> {
             .and_then(|a| index(a))
             .unwrap_or(0);
         let prefiller = d.response.prefiller.as_deref().and_then(index);
+        let warm = self.router.config().latency.min_samples;
+        let predicted = d
+            .candidates
+            .first()
+            .filter(|c| c.latency_samples >= warm)
+            .map(|c| (c.predicted_ttft_ms, c.predicted_tpot_ms));
         self.records[i] = Record {
             decision_id: d.response.decision_id,
             decode,
             prefiller,
+            predicted,
             ..Record::default()
         };
         let engine_request = EngineRequest {
@@ -535,6 +567,38 @@ fn summarise(specs: &[Spec], sim: &Sim<'_>, prefill_replicas: usize) -> DisaggRu
         .filter_map(|(_, r)| r.finish_ms)
         .fold(first, f64::max);
     let output: u64 = done.iter().map(|(_, r)| u64::from(r.output_tokens)).sum();
+    // Only requests the decode endpoint served whole: its model does not see remote prefills.
+    let scored: Vec<(f64, f64, f64, f64)> = done
+        .iter()
+        .filter(|(_, r)| r.transfer_ms == 0.0 && r.output_tokens >= 2)
+        .filter_map(|(i, r)| {
+            let (ttft_p, tpot_p) = r.predicted?;
+            let first = r.first_token_ms?;
+            let ttft = first - specs[*i].arrival_ms;
+            let tpot = (r.finish_ms? - first) / f64::from(r.output_tokens - 1);
+            Some((ttft_p, ttft.max(1e-3), tpot_p, tpot.max(1e-3)))
+        })
+        .collect();
+    let prediction = PredictionAccuracy {
+        requests: scored.len(),
+        ttft_median_abs_ms: median(
+            &mut scored.iter().map(|s| (s.0 - s.1).abs()).collect::<Vec<_>>(),
+        ),
+        ttft_median_abs_ratio: median(
+            &mut scored
+                .iter()
+                .map(|s| (s.0 - s.1).abs() / s.1)
+                .collect::<Vec<_>>(),
+        ),
+        ttft_mean_abs_ratio: scored.iter().map(|s| (s.0 - s.1).abs() / s.1).sum::<f64>()
+            / scored.len().max(1) as f64,
+        tpot_median_abs_ratio: median(
+            &mut scored
+                .iter()
+                .map(|s| (s.2 - s.3).abs() / s.3)
+                .collect::<Vec<_>>(),
+        ),
+    };
     DisaggRun {
         mode: if prefill_replicas == 0 {
             "colocated".into()
@@ -561,6 +625,7 @@ fn summarise(specs: &[Spec], sim: &Sim<'_>, prefill_replicas: usize) -> DisaggRu
             transfers.iter().sum::<f64>() / transfers.len() as f64
         },
         output_tokens_per_s: output as f64 / ((last - first).max(1.0) / 1000.0),
+        prediction,
     }
 }
 
@@ -654,6 +719,21 @@ pub fn table(results: &[DisaggComparison]) -> String {
             ));
         }
         out.push_str(&format!("  -> {}\n", r.verdict));
+        for run in [&r.colocated, &r.disaggregated] {
+            let p = &run.prediction;
+            if p.requests > 0 {
+                out.push_str(&format!(
+                    "  learned latency model, {}: TTFT median |error| {:.1} ms ({:.1}%, mean {:.1}%), \
+                     TPOT median |error| {:.1}% over {} requests\n",
+                    run.mode,
+                    p.ttft_median_abs_ms,
+                    100.0 * p.ttft_median_abs_ratio,
+                    100.0 * p.ttft_mean_abs_ratio,
+                    100.0 * p.tpot_median_abs_ratio,
+                    p.requests
+                ));
+            }
+        }
     }
     out
 }
