@@ -176,8 +176,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
 
     // 2. Filter natively and in wasmtime; memory per in-flight request.
+    let located = Instant::now();
     let tools =
         Tools::locate(None).context("kvroute-bench needs its tools (try `make setup build`)")?;
+    // Locating may build a stale control plane or filter (waiting on cargo's lock behind other
+    // builds); that time is reported apart from the benchmark's own.
+    let tools_s = located.elapsed().as_secs_f64();
+    eprintln!("[tools] located in {tools_s:.0} s");
     let native_16k = bench::canon_native(16_384, 4_000)?;
     let native_200k = bench::canon_native(204_800, 400)?;
     let module = FilterModule::from_file(&tools.wasm)
@@ -398,12 +403,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "not_measured": skipped,
         },
         "took_s": started.elapsed().as_secs_f64(),
+        "tools_build_s": tools_s,
     });
     let path = out_dir.join("summary.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("cannot write {}", path.display()))?;
     println!(
-        "summary: {}  (took {:.0}s)",
+        "summary: {}  (took {:.0}s, of which {tools_s:.0}s locating/building tools)",
         path.display(),
         started.elapsed().as_secs_f64()
     );
@@ -471,11 +477,10 @@ async fn http_decisions(
     let yaml = harness::control_plane_yaml(api, admin, 1_000, &fleet.addresses, &json!({}))?;
     let cfg = out_dir.join("control-plane-bench.yaml");
     std::fs::write(&cfg, yaml)?;
-    let pinned_core = Command::new("taskset")
-        .arg("-V")
-        .output()
-        .is_ok()
-        .then_some(1u32);
+    // Core 1, when there are two cores and `taskset`: core 0 keeps the client.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned_core =
+        (cpus >= 2 && Command::new("taskset").arg("-V").output().is_ok()).then_some(1u32);
     let mut cmd = match pinned_core {
         Some(core) => {
             let mut c = Command::new("taskset");
@@ -540,6 +545,9 @@ async fn http_decisions(
     let index_blocks = gauge("kvroute_index_blocks").await as u64;
     let index_bytes = gauge("kvroute_index_bytes").await;
     let measure = Arc::new(measure);
+    // Keep this process (the load client and the metrics listeners) off the control plane's
+    // core while measuring, so the figure is one core's worth of decisions.
+    let client_pinned = pinned_core.is_some() && pin_self("0");
     let _ = bench::http_load(
         &url,
         measure.clone(),
@@ -556,6 +564,9 @@ async fn http_decisions(
         usize::MAX,
     )
     .await;
+    if client_pinned {
+        pin_self(&format!("0-{}", cpus - 1));
+    }
     proc.kill();
     drop(fleet);
     Ok(HttpFigures {
@@ -567,6 +578,15 @@ async fn http_decisions(
         bytes_per_block: index_bytes / (index_blocks.max(1) as f64),
         pinned_core,
     })
+}
+
+/// Sets the CPU affinity of every thread of this process to `cpus` (a `taskset` list).
+fn pin_self(cpus: &str) -> bool {
+    Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus, &std::process::id().to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// A router under test in the overhead section.
