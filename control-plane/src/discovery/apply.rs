@@ -128,6 +128,9 @@ impl Applier {
                 tracing::error!(endpoint = %endpoint.address, error = %e, "discovery: cannot add endpoint");
                 continue;
             }
+            if let Some(role) = endpoint.role {
+                self.state.set_role(&endpoint.address, role);
+            }
             let running = self.start(&endpoint);
             tracing::info!(
                 endpoint = %endpoint.address,
@@ -224,6 +227,7 @@ mod tests {
             kv_events_replay: None,
             model: None,
             name: Some(name.into()),
+            role: None,
         }
     }
 

@@ -141,6 +141,7 @@ pub fn parse_endpoint_file(path: &str, text: &str) -> Result<EndpointSet, FileDi
                 kv_events_replay: e.kv_events_replay,
                 model: e.model,
                 name: Some(path.to_string()),
+                role: e.role,
             };
             (e.address, endpoint)
         })

@@ -411,6 +411,9 @@ impl InferencePool {
     }
 }
 
+/// Pod label carrying a replica's prefill/decode role (llm-d's convention).
+pub const ROLE_LABEL: &str = "llm-d.ai/role";
+
 /// Folds a pod list and the watch events after it into the current endpoint set.
 ///
 /// Keyed by `namespace/name`, so a pod that is re-created with a new IP replaces its old address,
@@ -497,12 +500,18 @@ impl PodTracker {
         &self.resource_version
     }
 
-    /// Ready pods as endpoints, keyed by canonical `ip:port` (what Envoy's override_host matches).
+    /// Ready pods as endpoints, keyed by canonical `ip:port` (what Envoy's override_host matches),
+    /// with the prefill/decode role of their `llm-d.ai/role` label.
     pub fn endpoints(&self) -> EndpointSet {
         self.pods
             .values()
             .filter_map(|pod| {
-                let e = self.template.endpoint(pod.ready_ip()?, &pod.key());
+                let mut e = self.template.endpoint(pod.ready_ip()?, &pod.key());
+                e.role = pod
+                    .metadata
+                    .labels
+                    .get(ROLE_LABEL)
+                    .and_then(|v| scorer_core::disagg::EndpointRole::from_label(v));
                 Some((e.address.clone(), e))
             })
             .collect()
@@ -620,6 +629,34 @@ mod tests {
     /// The recorded stream: vllm-2 turns ready, vllm-0 is deleted (terminating, then gone),
     /// vllm-0 comes back with a new IP, a bookmark, vllm-1 is relabelled out of the pool, and
     /// finally the server expires the watch with 410.
+    #[test]
+    fn the_llm_d_role_label_gives_the_endpoint_its_role() {
+        let mut list: serde_json::Value = serde_json::from_str(POD_LIST).unwrap();
+        for item in list["items"].as_array_mut().unwrap() {
+            if item["metadata"]["name"] == "vllm-llama3-0" {
+                item["metadata"]["labels"][ROLE_LABEL] = "prefill".into();
+            }
+        }
+        let mut t = PodTracker::new(vllm_selector(), template(None));
+        t.reset(PodList::from_json(list.to_string().as_bytes()).unwrap());
+        let roles: Vec<_> = t
+            .endpoints()
+            .into_values()
+            .map(|e| (e.name.unwrap(), e.role))
+            .collect();
+        assert!(
+            roles.contains(&(
+                "llm/vllm-llama3-0".into(),
+                Some(scorer_core::disagg::EndpointRole::Prefill)
+            )),
+            "{roles:?}"
+        );
+        assert!(
+            roles.iter().filter(|(_, r)| r.is_none()).count() >= 1,
+            "{roles:?}"
+        );
+    }
+
     #[test]
     fn watch_with_pod_churn() {
         let mut t = PodTracker::new(vllm_selector(), template(None));

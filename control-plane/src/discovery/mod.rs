@@ -46,6 +46,9 @@ pub struct DiscoveredEndpoint {
     pub model: Option<String>,
     /// `namespace/pod` for Kubernetes, the DNS name for DNS (logs and `/debug`).
     pub name: Option<String>,
+    /// Prefill/decode role: a Kubernetes pod's `llm-d.ai/role` label, a file entry's `role`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<scorer_core::disagg::EndpointRole>,
 }
 
 /// How a discovered IP becomes an endpoint: the ports and model every replica shares.
@@ -73,6 +76,7 @@ impl EndpointTemplate {
                 .map(|p| format!("tcp://{}", at(p))),
             model: self.model.clone(),
             name: Some(name.to_string()),
+            role: None,
         }
     }
 }
@@ -507,6 +511,7 @@ mod tests {
             kv_events_replay: None,
             model: None,
             name: None,
+            role: None,
         }
     }
 
