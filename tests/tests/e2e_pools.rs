@@ -323,3 +323,165 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
         .await
         .expect("test timed out");
 }
+
+/// Polls the control plane's metrics until `ok` holds.
+async fn wait_for(client: &HttpClient, fleet: &Fleet, what: &str, ok: impl Fn(&str) -> bool) {
+    let deadline = Instant::now() + CATALOGUE_TIMEOUT;
+    loop {
+        let text = control_plane_metrics(client, fleet).await;
+        if ok(&text) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "waited in vain for {what}:\n{text}\n({})",
+            fleet.describe()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A long request in the background (it keeps its adapter in a slot while it runs).
+fn long_request(url: String, model: &str) -> tokio::task::JoinHandle<()> {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": format!("a long answer from {model}")}],
+        "max_tokens": 4000,
+    });
+    tokio::spawn(async move {
+        let _ = HttpClient::new()
+            .request("POST", &url, &[], Some(body.to_string()), TEST_TIMEOUT)
+            .await;
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds() {
+    let tools = tools();
+    let body = async {
+        let mut cfg = FleetConfig::new("e2e-lora-slots");
+        cfg.replicas = 2;
+        cfg.model = "lora-base".to_string();
+        cfg.envoy_concurrency = 1;
+        cfg.sim_args = [
+            "--lora-modules",
+            "a=/adapters/a",
+            "b=/adapters/b",
+            "--max-loras",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec();
+        cfg.plugin_config = json!({"allow_explain": true});
+        cfg.control_plane_extra = json!({"models_interval_ms": 200});
+        let fleet = Fleet::start(cfg, &tools)
+            .await
+            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
+        let client = HttpClient::new();
+        let gauge = |text: &str, name: &str, address: &str| {
+            sample(text, &format!("{name}{{endpoint=\"{address}\"}}")).unwrap_or(0.0)
+        };
+        wait_for(&client, &fleet, "both catalogues", |m| {
+            fleet
+                .replicas
+                .iter()
+                .all(|r| gauge(m, "kvroute_endpoint_models", &r.address) == 3.0)
+        })
+        .await;
+
+        // Adapter `a` takes one replica's only slot for a long time.
+        let url = format!("{}/v1/chat/completions", fleet.url());
+        let mut background = vec![long_request(url.clone(), "a")];
+        let mut holder = String::new();
+        wait_for(&client, &fleet, "adapter a running", |m| {
+            fleet
+                .replicas
+                .iter()
+                .any(|r| gauge(m, "kvroute_endpoint_lora_running", &r.address) == 1.0)
+        })
+        .await;
+        let text = control_plane_metrics(&client, &fleet).await;
+        for r in &fleet.replicas {
+            if gauge(&text, "kvroute_endpoint_lora_running", &r.address) == 1.0 {
+                holder = r.address.clone();
+            }
+        }
+        let other = fleet
+            .replicas
+            .iter()
+            .find(|r| r.address != holder)
+            .unwrap()
+            .address
+            .clone();
+        // The other replica gets busier with base-model work (sent to it directly).
+        for _ in 0..3 {
+            background.push(long_request(
+                format!("http://{other}/v1/chat/completions"),
+                "lora-base",
+            ));
+        }
+        wait_for(&client, &fleet, "the other replica busy", |m| {
+            gauge(m, "kvroute_endpoint_running", &other) >= 3.0
+        })
+        .await;
+
+        // Adapter `b`: the less loaded replica would make it wait for `a`'s slot.
+        let resp = chat(
+            &client,
+            &fleet,
+            &chat_body("b", 7, None),
+            &[("x-kvroute-explain", "1")],
+        )
+        .await;
+        assert_eq!(resp.status, 200, "{}", resp.body);
+        assert_eq!(resp.header(REPLICA_HEADER), Some(other.as_str()));
+        let decision = resp.header("x-kvroute-decision").unwrap_or_default();
+        let id = decision
+            .split("; ")
+            .find_map(|kv| kv.strip_prefix("id="))
+            .unwrap_or_else(|| panic!("no id in {decision:?}"));
+        let url_d = format!("{}/debug/decisions/{id}", admin_url(&fleet));
+        let d: Value =
+            serde_json::from_str(&client.get(&url_d, REQUEST_TIMEOUT).await.unwrap().body).unwrap();
+        let lora_ms = |address: &str| {
+            d["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["endpoint"] == address)
+                .and_then(|c| c["lora_ms"].as_f64())
+                .unwrap_or_else(|| panic!("no {address} in {d:#}"))
+        };
+        assert!(
+            lora_ms(&holder) >= 5_000.0,
+            "full slots are penalised: {d:#}"
+        );
+        assert!(lora_ms(&other) < 5_000.0, "{d:#}");
+
+        // The simulator enforces the slot: `b` sent to the holder directly waits there.
+        background.push(long_request(
+            format!("http://{holder}/v1/chat/completions"),
+            "b",
+        ));
+        let holder_url = format!("http://{holder}/metrics");
+        let deadline = Instant::now() + CATALOGUE_TIMEOUT;
+        loop {
+            let page = client.get(&holder_url, REQUEST_TIMEOUT).await.unwrap().body;
+            if page.lines().any(|l| {
+                l.starts_with("vllm:lora_requests_info")
+                    && l.contains("running_lora_adapters=\"a\"")
+                    && l.contains("waiting_lora_adapters=\"b\"")
+            }) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "b never waited:\n{page}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for task in background {
+            task.abort();
+        }
+    };
+    tokio::time::timeout(TEST_TIMEOUT, body)
+        .await
+        .expect("test timed out");
+}
