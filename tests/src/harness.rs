@@ -37,6 +37,9 @@ use serde_json::{Value, json};
 pub const ENVOY_KVROUTE_TEMPLATE: &str = "envoy-config/envoy-demo.yaml";
 /// Template of the baseline topology (no filter, round robin), relative to the workspace.
 pub const ENVOY_ROUND_ROBIN_TEMPLATE: &str = "envoy-config/envoy-roundrobin.yaml";
+/// Template of the kvroute topology whose `vllm` cluster reads an EDS file, relative to the
+/// workspace ([`FleetConfig::file_discovery`]).
+pub const ENVOY_FILE_DISCOVERY_TEMPLATE: &str = "envoy-config/envoy-file-discovery.yaml";
 /// Where cargo puts the filter, relative to the target directory.
 pub const WASM_RELATIVE_PATH: &str = "wasm32-unknown-unknown/release/kvroute_filter.wasm";
 /// Response header the simulator sets to name the replica that served a request.
@@ -713,6 +716,10 @@ pub struct FleetConfig {
     /// Extra fields merged into replica i's control-plane endpoint entry (e.g.
     /// `{"role": "prefill"}`); missing entries add nothing.
     pub endpoint_extra: Vec<Value>,
+    /// Envoy (EDS file) and the control plane (`discovery: {file: ...}`) learn the replicas from
+    /// files in the log directory instead of static lists, so [`Fleet::publish_replicas`] can
+    /// add and remove replicas while the fleet runs (kvroute topology only).
+    pub file_discovery: bool,
 }
 
 impl FleetConfig {
@@ -733,6 +740,7 @@ impl FleetConfig {
             kv_events: false,
             control_plane_extra: json!({}),
             endpoint_extra: Vec::new(),
+            file_discovery: false,
         }
     }
 }
@@ -807,6 +815,8 @@ pub struct Fleet {
     /// What was started.
     pub config: FleetConfig,
     client: HttpClient,
+    /// Version of the last EDS file written ([`FleetConfig::file_discovery`]).
+    eds_version: u64,
 }
 
 static FLEET_COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -874,22 +884,71 @@ pub fn render_envoy_config(
     plugin_config: &str,
     replicas: &[String],
 ) -> Result<String> {
+    render_envoy_config_with(
+        template_path,
+        listen_port,
+        admin_port,
+        cp_port,
+        wasm,
+        plugin_config,
+        replicas,
+        &[],
+    )
+}
+
+/// [`render_envoy_config`] plus template-specific placeholders (`EDS_PATH`, `EDS_DIR` of
+/// envoy-file-discovery.yaml); extra values a template does not use are ignored.
+#[allow(clippy::too_many_arguments)]
+pub fn render_envoy_config_with(
+    template_path: &Path,
+    listen_port: u16,
+    admin_port: u16,
+    cp_port: u16,
+    wasm: &Path,
+    plugin_config: &str,
+    replicas: &[String],
+    extra: &[(&str, String)],
+) -> Result<String> {
     let template = fs::read_to_string(template_path)
         .map_err(io_err(format!("reading {}", template_path.display())))?;
     // The plugin configuration becomes a double-quoted scalar; JSON string escapes are valid YAML.
     let quoted_config = Value::String(plugin_config.to_string()).to_string();
-    render_template(
-        &template,
-        &[
-            ("LISTEN_PORT", listen_port.to_string()),
-            ("ADMIN_PORT", admin_port.to_string()),
-            ("CP_PORT", cp_port.to_string()),
-            ("WASM_PATH", wasm.display().to_string()),
-            ("PLUGIN_CONFIG", quoted_config),
-            ("VLLM_LB_ENDPOINTS", lb_endpoints_json(replicas)?),
-        ],
-        &template_path.display().to_string(),
-    )
+    let mut vars = vec![
+        ("LISTEN_PORT", listen_port.to_string()),
+        ("ADMIN_PORT", admin_port.to_string()),
+        ("CP_PORT", cp_port.to_string()),
+        ("WASM_PATH", wasm.display().to_string()),
+        ("PLUGIN_CONFIG", quoted_config),
+        ("VLLM_LB_ENDPOINTS", lb_endpoints_json(replicas)?),
+    ];
+    vars.extend(extra.iter().cloned());
+    render_template(&template, &vars, &template_path.display().to_string())
+}
+
+/// The EDS file (a `DiscoveryResponse` with one `ClusterLoadAssignment`) listing `addresses`
+/// as the hosts of `cluster`, for Envoy's `path_config_source`.
+pub fn eds_file_json(cluster: &str, addresses: &[String], version: u64) -> Result<String> {
+    let lb_endpoints: Value = serde_json::from_str(&lb_endpoints_json(addresses)?)
+        .map_err(|e| HarnessError::Config(e.to_string()))?;
+    Ok(json!({
+        "version_info": version.to_string(),
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": cluster,
+            "endpoints": [{"lb_endpoints": lb_endpoints}],
+        }],
+    })
+    .to_string())
+}
+
+/// Writes `text` to a temporary file beside `path` and renames it over `path`, so a reader
+/// (Envoy's file watch, the control plane's file discovery) never sees a half-written file.
+pub fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    fs::write(&tmp, text).map_err(io_err(format!("writing {}", tmp.display())))?;
+    fs::rename(&tmp, path).map_err(io_err(format!("renaming {}", tmp.display())))
 }
 
 /// A `--base-id` unlikely to be used by another Envoy on this machine (Envoy's
@@ -920,6 +979,17 @@ impl Fleet {
             replicas.push(start_replica(&config, tools, &log_dir, i, &client).await?);
         }
         let addresses: Vec<String> = replicas.iter().map(|r| r.address.clone()).collect();
+        if config.file_discovery {
+            if config.router != RouterKind::Kvroute {
+                return Err(HarnessError::Config(
+                    "file_discovery needs the kvroute topology".into(),
+                ));
+            }
+            let dir = discovery_dir(&log_dir);
+            fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+            let all: Vec<(usize, &Replica)> = replicas.iter().enumerate().collect();
+            write_discovery_files(&config, &log_dir, &all, 1)?;
+        }
 
         let control_plane = match config.router {
             RouterKind::Kvroute => {
@@ -940,7 +1010,50 @@ impl Fleet {
             log_dir,
             config,
             client,
+            eds_version: 1,
         })
+    }
+
+    /// Starts one more replica (the next index, same arguments) without telling anyone about it;
+    /// [`Fleet::publish_replicas`] adds it to the fleet. Returns its address.
+    pub async fn start_replica(&mut self, tools: &Tools) -> Result<String> {
+        let index = self.replicas.len();
+        let replica =
+            start_replica(&self.config, tools, &self.log_dir, index, &self.client).await?;
+        let address = replica.address.clone();
+        self.replicas.push(replica);
+        Ok(address)
+    }
+
+    /// Rewrites the EDS file and the control plane's endpoint file (each by rename) to list
+    /// exactly `addresses`, which must be replicas of this fleet ([`FleetConfig::file_discovery`]).
+    pub fn publish_replicas(&mut self, addresses: &[String]) -> Result<()> {
+        if !self.config.file_discovery {
+            return Err(HarnessError::Config(
+                "publish_replicas needs FleetConfig::file_discovery".into(),
+            ));
+        }
+        let mut chosen = Vec::new();
+        for a in addresses {
+            let found = self
+                .replicas
+                .iter()
+                .enumerate()
+                .find(|(_, r)| &r.address == a);
+            chosen.push(found.ok_or_else(|| {
+                HarnessError::Config(format!("{a} is not a replica of this fleet"))
+            })?);
+        }
+        self.eds_version += 1;
+        write_discovery_files(&self.config, &self.log_dir, &chosen, self.eds_version)
+    }
+
+    /// Kills the replica at `address` (it stays in [`Fleet::replicas`] so indices keep their
+    /// meaning); a no-op for an unknown address.
+    pub fn stop_replica(&mut self, address: &str) {
+        if let Some(r) = self.replicas.iter_mut().find(|r| r.address == address) {
+            r.process.kill();
+        }
     }
 
     /// `http://127.0.0.1:<envoy listener>`.
@@ -1166,22 +1279,26 @@ async fn start_control_plane(
     client: &HttpClient,
 ) -> Result<ControlPlane> {
     let name = "control-plane";
-    let endpoints: Vec<Value> = replicas
+    let mut endpoints: Vec<Value> = replicas
         .iter()
-        .map(|r| match &r.kv_events {
-            Some((pub_ep, replay_ep)) => json!({"address": r.address, "model": config.model,
-                "kv_events": pub_ep, "kv_events_replay": replay_ep}),
-            None => json!({"address": r.address}),
-        })
-        .zip(0..)
-        .map(|(mut entry, i)| {
-            let extra = config.endpoint_extra.get(i).and_then(Value::as_object);
-            if let (Some(entry), Some(extra)) = (entry.as_object_mut(), extra) {
-                entry.extend(extra.clone());
-            }
-            entry
-        })
+        .enumerate()
+        .map(|(i, r)| endpoint_entry(config, i, r))
         .collect();
+    let mut extra_sections = config.control_plane_extra.clone();
+    if config.file_discovery {
+        // The endpoint file (written by `Fleet::start`) replaces the static list.
+        endpoints.clear();
+        let file = discovery_dir(log_dir).join(CONTROL_PLANE_ENDPOINT_FILE);
+        if let Some(extra) = extra_sections.as_object_mut() {
+            extra.insert(
+                "discovery".into(),
+                json!({"file": {"path": file, "interval_ms": DISCOVERY_FILE_INTERVAL_MS}}),
+            );
+        } else {
+            extra_sections = json!({"discovery": {"file": {"path": file,
+                "interval_ms": DISCOVERY_FILE_INTERVAL_MS}}});
+        }
+    }
     start_with_retries(name, async || {
         let api_port = free_port()?;
         let admin_port = free_port()?;
@@ -1191,7 +1308,7 @@ async fn start_control_plane(
             config.scrape_interval_ms,
             &endpoints,
             &config.control_plane_router,
-            &config.control_plane_extra,
+            &extra_sections,
         )?;
         let cfg_path = log_dir.join("control-plane.yaml");
         fs::write(&cfg_path, yaml).map_err(io_err(format!("writing {}", cfg_path.display())))?;
@@ -1214,6 +1331,54 @@ async fn start_control_plane(
     .await
 }
 
+/// File name of the control plane's endpoint file in [`discovery_dir`].
+pub const CONTROL_PLANE_ENDPOINT_FILE: &str = "endpoints.yaml";
+/// File name of Envoy's EDS file in [`discovery_dir`].
+pub const ENVOY_EDS_FILE: &str = "vllm-eds.json";
+/// How often the control plane checks its endpoint file in file-discovery fleets.
+const DISCOVERY_FILE_INTERVAL_MS: u64 = 200;
+
+/// The directory holding a file-discovery fleet's endpoint files (Envoy watches it).
+pub fn discovery_dir(log_dir: &Path) -> PathBuf {
+    log_dir.join("discovery")
+}
+
+/// Replica `index`'s entry in the control plane's endpoint list (static config or file).
+fn endpoint_entry(config: &FleetConfig, index: usize, replica: &Replica) -> Value {
+    let mut entry = match &replica.kv_events {
+        Some((pub_ep, replay_ep)) => json!({"address": replica.address, "model": config.model,
+            "kv_events": pub_ep, "kv_events_replay": replay_ep}),
+        None => json!({"address": replica.address}),
+    };
+    let extra = config.endpoint_extra.get(index).and_then(Value::as_object);
+    if let (Some(entry), Some(extra)) = (entry.as_object_mut(), extra) {
+        entry.extend(extra.clone());
+    }
+    entry
+}
+
+/// Writes Envoy's EDS file and the control plane's endpoint file for `replicas`.
+fn write_discovery_files(
+    config: &FleetConfig,
+    log_dir: &Path,
+    replicas: &[(usize, &Replica)],
+    version: u64,
+) -> Result<()> {
+    let dir = discovery_dir(log_dir);
+    let addresses: Vec<String> = replicas.iter().map(|(_, r)| r.address.clone()).collect();
+    let entries: Vec<Value> = replicas
+        .iter()
+        .map(|(i, r)| endpoint_entry(config, *i, r))
+        .collect();
+    // JSON is YAML: the control plane reads it as its `endpoints:` shape.
+    let endpoint_file = json!({"endpoints": entries}).to_string();
+    write_atomically(&dir.join(CONTROL_PLANE_ENDPOINT_FILE), &endpoint_file)?;
+    write_atomically(
+        &dir.join(ENVOY_EDS_FILE),
+        &eds_file_json("vllm", &addresses, version)?,
+    )
+}
+
 async fn start_envoy(
     config: &FleetConfig,
     tools: &Tools,
@@ -1223,14 +1388,23 @@ async fn start_envoy(
     client: &HttpClient,
 ) -> Result<Envoy> {
     let template = workspace_root().join(match config.router {
+        RouterKind::Kvroute if config.file_discovery => ENVOY_FILE_DISCOVERY_TEMPLATE,
         RouterKind::Kvroute => ENVOY_KVROUTE_TEMPLATE,
         RouterKind::RoundRobin => ENVOY_ROUND_ROBIN_TEMPLATE,
     });
+    let eds_dir = discovery_dir(log_dir);
+    let eds_vars = [
+        (
+            "EDS_PATH",
+            eds_dir.join(ENVOY_EDS_FILE).display().to_string(),
+        ),
+        ("EDS_DIR", eds_dir.display().to_string()),
+    ];
     let plugin_config = plugin_config_json(&config.plugin_config);
     start_with_retries("envoy", async || {
         let listen_port = free_port()?;
         let admin_port = free_port()?;
-        let rendered = render_envoy_config(
+        let rendered = render_envoy_config_with(
             &template,
             listen_port,
             admin_port,
@@ -1238,6 +1412,7 @@ async fn start_envoy(
             &tools.wasm,
             &plugin_config,
             replicas,
+            &eds_vars,
         )?;
         let cfg_path = log_dir.join("envoy.yaml");
         fs::write(&cfg_path, rendered)

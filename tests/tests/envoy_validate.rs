@@ -6,7 +6,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvroute_tests::harness::{
-    self, envoy_base_id, locate_envoy, locate_wasm, plugin_config_json, render_envoy_config,
+    self, eds_file_json, envoy_base_id, locate_envoy, locate_wasm, plugin_config_json,
+    render_envoy_config_with, write_atomically,
 };
 
 /// The Envoy bootstrap files in `envoy-config/` (templates included).
@@ -36,11 +37,19 @@ fn every_shipped_envoy_config_validates() {
     std::fs::create_dir_all(&out_dir).expect("creating the output directory");
     let replicas = vec!["127.0.0.1:18001".to_string(), "127.0.0.1:18002".to_string()];
     let plugin = plugin_config_json(&serde_json::json!({"auth_token": "s3cr\"et"}));
+    // envoy-file-discovery.yaml reads its hosts from an EDS file.
+    let eds_path = out_dir.join("vllm-eds.json");
+    write_atomically(&eds_path, &eds_file_json("vllm", &replicas, 1).unwrap()).unwrap();
+    let eds_vars = [
+        ("EDS_PATH", eds_path.display().to_string()),
+        ("EDS_DIR", out_dir.display().to_string()),
+    ];
     let mut failures = Vec::new();
     for config in &configs {
-        let rendered =
-            render_envoy_config(config, 19_000, 19_001, 19_002, &wasm, &plugin, &replicas)
-                .unwrap_or_else(|e| panic!("{e}"));
+        let rendered = render_envoy_config_with(
+            config, 19_000, 19_001, 19_002, &wasm, &plugin, &replicas, &eds_vars,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         let name = config.file_name().map(|n| n.to_string_lossy().into_owned());
         let path = out_dir.join(name.unwrap_or_else(|| "config.yaml".into()));
         std::fs::write(&path, rendered).expect("writing the rendered config");
