@@ -71,6 +71,10 @@ struct Args {
     /// Run only the quality section (prints its table; writes `quality-summary.json`).
     #[arg(long)]
     quality_only: bool,
+    /// Record the control plane with `perf record -g` during the HTTP decisions run
+    /// (`<out>/control-plane-http.perf.data`; read it with `perf report -i`).
+    #[arg(long)]
+    perf: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -556,6 +560,21 @@ async fn http_decisions(
         usize::MAX,
     )
     .await;
+    let perf = if args.perf {
+        let data = out_dir.join("control-plane-http.perf.data");
+        let mut c = Command::new("perf");
+        c.args(["record", "-F", "999", "-g", "-o"])
+            .arg(&data)
+            .args(["-p", &proc.pid().to_string(), "--", "sleep"])
+            .arg(args.load_seconds.to_string());
+        Some(ManagedProcess::spawn(
+            "perf",
+            c,
+            &out_dir.join("perf-record.log"),
+        )?)
+    } else {
+        None
+    };
     let r = bench::http_load(
         &url,
         measure,
@@ -564,6 +583,13 @@ async fn http_decisions(
         usize::MAX,
     )
     .await;
+    if let Some(mut p) = perf {
+        // perf stops by itself after `sleep`; give it time to write its file.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while p.exited().is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
     if client_pinned {
         pin_self(&format!("0-{}", cpus - 1));
     }
