@@ -11,6 +11,8 @@
 //! step) + `kv_ms` (KV pressure: near-full caches evict and preempt). Lowest cost wins; ties
 //! break by the seed; a guard keeps one hot replica from taking everything.
 
+use std::collections::VecDeque;
+
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
@@ -383,6 +385,10 @@ pub struct Router {
     index: PrefixIndex,
     precise: PreciseIndexes,
     inflight: HashMap<u64, InFlight>,
+    /// `(started_ms, decision_id)` in decision order, so expiry pops what aged out instead of
+    /// scanning every in-flight entry (profiles showed that scan at 22% of an HTTP decision
+    /// while reports lagged). Entries already answered are skipped lazily.
+    inflight_order: VecDeque<(u64, u64)>,
     next_decision_id: u64,
     stats: RouterStats,
     /// `now_ms` of the last `expire`, so back-to-back decisions skip it.
@@ -446,6 +452,7 @@ impl Router {
             index,
             precise,
             inflight: HashMap::new(),
+            inflight_order: VecDeque::new(),
             next_decision_id: first_decision_id.max(1),
             stats: RouterStats::default(),
             last_expire_ms: u64::MAX,
@@ -680,19 +687,28 @@ impl Router {
             .expire(now_ms, self.config.sessions.ttl_ms);
         self.precise.speculative.expire(now_ms);
         let ttl = self.config.inflight_ttl_ms;
-        let mut expired = Vec::new();
-        self.inflight.retain(|_, f| {
-            let keep = f.started_ms.saturating_add(ttl) > now_ms;
-            if !keep {
-                expired.push(f.endpoint);
+        while let Some(&(started_ms, decision_id)) = self.inflight_order.front() {
+            if started_ms.saturating_add(ttl) > now_ms {
+                break;
             }
-            keep
-        });
-        for id in expired {
+            self.inflight_order.pop_front();
+            let Some(entry) = self.inflight.remove(&decision_id) else {
+                continue;
+            };
             self.stats.expired_inflight += 1;
-            if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
+            if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
                 slot.inflight = slot.inflight.saturating_sub(1);
             }
+        }
+    }
+
+    /// Remembers a new in-flight entry for expiry, dropping answered ones from the queue when
+    /// they outnumber the live ones (memory stays proportional to what is really in flight).
+    fn track_inflight(&mut self, decision_id: u64, now_ms: u64) {
+        self.inflight_order.push_back((now_ms, decision_id));
+        if self.inflight_order.len() > 2 * self.inflight.len() + 1024 {
+            let live = &self.inflight;
+            self.inflight_order.retain(|(_, id)| live.contains_key(id));
         }
     }
 
@@ -974,6 +990,7 @@ impl Router {
                 remote_prefill: false,
             },
         );
+        self.track_inflight(decision_id, now_ms);
         let prefiller = self.pick_prefiller(request, chosen, &chosen_score, &prefill_only, now_ms);
         if let (Some(_), Some(entry)) = (&prefiller, self.inflight.get_mut(&decision_id)) {
             entry.remote_prefill = true;
@@ -1297,6 +1314,33 @@ mod tests {
         r.route(&request(&"z".repeat(600)), 0, 1);
         r.expire(10_000_000);
         assert_eq!(r.inflight_len(), 0);
+        assert!(r.endpoints(0).iter().all(|e| e.inflight == 0));
+    }
+
+    #[test]
+    fn expiry_queue_stays_proportional_to_what_is_in_flight() {
+        let mut r = router(2);
+        let ttl = r.config().inflight_ttl_ms;
+        for t in 0..10_000u64 {
+            let d = r.route(&request(&"w".repeat(300)), t, t);
+            if t % 2 == 0 {
+                r.feedback(
+                    &Outcome {
+                        decision_id: d.response.decision_id,
+                        ..Default::default()
+                    },
+                    t,
+                );
+            }
+        }
+        assert_eq!(r.inflight_len(), 5_000);
+        assert!(r.inflight_order.len() <= 2 * r.inflight_len() + 1024);
+        // Half of them were never answered: they expire once their TTL has passed, no earlier.
+        r.expire(9_999 + ttl - 5_000);
+        assert!(r.inflight_len() > 0 && r.inflight_len() < 5_000);
+        r.expire(10_000 + ttl);
+        assert_eq!(r.inflight_len(), 0);
+        assert_eq!(r.stats().expired_inflight, 5_000);
         assert!(r.endpoints(0).iter().all(|e| e.inflight == 0));
     }
 
