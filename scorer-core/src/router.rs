@@ -226,7 +226,6 @@ pub struct ServedTotals {
 #[derive(Debug, Clone)]
 struct InFlight {
     endpoint: EndpointId,
-    started_ms: u64,
     predicted_cached_tokens: u32,
     /// The latency model's inputs at decision time, so the outcome can teach the model.
     latency_features: LatencyFeatures,
@@ -984,7 +983,6 @@ impl Router {
             decision_id,
             InFlight {
                 endpoint: chosen,
-                started_ms: now_ms,
                 predicted_cached_tokens,
                 latency_features: latency_features[usize::from(chosen.0)],
                 remote_prefill: false,
