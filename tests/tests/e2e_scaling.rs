@@ -54,14 +54,19 @@ async fn client_loop(
     let mut conversation = 0usize;
     while !stop.load(Ordering::Relaxed) {
         conversation += 1;
-        let mut messages = vec![json!({"role": "system",
-            "content": format!("You are assistant {id}. {}", "Answer briefly and precisely. ".repeat(20))})];
+        let system = format!(
+            "You are assistant {id}. {}",
+            "Answer briefly and precisely. ".repeat(20)
+        );
+        let mut messages = vec![json!({"role": "system", "content": system})];
         for turn in 0..TURNS {
             if stop.load(Ordering::Relaxed) {
                 break;
             }
-            messages.push(json!({"role": "user",
-                "content": format!("client {id} conversation {conversation} turn {turn}: tell me about replica scaling")}));
+            let question = format!(
+                "client {id} conversation {conversation} turn {turn}: how do fleets scale?"
+            );
+            messages.push(json!({"role": "user", "content": question}));
             let body = json!({"model": MODEL, "messages": messages, "max_tokens": 8});
             let sent = Instant::now();
             let resp = client
@@ -179,6 +184,11 @@ fn served_by(observed: &Mutex<Observed>, since: Instant) -> BTreeMap<String, usi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_added_and_removed_under_load() {
     let tools = tools();
+    let t0 = Instant::now();
+    let phase = |what: &str| {
+        let at = t0.elapsed().as_secs_f64();
+        println!("e2e_scaling: {what} at {at:.1} s");
+    };
     let mut cfg = FleetConfig::new("e2e-scaling");
     cfg.replicas = 2;
     cfg.model = MODEL.into();
@@ -191,6 +201,7 @@ async fn replicas_added_and_removed_under_load() {
         .unwrap_or_else(|e| panic!("{e}"));
     let initial = fleet.replica_addresses();
     wait_converged(&fleet, &initial).await;
+    phase("fleet of 2 up");
 
     let stop = Arc::new(AtomicBool::new(false));
     let observed = Arc::new(Mutex::new(Observed::default()));
@@ -214,6 +225,7 @@ async fn replicas_added_and_removed_under_load() {
         .publish_replicas(&grown)
         .unwrap_or_else(|e| panic!("{e}"));
     wait_converged(&fleet, &grown).await;
+    phase("2 replicas added and seen by Envoy and the control plane");
     let started = Instant::now();
     loop {
         let counts = served_by(&observed, added_at);
@@ -239,6 +251,7 @@ async fn replicas_added_and_removed_under_load() {
         .publish_replicas(&shrunk)
         .unwrap_or_else(|e| panic!("{e}"));
     wait_converged(&fleet, &shrunk).await;
+    phase("1 replica removed from Envoy and the control plane");
     // Requests already sent to it finish; then nothing may arrive any more.
     let started = Instant::now();
     let drained_at = loop {
@@ -265,6 +278,7 @@ async fn replicas_added_and_removed_under_load() {
         !after_removal.contains_key(&leaving),
         "{leaving} served requests sent after removal: {after_removal:?}"
     );
+    phase("removed replica drained, idle for 3 s");
     fleet.stop_replica(&leaving);
     tokio::time::sleep(Duration::from_secs(2)).await;
 
@@ -275,6 +289,7 @@ async fn replicas_added_and_removed_under_load() {
             .expect("client finished")
             .expect("client task");
     }
+    phase("load stopped");
     let observed = observed.lock();
     let total = observed.served.len();
     let mut by_replica: BTreeMap<&str, usize> = BTreeMap::new();
