@@ -153,6 +153,26 @@ async fn wait_converged(fleet: &Fleet, want: &[String]) {
     }
 }
 
+/// How often each replica was kvroute's first choice in the control plane's recent decisions.
+async fn kvroute_first_choices(fleet: &Fleet) -> BTreeMap<String, usize> {
+    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
+    let url = format!("http://{}/debug/decisions?limit=1000", cp.admin_address);
+    let resp = fleet
+        .client()
+        .get(&url, Duration::from_secs(5))
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    let decisions: Vec<Value> =
+        serde_json::from_str(&resp.body).unwrap_or_else(|e| panic!("{url}: {e}: {}", resp.body));
+    let mut counts = BTreeMap::new();
+    for d in &decisions {
+        if let Some(first) = d["endpoints"][0].as_str() {
+            *counts.entry(first.to_string()).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
 /// `(requests finished, requests running or waiting)` from a replica's `/metrics`.
 async fn replica_counts(fleet: &Fleet, address: &str) -> (f64, f64) {
     let replica = fleet
@@ -243,6 +263,15 @@ async fn replicas_added_and_removed_under_load() {
         let (finished, _) = replica_counts(&fleet, added).await;
         assert!(finished >= 3.0, "{added} finished only {finished} requests");
     }
+    // kvroute itself chose them (not only Envoy's round-robin fallback).
+    let chosen = kvroute_first_choices(&fleet).await;
+    for added in [&c, &d] {
+        assert!(
+            chosen.get(added).copied().unwrap_or(0) > 0,
+            "kvroute never chose {added}: {chosen:?}"
+        );
+    }
+    phase("added replicas served traffic chosen by kvroute");
 
     // (b) One original replica leaves gracefully: out of both files, drained, then stopped.
     let leaving = initial[1].clone();
