@@ -1478,6 +1478,34 @@ mod tests {
     }
 
     #[test]
+    fn eds_file_is_a_discovery_response_written_by_rename() {
+        let text = eds_file_json("vllm", &["127.0.0.1:8001".into()], 3).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["version_info"], "3");
+        let cla = &v["resources"][0];
+        assert_eq!(
+            cla["@type"],
+            "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+        );
+        assert_eq!(cla["cluster_name"], "vllm");
+        assert_eq!(
+            cla["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"],
+            8001
+        );
+        assert!(eds_file_json("vllm", &["nope".into()], 1).is_err());
+
+        let dir = std::env::temp_dir().join(format!("kvroute-harness-eds-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("vllm-eds.json");
+        write_atomically(&path, &text).unwrap();
+        write_atomically(&path, "{}").unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "{}");
+        let leftovers = fs::read_dir(&dir).unwrap().count();
+        assert_eq!(leftovers, 1, "the temporary file is renamed away");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn plugin_config_overrides_merge() {
         let cfg: Value =
             serde_json::from_str(&plugin_config_json(&json!({"route_timeout_ms": 7}))).unwrap();
