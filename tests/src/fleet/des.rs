@@ -6,9 +6,7 @@
 //! Later chat turns arrive a think time after their previous turn finished and repeat its
 //! prompt and generated answer, so the engines' prefix caches see real multi-turn reuse.
 
-use std::cmp::Ordering;
-use std::collections::BinaryHeap;
-
+use crate::fleet::events::EventQueue;
 use hashbrown::HashMap;
 use scorer_core::precise::{KvEvent as CoreKvEvent, Medium};
 
@@ -76,32 +74,6 @@ enum Event {
     Arrival(usize),
     StepDone(usize),
     Scrape,
-}
-
-struct Scheduled {
-    at_ms: f64,
-    seq: u64,
-    event: Event,
-}
-impl PartialEq for Scheduled {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Scheduled {
-    // Reversed: BinaryHeap is a max-heap and we want the earliest event first.
-    fn cmp(&self, other: &Self) -> Ordering {
-        other
-            .at_ms
-            .total_cmp(&self.at_ms)
-            .then(other.seq.cmp(&self.seq))
-    }
 }
 
 fn to_core(e: &KvEvent) -> CoreKvEvent {
@@ -174,22 +146,13 @@ pub fn run(
     // Prompt + generated tokens of requests a later turn will repeat.
     let mut context: HashMap<usize, Vec<u32>> = HashMap::new();
     let mut pending: Vec<Option<crate::sim::StepOutput>> = vec![None; cfg.replicas];
-    let mut heap = BinaryHeap::new();
-    let mut seq = 0u64;
-    let mut push = |heap: &mut BinaryHeap<Scheduled>, at_ms: f64, event: Event| {
-        seq += 1;
-        heap.push(Scheduled { at_ms, seq, event });
-    };
+    let mut queue = EventQueue::new();
     for i in 0..n {
         if workload.depends_on(i).is_none() {
-            push(
-                &mut heap,
-                workload.requests[i].arrival_ms,
-                Event::Arrival(i),
-            );
+            queue.push(workload.requests[i].arrival_ms, Event::Arrival(i));
         }
     }
-    push(&mut heap, 0.0, Event::Scrape);
+    queue.push(0.0, Event::Scrape);
     let mut unresolved = n;
     let mut result = RunResult {
         policy: policy.name().to_string(),
@@ -198,10 +161,7 @@ pub fn run(
     let block_size = cfg.profile.block_size;
     let capacity_tokens = cfg.profile.kv_capacity_tokens;
 
-    while let Some(Scheduled {
-        at_ms: now, event, ..
-    }) = heap.pop()
-    {
+    while let Some((now, event)) = queue.pop() {
         match event {
             Event::Arrival(i) => {
                 let spec = &workload.requests[i];
@@ -244,11 +204,7 @@ pub fn run(
                     unresolved -= 1;
                     policy.on_finish(i, replica, now, 0);
                     if let Some(&d) = dependent.get(&i) {
-                        push(
-                            &mut heap,
-                            now + workload.requests[d].arrival_ms,
-                            Event::Arrival(d),
-                        );
+                        queue.push(now + workload.requests[d].arrival_ms, Event::Arrival(d));
                     }
                 } else if pending[replica].is_none() {
                     start_step(
@@ -256,8 +212,7 @@ pub fn run(
                         &mut pending[replica],
                         replica,
                         now,
-                        &mut heap,
-                        &mut push,
+                        &mut queue,
                     );
                 }
             }
@@ -296,11 +251,8 @@ pub fn run(
                             unresolved -= 1;
                             policy.on_finish(i, r, now, summary.cached_tokens);
                             if let Some(&d) = dependent.get(&i) {
-                                push(
-                                    &mut heap,
-                                    now + workload.requests[d].arrival_ms,
-                                    Event::Arrival(d),
-                                );
+                                queue
+                                    .push(now + workload.requests[d].arrival_ms, Event::Arrival(d));
                             }
                         }
                     }
@@ -309,14 +261,7 @@ pub fn run(
                     let events: Vec<CoreKvEvent> = out.kv_events.iter().map(to_core).collect();
                     policy.on_kv_events(r, &events, now);
                 }
-                start_step(
-                    &mut engines[r],
-                    &mut pending[r],
-                    r,
-                    now,
-                    &mut heap,
-                    &mut push,
-                );
+                start_step(&mut engines[r], &mut pending[r], r, now, &mut queue);
             }
             Event::Scrape => {
                 let snapshots: Vec<ReplicaSnapshot> = engines
@@ -337,7 +282,7 @@ pub fn run(
                     .max(snapshots.iter().map(|s| s.waiting).max().unwrap_or(0));
                 policy.on_metrics(&snapshots, now);
                 if unresolved > 0 {
-                    push(&mut heap, now + cfg.metrics_interval_ms, Event::Scrape);
+                    queue.push(now + cfg.metrics_interval_ms, Event::Scrape);
                 }
             }
         }
@@ -366,8 +311,7 @@ fn start_step(
     pending: &mut Option<crate::sim::StepOutput>,
     replica: usize,
     now_ms: f64,
-    heap: &mut BinaryHeap<Scheduled>,
-    push: &mut impl FnMut(&mut BinaryHeap<Scheduled>, f64, Event),
+    queue: &mut EventQueue<Event>,
 ) {
     if !engine.has_work() {
         return;
@@ -379,5 +323,5 @@ fn start_step(
     }
     let end_ms = (out.end_s * 1000.0).max(now_ms);
     *pending = Some(out);
-    push(heap, end_ms, Event::StepDone(replica));
+    queue.push(end_ms, Event::StepDone(replica));
 }

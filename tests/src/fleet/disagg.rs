@@ -9,9 +9,7 @@
 //! streams running beside it (inter-token latency), at the price of fewer replicas to prefill
 //! on and a transfer (time to first token).
 
-use std::cmp::Ordering;
-use std::collections::BinaryHeap;
-
+use crate::fleet::events::EventQueue;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use scorer_core::disagg::{EndpointRole, PdConfig};
@@ -236,32 +234,6 @@ enum Event {
     Scrape,
 }
 
-struct Scheduled {
-    at_ms: f64,
-    seq: u64,
-    event: Event,
-}
-impl PartialEq for Scheduled {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Scheduled {
-    // Reversed: BinaryHeap is a max-heap and we want the earliest event first.
-    fn cmp(&self, other: &Self) -> Ordering {
-        other
-            .at_ms
-            .total_cmp(&self.at_ms)
-            .then(other.seq.cmp(&self.seq))
-    }
-}
-
 #[derive(Debug, Clone, Default)]
 struct Record {
     decision_id: u64,
@@ -281,8 +253,7 @@ struct Sim<'a> {
     specs: &'a [Spec],
     engines: Vec<Engine>,
     pending: Vec<Option<crate::sim::StepOutput>>,
-    heap: BinaryHeap<Scheduled>,
-    seq: u64,
+    queue: EventQueue<Event>,
     router: Router,
     addresses: Vec<String>,
     records: Vec<Record>,
@@ -295,12 +266,7 @@ struct Sim<'a> {
 
 impl Sim<'_> {
     fn push(&mut self, at_ms: f64, event: Event) {
-        self.seq += 1;
-        self.heap.push(Scheduled {
-            at_ms,
-            seq: self.seq,
-            event,
-        });
+        self.queue.push(at_ms, event);
     }
 
     fn start_step(&mut self, r: usize, now_ms: f64) {
@@ -504,8 +470,7 @@ pub fn run(
         specs: &specs,
         engines,
         pending: vec![None; sc.replicas],
-        heap: BinaryHeap::new(),
-        seq: 0,
+        queue: EventQueue::new(),
         router,
         addresses,
         records: vec![Record::default(); n],
@@ -520,10 +485,7 @@ pub fn run(
     }
     sim.push(0.0, Event::Scrape);
     let mut unfinished = n;
-    while let Some(Scheduled {
-        at_ms: now, event, ..
-    }) = sim.heap.pop()
-    {
+    while let Some((now, event)) = sim.queue.pop() {
         match event {
             Event::Arrival(i) => sim.arrive(i, now)?,
             Event::StepDone(r) => sim.on_step(r, now)?,

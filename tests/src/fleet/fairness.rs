@@ -7,9 +7,7 @@
 //! `Retry-After`); the report gives the interactive tenant's TTFT p99 against running alone,
 //! the batch tenant's goodput and the shed counts.
 
-use std::cmp::Ordering;
-use std::collections::BinaryHeap;
-
+use crate::fleet::events::EventQueue;
 use scorer_core::fairness::{Admission, AdmissionConfig, ReplicaLoad};
 use scorer_core::protocol::RouteRequest;
 use serde::Serialize;
@@ -161,33 +159,6 @@ enum Event {
     Scrape,
 }
 
-#[derive(Debug)]
-struct Scheduled {
-    at_ms: f64,
-    seq: u64,
-    event: Event,
-}
-impl PartialEq for Scheduled {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-impl Eq for Scheduled {}
-impl PartialOrd for Scheduled {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Scheduled {
-    // Reversed: the earliest event first out of the max-heap.
-    fn cmp(&self, other: &Self) -> Ordering {
-        other
-            .at_ms
-            .total_cmp(&self.at_ms)
-            .then(other.seq.cmp(&self.seq))
-    }
-}
-
 fn arrivals(s: &Scenario, with_batch: bool) -> Vec<Arrival> {
     let mut rng = policy::SplitMix(s.seed ^ 0xfa1e);
     let mut exp = |rate: f64| {
@@ -240,23 +211,15 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
     let mut finished: Vec<Option<(f64, u32)>> = vec![None; reqs.len()];
     let mut shed = vec![false; reqs.len()];
     let mut pending: Vec<Option<crate::sim::StepOutput>> = vec![None; s.replicas];
-    let mut heap = BinaryHeap::new();
-    let mut seq = 0u64;
-    let mut push = |heap: &mut BinaryHeap<Scheduled>, at_ms: f64, event: Event| {
-        seq += 1;
-        heap.push(Scheduled { at_ms, seq, event });
-    };
+    let mut queue = EventQueue::new();
     for (i, r) in reqs.iter().enumerate() {
-        push(&mut heap, r.at_ms, Event::Arrival(i));
+        queue.push(r.at_ms, Event::Arrival(i));
     }
-    push(&mut heap, 0.0, Event::Scrape);
+    queue.push(0.0, Event::Scrape);
     let mut outstanding = reqs.len();
     let mut last_ms: f64 = 0.0;
 
-    while let Some(Scheduled {
-        at_ms: now, event, ..
-    }) = heap.pop()
-    {
+    while let Some((now, event)) = queue.pop() {
         match event {
             Event::Arrival(i) => {
                 let (tenant, prompt, output) = match reqs[i].tenant {
@@ -324,8 +287,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         &mut pending[replica],
                         replica,
                         now,
-                        &mut heap,
-                        &mut push,
+                        &mut queue,
                     );
                 }
             }
@@ -353,14 +315,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         _ => {}
                     }
                 }
-                start_step(
-                    &mut engines[r],
-                    &mut pending[r],
-                    r,
-                    now,
-                    &mut heap,
-                    &mut push,
-                );
+                start_step(&mut engines[r], &mut pending[r], r, now, &mut queue);
             }
             Event::Scrape => {
                 for (i, e) in engines.iter().enumerate() {
@@ -376,7 +331,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                 unseen.iter_mut().for_each(|u| *u = 0);
                 router.on_metrics(&snapshots, now);
                 if outstanding > 0 {
-                    push(&mut heap, now + s.metrics_interval_ms, Event::Scrape);
+                    queue.push(now + s.metrics_interval_ms, Event::Scrape);
                 }
             }
         }
@@ -414,8 +369,7 @@ fn start_step(
     pending: &mut Option<crate::sim::StepOutput>,
     replica: usize,
     now_ms: f64,
-    heap: &mut BinaryHeap<Scheduled>,
-    push: &mut impl FnMut(&mut BinaryHeap<Scheduled>, f64, Event),
+    queue: &mut EventQueue<Event>,
 ) {
     if !engine.has_work() {
         return;
@@ -426,7 +380,7 @@ fn start_step(
     }
     let end_ms = (out.end_s * 1000.0).max(now_ms);
     *pending = Some(out);
-    push(heap, end_ms, Event::StepDone(replica));
+    queue.push(end_ms, Event::StepDone(replica));
 }
 
 /// Runs the three modes and computes the ratios.

@@ -9,6 +9,7 @@
 
 pub mod des;
 pub mod disagg;
+pub mod events;
 pub mod fairness;
 pub mod policy;
 pub mod report;
