@@ -85,6 +85,16 @@ pub enum HarnessError {
         /// The underlying error.
         source: io::Error,
     },
+    /// A control-plane metrics condition did not hold in time.
+    #[error("waited {waited:?} in vain for {what}; last control-plane metrics:\n{last}")]
+    MetricsWait {
+        /// What was awaited.
+        what: String,
+        /// How long.
+        waited: Duration,
+        /// The last metrics text seen.
+        last: String,
+    },
     /// A process exited or never became ready.
     #[error("{process} did not become ready: {reason}; last log lines of {log}:\n{tail}")]
     NotReady {
@@ -1104,6 +1114,49 @@ impl Fleet {
         Ok(resp.body)
     }
 
+    /// The control plane's own Prometheus text (admin `/metrics`); `None` in the round-robin
+    /// topology, which has no control plane.
+    pub async fn control_plane_metrics(&self) -> Option<Result<String>> {
+        let cp = self.control_plane.as_ref()?;
+        let url = format!("http://{}/metrics", cp.admin_address);
+        Some(match self.client.get(&url, Duration::from_secs(5)).await {
+            Ok(resp) if resp.status == 200 => Ok(resp.body),
+            Ok(resp) => Err(HarnessError::Http {
+                url,
+                reason: format!("status {}", resp.status),
+            }),
+            Err(e) => Err(e),
+        })
+    }
+
+    /// Polls the control plane's metrics every 100 ms until `ok` holds on them (returns that
+    /// text), or fails after `timeout` with the last text seen.
+    pub async fn wait_for_control_plane_metrics(
+        &self,
+        what: &str,
+        timeout: Duration,
+        ok: impl Fn(&str) -> bool,
+    ) -> Result<String> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let text = match self.control_plane_metrics().await {
+                Some(text) => text?,
+                None => String::new(),
+            };
+            if ok(&text) {
+                return Ok(text);
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(HarnessError::MetricsWait {
+                    what: what.to_string(),
+                    waited: timeout,
+                    last: text,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Envoy's stats (`/stats`) as text, for diagnostics.
     pub async fn envoy_stats(&self, filter: &str) -> Result<String> {
         let url = format!("http://{}/stats?filter={filter}", self.envoy.admin_address);
@@ -1116,6 +1169,15 @@ impl Fleet {
         let _ = write!(s, "; replicas {:?}", self.replica_addresses());
         s
     }
+}
+
+/// The value of one sample, `series` being the name with its labels exactly as exposed
+/// (`kvroute_sessions_total{result="hit"}`), if present.
+pub fn prometheus_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(series)?;
+        rest.strip_prefix(' ')?.trim().parse().ok()
+    })
 }
 
 /// Sum of all samples of metric `name` (any labels) in Prometheus text format.

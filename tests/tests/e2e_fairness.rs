@@ -170,17 +170,6 @@ fn hold_kv(fleet: &Fleet, words_n: usize, seed: u64) -> Vec<tokio::task::JoinHan
         .collect()
 }
 
-async fn control_plane_metrics(fleet: &Fleet) -> String {
-    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
-    let url = format!("http://{}/metrics", cp.admin_address);
-    fleet
-        .client()
-        .get(&url, REQUEST_TIMEOUT)
-        .await
-        .unwrap()
-        .body
-}
-
 fn sample(text: &str, prefix: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(prefix))
@@ -336,7 +325,11 @@ async fn sheds_by_criticality_and_fair_share_and_limits_prompts_per_tenant() {
         .await;
 
         // Metrics on both sides.
-        let cp = control_plane_metrics(&fleet).await;
+        let cp = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
         let shed = |labels: &str| sample(&cp, &format!("kvroute_requests_shed_total{{{labels}}}"));
         assert!(
             shed("criticality=\"sheddable\",tenant=\"chat\"") >= 1.0,

@@ -4,9 +4,11 @@
 //! still in a replica's CPU tier goes to that replica: partial credit, below GPU and above
 //! recompute. The engine then loads those blocks instead of recomputing them.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvroute_tests::harness::{Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools};
+use kvroute_tests::harness::{
+    Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sample,
+};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
@@ -57,33 +59,13 @@ async fn start(tools: &Tools) -> Fleet {
         .unwrap_or_else(|e| panic!("starting the fleet: {e}"))
 }
 
-async fn cp_metrics(client: &HttpClient, fleet: &Fleet) -> String {
-    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
-    let url = format!("http://{}/metrics", cp.admin_address);
-    client.get(&url, REQUEST_TIMEOUT).await.unwrap().body
-}
-
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        let rest = l.strip_prefix(series)?;
-        rest.strip_prefix(' ')?.trim().parse().ok()
-    })
-}
-
 /// Polls the control plane's metrics until `ok` holds.
-async fn wait_metrics(client: &HttpClient, fleet: &Fleet, what: &str, ok: impl Fn(&str) -> bool) {
-    let deadline = Instant::now() + WAIT_TIMEOUT;
-    loop {
-        let text = cp_metrics(client, fleet).await;
-        if ok(&text) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "waited in vain for {what}:\n{text}\n({})",
-            fleet.describe()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+async fn wait_metrics(fleet: &Fleet, what: &str, ok: impl Fn(&str) -> bool) {
+    if let Err(e) = fleet
+        .wait_for_control_plane_metrics(what, WAIT_TIMEOUT, ok)
+        .await
+    {
+        panic!("{e} ({})", fleet.describe());
     }
 }
 
@@ -120,9 +102,9 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
         let fleet = start(&tools).await;
         let client = HttpClient::new();
         let addresses = fleet.replica_addresses();
-        wait_metrics(&client, &fleet, "every KV-event stream live", |m| {
+        wait_metrics(&fleet, "every KV-event stream live", |m| {
             addresses.iter().all(|a| {
-                sample(
+                prometheus_sample(
                     m,
                     &format!("kvroute_endpoint_events_live{{endpoint=\"{a}\"}}"),
                 ) == Some(1.0)
@@ -134,8 +116,8 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
         let first = post(&client, &fleet.url(), &prompt(1), &[]).await;
         let home = first.header(REPLICA_HEADER).unwrap().to_string();
         let other = addresses.iter().find(|a| **a != home).unwrap().clone();
-        wait_metrics(&client, &fleet, "offloaded blocks indexed", |m| {
-            sample(
+        wait_metrics(&fleet, "offloaded blocks indexed", |m| {
+            prometheus_sample(
                 m,
                 &format!("kvroute_endpoint_offload_blocks{{endpoint=\"{home}\"}}"),
             )
@@ -147,12 +129,12 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
         for seed in 10..14 {
             post(&client, &format!("http://{home}"), &prompt(seed), &[]).await;
         }
-        wait_metrics(&client, &fleet, "the GPU tier turned over", |m| {
-            let offload = sample(
+        wait_metrics(&fleet, "the GPU tier turned over", |m| {
+            let offload = prometheus_sample(
                 m,
                 &format!("kvroute_endpoint_offload_blocks{{endpoint=\"{home}\"}}"),
             );
-            let gpu = sample(
+            let gpu = prometheus_sample(
                 m,
                 &format!("kvroute_endpoint_precise_blocks{{endpoint=\"{home}\"}}"),
             );
@@ -160,13 +142,18 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
                 && gpu.is_some_and(|n| n <= f64::from(GPU_TOKENS / 16))
         })
         .await;
-        let text = cp_metrics(&client, &fleet).await;
+        let text = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
         assert!(
-            sample(&text, "kvroute_indexed_blocks{tier=\"offload\"}").unwrap_or(0.0) >= 150.0,
+            prometheus_sample(&text, "kvroute_indexed_blocks{tier=\"offload\"}").unwrap_or(0.0)
+                >= 150.0,
             "{text}"
         );
         assert!(
-            sample(&text, "kvroute_indexed_blocks{tier=\"gpu\"}").unwrap_or(0.0) > 0.0,
+            prometheus_sample(&text, "kvroute_indexed_blocks{tier=\"gpu\"}").unwrap_or(0.0) > 0.0,
             "{text}"
         );
         // Speculative entries of step 1 are gone by now (300 ms).

@@ -8,7 +8,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_tests::harness::{Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools};
+use kvroute_tests::harness::{
+    Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sample,
+};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
@@ -57,46 +59,22 @@ fn admin_url(fleet: &Fleet) -> String {
     )
 }
 
-async fn control_plane_metrics(client: &HttpClient, fleet: &Fleet) -> String {
-    let url = format!("{}/metrics", admin_url(fleet));
-    let resp = client.get(&url, REQUEST_TIMEOUT).await.unwrap();
-    assert_eq!(resp.status, 200, "{}", resp.body);
-    resp.body
-}
-
-/// The value of the sample `series` (name with labels, exactly as exposed), if present.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        let rest = l.strip_prefix(series)?;
-        rest.strip_prefix(' ')?.trim().parse().ok()
-    })
-}
-
 /// Waits until the control plane knows every replica's models (pool B lists 3).
-async fn wait_for_catalogues(client: &HttpClient, fleet: &Fleet) {
-    let deadline = Instant::now() + CATALOGUE_TIMEOUT;
-    loop {
-        let text = control_plane_metrics(client, fleet).await;
-        let counts: Vec<Option<f64>> = fleet
-            .replicas
+async fn wait_for_catalogues(fleet: &Fleet) {
+    let addresses: Vec<String> = fleet.replicas.iter().map(|r| r.address.clone()).collect();
+    wait_for(fleet, "both catalogues learned", |text| {
+        let counts: Vec<Option<f64>> = addresses
             .iter()
-            .map(|r| {
-                sample(
-                    &text,
-                    &format!("kvroute_endpoint_models{{endpoint=\"{}\"}}", r.address),
+            .map(|a| {
+                prometheus_sample(
+                    text,
+                    &format!("kvroute_endpoint_models{{endpoint=\"{a}\"}}"),
                 )
             })
             .collect();
-        if counts == [Some(1.0), Some(1.0), Some(3.0), Some(3.0)] {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "catalogues not learned: {counts:?} ({})",
-            fleet.describe()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        counts == [Some(1.0), Some(1.0), Some(3.0), Some(3.0)]
+    })
+    .await;
 }
 
 /// A short chat whose prompt shares nothing with other calls (seeded words).
@@ -150,7 +128,7 @@ async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
     let body = async {
         let fleet = start(&tools, "e2e-pools").await;
         let client = HttpClient::new();
-        wait_for_catalogues(&client, &fleet).await;
+        wait_for_catalogues(&fleet).await;
 
         for i in 0..12u64 {
             let (model, pool) = match i % 3 {
@@ -178,9 +156,13 @@ async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
             "{err:#}"
         );
 
-        let text = control_plane_metrics(&client, &fleet).await;
+        let text = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
         assert_eq!(
-            sample(&text, "kvroute_unknown_model_total{action=\"rejected\"}"),
+            prometheus_sample(&text, "kvroute_unknown_model_total{action=\"rejected\"}"),
             Some(1.0),
             "{text}"
         );
@@ -196,7 +178,7 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
     let body = async {
         let fleet = start(&tools, "e2e-sessions").await;
         let client = HttpClient::new();
-        wait_for_catalogues(&client, &fleet).await;
+        wait_for_catalogues(&fleet).await;
 
         // Three conversations by header and one by the body's `user`, interleaved; prompts
         // share no prefix, so only affinity keeps each on one replica.
@@ -224,18 +206,25 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
                 }
             }
         }
-        let text = control_plane_metrics(&client, &fleet).await;
+        let text = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
         assert_eq!(
-            sample(&text, "kvroute_sessions_total{result=\"hit\"}"),
+            prometheus_sample(&text, "kvroute_sessions_total{result=\"hit\"}"),
             Some(20.0),
             "{text}"
         );
         assert_eq!(
-            sample(&text, "kvroute_sessions_total{result=\"miss\"}"),
+            prometheus_sample(&text, "kvroute_sessions_total{result=\"miss\"}"),
             Some(4.0),
             "{text}"
         );
-        assert_eq!(sample(&text, "kvroute_sessions_remembered"), Some(4.0));
+        assert_eq!(
+            prometheus_sample(&text, "kvroute_sessions_remembered"),
+            Some(4.0)
+        );
 
         // LoRA: a long request for `pool-b-sql` keeps the adapter running on one replica;
         // further `pool-b-sql` requests go there (the other would have to load it).
@@ -257,11 +246,15 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
         // Wait until a pool-B replica reports the adapter running.
         let deadline = Instant::now() + CATALOGUE_TIMEOUT;
         let holder = loop {
-            let text = control_plane_metrics(&client, &fleet).await;
+            let text = fleet
+                .control_plane_metrics()
+                .await
+                .expect("kvroute topology")
+                .expect("control-plane metrics");
             let running: Vec<f64> = fleet.replicas[2..]
                 .iter()
                 .map(|r| {
-                    sample(
+                    prometheus_sample(
                         &text,
                         &format!(
                             "kvroute_endpoint_lora_running{{endpoint=\"{}\"}}",
@@ -325,19 +318,12 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
 }
 
 /// Polls the control plane's metrics until `ok` holds.
-async fn wait_for(client: &HttpClient, fleet: &Fleet, what: &str, ok: impl Fn(&str) -> bool) {
-    let deadline = Instant::now() + CATALOGUE_TIMEOUT;
-    loop {
-        let text = control_plane_metrics(client, fleet).await;
-        if ok(&text) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "waited in vain for {what}:\n{text}\n({})",
-            fleet.describe()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+async fn wait_for(fleet: &Fleet, what: &str, ok: impl Fn(&str) -> bool) {
+    if let Err(e) = fleet
+        .wait_for_control_plane_metrics(what, CATALOGUE_TIMEOUT, ok)
+        .await
+    {
+        panic!("{e} ({})", fleet.describe());
     }
 }
 
@@ -379,9 +365,9 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
             .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
         let client = HttpClient::new();
         let gauge = |text: &str, name: &str, address: &str| {
-            sample(text, &format!("{name}{{endpoint=\"{address}\"}}")).unwrap_or(0.0)
+            prometheus_sample(text, &format!("{name}{{endpoint=\"{address}\"}}")).unwrap_or(0.0)
         };
-        wait_for(&client, &fleet, "both catalogues", |m| {
+        wait_for(&fleet, "both catalogues", |m| {
             fleet
                 .replicas
                 .iter()
@@ -393,14 +379,18 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
         let url = format!("{}/v1/chat/completions", fleet.url());
         let mut background = vec![long_request(url.clone(), "a")];
         let mut holder = String::new();
-        wait_for(&client, &fleet, "adapter a running", |m| {
+        wait_for(&fleet, "adapter a running", |m| {
             fleet
                 .replicas
                 .iter()
                 .any(|r| gauge(m, "kvroute_endpoint_lora_running", &r.address) == 1.0)
         })
         .await;
-        let text = control_plane_metrics(&client, &fleet).await;
+        let text = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
         for r in &fleet.replicas {
             if gauge(&text, "kvroute_endpoint_lora_running", &r.address) == 1.0 {
                 holder = r.address.clone();
@@ -420,7 +410,7 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
                 "lora-base",
             ));
         }
-        wait_for(&client, &fleet, "the other replica busy", |m| {
+        wait_for(&fleet, "the other replica busy", |m| {
             gauge(m, "kvroute_endpoint_running", &other) >= 3.0
         })
         .await;
