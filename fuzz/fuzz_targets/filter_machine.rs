@@ -19,7 +19,7 @@ use kvroute_filter::machine::{
 };
 use kvroute_filter::root::RootState;
 use libfuzzer_sys::fuzz_target;
-use scorer_core::protocol::{FeedbackBatch, RouteRequest, RouteResponse};
+use scorer_core::protocol::{FeedbackBatch, Reject, RouteRequest, RouteResponse};
 
 #[derive(Arbitrary, Debug)]
 enum Name {
@@ -68,6 +68,8 @@ enum Answer {
     Raw(Vec<u8>),
     Endpoints(u64, Vec<String>),
     Good(u64, u8),
+    /// A well-formed answer with a prefiller (P/D) or a refusal (admission, unknown model).
+    Extended(u64, u8, Option<String>, Option<(u16, String, Option<u32>)>),
 }
 
 #[derive(Arbitrary, Debug)]
@@ -170,6 +172,7 @@ fn answer_bytes(a: &Answer) -> Vec<u8> {
             endpoints: endpoints.clone(),
             cached_blocks: 0,
             reason: "fuzz".into(),
+            ..RouteResponse::default()
         })
         .unwrap_or_default(),
         Answer::Good(id, n) => serde_json::to_vec(&RouteResponse {
@@ -177,6 +180,21 @@ fn answer_bytes(a: &Answer) -> Vec<u8> {
             endpoints: (0..*n % 4).map(|i| format!("10.0.0.{i}:8000")).collect(),
             cached_blocks: 1,
             reason: "prefix".into(),
+            ..RouteResponse::default()
+        })
+        .unwrap_or_default(),
+        Answer::Extended(id, n, prefiller, reject) => serde_json::to_vec(&RouteResponse {
+            decision_id: *id,
+            endpoints: (0..*n % 4).map(|i| format!("10.0.0.{i}:8000")).collect(),
+            cached_blocks: 1,
+            reason: "prefix".into(),
+            prefiller: prefiller.clone(),
+            reject: reject.as_ref().map(|(status, message, retry)| Reject {
+                status: *status,
+                message: message.clone(),
+                error_type: "fuzz".into(),
+                retry_after_s: *retry,
+            }),
         })
         .unwrap_or_default(),
     }
