@@ -481,8 +481,8 @@ async fn http_decisions(
     let yaml = harness::control_plane_yaml(api, admin, 1_000, &fleet.addresses, &json!({}))?;
     let cfg = out_dir.join("control-plane-bench.yaml");
     std::fs::write(&cfg, yaml)?;
-    // Core 1, when there are two cores and `taskset`. The load client is not pinned: confined
-    // to the other core it became the bottleneck (4,509/s against 10,315/s unpinned).
+    // Core 1, when there are two cores and `taskset`. The load client is left unpinned
+    // (pinning it to core 0 showed no clear effect; docs/BENCHMARKS.md).
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pinned_core =
         (cpus >= 2 && Command::new("taskset").arg("-V").output().is_ok()).then_some(1u32);
