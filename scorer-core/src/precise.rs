@@ -238,6 +238,15 @@ mod tests {
         }
     }
 
+    /// A tracker with empty GPU and offload indexes whose entries never expire.
+    fn fresh() -> (PreciseTracker, PrefixIndex, PrefixIndex) {
+        (
+            PreciseTracker::new(),
+            PrefixIndex::new(u64::MAX / 2),
+            PrefixIndex::new(u64::MAX / 2),
+        )
+    }
+
     fn depth(index: &PrefixIndex, hashes: &[u64]) -> usize {
         let mut d = 0;
         index.matched_prefix(hashes, |_, x| d = d.max(x));
@@ -246,11 +255,7 @@ mod tests {
 
     #[test]
     fn chained_stores_match_request_hashes() {
-        let (mut t, mut gpu, mut off) = (
-            PreciseTracker::new(),
-            PrefixIndex::new(u64::MAX / 2),
-            PrefixIndex::new(u64::MAX / 2),
-        );
+        let (mut t, mut gpu, mut off) = fresh();
         let id = EndpointId(1);
         t.apply(
             id,
@@ -294,11 +299,7 @@ mod tests {
 
     #[test]
     fn removed_blocks_are_named_by_our_hashes_before_the_event_applies() {
-        let (mut t, mut gpu, mut off) = (
-            PreciseTracker::new(),
-            PrefixIndex::new(u64::MAX / 2),
-            PrefixIndex::new(u64::MAX / 2),
-        );
+        let (mut t, mut gpu, mut off) = fresh();
         let id = EndpointId(0);
         t.apply(
             id,
@@ -328,11 +329,7 @@ mod tests {
 
     #[test]
     fn a_block_in_gpu_and_cpu_leaves_each_index_with_its_own_removal() {
-        let (mut t, mut gpu, mut off) = (
-            PreciseTracker::new(),
-            PrefixIndex::new(1000),
-            PrefixIndex::new(1000),
-        );
+        let (mut t, mut gpu, mut off) = fresh();
         let id = EndpointId(0);
         let request = token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4);
         // Written through: stored on the GPU, then in the CPU tier, under one engine hash.
@@ -381,11 +378,7 @@ mod tests {
 
     #[test]
     fn offload_tier_goes_to_its_own_index() {
-        let (mut t, mut gpu, mut off) = (
-            PreciseTracker::new(),
-            PrefixIndex::new(1000),
-            PrefixIndex::new(1000),
-        );
+        let (mut t, mut gpu, mut off) = fresh();
         t.apply(
             EndpointId(0),
             "m",
@@ -402,11 +395,7 @@ mod tests {
 
     #[test]
     fn missed_parent_and_bad_counts_are_errors() {
-        let (mut t, mut gpu, mut off) = (
-            PreciseTracker::new(),
-            PrefixIndex::new(1000),
-            PrefixIndex::new(1000),
-        );
+        let (mut t, mut gpu, mut off) = fresh();
         let e = t.apply(
             EndpointId(0),
             "m",
@@ -430,11 +419,7 @@ mod tests {
 
     #[test]
     fn lora_blocks_use_the_adapter_seed() {
-        let (mut t, mut gpu, mut off) = (
-            PreciseTracker::new(),
-            PrefixIndex::new(1000),
-            PrefixIndex::new(1000),
-        );
+        let (mut t, mut gpu, mut off) = fresh();
         let mut e = stored(&[1], None, 0..4, Medium::Gpu);
         if let KvEvent::BlockStored { lora_name, .. } = &mut e {
             *lora_name = Some("sql".into());
