@@ -213,6 +213,7 @@ pub fn run(
                         replica,
                         now,
                         &mut queue,
+                        Event::StepDone,
                     );
                 }
             }
@@ -261,7 +262,14 @@ pub fn run(
                     let events: Vec<CoreKvEvent> = out.kv_events.iter().map(to_core).collect();
                     policy.on_kv_events(r, &events, now);
                 }
-                start_step(&mut engines[r], &mut pending[r], r, now, &mut queue);
+                start_step(
+                    &mut engines[r],
+                    &mut pending[r],
+                    r,
+                    now,
+                    &mut queue,
+                    Event::StepDone,
+                );
             }
             Event::Scrape => {
                 let snapshots: Vec<ReplicaSnapshot> = engines
@@ -306,12 +314,15 @@ pub fn run(
     Ok(result)
 }
 
-fn start_step(
+/// Starts `replica`'s next engine step if it has work, keeping its output until the step's end
+/// time, when `step_done(replica)` fires (shared by every fleet-sim model that steps engines).
+pub(crate) fn start_step<E>(
     engine: &mut Engine,
     pending: &mut Option<crate::sim::StepOutput>,
     replica: usize,
     now_ms: f64,
-    queue: &mut EventQueue<Event>,
+    queue: &mut EventQueue<E>,
+    step_done: fn(usize) -> E,
 ) {
     if !engine.has_work() {
         return;
@@ -323,5 +334,5 @@ fn start_step(
     }
     let end_ms = (out.end_s * 1000.0).max(now_ms);
     *pending = Some(out);
-    queue.push(end_ms, Event::StepDone(replica));
+    queue.push(end_ms, step_done(replica));
 }

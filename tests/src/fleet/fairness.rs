@@ -7,6 +7,7 @@
 //! `Retry-After`); the report gives the interactive tenant's TTFT p99 against running alone,
 //! the batch tenant's goodput and the shed counts.
 
+use crate::fleet::des::start_step;
 use crate::fleet::events::EventQueue;
 use scorer_core::fairness::{Admission, AdmissionConfig, ReplicaLoad};
 use scorer_core::protocol::RouteRequest;
@@ -288,6 +289,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         replica,
                         now,
                         &mut queue,
+                        Event::StepDone,
                     );
                 }
             }
@@ -315,7 +317,14 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         _ => {}
                     }
                 }
-                start_step(&mut engines[r], &mut pending[r], r, now, &mut queue);
+                start_step(
+                    &mut engines[r],
+                    &mut pending[r],
+                    r,
+                    now,
+                    &mut queue,
+                    Event::StepDone,
+                );
             }
             Event::Scrape => {
                 for (i, e) in engines.iter().enumerate() {
@@ -362,25 +371,6 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
         batch: tenant(Tenant::Batch),
         makespan_ms: last_ms,
     })
-}
-
-fn start_step(
-    engine: &mut Engine,
-    pending: &mut Option<crate::sim::StepOutput>,
-    replica: usize,
-    now_ms: f64,
-    queue: &mut EventQueue<Event>,
-) {
-    if !engine.has_work() {
-        return;
-    }
-    let out = engine.step(now_ms / 1000.0);
-    if out.num_scheduled == 0 && out.events.is_empty() {
-        return;
-    }
-    let end_ms = (out.end_s * 1000.0).max(now_ms);
-    *pending = Some(out);
-    queue.push(end_ms, Event::StepDone(replica));
 }
 
 /// Runs the three modes and computes the ratios.
