@@ -394,6 +394,32 @@ pub struct Router {
     last_expire_ms: u64,
     /// Model pools, sessions and LoRA adapters (see `pools`, `affinity`, `lora`).
     fleet: FleetState,
+    /// Per-decision working buffers, kept between decisions so `route` allocates none of them.
+    scratch: RouteScratch,
+}
+
+/// Buffers `Router::route` fills every decision; reused, so a decision allocates only what it
+/// returns (profiles showed a third of a decision's allocations were these).
+#[derive(Debug, Default)]
+struct RouteScratch {
+    /// Matched prefix depth per endpoint slot: approximate index, then precise GPU,
+    /// speculative and offload indexes (the last three only for precise requests).
+    matched: Vec<usize>,
+    gpu: Vec<usize>,
+    spec: Vec<usize>,
+    offload: Vec<usize>,
+    /// The latency model's inputs per endpoint slot, written as each candidate is scored, so
+    /// the chosen one's reach its in-flight entry.
+    features: Vec<LatencyFeatures>,
+    /// Sort keys of the candidates (see `cost_order`).
+    keys: Vec<u128>,
+}
+
+/// Sets `buffer` to `len` zeros, keeping its allocation.
+fn zeroed(buffer: &mut Vec<usize>, len: usize) -> &mut [usize] {
+    buffer.clear();
+    buffer.resize(len, 0);
+    buffer
 }
 
 /// The event-fed indexes of precise mode, keyed by token-block hashes.
@@ -456,6 +482,7 @@ impl Router {
             stats: RouterStats::default(),
             last_expire_ms: u64::MAX,
             fleet: FleetState::default(),
+            scratch: RouteScratch::default(),
         }
     }
 
@@ -725,31 +752,25 @@ impl Router {
         let tokens_per_block = self.tokens_per_block();
         let prompt_tokens = f64::from(request.prompt_tokens.max(1));
         let n = self.slots.len();
-        let mut matched = vec![0usize; n];
-        record_depths(&self.index, &request.block_hashes, &mut matched);
+        let scratch = &mut self.scratch;
+        let matched = zeroed(&mut scratch.matched, n);
+        record_depths(&self.index, &request.block_hashes, matched);
         // Precise mode: the event-fed GPU index (plus speculative entries of recent decisions)
         // and the offload tiers, in engine blocks.
         let precise = !request.token_block_hashes.is_empty();
-        // Only precise requests read these (through `scored_precisely`): no allocation otherwise.
+        // Only precise requests read these (through `scored_precisely`).
         let per_endpoint = if precise { n } else { 0 };
-        let (mut gpu, mut spec, mut offload) = (
-            vec![0usize; per_endpoint],
-            vec![0usize; per_endpoint],
-            vec![0usize; per_endpoint],
-        );
+        let gpu = zeroed(&mut scratch.gpu, per_endpoint);
+        let spec = zeroed(&mut scratch.spec, per_endpoint);
+        let offload = zeroed(&mut scratch.offload, per_endpoint);
         if precise {
-            record_depths(&self.precise.gpu, &request.token_block_hashes, &mut gpu);
-            record_depths(
-                &self.precise.speculative,
-                &request.token_block_hashes,
-                &mut spec,
-            );
-            record_depths(
-                &self.precise.offload,
-                &request.token_block_hashes,
-                &mut offload,
-            );
+            record_depths(&self.precise.gpu, &request.token_block_hashes, gpu);
+            record_depths(&self.precise.speculative, &request.token_block_hashes, spec);
+            record_depths(&self.precise.offload, &request.token_block_hashes, offload);
         }
+        // Written for every candidate before the chosen one's is read: no reset needed.
+        let latency_features = &mut scratch.features;
+        latency_features.resize(n, LatencyFeatures::default());
         let block_tokens = self.config.precise.block_tokens.max(1);
         // vLLM recomputes at least the last prompt token, so only blocks of the first n-1 count.
         let hittable_blocks = (request.prompt_tokens.saturating_sub(1) as usize) / block_tokens;
@@ -778,7 +799,6 @@ impl Router {
         let s = &self.config.scoring;
         let stale_after = self.config.stale_after_ms;
         let learned = &self.config.latency;
-        let mut latency_features = vec![LatencyFeatures::default(); n];
         let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::with_capacity(n);
         for (i, slot) in self.slots.iter_mut().enumerate() {
             let Some(slot) = slot else { continue };
@@ -920,28 +940,33 @@ impl Router {
                 c.session_ms = 0.0;
             }
         }
-        // Order: unguarded first, then by cost; near-ties shuffled by the seed.
-        sort_by_cost(&mut candidates);
-        let best = &candidates[0].1;
+        // Order: unguarded first, then by cost; near-ties shuffled by the seed. The order is
+        // worked out on small keys, and the candidates (large) are moved into it once, at the end.
+        let keys = &mut self.scratch.keys;
+        cost_order(&candidates, keys);
+        let best = &candidates[key_position(keys[0])].1;
         let (best_guarded, best_cost) = (best.guarded, best.total_ms);
-        let ties = candidates
+        let ties = keys
             .iter()
-            .take_while(|(_, c)| c.guarded == best_guarded && c.total_ms - best_cost <= s.tie_ms)
+            .map(|&k| &candidates[key_position(k)].1)
+            .take_while(|c| c.guarded == best_guarded && c.total_ms - best_cost <= s.tie_ms)
             .count();
         if ties > 1 {
             let pick = (splitmix64(seed ^ decision_id) % ties as u64) as usize;
-            candidates.swap(0, pick);
+            keys.swap(0, pick);
         }
         let any_guarded = candidates.iter().any(|(_, c)| c.guarded);
-        let cheapest_guarded = candidates
+        let cheapest_guarded = keys
             .iter()
-            .min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms))
-            .is_some_and(|(_, c)| c.guarded);
+            .map(|&k| &candidates[key_position(k)].1)
+            .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
+            .is_some_and(|c| c.guarded);
         if cheapest_guarded {
             self.stats.guarded += 1;
         }
 
-        let (chosen, chosen_score) = (candidates[0].0, candidates[0].1.clone());
+        let (chosen, chosen_score) = &candidates[key_position(keys[0])];
+        let chosen = *chosen;
         if let Some(key) = session_key {
             self.fleet.sessions.count(remembered, chosen);
             let max_sessions = self.config.sessions.max_sessions;
@@ -984,35 +1009,33 @@ impl Router {
             InFlight {
                 endpoint: chosen,
                 predicted_cached_tokens,
-                latency_features: latency_features[usize::from(chosen.0)],
+                latency_features: self.scratch.features[usize::from(chosen.0)],
                 remote_prefill: false,
             },
         );
         self.track_inflight(decision_id, now_ms);
-        let prefiller = self.pick_prefiller(request, chosen, &chosen_score, &prefill_only, now_ms);
+        let prefiller = self.pick_prefiller(request, chosen, chosen_score, &prefill_only, now_ms);
         if let (Some(_), Some(entry)) = (&prefiller, self.inflight.get_mut(&decision_id)) {
             entry.remote_prefill = true;
         }
 
-        let endpoints = candidates
+        let cached_blocks = chosen_score.cached_blocks;
+        let keys = &self.scratch.keys;
+        let endpoints = keys
             .iter()
             .take(1 + self.config.fallbacks)
-            .map(|(_, c)| c.endpoint.to_string())
+            .map(|&k| candidates[key_position(k)].1.endpoint.to_string())
             .collect();
         Decision {
             response: RouteResponse {
                 decision_id,
                 endpoints,
-                cached_blocks: chosen_score.cached_blocks,
+                cached_blocks,
                 reason: reason.into(),
                 prefiller,
                 ..RouteResponse::default()
             },
-            candidates: candidates
-                .into_iter()
-                .chain(prefill_only)
-                .map(|(_, c)| c)
-                .collect(),
+            candidates: in_cost_order(candidates, keys, prefill_only),
         }
     }
 
@@ -1183,33 +1206,46 @@ fn record_depths(index: &PrefixIndex, hashes: &[u64], out: &mut [usize]) {
     });
 }
 
-/// Stable sort, unguarded first, then by total cost. Sorts small keys and permutes once, since
-/// a candidate is large and moving it a dozen times a decision showed in profiles.
-fn sort_by_cost(candidates: &mut Vec<(EndpointId, CandidateScore)>) {
-    // One integer a candidate: guarded flag, cost in `f64::total_cmp` order, then the position
-    // (so the unstable sort gives the stable order), sorted branch-free.
-    let mut keys: Vec<u128> = candidates
-        .iter()
-        .enumerate()
-        .map(|(i, (_, c))| {
-            let bits = c.total_ms.to_bits();
-            let ordered = if bits >> 63 == 1 {
-                !bits
-            } else {
-                bits | 1 << 63
-            };
-            u128::from(c.guarded) << 127 | u128::from(ordered) << 63 | i as u128
-        })
-        .collect();
+/// Writes into `keys` the candidates' order: unguarded first, then by total cost, stable. One
+/// integer a candidate (guarded flag, cost in `f64::total_cmp` order, then the position, so the
+/// unstable sort gives the stable order), sorted branch-free; `key_position` reads the position
+/// back. Candidates are large: moving them a dozen times a decision showed in profiles.
+fn cost_order(candidates: &[(EndpointId, CandidateScore)], keys: &mut Vec<u128>) {
+    keys.clear();
+    keys.extend(candidates.iter().enumerate().map(|(i, (_, c))| {
+        let bits = c.total_ms.to_bits();
+        let ordered = if bits >> 63 == 1 {
+            !bits
+        } else {
+            bits | 1 << 63
+        };
+        u128::from(c.guarded) << 127 | u128::from(ordered) << 63 | i as u128
+    }));
     keys.sort_unstable();
-    let position = |k: &u128| (*k & ((1 << 63) - 1)) as usize;
-    if keys.iter().enumerate().all(|(at, k)| position(k) == at) {
-        return;
-    }
+}
+
+/// The candidate position a `cost_order` key carries.
+fn key_position(key: u128) -> usize {
+    (key & ((1 << 63) - 1)) as usize
+}
+
+/// The candidates' scores in `keys` order (a permutation of their positions), then the
+/// prefill-only ones: each score moves once into the returned vector.
+fn in_cost_order(
+    candidates: Vec<(EndpointId, CandidateScore)>,
+    keys: &[u128],
+    prefill_only: Vec<(EndpointId, CandidateScore)>,
+) -> Vec<CandidateScore> {
+    // Same element size as `candidates` (the option uses a niche), so this reuses its buffer.
     let mut taken: Vec<Option<(EndpointId, CandidateScore)>> =
-        std::mem::take(candidates).into_iter().map(Some).collect();
-    candidates.reserve_exact(keys.len());
-    candidates.extend(keys.iter().filter_map(|k| taken[position(k)].take()));
+        candidates.into_iter().map(Some).collect();
+    let mut ordered = Vec::with_capacity(keys.len() + prefill_only.len());
+    ordered.extend(
+        keys.iter()
+            .filter_map(|&k| taken[key_position(k)].take().map(|(_, c)| c)),
+    );
+    ordered.extend(prefill_only.into_iter().map(|(_, c)| c));
+    ordered
 }
 
 /// The replica drains queued prefill at its prefill rate: forget what it has done since.
