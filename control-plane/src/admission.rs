@@ -11,7 +11,7 @@ use scorer_core::fairness::{
     Admission, AdmissionConfig, AdmissionDecision, ReplicaLoad, ShedReason,
 };
 use scorer_core::protocol::RouteRequest;
-use scorer_core::router::EndpointView;
+use scorer_core::router::EndpointLoad;
 use std::sync::atomic::AtomicU64;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -33,36 +33,58 @@ pub struct Gate {
     over_share: Family<ClassLabels, Counter>,
     admitted: Family<ClassLabels, Counter>,
     too_large: Family<TenantLabels, Counter>,
+    ttft_bound: Family<ClassLabels, Counter>,
     saturation: Gauge<f64, AtomicU64>,
+    ttft_inflation: Gauge<f64, AtomicU64>,
+    max_ttft_inflation: Gauge<f64, AtomicU64>,
+    reference_tokens: u32,
 }
 
 impl Gate {
     /// A gate with `config` (validated by the caller's config loading).
     pub fn new(config: AdmissionConfig) -> Self {
+        let max_ttft_inflation = Gauge::default();
+        // 0 = no bound configured, so a dashboard can tell "off" from a value.
+        max_ttft_inflation.set(config.max_ttft_inflation.unwrap_or(0.0));
         Self {
+            reference_tokens: config.ttft_reference_tokens,
             admission: Mutex::new(Admission::new(config)),
             shed: Family::default(),
             over_share: Family::default(),
             admitted: Family::default(),
             too_large: Family::default(),
+            ttft_bound: Family::default(),
             saturation: Gauge::default(),
+            ttft_inflation: Gauge::default(),
+            max_ttft_inflation,
         }
     }
 
-    /// Decides on `request` against the fleet `views` at `now_ms` and counts the verdict.
+    /// Prompt tokens of the reference request whose TTFT the bound protects: what the
+    /// router's load view must predict for (`Router::endpoint_loads`).
+    pub fn reference_tokens(&self) -> u32 {
+        self.reference_tokens
+    }
+
+    /// Decides on `request` against the router's load view `loads` at `now_ms` and counts
+    /// the verdict.
     pub fn decide(
         &self,
         request: &RouteRequest,
-        views: &[EndpointView],
+        loads: &[EndpointLoad],
         now_ms: u64,
     ) -> AdmissionDecision {
-        let loads: Vec<ReplicaLoad> = views.iter().filter_map(ReplicaLoad::from_view).collect();
-        let decision = {
-            let mut a = self.admission.lock();
-            let saturation = a.fleet_saturation(&loads);
-            a.decide(request, saturation, now_ms)
-        };
+        let loads: Vec<ReplicaLoad> = loads.iter().filter_map(ReplicaLoad::from_load).collect();
+        let decision = self.admission.lock().admit(request, &loads, now_ms);
         self.saturation.set(decision.saturation);
+        if let Some(inflation) = decision.ttft_inflation {
+            // An infinite estimate (no usable replica) would not encode; show it as 0 = unknown.
+            self.ttft_inflation.set(if inflation.is_finite() {
+                inflation
+            } else {
+                0.0
+            });
+        }
         let class = ClassLabels {
             criticality: decision.criticality.as_str(),
             tenant: decision.tenant_label.clone(),
@@ -82,6 +104,9 @@ impl Gate {
                 self.shed.get_or_create(&class).inc();
                 if reason == ShedReason::OverFairShare {
                     self.over_share.get_or_create(&class).inc();
+                }
+                if reason == ShedReason::TtftBound {
+                    self.ttft_bound.get_or_create(&class).inc();
                 }
             }
         }
@@ -110,6 +135,25 @@ impl Gate {
             "requests_too_large",
             "Requests answered 413 because the prompt exceeded the tenant's max_prompt_bytes",
             self.too_large.clone(),
+        );
+        registry.register(
+            "requests_shed_ttft_bound",
+            "Of the shed requests, those refused because their tenant was over its fair share \
+             and admitting them would have raised the others' predicted TTFT above \
+             admission.max_ttft_inflation",
+            self.ttft_bound.clone(),
+        );
+        registry.register(
+            "admission_ttft_inflation",
+            "Fleet TTFT inflation at the last admission decision: the best replica's predicted \
+             TTFT for a ttft_reference_tokens prompt over its idle TTFT (0 = unknown or no \
+             bound configured)",
+            self.ttft_inflation.clone(),
+        );
+        registry.register(
+            "admission_max_ttft_inflation",
+            "The configured admission.max_ttft_inflation (0 = no bound)",
+            self.max_ttft_inflation.clone(),
         );
         registry.register(
             "fleet_saturation",

@@ -324,8 +324,13 @@ impl State {
     pub fn route(&self, request: &RouteRequest) -> RouteResponse {
         let now = self.now_ms();
         if let Some(gate) = &self.admission {
-            let views = self.inner.lock().router.endpoints(now);
-            if let Some(reject) = gate.decide(request, &views, now).reject {
+            // The router's light load view: no address strings or index counts per endpoint.
+            let mut loads = Vec::new();
+            self.inner
+                .lock()
+                .router
+                .endpoint_loads(now, gate.reference_tokens(), &mut loads);
+            if let Some(reject) = gate.decide(request, &loads, now).reject {
                 self.telemetry.count_decision("rejected");
                 return RouteResponse {
                     reason: "rejected".into(),

@@ -8,6 +8,14 @@
 //! standard requests of a tenant that is far over its weighted share, so one tenant's flood
 //! does not queue in front of everyone else's interactive traffic.
 //!
+//! Shedding at saturation cannot bound what a flood costs the others: the gateway cannot
+//! preempt a long prefill already running where an interactive request lands. With
+//! `max_ttft_inflation` set, a tenant over its fair share is also refused whenever admitting
+//! its request would leave no replica whose predicted time to first token for a reference
+//! (interactive-sized) request is within that factor of its idle value; the router then steers
+//! the other tenants' requests to the replicas kept free of the flood. The bound is the
+//! configured factor, not a side effect of the saturation limits.
+//!
 //! Sans-IO like the rest of the crate: time is `now_ms`, endpoint loads are arguments.
 
 use std::collections::BTreeMap;
@@ -16,7 +24,7 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::protocol::{Reject, RouteRequest};
-use crate::router::{EndpointView, Health};
+use crate::router::{EndpointLoad, Health};
 
 /// How important a request is when the fleet is saturated.
 #[derive(
@@ -116,6 +124,18 @@ pub struct AdmissionConfig {
     pub critical_at: Option<f64>,
     /// Shed a saturated fleet's standard requests from tenants over their fair share.
     pub fairness: bool,
+    /// Bound on how much a tenant over its fair share may inflate the others' time to first
+    /// token: its standard and sheddable requests are refused (429) when admitting one would
+    /// leave no replica whose predicted TTFT for a `ttft_reference_tokens` prompt stays within
+    /// this multiple of that replica's idle TTFT. Applies whatever the saturation (a long
+    /// prefill hurts before any limit is reached) and only while the tenant is over its share
+    /// (`fair_share_slack`), so a lone tenant is never throttled. Needs `fairness`. `None`:
+    /// unused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_ttft_inflation: Option<f64>,
+    /// Uncached prompt tokens of the request whose TTFT `max_ttft_inflation` protects (a
+    /// typical interactive prompt); its idle TTFT is the baseline of the factor.
+    pub ttft_reference_tokens: u32,
     /// A tenant is "over its fair share" when its weighted token usage exceeds this multiple
     /// of its weighted share of all recently active tenants' usage.
     pub fair_share_slack: f64,
@@ -147,6 +167,8 @@ impl Default for AdmissionConfig {
             standard_at: 2.0,
             critical_at: None,
             fairness: true,
+            max_ttft_inflation: None,
+            ttft_reference_tokens: 512,
             fair_share_slack: 1.5,
             usage_half_life_ms: 10_000,
             default_output_tokens: 256,
@@ -207,6 +229,18 @@ impl AdmissionConfig {
         if !positive(self.fair_share_slack) || self.fair_share_slack < 1.0 {
             return bad("fair_share_slack", "must be a number >= 1");
         }
+        if self
+            .max_ttft_inflation
+            .is_some_and(|f| !positive(f) || f < 1.0)
+        {
+            return bad("max_ttft_inflation", "must be a number >= 1");
+        }
+        if self.max_ttft_inflation.is_some() && !self.fairness {
+            return bad("max_ttft_inflation", "needs fairness: true");
+        }
+        if self.ttft_reference_tokens == 0 {
+            return bad("ttft_reference_tokens", "must be positive");
+        }
         if self.usage_half_life_ms == 0 {
             return bad("usage_half_life_ms", "must be positive");
         }
@@ -242,6 +276,9 @@ pub enum ShedReason {
     Saturated,
     /// The fleet is saturated and its tenant is over its fair share (429).
     OverFairShare,
+    /// Its tenant is over its fair share and admitting it would break `max_ttft_inflation`
+    /// for the other tenants (429).
+    TtftBound,
 }
 
 impl ShedReason {
@@ -251,6 +288,7 @@ impl ShedReason {
             ShedReason::PromptTooLarge => "prompt_too_large",
             ShedReason::Saturated => "saturated",
             ShedReason::OverFairShare => "over_fair_share",
+            ShedReason::TtftBound => "ttft_bound",
         }
     }
 }
@@ -268,10 +306,20 @@ pub struct AdmissionDecision {
     pub saturation: f64,
     /// The tenant's usage over its fair share at the time (1.0 = exactly its share).
     pub share_ratio: f64,
+    /// The fleet's TTFT inflation before this request (see [`Admission::ttft_inflation`]);
+    /// `None` when `max_ttft_inflation` is unset or the decision had no loads.
+    pub ttft_inflation: Option<f64>,
     /// Why it was refused, or `None` when admitted.
     pub shed: Option<ShedReason>,
     /// What the filter should answer instead of routing, when refused.
     pub reject: Option<Reject>,
+}
+
+/// The fleet's TTFT inflation before and after admitting the request being decided.
+#[derive(Debug, Clone, Copy)]
+struct TtftLoads {
+    before: f64,
+    after: f64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -298,32 +346,46 @@ pub struct ReplicaLoad {
     pub prefill_backlog_tokens: f64,
     /// Its metrics are stale or missing: treated as exactly saturated (1.0).
     pub stale: bool,
+    /// Prompt tokens queued there ahead of a new request (see [`EndpointLoad::queued_tokens`]).
+    pub queued_tokens: f64,
+    /// Predicted TTFT of a reference request routed there now (ms; see
+    /// [`EndpointLoad::ttft_ms`]).
+    pub ttft_ms: f64,
+    /// The same request's predicted TTFT on the idle replica (ms); 0 = unknown.
+    pub idle_ttft_ms: f64,
+    /// Predicted TTFT added per prompt token admitted there ahead of the reference request.
+    pub ms_per_queued_token: f64,
 }
 
 impl ReplicaLoad {
-    /// From the router's view of an endpoint; `None` for an unreachable one (not a candidate).
-    /// Requests the router sent and the last scrape does not show yet count as waiting.
-    pub fn from_view(view: &EndpointView) -> Option<ReplicaLoad> {
+    /// From the router's load view of an endpoint (`Router::endpoint_loads`); `None` for an
+    /// unreachable one (not a candidate). Requests the router sent and the last scrape does
+    /// not show yet count as waiting.
+    pub fn from_load(view: &EndpointLoad) -> Option<ReplicaLoad> {
         if view.health != Health::Ready {
             return None;
         }
-        Some(match view.metrics {
+        let (waiting, kv_usage, stale) = match view.metrics {
             Some(m) => {
                 let seen = m.running.saturating_add(m.waiting);
                 let unseen = view.inflight.saturating_sub(seen);
-                ReplicaLoad {
-                    waiting: f64::from(m.waiting) + f64::from(unseen),
-                    kv_usage: m.kv_usage,
-                    prefill_backlog_tokens: view.backlog_tokens,
-                    stale: view.stale,
-                }
+                (
+                    f64::from(m.waiting) + f64::from(unseen),
+                    m.kv_usage,
+                    view.stale,
+                )
             }
-            None => ReplicaLoad {
-                waiting: f64::from(view.inflight),
-                kv_usage: 0.0,
-                prefill_backlog_tokens: view.backlog_tokens,
-                stale: true,
-            },
+            None => (f64::from(view.inflight), 0.0, true),
+        };
+        Some(ReplicaLoad {
+            waiting,
+            kv_usage,
+            prefill_backlog_tokens: view.backlog_tokens,
+            stale,
+            queued_tokens: view.queued_tokens,
+            ttft_ms: view.ttft_ms,
+            idle_ttft_ms: view.idle_ttft_ms,
+            ms_per_queued_token: view.ms_per_queued_token,
         })
     }
 }
@@ -430,12 +492,109 @@ impl Admission {
         v
     }
 
-    /// Decides whether `request` may be routed now, given the fleet's `saturation` (see
-    /// [`Admission::fleet_saturation`]); an admitted request is charged to its tenant.
+    /// One replica's TTFT inflation: the reference request's predicted TTFT there over its
+    /// idle TTFT. A request that has to wait behind queued prompts is prefilled in one engine
+    /// step with whatever else arrives meanwhile, so while prompts are queued the prediction
+    /// counts one more reference-sized prefill (fleet-sim showed the FCFS estimate alone
+    /// under-predicting exactly those requests). Infinite when unknown (stale metrics, no
+    /// baseline): such a replica cannot count as kept free.
+    pub fn replica_ttft_inflation(&self, load: &ReplicaLoad) -> f64 {
+        let peer = if load.queued_tokens >= 1.0 {
+            f64::from(self.config.ttft_reference_tokens) * load.ms_per_queued_token.max(0.0)
+        } else {
+            0.0
+        };
+        let r = (load.ttft_ms + peer) / load.idle_ttft_ms;
+        if load.stale || !r.is_finite() || load.idle_ttft_ms <= 0.0 {
+            f64::INFINITY
+        } else {
+            r.max(1.0)
+        }
+    }
+
+    /// The fleet's TTFT inflation: the best (lowest) candidate's, see
+    /// [`Admission::replica_ttft_inflation`]. Infinite with no usable candidate.
+    pub fn ttft_inflation(&self, loads: &[ReplicaLoad]) -> f64 {
+        loads
+            .iter()
+            .map(|l| self.replica_ttft_inflation(l))
+            .min_by(f64::total_cmp)
+            .unwrap_or(f64::INFINITY)
+    }
+
+    /// The fleet's TTFT inflation after admitting a prompt of `prompt_tokens`: the router
+    /// sends it where a request would wait least (the replica with the lowest predicted
+    /// TTFT), whose TTFT grows by its prefill; the others keep theirs. When prompts are still
+    /// queued on that replica, the result is at least its own new inflation too: an engine
+    /// prefills what is queued in the same steps, so the requests waiting there (possibly
+    /// another tenant's) get their first token only after the new prompt's prefill as well.
+    /// Every prompt token is assumed uncached (admission cannot see the prefix cache), so the
+    /// estimate errs towards protection.
+    pub fn ttft_inflation_after(&self, loads: &[ReplicaLoad], prompt_tokens: u32) -> f64 {
+        let Some(pick) = (0..loads.len())
+            .filter(|&i| self.replica_ttft_inflation(&loads[i]).is_finite())
+            .min_by(|&a, &b| loads[a].ttft_ms.total_cmp(&loads[b].ttft_ms))
+        else {
+            return f64::INFINITY;
+        };
+        let mut after = loads[pick];
+        let added = f64::from(prompt_tokens);
+        after.ttft_ms += added * after.ms_per_queued_token.max(0.0);
+        let queued_there = if after.queued_tokens >= 1.0 {
+            self.replica_ttft_inflation(&after)
+        } else {
+            0.0
+        };
+        after.queued_tokens += added;
+        let free = loads
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                if i == pick {
+                    self.replica_ttft_inflation(&after)
+                } else {
+                    self.replica_ttft_inflation(l)
+                }
+            })
+            .min_by(f64::total_cmp)
+            .unwrap_or(f64::INFINITY);
+        free.max(queued_there)
+    }
+
+    /// Decides whether `request` may be routed now onto the candidate replicas `loads`: their
+    /// saturation (see [`Admission::fleet_saturation`]) and, with `max_ttft_inflation` set,
+    /// their predicted TTFTs. An admitted request is charged to its tenant.
+    pub fn admit(
+        &mut self,
+        request: &RouteRequest,
+        loads: &[ReplicaLoad],
+        now_ms: u64,
+    ) -> AdmissionDecision {
+        let saturation = self.fleet_saturation(loads);
+        let bound = self.config.max_ttft_inflation.map(|_| TtftLoads {
+            before: self.ttft_inflation(loads),
+            after: self.ttft_inflation_after(loads, request.prompt_tokens),
+        });
+        self.decide_with(request, saturation, bound, now_ms)
+    }
+
+    /// Decides whether `request` may be routed now, given the fleet's `saturation` only (see
+    /// [`Admission::fleet_saturation`]; the TTFT bound needs [`Admission::admit`]); an admitted
+    /// request is charged to its tenant.
     pub fn decide(
         &mut self,
         request: &RouteRequest,
         saturation: f64,
+        now_ms: u64,
+    ) -> AdmissionDecision {
+        self.decide_with(request, saturation, None, now_ms)
+    }
+
+    fn decide_with(
+        &mut self,
+        request: &RouteRequest,
+        saturation: f64,
+        bound: Option<TtftLoads>,
         now_ms: u64,
     ) -> AdmissionDecision {
         let tenant = request
@@ -451,6 +610,7 @@ impl Admission {
             criticality,
             saturation,
             share_ratio,
+            ttft_inflation: bound.map(|b| b.before),
             shed: None,
             reject: None,
             tenant,
@@ -484,12 +644,31 @@ impl Admission {
                 (saturation >= c.sheddable_at).then_some(ShedReason::Saturated)
             }
         };
+        // The TTFT bound: an over-share tenant only gets capacity that leaves a replica within
+        // the factor for everyone else. Critical requests are exempt (shed only at
+        // `critical_at`).
+        let shed = shed.or_else(|| {
+            let (max, b) = c.max_ttft_inflation.zip(bound)?;
+            (c.fairness
+                && criticality != Criticality::Critical
+                && share_ratio > c.fair_share_slack
+                && b.after > max)
+                .then_some(ShedReason::TtftBound)
+        });
         if let Some(reason) = shed {
             let message = match reason {
                 ShedReason::OverFairShare => format!(
                     "the inference fleet is saturated and tenant {:?} is using {share_ratio:.1}x \
                      its fair share; retry later",
                     decision.tenant
+                ),
+                ShedReason::TtftBound => format!(
+                    "tenant {:?} is using {share_ratio:.1}x its fair share and admitting this \
+                     request would raise other tenants' time to first token to {:.1}x its idle \
+                     value (limit {:.1}x, admission.max_ttft_inflation); retry later",
+                    decision.tenant,
+                    bound.map_or(f64::INFINITY, |b| b.after),
+                    c.max_ttft_inflation.unwrap_or(f64::INFINITY),
                 ),
                 _ => format!(
                     "the inference fleet is saturated (saturation {saturation:.2}); {} requests \
@@ -565,6 +744,10 @@ mod tests {
             kv_usage: kv,
             prefill_backlog_tokens: 0.0,
             stale: false,
+            queued_tokens: 0.0,
+            ttft_ms: 56.0,
+            idle_ttft_ms: 56.0,
+            ms_per_queued_token: 0.1,
         }
     }
 
@@ -765,6 +948,183 @@ mod tests {
         assert_eq!(a.tenant_label(DEFAULT_TENANT), DEFAULT_TENANT);
     }
 
+    /// A replica whose reference TTFT is `ttft_ms` (idle 56 ms, 10 prompt tokens a ms).
+    fn ttft_load(queued_tokens: f64, ttft_ms: f64) -> ReplicaLoad {
+        ReplicaLoad {
+            queued_tokens,
+            ttft_ms,
+            ms_per_queued_token: 0.1,
+            ..load(0.0, 0.0)
+        }
+    }
+
+    fn bounded(max: f64) -> Admission {
+        Admission::new(AdmissionConfig {
+            max_ttft_inflation: Some(max),
+            ..AdmissionConfig::default()
+        })
+    }
+
+    /// Gives `batch` far more than its share next to a light `chat` tenant.
+    fn contend(a: &mut Admission) {
+        for i in 0..20 {
+            a.charge("batch", 6_000.0, i);
+            a.charge("chat", 500.0, i);
+        }
+    }
+
+    #[test]
+    fn the_ttft_bound_keeps_a_replica_free_for_the_other_tenants() {
+        let mut a = bounded(3.0);
+        contend(&mut a);
+        let flooded = ttft_load(5_000.0, 556.0);
+        let one_free = [flooded, flooded, flooded, ttft_load(0.0, 56.0)];
+        // Admitting the flood would land it on the only free replica: refused, whatever the
+        // saturation (none of these replicas is over a saturation limit).
+        assert!(a.fleet_saturation(&one_free) < 1.0);
+        let d = a.admit(&request("batch", "standard", 6_000), &one_free, 30);
+        assert_eq!(d.shed, Some(ShedReason::TtftBound), "{d:?}");
+        assert_eq!(d.ttft_inflation, Some(1.0));
+        let r = d.reject.unwrap();
+        assert_eq!(
+            (r.status, r.error_type.as_str(), r.retry_after_s),
+            (429, "rate_limit_exceeded", Some(1))
+        );
+        assert!(
+            r.message.contains("batch") && r.message.contains("max_ttft_inflation"),
+            "{}",
+            r.message
+        );
+        // The other tenant, and critical requests, are never refused for the bound.
+        let chat = a.admit(&request("chat", "standard", 500), &one_free, 30);
+        assert_eq!(chat.shed, None);
+        assert_eq!(
+            a.admit(&request("batch", "critical", 6_000), &one_free, 30)
+                .shed,
+            None
+        );
+        // With a second free replica the flood gets one of them.
+        let two_free = [flooded, flooded, ttft_load(0.0, 56.0), ttft_load(0.0, 60.0)];
+        assert_eq!(
+            a.admit(&request("batch", "standard", 6_000), &two_free, 31)
+                .shed,
+            None
+        );
+        // A looser bound tolerates some queue on the replica left for the others: 1,000
+        // queued tokens is (56 + 100 + 51) / 56 = 3.7x.
+        let queued = [
+            flooded,
+            flooded,
+            ttft_load(0.0, 56.0),
+            ttft_load(1_000.0, 156.0),
+        ];
+        let mut tight = bounded(3.0);
+        contend(&mut tight);
+        let mut loose = bounded(4.0);
+        contend(&mut loose);
+        let flood = request("batch", "standard", 6_000);
+        assert_eq!(
+            tight.admit(&flood, &queued, 30).shed,
+            Some(ShedReason::TtftBound)
+        );
+        assert_eq!(loose.admit(&flood, &queued, 30).shed, None);
+    }
+
+    #[test]
+    fn the_ttft_bound_is_work_conserving_and_off_by_default() {
+        let flooded = ttft_load(5_000.0, 556.0);
+        let one_free = [flooded, flooded, flooded, ttft_load(0.0, 56.0)];
+        // A lone tenant is never over its share: not throttled.
+        let mut lone = bounded(2.0);
+        for i in 0..20 {
+            let d = lone.admit(&request("batch", "standard", 6_000), &one_free, i);
+            assert_eq!(d.shed, None, "{d:?}");
+        }
+        // Without the setting, nothing changes.
+        let mut off = Admission::new(AdmissionConfig::default());
+        contend(&mut off);
+        let d = off.admit(&request("batch", "standard", 6_000), &one_free, 30);
+        assert_eq!((d.shed, d.ttft_inflation), (None, None));
+    }
+
+    #[test]
+    fn queued_prompts_where_the_flood_would_land_count_against_the_bound() {
+        let mut a = bounded(3.0);
+        contend(&mut a);
+        let flooded = ttft_load(5_000.0, 556.0);
+        // The cheapest replica holds a queued (maybe interactive) prompt: an engine prefills
+        // it in the same step as the flood's, so it would wait for the flood too.
+        let busy = [
+            flooded,
+            flooded,
+            ttft_load(100.0, 66.0),
+            ttft_load(0.0, 70.0),
+        ];
+        assert_eq!(
+            a.admit(&request("batch", "standard", 6_000), &busy, 30)
+                .shed,
+            Some(ShedReason::TtftBound)
+        );
+        let drained = [flooded, flooded, ttft_load(0.0, 66.0), ttft_load(0.0, 70.0)];
+        assert_eq!(
+            a.admit(&request("batch", "standard", 6_000), &drained, 30)
+                .shed,
+            None
+        );
+        // Unknown replicas never count as free.
+        let stale = ReplicaLoad {
+            stale: true,
+            ..ttft_load(0.0, 56.0)
+        };
+        assert!(a.replica_ttft_inflation(&stale).is_infinite());
+        assert!(a.ttft_inflation(&[]).is_infinite());
+        assert!(a.ttft_inflation_after(&[stale], 10).is_infinite());
+    }
+
+    #[test]
+    fn the_routers_load_view_predicts_the_reference_ttft() {
+        use crate::router::{EndpointMetrics, Router, RouterConfig};
+        let mut router = Router::new(RouterConfig::default(), 1);
+        for a in ["10.0.0.1:8000", "10.0.0.2:8000"] {
+            router.upsert_endpoint(a).unwrap();
+            router.update_metrics(a, EndpointMetrics::default(), 0);
+        }
+        let mut views = Vec::new();
+        router.endpoint_loads(0, 512, &mut views);
+        let a = bounded(2.0);
+        let loads: Vec<ReplicaLoad> = views.iter().filter_map(ReplicaLoad::from_load).collect();
+        assert_eq!(loads.len(), 2);
+        assert_eq!(a.ttft_inflation(&loads), 1.0);
+        assert_eq!(loads[0].ttft_ms, loads[0].idle_ttft_ms);
+        assert!(loads[0].idle_ttft_ms > 0.0 && loads[0].ms_per_queued_token > 0.0);
+        // A routed 6,000-token prompt queues on one endpoint and raises its predicted TTFT
+        // by its prefill; the other stays idle.
+        let flood = RouteRequest {
+            prompt_tokens: 6_000,
+            ..request("batch", "standard", 6_000)
+        };
+        router.route(&flood, 0, 1);
+        router.endpoint_loads(0, 512, &mut views);
+        let loads: Vec<ReplicaLoad> = views.iter().filter_map(ReplicaLoad::from_load).collect();
+        let mut queued: Vec<f64> = loads.iter().map(|l| l.queued_tokens).collect();
+        queued.sort_by(f64::total_cmp);
+        assert_eq!(queued, [0.0, 6_000.0]);
+        let busy = loads.iter().find(|l| l.queued_tokens > 0.0).unwrap();
+        let added = busy.ttft_ms - busy.idle_ttft_ms;
+        // (plus the decode batch term of the one sequence now there)
+        assert!(
+            (added - 6_000.0 * busy.ms_per_queued_token).abs() <= 2.0,
+            "{busy:?}"
+        );
+        assert_eq!(a.ttft_inflation(&loads), 1.0);
+        // The backlog drains with time; an unreachable endpoint is no candidate.
+        router.endpoint_loads(10_000, 512, &mut views);
+        assert!(views.iter().all(|v| v.queued_tokens == 0.0));
+        router.mark_unreachable("10.0.0.1:8000");
+        router.endpoint_loads(10_000, 512, &mut views);
+        assert_eq!(views.iter().filter_map(ReplicaLoad::from_load).count(), 1);
+    }
+
     #[test]
     fn validation_catches_unusable_settings() {
         assert!(AdmissionConfig::default().validate().is_ok());
@@ -783,6 +1143,23 @@ mod tests {
             },
             AdmissionConfig {
                 fair_share_slack: 0.9,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                max_ttft_inflation: Some(0.5),
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                max_ttft_inflation: Some(f64::NAN),
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                max_ttft_inflation: Some(3.0),
+                fairness: false,
+                ..AdmissionConfig::default()
+            },
+            AdmissionConfig {
+                ttft_reference_tokens: 0,
                 ..AdmissionConfig::default()
             },
         ];

@@ -1169,6 +1169,102 @@ impl Router {
             })
             .collect()
     }
+
+    /// Each endpoint's load as admission reads it, written into `out` (cleared first), so an
+    /// admission decision per request costs no allocation per endpoint: no address string and
+    /// no index counts, unlike [`Router::endpoints`]. `reference_tokens` is the uncached prompt
+    /// size whose time to first token [`EndpointLoad::ttft_ms`] predicts (see
+    /// `fairness::AdmissionConfig::ttft_reference_tokens`).
+    pub fn endpoint_loads(&self, now_ms: u64, reference_tokens: u32, out: &mut Vec<EndpointLoad>) {
+        out.clear();
+        let s = &self.config.scoring;
+        let learned = &self.config.latency;
+        // The learned model starts at the analytic cost model's constants: while an endpoint is
+        // cold (or learning is off) its TTFT is predicted with that prior.
+        let analytic = EndpointLatencyModel::new(s, learned);
+        let reference = f64::from(reference_tokens.max(1));
+        for (i, slot) in self.slots.iter().enumerate() {
+            let Some(slot) = slot else { continue };
+            let stale = now_ms.saturating_sub(slot.scraped_at_ms) > self.config.stale_after_ms;
+            let model = if learned.enabled && slot.latency.samples() >= learned.min_samples {
+                &slot.latency
+            } else {
+                &analytic
+            };
+            // The same queue and batch terms `route` scores, with the backlog drained to now.
+            let elapsed = now_ms.saturating_sub(slot.backlog_at_ms) as f64;
+            let backlog = (slot.backlog_tokens - elapsed * s.prefill_tokens_per_ms).max(0.0);
+            let fresh = slot.metrics.filter(|_| !stale);
+            let (unknown_waiting, active) = match fresh {
+                Some(m) => (
+                    m.waiting.saturating_sub(slot.inflight),
+                    (m.running + m.waiting).max(slot.inflight),
+                ),
+                None => (0, slot.inflight),
+            };
+            let loaded = LatencyFeatures {
+                queue_tokens: backlog + f64::from(unknown_waiting) * s.unknown_request_tokens,
+                uncached_tokens: reference,
+                active: f64::from(active),
+                kv_usage: fresh.map_or(0.0, |m| m.kv_usage),
+            };
+            let idle = LatencyFeatures {
+                queue_tokens: 0.0,
+                active: 0.0,
+                kv_usage: 0.0,
+                ..loaded
+            };
+            let ttft_ms = model.predict(&loaded).ttft_ms;
+            let more = LatencyFeatures {
+                queue_tokens: loaded.queue_tokens + 1000.0,
+                ..loaded
+            };
+            let ms_per_queued_token = ((model.predict(&more).ttft_ms - ttft_ms) / 1000.0).max(0.0);
+            out.push(EndpointLoad {
+                id: EndpointId(i as u16),
+                health: slot.health,
+                stale,
+                metrics: slot.metrics,
+                inflight: slot.inflight,
+                backlog_tokens: slot.backlog_tokens,
+                queued_tokens: loaded.queue_tokens,
+                ttft_ms,
+                idle_ttft_ms: model.predict(&idle).ttft_ms,
+                ms_per_queued_token,
+            });
+        }
+    }
+}
+
+/// One endpoint's load for admission: what [`EndpointView`] carries for it, minus the address
+/// and index sizes (admission runs per request), plus the router's TTFT prediction for a
+/// reference request, which the TTFT-inflation bound of `fairness` compares.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EndpointLoad {
+    /// The endpoint's slot.
+    pub id: EndpointId,
+    /// Health as the scraper last saw it.
+    pub health: Health,
+    /// Whether the last scrape is older than `stale_after_ms`.
+    pub stale: bool,
+    /// Last scraped metrics.
+    pub metrics: Option<EndpointMetrics>,
+    /// Router-side in-flight requests.
+    pub inflight: u32,
+    /// Undrained prefill tokens the router sent, as of its last decision (as [`EndpointView`]).
+    pub backlog_tokens: f64,
+    /// Prompt tokens queued ahead of a request routed there now: the backlog drained to now
+    /// plus waiting requests the router did not send (the router's queue term).
+    pub queued_tokens: f64,
+    /// Predicted time to first token of a reference request routed there now (queue drained
+    /// to now, unknown waiting requests, the running batch): the learned model once the
+    /// endpoint is warm, the analytic cost model before.
+    pub ttft_ms: f64,
+    /// The same request's predicted TTFT on the idle endpoint: the baseline of the inflation.
+    pub idle_ttft_ms: f64,
+    /// Predicted TTFT added per prompt token queued ahead (how much one more admitted prompt
+    /// would delay the reference request there).
+    pub ms_per_queued_token: f64,
 }
 
 /// The learned model's adjustment of a candidate's cost: `blend × (learned − analytic)` for

@@ -95,11 +95,11 @@ struct FairnessArgs {
     #[arg(long, default_value_t = 6000)]
     batch_prompt: u32,
     /// Admission settings as YAML or JSON (`admission:` fields of the control plane); default:
-    /// the control plane's defaults plus `{prefill_backlog_limit: 1000, standard_at: 100}`.
+    /// the control plane's defaults plus `{max_ttft_inflation: 3}`.
     #[arg(long)]
     admission: Option<String>,
     /// Fail (exit 1) when the fair run's interactive TTFT p99 exceeds this multiple of the
-    /// alone run's.
+    /// alone run's; default: the configured `max_ttft_inflation` (no check without one).
     #[arg(long)]
     max_ratio: Option<f64>,
     /// Seed of arrivals, routing and jitter.
@@ -267,7 +267,7 @@ fn fairness(args: FairnessArgs) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    if let Some(max) = args.max_ratio
+    if let Some(max) = args.max_ratio.or(report.max_ttft_inflation)
         && report.ttft_p99_ratio_fair > max
     {
         bail!(

@@ -11,7 +11,7 @@ use scorer_core::hash::{model_seed, token_block_hashes};
 use scorer_core::index::{EndpointId, PrefixIndex};
 use scorer_core::precise::{KvEvent, PreciseTracker};
 use scorer_core::protocol::{Outcome, RouteRequest};
-use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
+use scorer_core::router::{EndpointLoad, EndpointMetrics, Router, RouterConfig};
 
 /// The model name every simulated replica serves.
 pub const MODEL: &str = "sim-model";
@@ -65,6 +65,16 @@ pub trait Policy {
     /// Cached tokens the policy predicted for request `id` on its replica, if it predicts any.
     fn predicted_cached_tokens(&self, _id: usize) -> Option<u32> {
         None
+    }
+    /// The router's load view of every replica, as the control plane's admission reads it
+    /// (`Router::endpoint_loads`); `false` for policies without one (peers).
+    fn endpoint_loads(
+        &self,
+        _now_ms: f64,
+        _reference_tokens: u32,
+        _out: &mut Vec<EndpointLoad>,
+    ) -> bool {
+        false
     }
 }
 
@@ -601,6 +611,7 @@ impl Policy for Kvroute {
             session: r.session.map(|s| s.to_string()),
             prompt_text: None,
             api: None,
+            cache_salt: None,
             tenant: None,
             criticality: None,
             token_block_hashes: if self.precise {
@@ -639,5 +650,15 @@ impl Policy for Kvroute {
     }
     fn predicted_cached_tokens(&self, id: usize) -> Option<u32> {
         self.predicted.get(&id).copied()
+    }
+    fn endpoint_loads(
+        &self,
+        now_ms: f64,
+        reference_tokens: u32,
+        out: &mut Vec<EndpointLoad>,
+    ) -> bool {
+        self.router
+            .endpoint_loads(now_ms as u64, reference_tokens, out);
+        true
     }
 }
