@@ -371,3 +371,121 @@ async fn sheds_by_criticality_and_fair_share_and_limits_prompts_per_tenant() {
     .await
     .expect("the fairness test timed out");
 }
+
+/// `admission.max_ttft_inflation` end to end: a tenant over its fair share is refused with 429,
+/// `Retry-After` and a message naming the bound while admitting it would leave no replica within
+/// the factor for the others; other tenants and critical requests are still served, and both
+/// sides count the refusal. The router is configured with a very slow assumed prefill rate, so
+/// the prompts it routed stay queued in its estimate for the whole test (no timing involved).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_an_over_share_tenant_to_keep_the_ttft_bound() {
+    let tools = tools();
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let mut cfg = FleetConfig::new("e2e-fairness-ttft");
+        cfg.replicas = 2;
+        cfg.model = MODEL.to_string();
+        cfg.envoy_concurrency = 1;
+        cfg.plugin_config = json!({"route_timeout_ms": 5000});
+        // 2 tokens a second: a routed prompt stays in the router's queue estimate for minutes.
+        cfg.control_plane_router = json!({"scoring": {"prefill_tokens_per_ms": 0.002}});
+        cfg.control_plane_extra = json!({
+            "admission": {
+                "max_ttft_inflation": 2.0,
+                "retry_after_s": 3,
+                "usage_half_life_ms": 600_000,
+                "tenants": {"batch": {"weight": 1.0}, "chat": {"weight": 1.0}},
+            }
+        });
+        let fleet = Fleet::start(cfg, &tools)
+            .await
+            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
+        let tenant = |t| ("x-kvroute-tenant", t);
+        let crit = |c| ("x-kvroute-criticality", c);
+        let small_q = body(8, 1, 2);
+
+        // Alone, the flooding tenant is never over its share: every prompt is admitted
+        // (work-conserving), and they queue on both replicas in the router's estimate.
+        for i in 0..4 {
+            served(
+                &fleet,
+                "batch while alone",
+                &body(300, 20 + i, 2),
+                &[tenant("batch")],
+            )
+            .await;
+        }
+        // Another tenant shows up: far under its share, it is served.
+        served(&fleet, "chat", &small_q, &[tenant("chat")]).await;
+        // Now `batch` is over its share and no replica is within 2x: refused for the bound.
+        let (r, error) = refused(
+            &fleet,
+            "batch over its share, bound reached",
+            429,
+            &body(300, 30, 2),
+            &[tenant("batch")],
+        )
+        .await;
+        assert_eq!(error["type"], "rate_limit_exceeded", "{error}");
+        assert_eq!(r.header("retry-after"), Some("3"));
+        let message = error["message"].as_str().unwrap();
+        assert!(
+            message.contains("\"batch\"") && message.contains("max_ttft_inflation"),
+            "{message}"
+        );
+        // Critical requests are exempt, and the protected tenant is still served.
+        served(
+            &fleet,
+            "critical batch",
+            &small_q,
+            &[tenant("batch"), crit("critical")],
+        )
+        .await;
+        served(&fleet, "chat again", &small_q, &[tenant("chat")]).await;
+
+        let cp = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
+        assert_eq!(
+            sample(
+                &cp,
+                "kvroute_requests_shed_ttft_bound_total{criticality=\"standard\",tenant=\"batch\"}"
+            ),
+            1.0,
+            "{cp}"
+        );
+        assert_eq!(
+            sample(&cp, "kvroute_requests_shed_over_fair_share_total"),
+            0.0,
+            "{cp}"
+        );
+        assert_eq!(
+            sample(&cp, "kvroute_admission_max_ttft_inflation"),
+            2.0,
+            "{cp}"
+        );
+        assert!(
+            sample(&cp, "kvroute_admission_ttft_inflation") > 2.0,
+            "{cp}"
+        );
+        assert!(
+            sample(
+                &cp,
+                "kvroute_requests_admitted_total{criticality=\"standard\",tenant=\"chat\"}"
+            ) >= 2.0,
+            "{cp}"
+        );
+        let stats = fleet
+            .envoy_stats("kvroute_requests_rejected")
+            .await
+            .unwrap();
+        let rejected: f64 = stats
+            .lines()
+            .filter_map(|l| l.split_once(": ")?.1.trim().parse::<f64>().ok())
+            .sum();
+        assert!(rejected >= 1.0, "{stats}");
+    })
+    .await
+    .expect("the TTFT-bound test timed out");
+}

@@ -3,9 +3,10 @@
 //! prompts at a steady low rate) and `batch` (long prompts at a rate above the fleet's
 //! capacity). Three runs in virtual time: the interactive tenant alone, both tenants without
 //! admission, and both tenants behind `scorer_core::fairness::Admission` (the very code the
-//! control plane runs). Shed requests are dropped (a real client would retry after
-//! `Retry-After`); the report gives the interactive tenant's TTFT p99 against running alone,
-//! the batch tenant's goodput and the shed counts.
+//! control plane runs, fed the simulated router's `Router::endpoint_loads` view as the control
+//! plane's gate is). Shed requests are dropped (a real client would retry after
+//! `Retry-After`); the report gives the interactive tenant's TTFT p99 against running alone
+//! next to the configured `max_ttft_inflation`, the batch tenant's goodput and the shed counts.
 
 use crate::fleet::des::start_step;
 use crate::fleet::events::EventQueue;
