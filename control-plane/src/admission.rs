@@ -163,3 +163,101 @@ impl Gate {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
+
+    fn request(tenant: &str, criticality: &str, prompt_tokens: u32) -> RouteRequest {
+        RouteRequest {
+            model: "m".into(),
+            prompt_bytes: u64::from(prompt_tokens) * 4,
+            prompt_tokens,
+            max_output_tokens: Some(2),
+            tenant: Some(tenant.into()),
+            criticality: Some(criticality.into()),
+            ..RouteRequest::default()
+        }
+    }
+
+    fn metrics(gate: &Gate) -> String {
+        let mut registry = Registry::with_prefix("kvroute");
+        gate.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
+    #[test]
+    fn a_bad_ttft_bound_is_refused_when_the_config_loads() {
+        let base = "endpoints:\n  - address: 10.0.0.1:8000\nadmission:\n";
+        for (bad, why) in [
+            (
+                "  max_ttft_inflation: 0.5\n",
+                "admission.max_ttft_inflation",
+            ),
+            (
+                "  max_ttft_inflation: 2\n  fairness: false\n",
+                "needs fairness: true",
+            ),
+            (
+                "  ttft_reference_tokens: 0\n",
+                "admission.ttft_reference_tokens",
+            ),
+        ] {
+            let e = crate::config::Config::from_yaml(&format!("{base}{bad}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        assert!(
+            crate::config::Config::from_yaml(&format!("{base}  max_ttft_inflation: 3\n")).is_ok()
+        );
+    }
+
+    #[test]
+    fn the_gate_refuses_and_counts_requests_that_would_break_the_ttft_bound() {
+        let gate = Gate::new(AdmissionConfig {
+            max_ttft_inflation: Some(2.0),
+            ..AdmissionConfig::default()
+        });
+        let mut router = Router::new(RouterConfig::default(), 1);
+        for a in ["10.0.0.1:8000", "10.0.0.2:8000"] {
+            router.upsert_endpoint(a).unwrap();
+            router.update_metrics(a, EndpointMetrics::default(), 0);
+        }
+        let mut loads = Vec::new();
+        // Alone, the flood is admitted onto both replicas.
+        for _ in 0..2 {
+            router.endpoint_loads(0, gate.reference_tokens(), &mut loads);
+            let flood = request("batch", "standard", 6_000);
+            assert_eq!(gate.decide(&flood, &loads, 0).shed, None);
+            router.route(&flood, 0, 1);
+        }
+        // Another tenant appears; now the flood is over its share and no replica is free.
+        router.endpoint_loads(0, gate.reference_tokens(), &mut loads);
+        assert_eq!(
+            gate.decide(&request("chat", "standard", 500), &loads, 0)
+                .shed,
+            None
+        );
+        let d = gate.decide(&request("batch", "standard", 6_000), &loads, 0);
+        assert_eq!(d.shed, Some(ShedReason::TtftBound), "{d:?}");
+        assert_eq!(d.reject.unwrap().status, 429);
+        let text = metrics(&gate);
+        for line in [
+            "kvroute_requests_shed_ttft_bound_total{criticality=\"standard\",tenant=\"other\"} 1",
+            "kvroute_requests_shed_total{criticality=\"standard\",tenant=\"other\"} 1",
+            "kvroute_admission_max_ttft_inflation 2.0",
+        ] {
+            assert!(text.contains(line), "{line}\n{text}");
+        }
+        let inflation: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("kvroute_admission_ttft_inflation "))
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        assert!(inflation > 2.0, "{text}");
+    }
+}
