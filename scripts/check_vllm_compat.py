@@ -162,13 +162,19 @@ def vllm_made_batch(m):
 
 def sim_shape_batch(m):
     """What vLLM 0.33's GPU BlockPool publishes for: cache two blocks, extend by one, a LoRA
-    request caches a block, one block is evicted, the cache is reset. Fields are set as
-    ``BlockPool._build_block_stored_event`` / ``_emit_block_removed_events`` set them."""
-    def stored(hashes, parent, tokens, lora=None):
+    request caches a block, a salted request caches two blocks, a salted LoRA request caches
+    two, one block is evicted, the cache is reset. Fields are set as
+    ``BlockPool._build_block_stored_event`` / ``_emit_block_removed_events`` set them, extra
+    keys as ``generate_block_hash_extra_keys`` orders them (LoRA, then the cache salt on block 0
+    only) and ``to_event_extra_keys`` untags them."""
+    def stored(hashes, parent, tokens, lora=None, salt=None):
+        def keys(i):
+            k = tuple(x for x in (lora, salt if parent is None and i == 0 else None) if x)
+            return k or None
         return m.BlockStored(
             block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=16,
             lora_id=None if lora is None else 1, medium="GPU", lora_name=lora,
-            extra_keys=[None if lora is None else (lora,) for _ in hashes], group_idx=0,
+            extra_keys=[keys(i) for i in range(len(hashes))], group_idx=0,
             session_id=None, lookahead_token_ids=None)
     return m.KVEventBatch(
         ts=1789095808.5,
@@ -176,6 +182,8 @@ def sim_shape_batch(m):
             stored([11, (1 << 64) - 1], None, list(range(32))),
             stored([13], (1 << 64) - 1, list(range(32, 48))),
             stored([21], None, list(range(100, 116)), lora="sql-lora"),
+            stored([31, 32], None, list(range(200, 232)), salt="tenant-a"),
+            stored([41, 42], None, list(range(300, 332)), lora="sql-lora", salt="tenant-b"),
             m.BlockRemoved(block_hashes=[13], medium="GPU", group_idx=0),
             m.AllBlocksCleared(),
         ],

@@ -72,6 +72,18 @@ def engine_hash(h) -> int:
     return h & U64
 
 
+def cache_salt(event) -> str | None:
+    """The cache salt a block-0 store carries, by the rule the decoder documents: vLLM publishes
+    block 0's extra keys untagged (LoRA name, multimodal pairs, salt, prompt-embeds digest), so
+    the salt is the last string of ``extra_keys[0]`` once one ``lora_name`` is set aside."""
+    if event.parent_block_hash is not None or not event.extra_keys or not event.extra_keys[0]:
+        return None
+    keys = [k for k in event.extra_keys[0] if isinstance(k, str)]
+    if event.lora_name is not None and event.lora_name in keys:
+        keys.remove(event.lora_name)
+    return keys[-1] if keys and keys[-1] else None
+
+
 def expect(event) -> dict | None:
     """The normalised event the decoder must produce, or None when it must skip it."""
     kind = type(event).__name__
@@ -94,6 +106,7 @@ def expect(event) -> dict | None:
         "token_ids": list(event.token_ids),
         "block_size": event.block_size,
         "lora_name": event.lora_name,
+        "cache_salt": cache_salt(event),
         "medium": medium,
     }
 
@@ -126,10 +139,13 @@ def samples(m):
         "hash_shapes": m.KVEventBatch(
             ts=1.5,
             events=[
+                # Block 0 of a salted LoRA request: `[lora, salt]`, then `[lora]` per block.
                 stored(block_hashes=[digest0], parent_block_hash=None,
-                       token_ids=list(range(16)), block_size=16, lora_id=3, lora_name="sql"),
+                       token_ids=list(range(16)), block_size=16, lora_id=3, lora_name="sql",
+                       extra_keys=[("sql", "tenant-a")]),
                 stored(block_hashes=[-5, -(1 << 63)], parent_block_hash=digest0,
-                       token_ids=list(range(16, 48)), block_size=16, lora_id=3, lora_name="sql"),
+                       token_ids=list(range(16, 48)), block_size=16, lora_id=3, lora_name="sql",
+                       extra_keys=[("sql",), ("sql",)]),
                 stored(block_hashes=[digest1], parent_block_hash=None,
                        token_ids=[100000 + i for i in range(16)], block_size=16, medium="CPU"),
                 m.BlockRemoved(block_hashes=[digest1, -5], medium="CPU"),

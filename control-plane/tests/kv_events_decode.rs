@@ -46,6 +46,7 @@ fn event(v: &Value) -> KvEvent {
                 .collect(),
             block_size: v["block_size"].as_u64().unwrap() as u32,
             lora_name: v["lora_name"].as_str().map(str::to_owned),
+            cache_salt: v["cache_salt"].as_str().map(str::to_owned),
             medium: medium(v["medium"].as_str().unwrap()),
         },
         "BlockRemoved" => KvEvent::BlockRemoved {
@@ -119,6 +120,18 @@ fn the_hash_shapes_fixture_covers_what_it_claims() {
     // -5 and i64::MIN as two's complement.
     assert_eq!(block_hashes, &vec![(-5i64) as u64, 1 << 63]);
     assert_eq!(lora_name.as_deref(), Some("sql"));
+    // Block 0's extra keys `[lora, salt]` give the salt; the child run carries none.
+    assert!(matches!(
+        &b.events[0],
+        KvEvent::BlockStored { cache_salt: Some(salt), .. } if salt == "tenant-a"
+    ));
+    assert!(matches!(
+        &b.events[1],
+        KvEvent::BlockStored {
+            cache_salt: None,
+            ..
+        }
+    ));
     assert!(matches!(
         &b.events[2],
         KvEvent::BlockStored {

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use scorer_core::canon::{self, CanonError};
-use scorer_core::hash::{block_hashes, model_seed};
+use scorer_core::hash::{block_hashes, request_seed};
 use scorer_core::protocol::{ApiKind, Outcome, Reject, RouteRequest, RouteResponse};
 
 use crate::config::{FilterConfig, RouteMode};
@@ -477,8 +477,10 @@ impl RequestMachine {
 
     fn route_request(&self, api: ApiKind, body: &[u8]) -> Result<RouteRequest, CanonError> {
         let prompt = canon::canonicalize(api, body)?;
+        // vLLM keys cached blocks by the cache salt too: salted hashes predict only the hits
+        // the engine will give.
         let block_hashes = block_hashes(
-            model_seed(&prompt.model),
+            request_seed(&prompt.model, prompt.cache_salt.as_deref()),
             &prompt.bytes,
             self.config.block_bytes,
         );
@@ -490,11 +492,16 @@ impl RequestMachine {
                 .filter(|u| !u.is_empty())
                 .map(|u| truncate(u, MAX_SESSION_BYTES))
         });
-        // Approximate routes never send the prompt; precise ones send its fields so the
-        // control plane can tokenise it like the engine will.
-        let (prompt_text, api) = match self.mode {
-            RouteMode::Approximate => (None, None),
-            RouteMode::Precise => (Some(prompt_fields(api, body)?), Some(api)),
+        // Approximate routes never send the prompt (nor the salt, which their hashes already
+        // hold); precise ones send its fields and salt so the control plane can tokenise and
+        // seed it like the engine will.
+        let (prompt_text, api, cache_salt) = match self.mode {
+            RouteMode::Approximate => (None, None, None),
+            RouteMode::Precise => (
+                Some(prompt_fields(api, body)?),
+                Some(api),
+                prompt.cache_salt,
+            ),
         };
         Ok(RouteRequest {
             prompt_bytes: prompt.bytes.len() as u64,
@@ -505,6 +512,7 @@ impl RequestMachine {
             session,
             prompt_text,
             api,
+            cache_salt,
             token_block_hashes: Vec::new(),
             tenant: self.tenant.clone(),
             criticality: self.criticality.clone(),
@@ -788,7 +796,7 @@ fn is_endpoint(e: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use scorer_core::hash::DEFAULT_BLOCK_BYTES;
+    use scorer_core::hash::{DEFAULT_BLOCK_BYTES, model_seed};
 
     const CHAT: &str = "/v1/chat/completions";
 
@@ -918,6 +926,54 @@ mod tests {
             block_hashes(model_seed("m"), &prompt.bytes, DEFAULT_BLOCK_BYTES)
         );
         assert_eq!(req.prompt_bytes, prompt.bytes.len() as u64);
+    }
+
+    #[test]
+    fn cache_salt_seeds_the_hashes_and_travels_only_on_precise_routes() {
+        let salted = |salt: &str| {
+            serde_json::to_vec(&serde_json::json!({
+                "model": "m", "cache_salt": salt,
+                "messages": [{"role": "user", "content": "abc".repeat(400)}]
+            }))
+            .unwrap()
+        };
+        let body = salted("tenant-a");
+        let prompt = canon::canonicalize(ApiKind::Chat, &body).unwrap();
+        let req = to_dispatch(&mut machine(), &[], &body);
+        assert_eq!(
+            req.block_hashes,
+            block_hashes(
+                request_seed("m", Some("tenant-a")),
+                &prompt.bytes,
+                DEFAULT_BLOCK_BYTES
+            )
+        );
+        let plain = block_hashes(model_seed("m"), &prompt.bytes, DEFAULT_BLOCK_BYTES);
+        assert!(req.block_hashes.iter().all(|h| !plain.contains(h)));
+        assert_eq!(req.cache_salt, None, "approximate routes send hashes only");
+
+        let config = FilterConfig::from_json(
+            br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
+        )
+        .unwrap();
+        let req = to_dispatch(&mut RequestMachine::new(Rc::new(config)), &[], &body);
+        assert_eq!(req.cache_salt.as_deref(), Some("tenant-a"));
+        let text: serde_json::Value = serde_json::from_str(&req.prompt_text.unwrap()).unwrap();
+        assert!(
+            text.get("cache_salt").is_none(),
+            "the salt is no prompt field"
+        );
+
+        // A salt vLLM would refuse (empty, not a string) is a bad body: fail open.
+        for body in [salted(""), br#"{"messages":[],"cache_salt":1}"#.to_vec()] {
+            let mut m = machine();
+            m.on_request_headers(headers(&post(CHAT)), false);
+            m.on_request_body(body.len(), true);
+            assert_eq!(
+                m.on_body_complete(&body, 1),
+                Step::go(vec![Effect::Count(Counter::FailOpen(FailKind::BodyParse))])
+            );
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use scorer_core::canon::canonicalize;
-use scorer_core::hash::{DEFAULT_BLOCK_BYTES, block_hashes, model_seed};
+use scorer_core::hash::{DEFAULT_BLOCK_BYTES, block_hashes, request_seed};
 use scorer_core::protocol::ApiKind;
 use serde_json::Value;
 
@@ -33,7 +33,12 @@ fuzz_target!(|input: &[u8]| {
     );
     let tokens = prompt.estimated_tokens();
     assert!(tokens as usize >= prompt.bytes.len() / 4);
-    let seed = model_seed(&prompt.model);
+    assert_ne!(
+        prompt.cache_salt.as_deref(),
+        Some(""),
+        "vLLM refuses an empty salt"
+    );
+    let seed = request_seed(&prompt.model, prompt.cache_salt.as_deref());
     let hashes = block_hashes(seed, &prompt.bytes, block);
     assert_eq!(hashes.len(), prompt.bytes.len() / block);
     // Chained: the hashes of a prefix are a prefix of the hashes.

@@ -26,6 +26,7 @@ enum Ev {
         lora: Option<String>,
         medium: Option<u8>,
         group: Option<u8>,
+        extra_keys: Option<Vec<Option<Vec<Key>>>>,
     },
     Removed {
         hashes: Vec<u8>,
@@ -33,6 +34,27 @@ enum Ev {
     },
     Cleared,
     Unknown(String),
+}
+
+/// One untagged extra key as vLLM publishes them (LoRA name or cache salt, a multimodal pair,
+/// a prompt-embeds digest), or a shape it never sends.
+#[derive(Arbitrary, Debug)]
+enum Key {
+    Text(String),
+    Mm(String, u8),
+    Digest(Vec<u8>),
+    Int(i64),
+    Nil,
+}
+
+fn key(k: &Key) -> Value {
+    match k {
+        Key::Text(s) => Value::from(s.as_str()),
+        Key::Mm(id, offset) => Value::Array(vec![Value::from(id.as_str()), Value::from(*offset)]),
+        Key::Digest(b) => Value::Binary(b.clone()),
+        Key::Int(i) => Value::from(*i),
+        Key::Nil => Value::Nil,
+    }
 }
 
 #[derive(Arbitrary, Debug)]
@@ -88,6 +110,7 @@ fn event(e: &Ev, maps: bool, neg: bool) -> Value {
             lora,
             medium: m,
             group,
+            extra_keys,
         } => {
             let tokens: Vec<Value> = (0..hashes.len() * usize::from(*tokens_per_block % 17))
                 .map(|t| Value::from(t as u64))
@@ -107,9 +130,22 @@ fn event(e: &Ev, maps: bool, neg: bool) -> Value {
                 ("medium", medium(*m)),
                 ("lora_name", lora.clone().map_or(Value::Nil, Value::from)),
             ];
+            let extra = extra_keys.as_ref().map_or(Value::Nil, |blocks| {
+                Value::Array(
+                    blocks
+                        .iter()
+                        .map(|b| {
+                            b.as_ref()
+                                .map_or(Value::Nil, |ks| Value::Array(ks.iter().map(key).collect()))
+                        })
+                        .collect(),
+                )
+            });
             if let Some(g) = group {
-                fields.push(("extra_keys", Value::Nil));
+                fields.push(("extra_keys", extra));
                 fields.push(("group_idx", Value::from(u64::from(*g % 3))));
+            } else if !extra.is_nil() {
+                fields.push(("extra_keys", extra));
             }
             tagged("BlockStored", fields)
         }

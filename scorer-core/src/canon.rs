@@ -42,6 +42,10 @@ pub struct CanonicalPrompt {
     pub max_output_tokens: Option<u32>,
     /// The body's `user` field, a fallback session key.
     pub user: Option<String>,
+    /// vLLM's `cache_salt`: it keys the prompt's cached blocks, so only requests with the same
+    /// salt share them. `None` when absent or `null`; a non-string or empty salt (which vLLM
+    /// answers with 400) makes the body invalid, and the filter fails open.
+    pub cache_salt: Option<String>,
 }
 
 impl CanonicalPrompt {
@@ -67,6 +71,8 @@ struct ChatBody<'a> {
     max_completion_tokens: Option<u32>,
     #[serde(borrow, default)]
     user: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -103,6 +109,8 @@ struct CompletionBody<'a> {
     max_tokens: Option<u32>,
     #[serde(borrow, default)]
     user: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
 }
 
 /// Canonicalises `body` for `api`. Pure and allocation-light: strings are borrowed when they
@@ -154,7 +162,20 @@ fn canonicalize_chat(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
         stream: parsed.stream.unwrap_or(false),
         max_output_tokens: parsed.max_completion_tokens.or(parsed.max_tokens),
         user: parsed.user.map(Cow::into_owned),
+        cache_salt: salt(parsed.cache_salt)?,
     })
+}
+
+/// The request's `cache_salt`, held to vLLM's rule: absent or null is no salt, anything but a
+/// non-empty string is refused. (A non-string already failed to deserialise.)
+fn salt(raw: Option<Cow<'_, str>>) -> Result<Option<String>, CanonError> {
+    match raw {
+        None => Ok(None),
+        Some(s) if s.is_empty() => Err(CanonError::InvalidBody(
+            "cache_salt must be a non-empty string".into(),
+        )),
+        Some(s) => Ok(Some(s.into_owned())),
+    }
 }
 
 /// Appends a message's content: a string, or an array of parts (text parts as text, other parts
@@ -210,6 +231,7 @@ fn canonicalize_completion(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
         stream: parsed.stream.unwrap_or(false),
         max_output_tokens: parsed.max_tokens,
         user: parsed.user.map(Cow::into_owned),
+        cache_salt: salt(parsed.cache_salt)?,
     })
 }
 
@@ -315,6 +337,31 @@ mod tests {
         assert_eq!(t.bytes, [1, 0, 0, 0, 2, 0, 0, 0]);
         let b = canonicalize(ApiKind::Completion, br#"{"prompt":["a","b"]}"#).unwrap();
         assert_eq!(b.bytes, b"a\x1eb\x1e");
+    }
+
+    #[test]
+    fn cache_salt_is_extracted_and_bad_salts_are_invalid() {
+        let salted = chat(r#"{"messages":[{"role":"user","content":"x"}],"cache_salt":"t\u0031"}"#);
+        assert_eq!(salted.cache_salt.as_deref(), Some("t1"));
+        let plain = chat(r#"{"messages":[{"role":"user","content":"x"}],"cache_salt":null}"#);
+        assert_eq!(plain.cache_salt, None);
+        assert_eq!(salted.bytes, plain.bytes, "the salt is not prompt text");
+        let c = canonicalize(ApiKind::Completion, br#"{"prompt":"p","cache_salt":"s"}"#).unwrap();
+        assert_eq!(c.cache_salt.as_deref(), Some("s"));
+        for body in [
+            r#"{"messages":[],"cache_salt":""}"#,
+            r#"{"messages":[],"cache_salt":5}"#,
+            r#"{"messages":[],"cache_salt":["s"]}"#,
+        ] {
+            assert!(
+                matches!(
+                    canonicalize(ApiKind::Chat, body.as_bytes()),
+                    Err(CanonError::InvalidBody(_))
+                ),
+                "{body}"
+            );
+        }
+        assert!(canonicalize(ApiKind::Completion, br#"{"prompt":"p","cache_salt":""}"#).is_err());
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 use hashbrown::HashMap;
 
-use crate::hash::{model_seed, token_block_hashes};
+use crate::hash::{request_seed, token_block_hashes};
 use crate::index::{EndpointId, PrefixIndex};
 
 /// Which tier a block lives in (vLLM's `medium`).
@@ -57,6 +57,10 @@ pub enum KvEvent {
         block_size: u32,
         /// LoRA adapter the blocks belong to.
         lora_name: Option<String>,
+        /// The request's vLLM `cache_salt`, as found in block 0's extra keys. vLLM adds it to
+        /// block 0 only, so it counts only for a run that starts there (`parent_block_hash`
+        /// `None`); later blocks inherit it through their parent's hash.
+        cache_salt: Option<String>,
         /// Tier the blocks are in.
         medium: Medium,
     },
@@ -127,6 +131,7 @@ impl PreciseTracker {
                 token_ids,
                 block_size,
                 lora_name,
+                cache_salt,
                 medium,
             } => {
                 let bs = *block_size as usize;
@@ -138,7 +143,9 @@ impl PreciseTracker {
                     });
                 }
                 let seed = match parent_block_hash {
-                    None => model_seed(lora_name.as_deref().unwrap_or(model)),
+                    None => {
+                        request_seed(lora_name.as_deref().unwrap_or(model), cache_salt.as_deref())
+                    }
                     Some(p) => map
                         .get(p)
                         .map(|(ours, _)| *ours)
@@ -221,6 +228,7 @@ impl PreciseTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::model_seed;
 
     fn stored(
         hashes: &[u64],
@@ -234,6 +242,7 @@ mod tests {
             token_ids: tokens.collect(),
             block_size: 4,
             lora_name: None,
+            cache_salt: None,
             medium,
         }
     }
@@ -437,5 +446,68 @@ mod tests {
             ),
             1
         );
+    }
+
+    #[test]
+    fn a_salted_run_is_seeded_with_its_salt_and_children_inherit_it() {
+        let (mut t, mut gpu, mut off) = fresh();
+        let salted = |e: KvEvent, salt: &str| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_name,
+                medium,
+                ..
+            } => KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_name,
+                cache_salt: Some(salt.into()),
+                medium,
+            },
+            other => other,
+        };
+        let id = EndpointId(0);
+        t.apply(
+            id,
+            "m",
+            &salted(stored(&[1], None, 0..4, Medium::Gpu), "a"),
+            &mut gpu,
+            &mut off,
+            0,
+        )
+        .unwrap();
+        // The child run names a (different) salt: it is ignored, the parent's chain holds.
+        t.apply(
+            id,
+            "m",
+            &salted(stored(&[2], Some(1), 4..8, Medium::Gpu), "zz"),
+            &mut gpu,
+            &mut off,
+            0,
+        )
+        .unwrap();
+        let tokens: Vec<u32> = (0..8).collect();
+        let request = |salt| token_block_hashes(request_seed("m", salt), &tokens, 4);
+        assert_eq!(depth(&gpu, &request(Some("a"))), 2);
+        assert_eq!(
+            depth(&gpu, &request(None)),
+            0,
+            "unsalted requests do not hit"
+        );
+        assert_eq!(depth(&gpu, &request(Some("b"))), 0, "nor do other salts");
+
+        // A LoRA's salted run: seeded with the adapter name and the salt.
+        let mut e = salted(stored(&[3], None, 0..4, Medium::Gpu), "a");
+        if let KvEvent::BlockStored { lora_name, .. } = &mut e {
+            *lora_name = Some("sql".into());
+        }
+        t.apply(id, "m", &e, &mut gpu, &mut off, 0).unwrap();
+        let lora = token_block_hashes(request_seed("sql", Some("a")), &[0, 1, 2, 3], 4);
+        assert_eq!(depth(&gpu, &lora), 1);
     }
 }

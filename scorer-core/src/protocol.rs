@@ -52,6 +52,12 @@ pub struct RouteRequest {
     /// Which API `prompt_text` belongs to (set whenever `prompt_text` is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api: Option<ApiKind>,
+    /// The body's vLLM `cache_salt`, sent only with `prompt_text` (precise routes), so the
+    /// control plane seeds its token-block hashes like the engine does
+    /// (`hash::request_seed`). Approximate routes need not send it: their `block_hashes` are
+    /// salted already. Absent means no salt, which is how older filters are read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
     /// Tenant (fairness id) from the tenant header, for per-tenant limits and fair sharing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,

@@ -1561,6 +1561,7 @@ mod precise_tests {
             token_ids: tokens.to_vec(),
             block_size: 16,
             lora_name: None,
+            cache_salt: None,
             medium,
         }
     }
@@ -1663,6 +1664,7 @@ mod precise_tests {
             token_ids: (0..16).collect(),
             block_size: 16,
             lora_name: None,
+            cache_salt: None,
             medium: Medium::Gpu,
         }
     }
@@ -1698,6 +1700,7 @@ mod precise_tests {
             token_ids: (0..3).collect(),
             block_size: 16,
             lora_name: None,
+            cache_salt: None,
             medium: Medium::Gpu,
         };
         assert!(r.apply_kv_event_partial("a:1", "m", &bad, 0).is_err());

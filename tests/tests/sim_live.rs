@@ -682,6 +682,7 @@ async fn speed_scales_wall_time_not_simulated_time() {
             prompt_tokens: tokens,
             max_output_tokens: max_tokens,
             lora: None,
+            cache_salt: None,
             arrival_s: 0.0,
         })
         .unwrap();

@@ -96,6 +96,14 @@ fn describe(e: &DecodedEvent) -> Value {
     }
 }
 
+/// The salt in block 0's entry of a store's `extra_keys` (JSON), given how the simulator writes
+/// them: `[salt]`, or `[lora, salt]` with a LoRA.
+fn salt_in(extra_keys: &Value, lora_name: Option<&str>) -> Option<String> {
+    let first = extra_keys.get(0)?.as_array()?;
+    let skip = usize::from(lora_name.is_some());
+    first.get(skip)?.as_str().map(str::to_owned)
+}
+
 fn expected_events(events: &Value) -> Vec<Value> {
     events
         .as_array()
@@ -164,6 +172,7 @@ fn kv_events(events: &Value) -> Vec<KvEvent> {
                 block_size: e["block_size"].as_u64().unwrap() as u32,
                 lora_id: e["lora_id"].as_u64().map(|l| l as u32),
                 lora_name: e["lora_name"].as_str().map(str::to_owned),
+                cache_salt: salt_in(&e["extra_keys"], e["lora_name"].as_str()),
             },
             "BlockRemoved" => KvEvent::BlockRemoved {
                 block_hashes: u64s(&e["block_hashes"]),
@@ -244,6 +253,10 @@ fn captured_sim_payloads_still_encode_the_same() {
                         block_size: *block_size,
                         lora_id: lora_id.map(|l| l as u32),
                         lora_name: lora_name.clone(),
+                        cache_salt: extra_keys
+                            .as_ref()
+                            .filter(|_| parent_block_hash.is_none())
+                            .and_then(|k| salt_in(&msgpack_json(k), lora_name.as_deref())),
                     });
                 }
                 DecodedEvent::BlockRemoved { block_hashes, .. } => {

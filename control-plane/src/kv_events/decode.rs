@@ -10,6 +10,9 @@
 //!   digest when `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: its last 8 bytes, big-endian, exactly
 //!   what vLLM's own int conversion keeps).
 //!
+//! A store that starts at block 0 (`parent_block_hash` nil) may carry the request's
+//! `cache_salt` in `extra_keys[0]`; see [`cache_salt`] for how it is recognised.
+//!
 //! Unknown fields are ignored, so newer vLLM releases keep decoding. Stores and removals of
 //! non-full-attention KV groups (`group_idx != 0`, or a sliding-window / mamba / ... spec kind)
 //! are skipped and counted: only full attention determines a prefix hit. Every malformed input is
@@ -324,12 +327,17 @@ fn decode_event(event: &Value, index: usize) -> Result<Decoded, DecodeError> {
                 Some(v) => Some(as_str(v, &at("lora_name"))?.to_owned()),
                 None => None,
             };
+            let cache_salt = match parent_block_hash {
+                None => cache_salt(fields.get("extra_keys"), lora_name.as_deref()),
+                Some(_) => None,
+            };
             Ok(Decoded::Event(KvEvent::BlockStored {
                 block_hashes,
                 parent_block_hash,
                 token_ids,
                 block_size,
                 lora_name,
+                cache_salt,
                 medium,
             }))
         }
@@ -346,6 +354,45 @@ fn decode_event(event: &Value, index: usize) -> Result<Decoded, DecodeError> {
         "AllBlocksCleared" => Ok(Decoded::Event(KvEvent::AllBlocksCleared)),
         _ => Ok(Decoded::UnknownType),
     }
+}
+
+/// The `cache_salt` in a block-0 store's `extra_keys` (`list[tuple | None]`, one entry per
+/// block), or `None`.
+///
+/// vLLM (0.18 and later) publishes block 0's extra keys *untagged*, in the order it hashes them:
+/// the LoRA name (a string), multimodal `(identifier, offset)` pairs (arrays), the cache salt (a
+/// string), a prompt-embeds digest (bytes). So the salt is the last string of `extra_keys[0]`
+/// once one occurrence of the event's `lora_name` is set aside: `[salt]` without a LoRA,
+/// `[lora, salt]` with one (even when the two are equal), `[lora]` is no salt.
+///
+/// Ambiguities, which the untagged wire format leaves no way to settle:
+/// - a LoRA store whose `lora_name` field is nil but whose name is in the extra keys would
+///   read the name as a salt (vLLM sets both together, so this does not occur in practice);
+/// - a vLLM that published a multimodal key as a bare identifier string would have it read as
+///   a salt. The blocks are then keyed by a seed no request uses, which costs a missed hit,
+///   never a false one.
+///
+/// Unknown shapes (not an array, non-string members, invalid UTF-8) carry no salt: the extra
+/// keys are advisory, and a store is still worth indexing without them.
+fn cache_salt(extra_keys: Option<&Value>, lora_name: Option<&str>) -> Option<String> {
+    let Some(Value::Array(per_block)) = extra_keys else {
+        return None;
+    };
+    let Some(Value::Array(keys)) = per_block.first() else {
+        return None;
+    };
+    let mut lora_seen = lora_name.is_none();
+    let mut salt = None;
+    for key in keys {
+        let Value::String(text) = key else { continue };
+        let Some(text) = text.as_str() else { continue };
+        if !lora_seen && Some(text) == lora_name {
+            lora_seen = true;
+            continue;
+        }
+        salt = Some(text);
+    }
+    salt.filter(|s| !s.is_empty()).map(str::to_owned)
 }
 
 /// vLLM's tier names; an unknown tier counts as the slowest one (never as GPU).
@@ -545,6 +592,98 @@ mod tests {
         let b = decode_batch(&batch(vec![e, unknown, Value::Array(vec![s("Nope")])])).unwrap();
         assert_eq!(b.events.len(), 1);
         assert_eq!(b.skipped.unknown_types, 2);
+    }
+
+    fn salt_of(extra: Vec<(Value, Value)>) -> Option<String> {
+        let b = decode_batch(&batch(vec![stored_map(extra)])).unwrap();
+        match &b.events[0] {
+            KvEvent::BlockStored { cache_salt, .. } => cache_salt.clone(),
+            other => panic!("not a store: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_cache_salt_is_the_last_string_of_block_zero_besides_the_lora() {
+        let keys = |k: Vec<Value>| (s("extra_keys"), Value::Array(vec![Value::Array(k)]));
+        let lora = |n: &str| (s("lora_name"), s(n));
+        assert_eq!(salt_of(vec![]), None);
+        assert_eq!(salt_of(vec![keys(vec![s("t1")])]), Some("t1".into()));
+        assert_eq!(salt_of(vec![keys(vec![s("sql")]), lora("sql")]), None);
+        assert_eq!(
+            salt_of(vec![keys(vec![s("sql"), s("t1")]), lora("sql")]),
+            Some("t1".into())
+        );
+        assert_eq!(
+            salt_of(vec![keys(vec![s("sql"), s("sql")]), lora("sql")]),
+            Some("sql".into()),
+            "a salt equal to the adapter name is the second occurrence"
+        );
+        // LoRA, a multimodal (identifier, offset) pair, the salt, a prompt-embeds digest.
+        let mm = Value::Array(vec![s("img-hash"), Value::from(3)]);
+        assert_eq!(
+            salt_of(vec![
+                keys(vec![s("sql"), mm, s("t1"), Value::Binary(vec![1; 32])]),
+                lora("sql")
+            ]),
+            Some("t1".into())
+        );
+        // vLLM's usual shape: one entry per block, nil after block 0.
+        assert_eq!(
+            salt_of(vec![(
+                s("extra_keys"),
+                Value::Array(vec![Value::Array(vec![s("t1")]), Value::Nil])
+            )]),
+            Some("t1".into())
+        );
+    }
+
+    #[test]
+    fn malformed_extra_keys_carry_no_salt_and_never_fail_the_event() {
+        for extra in [
+            Value::Nil,
+            s("t1"),
+            Value::from(7),
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Nil]),
+            Value::Array(vec![s("t1")]),
+            Value::Array(vec![Value::Map(vec![(s("salt"), s("t1"))])]),
+            Value::Array(vec![Value::Array(vec![
+                Value::from(1),
+                Value::Binary(vec![]),
+            ])]),
+            Value::Array(vec![Value::Array(vec![s("")])]),
+            // A msgpack str of invalid UTF-8.
+            Value::Array(vec![Value::Array(vec![
+                rmpv::decode::read_value(&mut &[0xa2, 0xff, 0xfe][..]).unwrap(),
+            ])]),
+        ] {
+            assert_eq!(
+                salt_of(vec![(s("extra_keys"), extra.clone())]),
+                None,
+                "{extra:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_a_run_from_block_zero_carries_the_salt() {
+        let mut e = stored_map(vec![(
+            s("extra_keys"),
+            Value::Array(vec![Value::Array(vec![s("t1")])]),
+        )]);
+        if let Value::Map(m) = &mut e {
+            m[2].1 = Value::from(9);
+        }
+        let b = decode_batch(&batch(vec![e])).unwrap();
+        let KvEvent::BlockStored {
+            cache_salt,
+            parent_block_hash,
+            ..
+        } = &b.events[0]
+        else {
+            panic!("not a store");
+        };
+        assert_eq!((*parent_block_hash, cache_salt.as_deref()), (Some(9), None));
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub mod remote;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use scorer_core::hash::{model_seed, token_block_hashes};
+use scorer_core::hash::{request_seed, token_block_hashes};
 use scorer_core::protocol::{ApiKind, RouteRequest};
 use serde_json::{Map, Value};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -167,7 +167,12 @@ impl Precise {
                     tokenized.cached,
                     tokenized.ids.len() - tokenized.cached,
                 );
-                let seed = model_seed(self.seed_model(state, &request.model));
+                // Seeded like the engine's blocks: by model or adapter and the cache salt, which
+                // KV events carry for block 0 (`kv_events::decode`).
+                let seed = request_seed(
+                    self.seed_model(state, &request.model),
+                    request.cache_salt.as_deref(),
+                );
                 let mut hashes = token_block_hashes(seed, &tokenized.ids, self.block_tokens);
                 hashes.truncate(self.max_hashes);
                 request.token_block_hashes = hashes;
@@ -279,6 +284,7 @@ fn token_id_prompt(prompt: Option<&Value>) -> Option<Vec<u32>> {
 mod tests {
     use super::*;
     use crate::config::{EndpointConfig, PreciseSettings};
+    use scorer_core::hash::model_seed;
 
     #[test]
     fn token_id_prompts() {
@@ -335,6 +341,7 @@ mod tests {
                 token_ids: vec![0; 16],
                 block_size: 16,
                 lora_name: Some("adapter".into()),
+                cache_salt: None,
                 medium: scorer_core::precise::Medium::Gpu,
             }],
             &mut partial,
@@ -373,6 +380,15 @@ mod tests {
         assert_eq!(
             r.token_block_hashes,
             token_block_hashes(model_seed("base"), &ids, 16)
+        );
+        // A salted request's hashes carry its salt, as the engine's block 0 does.
+        let mut salted = request();
+        salted.prompt_text = Some(format!(r#"{{"model":"base","prompt":{ids:?}}}"#));
+        salted.cache_salt = Some("tenant-a".into());
+        assert_eq!(remote.prepare(&s, &mut salted).await, Some("precise"));
+        assert_eq!(
+            salted.token_block_hashes,
+            token_block_hashes(request_seed("base", Some("tenant-a")), &ids, 16)
         );
         for bad in [
             r#"not json"#,

@@ -84,6 +84,7 @@ fn to_core(e: &KvEvent) -> CoreKvEvent {
             token_ids,
             block_size,
             lora_name,
+            cache_salt,
             ..
         } => CoreKvEvent::BlockStored {
             block_hashes: block_hashes.clone(),
@@ -91,6 +92,7 @@ fn to_core(e: &KvEvent) -> CoreKvEvent {
             token_ids: token_ids.clone(),
             block_size: *block_size,
             lora_name: lora_name.clone(),
+            cache_salt: cache_salt.clone(),
             medium: Medium::Gpu,
         },
         KvEvent::BlockRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
@@ -104,6 +106,7 @@ fn to_core(e: &KvEvent) -> CoreKvEvent {
             token_ids,
             block_size,
             lora_name,
+            cache_salt,
             ..
         } => CoreKvEvent::BlockStored {
             block_hashes: block_hashes.clone(),
@@ -111,6 +114,7 @@ fn to_core(e: &KvEvent) -> CoreKvEvent {
             token_ids: token_ids.clone(),
             block_size: *block_size,
             lora_name: lora_name.clone(),
+            cache_salt: cache_salt.clone(),
             medium: Medium::Cpu,
         },
         KvEvent::OffloadRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
@@ -197,6 +201,7 @@ pub fn run(
                     prompt_tokens: tokens,
                     max_output_tokens: spec.output_tokens,
                     lora: None,
+                    cache_salt: None,
                     arrival_s: now / 1000.0,
                 });
                 if added.is_err() {

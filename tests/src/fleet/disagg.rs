@@ -320,6 +320,7 @@ impl Sim<'_> {
             prompt_tokens: spec.prompt.clone(),
             max_output_tokens: if prefiller.is_some() { 1 } else { spec.output },
             lora: None,
+            cache_salt: None,
             arrival_s: now / 1000.0,
         };
         let target = prefiller.unwrap_or(decode);
@@ -399,6 +400,7 @@ impl Sim<'_> {
             prompt_tokens: spec.prompt.clone(),
             max_output_tokens: spec.output,
             lora: None,
+            cache_salt: None,
             arrival_s: now / 1000.0,
         })?;
         // The prefiller's copy is done; the decode copy streams from here.

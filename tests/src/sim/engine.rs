@@ -34,6 +34,9 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 use super::SimError;
 use super::kv::{BlockId, BlockPool};
 use super::profile::Profile;
+
+/// Mixed into a salted block-0 seed so a salt never reproduces a LoRA's chain seed.
+const SALT_SEED: u64 = 0x6361_6368_655f_7361; // "cache_sa"
 use super::tokenizer::{Tokenizer, WordTokenizer};
 
 /// Caller-chosen request id, unique among the requests inside one engine.
@@ -89,6 +92,9 @@ pub struct EngineRequest {
     pub max_output_tokens: u32,
     /// LoRA adapter name; blocks of different adapters never share cache.
     pub lora: Option<String>,
+    /// vLLM's `cache_salt`: like vLLM, the engine adds it to block 0's hash only, so through
+    /// the chain a salted prompt shares no cached block with other salts or none.
+    pub cache_salt: Option<String>,
     /// Simulated arrival time, seconds.
     pub arrival_s: f64,
 }
@@ -166,6 +172,9 @@ pub enum KvEvent {
         lora_id: Option<u32>,
         /// LoRA adapter name.
         lora_name: Option<String>,
+        /// The request's cache salt, set only on a run that starts at block 0 (the one block
+        /// whose extra keys hold it in vLLM).
+        cache_salt: Option<String>,
     },
     /// A cached block was evicted (one event per block, as vLLM 0.33 does; a duplicate copy of
     /// a block reports the same hash again when it goes).
@@ -189,6 +198,8 @@ pub enum KvEvent {
         lora_id: Option<u32>,
         /// LoRA adapter name.
         lora_name: Option<String>,
+        /// The request's cache salt, on a run that starts at block 0 only.
+        cache_salt: Option<String>,
     },
     /// A block left the CPU offload tier (`BlockRemoved` with medium `CPU`).
     OffloadRemoved {
@@ -256,6 +267,7 @@ struct Req {
     max_output: u32,
     lora_id: Option<u32>,
     lora_name: Option<Arc<str>>,
+    cache_salt: Option<Arc<str>>,
     chain_seed: u64,
     output_seed: u64,
     block_hashes: Vec<u64>,
@@ -270,6 +282,22 @@ struct Req {
 }
 
 impl Req {
+    /// The parent of block 0: the chain seed, with the cache salt mixed in when there is one
+    /// (vLLM hashes the salt into block 0's extra keys, nowhere else).
+    fn block0_seed(&self) -> u64 {
+        match &self.cache_salt {
+            Some(salt) => xxh3_64_with_seed(salt.as_bytes(), self.chain_seed ^ SALT_SEED),
+            None => self.chain_seed,
+        }
+    }
+
+    /// The cache salt for an event whose run starts at block `first`: only block 0 carries it.
+    fn salt_if_first(&self, first: usize) -> Option<String> {
+        (first == 0)
+            .then(|| self.cache_salt.as_deref().map(str::to_owned))
+            .flatten()
+    }
+
     fn output_len(&self) -> u32 {
         self.tokens.len() as u32 - self.prompt_len
     }
@@ -280,7 +308,7 @@ impl Req {
         while self.block_hashes.len() < n {
             let i = self.block_hashes.len();
             let parent = if i == 0 {
-                self.chain_seed
+                self.block0_seed()
             } else {
                 self.block_hashes[i - 1]
             };
@@ -363,6 +391,7 @@ fn offload_events(r: &Req, offloaded: &[usize], bs: u32, events: &mut Vec<KvEven
             block_size: bs,
             lora_id: r.lora_id,
             lora_name: r.lora_name.as_deref().map(str::to_owned),
+            cache_salt: r.salt_if_first(first),
         });
         start = end;
     }
@@ -485,6 +514,7 @@ impl Engine {
                 max_output: req.max_output_tokens,
                 lora_id,
                 lora_name,
+                cache_salt: req.cache_salt.as_deref().map(Arc::from),
                 chain_seed,
                 output_seed,
                 block_hashes: Vec::new(),
@@ -903,6 +933,7 @@ impl Engine {
                                 block_size: bs,
                                 lora_id: r.lora_id,
                                 lora_name: r.lora_name.as_deref().map(str::to_owned),
+                                cache_salt: r.salt_if_first(i),
                             })
                         }
                     }
@@ -994,6 +1025,7 @@ mod tests {
             prompt_tokens: prompt.to_vec(),
             max_output_tokens: out,
             lora: None,
+            cache_salt: None,
             arrival_s: 0.0,
         }
     }
@@ -1364,6 +1396,7 @@ mod tests {
                 block_size: 4,
                 lora_id: None,
                 lora_name: None,
+                cache_salt: None,
             }]
         );
         e.add_request(req(2, &toks(0..13), 1)).unwrap();
@@ -1434,6 +1467,61 @@ mod tests {
                 assert_eq!(*lora_id, Some(1));
                 assert_eq!(lora_name.as_deref(), Some("sql"));
             }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    fn salted(id: RequestId, prompt: &[u32], salt: &str) -> EngineRequest {
+        let mut r = req(id, prompt, 1);
+        r.cache_salt = Some(salt.into());
+        r
+    }
+
+    #[test]
+    fn a_cache_salt_isolates_the_prefix_cache_and_rides_on_block_zero() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        let prompt = toks(0..13);
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        drain(&mut e, 0.0);
+        e.add_request(salted(2, &prompt, "a")).unwrap();
+        let outs = drain(&mut e, 1.0);
+        assert_eq!(
+            summaries(&outs)[&2].cached_tokens,
+            0,
+            "no hit on the unsalted copy"
+        );
+        match &outs[0].kv_events[..] {
+            [
+                KvEvent::BlockStored {
+                    cache_salt,
+                    parent_block_hash: None,
+                    block_hashes,
+                    ..
+                },
+            ] => {
+                assert_eq!(cache_salt.as_deref(), Some("a"));
+                assert_eq!(block_hashes.len(), 3);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        e.add_request(salted(3, &prompt, "b")).unwrap();
+        assert_eq!(
+            summaries(&drain(&mut e, 2.0))[&3].cached_tokens,
+            0,
+            "nor on salt a"
+        );
+        // The same salt hits, and a longer prompt's new run (parent set) carries no salt.
+        e.add_request(salted(4, &toks(0..17), "a")).unwrap();
+        let outs = drain(&mut e, 3.0);
+        assert_eq!(summaries(&outs)[&4].cached_tokens, 12);
+        match &outs[0].kv_events[..] {
+            [
+                KvEvent::BlockStored {
+                    cache_salt: None,
+                    parent_block_hash: Some(_),
+                    ..
+                },
+            ] => {}
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -1695,6 +1783,7 @@ mod remote_prefill_tests {
             prompt_tokens: prompt.to_vec(),
             max_output_tokens: 2,
             lora: None,
+            cache_salt: None,
             arrival_s: 0.0,
         }
     }

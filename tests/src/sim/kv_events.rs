@@ -48,6 +48,7 @@ fn event_value(ev: &KvEvent) -> Value {
             block_size,
             lora_id,
             lora_name,
+            cache_salt,
         }
         | KvEvent::OffloadStored {
             block_hashes,
@@ -56,6 +57,7 @@ fn event_value(ev: &KvEvent) -> Value {
             block_size,
             lora_id,
             lora_name,
+            cache_salt,
         } => Value::Map(vec![
             (s("type"), s("BlockStored")),
             (
@@ -71,18 +73,9 @@ fn event_value(ev: &KvEvent) -> Value {
             (s("lora_id"), opt_u64(lora_id.map(u64::from))),
             (s("medium"), s(medium)),
             (s("lora_name"), lora_name.as_deref().map_or(Value::Nil, s)),
-            // One entry per block: the untagged extra hash keys (a LoRA's name), or nil.
             (
                 s("extra_keys"),
-                Value::Array(
-                    block_hashes
-                        .iter()
-                        .map(|_| match lora_name {
-                            Some(name) => Value::Array(vec![s(name)]),
-                            None => Value::Nil,
-                        })
-                        .collect(),
-                ),
+                extra_keys(block_hashes.len(), lora_name, cache_salt),
             ),
             (s("group_idx"), Value::from(0)),
         ]),
@@ -99,6 +92,31 @@ fn event_value(ev: &KvEvent) -> Value {
         }
         KvEvent::AllBlocksCleared => Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
     }
+}
+
+/// A store's `extra_keys` as vLLM publishes them: one entry per block, each the block's extra
+/// hash keys untagged, in vLLM's order (LoRA name, multimodal keys, cache salt, prompt-embeds
+/// digest), or nil for a block without any. The salt is on block 0 only, so it is present only
+/// when the run starts there (`cache_salt` is then `Some`): `[[lora?, salt], [lora]|nil, ...]`.
+fn extra_keys(blocks: usize, lora_name: &Option<String>, cache_salt: &Option<String>) -> Value {
+    let s = |x: &str| Value::from(x);
+    Value::Array(
+        (0..blocks)
+            .map(|i| {
+                let keys: Vec<Value> = lora_name
+                    .as_deref()
+                    .map(s)
+                    .into_iter()
+                    .chain(cache_salt.as_deref().filter(|_| i == 0).map(s))
+                    .collect();
+                if keys.is_empty() {
+                    Value::Nil
+                } else {
+                    Value::Array(keys)
+                }
+            })
+            .collect(),
+    )
 }
 
 /// Msgpack payload of one batch: `[ts, [events...], data_parallel_rank]`, byte for byte what
@@ -605,6 +623,7 @@ mod tests {
             block_size: 16,
             lora_id: None,
             lora_name: None,
+            cache_salt: None,
         };
         let bytes = encode_batch(1.5, &[ev, KvEvent::AllBlocksCleared], 0);
         let v = rmpv::decode::read_value(&mut bytes.as_slice()).unwrap();
@@ -656,6 +675,7 @@ mod tests {
                 block_size: 16,
                 lora_id: Some(2),
                 lora_name: Some("sql".into()),
+                cache_salt: None,
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![u64::MAX],
@@ -688,6 +708,36 @@ mod tests {
                 },
                 DecodedEvent::AllBlocksCleared,
             ]
+        );
+    }
+
+    #[test]
+    fn the_cache_salt_is_in_block_zeros_extra_keys_only() {
+        let stored = |lora: Option<&str>, salt: Option<&str>| {
+            let ev = KvEvent::BlockStored {
+                block_hashes: vec![1, 2, 3],
+                parent_block_hash: None,
+                token_ids: (0..48).collect(),
+                block_size: 16,
+                lora_id: lora.map(|_| 1),
+                lora_name: lora.map(str::to_owned),
+                cache_salt: salt.map(str::to_owned),
+            };
+            match &decode_batch(&encode_batch(1.0, &[ev], 0)).unwrap().events[0] {
+                DecodedEvent::BlockStored { extra_keys, .. } => extra_keys.clone().unwrap(),
+                other => panic!("not a store: {other:?}"),
+            }
+        };
+        let s = |x: &str| Value::from(x);
+        let arr = Value::Array;
+        assert_eq!(
+            stored(None, Some("t1")),
+            arr(vec![arr(vec![s("t1")]), Value::Nil, Value::Nil])
+        );
+        let lora = arr(vec![s("sql")]);
+        assert_eq!(
+            stored(Some("sql"), Some("t1")),
+            arr(vec![arr(vec![s("sql"), s("t1")]), lora.clone(), lora])
         );
     }
 

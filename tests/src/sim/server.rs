@@ -671,6 +671,8 @@ struct ChatRequest {
     add_generation_prompt: bool,
     #[serde(default)]
     add_special_tokens: bool,
+    #[serde(default)]
+    cache_salt: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -688,10 +690,23 @@ struct CompletionRequest {
     n: Option<u32>,
     #[serde(default = "yes")]
     add_special_tokens: bool,
+    #[serde(default)]
+    cache_salt: Option<String>,
 }
 
 fn yes() -> bool {
     true
+}
+
+/// vLLM's rule for `cache_salt`: absent or null is no salt, an empty string is refused with 400
+/// (a non-string already failed to parse).
+fn cache_salt(salt: Option<String>) -> Result<Option<String>, ApiError> {
+    match salt {
+        Some(s) if s.is_empty() => Err(bad_request(
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+        )),
+        salt => Ok(salt),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -822,6 +837,7 @@ async fn chat_completions(
     s.inject_faults().await?;
     let req: ChatRequest = parse(&body)?;
     let lora = s.resolve_model(req.model.as_deref())?;
+    let cache_salt = cache_salt(req.cache_salt)?;
     let msgs = chat_messages(&req.messages)?;
     let prompt = s.chat_prompt(&msgs, req.add_generation_prompt, req.add_special_tokens)?;
     let (remote_prefilled, kv_transfer) =
@@ -830,6 +846,7 @@ async fn chat_completions(
         chat: true,
         model: req.model.unwrap_or_else(|| s.model.clone()),
         lora,
+        cache_salt,
         prompt,
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
         stream: req.stream,
@@ -849,6 +866,7 @@ async fn completions(
     s.inject_faults().await?;
     let req: CompletionRequest = parse(&body)?;
     let lora = s.resolve_model(req.model.as_deref())?;
+    let cache_salt = cache_salt(req.cache_salt)?;
     let prompt = s.completion_prompt(&req.prompt, req.add_special_tokens)?;
     let (remote_prefilled, kv_transfer) =
         disaggregation(&s, &headers, "/v1/completions", &body, prompt.len()).await;
@@ -856,6 +874,7 @@ async fn completions(
         chat: false,
         model: req.model.unwrap_or_else(|| s.model.clone()),
         lora,
+        cache_salt,
         prompt,
         max_tokens: req.max_tokens,
         stream: req.stream,
@@ -893,6 +912,8 @@ struct Job {
     chat: bool,
     model: String,
     lora: Option<String>,
+    /// vLLM's `cache_salt`, keying the prompt's cached blocks.
+    cache_salt: Option<String>,
     prompt: Vec<u32>,
     max_tokens: Option<u32>,
     stream: bool,
@@ -944,6 +965,7 @@ async fn run_job(s: Arc<Shared>, job: Job) -> ApiResult {
         prompt_tokens: job.prompt,
         max_output_tokens: max_tokens,
         lora: job.lora,
+        cache_salt: job.cache_salt,
         arrival_s,
     };
     let added = if job.remote_prefilled {
