@@ -306,8 +306,9 @@ pub struct AdmissionDecision {
     pub saturation: f64,
     /// The tenant's usage over its fair share at the time (1.0 = exactly its share).
     pub share_ratio: f64,
-    /// The fleet's TTFT inflation before this request (see [`Admission::ttft_inflation`]);
-    /// `None` when `max_ttft_inflation` is unset or the decision had no loads.
+    /// The fleet's TTFT inflation before this request (see [`Admission::ttft_inflation`];
+    /// infinite when no replica is usable); `None` when `max_ttft_inflation` is unset or the
+    /// decision was made from the saturation alone ([`Admission::decide`]).
     pub ttft_inflation: Option<f64>,
     /// Why it was refused, or `None` when admitted.
     pub shed: Option<ShedReason>,
