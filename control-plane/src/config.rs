@@ -41,6 +41,11 @@ pub struct Config {
     pub body_timeout_ms: u64,
     /// Recent decisions kept for `/debug/decisions/{id}`.
     pub decision_history: usize,
+    /// Tokio worker threads. 0 (the default) runs the service on one thread that also waits
+    /// for I/O: a route call is then read, decided and answered without waking a second
+    /// thread (on small machines that hand-off was a measurable part of the call's latency).
+    /// Routing holds one lock either way; tokenisation runs on the blocking pool.
+    pub worker_threads: usize,
     /// How often each endpoint's `/v1/models` is polled for the models it serves (model
     /// pools, LoRA adapters); 0 never polls, leaving only the configured `model`/`models`.
     pub models_interval_ms: u64,
@@ -195,6 +200,7 @@ impl Default for Config {
             max_feedback_outcomes: 10_000,
             body_timeout_ms: 2_000,
             decision_history: 1_024,
+            worker_threads: 0,
             models_interval_ms: 5_000,
             endpoints: Vec::new(),
             router: RouterConfig::default(),
@@ -474,6 +480,13 @@ impl Config {
             0,
             1 << 20,
             "0..=1048576",
+        )?;
+        range_u64(
+            "worker_threads",
+            self.worker_threads as u64,
+            0,
+            1024,
+            "0..=1024",
         )?;
         if let Some(discovery) = &self.discovery {
             discovery.validate()?;

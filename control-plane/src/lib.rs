@@ -32,6 +32,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::serve::ListenerExt as _;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -248,6 +249,13 @@ async fn serve(
     router: axum::Router,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
+    // Answers are small and written whole: send them at once rather than let Nagle hold a
+    // segment back for an acknowledgement.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     axum::serve(listener, router)
         .with_graceful_shutdown(async move {
             let _ = stop.wait_for(|s| *s).await;

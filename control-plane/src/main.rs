@@ -22,8 +22,7 @@ struct Cli {
     log: Option<String>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let directives = cli
         .log
@@ -37,6 +36,24 @@ async fn main() -> anyhow::Result<()> {
         .init();
 
     let config = Config::load(&cli.config)?;
+    let runtime = match config.worker_threads {
+        // One thread polls the sockets and runs the handlers: no wake-up of a second thread
+        // between a route call's arrival and its answer.
+        0 => tokio::runtime::Builder::new_current_thread(),
+        n => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(n);
+            builder
+        }
+    }
+    .enable_all()
+    .build()
+    .context("cannot start the tokio runtime")?;
+    runtime.block_on(serve(config))
+}
+
+/// Runs the service (and discovery, if configured) until SIGINT or SIGTERM.
+async fn serve(config: Config) -> anyhow::Result<()> {
     // Kubernetes, DNS or file discovery adds and removes endpoints next to the configured ones.
     let discovery = config
         .discovery
