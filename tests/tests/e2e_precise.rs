@@ -11,13 +11,19 @@
 //!   control plane's in-process one (a real byte-level BPE `tokenizer.json` and a Jinja chat
 //!   template that the simulated engines use too).
 //!
+//! - two tenants sending the same long prompt under different `cache_salt`s share no cached
+//!   block: the router predicts none (the engine gives none), while the same salt again hits
+//!   the replica that holds it.
+//!
 //! A missing Envoy fails these tests with the reason (run `make setup`); they never skip.
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvroute_tests::harness::{Fleet, FleetConfig, HttpClient, Tools, prometheus_sum};
+use kvroute_tests::harness::{
+    Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sum,
+};
 use kvroute_tests::loadgen::{StreamOutcome, stream_chat};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
@@ -88,6 +94,7 @@ async fn precise_fleet_with(
     cfg.control_plane_router = json!({"precise": {"speculative_ttl_ms": SPECULATIVE_TTL_MS}});
     cfg.plugin_config = json!({
         "route_timeout_ms": 3000,
+        "allow_explain": true,
         "routes": [
             {"path": "/v1/chat/completions", "api": "chat", "mode": "precise"},
             {"path": "/v1/completions", "api": "completion", "mode": "precise"}
@@ -510,6 +517,140 @@ async fn live_comparison_precise_prediction_within_five_percent() {
             row.predicted_cached_tokens,
             row.actual_cached_tokens,
             row.prediction_error * 100.0
+        );
+    })
+    .await;
+}
+
+/// A non-streaming chat request through Envoy asking for the explain header.
+async fn post_explained(client: &HttpClient, fleet: &Fleet, body: &Value) -> HttpResponse {
+    let url = format!("{}/v1/chat/completions", fleet.url());
+    let r = client
+        .request(
+            "POST",
+            &url,
+            &[("x-kvroute-explain", "1")],
+            Some(body.to_string()),
+            REQUEST_TIMEOUT,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    r
+}
+
+/// One `key=value` field of the `x-kvroute-decision` header.
+fn decision_field(r: &HttpResponse, key: &str) -> String {
+    let decision = r.header("x-kvroute-decision").unwrap_or_default();
+    decision
+        .split("; ")
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+        .unwrap_or_else(|| panic!("no {key} in decision {decision:?}"))
+        .to_string()
+}
+
+/// The engine's `usage.prompt_tokens_details.cached_tokens` of a non-streaming answer.
+fn engine_cached(r: &HttpResponse) -> u64 {
+    let v: Value = serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.body));
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_salt_keeps_tenants_apart_and_hits_its_own_blocks() {
+    let tools = tools();
+    bounded("precise cache salt", async {
+        let fleet = precise_fleet(&tools, "e2e-precise-salt", 3, &Tokenizer::Remote).await;
+        let client = HttpClient::new();
+        let system = format!("Shared system prompt. {}", text(41, 1_200));
+        let salted = |salt: Option<&str>| {
+            let mut body = json!({
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": "Summarise the above."}
+                ],
+                "max_tokens": 4,
+            });
+            if let Some(salt) = salt {
+                body["cache_salt"] = json!(salt);
+            }
+            body
+        };
+
+        // Tenant A caches the prompt under its salt.
+        let a = post_explained(&client, &fleet, &salted(Some("tenant-a"))).await;
+        let holder = a
+            .header(REPLICA_HEADER)
+            .expect("replica header")
+            .to_string();
+        assert_eq!(decision_field(&a, "cached_blocks"), "0", "a cold fleet");
+        wait_metrics(&fleet, "tenant A's blocks reported", |m| {
+            endpoint_value(m, "kvroute_endpoint_precise_blocks", &holder).unwrap_or(0.0) >= 60.0
+        })
+        .await;
+        // Events alone decide from here on.
+        tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
+
+        // Tenant B and an unsalted client send the very same prompt: neither is predicted a
+        // hit anywhere, and no engine gives one.
+        for (who, salt) in [("tenant B", Some("tenant-b")), ("no salt", None)] {
+            let r = post_explained(&client, &fleet, &salted(salt)).await;
+            assert_eq!(
+                decision_field(&r, "cached_blocks"),
+                "0",
+                "{who}: predicted a hit on tenant A's blocks ({})",
+                fleet.describe()
+            );
+            let id = decision_field(&r, "id");
+            let cp = fleet.control_plane.as_ref().expect("kvroute topology");
+            let url = format!("http://{}/debug/decisions/{id}", cp.admin_address);
+            let d: Value = serde_json::from_str(
+                &client
+                    .get(&url, REQUEST_TIMEOUT)
+                    .await
+                    .unwrap_or_else(|e| panic!("{url}: {e}"))
+                    .body,
+            )
+            .unwrap_or_else(|e| panic!("{url}: {e}"));
+            let candidates = d["candidates"].as_array().expect("candidates");
+            assert_eq!(candidates.len(), 3, "{d:#}");
+            assert!(
+                candidates
+                    .iter()
+                    .all(|c| c["precise"] == true && c["cached_blocks"] == 0),
+                "{who}: no replica may look warm: {d:#}"
+            );
+            assert_eq!(
+                engine_cached(&r),
+                0,
+                "{who}: the engine shared tenant A's blocks"
+            );
+            // Let this request's speculative entries lapse too before the next one.
+            tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
+        }
+
+        // Tenant A again: predicted on the replica holding its salted blocks, and a real hit.
+        let again = post_explained(&client, &fleet, &salted(Some("tenant-a"))).await;
+        let predicted: u64 = decision_field(&again, "cached_blocks").parse().unwrap();
+        assert!(
+            predicted >= 60,
+            "tenant A's repeat predicted {predicted} blocks"
+        );
+        assert_eq!(decision_field(&again, "endpoint"), holder);
+        assert_eq!(again.header(REPLICA_HEADER), Some(holder.as_str()));
+        let cached = engine_cached(&again);
+        println!(
+            "tenant A's repeat: predicted {predicted} blocks, the engine reused {cached} tokens"
+        );
+        assert!(cached >= 1_000, "tenant A's repeat reused {cached} tokens");
+        // The prediction is the engine's hit, to the block (16 tokens a block; the engine
+        // recomputes the last prompt token, which may cost it the last block).
+        assert!(
+            (cached..=cached + 16).contains(&(predicted * 16)),
+            "predicted {predicted} blocks, the engine reused {cached} tokens ({})",
+            fleet.describe()
         );
     })
     .await;
