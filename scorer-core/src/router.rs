@@ -197,6 +197,10 @@ struct Slot {
     backlog_tokens: f64,
     backlog_at_ms: u64,
     inflight: u32,
+    /// KV tokens (prompt + expected output) the router's in-flight requests here will hold:
+    /// a prediction of KV use that does not wait for the next scrape, so a burst cannot pile
+    /// more concurrent prompts onto one replica than its KV cache holds (they would wait there).
+    inflight_kv_tokens: u64,
     /// Whether this endpoint's KV-event stream is live (precise scoring trusts it).
     events_live: bool,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
@@ -207,6 +211,16 @@ struct Slot {
     role: EndpointRole,
     /// Times it was picked as a request's prefill endpoint.
     prefill_picks: u64,
+}
+
+impl Slot {
+    /// Ends one in-flight request here (answered, expired).
+    fn release(&mut self, entry: &InFlight) {
+        self.inflight = self.inflight.saturating_sub(1);
+        self.inflight_kv_tokens = self
+            .inflight_kv_tokens
+            .saturating_sub(u64::from(entry.kv_tokens));
+    }
 }
 
 /// Totals of the outcomes an endpoint served, as the engines reported them: the fleet page and
@@ -227,6 +241,8 @@ pub struct ServedTotals {
 struct InFlight {
     endpoint: EndpointId,
     predicted_cached_tokens: u32,
+    /// What it adds to its endpoint's `inflight_kv_tokens` until it ends.
+    kv_tokens: u32,
     /// The latency model's inputs at decision time, so the outcome can teach the model.
     latency_features: LatencyFeatures,
     /// Prefilled on another endpoint: its TTFT says nothing about this endpoint's prefill.
@@ -520,6 +536,7 @@ impl Router {
             backlog_tokens: 0.0,
             backlog_at_ms: 0,
             inflight: 0,
+            inflight_kv_tokens: 0,
             events_live: false,
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
@@ -724,7 +741,7 @@ impl Router {
             };
             self.stats.expired_inflight += 1;
             if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
-                slot.inflight = slot.inflight.saturating_sub(1);
+                slot.release(&entry);
             }
         }
     }
@@ -843,8 +860,21 @@ impl Router {
             let decode_ms = f64::from(active) * s.decode_ms_per_seq
                 + kv_usage * s.kv_decode_ms
                 + s.decode_weight * f64::from(output_tokens) * itl_ms;
-            let kv_ms = if kv_usage > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
-                s.kv_pressure_ms * (kv_usage - s.kv_pressure_threshold)
+            // KV pressure from the scrape, or predicted from what the router itself has in flight
+            // here plus this request (the scrape lags a burst; past 1.0 the request would wait
+            // for memory, and the penalty keeps growing).
+            let predicted_kv = match slot.metrics.and_then(|m| m.capacity_tokens) {
+                Some(capacity) if capacity > 0 => {
+                    (slot.inflight_kv_tokens
+                        + u64::from(request.prompt_tokens)
+                        + u64::from(output_tokens)) as f64
+                        / capacity as f64
+                }
+                _ => 0.0,
+            };
+            let kv_pressure = kv_usage.max(predicted_kv);
+            let kv_ms = if kv_pressure > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
+                s.kv_pressure_ms * (kv_pressure - s.kv_pressure_threshold)
                     / (1.0 - s.kv_pressure_threshold)
             } else {
                 0.0
@@ -994,9 +1024,11 @@ impl Router {
         };
 
         // Account the decision: the chosen replica now has this prefill queued and holds the blocks.
+        let kv_tokens = request.prompt_tokens.saturating_add(output_tokens);
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             slot.backlog_tokens += f64::from(chosen_score.uncached_tokens);
             slot.inflight += 1;
+            slot.inflight_kv_tokens += u64::from(kv_tokens);
         }
         self.index.insert(chosen, &request.block_hashes, now_ms);
         if precise {
@@ -1012,6 +1044,7 @@ impl Router {
             InFlight {
                 endpoint: chosen,
                 predicted_cached_tokens,
+                kv_tokens,
                 latency_features: self.scratch.features[usize::from(chosen.0)],
                 remote_prefill: false,
             },
@@ -1093,7 +1126,7 @@ impl Router {
             return;
         };
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
-            slot.inflight = slot.inflight.saturating_sub(1);
+            slot.release(&entry);
         }
         // Credit the endpoint that really served (Envoy may have used a fallback).
         let served_by = match self.by_address.get(outcome.endpoint.as_str()) {
@@ -1520,6 +1553,38 @@ mod tests {
         r.update_metrics("10.0.0.1:8000", EndpointMetrics::default(), 0);
         let d = r.route(&request(&"x".repeat(1000)), 10, 1);
         assert_eq!(d.response.endpoints[0], "10.0.0.1:8000");
+    }
+
+    #[test]
+    fn a_burst_sharing_a_prefix_spreads_once_the_holders_kv_would_overflow() {
+        // Each replica holds 12,000 KV tokens; the requests share a system prompt cached on one
+        // replica and are 2,500 tokens each. The scrape shows no load (it lags the burst), and
+        // each prefill has drained before the next arrives: only the router's own in-flight KV
+        // tells it that a sixth concurrent prompt cannot fit on the holder.
+        let mut r = router(4);
+        let metrics = EndpointMetrics {
+            capacity_tokens: Some(12_000),
+            ..EndpointMetrics::default()
+        };
+        for i in 0..4 {
+            r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
+        }
+        let system = "shared system prompt ".repeat(100);
+        let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
+        let mut placed = Vec::new();
+        for k in 0..8u64 {
+            let prompt = format!("{system} conversation {k} {}", "words ".repeat(1_300));
+            let mut req = request(&prompt);
+            req.max_output_tokens = Some(16);
+            let now = 1_000 + k * 1_000;
+            placed.push(r.route(&req, now, k).response.endpoints[0].clone());
+        }
+        let on_holder = placed.iter().filter(|e| **e == holder).count();
+        assert!(on_holder >= 2, "the prefix still attracts: {placed:?}");
+        assert!(
+            on_holder <= 4,
+            "at most what fits in 12,000 tokens: {placed:?}"
+        );
     }
 
     #[test]
