@@ -197,7 +197,8 @@ struct Slot {
     backlog_tokens: f64,
     backlog_at_ms: u64,
     inflight: u32,
-    /// KV tokens (prompt + expected output) the router's in-flight requests here will hold:
+    /// KV tokens (uncached prompt + expected output) the router's in-flight requests here will
+    /// allocate:
     /// a prediction of KV use that does not wait for the next scrape, so a burst cannot pile
     /// more concurrent prompts onto one replica than its KV cache holds (they would wait there).
     inflight_kv_tokens: u64,
@@ -865,9 +866,7 @@ impl Router {
             // for memory, and the penalty keeps growing).
             let predicted_kv = match slot.metrics.and_then(|m| m.capacity_tokens) {
                 Some(capacity) if capacity > 0 => {
-                    (slot.inflight_kv_tokens
-                        + u64::from(request.prompt_tokens)
-                        + u64::from(output_tokens)) as f64
+                    (slot.inflight_kv_tokens + uncached as u64 + u64::from(output_tokens)) as f64
                         / capacity as f64
                 }
                 _ => 0.0,
@@ -1024,7 +1023,8 @@ impl Router {
         };
 
         // Account the decision: the chosen replica now has this prefill queued and holds the blocks.
-        let kv_tokens = request.prompt_tokens.saturating_add(output_tokens);
+        // Only the blocks it allocates: a cached prefix is shared with whoever else uses it.
+        let kv_tokens = chosen_score.uncached_tokens.saturating_add(output_tokens);
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             slot.backlog_tokens += f64::from(chosen_score.uncached_tokens);
             slot.inflight += 1;
@@ -1557,10 +1557,11 @@ mod tests {
 
     #[test]
     fn a_burst_sharing_a_prefix_spreads_once_the_holders_kv_would_overflow() {
-        // Each replica holds 12,000 KV tokens; the requests share a system prompt cached on one
-        // replica and are 2,500 tokens each. The scrape shows no load (it lags the burst), and
-        // each prefill has drained before the next arrives: only the router's own in-flight KV
-        // tells it that a sixth concurrent prompt cannot fit on the holder.
+        // Each replica holds 12,000 KV tokens; the requests share a 525-token system prompt
+        // cached on one replica and add about 2,000 tokens each. The scrape shows no load (it
+        // lags the burst), and each prefill has drained before the next arrives: only the
+        // router's own in-flight KV tells it that a sixth concurrent request cannot fit there
+        // (525 + 6 x 2,000 > 12,000).
         let mut r = router(4);
         let metrics = EndpointMetrics {
             capacity_tokens: Some(12_000),
@@ -1582,7 +1583,7 @@ mod tests {
         let on_holder = placed.iter().filter(|e| **e == holder).count();
         assert!(on_holder >= 2, "the prefix still attracts: {placed:?}");
         assert!(
-            on_holder <= 4,
+            on_holder <= 5,
             "at most what fits in 12,000 tokens: {placed:?}"
         );
     }
