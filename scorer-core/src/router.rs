@@ -8,8 +8,10 @@
 //! would wait and prefill there:
 //! `queue_ms` (prefill work already sent there and not yet drained, router-side) +
 //! `prefill_ms` (this request's uncached tokens) + `decode_ms` (running sequences slow every
-//! step) + `kv_ms` (KV pressure: near-full caches evict and preempt). Lowest cost wins; ties
-//! break by the seed; a guard keeps one hot replica from taking everything.
+//! step) + `kv_ms` (KV pressure: near-full caches evict and preempt; the scraped usage, or the
+//! router's own in-flight allocations over the replica's capacity when those are higher, since
+//! the scrape lags a burst). Lowest cost wins; ties break by the seed; a guard keeps one hot
+//! replica from taking everything.
 
 use std::collections::VecDeque;
 
