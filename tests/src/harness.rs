@@ -1163,6 +1163,40 @@ impl Fleet {
         Ok(self.client.get(&url, Duration::from_secs(5)).await?.body)
     }
 
+    /// One non-streaming chat completion through Envoy with the explain header on (the answer
+    /// carries `x-kvroute-decision`). Panics unless it answers 200: callers assert on routing.
+    pub async fn chat_explained(&self, body: &Value, timeout: Duration) -> HttpResponse {
+        let url = format!("{}/v1/chat/completions", self.url());
+        let resp = self
+            .client
+            .request(
+                "POST",
+                &url,
+                &[("x-kvroute-explain", "1")],
+                Some(body.to_string()),
+                timeout,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {e} ({})", self.describe()));
+        assert_eq!(resp.status, 200, "{} ({})", resp.body, self.describe());
+        resp
+    }
+
+    /// Sum of the Envoy stats whose name contains `name` (the filter's `wasmcustom.*`
+    /// counters, summed over the labels Envoy folds into stat names). Panics when Envoy's
+    /// admin port does not answer: every caller is a test asserting on the value.
+    pub async fn envoy_counter(&self, name: &str) -> f64 {
+        let stats = self
+            .envoy_stats(name)
+            .await
+            .unwrap_or_else(|e| panic!("reading Envoy stats: {e} ({})", self.describe()));
+        stats
+            .lines()
+            .filter(|l| l.contains(name))
+            .filter_map(|l| l.split_once(": ")?.1.trim().parse::<f64>().ok())
+            .sum()
+    }
+
     /// A short report of where the logs are, for assertion messages.
     pub fn describe(&self) -> String {
         let mut s = format!("logs in {}", self.log_dir.display());

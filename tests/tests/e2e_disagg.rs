@@ -31,19 +31,8 @@ fn chat(text: &str) -> Value {
 }
 
 /// Sends `body` through Envoy with explain on; returns (serving replica, decision id).
-async fn send(client: &HttpClient, fleet: &Fleet, body: &Value) -> (String, Option<String>) {
-    let url = format!("{}/v1/chat/completions", fleet.url());
-    let resp = client
-        .request(
-            "POST",
-            &url,
-            &[("x-kvroute-explain", "1")],
-            Some(body.to_string()),
-            REQUEST_TIMEOUT,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
-    assert_eq!(resp.status, 200, "{} ({})", resp.body, fleet.describe());
+async fn send(fleet: &Fleet, body: &Value) -> (String, Option<String>) {
+    let resp = fleet.chat_explained(body, REQUEST_TIMEOUT).await;
     let replica = resp
         .header(REPLICA_HEADER)
         .unwrap_or_else(|| panic!("no {REPLICA_HEADER}: {:?}", resp.headers))
@@ -99,7 +88,7 @@ async fn long_prompts_are_prefilled_remotely_short_ones_locally() {
 
         // A long, uncached prompt: decode replica serves, prefill replica prefills.
         let long = chat(&kvroute_tests::loadgen::words(&mut rng, 3_000));
-        let (served, id) = send(&client, &fleet, &long).await;
+        let (served, id) = send(&fleet, &long).await;
         assert_ne!(
             served, prefill,
             "a prefill replica is never the decode target"
@@ -119,14 +108,14 @@ async fn long_prompts_are_prefilled_remotely_short_ones_locally() {
         assert_eq!(pd_stats(&client, &served).await.1, 1);
 
         // The same prompt again: the decode replica holds it now, so it serves alone.
-        let (again, _) = send(&client, &fleet, &long).await;
+        let (again, _) = send(&fleet, &long).await;
         assert_eq!(again, served);
         assert_eq!(pd_stats(&client, &prefill).await.0, 1, "no second prefill");
 
         // Short prompts never disaggregate, and never land on the prefill replica.
         for i in 0..6 {
             let short = chat(&format!("short question {i}?"));
-            let (served, _) = send(&client, &fleet, &short).await;
+            let (served, _) = send(&fleet, &short).await;
             assert_ne!(served, prefill);
         }
         assert_eq!(pd_stats(&client, &prefill).await.0, 1);

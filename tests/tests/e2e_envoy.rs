@@ -319,7 +319,7 @@ async fn killing_the_control_plane_loses_no_request() {
             "after the kill everything went to {served_after_kill:?}"
         );
         // And the fail-open path was really taken (the filter counts it).
-        let fail_open = envoy_counter(&fleet, "kvroute_fail_open").await;
+        let fail_open = fleet.envoy_counter("kvroute_fail_open").await;
         assert!(fail_open >= 1.0, "no request took the fail-open path");
     })
     .await;
@@ -385,22 +385,6 @@ async fn client_supplied_destination_header_is_ignored() {
     .await;
 }
 
-/// Sum of the Envoy counters whose name contains `name` (the filter's `wasmcustom.*` stats).
-async fn envoy_counter(fleet: &Fleet, name: &str) -> f64 {
-    let stats = fleet
-        .envoy_stats(name)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    stats
-        .lines()
-        .filter(|l| l.contains(name))
-        .filter_map(|l| {
-            l.split_once(": ")
-                .and_then(|(_, v)| v.trim().parse::<f64>().ok())
-        })
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_secret_guards_the_route_api_and_a_mismatch_fails_open() {
     let tools = tools();
@@ -429,15 +413,15 @@ async fn shared_secret_guards_the_route_api_and_a_mismatch_fails_open() {
                 }
             }
         }
-        let good_routed = envoy_counter(&good, "kvroute_requests_routed").await;
-        let good_failed = envoy_counter(&good, "kvroute_fail_open").await;
+        let good_routed = good.envoy_counter("kvroute_requests_routed").await;
+        let good_failed = good.envoy_counter("kvroute_fail_open").await;
         assert!(
             good_routed >= 6.0 && good_failed == 0.0,
             "matching secret: routed {good_routed}, failed open {good_failed} ({})",
             good.describe()
         );
-        let bad_routed = envoy_counter(&bad, "kvroute_requests_routed").await;
-        let bad_failed = envoy_counter(&bad, "kvroute_fail_open").await;
+        let bad_routed = bad.envoy_counter("kvroute_requests_routed").await;
+        let bad_failed = bad.envoy_counter("kvroute_fail_open").await;
         assert!(
             bad_routed == 0.0 && bad_failed >= 6.0,
             "wrong secret: routed {bad_routed}, failed open {bad_failed} ({})",

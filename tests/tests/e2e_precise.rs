@@ -522,23 +522,6 @@ async fn live_comparison_precise_prediction_within_five_percent() {
     .await;
 }
 
-/// A non-streaming chat request through Envoy asking for the explain header.
-async fn post_explained(client: &HttpClient, fleet: &Fleet, body: &Value) -> HttpResponse {
-    let url = format!("{}/v1/chat/completions", fleet.url());
-    let r = client
-        .request(
-            "POST",
-            &url,
-            &[("x-kvroute-explain", "1")],
-            Some(body.to_string()),
-            REQUEST_TIMEOUT,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e}"));
-    assert_eq!(r.status, 200, "{}", r.body);
-    r
-}
-
 /// One `key=value` field of the `x-kvroute-decision` header.
 fn decision_field(r: &HttpResponse, key: &str) -> String {
     let decision = r.header("x-kvroute-decision").unwrap_or_default();
@@ -580,7 +563,9 @@ async fn a_cache_salt_keeps_tenants_apart_and_hits_its_own_blocks() {
         };
 
         // Tenant A caches the prompt under its salt.
-        let a = post_explained(&client, &fleet, &salted(Some("tenant-a"))).await;
+        let a = fleet
+            .chat_explained(&salted(Some("tenant-a")), REQUEST_TIMEOUT)
+            .await;
         let holder = a
             .header(REPLICA_HEADER)
             .expect("replica header")
@@ -596,7 +581,7 @@ async fn a_cache_salt_keeps_tenants_apart_and_hits_its_own_blocks() {
         // Tenant B and an unsalted client send the very same prompt: neither is predicted a
         // hit anywhere, and no engine gives one.
         for (who, salt) in [("tenant B", Some("tenant-b")), ("no salt", None)] {
-            let r = post_explained(&client, &fleet, &salted(salt)).await;
+            let r = fleet.chat_explained(&salted(salt), REQUEST_TIMEOUT).await;
             assert_eq!(
                 decision_field(&r, "cached_blocks"),
                 "0",
@@ -632,7 +617,9 @@ async fn a_cache_salt_keeps_tenants_apart_and_hits_its_own_blocks() {
         }
 
         // Tenant A again: predicted on the replica holding its salted blocks, and a real hit.
-        let again = post_explained(&client, &fleet, &salted(Some("tenant-a"))).await;
+        let again = fleet
+            .chat_explained(&salted(Some("tenant-a")), REQUEST_TIMEOUT)
+            .await;
         let predicted: u64 = decision_field(&again, "cached_blocks").parse().unwrap();
         assert!(
             predicted >= 60,
