@@ -199,11 +199,10 @@ struct Slot {
     backlog_tokens: f64,
     backlog_at_ms: u64,
     inflight: u32,
-    /// KV tokens (uncached prompt + expected output) the router's in-flight requests here will
-    /// allocate:
-    /// a prediction of KV use that does not wait for the next scrape, so a burst cannot pile
-    /// more concurrent prompts onto one replica than its KV cache holds (they would wait there).
-    inflight_kv_tokens: u64,
+    /// The KV the router's in-flight requests here hold: a prediction of KV use that does not
+    /// wait for the next scrape, so a burst cannot pile more concurrent prompts onto one
+    /// replica than its KV cache holds (they would wait there).
+    inflight_kv: InflightKv,
     /// Whether this endpoint's KV-event stream is live (precise scoring trusts it).
     events_live: bool,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
@@ -220,9 +219,55 @@ impl Slot {
     /// Ends one in-flight request here (answered, expired).
     fn release(&mut self, entry: &InFlight) {
         self.inflight = self.inflight.saturating_sub(1);
-        self.inflight_kv_tokens = self
-            .inflight_kv_tokens
-            .saturating_sub(u64::from(entry.kv_tokens));
+        self.inflight_kv.remove(entry);
+    }
+}
+
+/// The KV held by one endpoint's in-flight requests: the union of their prompt blocks (a prefix
+/// they share is held once, as vLLM holds it) plus each one's private tokens (expected output,
+/// prompt tokens no block hash covers).
+#[derive(Debug, Clone, Default)]
+struct InflightKv {
+    /// Block hash -> in-flight requests holding it.
+    blocks: HashMap<u64, u32>,
+    tokens: f64,
+}
+
+impl InflightKv {
+    fn add(&mut self, entry: &InFlight) {
+        for &h in entry.kv_blocks.iter() {
+            let holders = self.blocks.entry(h).or_insert(0);
+            if *holders == 0 {
+                self.tokens += entry.kv_block_tokens;
+            }
+            *holders += 1;
+        }
+        self.tokens += f64::from(entry.kv_private_tokens);
+    }
+
+    /// Tokens of the prompt prefix `blocks` (chained hashes) that in-flight requests hold.
+    fn held_prefix_tokens(&self, blocks: &[u64], block_tokens: f64) -> f64 {
+        let held = blocks
+            .iter()
+            .take_while(|h| self.blocks.contains_key(*h))
+            .count();
+        held as f64 * block_tokens
+    }
+
+    fn remove(&mut self, entry: &InFlight) {
+        for h in entry.kv_blocks.iter() {
+            if let Some(holders) = self.blocks.get_mut(h) {
+                *holders -= 1;
+                if *holders == 0 {
+                    self.blocks.remove(h);
+                    self.tokens -= entry.kv_block_tokens;
+                }
+            }
+        }
+        self.tokens = (self.tokens - f64::from(entry.kv_private_tokens)).max(0.0);
+        if self.blocks.is_empty() && self.tokens < 1.0 {
+            self.tokens = 0.0;
+        }
     }
 }
 
@@ -244,8 +289,12 @@ pub struct ServedTotals {
 struct InFlight {
     endpoint: EndpointId,
     predicted_cached_tokens: u32,
-    /// What it adds to its endpoint's `inflight_kv_tokens` until it ends.
-    kv_tokens: u32,
+    /// Its prompt blocks, held in its endpoint's `inflight_kv` until it ends.
+    kv_blocks: Box<[u64]>,
+    /// Tokens one of `kv_blocks` stands for.
+    kv_block_tokens: f64,
+    /// Tokens it holds that no block covers (expected output, unhashed prompt).
+    kv_private_tokens: u32,
     /// The latency model's inputs at decision time, so the outcome can teach the model.
     latency_features: LatencyFeatures,
     /// Prefilled on another endpoint: its TTFT says nothing about this endpoint's prefill.
@@ -539,7 +588,7 @@ impl Router {
             backlog_tokens: 0.0,
             backlog_at_ms: 0,
             inflight: 0,
-            inflight_kv_tokens: 0,
+            inflight_kv: InflightKv::default(),
             events_live: false,
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
@@ -799,6 +848,12 @@ impl Router {
         let output_tokens = request
             .max_output_tokens
             .unwrap_or(self.config.scoring.default_output_tokens);
+        // The blocks whose KV this request will hold (engine blocks when precise).
+        let kv_blocks: (&[u64], f64) = if precise && !request.token_block_hashes.is_empty() {
+            (&request.token_block_hashes, block_tokens as f64)
+        } else {
+            (&request.block_hashes, tokens_per_block)
+        };
 
         // Model pools, session affinity and LoRA adapters (modules `pools`, `affinity`, `lora`).
         let eligible = match self
@@ -868,8 +923,17 @@ impl Router {
             // for memory, and the penalty keeps growing).
             let predicted_kv = match slot.metrics.and_then(|m| m.capacity_tokens) {
                 Some(capacity) if capacity > 0 => {
-                    (slot.inflight_kv_tokens + uncached as u64 + u64::from(output_tokens)) as f64
-                        / capacity as f64
+                    let capacity = capacity as f64;
+                    let upper = slot.inflight_kv.tokens + prompt_tokens + f64::from(output_tokens);
+                    if upper / capacity > s.kv_pressure_threshold {
+                        // Only near the limit is it worth the walk: the prompt's prefix that
+                        // in-flight requests already hold here takes no new memory.
+                        let (blocks, block_tokens) = kv_blocks;
+                        (upper - slot.inflight_kv.held_prefix_tokens(blocks, block_tokens))
+                            / capacity
+                    } else {
+                        upper / capacity
+                    }
                 }
                 _ => 0.0,
             };
@@ -1025,12 +1089,24 @@ impl Router {
         };
 
         // Account the decision: the chosen replica now has this prefill queued and holds the blocks.
-        // Only the blocks it allocates: a cached prefix is shared with whoever else uses it.
-        let kv_tokens = chosen_score.uncached_tokens.saturating_add(output_tokens);
+        let (kv_blocks, kv_block_tokens) = kv_blocks;
+        let unhashed = (f64::from(request.prompt_tokens) - kv_blocks.len() as f64 * kv_block_tokens)
+            .max(0.0) as u32;
+        let entry = InFlight {
+            endpoint: chosen,
+            predicted_cached_tokens: request
+                .prompt_tokens
+                .saturating_sub(chosen_score.uncached_tokens),
+            kv_blocks: kv_blocks.into(),
+            kv_block_tokens,
+            kv_private_tokens: output_tokens.saturating_add(unhashed),
+            latency_features: self.scratch.features[usize::from(chosen.0)],
+            remote_prefill: false,
+        };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             slot.backlog_tokens += f64::from(chosen_score.uncached_tokens);
             slot.inflight += 1;
-            slot.inflight_kv_tokens += u64::from(kv_tokens);
+            slot.inflight_kv.add(&entry);
         }
         self.index.insert(chosen, &request.block_hashes, now_ms);
         if precise {
@@ -1038,19 +1114,7 @@ impl Router {
                 .speculative
                 .insert(chosen, &request.token_block_hashes, now_ms);
         }
-        let predicted_cached_tokens = request
-            .prompt_tokens
-            .saturating_sub(chosen_score.uncached_tokens);
-        self.inflight.insert(
-            decision_id,
-            InFlight {
-                endpoint: chosen,
-                predicted_cached_tokens,
-                kv_tokens,
-                latency_features: self.scratch.features[usize::from(chosen.0)],
-                remote_prefill: false,
-            },
-        );
+        self.inflight.insert(decision_id, entry);
         self.track_inflight(decision_id, now_ms);
         let prefiller = self.pick_prefiller(request, chosen, chosen_score, &prefill_only, now_ms);
         if let (Some(_), Some(entry)) = (&prefiller, self.inflight.get_mut(&decision_id)) {
@@ -1555,6 +1619,47 @@ mod tests {
         r.update_metrics("10.0.0.1:8000", EndpointMetrics::default(), 0);
         let d = r.route(&request(&"x".repeat(1000)), 10, 1);
         assert_eq!(d.response.endpoints[0], "10.0.0.1:8000");
+    }
+
+    #[test]
+    fn in_flight_requests_hold_a_shared_prefix_once() {
+        // 8,000 shared tokens and ~100 private ones each: twelve such requests in flight hold
+        // about 9,500 tokens of a 12,000-token cache, so they all stay with their prefix (a
+        // count per request, 12 x 8,100, would have spread them). Once answered, the same
+        // burst fits again: nothing leaks.
+        let mut r = router(4);
+        let metrics = EndpointMetrics {
+            capacity_tokens: Some(12_000),
+            ..EndpointMetrics::default()
+        };
+        for i in 0..4 {
+            r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
+        }
+        let system = "a long shared system prompt ".repeat(1_150);
+        let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
+        for round in 0..2u64 {
+            let mut ids = Vec::new();
+            for k in 0..12u64 {
+                let mut req = request(&format!("{system} question {k} {}", "why ".repeat(100)));
+                req.max_output_tokens = Some(16);
+                let now = 5_000 + round * 100_000 + k * 2_000;
+                let d = r.route(&req, now, k);
+                assert_eq!(
+                    d.response.endpoints[0], holder,
+                    "round {round}, request {k}"
+                );
+                ids.push(d.response.decision_id);
+            }
+            for decision_id in ids {
+                r.feedback(
+                    &Outcome {
+                        decision_id,
+                        ..Default::default()
+                    },
+                    50_000 + round * 100_000,
+                );
+            }
+        }
     }
 
     #[test]
