@@ -223,12 +223,29 @@ impl Slot {
     }
 }
 
+/// Prompt tokens one in-flight KV sample stands for: a chained hash names its whole prefix, so
+/// the blocks ending each 512 tokens of two prompts agree exactly when their prefixes do, and
+/// one map entry per 512 tokens keeps the union within one sample of exact at a fraction of the
+/// cost (every block of a prompt cost 13k instructions per decision in `route_loop`).
+const KV_SAMPLE_TOKENS: f64 = 512.0;
+
+/// How many blocks of `block_tokens` one sample stands for.
+fn kv_sample_blocks(block_tokens: f64) -> usize {
+    (KV_SAMPLE_TOKENS / block_tokens.max(1.0)).round().max(1.0) as usize
+}
+
+/// The sampled chained hashes of `blocks` (the last block of each full run of `step`).
+fn kv_samples(blocks: &[u64], step: usize) -> impl Iterator<Item = &u64> {
+    blocks.iter().skip(step - 1).step_by(step)
+}
+
 /// The KV held by one endpoint's in-flight requests: the union of their prompt blocks (a prefix
 /// they share is held once, as vLLM holds it) plus each one's private tokens (expected output,
-/// prompt tokens no block hash covers).
+/// the prompt's tail after its last sampled block).
 #[derive(Debug, Clone, Default)]
 struct InflightKv {
-    /// Block hash -> in-flight requests holding it.
+    /// Sampled block hash (standing for the `KV_SAMPLE_TOKENS` ending at it) -> in-flight
+    /// requests holding it.
     blocks: HashMap<u64, u32>,
     tokens: f64,
 }
@@ -245,13 +262,14 @@ impl InflightKv {
         self.tokens += f64::from(entry.kv_private_tokens);
     }
 
-    /// Tokens of the prompt prefix `blocks` (chained hashes) that in-flight requests hold.
+    /// Tokens of the prompt prefix `blocks` (chained hashes of `block_tokens` each) that
+    /// in-flight requests hold, in whole samples.
     fn held_prefix_tokens(&self, blocks: &[u64], block_tokens: f64) -> f64 {
-        let held = blocks
-            .iter()
+        let step = kv_sample_blocks(block_tokens);
+        let held = kv_samples(blocks, step)
             .take_while(|h| self.blocks.contains_key(*h))
             .count();
-        held as f64 * block_tokens
+        (held * step) as f64 * block_tokens
     }
 
     fn remove(&mut self, entry: &InFlight) {
@@ -289,9 +307,9 @@ pub struct ServedTotals {
 struct InFlight {
     endpoint: EndpointId,
     predicted_cached_tokens: u32,
-    /// Its prompt blocks, held in its endpoint's `inflight_kv` until it ends.
+    /// Its sampled prompt blocks, held in its endpoint's `inflight_kv` until it ends.
     kv_blocks: Box<[u64]>,
-    /// Tokens one of `kv_blocks` stands for.
+    /// Tokens one of `kv_blocks` stands for (about `KV_SAMPLE_TOKENS`).
     kv_block_tokens: f64,
     /// Tokens it holds that no block covers (expected output, unhashed prompt).
     kv_private_tokens: u32,
@@ -1089,7 +1107,10 @@ impl Router {
         };
 
         // Account the decision: the chosen replica now has this prefill queued and holds the blocks.
-        let (kv_blocks, kv_block_tokens) = kv_blocks;
+        let (all_blocks, block_kv_tokens) = kv_blocks;
+        let step = kv_sample_blocks(block_kv_tokens);
+        let kv_blocks: Box<[u64]> = kv_samples(all_blocks, step).copied().collect();
+        let kv_block_tokens = block_kv_tokens * step as f64;
         let unhashed = (f64::from(request.prompt_tokens) - kv_blocks.len() as f64 * kv_block_tokens)
             .max(0.0) as u32;
         let entry = InFlight {
@@ -1097,7 +1118,7 @@ impl Router {
             predicted_cached_tokens: request
                 .prompt_tokens
                 .saturating_sub(chosen_score.uncached_tokens),
-            kv_blocks: kv_blocks.into(),
+            kv_blocks,
             kv_block_tokens,
             kv_private_tokens: output_tokens.saturating_add(unhashed),
             latency_features: self.scratch.features[usize::from(chosen.0)],
