@@ -1642,20 +1642,26 @@ mod tests {
         assert_eq!(d.response.endpoints[0], "10.0.0.1:8000");
     }
 
+    /// `n` endpoints whose scrape reports `tokens` of KV capacity and no load.
+    fn router_with_kv_capacity(n: usize, tokens: u64) -> Router {
+        let mut r = router(n);
+        let metrics = EndpointMetrics {
+            capacity_tokens: Some(tokens),
+            ..EndpointMetrics::default()
+        };
+        for i in 0..n {
+            r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
+        }
+        r
+    }
+
     #[test]
     fn in_flight_requests_hold_a_shared_prefix_once() {
         // 8,000 shared tokens and ~100 private ones each: twelve such requests in flight hold
         // about 9,500 tokens of a 12,000-token cache, so they all stay with their prefix (a
         // count per request, 12 x 8,100, would have spread them). Once answered, the same
         // burst fits again: nothing leaks.
-        let mut r = router(4);
-        let metrics = EndpointMetrics {
-            capacity_tokens: Some(12_000),
-            ..EndpointMetrics::default()
-        };
-        for i in 0..4 {
-            r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
-        }
+        let mut r = router_with_kv_capacity(4, 12_000);
         let system = "a long shared system prompt ".repeat(1_150);
         let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
         for round in 0..2u64 {
@@ -1690,14 +1696,7 @@ mod tests {
         // lags the burst), and each prefill has drained before the next arrives: only the
         // router's own in-flight KV tells it that a sixth concurrent request cannot fit there
         // (525 + 6 x 2,000 > 12,000).
-        let mut r = router(4);
-        let metrics = EndpointMetrics {
-            capacity_tokens: Some(12_000),
-            ..EndpointMetrics::default()
-        };
-        for i in 0..4 {
-            r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
-        }
+        let mut r = router_with_kv_capacity(4, 12_000);
         let system = "shared system prompt ".repeat(100);
         let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
         let mut placed = Vec::new();
