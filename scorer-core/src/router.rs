@@ -216,6 +216,25 @@ struct Slot {
 }
 
 impl Slot {
+    /// Prefill tokens still queued at `now_ms`: the backlog drained at `tokens_per_ms` since
+    /// the last decision.
+    fn backlog_at(&self, now_ms: u64, tokens_per_ms: f64) -> f64 {
+        let elapsed = now_ms.saturating_sub(self.backlog_at_ms) as f64;
+        (self.backlog_tokens - elapsed * tokens_per_ms).max(0.0)
+    }
+
+    /// Waiting requests the router did not send, and the batch a new request joins: the queue
+    /// and batch terms scoring and admission share. `fresh` is the scrape when not stale.
+    fn unseen_waiting_and_active(&self, fresh: Option<EndpointMetrics>) -> (u32, u32) {
+        match fresh {
+            Some(m) => (
+                m.waiting.saturating_sub(self.inflight),
+                (m.running + m.waiting).max(self.inflight),
+            ),
+            None => (0, self.inflight),
+        }
+    }
+
     /// Ends one in-flight request here (answered, expired).
     fn release(&mut self, entry: &InFlight) {
         self.inflight = self.inflight.saturating_sub(1);
@@ -867,7 +886,7 @@ impl Router {
             .max_output_tokens
             .unwrap_or(self.config.scoring.default_output_tokens);
         // The blocks whose KV this request will hold (engine blocks when precise).
-        let kv_blocks: (&[u64], f64) = if precise && !request.token_block_hashes.is_empty() {
+        let kv_blocks: (&[u64], f64) = if precise {
             (&request.token_block_hashes, block_tokens as f64)
         } else {
             (&request.block_hashes, tokens_per_block)
@@ -917,17 +936,8 @@ impl Router {
                 (matched[i], tokens)
             };
             let uncached = prompt_tokens - cached_tokens;
-            let (unknown_waiting, active, kv_usage) = match fresh {
-                Some(m) => {
-                    let seen = m.running + m.waiting;
-                    (
-                        m.waiting.saturating_sub(slot.inflight),
-                        seen.max(slot.inflight),
-                        m.kv_usage,
-                    )
-                }
-                None => (0, slot.inflight, 0.0),
-            };
+            let (unknown_waiting, active) = slot.unseen_waiting_and_active(fresh);
+            let kv_usage = fresh.map_or(0.0, |m| m.kv_usage);
             let queue_ms = (slot.backlog_tokens
                 + f64::from(unknown_waiting) * s.unknown_request_tokens)
                 / s.prefill_tokens_per_ms;
@@ -1315,16 +1325,9 @@ impl Router {
                 &analytic
             };
             // The same queue and batch terms `route` scores, with the backlog drained to now.
-            let elapsed = now_ms.saturating_sub(slot.backlog_at_ms) as f64;
-            let backlog = (slot.backlog_tokens - elapsed * s.prefill_tokens_per_ms).max(0.0);
+            let backlog = slot.backlog_at(now_ms, s.prefill_tokens_per_ms);
             let fresh = slot.metrics.filter(|_| !stale);
-            let (unknown_waiting, active) = match fresh {
-                Some(m) => (
-                    m.waiting.saturating_sub(slot.inflight),
-                    (m.running + m.waiting).max(slot.inflight),
-                ),
-                None => (0, slot.inflight),
-            };
+            let (unknown_waiting, active) = slot.unseen_waiting_and_active(fresh);
             let loaded = LatencyFeatures {
                 queue_tokens: backlog + f64::from(unknown_waiting) * s.unknown_request_tokens,
                 uncached_tokens: reference,
@@ -1570,8 +1573,7 @@ fn in_cost_order(
 
 /// The replica drains queued prefill at its prefill rate: forget what it has done since.
 fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {
-    let elapsed = now_ms.saturating_sub(slot.backlog_at_ms) as f64;
-    slot.backlog_tokens = (slot.backlog_tokens - elapsed * tokens_per_ms).max(0.0);
+    slot.backlog_tokens = slot.backlog_at(now_ms, tokens_per_ms);
     slot.backlog_at_ms = now_ms.max(slot.backlog_at_ms);
 }
 
