@@ -260,6 +260,24 @@ async fn run_one(
         .with_context(|| format!("cannot read the {label} replicas' metrics"))?;
     let hit_rate = if queries > 0.0 { hits / queries } else { 0.0 };
     let summary = loadgen::summarize(label, &run, hit_rate);
+    write_records(out_dir, label, &run)?;
+    eprintln!(
+        "[{label}] done in {:.1}s: TTFT p50 {:.0} ms, prefix-cache hit rate {:.1}%",
+        run.wall.as_secs_f64(),
+        summary.ttft_ms.p50,
+        hit_rate * 100.0
+    );
+    drop(fleet);
+    Ok(summary)
+}
+
+/// Writes one run's per-request records to `<out_dir>/requests-<label>.json` and prints its
+/// first few errors (the demo and `--compare` keep the same files).
+fn write_records(
+    out_dir: &std::path::Path,
+    label: &str,
+    run: &loadgen::RunResult,
+) -> anyhow::Result<()> {
     let records_path = out_dir.join(format!("requests-{label}.json"));
     std::fs::write(&records_path, serde_json::to_string_pretty(&run.records)?)
         .with_context(|| format!("cannot write {}", records_path.display()))?;
@@ -271,14 +289,7 @@ async fn run_one(
             r.error.as_deref().unwrap_or_default()
         );
     }
-    eprintln!(
-        "[{label}] done in {:.1}s: TTFT p50 {:.0} ms, prefix-cache hit rate {:.1}%",
-        run.wall.as_secs_f64(),
-        summary.ttft_ms.p50,
-        hit_rate * 100.0
-    );
-    drop(fleet);
-    Ok(summary)
+    Ok(())
 }
 
 /// `--compare`: every mode on its own cold fleet of the same configuration, one table.
@@ -332,17 +343,7 @@ async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow
         let (row, run) = precise_compare::run_mode(&tools, &config, mode, progress)
             .await
             .with_context(|| format!("the {label} run failed"))?;
-        let records_path = out_dir.join(format!("requests-{label}.json"));
-        std::fs::write(&records_path, serde_json::to_string_pretty(&run.records)?)
-            .with_context(|| format!("cannot write {}", records_path.display()))?;
-        for r in run.records.iter().filter(|r| r.error.is_some()).take(3) {
-            eprintln!(
-                "[{label}] error (conversation {}, turn {}): {}",
-                r.conversation,
-                r.turn,
-                r.error.as_deref().unwrap_or_default()
-            );
-        }
+        write_records(&out_dir, label, &run)?;
         eprintln!(
             "[{label}] done in {:.1}s: TTFT p90 {:.0} ms, hit rate {:.1}%, working set {} tokens \
              (fleet KV capacity {})",
