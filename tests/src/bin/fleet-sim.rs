@@ -131,7 +131,8 @@ struct CompareArgs {
     /// Seed of workload generators, policies and jitter.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Override the profile's per-replica KV capacity (tokens).
+    /// Override the profile's per-replica KV capacity (tokens); the decode cost of a token's KV
+    /// stays the profile's.
     #[arg(long)]
     kv_capacity_tokens: Option<u64>,
     /// Engine profile YAML (default: Llama-8B on H100).
@@ -323,7 +324,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         None => Profile::llama8b_h100(),
     };
     if let Some(t) = args.kv_capacity_tokens {
-        profile.kv_capacity_tokens = t;
+        profile = profile.with_kv_capacity_tokens(t);
         profile.validate()?;
     }
     let policies: Vec<String> = args

@@ -121,7 +121,7 @@ fn main() -> anyhow::Result<()> {
             None => Profile::llama8b_h100(),
         };
         if let Some(c) = args.kv_capacity_tokens {
-            profile.kv_capacity_tokens = c;
+            profile = profile.with_kv_capacity_tokens(c);
             profile.validate().context("--kv-capacity-tokens")?;
         }
         let fleet = FleetOptions {

@@ -122,6 +122,22 @@ impl Profile {
         self.kv_capacity_tokens / u64::from(self.block_size.max(1))
     }
 
+    /// The same GPU with `tokens` of KV cache instead (a lower `gpu_memory_utilization`, a
+    /// larger weight share): the pool shrinks or grows but reading one token's KV costs what
+    /// it did, so `decode_step_s_full` (a step whose batch fills the pool) scales with the pool.
+    /// Setting `kv_capacity_tokens` alone would make every token of a small pool as slow to
+    /// decode as a full H100's worth, and a fleet-sim run with small caches would charge
+    /// decode-heavy batches several times what the hardware does.
+    pub fn with_kv_capacity_tokens(mut self, tokens: u64) -> Self {
+        if self.kv_capacity_tokens > 0 {
+            let per_token =
+                (self.decode_step_s_full - self.decode_step_s_min) / self.kv_capacity_tokens as f64;
+            self.decode_step_s_full = self.decode_step_s_min + per_token * tokens as f64;
+        }
+        self.kv_capacity_tokens = tokens;
+        self
+    }
+
     /// Checks every number is usable, so the engine never divides by zero or loops forever.
     pub fn validate(&self) -> Result<(), SimError> {
         let bad = |what: &str| Err(SimError::Config(format!("profile {}: {what}", self.name)));
@@ -171,6 +187,19 @@ mod tests {
         assert_eq!(p.kv_bytes_per_token, 128 * 1024);
         assert_eq!(p.num_gpu_blocks(), 490_000 / 16);
         assert!(Profile::fast().prefill_tokens_per_s > 1e8);
+    }
+
+    #[test]
+    fn a_smaller_pool_keeps_the_decode_cost_of_a_token() {
+        let full = Profile::llama8b_h100();
+        let small = full.clone().with_kv_capacity_tokens(49_000);
+        assert_eq!(small.kv_capacity_tokens, 49_000);
+        let slope = |p: &Profile| {
+            (p.decode_step_s_full - p.decode_step_s_min) / p.kv_capacity_tokens as f64
+        };
+        assert!((slope(&small) - slope(&full)).abs() < 1e-15);
+        assert_eq!(small.decode_step_s_min, full.decode_step_s_min);
+        small.validate().unwrap();
     }
 
     #[test]

@@ -71,7 +71,8 @@ pub struct SimArgs {
     /// Profile YAML file, or a built-in name: `llama8b-h100` (default), `fast`.
     #[arg(long)]
     pub profile: Option<String>,
-    /// Override the profile's KV cache capacity, tokens.
+    /// Override the profile's KV cache capacity, tokens (same GPU: the decode cost of a token's
+    /// KV is kept).
     #[arg(long)]
     pub kv_capacity_tokens: Option<u64>,
     /// Override the profile's block size, tokens.
@@ -154,7 +155,7 @@ impl SimArgs {
             Some(path) => Profile::load(&PathBuf::from(path))?,
         };
         if let Some(v) = self.kv_capacity_tokens {
-            p.kv_capacity_tokens = v;
+            p = p.with_kv_capacity_tokens(v);
         }
         if let Some(v) = self.block_size {
             p.block_size = v;
