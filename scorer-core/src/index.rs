@@ -147,6 +147,26 @@ impl PrefixIndex {
         self.evict_over_capacity(id);
     }
 
+    /// Marks the leading `hashes` that `id` already holds as just used, adding nothing: a cache
+    /// hit refreshes a block's place in the engine's LRU order without any event saying so.
+    pub fn touch(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) {
+        let Some(slot) = self.endpoints.get_mut(usize::from(id.0)) else {
+            return;
+        };
+        for &h in hashes {
+            let Some(stamp) = slot.live.get_mut(&h) else {
+                break;
+            };
+            self.seq += 1;
+            *stamp = Stamp {
+                seq: self.seq,
+                at_ms: now_ms,
+            };
+            slot.order.push_back((h, self.seq));
+        }
+        self.compact(id);
+    }
+
     /// Forgets that `id` holds `hash` (a `BlockRemoved` event in precise mode).
     pub fn remove(&mut self, id: EndpointId, hash: u64) {
         let slot = self.slot(id);
@@ -268,6 +288,21 @@ impl PrefixIndex {
             .map_or(0, |s| s.live.len())
     }
 
+    /// How many of `id`'s blocks were last touched before `hash` was: its rank from the
+    /// least recently used end, which says how much a full cache evicts before it reaches
+    /// `hash`. Counted from the touch queue by one binary search, less every stale touch in the
+    /// queue: a stale touch was superseded by a newer one, so stale touches gather at the old
+    /// end. This is a lower bound, exact when they all come before `hash`'s touch; it never
+    /// counts a block as protecting `hash` when it may not. `None` when `id` does not hold
+    /// `hash`.
+    pub fn older_than(&self, id: EndpointId, hash: u64) -> Option<usize> {
+        let slot = self.endpoints.get(usize::from(id.0))?;
+        let seq = slot.live.get(&hash)?.seq;
+        let position = slot.order.partition_point(|&(_, touched)| touched < seq);
+        let stale = slot.order.len().saturating_sub(slot.live.len());
+        Some(position.saturating_sub(stale))
+    }
+
     /// Distinct blocks in the index.
     pub fn distinct_blocks(&self) -> usize {
         self.holders.len()
@@ -358,5 +393,25 @@ mod tests {
             idx.insert(EndpointId(0), &[1, 2], t);
         }
         assert!(idx.endpoints[0].order.len() < 200);
+    }
+
+    #[test]
+    fn older_than_ranks_a_block_from_the_least_recently_used_end() {
+        let mut index = PrefixIndex::new(u64::MAX / 4);
+        let e = EndpointId(0);
+        index.insert(e, &[1, 2, 3], 0);
+        index.insert(e, &[4, 5], 1);
+        assert_eq!(index.older_than(e, 1), Some(0));
+        assert_eq!(index.older_than(e, 4), Some(3));
+        // Touching the first prompt again makes it the newest; its old touches are stale.
+        index.insert(e, &[1, 2, 3], 2);
+        assert_eq!(index.older_than(e, 3), Some(4));
+        assert_eq!(index.older_than(e, 4), Some(0));
+        assert_eq!(index.older_than(e, 9), None);
+        assert_eq!(index.older_than(EndpointId(7), 1), None);
+        // A touch refreshes held blocks only, up to the first it does not hold.
+        index.touch(e, &[4, 8, 5], 3);
+        assert_eq!(index.older_than(e, 4), Some(4));
+        assert_eq!(index.len_for(e), 5);
     }
 }

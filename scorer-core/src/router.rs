@@ -205,6 +205,10 @@ struct Slot {
     inflight_kv: InflightKv,
     /// Whether this endpoint's KV-event stream is live (precise scoring trusts it).
     events_live: bool,
+    /// The engine evicted GPU blocks since its precise state was last rebuilt: its cache runs
+    /// full (vLLM evicts only when no free block is left), so a queued prefill's every new
+    /// block evicts a cached one.
+    evicting: bool,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
     /// TTFT / TPOT model learned from this endpoint's outcomes.
@@ -627,6 +631,7 @@ impl Router {
             inflight: 0,
             inflight_kv: InflightKv::default(),
             events_live: false,
+            evicting: false,
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
             role: EndpointRole::Both,
@@ -698,6 +703,7 @@ impl Router {
         let was = slot.events_live;
         slot.events_live = live;
         if was && !live {
+            slot.evicting = false;
             self.precise.clear(id);
         }
     }
@@ -747,6 +753,10 @@ impl Router {
             .apply(id, model, event, &mut p.gpu, &mut p.offload, now_ms)
         {
             Ok(()) => {
+                let cleared = matches!(event, KvEvent::AllBlocksCleared);
+                if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
+                    slot.evicting = (slot.evicting || !evicted.is_empty()) && !cleared;
+                }
                 // A routed request's speculative blocks no longer count once the engine evicts them.
                 for h in evicted {
                     p.speculative.remove(id, h);
@@ -758,6 +768,9 @@ impl Router {
             Err(e) => {
                 self.stats.kv_event_errors += 1;
                 p.clear(id);
+                if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
+                    slot.evicting = false;
+                }
                 Err(e)
             }
         }
@@ -765,7 +778,8 @@ impl Router {
 
     /// Forgets `address`'s precise state (cache reset, publisher restart, unreplayable gap).
     pub fn clear_precise(&mut self, address: &str) {
-        if let Some(id) = self.endpoint_id(address) {
+        if let Some((id, slot)) = self.slot_mut(address) {
+            slot.evicting = false;
             self.precise.clear(id);
         }
     }
@@ -935,6 +949,29 @@ impl Router {
                     .max(0.0);
                 (matched[i], tokens)
             };
+            let here = EndpointId(i as u16);
+            // The approximate index evicts at decision time, as the queued prefills will; the
+            // event-fed one learns of evictions only when they happen, after this request
+            // would be admitted, so its cached prefix is discounted for the queue ahead.
+            let cached_tokens = if scored_precisely && slot.backlog_tokens > 0.0 && gpu[i] > 0 {
+                let gpu_index = &self.precise.gpu;
+                // The prefix's least recently used block bounds what goes before it: a turn's
+                // new blocks are stored after the history it re-used was touched. Sampled, as
+                // the in-flight KV is.
+                let older_blocks = kv_samples(&request.token_block_hashes[..gpu[i]], 8)
+                    .chain(request.token_block_hashes[..gpu[i]].last())
+                    .filter_map(|&h| gpu_index.older_than(here, h))
+                    .min()
+                    .unwrap_or(0);
+                let cache = CacheView {
+                    indexed_tokens: (gpu_index.len_for(here) * block_tokens) as f64,
+                    older_tokens: (older_blocks * block_tokens) as f64,
+                    full: slot.evicting,
+                };
+                cached_tokens - lost_before_admission(slot, cache, cached_tokens, kv_blocks)
+            } else {
+                cached_tokens
+            };
             let uncached = prompt_tokens - cached_tokens;
             let (unknown_waiting, active) = slot.unseen_waiting_and_active(fresh);
             let kv_usage = fresh.map_or(0.0, |m| m.kv_usage);
@@ -972,7 +1009,6 @@ impl Router {
             } else {
                 0.0
             };
-            let here = EndpointId(i as u16);
             let session_ms = if remembered == Some(here)
                 && sessions.healthy(fresh.map(|m| (m.kv_usage, m.waiting)))
             {
@@ -1144,6 +1180,10 @@ impl Router {
             self.precise
                 .speculative
                 .insert(chosen, &request.token_block_hashes, now_ms);
+            // The engine's hit refreshes these blocks in its LRU order; no event says so.
+            self.precise
+                .gpu
+                .touch(chosen, &request.token_block_hashes, now_ms);
         }
         self.inflight.insert(decision_id, entry);
         self.track_inflight(decision_id, now_ms);
@@ -1572,6 +1612,51 @@ fn in_cost_order(
 }
 
 /// The replica drains queued prefill at its prefill rate: forget what it has done since.
+/// What the router's indexes say about one endpoint's cache, for [`lost_before_admission`].
+#[derive(Debug, Clone, Copy)]
+struct CacheView {
+    /// Tokens the index believes the endpoint caches.
+    indexed_tokens: f64,
+    /// Cached tokens last touched before the request's prefix (they are evicted first).
+    older_tokens: f64,
+    /// The engine has been evicting: no free blocks are left, whatever the index counts (it
+    /// misses partly filled blocks and duplicates).
+    full: bool,
+}
+
+/// Cached prompt tokens on `slot` that the prefill queued ahead of this request will evict
+/// before the engine admits it. A full cache makes room by evicting its least recently used
+/// blocks that no running request pins; the queued prefills allocate `backlog_tokens`, which
+/// first take free blocks, then the blocks touched before this prompt's prefix, then the
+/// prefix itself (its part that in-flight requests pin is safe). Without this the router
+/// promises a conversation's history on a replica whose queue will evict it, and the request
+/// pays the queue and the full prefill: precise mode's live tail under contention.
+fn lost_before_admission(
+    slot: &Slot,
+    cache: CacheView,
+    cached_tokens: f64,
+    (blocks, block_tokens): (&[u64], f64),
+) -> f64 {
+    let capacity = match slot.metrics.and_then(|m| m.capacity_tokens) {
+        Some(c) if c > 0 => c as f64,
+        _ => return 0.0,
+    };
+    let ahead = slot.backlog_tokens;
+    // Pinned now: what in-flight requests hold, less what the queue has yet to allocate.
+    let pinned = (slot.inflight_kv.tokens - ahead).max(0.0);
+    let free = if cache.full {
+        0.0
+    } else {
+        capacity - cache.indexed_tokens.max(pinned).min(capacity)
+    };
+    let reaching_prefix = ahead - free - cache.older_tokens;
+    if reaching_prefix <= 0.0 {
+        return 0.0;
+    }
+    let held = slot.inflight_kv.held_prefix_tokens(blocks, block_tokens);
+    (cached_tokens - held).max(0.0).min(reaching_prefix)
+}
+
 fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {
     slot.backlog_tokens = slot.backlog_at(now_ms, tokens_per_ms);
     slot.backlog_at_ms = now_ms.max(slot.backlog_at_ms);
@@ -1715,6 +1800,56 @@ mod tests {
             on_holder <= 5,
             "at most what fits in 12,000 tokens: {placed:?}"
         );
+    }
+
+    #[test]
+    fn a_routed_miss_evicts_the_oldest_history_from_the_approximate_index() {
+        // One replica of 12,000 KV tokens. A 3,000-token history is cached, then three other
+        // 3,000-token prompts fill the cache behind it. A 6,000-token miss routed there will
+        // make the engine evict its least recently used blocks: the history, which the index
+        // stops promising at once. Touched last instead, the history is safe.
+        let mut r = router_with_kv_capacity(1, 12_000);
+        let text = |k: u64| format!("conversation {k} ").repeat(800);
+        let answer = |r: &mut Router, d: Decision| {
+            r.feedback(
+                &Outcome {
+                    decision_id: d.response.decision_id,
+                    ..Default::default()
+                },
+                0,
+            )
+        };
+        let ask = |r: &mut Router, prompt: &str, now: u64| {
+            let mut req = request(prompt);
+            req.max_output_tokens = Some(16);
+            r.route(&req, now, 1)
+        };
+        for (k, now) in [(0, 1_000), (1, 2_000), (2, 3_000), (3, 4_000)] {
+            let d = ask(&mut r, &text(k), now);
+            answer(&mut r, d);
+        }
+        let follow_up = format!("{} and then?", text(0));
+        let idle = ask(&mut r, &follow_up, 10_000);
+        assert!(idle.candidates[0].cached_tokens > 2_500);
+        answer(&mut r, idle);
+
+        // The follow-up touched the history: ages it from the newest end again.
+        for (k, now) in [(1, 11_000), (2, 12_000), (3, 13_000)] {
+            let d = ask(&mut r, &text(k), now);
+            answer(&mut r, d);
+        }
+        let miss = ask(&mut r, &"a long new document ".repeat(1_200), 20_000);
+        let queued = ask(&mut r, &follow_up, 20_000);
+        assert_eq!(queued.candidates[0].cached_tokens, 0, "{queued:?}");
+        answer(&mut r, queued);
+        answer(&mut r, miss);
+
+        // Touched after everything else, it is the last to go.
+        let refresh = ask(&mut r, &follow_up, 30_000);
+        answer(&mut r, refresh);
+        let _miss = ask(&mut r, &"another new document ".repeat(1_000), 40_000);
+        let queued = ask(&mut r, &follow_up, 40_000);
+        assert!(queued.candidates[0].cached_tokens > 2_500, "{queued:?}");
     }
 
     #[test]
@@ -1953,6 +2088,68 @@ mod precise_tests {
                 .iter()
                 .all(|c| c.cached_blocks == 0 || c.endpoint == first)
         );
+    }
+
+    /// A store on one endpoint of `tokens`, named by engine hashes from `first_hash` on.
+    fn stored_as(first_hash: u64, tokens: &[u32]) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: (0..tokens.len() as u64 / 16)
+                .map(|i| first_hash + i)
+                .collect(),
+            parent_block_hash: None,
+            token_ids: tokens.to_vec(),
+            block_size: 16,
+            lora_name: None,
+            cache_salt: None,
+            medium: Medium::Gpu,
+        }
+    }
+
+    #[test]
+    fn a_queue_that_will_evict_a_history_takes_its_predicted_hit_away() {
+        // One replica of 4,800 KV tokens, full: a 1,600-token history stored first, 3,200
+        // other tokens after it. A 3,200-token miss queued ahead makes the engine evict its
+        // least recently used blocks, the history among them, before the follow-up is
+        // admitted; no event says so yet. Once a hit has refreshed the history, the same
+        // queue evicts the other blocks first.
+        let mut r = Router::new(RouterConfig::default(), 1);
+        r.upsert_endpoint("a:1").unwrap();
+        r.set_event_stream("a:1", true);
+        let capacity = EndpointMetrics {
+            capacity_tokens: Some(4_800),
+            ..EndpointMetrics::default()
+        };
+        r.update_metrics("a:1", capacity, 0);
+        let history: Vec<u32> = (0..1_600).collect();
+        let others: Vec<u32> = (50_000..53_200).collect();
+        r.apply_kv_event("a:1", "m", &stored_as(1_000, &history), 0)
+            .unwrap();
+        r.apply_kv_event("a:1", "m", &stored_as(5_000, &others), 0)
+            .unwrap();
+        let follow_up: Vec<u32> = (0..1_700).collect();
+        let miss: Vec<u32> = (90_000..93_200).collect();
+
+        let queued_miss = r.route(&request(&miss), 100_000, 1);
+        let queued = r.route(&request(&follow_up), 100_000, 2);
+        assert_eq!(queued.candidates[0].cached_tokens, 0, "{queued:?}");
+        let answer = |r: &mut Router, d: Decision| {
+            let outcome = Outcome {
+                decision_id: d.response.decision_id,
+                ..Default::default()
+            };
+            r.feedback(&outcome, 200_000);
+        };
+        answer(&mut r, queued_miss);
+        answer(&mut r, queued);
+
+        // With no queue the history is all there; the hit refreshes it, so the 3,200 others
+        // go first under the same queue.
+        let idle = r.route(&request(&follow_up), 200_000, 3);
+        assert_eq!(idle.candidates[0].cached_tokens, 1_600);
+        answer(&mut r, idle);
+        let _miss = r.route(&request(&miss), 300_000, 4);
+        let queued = r.route(&request(&follow_up), 300_000, 5);
+        assert_eq!(queued.candidates[0].cached_tokens, 1_600, "{queued:?}");
     }
 
     /// A store whose parent block was never seen.
