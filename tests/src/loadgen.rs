@@ -335,6 +335,9 @@ pub struct RequestRecord {
     pub conversation: usize,
     /// Turn index (0-based).
     pub turn: usize,
+    /// When the request was sent, ms after the run started (orders records like the router's
+    /// decisions, to pair each prediction with its outcome).
+    pub sent_ms: f64,
     /// Time to first content chunk, ms (None on error or empty answer).
     pub ttft_ms: Option<f64>,
     /// End-to-end time, ms.
@@ -386,6 +389,7 @@ where
             for turn in 0..workload.turns {
                 history.push(json!({"role": "user", "content": workload.user_message(c, turn)}));
                 let body = workload.request_body(&history);
+                let sent_ms = started.elapsed().as_secs_f64() * 1e3;
                 let result =
                     stream_chat(&client, &base_url, &body, &[], workload.request_timeout).await;
                 let record = match result {
@@ -394,6 +398,7 @@ where
                         RequestRecord {
                             conversation: c,
                             turn,
+                            sent_ms,
                             ttft_ms: o.ttft_ms,
                             e2e_ms: o.e2e_ms,
                             output_tokens: o.output_tokens,
@@ -409,6 +414,7 @@ where
                         RequestRecord {
                             conversation: c,
                             turn,
+                            sent_ms,
                             ttft_ms: None,
                             e2e_ms: 0.0,
                             output_tokens: 0,
@@ -436,6 +442,7 @@ where
             Err(e) => records.push(RequestRecord {
                 conversation: usize::MAX,
                 turn: 0,
+                sent_ms: 0.0,
                 ttft_ms: None,
                 e2e_ms: 0.0,
                 output_tokens: 0,
@@ -609,6 +616,7 @@ mod tests {
         let rec = |ttft: Option<f64>, err: Option<&str>| RequestRecord {
             conversation: 0,
             turn: 0,
+            sent_ms: 0.0,
             ttft_ms: ttft,
             e2e_ms: 100.0,
             output_tokens: 10,

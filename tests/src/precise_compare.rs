@@ -362,6 +362,7 @@ mod tests {
         RequestRecord {
             conversation,
             turn: 0,
+            sent_ms: 0.0,
             ttft_ms: Some(1.0),
             e2e_ms: 1.0,
             output_tokens: 1,
