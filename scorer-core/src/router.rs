@@ -968,7 +968,10 @@ impl Router {
                     older_tokens: (older_blocks * block_tokens) as f64,
                     full: slot.evicting,
                 };
-                cached_tokens - lost_before_admission(slot, cache, cached_tokens, kv_blocks)
+                // Only the GPU tier is evicted to make room; offloaded blocks stay.
+                let on_gpu = (gpu[i].max(spec[i]).min(hittable_blocks) * block_tokens) as f64;
+                let at_risk = on_gpu.min(cached_tokens);
+                cached_tokens - lost_before_admission(slot, cache, at_risk, kv_blocks)
             } else {
                 cached_tokens
             };
@@ -1624,8 +1627,8 @@ struct CacheView {
     full: bool,
 }
 
-/// Cached prompt tokens on `slot` that the prefill queued ahead of this request will evict
-/// before the engine admits it. A full cache makes room by evicting its least recently used
+/// Cached prompt tokens on `slot`'s GPU that the prefill queued ahead of this request will
+/// evict before the engine admits it. A full cache makes room by evicting its least recently used
 /// blocks that no running request pins; the queued prefills allocate `backlog_tokens`, which
 /// first take free blocks, then the blocks touched before this prompt's prefix, then the
 /// prefix itself (its part that in-flight requests pin is safe). Without this the router
@@ -1634,7 +1637,7 @@ struct CacheView {
 fn lost_before_admission(
     slot: &Slot,
     cache: CacheView,
-    cached_tokens: f64,
+    gpu_cached_tokens: f64,
     (blocks, block_tokens): (&[u64], f64),
 ) -> f64 {
     let capacity = match slot.metrics.and_then(|m| m.capacity_tokens) {
@@ -1654,7 +1657,7 @@ fn lost_before_admission(
         return 0.0;
     }
     let held = slot.inflight_kv.held_prefix_tokens(blocks, block_tokens);
-    (cached_tokens - held).max(0.0).min(reaching_prefix)
+    (gpu_cached_tokens - held).max(0.0).min(reaching_prefix)
 }
 
 fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {

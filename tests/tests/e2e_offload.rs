@@ -46,9 +46,12 @@ async fn start(tools: &Tools) -> Fleet {
     cfg.control_plane_extra = json!({
         "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
     });
-    // Short speculative entries, so that only events decide the second visit.
-    cfg.control_plane_router =
-        json!({"precise": {"speculative_ttl_ms": 300, "offload_weight": 0.5}});
+    // Short speculative entries, so that only events decide the second visit; the replicas
+    // run at 5x speed, 50 prefill tokens a millisecond.
+    cfg.control_plane_router = json!({
+        "precise": {"speculative_ttl_ms": 300, "offload_weight": 0.5},
+        "scoring": {"prefill_tokens_per_ms": 50.0},
+    });
     cfg.plugin_config = json!({
         "route_timeout_ms": 3000,
         "allow_explain": true,
