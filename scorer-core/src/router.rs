@@ -1992,8 +1992,15 @@ mod precise_tests {
     }
 
     fn stored(tokens: &[u32], medium: Medium) -> KvEvent {
+        stored_from(1000, tokens, medium)
+    }
+
+    /// A store of `tokens` at the prompt's start, named by engine hashes from `first_hash` on.
+    fn stored_from(first_hash: u64, tokens: &[u32], medium: Medium) -> KvEvent {
         KvEvent::BlockStored {
-            block_hashes: (0..tokens.len() as u64 / 16).map(|i| 1000 + i).collect(),
+            block_hashes: (0..tokens.len() as u64 / 16)
+                .map(|i| first_hash + i)
+                .collect(),
             parent_block_hash: None,
             token_ids: tokens.to_vec(),
             block_size: 16,
@@ -2093,21 +2100,6 @@ mod precise_tests {
         );
     }
 
-    /// A store on one endpoint of `tokens`, named by engine hashes from `first_hash` on.
-    fn stored_as(first_hash: u64, tokens: &[u32]) -> KvEvent {
-        KvEvent::BlockStored {
-            block_hashes: (0..tokens.len() as u64 / 16)
-                .map(|i| first_hash + i)
-                .collect(),
-            parent_block_hash: None,
-            token_ids: tokens.to_vec(),
-            block_size: 16,
-            lora_name: None,
-            cache_salt: None,
-            medium: Medium::Gpu,
-        }
-    }
-
     #[test]
     fn a_queue_that_will_evict_a_history_takes_its_predicted_hit_away() {
         // One replica of 4,800 KV tokens, full: a 1,600-token history stored first, 3,200
@@ -2125,9 +2117,9 @@ mod precise_tests {
         r.update_metrics("a:1", capacity, 0);
         let history: Vec<u32> = (0..1_600).collect();
         let others: Vec<u32> = (50_000..53_200).collect();
-        r.apply_kv_event("a:1", "m", &stored_as(1_000, &history), 0)
+        r.apply_kv_event("a:1", "m", &stored_from(1_000, &history, Medium::Gpu), 0)
             .unwrap();
-        r.apply_kv_event("a:1", "m", &stored_as(5_000, &others), 0)
+        r.apply_kv_event("a:1", "m", &stored_from(5_000, &others, Medium::Gpu), 0)
             .unwrap();
         let follow_up: Vec<u32> = (0..1_700).collect();
         let miss: Vec<u32> = (90_000..93_200).collect();
