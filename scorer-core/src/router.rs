@@ -1614,7 +1614,6 @@ fn in_cost_order(
     ordered
 }
 
-/// The replica drains queued prefill at its prefill rate: forget what it has done since.
 /// What the router's indexes say about one endpoint's cache, for [`lost_before_admission`].
 #[derive(Debug, Clone, Copy)]
 struct CacheView {
@@ -1660,6 +1659,7 @@ fn lost_before_admission(
     (gpu_cached_tokens - held).max(0.0).min(reaching_prefix)
 }
 
+/// The replica drains queued prefill at its prefill rate: forget what it has done since.
 fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {
     slot.backlog_tokens = slot.backlog_at(now_ms, tokens_per_ms);
     slot.backlog_at_ms = now_ms.max(slot.backlog_at_ms);
