@@ -22,7 +22,7 @@ use crate::address::EndpointAddress;
 
 use crate::affinity::{SessionConfig, SessionStats};
 use crate::disagg::{EndpointRole, PdConfig};
-use crate::index::{EndpointId, MAX_ENDPOINTS, PrefixIndex};
+use crate::index::{EndpointId, EndpointSet, MAX_ENDPOINTS, PrefixIndex};
 use crate::latency::{
     EndpointLatencyModel, LatencyConfig, LatencyFeatures, LatencyPrediction, Observation,
     PredictionErrors,
@@ -205,10 +205,6 @@ struct Slot {
     inflight_kv: InflightKv,
     /// Whether this endpoint's KV-event stream is live (precise scoring trusts it).
     events_live: bool,
-    /// The engine evicted GPU blocks since its precise state was last rebuilt: its cache runs
-    /// full (vLLM evicts only when no free block is left), so a queued prefill's every new
-    /// block evicts a cached one.
-    evicting: bool,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
     /// TTFT / TPOT model learned from this endpoint's outcomes.
@@ -539,12 +535,17 @@ struct PreciseIndexes {
     gpu: PrefixIndex,
     offload: PrefixIndex,
     speculative: PrefixIndex,
+    /// Endpoints whose engine evicted GPU blocks since their state was last rebuilt: their
+    /// cache runs full (vLLM evicts only when no free block is left), so a queued prefill's
+    /// every new block evicts a cached one.
+    evicting: EndpointSet,
 }
 
 impl PreciseIndexes {
     fn clear(&mut self, id: EndpointId) {
         self.tracker.clear(id, &mut self.gpu, &mut self.offload);
         self.speculative.clear_endpoint(id);
+        self.evicting.remove(id);
     }
 }
 
@@ -579,6 +580,7 @@ impl Router {
             gpu: PrefixIndex::new(u64::MAX / 4),
             offload: PrefixIndex::new(u64::MAX / 4),
             speculative: PrefixIndex::new(config.precise.speculative_ttl_ms),
+            evicting: EndpointSet::default(),
         };
         Self {
             config,
@@ -631,7 +633,6 @@ impl Router {
             inflight: 0,
             inflight_kv: InflightKv::default(),
             events_live: false,
-            evicting: false,
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
             role: EndpointRole::Both,
@@ -703,7 +704,6 @@ impl Router {
         let was = slot.events_live;
         slot.events_live = live;
         if was && !live {
-            slot.evicting = false;
             self.precise.clear(id);
         }
     }
@@ -753,9 +753,10 @@ impl Router {
             .apply(id, model, event, &mut p.gpu, &mut p.offload, now_ms)
         {
             Ok(()) => {
-                let cleared = matches!(event, KvEvent::AllBlocksCleared);
-                if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
-                    slot.evicting = (slot.evicting || !evicted.is_empty()) && !cleared;
+                if matches!(event, KvEvent::AllBlocksCleared) {
+                    p.evicting.remove(id);
+                } else if !evicted.is_empty() {
+                    p.evicting.insert(id);
                 }
                 // A routed request's speculative blocks no longer count once the engine evicts them.
                 for h in evicted {
@@ -768,9 +769,6 @@ impl Router {
             Err(e) => {
                 self.stats.kv_event_errors += 1;
                 p.clear(id);
-                if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
-                    slot.evicting = false;
-                }
                 Err(e)
             }
         }
@@ -778,8 +776,7 @@ impl Router {
 
     /// Forgets `address`'s precise state (cache reset, publisher restart, unreplayable gap).
     pub fn clear_precise(&mut self, address: &str) {
-        if let Some((id, slot)) = self.slot_mut(address) {
-            slot.evicting = false;
+        if let Some(id) = self.endpoint_id(address) {
             self.precise.clear(id);
         }
     }
@@ -966,7 +963,7 @@ impl Router {
                 let cache = CacheView {
                     indexed_tokens: (gpu_index.len_for(here) * block_tokens) as f64,
                     older_tokens: (older_blocks * block_tokens) as f64,
-                    full: slot.evicting,
+                    full: self.precise.evicting.contains(here),
                 };
                 // Only the GPU tier is evicted to make room; offloaded blocks stay.
                 let on_gpu = (gpu[i].max(spec[i]).min(hittable_blocks) * block_tokens) as f64;
