@@ -451,25 +451,11 @@ mod tests {
     #[test]
     fn a_salted_run_is_seeded_with_its_salt_and_children_inherit_it() {
         let (mut t, mut gpu, mut off) = fresh();
-        let salted = |e: KvEvent, salt: &str| match e {
-            KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                lora_name,
-                medium,
-                ..
-            } => KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                lora_name,
-                cache_salt: Some(salt.into()),
-                medium,
-            },
-            other => other,
+        let salted = |mut e: KvEvent, salt: &str| {
+            if let KvEvent::BlockStored { cache_salt, .. } = &mut e {
+                *cache_salt = Some(salt.into());
+            }
+            e
         };
         let id = EndpointId(0);
         t.apply(
