@@ -171,6 +171,8 @@ pub struct Snapshot {
     pub index_blocks: usize,
     /// Approximate heap bytes of the prefix index.
     pub index_bytes: usize,
+    /// Canonical bytes per token the approximate index counts in (configured or learned).
+    pub bytes_per_token: f64,
 }
 
 impl State {
@@ -562,6 +564,7 @@ impl State {
             inflight: r.inflight_len(),
             index_blocks: r.index().distinct_blocks(),
             index_bytes: r.index().approx_bytes(),
+            bytes_per_token: r.bytes_per_token(),
         }
     }
 }

@@ -430,6 +430,13 @@ impl Collector for RouterCollector {
             let g = ConstGauge::new(value as i64);
             g.encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
         }
+        ConstGauge::new(snap.bytes_per_token).encode(encoder.encode_descriptor(
+            "bytes_per_token",
+            "Canonical prompt bytes per token the approximate index counts in (configured, or \
+             learned from usage.prompt_tokens with router.learn_bytes_per_token)",
+            None,
+            MetricType::Gauge,
+        )?)?;
 
         type Getter = fn(&EndpointView) -> Option<f64>;
         let per_endpoint: [(&str, &str, Getter); 11] = [

@@ -4,6 +4,7 @@
 //! - [`hash`] hashes them in chained blocks;
 //! - [`index`] remembers which endpoint holds which blocks;
 //! - [`router`] scores endpoints and keeps load accounting ([`address`]: its shared addresses);
+//! - [`token_ratio`] turns approximate mode's byte blocks into tokens (configured or learned);
 //! - [`latency`] learns each endpoint's TTFT and time per output token from outcomes;
 //! - [`disagg`] gives endpoints prefill/decode roles and picks a prefill endpoint;
 //! - [`pools`], [`affinity`] and [`lora`] keep model pools, session affinity and LoRA
@@ -27,3 +28,4 @@ pub mod pools;
 pub mod precise;
 pub mod protocol;
 pub mod router;
+pub mod token_ratio;

@@ -31,6 +31,7 @@ use crate::lora::{LoraConfig, LoraState};
 use crate::pools::{FleetState, ModelsConfig, PoolStats, ServedModel};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
 use crate::protocol::{Outcome, RouteRequest, RouteResponse};
+use crate::token_ratio::TokenRatio;
 
 /// Tunables of the scorer. Defaults come from fleet-sim sweeps (see README).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -97,8 +98,13 @@ impl Default for ScoringConfig {
 pub struct RouterConfig {
     /// Canonical bytes a hash block covers (must match the filter's setting).
     pub block_bytes: usize,
-    /// Canonical bytes per token, to turn blocks into tokens.
+    /// Canonical bytes per token, to turn blocks into tokens (the starting value when
+    /// `learn_bytes_per_token` is on).
     pub bytes_per_token: f64,
+    /// Learn `bytes_per_token` from the engines' `usage.prompt_tokens` of routed requests (a
+    /// decayed average over about the last 50), so the approximate index counts tokens right
+    /// for the traffic's language without tuning.
+    pub learn_bytes_per_token: bool,
     /// How long an approximate index entry lives without a touch.
     pub index_ttl_ms: u64,
     /// How long an in-flight entry lives without feedback (a lost report leaks nothing).
@@ -151,6 +157,7 @@ impl Default for RouterConfig {
         Self {
             block_bytes: crate::hash::DEFAULT_BLOCK_BYTES,
             bytes_per_token: 4.0,
+            learn_bytes_per_token: false,
             index_ttl_ms: 120_000,
             inflight_ttl_ms: 300_000,
             fallbacks: 2,
@@ -326,6 +333,8 @@ pub struct ServedTotals {
 struct InFlight {
     endpoint: EndpointId,
     predicted_cached_tokens: u32,
+    /// The request's canonical bytes, to learn bytes per token from its reported usage.
+    prompt_bytes: u64,
     /// Its sampled prompt blocks, held in its endpoint's `inflight_kv` until it ends.
     kv_blocks: Box<[u64]>,
     /// Tokens one of `kv_blocks` stands for (about `KV_SAMPLE_TOKENS`).
@@ -501,6 +510,8 @@ pub struct Router {
     fleet: FleetState,
     /// Per-decision working buffers, kept between decisions so `route` allocates none of them.
     scratch: RouteScratch,
+    /// Canonical bytes per token in force (configured or learned).
+    token_ratio: TokenRatio,
 }
 
 /// Buffers `Router::route` fills every decision; reused, so a decision allocates only what it
@@ -583,7 +594,6 @@ impl Router {
             evicting: EndpointSet::default(),
         };
         Self {
-            config,
             slots: Vec::new(),
             by_address: HashMap::new(),
             index,
@@ -595,6 +605,8 @@ impl Router {
             last_expire_ms: u64::MAX,
             fleet: FleetState::default(),
             scratch: RouteScratch::default(),
+            token_ratio: TokenRatio::new(config.bytes_per_token, config.learn_bytes_per_token),
+            config,
         }
     }
 
@@ -605,7 +617,13 @@ impl Router {
 
     /// Tokens one hash block stands for.
     pub fn tokens_per_block(&self) -> f64 {
-        (self.config.block_bytes as f64 / self.config.bytes_per_token).max(1.0)
+        (self.config.block_bytes as f64 / self.token_ratio.bytes_per_token()).max(1.0)
+    }
+
+    /// Canonical bytes per token in force: `router.bytes_per_token`, or what outcomes taught
+    /// when `learn_bytes_per_token` is on.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.token_ratio.bytes_per_token()
     }
 
     /// Adds an endpoint (idempotent) and returns its id.
@@ -868,14 +886,23 @@ impl Router {
         self.stats.decisions += 1;
 
         let tokens_per_block = self.tokens_per_block();
-        let prompt_tokens = f64::from(request.prompt_tokens.max(1));
+        // Precise mode: the event-fed GPU index (plus speculative entries of recent decisions)
+        // and the offload tiers, in engine blocks.
+        let precise = !request.token_block_hashes.is_empty();
+        // A precise request's tokens were counted by a tokenizer. An approximate one's are
+        // estimated from its canonical bytes at the ratio the index counts blocks in (the
+        // filter's own estimate assumes 4 bytes a token).
+        let request_tokens = match request.prompt_bytes {
+            bytes if !precise && bytes > 0 => {
+                (bytes as f64 / self.token_ratio.bytes_per_token()).ceil() as u32
+            }
+            _ => request.prompt_tokens,
+        };
+        let prompt_tokens = f64::from(request_tokens.max(1));
         let n = self.slots.len();
         let scratch = &mut self.scratch;
         let matched = zeroed(&mut scratch.matched, n);
         record_depths(&self.index, &request.block_hashes, matched);
-        // Precise mode: the event-fed GPU index (plus speculative entries of recent decisions)
-        // and the offload tiers, in engine blocks.
-        let precise = !request.token_block_hashes.is_empty();
         // Only precise requests read these (through `scored_precisely`).
         let per_endpoint = if precise { n } else { 0 };
         let gpu = zeroed(&mut scratch.gpu, per_endpoint);
@@ -891,7 +918,7 @@ impl Router {
         latency_features.resize(n, LatencyFeatures::default());
         let block_tokens = self.config.precise.block_tokens.max(1);
         // vLLM recomputes at least the last prompt token, so only blocks of the first n-1 count.
-        let hittable_blocks = (request.prompt_tokens.saturating_sub(1) as usize) / block_tokens;
+        let hittable_blocks = (request_tokens.saturating_sub(1) as usize) / block_tokens;
         let offload_weight = self.config.precise.offload_weight;
         let output_tokens = request
             .max_output_tokens
@@ -1157,13 +1184,12 @@ impl Router {
         let step = kv_sample_blocks(block_kv_tokens);
         let kv_blocks: Box<[u64]> = kv_samples(all_blocks, step).copied().collect();
         let kv_block_tokens = block_kv_tokens * step as f64;
-        let unhashed = (f64::from(request.prompt_tokens) - kv_blocks.len() as f64 * kv_block_tokens)
-            .max(0.0) as u32;
+        let unhashed =
+            (f64::from(request_tokens) - kv_blocks.len() as f64 * kv_block_tokens).max(0.0) as u32;
         let entry = InFlight {
             endpoint: chosen,
-            predicted_cached_tokens: request
-                .prompt_tokens
-                .saturating_sub(chosen_score.uncached_tokens),
+            predicted_cached_tokens: request_tokens.saturating_sub(chosen_score.uncached_tokens),
+            prompt_bytes: request.prompt_bytes,
             kv_blocks,
             kv_block_tokens,
             kv_private_tokens: output_tokens.saturating_add(unhashed),
@@ -1296,6 +1322,11 @@ impl Router {
                 slot.latency
                     .observe(&entry.latency_features, observed, &self.config.latency);
             }
+        }
+        if (200..300).contains(&outcome.status)
+            && let Some(tokens) = outcome.prompt_tokens
+        {
+            self.token_ratio.observe(entry.prompt_bytes, tokens);
         }
         if let Some(actual) = outcome.cached_tokens {
             self.stats.predicted_cached_tokens += u64::from(entry.predicted_cached_tokens);
@@ -1850,6 +1881,49 @@ mod tests {
         let _miss = ask(&mut r, &"another new document ".repeat(1_000), 40_000);
         let queued = ask(&mut r, &follow_up, 40_000);
         assert!(queued.candidates[0].cached_tokens > 2_500, "{queued:?}");
+    }
+
+    #[test]
+    fn a_learned_ratio_counts_the_index_in_the_engines_tokens() {
+        let mut r = Router::new(
+            RouterConfig {
+                learn_bytes_per_token: true,
+                ..RouterConfig::default()
+            },
+            1,
+        );
+        r.upsert_endpoint("10.0.0.0:8000").unwrap();
+        // Text at 8 bytes a token: 25,600 bytes are 100 blocks and 3,200 tokens.
+        let text = "ab".repeat(12_800);
+        let first = r.route(&request(&text), 0, 1);
+        assert!((r.bytes_per_token() - 4.0).abs() < 1e-9);
+        r.feedback(
+            &Outcome {
+                decision_id: first.response.decision_id,
+                status: 200,
+                prompt_tokens: Some(3_200),
+                ..Default::default()
+            },
+            1_000,
+        );
+        assert!((r.bytes_per_token() - 8.0).abs() < 1e-9);
+        assert!((r.tokens_per_block() - 32.0).abs() < 1e-9);
+        // The repeat is counted in the engine's tokens, not at the filter's 4 bytes a token.
+        let again = r.route(&request(&text), 60_000, 2);
+        let c = &again.candidates[0];
+        assert_eq!(c.cached_tokens + c.uncached_tokens, 3_200, "{c:?}");
+        assert!(c.cached_tokens >= 3_100, "{c:?}");
+        // A failed response teaches nothing.
+        r.feedback(
+            &Outcome {
+                decision_id: again.response.decision_id,
+                status: 500,
+                prompt_tokens: Some(100),
+                ..Default::default()
+            },
+            61_000,
+        );
+        assert!((r.bytes_per_token() - 8.0).abs() < 1e-9);
     }
 
     #[test]
