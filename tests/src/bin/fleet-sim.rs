@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use kvroute_tests::fleet::des::{RunResult, SimConfig, run};
-use kvroute_tests::fleet::policy::{POLICY_NAMES, build_with};
+use kvroute_tests::fleet::policy::{DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with};
 use kvroute_tests::fleet::report::{
     PolicySummary, line_chart, line_chart_axes, table, ttft_cdf_series,
 };
@@ -154,6 +154,11 @@ struct CompareArgs {
     /// Metrics scrape interval of the simulated routers (virtual ms).
     #[arg(long, default_value_t = 100.0)]
     metrics_interval_ms: f64,
+    /// Canonical text bytes per token of the workload, what kvroute's approximate filter sees
+    /// (its router converts back with its own `bytes_per_token`, 4 by default). English prose
+    /// is about 4; code less; Cyrillic or Greek text in UTF-8 more.
+    #[arg(long, default_value_t = DEFAULT_TEXT_BYTES_PER_TOKEN)]
+    text_bytes_per_token: f64,
 }
 
 #[derive(Serialize)]
@@ -168,6 +173,7 @@ struct Summary {
     replicas: usize,
     speedup: f64,
     seed: u64,
+    text_bytes_per_token: f64,
     results: Vec<PolicySummary>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     sweep: Vec<SweepPoint>,
@@ -293,8 +299,14 @@ fn run_all(
     workload.speed_up(speedup);
     let mut runs = Vec::new();
     for name in policies {
-        let mut policy = build_with(name, cfg.replicas, args.seed, router)
-            .with_context(|| format!("unknown policy {name}"))?;
+        let mut policy = build_with(
+            name,
+            cfg.replicas,
+            args.seed,
+            router,
+            args.text_bytes_per_token,
+        )
+        .with_context(|| format!("unknown policy {name}"))?;
         eprint!("  {name:<20} speedup {speedup:<5} ... ");
         std::io::stderr().flush().ok();
         let started = Instant::now();
@@ -318,6 +330,9 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     }
     if !args.speedup.is_finite() || args.speedup <= 0.0 {
         bail!("--speedup must be > 0");
+    }
+    if !args.text_bytes_per_token.is_finite() || args.text_bytes_per_token <= 0.0 {
+        bail!("--text-bytes-per-token must be > 0");
     }
     let mut profile = match &args.profile {
         Some(p) => Profile::load(p)?,
@@ -412,6 +427,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             replicas: args.replicas,
             speedup: args.speedup,
             seed: args.seed,
+            text_bytes_per_token: args.text_bytes_per_token,
             results,
             sweep,
         };

@@ -91,18 +91,30 @@ pub const POLICY_NAMES: &[&str] = &[
     "kvroute-precise",
 ];
 
+/// Canonical text bytes per token of fleet-sim's workloads unless told otherwise: the
+/// router's default `bytes_per_token`, so approximate mode's estimate is right on average.
+pub const DEFAULT_TEXT_BYTES_PER_TOKEN: f64 = 4.0;
+
 /// Builds the policy called `name` for `replicas` replicas, with kvroute's scoring defaults.
 pub fn build(name: &str, replicas: usize, seed: u64) -> Option<Box<dyn Policy>> {
-    build_with(name, replicas, seed, &RouterConfig::default())
+    build_with(
+        name,
+        replicas,
+        seed,
+        &RouterConfig::default(),
+        DEFAULT_TEXT_BYTES_PER_TOKEN,
+    )
 }
 
 /// Builds the policy called `name`; kvroute policies take `kvroute` as their router config
-/// (block sizes are set by the mode).
+/// (block sizes are set by the mode). `text_bytes_per_token` is how many canonical bytes the
+/// workload's text spends per token: the approximate filter sees bytes, not tokens.
 pub fn build_with(
     name: &str,
     replicas: usize,
     seed: u64,
     kvroute: &RouterConfig,
+    text_bytes_per_token: f64,
 ) -> Option<Box<dyn Policy>> {
     Some(match name {
         "round-robin" => Box::new(RoundRobin {
@@ -124,8 +136,20 @@ pub fn build_with(
         "sglang-cache-aware" => Box::new(SglangCacheAware::new(replicas, seed)),
         "llmd" => Box::new(Llmd::new(replicas, seed)),
         "dynamo" => Box::new(Dynamo::new(replicas, seed)),
-        "kvroute" => Box::new(Kvroute::new(replicas, seed, false, kvroute.clone())),
-        "kvroute-precise" => Box::new(Kvroute::new(replicas, seed, true, kvroute.clone())),
+        "kvroute" => Box::new(Kvroute::new(
+            replicas,
+            seed,
+            false,
+            kvroute.clone(),
+            text_bytes_per_token,
+        )),
+        "kvroute-precise" => Box::new(Kvroute::new(
+            replicas,
+            seed,
+            true,
+            kvroute.clone(),
+            text_bytes_per_token,
+        )),
         _ => return None,
     })
 }
@@ -539,21 +563,40 @@ impl Policy for Dynamo {
 struct Kvroute {
     router: Router,
     precise: bool,
+    /// Decision id and prompt tokens (the usage the engine reports) of each routed request.
     decisions: HashMap<usize, (u64, u32)>,
     predicted: HashMap<usize, u32>,
     seed: SplitMix,
     addresses: Vec<String>,
+    /// Canonical bytes the workload's text spends per token.
+    text_bytes_per_token: f64,
+    /// Tokens of text one approximate hash block (`block_bytes`) covers.
+    approx_block_tokens: usize,
 }
-/// Approximate mode hashes 64-token blocks: 256 canonical bytes at 4 bytes a token, as the
-/// filter does.
-const KVROUTE_APPROX_BLOCK: usize = 64;
+/// Approximate mode hashes 256-byte blocks of canonical text, as the filter does.
+const KVROUTE_APPROX_BLOCK_BYTES: usize = 256;
 impl Kvroute {
-    fn new(n: usize, seed: u64, precise: bool, base: RouterConfig) -> Self {
+    fn new(
+        n: usize,
+        seed: u64,
+        precise: bool,
+        base: RouterConfig,
+        text_bytes_per_token: f64,
+    ) -> Self {
         let config = RouterConfig {
-            block_bytes: KVROUTE_APPROX_BLOCK * 4,
-            bytes_per_token: 4.0,
+            block_bytes: KVROUTE_APPROX_BLOCK_BYTES,
             ..base
         };
+        // The filter cuts text, not tokens: a block holds however many tokens its bytes
+        // encode, while the router converts it back with its configured `bytes_per_token`.
+        let text_bytes_per_token = if text_bytes_per_token.is_finite() && text_bytes_per_token > 0.0
+        {
+            text_bytes_per_token
+        } else {
+            DEFAULT_TEXT_BYTES_PER_TOKEN
+        };
+        let approx_block_tokens =
+            ((KVROUTE_APPROX_BLOCK_BYTES as f64 / text_bytes_per_token).round() as usize).max(1);
         let mut router = Router::new(config, 1);
         let addresses: Vec<String> = (0..n).map(|i| format!("replica-{i}")).collect();
         for a in &addresses {
@@ -568,6 +611,8 @@ impl Kvroute {
             predicted: HashMap::new(),
             seed: SplitMix(seed),
             addresses,
+            text_bytes_per_token,
+            approx_block_tokens,
         }
     }
 }
@@ -604,8 +649,8 @@ impl Policy for Kvroute {
     fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
         let request = RouteRequest {
             model: MODEL.into(),
-            block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, KVROUTE_APPROX_BLOCK),
-            prompt_bytes: r.tokens.len() as u64 * 4,
+            block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, self.approx_block_tokens),
+            prompt_bytes: (r.tokens.len() as f64 * self.text_bytes_per_token).round() as u64,
             prompt_tokens: r.tokens.len() as u32,
             max_output_tokens: Some(r.output_tokens),
             session: r.session.map(|s| s.to_string()),
@@ -632,16 +677,17 @@ impl Policy for Kvroute {
             .unwrap_or_else(|| self.seed.below(self.addresses.len()));
         let cached = decision.candidates.first().map_or(0, |c| c.cached_tokens);
         self.decisions
-            .insert(r.id, (decision.response.decision_id, cached));
+            .insert(r.id, (decision.response.decision_id, r.tokens.len() as u32));
         self.predicted.insert(r.id, cached);
         pick
     }
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
-        if let Some((decision_id, _)) = self.decisions.remove(&id) {
+        if let Some((decision_id, prompt_tokens)) = self.decisions.remove(&id) {
             let outcome = Outcome {
                 decision_id,
                 endpoint: self.addresses[replica].clone(),
                 status: 200,
+                prompt_tokens: Some(prompt_tokens),
                 cached_tokens: Some(cached_tokens),
                 ..Outcome::default()
             };
@@ -660,5 +706,46 @@ impl Policy for Kvroute {
         self.router
             .endpoint_loads(now_ms as u64, reference_tokens, out);
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What approximate kvroute predicts cached for a prompt it routed once before.
+    fn predicted_repeat(text_bytes_per_token: f64) -> u32 {
+        let mut policy = build_with(
+            "kvroute",
+            2,
+            1,
+            &RouterConfig::default(),
+            text_bytes_per_token,
+        )
+        .expect("kvroute is a policy");
+        let tokens: Vec<u32> = (1000..1640).collect();
+        for id in 0..2 {
+            let request = PolicyRequest {
+                id,
+                tokens: &tokens,
+                output_tokens: 16,
+                session: None,
+            };
+            policy.route(&request, id as f64);
+        }
+        policy.predicted_cached_tokens(1).expect("kvroute predicts")
+    }
+
+    #[test]
+    fn approximate_mode_counts_tokens_through_the_texts_bytes() {
+        // 640 tokens of 4-byte text are 10 blocks of 256 bytes: the router's 4 bytes a token
+        // is right. The same tokens spelled in 8 bytes each look twice as long to it.
+        let right = predicted_repeat(4.0);
+        let doubled = predicted_repeat(8.0);
+        assert!((576..=640).contains(&right), "{right}");
+        assert!(
+            (2 * right - 128..=2 * right + 128).contains(&doubled),
+            "{doubled} vs {right}"
+        );
     }
 }
