@@ -26,6 +26,9 @@ use crate::loadgen::{self, RunResult, RunSummary, Workload};
 pub enum Mode {
     /// Hashes of the canonical prompt's bytes; the index learns from routing decisions.
     Approximate,
+    /// Approximate, with `router.learn_bytes_per_token` on: the index counts the engines'
+    /// tokens instead of assuming 4 bytes a token.
+    ApproximateLearned,
     /// Token-block hashes; the index follows the replicas' KV events.
     Precise,
 }
@@ -35,14 +38,24 @@ impl Mode {
     pub fn label(self) -> &'static str {
         match self {
             Mode::Approximate => "approximate",
+            Mode::ApproximateLearned => "approximate-learned",
             Mode::Precise => "precise",
         }
     }
 
-    /// Parses `approximate` or `precise`.
+    /// The filter's route `mode` this runs.
+    pub fn route_mode(self) -> &'static str {
+        match self {
+            Mode::Approximate | Mode::ApproximateLearned => "approximate",
+            Mode::Precise => "precise",
+        }
+    }
+
+    /// Parses `approximate`, `approximate-learned` or `precise`.
     pub fn parse(s: &str) -> Result<Mode, CompareError> {
         match s.trim() {
             "approximate" => Ok(Mode::Approximate),
+            "approximate-learned" => Ok(Mode::ApproximateLearned),
             "precise" => Ok(Mode::Precise),
             other => Err(CompareError::UnknownMode(other.to_string())),
         }
@@ -52,8 +65,8 @@ impl Mode {
 /// Why a comparison run could not produce figures.
 #[derive(Debug, thiserror::Error)]
 pub enum CompareError {
-    /// A mode name other than `approximate` or `precise`.
-    #[error("unknown mode {0:?} (expected approximate or precise)")]
+    /// A mode name other than `approximate`, `approximate-learned` or `precise`.
+    #[error("unknown mode {0:?} (expected approximate, approximate-learned or precise)")]
     UnknownMode(String),
     /// Starting or probing the fleet failed.
     #[error(transparent)]
@@ -156,11 +169,14 @@ impl CompareConfig {
             "precise": {"tokenizer": "remote", "remote_api": "render",
                         "tokenize_timeout_ms": self.route_timeout_ms}
         });
+        if mode == Mode::ApproximateLearned {
+            cfg.control_plane_router = json!({"learn_bytes_per_token": true});
+        }
         cfg.plugin_config = json!({
             "route_timeout_ms": self.route_timeout_ms,
             "routes": [
-                {"path": "/v1/chat/completions", "api": "chat", "mode": mode.label()},
-                {"path": "/v1/completions", "api": "completion", "mode": mode.label()}
+                {"path": "/v1/chat/completions", "api": "chat", "mode": mode.route_mode()},
+                {"path": "/v1/completions", "api": "completion", "mode": mode.route_mode()}
             ]
         });
         cfg
@@ -322,8 +338,9 @@ pub fn metric_with(text: &str, name: &str, label: &str) -> f64 {
 
 /// The comparison table.
 pub fn render_table(rows: &[ModeSummary]) -> String {
+    let w = rows.iter().map(|r| r.mode.len()).max().unwrap_or(0).max(12);
     let mut out = format!(
-        "{:<12} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>11} {:>11} {:>9}\n",
+        "{:<w$} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>11} {:>11} {:>9}\n",
         "mode",
         "requests",
         "errors",
@@ -337,7 +354,7 @@ pub fn render_table(rows: &[ModeSummary]) -> String {
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<12} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>9.1}% {:>11.0} {:>11.0} {:>+8.1}%\n",
+            "{:<w$} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>9.1}% {:>11.0} {:>11.0} {:>+8.1}%\n",
             r.mode,
             r.run.requests,
             r.run.errors,
@@ -439,5 +456,13 @@ mod tests {
         let routes = fleet.plugin_config["routes"].as_array().unwrap();
         assert!(routes.iter().all(|r| r["mode"] == "approximate"));
         assert_eq!(fleet.plugin_config["route_timeout_ms"], 700);
+        assert_eq!(
+            fleet.control_plane_router.get("learn_bytes_per_token"),
+            None
+        );
+        let fleet = cfg.fleet_config("x", Mode::ApproximateLearned);
+        let routes = fleet.plugin_config["routes"].as_array().unwrap();
+        assert!(routes.iter().all(|r| r["mode"] == "approximate"));
+        assert_eq!(fleet.control_plane_router["learn_bytes_per_token"], true);
     }
 }
