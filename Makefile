@@ -68,11 +68,12 @@ test: setup wasm
 demo: setup build
 	$(TARGET_DIR)/release/kvroute-demo
 
-# Approximate vs precise mode on the same cold fleet with KV caches smaller than the working set;
-# prints one table and writes $(TARGET_DIR)/kvroute-demo-precise/summary.json.
+# Approximate (configured and learned bytes per token) vs precise mode, each on the same cold
+# fleet, with a chat workload three times the fleet's KV capacity (about 6 minutes); prints one
+# table and writes $(TARGET_DIR)/kvroute-demo-precise/summary.json.
 .PHONY: demo-precise
 demo-precise: setup build
-	$(TARGET_DIR)/release/kvroute-demo --compare approximate,precise
+	$(TARGET_DIR)/release/kvroute-demo --compare approximate,approximate-learned,precise
 
 lint: setup
 	$(CARGO) fmt --all -- --check

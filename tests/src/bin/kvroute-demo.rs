@@ -24,10 +24,10 @@ struct Args {
     /// vLLM replicas per fleet.
     #[arg(long, default_value_t = 4)]
     replicas: usize,
-    /// Concurrent conversations [default: 32; with --compare: 20].
+    /// Conversations [default: 32; with --compare: 36].
     #[arg(long)]
     conversations: Option<usize>,
-    /// Turns per conversation [default: 4; with --compare: 6].
+    /// Turns per conversation [default: 4; with --compare: 12].
     #[arg(long)]
     turns: Option<usize>,
     /// Words (about tokens) of the shared system prompt [default: 2000; with --compare: 500].
@@ -51,11 +51,11 @@ struct Args {
     /// Seed of the workload text and of the replicas.
     #[arg(long, default_value_t = 7)]
     seed: u64,
-    /// Pause between a conversation's turns, ms [default: 100; with --compare: 5000].
+    /// Pause between a conversation's turns, ms [default: 100; with --compare: 2000].
     #[arg(long)]
     think_ms: Option<u64>,
     /// Delay between the starts of consecutive conversations, ms [default: 30; with --compare:
-    /// the think time divided by the conversations].
+    /// 2500].
     #[arg(long)]
     stagger_ms: Option<u64>,
     /// Compare kvroute's modes instead of kvroute with round robin, e.g.
@@ -106,38 +106,31 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// The workload of the flags, with the defaults of the demo or of `--compare`. The compare
-/// defaults make the working set (20 conversations growing to ~3,200 tokens) larger than the
-/// fleet's KV capacity (4 x 12,000 tokens) while keeping few requests in flight (long think
-/// time, short answers), so that replicas evict idle conversations rather than preempt running
-/// ones.
+/// defaults are a chat service: conversations start one after another (2.5 s apart) and each
+/// lives for 12 turns, so the caches must keep the live ones (about 11 at a time, ~36,000
+/// tokens) while the workload's prompts total ~143,000 tokens, three times the fleet's KV
+/// capacity (4 x 12,000 tokens). Short answers keep few requests in flight, so replicas evict
+/// idle conversations rather than preempt running ones.
 fn workload(args: &Args, compare: bool) -> Workload {
     let pick =
         |v: Option<usize>, demo: usize, cmp: usize| v.unwrap_or(if compare { cmp } else { demo });
-    let mut w = Workload {
+    Workload {
         model: "kvroute-demo-model".to_string(),
-        conversations: pick(args.conversations, 32, 20),
-        turns: pick(args.turns, 4, 6),
+        conversations: pick(args.conversations, 32, 36),
+        turns: pick(args.turns, 4, 12),
         system_prompt_words: pick(args.system_prompt_tokens, 2000, 500),
         first_message_words: pick(args.first_message_tokens, 1000, 2000),
         followup_words: pick(args.followup_tokens, 60, 100),
         max_tokens: args.max_tokens.unwrap_or(if compare { 16 } else { 48 }),
         seed: args.seed,
         think_time: Duration::from_millis(args.think_ms.unwrap_or(if compare {
-            5000
+            2000
         } else {
             100
         })),
-        stagger: Duration::from_millis(30),
+        stagger: Duration::from_millis(args.stagger_ms.unwrap_or(if compare { 2500 } else { 30 })),
         request_timeout: Duration::from_secs(120),
-    };
-    // Compare runs spread the conversations' starts over one think time, so that turns arrive
-    // continuously rather than in fleet-wide bursts of the same turn.
-    w.stagger = Duration::from_millis(args.stagger_ms.unwrap_or(if compare {
-        (w.think_time.as_millis() as u64 / w.conversations.max(1) as u64).max(30)
-    } else {
-        30
-    }));
-    w
+    }
 }
 
 async fn run(args: Args, workload: Workload) -> anyhow::Result<()> {
