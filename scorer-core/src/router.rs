@@ -1895,17 +1895,18 @@ mod tests {
         r.upsert_endpoint("10.0.0.0:8000").unwrap();
         // Text at 8 bytes a token: 25,600 bytes are 100 blocks and 3,200 tokens.
         let text = "ab".repeat(12_800);
+        let usage = |r: &mut Router, decision: &Decision, status: u16, prompt_tokens: u32| {
+            let outcome = Outcome {
+                decision_id: decision.response.decision_id,
+                status,
+                prompt_tokens: Some(prompt_tokens),
+                ..Default::default()
+            };
+            r.feedback(&outcome, 1_000);
+        };
         let first = r.route(&request(&text), 0, 1);
         assert!((r.bytes_per_token() - 4.0).abs() < 1e-9);
-        r.feedback(
-            &Outcome {
-                decision_id: first.response.decision_id,
-                status: 200,
-                prompt_tokens: Some(3_200),
-                ..Default::default()
-            },
-            1_000,
-        );
+        usage(&mut r, &first, 200, 3_200);
         assert!((r.bytes_per_token() - 8.0).abs() < 1e-9);
         assert!((r.tokens_per_block() - 32.0).abs() < 1e-9);
         // The repeat is counted in the engine's tokens, not at the filter's 4 bytes a token.
@@ -1914,15 +1915,7 @@ mod tests {
         assert_eq!(c.cached_tokens + c.uncached_tokens, 3_200, "{c:?}");
         assert!(c.cached_tokens >= 3_100, "{c:?}");
         // A failed response teaches nothing.
-        r.feedback(
-            &Outcome {
-                decision_id: again.response.decision_id,
-                status: 500,
-                prompt_tokens: Some(100),
-                ..Default::default()
-            },
-            61_000,
-        );
+        usage(&mut r, &again, 500, 100);
         assert!((r.bytes_per_token() - 8.0).abs() < 1e-9);
     }
 
