@@ -349,40 +349,50 @@ impl Topo {
         let proxy = FaultProxy::start(format!("127.0.0.1:{cp_api_port}")).await;
         let addresses: Vec<String> = sims.iter().map(Sim::address).collect();
 
-        let listen = free_port().expect("port");
-        let admin = free_port().expect("port");
-        let rendered = render_envoy_config(
-            &workspace_root().join(ENVOY_KVROUTE_TEMPLATE),
-            listen,
-            admin,
-            proxy.port,
-            &tools.wasm,
-            &plugin_config_json(&json!({"route_timeout_ms": ROUTE_TIMEOUT_MS})),
-            &addresses,
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-        let cfg = log_dir.join("envoy.yaml");
-        std::fs::write(&cfg, rendered).expect("write envoy.yaml");
-        let mut cmd = std::process::Command::new(&tools.envoy);
-        cmd.arg("-c")
-            .arg(&cfg)
-            .args(["--concurrency", "1", "-l", "warning"])
-            .args(["--component-log-level", "wasm:info"])
-            .args([
-                "--base-id",
-                &envoy_base_id().to_string(),
-                "--use-dynamic-base-id",
-            ]);
-        let mut envoy = ManagedProcess::spawn("envoy", cmd, &log_dir.join("envoy.log"))
+        // A port `free_port` picked can be taken by a concurrent test before Envoy binds it:
+        // then Envoy exits at once, and a fresh pair of ports is tried.
+        let mut attempt = 0;
+        let (envoy, listen, admin) = loop {
+            attempt += 1;
+            let listen = free_port().expect("port");
+            let admin = free_port().expect("port");
+            let rendered = render_envoy_config(
+                &workspace_root().join(ENVOY_KVROUTE_TEMPLATE),
+                listen,
+                admin,
+                proxy.port,
+                &tools.wasm,
+                &plugin_config_json(&json!({"route_timeout_ms": ROUTE_TIMEOUT_MS})),
+                &addresses,
+            )
             .unwrap_or_else(|e| panic!("{e}"));
-        wait_ok(
-            &client,
-            &format!("http://127.0.0.1:{admin}/ready"),
-            &mut envoy,
-            "envoy",
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+            let cfg = log_dir.join("envoy.yaml");
+            std::fs::write(&cfg, rendered).expect("write envoy.yaml");
+            let mut cmd = std::process::Command::new(&tools.envoy);
+            cmd.arg("-c")
+                .arg(&cfg)
+                .args(["--concurrency", "1", "-l", "warning"])
+                .args(["--component-log-level", "wasm:info"])
+                .args([
+                    "--base-id",
+                    &envoy_base_id().to_string(),
+                    "--use-dynamic-base-id",
+                ]);
+            let mut envoy = ManagedProcess::spawn("envoy", cmd, &log_dir.join("envoy.log"))
+                .unwrap_or_else(|e| panic!("{e}"));
+            match wait_ok(
+                &client,
+                &format!("http://127.0.0.1:{admin}/ready"),
+                &mut envoy,
+                "envoy",
+            )
+            .await
+            {
+                Ok(()) => break (envoy, listen, admin),
+                Err(e) if attempt < 3 && e.contains("Address already in use") => continue,
+                Err(e) => panic!("{e}"),
+            }
+        };
 
         let mut topo = Topo {
             name: name.to_string(),
