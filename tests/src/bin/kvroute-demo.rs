@@ -360,10 +360,10 @@ async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow
     std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("cannot write {}", summary_path.display()))?;
     println!();
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
     let precise = rows.iter().find(|r| r.mode == "precise");
     let approximate = rows.iter().filter(|r| r.mode != "precise");
     for (a, p) in approximate.filter_map(|a| precise.map(|p| (a, p))) {
-        let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
         let other = &a.mode;
         println!(
             "precise TTFT p90 {:.0} ms vs {other} {:.0} ms: {}",
@@ -382,11 +382,7 @@ async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow
         println!(
             "precise predicted cached tokens within 5% of the engines' ({:+.2}%): {}",
             p.prediction_error * 100.0,
-            if p.prediction_error.abs() <= 0.05 {
-                "met"
-            } else {
-                "NOT met"
-            }
+            verdict(p.prediction_error.abs() <= 0.05)
         );
     }
     println!(
