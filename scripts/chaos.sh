@@ -20,7 +20,7 @@ echo "chaos: ${secs} s, seed ${seed}" >&2
 
 make --no-print-directory setup wasm >/dev/null
 if [[ ${2:-} == --all ]]; then
-    cargo test -p kvroute-tests --test e2e_faults -- --test-threads 1
+    cargo test -p kvroute-e2e -- faults:: --test-threads 1
 fi
 KVROUTE_CHAOS_SECS=$secs KVROUTE_CHAOS_SEED=$seed \
-    cargo test -p kvroute-tests --test e2e_faults chaos_mixed_faults -- --nocapture --test-threads 1
+    cargo test -p kvroute-e2e -- faults::chaos_mixed_faults --nocapture --test-threads 1

@@ -12,11 +12,11 @@ wheel (a zip) in memory and keeps only what it needs, via Python's ``ast``:
 - ``vllm/v1/metrics/loggers.py``: every ``vllm:*`` metric the Prometheus stat logger registers,
   with its type.
 
-It writes (to ``tests/fixtures/vllm/`` by default) and checks:
+It writes (to ``tests/vllm-sim/fixtures/vllm/`` by default) and checks:
 
 1. ``vllm_events.{map,array}.msgpack`` + ``vllm_events.json``: payloads ENCODED by vLLM's
-   classes, and what they must decode to. ``tests/tests/vllm_compat.rs`` decodes them with the
-   simulator's decoder (``kvroute_tests::sim::kv_events::decode_batch``).
+   classes, and what they must decode to. ``tests/vllm-sim/tests/vllm_compat.rs`` decodes them with the
+   simulator's decoder (``vllm_sim::kv_events::decode_batch``).
 2. ``vllm_sim_shape.msgpack`` + ``vllm_sim_shape.json``: the events a vLLM 0.33 GPU block pool
    publishes for a small scenario (fields set exactly as ``BlockPool`` sets them), encoded by
    vLLM. The Rust test encodes the same events with the simulator's encoder and requires the
@@ -32,7 +32,7 @@ Usage (msgspec, and pyzmq for --capture, in .venv):
 
     pip download vllm==0.33.0 --no-deps -d /tmp/vllmwheel
     .venv/bin/pip install msgspec pyzmq
-    cargo build -p kvroute-tests --bin vllm-sim
+    cargo build -p vllm-sim
     .venv/bin/python scripts/check_vllm_compat.py --capture target/debug/vllm-sim
 
 Without ``--capture`` the committed captures are checked again. Exit status 1 on any mismatch.
@@ -433,7 +433,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_wheel = next(iter(sorted(glob.glob("/tmp/vllmwheel/vllm-0.33.0-*.whl"))), None)
     ap.add_argument("--wheel", default=default_wheel, help="the vllm==0.33.0 wheel")
-    ap.add_argument("--out", default=str(ROOT / "tests/fixtures/vllm"), help="fixture folder")
+    ap.add_argument("--out", default=str(ROOT / "tests/vllm-sim/fixtures/vllm"), help="fixture folder")
     ap.add_argument("--capture", metavar="VLLM_SIM",
                     help="run this vllm-sim binary and capture its events and /metrics")
     args = ap.parse_args()

@@ -21,7 +21,7 @@ shift || true
 target=${CARGO_TARGET_DIR:-target}
 
 make --no-print-directory setup wasm >/dev/null
-cargo build --release -q -p control-plane -p kvroute-tests \
+cargo build --release -q -p control-plane -p vllm-sim -p kvroute-bench \
     --bin kvroute-control-plane --bin vllm-sim --bin kvroute-soak
 
 bin="$target/soak/bin"

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 SIM=${1:-target/release/fleet-sim}
 OUT=target/sweep
 mkdir -p "$OUT"
-TRACE=${KVROUTE_TRACE:-../shared/traces/mooncake_synthetic_trace.jsonl}
+TRACE=${KVROUTE_TRACE:-tests/fleet-sim/traces/mooncake_synthetic_trace.jsonl}
 workloads=(
   "shared-prefix:rps=12"
   "shared-prefix:rps=20"

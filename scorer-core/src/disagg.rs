@@ -1,7 +1,7 @@
 //! Prefill/decode disaggregation: endpoint roles and the choice of a prefill endpoint.
 //!
-//! llm-d's P/D flow (see ../shared/research/llmd-epp.md §6): the router picks a decode
-//! endpoint as usual; when the prompt's uncached part on that endpoint is large, it also picks
+//! llm-d's P/D flow (its routing sidecar on the decode pod runs the prefill remotely first): the
+//! router picks a decode endpoint as usual; when the prompt's uncached part on that endpoint is large, it also picks
 //! a prefill endpoint and names it in `x-prefiller-host-port`. The decode replica's sidecar
 //! runs the prefill there, pulls the KV over the network and decodes. Long prefills then stop
 //! stalling the decode batches of running streams, at the price of a KV transfer.

@@ -1,0 +1,1062 @@
+//! `kvroute-bench`: performance of kvroute's parts and of the whole data path.
+//!
+//! Sections: the router in process and over HTTP (release control plane pinned to one core,
+//! index filled with 1M blocks), the filter natively, as the release `.wasm` in wasmtime and
+//! inside Envoy's V8 (from its own hashing-time histogram), filter memory per in-flight
+//! request, data-plane overhead (kvroute, plain Envoy round robin, sglang-router and
+//! vllm-router, each against direct) in front of `vllm-sim --profile fast`, and routing quality
+//! on cold 8-replica fleets driven by aiperf through each router in turn.
+//! Writes `<target>/bench/summary.json` and SVG plots beside it; tables go to stdout.
+//! Peers and aiperf come from `.venv-bench` (`make bench-setup`).
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use fleet_sim::report::line_chart_axes;
+use kvroute_bench::aiperf::{AiperfFigures, AiperfRun, AiperfWorkload};
+use kvroute_bench::metrics_fleet::MetricsFleet;
+use kvroute_bench::peers::{self, Peer, PeerRouter};
+use kvroute_bench::{
+    self as bench, ControlPlaneFigures, FilterFigures, OverheadRow, P50P99, P99, QualityRow,
+};
+use kvroute_harness::{
+    self as harness, Fleet, FleetConfig, HttpClient, ManagedProcess, RouterKind, Tools,
+};
+use proxy_wasm_host::FilterModule;
+use serde_json::json;
+
+/// Command line of `kvroute-bench`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvroute-bench",
+    about = "Benchmark kvroute: router, filter, overhead and quality against peer routers"
+)]
+struct Args {
+    /// Output directory (default: `<target>/bench`).
+    #[arg(long)]
+    out_dir: Option<std::path::PathBuf>,
+    /// Endpoints in the in-process and HTTP router benchmarks.
+    #[arg(long, default_value_t = 64)]
+    endpoints: usize,
+    /// Indexed blocks in the in-process and HTTP router benchmarks.
+    #[arg(long, default_value_t = 1_000_000)]
+    blocks: usize,
+    /// Seconds of each closed-loop HTTP run.
+    #[arg(long, default_value_t = 4)]
+    load_seconds: u64,
+    /// Sequential samples per prompt size in the overhead runs.
+    #[arg(long, default_value_t = 200)]
+    samples: usize,
+    /// Concurrency of the max-rps runs.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Simulated seconds per wall second in the quality runs.
+    #[arg(long, default_value_t = 2.0)]
+    speed: f64,
+    /// Scales the quality workloads' request counts (1 = the documented runs).
+    #[arg(long, default_value_t = 1.0)]
+    quality_scale: f64,
+    /// Skip the Envoy overhead and quality sections (micro-benchmarks only).
+    #[arg(long)]
+    micro_only: bool,
+    /// Skip the peer routers (sglang-router, vllm-router) in both sections.
+    #[arg(long)]
+    no_peers: bool,
+    /// Skip the quality section.
+    #[arg(long)]
+    no_quality: bool,
+    /// Run only the quality section (prints its table; writes `quality-summary.json`).
+    #[arg(long)]
+    quality_only: bool,
+    /// Record the control plane with `perf record -g` during the HTTP decisions run
+    /// (`<out>/control-plane-http.perf.data`; read it with `perf report -i`).
+    #[arg(long)]
+    perf: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.endpoints == 0 || args.endpoints > 1000 || args.samples == 0 || args.concurrency == 0 {
+        bail!("--endpoints must be 1..=1000, --samples and --concurrency at least 1");
+    }
+    if !(args.speed.is_finite() && args.speed > 0.0) {
+        bail!("--speed must be a positive number");
+    }
+    if !(args.quality_scale.is_finite() && args.quality_scale > 0.0) {
+        bail!("--quality-scale must be a positive number");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    rt.block_on(run(args))
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn command_version(program: &std::path::Path, arg: &str) -> String {
+    Command::new(program)
+        .arg(arg)
+        .output()
+        .ok()
+        .map(|o| {
+            let text = String::from_utf8_lossy(&o.stdout).to_string()
+                + &String::from_utf8_lossy(&o.stderr);
+            text.lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("")
+                .trim()
+                .to_string()
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// `ratio` formatted for a table cell, `-` when undefined.
+fn ratio(num: f64, den: f64) -> String {
+    if den > 0.0 && num.is_finite() {
+        format!("{:.2}x", num / den)
+    } else {
+        "-".into()
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let out_dir = args
+        .out_dir
+        .clone()
+        .unwrap_or_else(|| harness::target_dir().join("bench"));
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let mut loads = vec![("start".to_string(), loadavg())];
+    let mut skipped: Vec<String> = Vec::new();
+    if args.quality_only {
+        let tools = Tools::locate().context("kvroute-bench needs its tools")?;
+        let quality = quality_section(&args, &tools, &out_dir, &mut skipped).await?;
+        print_quality(&quality, args.speed);
+        loads.push(("quality".into(), loadavg()));
+        println!("not measured: {skipped:?}\nload average: {loads:?}");
+        let path = out_dir.join("quality-summary.json");
+        let summary = json!({"quality": quality, "load_average": loads, "not_measured": skipped});
+        std::fs::write(&path, serde_json::to_string_pretty(&summary)?)?;
+        println!(
+            "summary: {}  (took {:.0}s)",
+            path.display(),
+            started.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
+
+    // 1. Router in process.
+    eprintln!(
+        "[router] {} endpoints, {} blocks ...",
+        args.endpoints, args.blocks
+    );
+    let rb = bench::router_inprocess(args.endpoints, args.blocks, 200_000);
+    loads.push(("router in-process".into(), loadavg()));
+    eprintln!(
+        "[router] {:.0} decisions/s, {:.1} bytes/block",
+        rb.decisions_per_s, rb.bytes_per_block
+    );
+
+    // 2. Filter natively and in wasmtime; memory per in-flight request.
+    let located = Instant::now();
+    let tools =
+        Tools::locate().context("kvroute-bench needs its tools (try `make setup build`)")?;
+    // Locating may build a stale control plane or filter (waiting on cargo's lock behind other
+    // builds); that time is reported apart from the benchmark's own.
+    let tools_s = located.elapsed().as_secs_f64();
+    eprintln!("[tools] located in {tools_s:.0} s");
+    let native_16k = bench::canon_native(16_384, 4_000)?;
+    let native_200k = bench::canon_native(204_800, 400)?;
+    let module = FilterModule::from_file(&tools.wasm)
+        .with_context(|| format!("cannot load {}", tools.wasm.display()))?;
+    let w16 = bench::filter_wasm(&module, 16_384, 2_000)?;
+    let w200 = bench::filter_wasm(&module, 204_800, 200)?;
+    const IN_FLIGHT: usize = 1_024;
+    let mem16 = bench::filter_inflight_memory(&module, 16_384, IN_FLIGHT)?;
+    let mem200 = bench::filter_inflight_memory(&module, 204_800, IN_FLIGHT)?;
+    loads.push(("filter".into(), loadavg()));
+    let mut filter = FilterFigures {
+        mb_per_s_16k: w16.mb_per_s,
+        mb_per_s_200k: w200.mb_per_s,
+        native_mb_per_s_16k: native_16k,
+        native_mb_per_s_200k: native_200k,
+        wasm_us_per_request_16k: w16.us_p50,
+        wasm_us_per_request_200k: w200.us_p50,
+        route_request_bytes_200k: w200.route_request_bytes,
+        v8_mb_per_s_16k: None,
+        v8_mb_per_s_200k: None,
+        v8_us_per_body_16k: None,
+        v8_us_per_body_200k: None,
+        inflight_bytes_per_request_16k: mem16,
+        inflight_bytes_per_request_200k: mem200,
+        inflight_requests: IN_FLIGHT,
+    };
+    eprintln!("[filter] {filter:?}");
+
+    // 3. Router over HTTP with a filled index, release binary pinned to one core.
+    let client = HttpClient::new();
+    let http = http_decisions(&tools, &client, &out_dir, &args).await?;
+    loads.push(("router http".into(), loadavg()));
+    let control_plane = ControlPlaneFigures {
+        decisions_per_s_inprocess: rb.decisions_per_s,
+        decisions_per_s_http: http.rps,
+        bytes_per_block: rb.bytes_per_block,
+        indexed_blocks: rb.blocks,
+        endpoints: args.endpoints,
+        http_latency_ms_p50: http.p50,
+        http_latency_ms_p99: http.p99,
+    };
+    eprintln!(
+        "[router-http] {:.0} decisions/s, p50 {:.2} ms, {} errors, {} blocks indexed",
+        http.rps, http.p50, http.errors, http.index_blocks
+    );
+
+    // Tokenisation cost of precise routes (one-replica fleets, measured by the control plane).
+    eprintln!("[tokenize] hf and remote backends, multi-turn and cold ...");
+    let tokenize_config = kvroute_bench::tokenize::TokenizeBenchConfig::default();
+    let tokenize = match kvroute_bench::tokenize::run(&tools, &tokenize_config, &out_dir).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            skipped.push(format!("tokenize: {e}"));
+            Vec::new()
+        }
+    };
+    loads.push(("tokenize".into(), loadavg()));
+
+    let mut overhead = Vec::new();
+    let mut quality = Vec::new();
+    if !args.micro_only {
+        let (rows, v8) = overhead_section(&args, &tools, &mut skipped).await?;
+        overhead = rows;
+        if let Some(v8) = v8 {
+            filter.v8_mb_per_s_16k = v8.mb_per_s_16k;
+            filter.v8_mb_per_s_200k = v8.mb_per_s_200k;
+            filter.v8_us_per_body_16k = v8.us_16k;
+            filter.v8_us_per_body_200k = v8.us_200k;
+        }
+        loads.push(("overhead".into(), loadavg()));
+        if !args.no_quality {
+            quality = quality_section(&args, &tools, &out_dir, &mut skipped).await?;
+            loads.push(("quality".into(), loadavg()));
+        }
+    }
+
+    // Tables.
+    println!(
+        "\n== control plane ({} endpoints, {} indexed blocks) ==",
+        args.endpoints, rb.blocks
+    );
+    println!(
+        "in-process decisions/s (1 thread)   {:>10.0}   target 100,000  {}",
+        control_plane.decisions_per_s_inprocess,
+        ratio(control_plane.decisions_per_s_inprocess, 100_000.0)
+    );
+    println!(
+        "HTTP decisions/s (1 core, {:>7} blocks) {:>6.0}   target  20,000  {}   p50 {:.2} ms  p99 {:.2} ms  errors {}",
+        http.index_blocks,
+        http.rps,
+        ratio(http.rps, 20_000.0),
+        http.p50,
+        http.p99,
+        http.errors
+    );
+    println!(
+        "index bytes per block (in process)  {:>10.1}   over HTTP {:.1}",
+        control_plane.bytes_per_block, http.bytes_per_block
+    );
+    println!("\n== filter (canonicalise + hash) ==  target 500 MB/s");
+    println!("{:<34}{:>12}{:>12}", "", "16 KB", "200 KB");
+    println!(
+        "{:<34}{:>12.1}{:>12.1}",
+        "native MB/s", native_16k, native_200k
+    );
+    println!(
+        "{:<34}{:>12.1}{:>12.1}",
+        "wasmtime MB/s (whole request)", w16.mb_per_s, w200.mb_per_s
+    );
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+    println!(
+        "{:<34}{:>12}{:>12}",
+        "Envoy V8 MB/s (parse+hash)",
+        opt(filter.v8_mb_per_s_16k),
+        opt(filter.v8_mb_per_s_200k)
+    );
+    println!(
+        "{:<34}{:>12.0}{:>12.0}",
+        "wasmtime µs/request", w16.us_p50, w200.us_p50
+    );
+    println!(
+        "{:<34}{:>12}{:>12}",
+        "Envoy V8 µs/body (parse+hash)",
+        opt(filter.v8_us_per_body_16k),
+        opt(filter.v8_us_per_body_200k)
+    );
+    println!(
+        "{:<34}{:>12.0}{:>12.0}",
+        format!("wasm bytes per in-flight request ({IN_FLIGHT} held)"),
+        mem16,
+        mem200
+    );
+    if !tokenize.is_empty() {
+        println!("\n== precise-mode tokenisation per request (control plane metrics) ==");
+        print!("{}", kvroute_bench::tokenize::render_table(&tokenize));
+    }
+    if !overhead.is_empty() {
+        println!("\n== data-plane overhead (upstream vllm-sim --profile fast, max_tokens 1) ==");
+        let envoy_rps = overhead
+            .iter()
+            .find(|r| r.router == "round-robin" && r.max_rps.is_some())
+            .and_then(|r| r.max_rps)
+            .unwrap_or(0.0);
+        println!(
+            "{:<15}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>14}{:>6}",
+            "router",
+            "prompt",
+            "p50 ms",
+            "p99 ms",
+            "+p50",
+            "+p99",
+            "max rps",
+            "rps/Envoy RR",
+            "err"
+        );
+        for r in &overhead {
+            println!(
+                "{:<15}{:>9}{:>9.2}{:>9.2}{:>9.2}{:>9.2}{:>9}{:>14}{:>6}",
+                r.router,
+                r.prompt_bytes,
+                r.latency_ms_p50,
+                r.latency_ms_p99,
+                r.added_ms_p50,
+                r.added_ms_p99,
+                r.max_rps.map_or("-".into(), |v| format!("{v:.0}")),
+                r.max_rps
+                    .map_or("-".into(), |v| format!("{:.0}%", 100.0 * v / envoy_rps)),
+                r.errors
+            );
+        }
+        write_overhead_chart(&out_dir, &overhead)?;
+    }
+    if !quality.is_empty() {
+        print_quality(&quality, args.speed);
+    }
+    if !skipped.is_empty() {
+        println!("\nnot measured:");
+        for s in &skipped {
+            println!("  {s}");
+        }
+    }
+    println!("\nload average (1/5/15 min) by section: {loads:?}");
+
+    let venv = peers::bench_venv();
+    let summary = json!({
+        "overhead": overhead,
+        "quality": quality,
+        "filter": filter,
+        "control_plane": control_plane,
+        "tokenize": {
+            "rows": tokenize,
+            "config": tokenize_config,
+            "hf_tokenizer": kvroute_bench::tokenize::HF_TOKENIZER,
+        },
+        "control_plane_http": {
+            "decisions_per_s": http.rps,
+            "latency_ms_p50": http.p50,
+            "latency_ms_p99": http.p99,
+            "errors": http.errors,
+            "indexed_blocks": http.index_blocks,
+            "bytes_per_block": http.bytes_per_block,
+            "pinned_core": http.pinned_core,
+            "concurrency": args.concurrency,
+        },
+        "environment": {
+            "cpu_model": cpu_model(),
+            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "load_average": loads,
+            "envoy": command_version(&tools.envoy, "--version"),
+            "sglang_router": format!("{} (PyPI, cache_aware)", Peer::Sglang.version()),
+            "vllm_router": format!("{} (PyPI, cache_aware)", Peer::Vllm.version()),
+            "aiperf": command_version(&venv.join("bin").join("aiperf"), "--version"),
+            "quality_load_generator": "aiperf 0.13.0",
+            "not_measured": skipped,
+        },
+        "took_s": started.elapsed().as_secs_f64(),
+        "tools_build_s": tools_s,
+    });
+    let path = out_dir.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    println!(
+        "summary: {}  (took {:.0}s, of which {tools_s:.0}s locating/building tools)",
+        path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// What the HTTP decisions/s run measured.
+struct HttpFigures {
+    rps: f64,
+    p50: f64,
+    p99: f64,
+    errors: usize,
+    index_blocks: u64,
+    bytes_per_block: f64,
+    pinned_core: Option<u32>,
+}
+
+/// Starts the release control plane pinned to core 1 (when `taskset` exists) over
+/// `args.endpoints` endpoints that answer vLLM metrics, fills its index with `args.blocks`
+/// blocks through `POST /v1/route` itself (every routed prompt's blocks are indexed on the
+/// chosen endpoint, as in production), then drives route calls over keep-alive connections.
+async fn http_decisions(
+    tools: &Tools,
+    client: &HttpClient,
+    out_dir: &std::path::Path,
+    args: &Args,
+) -> anyhow::Result<HttpFigures> {
+    // Real vLLM-format metrics from one simulator with a KV cache large enough that the index
+    // capacity (derived from it) holds the filled blocks.
+    let metrics_text = {
+        let port = harness::free_port()?;
+        let mut cmd = Command::new(&tools.vllm_sim);
+        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--profile", "fast", "--model", bench::MODEL])
+            .args(["--kv-capacity-tokens", "8000000"]);
+        let mut sim = ManagedProcess::spawn(
+            "vllm-sim-metrics",
+            cmd,
+            &out_dir.join("vllm-sim-metrics.log"),
+        )?;
+        let url = format!("http://127.0.0.1:{port}/metrics");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let text = loop {
+            if let Ok(r) = client.get(&url, Duration::from_millis(500)).await
+                && r.status == 200
+            {
+                break r.body;
+            }
+            if let Some(why) = sim.exited() {
+                bail!("vllm-sim exited: {why}\n{}", sim.log_tail(20));
+            }
+            if Instant::now() > deadline {
+                bail!("vllm-sim did not serve /metrics\n{}", sim.log_tail(20));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        sim.kill();
+        text
+    };
+    let fleet = MetricsFleet::start(args.endpoints, metrics_text)
+        .await
+        .context("cannot bind the metrics listeners")?;
+    let api = harness::free_port()?;
+    let admin = harness::free_port()?;
+    let yaml = harness::control_plane_yaml(api, admin, 1_000, &fleet.addresses, &json!({}))?;
+    let cfg = out_dir.join("control-plane-bench.yaml");
+    std::fs::write(&cfg, yaml)?;
+    // Core 1, when there are two cores and `taskset`. The load client is left unpinned
+    // (pinning it to core 0 showed no clear effect; docs/BENCHMARKS.md).
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned_core =
+        (cpus >= 2 && Command::new("taskset").arg("-V").output().is_ok()).then_some(1u32);
+    let mut cmd = match pinned_core {
+        Some(core) => {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(core.to_string()).arg(&tools.control_plane);
+            c
+        }
+        None => Command::new(&tools.control_plane),
+    };
+    cmd.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
+    let mut proc = ManagedProcess::spawn(
+        "control-plane-bench",
+        cmd,
+        &out_dir.join("control-plane-bench.log"),
+    )?;
+    let admin_metrics = format!("http://127.0.0.1:{admin}/metrics");
+    let gauge = async |name: &str| -> f64 {
+        client
+            .get(&admin_metrics, Duration::from_secs(5))
+            .await
+            .map(|r| harness::prometheus_sum(&r.body, name))
+            .unwrap_or(0.0)
+    };
+    // Ready once every endpoint has been scraped.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(why) = proc.exited() {
+            bail!("the control plane exited: {why}\n{}", proc.log_tail(20));
+        }
+        if gauge("kvroute_endpoint_up").await >= args.endpoints as f64 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the control plane did not see {} endpoints up\n{}",
+                args.endpoints,
+                proc.log_tail(20)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let url = format!(
+        "http://127.0.0.1:{api}{}",
+        scorer_core::protocol::ROUTE_PATH
+    );
+    let (fill, measure) = bench::filled_index_bodies(args.blocks, 1_024);
+    eprintln!(
+        "[router-http] filling the index: {} route calls of 64 new blocks ...",
+        fill.len()
+    );
+    let per_task = fill.len().div_ceil(args.concurrency);
+    let filled = bench::http_load(
+        &url,
+        Arc::new(fill),
+        args.concurrency,
+        Duration::from_secs(300),
+        per_task,
+    )
+    .await;
+    if filled.errors > 0 {
+        eprintln!("[router-http] {} fill calls failed", filled.errors);
+    }
+    let index_blocks = gauge("kvroute_index_blocks").await as u64;
+    let index_bytes = gauge("kvroute_index_bytes").await;
+    let measure = Arc::new(measure);
+    let _ = bench::http_load(
+        &url,
+        measure.clone(),
+        args.concurrency,
+        Duration::from_millis(500),
+        usize::MAX,
+    )
+    .await;
+    let perf = if args.perf {
+        let data = out_dir.join("control-plane-http.perf.data");
+        let mut c = Command::new("perf");
+        c.args(["record", "-F", "999", "-g", "-o"])
+            .arg(&data)
+            .args(["-p", &proc.pid().to_string(), "--", "sleep"])
+            .arg(args.load_seconds.to_string());
+        Some(ManagedProcess::spawn(
+            "perf",
+            c,
+            &out_dir.join("perf-record.log"),
+        )?)
+    } else {
+        None
+    };
+    let r = bench::http_load(
+        &url,
+        measure,
+        args.concurrency,
+        Duration::from_secs(args.load_seconds),
+        usize::MAX,
+    )
+    .await;
+    if let Some(mut p) = perf {
+        // perf stops by itself after `sleep`; give it time to write its file.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while p.exited().is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    proc.kill();
+    drop(fleet);
+    Ok(HttpFigures {
+        rps: r.rps,
+        p50: r.p(50.0),
+        p99: r.p(99.0),
+        errors: r.errors,
+        index_blocks,
+        bytes_per_block: index_bytes / (index_blocks.max(1) as f64),
+        pinned_core,
+    })
+}
+
+/// A router under test in the overhead section.
+struct Target {
+    label: String,
+    url: String,
+    /// Envoy admin address of a kvroute Envoy (for the filter's hashing-time histogram).
+    kvroute_admin: Option<String>,
+}
+
+/// Parse+hash throughput inside Envoy's V8.
+struct V8Figures {
+    mb_per_s_16k: Option<f64>,
+    mb_per_s_200k: Option<f64>,
+    us_16k: Option<f64>,
+    us_200k: Option<f64>,
+}
+
+async fn overhead_section(
+    args: &Args,
+    tools: &Tools,
+    skipped: &mut Vec<String>,
+) -> anyhow::Result<(Vec<OverheadRow>, Option<V8Figures>)> {
+    const SIZES: [usize; 3] = [1_024, 16_384, 204_800];
+    let mut fleets = Vec::new();
+    for router in [RouterKind::Kvroute, RouterKind::RoundRobin] {
+        let mut cfg = FleetConfig::new(&format!("bench-overhead-{}", router.label()));
+        cfg.replicas = 1;
+        cfg.model = bench::MODEL.to_string();
+        cfg.router = router;
+        cfg.sim_args = vec![
+            "--profile".into(),
+            "fast".into(),
+            "--max-num-seqs".into(),
+            "256".into(),
+        ];
+        eprintln!(
+            "[overhead] starting Envoy ({}) + 1 fast replica ...",
+            router.label()
+        );
+        fleets.push((router.label().to_string(), Fleet::start(cfg, tools).await?));
+    }
+    let client = fleets[0].1.client().clone();
+    let upstream = fleets[0].1.replicas[0].address.clone();
+    let mut targets = vec![Target {
+        label: "direct".into(),
+        url: format!("http://{upstream}"),
+        kvroute_admin: None,
+    }];
+    for (label, f) in &fleets {
+        targets.push(Target {
+            label: label.clone(),
+            url: f.url(),
+            kvroute_admin: f
+                .control_plane
+                .as_ref()
+                .map(|_| f.envoy.admin_address.clone()),
+        });
+    }
+    // Peers in front of the very replica "direct" measures.
+    let mut peer_routers = Vec::new();
+    if !args.no_peers {
+        for peer in Peer::ALL {
+            eprintln!(
+                "[overhead] starting {} in front of {upstream} ...",
+                peer.label()
+            );
+            match PeerRouter::start(
+                peer,
+                std::slice::from_ref(&upstream),
+                &fleets[0].1.log_dir,
+                &client,
+            )
+            .await
+            {
+                Ok(p) => {
+                    targets.push(Target {
+                        label: peer.label().into(),
+                        url: p.url.clone(),
+                        kvroute_admin: None,
+                    });
+                    peer_routers.push(p);
+                }
+                Err(e) => {
+                    eprintln!("[overhead] {} not measured: {e}", peer.label());
+                    skipped.push(format!("overhead via {}: {e}", peer.label()));
+                }
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    for &size in &SIZES {
+        let bodies = Arc::new(
+            (0..32)
+                .map(|s| bench::chat_body(size, s, 1, false))
+                .collect::<Vec<_>>(),
+        );
+        let mut direct = (0.0, 0.0);
+        for t in &targets {
+            let url = format!("{}/v1/chat/completions", t.url);
+            let _ = bench::http_load(&url, bodies.clone(), 1, Duration::from_secs(2), 10).await;
+            let seq = bench::http_load(
+                &url,
+                bodies.clone(),
+                1,
+                Duration::from_secs(30),
+                args.samples,
+            )
+            .await;
+            let (p50, p99) = (seq.p(50.0), seq.p(99.0));
+            if t.label == "direct" {
+                direct = (p50, p99);
+            }
+            let mut errors = seq.errors;
+            let max_rps = if size == SIZES[0] {
+                let r = bench::http_load(
+                    &url,
+                    bodies.clone(),
+                    args.concurrency,
+                    Duration::from_secs(args.load_seconds),
+                    usize::MAX,
+                )
+                .await;
+                errors += r.errors;
+                Some(r.rps)
+            } else {
+                None
+            };
+            eprintln!(
+                "[overhead] {} {size} B: p50 {p50:.2} ms p99 {p99:.2} ms max_rps {max_rps:?} errors {errors}",
+                t.label
+            );
+            rows.push(OverheadRow {
+                router: t.label.clone(),
+                prompt_bytes: size,
+                added_ms_p50: p50 - direct.0,
+                added_ms_p99: p99 - direct.1,
+                latency_ms_p50: p50,
+                latency_ms_p99: p99,
+                max_rps,
+                errors,
+            });
+        }
+    }
+    drop(peer_routers);
+    // The filter's own parse+hash time inside V8, from Envoy's histogram of it.
+    let v8 = match targets.iter().find(|t| t.kvroute_admin.is_some()) {
+        Some(t) => {
+            let admin = t.kvroute_admin.clone().unwrap_or_default();
+            match v8_figures(&client, &admin, &t.url).await {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    skipped.push(format!("filter throughput inside V8: {e}"));
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    drop(fleets);
+    Ok((rows, v8))
+}
+
+/// `(sum µs, count)` of the filter's `kvroute_hash_duration_us` histogram in Envoy's
+/// Prometheus output.
+async fn hash_histogram(client: &HttpClient, admin: &str) -> anyhow::Result<(f64, f64)> {
+    let url = format!("http://{admin}/stats/prometheus");
+    let body = client.get(&url, Duration::from_secs(5)).await?.body;
+    Ok((
+        harness::prometheus_sum(&body, "kvroute_hash_duration_us_sum"),
+        harness::prometheus_sum(&body, "kvroute_hash_duration_us_count"),
+    ))
+}
+
+/// Sends 16 KB and then 200 KB bodies through kvroute's Envoy and divides their bytes by the
+/// hashing time the filter recorded for them. Envoy merges histograms on its stats flush (every
+/// 5 s), so each phase waits until the count has moved by exactly the requests it sent.
+async fn v8_figures(client: &HttpClient, admin: &str, base: &str) -> anyhow::Result<V8Figures> {
+    // Settle: the count must stay put across one flush so earlier requests are not attributed.
+    let mut last = hash_histogram(client, admin).await?;
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(5_500)).await;
+        let now = hash_histogram(client, admin).await?;
+        if now.1 == last.1 {
+            break;
+        }
+        last = now;
+    }
+    let url = format!("{base}/v1/chat/completions");
+    let mut out = Vec::new();
+    for (size, n) in [(16_384usize, 300usize), (204_800, 100)] {
+        let bodies: Vec<String> = (0..16)
+            .map(|s| bench::chat_body(size, 100 + s, 1, false))
+            .collect();
+        let mean_len = bodies.iter().map(String::len).sum::<usize>() as f64 / bodies.len() as f64;
+        let r = bench::http_load(&url, Arc::new(bodies), 1, Duration::from_secs(60), n).await;
+        let sent = (r.latencies_ms.len() + r.errors) as f64;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let now = loop {
+            let now = hash_histogram(client, admin).await?;
+            if now.1 - last.1 >= sent || Instant::now() > deadline {
+                break now;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        let (d_sum, d_count) = (now.0 - last.0, now.1 - last.1);
+        last = now;
+        if d_count <= 0.0 || d_sum <= 0.0 {
+            out.push((None, None));
+            continue;
+        }
+        let us = d_sum / d_count;
+        // bytes per µs is MB/s.
+        out.push((Some(mean_len / us), Some(us)));
+        eprintln!(
+            "[filter-v8] {size} B: {d_count} bodies, {us:.1} µs each, {:.0} MB/s",
+            mean_len / us
+        );
+    }
+    Ok(V8Figures {
+        mb_per_s_16k: out[0].0,
+        us_16k: out[0].1,
+        mb_per_s_200k: out[1].0,
+        us_200k: out[1].1,
+    })
+}
+
+/// The aiperf workloads: `(name, workload, concurrency, output tokens)`.
+fn quality_workloads(scale: f64) -> Vec<(&'static str, AiperfWorkload, usize, usize)> {
+    let scaled = |n: usize| ((n as f64 * scale).round() as usize).max(1);
+    vec![
+        (
+            "shared-prefix",
+            AiperfWorkload::SharedPrefix {
+                groups: 64,
+                prefix_tokens: 8_000,
+                question_tokens: 64,
+                requests: scaled(512),
+            },
+            32,
+            64,
+        ),
+        (
+            "multi-turn",
+            AiperfWorkload::MultiTurn {
+                sessions: scaled(32),
+                turns: 6,
+                system_prompt_tokens: 200,
+                message_tokens: 400,
+            },
+            32,
+            32,
+        ),
+    ]
+}
+
+/// Who routes a quality run.
+#[derive(Debug, Clone, Copy)]
+enum QualityRouter {
+    Envoy(RouterKind),
+    Peer(Peer),
+}
+
+impl QualityRouter {
+    fn label(self) -> &'static str {
+        match self {
+            QualityRouter::Envoy(k) => k.label(),
+            QualityRouter::Peer(p) => p.label(),
+        }
+    }
+}
+
+async fn quality_section(
+    args: &Args,
+    tools: &Tools,
+    out_dir: &std::path::Path,
+    skipped: &mut Vec<String>,
+) -> anyhow::Result<Vec<QualityRow>> {
+    let mut routers = vec![
+        QualityRouter::Envoy(RouterKind::Kvroute),
+        QualityRouter::Envoy(RouterKind::RoundRobin),
+    ];
+    if !args.no_peers {
+        routers.extend(Peer::ALL.map(QualityRouter::Peer));
+    }
+    let model = "kvroute-bench-model";
+    let mut rows = Vec::new();
+    let mut cdf_series = Vec::new();
+    for (name, workload, concurrency, output_tokens) in quality_workloads(args.quality_scale) {
+        for &router in &routers {
+            let label = router.label();
+            let mut cfg = FleetConfig::new(&format!("bench-quality-{label}"));
+            cfg.replicas = 8;
+            cfg.model = model.to_string();
+            cfg.router = match router {
+                QualityRouter::Envoy(k) => k,
+                // Peers stand in front of the replicas themselves; the fleet's Envoy is idle.
+                QualityRouter::Peer(_) => RouterKind::RoundRobin,
+            };
+            cfg.sim_args = vec!["--speed".into(), args.speed.to_string()];
+            eprintln!("[quality] {name} via {label}: starting 8 cold replicas ...");
+            let fleet = Fleet::start(cfg, tools).await?;
+            let peer = match router {
+                QualityRouter::Peer(p) => {
+                    match PeerRouter::start(
+                        p,
+                        &fleet.replica_addresses(),
+                        &fleet.log_dir,
+                        fleet.client(),
+                    )
+                    .await
+                    {
+                        Ok(r) => Some(r),
+                        Err(e) => {
+                            skipped.push(format!("quality {name} via {label}: {e}"));
+                            continue;
+                        }
+                    }
+                }
+                QualityRouter::Envoy(_) => None,
+            };
+            let url = peer.as_ref().map_or_else(|| fleet.url(), |p| p.url.clone());
+            let run = AiperfRun {
+                url,
+                model: model.to_string(),
+                workload: workload.clone(),
+                concurrency,
+                output_tokens,
+                seed: 7,
+                artifact_dir: out_dir.join("aiperf").join(format!("{name}-{label}")),
+                timeout: Duration::from_secs(300),
+            };
+            let t0 = Instant::now();
+            let result = tokio::task::spawn_blocking(move || run.run()).await?;
+            let figures: AiperfFigures = match result {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("[quality] {name} via {label}: aiperf failed: {e}");
+                    skipped.push(format!("quality {name} via {label}: {e}"));
+                    continue;
+                }
+            };
+            let (hits, queries) = fleet.prefix_cache_totals().await?;
+            drop(peer);
+            drop(fleet);
+            let hit = if queries > 0.0 { hits / queries } else { 0.0 };
+            eprintln!(
+                "[quality] {name} via {label}: TTFT p50 {:.0} ms p99 {:.0} ms, {:.0} tok/s, hit {:.1}%, {} ok / {} errors ({:.0} s)",
+                figures.ttft_ms_p50,
+                figures.ttft_ms_p99,
+                figures.output_tokens_per_s,
+                hit * 100.0,
+                figures.completed,
+                figures.errors,
+                t0.elapsed().as_secs_f64()
+            );
+            let n = figures.ttft_samples_ms.len().max(1) as f64;
+            cdf_series.push((
+                format!("{label} {name}"),
+                figures
+                    .ttft_samples_ms
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| (*t, (i + 1) as f64 / n))
+                    .collect::<Vec<_>>(),
+            ));
+            rows.push(QualityRow {
+                router: label.to_string(),
+                workload: name.to_string(),
+                ttft_ms: P50P99 {
+                    p50: figures.ttft_ms_p50,
+                    p99: figures.ttft_ms_p99,
+                },
+                itl_ms: P99 {
+                    p99: figures.itl_ms_p99,
+                },
+                output_tokens_per_s: figures.output_tokens_per_s,
+                prefix_hit_rate: hit,
+                requests: figures.completed + figures.errors,
+                errors: figures.errors,
+                load_generator: "aiperf 0.13.0".into(),
+            });
+        }
+    }
+    if !cdf_series.is_empty() {
+        let svg = line_chart_axes(
+            "TTFT CDF (aiperf, cold 8-replica fleets)",
+            "TTFT ms",
+            "fraction",
+            &cdf_series,
+            true,
+            false,
+        );
+        std::fs::write(out_dir.join("quality-ttft-cdf.svg"), svg)?;
+    }
+    Ok(rows)
+}
+
+/// Prints the quality table with ratios to round robin side by side.
+fn print_quality(quality: &[QualityRow], speed: f64) {
+    println!(
+        "\n== routing quality (aiperf, 8 cold vllm-sim replicas each, default profile, speed {speed}) =="
+    );
+    println!(
+        "{:<15}{:<14}{:>9}{:>9}{:>8}{:>10}{:>7}{:>10}{:>9}{:>9}{:>6}",
+        "router",
+        "workload",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p99",
+        "out tok/s",
+        "hit",
+        "tok/s÷RR",
+        "p50 RR÷",
+        "p99 RR÷",
+        "err"
+    );
+    for q in quality {
+        let rr = quality
+            .iter()
+            .find(|b| b.router == "round-robin" && b.workload == q.workload);
+        let (tput, p50, p99) = rr.map_or(("-".into(), "-".into(), "-".into()), |b| {
+            (
+                ratio(q.output_tokens_per_s, b.output_tokens_per_s),
+                ratio(b.ttft_ms.p50, q.ttft_ms.p50),
+                ratio(b.ttft_ms.p99, q.ttft_ms.p99),
+            )
+        });
+        println!(
+            "{:<15}{:<14}{:>9.0}{:>9.0}{:>8.1}{:>10.0}{:>6.1}%{:>10}{:>9}{:>9}{:>6}",
+            q.router,
+            q.workload,
+            q.ttft_ms.p50,
+            q.ttft_ms.p99,
+            q.itl_ms.p99,
+            q.output_tokens_per_s,
+            q.prefix_hit_rate * 100.0,
+            tput,
+            p50,
+            p99,
+            q.errors
+        );
+    }
+}
+
+fn write_overhead_chart(out_dir: &std::path::Path, rows: &[OverheadRow]) -> anyhow::Result<()> {
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for r in rows {
+        let point = (r.prompt_bytes as f64 / 1024.0, r.latency_ms_p50);
+        match series.iter_mut().find(|(l, _)| *l == r.router) {
+            Some((_, pts)) => pts.push(point),
+            None => series.push((r.router.clone(), vec![point])),
+        }
+    }
+    let svg = line_chart_axes(
+        "Latency p50 vs prompt size",
+        "prompt KB",
+        "p50 ms",
+        &series,
+        true,
+        true,
+    );
+    std::fs::write(out_dir.join("overhead-latency.svg"), svg)?;
+    Ok(())
+}

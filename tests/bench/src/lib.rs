@@ -1,0 +1,625 @@
+//! Building blocks of `kvroute-bench`: in-process router and filter micro-benchmarks, a
+//! keep-alive HTTP load client, and the `summary.json` shapes.
+//!
+//! Benchmarks read the clock (`Instant`); nothing here is used on the data path.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use rand::rngs::SmallRng;
+use rand::{Rng as _, SeedableRng as _};
+use scorer_core::canon::canonicalize;
+use scorer_core::hash::{DEFAULT_BLOCK_BYTES, block_hashes, model_seed};
+use scorer_core::index::EndpointId;
+use scorer_core::protocol::{ApiKind, Outcome, RouteRequest, RouteResponse};
+use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
+use serde::Serialize;
+
+use kvroute_harness::loadgen::{percentile, words};
+use proxy_wasm_host::{FilterAction, FilterModule, HostError};
+
+pub mod aiperf;
+pub mod metrics_fleet;
+pub mod peers;
+pub mod tokenize;
+
+/// Model name used by every benchmark request.
+pub const MODEL: &str = "kvroute-bench-model";
+
+/// Errors of the benchmark building blocks.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The wasm host failed (module load, a trap, a protocol violation).
+    #[error("wasm host: {0}")]
+    Wasm(#[from] HostError),
+    /// The filter did not behave as the benchmark expects (e.g. no route call).
+    #[error("filter: {0}")]
+    Filter(String),
+    /// A body could not be canonicalised.
+    #[error("canonicalise: {0}")]
+    Canon(String),
+}
+
+/// One row of the data-plane overhead table.
+#[derive(Debug, Clone, Serialize)]
+pub struct OverheadRow {
+    /// `kvroute`, `round-robin` (plain Envoy) or `direct`.
+    pub router: String,
+    /// Approximate canonical prompt size.
+    pub prompt_bytes: usize,
+    /// Median latency minus the direct median, ms.
+    pub added_ms_p50: f64,
+    /// p99 latency minus the direct p99, ms.
+    pub added_ms_p99: f64,
+    /// Raw median latency, ms.
+    pub latency_ms_p50: f64,
+    /// Raw p99 latency, ms.
+    pub latency_ms_p99: f64,
+    /// Closed-loop requests/s at the load client's concurrency (1 KB prompts only; else null).
+    pub max_rps: Option<f64>,
+    /// Failed requests in this row's runs.
+    pub errors: usize,
+}
+
+/// Percentiles of a latency.
+#[derive(Debug, Clone, Serialize)]
+pub struct P50P99 {
+    /// Median, ms.
+    pub p50: f64,
+    /// 99th percentile, ms.
+    pub p99: f64,
+}
+
+/// 99th percentile only.
+#[derive(Debug, Clone, Serialize)]
+pub struct P99 {
+    /// 99th percentile, ms.
+    pub p99: f64,
+}
+
+/// One row of the routing-quality table.
+#[derive(Debug, Clone, Serialize)]
+pub struct QualityRow {
+    /// Router label.
+    pub router: String,
+    /// Workload label.
+    pub workload: String,
+    /// Client-side time to first token.
+    pub ttft_ms: P50P99,
+    /// Per-request mean inter-token latency, p99 over requests.
+    pub itl_ms: P99,
+    /// Output tokens per wall second.
+    pub output_tokens_per_s: f64,
+    /// Replicas' own prefix-cache hit rate.
+    pub prefix_hit_rate: f64,
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed.
+    pub errors: usize,
+    /// Which load generator drove it.
+    pub load_generator: String,
+}
+
+/// Filter throughput figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct FilterFigures {
+    /// Release wasm in wasmtime, 16 KB chat bodies, MB/s of body.
+    pub mb_per_s_16k: f64,
+    /// Release wasm in wasmtime, 200 KB chat bodies, MB/s of body.
+    pub mb_per_s_200k: f64,
+    /// Native canonicalise+hash, 16 KB.
+    pub native_mb_per_s_16k: f64,
+    /// Native canonicalise+hash, 200 KB.
+    pub native_mb_per_s_200k: f64,
+    /// Median wasm time per 16 KB request (headers+body+route answer), µs.
+    pub wasm_us_per_request_16k: f64,
+    /// Median wasm time per 200 KB request, µs.
+    pub wasm_us_per_request_200k: f64,
+    /// Route request JSON bytes the filter sends for a 200 KB body (its per-request state
+    /// apart from the body Envoy buffers).
+    pub route_request_bytes_200k: usize,
+    /// Inside Envoy's V8: 16 KB bodies' bytes over the filter's own parse+hash time
+    /// (`kvroute_hash_duration_us` sum), MB/s; `None` when the overhead section did not run.
+    pub v8_mb_per_s_16k: Option<f64>,
+    /// Inside Envoy's V8, 200 KB bodies, MB/s.
+    pub v8_mb_per_s_200k: Option<f64>,
+    /// Mean parse+hash time inside V8 per 16 KB body, µs.
+    pub v8_us_per_body_16k: Option<f64>,
+    /// Mean parse+hash time inside V8 per 200 KB body, µs.
+    pub v8_us_per_body_200k: Option<f64>,
+    /// Filter memory per in-flight request, 16 KB bodies (wasmtime linear-memory growth with
+    /// many requests held paused on their route call, divided by their number), bytes.
+    pub inflight_bytes_per_request_16k: f64,
+    /// The same with 200 KB bodies, bytes.
+    pub inflight_bytes_per_request_200k: f64,
+    /// Requests held in flight in the memory measurement.
+    pub inflight_requests: usize,
+}
+
+/// Control-plane throughput figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct ControlPlaneFigures {
+    /// `Router::route` + `feedback` per second, one thread.
+    pub decisions_per_s_inprocess: f64,
+    /// `POST /v1/route` per second against the release binary pinned to one core.
+    pub decisions_per_s_http: f64,
+    /// `PrefixIndex::approx_bytes / distinct_blocks` with the index filled.
+    pub bytes_per_block: f64,
+    /// Distinct blocks in the index during the in-process run.
+    pub indexed_blocks: usize,
+    /// Endpoints in the router.
+    pub endpoints: usize,
+    /// HTTP latency p50 at the load client's concurrency, ms.
+    pub http_latency_ms_p50: f64,
+    /// HTTP latency p99, ms.
+    pub http_latency_ms_p99: f64,
+}
+
+/// A chat-completions body of about `bytes` bytes of prompt; `seed` varies the text.
+pub fn chat_body(bytes: usize, seed: u64, max_tokens: u32, stream: bool) -> String {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    // Words average about 6.5 bytes with the separator.
+    let text = words(&mut rng, bytes.div_ceil(7).max(1));
+    serde_json::json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a benchmark."},
+            {"role": "user", "content": text},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// Result of the in-process router benchmark.
+#[derive(Debug, Clone)]
+pub struct RouterBench {
+    /// Decisions (route + feedback) per second.
+    pub decisions_per_s: f64,
+    /// Index bytes per distinct block.
+    pub bytes_per_block: f64,
+    /// Distinct blocks indexed.
+    pub blocks: usize,
+}
+
+/// Fills a router with `endpoints` endpoints and `blocks` distinct indexed blocks (chains of
+/// 64 blocks, i.e. 16 KB prompts), then times `decisions` routes of 16 KB prompts, half of
+/// which share a prefix with an indexed chain.
+pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> RouterBench {
+    const CHAIN: usize = 64;
+    let now = 1_000_000;
+    let mut router = Router::new(RouterConfig::default(), 1);
+    let mut ids = Vec::with_capacity(endpoints);
+    for i in 0..endpoints {
+        let address = format!("10.0.{}.{}:8000", i / 250, i % 250 + 1);
+        let id = router
+            .upsert_endpoint(&address)
+            .unwrap_or(EndpointId(i as u16));
+        router.update_metrics(
+            &address,
+            EndpointMetrics {
+                running: (i % 5) as u32,
+                waiting: 0,
+                kv_usage: 0.3,
+                capacity_tokens: Some(1_000_000),
+            },
+            now,
+        );
+        ids.push(id);
+    }
+    let mut rng = SmallRng::seed_from_u64(42);
+    let mut chains: Vec<Vec<u64>> = Vec::with_capacity(blocks / CHAIN + 1);
+    let mut filled = 0;
+    while filled < blocks {
+        let chain: Vec<u64> = (0..CHAIN).map(|_| rng.random()).collect();
+        let id = ids[chains.len() % ids.len().max(1)];
+        router.index_mut().insert(id, &chain, now);
+        filled += CHAIN;
+        chains.push(chain);
+    }
+    let distinct = router.index().distinct_blocks();
+    let bytes_per_block = router.index().approx_bytes() as f64 / distinct.max(1) as f64;
+    let mut requests = Vec::with_capacity(1024);
+    for i in 0..1024 {
+        let mut hashes: Vec<u64> = if i % 2 == 0 && !chains.is_empty() {
+            let c = &chains[rng.random_range(0..chains.len())];
+            c[..rng.random_range(1..=CHAIN)].to_vec()
+        } else {
+            Vec::new()
+        };
+        while hashes.len() < CHAIN {
+            hashes.push(rng.random());
+        }
+        requests.push(RouteRequest {
+            model: MODEL.to_string(),
+            block_hashes: hashes,
+            prompt_bytes: (CHAIN * DEFAULT_BLOCK_BYTES) as u64,
+            prompt_tokens: (CHAIN * DEFAULT_BLOCK_BYTES / 4) as u32,
+            max_output_tokens: Some(64),
+            ..RouteRequest::default()
+        });
+    }
+    let start = Instant::now();
+    for i in 0..decisions {
+        let d = router.route(&requests[i % requests.len()], now, i as u64);
+        let outcome = Outcome {
+            decision_id: d.response.decision_id,
+            endpoint: d.response.endpoints.first().cloned().unwrap_or_default(),
+            status: 200,
+            total_ms: 10,
+            ..Outcome::default()
+        };
+        router.feedback(&outcome, now);
+    }
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    RouterBench {
+        decisions_per_s: decisions as f64 / secs,
+        bytes_per_block,
+        blocks: distinct,
+    }
+}
+
+/// Native canonicalise + block-hash throughput in MB/s over `iters` bodies of `bytes`.
+pub fn canon_native(bytes: usize, iters: usize) -> Result<f64, BenchError> {
+    let bodies: Vec<String> = (0..8).map(|s| chat_body(bytes, s, 16, false)).collect();
+    let seed = model_seed(MODEL);
+    let mut total = 0usize;
+    let start = Instant::now();
+    for i in 0..iters {
+        let body = bodies[i % bodies.len()].as_bytes();
+        let prompt =
+            canonicalize(ApiKind::Chat, body).map_err(|e| BenchError::Canon(e.to_string()))?;
+        let hashes = block_hashes(seed, &prompt.bytes, DEFAULT_BLOCK_BYTES);
+        std::hint::black_box(hashes);
+        total += body.len();
+    }
+    Ok(total as f64 / 1e6 / start.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Result of running the release filter in wasmtime.
+#[derive(Debug, Clone)]
+pub struct WasmBench {
+    /// MB of body per second.
+    pub mb_per_s: f64,
+    /// Median µs per request.
+    pub us_p50: f64,
+    /// Size of the route call's JSON body.
+    pub route_request_bytes: usize,
+}
+
+/// Pushes `iters` requests of `bytes` through the filter in wasmtime: headers, whole body,
+/// an instant route answer, response headers, end of stream.
+pub fn filter_wasm(
+    module: &FilterModule,
+    bytes: usize,
+    iters: usize,
+) -> Result<WasmBench, BenchError> {
+    let mut host = module.start(b"{}")?;
+    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    let bodies: Vec<String> = (0..8).map(|s| chat_body(bytes, s, 16, false)).collect();
+    let answer = serde_json::to_vec(&RouteResponse {
+        decision_id: 1,
+        endpoints: vec!["127.0.0.1:8001".to_string()],
+        cached_blocks: 0,
+        reason: "prefix".to_string(),
+        ..RouteResponse::default()
+    })
+    .map_err(|e| BenchError::Filter(e.to_string()))?;
+    let mut times = Vec::with_capacity(iters);
+    let mut route_request_bytes = 0;
+    let mut total = 0usize;
+    let start = Instant::now();
+    for i in 0..iters {
+        let body = bodies[i % bodies.len()].as_bytes();
+        let len = body.len().to_string();
+        let t = Instant::now();
+        let ctx = host.new_stream()?;
+        host.send_request_headers(
+            ctx,
+            &[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                (":authority", "bench"),
+                ("content-type", "application/json"),
+                ("content-length", &len),
+            ],
+            false,
+        )?;
+        let action = host.send_request_body(ctx, body, true)?;
+        if action == FilterAction::Pause {
+            let call = host
+                .pending_http_calls()
+                .first()
+                .cloned()
+                .ok_or_else(|| BenchError::Filter("paused without a route call".into()))?;
+            route_request_bytes = call.body.len();
+            host.respond_http_call(
+                call.token,
+                200,
+                &[("content-type", "application/json")],
+                &answer,
+            )?;
+        } else {
+            return Err(BenchError::Filter(format!(
+                "request of {bytes} bytes was not routed (action {action:?})"
+            )));
+        }
+        host.send_response_headers(ctx, &[(":status", "200")], true)?;
+        host.finish_stream(ctx)?;
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+        total += body.len();
+        if i % 64 == 63 {
+            host.advance_ms(300);
+            host.tick()?;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    times.sort_by(f64::total_cmp);
+    Ok(WasmBench {
+        mb_per_s: total as f64 / 1e6 / secs,
+        us_p50: percentile(&times, 50.0),
+        route_request_bytes,
+    })
+}
+
+/// Filter memory per in-flight request: opens `in_flight` streams of `bytes`-byte chat bodies
+/// in wasmtime and leaves each paused on its unanswered route call, then divides the growth
+/// of the module's linear memory by their number (bytes per request). One request is run to
+/// completion first, so buffers the allocator reuses (the body copy, the route JSON) are not
+/// counted as per-request. Resolution is one 64 KiB wasm page over `in_flight`.
+pub fn filter_inflight_memory(
+    module: &FilterModule,
+    bytes: usize,
+    in_flight: usize,
+) -> Result<f64, BenchError> {
+    let mut host = module.start(b"{}")?;
+    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    let body = chat_body(bytes, 1, 16, false);
+    let len = body.len().to_string();
+    let headers = [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "bench"),
+        ("content-type", "application/json"),
+        ("content-length", len.as_str()),
+    ];
+    let open = |host: &mut proxy_wasm_host::FilterHost| -> Result<u32, BenchError> {
+        let ctx = host.new_stream()?;
+        host.send_request_headers(ctx, &headers, false)?;
+        match host.send_request_body(ctx, body.as_bytes(), true)? {
+            FilterAction::Pause => Ok(ctx),
+            other => Err(BenchError::Filter(format!(
+                "request of {bytes} bytes was not held for routing (action {other:?})"
+            ))),
+        }
+    };
+    // Warm-up: one full request, answered and finished.
+    let ctx = open(&mut host)?;
+    let token = host
+        .pending_http_calls()
+        .first()
+        .map(|c| c.token)
+        .ok_or_else(|| BenchError::Filter("paused without a route call".into()))?;
+    host.respond_http_call(token, 503, &[], b"")?;
+    host.send_response_headers(ctx, &[(":status", "200")], true)?;
+    host.finish_stream(ctx)?;
+    let before = host.memory_bytes();
+    for _ in 0..in_flight {
+        open(&mut host)?;
+    }
+    let after = host.memory_bytes();
+    Ok(after.saturating_sub(before) as f64 / in_flight.max(1) as f64)
+}
+
+/// Result of a closed-loop HTTP load run.
+#[derive(Debug, Clone)]
+pub struct LoadResult {
+    /// Sorted latencies of successful requests, ms.
+    pub latencies_ms: Vec<f64>,
+    /// Failed requests (non-2xx, transport errors, timeouts).
+    pub errors: usize,
+    /// Successful requests per second.
+    pub rps: f64,
+}
+
+impl LoadResult {
+    /// Latency percentile, ms.
+    pub fn p(&self, p: f64) -> f64 {
+        percentile(&self.latencies_ms, p)
+    }
+}
+
+/// Closed loop: `concurrency` tasks POST `bodies` (round robin) to `url` over keep-alive
+/// HTTP/1.1 connections until `duration` passes or each task has sent `max_per_task`.
+pub async fn http_load(
+    url: &str,
+    bodies: Arc<Vec<String>>,
+    concurrency: usize,
+    duration: Duration,
+    max_per_task: usize,
+) -> LoadResult {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(concurrency)
+        .build_http();
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(concurrency);
+    for t in 0..concurrency {
+        let (client, bodies, stop, url) = (
+            client.clone(),
+            bodies.clone(),
+            stop.clone(),
+            url.to_string(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut errors = 0usize;
+            let mut i = t;
+            while !stop.load(Ordering::Relaxed) && lat.len() + errors < max_per_task {
+                if start.elapsed() >= duration {
+                    break;
+                }
+                let body = Bytes::from(bodies[i % bodies.len()].clone());
+                i += concurrency;
+                let req = match hyper::Request::post(url.as_str())
+                    .header("content-type", "application/json")
+                    .body(Full::new(body))
+                {
+                    Ok(r) => r,
+                    Err(_) => {
+                        errors += 1;
+                        continue;
+                    }
+                };
+                let t0 = Instant::now();
+                let fut = async {
+                    let resp = client.request(req).await.ok()?;
+                    let ok = resp.status().is_success();
+                    let _ = resp.into_body().collect().await.ok()?;
+                    Some(ok)
+                };
+                match tokio::time::timeout(Duration::from_secs(10), fut).await {
+                    Ok(Some(true)) => lat.push(t0.elapsed().as_secs_f64() * 1e3),
+                    _ => errors += 1,
+                }
+            }
+            (lat, errors)
+        }));
+    }
+    let mut latencies = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        if let Ok((l, e)) = t.await {
+            latencies.extend(l);
+            errors += e;
+        } else {
+            errors += 1;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    latencies.sort_by(f64::total_cmp);
+    LoadResult {
+        rps: latencies.len() as f64 / secs,
+        latencies_ms: latencies,
+        errors,
+    }
+}
+
+/// Route-request bodies of 16 KB prompts (64 blocks), half sharing one of 64 prefixes.
+pub fn route_bodies(n: usize) -> Vec<String> {
+    let mut rng = SmallRng::seed_from_u64(9);
+    let prefixes: Vec<Vec<u64>> = (0..64)
+        .map(|_| (0..32).map(|_| rng.random()).collect())
+        .collect();
+    (0..n)
+        .map(|i| {
+            let mut hashes = if i % 2 == 0 {
+                prefixes[i % prefixes.len()].clone()
+            } else {
+                Vec::new()
+            };
+            while hashes.len() < 64 {
+                hashes.push(rng.random());
+            }
+            let req = RouteRequest {
+                model: MODEL.to_string(),
+                block_hashes: hashes,
+                prompt_bytes: 16_384,
+                prompt_tokens: 4_096,
+                max_output_tokens: Some(64),
+                ..RouteRequest::default()
+            };
+            serde_json::to_string(&req).unwrap_or_default()
+        })
+        .collect()
+}
+
+/// Route-request bodies for the HTTP benchmark with a filled index: `fill` holds about
+/// `blocks / 64` requests of 64 fresh blocks each (16 KB prompts), which fill the index when
+/// routed; `measure` holds `n` requests of which half extend one of those chains by a random
+/// length (a partial prefix hit) and half are new, like the in-process benchmark.
+pub fn filled_index_bodies(blocks: usize, n: usize) -> (Vec<String>, Vec<String>) {
+    const CHAIN: usize = 64;
+    let mut rng = SmallRng::seed_from_u64(17);
+    let body = |hashes: Vec<u64>| {
+        serde_json::to_string(&RouteRequest {
+            model: MODEL.to_string(),
+            block_hashes: hashes,
+            prompt_bytes: (CHAIN * DEFAULT_BLOCK_BYTES) as u64,
+            prompt_tokens: (CHAIN * DEFAULT_BLOCK_BYTES / 4) as u32,
+            max_output_tokens: Some(64),
+            ..RouteRequest::default()
+        })
+        .unwrap_or_default()
+    };
+    let chains: Vec<Vec<u64>> = (0..blocks.div_ceil(CHAIN))
+        .map(|_| (0..CHAIN).map(|_| rng.random()).collect())
+        .collect();
+    let measure = (0..n)
+        .map(|i| {
+            let mut hashes: Vec<u64> = if i % 2 == 0 && !chains.is_empty() {
+                let c = &chains[rng.random_range(0..chains.len())];
+                c[..rng.random_range(1..=CHAIN)].to_vec()
+            } else {
+                Vec::new()
+            };
+            while hashes.len() < CHAIN {
+                hashes.push(rng.random());
+            }
+            body(hashes)
+        })
+        .collect();
+    let fill = chains.into_iter().map(body).collect();
+    (fill, measure)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filled_index_bodies_cover_the_requested_blocks() {
+        let (fill, measure) = filled_index_bodies(640, 10);
+        assert_eq!(fill.len(), 10);
+        assert_eq!(measure.len(), 10);
+        let first: RouteRequest = serde_json::from_str(&fill[0]).unwrap();
+        assert_eq!(first.block_hashes.len(), 64);
+        // Even measurement requests start with a filled chain's first block.
+        let chains: Vec<RouteRequest> = fill
+            .iter()
+            .map(|b| serde_json::from_str(b).unwrap())
+            .collect();
+        let m0: RouteRequest = serde_json::from_str(&measure[0]).unwrap();
+        assert!(
+            chains
+                .iter()
+                .any(|c| c.block_hashes[0] == m0.block_hashes[0])
+        );
+    }
+
+    #[test]
+    fn chat_body_is_about_the_requested_size() {
+        let b = chat_body(16_384, 1, 8, false);
+        assert!(b.len() > 14_000 && b.len() < 20_000, "{}", b.len());
+    }
+
+    #[test]
+    fn router_bench_fills_the_index() {
+        let r = router_inprocess(8, 6_400, 200);
+        assert!(r.blocks >= 6_400);
+        assert!(r.decisions_per_s > 0.0 && r.bytes_per_block > 0.0);
+    }
+
+    #[test]
+    fn native_canon_is_positive() {
+        assert!(canon_native(16_384, 4).unwrap() > 0.0);
+    }
+}

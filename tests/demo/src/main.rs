@@ -1,0 +1,419 @@
+//! `kvroute-demo`: the same multi-turn chat workload through Envoy + kvroute and through Envoy
+//! round robin, each on a fresh (cold) fleet of simulated vLLM replicas, compared in one table.
+//!
+//! Writes `target/kvroute-demo/summary.json` (and per-request records beside it). Times are
+//! wall-clock milliseconds measured at the client; the prefix-cache hit rate is the replicas'
+//! own `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`, summed over the fleet.
+
+use std::io::{IsTerminal as _, Write as _};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use kvroute_demo::precise_compare::{self, CompareConfig, Mode, ModeSummary};
+use kvroute_harness::loadgen::{self, RunSummary, Workload};
+use kvroute_harness::{self as harness, Fleet, FleetConfig, RouterKind, Tools};
+
+/// Command line of `kvroute-demo`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvroute-demo",
+    about = "Compare kvroute with round robin on a simulated vLLM fleet behind a real Envoy"
+)]
+struct Args {
+    /// vLLM replicas per fleet.
+    #[arg(long, default_value_t = 4)]
+    replicas: usize,
+    /// Conversations [default: 32; with --compare: 36].
+    #[arg(long)]
+    conversations: Option<usize>,
+    /// Turns per conversation [default: 4; with --compare: 12].
+    #[arg(long)]
+    turns: Option<usize>,
+    /// Words (about tokens) of the shared system prompt [default: 2000; with --compare: 500].
+    #[arg(long)]
+    system_prompt_tokens: Option<usize>,
+    /// Words of each conversation's first message [default: 1000; with --compare: 2000].
+    #[arg(long)]
+    first_message_tokens: Option<usize>,
+    /// Words of each follow-up message [default: 60; with --compare: 100].
+    #[arg(long)]
+    followup_tokens: Option<usize>,
+    /// `max_tokens` per request [default: 48; with --compare: 16].
+    #[arg(long)]
+    max_tokens: Option<u32>,
+    /// Simulated seconds per wall second of every replica (1 = real time).
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+    /// Simulator profile (`llama8b-h100`, `fast`, or a YAML file).
+    #[arg(long, default_value = "llama8b-h100")]
+    profile: String,
+    /// Seed of the workload text and of the replicas.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Pause between a conversation's turns, ms [default: 100; with --compare: 2000].
+    #[arg(long)]
+    think_ms: Option<u64>,
+    /// Delay between the starts of consecutive conversations, ms [default: 30; with --compare:
+    /// 2500].
+    #[arg(long)]
+    stagger_ms: Option<u64>,
+    /// Compare kvroute's modes instead of kvroute with round robin, e.g.
+    /// `--compare approximate,precise` (`approximate-learned` is approximate with
+    /// `router.learn_bytes_per_token` on): each mode on the same cold fleet configuration, with
+    /// KV events on and caches smaller than the workload's working set
+    /// (`--kv-capacity-tokens`). Writes `<target>/kvroute-demo-precise/summary.json`.
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<String>,
+    /// KV cache capacity of every replica in `--compare` runs, tokens.
+    #[arg(long, default_value_t = 12_000)]
+    kv_capacity_tokens: u64,
+    /// The filter's route-call deadline in `--compare` runs, ms (precise routes tokenise first).
+    #[arg(long, default_value_t = 1_000)]
+    route_timeout_ms: u64,
+    /// Output directory (default: `<target>/kvroute-demo`).
+    #[arg(long)]
+    out_dir: Option<std::path::PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let modes = args
+        .compare
+        .iter()
+        .map(|m| Mode::parse(m))
+        .collect::<Result<Vec<Mode>, _>>()?;
+    let workload = workload(&args, !modes.is_empty());
+    if args.replicas == 0 || workload.conversations == 0 || workload.turns == 0 {
+        bail!("--replicas, --conversations and --turns must be at least 1");
+    }
+    if !modes.is_empty() && args.kv_capacity_tokens == 0 {
+        bail!("--kv-capacity-tokens must be at least 1");
+    }
+    if !(args.speed.is_finite() && args.speed > 0.0) {
+        bail!("--speed must be a positive number");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    if modes.is_empty() {
+        rt.block_on(run(args, workload))
+    } else {
+        rt.block_on(run_compare(args, workload, modes))
+    }
+}
+
+/// The workload of the flags, with the defaults of the demo or of `--compare`. The compare
+/// defaults are a chat service: conversations start one after another (2.5 s apart) and each
+/// lives for 12 turns, so the caches must keep the live ones (about 11 at a time, ~36,000
+/// tokens) while the workload's prompts total ~143,000 tokens, three times the fleet's KV
+/// capacity (4 x 12,000 tokens). Short answers keep few requests in flight, so replicas evict
+/// idle conversations rather than preempt running ones.
+fn workload(args: &Args, compare: bool) -> Workload {
+    let pick =
+        |v: Option<usize>, demo: usize, cmp: usize| v.unwrap_or(if compare { cmp } else { demo });
+    Workload {
+        model: "kvroute-demo-model".to_string(),
+        conversations: pick(args.conversations, 32, 36),
+        turns: pick(args.turns, 4, 12),
+        system_prompt_words: pick(args.system_prompt_tokens, 2000, 500),
+        first_message_words: pick(args.first_message_tokens, 1000, 2000),
+        followup_words: pick(args.followup_tokens, 60, 100),
+        max_tokens: args.max_tokens.unwrap_or(if compare { 16 } else { 48 }),
+        seed: args.seed,
+        think_time: Duration::from_millis(args.think_ms.unwrap_or(if compare {
+            2000
+        } else {
+            100
+        })),
+        stagger: Duration::from_millis(args.stagger_ms.unwrap_or(if compare { 2500 } else { 30 })),
+        request_timeout: Duration::from_secs(120),
+    }
+}
+
+async fn run(args: Args, workload: Workload) -> anyhow::Result<()> {
+    let started = Instant::now();
+    eprintln!("kvroute-demo: locating Envoy, vllm-sim, the control plane and the filter ...");
+    let tools = Tools::locate().context("the demo needs its tools (try `make setup build`)")?;
+    eprintln!(
+        "workload: {} conversations x {} turns, shared system prompt ~{} tokens, first message ~{} \
+         tokens, follow-ups ~{} tokens, max_tokens {}; {} replicas at speed {}",
+        workload.conversations,
+        workload.turns,
+        workload.system_prompt_words,
+        workload.first_message_words,
+        workload.followup_words,
+        workload.max_tokens,
+        args.replicas,
+        args.speed
+    );
+    let out_dir = args
+        .out_dir
+        .clone()
+        .unwrap_or_else(|| harness::target_dir().join("kvroute-demo"));
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+
+    let mut rows = Vec::new();
+    for router in [RouterKind::Kvroute, RouterKind::RoundRobin] {
+        let row = run_one(&args, &tools, &workload, router, &out_dir).await?;
+        rows.push(row);
+    }
+
+    println!();
+    print!("{}", loadgen::render_table(&rows));
+    let summary = loadgen::DemoSummary { runs: rows.clone() };
+    let summary_path = out_dir.join("summary.json");
+    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    println!();
+    if let [kv, rr] = rows.as_slice() {
+        let ratio = if rr.ttft_ms.p50 > 0.0 {
+            kv.ttft_ms.p50 / rr.ttft_ms.p50
+        } else {
+            f64::NAN
+        };
+        let met = ratio <= 0.5 && kv.errors == 0 && rr.errors == 0;
+        println!(
+            "kvroute TTFT p50 is {:.2}x round robin's (target <= 0.50, zero errors): {}",
+            ratio,
+            if met { "met" } else { "NOT met" }
+        );
+    }
+    println!(
+        "summary: {}  (took {:.0}s)",
+        summary_path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    let errors: usize = rows.iter().map(|r| r.errors).sum();
+    if errors > 0 {
+        bail!(
+            "{errors} requests failed; see {} and the logs under {}",
+            out_dir.display(),
+            harness::target_dir().join("e2e-logs").display()
+        );
+    }
+    Ok(())
+}
+
+async fn run_one(
+    args: &Args,
+    tools: &Tools,
+    workload: &Workload,
+    router: RouterKind,
+    out_dir: &std::path::Path,
+) -> anyhow::Result<RunSummary> {
+    let label = router.label();
+    let mut cfg = FleetConfig::new(&format!("demo-{label}"));
+    cfg.replicas = args.replicas;
+    cfg.model = workload.model.clone();
+    cfg.router = router;
+    cfg.seed = args.seed;
+    cfg.sim_args = vec![
+        "--speed".into(),
+        args.speed.to_string(),
+        "--profile".into(),
+        args.profile.clone(),
+    ];
+    eprintln!(
+        "[{label}] starting {} cold replicas, Envoy{} ...",
+        args.replicas,
+        {
+            if router == RouterKind::Kvroute {
+                ", the control plane"
+            } else {
+                ""
+            }
+        }
+    );
+    let fleet = Fleet::start(cfg, tools)
+        .await
+        .with_context(|| format!("cannot start the {label} fleet"))?;
+    eprintln!("[{label}] ready at {} ({})", fleet.url(), fleet.describe());
+    let total = workload.total_requests();
+    let tty = std::io::stderr().is_terminal();
+    let label_owned = label.to_string();
+    let progress = move |done: usize, total: usize| {
+        if tty {
+            eprint!("\r[{label_owned}] {done}/{total} requests");
+            if done == total {
+                eprintln!();
+            }
+            let _ = std::io::stderr().flush();
+        } else if done.is_multiple_of(16) || done == total {
+            eprintln!("[{label_owned}] {done}/{total} requests");
+        }
+    };
+    eprintln!("[{label}] running {total} requests ...");
+    let run = loadgen::run_workload(&fleet.url(), workload, progress).await;
+    let (hits, queries) = fleet
+        .prefix_cache_totals()
+        .await
+        .with_context(|| format!("cannot read the {label} replicas' metrics"))?;
+    let hit_rate = if queries > 0.0 { hits / queries } else { 0.0 };
+    let summary = loadgen::summarize(label, &run, hit_rate);
+    write_records(out_dir, label, &run)?;
+    eprintln!(
+        "[{label}] done in {:.1}s: TTFT p50 {:.0} ms, prefix-cache hit rate {:.1}%",
+        run.wall.as_secs_f64(),
+        summary.ttft_ms.p50,
+        hit_rate * 100.0
+    );
+    drop(fleet);
+    Ok(summary)
+}
+
+/// Writes one run's per-request records to `<out_dir>/requests-<label>.json` and prints its
+/// first few errors (the demo and `--compare` keep the same files).
+fn write_records(
+    out_dir: &std::path::Path,
+    label: &str,
+    run: &loadgen::RunResult,
+) -> anyhow::Result<()> {
+    let records_path = out_dir.join(format!("requests-{label}.json"));
+    std::fs::write(&records_path, serde_json::to_string_pretty(&run.records)?)
+        .with_context(|| format!("cannot write {}", records_path.display()))?;
+    for r in run.records.iter().filter(|r| r.error.is_some()).take(3) {
+        eprintln!(
+            "[{label}] error (conversation {}, turn {}): {}",
+            r.conversation,
+            r.turn,
+            r.error.as_deref().unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// `--compare`: every mode on its own cold fleet of the same configuration, one table.
+async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow::Result<()> {
+    let started = Instant::now();
+    eprintln!("kvroute-demo: locating Envoy, vllm-sim, the control plane and the filter ...");
+    let tools = Tools::locate().context("the demo needs its tools (try `make setup build`)")?;
+    let mut config = CompareConfig {
+        replicas: args.replicas,
+        kv_capacity_tokens: args.kv_capacity_tokens,
+        speed: args.speed,
+        profile: args.profile.clone(),
+        seed: args.seed,
+        route_timeout_ms: args.route_timeout_ms,
+        workload,
+        decisions_dump: None,
+    };
+    let w = &config.workload;
+    eprintln!(
+        "workload: {} conversations x {} turns, shared system prompt ~{} tokens, first message ~{} \
+         tokens, follow-ups ~{} tokens, max_tokens {}, think time {} ms; {} replicas with {} KV \
+         tokens each (fleet {}), speed {}",
+        w.conversations,
+        w.turns,
+        w.system_prompt_words,
+        w.first_message_words,
+        w.followup_words,
+        w.max_tokens,
+        w.think_time.as_millis(),
+        config.replicas,
+        config.kv_capacity_tokens,
+        config.replicas as u64 * config.kv_capacity_tokens,
+        config.speed
+    );
+    let out_dir = args
+        .out_dir
+        .clone()
+        .unwrap_or_else(|| harness::target_dir().join("kvroute-demo-precise"));
+    std::fs::create_dir_all(&out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    config.decisions_dump = Some(out_dir.join("decisions"));
+
+    let mut rows: Vec<ModeSummary> = Vec::new();
+    for mode in modes {
+        let label = mode.label();
+        eprintln!(
+            "[{label}] starting {} cold replicas, the control plane, Envoy ...",
+            config.replicas
+        );
+        let progress = progress_printer(label);
+        let (row, run) = precise_compare::run_mode(&tools, &config, mode, progress)
+            .await
+            .with_context(|| format!("the {label} run failed"))?;
+        write_records(&out_dir, label, &run)?;
+        eprintln!(
+            "[{label}] done in {:.1}s: TTFT p90 {:.0} ms, hit rate {:.1}%, working set {} tokens \
+             (fleet KV capacity {})",
+            run.wall.as_secs_f64(),
+            row.run.ttft_ms.p90,
+            row.run.prefix_cache_hit_rate * 100.0,
+            row.working_set_tokens,
+            row.fleet_kv_capacity_tokens
+        );
+        rows.push(row);
+    }
+
+    println!();
+    print!("{}", precise_compare::render_table(&rows));
+    let summary = precise_compare::CompareSummary {
+        config: config.to_json(),
+        runs: rows.clone(),
+    };
+    let summary_path = out_dir.join("summary.json");
+    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    println!();
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+    let precise = rows.iter().find(|r| r.mode == "precise");
+    let approximate = rows.iter().filter(|r| r.mode != "precise");
+    for (a, p) in approximate.filter_map(|a| precise.map(|p| (a, p))) {
+        let other = &a.mode;
+        println!(
+            "precise TTFT p90 {:.0} ms vs {other} {:.0} ms: {}",
+            p.run.ttft_ms.p90,
+            a.run.ttft_ms.p90,
+            verdict(p.run.ttft_ms.p90 < a.run.ttft_ms.p90)
+        );
+        println!(
+            "precise prefix hit rate {:.1}% vs {other} {:.1}%: {}",
+            p.run.prefix_cache_hit_rate * 100.0,
+            a.run.prefix_cache_hit_rate * 100.0,
+            verdict(p.run.prefix_cache_hit_rate > a.run.prefix_cache_hit_rate)
+        );
+    }
+    if let Some(p) = precise {
+        println!(
+            "precise predicted cached tokens within 5% of the engines' ({:+.2}%): {}",
+            p.prediction_error * 100.0,
+            verdict(p.prediction_error.abs() <= 0.05)
+        );
+    }
+    println!(
+        "summary: {}  (took {:.0}s)",
+        summary_path.display(),
+        started.elapsed().as_secs_f64()
+    );
+    let errors: usize = rows.iter().map(|r| r.run.errors).sum();
+    if errors > 0 {
+        bail!(
+            "{errors} requests failed; see {} and the logs under {}",
+            out_dir.display(),
+            harness::target_dir().join("e2e-logs").display()
+        );
+    }
+    Ok(())
+}
+
+/// Prints `[label] done/total requests` (in place on a terminal, every 16 otherwise).
+fn progress_printer(label: &str) -> impl Fn(usize, usize) + Send + Sync + 'static {
+    let tty = std::io::stderr().is_terminal();
+    let label = label.to_string();
+    move |done: usize, total: usize| {
+        if tty {
+            eprint!("\r[{label}] {done}/{total} requests");
+            if done == total {
+                eprintln!();
+            }
+            let _ = std::io::stderr().flush();
+        } else if done.is_multiple_of(16) || done == total {
+            eprintln!("[{label}] {done}/{total} requests");
+        }
+    }
+}

@@ -1,0 +1,429 @@
+//! End to end through a real Envoy 1.40 running the kvroute wasm filter, the real control plane
+//! and `vllm-sim` replicas, all on 127.0.0.1 (see `kvroute_harness`).
+//!
+//! A missing Envoy fails these tests with the reason (run `make setup`); they never skip.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::time::Duration;
+
+use kvroute_harness::loadgen::{StreamOutcome, stream_chat};
+use kvroute_harness::{DESTINATION_HEADER, Fleet, FleetConfig, HttpClient, Tools};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
+
+use crate::common::tools;
+
+/// Every test finishes within this, or fails.
+const TEST_TIMEOUT: Duration = Duration::from_secs(90);
+/// One request, stream included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const MODEL: &str = "kvroute-e2e-model";
+
+/// Starts a fleet; the tools are located (and built if needed) before the clock starts.
+async fn start_fleet(
+    tools: &Tools,
+    name: &str,
+    replicas: usize,
+    tweak: impl FnOnce(&mut FleetConfig),
+) -> Fleet {
+    let mut cfg = FleetConfig::new(name);
+    cfg.replicas = replicas;
+    cfg.model = MODEL.to_string();
+    cfg.envoy_concurrency = 1;
+    tweak(&mut cfg);
+    Fleet::start(cfg, tools)
+        .await
+        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
+}
+
+/// Runs a test body under [`TEST_TIMEOUT`].
+async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
+    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
+        panic!("{name} did not finish within {TEST_TIMEOUT:?}");
+    }
+}
+
+/// Deterministic filler text of about `n` tokens (the simulator counts words).
+fn text(seed: u64, n: usize) -> String {
+    kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), n)
+}
+
+fn chat_body(messages: &[Value], max_tokens: u32) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+/// A conversation with its own long system prompt (so conversations share no prefix).
+struct Conversation {
+    messages: Vec<Value>,
+    seed: u64,
+    turn: usize,
+}
+
+impl Conversation {
+    fn new(seed: u64, system_tokens: usize) -> Conversation {
+        let system = format!("Conversation {seed}. {}", text(seed, system_tokens));
+        Conversation {
+            messages: vec![json!({"role": "system", "content": system})],
+            seed,
+            turn: 0,
+        }
+    }
+
+    /// Sends the next user turn; on success appends the answer to the history.
+    async fn turn(
+        &mut self,
+        client: &HttpClient,
+        fleet: &Fleet,
+        max_tokens: u32,
+        headers: &[(&str, &str)],
+    ) -> StreamOutcome {
+        self.turn += 1;
+        let user = text(self.seed * 1_000 + self.turn as u64, 200);
+        self.messages.push(json!({"role": "user", "content": user}));
+        let body = chat_body(&self.messages, max_tokens);
+        let out = stream_chat(client, &fleet.url(), &body, headers, REQUEST_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "conversation {} turn {}: {e} ({})",
+                    self.seed,
+                    self.turn,
+                    fleet.describe()
+                )
+            });
+        self.messages
+            .push(json!({"role": "assistant", "content": out.text.clone()}));
+        out
+    }
+}
+
+fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
+    let replica = out
+        .replica
+        .clone()
+        .unwrap_or_else(|| panic!("response without x-vllm-sim-replica ({})", fleet.describe()));
+    assert!(
+        fleet.replica_addresses().contains(&replica),
+        "unknown replica {replica} ({})",
+        fleet.describe()
+    );
+    replica
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_turn_lands_on_the_first_turns_replica() {
+    let tools = tools();
+    bounded("affinity", async {
+        let fleet = start_fleet(&tools, "e2e-affinity", 4, |_| {}).await;
+        let client = HttpClient::new();
+        for c in 0..5u64 {
+            let mut conv = Conversation::new(100 + c, 1_500);
+            let first = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
+            for turn in 2..=3 {
+                let out = conv.turn(&client, &fleet, 8, &[]).await;
+                let now = replica_of(&out, &fleet);
+                assert_eq!(
+                    now,
+                    first,
+                    "conversation {c} turn {turn} moved away from its cache ({})",
+                    fleet.describe()
+                );
+                if let Some(cached) = out.cached_tokens {
+                    assert!(
+                        cached >= 1_500,
+                        "turn {turn} reused only {cached} cached tokens"
+                    );
+                }
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distinct_conversations_spread_over_the_fleet() {
+    let tools = tools();
+    bounded("spread", async {
+        let fleet = start_fleet(&tools, "e2e-spread", 4, |_| {}).await;
+        let client = HttpClient::new();
+        let mut tasks = tokio::task::JoinSet::new();
+        for c in 0..12u64 {
+            let body = chat_body(
+                &[
+                    json!({"role": "system", "content": format!("Tenant {c}. {}", text(200 + c, 800))}),
+                    json!({"role": "user", "content": text(300 + c, 50)}),
+                ],
+                64,
+            );
+            let client = client.clone();
+            let url = fleet.url();
+            tasks.spawn(async move {
+                // Staggered so the control plane sees the earlier ones in flight.
+                tokio::time::sleep(Duration::from_millis(25 * c)).await;
+                stream_chat(&client, &url, &body, &[], REQUEST_TIMEOUT).await
+            });
+        }
+        let mut per_replica: BTreeMap<String, usize> = BTreeMap::new();
+        while let Some(joined) = tasks.join_next().await {
+            let out = joined
+                .expect("request task")
+                .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
+            *per_replica.entry(replica_of(&out, &fleet)).or_default() += 1;
+        }
+        assert!(
+            per_replica.len() >= 3,
+            "12 unrelated conversations used only {per_replica:?} ({})",
+            fleet.describe()
+        );
+        let busiest = per_replica.values().max().copied().unwrap_or(0);
+        assert!(busiest <= 6, "one replica took {busiest} of 12: {per_replica:?}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_replica_is_avoided() {
+    let tools = tools();
+    bounded("busy", async {
+        // Two sequences at a time: extra requests queue up and show in `num_requests_waiting`.
+        let fleet = start_fleet(&tools, "e2e-busy", 3, |cfg| {
+            cfg.sim_args = vec!["--max-num-seqs".into(), "2".into()];
+        })
+        .await;
+        let client = HttpClient::new();
+        let busy = fleet.replicas[0].address.clone();
+        let busy_url = fleet.replicas[0].url();
+        // Load replica 0 directly, behind Envoy's back: only its metrics can tell.
+        let mut load = tokio::task::JoinSet::new();
+        for i in 0..10u64 {
+            let body = chat_body(
+                &[json!({"role": "user", "content": text(400 + i, 300)})],
+                2_000,
+            );
+            let client = client.clone();
+            let url = busy_url.clone();
+            load.spawn(async move {
+                let _ = stream_chat(&client, &url, &body, &[], Duration::from_secs(60)).await;
+            });
+        }
+        // Wait until the replica reports a queue, then for the control plane to scrape it.
+        let started = std::time::Instant::now();
+        loop {
+            let metrics = fleet
+                .replica_metrics(&fleet.replicas[0])
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let waiting = kvroute_harness::prometheus_sum(&metrics, "vllm:num_requests_waiting");
+            if waiting >= 5.0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "replica 0 never queued requests: {metrics}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+
+        let mut placed = Vec::new();
+        for c in 0..8u64 {
+            let mut conv = Conversation::new(500 + c, 300);
+            let out = conv.turn(&client, &fleet, 4, &[]).await;
+            placed.push(replica_of(&out, &fleet));
+        }
+        load.abort_all();
+        assert!(
+            !placed.contains(&busy),
+            "new requests went to the busy replica {busy}: {placed:?} ({})",
+            fleet.describe()
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_control_plane_loses_no_request() {
+    let tools = tools();
+    bounded("fail-open", async {
+        let mut fleet = start_fleet(&tools, "e2e-failopen", 3, |_| {}).await;
+        let client = HttpClient::new();
+        let url = fleet.url();
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let mut workers = tokio::task::JoinSet::new();
+        for w in 0..4u64 {
+            let client = client.clone();
+            let url = url.clone();
+            let done_tx = done_tx.clone();
+            workers.spawn(async move {
+                let mut results = Vec::new();
+                for i in 0..12u64 {
+                    let body = chat_body(
+                        &[
+                            json!({"role": "system", "content": text(600 + w, 400)}),
+                            json!({"role": "user", "content": text(700 + w * 100 + i, 40)}),
+                        ],
+                        8,
+                    );
+                    results.push(stream_chat(&client, &url, &body, &[], REQUEST_TIMEOUT).await);
+                    let _ = done_tx.send(());
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                results
+            });
+        }
+        drop(done_tx);
+        // Kill the control plane once a quarter of the requests are through.
+        for _ in 0..12 {
+            if done_rx.recv().await.is_none() {
+                break;
+            }
+        }
+        fleet.kill_control_plane();
+        let mut served_after_kill = BTreeSet::new();
+        let mut errors = Vec::new();
+        let mut total = 0;
+        while let Some(joined) = workers.join_next().await {
+            for (i, r) in joined.expect("worker task").into_iter().enumerate() {
+                total += 1;
+                match r {
+                    Ok(out) => {
+                        if i >= 6 {
+                            served_after_kill.insert(replica_of(&out, &fleet));
+                        }
+                    }
+                    Err(e) => errors.push(e.to_string()),
+                }
+            }
+        }
+        assert_eq!(total, 48);
+        assert!(
+            errors.is_empty(),
+            "{} of 48 requests failed after the control plane died: {errors:?} ({})",
+            errors.len(),
+            fleet.describe()
+        );
+        // Without the control plane the filter fails open to round robin: still spread.
+        assert!(
+            served_after_kill.len() >= 2,
+            "after the kill everything went to {served_after_kill:?}"
+        );
+        // And the fail-open path was really taken (the filter counts it).
+        let fail_open = fleet.envoy_counter("kvroute_fail_open").await;
+        assert!(fail_open >= 1.0, "no request took the fail-open path");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_supplied_destination_header_is_ignored() {
+    let tools = tools();
+    bounded("spoof", async {
+        let fleet = start_fleet(&tools, "e2e-spoof", 4, |_| {}).await;
+        let client = HttpClient::new();
+        let replicas = fleet.replica_addresses();
+        for c in 0..4u64 {
+            let mut conv = Conversation::new(800 + c, 1_500);
+            // A destination outside the cluster: the request must still be served.
+            let first = conv
+                .turn(
+                    &client,
+                    &fleet,
+                    8,
+                    &[(DESTINATION_HEADER, "10.255.255.1:9")],
+                )
+                .await;
+            let first = replica_of(&first, &fleet);
+            // Ask for another replica (and a list of them): kvroute keeps the cache-warm one.
+            let others: Vec<&String> = replicas.iter().filter(|r| **r != first).collect();
+            let spoof_one = others[c as usize % others.len()].clone();
+            let spoof_list = others
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(",");
+            for spoof in [spoof_one, spoof_list] {
+                let out = conv
+                    .turn(&client, &fleet, 8, &[(DESTINATION_HEADER, &spoof)])
+                    .await;
+                assert_eq!(
+                    replica_of(&out, &fleet),
+                    first,
+                    "a client header {DESTINATION_HEADER}: {spoof} moved the request ({})",
+                    fleet.describe()
+                );
+            }
+        }
+        // Non-streaming requests are routed the same way.
+        let body = json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text(900, 50)}],
+            "max_tokens": 4,
+        });
+        let resp = client
+            .request(
+                "POST",
+                &format!("{}/v1/chat/completions", fleet.url()),
+                &[(DESTINATION_HEADER, "127.0.0.1:1")],
+                Some(body.to_string()),
+                REQUEST_TIMEOUT,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(resp.status, 200, "{}", resp.body);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_secret_guards_the_route_api_and_a_mismatch_fails_open() {
+    let tools = tools();
+    bounded("auth", async {
+        let secret = json!({"auth_token": "kvroute-e2e-s3cret"});
+        // Matching secrets: requests are routed (and keep their affinity).
+        let good = start_fleet(&tools, "e2e-auth-good", 3, |cfg| {
+            cfg.control_plane_extra = secret.clone();
+            cfg.plugin_config = secret.clone();
+        })
+        .await;
+        // The filter sends the wrong secret: the control plane refuses, the filter fails open.
+        let bad = start_fleet(&tools, "e2e-auth-bad", 3, |cfg| {
+            cfg.control_plane_extra = secret.clone();
+            cfg.plugin_config = json!({"auth_token": "not-the-secret"});
+        })
+        .await;
+        let client = HttpClient::new();
+        for (fleet, seed) in [(&good, 1_000u64), (&bad, 2_000u64)] {
+            for c in 0..3u64 {
+                let mut conv = Conversation::new(seed + c, 600);
+                let first = replica_of(&conv.turn(&client, fleet, 4, &[]).await, fleet);
+                let second = replica_of(&conv.turn(&client, fleet, 4, &[]).await, fleet);
+                if fleet.config.name == "e2e-auth-good" {
+                    assert_eq!(first, second, "routed turn 2 moved ({})", fleet.describe());
+                }
+            }
+        }
+        let good_routed = good.envoy_counter("kvroute_requests_routed").await;
+        let good_failed = good.envoy_counter("kvroute_fail_open").await;
+        assert!(
+            good_routed >= 6.0 && good_failed == 0.0,
+            "matching secret: routed {good_routed}, failed open {good_failed} ({})",
+            good.describe()
+        );
+        let bad_routed = bad.envoy_counter("kvroute_requests_routed").await;
+        let bad_failed = bad.envoy_counter("kvroute_fail_open").await;
+        assert!(
+            bad_routed == 0.0 && bad_failed >= 6.0,
+            "wrong secret: routed {bad_routed}, failed open {bad_failed} ({})",
+            bad.describe()
+        );
+    })
+    .await;
+}

@@ -1,0 +1,97 @@
+//! Every Envoy configuration we ship must be accepted by the Envoy we run (`envoy --mode
+//! validate`), after rendering its placeholders with test values. A missing Envoy fails the test.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kvroute_harness::{
+    self as harness, eds_file_json, envoy_base_id, locate_envoy, locate_wasm, plugin_config_json,
+    render_envoy_config_with, write_atomically,
+};
+
+/// The Envoy bootstrap files in `envoy-config/` (templates included).
+fn shipped_configs() -> Vec<PathBuf> {
+    let dir = harness::workspace_root().join("envoy-config");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn every_shipped_envoy_config_validates() {
+    let envoy = locate_envoy().unwrap_or_else(|e| panic!("{e}"));
+    let wasm = locate_wasm().unwrap_or_else(|e| panic!("{e}"));
+    let configs = shipped_configs();
+    assert!(
+        configs.len() >= 2,
+        "expected envoy-demo.yaml and envoy-roundrobin.yaml, found {configs:?}"
+    );
+    let out_dir = harness::target_dir()
+        .join("e2e-logs")
+        .join("envoy-validate");
+    std::fs::create_dir_all(&out_dir).expect("creating the output directory");
+    let replicas = vec!["127.0.0.1:18001".to_string(), "127.0.0.1:18002".to_string()];
+    let plugin = plugin_config_json(&serde_json::json!({"auth_token": "s3cr\"et"}));
+    // envoy-file-discovery.yaml reads its hosts from an EDS file.
+    let eds_path = out_dir.join("vllm-eds.json");
+    write_atomically(&eds_path, &eds_file_json("vllm", &replicas, 1).unwrap()).unwrap();
+    let eds_vars = [
+        ("EDS_PATH", eds_path.display().to_string()),
+        ("EDS_DIR", out_dir.display().to_string()),
+    ];
+    let mut failures = Vec::new();
+    for config in &configs {
+        let rendered = render_envoy_config_with(
+            config, 19_000, 19_001, 19_002, &wasm, &plugin, &replicas, &eds_vars,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let name = config.file_name().map(|n| n.to_string_lossy().into_owned());
+        let path = out_dir.join(name.unwrap_or_else(|| "config.yaml".into()));
+        std::fs::write(&path, rendered).expect("writing the rendered config");
+        let mut child = Command::new(&envoy)
+            .args(["--mode", "validate", "-l", "warning"])
+            .args([
+                "--base-id",
+                &envoy_base_id().to_string(),
+                "--use-dynamic-base-id",
+            ])
+            .arg("-c")
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawning envoy");
+        let started = Instant::now();
+        while child.try_wait().expect("waiting for envoy").is_none() {
+            if started.elapsed() > Duration::from_secs(60) {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().expect("collecting envoy output");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !out.status.success() || !text.contains(" OK") {
+            failures.push(format!(
+                "{} (rendered at {}): {}\n{text}",
+                config.display(),
+                path.display(),
+                out.status
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "envoy rejected:\n{}",
+        failures.join("\n")
+    );
+}

@@ -1,0 +1,475 @@
+//! Model pools, session affinity and LoRA awareness end to end, through a real Envoy, the wasm
+//! filter, the control plane and `vllm-sim` replicas serving different models.
+//!
+//! Fleet: replicas 0 and 1 serve `pool-a`; replicas 2 and 3 serve `pool-b` plus the LoRA
+//! adapters `pool-b-sql` and `pool-b-chat`. The control plane learns this from each replica's
+//! `/v1/models` (no model names in its YAML), rejects unknown models with a 404 and keeps
+//! sessions on their replica.
+
+use std::time::{Duration, Instant};
+
+use kvroute_harness::{
+    Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sample,
+};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
+
+use crate::common::tools;
+
+/// Every test finishes within this, or fails.
+const TEST_TIMEOUT: Duration = Duration::from_secs(240);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the control plane may take to learn every replica's models.
+const CATALOGUE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Two pools of two replicas; pool B also serves two adapters.
+async fn start(tools: &Tools, name: &str) -> Fleet {
+    let mut cfg = FleetConfig::new(name);
+    cfg.replicas = 4;
+    cfg.model = "pool-a".to_string();
+    cfg.envoy_concurrency = 1;
+    let pool_b: Vec<String> = [
+        "--model",
+        "pool-b",
+        "--lora-modules",
+        "pool-b-sql=/adapters/sql",
+        "pool-b-chat=/adapters/chat",
+    ]
+    .map(String::from)
+    .to_vec();
+    cfg.per_replica_args = vec![Vec::new(), Vec::new(), pool_b.clone(), pool_b];
+    cfg.plugin_config = json!({"allow_explain": true});
+    cfg.control_plane_router = json!({
+        "models": {"unknown_model": "reject"},
+        "sessions": {"bonus_ms": 5000.0, "ttl_ms": 60000},
+    });
+    cfg.control_plane_extra = json!({"models_interval_ms": 200});
+    Fleet::start(cfg, tools)
+        .await
+        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
+}
+
+fn admin_url(fleet: &Fleet) -> String {
+    format!(
+        "http://{}",
+        fleet.control_plane.as_ref().unwrap().admin_address
+    )
+}
+
+/// Waits until the control plane knows every replica's models (pool B lists 3).
+async fn wait_for_catalogues(fleet: &Fleet) {
+    let addresses: Vec<String> = fleet.replicas.iter().map(|r| r.address.clone()).collect();
+    wait_for(fleet, "both catalogues learned", |text| {
+        let counts: Vec<Option<f64>> = addresses
+            .iter()
+            .map(|a| {
+                prometheus_sample(
+                    text,
+                    &format!("kvroute_endpoint_models{{endpoint=\"{a}\"}}"),
+                )
+            })
+            .collect();
+        counts == [Some(1.0), Some(1.0), Some(3.0), Some(3.0)]
+    })
+    .await;
+}
+
+/// A short chat whose prompt shares nothing with other calls (seeded words).
+fn chat_body(model: &str, seed: u64, user: Option<&str>) -> Value {
+    let words = kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), 60);
+    let mut body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": 4,
+    });
+    if let Some(u) = user {
+        body["user"] = json!(u);
+    }
+    body
+}
+
+async fn chat(
+    client: &HttpClient,
+    fleet: &Fleet,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> HttpResponse {
+    let url = format!("{}/v1/chat/completions", fleet.url());
+    client
+        .request(
+            "POST",
+            &url,
+            headers,
+            Some(body.to_string()),
+            REQUEST_TIMEOUT,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()))
+}
+
+fn served_by(resp: &HttpResponse, fleet: &Fleet) -> usize {
+    assert_eq!(resp.status, 200, "{} ({})", resp.body, fleet.describe());
+    let replica = resp
+        .header(REPLICA_HEADER)
+        .unwrap_or_else(|| panic!("no {REPLICA_HEADER} in {:?}", resp.headers));
+    fleet
+        .replicas
+        .iter()
+        .position(|r| r.address == replica)
+        .unwrap_or_else(|| panic!("unknown replica {replica}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
+    let tools = tools();
+    let body = async {
+        let fleet = start(&tools, "e2e-pools").await;
+        let client = HttpClient::new();
+        wait_for_catalogues(&fleet).await;
+
+        for i in 0..12u64 {
+            let (model, pool) = match i % 3 {
+                0 => ("pool-a", [0, 1]),
+                1 => ("pool-b", [2, 3]),
+                _ => ("pool-b-sql", [2, 3]),
+            };
+            let resp = chat(&client, &fleet, &chat_body(model, i, None), &[]).await;
+            let replica = served_by(&resp, &fleet);
+            assert!(
+                pool.contains(&replica),
+                "{model} served by replica {replica}, outside its pool {pool:?}"
+            );
+        }
+
+        // A model nobody serves: the filter answers 404 itself, in OpenAI's error shape.
+        let resp = chat(&client, &fleet, &chat_body("gpt-9", 99, None), &[]).await;
+        assert_eq!(resp.status, 404, "{}", resp.body);
+        assert_eq!(resp.header(REPLICA_HEADER), None, "no replica saw it");
+        let err: Value = serde_json::from_str(&resp.body).unwrap();
+        assert_eq!(err["error"]["type"], "model_not_found", "{err:#}");
+        assert_eq!(err["error"]["code"], 404, "{err:#}");
+        assert!(
+            err["error"]["message"].as_str().unwrap().contains("gpt-9"),
+            "{err:#}"
+        );
+
+        let text = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
+        assert_eq!(
+            prometheus_sample(&text, "kvroute_unknown_model_total{action=\"rejected\"}"),
+            Some(1.0),
+            "{text}"
+        );
+    };
+    tokio::time::timeout(TEST_TIMEOUT, body)
+        .await
+        .expect("test timed out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
+    let tools = tools();
+    let body = async {
+        let fleet = start(&tools, "e2e-sessions").await;
+        let client = HttpClient::new();
+        wait_for_catalogues(&fleet).await;
+
+        // Three conversations by header and one by the body's `user`, interleaved; prompts
+        // share no prefix, so only affinity keeps each on one replica.
+        let keys = ["s-1", "s-2", "s-3", "user-4"];
+        let mut homes: Vec<Option<usize>> = vec![None; keys.len()];
+        for round in 0..6u64 {
+            for (k, key) in keys.iter().enumerate() {
+                let seed = 1_000 * (k as u64 + 1) + round;
+                let resp = if key.starts_with("user") {
+                    chat(&client, &fleet, &chat_body("pool-a", seed, Some(key)), &[]).await
+                } else {
+                    let body = chat_body("pool-a", seed, None);
+                    chat(&client, &fleet, &body, &[("x-session-id", key)]).await
+                };
+                let replica = served_by(&resp, &fleet);
+                assert!([0, 1].contains(&replica), "{key} left pool-a: {replica}");
+                match homes[k] {
+                    None => homes[k] = Some(replica),
+                    Some(home) => assert_eq!(
+                        replica,
+                        home,
+                        "session {key} moved in round {round} ({})",
+                        fleet.describe()
+                    ),
+                }
+            }
+        }
+        let text = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
+        assert_eq!(
+            prometheus_sample(&text, "kvroute_sessions_total{result=\"hit\"}"),
+            Some(20.0),
+            "{text}"
+        );
+        assert_eq!(
+            prometheus_sample(&text, "kvroute_sessions_total{result=\"miss\"}"),
+            Some(4.0),
+            "{text}"
+        );
+        assert_eq!(
+            prometheus_sample(&text, "kvroute_sessions_remembered"),
+            Some(4.0)
+        );
+
+        // LoRA: a long request for `pool-b-sql` keeps the adapter running on one replica;
+        // further `pool-b-sql` requests go there (the other would have to load it).
+        let long = json!({
+            "model": "pool-b-sql",
+            "messages": [{"role": "user", "content": "write a long report"}],
+            "max_tokens": 4000,
+        });
+        let url = format!("{}/v1/chat/completions", fleet.url());
+        let background = {
+            let client = HttpClient::new();
+            let url = url.clone();
+            tokio::spawn(async move {
+                client
+                    .request("POST", &url, &[], Some(long.to_string()), TEST_TIMEOUT)
+                    .await
+            })
+        };
+        // Wait until a pool-B replica reports the adapter running.
+        let deadline = Instant::now() + CATALOGUE_TIMEOUT;
+        let holder = loop {
+            let text = fleet
+                .control_plane_metrics()
+                .await
+                .expect("kvroute topology")
+                .expect("control-plane metrics");
+            let running: Vec<f64> = fleet.replicas[2..]
+                .iter()
+                .map(|r| {
+                    prometheus_sample(
+                        &text,
+                        &format!(
+                            "kvroute_endpoint_lora_running{{endpoint=\"{}\"}}",
+                            r.address
+                        ),
+                    )
+                    .unwrap_or(0.0)
+                })
+                .collect();
+            if let Some(i) = running.iter().position(|&n| n >= 1.0) {
+                break 2 + i;
+            }
+            assert!(Instant::now() < deadline, "no replica runs the adapter");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        for i in 0..4u64 {
+            let resp = chat(
+                &client,
+                &fleet,
+                &chat_body("pool-b-sql", 5_000 + i, None),
+                &[("x-kvroute-explain", "1")],
+            )
+            .await;
+            assert_eq!(
+                served_by(&resp, &fleet),
+                holder,
+                "the adapter's holder serves it"
+            );
+        }
+        // The explain output shows the LoRA term: zero on the holder, a load on the other.
+        let resp = chat(
+            &client,
+            &fleet,
+            &chat_body("pool-b-sql", 6_000, None),
+            &[("x-kvroute-explain", "1")],
+        )
+        .await;
+        let decision = resp.header("x-kvroute-decision").unwrap_or_default();
+        let id = decision
+            .split("; ")
+            .find_map(|kv| kv.strip_prefix("id="))
+            .unwrap_or_else(|| panic!("no id in {decision:?}"));
+        let url = format!("{}/debug/decisions/{id}", admin_url(&fleet));
+        let d: Value =
+            serde_json::from_str(&client.get(&url, REQUEST_TIMEOUT).await.unwrap().body).unwrap();
+        let candidates = d["candidates"].as_array().unwrap();
+        assert_eq!(candidates.len(), 2, "only pool B: {d:#}");
+        for c in candidates {
+            let lora_ms = c["lora_ms"].as_f64().unwrap();
+            if c["endpoint"] == fleet.replicas[holder].address.as_str() {
+                assert_eq!(lora_ms, 0.0, "{d:#}");
+            } else {
+                assert!(lora_ms > 0.0, "{d:#}");
+            }
+        }
+        background.abort();
+    };
+    tokio::time::timeout(TEST_TIMEOUT, body)
+        .await
+        .expect("test timed out");
+}
+
+/// Polls the control plane's metrics until `ok` holds.
+async fn wait_for(fleet: &Fleet, what: &str, ok: impl Fn(&str) -> bool) {
+    if let Err(e) = fleet
+        .wait_for_control_plane_metrics(what, CATALOGUE_TIMEOUT, ok)
+        .await
+    {
+        panic!("{e} ({})", fleet.describe());
+    }
+}
+
+/// A long request in the background (it keeps its adapter in a slot while it runs).
+fn long_request(url: String, model: &str) -> tokio::task::JoinHandle<()> {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": format!("a long answer from {model}")}],
+        "max_tokens": 4000,
+    });
+    tokio::spawn(async move {
+        let _ = HttpClient::new()
+            .request("POST", &url, &[], Some(body.to_string()), TEST_TIMEOUT)
+            .await;
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds() {
+    let tools = tools();
+    let body = async {
+        let mut cfg = FleetConfig::new("e2e-lora-slots");
+        cfg.replicas = 2;
+        cfg.model = "lora-base".to_string();
+        cfg.envoy_concurrency = 1;
+        cfg.sim_args = [
+            "--lora-modules",
+            "a=/adapters/a",
+            "b=/adapters/b",
+            "--max-loras",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec();
+        cfg.plugin_config = json!({"allow_explain": true});
+        cfg.control_plane_extra = json!({"models_interval_ms": 200});
+        let fleet = Fleet::start(cfg, &tools)
+            .await
+            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
+        let client = HttpClient::new();
+        let gauge = |text: &str, name: &str, address: &str| {
+            prometheus_sample(text, &format!("{name}{{endpoint=\"{address}\"}}")).unwrap_or(0.0)
+        };
+        wait_for(&fleet, "both catalogues", |m| {
+            fleet
+                .replicas
+                .iter()
+                .all(|r| gauge(m, "kvroute_endpoint_models", &r.address) == 3.0)
+        })
+        .await;
+
+        // Adapter `a` takes one replica's only slot for a long time.
+        let url = format!("{}/v1/chat/completions", fleet.url());
+        let mut background = vec![long_request(url.clone(), "a")];
+        let mut holder = String::new();
+        wait_for(&fleet, "adapter a running", |m| {
+            fleet
+                .replicas
+                .iter()
+                .any(|r| gauge(m, "kvroute_endpoint_lora_running", &r.address) == 1.0)
+        })
+        .await;
+        let text = fleet
+            .control_plane_metrics()
+            .await
+            .expect("kvroute topology")
+            .expect("control-plane metrics");
+        for r in &fleet.replicas {
+            if gauge(&text, "kvroute_endpoint_lora_running", &r.address) == 1.0 {
+                holder = r.address.clone();
+            }
+        }
+        let other = fleet
+            .replicas
+            .iter()
+            .find(|r| r.address != holder)
+            .unwrap()
+            .address
+            .clone();
+        // The other replica gets busier with base-model work (sent to it directly).
+        for _ in 0..3 {
+            background.push(long_request(
+                format!("http://{other}/v1/chat/completions"),
+                "lora-base",
+            ));
+        }
+        wait_for(&fleet, "the other replica busy", |m| {
+            gauge(m, "kvroute_endpoint_running", &other) >= 3.0
+        })
+        .await;
+
+        // Adapter `b`: the less loaded replica would make it wait for `a`'s slot.
+        let resp = chat(
+            &client,
+            &fleet,
+            &chat_body("b", 7, None),
+            &[("x-kvroute-explain", "1")],
+        )
+        .await;
+        assert_eq!(resp.status, 200, "{}", resp.body);
+        assert_eq!(resp.header(REPLICA_HEADER), Some(other.as_str()));
+        let decision = resp.header("x-kvroute-decision").unwrap_or_default();
+        let id = decision
+            .split("; ")
+            .find_map(|kv| kv.strip_prefix("id="))
+            .unwrap_or_else(|| panic!("no id in {decision:?}"));
+        let url_d = format!("{}/debug/decisions/{id}", admin_url(&fleet));
+        let d: Value =
+            serde_json::from_str(&client.get(&url_d, REQUEST_TIMEOUT).await.unwrap().body).unwrap();
+        let lora_ms = |address: &str| {
+            d["candidates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["endpoint"] == address)
+                .and_then(|c| c["lora_ms"].as_f64())
+                .unwrap_or_else(|| panic!("no {address} in {d:#}"))
+        };
+        assert!(
+            lora_ms(&holder) >= 5_000.0,
+            "full slots are penalised: {d:#}"
+        );
+        assert!(lora_ms(&other) < 5_000.0, "{d:#}");
+
+        // The simulator enforces the slot: `b` sent to the holder directly waits there.
+        background.push(long_request(
+            format!("http://{holder}/v1/chat/completions"),
+            "b",
+        ));
+        let holder_url = format!("http://{holder}/metrics");
+        let deadline = Instant::now() + CATALOGUE_TIMEOUT;
+        loop {
+            let page = client.get(&holder_url, REQUEST_TIMEOUT).await.unwrap().body;
+            if page.lines().any(|l| {
+                l.starts_with("vllm:lora_requests_info")
+                    && l.contains("running_lora_adapters=\"a\"")
+                    && l.contains("waiting_lora_adapters=\"b\"")
+            }) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "b never waited:\n{page}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for task in background {
+            task.abort();
+        }
+    };
+    tokio::time::timeout(TEST_TIMEOUT, body)
+        .await
+        .expect("test timed out");
+}

@@ -1,0 +1,647 @@
+//! Precise mode end to end: real Envoy with the kvroute filter (chat route in `precise` mode),
+//! the control plane subscribed to every `vllm-sim` replica's KV events (vLLM's ZMQ wire format,
+//! with replay) and tokenising prompts through the replicas' render API.
+//!
+//! - turn 2 lands on the replica that really holds turn 1;
+//! - after that replica drops its cache and another one caches turn 1's prompt (sent to it
+//!   directly, bypassing Envoy), turn 2 goes to the other one: events, not routing history,
+//!   decide;
+//! - over a multi-turn run the router's predicted cached tokens match the engines' reported
+//!   cached tokens within 5 %, with the replicas' render API as the tokenizer and with the
+//!   control plane's in-process one (a real byte-level BPE `tokenizer.json` and a Jinja chat
+//!   template that the simulated engines use too).
+//!
+//! - two tenants sending the same long prompt under different `cache_salt`s share no cached
+//!   block: the router predicts none (the engine gives none), while the same salt again hits
+//!   the replica that holds it.
+//!
+//! A missing Envoy fails these tests with the reason (run `make setup`); they never skip.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvroute_harness::loadgen::{StreamOutcome, stream_chat};
+use kvroute_harness::{
+    Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sum,
+};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
+
+use crate::common::tools;
+
+/// Every test finishes within this, or fails.
+const TEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// One request, stream included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const MODEL: &str = "kvroute-precise-model";
+/// Speculative entries of routed requests live this long (short, so that a test can see the
+/// events alone decide).
+const SPECULATIVE_TTL_MS: u64 = 300;
+
+async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
+    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
+        panic!("{name} did not finish within {TEST_TIMEOUT:?}");
+    }
+}
+
+/// How the control plane tokenises precise routes.
+enum Tokenizer {
+    /// The replicas' render API (the simulator's built-in word tokenizer).
+    Remote,
+    /// In process, from this model directory (`tokenizer.json`, `tokenizer_config.json`),
+    /// which the replicas load too.
+    Hf(PathBuf),
+}
+
+/// A fleet in precise mode: events on, the chat route precise.
+async fn precise_fleet(tools: &Tools, name: &str, replicas: usize, tokenizer: &Tokenizer) -> Fleet {
+    precise_fleet_with(tools, name, replicas, tokenizer, &[]).await
+}
+
+/// [`precise_fleet`] with extra `vllm-sim` arguments.
+async fn precise_fleet_with(
+    tools: &Tools,
+    name: &str,
+    replicas: usize,
+    tokenizer: &Tokenizer,
+    sim_args: &[String],
+) -> Fleet {
+    let mut cfg = FleetConfig::new(name);
+    cfg.replicas = replicas;
+    cfg.model = MODEL.to_string();
+    cfg.envoy_concurrency = 1;
+    cfg.sim_args = vec!["--speed".into(), "5".into()];
+    cfg.sim_args.extend_from_slice(sim_args);
+    cfg.kv_events = true;
+    cfg.control_plane_extra = match tokenizer {
+        Tokenizer::Remote => json!({
+            "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
+        }),
+        Tokenizer::Hf(dir) => {
+            cfg.sim_args.push("--tokenizer".into());
+            cfg.sim_args.push(dir.display().to_string());
+            json!({"precise": {
+                "tokenizer": "hf",
+                "tokenizer_json": dir.join("tokenizer.json"),
+                "tokenizer_config": dir.join("tokenizer_config.json"),
+            }})
+        }
+    };
+    // The replicas run the H100 profile at 5x speed: 50 prefill tokens a millisecond, which
+    // the router's queue model (and the eviction it predicts from it) must know.
+    cfg.control_plane_router = json!({
+        "precise": {"speculative_ttl_ms": SPECULATIVE_TTL_MS},
+        "scoring": {"prefill_tokens_per_ms": 50.0},
+    });
+    cfg.plugin_config = json!({
+        "route_timeout_ms": 3000,
+        "allow_explain": true,
+        "routes": [
+            {"path": "/v1/chat/completions", "api": "chat", "mode": "precise"},
+            {"path": "/v1/completions", "api": "completion", "mode": "precise"}
+        ]
+    });
+    let fleet = Fleet::start(cfg, tools)
+        .await
+        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"));
+    // Precise scoring trusts an endpoint only once its stream is live.
+    let addresses = fleet.replica_addresses();
+    wait_metrics(&fleet, "every KV-event stream live", |m| {
+        addresses
+            .iter()
+            .all(|a| endpoint_value(m, "kvroute_endpoint_events_live", a) == Some(1.0))
+    })
+    .await;
+    fleet
+}
+
+/// The control plane's `/metrics` text.
+async fn cp_metrics(fleet: &Fleet) -> String {
+    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
+    let url = format!("http://{}/metrics", cp.admin_address);
+    fleet
+        .client()
+        .get(&url, Duration::from_secs(5))
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"))
+        .body
+}
+
+/// The sample of per-endpoint gauge `name` for `endpoint`.
+fn endpoint_value(text: &str, name: &str, endpoint: &str) -> Option<f64> {
+    let prefix = format!("{name}{{endpoint=\"{endpoint}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Polls the control plane's metrics until `cond` holds (at most 10 s).
+async fn wait_metrics(fleet: &Fleet, what: &str, cond: impl Fn(&str) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = cp_metrics(fleet).await;
+        if cond(&text) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what} ({}); control plane metrics:\n{}",
+            fleet.describe(),
+            text.lines()
+                .filter(|l| l.starts_with("kvroute_endpoint_precise")
+                    || l.starts_with("kvroute_endpoint_events")
+                    || l.starts_with("kvroute_kv_"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn text(seed: u64, n: usize) -> String {
+    kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), n)
+}
+
+fn chat_body(messages: &[Value], max_tokens: u32) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+/// A conversation with its own long system prompt.
+struct Conversation {
+    messages: Vec<Value>,
+    seed: u64,
+    turn: usize,
+}
+
+impl Conversation {
+    fn new(seed: u64, system_tokens: usize) -> Conversation {
+        let system = format!("Conversation {seed}. {}", text(seed, system_tokens));
+        Conversation {
+            messages: vec![json!({"role": "system", "content": system})],
+            seed,
+            turn: 0,
+        }
+    }
+
+    /// Appends the next user message; returns the request body for it.
+    fn ask(&mut self, max_tokens: u32) -> Value {
+        self.turn += 1;
+        let user = text(self.seed * 1_000 + self.turn as u64, 150);
+        self.messages.push(json!({"role": "user", "content": user}));
+        chat_body(&self.messages, max_tokens)
+    }
+
+    /// Sends `body` to `base_url` and appends the answer to the history.
+    async fn send(&mut self, client: &HttpClient, base_url: &str, body: &Value) -> StreamOutcome {
+        let out = stream_chat(client, base_url, body, &[], REQUEST_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| panic!("conversation {} turn {}: {e}", self.seed, self.turn));
+        self.messages
+            .push(json!({"role": "assistant", "content": out.text.clone()}));
+        out
+    }
+}
+
+fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
+    let replica = out
+        .replica
+        .clone()
+        .unwrap_or_else(|| panic!("response without x-vllm-sim-replica ({})", fleet.describe()));
+    assert!(fleet.replica_addresses().contains(&replica), "{replica}");
+    replica
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_two_follows_the_real_cache_even_after_eviction() {
+    let tools = tools();
+    bounded("precise affinity", async {
+        let fleet = precise_fleet(&tools, "e2e-precise-affinity", 3, &Tokenizer::Remote).await;
+        let client = HttpClient::new();
+
+        // Turn 2 lands where turn 1's blocks really are.
+        let mut conv = Conversation::new(7, 1_200);
+        let body = conv.ask(8);
+        let first = replica_of(&conv.send(&client, &fleet.url(), &body).await, &fleet);
+        wait_metrics(&fleet, "turn 1's blocks reported", |m| {
+            endpoint_value(m, "kvroute_endpoint_precise_blocks", &first).unwrap_or(0.0) >= 60.0
+        })
+        .await;
+        let body = conv.ask(8);
+        let out = conv.send(&client, &fleet.url(), &body).await;
+        assert_eq!(replica_of(&out, &fleet), first, "{}", fleet.describe());
+        assert!(
+            out.cached_tokens.unwrap_or(0) >= 1_000,
+            "turn 2 reused {:?} cached tokens",
+            out.cached_tokens
+        );
+
+        // A second conversation: its replica evicts everything, another replica caches turn
+        // 1's prompt behind the router's back; turn 2 must follow the cache there.
+        let mut conv = Conversation::new(8, 1_200);
+        let turn1 = conv.ask(8);
+        let holder = replica_of(&conv.send(&client, &fleet.url(), &turn1).await, &fleet);
+        let other = fleet
+            .replica_addresses()
+            .into_iter()
+            .find(|a| *a != holder)
+            .expect("at least two replicas");
+        let reset = format!("http://{holder}/reset_prefix_cache");
+        let r = client
+            .request("POST", &reset, &[], None, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|e| panic!("{reset}: {e}"));
+        assert_eq!(r.status, 200, "{reset}: {}", r.body);
+        assert!(!r.body.contains("false"), "{reset}: {}", r.body);
+        let direct = stream_chat(
+            &client,
+            &format!("http://{other}"),
+            &turn1,
+            &[],
+            REQUEST_TIMEOUT,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("direct request to {other}: {e}"));
+        assert_eq!(direct.replica.as_deref(), Some(other.as_str()));
+        wait_metrics(&fleet, "the eviction and the new holder reported", |m| {
+            endpoint_value(m, "kvroute_endpoint_precise_blocks", &holder) == Some(0.0)
+                && endpoint_value(m, "kvroute_endpoint_precise_blocks", &other).unwrap_or(0.0)
+                    >= 60.0
+        })
+        .await;
+        // Let the speculative entries of turn 1's routing decision expire: events alone decide.
+        tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
+        let body = conv.ask(8);
+        let out = conv.send(&client, &fleet.url(), &body).await;
+        assert_eq!(
+            replica_of(&out, &fleet),
+            other,
+            "turn 2 did not follow the cache to {other} ({})",
+            fleet.describe()
+        );
+        assert!(
+            out.cached_tokens.unwrap_or(0) >= 1_000,
+            "turn 2 reused {:?} cached tokens on {other}",
+            out.cached_tokens
+        );
+        let m = cp_metrics(&fleet).await;
+        assert!(
+            prometheus_sum(&m, "kvroute_precise_routes_total") >= 4.0,
+            "precise routes were not tokenised:\n{m}"
+        );
+    })
+    .await;
+}
+
+/// Runs `conversations` conversations of 4 turns (system prompts of `system_tokens` words)
+/// through `fleet`; asserts the router's predicted cached tokens match the engines' within 5 %.
+/// Returns the control plane's final metrics and the prompt tokens of every last turn.
+async fn assert_prediction_matches(
+    fleet: &Fleet,
+    conversations: u64,
+    system_tokens: usize,
+) -> (String, u64) {
+    let client = HttpClient::new();
+    let mut convs: Vec<Conversation> = (0..conversations)
+        .map(|c| Conversation::new(300 + c, system_tokens))
+        .collect();
+    let mut last_prompts = 0u64;
+    let mut engine_cached = 0u64;
+    for turn in 0..4 {
+        for conv in convs.iter_mut() {
+            let body = conv.ask(16);
+            let out = conv.send(&client, &fleet.url(), &body).await;
+            engine_cached += out.cached_tokens.unwrap_or(0);
+            if turn == 3 {
+                last_prompts += out.prompt_tokens.unwrap_or(0);
+            }
+            // A user's think time: the engine's events for this turn land before the next.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // Every outcome reached the control plane (the filter flushes feedback on a tick).
+    let mut m = String::new();
+    for _ in 0..100 {
+        m = cp_metrics(fleet).await;
+        if prometheus_sum(&m, "kvroute_actual_cached_tokens_total") >= engine_cached as f64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let predicted = prometheus_sum(&m, "kvroute_predicted_cached_tokens_total");
+    let actual = prometheus_sum(&m, "kvroute_actual_cached_tokens_total");
+    assert_eq!(actual, engine_cached as f64, "feedback lost:\n{m}");
+    assert!(
+        actual > 5_000.0,
+        "the run reused too little to judge: {actual}"
+    );
+    let error = (predicted - actual).abs() / actual;
+    println!(
+        "predicted {predicted} actual {actual} error {:.2} %",
+        error * 100.0
+    );
+    assert!(
+        error <= 0.05,
+        "predicted {predicted} vs actual {actual} cached tokens: {:.1} % off ({})",
+        error * 100.0,
+        fleet.describe()
+    );
+    assert_eq!(
+        metric_with(&m, "kvroute_precise_routes_total", "reason=\"precise\""),
+        (conversations * 4) as f64,
+        "every request was tokenised and scored precisely:\n{m}"
+    );
+    (m, last_prompts)
+}
+
+/// The sum of the samples of `name` whose labels contain `label`.
+fn metric_with(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_cached_tokens_match_the_engines() {
+    let tools = tools();
+    bounded("precise prediction", async {
+        let fleet = precise_fleet(&tools, "e2e-precise-prediction", 3, &Tokenizer::Remote).await;
+        assert_prediction_matches(&fleet, 4, 800).await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_cached_tokens_match_under_eviction() {
+    const CAPACITY: u64 = 2_400;
+    let tools = tools();
+    bounded("precise prediction under eviction", async {
+        let fleet = precise_fleet_with(
+            &tools,
+            "e2e-precise-eviction",
+            3,
+            &Tokenizer::Remote,
+            &["--kv-capacity-tokens".into(), CAPACITY.to_string()],
+        )
+        .await;
+        let (m, working_set) = assert_prediction_matches(&fleet, 6, 1_000).await;
+        // The conversations' blocks do not fit in the fleet: engines evicted, and the router
+        // followed their BlockRemoved events.
+        assert!(
+            working_set > 3 * CAPACITY,
+            "working set {working_set} tokens fits in 3 x {CAPACITY}"
+        );
+        for a in fleet.replica_addresses() {
+            let blocks = endpoint_value(&m, "kvroute_endpoint_precise_blocks", &a).unwrap_or(0.0);
+            assert!(
+                blocks <= (CAPACITY / 16) as f64,
+                "{a} holds {blocks} blocks"
+            );
+        }
+    })
+    .await;
+}
+
+/// A small byte-level BPE model directory with a ChatML template behind a BOS token, as a
+/// Hugging Face model ships it.
+fn model_dir(name: &str) -> PathBuf {
+    use vllm_sim::tokenizer::{CHATML_JINJA, SPECIAL_TOKENS, train_byte_level_bpe};
+    let corpus = [
+        "You are a terse assistant. Conversation about caches and routers.",
+        "the of and to in is was that for on with as by at from it an be this are",
+        "which or have not has but were had their one all been can more its new other",
+        "data model cache token request server route fleet block prefix latency batch queue",
+    ];
+    let json = train_byte_level_bpe(&corpus, 500, &SPECIAL_TOKENS).unwrap();
+    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), json).unwrap();
+    let config = json!({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+                        "chat_template": format!("{{{{ bos_token }}}}{CHATML_JINJA}")});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_tokenizer_matches_the_engines() {
+    let tools = tools();
+    let dir = model_dir("e2e-precise-hf");
+    bounded("precise hf", async {
+        let fleet = precise_fleet(&tools, "e2e-precise-hf", 3, &Tokenizer::Hf(dir.clone())).await;
+        let (m, _) = assert_prediction_matches(&fleet, 4, 800).await;
+        assert_eq!(
+            metric_with(&m, "kvroute_tokenizations_total", "result=\"ok\""),
+            16.0,
+            "{m}"
+        );
+        // Later turns reuse the tokenisation of earlier ones.
+        let cached = metric_with(&m, "kvroute_tokenized_tokens_total", "source=\"cached\"");
+        let fresh = metric_with(&m, "kvroute_tokenized_tokens_total", "source=\"fresh\"");
+        assert!(
+            cached > fresh,
+            "cached {cached} vs fresh {fresh} tokens:\n{m}"
+        );
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A small `kvroute-demo --compare approximate,precise` run in precise mode: chats whose working
+/// set is larger than the fleet's KV caches, concurrently, through Envoy; the router's predicted
+/// cached tokens stay within 5 % of what the engines reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_comparison_precise_prediction_within_five_percent() {
+    use kvroute_demo::precise_compare::{CompareConfig, Mode, run_mode};
+    use kvroute_harness::loadgen::Workload;
+    let tools = tools();
+    bounded("precise live comparison", async {
+        let config = CompareConfig {
+            replicas: 3,
+            kv_capacity_tokens: 3_200,
+            speed: 5.0,
+            profile: "llama8b-h100".into(),
+            seed: 11,
+            route_timeout_ms: 3_000,
+            workload: Workload {
+                model: MODEL.into(),
+                conversations: 8,
+                turns: 4,
+                system_prompt_words: 200,
+                first_message_words: 900,
+                followup_words: 60,
+                max_tokens: 8,
+                seed: 11,
+                think_time: Duration::from_millis(400),
+                stagger: Duration::from_millis(100),
+                request_timeout: REQUEST_TIMEOUT,
+            },
+            decisions_dump: None,
+        };
+        let (row, run) = run_mode(&tools, &config, Mode::Precise, |_, _| {})
+            .await
+            .unwrap_or_else(|e| panic!("precise run: {e}"));
+        println!(
+            "{}",
+            kvroute_demo::precise_compare::render_table(std::slice::from_ref(&row))
+        );
+        let errors: Vec<_> = run
+            .records
+            .iter()
+            .filter_map(|r| r.error.as_ref())
+            .collect();
+        assert!(errors.is_empty(), "failed requests: {errors:?}");
+        assert!(
+            row.working_set_tokens > row.fleet_kv_capacity_tokens,
+            "working set {} fits in the fleet's {} KV tokens",
+            row.working_set_tokens,
+            row.fleet_kv_capacity_tokens
+        );
+        assert!(
+            row.actual_cached_tokens > 5_000.0,
+            "too little reuse to judge: {}",
+            row.actual_cached_tokens
+        );
+        assert_eq!(
+            row.precise_decisions,
+            (config.workload.conversations * config.workload.turns) as f64,
+            "every request was scored from KV events"
+        );
+        assert!(
+            row.prediction_error.abs() <= 0.05,
+            "predicted {} vs actual {} cached tokens: {:+.1} %",
+            row.predicted_cached_tokens,
+            row.actual_cached_tokens,
+            row.prediction_error * 100.0
+        );
+    })
+    .await;
+}
+
+/// One `key=value` field of the `x-kvroute-decision` header.
+fn decision_field(r: &HttpResponse, key: &str) -> String {
+    let decision = r.header("x-kvroute-decision").unwrap_or_default();
+    decision
+        .split("; ")
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+        .unwrap_or_else(|| panic!("no {key} in decision {decision:?}"))
+        .to_string()
+}
+
+/// The engine's `usage.prompt_tokens_details.cached_tokens` of a non-streaming answer.
+fn engine_cached(r: &HttpResponse) -> u64 {
+    let v: Value = serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.body));
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_salt_keeps_tenants_apart_and_hits_its_own_blocks() {
+    let tools = tools();
+    bounded("precise cache salt", async {
+        let fleet = precise_fleet(&tools, "e2e-precise-salt", 3, &Tokenizer::Remote).await;
+        let client = HttpClient::new();
+        let system = format!("Shared system prompt. {}", text(41, 1_200));
+        let salted = |salt: Option<&str>| {
+            let mut body = json!({
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": "Summarise the above."}
+                ],
+                "max_tokens": 4,
+            });
+            if let Some(salt) = salt {
+                body["cache_salt"] = json!(salt);
+            }
+            body
+        };
+
+        // Tenant A caches the prompt under its salt.
+        let a = fleet
+            .chat_explained(&salted(Some("tenant-a")), REQUEST_TIMEOUT)
+            .await;
+        let holder = a
+            .header(REPLICA_HEADER)
+            .expect("replica header")
+            .to_string();
+        assert_eq!(decision_field(&a, "cached_blocks"), "0", "a cold fleet");
+        wait_metrics(&fleet, "tenant A's blocks reported", |m| {
+            endpoint_value(m, "kvroute_endpoint_precise_blocks", &holder).unwrap_or(0.0) >= 60.0
+        })
+        .await;
+        // Events alone decide from here on.
+        tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
+
+        // Tenant B and an unsalted client send the very same prompt: neither is predicted a
+        // hit anywhere, and no engine gives one.
+        for (who, salt) in [("tenant B", Some("tenant-b")), ("no salt", None)] {
+            let r = fleet.chat_explained(&salted(salt), REQUEST_TIMEOUT).await;
+            assert_eq!(
+                decision_field(&r, "cached_blocks"),
+                "0",
+                "{who}: predicted a hit on tenant A's blocks ({})",
+                fleet.describe()
+            );
+            let id = decision_field(&r, "id");
+            let cp = fleet.control_plane.as_ref().expect("kvroute topology");
+            let url = format!("http://{}/debug/decisions/{id}", cp.admin_address);
+            let d: Value = serde_json::from_str(
+                &client
+                    .get(&url, REQUEST_TIMEOUT)
+                    .await
+                    .unwrap_or_else(|e| panic!("{url}: {e}"))
+                    .body,
+            )
+            .unwrap_or_else(|e| panic!("{url}: {e}"));
+            let candidates = d["candidates"].as_array().expect("candidates");
+            assert_eq!(candidates.len(), 3, "{d:#}");
+            assert!(
+                candidates
+                    .iter()
+                    .all(|c| c["precise"] == true && c["cached_blocks"] == 0),
+                "{who}: no replica may look warm: {d:#}"
+            );
+            assert_eq!(
+                engine_cached(&r),
+                0,
+                "{who}: the engine shared tenant A's blocks"
+            );
+            // Let this request's speculative entries lapse too before the next one.
+            tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
+        }
+
+        // Tenant A again: predicted on the replica holding its salted blocks, and a real hit.
+        let again = fleet
+            .chat_explained(&salted(Some("tenant-a")), REQUEST_TIMEOUT)
+            .await;
+        let predicted: u64 = decision_field(&again, "cached_blocks").parse().unwrap();
+        assert!(
+            predicted >= 60,
+            "tenant A's repeat predicted {predicted} blocks"
+        );
+        assert_eq!(decision_field(&again, "endpoint"), holder);
+        assert_eq!(again.header(REPLICA_HEADER), Some(holder.as_str()));
+        let cached = engine_cached(&again);
+        println!(
+            "tenant A's repeat: predicted {predicted} blocks, the engine reused {cached} tokens"
+        );
+        assert!(cached >= 1_000, "tenant A's repeat reused {cached} tokens");
+        // The prediction is the engine's hit, to the block (16 tokens a block; the engine
+        // recomputes the last prompt token, which may cost it the last block).
+        assert!(
+            (cached..=cached + 16).contains(&(predicted * 16)),
+            "predicted {predicted} blocks, the engine reused {cached} tokens ({})",
+            fleet.describe()
+        );
+    })
+    .await;
+}

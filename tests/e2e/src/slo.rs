@@ -1,0 +1,200 @@
+//! SLO signals for autoscaling, end to end through a real Envoy: with `slo:` configured, the
+//! control plane exports `kvroute_slo_attainment_ratio{pool,kind}`, `kvroute_queue_pressure`,
+//! and `kvroute_desired_replicas{pool,role}` computed from the filter's outcome reports and the
+//! scraped replica load. Under light load the TTFT target is met and one replica suffices;
+//! under a burst of long prompts on replicas that batch only two requests, requests queue
+//! (queue pressure rises), the TTFT attainment falls and the desired prefill replicas grow.
+
+use std::time::{Duration, Instant};
+
+use kvroute_harness::loadgen::words;
+use kvroute_harness::{Fleet, FleetConfig};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
+
+use crate::common::tools;
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(150);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+const MODEL: &str = "kvroute-slo-model";
+
+fn body(words_n: usize, seed: u64, max_tokens: u32) -> Value {
+    let text = words(&mut SmallRng::seed_from_u64(seed), words_n);
+    // Streamed, so the filter's TTFB is the first token and usage gives the ITL.
+    json!({"model": MODEL, "messages": [{"role": "user", "content": text}],
+           "max_tokens": max_tokens, "stream": true,
+           "stream_options": {"include_usage": true}})
+}
+
+async fn chat(fleet: &Fleet, body: Value) {
+    let url = format!("{}/v1/chat/completions", fleet.url());
+    let r = fleet
+        .client()
+        .request("POST", &url, &[], Some(body.to_string()), REQUEST_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
+    assert_eq!(r.status, 200, "{} ({})", r.body, fleet.describe());
+}
+
+async fn metrics(fleet: &Fleet) -> String {
+    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
+    let url = format!("http://{}/metrics", cp.admin_address);
+    fleet
+        .client()
+        .get(&url, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .body
+}
+
+/// The value of the sample `name{labels}` (exact label text), if present.
+fn gauge(text: &str, name: &str, labels: &str) -> Option<f64> {
+    let prefix = format!("{name}{{{labels}}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+}
+
+fn need(text: &str, name: &str, labels: &str) -> f64 {
+    gauge(text, name, labels).unwrap_or_else(|| panic!("no {name}{{{labels}}} in\n{text}"))
+}
+
+/// Waits until the window holds at least `n` TTFT samples (outcomes arrive on the filter's
+/// feedback tick) and returns the metrics text.
+async fn wait_samples(fleet: &Fleet, n: f64) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = metrics(fleet).await;
+        let have = gauge(
+            &text,
+            "kvroute_slo_samples",
+            "pool=\"default\",kind=\"ttft\"",
+        );
+        if have.is_some_and(|h| h >= n) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {have:?} TTFT samples, wanted {n}:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slo_gauges_follow_the_load() {
+    let tools = tools();
+    tokio::time::timeout(TEST_TIMEOUT, async {
+        let mut cfg = FleetConfig::new("e2e-slo");
+        cfg.replicas = 2;
+        cfg.model = MODEL.to_string();
+        cfg.envoy_concurrency = 1;
+        cfg.sim_args = vec!["--max-num-seqs".into(), "2".into()];
+        cfg.plugin_config = json!({"route_timeout_ms": 5000, "feedback_interval_ms": 100});
+        cfg.control_plane_extra = json!({
+            "slo": {"ttft_ms": 1000, "itl_ms": 200, "window_ms": 600_000,
+                    "attainment_target": 0.9}
+        });
+        let fleet = Fleet::start(cfg, &tools)
+            .await
+            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
+
+        // Before any traffic the gauges exist for the pool: nothing violated, one replica.
+        let text = metrics(&fleet).await;
+        for kind in ["ttft", "itl"] {
+            let labels = format!("pool=\"default\",kind=\"{kind}\"");
+            assert_eq!(need(&text, "kvroute_slo_attainment_ratio", &labels), 1.0);
+        }
+        assert_eq!(
+            need(&text, "kvroute_queue_pressure", "pool=\"default\""),
+            0.0
+        );
+        for role in ["prefill", "decode"] {
+            let labels = format!("pool=\"default\",role=\"{role}\"");
+            assert_eq!(
+                need(&text, "kvroute_desired_replicas", &labels),
+                1.0,
+                "{text}"
+            );
+        }
+
+        // Light load: short prompts one at a time meet the 1 s TTFT target.
+        for i in 0..10 {
+            chat(&fleet, body(20, i, 4)).await;
+        }
+        let light = wait_samples(&fleet, 10.0).await;
+        let light_ttft = need(
+            &light,
+            "kvroute_slo_attainment_ratio",
+            "pool=\"default\",kind=\"ttft\"",
+        );
+        let light_prefill = need(
+            &light,
+            "kvroute_desired_replicas",
+            "pool=\"default\",role=\"prefill\"",
+        );
+        eprintln!("light: ttft attainment {light_ttft}, desired prefill {light_prefill}");
+        assert!(light_ttft >= 0.9, "{light}");
+        assert!(
+            need(
+                &light,
+                "kvroute_slo_attainment_ratio",
+                "pool=\"default\",kind=\"itl\""
+            ) >= 0.9,
+            "{light}"
+        );
+
+        // Heavy: 16 long prompts at once on 2 replicas batching 2 each: they queue.
+        let mut burst = Vec::new();
+        for i in 0..16 {
+            let url = format!("{}/v1/chat/completions", fleet.url());
+            let client = fleet.client().clone();
+            let b = body(3_000, 100 + i, 100).to_string();
+            burst.push(tokio::spawn(async move {
+                client
+                    .request("POST", &url, &[], Some(b), REQUEST_TIMEOUT)
+                    .await
+                    .map(|r| r.status)
+            }));
+        }
+        let mut max_pressure: f64 = 0.0;
+        while !burst.iter().all(|t| t.is_finished()) {
+            let text = metrics(&fleet).await;
+            if let Some(p) = gauge(&text, "kvroute_queue_pressure", "pool=\"default\"") {
+                max_pressure = max_pressure.max(p);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for t in burst {
+            let status = t.await.unwrap().unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(status, 200);
+        }
+        let heavy = wait_samples(&fleet, 26.0).await;
+        let heavy_ttft = need(
+            &heavy,
+            "kvroute_slo_attainment_ratio",
+            "pool=\"default\",kind=\"ttft\"",
+        );
+        let heavy_prefill = need(
+            &heavy,
+            "kvroute_desired_replicas",
+            "pool=\"default\",role=\"prefill\"",
+        );
+        let demand = need(
+            &heavy,
+            "kvroute_prefill_demand_tokens_per_second",
+            "pool=\"default\"",
+        );
+        eprintln!(
+            "heavy: max queue pressure {max_pressure}, ttft attainment {heavy_ttft}, desired \
+             prefill {heavy_prefill}, prefill demand {demand:.0} tok/s"
+        );
+        assert!(max_pressure > 0.0, "requests never queued");
+        assert!(heavy_ttft < light_ttft, "{heavy}");
+        assert!(heavy_ttft < 0.9, "{heavy}");
+        assert!(heavy_prefill > light_prefill, "{heavy}");
+        assert!(demand > 0.0);
+    })
+    .await
+    .expect("the SLO test timed out");
+}

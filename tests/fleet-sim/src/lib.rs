@@ -1,0 +1,16 @@
+//! fleet-sim: a deterministic discrete-event simulation of a vLLM fleet behind a routing policy.
+//!
+//! - [`workload`] reads Mooncake traces and generates synthetic workloads;
+//! - [`policy`] holds the routing policies compared (peers and kvroute's own `Router`);
+//! - [`des`] replays a workload through the engines of [`vllm_sim`] in virtual time;
+//! - [`fairness`] runs the two-tenant fairness benchmark (admission in front of the router);
+//! - [`disagg`] runs the prefill/decode disaggregation benchmark (colocated vs disaggregated);
+//! - [`report`] turns runs into tables, JSON and SVG.
+
+pub mod des;
+pub mod disagg;
+pub mod events;
+pub mod fairness;
+pub mod policy;
+pub mod report;
+pub mod workload;

@@ -1,0 +1,440 @@
+//! `fleet-sim`: compare routing policies on a simulated vLLM fleet in virtual time.
+//!
+//! `fleet-sim compare --workload shared-prefix --replicas 8 --json out.json` prints a table,
+//! writes the JSON summary and SVG plots (TTFT CDF; with `--sweep`, TTFT p50/p99 against load).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use fleet_sim::des::{RunResult, SimConfig, run};
+use fleet_sim::policy::{DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with};
+use fleet_sim::report::{PolicySummary, line_chart, line_chart_axes, table, ttft_cdf_series};
+use fleet_sim::workload::from_spec;
+use scorer_core::router::RouterConfig;
+use serde::Serialize;
+use vllm_sim::Profile;
+
+#[derive(Parser)]
+#[command(
+    name = "fleet-sim",
+    about = "Discrete-event simulation of a vLLM fleet behind routing policies"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay one workload through every policy and compare.
+    Compare(Box<CompareArgs>),
+    /// List the policies.
+    Policies,
+    /// Two tenants (interactive + batch flood): interactive TTFT p99 alone, flooded without
+    /// admission and flooded behind fair admission; prints a table, `--json` writes it.
+    Fairness(Box<FairnessArgs>),
+    /// Prefill/decode disaggregation: each workload colocated and disaggregated; prints TTFT
+    /// p50/p99 and the ITL p99 of running streams, and when disaggregation helps.
+    Disagg(Box<DisaggArgs>),
+}
+
+#[derive(clap::Args)]
+struct DisaggArgs {
+    /// Comma-separated workloads: long-prompt, short-prompt, mix (default: all three).
+    #[arg(long, value_delimiter = ',')]
+    workload: Option<Vec<String>>,
+    /// Replicas in the fleet (the same number in both modes).
+    #[arg(long, default_value_t = 4)]
+    replicas: usize,
+    /// Of which prefill replicas in the disaggregated run.
+    #[arg(long, default_value_t = 1)]
+    prefill_replicas: usize,
+    /// Requests per workload.
+    #[arg(long, default_value_t = 400)]
+    requests: usize,
+    /// Mean arrivals per second (Poisson).
+    #[arg(long, default_value_t = 2.0)]
+    rate: f64,
+    /// The router's `pd.threshold_tokens`.
+    #[arg(long, default_value_t = 1024)]
+    threshold_tokens: u32,
+    /// KV transfer bandwidth, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    kv_gbps: f64,
+    /// Seed of arrivals, prompts and routing.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write the JSON summary here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct FairnessArgs {
+    /// Replicas in the fleet.
+    #[arg(long, default_value_t = 4)]
+    replicas: usize,
+    /// Virtual seconds both tenants send.
+    #[arg(long, default_value_t = 60.0)]
+    duration_s: f64,
+    /// Interactive requests per second.
+    #[arg(long, default_value_t = 4.0)]
+    interactive_rate: f64,
+    /// Interactive prompt tokens.
+    #[arg(long, default_value_t = 512)]
+    interactive_prompt: u32,
+    /// Batch requests per second (the flood).
+    #[arg(long, default_value_t = 12.0)]
+    batch_rate: f64,
+    /// Batch prompt tokens.
+    #[arg(long, default_value_t = 6000)]
+    batch_prompt: u32,
+    /// Admission settings as YAML or JSON (`admission:` fields of the control plane); default:
+    /// the control plane's defaults plus `{max_ttft_inflation: 3}`.
+    #[arg(long)]
+    admission: Option<String>,
+    /// Fail (exit 1) when the fair run's interactive TTFT p99 exceeds this multiple of the
+    /// alone run's; default: the configured `max_ttft_inflation` (no check without one).
+    #[arg(long)]
+    max_ratio: Option<f64>,
+    /// Seed of arrivals, routing and jitter.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Write the JSON summary here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct CompareArgs {
+    /// A Mooncake `.jsonl` trace, or a generator: shared-prefix, multi-turn, long-doc, no-sharing
+    /// (options as `name:key=value,...`).
+    #[arg(long)]
+    workload: String,
+    /// Replicas in the fleet.
+    #[arg(long, default_value_t = 8)]
+    replicas: usize,
+    /// Comma-separated policies (default: all).
+    #[arg(long, value_delimiter = ',')]
+    policies: Option<Vec<String>>,
+    /// Compress arrival times by this factor (2 = twice the load).
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Seed of workload generators, policies and jitter.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Override the profile's per-replica KV capacity (tokens); the decode cost of a token's KV
+    /// stays the profile's.
+    #[arg(long)]
+    kv_capacity_tokens: Option<u64>,
+    /// Engine profile YAML (default: Llama-8B on H100).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Write the JSON summary here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Directory for SVG plots (default: next to --json, or target/fleet-sim).
+    #[arg(long)]
+    svg_dir: Option<PathBuf>,
+    /// Also run these speedups and plot TTFT p50/p99 against load.
+    #[arg(long, value_delimiter = ',')]
+    sweep: Option<Vec<f64>>,
+    /// kvroute router settings as YAML or JSON (`RouterConfig` fields, e.g.
+    /// `{scoring: {guard_abs: 32}}`), for sweeps of the scoring defaults.
+    #[arg(long)]
+    router_config: Option<String>,
+    /// Metrics scrape interval of the simulated routers (virtual ms).
+    #[arg(long, default_value_t = 100.0)]
+    metrics_interval_ms: f64,
+    /// Canonical text bytes per token of the workload, what kvroute's approximate filter sees
+    /// (its router converts back with its own `bytes_per_token`, 4 by default). English prose
+    /// is about 4; code less; Cyrillic or Greek text in UTF-8 more.
+    #[arg(long, default_value_t = DEFAULT_TEXT_BYTES_PER_TOKEN)]
+    text_bytes_per_token: f64,
+}
+
+#[derive(Serialize)]
+struct SweepPoint {
+    speedup: f64,
+    results: Vec<PolicySummary>,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    workload: String,
+    replicas: usize,
+    speedup: f64,
+    seed: u64,
+    text_bytes_per_token: f64,
+    results: Vec<PolicySummary>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    sweep: Vec<SweepPoint>,
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Policies => {
+            for p in POLICY_NAMES {
+                println!("{p}");
+            }
+            Ok(())
+        }
+        Command::Compare(args) => compare(*args),
+        Command::Fairness(args) => fairness(*args),
+        Command::Disagg(args) => disagg(*args),
+    }
+}
+
+fn disagg(args: DisaggArgs) -> anyhow::Result<()> {
+    use fleet_sim::disagg::{DisaggScenario, DisaggWorkload, compare, table};
+    let workloads = match &args.workload {
+        None => DisaggWorkload::ALL.to_vec(),
+        Some(names) => names
+            .iter()
+            .map(|n| {
+                DisaggWorkload::parse(n).with_context(|| {
+                    format!("unknown workload {n:?} (long-prompt, short-prompt, mix)")
+                })
+            })
+            .collect::<anyhow::Result<_>>()?,
+    };
+    if args.replicas < 2
+        || args.replicas > scorer_core::index::MAX_ENDPOINTS
+        || args.prefill_replicas == 0
+        || args.prefill_replicas >= args.replicas
+    {
+        bail!("need 2..=256 replicas and 1..replicas prefill replicas");
+    }
+    if !(args.rate.is_finite() && args.rate > 0.0 && args.kv_gbps.is_finite() && args.kv_gbps > 0.0)
+    {
+        bail!("--rate and --kv-gbps must be positive");
+    }
+    let scenario = DisaggScenario {
+        replicas: args.replicas,
+        prefill_replicas: args.prefill_replicas,
+        requests: args.requests.max(1),
+        rate: args.rate,
+        threshold_tokens: args.threshold_tokens,
+        kv_gbps: args.kv_gbps,
+        seed: args.seed,
+        ..DisaggScenario::default()
+    };
+    let started = Instant::now();
+    let results = workloads
+        .into_iter()
+        .map(|w| compare(w, &scenario))
+        .collect::<Result<Vec<_>, _>>()?;
+    eprintln!("simulated in {:.1}s", started.elapsed().as_secs_f64());
+    print!("{}", table(&results));
+    if let Some(path) = &args.json {
+        let summary = serde_json::json!({"scenario": scenario, "results": results});
+        std::fs::write(path, serde_json::to_string_pretty(&summary)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn fairness(args: FairnessArgs) -> anyhow::Result<()> {
+    use fleet_sim::fairness::{Scenario, compare, table};
+    if args.replicas == 0 || args.replicas > scorer_core::index::MAX_ENDPOINTS {
+        bail!(
+            "--replicas must be between 1 and {}",
+            scorer_core::index::MAX_ENDPOINTS
+        );
+    }
+    let admission: scorer_core::fairness::AdmissionConfig = match &args.admission {
+        Some(text) => serde_yaml_ng::from_str(text).context("--admission")?,
+        None => fleet_sim::fairness::benchmark_admission(),
+    };
+    admission.validate()?;
+    let scenario = Scenario {
+        replicas: args.replicas,
+        seed: args.seed,
+        duration_ms: args.duration_s * 1000.0,
+        interactive_rate: args.interactive_rate,
+        interactive_prompt: args.interactive_prompt,
+        batch_rate: args.batch_rate,
+        batch_prompt: args.batch_prompt,
+        admission,
+        ..Scenario::default()
+    };
+    let started = Instant::now();
+    let report = compare(&scenario)?;
+    eprintln!("simulated in {:.1}s", started.elapsed().as_secs_f64());
+    print!("{}", table(&report));
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(max) = args.max_ratio.or(report.max_ttft_inflation)
+        && report.ttft_p99_ratio_fair > max
+    {
+        bail!(
+            "interactive TTFT p99 with fair admission is {:.2}x alone, above {max}x",
+            report.ttft_p99_ratio_fair
+        );
+    }
+    Ok(())
+}
+
+fn run_all(
+    args: &CompareArgs,
+    policies: &[String],
+    cfg: &SimConfig,
+    router: &RouterConfig,
+    speedup: f64,
+) -> anyhow::Result<Vec<RunResult>> {
+    let mut workload = from_spec(&args.workload, args.seed)?;
+    if let Some(n) = args.limit {
+        workload.truncate(n);
+    }
+    workload.speed_up(speedup);
+    let mut runs = Vec::new();
+    for name in policies {
+        let mut policy = build_with(
+            name,
+            cfg.replicas,
+            args.seed,
+            router,
+            args.text_bytes_per_token,
+        )
+        .with_context(|| format!("unknown policy {name}"))?;
+        eprint!("  {name:<20} speedup {speedup:<5} ... ");
+        std::io::stderr().flush().ok();
+        let started = Instant::now();
+        let result = run(&workload, policy.as_mut(), cfg)?;
+        eprintln!(
+            "{} requests in {:.1}s",
+            result.records.len(),
+            started.elapsed().as_secs_f64()
+        );
+        runs.push(result);
+    }
+    Ok(runs)
+}
+
+fn compare(args: CompareArgs) -> anyhow::Result<()> {
+    if args.replicas == 0 || args.replicas > scorer_core::index::MAX_ENDPOINTS {
+        bail!(
+            "--replicas must be 1..={}",
+            scorer_core::index::MAX_ENDPOINTS
+        );
+    }
+    if !args.speedup.is_finite() || args.speedup <= 0.0 {
+        bail!("--speedup must be > 0");
+    }
+    if !args.text_bytes_per_token.is_finite() || args.text_bytes_per_token <= 0.0 {
+        bail!("--text-bytes-per-token must be > 0");
+    }
+    let mut profile = match &args.profile {
+        Some(p) => Profile::load(p)?,
+        None => Profile::llama8b_h100(),
+    };
+    if let Some(t) = args.kv_capacity_tokens {
+        profile = profile.with_kv_capacity_tokens(t);
+        profile.validate()?;
+    }
+    let policies: Vec<String> = args
+        .policies
+        .clone()
+        .unwrap_or_else(|| POLICY_NAMES.iter().map(|s| s.to_string()).collect());
+    for p in &policies {
+        if !POLICY_NAMES.contains(&p.as_str()) {
+            bail!("unknown policy {p:?}; known: {}", POLICY_NAMES.join(", "));
+        }
+    }
+    let router: RouterConfig = match &args.router_config {
+        Some(text) => serde_yaml_ng::from_str(text).context("--router-config")?,
+        None => RouterConfig::default(),
+    };
+    let cfg = SimConfig {
+        replicas: args.replicas,
+        profile,
+        seed: args.seed,
+        metrics_interval_ms: args.metrics_interval_ms,
+    };
+    eprintln!("fleet-sim: {} on {} replicas", args.workload, args.replicas);
+    let runs = run_all(&args, &policies, &cfg, &router, args.speedup)?;
+    let results: Vec<PolicySummary> = runs.iter().map(PolicySummary::of).collect();
+    println!("{}", table(&results));
+
+    let svg_dir = args.svg_dir.clone().unwrap_or_else(|| match &args.json {
+        Some(j) => j.parent().map(PathBuf::from).unwrap_or_default(),
+        None => PathBuf::from("target/fleet-sim"),
+    });
+    let svg_dir = if svg_dir.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        svg_dir
+    };
+    std::fs::create_dir_all(&svg_dir).with_context(|| format!("creating {}", svg_dir.display()))?;
+    let cdf = line_chart_axes(
+        &format!("TTFT CDF: {}", args.workload),
+        "TTFT (ms, log)",
+        "fraction of requests",
+        &ttft_cdf_series(&runs),
+        true,
+        false,
+    );
+    let cdf_path = svg_dir.join("ttft_cdf.svg");
+    std::fs::write(&cdf_path, cdf)?;
+    eprintln!("wrote {}", cdf_path.display());
+
+    let mut sweep = Vec::new();
+    if let Some(speedups) = &args.sweep {
+        for &s in speedups {
+            let runs = run_all(&args, &policies, &cfg, &router, s)?;
+            sweep.push(SweepPoint {
+                speedup: s,
+                results: runs.iter().map(PolicySummary::of).collect(),
+            });
+        }
+        let mut series = Vec::new();
+        for (i, p) in policies.iter().enumerate() {
+            let p50 = sweep
+                .iter()
+                .map(|pt| (pt.speedup, pt.results[i].ttft_ms.p50.max(0.1)))
+                .collect();
+            let p99 = sweep
+                .iter()
+                .map(|pt| (pt.speedup, pt.results[i].ttft_ms.p99.max(0.1)))
+                .collect();
+            series.push((format!("{p} p50"), p50));
+            series.push((format!("{p} p99"), p99));
+        }
+        let chart = line_chart(
+            "TTFT against load",
+            "arrival-rate speedup",
+            "TTFT (ms)",
+            &series,
+            true,
+        );
+        let path = svg_dir.join("ttft_vs_load.svg");
+        std::fs::write(&path, chart)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(json) = &args.json {
+        let summary = Summary {
+            workload: args.workload.clone(),
+            replicas: args.replicas,
+            speedup: args.speedup,
+            seed: args.seed,
+            text_bytes_per_token: args.text_bytes_per_token,
+            results,
+            sweep,
+        };
+        if let Some(dir) = json.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(json, serde_json::to_string_pretty(&summary)?)
+            .with_context(|| format!("writing {}", json.display()))?;
+        eprintln!("wrote {}", json.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,751 @@
+//! Routing policies fleet-sim compares, each a faithful model of a published algorithm with its
+//! published defaults (each policy's doc comment names its source), plus kvroute itself running scorer-core's
+//! `Router` (the same code the control plane runs).
+//!
+//! A policy sees what a real router would: the request's tokens, its own in-flight accounting,
+//! scraped replica metrics (refreshed on an interval, so they are stale like the real thing)
+//! and, for policies that use them, the engines' KV events.
+
+use hashbrown::HashMap;
+use scorer_core::hash::{model_seed, token_block_hashes};
+use scorer_core::index::{EndpointId, PrefixIndex};
+use scorer_core::precise::{KvEvent, PreciseTracker};
+use scorer_core::protocol::{Outcome, RouteRequest};
+use scorer_core::router::{EndpointLoad, EndpointMetrics, Router, RouterConfig};
+
+/// The model name every simulated replica serves.
+pub const MODEL: &str = "sim-model";
+
+/// Scraped view of one replica (vLLM `/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReplicaSnapshot {
+    /// `vllm:num_requests_running`.
+    pub running: u32,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// `vllm:kv_cache_usage_perc`.
+    pub kv_usage: f64,
+    /// KV capacity in tokens.
+    pub capacity_tokens: u64,
+    /// Engine block size in tokens.
+    pub block_size: u32,
+}
+
+/// A request as a router sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyRequest<'a> {
+    /// Workload index, unique per run.
+    pub id: usize,
+    /// Prompt token ids (what vllm-router's render endpoint or a tokenizer gives).
+    pub tokens: &'a [u32],
+    /// Requested output length.
+    pub output_tokens: u32,
+    /// Conversation, when the workload has one.
+    pub session: Option<u64>,
+}
+
+/// A routing policy driven by fleet-sim's virtual clock.
+pub trait Policy {
+    /// Name in tables (the CLI name).
+    fn name(&self) -> &str;
+    /// Picks a replica index for `request` at `now_ms`.
+    fn route(&mut self, request: &PolicyRequest<'_>, now_ms: f64) -> usize;
+    /// A fresh scrape of every replica arrived.
+    fn on_metrics(&mut self, _replicas: &[ReplicaSnapshot], _now_ms: f64) {}
+    /// The request's first token was streamed.
+    fn on_first_token(&mut self, _id: usize, _replica: usize, _now_ms: f64) {}
+    /// The request finished; `cached_tokens` is what the engine reported.
+    fn on_finish(&mut self, _id: usize, _replica: usize, _now_ms: f64, _cached_tokens: u32) {}
+    /// KV events of one replica (only delivered when `wants_kv_events`).
+    fn on_kv_events(&mut self, _replica: usize, _events: &[KvEvent], _now_ms: f64) {}
+    /// Whether this policy consumes KV events.
+    fn wants_kv_events(&self) -> bool {
+        false
+    }
+    /// Cached tokens the policy predicted for request `id` on its replica, if it predicts any.
+    fn predicted_cached_tokens(&self, _id: usize) -> Option<u32> {
+        None
+    }
+    /// The router's load view of every replica, as the control plane's admission reads it
+    /// (`Router::endpoint_loads`); `false` for policies without one (peers).
+    fn endpoint_loads(
+        &self,
+        _now_ms: f64,
+        _reference_tokens: u32,
+        _out: &mut Vec<EndpointLoad>,
+    ) -> bool {
+        false
+    }
+}
+
+/// Every policy name the CLI accepts, in table order.
+pub const POLICY_NAMES: &[&str] = &[
+    "round-robin",
+    "random",
+    "least-request",
+    "power-of-two",
+    "sglang-cache-aware",
+    "llmd",
+    "dynamo",
+    "kvroute",
+    "kvroute-precise",
+];
+
+/// Canonical text bytes per token of fleet-sim's workloads unless told otherwise: the
+/// router's default `bytes_per_token`, so approximate mode's estimate is right on average.
+pub const DEFAULT_TEXT_BYTES_PER_TOKEN: f64 = 4.0;
+
+/// Builds the policy called `name` for `replicas` replicas, with kvroute's scoring defaults.
+pub fn build(name: &str, replicas: usize, seed: u64) -> Option<Box<dyn Policy>> {
+    build_with(
+        name,
+        replicas,
+        seed,
+        &RouterConfig::default(),
+        DEFAULT_TEXT_BYTES_PER_TOKEN,
+    )
+}
+
+/// Builds the policy called `name`; kvroute policies take `kvroute` as their router config
+/// (block sizes are set by the mode). `text_bytes_per_token` is how many canonical bytes the
+/// workload's text spends per token: the approximate filter sees bytes, not tokens.
+pub fn build_with(
+    name: &str,
+    replicas: usize,
+    seed: u64,
+    kvroute: &RouterConfig,
+    text_bytes_per_token: f64,
+) -> Option<Box<dyn Policy>> {
+    Some(match name {
+        "round-robin" => Box::new(RoundRobin {
+            next: 0,
+            n: replicas,
+        }),
+        "random" => Box::new(RandomPick {
+            rng: SplitMix(seed),
+            n: replicas,
+        }),
+        "least-request" => Box::new(LeastRequest {
+            load: Load::new(replicas),
+            rng: SplitMix(seed),
+        }),
+        "power-of-two" => Box::new(PowerOfTwo {
+            load: Load::new(replicas),
+            rng: SplitMix(seed),
+        }),
+        "sglang-cache-aware" => Box::new(SglangCacheAware::new(replicas, seed)),
+        "llmd" => Box::new(Llmd::new(replicas, seed)),
+        "dynamo" => Box::new(Dynamo::new(replicas, seed)),
+        "kvroute" => Box::new(Kvroute::new(
+            replicas,
+            seed,
+            false,
+            kvroute.clone(),
+            text_bytes_per_token,
+        )),
+        "kvroute-precise" => Box::new(Kvroute::new(
+            replicas,
+            seed,
+            true,
+            kvroute.clone(),
+            text_bytes_per_token,
+        )),
+        _ => return None,
+    })
+}
+
+/// splitmix64: a tiny seeded generator, so runs are deterministic.
+#[derive(Debug, Clone)]
+pub struct SplitMix(pub u64);
+impl SplitMix {
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n.max(1) as u64) as usize
+    }
+}
+
+/// Picks uniformly among the indices whose key equals the best (lowest) key.
+fn argmin_random<K: PartialOrd + Copy>(keys: impl Iterator<Item = K>, rng: &mut SplitMix) -> usize {
+    let keys: Vec<K> = keys.collect();
+    let Some(best) = keys
+        .iter()
+        .copied()
+        .reduce(|a, b| if b < a { b } else { a })
+    else {
+        return 0;
+    };
+    let ties: Vec<usize> = keys
+        .iter()
+        .enumerate()
+        .filter(|(_, k)| **k == best)
+        .map(|(i, _)| i)
+        .collect();
+    ties[rng.below(ties.len())]
+}
+
+/// Router-side in-flight request counts (every load-aware router keeps these).
+#[derive(Debug, Clone)]
+struct Load {
+    inflight: Vec<u32>,
+    at: HashMap<usize, usize>,
+}
+impl Load {
+    fn new(n: usize) -> Self {
+        Self {
+            inflight: vec![0; n],
+            at: HashMap::new(),
+        }
+    }
+    fn add(&mut self, id: usize, replica: usize) {
+        self.inflight[replica] += 1;
+        self.at.insert(id, replica);
+    }
+    fn finish(&mut self, id: usize) {
+        if let Some(r) = self.at.remove(&id) {
+            self.inflight[r] = self.inflight[r].saturating_sub(1);
+        }
+    }
+}
+
+struct RoundRobin {
+    next: usize,
+    n: usize,
+}
+impl Policy for RoundRobin {
+    fn name(&self) -> &str {
+        "round-robin"
+    }
+    fn route(&mut self, _: &PolicyRequest<'_>, _: f64) -> usize {
+        let r = self.next % self.n;
+        self.next += 1;
+        r
+    }
+}
+
+struct RandomPick {
+    rng: SplitMix,
+    n: usize,
+}
+impl Policy for RandomPick {
+    fn name(&self) -> &str {
+        "random"
+    }
+    fn route(&mut self, _: &PolicyRequest<'_>, _: f64) -> usize {
+        self.rng.below(self.n)
+    }
+}
+
+/// Envoy's / the gateways' least-request: fewest router-tracked in-flight requests.
+struct LeastRequest {
+    load: Load,
+    rng: SplitMix,
+}
+impl Policy for LeastRequest {
+    fn name(&self) -> &str {
+        "least-request"
+    }
+    fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
+        let pick = argmin_random(self.load.inflight.iter().copied(), &mut self.rng);
+        self.load.add(r.id, pick);
+        pick
+    }
+    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
+        self.load.finish(id);
+    }
+}
+
+/// Power of two choices (SGLang `power_of_two`, Ray Serve LLM default): two random replicas,
+/// the less loaded wins.
+struct PowerOfTwo {
+    load: Load,
+    rng: SplitMix,
+}
+impl Policy for PowerOfTwo {
+    fn name(&self) -> &str {
+        "power-of-two"
+    }
+    fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
+        let n = self.load.inflight.len();
+        let a = self.rng.below(n);
+        let mut b = self.rng.below(n);
+        if n > 1 && a == b {
+            b = (a + 1 + self.rng.below(n - 1)) % n;
+        }
+        let pick = if self.load.inflight[b] < self.load.inflight[a] {
+            b
+        } else {
+            a
+        };
+        self.load.add(r.id, pick);
+        pick
+    }
+    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
+        self.load.finish(id);
+    }
+}
+
+/// SGLang router `cache_aware` with its CLI defaults (cache_threshold 0.3, balance_abs_threshold
+/// 64, balance_rel_threshold 1.5, max_tree_size 2^26). Its radix tree is over the request text
+/// built from routing history only; here over token ids (as vllm-router's variant does) at
+/// 16-token granularity, with per-tenant LRU eviction to the size cap.
+struct SglangCacheAware {
+    load: Load,
+    tree: PrefixIndex,
+    rng: SplitMix,
+    cache_threshold: f64,
+    balance_abs: u32,
+    balance_rel: f64,
+}
+const SGLANG_GRAIN: usize = 16;
+impl SglangCacheAware {
+    fn new(n: usize, seed: u64) -> Self {
+        let mut tree = PrefixIndex::new(u64::MAX / 4);
+        for i in 0..n {
+            tree.set_capacity(EndpointId(i as u16), (1usize << 26) / SGLANG_GRAIN);
+        }
+        Self {
+            load: Load::new(n),
+            tree,
+            rng: SplitMix(seed),
+            cache_threshold: 0.3,
+            balance_abs: 64,
+            balance_rel: 1.5,
+        }
+    }
+}
+impl Policy for SglangCacheAware {
+    fn name(&self) -> &str {
+        "sglang-cache-aware"
+    }
+    fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
+        let hashes = token_block_hashes(model_seed(MODEL), r.tokens, SGLANG_GRAIN);
+        let loads = &self.load.inflight;
+        let (max_load, min_load) = (
+            *loads.iter().max().unwrap_or(&0),
+            *loads.iter().min().unwrap_or(&0),
+        );
+        let imbalanced = max_load.saturating_sub(min_load) > self.balance_abs
+            && f64::from(max_load) > self.balance_rel * f64::from(min_load);
+        let pick = if imbalanced {
+            argmin_random(loads.iter().copied(), &mut self.rng)
+        } else {
+            let mut best = (0usize, Vec::new());
+            self.tree.matched_prefix(&hashes, |id, depth| {
+                if depth > best.0 {
+                    best = (depth, vec![usize::from(id.0)]);
+                } else if depth == best.0 {
+                    best.1.push(usize::from(id.0));
+                }
+            });
+            let match_rate = (best.0 * SGLANG_GRAIN) as f64 / r.tokens.len().max(1) as f64;
+            if match_rate > self.cache_threshold && !best.1.is_empty() {
+                best.1[self.rng.below(best.1.len())]
+            } else {
+                // The tenant with the smallest tree has the most free (approximate) cache.
+                let sizes = (0..loads.len()).map(|i| self.tree.len_for(EndpointId(i as u16)));
+                argmin_random(sizes, &mut self.rng)
+            }
+        };
+        self.tree
+            .insert(EndpointId(pick as u16), &hashes, now_ms as u64);
+        self.load.add(r.id, pick);
+        pick
+    }
+    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
+        self.load.finish(id);
+    }
+}
+
+/// llm-d's default scheduler profile: approximate prefix-cache scorer (weight 3), queue scorer
+/// (2), KV-cache utilisation scorer (2), max-score picker. The prefix producer hashes 64-token
+/// blocks and learns the pick before the server sees the request; per-pod LRU sized from
+/// `num_gpu_blocks`; queue and KV scores come from scraped metrics.
+struct Llmd {
+    index: PrefixIndex,
+    snapshot: Vec<ReplicaSnapshot>,
+    rng: SplitMix,
+    sized: bool,
+}
+const LLMD_BLOCK: usize = 64;
+impl Llmd {
+    fn new(n: usize, seed: u64) -> Self {
+        Self {
+            index: PrefixIndex::new(u64::MAX / 4),
+            snapshot: vec![ReplicaSnapshot::default(); n],
+            rng: SplitMix(seed),
+            sized: false,
+        }
+    }
+}
+impl Policy for Llmd {
+    fn name(&self) -> &str {
+        "llmd"
+    }
+    fn on_metrics(&mut self, replicas: &[ReplicaSnapshot], _: f64) {
+        self.snapshot.copy_from_slice(replicas);
+        if !self.sized {
+            for (i, r) in replicas.iter().enumerate() {
+                let blocks = r.capacity_tokens / u64::from(r.block_size.max(1));
+                self.index
+                    .set_capacity(EndpointId(i as u16), blocks as usize);
+            }
+            self.sized = true;
+        }
+    }
+    fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
+        let hashes = token_block_hashes(model_seed(MODEL), r.tokens, LLMD_BLOCK);
+        let n = self.snapshot.len();
+        let mut matched = vec![0usize; n];
+        self.index
+            .matched_prefix(&hashes, |id, d| matched[usize::from(id.0)] = d);
+        let total = hashes.len().max(1) as f64;
+        let (qmin, qmax) = self.snapshot.iter().fold((u32::MAX, 0), |(lo, hi), s| {
+            (lo.min(s.waiting), hi.max(s.waiting))
+        });
+        let scores = (0..n).map(|i| {
+            let s = &self.snapshot[i];
+            let prefix = matched[i] as f64 / total;
+            let queue = if qmax == qmin {
+                1.0
+            } else {
+                f64::from(qmax - s.waiting) / f64::from(qmax - qmin)
+            };
+            let kv = 1.0 - s.kv_usage.clamp(0.0, 1.0);
+            // Negated so argmin picks the max score.
+            -(3.0 * prefix + 2.0 * queue + 2.0 * kv)
+        });
+        let pick = argmin_random(scores, &mut self.rng);
+        self.index
+            .insert(EndpointId(pick as u16), &hashes, now_ms as u64);
+        pick
+    }
+}
+
+/// NVIDIA Dynamo's KV router with its defaults: KV events on (precise overlap), overlap credit
+/// 1.0, prefill load scale 1.0, temperature 0 (argmin, random ties), `router_assume_kv_reuse`.
+/// Cost per worker in blocks: `max(active_prefill + request_blocks - overlap, 0) +
+/// decode_blocks`, where decode blocks are the distinct blocks of active requests (shared
+/// prefixes counted once) plus the request's blocks new to that worker; router-side slot
+/// tracking releases prefill at the first token and everything at completion.
+struct Dynamo {
+    gpu: PrefixIndex,
+    offload: PrefixIndex,
+    tracker: PreciseTracker,
+    block_size: usize,
+    prefill_blocks: Vec<f64>,
+    /// Per worker: refcounts of the blocks of its active requests.
+    active_blocks: Vec<HashMap<u64, u32>>,
+    active: HashMap<usize, DynamoSlot>,
+    rng: SplitMix,
+}
+
+/// Dynamo's slot tracker entry for one request.
+struct DynamoSlot {
+    worker: usize,
+    prefill_blocks: f64,
+    hashes: Vec<u64>,
+    prefill_pending: bool,
+}
+
+impl Dynamo {
+    fn new(n: usize, seed: u64) -> Self {
+        Self {
+            gpu: PrefixIndex::new(u64::MAX / 4),
+            offload: PrefixIndex::new(u64::MAX / 4),
+            tracker: PreciseTracker::new(),
+            block_size: 16,
+            prefill_blocks: vec![0.0; n],
+            active_blocks: vec![HashMap::new(); n],
+            active: HashMap::new(),
+            rng: SplitMix(seed),
+        }
+    }
+}
+impl Policy for Dynamo {
+    fn name(&self) -> &str {
+        "dynamo"
+    }
+    fn wants_kv_events(&self) -> bool {
+        true
+    }
+    fn on_metrics(&mut self, replicas: &[ReplicaSnapshot], _: f64) {
+        if let Some(r) = replicas.first() {
+            self.block_size = r.block_size.max(1) as usize;
+        }
+    }
+    fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_ms: f64) {
+        let id = EndpointId(replica as u16);
+        for e in events {
+            if self
+                .tracker
+                .apply(
+                    id,
+                    MODEL,
+                    e,
+                    &mut self.gpu,
+                    &mut self.offload,
+                    now_ms as u64,
+                )
+                .is_err()
+            {
+                self.tracker.clear(id, &mut self.gpu, &mut self.offload);
+            }
+        }
+    }
+    fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
+        let hashes = token_block_hashes(model_seed(MODEL), r.tokens, self.block_size);
+        let n = self.prefill_blocks.len();
+        let mut overlap = vec![0usize; n];
+        self.gpu
+            .matched_prefix(&hashes, |id, d| overlap[usize::from(id.0)] = d);
+        // The trailing partial block counts as load (it has no hash to share).
+        let request_blocks = r.tokens.len().div_ceil(self.block_size) as f64;
+        let partial = request_blocks - hashes.len() as f64;
+        let costs = (0..n).map(|w| {
+            let prefill = (self.prefill_blocks[w] + request_blocks - overlap[w] as f64).max(0.0);
+            let active = &self.active_blocks[w];
+            let new_blocks =
+                hashes.iter().filter(|h| !active.contains_key(*h)).count() as f64 + partial;
+            prefill + active.len() as f64 + new_blocks
+        });
+        let pick = argmin_random(costs, &mut self.rng);
+        let new_prefill = (request_blocks - overlap[pick] as f64).max(0.0);
+        self.prefill_blocks[pick] += new_prefill;
+        for h in &hashes {
+            *self.active_blocks[pick].entry(*h).or_insert(0) += 1;
+        }
+        self.active.insert(
+            r.id,
+            DynamoSlot {
+                worker: pick,
+                prefill_blocks: new_prefill,
+                hashes,
+                prefill_pending: true,
+            },
+        );
+        pick
+    }
+    fn on_first_token(&mut self, id: usize, _: usize, _: f64) {
+        if let Some(slot) = self.active.get_mut(&id)
+            && slot.prefill_pending
+        {
+            self.prefill_blocks[slot.worker] =
+                (self.prefill_blocks[slot.worker] - slot.prefill_blocks).max(0.0);
+            slot.prefill_pending = false;
+        }
+    }
+    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, _: u32) {
+        self.on_first_token(id, replica, now_ms);
+        if let Some(slot) = self.active.remove(&id) {
+            let active = &mut self.active_blocks[slot.worker];
+            for h in slot.hashes {
+                if let hashbrown::hash_map::Entry::Occupied(mut e) = active.entry(h) {
+                    *e.get_mut() -= 1;
+                    if *e.get() == 0 {
+                        e.remove();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// kvroute: scorer-core's `Router`, the code the control plane runs, in approximate mode (index
+/// learned from its own decisions) or precise mode (index fed by KV events, plus its decisions).
+struct Kvroute {
+    router: Router,
+    precise: bool,
+    /// Decision id and prompt tokens (the usage the engine reports) of each routed request.
+    decisions: HashMap<usize, (u64, u32)>,
+    predicted: HashMap<usize, u32>,
+    seed: SplitMix,
+    addresses: Vec<String>,
+    /// Canonical bytes the workload's text spends per token.
+    text_bytes_per_token: f64,
+    /// Tokens of text one approximate hash block (`block_bytes`) covers.
+    approx_block_tokens: usize,
+}
+/// Approximate mode hashes 256-byte blocks of canonical text, as the filter does.
+const KVROUTE_APPROX_BLOCK_BYTES: usize = 256;
+impl Kvroute {
+    fn new(
+        n: usize,
+        seed: u64,
+        precise: bool,
+        base: RouterConfig,
+        text_bytes_per_token: f64,
+    ) -> Self {
+        let config = RouterConfig {
+            block_bytes: KVROUTE_APPROX_BLOCK_BYTES,
+            ..base
+        };
+        // The filter cuts text, not tokens: a block holds however many tokens its bytes
+        // encode, while the router converts it back with its configured `bytes_per_token`.
+        let text_bytes_per_token = if text_bytes_per_token.is_finite() && text_bytes_per_token > 0.0
+        {
+            text_bytes_per_token
+        } else {
+            DEFAULT_TEXT_BYTES_PER_TOKEN
+        };
+        let approx_block_tokens =
+            ((KVROUTE_APPROX_BLOCK_BYTES as f64 / text_bytes_per_token).round() as usize).max(1);
+        let mut router = Router::new(config, 1);
+        let addresses: Vec<String> = (0..n).map(|i| format!("replica-{i}")).collect();
+        for a in &addresses {
+            // At most MAX_ENDPOINTS replicas are simulated; the CLI checks.
+            let _ = router.upsert_endpoint(a);
+            router.set_event_stream(a, precise);
+        }
+        Self {
+            router,
+            precise,
+            decisions: HashMap::new(),
+            predicted: HashMap::new(),
+            seed: SplitMix(seed),
+            addresses,
+            text_bytes_per_token,
+            approx_block_tokens,
+        }
+    }
+}
+impl Policy for Kvroute {
+    fn name(&self) -> &str {
+        if self.precise {
+            "kvroute-precise"
+        } else {
+            "kvroute"
+        }
+    }
+    fn wants_kv_events(&self) -> bool {
+        self.precise
+    }
+    fn on_metrics(&mut self, replicas: &[ReplicaSnapshot], now_ms: f64) {
+        for (a, s) in self.addresses.iter().zip(replicas) {
+            let m = EndpointMetrics {
+                running: s.running,
+                waiting: s.waiting,
+                kv_usage: s.kv_usage,
+                capacity_tokens: Some(s.capacity_tokens),
+            };
+            self.router.update_metrics(a, m, now_ms as u64);
+        }
+    }
+    fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_ms: f64) {
+        let address = &self.addresses[replica];
+        for e in events {
+            // A failed event drops that replica's precise state inside the router; it is scored
+            // approximately until new stores rebuild it.
+            let _ = self.router.apply_kv_event(address, MODEL, e, now_ms as u64);
+        }
+    }
+    fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
+        let request = RouteRequest {
+            model: MODEL.into(),
+            block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, self.approx_block_tokens),
+            prompt_bytes: (r.tokens.len() as f64 * self.text_bytes_per_token).round() as u64,
+            prompt_tokens: r.tokens.len() as u32,
+            max_output_tokens: Some(r.output_tokens),
+            session: r.session.map(|s| s.to_string()),
+            prompt_text: None,
+            api: None,
+            cache_salt: None,
+            tenant: None,
+            criticality: None,
+            token_block_hashes: if self.precise {
+                let block = self.router.config().precise.block_tokens;
+                token_block_hashes(model_seed(MODEL), r.tokens, block)
+            } else {
+                Vec::new()
+            },
+        };
+        let decision = self
+            .router
+            .route(&request, now_ms as u64, self.seed.next_u64());
+        let pick = decision
+            .response
+            .endpoints
+            .first()
+            .and_then(|a| self.addresses.iter().position(|x| x == a))
+            .unwrap_or_else(|| self.seed.below(self.addresses.len()));
+        let cached = decision.candidates.first().map_or(0, |c| c.cached_tokens);
+        self.decisions
+            .insert(r.id, (decision.response.decision_id, r.tokens.len() as u32));
+        self.predicted.insert(r.id, cached);
+        pick
+    }
+    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
+        if let Some((decision_id, prompt_tokens)) = self.decisions.remove(&id) {
+            let outcome = Outcome {
+                decision_id,
+                endpoint: self.addresses[replica].clone(),
+                status: 200,
+                prompt_tokens: Some(prompt_tokens),
+                cached_tokens: Some(cached_tokens),
+                ..Outcome::default()
+            };
+            self.router.feedback(&outcome, now_ms as u64);
+        }
+    }
+    fn predicted_cached_tokens(&self, id: usize) -> Option<u32> {
+        self.predicted.get(&id).copied()
+    }
+    fn endpoint_loads(
+        &self,
+        now_ms: f64,
+        reference_tokens: u32,
+        out: &mut Vec<EndpointLoad>,
+    ) -> bool {
+        self.router
+            .endpoint_loads(now_ms as u64, reference_tokens, out);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What approximate kvroute predicts cached for a prompt it routed once before.
+    fn predicted_repeat(text_bytes_per_token: f64) -> u32 {
+        let mut policy = build_with(
+            "kvroute",
+            2,
+            1,
+            &RouterConfig::default(),
+            text_bytes_per_token,
+        )
+        .expect("kvroute is a policy");
+        let tokens: Vec<u32> = (1000..1640).collect();
+        for id in 0..2 {
+            let request = PolicyRequest {
+                id,
+                tokens: &tokens,
+                output_tokens: 16,
+                session: None,
+            };
+            policy.route(&request, id as f64);
+        }
+        policy.predicted_cached_tokens(1).expect("kvroute predicts")
+    }
+
+    #[test]
+    fn approximate_mode_counts_tokens_through_the_texts_bytes() {
+        // 640 tokens of 4-byte text are 10 blocks of 256 bytes: the router's 4 bytes a token
+        // is right. The same tokens spelled in 8 bytes each look twice as long to it.
+        let right = predicted_repeat(4.0);
+        let doubled = predicted_repeat(8.0);
+        assert!((576..=640).contains(&right), "{right}");
+        assert!(
+            (2 * right - 128..=2 * right + 128).contains(&doubled),
+            "{doubled} vs {right}"
+        );
+    }
+}
