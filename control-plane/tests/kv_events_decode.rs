@@ -2,6 +2,9 @@
 //! ran vLLM 0.33.0's msgspec structs in both encodings): every fixture decodes to exactly what
 //! the generator computed independently in Python, and damaged copies fail cleanly.
 
+// An integration test: its helpers may unwrap (the product's ban is for product code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::{Path, PathBuf};
 
 use control_plane::kv_events::{DecodeError, decode_batch, decode_message};

@@ -3,6 +3,9 @@
 //! replayed gap, a gap the replay cannot fill, an undecodable message, a cache reset and a
 //! publisher restart. Everything binds 127.0.0.1 on OS-chosen ports; every wait is bounded.
 
+// An integration test: its helpers may unwrap (the product's ban is for product code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -2,6 +2,9 @@
 //!
 //! Everything binds 127.0.0.1 on OS-chosen ports, and every wait has a deadline.
 
+// An integration test: its helpers may unwrap (the product's ban is for product code).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
