@@ -104,22 +104,38 @@ OCI_REF ?= kvroute-filter:$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml
 oci: wasm
 	scripts/oci-wasm.sh $(WASM) $(OCI_TAR) $(OCI_REF)
 
-# Dependency policy (deny.toml): bans (no tokio in scorer-core/filter), licences, sources.
-# Offline and quick. Advisories run only when a RustSec database is already on disk
-# ($(CARGO_HOME)/advisory-dbs): fetching it needs GitHub, so without it they are skipped, loudly.
+# Dependency policy (deny.toml): bans (no tokio in scorer-core/filter), licences, sources, and
+# RustSec advisories, all offline. The advisory database comes from a git bundle (a snapshot of
+# github.com/rustsec/advisory-db; ADVISORY_DB_BUNDLE, by default the one shipped beside this
+# checkout) cloned into cargo-deny's own db path, so no step needs GitHub; every run says the
+# snapshot's date. Without a bundle or an earlier clone, the check fails and says how to get one.
 # Installs the pinned cargo-deny into $(CARGO_HOME)/bin on first use (a few minutes, once).
 CARGO_DENY_VERSION := 0.20.2
 CARGO_HOME_DIR := $(or $(CARGO_HOME),$(HOME)/.cargo)
+ADVISORY_DB_BUNDLE ?= ../shared/rustsec/advisory-db.bundle
+# cargo-deny 0.20's directory name for its default database URL.
+ADVISORY_DB := $(CARGO_HOME_DIR)/advisory-dbs/advisory-db-3157b0e258782691
 .PHONY: deny
 deny:
 	@cargo deny --version 2>/dev/null | grep -qx 'cargo-deny $(CARGO_DENY_VERSION)' || \
 		$(CARGO) install cargo-deny --version $(CARGO_DENY_VERSION) --locked
+	@# cargo-deny reads `cargo metadata` offline, which needs every platform's crates on disk.
+	$(CARGO) fetch --locked --quiet
 	cargo deny --offline check --hide-inclusion-graph bans licenses sources
-	@if compgen -G '$(CARGO_HOME_DIR)/advisory-dbs/*' >/dev/null; then \
-		cargo deny --offline check --hide-inclusion-graph advisories; \
-	else \
-		echo "cargo deny: advisories SKIPPED: no RustSec database under $(CARGO_HOME_DIR)/advisory-dbs and no network to fetch it (run 'cargo deny check advisories' where GitHub is reachable)"; \
+	@if [ -f '$(ADVISORY_DB_BUNDLE)' ]; then \
+		if [ -d '$(ADVISORY_DB)/.git' ]; then \
+			git -C '$(ADVISORY_DB)' fetch --quiet '$(abspath $(ADVISORY_DB_BUNDLE))' '+refs/heads/*:refs/remotes/bundle/*' && \
+			git -C '$(ADVISORY_DB)' reset --quiet --hard "$$(git -C '$(ADVISORY_DB)' for-each-ref --format='%(objectname)' refs/remotes/bundle | head -n1)"; \
+		else \
+			mkdir -p '$(dir $(ADVISORY_DB))' && git clone --quiet '$(ADVISORY_DB_BUNDLE)' '$(ADVISORY_DB)'; \
+		fi; \
 	fi
+	@if [ ! -d '$(ADVISORY_DB)/.git' ]; then \
+		echo "cargo deny: no RustSec database at $(ADVISORY_DB) and no bundle at $(ADVISORY_DB_BUNDLE); set ADVISORY_DB_BUNDLE, or run 'cargo deny fetch' where GitHub is reachable" >&2; \
+		exit 1; \
+	fi
+	@echo "cargo deny: advisories checked against the RustSec advisory-db snapshot of $$(git -C '$(ADVISORY_DB)' log -1 --format=%cs HEAD) (commit $$(git -C '$(ADVISORY_DB)' log -1 --format=%h HEAD))"
+	cargo deny --offline check --hide-inclusion-graph advisories
 
 # Peer routers and the load generator for `make bench`, from PyPI into .venv-bench (pinned;
 # idempotent; the first install takes about 2 minutes and 1.4 GB): sglang-router, vllm-router,
