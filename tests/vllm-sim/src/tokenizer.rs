@@ -416,6 +416,7 @@ impl JinjaTemplate {
                 .unwrap_or(0);
             strftime(&fmt, secs)
         });
+        env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(|e| SimError::Config(format!("invalid chat template: {e:#}")))?;
         Ok(Self {
@@ -465,6 +466,69 @@ impl ChatTemplate for JinjaTemplate {
         })
         .map_err(bad)
     }
+}
+
+/// transformers' `tojson` filter: `json.dumps(value, ensure_ascii=False, indent=indent)`, so
+/// Python's `", "`/`": "` separators and no HTML escaping (minijinja's built-in, like Jinja's,
+/// writes `'`, `<`, `>` and `&` as `\u0027`...: a tool description would not match).
+fn tojson(
+    value: &minijinja::Value,
+    indent: Option<usize>,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, minijinja::Error> {
+    struct Python;
+    impl serde_json::ser::Formatter for Python {
+        fn begin_array_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first { Ok(()) } else { w.write_all(b", ") }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            self.begin_array_value(w, first)
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+        ) -> std::io::Result<()> {
+            w.write_all(b": ")
+        }
+    }
+    let indent = match indent {
+        Some(n) => Some(n),
+        None => kwargs.get::<Option<usize>>("indent")?,
+    };
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let written = match indent {
+        None => serde::Serialize::serialize(
+            value,
+            &mut serde_json::Serializer::with_formatter(&mut out, Python),
+        ),
+        Some(n) => {
+            let spaces = " ".repeat(n);
+            let pretty = serde_json::ser::PrettyFormatter::with_indent(spaces.as_bytes());
+            serde::Serialize::serialize(
+                value,
+                &mut serde_json::Serializer::with_formatter(&mut out, pretty),
+            )
+        }
+    };
+    written.map_err(|e| {
+        minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            "cannot serialize to JSON",
+        )
+        .with_source(e)
+    })?;
+    Ok(minijinja::Value::from_safe_string(
+        String::from_utf8_lossy(&out).into_owned(),
+    ))
 }
 
 /// A small `strftime` for `strftime_now` (UTC): `%Y %y %m %d %e %j %H %M %S %b %B %a %A %p %%`.
