@@ -30,7 +30,7 @@ use crate::latency::{
 use crate::lora::{LoraConfig, LoraState};
 use crate::pools::{Eligibility, FleetState, ModelsConfig, PoolStats, ServedModel};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
-use crate::protocol::{Outcome, Reject, RouteRequest, RouteResponse};
+use crate::protocol::{Outcome, Reject, RouteReason, RouteRequest, RouteResponse};
 use crate::token_ratio::TokenRatio;
 
 /// Tunables of the scorer. Defaults come from fleet-sim sweeps (see README).
@@ -668,8 +668,8 @@ struct Ranking {
     chosen: EndpointId,
     /// Its position in `candidates`.
     chosen_at: usize,
-    /// Why it won.
-    reason: &'static str,
+    /// Why it won (`guard`, `prefix` or `load`).
+    reason: RouteReason,
     /// Decode candidates in slot order (`scratch.keys` holds their cost order).
     candidates: Vec<(EndpointId, CandidateScore)>,
     /// Prefill-only candidates, cheapest prefill first.
@@ -724,7 +724,7 @@ fn rejected(decision_id: u64, reject: Reject) -> Decision {
     Decision {
         response: RouteResponse {
             decision_id,
-            reason: reject.error_type.clone(),
+            reason: reject.error_type.clone().into(),
             reject: Some(reject),
             ..Default::default()
         },
@@ -1063,7 +1063,7 @@ impl Router {
             return Decision {
                 response: RouteResponse {
                     decision_id,
-                    reason: "no_endpoint".into(),
+                    reason: RouteReason::NoEndpoint,
                     ..Default::default()
                 },
                 candidates: Vec::new(),
@@ -1289,11 +1289,11 @@ impl Router {
             .max()
             .unwrap_or(0);
         let reason = if cheapest_guarded && any_guarded {
-            "guard"
+            RouteReason::Guard
         } else if chosen_score.cached_blocks > 0 && chosen_score.cached_blocks == max_cached {
-            "prefix"
+            RouteReason::Prefix
         } else {
-            "load"
+            RouteReason::Load
         };
         Some(Ranking {
             chosen: *chosen,
@@ -1394,7 +1394,7 @@ impl Router {
                 decision_id,
                 endpoints,
                 cached_blocks,
-                reason: ranking.reason.into(),
+                reason: ranking.reason,
                 prefiller: match prefill {
                     PrefillSite::Chosen => None,
                     PrefillSite::Remote(endpoint) => Some(endpoint),
@@ -2121,7 +2121,7 @@ mod tests {
         // Much later, so the backlog has drained.
         let second = r.route(&request(&t2), 10_000, 8);
         assert_eq!(first.response.endpoints[0], second.response.endpoints[0]);
-        assert_eq!(second.response.reason, "prefix");
+        assert_eq!(second.response.reason.as_str(), "prefix");
         assert!(second.response.cached_blocks > 0);
         assert_eq!(second.response.endpoints.len(), 3);
     }
