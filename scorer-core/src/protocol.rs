@@ -353,9 +353,21 @@ pub struct RouteResponse {
     pub decision_id: u64,
     /// `ip:port` of the chosen endpoint followed by fallbacks.
     pub endpoints: Vec<String>,
-    /// Prefix blocks the chosen endpoint is believed to hold.
+    /// Leading prompt blocks the chosen endpoint is believed to hold, in the unit of the index
+    /// that scored it: hash blocks of `router.block_bytes` canonical bytes (approximate), or
+    /// GPU-resident engine blocks of `router.precise.block_tokens` tokens (precise). Kept in
+    /// those units because the explain header and its readers compare it with the index they
+    /// watch; to compare decisions across modes, read `cached_tokens`.
     #[serde(default)]
     pub cached_blocks: u32,
+    /// Prompt tokens the chosen endpoint is predicted to serve from its cache, in every mode:
+    /// the engines' own unit (`usage.prompt_tokens_details.cached_tokens`), so a prediction is
+    /// comparable with the outcome whichever index made it. Offloaded blocks count at
+    /// `precise.offload_weight`, and a precise hit the queue ahead will evict is not counted.
+    /// Equals the chosen candidate's `cached_tokens` in the explain output; 0 from a control
+    /// plane that predates it.
+    #[serde(default)]
+    pub cached_tokens: u32,
     /// Why the chosen endpoint won, or why there is none: the explain header's and the
     /// decision metric's `reason`.
     #[serde(default)]
@@ -468,7 +480,7 @@ mod tests {
         let json = serde_json::to_string(&RouteResponse::default()).unwrap();
         assert_eq!(
             json,
-            r#"{"decision_id":0,"endpoints":[],"cached_blocks":0,"reason":""}"#
+            r#"{"decision_id":0,"endpoints":[],"cached_blocks":0,"cached_tokens":0,"reason":""}"#
         );
     }
 

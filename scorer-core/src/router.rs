@@ -352,10 +352,13 @@ struct InFlight {
 pub struct CandidateScore {
     /// `ip:port` of the candidate.
     pub endpoint: EndpointAddress,
-    /// Leading prompt blocks the candidate is believed to hold (engine blocks when scored
-    /// precisely, hash blocks otherwise).
+    /// Leading prompt blocks the candidate is believed to hold, in the unit of the index that
+    /// scored it (`precise`): GPU-resident engine blocks of `precise.block_tokens` tokens, or
+    /// hash blocks of `block_bytes` canonical bytes (see `RouteResponse::cached_blocks`).
     pub cached_blocks: u32,
-    /// Prompt tokens the candidate is believed to hold (offload tiers count at their weight).
+    /// Prompt tokens a hit there saves, in every mode (offload tiers count at their weight, a
+    /// precise hit the queue ahead will evict does not count): compare candidates and modes
+    /// on this, not on `cached_blocks`.
     pub cached_tokens: u32,
     /// Whether the KV-event index scored this candidate (false: the approximate index).
     pub precise: bool,
@@ -1382,7 +1385,8 @@ impl Router {
     /// Stage 6: the filter's answer (the chosen endpoint, then up to `fallbacks` more in cost
     /// order) and the explanation, every candidate's terms best first.
     fn respond(&self, decision_id: u64, ranking: Ranking, prefill: PrefillSite) -> Decision {
-        let cached_blocks = ranking.chosen_score().cached_blocks;
+        let chosen = ranking.chosen_score();
+        let (cached_blocks, cached_tokens) = (chosen.cached_blocks, chosen.cached_tokens);
         let keys = &self.scratch.keys;
         let endpoints = keys
             .iter()
@@ -1394,6 +1398,7 @@ impl Router {
                 decision_id,
                 endpoints,
                 cached_blocks,
+                cached_tokens,
                 reason: ranking.reason,
                 prefiller: match prefill {
                     PrefillSite::Chosen => None,
@@ -2438,7 +2443,7 @@ mod tests {
 #[cfg(test)]
 mod precise_tests {
     use super::*;
-    use crate::hash::{model_seed, token_block_hashes};
+    use crate::hash::{block_hashes, model_seed, token_block_hashes};
     use crate::precise::Medium;
 
     fn router() -> Router {
@@ -2491,6 +2496,51 @@ mod precise_tests {
         assert_eq!(best.cached_blocks, 20);
         assert_eq!(best.cached_tokens, 320);
         assert_eq!(r.stats().precise_decisions, 1);
+    }
+
+    #[test]
+    fn the_response_predicts_cached_tokens_in_one_unit_whichever_index_scored() {
+        // Precise: 20 engine blocks of 16 tokens on GPU.
+        let mut r = router();
+        let tokens: Vec<u32> = (0..321).collect();
+        r.apply_kv_event("b:1", "m", &stored(&tokens[..320], Medium::Gpu), 0)
+            .unwrap();
+        let precise = r.route(&request(&tokens), 10, 3);
+        assert_eq!(
+            (
+                precise.response.cached_blocks,
+                precise.response.cached_tokens
+            ),
+            (20, 320)
+        );
+        // Approximate: the same 320 tokens are 5 hash blocks of 256 bytes at 4 bytes a token.
+        let mut r = Router::new(RouterConfig::default(), 1);
+        r.upsert_endpoint("a:1").unwrap();
+        let text = "t".repeat(256 * 5);
+        let hashes = block_hashes(model_seed("m"), text.as_bytes(), 256);
+        r.index_mut().insert(EndpointId(0), &hashes, 0);
+        let longer = format!("{text}{}", "u".repeat(64));
+        let approximate = r.route(
+            &RouteRequest {
+                model: "m".into(),
+                block_hashes: block_hashes(model_seed("m"), longer.as_bytes(), 256),
+                prompt_bytes: longer.len() as u64,
+                ..Default::default()
+            },
+            10,
+            3,
+        );
+        assert!(!approximate.candidates[0].precise);
+        assert_eq!(
+            (
+                approximate.response.cached_blocks,
+                approximate.response.cached_tokens
+            ),
+            (5, 320)
+        );
+        for d in [&precise, &approximate] {
+            assert_eq!(d.response.cached_tokens, d.candidates[0].cached_tokens);
+        }
     }
 
     #[test]
