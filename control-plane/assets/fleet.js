@@ -162,7 +162,8 @@ function renderDecisions(data) {
       el("td", {}, el("button", { class: "link", onclick: () => select(d.decision_id) }, d.decision_id)),
       el("td", {}, el("span", { class: `badge ${d.reason}` }, d.reason)),
       el("td", {}, d.endpoints[0] || "–"),
-      el("td", { class: "num" }, num(d.cached_blocks)),
+      // Tokens: the one unit of both modes (blocks are hash or engine blocks).
+      el("td", { class: "num", title: `${num(d.cached_blocks)} blocks` }, num(d.cached_tokens)),
     ));
   if (rows.length === 0) {
     rows.push(el("tr", {}, el("td", { colspan: 4, class: "muted" }, "no decisions yet")));
@@ -202,7 +203,8 @@ async function select(id) {
     const r = d.response;
     body.replaceChildren(
       el("p", {}, "reason ", el("span", { class: `badge ${r.reason}` }, r.reason),
-        ` · sent to ${r.endpoints.join(", ") || "nobody (fail open)"} · ${num(r.cached_blocks)} cached blocks`),
+        ` · sent to ${r.endpoints.join(", ") || "nobody (fail open)"} · ${num(r.cached_tokens)} cached tokens`
+        + ` (${num(r.cached_blocks)} ${d.candidates[0] && d.candidates[0].precise ? "engine" : "hash"} blocks)`),
       el("table", { id: "candidates" }, el("thead", {}, head), el("tbody", {}, ...rows)),
       el("p", { class: "muted small" }, "Times in ms. Best first; the first row was chosen, the next ",
         "ones are the fallbacks Envoy tries if it cannot connect."),

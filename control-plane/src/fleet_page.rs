@@ -246,7 +246,9 @@ pub fn fleet_json(state: &State, history: &History) -> FleetJson {
     let window = state.recent_decisions(REASON_WINDOW);
     let mut recent_reasons = BTreeMap::new();
     for d in &window {
-        *recent_reasons.entry(d.reason.clone()).or_insert(0) += 1;
+        *recent_reasons
+            .entry(d.reason.as_str().to_owned())
+            .or_insert(0) += 1;
     }
     let s = snap.stats;
     FleetJson {

@@ -12,7 +12,7 @@ use scorer_core::affinity::SessionStats;
 use scorer_core::lora::LoraState;
 use scorer_core::pools::{PoolStats, ServedModel};
 use scorer_core::precise::{ApplyError, KvEvent};
-use scorer_core::protocol::{FeedbackBatch, RouteRequest, RouteResponse};
+use scorer_core::protocol::{FeedbackBatch, RouteReason, RouteRequest, RouteResponse};
 use scorer_core::router::{
     Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
 };
@@ -333,9 +333,9 @@ impl State {
                 .router
                 .endpoint_loads(now, gate.reference_tokens(), &mut loads);
             if let Some(reject) = gate.decide(request, &loads, now).reject {
-                self.telemetry.count_decision("rejected");
+                self.telemetry.count_decision(&RouteReason::Rejected);
                 return RouteResponse {
-                    reason: "rejected".into(),
+                    reason: RouteReason::Rejected,
                     reject: Some(reject),
                     ..RouteResponse::default()
                 };

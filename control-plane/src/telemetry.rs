@@ -17,6 +17,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use scorer_core::disagg::EndpointRole;
+use scorer_core::protocol::RouteReason;
 use scorer_core::router::{EndpointView, Health};
 
 use crate::state::State;
@@ -116,11 +117,12 @@ impl Default for Telemetry {
 }
 
 impl Telemetry {
-    /// One routing decision with its reason (`prefix`, `load`, `guard`, `no_endpoint`).
-    pub fn count_decision(&self, reason: &str) {
+    /// One routing decision with its reason, labelled with its wire spelling (`prefix`,
+    /// `load`, `guard`, `no_endpoint`, `rejected`, ...).
+    pub fn count_decision(&self, reason: &RouteReason) {
         self.decisions
             .get_or_create(&ReasonLabels {
-                reason: reason.to_string(),
+                reason: reason.as_str().to_string(),
             })
             .inc();
     }

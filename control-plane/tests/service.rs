@@ -420,6 +420,38 @@ async fn bad_input_gets_a_clear_json_error() {
 }
 
 #[tokio::test]
+async fn any_criticality_header_value_routes_and_a_non_string_is_a_clear_400() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    // Levels in any case, llm-d priorities, objective names nobody configured, newer values:
+    // the route call never fails on them (an unknown name gets the default level).
+    for value in [
+        "sheddable",
+        "Critical",
+        "-1",
+        "batch",
+        "from-the-future",
+        "",
+    ] {
+        let mut req = route_request(0..2);
+        req["criticality"] = json!(value);
+        let (status, body) = post_route(&r, &req, &[]).await;
+        assert_eq!(status, 200, "{value:?}: {body}");
+    }
+    let mut req = route_request(0..2);
+    req["criticality"] = json!(1);
+    let (status, body) = post_route(&r, &req, &[]).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("criticality header value"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
 async fn dead_and_slow_endpoints_are_dropped_without_stalling_the_others() {
     let healthy = FakeVllm::start(vllm_metrics(2, 0, 0.2)).await;
     let slow = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;

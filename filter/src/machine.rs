@@ -16,7 +16,9 @@ use std::rc::Rc;
 
 use scorer_core::canon::{self, CanonError};
 use scorer_core::hash::{block_hashes, request_seed};
-use scorer_core::protocol::{ApiKind, Outcome, Reject, RouteRequest, RouteResponse};
+use scorer_core::protocol::{
+    ApiKind, Outcome, Reject, RequestedCriticality, RouteRequest, RouteResponse,
+};
 
 use crate::config::{FilterConfig, RouteMode};
 use crate::usage::UsageScanner;
@@ -274,8 +276,9 @@ pub struct RequestMachine {
     tenant: Option<String>,
     /// Whether `tenant` came from the configured header (which wins over llm-d's).
     tenant_primary: bool,
-    /// Criticality from the configured header (or llm-d's objective).
-    criticality: Option<String>,
+    /// Criticality from the configured header (or llm-d's objective): a level, or a name only
+    /// the control plane's objectives map.
+    criticality: Option<RequestedCriticality>,
     /// Whether `criticality` came from the configured header (which wins over llm-d's).
     criticality_primary: bool,
     routed: Option<Routed>,
@@ -358,10 +361,16 @@ impl RequestMachine {
             } else if is(LLMD_FAIRNESS_HEADER) && !value.is_empty() && !self.tenant_primary {
                 self.tenant = Some(header_text(value, MAX_TENANT_BYTES));
             } else if is(&self.config.criticality_header) && !value.is_empty() {
-                self.criticality = Some(header_text(value, MAX_TENANT_BYTES));
+                self.criticality = Some(RequestedCriticality::from_header(&header_text(
+                    value,
+                    MAX_TENANT_BYTES,
+                )));
                 self.criticality_primary = true;
             } else if is(LLMD_OBJECTIVE_HEADER) && !value.is_empty() && !self.criticality_primary {
-                self.criticality = Some(header_text(value, MAX_TENANT_BYTES));
+                self.criticality = Some(RequestedCriticality::from_header(&header_text(
+                    value,
+                    MAX_TENANT_BYTES,
+                )));
             } else if is(&self.config.session_header) && !value.is_empty() {
                 let value = &value[..value.len().min(MAX_SESSION_BYTES)];
                 self.session = Some(String::from_utf8_lossy(value).into_owned());
@@ -562,7 +571,7 @@ impl RequestMachine {
                         self.decision = Some(format!(
                             "id={}; reason={}; endpoint={}; cached_blocks={}",
                             r.decision_id,
-                            header_token(&r.reason),
+                            header_token(r.reason.as_str()),
                             r.endpoints[0],
                             r.cached_blocks
                         ));
@@ -604,7 +613,7 @@ impl RequestMachine {
             self.decision = Some(format!(
                 "reason=rejected; status={}; type={}",
                 reject.status,
-                header_token(&reject.error_type)
+                header_token(reject.error_type.as_str())
             ));
         }
         let mut headers = vec![("content-type".to_string(), "application/json".to_string())];
@@ -1387,7 +1396,7 @@ mod tests {
             decision_id: 7,
             endpoints: vec!["10.0.0.1:8000".into()],
             cached_blocks: 0,
-            reason: "Lo\r\nad; x=1 ".repeat(10),
+            reason: "Lo\r\nad; x=1 ".repeat(10).into(),
             ..RouteResponse::default()
         })
         .unwrap();
@@ -1444,7 +1453,10 @@ mod tests {
             &chat_body("hi"),
         );
         assert_eq!(req.tenant.as_deref(), Some("acme"));
-        assert_eq!(req.criticality.as_deref(), Some("sheddable"));
+        assert_eq!(
+            req.criticality.as_ref().map(RequestedCriticality::as_str),
+            Some("sheddable")
+        );
         let mut m = machine();
         let req = to_dispatch(&mut m, &[], &chat_body("hi"));
         assert_eq!((req.tenant, req.criticality), (None, None));
@@ -1462,7 +1474,10 @@ mod tests {
             &chat_body("hi"),
         );
         assert_eq!(req.tenant.as_deref(), Some("flow-a"));
-        assert_eq!(req.criticality.as_deref(), Some("batch"));
+        assert_eq!(
+            req.criticality.as_ref().map(RequestedCriticality::as_str),
+            Some("batch")
+        );
         for order in [true, false] {
             let mut pairs = vec![
                 (LLMD_FAIRNESS_HEADER, "flow-a"),
@@ -1476,7 +1491,10 @@ mod tests {
             let mut m = machine();
             let req = to_dispatch(&mut m, &pairs, &chat_body("hi"));
             assert_eq!(req.tenant.as_deref(), Some("acme"));
-            assert_eq!(req.criticality.as_deref(), Some("critical"));
+            assert_eq!(
+                req.criticality.as_ref().map(RequestedCriticality::as_str),
+                Some("critical")
+            );
         }
     }
 
@@ -1556,6 +1574,34 @@ mod tests {
         assert!(
             m.decision_header()
                 .is_some_and(|d| d.contains("rejected") && d.contains("413"))
+        );
+    }
+
+    #[test]
+    fn a_newer_control_planes_reason_and_reject_type_still_parse() {
+        let mut m = explaining();
+        to_dispatch(&mut m, &[("x-kvroute-explain", "1")], &chat_body("hi"));
+        let body = br#"{"decision_id":9,"endpoints":[],"reason":"warm_spare",
+            "reject":{"status":429,"message":"later","error_type":"quota_exceeded"}}"#;
+        let step = m.on_route_response(Some(200), body, 101);
+        let Effect::SendLocalResponse { body, .. } = &step.effects[2] else {
+            panic!("expected a local response, got {:?}", step.effects);
+        };
+        let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+        assert_eq!(body["error"]["type"], "quota_exceeded");
+        assert_eq!(
+            m.decision_header(),
+            Some("reason=rejected; status=429; type=quota_exceeded")
+        );
+
+        let mut m = explaining();
+        to_dispatch(&mut m, &[("x-kvroute-explain", "1")], &chat_body("hi"));
+        let body = br#"{"decision_id":8,"endpoints":["10.0.0.1:8000"],"reason":"warm_spare"}"#;
+        let step = m.on_route_response(Some(200), body, 101);
+        assert!(step.effects.contains(&Effect::ResumeRequest), "{step:?}");
+        assert_eq!(
+            m.decision_header(),
+            Some("id=8; reason=warm_spare; endpoint=10.0.0.1:8000; cached_blocks=0")
         );
     }
 

@@ -23,63 +23,12 @@ use std::collections::BTreeMap;
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::{Reject, RouteRequest};
+use crate::protocol::{Reject, RejectType, RequestedCriticality, RouteRequest};
 use crate::router::{EndpointLoad, Health};
 
-/// How important a request is when the fleet is saturated.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum Criticality {
-    /// Shed last (only at `critical_at`, never by default).
-    Critical,
-    /// The default: shed at `standard_at`, or at `sheddable_at` when its tenant is over its
-    /// fair share.
-    #[default]
-    Standard,
-    /// Shed first, as soon as the fleet is saturated.
-    Sheddable,
-}
-
-impl Criticality {
-    /// Every level, most important first (for metrics).
-    pub const ALL: [Criticality; 3] = [
-        Criticality::Critical,
-        Criticality::Standard,
-        Criticality::Sheddable,
-    ];
-
-    /// Stable snake_case name (metric label, explain output).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Criticality::Critical => "critical",
-            Criticality::Standard => "standard",
-            Criticality::Sheddable => "sheddable",
-        }
-    }
-
-    /// Reads a header value: a level name (any case, as GIE's `Critical|Standard|Sheddable`),
-    /// or an llm-d `InferenceObjective`-style integer priority (negative = sheddable, 0 =
-    /// standard, positive = critical). Anything else is `None` (the caller then looks the
-    /// value up as a configured objective name).
-    pub fn parse(value: &str) -> Option<Criticality> {
-        let v = value.trim();
-        if v.eq_ignore_ascii_case("critical") {
-            Some(Criticality::Critical)
-        } else if v.eq_ignore_ascii_case("standard") {
-            Some(Criticality::Standard)
-        } else if v.eq_ignore_ascii_case("sheddable") {
-            Some(Criticality::Sheddable)
-        } else {
-            v.parse::<i64>().ok().map(|p| match p {
-                p if p < 0 => Criticality::Sheddable,
-                0 => Criticality::Standard,
-                _ => Criticality::Critical,
-            })
-        }
-    }
-}
+/// Moved to [`crate::protocol`] (it travels in the route call); re-exported where admission
+/// configuration has always named it.
+pub use crate::protocol::Criticality;
 
 /// Per-tenant settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -430,11 +379,15 @@ impl Admission {
             .unwrap_or(1.0)
     }
 
-    /// The effective criticality of a request's header value.
-    pub fn criticality_of(&self, value: Option<&str>) -> Criticality {
-        value
-            .and_then(|v| Criticality::parse(v).or_else(|| self.config.objectives.get(v).copied()))
-            .unwrap_or(self.config.default_criticality)
+    /// The effective criticality of a request's header value: its level, a configured
+    /// objective's, or `default_criticality` (no header, or a name nobody configured).
+    pub fn criticality_of(&self, requested: Option<&RequestedCriticality>) -> Criticality {
+        match requested {
+            Some(RequestedCriticality::Level(level)) => Some(*level),
+            Some(RequestedCriticality::Named(name)) => self.config.objectives.get(name).copied(),
+            None => None,
+        }
+        .unwrap_or(self.config.default_criticality)
     }
 
     fn policy(&self, tenant: &str) -> &TenantPolicy {
@@ -604,7 +557,7 @@ impl Admission {
             .filter(|t| !t.is_empty())
             .unwrap_or(DEFAULT_TENANT)
             .to_string();
-        let criticality = self.criticality_of(request.criticality.as_deref());
+        let criticality = self.criticality_of(request.criticality.as_ref());
         let share_ratio = self.share_ratio(&tenant, now_ms);
         let mut decision = AdmissionDecision {
             tenant_label: self.tenant_label(&tenant),
@@ -626,7 +579,7 @@ impl Admission {
                     "prompt of {} bytes exceeds the limit of {max} bytes for tenant {:?}",
                     request.prompt_bytes, decision.tenant
                 ),
-                error_type: "request_too_large".into(),
+                error_type: RejectType::RequestTooLarge,
                 retry_after_s: None,
             });
             return decision;
@@ -681,7 +634,7 @@ impl Admission {
             decision.reject = Some(Reject {
                 status: 429,
                 message,
-                error_type: "rate_limit_exceeded".into(),
+                error_type: RejectType::RateLimitExceeded,
                 retry_after_s: Some(c.retry_after_s),
             });
             return decision;
@@ -786,8 +739,14 @@ mod tests {
             .objectives
             .insert("batch".into(), Criticality::Sheddable);
         let a = Admission::new(config);
-        assert_eq!(a.criticality_of(Some("batch")), Criticality::Sheddable);
-        assert_eq!(a.criticality_of(Some("unknown")), Criticality::Standard);
+        assert_eq!(
+            a.criticality_of(Some(&"batch".into())),
+            Criticality::Sheddable
+        );
+        assert_eq!(
+            a.criticality_of(Some(&"unknown".into())),
+            Criticality::Standard
+        );
         assert_eq!(a.criticality_of(None), Criticality::Standard);
     }
 

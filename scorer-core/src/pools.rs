@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::affinity::SessionTable;
 use crate::index::EndpointId;
 use crate::lora::LoraTable;
-use crate::protocol::Reject;
+use crate::protocol::{Reject, RejectType};
 
 /// What to do with a request whose model no endpoint serves.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -218,7 +218,7 @@ pub fn model_not_found(model: &str) -> Reject {
     Reject {
         status: 404,
         message: format!("The model `{model}` does not exist."),
-        error_type: "model_not_found".into(),
+        error_type: RejectType::ModelNotFound,
         retry_after_s: None,
     }
 }
@@ -277,7 +277,7 @@ mod tests {
         match c.eligibility("zzz", 2, UnknownModelPolicy::Reject) {
             Eligibility::Rejected(r) => {
                 assert_eq!(r.status, 404);
-                assert_eq!(r.error_type, "model_not_found");
+                assert_eq!(r.error_type.as_str(), "model_not_found");
                 assert!(r.message.contains("zzz"), "{}", r.message);
             }
             other => panic!("expected a reject, got {other:?}"),
@@ -359,7 +359,7 @@ mod router_tests {
         let d = r.route(&request("gpt-9", None), 0, 0);
         let reject = d.response.reject.expect("a reject");
         assert_eq!(reject.status, 404);
-        assert_eq!(d.response.reason, "model_not_found");
+        assert_eq!(d.response.reason.as_str(), "model_not_found");
         assert!(d.response.endpoints.is_empty());
         assert_eq!(r.pool_stats().unknown_model_rejected, 1);
 

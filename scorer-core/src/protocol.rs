@@ -2,8 +2,14 @@
 //!
 //! The filter sends only hashes and numbers in approximate mode: never the prompt text.
 //! All types are plain serde structs so both sides, fleet-sim and the tests agree on one shape.
+//! Closed sets are enums spelled as they always were on the wire; those a newer peer may extend
+//! (`reason`, `error_type`) keep a spelling they do not know verbatim instead of failing the
+//! whole message, since a route answer that does not parse makes the filter fail open.
 
-use serde::{Deserialize, Serialize};
+use std::fmt;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
 
 /// Path of the route call the filter makes to the control plane.
 pub const ROUTE_PATH: &str = "/v1/route";
@@ -61,10 +67,138 @@ pub struct RouteRequest {
     /// Tenant (fairness id) from the tenant header, for per-tenant limits and fair sharing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
-    /// Criticality from the criticality header (`critical`, `standard`, `sheddable`), so the
-    /// control plane sheds the least important requests first when the fleet is saturated.
+    /// Criticality from the criticality header (`critical`, `standard`, `sheddable`, an llm-d
+    /// priority or objective name), so the control plane sheds the least important requests
+    /// first when the fleet is saturated. Any string parses (see [`RequestedCriticality`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub criticality: Option<String>,
+    pub criticality: Option<RequestedCriticality>,
+}
+
+/// How important a request is when the fleet is saturated.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Criticality {
+    /// Shed last (only at `critical_at`, never by default).
+    Critical,
+    /// The default: shed at `standard_at`, or at `sheddable_at` when its tenant is over its
+    /// fair share.
+    #[default]
+    Standard,
+    /// Shed first, as soon as the fleet is saturated.
+    Sheddable,
+}
+
+impl Criticality {
+    /// Every level, most important first (for metrics).
+    pub const ALL: [Criticality; 3] = [
+        Criticality::Critical,
+        Criticality::Standard,
+        Criticality::Sheddable,
+    ];
+
+    /// Stable snake_case name (wire spelling, metric label, explain output).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Criticality::Critical => "critical",
+            Criticality::Standard => "standard",
+            Criticality::Sheddable => "sheddable",
+        }
+    }
+
+    /// Reads a header value: a level name (any case, as GIE's `Critical|Standard|Sheddable`),
+    /// or an llm-d `InferenceObjective`-style integer priority (negative = sheddable, 0 =
+    /// standard, positive = critical). Anything else is `None` (the caller then looks the
+    /// value up as a configured objective name).
+    pub fn parse(value: &str) -> Option<Criticality> {
+        let v = value.trim();
+        if v.eq_ignore_ascii_case("critical") {
+            Some(Criticality::Critical)
+        } else if v.eq_ignore_ascii_case("standard") {
+            Some(Criticality::Standard)
+        } else if v.eq_ignore_ascii_case("sheddable") {
+            Some(Criticality::Sheddable)
+        } else {
+            v.parse::<i64>().ok().map(|p| match p {
+                p if p < 0 => Criticality::Sheddable,
+                0 => Criticality::Standard,
+                _ => Criticality::Critical,
+            })
+        }
+    }
+}
+
+/// What a request's criticality header asked for. The header is free text: a level, an
+/// integer priority, or an llm-d objective name whose level only the control plane's
+/// `admission.objectives` knows. So every string is accepted, never failing the route call: a
+/// level or priority reads as its [`Criticality`] (spelled `critical`, `standard` or
+/// `sheddable` on the wire), anything else travels verbatim as a name, and admission gives a
+/// name it does not know `admission.default_criticality`, as it does a missing header.
+/// A non-string JSON value is still a malformed request (rejected, as before).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum RequestedCriticality {
+    /// A level name (any case) or an integer priority.
+    Level(Criticality),
+    /// Anything else: an objective name, resolved (or defaulted) by admission.
+    Named(String),
+}
+
+impl RequestedCriticality {
+    /// Classifies a header value (see [`Criticality::parse`]); names keep their spelling.
+    pub fn from_header(value: &str) -> Self {
+        match Criticality::parse(value) {
+            Some(level) => Self::Level(level),
+            None => Self::Named(value.to_owned()),
+        }
+    }
+
+    /// The wire spelling: a level's snake_case name, or the name as received.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Level(level) => level.as_str(),
+            Self::Named(name) => name,
+        }
+    }
+}
+
+impl From<&str> for RequestedCriticality {
+    fn from(value: &str) -> Self {
+        Self::from_header(value)
+    }
+}
+
+impl From<Criticality> for RequestedCriticality {
+    fn from(level: Criticality) -> Self {
+        Self::Level(level)
+    }
+}
+
+impl Serialize for RequestedCriticality {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Level(level) => level.serialize(serializer),
+            Self::Named(name) => serializer.serialize_str(name),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for RequestedCriticality {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct HeaderValue;
+        impl Visitor<'_> for HeaderValue {
+            type Value = RequestedCriticality;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "a criticality header value as a string (a level, a priority or an objective name)",
+                )
+            }
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<Self::Value, E> {
+                Ok(RequestedCriticality::from_header(value))
+            }
+        }
+        deserializer.deserialize_str(HeaderValue)
+    }
 }
 
 /// The control plane refuses a request; the filter answers it locally with an OpenAI-style error.
@@ -74,11 +208,142 @@ pub struct Reject {
     pub status: u16,
     /// Human-readable message for `error.message`.
     pub message: String,
-    /// OpenAI-style `error.type`, e.g. `model_not_found`, `rate_limit_exceeded`, `request_too_large`.
-    pub error_type: String,
+    /// OpenAI-style `error.type`, which the filter's local answer carries.
+    pub error_type: RejectType,
     /// Seconds for a `Retry-After` header (429 only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_s: Option<u32>,
+}
+
+/// Why the control plane refused a request: the OpenAI-style `error.type` of the filter's local
+/// answer, so clients see the error they would get from OpenAI or vLLM.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectType {
+    /// 404: no endpoint serves the model (`models.unknown_model: reject`).
+    ModelNotFound,
+    /// 413: the prompt exceeds the tenant's `max_prompt_bytes`.
+    RequestTooLarge,
+    /// 429: shed by admission (saturation, fair share, TTFT bound).
+    RateLimitExceeded,
+    /// A type this build does not know (a newer control plane), kept verbatim so the filter
+    /// still answers locally with it rather than failing the route call.
+    #[serde(untagged)]
+    Other(String),
+}
+
+impl RejectType {
+    /// The wire spelling (OpenAI's `error.type`).
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::ModelNotFound => "model_not_found",
+            Self::RequestTooLarge => "request_too_large",
+            Self::RateLimitExceeded => "rate_limit_exceeded",
+            Self::Other(other) => other,
+        }
+    }
+}
+
+impl From<&str> for RejectType {
+    /// Reads a wire spelling, as deserialising it would.
+    fn from(value: &str) -> Self {
+        match value {
+            "model_not_found" => Self::ModelNotFound,
+            "request_too_large" => Self::RequestTooLarge,
+            "rate_limit_exceeded" => Self::RateLimitExceeded,
+            other => Self::Other(other.to_owned()),
+        }
+    }
+}
+
+impl Default for RejectType {
+    /// The empty spelling, which is what an answer without a type always read as.
+    fn default() -> Self {
+        Self::Other(String::new())
+    }
+}
+
+/// Why a route answer is what it is: decision metrics, the explain header and the fleet page
+/// group decisions by it. Spelled in snake_case on the wire, as it always was.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteReason {
+    /// The chosen endpoint holds the longest cached prefix of the prompt (none holds more).
+    Prefix,
+    /// Chosen on load: no candidate holds a prefix, or a busier one holds a longer one.
+    Load,
+    /// The guard skipped the cheapest candidate (too many requests in flight there).
+    Guard,
+    /// No usable endpoint: the list is empty and the filter fails open.
+    NoEndpoint,
+    /// The control plane's admission gate refused the request (`reject` says why).
+    Rejected,
+    /// The router refused it: no endpoint serves the model (`reject` is the 404).
+    ModelNotFound,
+    /// Refused for its size (a reject type that may reach the reason through the router).
+    RequestTooLarge,
+    /// Refused by a rate or load limit (idem).
+    RateLimitExceeded,
+    /// A reason this build does not know (a newer control plane), or none (empty), kept
+    /// verbatim so the answer still parses; the filter sanitises it for its header.
+    #[serde(untagged)]
+    Other(String),
+}
+
+impl RouteReason {
+    /// The wire spelling (metric label value, explain header, debug JSON).
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Prefix => "prefix",
+            Self::Load => "load",
+            Self::Guard => "guard",
+            Self::NoEndpoint => "no_endpoint",
+            Self::Rejected => "rejected",
+            Self::ModelNotFound => "model_not_found",
+            Self::RequestTooLarge => "request_too_large",
+            Self::RateLimitExceeded => "rate_limit_exceeded",
+            Self::Other(other) => other,
+        }
+    }
+}
+
+impl From<&str> for RouteReason {
+    /// Reads a wire spelling, as deserialising it would.
+    fn from(value: &str) -> Self {
+        match value {
+            "prefix" => Self::Prefix,
+            "load" => Self::Load,
+            "guard" => Self::Guard,
+            "no_endpoint" => Self::NoEndpoint,
+            "rejected" => Self::Rejected,
+            other => RejectType::from(other).into(),
+        }
+    }
+}
+
+impl From<String> for RouteReason {
+    fn from(value: String) -> Self {
+        Self::from(value.as_str())
+    }
+}
+
+impl From<RejectType> for RouteReason {
+    /// The reason of a decision the router itself refused: the reject's type.
+    fn from(kind: RejectType) -> Self {
+        match kind {
+            RejectType::ModelNotFound => Self::ModelNotFound,
+            RejectType::RequestTooLarge => Self::RequestTooLarge,
+            RejectType::RateLimitExceeded => Self::RateLimitExceeded,
+            RejectType::Other(other) => Self::Other(other),
+        }
+    }
+}
+
+impl Default for RouteReason {
+    /// The empty spelling, which is what an answer without a reason always read as.
+    fn default() -> Self {
+        Self::Other(String::new())
+    }
 }
 
 /// The control plane's answer: endpoints to try, best first.
@@ -88,12 +353,25 @@ pub struct RouteResponse {
     pub decision_id: u64,
     /// `ip:port` of the chosen endpoint followed by fallbacks.
     pub endpoints: Vec<String>,
-    /// Prefix blocks the chosen endpoint is believed to hold.
+    /// Leading prompt blocks the chosen endpoint is believed to hold, in the unit of the index
+    /// that scored it: hash blocks of `router.block_bytes` canonical bytes (approximate), or
+    /// GPU-resident engine blocks of `router.precise.block_tokens` tokens (precise). Kept in
+    /// those units because the explain header and its readers compare it with the index they
+    /// watch; to compare decisions across modes, read `cached_tokens`.
     #[serde(default)]
     pub cached_blocks: u32,
-    /// Short machine-readable reason (`prefix`, `load`, `guard`, ...).
+    /// Prompt tokens the chosen endpoint is predicted to serve from its cache, in every mode:
+    /// the engines' own unit (`usage.prompt_tokens_details.cached_tokens`), so a prediction is
+    /// comparable with the outcome whichever index made it. Offloaded blocks count at
+    /// `precise.offload_weight`, and a precise hit the queue ahead will evict is not counted.
+    /// Equals the chosen candidate's `cached_tokens` in the explain output; 0 from a control
+    /// plane that predates it.
     #[serde(default)]
-    pub reason: String,
+    pub cached_tokens: u32,
+    /// Why the chosen endpoint won, or why there is none: the explain header's and the
+    /// decision metric's `reason`.
+    #[serde(default)]
+    pub reason: RouteReason,
     /// Set when the control plane refuses the request; the filter answers it locally.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reject: Option<Reject>,
@@ -135,4 +413,127 @@ pub struct Outcome {
 pub struct FeedbackBatch {
     /// Outcomes in the order the requests finished.
     pub outcomes: Vec<Outcome>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A value's JSON, which must be the quoted `spelling`, and the value read back from it.
+    fn wire<T: Serialize + for<'de> Deserialize<'de>>(value: &T) -> (String, T) {
+        let json = serde_json::to_string(value).unwrap();
+        let back = serde_json::from_str(&json).unwrap();
+        (json, back)
+    }
+
+    #[test]
+    fn reasons_and_reject_types_keep_their_wire_spellings() {
+        let reasons = [
+            (RouteReason::Prefix, "prefix"),
+            (RouteReason::Load, "load"),
+            (RouteReason::Guard, "guard"),
+            (RouteReason::NoEndpoint, "no_endpoint"),
+            (RouteReason::Rejected, "rejected"),
+            (RouteReason::ModelNotFound, "model_not_found"),
+            (RouteReason::RequestTooLarge, "request_too_large"),
+            (RouteReason::RateLimitExceeded, "rate_limit_exceeded"),
+        ];
+        for (reason, spelling) in reasons {
+            assert_eq!(reason.as_str(), spelling);
+            assert_eq!(RouteReason::from(spelling), reason);
+            assert_eq!(wire(&reason), (format!("\"{spelling}\""), reason));
+        }
+        let types = [
+            (RejectType::ModelNotFound, "model_not_found"),
+            (RejectType::RequestTooLarge, "request_too_large"),
+            (RejectType::RateLimitExceeded, "rate_limit_exceeded"),
+        ];
+        for (kind, spelling) in types {
+            assert_eq!(kind.as_str(), spelling);
+            assert_eq!(RejectType::from(spelling), kind);
+            assert_eq!(wire(&kind), (format!("\"{spelling}\""), kind.clone()));
+            // A refusal by the router itself names its type as the reason.
+            assert_eq!(RouteReason::from(kind).as_str(), spelling);
+        }
+    }
+
+    #[test]
+    fn unknown_reasons_and_reject_types_parse_and_keep_their_spelling() {
+        // A newer control plane's answer still routes (and rejects) with an older filter.
+        let answer = r#"{"decision_id":3,"endpoints":["10.0.0.1:8000"],"cached_blocks":2,
+            "reason":"Warm Spare","reject":{"status":429,"message":"m","error_type":"quota_exceeded"}}"#;
+        let r: RouteResponse = serde_json::from_str(answer).unwrap();
+        assert_eq!(r.reason, RouteReason::Other("Warm Spare".into()));
+        let reject = r.reject.unwrap();
+        assert_eq!(
+            reject.error_type,
+            RejectType::Other("quota_exceeded".into())
+        );
+        assert_eq!(
+            wire(&reject.error_type).0,
+            "\"quota_exceeded\"",
+            "the local answer carries the type as sent"
+        );
+        // An answer without a reason reads as the empty one, and writes it back as before.
+        let r: RouteResponse = serde_json::from_str(r#"{"decision_id":1,"endpoints":[]}"#).unwrap();
+        assert_eq!(r.reason.as_str(), "");
+        let json = serde_json::to_string(&RouteResponse::default()).unwrap();
+        assert_eq!(
+            json,
+            r#"{"decision_id":0,"endpoints":[],"cached_blocks":0,"cached_tokens":0,"reason":""}"#
+        );
+    }
+
+    #[test]
+    fn criticality_levels_travel_as_their_names_and_other_values_as_sent() {
+        for level in Criticality::ALL {
+            let requested = RequestedCriticality::Level(level);
+            let spelling = format!("\"{}\"", level.as_str());
+            assert_eq!(wire(&requested), (spelling.clone(), requested.clone()));
+            assert_eq!(serde_json::to_string(&level).unwrap(), spelling);
+        }
+        // GIE's capitalised names and llm-d's integer priorities are levels.
+        for (header, level) in [
+            ("Critical", Criticality::Critical),
+            (" SHEDDABLE ", Criticality::Sheddable),
+            ("-3", Criticality::Sheddable),
+            ("0", Criticality::Standard),
+            ("7", Criticality::Critical),
+        ] {
+            assert_eq!(
+                RequestedCriticality::from_header(header),
+                RequestedCriticality::Level(level)
+            );
+            let parsed: RequestedCriticality =
+                serde_json::from_str(&serde_json::to_string(header).unwrap()).unwrap();
+            assert_eq!(parsed, RequestedCriticality::Level(level), "{header:?}");
+        }
+        // Anything else is a name, verbatim (admission maps objectives, defaults the rest).
+        for name in ["batch", "Urgent!", "", "9999999999999999999999"] {
+            let requested = RequestedCriticality::from_header(name);
+            assert_eq!(requested, RequestedCriticality::Named(name.into()));
+            assert_eq!(
+                wire(&requested),
+                (serde_json::to_string(name).unwrap(), requested.clone())
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_criticality_never_fails_the_route_call_but_a_non_string_does() {
+        let request: RouteRequest =
+            serde_json::from_str(r#"{"model":"m","criticality":"from-the-future"}"#).unwrap();
+        assert_eq!(
+            request.criticality,
+            Some(RequestedCriticality::Named("from-the-future".into()))
+        );
+        let request: RouteRequest =
+            serde_json::from_str(r#"{"model":"m","criticality":null}"#).unwrap();
+        assert_eq!(request.criticality, None);
+        // Headers are strings: a number was never a valid body, and says what was expected.
+        let err = serde_json::from_str::<RouteRequest>(r#"{"model":"m","criticality":1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("criticality header value"), "{err}");
+    }
 }

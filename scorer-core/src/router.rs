@@ -28,9 +28,9 @@ use crate::latency::{
     PredictionErrors,
 };
 use crate::lora::{LoraConfig, LoraState};
-use crate::pools::{FleetState, ModelsConfig, PoolStats, ServedModel};
+use crate::pools::{Eligibility, FleetState, ModelsConfig, PoolStats, ServedModel};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
-use crate::protocol::{Outcome, RouteRequest, RouteResponse};
+use crate::protocol::{Outcome, Reject, RouteReason, RouteRequest, RouteResponse};
 use crate::token_ratio::TokenRatio;
 
 /// Tunables of the scorer. Defaults come from fleet-sim sweeps (see README).
@@ -352,10 +352,13 @@ struct InFlight {
 pub struct CandidateScore {
     /// `ip:port` of the candidate.
     pub endpoint: EndpointAddress,
-    /// Leading prompt blocks the candidate is believed to hold (engine blocks when scored
-    /// precisely, hash blocks otherwise).
+    /// Leading prompt blocks the candidate is believed to hold, in the unit of the index that
+    /// scored it (`precise`): GPU-resident engine blocks of `precise.block_tokens` tokens, or
+    /// hash blocks of `block_bytes` canonical bytes (see `RouteResponse::cached_blocks`).
     pub cached_blocks: u32,
-    /// Prompt tokens the candidate is believed to hold (offload tiers count at their weight).
+    /// Prompt tokens a hit there saves, in every mode (offload tiers count at their weight, a
+    /// precise hit the queue ahead will evict does not count): compare candidates and modes
+    /// on this, not on `cached_blocks`.
     pub cached_tokens: u32,
     /// Whether the KV-event index scored this candidate (false: the approximate index).
     pub precise: bool,
@@ -518,18 +521,177 @@ pub struct Router {
 /// returns (profiles showed a third of a decision's allocations were these).
 #[derive(Debug, Default)]
 struct RouteScratch {
-    /// Matched prefix depth per endpoint slot: approximate index, then precise GPU,
-    /// speculative and offload indexes (the last three only for precise requests).
-    matched: Vec<usize>,
-    gpu: Vec<usize>,
-    spec: Vec<usize>,
-    offload: Vec<usize>,
+    /// Matched prefix depths per endpoint slot (see [`look_up_prefixes`]).
+    depths: DepthBuffers,
     /// The latency model's inputs per endpoint slot, written as each candidate is scored, so
     /// the chosen one's reach its in-flight entry.
     features: Vec<LatencyFeatures>,
     /// Sort keys of the candidates (see `cost_order`).
     keys: Vec<u128>,
     short_keys: Vec<u64>,
+}
+
+/// Matched prefix depth per endpoint slot: approximate index, then precise GPU, speculative and
+/// offload indexes (the last three only for precise requests).
+#[derive(Debug, Default)]
+struct DepthBuffers {
+    matched: Vec<usize>,
+    gpu: Vec<usize>,
+    spec: Vec<usize>,
+    offload: Vec<usize>,
+}
+
+/// How deep each index matches one request's prompt, per endpoint slot: what
+/// [`look_up_prefixes`] found, read per candidate by [`cached_prefix`].
+#[derive(Debug, Clone, Copy)]
+struct PrefixDepths<'s> {
+    /// Hash blocks (`block_bytes` of canonical text each) of the approximate index.
+    approximate: &'s [usize],
+    /// Engine blocks the KV events say are on GPU (empty unless the request is precise).
+    gpu: &'s [usize],
+    /// Engine blocks recent decisions put there before events confirmed them (idem).
+    speculative: &'s [usize],
+    /// Engine blocks in CPU or storage tiers (idem).
+    offload: &'s [usize],
+}
+
+/// What serving a request involves on any endpoint, worked out once per decision
+/// ([`Router::shape_request`]).
+#[derive(Debug, Clone, Copy)]
+struct RequestShape<'r> {
+    /// Token-block hashes came with the request: endpoints with a live event stream are scored
+    /// from the event-fed indexes.
+    precise: bool,
+    /// Prompt tokens: a tokenizer's count when precise, canonical bytes at the ratio in force
+    /// otherwise.
+    tokens: u32,
+    /// `tokens`, at least 1, as the cost terms use it.
+    prompt_tokens: f64,
+    /// `max_tokens`, or `scoring.default_output_tokens`.
+    output_tokens: u32,
+    /// Tokens one approximate hash block stands for.
+    tokens_per_block: f64,
+    /// Tokens of one engine block (`precise.block_tokens`).
+    block_tokens: usize,
+    /// Engine blocks a hit can cover: vLLM recomputes at least the last prompt token.
+    hittable_blocks: usize,
+    /// The request's token-block hashes (empty unless precise).
+    token_blocks: &'r [u64],
+    /// The blocks whose KV this request will hold (engine blocks when precise).
+    kv_blocks: KvBlocks<'r>,
+}
+
+/// A prompt's chained block hashes and the tokens each stands for: what in-flight KV
+/// accounting samples.
+#[derive(Debug, Clone, Copy)]
+struct KvBlocks<'r> {
+    hashes: &'r [u64],
+    block_tokens: f64,
+}
+
+/// Which endpoints may serve a request, and what about it favours some of them
+/// ([`Router::select_pool`]).
+#[derive(Debug)]
+struct CandidatePool<'r> {
+    /// By model pool: every endpoint, or those serving the model (or its base model).
+    eligible: Eligibility,
+    /// The model names a LoRA adapter: candidates pay its load cost ([`crate::lora`]).
+    adapter: bool,
+    /// The request's session and the replica it went to last.
+    session: SessionAffinity<'r>,
+}
+
+/// A request's session, when affinity is on, and the replica that session remembers.
+#[derive(Debug, Clone, Copy)]
+struct SessionAffinity<'r> {
+    /// The session key (`None`: no session, or `sessions.bonus_ms` is 0).
+    key: Option<&'r str>,
+    /// Where the session went last, within `sessions.ttl_ms`.
+    remembered: Option<EndpointId>,
+}
+
+/// One usable endpoint while it is scored.
+#[derive(Debug, Clone, Copy)]
+struct Candidate<'s> {
+    id: EndpointId,
+    slot: &'s Slot,
+    /// Its scrape, unless stale.
+    fresh: Option<EndpointMetrics>,
+}
+
+/// How much of the prompt one candidate is believed to hold ([`cached_prefix`]).
+#[derive(Debug, Clone, Copy)]
+struct CachedPrefix {
+    /// Leading blocks in the unit of the index that scored it: engine blocks on GPU when
+    /// precise, approximate hash blocks otherwise.
+    blocks: usize,
+    /// Prompt tokens a hit there saves: offloaded blocks at `precise.offload_weight`, less what
+    /// the prefill queued ahead will evict first; below the prompt's length.
+    tokens: f64,
+    /// Scored from the event-fed indexes.
+    precise: bool,
+}
+
+/// A candidate's analytic cost terms ([`cost_terms`]): the explain output's numbers.
+#[derive(Debug, Clone, Copy)]
+struct CostTerms {
+    /// Prompt tokens still to prefill there.
+    uncached_tokens: f64,
+    /// The batch this request would join.
+    active: u32,
+    /// KV usage from a fresh scrape (0 without one).
+    kv_usage: f64,
+    /// Time per output token at that KV usage.
+    itl_ms: f64,
+    queue_ms: f64,
+    prefill_ms: f64,
+    decode_ms: f64,
+    kv_ms: f64,
+}
+
+/// What moves a candidate's cost off the analytic terms ([`steering`]).
+#[derive(Debug, Clone, Copy)]
+struct Steering {
+    /// Session-affinity bonus (negative) of the session's healthy replica.
+    session_ms: f64,
+    /// LoRA adapter load and full-slot cost.
+    lora_ms: f64,
+    /// The learned latency model's correction (0 while it is cold or off).
+    latency_ms: f64,
+    /// The learned model's prediction, shown in the explain output.
+    predicted: LatencyPrediction,
+    /// The learned model's inputs, kept for the chosen endpoint's outcome to teach it.
+    features: LatencyFeatures,
+}
+
+/// The candidates in cost order and the choice among them ([`Router::rank`]).
+#[derive(Debug)]
+struct Ranking {
+    /// The chosen endpoint.
+    chosen: EndpointId,
+    /// Its position in `candidates`.
+    chosen_at: usize,
+    /// Why it won (`guard`, `prefix` or `load`).
+    reason: RouteReason,
+    /// Decode candidates in slot order (`scratch.keys` holds their cost order).
+    candidates: Vec<(EndpointId, CandidateScore)>,
+    /// Prefill-only candidates, cheapest prefill first.
+    prefill_only: Vec<(EndpointId, CandidateScore)>,
+}
+
+impl Ranking {
+    fn chosen_score(&self) -> &CandidateScore {
+        &self.candidates[self.chosen_at].1
+    }
+}
+
+/// Where the chosen request's prompt is prefilled ([`Router::account_choice`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum PrefillSite {
+    /// On the chosen (decode) endpoint itself.
+    Chosen,
+    /// On this prefill endpoint (`ip:port`), its KV transferred to the chosen one.
+    Remote(String),
 }
 
 /// Sets `buffer` to `len` zeros, keeping its allocation.
@@ -561,11 +723,11 @@ impl PreciseIndexes {
 }
 
 /// The decision for a request the router refuses (the filter answers it locally).
-fn rejected(decision_id: u64, reject: crate::protocol::Reject) -> Decision {
+fn rejected(decision_id: u64, reject: Reject) -> Decision {
     Decision {
         response: RouteResponse {
             decision_id,
-            reason: reject.error_type.clone(),
+            reason: reject.error_type.clone().into(),
             reject: Some(reject),
             ..Default::default()
         },
@@ -876,6 +1038,14 @@ impl Router {
 
     /// Chooses endpoints for `request`. Never fails: with no usable endpoint the list is empty
     /// and the filter lets Envoy's fallback policy pick.
+    ///
+    /// A decision runs as named stages, each with a typed result, so each question is answered
+    /// in one place: [`Router::shape_request`] (what the request needs wherever it goes),
+    /// [`Router::select_pool`] (who may serve it, and its session's replica),
+    /// [`Router::score_candidates`] (each candidate's cached prefix, cost terms and steering),
+    /// [`Router::rank`] (guard, order, tie-break and the reason), [`Router::account_choice`]
+    /// (the chosen endpoint's load, indexes, session and prefill endpoint), then
+    /// [`Router::respond`].
     pub fn route(&mut self, request: &RouteRequest, now_ms: u64, seed: u64) -> Decision {
         // Expiry has per-endpoint work, and nothing new can expire within one millisecond.
         if now_ms != self.last_expire_ms {
@@ -885,6 +1055,37 @@ impl Router {
         self.next_decision_id += 1;
         self.stats.decisions += 1;
 
+        let shape = self.shape_request(request);
+        let pool = match self.select_pool(request, now_ms) {
+            Ok(pool) => pool,
+            Err(reject) => return rejected(decision_id, reject),
+        };
+        let candidates = self.score_candidates(request, &shape, &pool, now_ms);
+        let Some(ranking) = self.rank(candidates, decision_id, seed) else {
+            self.stats.no_endpoint += 1;
+            return Decision {
+                response: RouteResponse {
+                    decision_id,
+                    reason: RouteReason::NoEndpoint,
+                    ..Default::default()
+                },
+                candidates: Vec::new(),
+            };
+        };
+        let prefill = self.account_choice(
+            request,
+            &shape,
+            &pool.session,
+            &ranking,
+            decision_id,
+            now_ms,
+        );
+        self.respond(decision_id, ranking, prefill)
+    }
+
+    /// Stage 1: what serving `request` involves on any endpoint: its prompt in tokens, the
+    /// blocks a hit can cover, and the blocks its KV will hold once admitted.
+    fn shape_request<'r>(&self, request: &'r RouteRequest) -> RequestShape<'r> {
         let tokens_per_block = self.tokens_per_block();
         // Precise mode: the event-fed GPU index (plus speculative entries of recent decisions)
         // and the offload tiers, in engine blocks.
@@ -892,243 +1093,173 @@ impl Router {
         // A precise request's tokens were counted by a tokenizer. An approximate one's are
         // estimated from its canonical bytes at the ratio the index counts blocks in (the
         // filter's own estimate assumes 4 bytes a token).
-        let request_tokens = match request.prompt_bytes {
+        let tokens = match request.prompt_bytes {
             bytes if !precise && bytes > 0 => {
                 (bytes as f64 / self.token_ratio.bytes_per_token()).ceil() as u32
             }
             _ => request.prompt_tokens,
         };
-        let prompt_tokens = f64::from(request_tokens.max(1));
-        let n = self.slots.len();
-        let scratch = &mut self.scratch;
-        let matched = zeroed(&mut scratch.matched, n);
-        record_depths(&self.index, &request.block_hashes, matched);
-        // Only precise requests read these (through `scored_precisely`).
-        let per_endpoint = if precise { n } else { 0 };
-        let gpu = zeroed(&mut scratch.gpu, per_endpoint);
-        let spec = zeroed(&mut scratch.spec, per_endpoint);
-        let offload = zeroed(&mut scratch.offload, per_endpoint);
-        if precise {
-            record_depths(&self.precise.gpu, &request.token_block_hashes, gpu);
-            record_depths(&self.precise.speculative, &request.token_block_hashes, spec);
-            record_depths(&self.precise.offload, &request.token_block_hashes, offload);
-        }
-        // Written for every candidate before the chosen one's is read: no reset needed.
-        let latency_features = &mut scratch.features;
-        latency_features.resize(n, LatencyFeatures::default());
         let block_tokens = self.config.precise.block_tokens.max(1);
-        // vLLM recomputes at least the last prompt token, so only blocks of the first n-1 count.
-        let hittable_blocks = (request_tokens.saturating_sub(1) as usize) / block_tokens;
-        let offload_weight = self.config.precise.offload_weight;
-        let output_tokens = request
-            .max_output_tokens
-            .unwrap_or(self.config.scoring.default_output_tokens);
-        // The blocks whose KV this request will hold (engine blocks when precise).
-        let kv_blocks: (&[u64], f64) = if precise {
-            (&request.token_block_hashes, block_tokens as f64)
+        let kv_blocks = if precise {
+            KvBlocks {
+                hashes: &request.token_block_hashes,
+                block_tokens: block_tokens as f64,
+            }
         } else {
-            (&request.block_hashes, tokens_per_block)
+            KvBlocks {
+                hashes: &request.block_hashes,
+                block_tokens: tokens_per_block,
+            }
         };
+        RequestShape {
+            precise,
+            tokens,
+            prompt_tokens: f64::from(tokens.max(1)),
+            output_tokens: request
+                .max_output_tokens
+                .unwrap_or(self.config.scoring.default_output_tokens),
+            tokens_per_block,
+            block_tokens,
+            // vLLM recomputes at least the last prompt token, so only blocks of the first n-1 count.
+            hittable_blocks: (tokens.saturating_sub(1) as usize) / block_tokens,
+            token_blocks: &request.token_block_hashes,
+            kv_blocks,
+        }
+    }
 
-        // Model pools, session affinity and LoRA adapters (modules `pools`, `affinity`, `lora`).
-        let eligible = match self
-            .fleet
-            .admit(&request.model, n, self.config.models.unknown_model)
-        {
-            Ok(eligible) => eligible,
-            Err(reject) => return rejected(decision_id, reject),
-        };
+    /// Stage 2: which endpoints may serve `request` (model pools and LoRA adapters, modules
+    /// `pools` and `lora`) and the replica its session remembers (`affinity`). A model nobody
+    /// serves is refused here, under `models.unknown_model: reject`.
+    fn select_pool<'r>(
+        &mut self,
+        request: &'r RouteRequest,
+        now_ms: u64,
+    ) -> Result<CandidatePool<'r>, Reject> {
+        let eligible = self.fleet.admit(
+            &request.model,
+            self.slots.len(),
+            self.config.models.unknown_model,
+        )?;
         let sessions = &self.config.sessions;
-        let session_key = request
+        let key = request
             .session
             .as_deref()
             .filter(|_| sessions.bonus_ms > 0.0);
-        let remembered =
-            session_key.and_then(|k| self.fleet.sessions.lookup(k, now_ms, sessions.ttl_ms));
-        let adapter = self.fleet.is_adapter(&request.model);
+        let remembered = key.and_then(|k| self.fleet.sessions.lookup(k, now_ms, sessions.ttl_ms));
+        Ok(CandidatePool {
+            eligible,
+            adapter: self.fleet.is_adapter(&request.model),
+            session: SessionAffinity { key, remembered },
+        })
+    }
 
-        let s = &self.config.scoring;
-        let stale_after = self.config.stale_after_ms;
-        let learned = &self.config.latency;
+    /// Stage 3: every usable endpoint of `pool` as a scored candidate, in slot order: its
+    /// cached prefix ([`cached_prefix`]), the analytic cost terms ([`cost_terms`]) and what
+    /// steers them ([`steering`]: session bonus, LoRA cost, the learned latency correction).
+    /// Drains each candidate's backlog to `now_ms` and records its latency features.
+    fn score_candidates(
+        &mut self,
+        request: &RouteRequest,
+        shape: &RequestShape<'_>,
+        pool: &CandidatePool<'_>,
+        now_ms: u64,
+    ) -> Vec<(EndpointId, CandidateScore)> {
+        let n = self.slots.len();
+        let Router {
+            config,
+            slots,
+            index,
+            precise,
+            fleet,
+            scratch,
+            ..
+        } = self;
+        let depths = look_up_prefixes(&mut scratch.depths, index, precise, request, n);
+        // Written for every candidate before the chosen one's is read: no reset needed.
+        let latency_features = &mut scratch.features;
+        latency_features.resize(n, LatencyFeatures::default());
+        let s = &config.scoring;
+        let stale_after = config.stale_after_ms;
         let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::with_capacity(n);
-        for (i, slot) in self.slots.iter_mut().enumerate() {
+        for (i, slot) in slots.iter_mut().enumerate() {
             let Some(slot) = slot else { continue };
-            if slot.health != Health::Ready || !eligible.allows(i) {
+            if slot.health != Health::Ready || !pool.eligible.allows(i) {
                 continue;
             }
             drain_backlog(slot, now_ms, s.prefill_tokens_per_ms);
+            let here = EndpointId(i as u16);
             let fresh = slot
                 .metrics
                 .filter(|_| now_ms.saturating_sub(slot.scraped_at_ms) <= stale_after);
-            let scored_precisely = precise && slot.events_live;
-            let (cached_blocks, cached_tokens) = if scored_precisely {
-                let on_gpu = gpu[i].max(spec[i]).min(hittable_blocks);
-                let offloaded = offload[i].min(hittable_blocks).saturating_sub(on_gpu);
-                let tokens = (on_gpu * block_tokens) as f64
-                    + offload_weight * (offloaded * block_tokens) as f64;
-                (on_gpu, tokens.min(prompt_tokens - 1.0).max(0.0))
-            } else {
-                let tokens = (matched[i] as f64 * tokens_per_block)
-                    .min(prompt_tokens - 1.0)
-                    .max(0.0);
-                (matched[i], tokens)
+            let candidate = Candidate {
+                id: here,
+                slot,
+                fresh,
             };
-            let here = EndpointId(i as u16);
-            // The approximate index evicts at decision time, as the queued prefills will; the
-            // event-fed one learns of evictions only when they happen, after this request
-            // would be admitted, so its cached prefix is discounted for the queue ahead.
-            let cached_tokens = if scored_precisely && slot.backlog_tokens > 0.0 && gpu[i] > 0 {
-                let gpu_index = &self.precise.gpu;
-                // The prefix's least recently used block bounds what goes before it: a turn's
-                // new blocks are stored after the history it re-used was touched. Sampled, as
-                // the in-flight KV is.
-                let older_blocks = kv_samples(&request.token_block_hashes[..gpu[i]], 8)
-                    .chain(request.token_block_hashes[..gpu[i]].last())
-                    .filter_map(|&h| gpu_index.older_than(here, h))
-                    .min()
-                    .unwrap_or(0);
-                let cache = CacheView {
-                    indexed_tokens: (gpu_index.len_for(here) * block_tokens) as f64,
-                    older_tokens: (older_blocks * block_tokens) as f64,
-                    full: self.precise.evicting.contains(here),
-                };
-                // Only the GPU tier is evicted to make room; offloaded blocks stay.
-                let on_gpu = (gpu[i].max(spec[i]).min(hittable_blocks) * block_tokens) as f64;
-                let at_risk = on_gpu.min(cached_tokens);
-                cached_tokens - lost_before_admission(slot, cache, at_risk, kv_blocks)
-            } else {
-                cached_tokens
-            };
-            let uncached = prompt_tokens - cached_tokens;
-            let (unknown_waiting, active) = slot.unseen_waiting_and_active(fresh);
-            let kv_usage = fresh.map_or(0.0, |m| m.kv_usage);
-            let queue_ms = (slot.backlog_tokens
-                + f64::from(unknown_waiting) * s.unknown_request_tokens)
-                / s.prefill_tokens_per_ms;
-            let prefill_ms = uncached / s.prefill_tokens_per_ms;
-            let itl_ms = s.itl_ms_idle + (s.itl_ms_full - s.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
-            let decode_ms = f64::from(active) * s.decode_ms_per_seq
-                + kv_usage * s.kv_decode_ms
-                + s.decode_weight * f64::from(output_tokens) * itl_ms;
-            // KV pressure from the scrape, or predicted from what the router itself has in flight
-            // here plus this request (the scrape lags a burst; past 1.0 the request would wait
-            // for memory, and the penalty keeps growing).
-            let predicted_kv = match slot.metrics.and_then(|m| m.capacity_tokens) {
-                Some(capacity) if capacity > 0 => {
-                    let capacity = capacity as f64;
-                    let upper = slot.inflight_kv.tokens + prompt_tokens + f64::from(output_tokens);
-                    if upper / capacity > s.kv_pressure_threshold {
-                        // Only near the limit is it worth the walk: the prompt's prefix that
-                        // in-flight requests already hold here takes no new memory.
-                        let (blocks, block_tokens) = kv_blocks;
-                        (upper - slot.inflight_kv.held_prefix_tokens(blocks, block_tokens))
-                            / capacity
-                    } else {
-                        upper / capacity
-                    }
-                }
-                _ => 0.0,
-            };
-            let kv_pressure = kv_usage.max(predicted_kv);
-            let kv_ms = if kv_pressure > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
-                s.kv_pressure_ms * (kv_pressure - s.kv_pressure_threshold)
-                    / (1.0 - s.kv_pressure_threshold)
-            } else {
-                0.0
-            };
-            let session_ms = if remembered == Some(here)
-                && sessions.healthy(fresh.map(|m| (m.kv_usage, m.waiting)))
-            {
-                -sessions.bonus_ms
-            } else {
-                0.0
-            };
-            let lora_ms = if adapter {
-                self.fleet
-                    .loras
-                    .cost_ms(here, &request.model, &self.config.lora)
-            } else {
-                0.0
-            };
-            let features = LatencyFeatures {
-                queue_tokens: queue_ms * s.prefill_tokens_per_ms,
-                uncached_tokens: uncached,
-                active: f64::from(active),
-                kv_usage,
-            };
-            latency_features[i] = features;
-            let predicted = slot.latency.predict(&features);
-            let latency_ms = learned_correction(
-                learned,
-                slot.latency.samples(),
-                &predicted,
-                queue_ms + prefill_ms + f64::from(active) * s.decode_ms_per_seq,
-                s.decode_weight * f64::from(output_tokens),
-                itl_ms,
+            let cached = cached_prefix(candidate, &depths, shape, precise, &config.precise);
+            let terms = cost_terms(candidate, cached.tokens, shape, s);
+            let steer = steering(
+                candidate,
+                &terms,
+                shape,
+                pool,
+                &request.model,
+                fleet,
+                config,
             );
+            latency_features[i] = steer.features;
             candidates.push((
-                EndpointId(i as u16),
+                here,
                 CandidateScore {
                     endpoint: slot.address.clone(),
-                    cached_blocks: cached_blocks as u32,
-                    cached_tokens: cached_tokens as u32,
-                    precise: scored_precisely,
-                    uncached_tokens: uncached as u32,
-                    queue_ms,
-                    prefill_ms,
-                    decode_ms,
-                    kv_ms,
-                    total_ms: queue_ms
-                        + s.prefill_weight * prefill_ms
-                        + decode_ms
-                        + kv_ms
-                        + latency_ms
-                        + session_ms
-                        + lora_ms,
+                    cached_blocks: cached.blocks as u32,
+                    cached_tokens: cached.tokens as u32,
+                    precise: cached.precise,
+                    uncached_tokens: terms.uncached_tokens as u32,
+                    queue_ms: terms.queue_ms,
+                    prefill_ms: terms.prefill_ms,
+                    decode_ms: terms.decode_ms,
+                    kv_ms: terms.kv_ms,
+                    total_ms: terms.queue_ms
+                        + s.prefill_weight * terms.prefill_ms
+                        + terms.decode_ms
+                        + terms.kv_ms
+                        + steer.latency_ms
+                        + steer.session_ms
+                        + steer.lora_ms,
                     inflight: slot.inflight,
                     guarded: false,
-                    predicted_ttft_ms: predicted.ttft_ms,
-                    predicted_tpot_ms: predicted.tpot_ms,
+                    predicted_ttft_ms: steer.predicted.ttft_ms,
+                    predicted_tpot_ms: steer.predicted.tpot_ms,
                     latency_samples: slot.latency.samples(),
-                    latency_ms,
+                    latency_ms: steer.latency_ms,
                     role: slot.role,
-                    session_ms,
-                    lora_ms,
+                    session_ms: steer.session_ms,
+                    lora_ms: steer.lora_ms,
                 },
             ));
         }
+        candidates
+    }
 
-        // Prefill-only endpoints are never decode targets; they may prefill for one.
+    /// Stage 4: sets prefill-only candidates aside (never decode targets; they may prefill for
+    /// the chosen one), applies the guard against piling onto one hot replica, orders the rest
+    /// (unguarded first, then by cost; near-ties shuffled by the seed) into `scratch.keys`, and
+    /// names the choice and its reason. `None`: no decode candidate at all.
+    fn rank(
+        &mut self,
+        mut candidates: Vec<(EndpointId, CandidateScore)>,
+        decision_id: u64,
+        seed: u64,
+    ) -> Option<Ranking> {
+        let s = &self.config.scoring;
         let prefill_only = crate::disagg::split_prefill_only(&mut candidates, s.prefill_weight);
         if candidates.is_empty() {
-            self.stats.no_endpoint += 1;
-            return Decision {
-                response: RouteResponse {
-                    decision_id,
-                    reason: "no_endpoint".into(),
-                    ..Default::default()
-                },
-                candidates: Vec::new(),
-            };
+            return None;
         }
-
-        // Guard against piling onto one hot replica.
-        let min_inflight = candidates
-            .iter()
-            .map(|(_, c)| c.inflight)
-            .min()
-            .unwrap_or(0);
-        for (_, c) in candidates.iter_mut() {
-            c.guarded = c.inflight >= min_inflight + s.guard_abs
-                && f64::from(c.inflight) >= s.guard_rel * f64::from(min_inflight.max(1));
-            // A session's replica that the guard skips is overloaded: no bonus there.
-            if c.guarded && c.session_ms != 0.0 {
-                c.total_ms -= c.session_ms;
-                c.session_ms = 0.0;
-            }
-        }
-        // Order: unguarded first, then by cost; near-ties shuffled by the seed. The order is
-        // worked out on small keys, and the candidates (large) are moved into it once, at the end.
+        apply_guard(&mut candidates, s);
+        // The order is worked out on small keys, and the candidates (large) are moved into it
+        // once, at the end (`respond`).
         let RouteScratch {
             keys, short_keys, ..
         } = &mut self.scratch;
@@ -1153,11 +1284,46 @@ impl Router {
         if cheapest_guarded {
             self.stats.guarded += 1;
         }
+        let chosen_at = key_position(keys[0]);
+        let (chosen, chosen_score) = &candidates[chosen_at];
+        let max_cached = candidates
+            .iter()
+            .map(|(_, c)| c.cached_blocks)
+            .max()
+            .unwrap_or(0);
+        let reason = if cheapest_guarded && any_guarded {
+            RouteReason::Guard
+        } else if chosen_score.cached_blocks > 0 && chosen_score.cached_blocks == max_cached {
+            RouteReason::Prefix
+        } else {
+            RouteReason::Load
+        };
+        Some(Ranking {
+            chosen: *chosen,
+            chosen_at,
+            reason,
+            candidates,
+            prefill_only,
+        })
+    }
 
-        let (chosen, chosen_score) = &candidates[key_position(keys[0])];
-        let chosen = *chosen;
-        if let Some(key) = session_key {
-            self.fleet.sessions.count(remembered, chosen);
+    /// Stage 5: the chosen endpoint now has this prefill queued and holds the prompt's blocks
+    /// (backlog, in-flight KV, approximate and speculative indexes, the in-flight entry its
+    /// outcome releases); its session remembers it; a long uncached prompt may get a prefill
+    /// endpoint of its own ([`Router::pick_prefiller`]).
+    fn account_choice(
+        &mut self,
+        request: &RouteRequest,
+        shape: &RequestShape<'_>,
+        session: &SessionAffinity<'_>,
+        ranking: &Ranking,
+        decision_id: u64,
+        now_ms: u64,
+    ) -> PrefillSite {
+        let chosen = ranking.chosen;
+        let chosen_score = ranking.chosen_score();
+        if let Some(key) = session.key {
+            self.fleet.sessions.count(session.remembered, chosen);
             let max_sessions = self.config.sessions.max_sessions;
             self.fleet
                 .sessions
@@ -1166,24 +1332,14 @@ impl Router {
         if chosen_score.precise {
             self.stats.precise_decisions += 1;
         }
-        let max_cached = candidates
-            .iter()
-            .map(|(_, c)| c.cached_blocks)
-            .max()
-            .unwrap_or(0);
-        let reason = if cheapest_guarded && any_guarded {
-            "guard"
-        } else if chosen_score.cached_blocks > 0 && chosen_score.cached_blocks == max_cached {
-            "prefix"
-        } else {
-            "load"
-        };
-
-        // Account the decision: the chosen replica now has this prefill queued and holds the blocks.
-        let (all_blocks, block_kv_tokens) = kv_blocks;
+        let KvBlocks {
+            hashes: all_blocks,
+            block_tokens: block_kv_tokens,
+        } = shape.kv_blocks;
         let step = kv_sample_blocks(block_kv_tokens);
         let kv_blocks: Box<[u64]> = kv_samples(all_blocks, step).copied().collect();
         let kv_block_tokens = block_kv_tokens * step as f64;
+        let request_tokens = shape.tokens;
         let unhashed =
             (f64::from(request_tokens) - kv_blocks.len() as f64 * kv_block_tokens).max(0.0) as u32;
         let entry = InFlight {
@@ -1192,7 +1348,7 @@ impl Router {
             prompt_bytes: request.prompt_bytes,
             kv_blocks,
             kv_block_tokens,
-            kv_private_tokens: output_tokens.saturating_add(unhashed),
+            kv_private_tokens: shape.output_tokens.saturating_add(unhashed),
             latency_features: self.scratch.features[usize::from(chosen.0)],
             remote_prefill: false,
         };
@@ -1202,7 +1358,7 @@ impl Router {
             slot.inflight_kv.add(&entry);
         }
         self.index.insert(chosen, &request.block_hashes, now_ms);
-        if precise {
+        if shape.precise {
             self.precise
                 .speculative
                 .insert(chosen, &request.token_block_hashes, now_ms);
@@ -1213,28 +1369,44 @@ impl Router {
         }
         self.inflight.insert(decision_id, entry);
         self.track_inflight(decision_id, now_ms);
-        let prefiller = self.pick_prefiller(request, chosen, chosen_score, &prefill_only, now_ms);
-        if let (Some(_), Some(entry)) = (&prefiller, self.inflight.get_mut(&decision_id)) {
-            entry.remote_prefill = true;
+        let prefiller =
+            self.pick_prefiller(request, chosen, chosen_score, &ranking.prefill_only, now_ms);
+        match prefiller {
+            Some(endpoint) => {
+                if let Some(entry) = self.inflight.get_mut(&decision_id) {
+                    entry.remote_prefill = true;
+                }
+                PrefillSite::Remote(endpoint)
+            }
+            None => PrefillSite::Chosen,
         }
+    }
 
-        let cached_blocks = chosen_score.cached_blocks;
+    /// Stage 6: the filter's answer (the chosen endpoint, then up to `fallbacks` more in cost
+    /// order) and the explanation, every candidate's terms best first.
+    fn respond(&self, decision_id: u64, ranking: Ranking, prefill: PrefillSite) -> Decision {
+        let chosen = ranking.chosen_score();
+        let (cached_blocks, cached_tokens) = (chosen.cached_blocks, chosen.cached_tokens);
         let keys = &self.scratch.keys;
         let endpoints = keys
             .iter()
             .take(1 + self.config.fallbacks)
-            .map(|&k| candidates[key_position(k)].1.endpoint.to_string())
+            .map(|&k| ranking.candidates[key_position(k)].1.endpoint.to_string())
             .collect();
         Decision {
             response: RouteResponse {
                 decision_id,
                 endpoints,
                 cached_blocks,
-                reason: reason.into(),
-                prefiller,
+                cached_tokens,
+                reason: ranking.reason,
+                prefiller: match prefill {
+                    PrefillSite::Chosen => None,
+                    PrefillSite::Remote(endpoint) => Some(endpoint),
+                },
                 ..RouteResponse::default()
             },
-            candidates: in_cost_order(candidates, keys, prefill_only),
+            candidates: in_cost_order(ranking.candidates, keys, ranking.prefill_only),
         }
     }
 
@@ -1490,6 +1662,232 @@ fn learned_correction(
     }
 }
 
+/// Stage 3a: writes each index's matched prefix depth per endpoint slot into `buffers` (the
+/// event-fed ones only for a precise request) and returns them as a view.
+fn look_up_prefixes<'s>(
+    buffers: &'s mut DepthBuffers,
+    index: &PrefixIndex,
+    precise: &PreciseIndexes,
+    request: &RouteRequest,
+    n: usize,
+) -> PrefixDepths<'s> {
+    let DepthBuffers {
+        matched,
+        gpu,
+        spec,
+        offload,
+    } = buffers;
+    let matched = zeroed(matched, n);
+    record_depths(index, &request.block_hashes, matched);
+    let is_precise = !request.token_block_hashes.is_empty();
+    // Only precise requests read these (through `cached_prefix`).
+    let per_endpoint = if is_precise { n } else { 0 };
+    let gpu = zeroed(gpu, per_endpoint);
+    let spec = zeroed(spec, per_endpoint);
+    let offload = zeroed(offload, per_endpoint);
+    if is_precise {
+        record_depths(&precise.gpu, &request.token_block_hashes, gpu);
+        record_depths(&precise.speculative, &request.token_block_hashes, spec);
+        record_depths(&precise.offload, &request.token_block_hashes, offload);
+    }
+    PrefixDepths {
+        approximate: matched,
+        gpu,
+        speculative: spec,
+        offload,
+    }
+}
+
+/// Stage 3b, per candidate: the prompt prefix `c` is believed to hold. A precise request on an
+/// endpoint with a live event stream reads the event-fed indexes (GPU or speculative, then
+/// offload tiers at their weight); any other reads the approximate index. The approximate index
+/// evicts at decision time, as the queued prefills will; the event-fed one learns of evictions
+/// only when they happen, after this request would be admitted, so its cached prefix is
+/// discounted for the queue ahead ([`lost_before_admission`]).
+fn cached_prefix(
+    c: Candidate<'_>,
+    depths: &PrefixDepths<'_>,
+    shape: &RequestShape<'_>,
+    indexes: &PreciseIndexes,
+    config: &PreciseConfig,
+) -> CachedPrefix {
+    let i = usize::from(c.id.0);
+    let (slot, block_tokens, hittable) = (c.slot, shape.block_tokens, shape.hittable_blocks);
+    let precise = shape.precise && slot.events_live;
+    if !precise {
+        let blocks = depths.approximate[i];
+        let tokens = (blocks as f64 * shape.tokens_per_block)
+            .min(shape.prompt_tokens - 1.0)
+            .max(0.0);
+        return CachedPrefix {
+            blocks,
+            tokens,
+            precise,
+        };
+    }
+    let gpu = depths.gpu[i];
+    let on_gpu = gpu.max(depths.speculative[i]).min(hittable);
+    let offloaded = depths.offload[i].min(hittable).saturating_sub(on_gpu);
+    let tokens =
+        (on_gpu * block_tokens) as f64 + config.offload_weight * (offloaded * block_tokens) as f64;
+    let tokens = tokens.min(shape.prompt_tokens - 1.0).max(0.0);
+    let tokens = if slot.backlog_tokens > 0.0 && gpu > 0 {
+        let gpu_index = &indexes.gpu;
+        let prefix = &shape.token_blocks[..gpu];
+        // The prefix's least recently used block bounds what goes before it: a turn's new
+        // blocks are stored after the history it re-used was touched. Sampled, as the
+        // in-flight KV is.
+        let older_blocks = kv_samples(prefix, 8)
+            .chain(prefix.last())
+            .filter_map(|&h| gpu_index.older_than(c.id, h))
+            .min()
+            .unwrap_or(0);
+        let cache = CacheView {
+            indexed_tokens: (gpu_index.len_for(c.id) * block_tokens) as f64,
+            older_tokens: (older_blocks * block_tokens) as f64,
+            full: indexes.evicting.contains(c.id),
+        };
+        // Only the GPU tier is evicted to make room; offloaded blocks stay.
+        let at_risk = ((on_gpu * block_tokens) as f64).min(tokens);
+        tokens - lost_before_admission(slot, cache, at_risk, shape.kv_blocks)
+    } else {
+        tokens
+    };
+    CachedPrefix {
+        blocks: on_gpu,
+        tokens,
+        precise,
+    }
+}
+
+/// Stage 3c, per candidate: the analytic estimate of how long the request would wait and
+/// prefill on `c` with `cached_tokens` of it cached (see the module doc).
+fn cost_terms(
+    c: Candidate<'_>,
+    cached_tokens: f64,
+    shape: &RequestShape<'_>,
+    s: &ScoringConfig,
+) -> CostTerms {
+    let slot = c.slot;
+    let prompt_tokens = shape.prompt_tokens;
+    let output_tokens = shape.output_tokens;
+    let uncached = prompt_tokens - cached_tokens;
+    let (unknown_waiting, active) = slot.unseen_waiting_and_active(c.fresh);
+    let kv_usage = c.fresh.map_or(0.0, |m| m.kv_usage);
+    let queue_ms = (slot.backlog_tokens + f64::from(unknown_waiting) * s.unknown_request_tokens)
+        / s.prefill_tokens_per_ms;
+    let prefill_ms = uncached / s.prefill_tokens_per_ms;
+    let itl_ms = s.itl_ms_idle + (s.itl_ms_full - s.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
+    let decode_ms = f64::from(active) * s.decode_ms_per_seq
+        + kv_usage * s.kv_decode_ms
+        + s.decode_weight * f64::from(output_tokens) * itl_ms;
+    // KV pressure from the scrape, or predicted from what the router itself has in flight
+    // here plus this request (the scrape lags a burst; past 1.0 the request would wait for
+    // memory, and the penalty keeps growing).
+    let predicted_kv = match slot.metrics.and_then(|m| m.capacity_tokens) {
+        Some(capacity) if capacity > 0 => {
+            let capacity = capacity as f64;
+            let upper = slot.inflight_kv.tokens + prompt_tokens + f64::from(output_tokens);
+            if upper / capacity > s.kv_pressure_threshold {
+                // Only near the limit is it worth the walk: the prompt's prefix that in-flight
+                // requests already hold here takes no new memory.
+                let KvBlocks {
+                    hashes,
+                    block_tokens,
+                } = shape.kv_blocks;
+                (upper - slot.inflight_kv.held_prefix_tokens(hashes, block_tokens)) / capacity
+            } else {
+                upper / capacity
+            }
+        }
+        _ => 0.0,
+    };
+    let kv_pressure = kv_usage.max(predicted_kv);
+    let kv_ms = if kv_pressure > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
+        s.kv_pressure_ms * (kv_pressure - s.kv_pressure_threshold) / (1.0 - s.kv_pressure_threshold)
+    } else {
+        0.0
+    };
+    CostTerms {
+        uncached_tokens: uncached,
+        active,
+        kv_usage,
+        itl_ms,
+        queue_ms,
+        prefill_ms,
+        decode_ms,
+        kv_ms,
+    }
+}
+
+/// Stage 3d, per candidate: what moves `c`'s cost off its analytic terms: the session's
+/// remembered replica (while healthy), a LoRA adapter's cost, and the learned latency model's
+/// correction once it is warm.
+fn steering(
+    c: Candidate<'_>,
+    terms: &CostTerms,
+    shape: &RequestShape<'_>,
+    pool: &CandidatePool<'_>,
+    model: &str,
+    fleet: &FleetState,
+    config: &RouterConfig,
+) -> Steering {
+    let (s, sessions) = (&config.scoring, &config.sessions);
+    let session_ms = if pool.session.remembered == Some(c.id)
+        && sessions.healthy(c.fresh.map(|m| (m.kv_usage, m.waiting)))
+    {
+        -sessions.bonus_ms
+    } else {
+        0.0
+    };
+    let lora_ms = if pool.adapter {
+        fleet.loras.cost_ms(c.id, model, &config.lora)
+    } else {
+        0.0
+    };
+    let features = LatencyFeatures {
+        queue_tokens: terms.queue_ms * s.prefill_tokens_per_ms,
+        uncached_tokens: terms.uncached_tokens,
+        active: f64::from(terms.active),
+        kv_usage: terms.kv_usage,
+    };
+    let predicted = c.slot.latency.predict(&features);
+    let latency_ms = learned_correction(
+        &config.latency,
+        c.slot.latency.samples(),
+        &predicted,
+        terms.queue_ms + terms.prefill_ms + f64::from(terms.active) * s.decode_ms_per_seq,
+        s.decode_weight * f64::from(shape.output_tokens),
+        terms.itl_ms,
+    );
+    Steering {
+        session_ms,
+        lora_ms,
+        latency_ms,
+        predicted,
+        features,
+    }
+}
+
+/// Stage 4a: marks the candidates the guard skips (far more in flight than the least loaded
+/// one, absolutely and relatively); a session's replica that the guard skips is overloaded,
+/// so it loses its bonus.
+fn apply_guard(candidates: &mut [(EndpointId, CandidateScore)], s: &ScoringConfig) {
+    let min_inflight = candidates
+        .iter()
+        .map(|(_, c)| c.inflight)
+        .min()
+        .unwrap_or(0);
+    for (_, c) in candidates.iter_mut() {
+        c.guarded = c.inflight >= min_inflight + s.guard_abs
+            && f64::from(c.inflight) >= s.guard_rel * f64::from(min_inflight.max(1));
+        if c.guarded && c.session_ms != 0.0 {
+            c.total_ms -= c.session_ms;
+            c.session_ms = 0.0;
+        }
+    }
+}
+
 /// Writes each endpoint's matched prefix depth into `out` (ids beyond `out` are ignored).
 fn record_depths(index: &PrefixIndex, hashes: &[u64], out: &mut [usize]) {
     index.matched_prefix(hashes, |id, depth| {
@@ -1665,7 +2063,7 @@ fn lost_before_admission(
     slot: &Slot,
     cache: CacheView,
     gpu_cached_tokens: f64,
-    (blocks, block_tokens): (&[u64], f64),
+    kv_blocks: KvBlocks<'_>,
 ) -> f64 {
     let capacity = match slot.metrics.and_then(|m| m.capacity_tokens) {
         Some(c) if c > 0 => c as f64,
@@ -1683,7 +2081,9 @@ fn lost_before_admission(
     if reaching_prefix <= 0.0 {
         return 0.0;
     }
-    let held = slot.inflight_kv.held_prefix_tokens(blocks, block_tokens);
+    let held = slot
+        .inflight_kv
+        .held_prefix_tokens(kv_blocks.hashes, kv_blocks.block_tokens);
     (gpu_cached_tokens - held).max(0.0).min(reaching_prefix)
 }
 
@@ -1726,7 +2126,7 @@ mod tests {
         // Much later, so the backlog has drained.
         let second = r.route(&request(&t2), 10_000, 8);
         assert_eq!(first.response.endpoints[0], second.response.endpoints[0]);
-        assert_eq!(second.response.reason, "prefix");
+        assert_eq!(second.response.reason.as_str(), "prefix");
         assert!(second.response.cached_blocks > 0);
         assert_eq!(second.response.endpoints.len(), 3);
     }
@@ -2043,7 +2443,7 @@ mod tests {
 #[cfg(test)]
 mod precise_tests {
     use super::*;
-    use crate::hash::{model_seed, token_block_hashes};
+    use crate::hash::{block_hashes, model_seed, token_block_hashes};
     use crate::precise::Medium;
 
     fn router() -> Router {
@@ -2096,6 +2496,51 @@ mod precise_tests {
         assert_eq!(best.cached_blocks, 20);
         assert_eq!(best.cached_tokens, 320);
         assert_eq!(r.stats().precise_decisions, 1);
+    }
+
+    #[test]
+    fn the_response_predicts_cached_tokens_in_one_unit_whichever_index_scored() {
+        // Precise: 20 engine blocks of 16 tokens on GPU.
+        let mut r = router();
+        let tokens: Vec<u32> = (0..321).collect();
+        r.apply_kv_event("b:1", "m", &stored(&tokens[..320], Medium::Gpu), 0)
+            .unwrap();
+        let precise = r.route(&request(&tokens), 10, 3);
+        assert_eq!(
+            (
+                precise.response.cached_blocks,
+                precise.response.cached_tokens
+            ),
+            (20, 320)
+        );
+        // Approximate: the same 320 tokens are 5 hash blocks of 256 bytes at 4 bytes a token.
+        let mut r = Router::new(RouterConfig::default(), 1);
+        r.upsert_endpoint("a:1").unwrap();
+        let text = "t".repeat(256 * 5);
+        let hashes = block_hashes(model_seed("m"), text.as_bytes(), 256);
+        r.index_mut().insert(EndpointId(0), &hashes, 0);
+        let longer = format!("{text}{}", "u".repeat(64));
+        let approximate = r.route(
+            &RouteRequest {
+                model: "m".into(),
+                block_hashes: block_hashes(model_seed("m"), longer.as_bytes(), 256),
+                prompt_bytes: longer.len() as u64,
+                ..Default::default()
+            },
+            10,
+            3,
+        );
+        assert!(!approximate.candidates[0].precise);
+        assert_eq!(
+            (
+                approximate.response.cached_blocks,
+                approximate.response.cached_tokens
+            ),
+            (5, 320)
+        );
+        for d in [&precise, &approximate] {
+            assert_eq!(d.response.cached_tokens, d.candidates[0].cached_tokens);
+        }
     }
 
     #[test]

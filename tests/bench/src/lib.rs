@@ -308,7 +308,7 @@ pub fn filter_wasm(
         decision_id: 1,
         endpoints: vec!["127.0.0.1:8001".to_string()],
         cached_blocks: 0,
-        reason: "prefix".to_string(),
+        reason: "prefix".into(),
         ..RouteResponse::default()
     })
     .map_err(|e| BenchError::Filter(e.to_string()))?;
