@@ -189,6 +189,22 @@ pub struct RouterBench {
     pub blocks: usize,
 }
 
+/// The block hashes of the `i`-th measured request, `len` blocks: an even one extends a random
+/// chain of `chains` by a random length (a partial prefix hit), the rest of it (and every odd
+/// one) is fresh. The in-process and the HTTP benchmark measure the same mix this way.
+fn mixed_hashes(rng: &mut SmallRng, chains: &[Vec<u64>], i: usize, len: usize) -> Vec<u64> {
+    let mut hashes: Vec<u64> = if i.is_multiple_of(2) && !chains.is_empty() {
+        let c = &chains[rng.random_range(0..chains.len())];
+        c[..rng.random_range(1..=len)].to_vec()
+    } else {
+        Vec::new()
+    };
+    while hashes.len() < len {
+        hashes.push(rng.random());
+    }
+    hashes
+}
+
 /// Fills a router with `endpoints` endpoints and `blocks` distinct indexed blocks (chains of
 /// 64 blocks, i.e. 16 KB prompts), then times `decisions` routes of 16 KB prompts, half of
 /// which share a prefix with an indexed chain.
@@ -228,15 +244,7 @@ pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> Ro
     let bytes_per_block = router.index().approx_bytes() as f64 / distinct.max(1) as f64;
     let mut requests = Vec::with_capacity(1024);
     for i in 0..1024 {
-        let mut hashes: Vec<u64> = if i % 2 == 0 && !chains.is_empty() {
-            let c = &chains[rng.random_range(0..chains.len())];
-            c[..rng.random_range(1..=CHAIN)].to_vec()
-        } else {
-            Vec::new()
-        };
-        while hashes.len() < CHAIN {
-            hashes.push(rng.random());
-        }
+        let hashes = mixed_hashes(&mut rng, &chains, i, CHAIN);
         requests.push(RouteRequest {
             model: MODEL.to_string(),
             block_hashes: hashes,
@@ -564,18 +572,7 @@ pub fn filled_index_bodies(blocks: usize, n: usize) -> (Vec<String>, Vec<String>
         .map(|_| (0..CHAIN).map(|_| rng.random()).collect())
         .collect();
     let measure = (0..n)
-        .map(|i| {
-            let mut hashes: Vec<u64> = if i % 2 == 0 && !chains.is_empty() {
-                let c = &chains[rng.random_range(0..chains.len())];
-                c[..rng.random_range(1..=CHAIN)].to_vec()
-            } else {
-                Vec::new()
-            };
-            while hashes.len() < CHAIN {
-                hashes.push(rng.random());
-            }
-            body(hashes)
-        })
+        .map(|i| body(mixed_hashes(&mut rng, &chains, i, CHAIN)))
         .collect();
     let fill = chains.into_iter().map(body).collect();
     (fill, measure)

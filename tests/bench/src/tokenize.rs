@@ -24,7 +24,9 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use kvroute_harness::loadgen::words;
-use kvroute_harness::{Fleet, FleetConfig, HarnessError, HttpClient, Tools, prometheus_sum};
+use kvroute_harness::{
+    Fleet, FleetConfig, HarnessError, HttpClient, Tools, prometheus_sum, prometheus_sum_with,
+};
 use vllm_sim::tokenizer::{CHATML_JINJA, SPECIAL_TOKENS, train_byte_level_bpe};
 
 /// What the `hf` rows measured, for `summary.json`.
@@ -105,15 +107,7 @@ struct Counters {
 }
 
 fn read_counters(text: &str) -> Counters {
-    let labelled = |name: &str, label: &str| -> f64 {
-        text.lines()
-            .filter(|l| {
-                l.strip_prefix(name)
-                    .is_some_and(|rest| rest.starts_with('{') && rest.contains(label))
-            })
-            .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
-            .sum()
-    };
+    let labelled = |name: &str, label: &str| prometheus_sum_with(text, name, label);
     Counters {
         seconds: prometheus_sum(text, "kvroute_tokenize_duration_seconds_sum"),
         count: prometheus_sum(text, "kvroute_tokenize_duration_seconds_count"),

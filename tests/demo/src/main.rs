@@ -90,14 +90,8 @@ fn main() -> anyhow::Result<()> {
     if !modes.is_empty() && args.kv_capacity_tokens == 0 {
         bail!("--kv-capacity-tokens must be at least 1");
     }
-    if !(args.speed.is_finite() && args.speed > 0.0) {
-        bail!("--speed must be a positive number");
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")?;
+    harness::check_positive("--speed", args.speed)?;
+    let rt = harness::driver_runtime()?;
     if modes.is_empty() {
         rt.block_on(run(args, workload))
     } else {
@@ -149,12 +143,7 @@ async fn run(args: Args, workload: Workload) -> anyhow::Result<()> {
         args.replicas,
         args.speed
     );
-    let out_dir = args
-        .out_dir
-        .clone()
-        .unwrap_or_else(|| harness::target_dir().join("kvroute-demo"));
-    std::fs::create_dir_all(&out_dir)
-        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let out_dir = harness::output_dir(args.out_dir.as_deref(), "kvroute-demo")?;
 
     let mut rows = Vec::new();
     for router in [RouterKind::Kvroute, RouterKind::RoundRobin] {
@@ -166,8 +155,7 @@ async fn run(args: Args, workload: Workload) -> anyhow::Result<()> {
     print!("{}", loadgen::render_table(&rows));
     let summary = loadgen::DemoSummary { runs: rows.clone() };
     let summary_path = out_dir.join("summary.json");
-    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    harness::write_json(&summary_path, &summary)?;
     println!();
     if let [kv, rr] = rows.as_slice() {
         let ratio = if rr.ttft_ms.p50 > 0.0 {
@@ -182,12 +170,23 @@ async fn run(args: Args, workload: Workload) -> anyhow::Result<()> {
             if met { "met" } else { "NOT met" }
         );
     }
+    let errors: usize = rows.iter().map(|r| r.errors).sum();
+    finish(&summary_path, started, errors, &out_dir)
+}
+
+/// Where a run ends, both kinds alike: names the summary and the time taken, and fails when
+/// any of its `errors` requests failed (pointing at the results and the fleets' logs).
+fn finish(
+    summary_path: &std::path::Path,
+    started: Instant,
+    errors: usize,
+    out_dir: &std::path::Path,
+) -> anyhow::Result<()> {
     println!(
         "summary: {}  (took {:.0}s)",
         summary_path.display(),
         started.elapsed().as_secs_f64()
     );
-    let errors: usize = rows.iter().map(|r| r.errors).sum();
     if errors > 0 {
         bail!(
             "{errors} requests failed; see {} and the logs under {}",
@@ -273,8 +272,7 @@ fn write_records(
     run: &loadgen::RunResult,
 ) -> anyhow::Result<()> {
     let records_path = out_dir.join(format!("requests-{label}.json"));
-    std::fs::write(&records_path, serde_json::to_string_pretty(&run.records)?)
-        .with_context(|| format!("cannot write {}", records_path.display()))?;
+    harness::write_json(&records_path, &run.records)?;
     for r in run.records.iter().filter(|r| r.error.is_some()).take(3) {
         eprintln!(
             "[{label}] error (conversation {}, turn {}): {}",
@@ -318,12 +316,7 @@ async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow
         config.replicas as u64 * config.kv_capacity_tokens,
         config.speed
     );
-    let out_dir = args
-        .out_dir
-        .clone()
-        .unwrap_or_else(|| harness::target_dir().join("kvroute-demo-precise"));
-    std::fs::create_dir_all(&out_dir)
-        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let out_dir = harness::output_dir(args.out_dir.as_deref(), "kvroute-demo-precise")?;
     config.decisions_dump = Some(out_dir.join("decisions"));
 
     let mut rows: Vec<ModeSummary> = Vec::new();
@@ -357,8 +350,7 @@ async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow
         runs: rows.clone(),
     };
     let summary_path = out_dir.join("summary.json");
-    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    harness::write_json(&summary_path, &summary)?;
     println!();
     let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
     let precise = rows.iter().find(|r| r.mode == "precise");
@@ -385,20 +377,8 @@ async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow
             verdict(p.prediction_error.abs() <= 0.05)
         );
     }
-    println!(
-        "summary: {}  (took {:.0}s)",
-        summary_path.display(),
-        started.elapsed().as_secs_f64()
-    );
     let errors: usize = rows.iter().map(|r| r.run.errors).sum();
-    if errors > 0 {
-        bail!(
-            "{errors} requests failed; see {} and the logs under {}",
-            out_dir.display(),
-            harness::target_dir().join("e2e-logs").display()
-        );
-    }
-    Ok(())
+    finish(&summary_path, started, errors, &out_dir)
 }
 
 /// Prints `[label] done/total requests` (in place on a terminal, every 16 otherwise).

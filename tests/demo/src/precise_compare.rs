@@ -325,16 +325,9 @@ where
     Ok((summary, run))
 }
 
-/// The sum of the samples of `name` whose label set contains `label`.
-pub fn metric_with(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') && rest.contains(label))
-        })
-        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
-        .sum()
-}
+/// The sum of the samples of `name` whose label set contains `label` (the harness's reader,
+/// under the name this module's callers know).
+pub use kvroute_harness::prometheus_sum_with as metric_with;
 
 /// The comparison table.
 pub fn render_table(rows: &[ModeSummary]) -> String {

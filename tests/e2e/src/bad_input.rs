@@ -22,13 +22,15 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use kvroute_harness::{
-    DESTINATION_HEADER, Fleet, FleetConfig, HttpClient, ManagedProcess, REPLICA_HEADER, Tools,
-    envoy_base_id, free_port, log_tail, plugin_config_json, render_envoy_config, workspace_root,
+    DESTINATION_HEADER, Fleet, HttpClient, ManagedProcess, REPLICA_HEADER, Tools, envoy_base_id,
+    free_port, log_tail, plugin_config_json, render_envoy_config, workspace_root,
 };
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::runtime::Runtime;
+
+use crate::common;
 
 const MODEL: &str = "kvroute-bad-input-model";
 /// One case, request and checks included.
@@ -88,10 +90,7 @@ fn start_topology() -> Result<Topology, String> {
         .enable_all()
         .build()
         .map_err(|e| format!("tokio runtime: {e}"))?;
-    let mut cfg = FleetConfig::new("e2e-bad-input");
-    cfg.replicas = 2;
-    cfg.model = MODEL.to_string();
-    cfg.envoy_concurrency = 1;
+    let mut cfg = common::fleet_config("e2e-bad-input", 2, MODEL);
     cfg.sim_args = vec!["--speed".into(), "5".into()];
     let fleet = rt
         .block_on(Fleet::start(cfg, &tools))
@@ -531,16 +530,7 @@ async fn h2(
             .await
             .map_err(|e| format!("h2 request: {e}"))?;
         let status = resp.status().as_u16();
-        let headers = resp
-            .headers()
-            .iter()
-            .map(|(k, v)| {
-                (
-                    k.as_str().to_string(),
-                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
-                )
-            })
-            .collect();
+        let headers = kvroute_harness::header_pairs(resp.headers());
         let body = resp
             .into_body()
             .collect()

@@ -1,8 +1,307 @@
-//! What every area's tests share: locating the tools, and the fleets they start.
+//! What every area's tests share: locating the tools, the fleets they start, the requests they
+//! send and the control-plane state they read. One copy here, so a fix to (say) how a fleet is
+//! started or how a test is bounded reaches every area at once.
 
-use kvroute_harness::Tools;
+use std::future::Future;
+use std::time::Duration;
+
+use kvroute_harness::loadgen::{StreamOutcome, stream_chat};
+use kvroute_harness::{Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools};
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde_json::{Value, json};
 
 /// The tools every fleet needs; a missing one fails the test with the reason.
 pub fn tools() -> Tools {
     Tools::locate().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A kvroute fleet of `replicas` serving `model` with one Envoy worker (one filter VM, so the
+/// filter's per-worker state is the whole state): what every area starts from before its own
+/// settings.
+pub fn fleet_config(name: &str, replicas: usize, model: &str) -> FleetConfig {
+    let mut cfg = FleetConfig::new(name);
+    cfg.replicas = replicas;
+    cfg.model = model.to_string();
+    cfg.envoy_concurrency = 1;
+    cfg
+}
+
+/// Starts `cfg`; a fleet that does not come up fails the test with the reason.
+pub async fn start_fleet(cfg: FleetConfig, tools: &Tools) -> Fleet {
+    let name = cfg.name.clone();
+    Fleet::start(cfg, tools)
+        .await
+        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
+}
+
+/// Runs a test body under `limit`: a hang fails the test with its name instead of stalling
+/// the whole binary.
+pub async fn bounded<F: Future<Output = ()>>(name: &str, limit: Duration, body: F) {
+    if tokio::time::timeout(limit, body).await.is_err() {
+        panic!("{name} did not finish within {limit:?}");
+    }
+}
+
+/// Deterministic filler text of `n` words (the simulator counts a word as a token), the same
+/// for the same seed.
+pub fn words(seed: u64, n: usize) -> String {
+    kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), n)
+}
+
+/// A non-streaming chat request of one user message.
+pub fn user_chat(model: &str, content: &str, max_tokens: u32) -> Value {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+    })
+}
+
+/// A streaming chat request whose final chunk carries `usage` (the cached tokens the tests
+/// compare with the router's view).
+pub fn stream_chat_body(model: &str, messages: &[Value], max_tokens: u32) -> Value {
+    json!({
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+/// POSTs `body` to `{base}/v1/chat/completions` and reads the whole answer; a transport error
+/// fails the test (naming `fleet`'s logs). The status is the caller's to check.
+pub async fn post_chat(
+    client: &HttpClient,
+    base: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+    fleet: &Fleet,
+) -> HttpResponse {
+    let url = format!("{base}/v1/chat/completions");
+    client
+        .request("POST", &url, headers, Some(body.to_string()), timeout)
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e} ({})", fleet.describe()))
+}
+
+/// [`post_chat`] through `fleet`'s Envoy, asserting a 200.
+pub async fn chat_ok(
+    client: &HttpClient,
+    fleet: &Fleet,
+    body: &Value,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> HttpResponse {
+    let resp = post_chat(client, &fleet.url(), body, headers, timeout, fleet).await;
+    assert_eq!(resp.status, 200, "{} ({})", resp.body, fleet.describe());
+    resp
+}
+
+/// The control plane's admin base URL (`http://host:port`).
+pub fn cp_admin(fleet: &Fleet) -> String {
+    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
+    format!("http://{}", cp.admin_address)
+}
+
+/// The body of `GET {control plane admin}{path}`.
+pub async fn cp_get(fleet: &Fleet, path: &str) -> String {
+    let url = format!("{}{path}", cp_admin(fleet));
+    fleet
+        .client()
+        .get(&url, Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"))
+        .body
+}
+
+/// The control plane's `/metrics` text; a control plane that does not answer 200 fails the
+/// test.
+pub async fn cp_metrics(fleet: &Fleet) -> String {
+    fleet
+        .control_plane_metrics()
+        .await
+        .expect("kvroute topology")
+        .unwrap_or_else(|e| panic!("control-plane metrics: {e} ({})", fleet.describe()))
+}
+
+/// The sample of per-endpoint gauge `name` for `endpoint`, if exported.
+pub fn endpoint_value(text: &str, name: &str, endpoint: &str) -> Option<f64> {
+    let prefix = format!("{name}{{endpoint=\"{endpoint}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The replica that served a streamed answer; it must be one of `fleet`'s.
+pub fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
+    let replica = out
+        .replica
+        .clone()
+        .unwrap_or_else(|| panic!("response without x-vllm-sim-replica ({})", fleet.describe()));
+    assert!(
+        fleet.replica_addresses().contains(&replica),
+        "unknown replica {replica} ({})",
+        fleet.describe()
+    );
+    replica
+}
+
+/// The replica that served a complete answer, from its `x-vllm-sim-replica` header.
+pub fn replica_header(resp: &HttpResponse) -> String {
+    resp.header(REPLICA_HEADER)
+        .unwrap_or_else(|| panic!("no {REPLICA_HEADER} in {:?}", resp.headers))
+        .to_string()
+}
+
+/// POSTs `fault` to a replica's `/sim/fault`, asserting it took it.
+pub async fn set_sim_fault(client: &HttpClient, replica: &str, fault: &Value) {
+    let url = format!("http://{replica}/sim/fault");
+    let r = client
+        .request(
+            "POST",
+            &url,
+            &[],
+            Some(fault.to_string()),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    assert_eq!(r.status, 200, "{url} {fault}: {}", r.body);
+}
+
+/// One streamed request, its stream included (generous: the machine may be busy).
+pub const STREAM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A multi-turn conversation with its own long system prompt (so conversations share no
+/// prefix): each turn appends a user message and, once answered, the assistant's reply, so the
+/// next turn's prompt extends the cached one.
+pub struct Conversation {
+    model: &'static str,
+    user_words: usize,
+    /// The history so far, system prompt first.
+    pub messages: Vec<Value>,
+    /// Seeds the system prompt and, with the turn, each user message.
+    pub seed: u64,
+    /// User messages asked so far.
+    pub turn: usize,
+}
+
+impl Conversation {
+    /// A conversation for `model` whose system prompt has `system_words` words and whose user
+    /// messages have `user_words`.
+    pub fn new(
+        model: &'static str,
+        seed: u64,
+        system_words: usize,
+        user_words: usize,
+    ) -> Conversation {
+        let system = format!("Conversation {seed}. {}", words(seed, system_words));
+        Conversation {
+            model,
+            user_words,
+            messages: vec![json!({"role": "system", "content": system})],
+            seed,
+            turn: 0,
+        }
+    }
+
+    /// Appends the next user message (seeded by the conversation and the turn); returns the
+    /// streamed request body for it.
+    pub fn ask(&mut self, max_tokens: u32) -> Value {
+        let user_seed = self.seed * 1_000 + self.turn as u64 + 1;
+        self.ask_seeded(user_seed, max_tokens)
+    }
+
+    /// [`Conversation::ask`] with the user message's seed given.
+    pub fn ask_seeded(&mut self, user_seed: u64, max_tokens: u32) -> Value {
+        self.turn += 1;
+        let user = words(user_seed, self.user_words);
+        self.messages.push(json!({"role": "user", "content": user}));
+        stream_chat_body(self.model, &self.messages, max_tokens)
+    }
+
+    /// Streams `body` to `base_url` (Envoy, or a replica directly) and appends the answer to
+    /// the history; a failed request fails the test.
+    pub async fn send(
+        &mut self,
+        client: &HttpClient,
+        fleet: &Fleet,
+        base_url: &str,
+        body: &Value,
+        headers: &[(&str, &str)],
+    ) -> StreamOutcome {
+        let out = stream_chat(client, base_url, body, headers, STREAM_TIMEOUT)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "conversation {} turn {} via {base_url}: {e} ({})",
+                    self.seed,
+                    self.turn,
+                    fleet.describe()
+                )
+            });
+        self.messages
+            .push(json!({"role": "assistant", "content": out.text.clone()}));
+        out
+    }
+
+    /// The next turn through `fleet`'s Envoy: [`Conversation::ask`] then
+    /// [`Conversation::send`].
+    pub async fn turn(
+        &mut self,
+        client: &HttpClient,
+        fleet: &Fleet,
+        max_tokens: u32,
+        headers: &[(&str, &str)],
+    ) -> StreamOutcome {
+        let body = self.ask(max_tokens);
+        self.send(client, fleet, &fleet.url(), &body, headers).await
+    }
+}
+
+/// Control-plane settings for precise mode tokenising prompts through the replicas' render
+/// API (the simulator's word tokenizer).
+pub fn remote_tokenizer() -> Value {
+    json!({
+        "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
+    })
+}
+
+/// The precise router's settings: speculative entries of routed requests live `ttl_ms`
+/// (short, so that a test sees the events alone decide), and the queue model knows the
+/// replicas run the H100 profile at 5x speed, 50 prefill tokens a millisecond.
+pub fn precise_router(ttl_ms: u64) -> Value {
+    json!({
+        "precise": {"speculative_ttl_ms": ttl_ms},
+        "scoring": {"prefill_tokens_per_ms": 50.0},
+    })
+}
+
+/// Polls the control plane's metrics until `ok` holds on them and returns that text; after
+/// `timeout` the test fails with the last text seen.
+pub async fn wait_cp_metrics(
+    fleet: &Fleet,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(&str) -> bool,
+) -> String {
+    fleet
+        .wait_for_control_plane_metrics(what, timeout, ok)
+        .await
+        .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()))
+}
+
+/// Waits (at most `timeout`) until the control plane reports every replica's KV-event stream
+/// live: precise scoring trusts an endpoint only from then on.
+pub async fn wait_events_live(fleet: &Fleet, timeout: Duration) {
+    let addresses = fleet.replica_addresses();
+    wait_cp_metrics(fleet, "every KV-event stream live", timeout, |m| {
+        addresses
+            .iter()
+            .all(|a| endpoint_value(m, "kvroute_endpoint_events_live", a) == Some(1.0))
+    })
+    .await;
 }

@@ -7,12 +7,12 @@
 
 use std::time::Duration;
 
-use kvroute_harness::{Fleet, FleetConfig, HttpClient, REPLICA_HEADER};
+use kvroute_harness::{Fleet, HttpClient};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(150);
@@ -21,20 +21,13 @@ const MODEL: &str = "kvroute-disagg-model";
 const DECISION: &str = "x-kvroute-decision";
 
 fn chat(text: &str) -> Value {
-    json!({
-        "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 4,
-    })
+    common::user_chat(MODEL, text, 4)
 }
 
 /// Sends `body` through Envoy with explain on; returns (serving replica, decision id).
 async fn send(fleet: &Fleet, body: &Value) -> (String, Option<String>) {
     let resp = fleet.chat_explained(body, REQUEST_TIMEOUT).await;
-    let replica = resp
-        .header(REPLICA_HEADER)
-        .unwrap_or_else(|| panic!("no {REPLICA_HEADER}: {:?}", resp.headers))
-        .to_string();
+    let replica = common::replica_header(&resp);
     let id = resp.header(DECISION).and_then(|d| {
         d.split("; ")
             .find_map(|kv| kv.strip_prefix("id="))
@@ -62,10 +55,7 @@ async fn pd_stats(client: &HttpClient, replica: &str) -> (u64, u64) {
 async fn long_prompts_are_prefilled_remotely_short_ones_locally() {
     let tools = tools();
     let body = async {
-        let mut cfg = FleetConfig::new("e2e-disagg");
-        cfg.replicas = 3;
-        cfg.model = MODEL.to_string();
-        cfg.envoy_concurrency = 1;
+        let mut cfg = common::fleet_config("e2e-disagg", 3, MODEL);
         cfg.plugin_config = json!({"allow_explain": true});
         cfg.endpoint_extra = vec![
             json!({"role": "prefill"}),
@@ -73,14 +63,9 @@ async fn long_prompts_are_prefilled_remotely_short_ones_locally() {
             json!({"role": "decode"}),
         ];
         cfg.control_plane_router = json!({"pd": {"threshold_tokens": 512}});
-        let fleet = Fleet::start(cfg, &tools)
-            .await
-            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
+        let fleet = common::start_fleet(cfg, &tools).await;
         let client = HttpClient::new();
-        let admin = format!(
-            "http://{}",
-            fleet.control_plane.as_ref().unwrap().admin_address
-        );
+        let admin = common::cp_admin(&fleet);
         let prefill = fleet.replicas[0].address.clone();
         let mut rng = SmallRng::seed_from_u64(3);
 
@@ -143,7 +128,5 @@ async fn long_prompts_are_prefilled_remotely_short_ones_locally() {
             "{metrics}"
         );
     };
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("disaggregation test did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded("disaggregation test", TEST_TIMEOUT, body).await;
 }

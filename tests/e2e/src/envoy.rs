@@ -7,19 +7,19 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::time::Duration;
 
-use kvroute_harness::loadgen::{StreamOutcome, stream_chat};
+use kvroute_harness::loadgen::stream_chat;
 use kvroute_harness::{DESTINATION_HEADER, Fleet, FleetConfig, HttpClient, Tools};
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, Conversation, chat_ok, replica_of, tools, user_chat};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);
 /// One request, stream included.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const REQUEST_TIMEOUT: Duration = common::STREAM_TIMEOUT;
 const MODEL: &str = "kvroute-e2e-model";
+/// Words of each user turn.
+const USER_WORDS: usize = 200;
 
 /// Starts a fleet; the tools are located (and built if needed) before the clock starts.
 async fn start_fleet(
@@ -28,94 +28,28 @@ async fn start_fleet(
     replicas: usize,
     tweak: impl FnOnce(&mut FleetConfig),
 ) -> Fleet {
-    let mut cfg = FleetConfig::new(name);
-    cfg.replicas = replicas;
-    cfg.model = MODEL.to_string();
-    cfg.envoy_concurrency = 1;
+    let mut cfg = common::fleet_config(name, replicas, MODEL);
     tweak(&mut cfg);
-    Fleet::start(cfg, tools)
-        .await
-        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
+    common::start_fleet(cfg, tools).await
 }
 
 /// Runs a test body under [`TEST_TIMEOUT`].
 async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("{name} did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded(name, TEST_TIMEOUT, body).await;
 }
 
 /// Deterministic filler text of about `n` tokens (the simulator counts words).
 fn text(seed: u64, n: usize) -> String {
-    kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), n)
+    common::words(seed, n)
 }
 
 fn chat_body(messages: &[Value], max_tokens: u32) -> Value {
-    json!({
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    })
+    common::stream_chat_body(MODEL, messages, max_tokens)
 }
 
-/// A conversation with its own long system prompt (so conversations share no prefix).
-struct Conversation {
-    messages: Vec<Value>,
-    seed: u64,
-    turn: usize,
-}
-
-impl Conversation {
-    fn new(seed: u64, system_tokens: usize) -> Conversation {
-        let system = format!("Conversation {seed}. {}", text(seed, system_tokens));
-        Conversation {
-            messages: vec![json!({"role": "system", "content": system})],
-            seed,
-            turn: 0,
-        }
-    }
-
-    /// Sends the next user turn; on success appends the answer to the history.
-    async fn turn(
-        &mut self,
-        client: &HttpClient,
-        fleet: &Fleet,
-        max_tokens: u32,
-        headers: &[(&str, &str)],
-    ) -> StreamOutcome {
-        self.turn += 1;
-        let user = text(self.seed * 1_000 + self.turn as u64, 200);
-        self.messages.push(json!({"role": "user", "content": user}));
-        let body = chat_body(&self.messages, max_tokens);
-        let out = stream_chat(client, &fleet.url(), &body, headers, REQUEST_TIMEOUT)
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "conversation {} turn {}: {e} ({})",
-                    self.seed,
-                    self.turn,
-                    fleet.describe()
-                )
-            });
-        self.messages
-            .push(json!({"role": "assistant", "content": out.text.clone()}));
-        out
-    }
-}
-
-fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
-    let replica = out
-        .replica
-        .clone()
-        .unwrap_or_else(|| panic!("response without x-vllm-sim-replica ({})", fleet.describe()));
-    assert!(
-        fleet.replica_addresses().contains(&replica),
-        "unknown replica {replica} ({})",
-        fleet.describe()
-    );
-    replica
+/// A conversation of this area's model and turn length.
+fn conversation(seed: u64, system_words: usize) -> Conversation {
+    Conversation::new(MODEL, seed, system_words, USER_WORDS)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,7 +59,7 @@ async fn second_turn_lands_on_the_first_turns_replica() {
         let fleet = start_fleet(&tools, "e2e-affinity", 4, |_| {}).await;
         let client = HttpClient::new();
         for c in 0..5u64 {
-            let mut conv = Conversation::new(100 + c, 1_500);
+            let mut conv = conversation(100 + c, 1_500);
             let first = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
             for turn in 2..=3 {
                 let out = conv.turn(&client, &fleet, 8, &[]).await;
@@ -235,7 +169,7 @@ async fn busy_replica_is_avoided() {
 
         let mut placed = Vec::new();
         for c in 0..8u64 {
-            let mut conv = Conversation::new(500 + c, 300);
+            let mut conv = conversation(500 + c, 300);
             let out = conv.turn(&client, &fleet, 4, &[]).await;
             placed.push(replica_of(&out, &fleet));
         }
@@ -330,7 +264,7 @@ async fn client_supplied_destination_header_is_ignored() {
         let client = HttpClient::new();
         let replicas = fleet.replica_addresses();
         for c in 0..4u64 {
-            let mut conv = Conversation::new(800 + c, 1_500);
+            let mut conv = conversation(800 + c, 1_500);
             // A destination outside the cluster: the request must still be served.
             let first = conv
                 .turn(
@@ -362,22 +296,15 @@ async fn client_supplied_destination_header_is_ignored() {
             }
         }
         // Non-streaming requests are routed the same way.
-        let body = json!({
-            "model": MODEL,
-            "messages": [{"role": "user", "content": text(900, 50)}],
-            "max_tokens": 4,
-        });
-        let resp = client
-            .request(
-                "POST",
-                &format!("{}/v1/chat/completions", fleet.url()),
-                &[(DESTINATION_HEADER, "127.0.0.1:1")],
-                Some(body.to_string()),
-                REQUEST_TIMEOUT,
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(resp.status, 200, "{}", resp.body);
+        let body = user_chat(MODEL, &text(900, 50), 4);
+        chat_ok(
+            &client,
+            &fleet,
+            &body,
+            &[(DESTINATION_HEADER, "127.0.0.1:1")],
+            REQUEST_TIMEOUT,
+        )
+        .await;
     })
     .await;
 }
@@ -402,7 +329,7 @@ async fn shared_secret_guards_the_route_api_and_a_mismatch_fails_open() {
         let client = HttpClient::new();
         for (fleet, seed) in [(&good, 1_000u64), (&bad, 2_000u64)] {
             for c in 0..3u64 {
-                let mut conv = Conversation::new(seed + c, 600);
+                let mut conv = conversation(seed + c, 600);
                 let first = replica_of(&conv.turn(&client, fleet, 4, &[]).await, fleet);
                 let second = replica_of(&conv.turn(&client, fleet, 4, &[]).await, fleet);
                 if fleet.config.name == "e2e-auth-good" {

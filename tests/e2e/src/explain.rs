@@ -5,12 +5,10 @@
 
 use std::time::Duration;
 
-use kvroute_harness::{Fleet, FleetConfig, HttpClient, REPLICA_HEADER, Tools};
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
+use kvroute_harness::{Fleet, HttpClient, REPLICA_HEADER, Tools};
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);
@@ -19,18 +17,13 @@ const MODEL: &str = "kvroute-explain-model";
 const DECISION: &str = "x-kvroute-decision";
 
 async fn start(tools: &Tools, name: &str, replicas: usize, plugin: Value) -> Fleet {
-    let mut cfg = FleetConfig::new(name);
-    cfg.replicas = replicas;
-    cfg.model = MODEL.to_string();
-    cfg.envoy_concurrency = 1;
+    let mut cfg = common::fleet_config(name, replicas, MODEL);
     cfg.plugin_config = plugin;
-    Fleet::start(cfg, tools)
-        .await
-        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
+    common::start_fleet(cfg, tools).await
 }
 
 fn conversation(turns: usize) -> Value {
-    let system = kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(5), 1_200);
+    let system = common::words(5, 1_200);
     let mut messages = vec![json!({"role": "system", "content": system})];
     for t in 0..turns {
         messages.push(json!({"role": "user", "content": format!("question {t}?")}));
@@ -47,19 +40,7 @@ async fn chat(
     body: &Value,
     headers: &[(&str, &str)],
 ) -> kvroute_harness::HttpResponse {
-    let url = format!("{}/v1/chat/completions", fleet.url());
-    let resp = client
-        .request(
-            "POST",
-            &url,
-            headers,
-            Some(body.to_string()),
-            REQUEST_TIMEOUT,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
-    assert_eq!(resp.status, 200, "{} ({})", resp.body, fleet.describe());
-    resp
+    common::chat_ok(client, fleet, body, headers, REQUEST_TIMEOUT).await
 }
 
 /// `key=value; ...` of an explain header.
@@ -89,10 +70,7 @@ async fn explain_header_and_debug_endpoint_agree() {
     let body = async {
         let fleet = start(&tools, "e2e-explain", 2, json!({"allow_explain": true})).await;
         let client = HttpClient::new();
-        let admin = format!(
-            "http://{}",
-            fleet.control_plane.as_ref().unwrap().admin_address
-        );
+        let admin = common::cp_admin(&fleet);
 
         // Not asked: no header, even when the client sends one of its own.
         let plain = chat(
@@ -237,9 +215,7 @@ async fn explain_header_and_debug_endpoint_agree() {
         );
         assert!(value("kvroute_route_latency_ms_count") >= 3.0);
     };
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("explain test did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded("explain test", TEST_TIMEOUT, body).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,7 +233,5 @@ async fn explain_is_off_unless_the_config_allows_it() {
         .await;
         assert_eq!(resp.header(DECISION), None, "{:?}", resp.headers);
     };
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("explain-off test did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded("explain-off test", TEST_TIMEOUT, body).await;
 }

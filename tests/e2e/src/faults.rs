@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kvroute_harness::{
-    ENVOY_KVROUTE_TEMPLATE, HttpClient, ManagedProcess, REPLICA_HEADER, Tools, control_plane_yaml,
-    envoy_base_id, free_port, log_tail, plugin_config_json, prometheus_sum, render_envoy_config,
-    target_dir, workspace_root,
+    ENVOY_KVROUTE_TEMPLATE, HttpClient, ManagedProcess, Tools, control_plane_yaml, envoy_base_id,
+    free_port, log_tail, plugin_config_json, prometheus_sum, render_envoy_config, target_dir,
+    workspace_root,
 };
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
@@ -34,7 +34,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::common::tools;
+use crate::common::{self, bounded, tools, words};
 
 const MODEL: &str = "kvroute-faults-model";
 /// One request, stream included.
@@ -45,12 +45,6 @@ const TEST_TIMEOUT: Duration = Duration::from_secs(120);
 const ROUTE_TIMEOUT_MS: u64 = 50;
 /// Scrape period of the control plane here.
 const SCRAPE_MS: u64 = 100;
-
-async fn bounded<F: Future<Output = ()>>(name: &str, limit: Duration, body: F) {
-    if tokio::time::timeout(limit, body).await.is_err() {
-        panic!("{name} did not finish within {limit:?}");
-    }
-}
 
 // ------------------------------------------------------------------------------------------
 // The fault proxy between Envoy and the control plane
@@ -577,29 +571,12 @@ impl Topo {
     }
 
     async fn set_sim_fault(&self, i: usize, fault: Value) {
-        let url = format!("http://{}/sim/fault", self.sims[i].address());
-        let resp = self
-            .client
-            .request(
-                "POST",
-                &url,
-                &[],
-                Some(fault.to_string()),
-                Duration::from_secs(5),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(resp.status, 200, "{}", resp.body);
+        common::set_sim_fault(&self.client, &self.sims[i].address(), &fault).await;
     }
 }
 
 // ------------------------------------------------------------------------------------------
 // Requests
-
-/// Deterministic words (the simulator counts words as tokens).
-fn words(seed: u64, n: usize) -> String {
-    kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), n)
-}
 
 fn chat_body(system_seed: u64, user_seed: u64, max_tokens: u32, stream: bool) -> Value {
     json!({
@@ -653,11 +630,7 @@ async fn chat(
             .await
             .map_err(|e| format!("request: {e:?}"))?;
         let status = resp.status().as_u16();
-        let replica = resp
-            .headers()
-            .get(REPLICA_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let replica = kvroute_harness::replica_from_headers(resp.headers());
         if let (Some(tx), Some(r)) = (on_headers, replica.clone()) {
             let _ = tx.send(r);
         }

@@ -12,10 +12,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvroute_harness::loadgen::{self, Workload};
-use kvroute_harness::{self as harness, Fleet, FleetConfig, HttpClient, Tools};
+use kvroute_harness::{self as harness, Fleet, HttpClient, Tools};
 use serde_json::Value;
 
-use crate::common::tools;
+use crate::common::{self, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(120);
@@ -24,28 +24,27 @@ const BROWSER_TIMEOUT: Duration = Duration::from_secs(45);
 const MODEL: &str = "kvroute-fleet-page-model";
 
 fn admin_url(fleet: &Fleet) -> String {
-    let cp = fleet.control_plane.as_ref().expect("kvroute fleet");
-    format!("http://{}", cp.admin_address)
+    common::cp_admin(fleet)
 }
 
 /// A fleet that has served a few multi-turn conversations, and whose page has history.
 async fn busy_fleet(tools: &Tools, name: &str, replicas: usize, speed: f64) -> Fleet {
-    let mut cfg = FleetConfig::new(name);
-    cfg.replicas = replicas;
-    cfg.model = MODEL.to_string();
-    cfg.envoy_concurrency = 1;
+    let mut cfg = common::fleet_config(name, replicas, MODEL);
     cfg.sim_args = vec!["--speed".into(), speed.to_string()];
-    let fleet = Fleet::start(cfg, tools)
-        .await
-        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"));
+    let fleet = common::start_fleet(cfg, tools).await;
     let run = loadgen::run_workload(&fleet.url(), &chats(11, 6, 16), |_, _| {}).await;
+    assert_no_errors(&run, &fleet);
+    fleet
+}
+
+/// Every request of `run` was served.
+fn assert_no_errors(run: &loadgen::RunResult, fleet: &Fleet) {
     let errors: Vec<_> = run
         .records
         .iter()
         .filter_map(|r| r.error.as_ref())
         .collect();
     assert!(errors.is_empty(), "{errors:?} ({})", fleet.describe());
-    fleet
 }
 
 /// `conversations` three-turn chats sharing a system prompt, answers `max_tokens` long.
@@ -256,9 +255,7 @@ async fn fleet_page_and_json_reflect_the_traffic() {
             );
         }
     };
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("fleet page test did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded("fleet page test", TEST_TIMEOUT, body).await;
 }
 
 /// Metric names (`kvroute_*`, `vllm:*`) in the Grafana dashboard's queries.
@@ -432,20 +429,12 @@ async fn fleet_page_renders_in_headless_chromium() {
             .await
             .expect("chromium task");
         while let Some(run) = wave.join_next().await {
-            let run = run.expect("second wave");
-            let errors: Vec<_> = run
-                .records
-                .iter()
-                .filter_map(|r| r.error.as_ref())
-                .collect();
-            assert!(errors.is_empty(), "{errors:?} ({})", fleet.describe());
+            assert_no_errors(&run.expect("second wave"), &fleet);
         }
         let bytes = std::fs::read(&png).unwrap_or_else(|e| panic!("{}: {e}", png.display()));
         assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
         assert!(bytes.len() > 20_000, "suspiciously small screenshot");
         eprintln!("fleet page screenshot: {}", png.display());
     };
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("fleet page browser test did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded("fleet page browser test", TEST_TIMEOUT, body).await;
 }

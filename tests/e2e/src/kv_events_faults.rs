@@ -17,18 +17,14 @@
 use std::future::Future;
 use std::time::Duration;
 
-use kvroute_harness::loadgen::{StreamOutcome, stream_chat, words};
-use kvroute_harness::{Fleet, FleetConfig, HttpClient, Tools};
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
+use kvroute_harness::loadgen::StreamOutcome;
+use kvroute_harness::{Fleet, HttpClient, Tools};
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, Conversation, cp_get, cp_metrics, endpoint_value, replica_of, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(120);
-/// One request, stream included (generous: the machine may be busy).
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a condition on the control plane's state may take to hold.
 const WAIT: Duration = Duration::from_secs(20);
 const MODEL: &str = "kvroute-kv-faults-model";
@@ -38,59 +34,24 @@ const SPECULATIVE_TTL_MS: u64 = 300;
 const SYSTEM_WORDS: usize = 1_200;
 
 async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("{name} did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded(name, TEST_TIMEOUT, body).await;
 }
 
 /// Two replicas publishing KV events with replay, the control plane subscribed and tokenising
 /// through the replicas' render API, the chat route in precise mode.
 async fn precise_fleet(tools: &Tools, name: &str) -> Fleet {
-    let mut cfg = FleetConfig::new(name);
-    cfg.replicas = 2;
-    cfg.model = MODEL.to_string();
-    cfg.envoy_concurrency = 1;
+    let mut cfg = common::fleet_config(name, 2, MODEL);
     cfg.sim_args = vec!["--speed".into(), "5".into()];
     cfg.kv_events = true;
-    cfg.control_plane_extra = json!({
-        "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
-    });
-    // The replicas run at 5x speed: 50 prefill tokens a millisecond.
-    cfg.control_plane_router = json!({
-        "precise": {"speculative_ttl_ms": SPECULATIVE_TTL_MS},
-        "scoring": {"prefill_tokens_per_ms": 50.0},
-    });
+    cfg.control_plane_extra = common::remote_tokenizer();
+    cfg.control_plane_router = common::precise_router(SPECULATIVE_TTL_MS);
     cfg.plugin_config = json!({
         "route_timeout_ms": 3000,
         "routes": [{"path": "/v1/chat/completions", "api": "chat", "mode": "precise"}]
     });
-    let fleet = Fleet::start(cfg, tools)
-        .await
-        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"));
-    let addresses = fleet.replica_addresses();
-    wait_for(&fleet, "every KV-event stream live", async |f| {
-        let m = cp_metrics(f).await;
-        addresses
-            .iter()
-            .all(|a| endpoint_value(&m, "kvroute_endpoint_events_live", a) == Some(1.0))
-    })
-    .await;
+    let fleet = common::start_fleet(cfg, tools).await;
+    common::wait_events_live(&fleet, WAIT).await;
     fleet
-}
-
-async fn cp_get(fleet: &Fleet, path: &str) -> String {
-    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
-    let url = format!("http://{}{path}", cp.admin_address);
-    fleet
-        .client()
-        .get(&url, Duration::from_secs(5))
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e}"))
-        .body
-}
-
-async fn cp_metrics(fleet: &Fleet) -> String {
-    cp_get(fleet, "/metrics").await
 }
 
 /// The sample of `name` whose labels include `endpoint="<endpoint>"` (and `extra`, if given).
@@ -101,14 +62,6 @@ fn labelled_value(text: &str, name: &str, endpoint: &str, extra: Option<&str>) -
         .filter(|l| l.contains(&endpoint_label) && extra.is_none_or(|e| l.contains(e)))
         .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
         .sum()
-}
-
-/// The per-endpoint gauge `name` of `endpoint`, if exported.
-fn endpoint_value(text: &str, name: &str, endpoint: &str) -> Option<f64> {
-    let prefix = format!("{name}{{endpoint=\"{endpoint}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 /// `endpoint`'s entry of the control plane's `/debug/kv_events`.
@@ -151,70 +104,24 @@ async fn wait_for(fleet: &Fleet, what: &str, check: impl AsyncFn(&Fleet) -> bool
 }
 
 async fn set_fault(fleet: &Fleet, replica: &str, fault: Value) {
-    let url = format!("http://{replica}/sim/fault");
-    let r = fleet
-        .client()
-        .request(
-            "POST",
-            &url,
-            &[],
-            Some(fault.to_string()),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e}"));
-    assert_eq!(r.status, 200, "{url} {fault}: {}", r.body);
+    common::set_sim_fault(fleet.client(), replica, &fault).await;
 }
 
-/// A conversation with its own long system prompt.
-struct Conversation {
-    messages: Vec<Value>,
-    seed: u64,
+/// A conversation with its own long system prompt and 100-word questions.
+fn conversation(seed: u64) -> Conversation {
+    Conversation::new(MODEL, seed, SYSTEM_WORDS, 100)
 }
 
-impl Conversation {
-    fn new(seed: u64) -> Conversation {
-        let mut rng = SmallRng::seed_from_u64(seed);
-        let system = format!("Conversation {seed}. {}", words(&mut rng, SYSTEM_WORDS));
-        Conversation {
-            messages: vec![json!({"role": "system", "content": system})],
-            seed,
-        }
-    }
-
-    /// Appends the next question and returns the request body.
-    fn ask(&mut self) -> Value {
-        let mut rng = SmallRng::seed_from_u64(self.seed * 1_000 + self.messages.len() as u64);
-        let q = words(&mut rng, 100);
-        self.messages.push(json!({"role": "user", "content": q}));
-        json!({
-            "model": MODEL,
-            "messages": self.messages,
-            "max_tokens": 8,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        })
-    }
-
-    /// Sends the next turn to `base_url` (Envoy, or a replica directly).
-    async fn turn(&mut self, client: &HttpClient, base_url: &str) -> StreamOutcome {
-        let body = self.ask();
-        let out = stream_chat(client, base_url, &body, &[], REQUEST_TIMEOUT)
-            .await
-            .unwrap_or_else(|e| panic!("conversation {} via {base_url}: {e}", self.seed));
-        self.messages
-            .push(json!({"role": "assistant", "content": out.text.clone()}));
-        out
-    }
-}
-
-fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
-    let replica = out
-        .replica
-        .clone()
-        .unwrap_or_else(|| panic!("response without x-vllm-sim-replica ({})", fleet.describe()));
-    assert!(fleet.replica_addresses().contains(&replica), "{replica}");
-    replica
+/// Sends `conv`'s next turn (8 tokens asked) to `base_url`: Envoy, or a replica directly.
+async fn turn(
+    conv: &mut Conversation,
+    client: &HttpClient,
+    fleet: &Fleet,
+    base_url: &str,
+) -> StreamOutcome {
+    // Each question is seeded by the history's length so far.
+    let body = conv.ask_seeded(conv.seed * 1_000 + conv.messages.len() as u64, 8);
+    conv.send(client, fleet, base_url, &body, &[]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,7 +134,7 @@ async fn a_dropped_batch_is_replayed_and_turn_two_still_finds_its_replica() {
         let direct = format!("http://{holder}");
         // Some history first: a gap is a jump after batches already applied (a stream that
         // starts above 0 is a late join, replayed from 0 without counting a gap).
-        Conversation::new(3).turn(&client, &direct).await;
+        turn(&mut conversation(3), &client, &fleet, &direct).await;
         wait_for(&fleet, "the first batch applied", async |f| {
             kv_stream(f, &holder).await["batches"].as_u64().unwrap_or(0) >= 1
         })
@@ -240,11 +147,11 @@ async fn a_dropped_batch_is_replayed_and_turn_two_still_finds_its_replica() {
         // request goes to the replica directly, so no routing decision (and no speculative
         // entry) tells the control plane where the prompt is: only the events can.
         set_fault(&fleet, &holder, json!({"drop_kv_batches": 1})).await;
-        let mut conv = Conversation::new(1);
-        let first = conv.turn(&client, &direct).await;
+        let mut conv = conversation(1);
+        let first = turn(&mut conv, &client, &fleet, &direct).await;
         assert_eq!(first.replica.as_deref(), Some(holder.as_str()));
         // The next batch from that replica reveals the gap.
-        Conversation::new(2).turn(&client, &direct).await;
+        turn(&mut conversation(2), &client, &fleet, &direct).await;
         wait_for(&fleet, "the gap detected and replayed", async |f| {
             let s = kv_stream(f, &holder).await;
             s["gaps"].as_u64().unwrap_or(0) > gaps_before
@@ -275,7 +182,7 @@ async fn a_dropped_batch_is_replayed_and_turn_two_still_finds_its_replica() {
 
         // Turn 2 through Envoy follows the replayed blocks.
         tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
-        let second = conv.turn(&client, &fleet.url()).await;
+        let second = turn(&mut conv, &client, &fleet, &fleet.url()).await;
         assert_eq!(
             replica_of(&second, &fleet),
             holder,
@@ -301,8 +208,8 @@ async fn a_restarted_publisher_drops_the_endpoints_state_and_it_is_rebuilt() {
         let direct = format!("http://{target}");
 
         // Conversation 1's blocks on the replica, known to the control plane.
-        let mut old = Conversation::new(11);
-        old.turn(&client, &direct).await;
+        let mut old = conversation(11);
+        turn(&mut old, &client, &fleet, &direct).await;
         wait_for(&fleet, "conversation 1's blocks known", async |f| {
             precise_blocks(f, &target).await >= 70.0
         })
@@ -312,8 +219,8 @@ async fn a_restarted_publisher_drops_the_endpoints_state_and_it_is_rebuilt() {
         // The engine restarts: empty cache, sequence back at 0, nothing to replay. The first
         // batch after it (a new conversation) shows the sequence going backwards.
         set_fault(&fleet, &target, json!({"restart_kv_publisher": true})).await;
-        let mut new = Conversation::new(12);
-        new.turn(&client, &direct).await;
+        let mut new = conversation(12);
+        turn(&mut new, &client, &fleet, &direct).await;
         wait_for(&fleet, "the restart detected", async |f| {
             kv_stream(f, &target).await["resets"].as_u64().unwrap_or(0) >= 1
         })
@@ -351,7 +258,7 @@ async fn a_restarted_publisher_drops_the_endpoints_state_and_it_is_rebuilt() {
 
         // The rebuilt state routes: the new conversation's turn 2 goes back to the replica.
         tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
-        let second = new.turn(&client, &fleet.url()).await;
+        let second = turn(&mut new, &client, &fleet, &fleet.url()).await;
         assert_eq!(
             replica_of(&second, &fleet),
             target,
@@ -365,7 +272,7 @@ async fn a_restarted_publisher_drops_the_endpoints_state_and_it_is_rebuilt() {
         );
         // And the old conversation is not sent there for a cache that is gone: wherever it
         // goes, it is served.
-        let again = old.turn(&client, &fleet.url()).await;
+        let again = turn(&mut old, &client, &fleet, &fleet.url()).await;
         replica_of(&again, &fleet);
     })
     .await;

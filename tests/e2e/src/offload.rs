@@ -6,14 +6,10 @@
 
 use std::time::Duration;
 
-use kvroute_harness::{
-    Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sample,
-};
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
+use kvroute_harness::{Fleet, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sample};
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(240);
@@ -26,10 +22,7 @@ const GPU_TOKENS: u32 = 2048;
 const PROMPT_WORDS: usize = 700;
 
 async fn start(tools: &Tools) -> Fleet {
-    let mut cfg = FleetConfig::new("e2e-offload");
-    cfg.replicas = 2;
-    cfg.model = MODEL.to_string();
-    cfg.envoy_concurrency = 1;
+    let mut cfg = common::fleet_config("e2e-offload", 2, MODEL);
     cfg.sim_args = [
         "--speed",
         "5",
@@ -41,57 +34,37 @@ async fn start(tools: &Tools) -> Fleet {
     .map(String::from)
     .to_vec();
     cfg.kv_events = true;
-    cfg.control_plane_extra = json!({
-        "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
-    });
+    cfg.control_plane_extra = common::remote_tokenizer();
     // Short speculative entries, so that only events decide the second visit; the replicas
-    // run at 5x speed, 50 prefill tokens a millisecond.
-    cfg.control_plane_router = json!({
-        "precise": {"speculative_ttl_ms": 300, "offload_weight": 0.5},
-        "scoring": {"prefill_tokens_per_ms": 50.0},
-    });
+    // run at 5x speed, 50 prefill tokens a millisecond. Offloaded blocks earn half credit.
+    cfg.control_plane_router = common::precise_router(300);
+    cfg.control_plane_router["precise"]["offload_weight"] = json!(0.5);
     cfg.plugin_config = json!({
         "route_timeout_ms": 3000,
         "allow_explain": true,
         "routes": [{"path": "/v1/chat/completions", "api": "chat", "mode": "precise"}]
     });
-    Fleet::start(cfg, tools)
-        .await
-        .unwrap_or_else(|e| panic!("starting the fleet: {e}"))
+    common::start_fleet(cfg, tools).await
 }
 
 /// Polls the control plane's metrics until `ok` holds.
 async fn wait_metrics(fleet: &Fleet, what: &str, ok: impl Fn(&str) -> bool) {
-    if let Err(e) = fleet
-        .wait_for_control_plane_metrics(what, WAIT_TIMEOUT, ok)
-        .await
-    {
-        panic!("{e} ({})", fleet.describe());
-    }
+    common::wait_cp_metrics(fleet, what, WAIT_TIMEOUT, ok).await;
 }
 
 fn prompt(seed: u64) -> Value {
-    let words = kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), PROMPT_WORDS);
-    json!({"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 2})
+    common::user_chat(MODEL, &common::words(seed, PROMPT_WORDS), 2)
 }
 
+/// A chat to `base` (Envoy, or a replica directly) that must be served.
 async fn post(
+    fleet: &Fleet,
     client: &HttpClient,
     base: &str,
     body: &Value,
     headers: &[(&str, &str)],
 ) -> HttpResponse {
-    let url = format!("{base}/v1/chat/completions");
-    let resp = client
-        .request(
-            "POST",
-            &url,
-            headers,
-            Some(body.to_string()),
-            REQUEST_TIMEOUT,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    let resp = common::post_chat(client, base, body, headers, REQUEST_TIMEOUT, fleet).await;
     assert_eq!(resp.status, 200, "{}", resp.body);
     resp
 }
@@ -103,18 +76,10 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
         let fleet = start(&tools).await;
         let client = HttpClient::new();
         let addresses = fleet.replica_addresses();
-        wait_metrics(&fleet, "every KV-event stream live", |m| {
-            addresses.iter().all(|a| {
-                prometheus_sample(
-                    m,
-                    &format!("kvroute_endpoint_events_live{{endpoint=\"{a}\"}}"),
-                ) == Some(1.0)
-            })
-        })
-        .await;
+        common::wait_events_live(&fleet, WAIT_TIMEOUT).await;
 
         // 1. The prompt lands somewhere and is cached there, on the GPU and in the CPU tier.
-        let first = post(&client, &fleet.url(), &prompt(1), &[]).await;
+        let first = post(&fleet, &client, &fleet.url(), &prompt(1), &[]).await;
         let home = first.header(REPLICA_HEADER).unwrap().to_string();
         let other = addresses.iter().find(|a| **a != home).unwrap().clone();
         wait_metrics(&fleet, "offloaded blocks indexed", |m| {
@@ -128,7 +93,14 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
 
         // 2. Other long prompts sent to that replica directly push it out of the GPU only.
         for seed in 10..14 {
-            post(&client, &format!("http://{home}"), &prompt(seed), &[]).await;
+            post(
+                &fleet,
+                &client,
+                &format!("http://{home}"),
+                &prompt(seed),
+                &[],
+            )
+            .await;
         }
         wait_metrics(&fleet, "the GPU tier turned over", |m| {
             let offload = prometheus_sample(
@@ -143,11 +115,7 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
                 && gpu.is_some_and(|n| n <= f64::from(GPU_TOKENS / 16))
         })
         .await;
-        let text = fleet
-            .control_plane_metrics()
-            .await
-            .expect("kvroute topology")
-            .expect("control-plane metrics");
+        let text = common::cp_metrics(&fleet).await;
         assert!(
             prometheus_sample(&text, "kvroute_indexed_blocks{tier=\"offload\"}").unwrap_or(0.0)
                 >= 150.0,
@@ -162,6 +130,7 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
 
         // 3. The same prompt again: only the CPU tier holds it, and that draws it home.
         let again = post(
+            &fleet,
             &client,
             &fleet.url(),
             &prompt(1),
@@ -176,8 +145,7 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
             .split("; ")
             .find_map(|kv| kv.strip_prefix("id="))
             .unwrap_or_else(|| panic!("no id in {decision:?}"));
-        let cp = fleet.control_plane.as_ref().unwrap();
-        let url = format!("http://{}/debug/decisions/{id}", cp.admin_address);
+        let url = format!("{}/debug/decisions/{id}", common::cp_admin(&fleet));
         let d: Value =
             serde_json::from_str(&client.get(&url, REQUEST_TIMEOUT).await.unwrap().body).unwrap();
         let candidate = |address: &str| -> Value {
@@ -209,7 +177,5 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
             "the engine loads every offloaded block: {usage:#}"
         );
     };
-    tokio::time::timeout(TEST_TIMEOUT, body)
-        .await
-        .expect("test timed out");
+    common::bounded("offload", TEST_TIMEOUT, body).await;
 }

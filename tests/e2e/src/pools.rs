@@ -8,14 +8,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_harness::{
-    Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sample,
-};
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
+use kvroute_harness::{Fleet, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sample};
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(240);
@@ -25,10 +21,7 @@ const CATALOGUE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Two pools of two replicas; pool B also serves two adapters.
 async fn start(tools: &Tools, name: &str) -> Fleet {
-    let mut cfg = FleetConfig::new(name);
-    cfg.replicas = 4;
-    cfg.model = "pool-a".to_string();
-    cfg.envoy_concurrency = 1;
+    let mut cfg = common::fleet_config(name, 4, "pool-a");
     let pool_b: Vec<String> = [
         "--model",
         "pool-b",
@@ -45,16 +38,11 @@ async fn start(tools: &Tools, name: &str) -> Fleet {
         "sessions": {"bonus_ms": 5000.0, "ttl_ms": 60000},
     });
     cfg.control_plane_extra = json!({"models_interval_ms": 200});
-    Fleet::start(cfg, tools)
-        .await
-        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
+    common::start_fleet(cfg, tools).await
 }
 
 fn admin_url(fleet: &Fleet) -> String {
-    format!(
-        "http://{}",
-        fleet.control_plane.as_ref().unwrap().admin_address
-    )
+    common::cp_admin(fleet)
 }
 
 /// Waits until the control plane knows every replica's models (pool B lists 3).
@@ -77,12 +65,7 @@ async fn wait_for_catalogues(fleet: &Fleet) {
 
 /// A short chat whose prompt shares nothing with other calls (seeded words).
 fn chat_body(model: &str, seed: u64, user: Option<&str>) -> Value {
-    let words = kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), 60);
-    let mut body = json!({
-        "model": model,
-        "messages": [{"role": "user", "content": words}],
-        "max_tokens": 4,
-    });
+    let mut body = common::user_chat(model, &common::words(seed, 60), 4);
     if let Some(u) = user {
         body["user"] = json!(u);
     }
@@ -95,24 +78,12 @@ async fn chat(
     body: &Value,
     headers: &[(&str, &str)],
 ) -> HttpResponse {
-    let url = format!("{}/v1/chat/completions", fleet.url());
-    client
-        .request(
-            "POST",
-            &url,
-            headers,
-            Some(body.to_string()),
-            REQUEST_TIMEOUT,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()))
+    common::post_chat(client, &fleet.url(), body, headers, REQUEST_TIMEOUT, fleet).await
 }
 
 fn served_by(resp: &HttpResponse, fleet: &Fleet) -> usize {
     assert_eq!(resp.status, 200, "{} ({})", resp.body, fleet.describe());
-    let replica = resp
-        .header(REPLICA_HEADER)
-        .unwrap_or_else(|| panic!("no {REPLICA_HEADER} in {:?}", resp.headers));
+    let replica = common::replica_header(resp);
     fleet
         .replicas
         .iter()
@@ -154,20 +125,19 @@ async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
             "{err:#}"
         );
 
-        let text = fleet
-            .control_plane_metrics()
-            .await
-            .expect("kvroute topology")
-            .expect("control-plane metrics");
+        let text = common::cp_metrics(&fleet).await;
         assert_eq!(
             prometheus_sample(&text, "kvroute_unknown_model_total{action=\"rejected\"}"),
             Some(1.0),
             "{text}"
         );
     };
-    tokio::time::timeout(TEST_TIMEOUT, body)
-        .await
-        .expect("test timed out");
+    common::bounded(
+        "requests_reach_only_their_models_pool_and_unknown_models_get_404",
+        TEST_TIMEOUT,
+        body,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,11 +174,7 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
                 }
             }
         }
-        let text = fleet
-            .control_plane_metrics()
-            .await
-            .expect("kvroute topology")
-            .expect("control-plane metrics");
+        let text = common::cp_metrics(&fleet).await;
         assert_eq!(
             prometheus_sample(&text, "kvroute_sessions_total{result=\"hit\"}"),
             Some(20.0),
@@ -244,11 +210,7 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
         // Wait until a pool-B replica reports the adapter running.
         let deadline = Instant::now() + CATALOGUE_TIMEOUT;
         let holder = loop {
-            let text = fleet
-                .control_plane_metrics()
-                .await
-                .expect("kvroute topology")
-                .expect("control-plane metrics");
+            let text = common::cp_metrics(&fleet).await;
             let running: Vec<f64> = fleet.replicas[2..]
                 .iter()
                 .map(|r| {
@@ -310,19 +272,17 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
         }
         background.abort();
     };
-    tokio::time::timeout(TEST_TIMEOUT, body)
-        .await
-        .expect("test timed out");
+    common::bounded(
+        "sessions_stay_on_their_replica_and_adapters_follow_their_holder",
+        TEST_TIMEOUT,
+        body,
+    )
+    .await;
 }
 
 /// Polls the control plane's metrics until `ok` holds.
 async fn wait_for(fleet: &Fleet, what: &str, ok: impl Fn(&str) -> bool) {
-    if let Err(e) = fleet
-        .wait_for_control_plane_metrics(what, CATALOGUE_TIMEOUT, ok)
-        .await
-    {
-        panic!("{e} ({})", fleet.describe());
-    }
+    common::wait_cp_metrics(fleet, what, CATALOGUE_TIMEOUT, ok).await;
 }
 
 /// A long request in the background (it keeps its adapter in a slot while it runs).
@@ -343,10 +303,7 @@ fn long_request(url: String, model: &str) -> tokio::task::JoinHandle<()> {
 async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds() {
     let tools = tools();
     let body = async {
-        let mut cfg = FleetConfig::new("e2e-lora-slots");
-        cfg.replicas = 2;
-        cfg.model = "lora-base".to_string();
-        cfg.envoy_concurrency = 1;
+        let mut cfg = common::fleet_config("e2e-lora-slots", 2, "lora-base");
         cfg.sim_args = [
             "--lora-modules",
             "a=/adapters/a",
@@ -358,9 +315,7 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
         .to_vec();
         cfg.plugin_config = json!({"allow_explain": true});
         cfg.control_plane_extra = json!({"models_interval_ms": 200});
-        let fleet = Fleet::start(cfg, &tools)
-            .await
-            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
+        let fleet = common::start_fleet(cfg, &tools).await;
         let client = HttpClient::new();
         let gauge = |text: &str, name: &str, address: &str| {
             prometheus_sample(text, &format!("{name}{{endpoint=\"{address}\"}}")).unwrap_or(0.0)
@@ -384,11 +339,7 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
                 .any(|r| gauge(m, "kvroute_endpoint_lora_running", &r.address) == 1.0)
         })
         .await;
-        let text = fleet
-            .control_plane_metrics()
-            .await
-            .expect("kvroute topology")
-            .expect("control-plane metrics");
+        let text = common::cp_metrics(&fleet).await;
         for r in &fleet.replicas {
             if gauge(&text, "kvroute_endpoint_lora_running", &r.address) == 1.0 {
                 holder = r.address.clone();
@@ -469,7 +420,10 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
             task.abort();
         }
     };
-    tokio::time::timeout(TEST_TIMEOUT, body)
-        .await
-        .expect("test timed out");
+    common::bounded(
+        "a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds",
+        TEST_TIMEOUT,
+        body,
+    )
+    .await;
 }

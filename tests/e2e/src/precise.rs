@@ -21,29 +21,23 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvroute_harness::loadgen::{StreamOutcome, stream_chat};
-use kvroute_harness::{
-    Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sum,
-};
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
+use kvroute_harness::loadgen::stream_chat;
+use kvroute_harness::{Fleet, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sum};
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, Conversation, cp_metrics, endpoint_value, replica_of, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(120);
 /// One request, stream included.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const REQUEST_TIMEOUT: Duration = common::STREAM_TIMEOUT;
 const MODEL: &str = "kvroute-precise-model";
 /// Speculative entries of routed requests live this long (short, so that a test can see the
 /// events alone decide).
 const SPECULATIVE_TTL_MS: u64 = 300;
 
 async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("{name} did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded(name, TEST_TIMEOUT, body).await;
 }
 
 /// How the control plane tokenises precise routes.
@@ -68,17 +62,12 @@ async fn precise_fleet_with(
     tokenizer: &Tokenizer,
     sim_args: &[String],
 ) -> Fleet {
-    let mut cfg = FleetConfig::new(name);
-    cfg.replicas = replicas;
-    cfg.model = MODEL.to_string();
-    cfg.envoy_concurrency = 1;
+    let mut cfg = common::fleet_config(name, replicas, MODEL);
     cfg.sim_args = vec!["--speed".into(), "5".into()];
     cfg.sim_args.extend_from_slice(sim_args);
     cfg.kv_events = true;
     cfg.control_plane_extra = match tokenizer {
-        Tokenizer::Remote => json!({
-            "precise": {"tokenizer": "remote", "remote_api": "render", "tokenize_timeout_ms": 2000}
-        }),
+        Tokenizer::Remote => common::remote_tokenizer(),
         Tokenizer::Hf(dir) => {
             cfg.sim_args.push("--tokenizer".into());
             cfg.sim_args.push(dir.display().to_string());
@@ -91,10 +80,7 @@ async fn precise_fleet_with(
     };
     // The replicas run the H100 profile at 5x speed: 50 prefill tokens a millisecond, which
     // the router's queue model (and the eviction it predicts from it) must know.
-    cfg.control_plane_router = json!({
-        "precise": {"speculative_ttl_ms": SPECULATIVE_TTL_MS},
-        "scoring": {"prefill_tokens_per_ms": 50.0},
-    });
+    cfg.control_plane_router = common::precise_router(SPECULATIVE_TTL_MS);
     cfg.plugin_config = json!({
         "route_timeout_ms": 3000,
         "allow_explain": true,
@@ -103,38 +89,10 @@ async fn precise_fleet_with(
             {"path": "/v1/completions", "api": "completion", "mode": "precise"}
         ]
     });
-    let fleet = Fleet::start(cfg, tools)
-        .await
-        .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"));
+    let fleet = common::start_fleet(cfg, tools).await;
     // Precise scoring trusts an endpoint only once its stream is live.
-    let addresses = fleet.replica_addresses();
-    wait_metrics(&fleet, "every KV-event stream live", |m| {
-        addresses
-            .iter()
-            .all(|a| endpoint_value(m, "kvroute_endpoint_events_live", a) == Some(1.0))
-    })
-    .await;
+    common::wait_events_live(&fleet, Duration::from_secs(10)).await;
     fleet
-}
-
-/// The control plane's `/metrics` text.
-async fn cp_metrics(fleet: &Fleet) -> String {
-    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
-    let url = format!("http://{}/metrics", cp.admin_address);
-    fleet
-        .client()
-        .get(&url, Duration::from_secs(5))
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e}"))
-        .body
-}
-
-/// The sample of per-endpoint gauge `name` for `endpoint`.
-fn endpoint_value(text: &str, name: &str, endpoint: &str) -> Option<f64> {
-    let prefix = format!("{name}{{endpoint=\"{endpoint}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 /// Polls the control plane's metrics until `cond` holds (at most 10 s).
@@ -161,62 +119,12 @@ async fn wait_metrics(fleet: &Fleet, what: &str, cond: impl Fn(&str) -> bool) {
 }
 
 fn text(seed: u64, n: usize) -> String {
-    kvroute_harness::loadgen::words(&mut SmallRng::seed_from_u64(seed), n)
+    common::words(seed, n)
 }
 
-fn chat_body(messages: &[Value], max_tokens: u32) -> Value {
-    json!({
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    })
-}
-
-/// A conversation with its own long system prompt.
-struct Conversation {
-    messages: Vec<Value>,
-    seed: u64,
-    turn: usize,
-}
-
-impl Conversation {
-    fn new(seed: u64, system_tokens: usize) -> Conversation {
-        let system = format!("Conversation {seed}. {}", text(seed, system_tokens));
-        Conversation {
-            messages: vec![json!({"role": "system", "content": system})],
-            seed,
-            turn: 0,
-        }
-    }
-
-    /// Appends the next user message; returns the request body for it.
-    fn ask(&mut self, max_tokens: u32) -> Value {
-        self.turn += 1;
-        let user = text(self.seed * 1_000 + self.turn as u64, 150);
-        self.messages.push(json!({"role": "user", "content": user}));
-        chat_body(&self.messages, max_tokens)
-    }
-
-    /// Sends `body` to `base_url` and appends the answer to the history.
-    async fn send(&mut self, client: &HttpClient, base_url: &str, body: &Value) -> StreamOutcome {
-        let out = stream_chat(client, base_url, body, &[], REQUEST_TIMEOUT)
-            .await
-            .unwrap_or_else(|e| panic!("conversation {} turn {}: {e}", self.seed, self.turn));
-        self.messages
-            .push(json!({"role": "assistant", "content": out.text.clone()}));
-        out
-    }
-}
-
-fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
-    let replica = out
-        .replica
-        .clone()
-        .unwrap_or_else(|| panic!("response without x-vllm-sim-replica ({})", fleet.describe()));
-    assert!(fleet.replica_addresses().contains(&replica), "{replica}");
-    replica
+/// A conversation of this area's model, user turns of 150 words.
+fn conversation(seed: u64, system_tokens: usize) -> Conversation {
+    Conversation::new(MODEL, seed, system_tokens, 150)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,15 +135,18 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
         let client = HttpClient::new();
 
         // Turn 2 lands where turn 1's blocks really are.
-        let mut conv = Conversation::new(7, 1_200);
+        let mut conv = conversation(7, 1_200);
         let body = conv.ask(8);
-        let first = replica_of(&conv.send(&client, &fleet.url(), &body).await, &fleet);
+        let first = replica_of(
+            &conv.send(&client, &fleet, &fleet.url(), &body, &[]).await,
+            &fleet,
+        );
         wait_metrics(&fleet, "turn 1's blocks reported", |m| {
             endpoint_value(m, "kvroute_endpoint_precise_blocks", &first).unwrap_or(0.0) >= 60.0
         })
         .await;
         let body = conv.ask(8);
-        let out = conv.send(&client, &fleet.url(), &body).await;
+        let out = conv.send(&client, &fleet, &fleet.url(), &body, &[]).await;
         assert_eq!(replica_of(&out, &fleet), first, "{}", fleet.describe());
         assert!(
             out.cached_tokens.unwrap_or(0) >= 1_000,
@@ -245,9 +156,12 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
 
         // A second conversation: its replica evicts everything, another replica caches turn
         // 1's prompt behind the router's back; turn 2 must follow the cache there.
-        let mut conv = Conversation::new(8, 1_200);
+        let mut conv = conversation(8, 1_200);
         let turn1 = conv.ask(8);
-        let holder = replica_of(&conv.send(&client, &fleet.url(), &turn1).await, &fleet);
+        let holder = replica_of(
+            &conv.send(&client, &fleet, &fleet.url(), &turn1, &[]).await,
+            &fleet,
+        );
         let other = fleet
             .replica_addresses()
             .into_iter()
@@ -279,7 +193,7 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
         // Let the speculative entries of turn 1's routing decision expire: events alone decide.
         tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
         let body = conv.ask(8);
-        let out = conv.send(&client, &fleet.url(), &body).await;
+        let out = conv.send(&client, &fleet, &fleet.url(), &body, &[]).await;
         assert_eq!(
             replica_of(&out, &fleet),
             other,
@@ -310,14 +224,14 @@ async fn assert_prediction_matches(
 ) -> (String, u64) {
     let client = HttpClient::new();
     let mut convs: Vec<Conversation> = (0..conversations)
-        .map(|c| Conversation::new(300 + c, system_tokens))
+        .map(|c| conversation(300 + c, system_tokens))
         .collect();
     let mut last_prompts = 0u64;
     let mut engine_cached = 0u64;
     for turn in 0..4 {
         for conv in convs.iter_mut() {
             let body = conv.ask(16);
-            let out = conv.send(&client, &fleet.url(), &body).await;
+            let out = conv.send(&client, fleet, &fleet.url(), &body, &[]).await;
             engine_cached += out.cached_tokens.unwrap_or(0);
             if turn == 3 {
                 last_prompts += out.prompt_tokens.unwrap_or(0);
@@ -361,13 +275,8 @@ async fn assert_prediction_matches(
     (m, last_prompts)
 }
 
-/// The sum of the samples of `name` whose labels contain `label`.
-fn metric_with(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
-}
+// The sum of the samples of `name` whose labels contain `label`.
+use kvroute_harness::prometheus_sum_with as metric_with;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predicted_cached_tokens_match_the_engines() {

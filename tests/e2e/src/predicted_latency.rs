@@ -9,12 +9,12 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_harness::{Fleet, FleetConfig, HttpClient};
+use kvroute_harness::HttpClient;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(150);
@@ -32,34 +32,21 @@ fn median(values: &mut [f64]) -> f64 {
 
 /// A one-token, unstreamed chat request whose prompt is `words` fresh words.
 fn request(rng: &mut SmallRng, words: usize) -> Value {
-    let text = kvroute_harness::loadgen::words(rng, words);
-    json!({
-        "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 1,
-    })
+    common::user_chat(MODEL, &kvroute_harness::loadgen::words(rng, words), 1)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predictions_are_explained_and_converge_on_measured_ttft() {
     let tools = tools();
     let body = async {
-        let mut cfg = FleetConfig::new("e2e-predicted-latency");
-        cfg.replicas = 2;
-        cfg.model = MODEL.to_string();
-        cfg.envoy_concurrency = 1;
+        let mut cfg = common::fleet_config("e2e-predicted-latency", 2, MODEL);
         cfg.plugin_config = json!({"allow_explain": true});
         // Replica 1 runs at a quarter of the profile's speed: four times slower prefill.
         cfg.per_replica_args = vec![vec![], vec!["--speed".into(), "0.25".into()]];
         cfg.control_plane_router = json!({"latency": {"min_samples": 6}});
-        let fleet = Fleet::start(cfg, &tools)
-            .await
-            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
+        let fleet = common::start_fleet(cfg, &tools).await;
         let client = HttpClient::new();
-        let admin = format!(
-            "http://{}",
-            fleet.control_plane.as_ref().unwrap().admin_address
-        );
+        let admin = common::cp_admin(&fleet);
         let slow = fleet.replicas[1].address.clone();
         let url = format!("{}/v1/chat/completions", fleet.url());
         let mut rng = SmallRng::seed_from_u64(11);
@@ -172,7 +159,5 @@ async fn predictions_are_explained_and_converge_on_measured_ttft() {
             "{metrics}"
         );
     };
-    if tokio::time::timeout(TEST_TIMEOUT, body).await.is_err() {
-        panic!("predicted-latency test did not finish within {TEST_TIMEOUT:?}");
-    }
+    common::bounded("predicted-latency test", TEST_TIMEOUT, body).await;
 }

@@ -7,45 +7,31 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_harness::loadgen::words;
-use kvroute_harness::{Fleet, FleetConfig};
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
+use kvroute_harness::Fleet;
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, tools};
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(150);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 const MODEL: &str = "kvroute-slo-model";
 
 fn body(words_n: usize, seed: u64, max_tokens: u32) -> Value {
-    let text = words(&mut SmallRng::seed_from_u64(seed), words_n);
+    let text = common::words(seed, words_n);
     // Streamed, so the filter's TTFB is the first token and usage gives the ITL.
-    json!({"model": MODEL, "messages": [{"role": "user", "content": text}],
-           "max_tokens": max_tokens, "stream": true,
-           "stream_options": {"include_usage": true}})
+    common::stream_chat_body(
+        MODEL,
+        &[json!({"role": "user", "content": text})],
+        max_tokens,
+    )
 }
 
 async fn chat(fleet: &Fleet, body: Value) {
-    let url = format!("{}/v1/chat/completions", fleet.url());
-    let r = fleet
-        .client()
-        .request("POST", &url, &[], Some(body.to_string()), REQUEST_TIMEOUT)
-        .await
-        .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
-    assert_eq!(r.status, 200, "{} ({})", r.body, fleet.describe());
+    common::chat_ok(fleet.client(), fleet, &body, &[], REQUEST_TIMEOUT).await;
 }
 
 async fn metrics(fleet: &Fleet) -> String {
-    let cp = fleet.control_plane.as_ref().expect("kvroute topology");
-    let url = format!("http://{}/metrics", cp.admin_address);
-    fleet
-        .client()
-        .get(&url, Duration::from_secs(10))
-        .await
-        .unwrap()
-        .body
+    common::cp_metrics(fleet).await
 }
 
 /// The value of the sample `name{labels}` (exact label text), if present.
@@ -84,20 +70,15 @@ async fn wait_samples(fleet: &Fleet, n: f64) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slo_gauges_follow_the_load() {
     let tools = tools();
-    tokio::time::timeout(TEST_TIMEOUT, async {
-        let mut cfg = FleetConfig::new("e2e-slo");
-        cfg.replicas = 2;
-        cfg.model = MODEL.to_string();
-        cfg.envoy_concurrency = 1;
+    common::bounded("slo_gauges_follow_the_load", TEST_TIMEOUT, async {
+        let mut cfg = common::fleet_config("e2e-slo", 2, MODEL);
         cfg.sim_args = vec!["--max-num-seqs".into(), "2".into()];
         cfg.plugin_config = json!({"route_timeout_ms": 5000, "feedback_interval_ms": 100});
         cfg.control_plane_extra = json!({
             "slo": {"ttft_ms": 1000, "itl_ms": 200, "window_ms": 600_000,
                     "attainment_target": 0.9}
         });
-        let fleet = Fleet::start(cfg, &tools)
-            .await
-            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
+        let fleet = common::start_fleet(cfg, &tools).await;
 
         // Before any traffic the gauges exist for the pool: nothing violated, one replica.
         let text = metrics(&fleet).await;
@@ -195,6 +176,5 @@ async fn slo_gauges_follow_the_load() {
         assert!(heavy_prefill > light_prefill, "{heavy}");
         assert!(demand > 0.0);
     })
-    .await
-    .expect("the SLO test timed out");
+    .await;
 }

@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
-use kvroute_harness::{Fleet, FleetConfig, prometheus_sample};
+use kvroute_harness::prometheus_sample;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::common::tools;
+use crate::common::{self, tools};
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -19,37 +19,22 @@ const MODEL: &str = "kvroute-ratio-model";
 async fn the_control_plane_learns_the_traffics_bytes_per_token() {
     let tools = tools();
     let run = async {
-        let mut cfg = FleetConfig::new("token-ratio");
-        cfg.replicas = 2;
-        cfg.model = MODEL.to_string();
-        cfg.envoy_concurrency = 1;
+        let mut cfg = common::fleet_config("token-ratio", 2, MODEL);
         cfg.control_plane_router = json!({"learn_bytes_per_token": true});
-        let fleet = Fleet::start(cfg, &tools)
-            .await
-            .unwrap_or_else(|e| panic!("starting the fleet: {e}"));
-        let before = fleet
-            .control_plane_metrics()
-            .await
-            .expect("kvroute has a control plane")
-            .unwrap_or_else(|e| panic!("{e}"));
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let before = common::cp_metrics(&fleet).await;
         assert_eq!(
             prometheus_sample(&before, "kvroute_bytes_per_token"),
             Some(4.0)
         );
 
         let client = fleet.client();
-        let url = format!("{}/v1/chat/completions", fleet.url());
         let mut rng = SmallRng::seed_from_u64(9);
         let (mut content_bytes, mut prompt_tokens) = (0u64, 0u64);
         for _ in 0..3 {
             let text = kvroute_harness::loadgen::words(&mut rng, 1_500);
-            let body = json!({"model": MODEL, "max_tokens": 4,
-                              "messages": [{"role": "user", "content": text}]});
-            let resp = client
-                .request("POST", &url, &[], Some(body.to_string()), REQUEST_TIMEOUT)
-                .await
-                .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
-            assert_eq!(resp.status, 200, "{}", resp.body);
+            let body = common::user_chat(MODEL, &text, 4);
+            let resp = common::chat_ok(client, &fleet, &body, &[], REQUEST_TIMEOUT).await;
             let reply: Value = serde_json::from_str(&resp.body).expect("a JSON completion");
             content_bytes += text.len() as u64;
             prompt_tokens += reply["usage"]["prompt_tokens"]
@@ -58,19 +43,21 @@ async fn the_control_plane_learns_the_traffics_bytes_per_token() {
         }
         // The canonical prompt adds a few bytes of role and framing to the content.
         let expected = content_bytes as f64 / prompt_tokens as f64;
-        let text = fleet
-            .wait_for_control_plane_metrics("a learned ratio", Duration::from_secs(20), |t| {
+        let text =
+            common::wait_cp_metrics(&fleet, "a learned ratio", Duration::from_secs(20), |t| {
                 prometheus_sample(t, "kvroute_bytes_per_token").is_some_and(|v| v != 4.0)
             })
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+            .await;
         let learned = prometheus_sample(&text, "kvroute_bytes_per_token").unwrap();
         assert!(
             (learned - expected).abs() / expected < 0.05,
             "learned {learned:.3} bytes a token, the content alone gives {expected:.3}"
         );
     };
-    tokio::time::timeout(TEST_TIMEOUT, run)
-        .await
-        .expect("the test finished in time");
+    common::bounded(
+        "the_control_plane_learns_the_traffics_bytes_per_token",
+        TEST_TIMEOUT,
+        run,
+    )
+    .await;
 }

@@ -112,6 +112,9 @@ pub enum HarnessError {
     /// The fleet configuration is unusable.
     #[error("invalid fleet configuration: {0}")]
     Config(String),
+    /// A driver's command line is unusable; the message names the flag.
+    #[error("{0}")]
+    Usage(String),
 }
 
 /// Result type of the harness.
@@ -412,6 +415,29 @@ impl HttpResponse {
     }
 }
 
+/// A response's headers as `(name, value)` pairs, values decoded lossily: the form
+/// [`HttpResponse`] keeps them in, shared with the tests' own HTTP/2 and streaming clients.
+pub fn header_pairs(headers: &hyper::HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect()
+}
+
+/// The replica that answered, from the `x-vllm-sim-replica` header the simulator stamps on
+/// every response; `None` when no replica did (Envoy or the filter answered itself).
+pub fn replica_from_headers(headers: &hyper::HeaderMap) -> Option<String> {
+    headers
+        .get(REPLICA_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
 impl Default for HttpClient {
     fn default() -> Self {
         Self::new()
@@ -468,16 +494,7 @@ impl HttpClient {
                 .await
                 .map_err(|e| http_err(format!("{e:?}")))?;
             let status = resp.status().as_u16();
-            let headers = resp
-                .headers()
-                .iter()
-                .map(|(k, v)| {
-                    (
-                        k.as_str().to_string(),
-                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
-                    )
-                })
-                .collect();
+            let headers = header_pairs(resp.headers());
             let bytes = resp
                 .into_body()
                 .collect()
@@ -1039,6 +1056,60 @@ pub fn prometheus_sample(text: &str, series: &str) -> Option<f64> {
         let rest = l.strip_prefix(series)?;
         rest.strip_prefix(' ')?.trim().parse().ok()
     })
+}
+
+/// The sum of the samples of metric `name` whose label set contains `label` (a
+/// `key="value"` text), in Prometheus text format: one labelled slice of a counter family.
+pub fn prometheus_sum_with(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') && rest.contains(label))
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// Fails with a [`HarnessError::Usage`] naming `flag` unless `value` is a finite positive
+/// number: the check every driver (`kvroute-bench`, `kvroute-soak`, `kvroute-demo`) makes on
+/// its real-valued flags.
+pub fn check_positive(flag: &str, value: f64) -> Result<()> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(HarnessError::Usage(format!(
+            "{flag} must be a positive number"
+        )))
+    }
+}
+
+/// The directory a driver writes its results into: `given` (its `--out-dir`), or
+/// `<target>/<default_name>`; created if missing.
+pub fn output_dir(given: Option<&Path>, default_name: &str) -> Result<PathBuf> {
+    let dir = given.map_or_else(|| target_dir().join(default_name), Path::to_path_buf);
+    fs::create_dir_all(&dir).map_err(io_err(format!("cannot create {}", dir.display())))?;
+    Ok(dir)
+}
+
+/// Writes `value` to `path` as pretty-printed JSON: how the drivers leave their summaries and
+/// records for people and scripts to read.
+pub fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
+    let context = || format!("cannot write {}", path.display());
+    let text = serde_json::to_string_pretty(value).map_err(|e| HarnessError::Io {
+        context: context(),
+        source: io::Error::other(e),
+    })?;
+    fs::write(path, text).map_err(io_err(context()))
+}
+
+/// The tokio runtime the drivers run their fleets on: two workers, the size of the machines
+/// they are meant for, so the simulated replicas and Envoy keep the other cores.
+pub fn driver_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(io_err("cannot start the tokio runtime"))
 }
 
 /// Sum of all samples of metric `name` (any labels) in Prometheus text format.

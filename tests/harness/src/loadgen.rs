@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::{HttpClient, REPLICA_HEADER};
+use crate::HttpClient;
 
 /// Why one request failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -102,11 +102,7 @@ async fn stream_chat_inner(
         .await
         .map_err(|e| RequestError::Transport(format!("{e:?}")))?;
     let status = resp.status().as_u16();
-    let replica = resp
-        .headers()
-        .get(REPLICA_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    let replica = crate::replica_from_headers(resp.headers());
     let mut body = resp.into_body();
     if status != 200 {
         let bytes = body

@@ -82,17 +82,9 @@ fn main() -> anyhow::Result<()> {
     if args.endpoints == 0 || args.endpoints > 1000 || args.samples == 0 || args.concurrency == 0 {
         bail!("--endpoints must be 1..=1000, --samples and --concurrency at least 1");
     }
-    if !(args.speed.is_finite() && args.speed > 0.0) {
-        bail!("--speed must be a positive number");
-    }
-    if !(args.quality_scale.is_finite() && args.quality_scale > 0.0) {
-        bail!("--quality-scale must be a positive number");
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")?;
+    harness::check_positive("--speed", args.speed)?;
+    harness::check_positive("--quality-scale", args.quality_scale)?;
+    let rt = harness::driver_runtime()?;
     rt.block_on(run(args))
 }
 
@@ -142,12 +134,7 @@ fn ratio(num: f64, den: f64) -> String {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let started = Instant::now();
-    let out_dir = args
-        .out_dir
-        .clone()
-        .unwrap_or_else(|| harness::target_dir().join("bench"));
-    std::fs::create_dir_all(&out_dir)
-        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let out_dir = harness::output_dir(args.out_dir.as_deref(), "bench")?;
     let mut loads = vec![("start".to_string(), loadavg())];
     let mut skipped: Vec<String> = Vec::new();
     if args.quality_only {
@@ -158,7 +145,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         println!("not measured: {skipped:?}\nload average: {loads:?}");
         let path = out_dir.join("quality-summary.json");
         let summary = json!({"quality": quality, "load_average": loads, "not_measured": skipped});
-        std::fs::write(&path, serde_json::to_string_pretty(&summary)?)?;
+        harness::write_json(&path, &summary)?;
         println!(
             "summary: {}  (took {:.0}s)",
             path.display(),
@@ -406,8 +393,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "tools_build_s": tools_s,
     });
     let path = out_dir.join("summary.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    harness::write_json(&path, &summary)?;
     println!(
         "summary: {}  (took {:.0}s, of which {tools_s:.0}s locating/building tools)",
         path.display(),

@@ -86,23 +86,13 @@ fn main() -> anyhow::Result<()> {
     if args.replicas == 0 || args.max_num_seqs == 0 || args.sample_secs == 0 {
         bail!("--replicas, --max-num-seqs and --sample-secs must be at least 1");
     }
-    if !(args.minutes.is_finite() && args.minutes > 0.0) {
-        bail!("--minutes must be a positive number");
+    harness::check_positive("--minutes", args.minutes)?;
+    harness::check_positive("--load-fraction", args.load_fraction)?;
+    harness::check_positive("--speed", args.speed)?;
+    if let Some(rate) = args.rate {
+        harness::check_positive("--rate", rate)?;
     }
-    if !(args.load_fraction.is_finite() && args.load_fraction > 0.0) {
-        bail!("--load-fraction must be a positive number");
-    }
-    if !(args.speed.is_finite() && args.speed > 0.0) {
-        bail!("--speed must be a positive number");
-    }
-    if args.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
-        bail!("--rate must be a positive number");
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")?;
+    let rt = harness::driver_runtime()?;
     rt.block_on(run(args))
 }
 
@@ -663,12 +653,7 @@ async fn calibrate(
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let out_dir = args
-        .out_dir
-        .clone()
-        .unwrap_or_else(|| harness::target_dir().join("soak"));
-    std::fs::create_dir_all(&out_dir)
-        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let out_dir = harness::output_dir(args.out_dir.as_deref(), "soak")?;
     let tools = Tools::locate().context("the soak needs its tools (try `make setup build`)")?;
     let mut cfg = FleetConfig::new("soak");
     cfg.replicas = args.replicas;
@@ -810,8 +795,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         samples,
     };
     let summary_path = out_dir.join("summary.json");
-    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
-        .with_context(|| format!("cannot write {}", summary_path.display()))?;
+    harness::write_json(&summary_path, &summary)?;
     print!("{}", render_summary(&summary, &out_dir));
     if let Some(status) = check_processes(&fleet) {
         bail!("{status}; logs in {}", fleet.log_dir.display());
