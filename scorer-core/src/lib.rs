@@ -10,7 +10,9 @@
 //! - [`pools`], [`affinity`] and [`lora`] keep model pools, session affinity and LoRA
 //!   adapter state for the router;
 //! - [`fairness`] admits or sheds requests by criticality, tenant limits and fair share;
-//! - [`protocol`] is the JSON the filter and the control plane exchange.
+//! - [`protocol`] is the JSON the filter and the control plane exchange;
+//! - [`sync`] replicates the routing state: the control plane's log of decisions and outcomes,
+//!   and a proxy's local copy that decides without a call.
 //!
 //! Invariant: nothing here reads a clock, draws ambient randomness, spawns a thread or does
 //! I/O. Time (`now_ms`) and seeds are arguments, so fleet-sim can replay it in virtual time.
@@ -28,4 +30,5 @@ pub mod pools;
 pub mod precise;
 pub mod protocol;
 pub mod router;
+pub mod sync;
 pub mod token_ratio;

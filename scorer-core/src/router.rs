@@ -444,6 +444,9 @@ pub struct RouterStats {
     /// Decisions that also named a prefill endpoint (disaggregated prefill/decode).
     #[serde(default)]
     pub disaggregated: u64,
+    /// Decisions another router took that this one accounted for ([`Router::record_decision`]).
+    #[serde(default)]
+    pub recorded_decisions: u64,
 }
 
 /// Read-only view of one endpoint for metrics and the fleet page.
@@ -1083,6 +1086,58 @@ impl Router {
         self.respond(decision_id, ranking, prefill)
     }
 
+    /// How many endpoints this router knows (usable or not).
+    pub fn endpoint_count(&self) -> usize {
+        self.by_address.len()
+    }
+
+    /// Accounts for a decision another router took: a proxy that decided locally, or a peer
+    /// control-plane replica. The chosen endpoint gets the in-flight entry, backlog and KV, the
+    /// prompt's blocks and the session, exactly as if this router had chosen it, so every copy
+    /// of the routing state converges on the same fleet. Nothing is ranked and no prefill
+    /// endpoint is picked (the deciding router did both). `decision_id` is the deciding
+    /// router's id, which the outcome report will name. Returns false when the endpoint is
+    /// unknown here or could not have served the request (the decision is then ignored).
+    pub fn record_decision(
+        &mut self,
+        request: &RouteRequest,
+        endpoint: &str,
+        decision_id: u64,
+        now_ms: u64,
+    ) -> bool {
+        let Some(chosen) = self.endpoint_id(endpoint) else {
+            return false;
+        };
+        if now_ms != self.last_expire_ms {
+            self.expire(now_ms);
+        }
+        let shape = self.shape_request(request);
+        let Ok(pool) = self.select_pool(request, now_ms) else {
+            return false;
+        };
+        let candidates = self.score_candidates(request, &shape, &pool, now_ms);
+        let Some(chosen_at) = candidates.iter().position(|(id, _)| *id == chosen) else {
+            return false;
+        };
+        let ranking = Ranking {
+            chosen,
+            chosen_at,
+            reason: RouteReason::Load,
+            candidates,
+            prefill_only: Vec::new(),
+        };
+        self.stats.recorded_decisions += 1;
+        self.account_choice(
+            request,
+            &shape,
+            &pool.session,
+            &ranking,
+            decision_id,
+            now_ms,
+        );
+        true
+    }
+
     /// Stage 1: what serving `request` involves on any endpoint: its prompt in tokens, the
     /// blocks a hit can cover, and the blocks its KV will hold once admitted.
     fn shape_request<'r>(&self, request: &'r RouteRequest) -> RequestShape<'r> {
@@ -1542,6 +1597,20 @@ impl Router {
                 latency_samples: s.latency.samples(),
                 role: s.role,
                 prefill_picks: s.prefill_picks,
+            })
+            .collect()
+    }
+
+    /// What a local copy of this router needs of each endpoint (`sync`): its address, and its
+    /// last scrape with that scrape's age, or none when the endpoint is unreachable.
+    pub fn endpoint_snapshots(&self, now_ms: u64) -> Vec<crate::sync::EndpointSnapshot> {
+        self.slots
+            .iter()
+            .flatten()
+            .map(|s| crate::sync::EndpointSnapshot {
+                address: s.address.to_string(),
+                metrics: s.metrics.filter(|_| s.health == Health::Ready),
+                metrics_age_ms: now_ms.saturating_sub(s.scraped_at_ms),
             })
             .collect()
     }

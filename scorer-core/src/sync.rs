@@ -1,0 +1,568 @@
+//! Routing state replicated to every router: the control plane's log, and a proxy's local copy.
+//!
+//! A proxy that decides locally runs its own [`Router`] and must see the fleet as the control
+//! plane does: every other proxy's decisions (their in-flight load and the prompt blocks they
+//! sent where), every outcome (which releases that load and teaches the latency model), and the
+//! scraped endpoint state. The control plane keeps one append-only [`SyncLog`] of decisions and
+//! outcomes from every source; each copy pulls the entries after the last sequence number it
+//! has seen and applies them through the same `Router` calls that produced the control plane's
+//! own state ([`Router::record_decision`], [`Router::feedback`]). Endpoint state is small and is
+//! sent whole on every pull. So every copy is the same state machine fed the same inputs, a
+//! little later: staleness is the pull interval plus one round trip.
+//!
+//! Sans-IO like the rest of the crate: the proxy's tick and the HTTP call live in the filter,
+//! the log's owner in the control plane; fleet-sim drives both in virtual time.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::{Outcome, RouteRequest};
+use crate::router::{Decision, EndpointMetrics, Router, RouterConfig};
+
+/// Path of the sync call a locally deciding proxy makes on its tick.
+pub const SYNC_PATH: &str = "/v1/sync";
+
+/// Bits of a decision id that count decisions within one replica; the bits above name the
+/// replica ([`SyncResponse::replica`]), so ids from different proxies never collide.
+pub const REPLICA_SHIFT: u32 = 40;
+
+/// One decision a router took, reported so that every other copy accounts for it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecisionRecord {
+    /// The deciding router's id; the outcome report names it.
+    pub decision_id: u64,
+    /// The chosen endpoint (`ip:port`).
+    pub endpoint: String,
+    /// What the decision was made on (hashes and numbers only, as in a route call).
+    pub request: RouteRequest,
+}
+
+/// What a locally deciding proxy sends on its tick.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SyncRequest {
+    /// The replica tag the control plane gave this copy; `None` until it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<u32>,
+    /// The log sequence number after the last entry this copy applied (0: none yet).
+    #[serde(default)]
+    pub since: u64,
+    /// Decisions taken locally since the last sync.
+    #[serde(default)]
+    pub decisions: Vec<DecisionRecord>,
+    /// Outcomes of local decisions since the last sync.
+    #[serde(default)]
+    pub outcomes: Vec<Outcome>,
+}
+
+/// One entry of the replicated log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SyncEvent {
+    /// A decision some router took.
+    Decision {
+        /// The replica that took it (0: the control plane itself, on a route call).
+        origin: u32,
+        /// The decision.
+        record: DecisionRecord,
+    },
+    /// The outcome of a decision.
+    Outcome {
+        /// The replica that reported it.
+        origin: u32,
+        /// The outcome.
+        outcome: Outcome,
+    },
+}
+
+impl SyncEvent {
+    fn origin(&self) -> u32 {
+        match self {
+            SyncEvent::Decision { origin, .. } | SyncEvent::Outcome { origin, .. } => *origin,
+        }
+    }
+}
+
+/// The control plane's view of one endpoint, sent whole on every sync.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndpointSnapshot {
+    /// `ip:port`.
+    pub address: String,
+    /// The last scrape, if it answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<EndpointMetrics>,
+    /// How old that scrape is, in milliseconds (clocks differ between proxy and control plane,
+    /// ages do not).
+    #[serde(default)]
+    pub metrics_age_ms: u64,
+}
+
+/// The control plane's answer to a [`SyncRequest`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SyncResponse {
+    /// This copy's replica tag (assigned on its first sync, then echoed).
+    pub replica: u32,
+    /// The sequence number to send as `since` next time.
+    pub next: u64,
+    /// The requested `since` had left the log: the copy's state is too old to patch, so it
+    /// starts over from `events` (the whole log) on a fresh router.
+    #[serde(default)]
+    pub reset: bool,
+    /// Log entries after `since`, oldest first, other origins only.
+    #[serde(default)]
+    pub events: Vec<SyncEvent>,
+    /// Every endpoint the control plane routes to; a copy drops the ones missing here.
+    #[serde(default)]
+    pub endpoints: Vec<EndpointSnapshot>,
+    /// The control plane's router configuration, so local decisions score as it does.
+    pub config: RouterConfig,
+}
+
+/// The control plane's replicated log: a bounded ring of decisions and outcomes.
+///
+/// Its bound is what a copy may lag before it must [`SyncResponse::reset`]; a fresh copy
+/// replays the whole ring, which is also how it warms its prefix index without a snapshot
+/// format of its own.
+#[derive(Debug, Clone)]
+pub struct SyncLog {
+    entries: VecDeque<SyncEvent>,
+    /// Sequence number of `entries[0]`.
+    first: u64,
+    capacity: usize,
+    next_replica: u32,
+}
+
+impl SyncLog {
+    /// An empty log holding at most `capacity` entries; replica tags start at `first_replica`
+    /// (a random start keeps two control-plane generations from handing out the same tags).
+    pub fn new(capacity: usize, first_replica: u32) -> Self {
+        SyncLog {
+            entries: VecDeque::new(),
+            first: 1,
+            capacity: capacity.max(1),
+            next_replica: first_replica.max(1),
+        }
+    }
+
+    /// Appends one entry, dropping the oldest past the bound.
+    pub fn push(&mut self, event: SyncEvent) {
+        if self.entries.len() == self.capacity {
+            self.entries.pop_front();
+            self.first += 1;
+        }
+        self.entries.push_back(event);
+    }
+
+    /// The sequence number the next entry will get.
+    pub fn next_seq(&self) -> u64 {
+        self.first + self.entries.len() as u64
+    }
+
+    /// Entries held now.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the log holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// A replica tag never handed out before by this log.
+    pub fn assign_replica(&mut self) -> u32 {
+        let tag = self.next_replica;
+        self.next_replica = self.next_replica.wrapping_add(1).max(1);
+        tag
+    }
+
+    /// The entries after `since` (0: from the start) not originated by `replica`, at most
+    /// `limit` of them, the sequence number to ask for next, and whether `since` had already
+    /// left the log (then everything held is returned and the copy must start over).
+    pub fn since(&self, since: u64, replica: u32, limit: usize) -> (Vec<SyncEvent>, u64, bool) {
+        let reset = since != 0 && since < self.first;
+        let start = if reset || since == 0 {
+            0
+        } else {
+            usize::try_from(since - self.first).unwrap_or(usize::MAX)
+        };
+        let mut out = Vec::new();
+        let mut next = self.next_seq();
+        for (offset, event) in self.entries.iter().enumerate().skip(start) {
+            if out.len() == limit {
+                next = self.first + offset as u64;
+                break;
+            }
+            if event.origin() != replica {
+                out.push(event.clone());
+            }
+        }
+        (out, next, reset)
+    }
+}
+
+/// Most log entries one sync answer carries; a copy further behind catches up over several
+/// ticks (and decides on the state it has meanwhile).
+pub const MAX_EVENTS_PER_SYNC: usize = 4096;
+
+/// The control plane's side of a sync call: accounts for the caller's decisions and outcomes
+/// in `router` (the control plane's own state) and in the log, then answers with what the
+/// caller has not seen. A caller without a replica tag gets one and the whole log.
+pub fn serve_sync(
+    log: &mut SyncLog,
+    router: &mut Router,
+    request: SyncRequest,
+    now_ms: u64,
+) -> SyncResponse {
+    let (replica, since) = match request.replica {
+        Some(replica) => (replica, request.since),
+        None => (log.assign_replica(), 0),
+    };
+    for record in request.decisions {
+        router.record_decision(
+            &record.request,
+            &record.endpoint,
+            record.decision_id,
+            now_ms,
+        );
+        log.push(SyncEvent::Decision {
+            origin: replica,
+            record,
+        });
+    }
+    for outcome in request.outcomes {
+        router.feedback(&outcome, now_ms);
+        log.push(SyncEvent::Outcome {
+            origin: replica,
+            outcome,
+        });
+    }
+    let (events, next, reset) = log.since(since, replica, MAX_EVENTS_PER_SYNC);
+    SyncResponse {
+        replica,
+        next,
+        reset,
+        events,
+        endpoints: router.endpoint_snapshots(now_ms),
+        config: router.config().clone(),
+    }
+}
+
+/// A proxy's local copy of the routing state: a [`Router`] kept current from the control
+/// plane's log, that decides without any call on the request path.
+#[derive(Debug)]
+pub struct LocalRouter {
+    router: Option<Router>,
+    replica: Option<u32>,
+    since: u64,
+    synced_at_ms: Option<u64>,
+    pending_decisions: VecDeque<DecisionRecord>,
+    pending_outcomes: VecDeque<Outcome>,
+    max_pending: usize,
+    local_decisions: u64,
+}
+
+impl LocalRouter {
+    /// A copy that knows nothing yet; it decides once its first sync has landed. At most
+    /// `max_pending` decisions (and as many outcomes) wait for the next sync; past that the
+    /// oldest are dropped (the control plane then expires their in-flight entries).
+    pub fn new(max_pending: usize) -> Self {
+        LocalRouter {
+            router: None,
+            replica: None,
+            since: 0,
+            synced_at_ms: None,
+            pending_decisions: VecDeque::new(),
+            pending_outcomes: VecDeque::new(),
+            max_pending: max_pending.max(1),
+            local_decisions: 0,
+        }
+    }
+
+    /// Whether a local decision would be made on state no older than `max_age_ms`: the copy has
+    /// synced that recently and knows at least one endpoint. When it is not, the caller asks
+    /// the control plane instead.
+    pub fn ready(&self, now_ms: u64, max_age_ms: u64) -> bool {
+        let fresh = self
+            .synced_at_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) <= max_age_ms);
+        fresh && self.router.as_ref().is_some_and(|r| r.endpoint_count() > 0)
+    }
+
+    /// Decides locally and queues the decision for the next sync.
+    pub fn route(&mut self, request: &RouteRequest, now_ms: u64, seed: u64) -> Option<Decision> {
+        let router = self.router.as_mut()?;
+        let decision = router.route(request, now_ms, seed);
+        if let Some(endpoint) = decision.response.endpoints.first() {
+            self.local_decisions += 1;
+            push_bounded(
+                &mut self.pending_decisions,
+                DecisionRecord {
+                    decision_id: decision.response.decision_id,
+                    endpoint: endpoint.clone(),
+                    request: request.clone(),
+                },
+                self.max_pending,
+            );
+        }
+        Some(decision)
+    }
+
+    /// The outcome of a local decision: applied here at once, and queued for the next sync.
+    pub fn outcome(&mut self, outcome: Outcome, now_ms: u64) {
+        if let Some(router) = self.router.as_mut() {
+            router.feedback(&outcome, now_ms);
+        }
+        push_bounded(&mut self.pending_outcomes, outcome, self.max_pending);
+    }
+
+    /// The next sync call's body; takes the queued decisions and outcomes with it.
+    pub fn sync_request(&mut self) -> SyncRequest {
+        SyncRequest {
+            replica: self.replica,
+            since: self.since,
+            decisions: self.pending_decisions.drain(..).collect(),
+            outcomes: self.pending_outcomes.drain(..).collect(),
+        }
+    }
+
+    /// Applies the control plane's answer: other routers' decisions and outcomes, then the
+    /// endpoint table. A new replica tag or a reset starts a fresh router (so decision ids
+    /// carry the tag, and no state from before the gap survives).
+    pub fn apply(&mut self, response: SyncResponse, now_ms: u64) {
+        let fresh_router = response.reset
+            || self.replica != Some(response.replica)
+            || self
+                .router
+                .as_ref()
+                .is_none_or(|r| *r.config() != response.config);
+        if fresh_router {
+            let first_id = (u64::from(response.replica) << REPLICA_SHIFT) + 1;
+            self.router = Some(Router::new(response.config.clone(), first_id));
+        }
+        self.replica = Some(response.replica);
+        self.since = response.next;
+        self.synced_at_ms = Some(now_ms);
+        let Some(router) = self.router.as_mut() else {
+            return;
+        };
+        // Endpoints first: a decision on an endpoint this copy has not seen yet still counts.
+        let keep: Vec<&str> = response
+            .endpoints
+            .iter()
+            .map(|e| e.address.as_str())
+            .collect();
+        let gone: Vec<String> = router
+            .endpoints(now_ms)
+            .into_iter()
+            .map(|view| view.address.to_string())
+            .filter(|a| !keep.contains(&a.as_str()))
+            .collect();
+        for address in gone {
+            router.remove_endpoint(&address);
+        }
+        for endpoint in &response.endpoints {
+            if router.upsert_endpoint(&endpoint.address).is_err() {
+                continue;
+            }
+            match endpoint.metrics {
+                Some(metrics) => router.update_metrics(
+                    &endpoint.address,
+                    metrics,
+                    now_ms.saturating_sub(endpoint.metrics_age_ms),
+                ),
+                None => router.mark_unreachable(&endpoint.address),
+            }
+        }
+        for event in response.events {
+            match event {
+                SyncEvent::Decision { record, .. } => {
+                    router.record_decision(
+                        &record.request,
+                        &record.endpoint,
+                        record.decision_id,
+                        now_ms,
+                    );
+                }
+                SyncEvent::Outcome { outcome, .. } => router.feedback(&outcome, now_ms),
+            }
+        }
+    }
+
+    /// The router behind the copy, once the first sync has landed.
+    pub fn router(&self) -> Option<&Router> {
+        self.router.as_ref()
+    }
+
+    /// Decisions this copy has taken locally.
+    pub fn local_decisions(&self) -> u64 {
+        self.local_decisions
+    }
+
+    /// This copy's replica tag, once assigned.
+    pub fn replica(&self) -> Option<u32> {
+        self.replica
+    }
+}
+
+fn push_bounded<T>(queue: &mut VecDeque<T>, item: T, max: usize) {
+    if queue.len() >= max {
+        queue.pop_front();
+    }
+    queue.push_back(item);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::{DEFAULT_BLOCK_BYTES, block_hashes, model_seed};
+
+    fn central(n: usize) -> Router {
+        let mut router = Router::new(RouterConfig::default(), 1);
+        for i in 0..n {
+            let address = format!("10.0.0.{}:8000", i + 1);
+            router.upsert_endpoint(&address).unwrap();
+            let metrics = EndpointMetrics {
+                capacity_tokens: Some(100_000),
+                ..EndpointMetrics::default()
+            };
+            router.update_metrics(&address, metrics, 0);
+        }
+        router
+    }
+
+    fn chat(conversation: u64, turns: usize) -> RouteRequest {
+        // Turn N+1's text extends turn N's, as a chat's canonical prompt does.
+        let text: String = (0..turns)
+            .map(|t| format!("conversation {conversation} turn {t} says something. ").repeat(20))
+            .collect();
+        RouteRequest {
+            model: "m".into(),
+            block_hashes: block_hashes(model_seed("m"), text.as_bytes(), DEFAULT_BLOCK_BYTES),
+            prompt_bytes: text.len() as u64,
+            prompt_tokens: (text.len() / 4) as u32,
+            ..RouteRequest::default()
+        }
+    }
+
+    fn sync(log: &mut SyncLog, hub: &mut Router, copy: &mut LocalRouter, now_ms: u64) {
+        let request = copy.sync_request();
+        // Through JSON, as on the wire.
+        let request: SyncRequest =
+            serde_json::from_slice(&serde_json::to_vec(&request).unwrap()).unwrap();
+        let response = serve_sync(log, hub, request, now_ms);
+        let response: SyncResponse =
+            serde_json::from_slice(&serde_json::to_vec(&response).unwrap()).unwrap();
+        copy.apply(response, now_ms);
+    }
+
+    // A turn decided on one proxy pulls the next turn, decided on another proxy after one sync,
+    // to the same endpoint: the whole point of replicating the state.
+    #[test]
+    fn a_decision_on_one_proxy_steers_the_next_turn_on_another() {
+        let mut log = SyncLog::new(1_000, 7);
+        let mut hub = central(4);
+        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
+        assert!(!a.ready(0, 100), "nothing synced yet");
+        sync(&mut log, &mut hub, &mut a, 0);
+        sync(&mut log, &mut hub, &mut b, 0);
+        assert!(a.ready(10, 100) && b.ready(10, 100));
+        assert_ne!(a.replica(), b.replica());
+
+        let first = a.route(&chat(1, 1), 10, 1).unwrap();
+        let home = first.response.endpoints[0].clone();
+        assert_eq!(first.response.decision_id >> REPLICA_SHIFT, 7);
+        sync(&mut log, &mut hub, &mut a, 20);
+        sync(&mut log, &mut hub, &mut b, 30);
+        let second = b.route(&chat(1, 2), 40, 2).unwrap();
+        assert_eq!(second.response.endpoints[0], home);
+        assert!(second.response.cached_blocks > 0);
+        assert_eq!(hub.stats().recorded_decisions, 1);
+        assert_eq!(b.router().unwrap().stats().recorded_decisions, 1);
+    }
+
+    // In-flight load taken on one proxy is seen by the others, and its outcome releases it
+    // everywhere.
+    #[test]
+    fn load_and_its_release_reach_every_copy() {
+        let mut log = SyncLog::new(1_000, 1);
+        let mut hub = central(2);
+        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
+        sync(&mut log, &mut hub, &mut a, 0);
+        sync(&mut log, &mut hub, &mut b, 0);
+        let decision = a.route(&chat(2, 1), 5, 1).unwrap();
+        sync(&mut log, &mut hub, &mut a, 10);
+        sync(&mut log, &mut hub, &mut b, 10);
+        assert_eq!(b.router().unwrap().inflight_len(), 1);
+        assert_eq!(hub.inflight_len(), 1);
+        a.outcome(
+            Outcome {
+                decision_id: decision.response.decision_id,
+                endpoint: decision.response.endpoints[0].clone(),
+                status: 200,
+                ..Outcome::default()
+            },
+            20,
+        );
+        assert_eq!(a.router().unwrap().inflight_len(), 0);
+        sync(&mut log, &mut hub, &mut a, 30);
+        sync(&mut log, &mut hub, &mut b, 30);
+        assert_eq!(hub.inflight_len(), 0);
+        assert_eq!(b.router().unwrap().inflight_len(), 0);
+    }
+
+    // A copy that fell behind the log's bound starts over instead of patching a gap.
+    #[test]
+    fn a_copy_behind_the_log_resets() {
+        let mut log = SyncLog::new(2, 1);
+        let mut hub = central(2);
+        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
+        sync(&mut log, &mut hub, &mut a, 0);
+        sync(&mut log, &mut hub, &mut b, 0);
+        for c in 0..3 {
+            a.route(&chat(10 + c, 1), 1, c).unwrap();
+        }
+        sync(&mut log, &mut hub, &mut a, 2);
+        let (events, next, reset) = log.since(1, b.replica().unwrap(), 100);
+        assert!(reset);
+        assert_eq!(events.len(), 2);
+        assert_eq!(next, log.next_seq());
+        sync(&mut log, &mut hub, &mut b, 3);
+        assert_eq!(b.router().unwrap().stats().recorded_decisions, 2);
+    }
+
+    // Endpoints the control plane no longer routes to leave every copy; unreachable ones stay
+    // known but unusable.
+    #[test]
+    fn the_endpoint_table_is_mirrored() {
+        let mut log = SyncLog::new(10, 1);
+        let mut hub = central(3);
+        let mut a = LocalRouter::new(8);
+        sync(&mut log, &mut hub, &mut a, 0);
+        assert_eq!(a.router().unwrap().endpoint_count(), 3);
+        hub.remove_endpoint("10.0.0.3:8000");
+        hub.mark_unreachable("10.0.0.2:8000");
+        sync(&mut log, &mut hub, &mut a, 5);
+        let copy = a.router().unwrap();
+        assert_eq!(copy.endpoint_count(), 2);
+        for _ in 0..5 {
+            let d = a.route(&chat(3, 1), 6, 9).unwrap();
+            assert_eq!(d.response.endpoints[0], "10.0.0.1:8000");
+        }
+    }
+
+    // The pending queues are bounded: a proxy that cannot reach the control plane does not
+    // grow without limit.
+    #[test]
+    fn pending_reports_are_bounded() {
+        let mut log = SyncLog::new(10, 1);
+        let mut hub = central(1);
+        let mut a = LocalRouter::new(3);
+        sync(&mut log, &mut hub, &mut a, 0);
+        for c in 0..10 {
+            a.route(&chat(c, 1), 1, c).unwrap();
+        }
+        let request = a.sync_request();
+        assert_eq!(request.decisions.len(), 3);
+        assert_eq!(a.local_decisions(), 10);
+    }
+}
