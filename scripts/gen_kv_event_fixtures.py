@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Generate KV-event fixtures with vLLM's own msgspec classes.
 
-The control plane's decoder (control-plane/src/kv_events/decode.rs) is tested on payloads that
-vLLM's real event classes produced, in both wire encodings vLLM has shipped:
+The KV-event decoder the control plane and vllm-sim share (control-plane/vllm-wire/src/kv_events/)
+is tested on payloads that vLLM's real event classes produced, in both wire encodings vLLM has
+shipped:
 
 - ``map``: current vLLM, events are tagged maps ``{"type": "BlockStored", ...}``;
 - ``array``: older vLLM (before PR #42892), events are tagged arrays
@@ -19,8 +20,10 @@ must decode to (computed here in Python, independently of the Rust decoder).
 Usage (msgspec must be importable, e.g. ``.venv/bin/pip install msgspec``):
 
     pip download vllm==0.33.0 --no-deps -d /tmp/vllmwheel
-    .venv/bin/python scripts/gen_kv_event_fixtures.py /tmp/vllmwheel/vllm-0.33.0-*.whl \
-        control-plane/tests/fixtures/kv_events
+    .venv/bin/python scripts/gen_kv_event_fixtures.py /tmp/vllmwheel/vllm-0.33.0-*.whl [OUT]
+
+OUT defaults to ``control-plane/vllm-wire/tests/fixtures/kv_events``, which
+``control-plane/vllm-wire/tests/kv_events_decode.rs`` reads.
 """
 
 import ast
@@ -35,6 +38,7 @@ import msgspec
 SOURCE = "vllm/distributed/kv_events.py"
 CLASSES = ["EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch"]
 U64 = (1 << 64) - 1
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "control-plane/vllm-wire/tests/fixtures/kv_events"
 
 
 def struct_module(source: str, array_like_events: bool) -> types.ModuleType:
@@ -196,9 +200,10 @@ def trim(value, mod):
 
 
 def main() -> None:
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
-    wheel, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+    wheel = pathlib.Path(sys.argv[1])
+    out = pathlib.Path(sys.argv[2]) if len(sys.argv) == 3 else DEFAULT_OUT
     source = zipfile.ZipFile(wheel).read(SOURCE).decode()
     out.mkdir(parents=True, exist_ok=True)
     expected = {"generated_from": wheel.name, "fixtures": {}}

@@ -20,7 +20,8 @@ pub mod config;
 pub mod discovery;
 pub mod kv_events;
 pub mod pools;
-pub mod prom;
+/// The Prometheus text parser; it lives in `vllm-wire` so the fuzz targets build it without tokio.
+pub use vllm_wire::prom;
 pub mod scrape;
 pub mod slo;
 pub mod state;

@@ -163,7 +163,7 @@ impl Telemetry {
         endpoint: &str,
         applied: usize,
         unknown_parents: usize,
-        skipped: &crate::kv_events::decode::Skipped,
+        skipped: &vllm_wire::kv_events::Skipped,
     ) {
         let e = EndpointLabels {
             endpoint: endpoint.to_string(),

@@ -13,9 +13,9 @@ use bytes::Bytes;
 use control_plane::kv_events::subscriber::{self, EventSource, SubscriberSettings};
 use control_plane::state::{KvStreamStatus, State};
 use parking_lot::Mutex;
-use rmpv::Value;
 use scorer_core::router::RouterConfig;
 use tokio::sync::watch;
+use vllm_wire::kv_events::{BlockHash, BlockStored, WireBatch, WireEvent, encode_batch};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const ADDRESS: &str = "10.0.0.1:8000";
@@ -126,42 +126,35 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
     }
 }
 
-fn s(x: &str) -> Value {
-    Value::from(x)
-}
-
 /// A `BlockStored` of `n` blocks with hashes `first..first+n`, tokens derived from the hashes.
-fn stored(first: u64, n: u64, parent: Option<u64>) -> Value {
-    let tokens: Vec<Value> = (first..first + n)
-        .flat_map(|h| (0..BLOCK).map(move |i| Value::from(h as u32 * 100 + i)))
-        .collect();
-    Value::Map(vec![
-        (s("type"), s("BlockStored")),
-        (
-            s("block_hashes"),
-            Value::Array((first..first + n).map(Value::from).collect()),
-        ),
-        (
-            s("parent_block_hash"),
-            parent.map_or(Value::Nil, Value::from),
-        ),
-        (s("token_ids"), Value::Array(tokens)),
-        (s("block_size"), Value::from(BLOCK)),
-        (s("lora_id"), Value::Nil),
-        (s("medium"), s("GPU")),
-        (s("lora_name"), Value::Nil),
-    ])
+fn stored(first: u64, n: u64, parent: Option<u64>) -> WireEvent {
+    WireEvent::BlockStored(BlockStored {
+        block_hashes: (first..first + n).map(BlockHash::Int).collect(),
+        parent_block_hash: parent.map(BlockHash::Int),
+        token_ids: (first..first + n)
+            .flat_map(|h| (0..BLOCK).map(move |i| h as u32 * 100 + i))
+            .collect(),
+        block_size: BLOCK,
+        lora_id: None,
+        medium: Some("GPU".into()),
+        lora_name: None,
+        extra_keys: None,
+        group_idx: None,
+        kv_cache_spec_kind: None,
+    })
 }
 
-fn cleared() -> Value {
-    Value::Map(vec![(s("type"), s("AllBlocksCleared"))])
+fn cleared() -> WireEvent {
+    WireEvent::AllBlocksCleared
 }
 
-fn batch(events: Vec<Value>) -> Vec<u8> {
-    let v = Value::Array(vec![Value::F64(1.0), Value::Array(events), Value::from(0)]);
-    let mut buf = Vec::new();
-    rmpv::encode::write_value(&mut buf, &v).unwrap();
-    buf
+/// The payload vLLM would publish for `events` (vllm-wire's encoder, as vllm-sim uses).
+fn batch(events: Vec<WireEvent>) -> Vec<u8> {
+    encode_batch(&WireBatch {
+        ts: 1.0,
+        events,
+        data_parallel_rank: Some(0),
+    })
 }
 
 struct Harness {

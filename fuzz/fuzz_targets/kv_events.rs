@@ -1,20 +1,17 @@
-//! The control plane's KV-event decoder (control-plane/src/kv_events/decode.rs, compiled in
-//! directly: it needs only rmpv and scorer-core) on arbitrary ZMQ frames, and on well-formed
+//! The KV-event decoder the control plane and vllm-sim share (`vllm_wire::kv_events`, a sans-IO
+//! crate: no tokio or zeromq under ASan) on arbitrary ZMQ frames, and on well-formed
 //! vLLM `KVEventBatch`es (map and tagged-array encodings) built from arbitrary values, whose
 //! events are then applied to a precise-mode `Router`. A publisher can send anything: decoding
-//! and applying must end in a value or an error, never a panic, and a batch we encoded must
-//! decode to the same number of events.
+//! and applying must end in a value or an error, never a panic, a batch we encoded must
+//! decode to the same number of events, and the encoder must round-trip what the decoder read.
 #![no_main]
-
-#[allow(dead_code, missing_docs, clippy::all)]
-#[path = "../../control-plane/src/kv_events/decode.rs"]
-mod decode;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use rmpv::Value;
 use scorer_core::protocol::RouteRequest;
 use scorer_core::router::{Router, RouterConfig};
+use vllm_wire::kv_events as decode;
 
 #[derive(Arbitrary, Debug)]
 enum Ev {
@@ -197,8 +194,17 @@ fuzz_target!(|input: Input| {
             }
         }
         Input::Payload(bytes) => {
-            if let Ok(batch) = decode::decode_batch(&bytes) {
-                apply(&batch);
+            if let Ok(wire) = decode::decode_batch(&bytes) {
+                // vllm-sim's encoder writes any decoded batch in vLLM's canonical form: once
+                // canonical, decoding and encoding again changes no byte.
+                let canonical = decode::encode_batch(&wire);
+                let again = decode::decode_batch(&canonical).expect("re-decode");
+                assert_eq!(
+                    decode::encode_batch(&again),
+                    canonical,
+                    "encoder round trip"
+                );
+                apply(&decode::EventBatch::from(wire));
             }
         }
         Input::Batch {

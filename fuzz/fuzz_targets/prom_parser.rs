@@ -1,13 +1,10 @@
-//! The control plane's Prometheus text parser (control-plane/src/prom.rs, compiled in directly:
-//! it needs only scorer-core and thiserror). Whatever a replica's `/metrics` returns, parsing
+//! The control plane's Prometheus text parser (`vllm_wire::prom`, a sans-IO crate: no tokio or
+//! axum under ASan). Whatever a replica's `/metrics` returns, parsing
 //! must end without a panic, in linear time, and an accepted page must yield sane numbers.
 #![no_main]
 
-#[allow(dead_code, missing_docs, clippy::all)]
-#[path = "../../control-plane/src/prom.rs"]
-mod prom;
-
 use libfuzzer_sys::fuzz_target;
+use vllm_wire::prom;
 
 fuzz_target!(|input: &[u8]| {
     if let Ok(m) = prom::parse_vllm_metrics_bytes(input) {

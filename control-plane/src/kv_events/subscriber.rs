@@ -26,9 +26,9 @@ use zeromq::{
     DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
 };
 
-use super::decode::{DecodeError, END_SEQ, EventBatch, decode_batch, decode_seq};
 use super::seq::{SeqTracker, Verdict};
 use crate::state::State;
+use vllm_wire::kv_events::{DecodeError, END_SEQ, EventBatch, decode_event_batch, decode_seq};
 
 /// Most batches accepted from one replay (vLLM buffers 10 000 by default).
 const MAX_REPLAY_BATCHES: usize = 200_000;
@@ -264,7 +264,7 @@ impl Stream {
             Ok(s) => s,
             Err(e) => return self.decode_failed(&e),
         };
-        let batch = match decode_batch(payload) {
+        let batch = match decode_event_batch(payload) {
             Ok(b) => b,
             Err(e) => {
                 self.decode_failed(&e);
@@ -313,7 +313,7 @@ impl Stream {
                 Ok(raw) => raw
                     .into_iter()
                     .map(|(s, p)| {
-                        decode_batch(&p)
+                        decode_event_batch(&p)
                             .map(|b| (s, p, b))
                             .map_err(|e| StreamError::BadReplay(format!("batch {s}: {e}")))
                     })
@@ -380,7 +380,7 @@ impl Stream {
 
     /// Applies a replayed payload of the initial history.
     fn apply_replayed(&mut self, seq: u64, payload: Bytes) {
-        match decode_batch(&payload) {
+        match decode_event_batch(&payload) {
             Ok(batch) => {
                 let rank = batch.data_parallel_rank.unwrap_or(0);
                 if self.seq.last(rank).is_some_and(|l| seq <= l) {

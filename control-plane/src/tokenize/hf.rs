@@ -1,5 +1,6 @@
 //! In-process tokenisation: the model's `tokenizer.json` (`tokenizers` crate) and its chat
-//! template (minijinja, configured like transformers' `apply_chat_template`).
+//! template (`vllm_wire::chat_template`, rendered like transformers' `apply_chat_template` and
+//! shared with vllm-sim).
 //!
 //! Prefix reuse: a Hugging Face tokenizer splits its input at added tokens before anything else
 //! runs, so the text between two special tokens tokenises independently of the rest. The
@@ -18,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use scorer_core::protocol::ApiKind;
 use serde_json::{Map, Value};
+use vllm_wire::chat_template::ChatTemplate;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::cache::TokenCache;
@@ -28,12 +30,11 @@ use crate::config::PreciseSettings;
 const VERIFY_FIRST: u64 = 16;
 /// Then one request in this many is checked.
 const VERIFY_EVERY: u64 = 256;
-const TEMPLATE_NAME: &str = "chat_template";
 
 /// The model's tokenizer and chat template, with a segment cache.
 pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
-    env: Option<minijinja::Environment<'static>>,
+    template: Option<ChatTemplate>,
     bos_token: String,
     eos_token: String,
     /// Special tokens a prompt may be cut before, longest first within each first byte.
@@ -47,7 +48,7 @@ impl std::fmt::Debug for HfTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HfTokenizer")
             .field("cuts", &self.cuts.len())
-            .field("chat_template", &self.env.is_some())
+            .field("chat_template", &self.template.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -116,10 +117,13 @@ impl HfTokenizer {
             .collect();
         // Longest first, so a token that extends another one wins at the same position.
         cuts.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
-        let env = chat_template.map(template_env).transpose()?;
+        let template = chat_template
+            .map(ChatTemplate::new)
+            .transpose()
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
         Ok(Self {
             tokenizer,
-            env,
+            template,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
             cuts,
@@ -158,8 +162,8 @@ impl HfTokenizer {
 
     /// The chat template's output for `prompt` (its messages, tools and template options).
     pub fn render(&self, prompt: &Map<String, Value>) -> Result<String, TokenizeError> {
-        let env = self
-            .env
+        let template = self
+            .template
             .as_ref()
             .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))?;
         let messages = prompt
@@ -191,18 +195,12 @@ impl HfTokenizer {
         );
         ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
         ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
-        let template = env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         template
-            .render(minijinja::Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| {
-                let mut msg = e.to_string();
-                if let Some(d) = e.detail() {
-                    msg = format!("{msg}: {d}");
-                }
-                TokenizeError::Template(msg)
-            })
+            .render(&ctx, now)
+            .map_err(|e| TokenizeError::Template(e.to_string()))
     }
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
@@ -319,147 +317,6 @@ fn flatten_message(m: &Value) -> Value {
         }
     }
     m
-}
-
-/// A minijinja environment configured like transformers' `apply_chat_template`.
-fn template_env(source: &str) -> Result<minijinja::Environment<'static>, TokenizeError> {
-    let mut env = minijinja::Environment::new();
-    let mut syntax = minijinja::syntax::SyntaxConfig::builder();
-    syntax.trim_blocks(true).lstrip_blocks(true);
-    env.set_syntax(
-        syntax
-            .build()
-            .map_err(|e| TokenizeError::Template(format!("syntax: {e}")))?,
-    );
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> Result<String, _> {
-        Err(minijinja::Error::new(
-            minijinja::ErrorKind::InvalidOperation,
-            msg,
-        ))
-    });
-    env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
-    env.add_filter("tojson", tojson);
-    env.add_template_owned(TEMPLATE_NAME, source.to_owned())
-        .map_err(|e| TokenizeError::Template(format!("invalid chat template: {e:#}")))?;
-    Ok(env)
-}
-
-/// transformers' `tojson` filter: `json.dumps(value, ensure_ascii=False, indent=indent)`, so
-/// Python's `", "`/`": "` separators and no HTML escaping (minijinja's built-in, like Jinja's,
-/// writes `'`, `<`, `>` and `&` as `\u0027`...: a tool description would not match).
-fn tojson(
-    value: &minijinja::Value,
-    indent: Option<usize>,
-    kwargs: minijinja::value::Kwargs,
-) -> Result<minijinja::Value, minijinja::Error> {
-    struct Python;
-    impl serde_json::ser::Formatter for Python {
-        fn begin_array_value<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-            first: bool,
-        ) -> std::io::Result<()> {
-            if first { Ok(()) } else { w.write_all(b", ") }
-        }
-        fn begin_object_key<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-            first: bool,
-        ) -> std::io::Result<()> {
-            self.begin_array_value(w, first)
-        }
-        fn begin_object_value<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-        ) -> std::io::Result<()> {
-            w.write_all(b": ")
-        }
-    }
-    let indent = match indent {
-        Some(n) => Some(n),
-        None => kwargs.get::<Option<usize>>("indent")?,
-    };
-    kwargs.assert_all_used()?;
-    let mut out = Vec::new();
-    let written = match indent {
-        None => serde::Serialize::serialize(
-            value,
-            &mut serde_json::Serializer::with_formatter(&mut out, Python),
-        ),
-        Some(n) => {
-            let spaces = " ".repeat(n);
-            let pretty = serde_json::ser::PrettyFormatter::with_indent(spaces.as_bytes());
-            serde::Serialize::serialize(
-                value,
-                &mut serde_json::Serializer::with_formatter(&mut out, pretty),
-            )
-        }
-    };
-    written.map_err(|e| {
-        minijinja::Error::new(
-            minijinja::ErrorKind::InvalidOperation,
-            "cannot serialize to JSON",
-        )
-        .with_source(e)
-    })?;
-    Ok(minijinja::Value::from_safe_string(
-        String::from_utf8_lossy(&out).into_owned(),
-    ))
-}
-
-/// Today's UTC date for templates that print it: `%Y %m %d %b %B %%` (others pass through).
-fn strftime_now(fmt: &str) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    let days = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() / 86_400) as i64;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let name = MONTHS[(month - 1).clamp(0, 11) as usize];
-    let mut out = String::new();
-    let mut chars = fmt.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('b') => out.push_str(&name[..3]),
-            Some('B') => out.push_str(name),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -587,7 +444,5 @@ mod tests {
         assert!(HfTokenizer::new(b"{}", None, "", "", 8).is_err());
         let none = HfTokenizer::new(&test_tokenizer_json(), None, "", "", 8).unwrap();
         assert!(none.render(&prompt(&[("user", "x")])).is_err());
-        let date = strftime_now("%Y-%m-%d %b %%");
-        assert_eq!(date.len(), "2026-01-01 Jan %".len(), "{date}");
     }
 }

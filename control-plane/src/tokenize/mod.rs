@@ -168,7 +168,7 @@ impl Precise {
                     tokenized.ids.len() - tokenized.cached,
                 );
                 // Seeded like the engine's blocks: by model or adapter and the cache salt, which
-                // KV events carry for block 0 (`kv_events::decode`).
+                // KV events carry for block 0 (`vllm_wire::kv_events::cache_salt`).
                 let seed = request_seed(
                     self.seed_model(state, &request.model),
                     request.cache_salt.as_deref(),

@@ -2,25 +2,25 @@
 //!
 //! - PUB socket: multipart `[topic, seq (8 bytes big-endian, from 0), payload]`, one message per
 //!   engine step that produced events;
-//! - payload: msgpack `[ts: f64, [event, ...], data_parallel_rank]`, events as tagged maps
-//!   (`{"type": "BlockStored", "block_hashes": [...], ...}`) with exactly the fields vLLM 0.33's
-//!   GPU block pool sets (msgspec `omit_defaults` drops the rest), in its field order;
+//! - payload: vllm-wire's encoding of a `KVEventBatch`, byte for byte what vLLM 0.33 writes
+//!   (`vllm_wire::kv_events::encode_batch`, checked there against vLLM's own classes);
 //! - ROUTER replay socket: a DEALER sends `["", start_seq (8 bytes BE)]` and gets
 //!   `["", topic, seq, payload]` for every buffered batch with `seq >= start_seq`, then the end
 //!   marker `["", "", 0xFF x 8, ""]`.
 //!
-//! [`encode_batch`] is pure; [`Publisher`] owns the sockets. [`decode_batch`] reads what any
-//! vLLM version publishes (tagged maps, or the tagged arrays of vLLM before ~0.23; integer or
-//! byte-string hashes), for tests and tools. `tests/vllm-sim/fixtures/vllm/` holds payloads made by
-//! vLLM 0.33's own event classes that pin both directions (`scripts/check_vllm_compat.py`).
+//! [`wire_batch`] is pure: it fills the fields as vLLM 0.33's GPU block pool does. [`Publisher`]
+//! owns the sockets. Tests and tools read payloads with `vllm_wire::kv_events::decode_batch`,
+//! the decoder the control plane uses too.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use rmpv::Value;
 use tokio::sync::mpsc;
+use vllm_wire::kv_events::{
+    BlockHash, BlockRemoved, BlockStored, WireBatch, WireEvent, block_extra_keys, encode_batch,
+};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::SimError;
@@ -30,11 +30,13 @@ use super::engine::KvEvent;
 pub const DEFAULT_BUFFER_STEPS: usize = 10_000;
 
 /// The replay end marker's sequence frame: `-1` as 8 signed big-endian bytes.
-pub const END_SEQ: [u8; 8] = [0xFF; 8];
+pub const END_SEQ: [u8; 8] = vllm_wire::kv_events::END_SEQ.to_be_bytes();
 
-fn event_value(ev: &KvEvent) -> Value {
-    let s = |x: &str| Value::from(x);
-    let opt_u64 = |x: Option<u64>| x.map_or(Value::Nil, Value::from);
+/// One engine event as vLLM 0.33's GPU block pool publishes it: medium `GPU` (`CPU` for the
+/// offload tier), KV group 0, no spec kind, the extra keys of every block (LoRA name, and the
+/// cache salt on block 0).
+pub fn wire_event(ev: &KvEvent) -> WireEvent {
+    let ints = |hs: &[u64]| hs.iter().copied().map(BlockHash::Int).collect();
     // The CPU offload tier publishes the same events with medium `CPU`.
     let medium = match ev {
         KvEvent::OffloadStored { .. } | KvEvent::OffloadRemoved { .. } => "CPU",
@@ -58,361 +60,39 @@ fn event_value(ev: &KvEvent) -> Value {
             lora_id,
             lora_name,
             cache_salt,
-        } => Value::Map(vec![
-            (s("type"), s("BlockStored")),
-            (
-                s("block_hashes"),
-                Value::Array(block_hashes.iter().map(|h| Value::from(*h)).collect()),
-            ),
-            (s("parent_block_hash"), opt_u64(*parent_block_hash)),
-            (
-                s("token_ids"),
-                Value::Array(token_ids.iter().map(|t| Value::from(*t)).collect()),
-            ),
-            (s("block_size"), Value::from(*block_size)),
-            (s("lora_id"), opt_u64(lora_id.map(u64::from))),
-            (s("medium"), s(medium)),
-            (s("lora_name"), lora_name.as_deref().map_or(Value::Nil, s)),
-            (
-                s("extra_keys"),
-                extra_keys(block_hashes.len(), lora_name, cache_salt),
-            ),
-            (s("group_idx"), Value::from(0)),
-        ]),
-        KvEvent::BlockRemoved { block_hashes } | KvEvent::OffloadRemoved { block_hashes } => {
-            Value::Map(vec![
-                (s("type"), s("BlockRemoved")),
-                (
-                    s("block_hashes"),
-                    Value::Array(block_hashes.iter().map(|h| Value::from(*h)).collect()),
-                ),
-                (s("medium"), s(medium)),
-                (s("group_idx"), Value::from(0)),
-            ])
-        }
-        KvEvent::AllBlocksCleared => Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
-    }
-}
-
-/// A store's `extra_keys` as vLLM publishes them: one entry per block, each the block's extra
-/// hash keys untagged, in vLLM's order (LoRA name, multimodal keys, cache salt, prompt-embeds
-/// digest), or nil for a block without any. The salt is on block 0 only, so it is present only
-/// when the run starts there (`cache_salt` is then `Some`): `[[lora?, salt], [lora]|nil, ...]`.
-fn extra_keys(blocks: usize, lora_name: &Option<String>, cache_salt: &Option<String>) -> Value {
-    let s = |x: &str| Value::from(x);
-    Value::Array(
-        (0..blocks)
-            .map(|i| {
-                let keys: Vec<Value> = lora_name
-                    .as_deref()
-                    .map(s)
-                    .into_iter()
-                    .chain(cache_salt.as_deref().filter(|_| i == 0).map(s))
-                    .collect();
-                if keys.is_empty() {
-                    Value::Nil
-                } else {
-                    Value::Array(keys)
-                }
-            })
-            .collect(),
-    )
-}
-
-/// Msgpack payload of one batch: `[ts, [events...], data_parallel_rank]`, byte for byte what
-/// vLLM's `msgspec` encoder writes for the same events.
-pub fn encode_batch(ts: f64, events: &[KvEvent], data_parallel_rank: u32) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(64 + events.len() * 96);
-    write_array_len(&mut buf, 3);
-    write(&mut buf, &Value::F64(ts));
-    write_array_len(&mut buf, events.len());
-    for ev in events {
-        let Value::Map(fields) = event_value(ev) else {
-            continue;
-        };
-        // msgspec sizes a struct's map header for all its fields plus the tag, then fills in
-        // the count it wrote: `BlockStored` (15 fields) gets a map16 header even when fewer
-        // fields are set; the smaller events get a fixmap.
-        if matches!(ev, KvEvent::BlockStored { .. }) {
-            buf.push(0xde);
-            buf.extend_from_slice(&(fields.len() as u16).to_be_bytes());
-        } else {
-            buf.push(0x80 | fields.len() as u8);
-        }
-        for (k, v) in &fields {
-            write(&mut buf, k);
-            write(&mut buf, v);
-        }
-    }
-    write(&mut buf, &Value::from(data_parallel_rank));
-    buf
-}
-
-fn write(buf: &mut Vec<u8>, v: &Value) {
-    // Writing into a Vec cannot fail.
-    let _ = rmpv::encode::write_value(buf, v);
-}
-
-fn write_array_len(buf: &mut Vec<u8>, n: usize) {
-    if n < 16 {
-        buf.push(0x90 | n as u8);
-    } else if let Ok(n) = u16::try_from(n) {
-        buf.push(0xdc);
-        buf.extend_from_slice(&n.to_be_bytes());
-    } else {
-        buf.push(0xdd);
-        buf.extend_from_slice(&(n as u32).to_be_bytes());
-    }
-}
-
-/// A block hash as published: an integer (vLLM's default 64-bit projection; older versions'
-/// signed values are kept as their two's-complement bits) or the raw digest bytes
-/// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum EventHash {
-    /// An integer hash.
-    Int(u64),
-    /// A byte-string hash.
-    Bytes(Vec<u8>),
-}
-
-/// One decoded KV event, with every field a router may use.
-#[derive(Debug, Clone, PartialEq)]
-pub enum DecodedEvent {
-    /// Blocks became cached.
-    BlockStored {
-        /// Hashes of the stored blocks.
-        block_hashes: Vec<EventHash>,
-        /// Hash of the block before them, if any.
-        parent_block_hash: Option<EventHash>,
-        /// Their tokens, concatenated.
-        token_ids: Vec<u32>,
-        /// Tokens per block.
-        block_size: u32,
-        /// LoRA adapter id (deprecated in vLLM).
-        lora_id: Option<u64>,
-        /// `GPU`, `CPU`, ...; absent before vLLM ~0.10.
-        medium: Option<String>,
-        /// LoRA adapter name.
-        lora_name: Option<String>,
-        /// Per-block extra hash keys, as published.
-        extra_keys: Option<Value>,
-        /// KV cache group.
-        group_idx: Option<u32>,
-        /// `full_attention`, `sliding_window`, ... when published.
-        kv_cache_spec_kind: Option<String>,
-    },
-    /// Cached blocks were evicted.
-    BlockRemoved {
-        /// Their hashes.
-        block_hashes: Vec<EventHash>,
-        /// Medium, when published.
-        medium: Option<String>,
-        /// KV cache group.
-        group_idx: Option<u32>,
-    },
-    /// The whole prefix cache was reset.
-    AllBlocksCleared,
-}
-
-/// One decoded batch.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecodedBatch {
-    /// Publisher's wall-clock time, Unix seconds.
-    pub ts: f64,
-    /// The events, in order.
-    pub events: Vec<DecodedEvent>,
-    /// The publisher's data-parallel rank; absent when vLLM left it unset.
-    pub data_parallel_rank: Option<u32>,
-}
-
-/// Why a payload is not a KV event batch.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("invalid kv event batch: {0}")]
-pub struct DecodeError(String);
-
-/// Field order of vLLM's `BlockStored`, for the positional (array) encoding.
-const STORED_FIELDS: [&str; 15] = [
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-    "lookahead_token_ids",
-];
-/// Field order of vLLM's `BlockRemoved`.
-const REMOVED_FIELDS: [&str; 5] = [
-    "block_hashes",
-    "medium",
-    "group_idx",
-    "locality",
-    "ownership",
-];
-
-/// Decodes one msgpack payload as published by any vLLM version (see the module docs).
-/// Unknown fields are ignored; missing optional fields read as `None`.
-pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, DecodeError> {
-    let bad = |m: String| DecodeError(m);
-    let mut rd = payload;
-    let v = rmpv::decode::read_value(&mut rd).map_err(|e| bad(format!("not msgpack: {e}")))?;
-    if !rd.is_empty() {
-        return Err(bad(format!("{} trailing bytes", rd.len())));
-    }
-    let Value::Array(items) = v else {
-        return Err(bad("a batch is an array [ts, events, rank]".into()));
-    };
-    if !(2..=3).contains(&items.len()) {
-        return Err(bad(format!(
-            "a batch has 2 or 3 items, not {}",
-            items.len()
-        )));
-    }
-    let ts = match &items[0] {
-        Value::F32(f) => f64::from(*f),
-        Value::F64(f) => *f,
-        Value::Integer(i) => i.as_f64().unwrap_or(f64::NAN),
-        other => return Err(bad(format!("ts must be a number, not {other}"))),
-    };
-    let Value::Array(raw_events) = &items[1] else {
-        return Err(bad("events must be an array".into()));
-    };
-    let data_parallel_rank = match items.get(2) {
-        None | Some(Value::Nil) => None,
-        Some(r) => Some(as_u32(r).ok_or_else(|| bad(format!("bad data_parallel_rank {r}")))?),
-    };
-    let events = raw_events
-        .iter()
-        .enumerate()
-        .map(|(i, e)| decode_event(e).map_err(|m| bad(format!("event {i}: {m}"))))
-        .collect::<Result<_, _>>()?;
-    Ok(DecodedBatch {
-        ts,
-        events,
-        data_parallel_rank,
-    })
-}
-
-fn as_u32(v: &Value) -> Option<u32> {
-    v.as_u64().and_then(|n| u32::try_from(n).ok())
-}
-
-fn decode_hash(v: &Value) -> Result<EventHash, String> {
-    match v {
-        Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
-            (Some(u), _) => Ok(EventHash::Int(u)),
-            (None, Some(s)) => Ok(EventHash::Int(s as u64)),
-            _ => Err(format!("bad hash {v}")),
-        },
-        Value::Binary(b) => Ok(EventHash::Bytes(b.clone())),
-        other => Err(format!("a hash is an integer or bytes, not {other}")),
-    }
-}
-
-fn decode_hashes(v: Option<&Value>) -> Result<Vec<EventHash>, String> {
-    match v {
-        Some(Value::Array(a)) => a.iter().map(decode_hash).collect(),
-        _ => Err("block_hashes must be an array".into()),
-    }
-}
-
-fn opt_str(v: Option<&Value>, name: &str) -> Result<Option<String>, String> {
-    match v {
-        None | Some(Value::Nil) => Ok(None),
-        Some(Value::String(s)) => Ok(s.as_str().map(str::to_owned)),
-        Some(other) => Err(format!("{name} must be a string, not {other}")),
-    }
-}
-
-fn opt_num(v: Option<&Value>, name: &str) -> Result<Option<u64>, String> {
-    match v {
-        None | Some(Value::Nil) => Ok(None),
-        Some(n) => n
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| format!("{name} must be a non-negative integer, not {n}")),
-    }
-}
-
-fn decode_event(v: &Value) -> Result<DecodedEvent, String> {
-    // Normalise both encodings to (field name, value) pairs.
-    let (tag, fields): (&str, Vec<(&str, &Value)>) = match v {
-        Value::Map(m) => {
-            let mut tag = None;
-            let mut fields = Vec::with_capacity(m.len());
-            for (k, val) in m {
-                let k = k.as_str().ok_or("event keys must be strings")?;
-                if k == "type" {
-                    tag = val.as_str();
-                } else {
-                    fields.push((k, val));
-                }
-            }
-            (tag.ok_or("event has no type tag")?, fields)
-        }
-        Value::Array(a) => {
-            let tag = a
-                .first()
-                .and_then(Value::as_str)
-                .ok_or("an array event starts with its type tag")?;
-            let names: &[&str] = match tag {
-                "BlockStored" => &STORED_FIELDS,
-                "BlockRemoved" => &REMOVED_FIELDS,
-                _ => &[],
-            };
-            (tag, names.iter().copied().zip(a[1..].iter()).collect())
-        }
-        other => return Err(format!("an event is a map or an array, not {other}")),
-    };
-    let get = |name: &str| fields.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
-    match tag {
-        "BlockStored" => {
-            let token_ids = match get("token_ids") {
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|t| as_u32(t).ok_or_else(|| format!("bad token id {t}")))
-                    .collect::<Result<Vec<_>, _>>()?,
-                _ => return Err("token_ids must be an array".into()),
-            };
-            let block_size = get("block_size")
-                .and_then(as_u32)
-                .ok_or("block_size must be a u32")?;
-            let parent_block_hash = match get("parent_block_hash") {
-                None | Some(Value::Nil) => None,
-                Some(h) => Some(decode_hash(h)?),
-            };
-            Ok(DecodedEvent::BlockStored {
-                block_hashes: decode_hashes(get("block_hashes"))?,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                lora_id: opt_num(get("lora_id"), "lora_id")?,
-                medium: opt_str(get("medium"), "medium")?,
-                lora_name: opt_str(get("lora_name"), "lora_name")?,
-                extra_keys: get("extra_keys").filter(|v| !v.is_nil()).cloned(),
-                group_idx: opt_num(get("group_idx"), "group_idx")?
-                    .map(|g| u32::try_from(g).map_err(|_| "group_idx too large"))
-                    .transpose()?,
-                kv_cache_spec_kind: opt_str(get("kv_cache_spec_kind"), "kv_cache_spec_kind")?,
-            })
-        }
-        "BlockRemoved" => Ok(DecodedEvent::BlockRemoved {
-            block_hashes: decode_hashes(get("block_hashes"))?,
-            medium: opt_str(get("medium"), "medium")?,
-            group_idx: opt_num(get("group_idx"), "group_idx")?
-                .map(|g| u32::try_from(g).map_err(|_| "group_idx too large"))
-                .transpose()?,
+        } => WireEvent::BlockStored(BlockStored {
+            block_hashes: ints(block_hashes),
+            parent_block_hash: parent_block_hash.map(BlockHash::Int),
+            token_ids: token_ids.clone(),
+            block_size: *block_size,
+            lora_id: lora_id.map(u64::from),
+            medium: Some(medium.into()),
+            lora_name: lora_name.clone(),
+            extra_keys: Some(block_extra_keys(
+                block_hashes.len(),
+                lora_name.as_deref(),
+                cache_salt.as_deref(),
+            )),
+            group_idx: Some(0),
+            kv_cache_spec_kind: None,
         }),
-        "AllBlocksCleared" => Ok(DecodedEvent::AllBlocksCleared),
-        other => Err(format!("unknown event type {other:?}")),
+        KvEvent::BlockRemoved { block_hashes } | KvEvent::OffloadRemoved { block_hashes } => {
+            WireEvent::BlockRemoved(BlockRemoved {
+                block_hashes: ints(block_hashes),
+                medium: Some(medium.into()),
+                group_idx: Some(0),
+            })
+        }
+        KvEvent::AllBlocksCleared => WireEvent::AllBlocksCleared,
+    }
+}
+
+/// One engine step's events as the batch vLLM 0.33 publishes for them.
+pub fn wire_batch(ts: f64, events: &[KvEvent], data_parallel_rank: u32) -> WireBatch {
+    WireBatch {
+        ts,
+        events: events.iter().map(wire_event).collect(),
+        data_parallel_rank: Some(data_parallel_rank),
     }
 }
 
@@ -495,7 +175,7 @@ impl Publisher {
                         continue;
                     }
                 };
-                let payload = Bytes::from(encode_batch(ts, &events, 0));
+                let payload = Bytes::from(encode_batch(&wire_batch(ts, &events, 0)));
                 let seq_bytes = Bytes::copy_from_slice(&seq.to_be_bytes());
                 {
                     let mut buf = buffer.lock();
@@ -613,167 +293,56 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: Bytes) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vllm_wire::kv_events::{EventBatch, decode_batch};
+    use vllm_wire::rmpv::Value;
 
     #[test]
-    fn batch_shape_matches_vllm() {
-        let ev = KvEvent::BlockStored {
-            block_hashes: vec![u64::MAX, 7],
-            parent_block_hash: None,
-            token_ids: vec![1, 2, 3],
-            block_size: 16,
-            lora_id: None,
-            lora_name: None,
-            cache_salt: None,
-        };
-        let bytes = encode_batch(1.5, &[ev, KvEvent::AllBlocksCleared], 0);
-        let v = rmpv::decode::read_value(&mut bytes.as_slice()).unwrap();
-        let arr = v.as_array().unwrap();
-        assert_eq!(arr.len(), 3);
-        assert_eq!(arr[0].as_f64(), Some(1.5));
-        assert_eq!(arr[2].as_u64(), Some(0));
-        let events = arr[1].as_array().unwrap();
-        let stored = events[0].as_map().unwrap();
-        let get = |k: &str| {
-            stored
-                .iter()
-                .find(|(key, _)| key.as_str() == Some(k))
-                .map(|(_, v)| v.clone())
-                .unwrap()
-        };
-        assert_eq!(get("type").as_str(), Some("BlockStored"));
-        assert_eq!(
-            get("block_hashes").as_array().unwrap()[0].as_u64(),
-            Some(u64::MAX)
-        );
-        assert!(get("parent_block_hash").is_nil());
-        assert_eq!(get("block_size").as_u64(), Some(16));
-        assert_eq!(get("medium").as_str(), Some("GPU"));
-        assert!(get("lora_name").is_nil());
-        assert_eq!(
-            get("extra_keys"),
-            Value::Array(vec![Value::Nil, Value::Nil])
-        );
-        assert_eq!(get("group_idx").as_u64(), Some(0));
-        assert!(
-            stored
-                .iter()
-                .all(|(k, _)| k.as_str() != Some("kv_cache_spec_kind"))
-        );
-        assert_eq!(
-            events[1].as_map().unwrap()[0].1.as_str(),
-            Some("AllBlocksCleared")
-        );
-    }
-
-    #[test]
-    fn decodes_what_it_encodes() {
+    fn engine_events_are_published_as_a_gpu_block_pool_does() {
         let events = vec![
             KvEvent::BlockStored {
                 block_hashes: vec![1, u64::MAX],
-                parent_block_hash: Some(9),
+                parent_block_hash: None,
                 token_ids: (0..32).collect(),
                 block_size: 16,
                 lora_id: Some(2),
                 lora_name: Some("sql".into()),
-                cache_salt: None,
+                cache_salt: Some("t1".into()),
             },
-            KvEvent::BlockRemoved {
+            KvEvent::OffloadRemoved {
                 block_hashes: vec![u64::MAX],
             },
             KvEvent::AllBlocksCleared,
         ];
-        let b = decode_batch(&encode_batch(2.5, &events, 1)).unwrap();
-        assert_eq!(b.ts, 2.5);
-        assert_eq!(b.data_parallel_rank, Some(1));
-        let lora = Value::Array(vec![Value::from("sql")]);
-        assert_eq!(
-            b.events,
-            vec![
-                DecodedEvent::BlockStored {
-                    block_hashes: vec![EventHash::Int(1), EventHash::Int(u64::MAX)],
-                    parent_block_hash: Some(EventHash::Int(9)),
-                    token_ids: (0..32).collect(),
-                    block_size: 16,
-                    lora_id: Some(2),
-                    medium: Some("GPU".into()),
-                    lora_name: Some("sql".into()),
-                    extra_keys: Some(Value::Array(vec![lora.clone(), lora])),
-                    group_idx: Some(0),
-                    kv_cache_spec_kind: None,
-                },
-                DecodedEvent::BlockRemoved {
-                    block_hashes: vec![EventHash::Int(u64::MAX)],
-                    medium: Some("GPU".into()),
-                    group_idx: Some(0),
-                },
-                DecodedEvent::AllBlocksCleared,
-            ]
-        );
-    }
-
-    #[test]
-    fn the_cache_salt_is_in_block_zeros_extra_keys_only() {
-        let stored = |lora: Option<&str>, salt: Option<&str>| {
-            let ev = KvEvent::BlockStored {
-                block_hashes: vec![1, 2, 3],
-                parent_block_hash: None,
-                token_ids: (0..48).collect(),
-                block_size: 16,
-                lora_id: lora.map(|_| 1),
-                lora_name: lora.map(str::to_owned),
-                cache_salt: salt.map(str::to_owned),
-            };
-            match &decode_batch(&encode_batch(1.0, &[ev], 0)).unwrap().events[0] {
-                DecodedEvent::BlockStored { extra_keys, .. } => extra_keys.clone().unwrap(),
-                other => panic!("not a store: {other:?}"),
-            }
+        let b = decode_batch(&encode_batch(&wire_batch(2.5, &events, 1))).unwrap();
+        assert_eq!((b.ts, b.data_parallel_rank), (2.5, Some(1)));
+        let WireEvent::BlockStored(stored) = &b.events[0] else {
+            panic!("{:?}", b.events[0]);
         };
+        assert_eq!(
+            (stored.medium.as_deref(), stored.group_idx, stored.lora_id),
+            (Some("GPU"), Some(0), Some(2))
+        );
         let s = |x: &str| Value::from(x);
-        let arr = Value::Array;
         assert_eq!(
-            stored(None, Some("t1")),
-            arr(vec![arr(vec![s("t1")]), Value::Nil, Value::Nil])
+            stored.extra_keys,
+            Some(Value::Array(vec![
+                Value::Array(vec![s("sql"), s("t1")]),
+                Value::Array(vec![s("sql")]),
+            ]))
         );
-        let lora = arr(vec![s("sql")]);
         assert_eq!(
-            stored(Some("sql"), Some("t1")),
-            arr(vec![arr(vec![s("sql"), s("t1")]), lora.clone(), lora])
+            b.events[1],
+            WireEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![BlockHash::Int(u64::MAX)],
+                medium: Some("CPU".into()),
+                group_idx: Some(0),
+            })
         );
-    }
-
-    #[test]
-    fn rejects_malformed_payloads() {
-        let enc = |v: Value| {
-            let mut buf = Vec::new();
-            rmpv::encode::write_value(&mut buf, &v).unwrap();
-            buf
-        };
-        assert!(decode_batch(b"").is_err());
-        assert!(decode_batch(&enc(Value::from(1))).is_err());
-        assert!(decode_batch(&enc(Value::Array(vec![Value::F64(1.0)]))).is_err());
-        let batch = |ev: Value| enc(Value::Array(vec![Value::F64(1.0), Value::Array(vec![ev])]));
-        let err = decode_batch(&batch(Value::Map(vec![(
-            Value::from("type"),
-            Value::from("Mystery"),
-        )])))
-        .unwrap_err();
-        assert!(err.to_string().contains("unknown event type"), "{err}");
-        let no_tokens = Value::Map(vec![
-            (Value::from("type"), Value::from("BlockStored")),
-            (Value::from("block_hashes"), Value::Array(vec![])),
-        ]);
-        assert!(decode_batch(&batch(no_tokens)).is_err());
-        let bad_hash = Value::Array(vec![
-            Value::from("BlockRemoved"),
-            Value::Array(vec![Value::from("nope")]),
-        ]);
-        assert!(decode_batch(&batch(bad_hash)).is_err());
-        let mut trailing = batch(Value::Array(vec![Value::from("AllBlocksCleared")]));
-        assert_eq!(
-            decode_batch(&trailing).unwrap().events,
-            vec![DecodedEvent::AllBlocksCleared]
-        );
-        trailing.push(0);
-        assert!(decode_batch(&trailing).is_err());
+        // The router reads back the salt the engine hashed block 0 with.
+        let routed = EventBatch::from(b);
+        assert!(matches!(
+            &routed.events[0],
+            scorer_core::precise::KvEvent::BlockStored { cache_salt: Some(salt), .. } if salt == "t1"
+        ));
     }
 }

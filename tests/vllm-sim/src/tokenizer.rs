@@ -7,9 +7,8 @@
 //! implementations here keep it:
 //!
 //! - [`HfTokenizer`] loads a real Hugging Face `tokenizer.json` with the `tokenizers` crate, and
-//!   [`JinjaTemplate`] renders a chat template with minijinja configured like transformers'
-//!   `apply_chat_template` (`trim_blocks`, `lstrip_blocks`, `raise_exception`, `strftime_now`,
-//!   Python string methods);
+//!   [`JinjaTemplate`] renders a chat template like transformers' `apply_chat_template`
+//!   (`vllm_wire::chat_template`, shared with the control plane);
 //! - [`WordTokenizer`] and [`ChatMl`] are the fast built-in fallback: no model files, and
 //!   enough for routing experiments.
 //!
@@ -368,14 +367,12 @@ impl TokenizerConfig {
 // ---------------------------------------------------------------------------------------------
 // Jinja chat templates
 
-/// A Hugging Face chat template rendered with minijinja.
-///
-/// Configured like transformers' `apply_chat_template`: `trim_blocks` and `lstrip_blocks` on,
-/// `raise_exception(msg)` and `strftime_now(fmt)` available, Python string methods
-/// (`.strip()`, `.startswith()`, ...) and `tojson` work. The context holds `messages`,
-/// `add_generation_prompt`, `bos_token` and `eos_token`.
+/// A Hugging Face chat template, rendered like transformers' `apply_chat_template` by
+/// `vllm_wire::chat_template` (the control plane renders with the same code, so both see the
+/// prompt text vLLM would). The context holds `messages`, `add_generation_prompt`,
+/// `bos_token` and `eos_token`.
 pub struct JinjaTemplate {
-    env: minijinja::Environment<'static>,
+    template: vllm_wire::chat_template::ChatTemplate,
     bos_token: String,
     eos_token: String,
 }
@@ -389,38 +386,21 @@ impl std::fmt::Debug for JinjaTemplate {
     }
 }
 
-const TEMPLATE_NAME: &str = "chat_template";
+/// What a template sees, as vLLM passes it.
+#[derive(Serialize)]
+struct TemplateContext<'a> {
+    messages: &'a [ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &'a str,
+    eos_token: &'a str,
+}
 
 impl JinjaTemplate {
     /// Compiles `source`; `bos_token`/`eos_token` fill the variables of the same name.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, SimError> {
-        let mut env = minijinja::Environment::new();
-        let mut syntax = minijinja::syntax::SyntaxConfig::builder();
-        syntax.trim_blocks(true).lstrip_blocks(true);
-        env.set_syntax(
-            syntax
-                .build()
-                .map_err(|e| SimError::Config(format!("chat template syntax: {e}")))?,
-        );
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, _> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        });
-        env.add_function("strftime_now", |fmt: String| {
-            let secs = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0);
-            strftime(&fmt, secs)
-        });
-        env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
-            .map_err(|e| SimError::Config(format!("invalid chat template: {e:#}")))?;
         Ok(Self {
-            env,
+            template: vllm_wire::chat_template::ChatTemplate::new(source)
+                .map_err(|e| SimError::Config(e.to_string()))?,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
         })
@@ -450,161 +430,19 @@ impl ChatTemplate for JinjaTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, SimError> {
-        let bad = |e: minijinja::Error| {
-            let mut msg = e.to_string();
-            if let Some(d) = e.detail() {
-                msg = format!("{msg}: {d}");
-            }
-            SimError::InvalidRequest(format!("chat template error: {msg}"))
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let context = TemplateContext {
+            messages,
+            add_generation_prompt,
+            bos_token: &self.bos_token,
+            eos_token: &self.eos_token,
         };
-        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(bad)?;
-        tmpl.render(minijinja::context! {
-            messages => minijinja::Value::from(minijinja::value::Serde(messages)),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.as_str(),
-            eos_token => self.eos_token.as_str(),
-        })
-        .map_err(bad)
+        self.template
+            .render(&context, now)
+            .map_err(|e| SimError::InvalidRequest(format!("chat template error: {e}")))
     }
-}
-
-/// transformers' `tojson` filter: `json.dumps(value, ensure_ascii=False, indent=indent)`, so
-/// Python's `", "`/`": "` separators and no HTML escaping (minijinja's built-in, like Jinja's,
-/// writes `'`, `<`, `>` and `&` as `\u0027`...: a tool description would not match).
-fn tojson(
-    value: &minijinja::Value,
-    indent: Option<usize>,
-    kwargs: minijinja::value::Kwargs,
-) -> Result<minijinja::Value, minijinja::Error> {
-    struct Python;
-    impl serde_json::ser::Formatter for Python {
-        fn begin_array_value<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-            first: bool,
-        ) -> std::io::Result<()> {
-            if first { Ok(()) } else { w.write_all(b", ") }
-        }
-        fn begin_object_key<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-            first: bool,
-        ) -> std::io::Result<()> {
-            self.begin_array_value(w, first)
-        }
-        fn begin_object_value<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-        ) -> std::io::Result<()> {
-            w.write_all(b": ")
-        }
-    }
-    let indent = match indent {
-        Some(n) => Some(n),
-        None => kwargs.get::<Option<usize>>("indent")?,
-    };
-    kwargs.assert_all_used()?;
-    let mut out = Vec::new();
-    let written = match indent {
-        None => serde::Serialize::serialize(
-            value,
-            &mut serde_json::Serializer::with_formatter(&mut out, Python),
-        ),
-        Some(n) => {
-            let spaces = " ".repeat(n);
-            let pretty = serde_json::ser::PrettyFormatter::with_indent(spaces.as_bytes());
-            serde::Serialize::serialize(
-                value,
-                &mut serde_json::Serializer::with_formatter(&mut out, pretty),
-            )
-        }
-    };
-    written.map_err(|e| {
-        minijinja::Error::new(
-            minijinja::ErrorKind::InvalidOperation,
-            "cannot serialize to JSON",
-        )
-        .with_source(e)
-    })?;
-    Ok(minijinja::Value::from_safe_string(
-        String::from_utf8_lossy(&out).into_owned(),
-    ))
-}
-
-/// A small `strftime` for `strftime_now` (UTC): `%Y %y %m %d %e %j %H %M %S %b %B %a %A %p %%`.
-fn strftime(fmt: &str, unix_s: u64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-    ];
-    let days = (unix_s / 86_400) as i64;
-    let secs = unix_s % 86_400;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    let cum = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = cum[(month - 1) as usize] + day + i64::from(leap && month > 2);
-    let weekday = DAYS[days.rem_euclid(7) as usize];
-    let month_name = MONTHS[(month - 1) as usize];
-    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
-    let mut out = String::new();
-    let mut chars = fmt.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", year % 100)),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('e') => out.push_str(&format!("{day:2}")),
-            Some('j') => out.push_str(&format!("{yday:03}")),
-            Some('H') => out.push_str(&format!("{h:02}")),
-            Some('M') => out.push_str(&format!("{m:02}")),
-            Some('S') => out.push_str(&format!("{s:02}")),
-            Some('b') => out.push_str(&month_name[..3]),
-            Some('B') => out.push_str(month_name),
-            Some('a') => out.push_str(&weekday[..3]),
-            Some('A') => out.push_str(weekday),
-            Some('p') => out.push_str(if h < 12 { "AM" } else { "PM" }),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1012,45 +850,32 @@ mod tests {
     }
 
     #[test]
-    fn jinja_features_of_hf_templates() {
-        let src = "{{ bos_token }}{% for m in messages %}\n\
-                   {% if m['role'] not in ['user', 'assistant'] %}\n\
-                   {{ raise_exception('Conversation roles must be user or assistant') }}\n\
-                   {% endif %}\n\
-                   [{{ m['role'] | upper }}] {{ m['content'].strip() }}{{ eos_token }}\n\
-                   {% endfor %}\n\
-                   {% if add_generation_prompt %}[ASSISTANT]{% endif %}";
-        let t = JinjaTemplate::new(src, "<s>", "</s>").unwrap();
-        let out = t
-            .render(&[msg("user", "  hi  "), msg("assistant", "yo")], true)
-            .unwrap();
-        // trim_blocks drops the newline after a block tag, not after an expression.
-        assert_eq!(out, "<s>[USER] hi</s>\n[ASSISTANT] yo</s>\n[ASSISTANT]");
-        let err = t.render(&[msg("tool", "x")], true).unwrap_err();
+    fn jinja_templates_see_what_vllm_passes() {
+        // The environment itself is vllm-wire's (tested there); this is the context the
+        // simulator hands it and how its errors surface.
+        let t = JinjaTemplate::new(
+            "{{ bos_token }}{{ messages | tojson }}{{ eos_token }}{{ add_generation_prompt }}\
+             {% if messages[0].role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[msg("user", "a")], true).unwrap(),
+            // Keys in ChatMessage's field order, with Python's json.dumps separators.
+            r#"<s>[{"role": "user", "content": "a"}]</s>True"#
+        );
+        let err = t.render(&[msg("tool", "x")], false).unwrap_err();
         assert!(
-            matches!(&err, SimError::InvalidRequest(m) if m.contains("roles must be user")),
+            matches!(&err, SimError::InvalidRequest(m) if m.contains("no tools")),
             "{err}"
         );
-        let json = JinjaTemplate::new("{{ messages | tojson }}", "", "").unwrap();
-        assert_eq!(
-            json.render(&[msg("user", "a")], false).unwrap(),
-            // Python's json.dumps separators, as transformers' tojson; keys in message order.
-            r#"[{"role": "user", "content": "a"}]"#
-        );
-        assert!(JinjaTemplate::new("{% for %}", "", "").is_err());
+        assert!(matches!(
+            JinjaTemplate::new("{% for %}", "", ""),
+            Err(SimError::Config(_))
+        ));
         assert!(JinjaTemplate::load("{{ 1 }}", "", "").is_ok(), "inline");
         assert!(JinjaTemplate::load("no_such_template.jinja", "", "").is_err());
-    }
-
-    #[test]
-    fn strftime_formats_utc_dates() {
-        // 2024-02-29 13:05:09 UTC, a Thursday.
-        let t = 1_709_211_909;
-        assert_eq!(
-            strftime("%d %b %Y|%Y-%m-%d %H:%M:%S|%A %a %B %j %y %p %%|%q", t),
-            "29 Feb 2024|2024-02-29 13:05:09|Thursday Thu February 060 24 PM %|%q"
-        );
-        assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
     }
 
     #[test]

@@ -9,6 +9,7 @@ use http_body_util::{BodyExt, Full};
 use kvroute_harness::{HttpClient, HttpResponse};
 use serde_json::{Value, json};
 use vllm_sim::server::{self, REPLICA_HEADER, SimArgs, SimServer};
+use vllm_wire::kv_events::{BlockHash, WireBatch, WireEvent, decode_batch};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 const T: Duration = Duration::from_secs(10);
@@ -58,12 +59,18 @@ fn sse_chunks(body: &str) -> Vec<Value> {
         .collect()
 }
 
-fn metric(page: &str, prefix: &str) -> f64 {
-    page.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("metric {prefix} missing"))
+/// The value of the sample written `series` (`name{labels}` as rendered), read with the
+/// router's parser.
+fn metric(page: &str, series: &str) -> f64 {
+    let (name, labels) = match series.split_once('{') {
+        Some((name, rest)) => (name, rest.strip_suffix('}').expect("labels end in }")),
+        None => (series, ""),
+    };
+    vllm_wire::prom::samples(page)
+        .map(|s| s.expect("a well-formed page"))
+        .find(|s| s.name == name && s.raw_labels == labels)
+        .map(|s| s.value)
+        .unwrap_or_else(|| panic!("metric {series} missing"))
 }
 
 fn chat(content: &str, max_tokens: u32, stream: bool) -> Value {
@@ -303,22 +310,9 @@ async fn metrics_use_vllm_names_and_counters_move() {
     sim.shutdown().await;
 }
 
-fn field<'a>(map: &'a rmpv::Value, key: &str) -> &'a rmpv::Value {
-    map.as_map()
-        .and_then(|m| m.iter().find(|(k, _)| k.as_str() == Some(key)))
-        .map(|(_, v)| v)
-        .unwrap_or_else(|| panic!("field {key} missing in {map}"))
-}
-
-fn decode(payload: &[u8]) -> (f64, Vec<rmpv::Value>, u64) {
-    let v = rmpv::decode::read_value(&mut &payload[..]).expect("msgpack");
-    let a = v.as_array().expect("batch is an array").clone();
-    assert_eq!(a.len(), 3);
-    (
-        a[0].as_f64().unwrap(),
-        a[1].as_array().unwrap().clone(),
-        a[2].as_u64().unwrap(),
-    )
+/// A payload through the decoder the control plane uses.
+fn decode(payload: &[u8]) -> WireBatch {
+    decode_batch(payload).expect("a KV event batch")
 }
 
 async fn recv(sub: &mut SubSocket) -> Vec<Vec<u8>> {
@@ -377,29 +371,23 @@ async fn kv_events_over_zmq_with_replay() {
     assert_eq!(frames.len(), 3);
     assert_eq!(frames[0], b"kv@sim");
     let first_seq = u64::from_be_bytes(frames[1].as_slice().try_into().unwrap());
-    let (ts, events, rank) = decode(&frames[2]);
-    assert!(ts > 1.7e9, "unix timestamp");
-    assert_eq!(rank, 0);
-    let ev = &events[0];
-    assert_eq!(field(ev, "type").as_str(), Some("BlockStored"));
-    assert!(field(ev, "parent_block_hash").is_nil());
-    assert_eq!(field(ev, "block_size").as_u64(), Some(16));
-    assert_eq!(field(ev, "medium").as_str(), Some("GPU"));
-    assert!(field(ev, "lora_id").is_nil() && field(ev, "lora_name").is_nil());
-    let hashes = field(ev, "block_hashes").as_array().unwrap();
-    let tokens: Vec<u32> = field(ev, "token_ids")
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
-    assert_eq!(hashes.len(), 2, "40 prompt tokens fill two blocks");
-    assert_eq!(tokens.len(), 32);
-    let want = scorer_core::hash::token_block_hashes(0, &tokens, 16);
+    let batch = decode(&frames[2]);
+    assert!(batch.ts > 1.7e9, "unix timestamp");
+    assert_eq!(batch.data_parallel_rank, Some(0));
+    let WireEvent::BlockStored(ev) = &batch.events[0] else {
+        panic!("a store first: {:?}", batch.events[0]);
+    };
+    assert_eq!(ev.parent_block_hash, None);
+    assert_eq!(ev.block_size, 16);
+    assert_eq!(ev.medium.as_deref(), Some("GPU"));
+    assert!(ev.lora_id.is_none() && ev.lora_name.is_none());
+    assert_eq!(ev.block_hashes.len(), 2, "40 prompt tokens fill two blocks");
+    assert_eq!(ev.token_ids.len(), 32);
+    let want = scorer_core::hash::token_block_hashes(0, &ev.token_ids, 16);
     assert_eq!(
-        hashes
+        ev.block_hashes
             .iter()
-            .map(|h| h.as_u64().unwrap())
+            .map(BlockHash::to_u64)
             .collect::<Vec<_>>(),
         want
     );
@@ -410,8 +398,7 @@ async fn kv_events_over_zmq_with_replay() {
     let frames = recv(&mut sub).await;
     let last_seq = first_seq + 1;
     assert_eq!(frames[1], last_seq.to_be_bytes());
-    let (_, events, _) = decode(&frames[2]);
-    assert_eq!(field(&events[0], "type").as_str(), Some("AllBlocksCleared"));
+    assert_eq!(decode(&frames[2]).events, vec![WireEvent::AllBlocksCleared]);
 
     // Replay everything from seq 0: both batches, then the end marker.
     let mut dealer = DealerSocket::new();

@@ -1,15 +1,16 @@
-//! The decoder against payloads made by vLLM's own event classes (scripts/gen_kv_event_fixtures.py
-//! ran vLLM 0.33.0's msgspec structs in both encodings): every fixture decodes to exactly what
-//! the generator computed independently in Python, and damaged copies fail cleanly.
+//! The router's view of a batch against payloads made by vLLM's own event classes
+//! (scripts/gen_kv_event_fixtures.py ran vLLM 0.33.0's msgspec structs in three encodings):
+//! every fixture decodes to exactly what the generator computed independently in Python
+//! (hashes as u64, the cache salt, skipped KV groups), and damaged copies fail cleanly.
 
 // An integration test: its helpers may unwrap (the product's ban is for product code).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
 
-use control_plane::kv_events::{DecodeError, decode_batch, decode_message};
 use scorer_core::precise::{KvEvent, Medium};
 use serde_json::Value;
+use vllm_wire::kv_events::{DecodeError, decode_event_batch, decode_message};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kv_events")
@@ -69,7 +70,7 @@ fn vllm_payloads_decode_to_what_vllm_meant() {
     assert_eq!(fixtures_map.len(), 12);
     for (name, want) in fixtures_map {
         let payload = std::fs::read(fixtures().join(format!("{name}.msgpack"))).unwrap();
-        let batch = decode_batch(&payload).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let batch = decode_event_batch(&payload).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(batch.ts, want["ts"].as_f64().unwrap(), "{name}");
         assert_eq!(
             batch.data_parallel_rank,
@@ -96,7 +97,7 @@ fn both_encodings_agree() {
     for name in ["basic", "hash_shapes", "hybrid", "empty"] {
         let read = |enc: &str| {
             let p = std::fs::read(fixtures().join(format!("{name}.{enc}.msgpack"))).unwrap();
-            decode_batch(&p).unwrap()
+            decode_event_batch(&p).unwrap()
         };
         let map = read("map");
         assert_eq!(map, read("array"), "{name}");
@@ -107,7 +108,7 @@ fn both_encodings_agree() {
 #[test]
 fn the_hash_shapes_fixture_covers_what_it_claims() {
     let p = std::fs::read(fixtures().join("hash_shapes.map.msgpack")).unwrap();
-    let b = decode_batch(&p).unwrap();
+    let b = decode_event_batch(&p).unwrap();
     let KvEvent::BlockStored {
         block_hashes,
         parent_block_hash,
@@ -158,13 +159,13 @@ fn whole_messages_and_damaged_payloads() {
     // Every truncation and every single-byte corruption is an error or a valid batch, never a
     // panic; truncations are always errors.
     for n in 0..payload.len() {
-        assert!(decode_batch(&payload[..n]).is_err(), "prefix {n}");
+        assert!(decode_event_batch(&payload[..n]).is_err(), "prefix {n}");
     }
     for i in 0..payload.len() {
         for x in [0x00, 0xc1, 0xff, 0x7f, 0x90, 0xdc] {
             let mut p = payload.clone();
             p[i] = x;
-            let _ = decode_batch(&p);
+            let _ = decode_event_batch(&p);
         }
     }
 }

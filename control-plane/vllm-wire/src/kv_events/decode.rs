@@ -1,0 +1,528 @@
+//! The one decoder of vLLM's `KVEventBatch` payloads, into the wire-level types.
+//!
+//! Unknown fields are ignored and unknown event types kept by their tag, so newer vLLM releases
+//! keep decoding. Of duplicate map keys the last one wins, as in a Python dict.
+
+use rmpv::Value;
+
+use super::{BlockHash, BlockRemoved, BlockStored, WireBatch, WireEvent};
+
+/// Most nested msgpack levels accepted (real batches use four).
+const MAX_DEPTH: usize = 16;
+
+/// Field order of the tagged-array encoding of `BlockStored` (after the tag).
+pub(super) const STORED_FIELDS: &[&str] = &[
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+];
+
+/// Field order of the tagged-array encoding of `BlockRemoved` (after the tag).
+const REMOVED_FIELDS: &[&str] = &[
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "locality",
+    "ownership",
+];
+
+/// Why a message could not be decoded. The control plane counts it and drops the endpoint's
+/// precise state rather than keep a view that may have missed what the message said.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DecodeError {
+    /// A KV-event message has three frames.
+    #[error("expected 3 frames [topic, seq, payload], got {0}")]
+    Frames(usize),
+    /// The sequence frame is not 8 bytes.
+    #[error("sequence frame has {0} bytes, expected 8")]
+    SeqLength(usize),
+    /// The payload is not one msgpack value.
+    #[error("payload is not msgpack: {0}")]
+    Msgpack(String),
+    /// Bytes follow the batch.
+    #[error("{0} unexpected bytes after the msgpack batch")]
+    TrailingBytes(usize),
+    /// A value has the wrong msgpack type.
+    #[error("{at}: expected {expected}, found {found}")]
+    Type {
+        /// Where, e.g. `events[2].token_ids[5]`.
+        at: String,
+        /// What was expected.
+        expected: &'static str,
+        /// The msgpack type found.
+        found: &'static str,
+    },
+    /// A required field is absent.
+    #[error("{at}: missing field `{field}`")]
+    Missing {
+        /// Where, e.g. `events[0]`.
+        at: String,
+        /// The field name.
+        field: &'static str,
+    },
+    /// A number does not fit its field.
+    #[error("{at}: {value} is out of range ({range})")]
+    Range {
+        /// Where.
+        at: String,
+        /// The value as found.
+        value: String,
+        /// The accepted range.
+        range: &'static str,
+    },
+}
+
+/// Decodes an 8-byte big-endian sequence frame.
+pub fn decode_seq(frame: &[u8]) -> Result<u64, DecodeError> {
+    <[u8; 8]>::try_from(frame)
+        .map(u64::from_be_bytes)
+        .map_err(|_| DecodeError::SeqLength(frame.len()))
+}
+
+/// Decodes a msgpack `KVEventBatch` payload, as published by any vLLM version.
+pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
+    let mut rest = payload;
+    let value = rmpv::decode::read_value_with_max_depth(&mut rest, MAX_DEPTH)
+        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes(rest.len()));
+    }
+    let (ts, events, rank) = match &value {
+        Value::Array(a) => (a.first(), a.get(1), a.get(2)),
+        Value::Map(m) => (
+            map_get(m, "ts"),
+            map_get(m, "events"),
+            map_get(m, "data_parallel_rank"),
+        ),
+        other => return Err(type_error("batch", "array", other)),
+    };
+    let ts = match ts {
+        Some(v) => as_f64(v, "batch.ts")?,
+        None => return Err(missing("batch", "ts")),
+    };
+    let events = match events {
+        Some(Value::Array(a)) => a,
+        Some(other) => return Err(type_error("batch.events", "array", other)),
+        None => return Err(missing("batch", "events")),
+    };
+    let data_parallel_rank = match rank.filter(|v| !v.is_nil()) {
+        Some(v) => Some(as_u32(v, "batch.data_parallel_rank")?),
+        None => None,
+    };
+    Ok(WireBatch {
+        ts,
+        events: events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| decode_event(e, i))
+            .collect::<Result<_, _>>()?,
+        data_parallel_rank,
+    })
+}
+
+/// An event's fields, whichever encoding it came in.
+enum Fields<'a> {
+    Map(&'a [(Value, Value)]),
+    Array(&'a [Value], &'static [&'static str]),
+}
+
+impl<'a> Fields<'a> {
+    /// The field's value; `None` when absent or nil.
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        let v = match self {
+            Fields::Map(m) => map_get(m, name),
+            Fields::Array(a, names) => names.iter().position(|n| *n == name).and_then(|i| a.get(i)),
+        };
+        v.filter(|v| !v.is_nil())
+    }
+}
+
+fn decode_event<'a>(event: &'a Value, index: usize) -> Result<WireEvent, DecodeError> {
+    let at = |field: &str| format!("events[{index}].{field}");
+    let tag_of = |v: Option<&'a Value>| -> Result<&'a str, DecodeError> {
+        match v {
+            Some(v @ Value::String(_)) => as_str(v, &at("type")),
+            Some(other) => Err(type_error(&at("type"), "string", other)),
+            None => Err(missing(&format!("events[{index}]"), "type")),
+        }
+    };
+    let (tag, fields) = match event {
+        Value::Map(m) => (tag_of(map_get(m, "type"))?, Fields::Map(m)),
+        Value::Array(a) => {
+            let tag = tag_of(a.first())?;
+            let names = match tag {
+                "BlockStored" => STORED_FIELDS,
+                "BlockRemoved" => REMOVED_FIELDS,
+                _ => &[],
+            };
+            (tag, Fields::Array(&a[1..], names))
+        }
+        other => {
+            return Err(type_error(
+                &format!("events[{index}]"),
+                "map or array",
+                other,
+            ));
+        }
+    };
+    let required = |field: &'static str| {
+        fields
+            .get(field)
+            .ok_or_else(|| missing(&format!("events[{index}]"), field))
+    };
+    let opt_str = |field: &str| match fields.get(field) {
+        Some(v) => as_str(v, &at(field)).map(|s| Some(s.to_owned())),
+        None => Ok(None),
+    };
+    let group_idx = match fields.get("group_idx") {
+        Some(v) => Some(as_u32(v, &at("group_idx"))?),
+        None => None,
+    };
+    match tag {
+        "BlockStored" => Ok(WireEvent::BlockStored(BlockStored {
+            block_hashes: hashes(required("block_hashes")?, &at("block_hashes"))?,
+            parent_block_hash: match fields.get("parent_block_hash") {
+                Some(v) => Some(block_hash(v, &at("parent_block_hash"))?),
+                None => None,
+            },
+            token_ids: match required("token_ids")? {
+                Value::Array(a) => a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| as_u32(t, &format!("events[{index}].token_ids[{i}]")))
+                    .collect::<Result<Vec<u32>, _>>()?,
+                other => return Err(type_error(&at("token_ids"), "array", other)),
+            },
+            block_size: as_u32(required("block_size")?, &at("block_size"))?,
+            lora_id: match fields.get("lora_id") {
+                Some(v) => Some(as_u64(v, &at("lora_id"))?),
+                None => None,
+            },
+            medium: opt_str("medium")?,
+            lora_name: opt_str("lora_name")?,
+            extra_keys: fields.get("extra_keys").cloned(),
+            group_idx,
+            kv_cache_spec_kind: opt_str("kv_cache_spec_kind")?,
+        })),
+        "BlockRemoved" => Ok(WireEvent::BlockRemoved(BlockRemoved {
+            block_hashes: hashes(required("block_hashes")?, &at("block_hashes"))?,
+            medium: opt_str("medium")?,
+            group_idx,
+        })),
+        "AllBlocksCleared" => Ok(WireEvent::AllBlocksCleared),
+        other => Ok(WireEvent::Unknown(other.to_owned())),
+    }
+}
+
+fn hashes(v: &Value, at: &str) -> Result<Vec<BlockHash>, DecodeError> {
+    match v {
+        Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, h)| block_hash(h, &format!("{at}[{i}]")))
+            .collect(),
+        other => Err(type_error(at, "array", other)),
+    }
+}
+
+/// A block hash: a u64 as is, an i64 as its two's complement, non-empty bytes as they are.
+fn block_hash(v: &Value, at: &str) -> Result<BlockHash, DecodeError> {
+    match v {
+        Value::Integer(i) => i
+            .as_u64()
+            .or_else(|| i.as_i64().map(|x| x as u64))
+            .map(BlockHash::Int)
+            .ok_or_else(|| DecodeError::Range {
+                at: at.into(),
+                value: i.to_string(),
+                range: "64-bit integer",
+            }),
+        Value::Binary(b) if !b.is_empty() => Ok(BlockHash::Bytes(b.clone())),
+        Value::Binary(_) => Err(DecodeError::Range {
+            at: at.into(),
+            value: "empty bytes".into(),
+            range: "1 or more bytes",
+        }),
+        other => Err(type_error(at, "integer or bytes", other)),
+    }
+}
+
+fn as_u64(v: &Value, at: &str) -> Result<u64, DecodeError> {
+    match v {
+        Value::Integer(i) => i.as_u64().ok_or_else(|| DecodeError::Range {
+            at: at.into(),
+            value: i.to_string(),
+            range: "0..=2^64-1",
+        }),
+        other => Err(type_error(at, "integer", other)),
+    }
+}
+
+fn as_u32(v: &Value, at: &str) -> Result<u32, DecodeError> {
+    let x = as_u64(v, at).map_err(|e| match e {
+        DecodeError::Range { at, value, .. } => DecodeError::Range {
+            at,
+            value,
+            range: "0..=4294967295",
+        },
+        e => e,
+    })?;
+    u32::try_from(x).map_err(|_| DecodeError::Range {
+        at: at.into(),
+        value: x.to_string(),
+        range: "0..=4294967295",
+    })
+}
+
+fn as_f64(v: &Value, at: &str) -> Result<f64, DecodeError> {
+    match v {
+        Value::F64(x) => Ok(*x),
+        Value::F32(x) => Ok(f64::from(*x)),
+        Value::Integer(i) => i.as_f64().ok_or_else(|| type_error(at, "number", v)),
+        other => Err(type_error(at, "number", other)),
+    }
+}
+
+fn as_str<'a>(v: &'a Value, at: &str) -> Result<&'a str, DecodeError> {
+    match v {
+        Value::String(s) => s.as_str().ok_or_else(|| DecodeError::Type {
+            at: at.into(),
+            expected: "UTF-8 string",
+            found: "invalid UTF-8",
+        }),
+        other => Err(type_error(at, "string", other)),
+    }
+}
+
+/// The value of `key`; of duplicate keys the last one wins, as in a Python dict.
+fn map_get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
+    m.iter()
+        .rev()
+        .find(|(k, _)| k.as_str() == Some(key))
+        .map(|(_, v)| v)
+}
+
+fn missing(at: &str, field: &'static str) -> DecodeError {
+    DecodeError::Missing {
+        at: at.into(),
+        field,
+    }
+}
+
+fn type_error(at: &str, expected: &'static str, found: &Value) -> DecodeError {
+    DecodeError::Type {
+        at: at.into(),
+        expected,
+        found: type_name(found),
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Nil => "nil",
+        Value::Boolean(_) => "boolean",
+        Value::Integer(_) => "integer",
+        Value::F32(_) | Value::F64(_) => "float",
+        Value::String(_) => "string",
+        Value::Binary(_) => "bytes",
+        Value::Array(_) => "array",
+        Value::Map(_) => "map",
+        Value::Ext(..) => "extension",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_events::test_util::{batch, encode, s, stored_map};
+
+    #[test]
+    fn hash_shapes() {
+        let at = "h";
+        assert_eq!(
+            block_hash(&Value::from(u64::MAX), at).map(|h| h.to_u64()),
+            Ok(u64::MAX)
+        );
+        assert_eq!(
+            block_hash(&Value::from(-1i64), at).map(|h| h.to_u64()),
+            Ok(u64::MAX)
+        );
+        assert_eq!(
+            block_hash(&Value::from(-(1i64 << 62)), at).map(|h| h.to_u64()),
+            Ok(3 << 62)
+        );
+        let digest: Vec<u8> = (0..32).collect();
+        assert_eq!(
+            block_hash(&Value::Binary(digest), at).map(|h| h.to_u64()),
+            Ok(u64::from_be_bytes([24, 25, 26, 27, 28, 29, 30, 31]))
+        );
+        assert_eq!(
+            block_hash(&Value::Binary(vec![1, 2]), at).map(|h| h.to_u64()),
+            Ok(0x102)
+        );
+        assert!(block_hash(&Value::Binary(vec![]), at).is_err());
+        assert!(block_hash(&s("12"), at).is_err());
+    }
+    #[test]
+    fn malformed_inputs_are_errors_not_panics() {
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (vec![], "not msgpack"),
+            // 0xc1 is msgpack's "never used" byte, which rmpv reads as nil.
+            (vec![0xc1], "batch: expected array, found nil"),
+            (vec![0x93, 0x01], "not msgpack"),
+            (
+                {
+                    let mut b = batch(vec![]);
+                    b.push(0);
+                    b
+                },
+                "unexpected bytes",
+            ),
+            (encode(&Value::from(3)), "expected array"),
+            (encode(&Value::Array(vec![])), "missing field `ts`"),
+            (
+                encode(&Value::Array(vec![Value::F64(1.0)])),
+                "missing field `events`",
+            ),
+            (
+                encode(&Value::Array(vec![s("x"), Value::Array(vec![])])),
+                "batch.ts",
+            ),
+            (
+                encode(&Value::Array(vec![Value::F64(1.0), Value::from(1)])),
+                "batch.events",
+            ),
+            (
+                encode(&Value::Array(vec![
+                    Value::F64(1.0),
+                    Value::Array(vec![]),
+                    Value::from(-1),
+                ])),
+                "data_parallel_rank",
+            ),
+            (
+                batch(vec![Value::from(1)]),
+                "events[0]: expected map or array",
+            ),
+            (batch(vec![Value::Map(vec![])]), "missing field `type`"),
+            (batch(vec![Value::Array(vec![])]), "missing field `type`"),
+            (
+                batch(vec![Value::Array(vec![Value::from(1)])]),
+                "events[0].type",
+            ),
+            (
+                batch(vec![Value::Array(vec![s("BlockStored")])]),
+                "missing field `block_hashes`",
+            ),
+            (
+                batch(vec![stored_map(vec![(s("block_size"), Value::from(-4))])]),
+                "block_size",
+            ),
+            (
+                batch(vec![stored_map(vec![(
+                    s("token_ids"),
+                    Value::Array(vec![Value::from(1u64 << 40)]),
+                )])]),
+                "token_ids[0]",
+            ),
+            (
+                batch(vec![stored_map(vec![(s("token_ids"), Value::from(1))])]),
+                "token_ids: expected array",
+            ),
+            (
+                batch(vec![stored_map(vec![(
+                    s("block_hashes"),
+                    Value::Array(vec![Value::F64(1.0)]),
+                )])]),
+                "block_hashes[0]",
+            ),
+            (
+                batch(vec![stored_map(vec![(s("parent_block_hash"), s("p"))])]),
+                "parent_block_hash",
+            ),
+            (
+                batch(vec![stored_map(vec![(s("lora_name"), Value::from(1))])]),
+                "lora_name",
+            ),
+            (
+                batch(vec![stored_map(vec![(s("medium"), Value::from(1))])]),
+                "medium",
+            ),
+            (
+                batch(vec![stored_map(vec![(s("group_idx"), s("0"))])]),
+                "group_idx",
+            ),
+        ];
+        for (bytes, needle) in cases {
+            let e = decode_batch(&bytes).unwrap_err().to_string();
+            assert!(e.contains(needle), "{needle:?} not in {e:?}");
+        }
+        // Deep nesting is refused, not recursed into.
+        let mut deep = Value::Nil;
+        for _ in 0..100 {
+            deep = Value::Array(vec![deep]);
+        }
+        assert!(matches!(
+            decode_batch(&encode(&deep)),
+            Err(DecodeError::Msgpack(_))
+        ));
+        // A huge declared length with no data behind it fails fast.
+        let huge = [0xdd, 0xff, 0xff, 0xff, 0xff];
+        assert!(matches!(decode_batch(&huge), Err(DecodeError::Msgpack(_))));
+    }
+
+    #[test]
+    fn every_prefix_of_a_valid_payload_fails_cleanly() {
+        let payload = batch(vec![
+            stored_map(vec![(s("medium"), s("GPU"))]),
+            Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
+        ]);
+        for n in 0..payload.len() {
+            assert!(decode_batch(&payload[..n]).is_err(), "prefix {n}");
+        }
+        assert!(decode_batch(&payload).is_ok());
+    }
+
+    #[test]
+    fn the_wire_view_keeps_what_vllm_sent() {
+        let digest: Vec<u8> = (0..32).collect();
+        let e = stored_map(vec![
+            (
+                s("block_hashes"),
+                Value::Array(vec![Value::Binary(digest.clone()), Value::from(-5)]),
+            ),
+            (s("medium"), s("cpu")),
+            (s("group_idx"), Value::from(2)),
+            (s("kv_cache_spec_kind"), s("sliding_window")),
+            (s("extra_keys"), Value::Array(vec![Value::Nil])),
+        ]);
+        let unknown = Value::Map(vec![(s("type"), s("BlocksMoved"))]);
+        let b = decode_batch(&batch(vec![e, unknown])).unwrap();
+        assert_eq!(b.data_parallel_rank, Some(0));
+        let WireEvent::BlockStored(stored) = &b.events[0] else {
+            panic!("{:?}", b.events[0]);
+        };
+        assert_eq!(
+            stored.block_hashes,
+            vec![BlockHash::Bytes(digest), BlockHash::Int((-5i64) as u64)]
+        );
+        assert_eq!(stored.medium.as_deref(), Some("cpu"));
+        assert_eq!(stored.group_idx, Some(2));
+        assert_eq!(stored.kv_cache_spec_kind.as_deref(), Some("sliding_window"));
+        assert_eq!(stored.extra_keys, Some(Value::Array(vec![Value::Nil])));
+        assert_eq!(stored.parent_block_hash, None);
+        assert_eq!(b.events[1], WireEvent::Unknown("BlocksMoved".into()));
+    }
+}
