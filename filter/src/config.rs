@@ -35,6 +35,20 @@ pub enum RouteMode {
     Precise,
 }
 
+/// Where an approximate-mode request's destination is decided.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DecisionMode {
+    /// Each call asks the control plane (`POST /v1/route`): one side call per request.
+    #[default]
+    ControlPlane,
+    /// The VM decides on its own copy of the routing state, kept current by a sync call on the
+    /// tick (`POST /v1/sync`): no call on the request path. Until the first sync lands, or when
+    /// the copy is older than `max_state_age_ms`, a request asks the control plane instead.
+    /// Precise-mode paths always ask the control plane (it tokenises the prompt).
+    Local,
+}
+
 /// One inference path the filter routes, and which API shape its body has.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -62,7 +76,7 @@ pub struct FilterConfig {
     pub destination_header: String,
     /// Canonical bytes per hashed block; must match the control plane's expectation.
     pub block_bytes: usize,
-    /// How often the root context flushes outcomes to `/v1/feedback`.
+    /// How often the root context flushes outcomes to `/v1/feedback` (`control-plane` mode).
     pub feedback_interval_ms: u64,
     /// Deadline of one feedback call.
     pub feedback_timeout_ms: u64,
@@ -87,6 +101,17 @@ pub struct FilterConfig {
     /// Request header carrying the session key for session affinity (the body's `user` is the
     /// fallback when it is absent).
     pub session_header: String,
+    /// `control-plane` (default) or `local`: see [`DecisionMode`].
+    pub decision: DecisionMode,
+    /// In `local` mode: how often the VM syncs its routing state (the tick period; outcomes
+    /// travel in the same call, so `feedback_interval_ms` is not used).
+    pub sync_interval_ms: u64,
+    /// In `local` mode: a copy not synced for this long is not trusted; requests ask the
+    /// control plane until a sync lands again.
+    pub max_state_age_ms: u64,
+    /// In `local` mode: decisions and outcomes kept for the next sync; the oldest are dropped
+    /// past this (the control plane expires what it never hears about).
+    pub max_pending_reports: usize,
 }
 
 impl Default for FilterConfig {
@@ -106,6 +131,10 @@ impl Default for FilterConfig {
             tenant_header: "x-kvroute-tenant".into(),
             criticality_header: "x-kvroute-criticality".into(),
             session_header: crate::machine::SESSION_HEADER.into(),
+            decision: DecisionMode::ControlPlane,
+            sync_interval_ms: 50,
+            max_state_age_ms: 1000,
+            max_pending_reports: 4096,
             routes: vec![
                 RouteRule {
                     path: "/v1/chat/completions".into(),
@@ -164,6 +193,21 @@ impl FilterConfig {
                 "feedback_interval_ms",
                 "must be between 1 and 4294967295",
             ));
+        }
+        if self.sync_interval_ms == 0 || self.sync_interval_ms > u64::from(u32::MAX) {
+            return Err(invalid(
+                "sync_interval_ms",
+                "must be between 1 and 4294967295",
+            ));
+        }
+        if self.max_state_age_ms < self.sync_interval_ms {
+            return Err(invalid(
+                "max_state_age_ms",
+                "must be at least sync_interval_ms (a copy would never be trusted)",
+            ));
+        }
+        if self.max_pending_reports == 0 {
+            return Err(invalid("max_pending_reports", "must be at least 1"));
         }
         if self.feedback_timeout_ms == 0 || self.feedback_timeout_ms > u64::from(u32::MAX) {
             return Err(invalid(

@@ -14,7 +14,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{
     Action as HostAction, BufferType, ContextType, LogLevel, MapType, MetricType,
 };
-use scorer_core::protocol::{FEEDBACK_PATH, ROUTE_PATH};
+use scorer_core::protocol::ROUTE_PATH;
 
 use crate::TOKEN_HEADER;
 use crate::config::FilterConfig;
@@ -39,6 +39,9 @@ struct Metrics {
     route_latency_ms: Option<u32>,
     hash_duration_us: Option<u32>,
     rejected: Option<u32>,
+    decided_locally: Option<u32>,
+    sync_applied: Option<u32>,
+    sync_failed: Option<u32>,
 }
 
 impl Metrics {
@@ -53,6 +56,9 @@ impl Metrics {
             feedback_sent: counter("kvroute_feedback_sent"),
             feedback_failed: counter("kvroute_feedback_failed"),
             rejected: counter("kvroute_requests_rejected"),
+            decided_locally: counter("kvroute_decisions_local"),
+            sync_applied: counter("kvroute_sync_applied"),
+            sync_failed: counter("kvroute_sync_failed"),
             route_latency_ms: hostcalls::define_metric(
                 MetricType::Histogram,
                 "kvroute_route_latency_ms",
@@ -87,6 +93,7 @@ impl Shared {
             Counter::Routed => Metrics::bump(self.metrics.routed),
             Counter::Skipped(_) => Metrics::bump(self.metrics.skipped),
             Counter::Rejected(_) => Metrics::bump(self.metrics.rejected),
+            Counter::DecidedLocally => Metrics::bump(self.metrics.decided_locally),
             Counter::FailOpen(kind) => {
                 Metrics::bump(self.metrics.fail_open);
                 if kind == crate::machine::FailKind::BodyParse {
@@ -156,7 +163,7 @@ impl Context for Root {
         &mut self,
         _token: u32,
         num_headers: usize,
-        _body: usize,
+        body_size: usize,
         _trailers: usize,
     ) {
         let status = if num_headers == 0 {
@@ -166,6 +173,21 @@ impl Context for Root {
         };
         if let Some(shared) = &self.shared {
             let mut shared = shared.borrow_mut();
+            if shared.state.local().is_some() {
+                // The sync answer: the copy's new state. Unreadable counts as failed.
+                let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default();
+                let ok = shared.state.on_sync_response(status, &body, now_ms());
+                let metric = if ok {
+                    shared.metrics.sync_applied
+                } else {
+                    shared.metrics.sync_failed
+                };
+                Metrics::bump(metric);
+                return;
+            }
             let ok = shared.state.on_feedback_response(status);
             let metric = if ok {
                 shared.metrics.feedback_sent
@@ -197,18 +219,21 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let tick = Duration::from_millis(config.feedback_interval_ms);
+        let decision = config.decision;
+        let cluster = config.control_plane_cluster.clone();
+        let paths = config.routes.len();
+        let state = RootState::new(config);
+        let tick = Duration::from_millis(state.tick_period_ms());
         if let Err(status) = hostcalls::set_tick_period(tick) {
             error!("kvroute: cannot set tick period: {status:?}");
             return false;
         }
         info!(
-            "kvroute: configured (control plane cluster {}, {} inference paths)",
-            config.control_plane_cluster,
-            config.routes.len()
+            "kvroute: configured (control plane cluster {cluster}, {paths} inference paths, \
+             decision {decision:?})"
         );
         let shared = Shared {
-            state: RootState::new(config),
+            state,
             metrics: Metrics::define(),
         };
         self.shared = Some(Rc::new(RefCell::new(shared)));
@@ -222,16 +247,14 @@ impl RootContext for Root {
             return;
         };
         let config = Rc::clone(shared.state.config());
-        if post(
-            &config,
-            FEEDBACK_PATH,
-            &call.body,
-            config.feedback_timeout_ms,
-        )
-        .is_none()
-        {
+        if post(&config, call.path, &call.body, config.feedback_timeout_ms).is_none() {
             shared.state.on_feedback_dispatch_failed();
-            Metrics::bump(shared.metrics.feedback_failed);
+            let metric = if shared.state.local().is_some() {
+                shared.metrics.sync_failed
+            } else {
+                shared.metrics.feedback_failed
+            };
+            Metrics::bump(metric);
         }
     }
 
@@ -358,7 +381,17 @@ impl Request {
             BodyStep::ReadBody(len) => {
                 match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, len) {
                     Ok(body) => {
-                        machine.on_body_complete_timed(&body.unwrap_or_default(), now_ms(), now_ns)
+                        let shared = self.shared.clone();
+                        let now = now_ms();
+                        machine.on_body_complete_with(
+                            &body.unwrap_or_default(),
+                            now,
+                            now_ns,
+                            |request| {
+                                let shared = shared.as_ref()?;
+                                shared.borrow_mut().state.decide_locally(request, now)
+                            },
+                        )
                     }
                     Err(_) => machine.on_body_read_failed(),
                 }

@@ -8,11 +8,17 @@
 //! `override_host` load balancer then sends the request there. Outcomes (status, latency, token
 //! usage) go back in batches to `POST /v1/feedback`. Any failure fails open.
 //!
+//! With `"decision":"local"` the VM decides approximate requests itself, on its own copy of the
+//! routing state (`scorer_core::sync::LocalRouter`): no call on the request path. Its tick
+//! syncs that copy (`POST /v1/sync`: its decisions and outcomes out, every other router's and
+//! the endpoint table in). Until the first sync lands, or when the copy is older than
+//! `max_state_age_ms`, requests ask the control plane as above.
+//!
 //! Layout (sans-IO core, thin glue):
 //! - [`config`]: the plugin configuration JSON;
 //! - [`machine`]: the per-request state machine, returning actions and effects;
 //! - [`usage`]: bounded scanning of response bodies for the `usage` object;
-//! - [`root`]: root-context state (outcome queue, counters);
+//! - [`root`]: root-context state (outcome queue, counters, the local routing copy);
 //! - `host` (wasm32 only): the only module that touches proxy-wasm.
 //!
 //! Plugin configuration (all fields optional):
@@ -21,6 +27,8 @@
 //!   "feedback_interval_ms":200,"feedback_timeout_ms":1000,"max_body_bytes":4194304,
 //!   "max_queued_outcomes":4096,"auth_token":null,"allow_explain":false,
 //!   "tenant_header":"x-kvroute-tenant","criticality_header":"x-kvroute-criticality",
+//!   "decision":"control-plane","sync_interval_ms":50,"max_state_age_ms":1000,
+//!   "max_pending_reports":4096,
 //!   "routes":[{"path":"/v1/chat/completions","api":"chat","mode":"approximate"},
 //!             {"path":"/v1/completions","api":"completion","mode":"approximate"}]}`
 //!

@@ -168,6 +168,9 @@ pub enum Counter {
     /// The control plane refused the request and the filter answered it locally with this
     /// status (404 unknown model, 413 too large for the tenant, 429 shed under saturation).
     Rejected(u16),
+    /// The destination was decided by the VM's own copy of the routing state (`decision:
+    /// local`), with no call; counted besides [`Counter::Routed`].
+    DecidedLocally,
 }
 
 /// A side effect for the host to carry out, in order.
@@ -456,7 +459,22 @@ impl RequestMachine {
         &mut self,
         body: &[u8],
         now_ms: u64,
+        clock_ns: impl FnMut() -> Option<u64>,
+    ) -> Step {
+        self.on_body_complete_with(body, now_ms, clock_ns, |_| None)
+    }
+
+    /// [`RequestMachine::on_body_complete_timed`] with a local decider (`decision: local`): an
+    /// approximate request is offered to `decide` first, and routed at once on a usable answer
+    /// (an endpoint list, no refusal) without any call; otherwise (no answer, a refusal or no
+    /// endpoint, or a precise request) the control plane is asked as usual, so its answer decides
+    /// and its refusals reach the client as they always did.
+    pub fn on_body_complete_with(
+        &mut self,
+        body: &[u8],
+        now_ms: u64,
         mut clock_ns: impl FnMut() -> Option<u64>,
+        mut decide: impl FnMut(&RouteRequest) -> Option<RouteResponse>,
     ) -> Step {
         let Phase::Buffering(api) = self.phase else {
             return Step::go(Vec::new());
@@ -470,18 +488,67 @@ impl RequestMachine {
             (Some(a), Some(b)) => Some(Effect::HashMicros(b.saturating_sub(a) / 1_000)),
             _ => None,
         };
-        match request {
-            Ok(request) => match serde_json::to_vec(&request) {
-                Ok(body) => {
-                    self.phase = Phase::Dispatching { started_ms: now_ms };
-                    let mut effects: Vec<Effect> = elapsed.into_iter().collect();
-                    effects.push(Effect::DispatchRoute { body });
-                    Step::hold(effects)
-                }
-                Err(_) => self.fail_open(FailKind::BodyParse, false),
-            },
+        let Ok(request) = request else {
+            return self.fail_open(FailKind::BodyParse, false);
+        };
+        if self.mode == RouteMode::Approximate
+            && let Some(answer) = decide(&request).filter(|r| {
+                r.reject.is_none()
+                    && !r.endpoints.is_empty()
+                    && r.endpoints.iter().all(|e| is_endpoint(e))
+            })
+        {
+            let mut step = self.route_to(answer, now_ms, false);
+            step.effects.splice(0..0, elapsed);
+            step.effects.push(Effect::Count(Counter::DecidedLocally));
+            return step;
+        }
+        match serde_json::to_vec(&request) {
+            Ok(body) => {
+                self.phase = Phase::Dispatching { started_ms: now_ms };
+                let mut effects: Vec<Effect> = elapsed.into_iter().collect();
+                effects.push(Effect::DispatchRoute { body });
+                Step::hold(effects)
+            }
             Err(_) => self.fail_open(FailKind::BodyParse, false),
         }
+    }
+
+    /// Sends the request to the answer's endpoints (the first, then the fallbacks): sets the
+    /// destination (and prefiller) headers, remembers the decision for the outcome report.
+    /// `resume` when the request is paused outside a callback (an asynchronous answer).
+    fn route_to(&mut self, r: RouteResponse, now_ms: u64, resume: bool) -> Step {
+        let value = r.endpoints.join(",");
+        if self.explain {
+            self.decision = Some(format!(
+                "id={}; reason={}; endpoint={}; cached_blocks={}",
+                r.decision_id,
+                header_token(r.reason.as_str()),
+                r.endpoints[0],
+                r.cached_blocks
+            ));
+        }
+        self.routed = Some(Routed {
+            decision_id: r.decision_id,
+            endpoint: r.endpoints.into_iter().next().unwrap_or_default(),
+            routed_ms: now_ms,
+        });
+        self.phase = Phase::Released;
+        let mut effects = vec![Effect::SetRequestHeader {
+            name: self.config.destination_header.clone(),
+            value,
+        }];
+        if let Some(prefiller) = r.prefiller.filter(|p| is_endpoint(p)) {
+            effects.push(Effect::SetRequestHeader {
+                name: PREFILLER_HEADER.into(),
+                value: prefiller,
+            });
+        }
+        if resume {
+            effects.push(Effect::ResumeRequest);
+        }
+        effects.push(Effect::Count(Counter::Routed));
+        Step::go(effects)
     }
 
     fn route_request(&self, api: ApiKind, body: &[u8]) -> Result<RouteRequest, CanonError> {
@@ -566,37 +633,9 @@ impl RequestMachine {
                 Ok(r) if r.endpoints.is_empty() => FailKind::NoEndpoint,
                 Ok(r) if !r.endpoints.iter().all(|e| is_endpoint(e)) => FailKind::BadResponse,
                 Ok(r) => {
-                    let value = r.endpoints.join(",");
-                    if self.explain {
-                        self.decision = Some(format!(
-                            "id={}; reason={}; endpoint={}; cached_blocks={}",
-                            r.decision_id,
-                            header_token(r.reason.as_str()),
-                            r.endpoints[0],
-                            r.cached_blocks
-                        ));
-                    }
-                    self.routed = Some(Routed {
-                        decision_id: r.decision_id,
-                        endpoint: r.endpoints.into_iter().next().unwrap_or_default(),
-                        routed_ms: now_ms,
-                    });
-                    self.phase = Phase::Released;
-                    let mut effects = vec![
-                        latency,
-                        Effect::SetRequestHeader {
-                            name: self.config.destination_header.clone(),
-                            value,
-                        },
-                    ];
-                    if let Some(prefiller) = r.prefiller.filter(|p| is_endpoint(p)) {
-                        effects.push(Effect::SetRequestHeader {
-                            name: PREFILLER_HEADER.into(),
-                            value: prefiller,
-                        });
-                    }
-                    effects.extend([Effect::ResumeRequest, Effect::Count(Counter::Routed)]);
-                    return Step::go(effects);
+                    let mut step = self.route_to(r, now_ms, true);
+                    step.effects.insert(0, latency);
+                    return step;
                 }
             },
         };
@@ -867,6 +906,76 @@ mod tests {
             ..RouteResponse::default()
         })
         .unwrap()
+    }
+
+    /// Drives a machine to its complete body, then offers the request to `decide`.
+    fn with_decider(
+        m: &mut RequestMachine,
+        body: &[u8],
+        decide: impl FnMut(&RouteRequest) -> Option<RouteResponse>,
+    ) -> Step {
+        m.on_request_headers(headers(&post(CHAT)), false);
+        assert_eq!(
+            m.on_request_body(body.len(), true),
+            BodyStep::ReadBody(body.len())
+        );
+        m.on_body_complete_with(body, 100, || None, decide)
+    }
+
+    // `decision: local`: a usable local answer routes inside the body callback (Continue, no
+    // call), and the outcome report names the local decision.
+    #[test]
+    fn a_local_decision_routes_without_a_call() {
+        let mut m = machine();
+        let body = chat_body(&"y".repeat(2 * DEFAULT_BLOCK_BYTES));
+        let mut offered = None;
+        let step = with_decider(&mut m, &body, |request| {
+            offered = Some(request.clone());
+            serde_json::from_slice(&answer(&["10.0.0.3:8000"])).ok()
+        });
+        assert!(offered.is_some_and(|r| r.block_hashes.len() >= 2 && r.prompt_text.is_none()));
+        assert_eq!(
+            step,
+            Step::go(vec![
+                Effect::SetRequestHeader {
+                    name: "x-gateway-destination-endpoint".into(),
+                    value: "10.0.0.3:8000".into()
+                },
+                Effect::Count(Counter::Routed),
+                Effect::Count(Counter::DecidedLocally),
+            ])
+        );
+        m.on_response_headers(Some(200), Some("10.0.0.3:8000"));
+        let outcome = m.on_done(120).unwrap();
+        assert_eq!((outcome.decision_id, outcome.status), (42, 200));
+    }
+
+    // No local answer, a refusal or an unusable list: the control plane is asked as before, so
+    // its answer (and its refusals) still decide.
+    #[test]
+    fn without_a_usable_local_answer_the_control_plane_is_asked() {
+        let refusal = RouteResponse {
+            reject: Some(Reject {
+                status: 429,
+                ..Reject::default()
+            }),
+            ..RouteResponse::default()
+        };
+        let not_an_address = serde_json::from_slice(&answer(&["not-an-endpoint"])).ok();
+        for local in [
+            None,
+            Some(refusal),
+            Some(RouteResponse::default()),
+            not_an_address,
+        ] {
+            let mut m = machine();
+            let step = with_decider(&mut m, &chat_body("hello"), |_| local.clone());
+            assert_eq!(step.action, Action::Pause, "{local:?}");
+            assert!(matches!(
+                step.effects.as_slice(),
+                [Effect::DispatchRoute { .. }]
+            ));
+        }
     }
 
     #[test]

@@ -1,14 +1,19 @@
 //! Root-context state shared by all requests of one VM: the configuration, the bounded queue of
 //! outcomes waiting to be flushed to `/v1/feedback`, counters, and the "logged once" memory.
+//! With `decision: local` it also holds the VM's copy of the routing state
+//! ([`LocalRouter`]): requests are decided on it, and the tick syncs it with the control plane
+//! (`/v1/sync`, which also carries the outcomes) instead of flushing feedback.
 //!
-//! Envoy runs one VM per worker thread, so each worker flushes its own batches.
+//! Envoy runs one VM per worker thread, so each worker flushes its own batches and keeps its own
+//! copy.
 
 use std::collections::VecDeque;
 use std::rc::Rc;
 
-use scorer_core::protocol::{FeedbackBatch, Outcome};
+use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, Outcome, RouteRequest, RouteResponse};
+use scorer_core::sync::{LocalRouter, SYNC_PATH, SyncResponse};
 
-use crate::config::FilterConfig;
+use crate::config::{DecisionMode, FilterConfig};
 use crate::machine::{Counter, FailKind, RequestMachine};
 
 /// Most outcomes sent in one feedback call; the rest wait for the next tick.
@@ -33,12 +38,20 @@ pub struct Stats {
     pub feedback_sent: u64,
     /// Feedback calls that could not start or did not succeed.
     pub feedback_failed: u64,
+    /// Requests routed by the VM's own copy of the routing state (`decision: local`).
+    pub decided_locally: u64,
+    /// Sync calls whose answer was applied.
+    pub sync_applied: u64,
+    /// Sync calls that could not start, did not succeed or answered something unreadable.
+    pub sync_failed: u64,
 }
 
-/// A feedback call for the host to dispatch.
+/// A call for the host to dispatch on the tick: a feedback batch, or a sync.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FeedbackCall {
-    /// Serialized [`FeedbackBatch`].
+    /// Control-plane path: `/v1/feedback`, or `/v1/sync` with `decision: local`.
+    pub path: &'static str,
+    /// Serialized [`FeedbackBatch`] or `SyncRequest`.
     pub body: Vec<u8>,
     /// Outcomes in the batch.
     pub outcomes: usize,
@@ -53,17 +66,70 @@ pub struct RootState {
     feedback_in_flight_since_ms: Option<u64>,
     logged: [bool; FailKind::ALL.len()],
     stats: Stats,
+    /// The VM's copy of the routing state (`decision: local` only).
+    local: Option<LocalRouter>,
 }
 
 impl RootState {
     /// State for a freshly configured root context.
     pub fn new(config: FilterConfig) -> Self {
+        let local = (config.decision == DecisionMode::Local)
+            .then(|| LocalRouter::new(config.max_pending_reports));
         RootState {
             config: Rc::new(config),
             queue: VecDeque::new(),
             feedback_in_flight_since_ms: None,
             logged: [false; FailKind::ALL.len()],
             stats: Stats::default(),
+            local,
+        }
+    }
+
+    /// How often the host should tick: the sync interval with `decision: local`, else the
+    /// feedback interval.
+    pub fn tick_period_ms(&self) -> u64 {
+        match self.config.decision {
+            DecisionMode::Local => self.config.sync_interval_ms,
+            DecisionMode::ControlPlane => self.config.feedback_interval_ms,
+        }
+    }
+
+    /// Decides `request` on the VM's copy of the routing state when there is one and it is
+    /// fresh enough; `None` tells the request to ask the control plane.
+    pub fn decide_locally(&mut self, request: &RouteRequest, now_ms: u64) -> Option<RouteResponse> {
+        let max_age = self.config.max_state_age_ms;
+        let local = self.local.as_mut().filter(|l| l.ready(now_ms, max_age))?;
+        // Ties between equal candidates break on this seed; any per-request value spreads them.
+        let seed = self.stats.routed ^ now_ms.rotate_left(17);
+        let decision = local.route(request, now_ms, seed)?;
+        if decision.response.endpoints.is_empty() || decision.response.reject.is_some() {
+            return None;
+        }
+        self.stats.decided_locally += 1;
+        Some(decision.response)
+    }
+
+    /// The VM's copy of the routing state, with `decision: local`.
+    pub fn local(&self) -> Option<&LocalRouter> {
+        self.local.as_ref()
+    }
+
+    /// Applies a sync call's answer (`status` `None` on reset). Returns whether it was applied.
+    pub fn on_sync_response(&mut self, status: Option<u16>, body: &[u8], now_ms: u64) -> bool {
+        self.feedback_in_flight_since_ms = None;
+        let answer = status
+            .filter(|s| (200..300).contains(s))
+            .and_then(|_| serde_json::from_slice::<SyncResponse>(body).ok());
+        match (answer, self.local.as_mut()) {
+            (Some(answer), Some(local)) => {
+                local.apply(answer, now_ms);
+                self.stats.sync_applied += 1;
+                true
+            }
+            _ => {
+                self.stats.sync_failed += 1;
+                false
+            }
         }
     }
 
@@ -92,6 +158,8 @@ impl RootState {
     pub fn count(&mut self, counter: Counter) -> bool {
         match counter {
             Counter::Routed => self.stats.routed += 1,
+            // `decide_locally` counts these itself, where it knows the answer was used.
+            Counter::DecidedLocally => {}
             Counter::Skipped(_) => self.stats.skipped += 1,
             Counter::Rejected(_) => self.stats.rejected += 1,
             Counter::FailOpen(kind) => {
@@ -109,7 +177,14 @@ impl RootState {
 
     /// Queues a finished request's outcome; when full, the oldest is dropped (newer outcomes
     /// describe the fleet's current state better). Returns true when one was dropped.
+    /// With `decision: local` the outcome is applied to the VM's copy at once and travels in the
+    /// next sync instead (bounded there).
     pub fn push_outcome(&mut self, outcome: Outcome) -> bool {
+        if let Some(local) = self.local.as_mut() {
+            // The router's feedback reads no clock: an outcome names its decision.
+            local.outcome(outcome, 0);
+            return false;
+        }
         let full = self.queue.len() >= self.config.max_queued_outcomes;
         if full {
             self.queue.pop_front();
@@ -129,6 +204,25 @@ impl RootState {
             self.feedback_in_flight_since_ms = None;
             self.stats.feedback_failed += 1;
         }
+        if let Some(local) = self.local.as_mut() {
+            // Every tick: the copy pulls what others did even when it has nothing to report.
+            let request = local.sync_request();
+            let outcomes = request.outcomes.len();
+            return match serde_json::to_vec(&request) {
+                Ok(body) => {
+                    self.feedback_in_flight_since_ms = Some(now_ms);
+                    Some(FeedbackCall {
+                        path: SYNC_PATH,
+                        body,
+                        outcomes,
+                    })
+                }
+                Err(_) => {
+                    self.stats.sync_failed += 1;
+                    None
+                }
+            };
+        }
         if self.queue.is_empty() {
             return None;
         }
@@ -139,7 +233,11 @@ impl RootState {
         match serde_json::to_vec(&batch) {
             Ok(body) => {
                 self.feedback_in_flight_since_ms = Some(now_ms);
-                Some(FeedbackCall { body, outcomes: n })
+                Some(FeedbackCall {
+                    path: FEEDBACK_PATH,
+                    body,
+                    outcomes: n,
+                })
             }
             Err(_) => {
                 self.stats.feedback_failed += 1;
@@ -152,7 +250,11 @@ impl RootState {
     /// best-effort and must not grow memory while the control plane is away.
     pub fn on_feedback_dispatch_failed(&mut self) {
         self.feedback_in_flight_since_ms = None;
-        self.stats.feedback_failed += 1;
+        if self.local.is_some() {
+            self.stats.sync_failed += 1;
+        } else {
+            self.stats.feedback_failed += 1;
+        }
     }
 
     /// The feedback call finished; `status` is `None` on reset. Returns whether it succeeded.
@@ -228,6 +330,116 @@ mod tests {
         }
         assert_eq!(r.stats().outcomes_dropped, 2);
         assert_eq!(batch(&r.on_tick(0).unwrap()), [3, 4, 5]);
+    }
+
+    mod local {
+        use super::*;
+        use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
+        use scorer_core::sync::{SyncLog, SyncRequest, serve_sync};
+
+        fn local_root() -> RootState {
+            RootState::new(FilterConfig {
+                decision: DecisionMode::Local,
+                ..FilterConfig::default()
+            })
+        }
+
+        fn control_plane() -> (SyncLog, Router) {
+            let mut router = Router::new(RouterConfig::default(), 1);
+            for address in ["10.0.0.1:8000", "10.0.0.2:8000"] {
+                router.upsert_endpoint(address).unwrap();
+                router.update_metrics(address, EndpointMetrics::default(), 0);
+            }
+            (SyncLog::new(100, 5), router)
+        }
+
+        /// One tick's sync call, answered by the control plane's side of the protocol.
+        fn tick(root: &mut RootState, cp: &mut (SyncLog, Router), now_ms: u64) {
+            let call = root.on_tick(now_ms).expect("a sync call every tick");
+            assert_eq!(call.path, SYNC_PATH);
+            let request: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+            let answer = serve_sync(&mut cp.0, &mut cp.1, request, now_ms);
+            let body = serde_json::to_vec(&answer).unwrap();
+            assert!(root.on_sync_response(Some(200), &body, now_ms));
+        }
+
+        fn request() -> RouteRequest {
+            RouteRequest {
+                model: "m".into(),
+                block_hashes: vec![1, 2, 3],
+                prompt_bytes: 768,
+                prompt_tokens: 192,
+                ..RouteRequest::default()
+            }
+        }
+
+        // Before the first sync the VM has nothing to decide on: requests ask the control
+        // plane. After it, they are decided locally, and the decision travels in the next sync.
+        #[test]
+        fn decides_once_synced_and_reports_the_decision() {
+            let mut root = local_root();
+            let mut cp = control_plane();
+            assert_eq!(root.tick_period_ms(), 50);
+            assert_eq!(root.decide_locally(&request(), 0), None);
+            tick(&mut root, &mut cp, 0);
+            let answer = root
+                .decide_locally(&request(), 10)
+                .expect("decided locally");
+            assert_eq!(
+                answer.endpoints.len(),
+                2,
+                "the chosen endpoint and a fallback"
+            );
+            assert_eq!(root.stats().decided_locally, 1);
+            root.push_outcome(Outcome {
+                decision_id: answer.decision_id,
+                endpoint: answer.endpoints[0].clone(),
+                status: 200,
+                ..Outcome::default()
+            });
+            let call = root.on_tick(20).unwrap();
+            let report: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+            assert_eq!(report.decisions.len(), 1);
+            assert_eq!(report.decisions[0].decision_id, answer.decision_id);
+            assert_eq!((report.outcomes.len(), call.outcomes), (1, 1));
+        }
+
+        // A copy that has not synced for `max_state_age_ms` is not trusted.
+        #[test]
+        fn a_stale_copy_asks_the_control_plane() {
+            let mut root = local_root();
+            let mut cp = control_plane();
+            tick(&mut root, &mut cp, 0);
+            assert!(root.decide_locally(&request(), 1000).is_some());
+            assert_eq!(root.decide_locally(&request(), 1001), None);
+        }
+
+        // A failed or unreadable sync changes nothing and is counted; the next tick retries.
+        #[test]
+        fn a_bad_sync_answer_is_counted_not_applied() {
+            let mut root = local_root();
+            assert!(root.on_tick(0).is_some());
+            assert!(!root.on_sync_response(Some(503), b"", 1));
+            assert!(
+                root.on_tick(2).is_some(),
+                "the failed call is no longer outstanding"
+            );
+            assert!(!root.on_sync_response(Some(200), b"{not json", 3));
+            assert!(root.on_tick(4).is_some());
+            assert!(!root.on_sync_response(None, b"", 5));
+            assert_eq!(root.stats().sync_failed, 3);
+            assert_eq!(root.decide_locally(&request(), 6), None);
+        }
+
+        // In control-plane mode nothing of this exists: the tick flushes feedback.
+        #[test]
+        fn control_plane_mode_keeps_the_feedback_path() {
+            let mut root = RootState::new(FilterConfig::default());
+            assert!(root.local().is_none());
+            assert_eq!(root.decide_locally(&request(), 0), None);
+            root.push_outcome(outcome(1));
+            assert_eq!(root.on_tick(0).unwrap().path, FEEDBACK_PATH);
+        }
     }
 
     #[test]
