@@ -195,6 +195,7 @@ fn answer_bytes(a: &Answer) -> Vec<u8> {
                 error_type: "fuzz".into(),
                 retry_after_s: *retry,
             }),
+            ..RouteResponse::default()
         })
         .unwrap_or_default(),
     }
@@ -265,6 +266,8 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
                         seen.failed_open = true;
                     }
                     Counter::Skipped(_) => {}
+                    // Only the local decider counts it, after `Routed`; no decider here.
+                    Counter::DecidedLocally => assert!(seen.routed),
                     Counter::Rejected(status) => {
                         assert!((400..600).contains(status), "bad reject status {status}");
                         assert!(!seen.routed && !seen.failed_open);

@@ -1,0 +1,122 @@
+//! The sync protocol, from both ends: `POST /v1/sync` bodies a proxy sends (raw bytes, or
+//! well-formed reports with arbitrary decisions and outcomes) served by the control plane's
+//! side (`serve_sync` on a `Router` and a small `SyncLog`), and the answers a proxy applies
+//! (`LocalRouter::apply`, raw bytes or the control plane's own answers). Invariants: nothing
+//! panics; the log never holds more than its bound; an answer's `next` never goes backwards
+//! for a replica; a local copy only ever routes to endpoints the control plane named.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use scorer_core::protocol::{Outcome, RouteRequest};
+use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
+use scorer_core::sync::{DecisionRecord, LocalRouter, SyncLog, SyncRequest, SyncResponse, serve_sync};
+
+#[derive(Arbitrary, Debug)]
+enum Step {
+    /// Raw bytes as a proxy's sync body.
+    RawRequest(Vec<u8>),
+    /// A well-formed report from copy `copy`.
+    Report {
+        copy: u8,
+        decisions: Vec<(u8, u8, Vec<u8>)>,
+        outcomes: Vec<(u8, u16)>,
+    },
+    /// Raw bytes as a sync answer applied to copy `copy`.
+    RawAnswer { copy: u8, bytes: Vec<u8> },
+    /// Copy `copy` routes a request over a small hash domain.
+    Route { copy: u8, hashes: Vec<u8> },
+    /// The control plane loses or regains an endpoint.
+    Churn { endpoint: u8, up: bool },
+}
+
+const LOG_BOUND: usize = 16;
+const ENDPOINTS: [&str; 3] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
+
+fuzz_target!(|steps: Vec<Step>| {
+    let mut log = SyncLog::new(LOG_BOUND, 1);
+    let mut hub = Router::new(RouterConfig::default(), 1);
+    for address in ENDPOINTS {
+        let _ = hub.upsert_endpoint(address);
+        hub.update_metrics(address, EndpointMetrics::default(), 0);
+    }
+    let mut copies = [LocalRouter::new(8), LocalRouter::new(8)];
+    let mut last_next = [0u64; 2];
+    for (now_ms, step) in (1u64..).zip(steps.into_iter().take(64)) {
+        match step {
+            Step::RawRequest(bytes) => {
+                if let Ok(request) = serde_json::from_slice::<SyncRequest>(&bytes) {
+                    let _ = serve_sync(&mut log, &mut hub, request, now_ms);
+                }
+            }
+            Step::Report {
+                copy,
+                decisions,
+                outcomes,
+            } => {
+                let i = usize::from(copy) % copies.len();
+                let mut request = copies[i].sync_request();
+                for (id, endpoint, hashes) in decisions.into_iter().take(8) {
+                    request.decisions.push(DecisionRecord {
+                        decision_id: u64::from(id),
+                        endpoint: ENDPOINTS[usize::from(endpoint) % ENDPOINTS.len()].into(),
+                        request: request_of(&hashes),
+                    });
+                }
+                for (id, status) in outcomes.into_iter().take(8) {
+                    request.outcomes.push(Outcome {
+                        decision_id: u64::from(id),
+                        status,
+                        ..Outcome::default()
+                    });
+                }
+                let replica = request.replica;
+                let answer = serve_sync(&mut log, &mut hub, request, now_ms);
+                assert!(log.len() <= LOG_BOUND);
+                if replica == Some(answer.replica) && !answer.reset {
+                    assert!(answer.next >= last_next[i], "next went backwards");
+                }
+                last_next[i] = answer.next;
+                let bytes = serde_json::to_vec(&answer).expect("an answer serialises");
+                let answer: SyncResponse = serde_json::from_slice(&bytes).expect("and parses");
+                copies[i].apply(answer, now_ms);
+            }
+            Step::RawAnswer { copy, bytes } => {
+                if let Ok(answer) = serde_json::from_slice::<SyncResponse>(&bytes) {
+                    copies[usize::from(copy) % copies.len()].apply(answer, now_ms);
+                }
+            }
+            Step::Route { copy, hashes } => {
+                let copy = &mut copies[usize::from(copy) % 2];
+                if let Some(decision) = copy.route(&request_of(&hashes), now_ms, now_ms) {
+                    let known: Vec<String> = copy
+                        .router()
+                        .map(|r| r.endpoints(now_ms).into_iter().map(|e| e.address).collect())
+                        .unwrap_or_default();
+                    for endpoint in &decision.response.endpoints {
+                        assert!(known.contains(endpoint), "routed to an unknown endpoint");
+                    }
+                }
+            }
+            Step::Churn { endpoint, up } => {
+                let address = ENDPOINTS[usize::from(endpoint) % ENDPOINTS.len()];
+                if up {
+                    let _ = hub.upsert_endpoint(address);
+                    hub.update_metrics(address, EndpointMetrics::default(), now_ms);
+                } else {
+                    hub.remove_endpoint(address);
+                }
+            }
+        }
+    }
+});
+
+fn request_of(hashes: &[u8]) -> RouteRequest {
+    RouteRequest {
+        model: "m".into(),
+        block_hashes: hashes.iter().take(32).map(|h| u64::from(*h % 8)).collect(),
+        prompt_bytes: 256 * hashes.len().min(32) as u64,
+        prompt_tokens: 64 * hashes.len().min(32) as u32,
+        ..RouteRequest::default()
+    }
+}
