@@ -19,6 +19,7 @@ mod fairness;
 mod faults;
 mod fleet_page;
 mod kv_events_faults;
+mod local_decisions;
 mod manifests;
 mod offload;
 mod pools;

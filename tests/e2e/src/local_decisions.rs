@@ -1,0 +1,104 @@
+//! `decision: local` through real Envoy: each worker's VM decides on its own copy of the
+//! routing state, synced with the control plane on its tick, with no call on the request path.
+//!
+//! Two Envoy workers mean two VMs, two copies: a conversation's turns are spread over both by
+//! Envoy's connection balancing, so a turn can only follow its predecessor when the copy that
+//! decides it has learnt the other's decision through the control plane.
+
+use std::time::{Duration, Instant};
+
+use kvroute_harness::{Fleet, FleetConfig, HttpClient};
+use serde_json::json;
+
+use crate::common::{self, Conversation, replica_of, tools};
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(120);
+const MODEL: &str = "kvroute-e2e-local";
+
+fn local_fleet(name: &str, replicas: usize) -> FleetConfig {
+    let mut cfg = common::fleet_config(name, replicas, MODEL);
+    cfg.plugin_config = json!({"decision": "local", "sync_interval_ms": 50});
+    cfg.envoy_concurrency = 2;
+    cfg
+}
+
+/// Waits until every VM has applied a sync (a copy that has not decides nothing locally).
+async fn wait_synced(fleet: &Fleet, vms: f64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let applied = fleet.envoy_counter("kvroute_sync_applied").await;
+        if applied >= vms * 2.0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {applied} syncs applied after 10 s ({})",
+            fleet.describe()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// Turn N+1 lands where turn N was served, decided locally, for at least 95% of turns; and the
+// decisions really were local.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_follow_their_cache_when_proxies_decide_locally() {
+    let tools = tools();
+    common::bounded("local-affinity", TEST_TIMEOUT, async {
+        let fleet = common::start_fleet(local_fleet("e2e-local", 4), &tools).await;
+        wait_synced(&fleet, 2.0).await;
+        let client = HttpClient::new();
+        let (mut followed, mut follow_ups) = (0, 0);
+        for c in 0..8u64 {
+            let mut conv = Conversation::new(MODEL, 900 + c, 1_200, 150);
+            let mut previous = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
+            for _ in 2..=4 {
+                // Longer than a sync interval plus a round trip: the other copy has heard.
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                let now = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
+                follow_ups += 1;
+                if now == previous {
+                    followed += 1;
+                }
+                previous = now;
+            }
+        }
+        assert!(
+            followed * 100 >= follow_ups * 95,
+            "only {followed} of {follow_ups} turns followed their cache ({})",
+            fleet.describe()
+        );
+        let routed = fleet.envoy_counter("kvroute_requests_routed").await;
+        let local = fleet.envoy_counter("kvroute_decisions_local").await;
+        assert!(
+            local >= routed * 0.9 && local > 0.0,
+            "{local} of {routed} routed requests were decided locally"
+        );
+    })
+    .await;
+}
+
+// With the control plane gone, copies go stale, requests ask the control plane, fail open and
+// are served all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_control_plane_under_local_decisions_loses_no_request() {
+    let tools = tools();
+    common::bounded("local-fail-open", TEST_TIMEOUT, async {
+        let mut fleet = common::start_fleet(local_fleet("e2e-local-kill", 3), &tools).await;
+        wait_synced(&fleet, 2.0).await;
+        let client = HttpClient::new();
+        let mut conv = Conversation::new(MODEL, 990, 400, 40);
+        for _ in 0..4 {
+            conv.turn(&client, &fleet, 8, &[]).await;
+        }
+        fleet.kill_control_plane();
+        // Through the stale window and past it: every request is served.
+        for _ in 0..12 {
+            conv.turn(&client, &fleet, 8, &[]).await;
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        let fail_open = fleet.envoy_counter("kvroute_fail_open").await;
+        assert!(fail_open >= 1.0, "no request took the fail-open path");
+    })
+    .await;
+}
