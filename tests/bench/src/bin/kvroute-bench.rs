@@ -233,11 +233,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     loads.push(("tokenize".into(), loadavg()));
 
     let mut overhead = Vec::new();
+    let mut local_decision_fraction = None;
     let mut quality = Vec::new();
     if !args.micro_only {
-        let (rows, v8) = overhead_section(&args, &tools, &mut skipped).await?;
-        overhead = rows;
-        if let Some(v8) = v8 {
+        let measured = overhead_section(&args, &tools, &mut skipped).await?;
+        overhead = measured.rows;
+        local_decision_fraction = measured.local_decision_fraction;
+        if let Some(v8) = measured.v8 {
             filter.v8_mb_per_s_16k = v8.mb_per_s_16k;
             filter.v8_mb_per_s_200k = v8.mb_per_s_200k;
             filter.v8_us_per_body_16k = v8.us_16k;
@@ -344,6 +346,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 r.errors
             );
         }
+        if let Some(fraction) = local_decision_fraction {
+            println!(
+                "kvroute-local: {:.1}% of routed requests decided in the proxy (no route call)",
+                100.0 * fraction
+            );
+        }
         write_overhead_chart(&out_dir, &overhead)?;
     }
     if !quality.is_empty() {
@@ -360,6 +368,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let venv = peers::bench_venv();
     let summary = json!({
         "overhead": overhead,
+        "local_decision_fraction": local_decision_fraction,
         "quality": quality,
         "filter": filter,
         "control_plane": control_plane,
@@ -599,29 +608,44 @@ struct V8Figures {
     us_200k: Option<f64>,
 }
 
+/// What the overhead section measured.
+struct Overhead {
+    rows: Vec<OverheadRow>,
+    v8: Option<V8Figures>,
+    /// Of the requests the `kvroute-local` row routed, the share its VMs decided locally.
+    local_decision_fraction: Option<f64>,
+}
+
 async fn overhead_section(
     args: &Args,
     tools: &Tools,
     skipped: &mut Vec<String>,
-) -> anyhow::Result<(Vec<OverheadRow>, Option<V8Figures>)> {
+) -> anyhow::Result<Overhead> {
     const SIZES: [usize; 3] = [1_024, 16_384, 204_800];
+    const LOCAL: &str = "kvroute-local";
     let mut fleets = Vec::new();
-    for router in [RouterKind::Kvroute, RouterKind::RoundRobin] {
-        let mut cfg = FleetConfig::new(&format!("bench-overhead-{}", router.label()));
+    // kvroute with the route call, kvroute deciding in the proxy (`decision: local`), and plain
+    // Envoy round robin, each on the same Envoy worker count.
+    for (label, router, local) in [
+        ("kvroute", RouterKind::Kvroute, false),
+        (LOCAL, RouterKind::Kvroute, true),
+        ("round-robin", RouterKind::RoundRobin, false),
+    ] {
+        let mut cfg = FleetConfig::new(&format!("bench-overhead-{label}"));
         cfg.replicas = 1;
         cfg.model = bench::MODEL.to_string();
         cfg.router = router;
+        if local {
+            cfg.plugin_config = json!({"decision": "local"});
+        }
         cfg.sim_args = vec![
             "--profile".into(),
             "fast".into(),
             "--max-num-seqs".into(),
             "256".into(),
         ];
-        eprintln!(
-            "[overhead] starting Envoy ({}) + 1 fast replica ...",
-            router.label()
-        );
-        fleets.push((router.label().to_string(), Fleet::start(cfg, tools).await?));
+        eprintln!("[overhead] starting Envoy ({label}) + 1 fast replica ...");
+        fleets.push((label.to_string(), Fleet::start(cfg, tools).await?));
     }
     let client = fleets[0].1.client().clone();
     let upstream = fleets[0].1.replicas[0].address.clone();
@@ -726,6 +750,14 @@ async fn overhead_section(
         }
     }
     drop(peer_routers);
+    let local_decision_fraction = match fleets.iter().find(|(label, _)| label == LOCAL) {
+        Some((_, fleet)) => {
+            let routed = fleet.envoy_counter("kvroute_requests_routed").await;
+            let local = fleet.envoy_counter("kvroute_decisions_local").await;
+            (routed > 0.0).then(|| local / routed)
+        }
+        None => None,
+    };
     // The filter's own parse+hash time inside V8, from Envoy's histogram of it.
     let v8 = match targets.iter().find(|t| t.kvroute_admin.is_some()) {
         Some(t) => {
@@ -741,7 +773,11 @@ async fn overhead_section(
         None => None,
     };
     drop(fleets);
-    Ok((rows, v8))
+    Ok(Overhead {
+        rows,
+        v8,
+        local_decision_fraction,
+    })
 }
 
 /// `(sum µs, count)` of the filter's `kvroute_hash_duration_us` histogram in Envoy's
