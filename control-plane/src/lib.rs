@@ -6,7 +6,7 @@
 //! - [`kv_events`] subscribes to replicas' KV events (precise mode) and feeds the router;
 //! - [`tokenize`] turns precise routes' prompts into token ids and token-block hashes;
 //! - [`state`] owns the `scorer_core::router::Router`, the clock and the seed;
-//! - [`api`] serves `POST /v1/route` and `POST /v1/feedback` to the filter;
+//! - [`api`] serves `POST /v1/route`, `POST /v1/feedback` and `POST /v1/sync` to the filter;
 //! - [`admin`] serves `/metrics`, `/healthz` and `/debug/*` on a separate port;
 //! - [`telemetry`] defines what `/metrics` reports.
 //!
