@@ -1,7 +1,9 @@
 //! The route and feedback API the filter calls (Envoy cluster `kvroute_control_plane`).
 //!
 //! `POST /v1/route` takes a JSON `RouteRequest` and answers a `RouteResponse`;
-//! `POST /v1/feedback` takes a `FeedbackBatch` and answers 204; `GET /healthz` answers `ok`.
+//! `POST /v1/feedback` takes a `FeedbackBatch` and answers 204; `POST /v1/sync` takes a
+//! `SyncRequest` from a proxy deciding locally and answers a `SyncResponse` (the log entries it
+//! has not seen, the endpoint table, the router config); `GET /healthz` answers `ok`.
 //! Errors are JSON `{"error": "..."}` with 400 (bad input), 401 (token), 408 (slow body) or 413
 //! (too large). An approximate route does no I/O after reading the body: one lock, one
 //! decision. A precise route (with `prompt_text`) is tokenised first, which may call a replica
@@ -19,6 +21,7 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, ROUTE_PATH, RouteRequest};
+use scorer_core::sync::{SYNC_PATH, SyncRequest};
 use serde::de::DeserializeOwned;
 
 use crate::state::State;
@@ -39,7 +42,7 @@ pub struct ApiSettings {
     pub max_body_bytes: usize,
     /// Most block hashes per route request.
     pub max_block_hashes: usize,
-    /// Most outcomes per feedback batch.
+    /// Most outcomes per feedback batch, and most decisions (and outcomes) per sync call.
     pub max_feedback_outcomes: usize,
     /// Deadline for receiving a request body.
     pub body_timeout: Duration,
@@ -87,6 +90,7 @@ pub fn router(state: Arc<State>, settings: ApiSettings) -> axum::Router {
     axum::Router::new()
         .route(ROUTE_PATH, post(route))
         .route(FEEDBACK_PATH, post(feedback))
+        .route(SYNC_PATH, post(sync))
         .route("/healthz", get(healthz))
         .fallback(not_found)
         .with_state(app)
@@ -138,6 +142,20 @@ async fn feedback(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body:
     }
     .await;
     result.unwrap_or_else(|e| app.reject(FEEDBACK_PATH, e))
+}
+
+async fn sync(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let result = async {
+        let request: SyncRequest = app.read_json(&headers, body).await?;
+        app.check_sync(&request)?;
+        let served = app.state.sync(request);
+        app.state
+            .telemetry()
+            .count_sync(served.decisions, served.outcomes, served.reset);
+        Ok::<_, ApiError>(Json(served.response).into_response())
+    }
+    .await;
+    result.unwrap_or_else(|e| app.reject(SYNC_PATH, e))
 }
 
 impl App {
@@ -241,6 +259,45 @@ impl App {
         }
         if r.session.as_ref().is_some_and(|s| s.len() > MAX_KEY_BYTES) {
             return Err(bad(format!("session is longer than {MAX_KEY_BYTES} bytes")));
+        }
+        Ok(())
+    }
+
+    /// The same bounds a route call and a feedback batch have, per reported decision and for
+    /// the whole batch; replica 0 is the control plane's own tag and no proxy's.
+    fn check_sync(&self, r: &SyncRequest) -> Result<(), ApiError> {
+        let bad = |msg: String| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", msg);
+        let max = self.settings.max_feedback_outcomes;
+        if r.replica == Some(0) {
+            return Err(bad(
+                "replica 0 is the control plane's own; omit `replica` to be given one".into(),
+            ));
+        }
+        if r.decisions.len() > max {
+            return Err(bad(format!(
+                "{} decisions in one sync, at most {max}",
+                r.decisions.len()
+            )));
+        }
+        if r.outcomes.len() > max {
+            return Err(bad(format!(
+                "{} outcomes in one sync, at most {max}",
+                r.outcomes.len()
+            )));
+        }
+        for (i, d) in r.decisions.iter().enumerate() {
+            if d.endpoint.len() > MAX_KEY_BYTES {
+                return Err(bad(format!(
+                    "decisions[{i}].endpoint is longer than {MAX_KEY_BYTES} bytes"
+                )));
+            }
+            self.check_route(&d.request).map_err(|e| {
+                ApiError::new(
+                    e.status,
+                    e.reason,
+                    format!("decisions[{i}].request: {}", e.message),
+                )
+            })?;
         }
         Ok(())
     }

@@ -66,6 +66,28 @@ pub struct Config {
     /// SLO gauges.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slo: Option<crate::slo::SloConfig>,
+    /// State replication to proxies that decide locally (`POST /v1/sync`).
+    pub sync: SyncSettings,
+}
+
+/// The `sync:` section: the replicated log that proxies deciding locally pull.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SyncSettings {
+    /// Decisions and outcomes kept in the log; a proxy further behind than this starts over
+    /// from the whole log (a reset), so it bounds both memory and how long a proxy may lag.
+    pub log_entries: usize,
+}
+
+/// Default `sync.log_entries`: at a few thousand decisions a second, tens of seconds of lag.
+pub const DEFAULT_SYNC_LOG_ENTRIES: usize = 65_536;
+
+impl Default for SyncSettings {
+    fn default() -> Self {
+        Self {
+            log_entries: DEFAULT_SYNC_LOG_ENTRIES,
+        }
+    }
 }
 
 /// One vLLM replica.
@@ -208,6 +230,7 @@ impl Default for Config {
             discovery: None,
             admission: None,
             slo: None,
+            sync: SyncSettings::default(),
         }
     }
 }
@@ -487,6 +510,15 @@ impl Config {
             0,
             1024,
             "0..=1024",
+        )?;
+        // Each entry holds a request's block hashes: the upper bound keeps the log's memory
+        // within reason (a few GiB at most with long prompts).
+        range_u64(
+            "sync.log_entries",
+            self.sync.log_entries as u64,
+            1,
+            1 << 22,
+            "1..=4194304",
         )?;
         if let Some(discovery) = &self.discovery {
             discovery.validate()?;
@@ -857,6 +889,23 @@ router: {}
         );
         assert!(err(&format!("{MINIMAL}auth_token: \"\"\n")).contains("auth_token"));
         assert!(err(&format!("{MINIMAL}auth_token: \"a b\"\n")).contains("auth_token"));
+    }
+
+    #[test]
+    fn sync_settings() {
+        let c = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(c.sync.log_entries, DEFAULT_SYNC_LOG_ENTRIES);
+        let c = Config::from_yaml(&format!("{MINIMAL}sync:\n  log_entries: 10\n")).unwrap();
+        assert_eq!(c.sync.log_entries, 10);
+        assert!(
+            err(&format!("{MINIMAL}sync:\n  log_entries: 0\n")).contains("sync.log_entries = 0")
+        );
+        assert!(
+            err(&format!("{MINIMAL}sync:\n  log_entries: 99999999\n")).contains("sync.log_entries")
+        );
+        assert!(
+            err(&format!("{MINIMAL}sync:\n  entries: 10\n")).contains("unknown field `entries`")
+        );
     }
 
     #[test]

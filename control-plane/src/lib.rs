@@ -6,7 +6,7 @@
 //! - [`kv_events`] subscribes to replicas' KV events (precise mode) and feeds the router;
 //! - [`tokenize`] turns precise routes' prompts into token ids and token-block hashes;
 //! - [`state`] owns the `scorer_core::router::Router`, the clock and the seed;
-//! - [`api`] serves `POST /v1/route` and `POST /v1/feedback` to the filter;
+//! - [`api`] serves `POST /v1/route`, `POST /v1/feedback` and `POST /v1/sync` to the filter;
 //! - [`admin`] serves `/metrics`, `/healthz` and `/debug/*` on a separate port;
 //! - [`telemetry`] defines what `/metrics` reports.
 //!
@@ -94,6 +94,13 @@ impl ControlPlane {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_micros() as u64)
             .unwrap_or(1);
+        // No `rand` in this crate: the start time in nanoseconds and the pid pick the first
+        // replica tag (only distinctness across generations matters, not secrecy).
+        let entropy = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+            ^ (u64::from(std::process::id()) << 32);
         let state = Arc::new(
             State::new(
                 config.router.clone(),
@@ -109,7 +116,8 @@ impl ControlPlane {
                     .filter_map(|e| Some((e.address.clone(), e.model.clone()?)))
                     .collect();
                 slo::SloWindow::new(c, pools)
-            })),
+            }))
+            .with_sync(config.sync.log_entries, state::first_replica_tag(entropy)),
         );
         for e in &config.endpoints {
             state.set_configured_models(&e.address, e.served_model_names());

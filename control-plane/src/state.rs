@@ -3,6 +3,11 @@
 //! Route decisions take microseconds, so a plain mutex beats anything cleverer. Time is
 //! milliseconds since process start from a monotonic clock; the Router never reads a clock
 //! itself (it is sans-IO), so this is the only place time enters it.
+//!
+//! The same lock guards the replicated log ([`SyncLog`]) that proxies deciding locally pull:
+//! every decision and outcome that changes the router's load accounting is appended to it in
+//! the same critical section, whether it came from a route call, a feedback batch or a sync,
+//! so the log and the router never disagree about what happened in which order.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
@@ -15,6 +20,9 @@ use scorer_core::precise::{ApplyError, KvEvent};
 use scorer_core::protocol::{FeedbackBatch, RouteReason, RouteRequest, RouteResponse};
 use scorer_core::router::{
     Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
+};
+use scorer_core::sync::{
+    DecisionRecord, REPLICA_SHIFT, SyncEvent, SyncLog, SyncRequest, SyncResponse, serve_sync,
 };
 use serde::Serialize;
 
@@ -156,6 +164,46 @@ struct Inner {
     /// Recent decisions, oldest first; ids increase because they are pushed under the lock.
     recent: VecDeque<Decision>,
     recent_cap: usize,
+    /// Every decision and outcome, from any router, for the proxies' copies.
+    sync: SyncLog,
+}
+
+/// Replica tags below this are never handed out: the control plane's own decision ids start
+/// at wall-clock microseconds, whose bits above [`REPLICA_SHIFT`] read as a tag near 1600 for
+/// decades, and a proxy with that tag would issue ids colliding with the control plane's.
+const MIN_REPLICA_TAG: u32 = 1 << 16;
+/// Tags above this lose bits when shifted into a decision id (`tag << REPLICA_SHIFT`).
+const MAX_REPLICA_TAG: u32 = (1 << (64 - REPLICA_SHIFT)) - 1;
+/// Tags left free above the first one, so a long-lived control plane does not run past
+/// [`MAX_REPLICA_TAG`] however many proxies (re)start.
+const REPLICA_TAG_HEADROOM: u32 = 1 << 22;
+
+/// The first replica tag a control-plane generation hands out, from `entropy` (e.g. the start
+/// time): random so that two generations hand out different tags and a proxy's stale tag does
+/// not alias a new proxy's, and placed so that no tag collides with the control plane's own
+/// decision ids or overflows a decision id.
+pub fn first_replica_tag(entropy: u64) -> u32 {
+    // splitmix64's finaliser: nearby start times give unrelated tags.
+    let mut z = entropy.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    let span = u64::from(MAX_REPLICA_TAG - REPLICA_TAG_HEADROOM - MIN_REPLICA_TAG);
+    MIN_REPLICA_TAG + u32::try_from(z % span).unwrap_or(0)
+}
+
+/// What one sync call did, besides its answer: what the API counts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyncServed {
+    /// The answer for the proxy.
+    pub response: SyncResponse,
+    /// Decisions the proxy reported having taken locally.
+    pub decisions: usize,
+    /// Outcomes the proxy reported.
+    pub outcomes: usize,
+    /// Whether the proxy's copy must start over (its `since` left the log, or it came from
+    /// another control-plane generation and was given a new tag).
+    pub reset: bool,
 }
 
 /// A consistent snapshot for `/metrics`.
@@ -171,6 +219,8 @@ pub struct Snapshot {
     pub index_blocks: usize,
     /// Approximate heap bytes of the prefix index.
     pub index_bytes: usize,
+    /// Entries held in the sync log.
+    pub sync_log_entries: usize,
     /// Canonical bytes per token the approximate index counts in (configured or learned).
     pub bytes_per_token: f64,
 }
@@ -197,6 +247,10 @@ impl State {
                 seed: seed.max(1),
                 recent: VecDeque::with_capacity(decision_history.min(4096)),
                 recent_cap: decision_history,
+                sync: SyncLog::new(
+                    crate::config::DEFAULT_SYNC_LOG_ENTRIES,
+                    first_replica_tag(first_decision_id),
+                ),
             }),
             started: Instant::now(),
             telemetry: Telemetry::default(),
@@ -218,6 +272,14 @@ impl State {
     /// Keeps an SLO window of outcomes for the autoscaling gauges (the `slo:` section).
     pub fn with_slo(mut self, window: Option<crate::slo::SloWindow>) -> Self {
         self.slo = window.map(|w| std::sync::Arc::new(Mutex::new(w)));
+        self
+    }
+
+    /// Bounds the sync log to `log_entries` (the `sync:` section) and starts its replica tags
+    /// at `first_replica` (see [`first_replica_tag`]). Call before serving: the log starts
+    /// empty.
+    pub fn with_sync(self, log_entries: usize, first_replica: u32) -> Self {
+        self.inner.lock().sync = SyncLog::new(log_entries, first_replica);
         self
     }
 
@@ -347,6 +409,14 @@ impl State {
             let seed = inner.seed;
             let decision = inner.router.route(request, now, seed);
             let response = decision.response.clone();
+            if let Some(endpoint) = response.endpoints.first() {
+                let record = DecisionRecord {
+                    decision_id: response.decision_id,
+                    endpoint: endpoint.clone(),
+                    request: replicable(request),
+                };
+                inner.sync.push(SyncEvent::Decision { origin: 0, record });
+            }
             if inner.recent_cap > 0 {
                 if inner.recent.len() >= inner.recent_cap {
                     inner.recent.pop_front();
@@ -366,12 +436,52 @@ impl State {
             let mut inner = self.inner.lock();
             for outcome in &batch.outcomes {
                 inner.router.feedback(outcome, now);
+                inner.sync.push(SyncEvent::Outcome {
+                    origin: 0,
+                    outcome: outcome.clone(),
+                });
             }
         }
         if let Some(slo) = &self.slo {
             slo.lock().record(&batch.outcomes, now);
         }
         self.telemetry.count_feedback(batch.outcomes.len());
+    }
+
+    /// A locally deciding proxy's sync tick: its decisions and outcomes enter the router and
+    /// the log, and it gets back what it has not seen (`scorer_core::sync::serve_sync`). Its
+    /// outcomes also feed the SLO window, as `/v1/feedback`'s do.
+    ///
+    /// A `since` beyond anything this log has issued comes from a copy of an earlier
+    /// control-plane generation: patching it onto this log would skip entries, so the copy is
+    /// treated as new (a fresh tag, hence a fresh router on its side, and the whole log).
+    pub fn sync(&self, mut request: SyncRequest) -> SyncServed {
+        let now = self.now_ms();
+        for record in &mut request.decisions {
+            record.request.prompt_text = None;
+        }
+        let outcomes =
+            (!request.outcomes.is_empty() && self.slo.is_some()).then(|| request.outcomes.clone());
+        let (decisions, outcome_count) = (request.decisions.len(), request.outcomes.len());
+        let served = {
+            let mut inner = self.inner.lock();
+            let Inner { router, sync, .. } = &mut *inner;
+            let foreign = request.replica.is_some() && request.since > sync.next_seq();
+            if foreign {
+                request.replica = None;
+            }
+            let response = serve_sync(sync, router, request, now);
+            SyncServed {
+                reset: response.reset || foreign,
+                response,
+                decisions,
+                outcomes: outcome_count,
+            }
+        };
+        if let (Some(slo), Some(outcomes)) = (&self.slo, outcomes) {
+            slo.lock().record(&outcomes, now);
+        }
+        served
     }
 
     /// Records a successful scrape of `address` (it becomes a candidate again).
@@ -565,7 +675,44 @@ impl State {
             index_blocks: r.index().distinct_blocks(),
             index_bytes: r.index().approx_bytes(),
             bytes_per_token: r.bytes_per_token(),
+            sync_log_entries: inner.sync.len(),
         }
+    }
+}
+
+/// `request` as the sync log keeps it: hashes and numbers only. A precise route's prompt text
+/// stays here; it must not be copied to every proxy (its token-block hashes are).
+///
+/// Destructured field by field, without `..`: a field added to `RouteRequest` fails to compile
+/// here until someone decides whether it may be replicated.
+fn replicable(request: &RouteRequest) -> RouteRequest {
+    let RouteRequest {
+        model,
+        block_hashes,
+        prompt_bytes,
+        prompt_tokens,
+        max_output_tokens,
+        session,
+        token_block_hashes,
+        prompt_text: _,
+        api,
+        cache_salt,
+        tenant,
+        criticality,
+    } = request;
+    RouteRequest {
+        model: model.clone(),
+        block_hashes: block_hashes.clone(),
+        prompt_bytes: *prompt_bytes,
+        prompt_tokens: *prompt_tokens,
+        max_output_tokens: *max_output_tokens,
+        session: session.clone(),
+        token_block_hashes: token_block_hashes.clone(),
+        prompt_text: None,
+        api: *api,
+        cache_salt: cache_salt.clone(),
+        tenant: tenant.clone(),
+        criticality: criticality.clone(),
     }
 }
 
@@ -648,6 +795,197 @@ mod tests {
         s.update_metrics("10.0.0.1:8000", EndpointMetrics::default());
         assert_eq!(s.route(&req).endpoints.len(), 2);
         assert!(s.endpoints().iter().all(|e| e.health == Health::Ready));
+    }
+
+    fn sync_events(s: &State, replica: u32, since: u64) -> (Vec<SyncEvent>, u64) {
+        let r = s
+            .sync(SyncRequest {
+                replica: Some(replica),
+                since,
+                ..Default::default()
+            })
+            .response;
+        (r.events, r.next)
+    }
+
+    #[test]
+    fn route_decisions_enter_the_log_without_prompt_text() {
+        let s = state(0);
+        let me = s.sync(SyncRequest::default()).response;
+        let response = s.route(&RouteRequest {
+            model: "m".into(),
+            block_hashes: vec![1, 2],
+            prompt_tokens: 10,
+            prompt_text: Some("{\"messages\":\"secret\"}".into()),
+            token_block_hashes: vec![7],
+            ..Default::default()
+        });
+        let (events, next) = sync_events(&s, me.replica, me.next);
+        let [SyncEvent::Decision { origin: 0, record }] = events.as_slice() else {
+            panic!("expected one decision of the control plane's, got {events:?}");
+        };
+        assert_eq!(record.decision_id, response.decision_id);
+        assert_eq!(record.endpoint, response.endpoints[0]);
+        assert_eq!(record.request.block_hashes, vec![1, 2]);
+        assert_eq!(record.request.token_block_hashes, vec![7]);
+        assert_eq!(record.request.prompt_text, None);
+        assert_eq!(next, me.next + 1);
+        assert_eq!(s.snapshot().sync_log_entries, 1);
+    }
+
+    #[test]
+    fn decisions_without_an_endpoint_are_not_logged() {
+        let s = State::new(RouterConfig::default(), &[], 0, 1).unwrap();
+        let r = s.route(&RouteRequest {
+            model: "m".into(),
+            ..Default::default()
+        });
+        assert!(r.endpoints.is_empty());
+        assert_eq!(s.snapshot().sync_log_entries, 0);
+    }
+
+    #[test]
+    fn feedback_outcomes_enter_the_log() {
+        let s = state(0);
+        let outcome = Outcome {
+            decision_id: 42,
+            endpoint: "10.0.0.1:8000".into(),
+            status: 200,
+            ..Default::default()
+        };
+        s.feedback(&FeedbackBatch {
+            outcomes: vec![outcome.clone()],
+        });
+        let (events, _) = sync_events(&s, 5, 0);
+        assert_eq!(events, vec![SyncEvent::Outcome { origin: 0, outcome }]);
+    }
+
+    #[test]
+    fn a_proxys_decision_is_load_here_and_news_to_other_proxies() {
+        let s = state(0);
+        let a = s.sync(SyncRequest::default()).response;
+        let b = s.sync(SyncRequest::default()).response;
+        assert_ne!(a.replica, b.replica);
+        assert_eq!(a.endpoints.len(), 2);
+        let record = DecisionRecord {
+            decision_id: (u64::from(a.replica) << REPLICA_SHIFT) + 1,
+            endpoint: "10.0.0.2:8000".into(),
+            request: RouteRequest {
+                model: "m".into(),
+                block_hashes: vec![9],
+                prompt_tokens: 10,
+                prompt_text: Some("not for replication".into()),
+                ..Default::default()
+            },
+        };
+        let served = s.sync(SyncRequest {
+            replica: Some(a.replica),
+            since: a.next,
+            decisions: vec![record.clone()],
+            outcomes: vec![],
+        });
+        assert_eq!((served.decisions, served.reset), (1, false));
+        assert!(
+            served.response.events.is_empty(),
+            "its own decision is not echoed"
+        );
+        assert_eq!(s.snapshot().inflight, 1);
+        let (events, _) = sync_events(&s, b.replica, b.next);
+        let [
+            SyncEvent::Decision {
+                origin,
+                record: seen,
+            },
+        ] = events.as_slice()
+        else {
+            panic!("{events:?}");
+        };
+        assert_eq!(*origin, a.replica);
+        assert_eq!(seen.request.prompt_text, None);
+        assert_eq!(seen.decision_id, record.decision_id);
+    }
+
+    #[test]
+    fn sync_outcomes_feed_the_slo_window() {
+        let s = state(0).with_slo(Some(crate::slo::SloWindow::new(
+            crate::slo::SloConfig::default(),
+            Default::default(),
+        )));
+        let me = s.sync(SyncRequest::default()).response;
+        let outcome = Outcome {
+            decision_id: 1,
+            endpoint: "10.0.0.1:8000".into(),
+            status: 200,
+            ttfb_ms: Some(10),
+            total_ms: 20,
+            ..Default::default()
+        };
+        let served = s.sync(SyncRequest {
+            replica: Some(me.replica),
+            since: me.next,
+            outcomes: vec![outcome],
+            ..Default::default()
+        });
+        assert_eq!(served.outcomes, 1);
+        let now = s.now_ms();
+        let signals = s.slo().unwrap().lock().signals(&BTreeMap::new(), now);
+        assert_eq!(signals["default"].ttft_samples, 1, "{signals:?}");
+    }
+
+    #[test]
+    fn a_copy_from_another_generation_starts_over() {
+        let s = state(0);
+        s.route(&RouteRequest {
+            model: "m".into(),
+            ..Default::default()
+        });
+        let served = s.sync(SyncRequest {
+            replica: Some(77),
+            since: 1_000_000,
+            ..Default::default()
+        });
+        assert!(served.reset);
+        assert_ne!(served.response.replica, 77);
+        assert_eq!(served.response.events.len(), 1, "the whole log");
+    }
+
+    #[test]
+    fn the_log_is_bounded_and_a_lagging_copy_resets() {
+        let s = state(0).with_sync(2, 1 << 20);
+        let me = s.sync(SyncRequest::default()).response;
+        assert_eq!(me.replica, 1 << 20);
+        for i in 0..3 {
+            s.route(&RouteRequest {
+                model: "m".into(),
+                block_hashes: vec![i],
+                ..Default::default()
+            });
+        }
+        assert_eq!(s.snapshot().sync_log_entries, 2);
+        let served = s.sync(SyncRequest {
+            replica: Some(me.replica),
+            since: me.next,
+            ..Default::default()
+        });
+        assert!(served.reset && served.response.reset);
+        assert_eq!(served.response.events.len(), 2);
+    }
+
+    #[test]
+    fn replica_tags_avoid_the_control_planes_ids_and_fit_a_decision_id() {
+        // Wall-clock microseconds now and in a century: the control plane's own id space.
+        let own = [
+            1_750_000_000_000_000u64 >> REPLICA_SHIFT,
+            4_900_000_000_000_000 >> REPLICA_SHIFT,
+        ];
+        for entropy in [0, 1, 2, u64::MAX, 1_750_000_000_123_456_789] {
+            let tag = first_replica_tag(entropy);
+            assert!((MIN_REPLICA_TAG..MAX_REPLICA_TAG - REPLICA_TAG_HEADROOM).contains(&tag));
+            assert!(own.iter().all(|&o| o < u64::from(MIN_REPLICA_TAG)));
+            let id = (u64::from(tag + REPLICA_TAG_HEADROOM) << REPLICA_SHIFT) >> REPLICA_SHIFT;
+            assert_eq!(id, u64::from(tag + REPLICA_TAG_HEADROOM), "no bits lost");
+        }
+        assert_ne!(first_replica_tag(1), first_replica_tag(2));
     }
 
     #[test]

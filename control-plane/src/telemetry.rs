@@ -84,6 +84,9 @@ pub struct Telemetry {
     tokenize_seconds: Histogram,
     tokenize_tokens: Family<TokenSourceLabels, Counter>,
     precise_routes: Family<ReasonLabels, Counter>,
+    sync_calls: Counter,
+    sync_decisions: Counter,
+    sync_resets: Counter,
 }
 
 impl Default for Telemetry {
@@ -112,6 +115,9 @@ impl Default for Telemetry {
             tokenize_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 15)),
             tokenize_tokens: Family::default(),
             precise_routes: Family::default(),
+            sync_calls: Counter::default(),
+            sync_decisions: Counter::default(),
+            sync_resets: Counter::default(),
         }
     }
 }
@@ -143,6 +149,18 @@ impl Telemetry {
     pub fn count_feedback(&self, outcomes: usize) {
         self.feedback_batches.inc();
         self.feedback_outcomes.inc_by(outcomes as u64);
+    }
+
+    /// One sync call of a locally deciding proxy that reported `decisions` decisions and
+    /// `outcomes` outcomes, and whether its copy had to start over. Its outcomes count with
+    /// feedback's (`feedback_outcomes`): one outcome total, however it arrived.
+    pub fn count_sync(&self, decisions: usize, outcomes: usize, reset: bool) {
+        self.sync_calls.inc();
+        self.sync_decisions.inc_by(decisions as u64);
+        self.feedback_outcomes.inc_by(outcomes as u64);
+        if reset {
+            self.sync_resets.inc();
+        }
     }
 
     /// One scrape of `endpoint` ending in `result` (`ok` or an error kind).
@@ -286,8 +304,23 @@ pub fn registry(state: Arc<State>) -> Registry {
     );
     r.register(
         "feedback_outcomes",
-        "Request outcomes received in feedback",
+        "Request outcomes received, in feedback batches or sync calls",
         t.feedback_outcomes,
+    );
+    r.register(
+        "sync_calls",
+        "Sync calls from proxies deciding locally",
+        t.sync_calls,
+    );
+    r.register(
+        "sync_decisions",
+        "Decisions proxies took locally, reported in sync calls",
+        t.sync_decisions,
+    );
+    r.register(
+        "sync_resets",
+        "Sync calls whose proxy had to start over (too far behind the log, or a new generation)",
+        t.sync_resets,
     );
     r.register("scrapes", "Endpoint /metrics scrapes by result", t.scrapes);
     r.register(
@@ -411,7 +444,7 @@ impl Collector for RouterCollector {
             let c = ConstCounter::new(value);
             c.encode(encoder.encode_descriptor(name, help, None, MetricType::Counter)?)?;
         }
-        let gauges: [(&str, &str, u64); 3] = [
+        let gauges: [(&str, &str, u64); 4] = [
             (
                 "inflight",
                 "Requests routed and not yet reported",
@@ -426,6 +459,11 @@ impl Collector for RouterCollector {
                 "index_bytes",
                 "Approximate memory of the prefix index",
                 snap.index_bytes as u64,
+            ),
+            (
+                "sync_log_entries",
+                "Decisions and outcomes held in the sync log proxies pull",
+                snap.sync_log_entries as u64,
             ),
         ];
         for (name, help, value) in gauges {
@@ -633,6 +671,10 @@ mod tests {
             "kvroute_endpoint_up{endpoint=\"10.0.0.1:80\"} 1",
             "kvroute_endpoint_inflight{endpoint=\"10.0.0.1:80\"} 1",
             "kvroute_endpoint_indexed_blocks{endpoint=\"10.0.0.1:80\"} 2",
+            "kvroute_sync_log_entries 1",
+            "kvroute_sync_calls_total 0",
+            "kvroute_sync_decisions_total 0",
+            "kvroute_sync_resets_total 0",
             "# EOF",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");

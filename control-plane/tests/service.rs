@@ -729,3 +729,386 @@ async fn binary_serves_and_exits_cleanly_on_sigterm() {
     assert!(stderr.contains("is not ip:port"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+async fn post_sync(r: &Running, body: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
+    let (status, text) = http(
+        "POST",
+        format!("http://{}/v1/sync", r.api),
+        headers,
+        Some(body.to_string()),
+    )
+    .await;
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// A proxy's first sync: no tag yet, nothing seen.
+async fn join(r: &Running) -> (u64, u64) {
+    let (status, joined) = post_sync(r, &json!({}), &[]).await;
+    assert_eq!(status, 200, "{joined}");
+    (
+        joined["replica"].as_u64().unwrap(),
+        joined["next"].as_u64().unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn a_new_proxy_gets_a_tag_the_endpoints_and_the_config() {
+    let a = FakeVllm::start(vllm_metrics(1, 0, 0.1)).await;
+    let b = FakeVllm::start(vllm_metrics(1, 0, 0.1)).await;
+    let mut config = test_config(&[a.addr, b.addr]);
+    config.router.fallbacks = 1;
+    let r = start(config).await;
+    for addr in [a.addr, b.addr] {
+        eventually("first scrape", || async {
+            !endpoint_view(&r, addr).await["metrics"].is_null()
+        })
+        .await;
+    }
+    let (status, first) = post_sync(&r, &json!({}), &[]).await;
+    assert_eq!(status, 200, "{first}");
+    let tag = first["replica"].as_u64().unwrap();
+    assert!(tag > 0, "{first}");
+    assert_eq!(first["reset"], false);
+    assert_eq!(first["events"], json!([]));
+    let mut addresses: Vec<&str> = first["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["address"].as_str().unwrap())
+        .collect();
+    addresses.sort_unstable();
+    let mut expected = [a.addr.to_string(), b.addr.to_string()];
+    expected.sort_unstable();
+    assert_eq!(addresses, expected);
+    assert_eq!(
+        first["endpoints"][0]["metrics"]["capacity_tokens"],
+        2048 * 16
+    );
+    assert_eq!(
+        first["config"]["fallbacks"], 1,
+        "the configured router config"
+    );
+    // A second proxy gets another tag; the first keeps its own.
+    let (_, second) = post_sync(&r, &json!({}), &[]).await;
+    assert_ne!(second["replica"], first["replica"]);
+    let (_, again) = post_sync(&r, &json!({ "replica": tag, "since": first["next"] }), &[]).await;
+    assert_eq!(again["replica"], tag);
+    let text = metrics_text(&r).await;
+    assert!(text.contains("kvroute_sync_calls_total 3"), "{text}");
+    assert!(text.contains("kvroute_sync_log_entries 0"), "{text}");
+}
+
+#[tokio::test]
+async fn a_proxys_decision_reaches_other_proxies_and_loads_the_control_plane() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let b = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr, b.addr])).await;
+    for addr in [a.addr, b.addr] {
+        eventually("first scrape", || async {
+            !endpoint_view(&r, addr).await["metrics"].is_null()
+        })
+        .await;
+    }
+    let (proxy_a, next_a) = join(&r).await;
+    let (proxy_b, next_b) = join(&r).await;
+    let decision_id = (proxy_a << 40) + 1;
+    let mut request = route_request(1..21);
+    request["prompt_text"] = json!("{\"prompt\":\"private words\"}");
+    let record =
+        json!({ "decision_id": decision_id, "endpoint": b.addr.to_string(), "request": request });
+    let (status, answer) = post_sync(
+        &r,
+        &json!({ "replica": proxy_a, "since": next_a, "decisions": [record] }),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        answer["events"],
+        json!([]),
+        "a proxy's own entries are not echoed"
+    );
+
+    // The control plane accounts for it as its own in-flight load...
+    assert_eq!(endpoint_view(&r, b.addr).await["inflight"], 1);
+    assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
+    // ...and the other proxy learns of it, without the prompt text.
+    let (status, text) = http(
+        "POST",
+        format!("http://{}/v1/sync", r.api),
+        &[],
+        Some(json!({ "replica": proxy_b, "since": next_b }).to_string()),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert!(!text.contains("private words"), "{text}");
+    let seen: Value = serde_json::from_str(&text).unwrap();
+    let events = seen["events"].as_array().unwrap();
+    assert_eq!(events.len(), 1, "{seen}");
+    assert_eq!(events[0]["kind"], "decision");
+    assert_eq!(events[0]["origin"], proxy_a);
+    assert_eq!(events[0]["record"]["decision_id"], decision_id);
+    assert_eq!(events[0]["record"]["endpoint"], b.addr.to_string());
+    let next_b = seen["next"].as_u64().unwrap();
+
+    // The prefix it sent there steers the control plane's own route calls once its prefill
+    // has drained.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (status, routed) = post_route(&r, &route_request(1..30), &[]).await;
+    assert_eq!(status, 200, "{routed}");
+    assert_eq!(routed["endpoints"][0], b.addr.to_string(), "{routed}");
+    assert_eq!(routed["cached_blocks"], 20, "{routed}");
+
+    // Its outcome, reported via sync, releases the load and reaches proxy B too.
+    let outcome = json!({ "decision_id": decision_id, "endpoint": b.addr.to_string(), "status": 200, "ttfb_ms": 10, "total_ms": 30 });
+    let (status, _) = post_sync(
+        &r,
+        &json!({ "replica": proxy_a, "since": answer["next"], "outcomes": [outcome] }),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let view = endpoint_view(&r, b.addr).await;
+    assert_eq!(
+        view["inflight"], 1,
+        "only the route call's decision is left: {view}"
+    );
+    let (_, seen) = post_sync(&r, &json!({ "replica": proxy_b, "since": next_b }), &[]).await;
+    let kinds: Vec<&str> = seen["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["decision", "outcome"], "{seen}");
+    let text = metrics_text(&r).await;
+    for needle in [
+        "kvroute_sync_decisions_total 1",
+        "kvroute_feedback_outcomes_total 1",
+        "kvroute_sync_log_entries 3",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn route_call_decisions_and_feedback_appear_in_the_next_sync() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    let (proxy, next) = join(&r).await;
+    let mut req = route_request(0..4);
+    req["prompt_text"] = json!("{\"prompt\":\"keep me here\"}");
+    req["api"] = json!("completion");
+    let (status, routed) = post_route(&r, &req, &[]).await;
+    assert_eq!(status, 200, "{routed}");
+    let batch = json!({ "outcomes": [{ "decision_id": routed["decision_id"], "endpoint": a.addr.to_string(), "status": 200, "total_ms": 5 }] });
+    let (status, _) = http(
+        "POST",
+        format!("http://{}/v1/feedback", r.api),
+        &[],
+        Some(batch.to_string()),
+    )
+    .await;
+    assert_eq!(status, 204);
+
+    let (status, text) = http(
+        "POST",
+        format!("http://{}/v1/sync", r.api),
+        &[],
+        Some(json!({ "replica": proxy, "since": next }).to_string()),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert!(!text.contains("keep me here"), "{text}");
+    let seen: Value = serde_json::from_str(&text).unwrap();
+    let events = seen["events"].as_array().unwrap();
+    assert_eq!(events.len(), 2, "{seen}");
+    assert_eq!(events[0]["kind"], "decision");
+    assert_eq!(events[0]["origin"], 0);
+    assert_eq!(events[0]["record"]["decision_id"], routed["decision_id"]);
+    assert_eq!(events[0]["record"]["endpoint"], routed["endpoints"][0]);
+    assert_eq!(
+        events[0]["record"]["request"]["block_hashes"],
+        json!([0, 1, 2, 3])
+    );
+    assert!(events[0]["record"]["request"].get("prompt_text").is_none());
+    assert_eq!(events[1]["kind"], "outcome");
+    assert_eq!(events[1]["origin"], 0);
+    assert_eq!(events[1]["outcome"]["decision_id"], routed["decision_id"]);
+    assert_eq!(seen["next"], next + 2);
+}
+
+#[tokio::test]
+async fn a_proxy_behind_the_log_or_from_another_generation_starts_over() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let mut config = test_config(&[a.addr]);
+    config.sync.log_entries = 2;
+    let r = start(config).await;
+    let (proxy, next) = join(&r).await;
+    for i in 0..3 {
+        assert_eq!(
+            post_route(&r, &route_request(i * 10..i * 10 + 2), &[])
+                .await
+                .0,
+            200
+        );
+    }
+    let (_, behind) = post_sync(&r, &json!({ "replica": proxy, "since": next }), &[]).await;
+    assert_eq!(behind["reset"], true, "{behind}");
+    assert_eq!(behind["events"].as_array().unwrap().len(), 2);
+    // A `since` this log never issued: a copy of the control plane's previous incarnation.
+    let (_, stale) = post_sync(&r, &json!({ "replica": proxy, "since": 1_000_000 }), &[]).await;
+    assert_ne!(stale["replica"], proxy, "{stale}");
+    assert_eq!(stale["events"].as_array().unwrap().len(), 2);
+    let text = metrics_text(&r).await;
+    assert!(text.contains("kvroute_sync_resets_total 2"), "{text}");
+    assert!(text.contains("kvroute_sync_log_entries 2"), "{text}");
+}
+
+#[tokio::test]
+async fn bad_sync_bodies_get_a_clear_400() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let config = Config {
+        max_block_hashes: 4,
+        max_body_bytes: 4096,
+        max_feedback_outcomes: 2,
+        ..test_config(&[a.addr])
+    };
+    let r = start(config).await;
+    let url = format!("http://{}/v1/sync", r.api);
+    let ep = a.addr.to_string();
+    let decision =
+        |id: Value| json!({ "decision_id": id, "endpoint": ep, "request": { "model": "m" } });
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("not JSON", "{not json".into(), "invalid JSON body"),
+        ("a string", "\"sync\"".into(), "invalid JSON body"),
+        ("since as text", r#"{"since":"soon"}"#.into(), "invalid JSON body"),
+        ("decisions not a list", r#"{"decisions":{}}"#.into(), "invalid JSON body"),
+        (
+            "a decision without a request",
+            json!({ "decisions": [{ "decision_id": 1, "endpoint": ep }] }).to_string(),
+            "invalid JSON body",
+        ),
+        ("since past u64", r#"{"since":1e30}"#.into(), "invalid JSON body"),
+        ("since past u64, as an integer", r#"{"since":18446744073709551616}"#.into(), "invalid JSON body"),
+        ("a negative since", r#"{"since":-1}"#.into(), "invalid JSON body"),
+        ("replica past u32", r#"{"replica":4294967296}"#.into(), "invalid JSON body"),
+        ("replica 0", r#"{"replica":0}"#.into(), "replica 0"),
+        (
+            "a negative decision id",
+            json!({ "decisions": [decision(json!(-1))] }).to_string(),
+            "invalid JSON body",
+        ),
+        (
+            "prompt_tokens past u32",
+            json!({ "decisions": [{ "decision_id": 1, "endpoint": ep, "request": { "model": "m", "prompt_tokens": 4294967296u64 } }] }).to_string(),
+            "invalid JSON body",
+        ),
+        (
+            "an outcome status past u16",
+            json!({ "outcomes": [{ "decision_id": 1, "status": 70000 }] }).to_string(),
+            "invalid JSON body",
+        ),
+        (
+            "too many decisions",
+            json!({ "decisions": [decision(json!(1)), decision(json!(2)), decision(json!(3))] }).to_string(),
+            "3 decisions in one sync, at most 2",
+        ),
+        (
+            "too many outcomes",
+            json!({ "outcomes": [{ "decision_id": 1 }, { "decision_id": 2 }, { "decision_id": 3 }] }).to_string(),
+            "3 outcomes in one sync, at most 2",
+        ),
+        (
+            "too many block hashes",
+            json!({ "decisions": [{ "decision_id": 1, "endpoint": ep, "request": { "model": "m", "block_hashes": [1, 2, 3, 4, 5] } }] }).to_string(),
+            "decisions[0].request: 5 block_hashes, at most 4",
+        ),
+    ];
+    for (what, body, message) in cases {
+        let (status, text) = http("POST", url.clone(), &[], Some(body)).await;
+        assert_eq!(status, 400, "{what}: {text}");
+        let error: Value = serde_json::from_str(&text).unwrap();
+        assert!(
+            error["error"].as_str().unwrap().contains(message),
+            "{what}: {text}"
+        );
+    }
+    let (status, text) = http(
+        "POST",
+        url.clone(),
+        &[],
+        Some(format!("{{\"decisions\":[{}]}}", "1,".repeat(3000))),
+    )
+    .await;
+    assert_eq!(status, 413, "{text}");
+
+    // Huge values that are valid numbers are accepted and harm nothing.
+    let max = u64::MAX;
+    let huge = json!({
+        "replica": u32::MAX,
+        "since": max,
+        "decisions": [{ "decision_id": max, "endpoint": ep, "request": {
+            "model": "m", "block_hashes": [max, 0], "prompt_bytes": max, "prompt_tokens": u32::MAX,
+            "max_output_tokens": u32::MAX } },
+            { "decision_id": 7, "endpoint": "not an endpoint", "request": { "model": "m" } }],
+        "outcomes": [{ "decision_id": max, "endpoint": ep, "status": 200, "ttfb_ms": max,
+            "total_ms": max, "prompt_tokens": u32::MAX, "completion_tokens": u32::MAX,
+            "cached_tokens": u32::MAX }]
+    });
+    let (status, answer) = post_sync(&r, &huge, &[]).await;
+    assert_eq!(status, 200, "{answer}");
+    // The service is still fine.
+    assert_eq!(post_route(&r, &route_request(0..2), &[]).await.0, 200);
+    assert_eq!(post_sync(&r, &json!({}), &[]).await.0, 200);
+    assert!(
+        metrics_text(&r)
+            .await
+            .contains("kvroute_rejected_requests_total{path=\"/v1/sync\",reason=\"bad_json\"}")
+    );
+}
+
+#[tokio::test]
+async fn auth_token_guards_sync() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(Config {
+        auth_token: Some("s3cret".into()),
+        ..test_config(&[a.addr])
+    })
+    .await;
+    let (status, body) = post_sync(&r, &json!({}), &[]).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("x-kvroute-token"),
+        "{body}"
+    );
+    assert_eq!(
+        post_sync(&r, &json!({}), &[("x-kvroute-token", "wrong")])
+            .await
+            .0,
+        401
+    );
+    // Refused before the body is read: a bad body without the token is still a 401.
+    let (status, _) = http(
+        "POST",
+        format!("http://{}/v1/sync", r.api),
+        &[],
+        Some("{not json".into()),
+    )
+    .await;
+    assert_eq!(status, 401);
+    let (status, joined) = post_sync(&r, &json!({}), &[("x-kvroute-token", "s3cret")]).await;
+    assert_eq!(status, 200, "{joined}");
+    assert!(joined["replica"].as_u64().unwrap() > 0);
+    let text = metrics_text(&r).await;
+    assert!(
+        text.contains(
+            "kvroute_rejected_requests_total{path=\"/v1/sync\",reason=\"unauthorized\"} 3"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("kvroute_sync_calls_total 1"), "{text}");
+}
