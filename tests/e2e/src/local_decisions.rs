@@ -70,6 +70,10 @@ async fn turns_follow_their_cache_when_proxies_decide_locally() {
         );
         let routed = fleet.envoy_counter("kvroute_requests_routed").await;
         let local = fleet.envoy_counter("kvroute_decisions_local").await;
+        eprintln!(
+            "local decisions: {followed} of {follow_ups} turns followed their cache; \
+             {local} of {routed} routed requests decided locally"
+        );
         assert!(
             local >= routed * 0.9 && local > 0.0,
             "{local} of {routed} routed requests were decided locally"
