@@ -10,7 +10,9 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use fleet_sim::des::{RunResult, SimConfig, run};
-use fleet_sim::policy::{DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with};
+use fleet_sim::policy::{
+    DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with, check_policy, regroup_policy_specs,
+};
 use fleet_sim::report::{PolicySummary, line_chart, line_chart_axes, table, ttft_cdf_series};
 use fleet_sim::workload::from_spec;
 use scorer_core::router::RouterConfig;
@@ -117,7 +119,8 @@ struct CompareArgs {
     /// Replicas in the fleet.
     #[arg(long, default_value_t = 8)]
     replicas: usize,
-    /// Comma-separated policies (default: all).
+    /// Comma-separated policies (default: all); `kvroute-local` takes options as
+    /// `kvroute-local:proxies=4,workers=4,sync_ms=50`.
     #[arg(long, value_delimiter = ',')]
     policies: Option<Vec<String>>,
     /// Compress arrival times by this factor (2 = twice the load).
@@ -340,13 +343,13 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         profile = profile.with_kv_capacity_tokens(t);
         profile.validate()?;
     }
-    let policies: Vec<String> = args
-        .policies
-        .clone()
-        .unwrap_or_else(|| POLICY_NAMES.iter().map(|s| s.to_string()).collect());
+    let policies: Vec<String> = match &args.policies {
+        Some(pieces) => regroup_policy_specs(pieces),
+        None => POLICY_NAMES.iter().map(|s| s.to_string()).collect(),
+    };
     for p in &policies {
-        if !POLICY_NAMES.contains(&p.as_str()) {
-            bail!("unknown policy {p:?}; known: {}", POLICY_NAMES.join(", "));
+        if let Err(e) = check_policy(p) {
+            bail!("{e}");
         }
     }
     let router: RouterConfig = match &args.router_config {

@@ -11,7 +11,8 @@ use scorer_core::hash::{model_seed, token_block_hashes};
 use scorer_core::index::{EndpointId, PrefixIndex};
 use scorer_core::precise::{KvEvent, PreciseTracker};
 use scorer_core::protocol::{Outcome, RouteRequest};
-use scorer_core::router::{EndpointLoad, EndpointMetrics, Router, RouterConfig};
+use scorer_core::router::{Decision, EndpointLoad, EndpointMetrics, Router, RouterConfig};
+use scorer_core::sync::{DecisionRecord, LocalRouter, SyncEvent, SyncLog, serve_sync};
 
 /// The model name every simulated replica serves.
 pub const MODEL: &str = "sim-model";
@@ -89,7 +90,45 @@ pub const POLICY_NAMES: &[&str] = &[
     "dynamo",
     "kvroute",
     "kvroute-precise",
+    "kvroute-local",
 ];
+
+/// Checks a policy spec as the CLI takes it: a name of [`POLICY_NAMES`], options only for
+/// `kvroute-local` (`kvroute-local:proxies=4,workers=4,sync_ms=50`); the error says what is
+/// wrong, where [`build_with`] only says no.
+pub fn check_policy(spec: &str) -> Result<(), String> {
+    let (name, options) = spec.split_once(':').unwrap_or((spec, ""));
+    if !POLICY_NAMES.contains(&name) {
+        return Err(format!(
+            "unknown policy {name:?}; known: {}",
+            POLICY_NAMES.join(", ")
+        ));
+    }
+    if name == "kvroute-local" {
+        LocalSettings::parse(options).map(|_| ())
+    } else if options.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("policy {name} takes no options"))
+    }
+}
+
+/// Puts a comma-split policy list back together: a `key=value` piece without a `:` belongs to
+/// the policy before it, so `kvroute,kvroute-local:proxies=2,sync_ms=10` stays two policies
+/// although the CLI splits lists on commas.
+pub fn regroup_policy_specs(pieces: &[String]) -> Vec<String> {
+    let mut specs: Vec<String> = Vec::new();
+    for piece in pieces {
+        match specs.last_mut() {
+            Some(last) if piece.contains('=') && !piece.contains(':') && last.contains(':') => {
+                last.push(',');
+                last.push_str(piece);
+            }
+            _ => specs.push(piece.clone()),
+        }
+    }
+    specs
+}
 
 /// Canonical text bytes per token of fleet-sim's workloads unless told otherwise: the
 /// router's default `bytes_per_token`, so approximate mode's estimate is right on average.
@@ -106,7 +145,8 @@ pub fn build(name: &str, replicas: usize, seed: u64) -> Option<Box<dyn Policy>> 
     )
 }
 
-/// Builds the policy called `name`; kvroute policies take `kvroute` as their router config
+/// Builds the policy called `name` (a spec [`check_policy`] accepts); kvroute policies take
+/// `kvroute` as their router config
 /// (block sizes are set by the mode). `text_bytes_per_token` is how many canonical bytes the
 /// workload's text spends per token: the approximate filter sees bytes, not tokens.
 pub fn build_with(
@@ -116,6 +156,10 @@ pub fn build_with(
     kvroute: &RouterConfig,
     text_bytes_per_token: f64,
 ) -> Option<Box<dyn Policy>> {
+    let (name, options) = name.split_once(':').unwrap_or((name, ""));
+    if !options.is_empty() && name != "kvroute-local" {
+        return None;
+    }
     Some(match name {
         "round-robin" => Box::new(RoundRobin {
             next: 0,
@@ -147,6 +191,13 @@ pub fn build_with(
             replicas,
             seed,
             true,
+            kvroute.clone(),
+            text_bytes_per_token,
+        )),
+        "kvroute-local" => Box::new(KvrouteLocal::new(
+            replicas,
+            seed,
+            LocalSettings::parse(options).ok()?,
             kvroute.clone(),
             text_bytes_per_token,
         )),
@@ -615,6 +666,41 @@ impl Kvroute {
             approx_block_tokens,
         }
     }
+
+    /// The route call the filter would send for `r`: hashes of the text it sees, no tokens
+    /// unless precise (shared with `kvroute-local`, so both policies see the same inputs).
+    fn route_request(&self, r: &PolicyRequest<'_>) -> RouteRequest {
+        RouteRequest {
+            model: MODEL.into(),
+            block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, self.approx_block_tokens),
+            prompt_bytes: (r.tokens.len() as f64 * self.text_bytes_per_token).round() as u64,
+            prompt_tokens: r.tokens.len() as u32,
+            max_output_tokens: Some(r.output_tokens),
+            session: r.session.map(|s| s.to_string()),
+            prompt_text: None,
+            api: None,
+            cache_salt: None,
+            tenant: None,
+            criticality: None,
+            token_block_hashes: if self.precise {
+                let block = self.router.config().precise.block_tokens;
+                token_block_hashes(model_seed(MODEL), r.tokens, block)
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// The replica a decision names; a refused decision falls back to a random replica, as
+    /// the filter falls back to Envoy's own balancing.
+    fn pick(&mut self, decision: &Decision) -> usize {
+        decision
+            .response
+            .endpoints
+            .first()
+            .and_then(|a| self.addresses.iter().position(|x| x == a))
+            .unwrap_or_else(|| self.seed.below(self.addresses.len()))
+    }
 }
 impl Policy for Kvroute {
     fn name(&self) -> &str {
@@ -647,34 +733,11 @@ impl Policy for Kvroute {
         }
     }
     fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
-        let request = RouteRequest {
-            model: MODEL.into(),
-            block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, self.approx_block_tokens),
-            prompt_bytes: (r.tokens.len() as f64 * self.text_bytes_per_token).round() as u64,
-            prompt_tokens: r.tokens.len() as u32,
-            max_output_tokens: Some(r.output_tokens),
-            session: r.session.map(|s| s.to_string()),
-            prompt_text: None,
-            api: None,
-            cache_salt: None,
-            tenant: None,
-            criticality: None,
-            token_block_hashes: if self.precise {
-                let block = self.router.config().precise.block_tokens;
-                token_block_hashes(model_seed(MODEL), r.tokens, block)
-            } else {
-                Vec::new()
-            },
-        };
+        let request = self.route_request(r);
         let decision = self
             .router
             .route(&request, now_ms as u64, self.seed.next_u64());
-        let pick = decision
-            .response
-            .endpoints
-            .first()
-            .and_then(|a| self.addresses.iter().position(|x| x == a))
-            .unwrap_or_else(|| self.seed.below(self.addresses.len()));
+        let pick = self.pick(&decision);
         let cached = decision.candidates.first().map_or(0, |c| c.cached_tokens);
         self.decisions
             .insert(r.id, (decision.response.decision_id, r.tokens.len() as u32));
@@ -706,6 +769,284 @@ impl Policy for Kvroute {
         self.router
             .endpoint_loads(now_ms as u64, reference_tokens, out);
         true
+    }
+}
+
+/// Settings of `kvroute-local`, the filter deciding in the proxy (issue #15): how many copies
+/// of the routing state decide, and how stale they get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalSettings {
+    /// Envoy proxies behind the load balancer.
+    pub proxies: usize,
+    /// Worker threads per proxy; each runs its own filter VM, so its own copy.
+    pub workers: usize,
+    /// Virtual ms between one copy's sync calls (the filter's default: 50).
+    pub sync_ms: u64,
+}
+
+impl Default for LocalSettings {
+    fn default() -> Self {
+        LocalSettings {
+            proxies: 4,
+            workers: 4,
+            sync_ms: 50,
+        }
+    }
+}
+
+impl LocalSettings {
+    /// Reads `proxies=4,workers=4,sync_ms=50` (any subset, empty for the defaults), so a
+    /// policy list can sweep the staleness without a flag per setting.
+    pub fn parse(options: &str) -> Result<Self, String> {
+        let mut settings = LocalSettings::default();
+        for kv in options.split(',').filter(|s| !s.is_empty()) {
+            let (key, value) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("kvroute-local option {kv:?} is not key=value"))?;
+            let number: u64 =
+                value.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    format!("kvroute-local {key}={value:?}: need a positive integer")
+                })?;
+            match key {
+                "proxies" => settings.proxies = number as usize,
+                "workers" => settings.workers = number as usize,
+                "sync_ms" => settings.sync_ms = number,
+                _ => {
+                    return Err(format!(
+                        "unknown kvroute-local option {key:?} (proxies, workers, sync_ms)"
+                    ));
+                }
+            }
+        }
+        if settings.proxies.saturating_mul(settings.workers) > MAX_LOCAL_COPIES {
+            return Err(format!(
+                "kvroute-local: at most {MAX_LOCAL_COPIES} copies (proxies x workers)"
+            ));
+        }
+        Ok(settings)
+    }
+
+    /// The name in tables: `kvroute-local` plus the settings that differ from the defaults,
+    /// so two settings compared in one run stay apart.
+    pub fn name(&self) -> String {
+        let defaults = LocalSettings::default();
+        let mut options = Vec::new();
+        if self.proxies != defaults.proxies {
+            options.push(format!("proxies={}", self.proxies));
+        }
+        if self.workers != defaults.workers {
+            options.push(format!("workers={}", self.workers));
+        }
+        if self.sync_ms != defaults.sync_ms {
+            options.push(format!("sync_ms={}", self.sync_ms));
+        }
+        if options.is_empty() {
+            "kvroute-local".into()
+        } else {
+            format!("kvroute-local:{}", options.join(","))
+        }
+    }
+}
+
+/// Most copies `kvroute-local` simulates (each is a whole `Router`).
+pub const MAX_LOCAL_COPIES: usize = 1024;
+
+/// Entries the simulated control plane's sync log holds: far more than a few intervals of
+/// traffic, so no copy ever resets in these runs (resets are scorer-core's to test).
+const LOCAL_LOG_CAPACITY: usize = 1 << 20;
+
+/// Decisions and outcomes a copy queues between syncs before dropping the oldest.
+const LOCAL_MAX_PENDING: usize = 1 << 16;
+
+/// A copy whose last sync is older than this many intervals calls out instead (a missed
+/// tick or two is tolerated, as the filter does); the simulated syncs never fail, so this
+/// only matters before a copy's first sync.
+const LOCAL_STALE_TICKS: u64 = 3;
+
+/// Who took one decision in `kvroute-local`, so its outcome goes back there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decider {
+    /// The control plane, on a callout from a copy that was not ready.
+    Central,
+    /// The copy at this index (`proxy * workers + worker`).
+    Copy(usize),
+}
+
+/// One routed request of `kvroute-local`: who decided, the decision id, the prompt tokens.
+#[derive(Debug, Clone, Copy)]
+struct LocalDecision {
+    decider: Decider,
+    decision_id: u64,
+    prompt_tokens: u32,
+}
+
+/// kvroute deciding in the proxy (issue #15): `proxies x workers` copies of the routing state
+/// ([`LocalRouter`]) decide on what they last synced, while the control plane's `Router` gets
+/// the scraped metrics exactly as single-router `kvroute` does and keeps the [`SyncLog`] every
+/// copy pulls from. Each copy syncs every `sync_ms` of virtual time, the copies' ticks spread
+/// evenly over the interval. A request lands on a pseudo-random copy (a load balancer over
+/// proxies, Envoy's connection spread over workers); a copy that has not synced yet calls the
+/// control plane, whose decision is logged for the others. The simulator has no timer hook, so
+/// ticks run lazily: before each request, outcome or scrape every tick due strictly before
+/// `now` runs in time order (a tick at the same millisecond as an event comes after it), which
+/// in virtual time is the same as running them on their timers. Syncs are instantaneous (no
+/// round trip).
+struct KvrouteLocal {
+    settings: LocalSettings,
+    name: String,
+    /// The control plane: its router, the scraped metrics, the request shape and the seeds.
+    central: Kvroute,
+    log: SyncLog,
+    copies: Vec<LocalRouter>,
+    /// Ticks run so far over all copies; tick `m` is copy `m % copies` at `m * sync_ms / copies`.
+    ticks: u64,
+    placement: SplitMix,
+    decisions: HashMap<usize, LocalDecision>,
+    predicted: HashMap<usize, u32>,
+    /// Decisions the control plane took because the chosen copy was not ready.
+    callouts: u64,
+}
+
+impl KvrouteLocal {
+    fn new(
+        n: usize,
+        seed: u64,
+        settings: LocalSettings,
+        base: RouterConfig,
+        text_bytes_per_token: f64,
+    ) -> Self {
+        let copies = settings.proxies * settings.workers;
+        KvrouteLocal {
+            settings,
+            name: settings.name(),
+            central: Kvroute::new(n, seed, false, base, text_bytes_per_token),
+            log: SyncLog::new(LOCAL_LOG_CAPACITY, 1),
+            copies: (0..copies)
+                .map(|_| LocalRouter::new(LOCAL_MAX_PENDING))
+                .collect(),
+            ticks: 0,
+            placement: SplitMix(seed ^ 0x10ca_1c09_1e5d_a7a5),
+            decisions: HashMap::new(),
+            predicted: HashMap::new(),
+            callouts: 0,
+        }
+    }
+
+    /// Virtual time of tick `m` (ms): copies take turns, `sync_ms / copies` apart.
+    fn tick_ms(&self, m: u64) -> f64 {
+        m as f64 * self.settings.sync_ms as f64 / self.copies.len() as f64
+    }
+
+    /// Runs every sync tick due strictly before `now_ms`, oldest first.
+    fn catch_up(&mut self, now_ms: f64) {
+        loop {
+            let at = self.tick_ms(self.ticks);
+            if at >= now_ms {
+                break;
+            }
+            let index = (self.ticks % self.copies.len() as u64) as usize;
+            let copy = &mut self.copies[index];
+            let response = serve_sync(
+                &mut self.log,
+                &mut self.central.router,
+                copy.sync_request(),
+                at as u64,
+            );
+            copy.apply(response, at as u64);
+            self.ticks += 1;
+        }
+    }
+}
+
+impl Policy for KvrouteLocal {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn on_metrics(&mut self, replicas: &[ReplicaSnapshot], now_ms: f64) {
+        self.catch_up(now_ms);
+        self.central.on_metrics(replicas, now_ms);
+    }
+    fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
+        self.catch_up(now_ms);
+        let request = self.central.route_request(r);
+        let at = now_ms as u64;
+        let workers = self.settings.workers;
+        let proxy = self.placement.below(self.settings.proxies);
+        let worker = self.placement.below(workers);
+        let index = proxy * workers + worker;
+        let seed = self.central.seed.next_u64();
+        let max_age = self.settings.sync_ms.saturating_mul(LOCAL_STALE_TICKS);
+        let copy = &mut self.copies[index];
+        let local = if copy.ready(at, max_age) {
+            copy.route(&request, at, seed)
+        } else {
+            None
+        };
+        let (decider, decision) = match local {
+            Some(decision) => (Decider::Copy(index), decision),
+            None => {
+                // The callout: the control plane decides, and logs it for every copy.
+                self.callouts += 1;
+                let decision = self.central.router.route(&request, at, seed);
+                if let Some(endpoint) = decision.response.endpoints.first() {
+                    self.log.push(SyncEvent::Decision {
+                        origin: 0,
+                        record: DecisionRecord {
+                            decision_id: decision.response.decision_id,
+                            endpoint: endpoint.clone(),
+                            request,
+                        },
+                    });
+                }
+                (Decider::Central, decision)
+            }
+        };
+        let pick = self.central.pick(&decision);
+        let cached = decision.candidates.first().map_or(0, |c| c.cached_tokens);
+        self.decisions.insert(
+            r.id,
+            LocalDecision {
+                decider,
+                decision_id: decision.response.decision_id,
+                prompt_tokens: r.tokens.len() as u32,
+            },
+        );
+        self.predicted.insert(r.id, cached);
+        pick
+    }
+    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
+        self.catch_up(now_ms);
+        let Some(decision) = self.decisions.remove(&id) else {
+            return;
+        };
+        let outcome = Outcome {
+            decision_id: decision.decision_id,
+            endpoint: self.central.addresses[replica].clone(),
+            status: 200,
+            prompt_tokens: Some(decision.prompt_tokens),
+            cached_tokens: Some(cached_tokens),
+            ..Outcome::default()
+        };
+        let at = now_ms as u64;
+        match decision.decider {
+            Decider::Copy(index) => self.copies[index].outcome(outcome, at),
+            Decider::Central => {
+                self.central.router.feedback(&outcome, at);
+                self.log.push(SyncEvent::Outcome { origin: 0, outcome });
+            }
+        }
+    }
+    fn predicted_cached_tokens(&self, id: usize) -> Option<u32> {
+        self.predicted.get(&id).copied()
+    }
+    fn endpoint_loads(
+        &self,
+        now_ms: f64,
+        reference_tokens: u32,
+        out: &mut Vec<EndpointLoad>,
+    ) -> bool {
+        // Admission stays in the control plane: its view is the central router's.
+        self.central.endpoint_loads(now_ms, reference_tokens, out)
     }
 }
 
@@ -747,5 +1088,189 @@ mod tests {
             (2 * right - 128..=2 * right + 128).contains(&doubled),
             "{doubled} vs {right}"
         );
+    }
+}
+
+#[cfg(test)]
+mod local_tests {
+    use super::*;
+    use crate::des::{SimConfig, run};
+    use crate::workload::from_spec;
+
+    fn snapshots(n: usize) -> Vec<ReplicaSnapshot> {
+        vec![
+            ReplicaSnapshot {
+                capacity_tokens: 200_000,
+                block_size: 16,
+                ..ReplicaSnapshot::default()
+            };
+            n
+        ]
+    }
+
+    fn local(replicas: usize, seed: u64, options: &str) -> KvrouteLocal {
+        KvrouteLocal::new(
+            replicas,
+            seed,
+            LocalSettings::parse(options).unwrap(),
+            RouterConfig::default(),
+            DEFAULT_TEXT_BYTES_PER_TOKEN,
+        )
+    }
+
+    /// A prompt of `len` tokens unique to `group` (shared by every prompt of the group), plus
+    /// `tail` tokens unique to `(group, member)`.
+    fn prompt(group: u32, member: u32, len: u32, tail: u32) -> Vec<u32> {
+        let mut tokens: Vec<u32> = (0..len).map(|i| group * 100_000 + i).collect();
+        tokens.extend((0..tail).map(|i| 50_000_000 + group * 10_000 + member * 1_000 + i));
+        tokens
+    }
+
+    #[test]
+    fn settings_parse_name_and_regroup() {
+        assert_eq!(LocalSettings::parse("").unwrap(), LocalSettings::default());
+        let s = LocalSettings::parse("workers=2,sync_ms=10").unwrap();
+        assert_eq!((s.proxies, s.workers, s.sync_ms), (4, 2, 10));
+        assert_eq!(s.name(), "kvroute-local:workers=2,sync_ms=10");
+        assert_eq!(LocalSettings::default().name(), "kvroute-local");
+        assert!(LocalSettings::parse("sync_ms=0").is_err());
+        assert!(LocalSettings::parse("threads=2").is_err());
+        assert!(check_policy("kvroute-local:proxies=2").is_ok());
+        assert!(check_policy("kvroute:proxies=2").is_err());
+        let pieces: Vec<String> = ["kvroute", "kvroute-local:proxies=2", "sync_ms=10", "llmd"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(
+            regroup_policy_specs(&pieces),
+            ["kvroute", "kvroute-local:proxies=2,sync_ms=10", "llmd"]
+        );
+        let built = build("kvroute-local:sync_ms=200", 2, 1).unwrap();
+        assert_eq!(built.name(), "kvroute-local:sync_ms=200");
+    }
+
+    // The same seed replays the same run: placement, ticks and decisions are all seeded.
+    #[test]
+    fn deterministic_for_a_seed() {
+        let workload = from_spec("multi-turn:conversations=6,turns=3,rps=4", 3).unwrap();
+        let cfg = SimConfig {
+            replicas: 4,
+            profile: vllm_sim::Profile::llama8b_h100(),
+            seed: 3,
+            metrics_interval_ms: 100.0,
+        };
+        let once = |seed| {
+            let mut policy = build("kvroute-local:proxies=2,workers=2", 4, seed).unwrap();
+            run(&workload, policy.as_mut(), &cfg).unwrap().records
+        };
+        let (a, b) = (once(3), once(3));
+        assert_eq!(a, b);
+        let placements = |seed| {
+            let mut p = local(4, seed, "");
+            (0..32).map(|_| p.placement.below(16)).collect::<Vec<_>>()
+        };
+        assert_ne!(placements(3), placements(4), "the seed picks the copies");
+    }
+
+    // One copy that synced once and never again is a single router: it sees every decision
+    // and outcome, so it decides exactly as `kvroute` does when the metrics do not change.
+    #[test]
+    fn one_copy_that_synced_once_is_a_single_router() {
+        let n = 4;
+        let mut single = Kvroute::new(
+            n,
+            9,
+            false,
+            RouterConfig::default(),
+            DEFAULT_TEXT_BYTES_PER_TOKEN,
+        );
+        // Ties break by seed and decision id; number the single router's decisions as the
+        // copy's (replica tag 1, the log's first) so the two are comparable bit for bit.
+        single.router = Router::new(
+            single.router.config().clone(),
+            (1 << scorer_core::sync::REPLICA_SHIFT) + 1,
+        );
+        for a in &single.addresses {
+            single.router.upsert_endpoint(a).unwrap();
+        }
+        let mut copy = local(n, 9, "proxies=1,workers=1,sync_ms=1000000000");
+        single.on_metrics(&snapshots(n), 0.0);
+        copy.on_metrics(&snapshots(n), 0.0);
+        let mut id = 0;
+        for round in 0..4u32 {
+            for group in 0..6u32 {
+                let tokens = prompt(group, round, 1_500 + 200 * group, 300);
+                let request = PolicyRequest {
+                    id,
+                    tokens: &tokens,
+                    output_tokens: 64,
+                    session: None,
+                };
+                let now = 1.0 + id as f64;
+                let (a, b) = (single.route(&request, now), copy.route(&request, now));
+                assert_eq!(a, b, "request {id}");
+                assert_eq!(
+                    single.predicted_cached_tokens(id),
+                    copy.predicted_cached_tokens(id)
+                );
+                // Every other request finishes before the next one arrives.
+                if id % 2 == 0 {
+                    single.on_finish(id, a, now + 0.5, 0);
+                    copy.on_finish(id, b, now + 0.5, 0);
+                }
+                id += 1;
+            }
+        }
+        assert_eq!(copy.callouts, 0, "every decision was local");
+        assert_eq!(copy.copies[0].local_decisions(), id as u64);
+    }
+
+    // With 16 copies a conversation's turns land on different copies, yet turn 2 follows turn 1
+    // to its replica once turn 1's decision has been synced to the copy deciding turn 2.
+    #[test]
+    fn turn_two_follows_turn_one_after_a_sync() {
+        let n = 8;
+        let mut policy = local(n, 5, "proxies=4,workers=4,sync_ms=50");
+        policy.on_metrics(&snapshots(n), 0.0);
+        let mut now = 200.0;
+        let mut other_copy = 0;
+        for conversation in 0..24u32 {
+            let turn1 = prompt(conversation, 0, 2_000, 0);
+            let mut turn2 = turn1.clone();
+            turn2.extend(prompt(1_000 + conversation, 0, 0, 300));
+            let (id1, id2) = (2 * conversation as usize, 2 * conversation as usize + 1);
+            let session = Some(u64::from(conversation));
+            let first = policy.route(
+                &PolicyRequest {
+                    id: id1,
+                    tokens: &turn1,
+                    output_tokens: 32,
+                    session,
+                },
+                now,
+            );
+            let first_by = policy.decisions[&id1].decider;
+            policy.on_finish(id1, first, now + 20.0, 0);
+            // Two intervals: turn 1's copy has pushed its decision and every copy has pulled it.
+            now += 2.0 * 50.0 + 21.0;
+            let second = policy.route(
+                &PolicyRequest {
+                    id: id2,
+                    tokens: &turn2,
+                    output_tokens: 32,
+                    session,
+                },
+                now,
+            );
+            assert_eq!(second, first, "conversation {conversation}");
+            assert!(policy.predicted_cached_tokens(id2).unwrap() > 0);
+            if policy.decisions[&id2].decider != first_by {
+                other_copy += 1;
+            }
+            policy.on_finish(id2, second, now + 20.0, 0);
+            now += 30.0;
+        }
+        assert_eq!(policy.callouts, 0);
+        assert!(other_copy >= 12, "turns mostly decided apart: {other_copy}");
     }
 }
