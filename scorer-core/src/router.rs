@@ -1609,6 +1609,7 @@ impl Router {
             .flatten()
             .map(|s| crate::sync::EndpointSnapshot {
                 address: s.address.to_string(),
+                usable: s.health == Health::Ready,
                 metrics: s.metrics.filter(|_| s.health == Health::Ready),
                 metrics_age_ms: now_ms.saturating_sub(s.scraped_at_ms),
             })

@@ -88,13 +88,21 @@ impl SyncEvent {
 pub struct EndpointSnapshot {
     /// `ip:port`.
     pub address: String,
-    /// The last scrape, if it answered.
+    /// Whether the control plane routes to it: false once its metrics stop answering. An
+    /// endpoint just added and not yet scraped is usable, as it is on the control plane.
+    #[serde(default = "usable_by_default")]
+    pub usable: bool,
+    /// The last scrape, if there is one and the endpoint is usable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics: Option<EndpointMetrics>,
     /// How old that scrape is, in milliseconds (clocks differ between proxy and control plane,
     /// ages do not).
     #[serde(default)]
     pub metrics_age_ms: u64,
+}
+
+fn usable_by_default() -> bool {
+    true
 }
 
 /// The control plane's answer to a [`SyncRequest`].
@@ -364,13 +372,14 @@ impl LocalRouter {
             if router.upsert_endpoint(&endpoint.address).is_err() {
                 continue;
             }
-            match endpoint.metrics {
-                Some(metrics) => router.update_metrics(
+            if !endpoint.usable {
+                router.mark_unreachable(&endpoint.address);
+            } else if let Some(metrics) = endpoint.metrics {
+                router.update_metrics(
                     &endpoint.address,
                     metrics,
                     now_ms.saturating_sub(endpoint.metrics_age_ms),
-                ),
-                None => router.mark_unreachable(&endpoint.address),
+                );
             }
         }
         for event in response.events {
@@ -548,6 +557,21 @@ mod tests {
             let d = a.route(&chat(3, 1), 6, 9).unwrap();
             assert_eq!(d.response.endpoints[0], "10.0.0.1:8000");
         }
+    }
+
+    // An endpoint the control plane has added but not scraped yet is usable there, and so in
+    // every copy.
+    #[test]
+    fn an_endpoint_not_yet_scraped_is_usable_in_the_copy_too() {
+        let mut log = SyncLog::new(10, 1);
+        let mut hub = Router::new(RouterConfig::default(), 1);
+        hub.upsert_endpoint("10.0.0.9:8000").unwrap();
+        let mut a = LocalRouter::new(8);
+        sync(&mut log, &mut hub, &mut a, 0);
+        let central = hub.route(&chat(4, 1), 1, 1);
+        let local = a.route(&chat(4, 1), 1, 1).unwrap();
+        assert_eq!(central.response.endpoints, local.response.endpoints);
+        assert_eq!(local.response.endpoints, ["10.0.0.9:8000"]);
     }
 
     // The pending queues are bounded: a proxy that cannot reach the control plane does not
