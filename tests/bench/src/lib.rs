@@ -302,6 +302,26 @@ pub struct WasmBench {
     pub route_request_bytes: usize,
 }
 
+/// The filter in wasmtime as both wasm benchmarks run it: default config, the two clusters it
+/// calls.
+fn bench_host(module: &FilterModule) -> Result<proxy_wasm_host::FilterHost, BenchError> {
+    let mut host = module.start(b"{}")?;
+    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    Ok(host)
+}
+
+/// The request headers of a `content_length`-byte chat completion, as the wasm benchmarks send
+/// them.
+fn chat_request_headers(content_length: &str) -> [(&'static str, &str); 5] {
+    [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "bench"),
+        ("content-type", "application/json"),
+        ("content-length", content_length),
+    ]
+}
+
 /// Pushes `iters` requests of `bytes` through the filter in wasmtime: headers, whole body,
 /// an instant route answer, response headers, end of stream.
 pub fn filter_wasm(
@@ -309,8 +329,7 @@ pub fn filter_wasm(
     bytes: usize,
     iters: usize,
 ) -> Result<WasmBench, BenchError> {
-    let mut host = module.start(b"{}")?;
-    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    let mut host = bench_host(module)?;
     let bodies: Vec<String> = (0..8).map(|s| chat_body(bytes, s, 16, false)).collect();
     let answer = serde_json::to_vec(&RouteResponse {
         decision_id: 1,
@@ -329,17 +348,7 @@ pub fn filter_wasm(
         let len = body.len().to_string();
         let t = Instant::now();
         let ctx = host.new_stream()?;
-        host.send_request_headers(
-            ctx,
-            &[
-                (":method", "POST"),
-                (":path", "/v1/chat/completions"),
-                (":authority", "bench"),
-                ("content-type", "application/json"),
-                ("content-length", &len),
-            ],
-            false,
-        )?;
+        host.send_request_headers(ctx, &chat_request_headers(&len), false)?;
         let action = host.send_request_body(ctx, body, true)?;
         if action == FilterAction::Pause {
             let call = host
@@ -387,17 +396,10 @@ pub fn filter_inflight_memory(
     bytes: usize,
     in_flight: usize,
 ) -> Result<f64, BenchError> {
-    let mut host = module.start(b"{}")?;
-    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    let mut host = bench_host(module)?;
     let body = chat_body(bytes, 1, 16, false);
     let len = body.len().to_string();
-    let headers = [
-        (":method", "POST"),
-        (":path", "/v1/chat/completions"),
-        (":authority", "bench"),
-        ("content-type", "application/json"),
-        ("content-length", len.as_str()),
-    ];
+    let headers = chat_request_headers(&len);
     let open = |host: &mut proxy_wasm_host::FilterHost| -> Result<u32, BenchError> {
         let ctx = host.new_stream()?;
         host.send_request_headers(ctx, &headers, false)?;
