@@ -96,15 +96,9 @@ pub enum ClientError {
 }
 
 fn transport(what: &'static str) -> impl FnOnce(&dyn std::error::Error) -> ClientError {
-    move |e| {
-        let mut reason = e.to_string();
-        let mut source = e.source();
-        while let Some(cause) = source {
-            reason.push_str(": ");
-            reason.push_str(&cause.to_string());
-            source = cause.source();
-        }
-        ClientError::Transport { what, reason }
+    move |e| ClientError::Transport {
+        what,
+        reason: crate::scrape::error_chain(e),
     }
 }
 
