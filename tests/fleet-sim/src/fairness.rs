@@ -177,23 +177,17 @@ fn arrivals(s: &Scenario, with_batch: bool) -> Vec<Arrival> {
         -u.ln() * 1000.0 / rate
     };
     let mut out = Vec::new();
-    let mut t = exp(s.interactive_rate);
-    while t < s.duration_ms {
-        out.push(Arrival {
-            at_ms: t,
-            tenant: Tenant::Interactive,
-        });
-        t += exp(s.interactive_rate);
-    }
-    if with_batch && s.batch_rate > 0.0 {
-        let mut t = exp(s.batch_rate);
+    // One tenant's Poisson stream over the scenario; the interactive one draws first.
+    let mut stream = |tenant: Tenant, rate: f64, out: &mut Vec<Arrival>| {
+        let mut t = exp(rate);
         while t < s.duration_ms {
-            out.push(Arrival {
-                at_ms: t,
-                tenant: Tenant::Batch,
-            });
-            t += exp(s.batch_rate);
+            out.push(Arrival { at_ms: t, tenant });
+            t += exp(rate);
         }
+    };
+    stream(Tenant::Interactive, s.interactive_rate, &mut out);
+    if with_batch && s.batch_rate > 0.0 {
+        stream(Tenant::Batch, s.batch_rate, &mut out);
     }
     out.sort_by(|a, b| a.at_ms.total_cmp(&b.at_ms));
     out
