@@ -184,15 +184,7 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
     if requests.is_empty() {
         return Err(AnalyzeError::Empty(name));
     }
-    requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
-    let stem = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or(name);
-    Ok(Workload {
-        name: stem,
-        requests,
-    })
+    Ok(Workload::from_trace(path, name, requests))
 }
 
 /// Guesses the format of a JSONL file from its first non-empty line.

@@ -153,6 +153,21 @@ impl Workload {
         }
     }
 
+    /// The workload of the trace file at `path` (this crate's Mooncake reader, `kvroute-analyze`'s
+    /// OpenAI reader): `requests` in arrival order, named after the file's stem (`name` when it
+    /// has none).
+    pub fn from_trace(path: &Path, name: String, mut requests: Vec<RequestSpec>) -> Self {
+        requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
+        let stem = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or(name);
+        Workload {
+            name: stem,
+            requests,
+        }
+    }
+
     /// Keeps the first `n` requests (dependencies always precede their dependents).
     pub fn truncate(&mut self, n: usize) {
         self.requests.truncate(n);
@@ -238,15 +253,7 @@ pub fn read_mooncake(path: &Path) -> Result<Workload, WorkloadError> {
             session: None,
         });
     }
-    requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
-    let stem = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or(name);
-    Ok(Workload {
-        name: stem,
-        requests,
-    })
+    Ok(Workload::from_trace(path, name, requests))
 }
 
 /// The workload generators' draws (and `kvroute-analyze`'s arrival clock) on the crate's one
