@@ -12,7 +12,9 @@ use scorer_core::precise::{KvEvent as CoreKvEvent, Medium};
 
 use super::policy::{Policy, PolicyRequest, ReplicaSnapshot};
 use super::workload::{PromptSource, Workload, push_stream};
-use vllm_sim::{Engine, EngineConfig, EngineRequest, KvEvent, Profile, RequestEvent, SimError};
+use vllm_sim::{
+    Engine, EngineConfig, EngineRequest, KvEvent, Profile, RequestEvent, SimError, StoredBlocks,
+};
 
 /// Settings of one simulated run.
 #[derive(Debug, Clone)]
@@ -77,46 +79,24 @@ enum Event {
 }
 
 fn to_core(e: &KvEvent) -> CoreKvEvent {
+    // The GPU and the CPU offload tier store the same payload; only the medium differs.
+    let stored = |s: &StoredBlocks, medium| CoreKvEvent::BlockStored {
+        block_hashes: s.block_hashes.clone(),
+        parent_block_hash: s.parent_block_hash,
+        token_ids: s.token_ids.clone(),
+        block_size: s.block_size,
+        lora_name: s.lora_name.clone(),
+        cache_salt: s.cache_salt.clone(),
+        medium,
+    };
     match e {
-        KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_name,
-            cache_salt,
-            ..
-        } => CoreKvEvent::BlockStored {
-            block_hashes: block_hashes.clone(),
-            parent_block_hash: *parent_block_hash,
-            token_ids: token_ids.clone(),
-            block_size: *block_size,
-            lora_name: lora_name.clone(),
-            cache_salt: cache_salt.clone(),
-            medium: Medium::Gpu,
-        },
+        KvEvent::BlockStored(s) => stored(s, Medium::Gpu),
         KvEvent::BlockRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
             block_hashes: block_hashes.clone(),
             medium: Medium::Gpu,
         },
         KvEvent::AllBlocksCleared => CoreKvEvent::AllBlocksCleared,
-        KvEvent::OffloadStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_name,
-            cache_salt,
-            ..
-        } => CoreKvEvent::BlockStored {
-            block_hashes: block_hashes.clone(),
-            parent_block_hash: *parent_block_hash,
-            token_ids: token_ids.clone(),
-            block_size: *block_size,
-            lora_name: lora_name.clone(),
-            cache_salt: cache_salt.clone(),
-            medium: Medium::Cpu,
-        },
+        KvEvent::OffloadStored(s) => stored(s, Medium::Cpu),
         KvEvent::OffloadRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
             block_hashes: block_hashes.clone(),
             medium: Medium::Cpu,
