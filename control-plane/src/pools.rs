@@ -169,42 +169,37 @@ impl prometheus_client::collector::Collector for FleetFeaturesCollector {
     ) -> std::fmt::Result {
         use prometheus_client::encoding::EncodeMetric;
         use prometheus_client::metrics::MetricType;
-        use prometheus_client::metrics::counter::ConstCounter;
         use prometheus_client::metrics::gauge::ConstGauge;
 
         let f = self.0.fleet_features();
-        let mut family = encoder.encode_descriptor(
+        labelled_counters(
+            &mut encoder,
             "sessions",
             "Routed requests with a session key, by result: hit (kept on its replica), miss \
              (new or expired session), broken (moved: replica gone, overloaded or worse)",
-            None,
-            MetricType::Counter,
+            "result",
+            [
+                ("hit", f.sessions.hits),
+                ("miss", f.sessions.misses),
+                ("broken", f.sessions.broken),
+            ],
         )?;
-        for (result, v) in [
-            ("hit", f.sessions.hits),
-            ("miss", f.sessions.misses),
-            ("broken", f.sessions.broken),
-        ] {
-            ConstCounter::new(v).encode(family.encode_family(&[("result", result)])?)?;
-        }
         ConstGauge::new(f.sessions_remembered as i64).encode(encoder.encode_descriptor(
             "sessions_remembered",
             "Sessions whose replica the router remembers now",
             None,
             MetricType::Gauge,
         )?)?;
-        let mut family = encoder.encode_descriptor(
+        labelled_counters(
+            &mut encoder,
             "unknown_model",
             "Requests for a model no endpoint serves, by action (rejected with 404, passed through)",
-            None,
-            MetricType::Counter,
+            "action",
+            [
+                ("rejected", f.pools.unknown_model_rejected),
+                ("passed", f.pools.unknown_model_passed),
+            ],
         )?;
-        for (action, v) in [
-            ("rejected", f.pools.unknown_model_rejected),
-            ("passed", f.pools.unknown_model_passed),
-        ] {
-            ConstCounter::new(v).encode(family.encode_family(&[("action", action)])?)?;
-        }
         type Getter = fn(&crate::state::EndpointFeatures) -> Option<f64>;
         let per_endpoint: [(&str, &str, Getter); 4] = [
             (
@@ -263,4 +258,24 @@ impl prometheus_client::collector::Collector for FleetFeaturesCollector {
         }
         Ok(())
     }
+}
+
+/// Writes one counter family of [`FleetFeaturesCollector`] whose samples differ by one label:
+/// a `label=value` sample per `(value, count)` of `samples`, in order.
+fn labelled_counters<const N: usize>(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &str,
+    samples: [(&str, u64); N],
+) -> std::fmt::Result {
+    use prometheus_client::encoding::EncodeMetric;
+    use prometheus_client::metrics::MetricType;
+    use prometheus_client::metrics::counter::ConstCounter;
+
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (value, count) in samples {
+        ConstCounter::new(count).encode(family.encode_family(&[(label, value)])?)?;
+    }
+    Ok(())
 }

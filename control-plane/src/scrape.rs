@@ -83,8 +83,9 @@ impl ScrapeError {
     }
 }
 
-/// `e: cause: cause...`: hyper's client errors say little without their sources.
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// `e: cause: cause...`: hyper's client errors say little without their sources. The one
+/// wording for the control plane's HTTP clients (scrapes, remote tokenizers, the Kubernetes API).
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::gauge::ConstGauge;
 use scorer_core::protocol::Outcome;
@@ -374,64 +374,79 @@ impl Collector for SloCollector {
             let loads = pool_loads(&w, &views);
             w.signals(&loads, now_ms)
         };
-        let mut family = encoder.encode_descriptor(
+        pool_gauges(
+            &mut encoder,
             "slo_attainment_ratio",
             "Fraction of requests in the SLO window that met the pool's target, by kind (ttft, itl)",
-            None,
-            MetricType::Gauge,
+            &signals,
+            Some("kind"),
+            |s| vec![("ttft", s.ttft_attainment), ("itl", s.itl_attainment)],
         )?;
-        for (pool, s) in &signals {
-            for (kind, v) in [("ttft", s.ttft_attainment), ("itl", s.itl_attainment)] {
-                ConstGauge::new(v)
-                    .encode(family.encode_family(&[("pool", pool.as_str()), ("kind", kind)])?)?;
-            }
-        }
-        let mut family = encoder.encode_descriptor(
+        pool_gauges(
+            &mut encoder,
             "slo_samples",
             "Requests in the SLO window with a TTFT (ttft) or a mean ITL (itl), by pool",
-            None,
-            MetricType::Gauge,
+            &signals,
+            Some("kind"),
+            |s| {
+                vec![
+                    ("ttft", s.ttft_samples as f64),
+                    ("itl", s.itl_samples as f64),
+                ]
+            },
         )?;
-        for (pool, s) in &signals {
-            for (kind, v) in [("ttft", s.ttft_samples), ("itl", s.itl_samples)] {
-                ConstGauge::new(v as f64)
-                    .encode(family.encode_family(&[("pool", pool.as_str()), ("kind", kind)])?)?;
-            }
-        }
-        let mut family = encoder.encode_descriptor(
+        pool_gauges(
+            &mut encoder,
             "queue_pressure",
             "Waiting requests per running request over the pool's replicas (scraped)",
+            &signals,
             None,
-            MetricType::Gauge,
+            |s| vec![("", s.queue_pressure)],
         )?;
-        for (pool, s) in &signals {
-            ConstGauge::new(s.queue_pressure)
-                .encode(family.encode_family(&[("pool", pool.as_str())])?)?;
-        }
-        let mut family = encoder.encode_descriptor(
+        pool_gauges(
+            &mut encoder,
             "prefill_demand_tokens_per_second",
             "Uncached prompt tokens per second over the SLO window, by pool",
+            &signals,
             None,
-            MetricType::Gauge,
+            |s| vec![("", s.prefill_demand_tokens_per_s)],
         )?;
-        for (pool, s) in &signals {
-            ConstGauge::new(s.prefill_demand_tokens_per_s)
-                .encode(family.encode_family(&[("pool", pool.as_str())])?)?;
-        }
-        let mut family = encoder.encode_descriptor(
+        pool_gauges(
+            &mut encoder,
             "desired_replicas",
             "Replicas the pool needs for its prefill and decode work at the SLO (see docs/FEATURES.md)",
-            None,
-            MetricType::Gauge,
-        )?;
-        for (pool, s) in &signals {
-            for (role, v) in [("prefill", s.desired_prefill), ("decode", s.desired_decode)] {
-                ConstGauge::new(i64::from(v))
-                    .encode(family.encode_family(&[("pool", pool.as_str()), ("role", role)])?)?;
-            }
-        }
-        Ok(())
+            &signals,
+            Some("role"),
+            |s| {
+                vec![
+                    ("prefill", i64::from(s.desired_prefill)),
+                    ("decode", i64::from(s.desired_decode)),
+                ]
+            },
+        )
     }
+}
+
+/// Writes one pool-labelled gauge family of [`SloCollector`]: per pool, a sample per
+/// `(value, gauge)` that `samples` gives, labelled `pool` and, with `label`, `label=value`
+/// (without it the pool's one sample carries the pool label only).
+fn pool_gauges<S, N: EncodeGaugeValue>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    by_pool: &BTreeMap<String, S>,
+    label: Option<&str>,
+    samples: impl Fn(&S) -> Vec<(&'static str, N)>,
+) -> fmt::Result {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (pool, s) in by_pool {
+        for (value, gauge) in samples(s) {
+            let mut labels = vec![("pool", pool.as_str())];
+            labels.extend(label.map(|l| (l, value)));
+            ConstGauge::new(gauge).encode(family.encode_family(&labels)?)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

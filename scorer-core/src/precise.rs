@@ -342,17 +342,13 @@ mod tests {
         let id = EndpointId(0);
         let request = token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4);
         // Written through: stored on the GPU, then in the CPU tier, under one engine hash.
-        for medium in [Medium::Gpu, Medium::Cpu] {
-            t.apply(
-                id,
-                "m",
-                &stored(&[1], None, 0..4, medium),
-                &mut gpu,
-                &mut off,
-                0,
-            )
-            .unwrap();
-        }
+        let write_through = |t: &mut PreciseTracker, gpu: &mut _, off: &mut _, now_ms| {
+            for medium in [Medium::Gpu, Medium::Cpu] {
+                t.apply(id, "m", &stored(&[1], None, 0..4, medium), gpu, off, now_ms)
+                    .unwrap();
+            }
+        };
+        write_through(&mut t, &mut gpu, &mut off, 0);
         let removed = |medium| KvEvent::BlockRemoved {
             block_hashes: vec![1],
             medium,
@@ -367,17 +363,7 @@ mod tests {
         assert_eq!((depth(&gpu, &request), depth(&off, &request)), (0, 0));
         assert_eq!(t.tracked(id), 0);
         // The other order: GPU eviction keeps the CPU copy.
-        for medium in [Medium::Gpu, Medium::Cpu] {
-            t.apply(
-                id,
-                "m",
-                &stored(&[1], None, 0..4, medium),
-                &mut gpu,
-                &mut off,
-                3,
-            )
-            .unwrap();
-        }
+        write_through(&mut t, &mut gpu, &mut off, 3);
         t.apply(id, "m", &removed(Medium::Gpu), &mut gpu, &mut off, 4)
             .unwrap();
         assert_eq!((depth(&gpu, &request), depth(&off, &request)), (0, 1));

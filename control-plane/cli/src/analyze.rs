@@ -40,28 +40,11 @@ const BYTES_PER_TOKEN: usize = 4;
 /// Why an analysis could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum AnalyzeError {
-    /// The input file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A line of the input is not what its format expects.
-    #[error("{path}:{line}: {message}")]
-    BadLine {
-        /// The file.
-        path: String,
-        /// 1-based line number.
-        line: usize,
-        /// What is wrong.
-        message: String,
-    },
     /// The input holds no request.
     #[error("{0}: no requests")]
     Empty(String),
-    /// A Mooncake trace or generator spec failed.
+    /// The input could not be read or a line of it is not what its format expects (worded
+    /// once, by fleet-sim's trace reader), or a Mooncake trace or generator spec failed.
     #[error(transparent)]
     Workload(#[from] WorkloadError),
     /// The simulated fleet could not run.
@@ -134,17 +117,16 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
         ));
     }
     let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| AnalyzeError::Io {
-        path: name.clone(),
-        source,
-    })?;
-    let bad = |line: usize, message: String| AnalyzeError::BadLine {
-        path: name.clone(),
-        line,
-        message,
+    let text = workload::read_trace(path)?;
+    let bad = |line: usize, message: String| {
+        AnalyzeError::from(WorkloadError::BadLine {
+            path: name.clone(),
+            line,
+            message,
+        })
     };
     let tokens_per_block = (DEFAULT_BLOCK_BYTES / BYTES_PER_TOKEN) as u32;
-    let mut clock = SplitMix(opts.seed ^ 0xA11A_11CE);
+    let mut clock = workload::Rng::new(opts.seed ^ 0xA11A_11CE);
     let mut t = 0.0;
     let mut requests = Vec::new();
     for (n, line) in text.lines().enumerate() {
@@ -177,7 +159,7 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
             Some(ts) if ts.is_finite() && ts >= 0.0 => ts,
             Some(_) => return Err(bad(line_no, "timestamp must be >= 0 (ms)".into())),
             None => {
-                t += -(1000.0 / opts.rps) * (1.0 - clock.unit()).ln();
+                t += clock.exp_ms(1000.0 / opts.rps);
                 t
             }
         };
@@ -202,29 +184,18 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
     if requests.is_empty() {
         return Err(AnalyzeError::Empty(name));
     }
-    requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
-    let stem = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or(name);
-    Ok(Workload {
-        name: stem,
-        requests,
-    })
+    Ok(Workload::from_trace(path, name, requests))
 }
 
 /// Guesses the format of a JSONL file from its first non-empty line.
 pub fn detect_format(path: &Path) -> Result<InputFormat, AnalyzeError> {
     let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| AnalyzeError::Io {
-        path: name.clone(),
-        source,
-    })?;
+    let text = workload::read_trace(path)?;
     let Some((n, line)) = text.lines().enumerate().find(|(_, l)| !l.trim().is_empty()) else {
         return Err(AnalyzeError::Empty(name));
     };
     let value: serde_json::Value =
-        serde_json::from_str(line).map_err(|e| AnalyzeError::BadLine {
+        serde_json::from_str(line).map_err(|e| WorkloadError::BadLine {
             path: name,
             line: n + 1,
             message: e.to_string(),
@@ -597,19 +568,6 @@ pub fn charts(
         false,
     );
     vec![("", ttft), ("-hit-rate", hit)]
-}
-
-/// A small deterministic generator for arrival times.
-struct SplitMix(u64);
-impl SplitMix {
-    fn unit(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 #[cfg(test)]

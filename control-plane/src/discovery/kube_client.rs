@@ -96,15 +96,9 @@ pub enum ClientError {
 }
 
 fn transport(what: &'static str) -> impl FnOnce(&dyn std::error::Error) -> ClientError {
-    move |e| {
-        let mut reason = e.to_string();
-        let mut source = e.source();
-        while let Some(cause) = source {
-            reason.push_str(": ");
-            reason.push_str(&cause.to_string());
-            source = cause.source();
-        }
-        ClientError::Transport { what, reason }
+    move |e| ClientError::Transport {
+        what,
+        reason: crate::scrape::error_chain(e),
     }
 }
 
@@ -683,19 +677,10 @@ mod tests {
                     let Ok(mut tls) = acceptor.accept(tcp).await else {
                         return;
                     };
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match tls.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let head = String::from_utf8_lossy(&head).into_owned();
-                    let auth = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("authorization: "))
-                        .map(str::to_string);
+                    let Some(head) = read_head(&mut tls).await else {
+                        return;
+                    };
+                    let auth = authorization(&head);
                     let _ = seen_tx.send(auth).await;
                     let answer = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{POD_LIST}",
@@ -762,6 +747,27 @@ mod tests {
         seen: Vec<(String, Option<String>)>,
     }
 
+    /// Reads a request up to the end of its head, as the fake API servers do; `None` when the
+    /// client goes away first.
+    async fn read_head(conn: &mut (impl tokio::io::AsyncRead + Unpin)) -> Option<String> {
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match conn.read(&mut buf).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        Some(String::from_utf8_lossy(&head).into_owned())
+    }
+
+    /// The `authorization` header of a request head, if sent.
+    fn authorization(head: &str) -> Option<String> {
+        head.lines()
+            .find_map(|l| l.strip_prefix("authorization: "))
+            .map(str::to_string)
+    }
+
     /// A fake API server on 127.0.0.1: answers scripted requests (chunked), records requests.
     async fn fake_api_server(script: Arc<Mutex<Script>>) -> (String, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -773,20 +779,11 @@ mod tests {
                 };
                 let script = script.clone();
                 tokio::spawn(async move {
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match sock.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let head = String::from_utf8_lossy(&head).into_owned();
+                    let Some(head) = read_head(&mut sock).await else {
+                        return;
+                    };
                     let path = head.split(' ').nth(1).unwrap_or("").to_string();
-                    let auth = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("authorization: "))
-                        .map(str::to_string);
+                    let auth = authorization(&head);
                     let answer = {
                         let mut s = script.lock().unwrap();
                         s.seen.push((path.clone(), auth));

@@ -114,11 +114,9 @@ impl RemoteTokenizer {
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(body))
             .map_err(|e| TokenizeError::Http(e.to_string()))?;
-        let response = self
-            .client
-            .request(request)
-            .await
-            .map_err(|e| TokenizeError::Http(format!("{address}: {}", error_chain(&e))))?;
+        let response = self.client.request(request).await.map_err(|e| {
+            TokenizeError::Http(format!("{address}: {}", crate::scrape::error_chain(&e)))
+        })?;
         let status = response.status();
         let bytes = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
             .collect()
@@ -193,17 +191,6 @@ pub fn parse_ids(bytes: &[u8]) -> Result<Vec<u32>, TokenizeError> {
                 .ok_or_else(|| TokenizeError::BadResponse(format!("token id {t} is not a u32")))
         })
         .collect()
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

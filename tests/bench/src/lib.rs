@@ -205,11 +205,26 @@ fn mixed_hashes(rng: &mut SmallRng, chains: &[Vec<u64>], i: usize, len: usize) -
     hashes
 }
 
+/// Blocks per prompt of the router benchmarks (in-process and HTTP): 64, i.e. 16 KB prompts.
+const CHAIN: usize = 64;
+
+/// The route request of one benchmark prompt of [`CHAIN`] blocks with these `hashes`, the
+/// same in the in-process and the HTTP benchmark.
+fn chain_request(hashes: Vec<u64>) -> RouteRequest {
+    RouteRequest {
+        model: MODEL.to_string(),
+        block_hashes: hashes,
+        prompt_bytes: (CHAIN * DEFAULT_BLOCK_BYTES) as u64,
+        prompt_tokens: (CHAIN * DEFAULT_BLOCK_BYTES / 4) as u32,
+        max_output_tokens: Some(64),
+        ..RouteRequest::default()
+    }
+}
+
 /// Fills a router with `endpoints` endpoints and `blocks` distinct indexed blocks (chains of
 /// 64 blocks, i.e. 16 KB prompts), then times `decisions` routes of 16 KB prompts, half of
 /// which share a prefix with an indexed chain.
 pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> RouterBench {
-    const CHAIN: usize = 64;
     let now = 1_000_000;
     let mut router = Router::new(RouterConfig::default(), 1);
     let mut ids = Vec::with_capacity(endpoints);
@@ -245,14 +260,7 @@ pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> Ro
     let mut requests = Vec::with_capacity(1024);
     for i in 0..1024 {
         let hashes = mixed_hashes(&mut rng, &chains, i, CHAIN);
-        requests.push(RouteRequest {
-            model: MODEL.to_string(),
-            block_hashes: hashes,
-            prompt_bytes: (CHAIN * DEFAULT_BLOCK_BYTES) as u64,
-            prompt_tokens: (CHAIN * DEFAULT_BLOCK_BYTES / 4) as u32,
-            max_output_tokens: Some(64),
-            ..RouteRequest::default()
-        });
+        requests.push(chain_request(hashes));
     }
     let start = Instant::now();
     for i in 0..decisions {
@@ -302,6 +310,26 @@ pub struct WasmBench {
     pub route_request_bytes: usize,
 }
 
+/// The filter in wasmtime as both wasm benchmarks run it: default config, the two clusters it
+/// calls.
+fn bench_host(module: &FilterModule) -> Result<proxy_wasm_host::FilterHost, BenchError> {
+    let mut host = module.start(b"{}")?;
+    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    Ok(host)
+}
+
+/// The request headers of a `content_length`-byte chat completion, as the wasm benchmarks send
+/// them.
+fn chat_request_headers(content_length: &str) -> [(&'static str, &str); 5] {
+    [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "bench"),
+        ("content-type", "application/json"),
+        ("content-length", content_length),
+    ]
+}
+
 /// Pushes `iters` requests of `bytes` through the filter in wasmtime: headers, whole body,
 /// an instant route answer, response headers, end of stream.
 pub fn filter_wasm(
@@ -309,8 +337,7 @@ pub fn filter_wasm(
     bytes: usize,
     iters: usize,
 ) -> Result<WasmBench, BenchError> {
-    let mut host = module.start(b"{}")?;
-    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    let mut host = bench_host(module)?;
     let bodies: Vec<String> = (0..8).map(|s| chat_body(bytes, s, 16, false)).collect();
     let answer = serde_json::to_vec(&RouteResponse {
         decision_id: 1,
@@ -329,17 +356,7 @@ pub fn filter_wasm(
         let len = body.len().to_string();
         let t = Instant::now();
         let ctx = host.new_stream()?;
-        host.send_request_headers(
-            ctx,
-            &[
-                (":method", "POST"),
-                (":path", "/v1/chat/completions"),
-                (":authority", "bench"),
-                ("content-type", "application/json"),
-                ("content-length", &len),
-            ],
-            false,
-        )?;
+        host.send_request_headers(ctx, &chat_request_headers(&len), false)?;
         let action = host.send_request_body(ctx, body, true)?;
         if action == FilterAction::Pause {
             let call = host
@@ -387,17 +404,10 @@ pub fn filter_inflight_memory(
     bytes: usize,
     in_flight: usize,
 ) -> Result<f64, BenchError> {
-    let mut host = module.start(b"{}")?;
-    host.set_clusters(&["kvroute_control_plane", "vllm"]);
+    let mut host = bench_host(module)?;
     let body = chat_body(bytes, 1, 16, false);
     let len = body.len().to_string();
-    let headers = [
-        (":method", "POST"),
-        (":path", "/v1/chat/completions"),
-        (":authority", "bench"),
-        ("content-type", "application/json"),
-        ("content-length", len.as_str()),
-    ];
+    let headers = chat_request_headers(&len);
     let open = |host: &mut proxy_wasm_host::FilterHost| -> Result<u32, BenchError> {
         let ctx = host.new_stream()?;
         host.send_request_headers(ctx, &headers, false)?;
@@ -555,19 +565,8 @@ pub fn route_bodies(n: usize) -> Vec<String> {
 /// routed; `measure` holds `n` requests of which half extend one of those chains by a random
 /// length (a partial prefix hit) and half are new, like the in-process benchmark.
 pub fn filled_index_bodies(blocks: usize, n: usize) -> (Vec<String>, Vec<String>) {
-    const CHAIN: usize = 64;
     let mut rng = SmallRng::seed_from_u64(17);
-    let body = |hashes: Vec<u64>| {
-        serde_json::to_string(&RouteRequest {
-            model: MODEL.to_string(),
-            block_hashes: hashes,
-            prompt_bytes: (CHAIN * DEFAULT_BLOCK_BYTES) as u64,
-            prompt_tokens: (CHAIN * DEFAULT_BLOCK_BYTES / 4) as u32,
-            max_output_tokens: Some(64),
-            ..RouteRequest::default()
-        })
-        .unwrap_or_default()
-    };
+    let body = |hashes: Vec<u64>| serde_json::to_string(&chain_request(hashes)).unwrap_or_default();
     let chains: Vec<Vec<u64>> = (0..blocks.div_ceil(CHAIN))
         .map(|_| (0..CHAIN).map(|_| rng.random()).collect())
         .collect();

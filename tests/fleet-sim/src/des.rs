@@ -12,7 +12,9 @@ use scorer_core::precise::{KvEvent as CoreKvEvent, Medium};
 
 use super::policy::{Policy, PolicyRequest, ReplicaSnapshot};
 use super::workload::{PromptSource, Workload, push_stream};
-use vllm_sim::{Engine, EngineConfig, EngineRequest, KvEvent, Profile, RequestEvent, SimError};
+use vllm_sim::{
+    Engine, EngineConfig, EngineRequest, KvEvent, Profile, RequestEvent, SimError, StoredBlocks,
+};
 
 /// Settings of one simulated run.
 #[derive(Debug, Clone)]
@@ -77,46 +79,24 @@ enum Event {
 }
 
 fn to_core(e: &KvEvent) -> CoreKvEvent {
+    // The GPU and the CPU offload tier store the same payload; only the medium differs.
+    let stored = |s: &StoredBlocks, medium| CoreKvEvent::BlockStored {
+        block_hashes: s.block_hashes.clone(),
+        parent_block_hash: s.parent_block_hash,
+        token_ids: s.token_ids.clone(),
+        block_size: s.block_size,
+        lora_name: s.lora_name.clone(),
+        cache_salt: s.cache_salt.clone(),
+        medium,
+    };
     match e {
-        KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_name,
-            cache_salt,
-            ..
-        } => CoreKvEvent::BlockStored {
-            block_hashes: block_hashes.clone(),
-            parent_block_hash: *parent_block_hash,
-            token_ids: token_ids.clone(),
-            block_size: *block_size,
-            lora_name: lora_name.clone(),
-            cache_salt: cache_salt.clone(),
-            medium: Medium::Gpu,
-        },
+        KvEvent::BlockStored(s) => stored(s, Medium::Gpu),
         KvEvent::BlockRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
             block_hashes: block_hashes.clone(),
             medium: Medium::Gpu,
         },
         KvEvent::AllBlocksCleared => CoreKvEvent::AllBlocksCleared,
-        KvEvent::OffloadStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_name,
-            cache_salt,
-            ..
-        } => CoreKvEvent::BlockStored {
-            block_hashes: block_hashes.clone(),
-            parent_block_hash: *parent_block_hash,
-            token_ids: token_ids.clone(),
-            block_size: *block_size,
-            lora_name: lora_name.clone(),
-            cache_salt: cache_salt.clone(),
-            medium: Medium::Cpu,
-        },
+        KvEvent::OffloadStored(s) => stored(s, Medium::Cpu),
         KvEvent::OffloadRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
             block_hashes: block_hashes.clone(),
             medium: Medium::Cpu,
@@ -131,14 +111,12 @@ pub fn run(
     cfg: &SimConfig,
 ) -> Result<RunResult, SimError> {
     let wants_events = policy.wants_kv_events();
-    let mut engines = (0..cfg.replicas)
-        .map(|i| {
-            let mut ec = EngineConfig::new(cfg.profile.clone());
-            ec.seed = cfg.seed ^ (i as u64).wrapping_mul(0x9e37_79b9);
-            ec.kv_events = wants_events;
-            Engine::new(ec)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut fleet = EngineSteps::new(build_engines(
+        &cfg.profile,
+        cfg.replicas,
+        cfg.seed,
+        wants_events,
+    )?);
     let n = workload.requests.len();
     let mut records = vec![RequestRecord::default(); n];
     let mut dependent: HashMap<usize, usize> = HashMap::new();
@@ -149,7 +127,6 @@ pub fn run(
     }
     // Prompt + generated tokens of requests a later turn will repeat.
     let mut context: HashMap<usize, Vec<u32>> = HashMap::new();
-    let mut pending: Vec<Option<vllm_sim::StepOutput>> = vec![None; cfg.replicas];
     let mut queue = EventQueue::new();
     for i in 0..n {
         if workload.depends_on(i).is_none() {
@@ -196,34 +173,21 @@ pub fn run(
                 if dependent.contains_key(&i) {
                     context.insert(i, tokens.clone());
                 }
-                let added = engines[replica].add_request(EngineRequest {
-                    id: i as u64,
-                    prompt_tokens: tokens,
-                    max_output_tokens: spec.output_tokens,
-                    lora: None,
-                    cache_salt: None,
-                    arrival_s: now / 1000.0,
-                });
-                if added.is_err() {
+                let request = arriving(i, tokens, spec.output_tokens, now);
+                if fleet
+                    .add(replica, request, now, &mut queue, Event::StepDone)
+                    .is_err()
+                {
                     records[i].rejected = true;
                     unresolved -= 1;
                     policy.on_finish(i, replica, now, 0);
                     if let Some(&d) = dependent.get(&i) {
                         queue.push(now + workload.requests[d].arrival_ms, Event::Arrival(d));
                     }
-                } else if pending[replica].is_none() {
-                    start_step(
-                        &mut engines[replica],
-                        &mut pending[replica],
-                        replica,
-                        now,
-                        &mut queue,
-                        Event::StepDone,
-                    );
                 }
             }
             Event::StepDone(r) => {
-                let Some(out) = pending[r].take() else {
+                let Some(out) = fleet.take_step(r) else {
                     continue;
                 };
                 for e in &out.events {
@@ -267,17 +231,11 @@ pub fn run(
                     let events: Vec<CoreKvEvent> = out.kv_events.iter().map(to_core).collect();
                     policy.on_kv_events(r, &events, now);
                 }
-                start_step(
-                    &mut engines[r],
-                    &mut pending[r],
-                    r,
-                    now,
-                    &mut queue,
-                    Event::StepDone,
-                );
+                fleet.start_step(r, now, &mut queue, Event::StepDone);
             }
             Event::Scrape => {
-                let snapshots: Vec<ReplicaSnapshot> = engines
+                let snapshots: Vec<ReplicaSnapshot> = fleet
+                    .engines
                     .iter()
                     .map(|e| {
                         let s = e.stats();
@@ -300,7 +258,7 @@ pub fn run(
             }
         }
     }
-    for e in &engines {
+    for e in &fleet.engines {
         let s = e.stats();
         result.preemptions += s.num_preemptions;
         result.prefix_queries += s.prefix_cache_queries;
@@ -317,6 +275,98 @@ pub fn run(
     result.makespan_ms = (last - first).max(0.0);
     result.records = records;
     Ok(result)
+}
+
+/// `replicas` engines of `profile`, each seeded from `seed` and its index, publishing KV events
+/// when `kv_events` (the fleet every fleet-sim model steps).
+pub(crate) fn build_engines(
+    profile: &Profile,
+    replicas: usize,
+    seed: u64,
+    kv_events: bool,
+) -> Result<Vec<Engine>, SimError> {
+    (0..replicas)
+        .map(|i| {
+            let mut ec = EngineConfig::new(profile.clone());
+            ec.seed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9);
+            ec.kv_events = kv_events;
+            Engine::new(ec)
+        })
+        .collect()
+}
+
+/// Request `id` of `prompt_tokens`, arriving at `now_ms` with no LoRA adapter and no cache
+/// salt: what the fleet-sim models hand their engines.
+pub(crate) fn arriving(
+    id: usize,
+    prompt_tokens: Vec<u32>,
+    max_output_tokens: u32,
+    now_ms: f64,
+) -> EngineRequest {
+    EngineRequest {
+        id: id as u64,
+        prompt_tokens,
+        max_output_tokens,
+        lora: None,
+        cache_salt: None,
+        arrival_s: now_ms / 1000.0,
+    }
+}
+
+/// A fleet's engines with the output of each one's step in flight: the arrival and step-end
+/// bookkeeping the routed simulation and the fairness simulation share.
+pub(crate) struct EngineSteps {
+    /// The engines, by replica index.
+    pub(crate) engines: Vec<Engine>,
+    pending: Vec<Option<vllm_sim::StepOutput>>,
+}
+
+impl EngineSteps {
+    /// The fleet, every engine idle.
+    pub(crate) fn new(engines: Vec<Engine>) -> Self {
+        let pending = vec![None; engines.len()];
+        Self { engines, pending }
+    }
+
+    /// Adds `request` to `replica`'s engine and, when that engine has no step in flight,
+    /// starts one; an error means the engine refused the request.
+    pub(crate) fn add<E>(
+        &mut self,
+        replica: usize,
+        request: EngineRequest,
+        now_ms: f64,
+        queue: &mut EventQueue<E>,
+        step_done: fn(usize) -> E,
+    ) -> Result<(), SimError> {
+        self.engines[replica].add_request(request)?;
+        if self.pending[replica].is_none() {
+            self.start_step(replica, now_ms, queue, step_done);
+        }
+        Ok(())
+    }
+
+    /// The output of `replica`'s step that just ended (`None` if none was in flight).
+    pub(crate) fn take_step(&mut self, replica: usize) -> Option<vllm_sim::StepOutput> {
+        self.pending[replica].take()
+    }
+
+    /// Starts `replica`'s next step (see [`start_step`]).
+    pub(crate) fn start_step<E>(
+        &mut self,
+        replica: usize,
+        now_ms: f64,
+        queue: &mut EventQueue<E>,
+        step_done: fn(usize) -> E,
+    ) {
+        start_step(
+            &mut self.engines[replica],
+            &mut self.pending[replica],
+            replica,
+            now_ms,
+            queue,
+            step_done,
+        );
+    }
 }
 
 /// Starts `replica`'s next engine step if it has work, keeping its output until the step's end

@@ -9,6 +9,7 @@
 //! streams running beside it (inter-token latency), at the price of fewer replicas to prefill
 //! on and a transfer (time to first token).
 
+use crate::des::{arriving, build_engines};
 use crate::events::EventQueue;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -19,7 +20,7 @@ use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
 use serde::Serialize;
 
 use super::report::Latency;
-use vllm_sim::{Engine, EngineConfig, EngineRequest, Profile, RequestEvent, SimError};
+use vllm_sim::{Engine, Profile, RequestEvent, SimError};
 
 /// Model name the simulated fleet serves.
 const MODEL: &str = "sim-model";
@@ -315,14 +316,12 @@ impl Sim<'_> {
             predicted,
             ..Record::default()
         };
-        let engine_request = EngineRequest {
-            id: i as u64,
-            prompt_tokens: spec.prompt.clone(),
-            max_output_tokens: if prefiller.is_some() { 1 } else { spec.output },
-            lora: None,
-            cache_salt: None,
-            arrival_s: now / 1000.0,
-        };
+        let engine_request = arriving(
+            i,
+            spec.prompt.clone(),
+            if prefiller.is_some() { 1 } else { spec.output },
+            now,
+        );
         let target = prefiller.unwrap_or(decode);
         self.engines[target].add_request(engine_request)?;
         self.start_step(target, now);
@@ -395,14 +394,12 @@ impl Sim<'_> {
     fn transfer_done(&mut self, i: usize, now: f64) -> Result<(), SimError> {
         let spec = &self.specs[i];
         let decode = self.records[i].decode;
-        self.engines[decode].add_remote_prefilled(EngineRequest {
-            id: i as u64,
-            prompt_tokens: spec.prompt.clone(),
-            max_output_tokens: spec.output,
-            lora: None,
-            cache_salt: None,
-            arrival_s: now / 1000.0,
-        })?;
+        self.engines[decode].add_remote_prefilled(arriving(
+            i,
+            spec.prompt.clone(),
+            spec.output,
+            now,
+        ))?;
         // The prefiller's copy is done; the decode copy streams from here.
         self.records[i].prefiller = None;
         self.start_step(decode, now);
@@ -436,14 +433,7 @@ pub fn run(
     }
     let specs = generate(workload, sc);
     let profile = Profile::llama8b_h100();
-    let engines = (0..sc.replicas)
-        .map(|i| {
-            let mut ec = EngineConfig::new(profile.clone());
-            ec.seed = sc.seed ^ (i as u64).wrapping_mul(0x9e37_79b9);
-            ec.kv_events = false;
-            Engine::new(ec)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let engines = build_engines(&profile, sc.replicas, sc.seed, false)?;
     let config = RouterConfig {
         block_bytes: HASH_BLOCK_TOKENS * 4,
         bytes_per_token: 4.0,

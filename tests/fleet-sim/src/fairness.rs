@@ -8,7 +8,7 @@
 //! `Retry-After`); the report gives the interactive tenant's TTFT p99 against running alone
 //! next to the configured `max_ttft_inflation`, the batch tenant's goodput and the shed counts.
 
-use crate::des::start_step;
+use crate::des::{EngineSteps, arriving, build_engines};
 use crate::events::EventQueue;
 use scorer_core::fairness::{Admission, AdmissionConfig, ReplicaLoad, ShedReason};
 use scorer_core::protocol::RouteRequest;
@@ -17,7 +17,7 @@ use serde::Serialize;
 use super::policy::{self, PolicyRequest, ReplicaSnapshot};
 use super::report::Latency;
 use super::workload::push_stream;
-use vllm_sim::{Engine, EngineConfig, EngineRequest, Profile, RequestEvent, SimError};
+use vllm_sim::{Profile, RequestEvent, SimError};
 
 /// The two tenants' traffic and the fleet.
 #[derive(Debug, Clone)]
@@ -177,23 +177,17 @@ fn arrivals(s: &Scenario, with_batch: bool) -> Vec<Arrival> {
         -u.ln() * 1000.0 / rate
     };
     let mut out = Vec::new();
-    let mut t = exp(s.interactive_rate);
-    while t < s.duration_ms {
-        out.push(Arrival {
-            at_ms: t,
-            tenant: Tenant::Interactive,
-        });
-        t += exp(s.interactive_rate);
-    }
-    if with_batch && s.batch_rate > 0.0 {
-        let mut t = exp(s.batch_rate);
+    // One tenant's Poisson stream over the scenario; the interactive one draws first.
+    let mut stream = |tenant: Tenant, rate: f64, out: &mut Vec<Arrival>| {
+        let mut t = exp(rate);
         while t < s.duration_ms {
-            out.push(Arrival {
-                at_ms: t,
-                tenant: Tenant::Batch,
-            });
-            t += exp(s.batch_rate);
+            out.push(Arrival { at_ms: t, tenant });
+            t += exp(rate);
         }
+    };
+    stream(Tenant::Interactive, s.interactive_rate, &mut out);
+    if with_batch && s.batch_rate > 0.0 {
+        stream(Tenant::Batch, s.batch_rate, &mut out);
     }
     out.sort_by(|a, b| a.at_ms.total_cmp(&b.at_ms));
     out
@@ -202,13 +196,7 @@ fn arrivals(s: &Scenario, with_batch: bool) -> Vec<Arrival> {
 /// Runs one mode of the scenario.
 pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
     let reqs = arrivals(s, mode != Mode::Alone);
-    let mut engines = (0..s.replicas)
-        .map(|i| {
-            let mut ec = EngineConfig::new(s.profile.clone());
-            ec.seed = s.seed ^ (i as u64).wrapping_mul(0x9e37_79b9);
-            Engine::new(ec)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut fleet = EngineSteps::new(build_engines(&s.profile, s.replicas, s.seed, true)?);
     let mut router = policy::build("kvroute", s.replicas, s.seed)
         .ok_or_else(|| SimError::Config("no kvroute policy".into()))?;
     let mut admission = (mode == Mode::Fair).then(|| Admission::new(s.admission.clone()));
@@ -218,7 +206,6 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
     let mut finished: Vec<Option<(f64, u32)>> = vec![None; reqs.len()];
     let mut shed = vec![false; reqs.len()];
     let mut shed_bound = vec![false; reqs.len()];
-    let mut pending: Vec<Option<vllm_sim::StepOutput>> = vec![None; s.replicas];
     let mut queue = EventQueue::new();
     for (i, r) in reqs.iter().enumerate() {
         queue.push(r.at_ms, Event::Arrival(i));
@@ -272,31 +259,18 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         now,
                     )
                     .min(s.replicas - 1);
-                let added = engines[replica].add_request(EngineRequest {
-                    id: i as u64,
-                    prompt_tokens: tokens,
-                    max_output_tokens: output,
-                    lora: None,
-                    cache_salt: None,
-                    arrival_s: now / 1000.0,
-                });
-                if added.is_err() {
+                let request = arriving(i, tokens, output, now);
+                if fleet
+                    .add(replica, request, now, &mut queue, Event::StepDone)
+                    .is_err()
+                {
                     shed[i] = true;
                     outstanding -= 1;
                     router.on_finish(i, replica, now, 0);
-                } else if pending[replica].is_none() {
-                    start_step(
-                        &mut engines[replica],
-                        &mut pending[replica],
-                        replica,
-                        now,
-                        &mut queue,
-                        Event::StepDone,
-                    );
                 }
             }
             Event::StepDone(r) => {
-                let Some(out) = pending[r].take() else {
+                let Some(out) = fleet.take_step(r) else {
                     continue;
                 };
                 for e in &out.events {
@@ -316,17 +290,10 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         _ => {}
                     }
                 }
-                start_step(
-                    &mut engines[r],
-                    &mut pending[r],
-                    r,
-                    now,
-                    &mut queue,
-                    Event::StepDone,
-                );
+                fleet.start_step(r, now, &mut queue, Event::StepDone);
             }
             Event::Scrape => {
-                for (i, e) in engines.iter().enumerate() {
+                for (i, e) in fleet.engines.iter().enumerate() {
                     let st = e.stats();
                     snapshots[i] = ReplicaSnapshot {
                         running: st.num_running,

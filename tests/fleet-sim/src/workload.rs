@@ -10,6 +10,8 @@ use std::path::Path;
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::policy::SplitMix;
+
 /// Token ids start above the specials a tokenizer reserves.
 const TOKEN_BASE: u32 = 1000;
 const VOCAB: u64 = 120_000;
@@ -151,6 +153,21 @@ impl Workload {
         }
     }
 
+    /// The workload of the trace file at `path` (this crate's Mooncake reader, `kvroute-analyze`'s
+    /// OpenAI reader): `requests` in arrival order, named after the file's stem (`name` when it
+    /// has none).
+    pub fn from_trace(path: &Path, name: String, mut requests: Vec<RequestSpec>) -> Self {
+        requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
+        let stem = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or(name);
+        Workload {
+            name: stem,
+            requests,
+        }
+    }
+
     /// Keeps the first `n` requests (dependencies always precede their dependents).
     pub fn truncate(&mut self, n: usize) {
         self.requests.truncate(n);
@@ -194,14 +211,20 @@ struct MooncakeRecord {
     hash_ids: Vec<u64>,
 }
 
+/// Reads a line-oriented trace file whole: the one place its I/O error is worded, for the
+/// Mooncake reader here and `kvroute-analyze`'s readers.
+pub fn read_trace(path: &Path) -> Result<String, WorkloadError> {
+    std::fs::read_to_string(path).map_err(|source| WorkloadError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
 /// Reads a Mooncake-format JSONL trace (`timestamp` ms, `input_length`, `output_length`,
 /// `hash_ids` of chained 512-token blocks).
 pub fn read_mooncake(path: &Path) -> Result<Workload, WorkloadError> {
     let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| WorkloadError::Io {
-        path: name.clone(),
-        source,
-    })?;
+    let text = read_trace(path)?;
     let mut requests = Vec::new();
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -230,32 +253,27 @@ pub fn read_mooncake(path: &Path) -> Result<Workload, WorkloadError> {
             session: None,
         });
     }
-    requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
-    let stem = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or(name);
-    Ok(Workload {
-        name: stem,
-        requests,
-    })
+    Ok(Workload::from_trace(path, name, requests))
 }
 
-/// A small deterministic generator (splitmix64) so workloads need no RNG crate state.
-struct Rng(u64);
+/// The workload generators' draws (and `kvroute-analyze`'s arrival clock) on the crate's one
+/// splitmix64 generator, [`SplitMix`], so runs are deterministic and need no RNG crate state.
+#[derive(Debug, Clone)]
+pub struct Rng(SplitMix);
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+    /// A generator seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(SplitMix(seed))
     }
-    fn unit(&mut self) -> f64 {
+    fn next(&mut self) -> u64 {
+        self.0.next_u64()
+    }
+    /// Uniform in `[0, 1)`, from the top 53 bits of a draw.
+    pub fn unit(&mut self) -> f64 {
         (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
     /// Exponential inter-arrival gap with mean `mean_ms`.
-    fn exp_ms(&mut self, mean_ms: f64) -> f64 {
+    pub fn exp_ms(&mut self, mean_ms: f64) -> f64 {
         -mean_ms * (1.0 - self.unit()).ln()
     }
 }
@@ -285,7 +303,7 @@ pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
                 .ok_or_else(|| WorkloadError::BadSpec(spec.into()))
         })
         .collect::<Result<_, _>>()?;
-    let mut rng = Rng(seed ^ 0x5eed);
+    let mut rng = Rng::new(seed ^ 0x5eed);
     let mut requests = Vec::new();
     match name {
         "shared-prefix" => {

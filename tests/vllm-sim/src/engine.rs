@@ -155,27 +155,32 @@ pub struct RequestSummary {
     pub lora: Option<String>,
 }
 
-/// A KV cache event, as vLLM publishes them (medium is always `GPU`).
+/// A run of consecutive full blocks that became cached, as one vLLM `BlockStored` event
+/// carries it; the GPU tier and the CPU offload tier publish the same payload.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StoredBlocks {
+    /// Chained hashes of the stored blocks, in sequence order.
+    pub block_hashes: Vec<u64>,
+    /// Hash of the block before the first stored one; `None` at the start of a sequence.
+    pub parent_block_hash: Option<u64>,
+    /// Tokens of the stored blocks, all of them, concatenated.
+    pub token_ids: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// LoRA adapter id (1-based, in order of first use).
+    pub lora_id: Option<u32>,
+    /// LoRA adapter name.
+    pub lora_name: Option<String>,
+    /// The request's cache salt, set only on a run that starts at block 0 (the one block
+    /// whose extra keys hold it in vLLM).
+    pub cache_salt: Option<String>,
+}
+
+/// A KV cache event, as vLLM publishes them (medium `GPU`, or `CPU` for the offload tier).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub enum KvEvent {
-    /// Full blocks became cached. `token_ids` holds all their tokens, concatenated.
-    BlockStored {
-        /// Chained hashes of the stored blocks, in sequence order.
-        block_hashes: Vec<u64>,
-        /// Hash of the block before the first stored one; `None` at the start of a sequence.
-        parent_block_hash: Option<u64>,
-        /// Tokens of the stored blocks.
-        token_ids: Vec<u32>,
-        /// Tokens per block.
-        block_size: u32,
-        /// LoRA adapter id (1-based, in order of first use).
-        lora_id: Option<u32>,
-        /// LoRA adapter name.
-        lora_name: Option<String>,
-        /// The request's cache salt, set only on a run that starts at block 0 (the one block
-        /// whose extra keys hold it in vLLM).
-        cache_salt: Option<String>,
-    },
+    /// Full blocks became cached on the GPU.
+    BlockStored(StoredBlocks),
     /// A cached block was evicted (one event per block, as vLLM 0.33 does; a duplicate copy of
     /// a block reports the same hash again when it goes).
     BlockRemoved {
@@ -185,22 +190,7 @@ pub enum KvEvent {
     /// The prefix cache was reset.
     AllBlocksCleared,
     /// Blocks were written to the CPU offload tier (`BlockStored` with medium `CPU`).
-    OffloadStored {
-        /// Chained hashes of the stored blocks, in sequence order.
-        block_hashes: Vec<u64>,
-        /// Hash of the block before the first stored one; `None` at the start of a sequence.
-        parent_block_hash: Option<u64>,
-        /// Tokens of the stored blocks.
-        token_ids: Vec<u32>,
-        /// Tokens per block.
-        block_size: u32,
-        /// LoRA adapter id.
-        lora_id: Option<u32>,
-        /// LoRA adapter name.
-        lora_name: Option<String>,
-        /// The request's cache salt, on a run that starts at block 0 only.
-        cache_salt: Option<String>,
-    },
+    OffloadStored(StoredBlocks),
     /// A block left the CPU offload tier (`BlockRemoved` with medium `CPU`).
     OffloadRemoved {
         /// The dropped hashes.
@@ -384,7 +374,7 @@ fn offload_events(r: &Req, offloaded: &[usize], bs: u32, events: &mut Vec<KvEven
             end += 1;
         }
         let (first, last) = (offloaded[start], offloaded[end - 1]);
-        events.push(KvEvent::OffloadStored {
+        events.push(KvEvent::OffloadStored(StoredBlocks {
             block_hashes: r.block_hashes[first..=last].to_vec(),
             parent_block_hash: first.checked_sub(1).map(|p| r.block_hashes[p]),
             token_ids: r.tokens[first * bsz..(last + 1) * bsz].to_vec(),
@@ -392,7 +382,7 @@ fn offload_events(r: &Req, offloaded: &[usize], bs: u32, events: &mut Vec<KvEven
             lora_id: r.lora_id,
             lora_name: r.lora_name.as_deref().map(str::to_owned),
             cache_salt: r.salt_if_first(first),
-        });
+        }));
         start = end;
     }
 }
@@ -917,16 +907,16 @@ impl Engine {
                     let h = r.block_hashes[i];
                     let toks = &r.tokens[i * bs as usize..(i + 1) * bs as usize];
                     match &mut run {
-                        Some(KvEvent::BlockStored {
+                        Some(KvEvent::BlockStored(StoredBlocks {
                             block_hashes,
                             token_ids,
                             ..
-                        }) => {
+                        })) => {
                             block_hashes.push(h);
                             token_ids.extend_from_slice(toks);
                         }
                         _ => {
-                            run = Some(KvEvent::BlockStored {
+                            run = Some(KvEvent::BlockStored(StoredBlocks {
                                 block_hashes: vec![h],
                                 parent_block_hash: i.checked_sub(1).map(|p| r.block_hashes[p]),
                                 token_ids: toks.to_vec(),
@@ -934,7 +924,7 @@ impl Engine {
                                 lora_id: r.lora_id,
                                 lora_name: r.lora_name.as_deref().map(str::to_owned),
                                 cache_salt: r.salt_if_first(i),
-                            })
+                            }))
                         }
                     }
                 } else if let Some(ev) = run.take() {
@@ -1267,7 +1257,9 @@ mod tests {
             .iter()
             .flat_map(|o| &o.kv_events)
             .filter_map(|e| match e {
-                KvEvent::BlockStored { block_hashes, .. } => Some(block_hashes.clone()),
+                KvEvent::BlockStored(StoredBlocks { block_hashes, .. }) => {
+                    Some(block_hashes.clone())
+                }
                 _ => None,
             })
             .collect();
@@ -1369,7 +1361,7 @@ mod tests {
             .iter()
             .flat_map(|o| &o.kv_events)
             .flat_map(|e| match e {
-                KvEvent::BlockStored { block_hashes, .. } => block_hashes.clone(),
+                KvEvent::BlockStored(StoredBlocks { block_hashes, .. }) => block_hashes.clone(),
                 _ => vec![],
             })
             .collect();
@@ -1389,7 +1381,7 @@ mod tests {
         let h = hashes(&toks(0..9), 4);
         assert_eq!(
             outs[0].kv_events,
-            vec![KvEvent::BlockStored {
+            vec![KvEvent::BlockStored(StoredBlocks {
                 block_hashes: h.clone(),
                 parent_block_hash: None,
                 token_ids: toks(0..8),
@@ -1397,17 +1389,17 @@ mod tests {
                 lora_id: None,
                 lora_name: None,
                 cache_salt: None,
-            }]
+            })]
         );
         e.add_request(req(2, &toks(0..13), 1)).unwrap();
         let outs = drain(&mut e, 1.0);
         match &outs[0].kv_events[..] {
             [
-                KvEvent::BlockStored {
+                KvEvent::BlockStored(StoredBlocks {
                     parent_block_hash,
                     token_ids,
                     ..
-                },
+                }),
             ] => {
                 assert_eq!(*parent_block_hash, Some(h[1]));
                 assert_eq!(token_ids, &toks(8..12));
@@ -1461,9 +1453,9 @@ mod tests {
         let outs = drain(&mut e, 1.0);
         assert_eq!(summaries(&outs)[&2].cached_tokens, 0);
         match &outs[0].kv_events[0] {
-            KvEvent::BlockStored {
+            KvEvent::BlockStored(StoredBlocks {
                 lora_id, lora_name, ..
-            } => {
+            }) => {
                 assert_eq!(*lora_id, Some(1));
                 assert_eq!(lora_name.as_deref(), Some("sql"));
             }
@@ -1492,12 +1484,12 @@ mod tests {
         );
         match &outs[0].kv_events[..] {
             [
-                KvEvent::BlockStored {
+                KvEvent::BlockStored(StoredBlocks {
                     cache_salt,
                     parent_block_hash: None,
                     block_hashes,
                     ..
-                },
+                }),
             ] => {
                 assert_eq!(cache_salt.as_deref(), Some("a"));
                 assert_eq!(block_hashes.len(), 3);
@@ -1516,11 +1508,11 @@ mod tests {
         assert_eq!(summaries(&outs)[&4].cached_tokens, 12);
         match &outs[0].kv_events[..] {
             [
-                KvEvent::BlockStored {
+                KvEvent::BlockStored(StoredBlocks {
                     cache_salt: None,
                     parent_block_hash: Some(_),
                     ..
-                },
+                }),
             ] => {}
             other => panic!("unexpected {other:?}"),
         }
@@ -1569,16 +1561,16 @@ mod tests {
         let offloaded: Vec<&KvEvent> = first
             .iter()
             .flat_map(|o| &o.kv_events)
-            .filter(|ev| matches!(ev, KvEvent::OffloadStored { .. }))
+            .filter(|ev| matches!(ev, KvEvent::OffloadStored(_)))
             .collect();
         assert_eq!(offloaded.len(), 1, "{offloaded:?}");
         match offloaded[0] {
-            KvEvent::OffloadStored {
+            KvEvent::OffloadStored(StoredBlocks {
                 block_hashes,
                 token_ids,
                 parent_block_hash,
                 ..
-            } => {
+            }) => {
                 assert_eq!(block_hashes.len(), 4);
                 assert_eq!(token_ids, &toks(0..16));
                 assert_eq!(*parent_block_hash, None);
@@ -1614,7 +1606,7 @@ mod tests {
             again
                 .iter()
                 .flat_map(|o| &o.kv_events)
-                .any(|ev| matches!(ev, KvEvent::BlockStored { .. }))
+                .any(|ev| matches!(ev, KvEvent::BlockStored(_)))
         );
     }
 

@@ -39,43 +39,28 @@ pub fn wire_event(ev: &KvEvent) -> WireEvent {
     let ints = |hs: &[u64]| hs.iter().copied().map(BlockHash::Int).collect();
     // The CPU offload tier publishes the same events with medium `CPU`.
     let medium = match ev {
-        KvEvent::OffloadStored { .. } | KvEvent::OffloadRemoved { .. } => "CPU",
+        KvEvent::OffloadStored(_) | KvEvent::OffloadRemoved { .. } => "CPU",
         _ => "GPU",
     };
     match ev {
-        KvEvent::BlockStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_id,
-            lora_name,
-            cache_salt,
+        KvEvent::BlockStored(s) | KvEvent::OffloadStored(s) => {
+            WireEvent::BlockStored(BlockStored {
+                block_hashes: ints(&s.block_hashes),
+                parent_block_hash: s.parent_block_hash.map(BlockHash::Int),
+                token_ids: s.token_ids.clone(),
+                block_size: s.block_size,
+                lora_id: s.lora_id.map(u64::from),
+                medium: Some(medium.into()),
+                lora_name: s.lora_name.clone(),
+                extra_keys: Some(block_extra_keys(
+                    s.block_hashes.len(),
+                    s.lora_name.as_deref(),
+                    s.cache_salt.as_deref(),
+                )),
+                group_idx: Some(0),
+                kv_cache_spec_kind: None,
+            })
         }
-        | KvEvent::OffloadStored {
-            block_hashes,
-            parent_block_hash,
-            token_ids,
-            block_size,
-            lora_id,
-            lora_name,
-            cache_salt,
-        } => WireEvent::BlockStored(BlockStored {
-            block_hashes: ints(block_hashes),
-            parent_block_hash: parent_block_hash.map(BlockHash::Int),
-            token_ids: token_ids.clone(),
-            block_size: *block_size,
-            lora_id: lora_id.map(u64::from),
-            medium: Some(medium.into()),
-            lora_name: lora_name.clone(),
-            extra_keys: Some(block_extra_keys(
-                block_hashes.len(),
-                lora_name.as_deref(),
-                cache_salt.as_deref(),
-            )),
-            group_idx: Some(0),
-            kv_cache_spec_kind: None,
-        }),
         KvEvent::BlockRemoved { block_hashes } | KvEvent::OffloadRemoved { block_hashes } => {
             WireEvent::BlockRemoved(BlockRemoved {
                 block_hashes: ints(block_hashes),
@@ -293,13 +278,14 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: Bytes) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::StoredBlocks;
     use vllm_wire::kv_events::{EventBatch, decode_batch};
     use vllm_wire::rmpv::Value;
 
     #[test]
     fn engine_events_are_published_as_a_gpu_block_pool_does() {
         let events = vec![
-            KvEvent::BlockStored {
+            KvEvent::BlockStored(StoredBlocks {
                 block_hashes: vec![1, u64::MAX],
                 parent_block_hash: None,
                 token_ids: (0..32).collect(),
@@ -307,7 +293,7 @@ mod tests {
                 lora_id: Some(2),
                 lora_name: Some("sql".into()),
                 cache_salt: Some("t1".into()),
-            },
+            }),
             KvEvent::OffloadRemoved {
                 block_hashes: vec![u64::MAX],
             },

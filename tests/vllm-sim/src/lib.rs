@@ -22,7 +22,7 @@ pub mod tokenizer;
 
 pub use engine::{
     Engine, EngineConfig, EngineRequest, EngineStats, KvEvent, RequestEvent, RequestId,
-    RequestSummary, StepOutput,
+    RequestSummary, StepOutput, StoredBlocks,
 };
 pub use profile::Profile;
 

@@ -42,6 +42,14 @@ fn json_body(r: &HttpResponse) -> Value {
     serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("not json ({e}): {}", r.body))
 }
 
+/// The OpenAI-style `error.message` of a refused request.
+fn error_message(r: &HttpResponse) -> String {
+    json_body(r)["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 /// The `data:` payloads of an SSE body, `[DONE]` excluded (asserted last).
 fn sse_chunks(body: &str) -> Vec<Value> {
     let datas: Vec<&str> = body
@@ -462,12 +470,7 @@ async fn failure_injection_and_clear_errors() {
     assert_eq!(post(&c, &url, unknown).await.status, 404);
     let r = post(&c, &url, chat("hi", 200_000, false)).await;
     assert_eq!(r.status, 400);
-    assert!(
-        json_body(&r)["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("maximum context length")
-    );
+    assert!(error_message(&r).contains("maximum context length"));
     assert_eq!(post(&c, &url, json!({"messages": []})).await.status, 400);
     assert_eq!(
         post(&c, &format!("{base}/sim/fault"), json!({"bogus": 1}))
@@ -831,14 +834,7 @@ async fn a_real_tokenizer_and_chat_template_keep_chat_turns_cached() {
     let url = format!("{}/v1/chat/completions", sim.url());
     let r = post(&c, &url, chat("hi", 1, false)).await;
     assert_eq!(r.status, 400);
-    assert!(
-        json_body(&r)["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("user first"),
-        "{}",
-        r.body
-    );
+    assert!(error_message(&r).contains("user first"), "{}", r.body);
     let user_first = json!({"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 1});
     let v = json_body(&post(&c, &url, user_first).await);
     assert_eq!(v["usage"]["prompt_tokens"], 3);

@@ -14,7 +14,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use vllm_sim::engine::{EngineStats, KvEvent};
+use vllm_sim::engine::{EngineStats, KvEvent, StoredBlocks};
 use vllm_sim::kv_events::wire_batch;
 use vllm_sim::metrics::{LatencyHistograms, ServerInfo, render};
 use vllm_wire::kv_events::{
@@ -39,7 +39,7 @@ fn engine_events(batch: &WireBatch) -> Vec<KvEvent> {
         .events
         .iter()
         .map(|e| match e {
-            WireEvent::BlockStored(s) => KvEvent::BlockStored {
+            WireEvent::BlockStored(s) => KvEvent::BlockStored(StoredBlocks {
                 block_hashes: ints(&s.block_hashes),
                 parent_block_hash: s.parent_block_hash.as_ref().map(BlockHash::to_u64),
                 token_ids: s.token_ids.clone(),
@@ -51,7 +51,7 @@ fn engine_events(batch: &WireBatch) -> Vec<KvEvent> {
                     .is_none()
                     .then(|| cache_salt(s.extra_keys.as_ref(), s.lora_name.as_deref()))
                     .flatten(),
-            },
+            }),
             WireEvent::BlockRemoved(r) => KvEvent::BlockRemoved {
                 block_hashes: ints(&r.block_hashes),
             },
@@ -70,11 +70,11 @@ fn the_engines_events_are_the_events_a_vllm_block_pool_publishes() {
     assert!(
         events.iter().any(|e| matches!(
             e,
-            KvEvent::BlockStored {
+            KvEvent::BlockStored(StoredBlocks {
                 cache_salt: Some(_),
                 lora_name: Some(_),
                 ..
-            }
+            })
         )),
         "the scenario has a salted LoRA store"
     );

@@ -353,6 +353,14 @@ pub fn deserialize_map(bytes: &[u8]) -> Option<HeaderMap> {
     Some(map)
 }
 
+/// Header pairs as the host keeps them: names lowercased, values as bytes.
+fn lowercase_map(pairs: &[(&str, &str)]) -> HeaderMap {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec()))
+        .collect()
+}
+
 // ---------------------------------------------------------------------------------------------
 // The imports.
 
@@ -1047,6 +1055,19 @@ impl FilterHost {
         }
     }
 
+    /// Runs a stream callback that takes `(context, size, end_of_stream)` (headers: their
+    /// count; body: the bytes buffered so far) and reads the action it returns.
+    fn stream_callback(
+        &mut self,
+        name: &str,
+        context: u32,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Result<FilterAction, HostError> {
+        let params = (context as i32, size as i32, i32::from(end_of_stream));
+        Self::action(self.call(name, context, params)?)
+    }
+
     fn action(code: i32) -> Result<FilterAction, HostError> {
         match code {
             0 => Ok(FilterAction::Continue),
@@ -1122,17 +1143,13 @@ impl FilterHost {
         headers: &[(&str, &str)],
         end_of_stream: bool,
     ) -> Result<FilterAction, HostError> {
-        let stream = self.stream_mut(context)?;
-        stream.request_headers = headers
-            .iter()
-            .map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec()))
-            .collect();
-        let n = headers.len() as i32;
-        let action = Self::action(self.call(
+        self.stream_mut(context)?.request_headers = lowercase_map(headers);
+        let action = self.stream_callback(
             "proxy_on_request_headers",
             context,
-            (context as i32, n, i32::from(end_of_stream)),
-        )?)?;
+            headers.len(),
+            end_of_stream,
+        )?;
         if action == FilterAction::Continue {
             let stream = self.stream_mut(context)?;
             if stream.released_headers.is_none() {
@@ -1152,12 +1169,8 @@ impl FilterHost {
     ) -> Result<FilterAction, HostError> {
         let stream = self.stream_mut(context)?;
         stream.request_body.extend_from_slice(chunk);
-        let size = stream.request_body.len() as i32;
-        let action = Self::action(self.call(
-            "proxy_on_request_body",
-            context,
-            (context as i32, size, i32::from(end_of_stream)),
-        )?)?;
+        let size = stream.request_body.len();
+        let action = self.stream_callback("proxy_on_request_body", context, size, end_of_stream)?;
         if action == FilterAction::Continue {
             self.stream_mut(context)?.release_request();
         }
@@ -1170,11 +1183,7 @@ impl FilterHost {
         context: u32,
         trailers: &[(&str, &str)],
     ) -> Result<FilterAction, HostError> {
-        let stream = self.stream_mut(context)?;
-        stream.request_trailers = trailers
-            .iter()
-            .map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec()))
-            .collect();
+        self.stream_mut(context)?.request_trailers = lowercase_map(trailers);
         let n = trailers.len() as i32;
         let action =
             Self::action(self.call("proxy_on_request_trailers", context, (context as i32, n))?)?;
@@ -1191,17 +1200,13 @@ impl FilterHost {
         headers: &[(&str, &str)],
         end_of_stream: bool,
     ) -> Result<FilterAction, HostError> {
-        let stream = self.stream_mut(context)?;
-        stream.response_headers = headers
-            .iter()
-            .map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec()))
-            .collect();
-        let n = headers.len() as i32;
-        let action = Self::action(self.call(
+        self.stream_mut(context)?.response_headers = lowercase_map(headers);
+        let action = self.stream_callback(
             "proxy_on_response_headers",
             context,
-            (context as i32, n, i32::from(end_of_stream)),
-        )?)?;
+            headers.len(),
+            end_of_stream,
+        )?;
         if action == FilterAction::Continue {
             self.stream_mut(context)?.response_headers_released = true;
         }
@@ -1217,12 +1222,9 @@ impl FilterHost {
     ) -> Result<FilterAction, HostError> {
         let stream = self.stream_mut(context)?;
         stream.response_body.extend_from_slice(chunk);
-        let size = stream.response_body.len() as i32;
-        let action = Self::action(self.call(
-            "proxy_on_response_body",
-            context,
-            (context as i32, size, i32::from(end_of_stream)),
-        )?)?;
+        let size = stream.response_body.len();
+        let action =
+            self.stream_callback("proxy_on_response_body", context, size, end_of_stream)?;
         if action == FilterAction::Continue {
             let stream = self.stream_mut(context)?;
             let body = std::mem::take(&mut stream.response_body);
@@ -1284,18 +1286,7 @@ impl FilterHost {
         });
         self.store.data_mut().call_response = response;
         let params = (call.context_id as i32, call.token as i32, nh, nb, nt);
-        let func = self
-            .instance
-            .get_typed_func::<(i32, i32, i32, i32, i32), ()>(
-                &mut self.store,
-                "proxy_on_http_call_response",
-            )?;
-        self.store.set_fuel(FUEL_PER_CALL)?;
-        self.store.data_mut().active_context = call.context_id;
-        let result = func.call(&mut self.store, params);
-        self.store.data_mut().call_response = None;
-        self.apply_resumes();
-        Ok(result?)
+        self.call("proxy_on_http_call_response", call.context_id, params)
     }
 
     /// Answers a pending call with `status`, extra headers and a body.
@@ -1308,11 +1299,7 @@ impl FilterHost {
     ) -> Result<(), HostError> {
         let call = self.take_call(token)?;
         let mut map: HeaderMap = vec![(":status".into(), status.to_string().into_bytes())];
-        map.extend(
-            headers
-                .iter()
-                .map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec())),
-        );
+        map.extend(lowercase_map(headers));
         let response = CallResponse {
             headers: map,
             body: body.to_vec(),
