@@ -345,6 +345,9 @@ struct InFlight {
     latency_features: LatencyFeatures,
     /// Prefilled on another endpoint: its TTFT says nothing about this endpoint's prefill.
     remote_prefill: bool,
+    /// The prefill tokens it added to its endpoint's backlog, refunded if the engine refuses
+    /// it without prefilling.
+    prefill_tokens: u32,
 }
 
 /// One candidate's score terms: what the explain output shows.
@@ -1406,6 +1409,7 @@ impl Router {
             kv_private_tokens: shape.output_tokens.saturating_add(unhashed),
             latency_features: self.scratch.features[usize::from(chosen.0)],
             remote_prefill: false,
+            prefill_tokens: chosen_score.uncached_tokens,
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             slot.backlog_tokens += f64::from(chosen_score.uncached_tokens);
@@ -1510,13 +1514,24 @@ impl Router {
     }
 
     /// Takes one request's outcome: releases its in-flight load and records prediction accuracy.
-    pub fn feedback(&mut self, outcome: &Outcome, _now_ms: u64) {
+    pub fn feedback(&mut self, outcome: &Outcome, now_ms: u64) {
         self.stats.outcomes += 1;
         let Some(entry) = self.inflight.remove(&outcome.decision_id) else {
             return;
         };
+        // Refused without a token generated (a 400 for a prompt too long, a 5xx before the
+        // first token): the engine never prefilled it, so its prefill leaves the backlog now
+        // instead of pricing the endpoint as busy until it would have drained.
+        let refused =
+            !(200..300).contains(&outcome.status) && outcome.completion_tokens.unwrap_or(0) == 0;
+        let tokens_per_ms = self.config.scoring.prefill_tokens_per_ms;
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.release(&entry);
+            if refused {
+                drain_backlog(slot, now_ms, tokens_per_ms);
+                slot.backlog_tokens =
+                    (slot.backlog_tokens - f64::from(entry.prefill_tokens)).max(0.0);
+            }
         }
         // Credit the endpoint that really served (Envoy may have used a fallback).
         let served_by = match self.by_address.get(outcome.endpoint.as_str()) {
@@ -2301,6 +2316,48 @@ mod tests {
             on_holder <= 5,
             "at most what fits in 12,000 tokens: {placed:?}"
         );
+    }
+
+    // A request the engine refuses at once (a 400 for a prompt too long for the model) never
+    // prefilled: its outcome takes its prefill back out of the endpoint's backlog, so one bad
+    // request does not price the replica out for as long as a million tokens take to drain.
+    #[test]
+    fn a_refused_request_refunds_its_prefill_backlog() {
+        let mut r = router(1);
+        r.update_metrics("10.0.0.0:8000", EndpointMetrics::default(), 0);
+        let huge = RouteRequest {
+            model: "m".into(),
+            prompt_bytes: 3_900_000,
+            prompt_tokens: 975_000,
+            ..Default::default()
+        };
+        let d = r.route(&huge, 1, 1);
+        let backlog = |r: &Router| r.endpoints(1)[0].backlog_tokens;
+        assert!(backlog(&r) > 900_000.0, "{}", backlog(&r));
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: "10.0.0.0:8000".into(),
+                status: 400,
+                ..Outcome::default()
+            },
+            1,
+        );
+        assert_eq!(backlog(&r), 0.0);
+        // A served request's prefill drains with time as before: its outcome refunds nothing.
+        let served = r.route(&request(&"w ".repeat(4_000)), 2, 1);
+        let before = backlog(&r);
+        r.feedback(
+            &Outcome {
+                decision_id: served.response.decision_id,
+                endpoint: "10.0.0.0:8000".into(),
+                status: 200,
+                completion_tokens: Some(8),
+                ..Outcome::default()
+            },
+            2,
+        );
+        assert_eq!(backlog(&r), before);
     }
 
     #[test]
