@@ -401,12 +401,13 @@ impl Request {
     }
 
     fn finish(&mut self) {
-        let Some(outcome) = self.machine.as_mut().and_then(|m| m.on_done(now_ms())) else {
+        let now = now_ms();
+        let Some(outcome) = self.machine.as_mut().and_then(|m| m.on_done(now)) else {
             return;
         };
         if let Some(shared) = &self.shared {
             let mut shared = shared.borrow_mut();
-            if shared.state.push_outcome(outcome) {
+            if shared.state.push_outcome(outcome, now) {
                 Metrics::bump(shared.metrics.outcomes_dropped);
             }
         }

@@ -179,10 +179,9 @@ impl RootState {
     /// describe the fleet's current state better). Returns true when one was dropped.
     /// With `decision: local` the outcome is applied to the VM's copy at once and travels in the
     /// next sync instead (bounded there).
-    pub fn push_outcome(&mut self, outcome: Outcome) -> bool {
+    pub fn push_outcome(&mut self, outcome: Outcome, now_ms: u64) -> bool {
         if let Some(local) = self.local.as_mut() {
-            // The router's feedback reads no clock: an outcome names its decision.
-            local.outcome(outcome, 0);
+            local.outcome(outcome, now_ms);
             return false;
         }
         let full = self.queue.len() >= self.config.max_queued_outcomes;
@@ -292,7 +291,7 @@ mod tests {
         let mut r = RootState::new(FilterConfig::default());
         assert_eq!(r.on_tick(0), None, "nothing queued");
         for id in 1..=MAX_BATCH_OUTCOMES as u64 + 3 {
-            r.push_outcome(outcome(id));
+            r.push_outcome(outcome(id), 0);
         }
         let first = r.on_tick(10).unwrap();
         assert_eq!(first.outcomes, MAX_BATCH_OUTCOMES);
@@ -309,9 +308,9 @@ mod tests {
     #[test]
     fn lost_call_is_given_up_and_dispatch_failure_drops_batch() {
         let mut r = RootState::new(FilterConfig::default());
-        r.push_outcome(outcome(1));
+        r.push_outcome(outcome(1), 0);
         assert!(r.on_tick(0).is_some());
-        r.push_outcome(outcome(2));
+        r.push_outcome(outcome(2), 0);
         assert_eq!(r.on_tick(1999), None);
         assert_eq!(batch(&r.on_tick(2000).unwrap()), [2]);
         r.on_feedback_dispatch_failed();
@@ -326,7 +325,7 @@ mod tests {
             ..FilterConfig::default()
         });
         for id in 1..=5 {
-            r.push_outcome(outcome(id));
+            r.push_outcome(outcome(id), 0);
         }
         assert_eq!(r.stats().outcomes_dropped, 2);
         assert_eq!(batch(&r.on_tick(0).unwrap()), [3, 4, 5]);
@@ -391,12 +390,15 @@ mod tests {
                 "the chosen endpoint and a fallback"
             );
             assert_eq!(root.stats().decided_locally, 1);
-            root.push_outcome(Outcome {
-                decision_id: answer.decision_id,
-                endpoint: answer.endpoints[0].clone(),
-                status: 200,
-                ..Outcome::default()
-            });
+            root.push_outcome(
+                Outcome {
+                    decision_id: answer.decision_id,
+                    endpoint: answer.endpoints[0].clone(),
+                    status: 200,
+                    ..Outcome::default()
+                },
+                15,
+            );
             let call = root.on_tick(20).unwrap();
             let report: SyncRequest = serde_json::from_slice(&call.body).unwrap();
             assert_eq!(report.decisions.len(), 1);
@@ -437,7 +439,7 @@ mod tests {
             let mut root = RootState::new(FilterConfig::default());
             assert!(root.local().is_none());
             assert_eq!(root.decide_locally(&request(), 0), None);
-            root.push_outcome(outcome(1));
+            root.push_outcome(outcome(1), 0);
             assert_eq!(root.on_tick(0).unwrap().path, FEEDBACK_PATH);
         }
     }

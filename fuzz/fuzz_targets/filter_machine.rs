@@ -377,7 +377,7 @@ fn run(input: Input) {
                     );
                     assert!(!seen.outcome, "two outcomes for one request");
                     seen.outcome = true;
-                    root.push_outcome(outcome);
+                    root.push_outcome(outcome, now);
                     assert!(root.queued() <= config.max_queued_outcomes);
                 }
             }
