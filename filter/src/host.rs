@@ -87,6 +87,18 @@ struct Shared {
 }
 
 impl Shared {
+    /// Counts how a tick's call (a feedback batch, or with `decision: local` a sync) ended.
+    fn count_tick_call(&self, ok: bool) {
+        let local = self.state.local().is_some();
+        let metric = match (local, ok) {
+            (true, true) => self.metrics.sync_applied,
+            (true, false) => self.metrics.sync_failed,
+            (false, true) => self.metrics.feedback_sent,
+            (false, false) => self.metrics.feedback_failed,
+        };
+        Metrics::bump(metric);
+    }
+
     fn count(&mut self, counter: Counter) {
         let first = self.state.count(counter);
         match counter {
@@ -180,21 +192,11 @@ impl Context for Root {
                     .flatten()
                     .unwrap_or_default();
                 let ok = shared.state.on_sync_response(status, &body, now_ms());
-                let metric = if ok {
-                    shared.metrics.sync_applied
-                } else {
-                    shared.metrics.sync_failed
-                };
-                Metrics::bump(metric);
+                shared.count_tick_call(ok);
                 return;
             }
             let ok = shared.state.on_feedback_response(status);
-            let metric = if ok {
-                shared.metrics.feedback_sent
-            } else {
-                shared.metrics.feedback_failed
-            };
-            Metrics::bump(metric);
+            shared.count_tick_call(ok);
         }
     }
 }
@@ -249,12 +251,7 @@ impl RootContext for Root {
         let config = Rc::clone(shared.state.config());
         if post(&config, call.path, &call.body, config.feedback_timeout_ms).is_none() {
             shared.state.on_feedback_dispatch_failed();
-            let metric = if shared.state.local().is_some() {
-                shared.metrics.sync_failed
-            } else {
-                shared.metrics.feedback_failed
-            };
-            Metrics::bump(metric);
+            shared.count_tick_call(false);
         }
     }
 
