@@ -123,6 +123,18 @@ function events(e) {
   return el("td", { class: "num", title }, `live · ${num(e.precise_blocks)}${lag}`);
 }
 
+// What scoring assumes of the endpoint: learned from its counters, or (dimmed) the prior.
+function calibration(e) {
+  const c = e.calibration;
+  if (!c) return el("td", { class: "num" }, "-");
+  const learned = c.prefill_evidence_points > 0;
+  const title = learned
+    ? `learned from ${num(c.prefill_evidence_points)} scrape intervals; ITL ${c.itl_ms_idle.toFixed(1)} ms idle, ${c.itl_ms_full.toFixed(1)} ms with KV full`
+    : "the prior: no finished request seen yet";
+  return el("td", { class: "num" + (learned ? "" : " dim"), title },
+    `${num(Math.round(c.prefill_tokens_per_ms * 1000))} tok/s · ${c.itl_ms_idle.toFixed(1)} ms`);
+}
+
 function renderEndpoints(data) {
   const seconds = (data.sample_interval_ms * 240) / 1000;
   document.getElementById("window").textContent = `sparklines: last ${num(seconds)} s`;
@@ -145,6 +157,7 @@ function renderEndpoints(data) {
       spark(h.map((s) => s.inflight), null),
       el("td", { class: "num", title: `${num(e.served.cached_tokens)} of ${num(e.served.prompt_tokens)} prompt tokens` }, pct(e.hit_rate)),
       spark(h.map((s) => s.hit_rate), 1),
+      calibration(e),
       el("td", { class: "num" }, num(e.backlog_tokens)),
       el("td", { class: "num" }, num(e.indexed_blocks)),
       events(e),

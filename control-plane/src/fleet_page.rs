@@ -431,6 +431,7 @@ mod tests {
                 waiting: 2,
                 kv_usage: 0.5,
                 capacity_tokens: None,
+                counters: None,
             },
         );
         history.record(0, &state.endpoints());

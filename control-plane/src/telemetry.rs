@@ -599,7 +599,22 @@ fn encode_latency_model(
     endpoints: &[EndpointView],
 ) -> fmt::Result {
     type Getter = fn(&EndpointView) -> Option<f64>;
-    let gauges: [(&str, &str, Getter); 3] = [
+    let gauges: [(&str, &str, Getter); 6] = [
+        (
+            "endpoint_prefill_tokens_per_second",
+            "Prefill throughput scoring assumes for the endpoint: calibrated from its counters, or the prior",
+            |e| Some(e.calibration.prefill_tokens_per_ms * 1000.0),
+        ),
+        (
+            "endpoint_itl_idle_seconds",
+            "Time per output token scoring assumes on the idle endpoint (calibrated, or the prior)",
+            |e| Some(e.calibration.itl_ms_idle / 1000.0),
+        ),
+        (
+            "endpoint_itl_full_seconds",
+            "Time per output token scoring assumes with the endpoint's KV cache full (calibrated, or the prior)",
+            |e| Some(e.calibration.itl_ms_full / 1000.0),
+        ),
         (
             "endpoint_ttft_prediction_error_ratio",
             "Smoothed |predicted - observed| / observed TTFT of the endpoint's learned model",
@@ -717,6 +732,8 @@ mod latency_metric_tests {
         encode(&mut text, &registry(state)).unwrap();
         for needle in [
             "kvroute_endpoint_latency_samples_total{endpoint=\"10.0.0.1:80\"} 1",
+            "kvroute_endpoint_prefill_tokens_per_second{endpoint=\"10.0.0.1:80\"} 5000.0",
+            "kvroute_endpoint_itl_idle_seconds{endpoint=\"10.0.0.1:80\"} 0.015",
             "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
             "kvroute_endpoint_ttft_prediction_error_ms{endpoint=\"10.0.0.1:80\"} ",
             "kvroute_endpoint_tpot_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} ",

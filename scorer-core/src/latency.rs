@@ -396,10 +396,12 @@ mod tests {
 
     #[test]
     fn prior_matches_the_analytic_model() {
-        let m = EndpointLatencyModel::new(&ScoringConfig::default(), &LatencyConfig::default());
+        let (s, l) = (ScoringConfig::default(), LatencyConfig::default());
+        let m = EndpointLatencyModel::new(&s, &l);
         let p = m.predict(&features(0.0, 1000.0, 0.0));
-        assert!((p.ttft_ms - 105.0).abs() < 1e-9, "{p:?}");
-        assert!((p.tpot_ms - 4.8).abs() < 1e-9, "{p:?}");
+        let ttft = l.overhead_ms + 1000.0 / s.prefill_tokens_per_ms;
+        assert!((p.ttft_ms - ttft).abs() < 1e-9, "{p:?}");
+        assert!((p.tpot_ms - s.itl_ms_idle).abs() < 1e-9, "{p:?}");
         assert_eq!(m.samples(), 0);
     }
 

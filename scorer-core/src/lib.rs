@@ -5,6 +5,7 @@
 //! - [`index`] remembers which endpoint holds which blocks;
 //! - [`router`] scores endpoints and keeps load accounting ([`address`]: its shared addresses);
 //! - [`token_ratio`] turns approximate mode's byte blocks into tokens (configured or learned);
+//! - [`calibration`] learns each endpoint's prefill rate and decode step time from its counters;
 //! - [`latency`] learns each endpoint's TTFT and time per output token from outcomes;
 //! - [`disagg`] gives endpoints prefill/decode roles and picks a prefill endpoint;
 //! - [`pools`], [`affinity`] and [`lora`] keep model pools, session affinity and LoRA
@@ -19,6 +20,7 @@
 
 pub mod address;
 pub mod affinity;
+pub mod calibration;
 pub mod canon;
 pub mod disagg;
 pub mod fairness;

@@ -21,6 +21,9 @@ use serde::{Deserialize, Serialize};
 use crate::address::EndpointAddress;
 
 use crate::affinity::{SessionConfig, SessionStats};
+use crate::calibration::{
+    Calibrated, CalibrationConfig, EndpointCalibration, EngineCounters, Prior,
+};
 use crate::disagg::{EndpointRole, PdConfig};
 use crate::index::{EndpointId, EndpointSet, MAX_ENDPOINTS, PrefixIndex};
 use crate::latency::{
@@ -37,7 +40,8 @@ use crate::token_ratio::TokenRatio;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ScoringConfig {
-    /// Assumed prefill throughput of one replica, tokens per millisecond.
+    /// Prefill throughput a replica is assumed to have before calibration has seen it work,
+    /// tokens per millisecond (with `calibration.enabled: false`, the rate for every replica).
     pub prefill_tokens_per_ms: f64,
     /// Weight of this request's own prefill in the cost. Above 1 it also charges the delay that
     /// extra (uncached) work imposes on later requests to that replica, which keeps a
@@ -48,9 +52,11 @@ pub struct ScoringConfig {
     /// Added cost at 100% KV usage, linear in usage: decode steps slow down as the batch's KV
     /// grows (about two steps' worth of slow-down for a new request).
     pub kv_decode_ms: f64,
-    /// Time per output token on an idle replica (a decode step with one short sequence).
+    /// Time per output token on an idle replica (a decode step with one short sequence), the
+    /// prior calibration starts from.
     pub itl_ms_idle: f64,
-    /// Time per output token when the replica's KV cache is full.
+    /// Time per output token when the replica's KV cache is full, the prior calibration
+    /// starts from.
     pub itl_ms_full: f64,
     /// Weight of the decode estimate (output tokens x time per token) in the cost: 0 scores
     /// time to first token only, 1 scores time to the last token.
@@ -74,14 +80,17 @@ pub struct ScoringConfig {
 impl Default for ScoringConfig {
     fn default() -> Self {
         Self {
-            prefill_tokens_per_ms: 10.0,
+            // A deliberately generic prior (a mid-size model on one GPU, roughly), not any one
+            // machine's figures: online calibration replaces all three per endpoint once it has
+            // served traffic (see `calibration`).
+            prefill_tokens_per_ms: 5.0,
             prefill_weight: 2.0,
             decode_ms_per_seq: 1.0,
             kv_decode_ms: 0.0,
-            itl_ms_idle: 4.8,
-            itl_ms_full: 22.0,
+            itl_ms_idle: 15.0,
+            itl_ms_full: 45.0,
             decode_weight: 0.0,
-            default_output_tokens: 256,
+            default_output_tokens: 300,
             kv_pressure_threshold: 0.9,
             kv_pressure_ms: 500.0,
             unknown_request_tokens: 512.0,
@@ -125,6 +134,8 @@ pub struct RouterConfig {
     pub lora: LoraConfig,
     /// The learned per-endpoint latency model (predicted TTFT / time per output token).
     pub latency: LatencyConfig,
+    /// Online calibration: each endpoint's prefill rate and decode step time from its counters.
+    pub calibration: CalibrationConfig,
     /// Prefill/decode disaggregation: when a request also gets a prefill endpoint.
     pub pd: PdConfig,
 }
@@ -168,6 +179,7 @@ impl Default for RouterConfig {
             sessions: SessionConfig::default(),
             lora: LoraConfig::default(),
             latency: LatencyConfig::default(),
+            calibration: CalibrationConfig::default(),
             pd: PdConfig::default(),
         }
     }
@@ -184,6 +196,10 @@ pub struct EndpointMetrics {
     pub kv_usage: f64,
     /// KV capacity in tokens (`num_gpu_blocks * block_size` of `vllm:cache_config_info`).
     pub capacity_tokens: Option<u64>,
+    /// The cumulative counters online calibration learns rates from (absent: an engine that
+    /// does not export them, or a scraper that does not read them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<EngineCounters>,
 }
 
 /// Why an endpoint is not a candidate right now.
@@ -216,6 +232,10 @@ struct Slot {
     served: ServedTotals,
     /// TTFT / TPOT model learned from this endpoint's outcomes.
     latency: EndpointLatencyModel,
+    /// Prefill rate and decode step time learned from its counters ...
+    calibration: EndpointCalibration,
+    /// ... and the rates in force (the prior until it has done work).
+    rates: Calibrated,
     /// Prefill, decode or both (disaggregated serving).
     role: EndpointRole,
     /// Times it was picked as a request's prefill endpoint.
@@ -488,6 +508,9 @@ pub struct EndpointView {
     /// Times it was picked as a request's prefill endpoint.
     #[serde(default)]
     pub prefill_picks: u64,
+    /// The prefill rate and decode step time scoring uses for it (calibrated, or the prior).
+    #[serde(default)]
+    pub calibration: Calibrated,
 }
 
 /// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
@@ -821,6 +844,9 @@ impl Router {
             events_live: false,
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
+            calibration: EndpointCalibration::default(),
+            rates: EndpointCalibration::default()
+                .calibrated(prior(&self.config.scoring), &self.config.calibration),
             role: EndpointRole::Both,
             prefill_picks: 0,
         });
@@ -855,12 +881,25 @@ impl Router {
     /// Records a successful scrape of `address`.
     pub fn update_metrics(&mut self, address: &str, metrics: EndpointMetrics, now_ms: u64) {
         let tokens_per_block = self.tokens_per_block();
-        let Some((id, slot)) = self.slot_mut(address) else {
+        let Some(&id) = self.by_address.get(address) else {
+            return;
+        };
+        let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
             return;
         };
         slot.metrics = Some(metrics);
         slot.scraped_at_ms = now_ms;
         slot.health = Health::Ready;
+        let (scoring, calibration) = (&self.config.scoring, &self.config.calibration);
+        if let Some(counters) = metrics.counters {
+            slot.calibration
+                .observe(counters, metrics.kv_usage, now_ms, calibration);
+        }
+        slot.rates = if calibration.enabled {
+            slot.calibration.calibrated(prior(scoring), calibration)
+        } else {
+            EndpointCalibration::default().calibrated(prior(scoring), calibration)
+        };
         if let Some(cap) = metrics.capacity_tokens {
             let blocks = (cap as f64 / tokens_per_block) as usize;
             self.index.set_capacity(id, blocks.max(1));
@@ -1244,7 +1283,7 @@ impl Router {
             if slot.health != Health::Ready || !pool.eligible.allows(i) {
                 continue;
             }
-            drain_backlog(slot, now_ms, s.prefill_tokens_per_ms);
+            drain_backlog(slot, now_ms, slot.rates.prefill_tokens_per_ms);
             let here = EndpointId(i as u16);
             let fresh = slot
                 .metrics
@@ -1524,11 +1563,10 @@ impl Router {
         // instead of pricing the endpoint as busy until it would have drained.
         let refused =
             !(200..300).contains(&outcome.status) && outcome.completion_tokens.unwrap_or(0) == 0;
-        let tokens_per_ms = self.config.scoring.prefill_tokens_per_ms;
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.release(&entry);
             if refused {
-                drain_backlog(slot, now_ms, tokens_per_ms);
+                drain_backlog(slot, now_ms, slot.rates.prefill_tokens_per_ms);
                 slot.backlog_tokens =
                     (slot.backlog_tokens - f64::from(entry.prefill_tokens)).max(0.0);
             }
@@ -1612,6 +1650,7 @@ impl Router {
                 latency_samples: s.latency.samples(),
                 role: s.role,
                 prefill_picks: s.prefill_picks,
+                calibration: s.rates,
             })
             .collect()
     }
@@ -1653,7 +1692,7 @@ impl Router {
                 &analytic
             };
             // The same queue and batch terms `route` scores, with the backlog drained to now.
-            let backlog = slot.backlog_at(now_ms, s.prefill_tokens_per_ms);
+            let backlog = slot.backlog_at(now_ms, slot.rates.prefill_tokens_per_ms);
             let fresh = slot.metrics.filter(|_| !stale);
             let (unknown_waiting, active) = slot.unseen_waiting_and_active(fresh);
             let loaded = LatencyFeatures {
@@ -1859,10 +1898,12 @@ fn cost_terms(
     let uncached = prompt_tokens - cached_tokens;
     let (unknown_waiting, active) = slot.unseen_waiting_and_active(c.fresh);
     let kv_usage = c.fresh.map_or(0.0, |m| m.kv_usage);
+    let rates = &slot.rates;
     let queue_ms = (slot.backlog_tokens + f64::from(unknown_waiting) * s.unknown_request_tokens)
-        / s.prefill_tokens_per_ms;
-    let prefill_ms = uncached / s.prefill_tokens_per_ms;
-    let itl_ms = s.itl_ms_idle + (s.itl_ms_full - s.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
+        / rates.prefill_tokens_per_ms;
+    let prefill_ms = uncached / rates.prefill_tokens_per_ms;
+    let itl_ms =
+        rates.itl_ms_idle + (rates.itl_ms_full - rates.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
     let decode_ms = f64::from(active) * s.decode_ms_per_seq
         + kv_usage * s.kv_decode_ms
         + s.decode_weight * f64::from(output_tokens) * itl_ms;
@@ -1931,7 +1972,7 @@ fn steering(
         0.0
     };
     let features = LatencyFeatures {
-        queue_tokens: terms.queue_ms * s.prefill_tokens_per_ms,
+        queue_tokens: terms.queue_ms * c.slot.rates.prefill_tokens_per_ms,
         uncached_tokens: terms.uncached_tokens,
         active: f64::from(terms.active),
         kv_usage: terms.kv_usage,
@@ -2173,6 +2214,15 @@ fn lost_before_admission(
 }
 
 /// The replica drains queued prefill at its prefill rate: forget what it has done since.
+/// The prior calibration starts each endpoint from: the configured scoring rates.
+fn prior(s: &ScoringConfig) -> Prior {
+    Prior {
+        prefill_tokens_per_ms: s.prefill_tokens_per_ms,
+        itl_ms_idle: s.itl_ms_idle,
+        itl_ms_full: s.itl_ms_full,
+    }
+}
+
 fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {
     slot.backlog_tokens = slot.backlog_at(now_ms, tokens_per_ms);
     slot.backlog_at_ms = now_ms.max(slot.backlog_at_ms);
@@ -2237,6 +2287,7 @@ mod tests {
                 waiting: 30,
                 kv_usage: 0.95,
                 capacity_tokens: None,
+                counters: None,
             },
             0,
         );
@@ -2250,6 +2301,7 @@ mod tests {
         let mut r = router(n);
         let metrics = EndpointMetrics {
             capacity_tokens: Some(tokens),
+            counters: None,
             ..EndpointMetrics::default()
         };
         for i in 0..n {
@@ -2748,6 +2800,7 @@ mod precise_tests {
         r.set_event_stream("a:1", true);
         let capacity = EndpointMetrics {
             capacity_tokens: Some(4_800),
+            counters: None,
             ..EndpointMetrics::default()
         };
         r.update_metrics("a:1", capacity, 0);
@@ -2864,7 +2917,9 @@ mod latency_tests {
 
     #[test]
     fn outcomes_teach_each_endpoint_its_own_latency() {
-        let mut r = Router::new(RouterConfig::default(), 1);
+        let mut config = RouterConfig::default();
+        config.scoring.prefill_tokens_per_ms = 10.0;
+        let mut r = Router::new(config, 1);
         for a in ["slow:1", "fast:1"] {
             r.upsert_endpoint(a).unwrap();
         }

@@ -432,6 +432,7 @@ mod tests {
             router.upsert_endpoint(&address).unwrap();
             let metrics = EndpointMetrics {
                 capacity_tokens: Some(100_000),
+                counters: None,
                 ..EndpointMetrics::default()
             };
             router.update_metrics(&address, metrics, 0);

@@ -5,7 +5,12 @@
 //! - `vllm:num_requests_running` and `vllm:num_requests_waiting`;
 //! - `vllm:kv_cache_usage_perc` (or the pre-0.10 name `vllm:gpu_cache_usage_perc`), averaged over
 //!   engines and weighted by their capacity when known;
-//! - `vllm:cache_config_info{num_gpu_blocks, block_size}`, whose product is the KV capacity.
+//! - `vllm:cache_config_info{num_gpu_blocks, block_size}`, whose product is the KV capacity;
+//! - optionally, the counters online calibration learns rates from
+//!   ([`scorer_core::calibration::EngineCounters`]): the sums (and one count) of the
+//!   histograms `vllm:request_prefill_kv_computed_tokens`, `vllm:request_prefill_time_seconds`
+//!   and `vllm:inter_token_latency_seconds`. An engine
+//!   without all of them, or with an unusable value, simply gives no counters.
 //!
 //! Invariant: no I/O, no panics, linear time. Every line must be well-formed (so a non-metrics
 //! page is rejected), but unknown metrics, histograms, NaN and +Inf values elsewhere are fine.
@@ -13,6 +18,7 @@
 
 use std::borrow::Cow;
 
+use scorer_core::calibration::EngineCounters;
 use scorer_core::router::EndpointMetrics;
 
 /// `vllm:num_requests_running`: sequences in the running batch.
@@ -25,6 +31,16 @@ pub const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
 pub const KV_USAGE_OLD: &str = "vllm:gpu_cache_usage_perc";
 /// `vllm:cache_config_info`: the engine's CacheConfig as labels of a constant gauge.
 pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+/// `vllm:request_prefill_kv_computed_tokens_sum`: prompt tokens computed (not cached).
+pub const PREFILL_COMPUTED_SUM: &str = "vllm:request_prefill_kv_computed_tokens_sum";
+/// `vllm:request_prefill_time_seconds_sum`: seconds requests spent in prefill.
+pub const PREFILL_TIME_SUM: &str = "vllm:request_prefill_time_seconds_sum";
+/// `vllm:request_prefill_time_seconds_count`: requests whose prefill time was observed.
+pub const PREFILL_TIME_COUNT: &str = "vllm:request_prefill_time_seconds_count";
+/// `vllm:inter_token_latency_seconds_sum`: seconds between output tokens.
+pub const ITL_SUM: &str = "vllm:inter_token_latency_seconds_sum";
+/// `vllm:inter_token_latency_seconds_count`: gaps between output tokens.
+pub const ITL_COUNT: &str = "vllm:inter_token_latency_seconds_count";
 
 /// Why a `/metrics` body could not be turned into [`EndpointMetrics`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -155,6 +171,9 @@ pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
     let mut kv_old: Vec<(Option<Cow<'_, str>>, f64)> = Vec::new();
     // (engine label, capacity in tokens; None when the engine has not profiled yet).
     let mut capacity: Vec<(Option<Cow<'_, str>>, Option<u64>)> = Vec::new();
+    // Calibration counters, summed over series: computed tokens, prefill s and count, ITL s
+    // and count.
+    let mut counters: [Option<f64>; 5] = [None; 5];
 
     for sample in samples(text) {
         let sample = sample?;
@@ -205,7 +224,18 @@ pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
                 };
                 capacity.push((engine, tokens));
             }
-            _ => {}
+            name => {
+                let slot = match name {
+                    PREFILL_COMPUTED_SUM => 0,
+                    PREFILL_TIME_SUM => 1,
+                    PREFILL_TIME_COUNT => 2,
+                    ITL_SUM => 3,
+                    ITL_COUNT => 4,
+                    _ => continue,
+                };
+                let acc = &mut counters[slot];
+                *acc = Some(acc.unwrap_or(0.0) + sample.value);
+            }
         }
     }
 
@@ -221,7 +251,24 @@ pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
         waiting: to_count(waiting),
         kv_usage: weighted_usage(&kv, &capacity),
         capacity_tokens,
+        counters: engine_counters(counters),
     })
+}
+
+/// The calibration counters when every one is present and usable.
+fn engine_counters(c: [Option<f64>; 5]) -> Option<EngineCounters> {
+    let [computed, prefill, prefills, itl, gaps] = c;
+    let values = [computed?, prefill?, prefills?, itl?, gaps?];
+    values
+        .iter()
+        .all(|v| v.is_finite() && *v >= 0.0)
+        .then_some(EngineCounters {
+            prefill_computed_tokens: values[0],
+            prefill_seconds: values[1],
+            prefill_count: values[2],
+            itl_seconds: values[3],
+            itl_count: values[4],
+        })
 }
 
 fn add_gauge(acc: &mut Option<f64>, metric: &'static str, value: f64) -> Result<(), PromError> {
@@ -480,6 +527,39 @@ fn unescape_value(s: &str) -> Result<(Cow<'_, str>, &str), SyntaxError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_calibration_counters_summed_over_engines_or_none() {
+        let page = |extra: &str| {
+            format!(
+                "vllm:num_requests_running{{engine=\"0\"}} 1.0\n\
+                 vllm:num_requests_waiting{{engine=\"0\"}} 0.0\n\
+                 vllm:kv_cache_usage_perc{{engine=\"0\"}} 0.5\n\
+                 vllm:request_prefill_kv_computed_tokens_sum{{engine=\"0\"}} 1000.0\n\
+                 vllm:request_prefill_kv_computed_tokens_sum{{engine=\"1\"}} 500.0\n\
+                 vllm:request_prefill_time_seconds_sum{{engine=\"0\"}} 0.25\n\
+                 vllm:request_prefill_time_seconds_count{{engine=\"0\"}} 3.0\n\
+                 vllm:inter_token_latency_seconds_sum{{engine=\"0\"}} 2.0\n\
+                 {extra}"
+            )
+        };
+        let full = parse_vllm_metrics(&page(
+            "vllm:inter_token_latency_seconds_count{engine=\"0\"} 100.0\n",
+        ))
+        .unwrap();
+        let c = full.counters.unwrap();
+        assert_eq!(c.prefill_computed_tokens, 1500.0);
+        assert_eq!((c.prefill_seconds, c.prefill_count), (0.25, 3.0));
+        assert_eq!((c.itl_seconds, c.itl_count), (2.0, 100.0));
+        // One counter missing, or unusable: no counters, and the gauges still parse.
+        let missing = parse_vllm_metrics(&page("")).unwrap();
+        assert_eq!((missing.counters, missing.running), (None, 1));
+        let nan = parse_vllm_metrics(&page(
+            "vllm:inter_token_latency_seconds_count{engine=\"0\"} NaN\n",
+        ))
+        .unwrap();
+        assert_eq!(nan.counters, None);
+    }
 
     /// Shaped like vLLM 0.3x output with two DP engines (trimmed).
     const VLLM_DP2: &str = r#"# HELP python_gc_objects_collected_total Objects collected during gc

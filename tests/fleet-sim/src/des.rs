@@ -237,16 +237,7 @@ pub fn run(
                 let snapshots: Vec<ReplicaSnapshot> = fleet
                     .engines
                     .iter()
-                    .map(|e| {
-                        let s = e.stats();
-                        ReplicaSnapshot {
-                            running: s.num_running,
-                            waiting: s.num_waiting,
-                            kv_usage: s.kv_cache_usage,
-                            capacity_tokens,
-                            block_size,
-                        }
-                    })
+                    .map(|e| ReplicaSnapshot::of(&e.stats(), capacity_tokens, block_size))
                     .collect();
                 result.max_waiting = result
                     .max_waiting

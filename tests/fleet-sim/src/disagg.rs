@@ -11,6 +11,7 @@
 
 use crate::des::{arriving, build_engines};
 use crate::events::EventQueue;
+use crate::policy::ReplicaSnapshot;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use scorer_core::disagg::{EndpointRole, PdConfig};
@@ -408,12 +409,13 @@ impl Sim<'_> {
 
     fn scrape(&mut self, now: f64) {
         for (a, e) in self.addresses.iter().zip(&self.engines) {
-            let s = e.stats();
+            let s = ReplicaSnapshot::of(&e.stats(), 0, 0);
             let m = EndpointMetrics {
-                running: s.num_running,
-                waiting: s.num_waiting,
-                kv_usage: s.kv_cache_usage,
+                running: s.running,
+                waiting: s.waiting,
+                kv_usage: s.kv_usage,
                 capacity_tokens: None,
+                counters: Some(s.counters),
             };
             self.router.update_metrics(a, m, now as u64);
         }

@@ -294,14 +294,11 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
             }
             Event::Scrape => {
                 for (i, e) in fleet.engines.iter().enumerate() {
-                    let st = e.stats();
-                    snapshots[i] = ReplicaSnapshot {
-                        running: st.num_running,
-                        waiting: st.num_waiting,
-                        kv_usage: st.kv_cache_usage,
-                        capacity_tokens: s.profile.kv_capacity_tokens,
-                        block_size: s.profile.block_size,
-                    };
+                    snapshots[i] = ReplicaSnapshot::of(
+                        &e.stats(),
+                        s.profile.kv_capacity_tokens,
+                        s.profile.block_size,
+                    );
                 }
                 router.on_metrics(&snapshots, now);
                 if outstanding > 0 {

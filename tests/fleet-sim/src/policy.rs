@@ -7,6 +7,7 @@
 //! and, for policies that use them, the engines' KV events.
 
 use hashbrown::HashMap;
+use scorer_core::calibration::EngineCounters;
 use scorer_core::hash::{model_seed, token_block_hashes};
 use scorer_core::index::{EndpointId, PrefixIndex};
 use scorer_core::precise::{KvEvent, PreciseTracker};
@@ -30,6 +31,32 @@ pub struct ReplicaSnapshot {
     pub capacity_tokens: u64,
     /// Engine block size in tokens.
     pub block_size: u32,
+    /// The counters online calibration reads (`vllm:prompt_tokens_total` and friends).
+    pub counters: EngineCounters,
+}
+
+impl ReplicaSnapshot {
+    /// What a scrape of an engine with these stats shows.
+    pub fn of(
+        stats: &vllm_sim::engine::EngineStats,
+        capacity_tokens: u64,
+        block_size: u32,
+    ) -> Self {
+        Self {
+            running: stats.num_running,
+            waiting: stats.num_waiting,
+            kv_usage: stats.kv_cache_usage,
+            capacity_tokens,
+            block_size,
+            counters: EngineCounters {
+                prefill_computed_tokens: stats.prefill_computed_tokens as f64,
+                prefill_seconds: stats.prefill_seconds,
+                prefill_count: stats.requests_finished as f64,
+                itl_seconds: stats.itl_seconds,
+                itl_count: stats.itl_count as f64,
+            },
+        }
+    }
 }
 
 /// A request as a router sees it.
@@ -720,6 +747,7 @@ impl Policy for Kvroute {
                 waiting: s.waiting,
                 kv_usage: s.kv_usage,
                 capacity_tokens: Some(s.capacity_tokens),
+                counters: Some(s.counters),
             };
             self.router.update_metrics(a, m, now_ms as u64);
         }

@@ -238,6 +238,17 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     /// Generated tokens (counter).
     pub generation_tokens: u64,
+    /// Seconds finished requests spent from first scheduling to first token (the sum of
+    /// vLLM's `vllm:request_prefill_time_seconds`).
+    pub prefill_seconds: f64,
+    /// Prompt tokens finished requests computed rather than found cached (the sum of vLLM's
+    /// `vllm:request_prefill_kv_computed_tokens`).
+    pub prefill_computed_tokens: u64,
+    /// Seconds between consecutive output tokens, summed, and how many such gaps (the sum and
+    /// count of vLLM's `vllm:inter_token_latency_seconds`).
+    pub itl_seconds: f64,
+    /// See `itl_seconds`.
+    pub itl_count: u64,
     /// Requests that finished (counter).
     pub requests_finished: u64,
     /// Requests aborted (counter).
@@ -269,6 +280,8 @@ struct Req {
     arrival_s: f64,
     scheduled_s: Option<f64>,
     first_token_s: Option<f64>,
+    /// When its latest token came (for the inter-token latency counters).
+    last_token_s: f64,
 }
 
 impl Req {
@@ -516,6 +529,7 @@ impl Engine {
                 arrival_s: req.arrival_s,
                 scheduled_s: None,
                 first_token_s: None,
+                last_token_s: 0.0,
             },
         );
         self.waiting.push_back(req.id);
@@ -956,6 +970,7 @@ impl Engine {
         self.stats.generation_tokens += 1;
         if r.first_token_s.is_none() {
             r.first_token_s = Some(end_s);
+            r.last_token_s = end_s;
             self.stats.prompt_tokens += u64::from(r.prompt_len);
             out.events.push(RequestEvent::FirstToken {
                 request: id,
@@ -963,6 +978,9 @@ impl Engine {
                 cached_tokens: r.cached_tokens.unwrap_or(0),
             });
         } else {
+            self.stats.itl_seconds += end_s - r.last_token_s;
+            self.stats.itl_count += 1;
+            r.last_token_s = end_s;
             out.events.push(RequestEvent::Token {
                 request: id,
                 token_id,
@@ -982,6 +1000,9 @@ impl Engine {
             finished_s: end_s,
             lora: r.lora_name.as_deref().map(str::to_owned),
         };
+        self.stats.prefill_seconds += summary.first_token_s - summary.scheduled_s;
+        self.stats.prefill_computed_tokens +=
+            u64::from(summary.prompt_tokens.saturating_sub(summary.cached_tokens));
         let blocks = std::mem::take(&mut r.blocks);
         self.pool.free(&blocks);
         self.reqs.remove(&id);

@@ -23,6 +23,12 @@ pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
     480.0, 960.0, 1920.0, 7680.0,
 ];
 
+/// vLLM's token-count buckets (`build_1_2_5_buckets` up to a 128k context).
+pub const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0,
+];
+
 /// A cumulative Prometheus histogram.
 #[derive(Debug, Clone)]
 pub struct Histogram {
@@ -83,6 +89,10 @@ pub struct LatencyHistograms {
     pub e2e: Histogram,
     /// `vllm:request_queue_time_seconds`.
     pub queue: Histogram,
+    /// `vllm:request_prefill_time_seconds`: first scheduling to first token.
+    pub prefill: Histogram,
+    /// `vllm:request_prefill_kv_computed_tokens`: prompt tokens computed, cached ones excluded.
+    pub prefill_computed: Histogram,
 }
 
 impl Default for LatencyHistograms {
@@ -92,6 +102,8 @@ impl Default for LatencyHistograms {
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(REQUEST_LATENCY_BUCKETS),
             queue: Histogram::new(REQUEST_LATENCY_BUCKETS),
+            prefill: Histogram::new(REQUEST_LATENCY_BUCKETS),
+            prefill_computed: Histogram::new(TOKEN_BUCKETS),
         }
     }
 }
@@ -290,6 +302,18 @@ pub fn render(
         o,
         "vllm:request_queue_time_seconds",
         "Histogram of time spent in WAITING phase for request.",
+        &l,
+    );
+    hist.prefill.render(
+        o,
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        &l,
+    );
+    hist.prefill_computed.render(
+        o,
+        "vllm:request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
         &l,
     );
     out

@@ -575,13 +575,16 @@ fn unix_now_s() -> f64 {
 fn deliver(s: &Shared, end_s: f64, events: Vec<RequestEvent>) {
     let mut pending = s.pending.lock();
     let mut hist = s.hist.lock();
+    // The histograms are in wall seconds, as a real engine's are: at `--speed 2` a simulated
+    // second takes half a wall second.
+    let wall = |sim_s: f64| sim_s / s.clock.speed;
     for ev in events {
         match ev {
             RequestEvent::FirstToken {
                 request, token_id, ..
             } => {
                 if let Some(p) = pending.get_mut(&request) {
-                    hist.ttft.observe(end_s - p.arrival_s);
+                    hist.ttft.observe(wall(end_s - p.arrival_s));
                     p.last_token_s = Some(end_s);
                     let _ = p.tx.send(Delivery::Token(token_id));
                 }
@@ -589,15 +592,22 @@ fn deliver(s: &Shared, end_s: f64, events: Vec<RequestEvent>) {
             RequestEvent::Token { request, token_id } => {
                 if let Some(p) = pending.get_mut(&request) {
                     if let Some(last) = p.last_token_s {
-                        hist.itl.observe(end_s - last);
+                        hist.itl.observe(wall(end_s - last));
                     }
                     p.last_token_s = Some(end_s);
                     let _ = p.tx.send(Delivery::Token(token_id));
                 }
             }
             RequestEvent::Finished { request, summary } => {
-                hist.e2e.observe(summary.finished_s - summary.arrival_s);
-                hist.queue.observe(summary.scheduled_s - summary.arrival_s);
+                hist.e2e
+                    .observe(wall(summary.finished_s - summary.arrival_s));
+                hist.queue
+                    .observe(wall(summary.scheduled_s - summary.arrival_s));
+                hist.prefill
+                    .observe(wall(summary.first_token_s - summary.scheduled_s));
+                hist.prefill_computed.observe(f64::from(
+                    summary.prompt_tokens.saturating_sub(summary.cached_tokens),
+                ));
                 if let Some(p) = pending.remove(&request) {
                     let _ = p.tx.send(Delivery::Finished(summary));
                 }

@@ -1,0 +1,462 @@
+//! Online calibration: each endpoint's prefill rate and decode step time, learned from the
+//! engine's own counters instead of hardware constants.
+//!
+//! The analytic cost in [`crate::router`] turns tokens into milliseconds with a prefill rate
+//! and a time per output token. One constant for a whole fleet is wrong as soon as the fleet
+//! is not the machine the constant was measured on (another GPU, another model, tensor
+//! parallelism, a mixed pool). vLLM already counts what is needed on `/metrics`, so every
+//! scrape is an observation:
+//!
+//! - **Prefill rate.** Per scrape interval, the mean prefill time of the requests that
+//!   finished (`vllm:request_prefill_time_seconds`, scheduled to first token) against their
+//!   mean computed prompt tokens (`vllm:request_prefill_kv_computed_tokens`, cached tokens
+//!   excluded). The last 32 such points get a Theil-Sen line (the median of pairwise slopes):
+//!   its slope is what a token costs, its intercept the step overhead every prefill pays (a
+//!   ratio of sums would read that overhead as a slow prefill), and a request that shared its
+//!   step with a long prefill, an outlier far above the line, moves the median little where
+//!   it would drag a least-squares slope. Both histograms are observed when a request
+//!   finishes, so each interval's two sums describe the same requests
+//!   (`vllm:prompt_tokens_total` counts at the first token instead).
+//! - **Decode step time.** The mean inter-token latency over the interval
+//!   (`vllm:inter_token_latency_seconds` sum over count) against the interval's mean KV usage,
+//!   fitted as a line `itl = idle + (full - idle) * kv_usage` by weighted least squares.
+//!
+//! Both start from a prior (the [`crate::router::ScoringConfig`] values, deliberately generic),
+//! so a replica predicts sensibly before its first scrape, and the data take over once the
+//! replica has done real work (eight intervals with finished requests for prefill; the decode
+//! line holds the prior as pseudo-observations). Old observations leave (the prefill window,
+//! the decode line's half-life), so a replica that slows down is followed. Each endpoint is
+//! learned on its own: a pool of two GPU types gets two rates.
+//!
+//! Invariant: memory per endpoint is fixed, every step is deterministic, and counters that go
+//! backwards (an engine restarted) restart the baseline instead of producing a sample.
+
+use serde::{Deserialize, Serialize};
+
+/// The fastest prefill a measurement may claim, tokens per ms (an engine whose prefill takes no
+/// measurable time, such as a simulator, reads as this rather than as infinity).
+const MAX_TOKENS_PER_MS: f64 = 1e6;
+
+/// The cumulative engine counters one scrape reads (summed over DP engines and models).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineCounters {
+    /// `vllm:request_prefill_kv_computed_tokens_sum`: prompt tokens finished requests computed
+    /// (not found in the prefix cache).
+    pub prefill_computed_tokens: f64,
+    /// `vllm:request_prefill_time_seconds_sum`: seconds finished requests spent in prefill.
+    pub prefill_seconds: f64,
+    /// `vllm:request_prefill_time_seconds_count`: how many requests those are.
+    pub prefill_count: f64,
+    /// `vllm:inter_token_latency_seconds_sum`: seconds between consecutive output tokens.
+    pub itl_seconds: f64,
+    /// `vllm:inter_token_latency_seconds_count`: the number of those gaps.
+    pub itl_count: f64,
+}
+
+impl EngineCounters {
+    /// Whether every counter is at or above `earlier`'s (false: the engine restarted).
+    fn not_below(&self, earlier: &Self) -> bool {
+        self.prefill_computed_tokens >= earlier.prefill_computed_tokens
+            && self.prefill_seconds >= earlier.prefill_seconds
+            && self.prefill_count >= earlier.prefill_count
+            && self.itl_seconds >= earlier.itl_seconds
+            && self.itl_count >= earlier.itl_count
+    }
+
+    fn is_usable(&self) -> bool {
+        [
+            self.prefill_computed_tokens,
+            self.prefill_seconds,
+            self.prefill_count,
+            self.itl_seconds,
+            self.itl_count,
+        ]
+        .iter()
+        .all(|v| v.is_finite() && *v >= 0.0)
+    }
+}
+
+/// Tunables of online calibration (`calibration:` in the router configuration).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CalibrationConfig {
+    /// Whether scoring uses the learned rates (false: the configured ones for every endpoint).
+    pub enabled: bool,
+    /// Weight of the prior decode line, in output tokens.
+    pub prior_decode_tokens: f64,
+    /// Half-life of an observation, in ms.
+    pub half_life_ms: u64,
+}
+
+impl Default for CalibrationConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            prior_decode_tokens: 200.0,
+            half_life_ms: 120_000,
+        }
+    }
+}
+
+/// The prior an endpoint starts from (the configured scoring values).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prior {
+    /// Prefill tokens per ms.
+    pub prefill_tokens_per_ms: f64,
+    /// Time per output token on an idle replica, ms.
+    pub itl_ms_idle: f64,
+    /// Time per output token with a full KV cache, ms.
+    pub itl_ms_full: f64,
+}
+
+/// What calibration currently believes about one endpoint (shown on `/debug` and `/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Calibrated {
+    /// Prefill throughput, tokens per ms.
+    pub prefill_tokens_per_ms: f64,
+    /// Time per output token on an idle replica, ms.
+    pub itl_ms_idle: f64,
+    /// Time per output token with a full KV cache, ms.
+    pub itl_ms_full: f64,
+    /// Scrape intervals with finished requests behind the prefill estimate (0: the prior
+    /// alone; at most 32).
+    pub prefill_evidence_points: u32,
+    /// Output tokens behind the decode estimate (decayed; 0: the prior alone).
+    pub decode_evidence_tokens: f64,
+}
+
+/// A line `y = intercept + slope * x` fitted by weighted least squares over decayed sums.
+#[derive(Debug, Clone, Copy, Default)]
+struct LineFit {
+    w: f64,
+    wx: f64,
+    wy: f64,
+    wxx: f64,
+    wxy: f64,
+}
+
+impl LineFit {
+    fn decay(&mut self, keep: f64) {
+        for s in [
+            &mut self.w,
+            &mut self.wx,
+            &mut self.wy,
+            &mut self.wxx,
+            &mut self.wxy,
+        ] {
+            *s *= keep;
+        }
+    }
+
+    fn add(&mut self, x: f64, y: f64, weight: f64) {
+        self.w += weight;
+        self.wx += weight * x;
+        self.wy += weight * y;
+        self.wxx += weight * x * x;
+        self.wxy += weight * x * y;
+    }
+
+    /// `(intercept, slope)`: the data's line blended with the prior line by weight (the
+    /// prior counts as `prior_weight` observations). Where the data's `x` barely varies, the
+    /// data cannot tell slope from intercept, and the prior line is scaled through the data's
+    /// mean instead. The slope is at least `min_slope`.
+    fn solve(
+        &self,
+        prior: (f64, f64),
+        prior_weight: f64,
+        min_x_spread: f64,
+        min_slope: f64,
+    ) -> (f64, f64) {
+        let (a0, b0) = prior;
+        if self.w <= 1e-9 {
+            return (a0, b0.max(min_slope));
+        }
+        let (mx, my) = (self.wx / self.w, self.wy / self.w);
+        let var_x = (self.wxx / self.w - mx * mx).max(0.0);
+        let (a, b) = if var_x > min_x_spread * min_x_spread {
+            let b = (self.wxy / self.w - mx * my) / var_x;
+            (my - b * mx, b)
+        } else {
+            let at_mean = a0 + b0 * mx;
+            let f = if at_mean > 1e-9 { my / at_mean } else { 1.0 };
+            (f * a0, f * b0)
+        };
+        let data = self.w / (self.w + prior_weight.max(0.0));
+        let slope = (data * b + (1.0 - data) * b0).max(min_slope);
+        ((data * a + (1.0 - data) * a0).max(0.0), slope)
+    }
+}
+
+/// Computed tokens per request two prefill points must differ by for their slope to count.
+const MIN_TOKEN_SPREAD: f64 = 50.0;
+/// Prefill points kept for the robust fit.
+const PREFILL_POINTS: usize = 32;
+/// Prefill points after which the data alone set the rate (fewer: blended with the prior).
+const PREFILL_POINTS_TRUSTED: f64 = 8.0;
+
+/// The last [`PREFILL_POINTS`] prefill points `(mean computed tokens, mean prefill ms)` and
+/// their Theil-Sen line.
+#[derive(Debug, Clone, Default)]
+struct PrefillFit {
+    points: Vec<(f64, f64)>,
+    next: usize,
+    /// `(intercept, slope)` of the latest fit with enough spread.
+    line: Option<(f64, f64)>,
+}
+
+impl PrefillFit {
+    fn add(&mut self, x: f64, y: f64) {
+        if !(x.is_finite() && y.is_finite() && x >= 0.0 && y >= 0.0) {
+            return;
+        }
+        if self.points.len() < PREFILL_POINTS {
+            self.points.push((x, y));
+        } else {
+            self.points[self.next] = (x, y);
+        }
+        self.next = (self.next + 1) % PREFILL_POINTS;
+        if let Some(line) = theil_sen(&self.points) {
+            self.line = Some(line);
+        } else if self.line.is_none() {
+            // No spread yet: a line through the origin and the points' median ratio.
+            let mut ratios = [0.0; PREFILL_POINTS];
+            let mut n = 0;
+            for &(x, y) in self.points.iter().filter(|(x, _)| *x > 0.0) {
+                ratios[n] = y / x;
+                n += 1;
+            }
+            if n > 0 {
+                self.line = Some((0.0, median(&mut ratios[..n])));
+            }
+        }
+    }
+}
+
+/// The Theil-Sen line `(intercept, slope)` of `points`: the median slope over pairs whose `x`
+/// differ by [`MIN_TOKEN_SPREAD`], and the median intercept at that slope. `None` with fewer
+/// than three such pairs.
+fn theil_sen(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let mut slopes = [0.0; PREFILL_POINTS * (PREFILL_POINTS - 1) / 2];
+    let mut n = 0;
+    for (i, &(x1, y1)) in points.iter().enumerate() {
+        for &(x2, y2) in &points[i + 1..] {
+            if (x2 - x1).abs() > MIN_TOKEN_SPREAD && n < slopes.len() {
+                slopes[n] = (y2 - y1) / (x2 - x1);
+                n += 1;
+            }
+        }
+    }
+    if n < 3 {
+        return None;
+    }
+    let slope = median(&mut slopes[..n]);
+    let mut intercepts = [0.0; PREFILL_POINTS];
+    for (k, &(x, y)) in points.iter().enumerate() {
+        intercepts[k] = y - slope * x;
+    }
+    Some((median(&mut intercepts[..points.len()]), slope))
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    let mid = values.len() / 2;
+    let (_, m, _) = values.select_nth_unstable_by(mid, f64::total_cmp);
+    *m
+}
+/// KV usage spread below which the decode fit cannot tell slope from intercept.
+const MIN_KV_SPREAD: f64 = 0.05;
+
+/// One endpoint's learned rates.
+#[derive(Debug, Clone, Default)]
+pub struct EndpointCalibration {
+    /// The previous scrape: counters, when, and its KV usage.
+    last: Option<(EngineCounters, u64, f64)>,
+    /// Per-request prefill time (ms) against computed tokens: the slope is the time a token
+    /// costs, the intercept the step overhead every prefill pays.
+    prefill: PrefillFit,
+    /// Time per output token (ms) against KV usage, weighted by output tokens.
+    decode: LineFit,
+}
+
+impl EndpointCalibration {
+    /// Takes one scrape's counters and KV usage at `now_ms`.
+    pub fn observe(
+        &mut self,
+        counters: EngineCounters,
+        kv_usage: f64,
+        now_ms: u64,
+        config: &CalibrationConfig,
+    ) {
+        if !counters.is_usable() {
+            return;
+        }
+        let kv_usage = if kv_usage.is_finite() {
+            kv_usage.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let Some((prev, prev_ms, prev_kv)) = self.last else {
+            self.last = Some((counters, now_ms, kv_usage));
+            return;
+        };
+        if !counters.not_below(&prev) {
+            // The engine restarted: a new baseline, no sample.
+            self.last = Some((counters, now_ms, kv_usage));
+            return;
+        }
+        if counters == prev || now_ms <= prev_ms {
+            // Nothing new (an idle engine, or the same scrape relayed again): keep the baseline
+            // so the next change is measured over its whole interval.
+            return;
+        }
+        let interval_ms = (now_ms - prev_ms) as f64;
+        let keep = 0.5f64.powf(interval_ms / config.half_life_ms.max(1) as f64);
+        self.decode.decay(keep);
+
+        let requests = counters.prefill_count - prev.prefill_count;
+        if requests > 0.0 {
+            let tokens = counters.prefill_computed_tokens - prev.prefill_computed_tokens;
+            let ms = (counters.prefill_seconds - prev.prefill_seconds) * 1000.0;
+            self.prefill.add(tokens / requests, ms / requests);
+        }
+        let gaps = counters.itl_count - prev.itl_count;
+        if gaps > 0.0 {
+            let ms = (counters.itl_seconds - prev.itl_seconds) * 1000.0;
+            self.decode.add((prev_kv + kv_usage) / 2.0, ms / gaps, gaps);
+        }
+        self.last = Some((counters, now_ms, kv_usage));
+    }
+
+    /// The rates in force: the prior blended with what the counters showed.
+    pub fn calibrated(&self, prior: Prior, config: &CalibrationConfig) -> Calibrated {
+        let ms_per_token = 1.0 / prior.prefill_tokens_per_ms.max(1e-6);
+        let points = self.prefill.points.len() as f64;
+        let slope = match self.prefill.line {
+            Some((_, slope)) => {
+                let data = (points / PREFILL_POINTS_TRUSTED).min(1.0);
+                data * slope + (1.0 - data) * ms_per_token
+            }
+            None => ms_per_token,
+        }
+        .max(1.0 / MAX_TOKENS_PER_MS);
+        let (idle, rise) = self.decode.solve(
+            (prior.itl_ms_idle, prior.itl_ms_full - prior.itl_ms_idle),
+            config.prior_decode_tokens,
+            MIN_KV_SPREAD,
+            0.0,
+        );
+        let idle = idle.max(0.01);
+        Calibrated {
+            prefill_tokens_per_ms: 1.0 / slope,
+            itl_ms_idle: idle,
+            itl_ms_full: idle + rise,
+            prefill_evidence_points: self.prefill.points.len() as u32,
+            decode_evidence_tokens: self.decode.w,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PRIOR: Prior = Prior {
+        prefill_tokens_per_ms: 4.0,
+        itl_ms_idle: 10.0,
+        itl_ms_full: 40.0,
+    };
+
+    /// Feeds a replica that prefills at `rate` tokens/ms after a 5 ms step overhead and
+    /// decodes at `idle + slope*kv`.
+    fn replica(rate: f64, idle_ms: f64, slope_ms: f64) -> EndpointCalibration {
+        let config = CalibrationConfig::default();
+        let mut cal = EndpointCalibration::default();
+        let mut c = EngineCounters::default();
+        for step in 0..200u64 {
+            let kv = (step % 10) as f64 / 10.0;
+            // Every 100 ms: one or two requests finish, of 100 to 1,300 computed tokens each,
+            // and 50 output tokens come out.
+            let (requests, tokens) = (1.0 + (step % 2) as f64, 100.0 + (step % 7) as f64 * 200.0);
+            c.prefill_count += requests;
+            c.prefill_computed_tokens += requests * tokens;
+            c.prefill_seconds += requests * (5.0 + tokens / rate) / 1000.0;
+            c.itl_count += 50.0;
+            c.itl_seconds += 50.0 * (idle_ms + slope_ms * kv) / 1000.0;
+            cal.observe(c, kv, step * 100, &config);
+        }
+        cal
+    }
+
+    #[test]
+    fn learns_a_replica_s_rates_from_its_counters() {
+        let config = CalibrationConfig::default();
+        let got = replica(25.0, 6.0, 30.0).calibrated(PRIOR, &config);
+        assert!(
+            (got.prefill_tokens_per_ms - 25.0).abs() < 25.0 * 0.1,
+            "{got:?}"
+        );
+        assert!((got.itl_ms_idle - 6.0).abs() < 1.0, "{got:?}");
+        assert!((got.itl_ms_full - 36.0).abs() < 3.0, "{got:?}");
+    }
+
+    #[test]
+    fn two_replicas_of_one_pool_are_learned_apart() {
+        let config = CalibrationConfig::default();
+        let fast = replica(30.0, 5.0, 10.0).calibrated(PRIOR, &config);
+        let slow = replica(3.0, 20.0, 40.0).calibrated(PRIOR, &config);
+        assert!(fast.prefill_tokens_per_ms > 5.0 * slow.prefill_tokens_per_ms);
+        assert!(slow.itl_ms_idle > 3.0 * fast.itl_ms_idle);
+    }
+
+    #[test]
+    fn a_cold_endpoint_uses_the_prior_and_a_restart_gives_no_sample() {
+        let config = CalibrationConfig::default();
+        let mut cal = EndpointCalibration::default();
+        let cold = cal.calibrated(PRIOR, &config);
+        assert!((cold.prefill_tokens_per_ms - 4.0).abs() < 1e-9);
+        assert!((cold.itl_ms_idle - 10.0).abs() < 1e-9);
+        assert!((cold.itl_ms_full - 40.0).abs() < 1e-9);
+        let busy = EngineCounters {
+            prefill_computed_tokens: 1e6,
+            prefill_count: 100.0,
+            prefill_seconds: 10.0,
+            itl_seconds: 100.0,
+            itl_count: 1e4,
+        };
+        cal.observe(busy, 0.5, 0, &config);
+        // Counters back near zero: the engine restarted, which is not a sample.
+        cal.observe(EngineCounters::default(), 0.0, 100, &config);
+        assert_eq!(cal.calibrated(PRIOR, &config), cold);
+    }
+
+    #[test]
+    fn a_prefill_that_shared_its_step_barely_moves_the_rate() {
+        let config = CalibrationConfig::default();
+        let mut cal = replica(10.0, 5.0, 10.0);
+        let mut c = cal.last.map(|(c, ..)| c).unwrap();
+        // One interval whose request waited behind another's 10,000-token prefill.
+        c.prefill_count += 1.0;
+        c.prefill_computed_tokens += 1_200.0;
+        c.prefill_seconds += 1.2;
+        c.itl_count += 1.0;
+        c.itl_seconds += 0.01;
+        cal.observe(c, 0.5, 20_100, &config);
+        let rate = cal.calibrated(PRIOR, &config).prefill_tokens_per_ms;
+        assert!((rate - 10.0).abs() < 0.5, "{rate}");
+    }
+
+    #[test]
+    fn garbage_counters_change_nothing() {
+        let config = CalibrationConfig::default();
+        let mut cal = EndpointCalibration::default();
+        let before = cal.calibrated(PRIOR, &config);
+        for (i, v) in [f64::NAN, f64::INFINITY, -1.0].into_iter().enumerate() {
+            let c = EngineCounters {
+                prefill_computed_tokens: v,
+                itl_count: v,
+                ..Default::default()
+            };
+            cal.observe(c, f64::NAN, i as u64 * 100, &config);
+        }
+        assert_eq!(cal.calibrated(PRIOR, &config), before);
+    }
+}
