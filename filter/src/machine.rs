@@ -47,19 +47,6 @@ pub const LLMD_OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
 pub const LOCAL_REPLY_HEADER: &str = "x-kvroute-local-reply";
 /// Longest tenant or criticality value forwarded to the control plane.
 const MAX_TENANT_BYTES: usize = 128;
-/// Chat request fields that decide the engine's prompt tokens (template input and options).
-const CHAT_PROMPT_FIELDS: &[&str] = &[
-    "model",
-    "messages",
-    "tools",
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template",
-    "chat_template_kwargs",
-    "documents",
-];
-/// Completion request fields that decide the engine's prompt tokens.
-const COMPLETION_PROMPT_FIELDS: &[&str] = &["model", "prompt"];
 
 /// What the host returns from the current callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -770,10 +757,7 @@ impl RequestMachine {
 fn prompt_fields(api: ApiKind, body: &[u8]) -> Result<String, CanonError> {
     let map: BTreeMap<String, &serde_json::value::RawValue> =
         serde_json::from_slice(body).map_err(|e| CanonError::InvalidBody(e.to_string()))?;
-    let fields = match api {
-        ApiKind::Chat => CHAT_PROMPT_FIELDS,
-        ApiKind::Completion => COMPLETION_PROMPT_FIELDS,
-    };
+    let fields = api.prompt_fields();
     let mut out = String::with_capacity(body.len() + 2);
     out.push('{');
     for field in fields {
