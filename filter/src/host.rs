@@ -281,6 +281,13 @@ impl Request {
         }
     }
 
+    /// Records `value` on the histogram `pick` names, when the root context could define it.
+    fn record(&self, pick: fn(&Metrics) -> Option<u32>, value: u64) {
+        if let Some(id) = self.shared.as_ref().and_then(|s| pick(&s.borrow().metrics)) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
     fn execute(&mut self, step: Step) -> Action {
         let mut action = step.action;
         for effect in step.effects {
@@ -326,15 +333,7 @@ impl Request {
                         shared.borrow_mut().count(counter);
                     }
                 }
-                Effect::RouteLatencyMs(ms) => {
-                    if let Some(id) = self
-                        .shared
-                        .as_ref()
-                        .and_then(|s| s.borrow().metrics.route_latency_ms)
-                    {
-                        let _ = hostcalls::record_metric(id, ms);
-                    }
-                }
+                Effect::RouteLatencyMs(ms) => self.record(|m| m.route_latency_ms, ms),
                 Effect::SendLocalResponse {
                     status,
                     headers,
@@ -354,15 +353,7 @@ impl Request {
                         }
                     }
                 }
-                Effect::HashMicros(us) => {
-                    if let Some(id) = self
-                        .shared
-                        .as_ref()
-                        .and_then(|s| s.borrow().metrics.hash_duration_us)
-                    {
-                        let _ = hostcalls::record_metric(id, us);
-                    }
-                }
+                Effect::HashMicros(us) => self.record(|m| m.hash_duration_us, us),
             }
         }
         action

@@ -1714,31 +1714,26 @@ mod tests {
 
     #[test]
     fn a_prefiller_is_passed_on_when_well_formed() {
-        let mut m = machine();
-        to_dispatch(&mut m, &[], &chat_body("hi"));
-        let body = serde_json::to_vec(&RouteResponse {
-            decision_id: 1,
-            endpoints: vec!["10.0.0.1:8000".into()],
-            prefiller: Some("10.0.0.9:8000".into()),
-            ..RouteResponse::default()
-        })
-        .unwrap();
-        let step = m.on_route_response(Some(200), &body, 101);
-        assert!(step.effects.contains(&Effect::SetRequestHeader {
-            name: PREFILLER_HEADER.into(),
-            value: "10.0.0.9:8000".into()
-        }));
-        let mut m = machine();
-        to_dispatch(&mut m, &[], &chat_body("hi"));
-        let body = serde_json::to_vec(&RouteResponse {
-            decision_id: 1,
-            endpoints: vec!["10.0.0.1:8000".into()],
-            prefiller: Some("bad,value".into()),
-            ..RouteResponse::default()
-        })
-        .unwrap();
-        let step = m.on_route_response(Some(200), &body, 101);
-        assert!(!step.effects.iter().any(
+        // The effects of a route answer that names `prefiller`.
+        let answered = |prefiller: &str| {
+            let mut m = machine();
+            to_dispatch(&mut m, &[], &chat_body("hi"));
+            let body = serde_json::to_vec(&RouteResponse {
+                decision_id: 1,
+                endpoints: vec!["10.0.0.1:8000".into()],
+                prefiller: Some(prefiller.into()),
+                ..RouteResponse::default()
+            })
+            .unwrap();
+            m.on_route_response(Some(200), &body, 101).effects
+        };
+        assert!(
+            answered("10.0.0.9:8000").contains(&Effect::SetRequestHeader {
+                name: PREFILLER_HEADER.into(),
+                value: "10.0.0.9:8000".into()
+            })
+        );
+        assert!(!answered("bad,value").iter().any(
             |e| matches!(e, Effect::SetRequestHeader { name, .. } if name == PREFILLER_HEADER)
         ));
     }
