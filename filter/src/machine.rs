@@ -833,7 +833,23 @@ mod tests {
     const CHAT: &str = "/v1/chat/completions";
 
     fn machine() -> RequestMachine {
-        RequestMachine::new(Rc::new(FilterConfig::default()))
+        machine_with(|_| {})
+    }
+
+    /// A machine on the default configuration as `edit` changes it.
+    fn machine_with(edit: impl FnOnce(&mut FilterConfig)) -> RequestMachine {
+        let mut config = FilterConfig::default();
+        edit(&mut config);
+        RequestMachine::new(Rc::new(config))
+    }
+
+    /// A machine whose chat route is precise (it sends prompt fields).
+    fn precise_machine() -> RequestMachine {
+        let config = FilterConfig::from_json(
+            br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
+        )
+        .unwrap();
+        RequestMachine::new(Rc::new(config))
     }
 
     fn headers<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Iterator<Item = (&'a str, &'a [u8])> {
@@ -1054,11 +1070,7 @@ mod tests {
         assert!(req.block_hashes.iter().all(|h| !plain.contains(h)));
         assert_eq!(req.cache_salt, None, "approximate routes send hashes only");
 
-        let config = FilterConfig::from_json(
-            br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
-        )
-        .unwrap();
-        let req = to_dispatch(&mut RequestMachine::new(Rc::new(config)), &[], &body);
+        let req = to_dispatch(&mut precise_machine(), &[], &body);
         assert_eq!(req.cache_salt.as_deref(), Some("tenant-a"));
         let text: serde_json::Value = serde_json::from_str(&req.prompt_text.unwrap()).unwrap();
         assert!(
@@ -1080,11 +1092,7 @@ mod tests {
 
     #[test]
     fn precise_routes_send_prompt_fields_approximate_ones_never() {
-        let config = FilterConfig::from_json(
-            br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
-        )
-        .unwrap();
-        let mut m = RequestMachine::new(Rc::new(config));
+        let mut m = precise_machine();
         let body = br#"{"model":"m","temperature":0.5,"messages":[{"role":"user","content":"hi \u00e9"}],
             "tools":[{"type":"function"}],"chat_template_kwargs":{"enable_thinking":false},"max_tokens":3}"#;
         let req = to_dispatch(&mut m, &[], body);
@@ -1112,11 +1120,7 @@ mod tests {
 
     #[test]
     fn the_session_header_is_configurable() {
-        let config = FilterConfig {
-            session_header: "x-conversation".into(),
-            ..FilterConfig::default()
-        };
-        let mut m = RequestMachine::new(Rc::new(config));
+        let mut m = machine_with(|c| c.session_header = "x-conversation".into());
         let req = to_dispatch(
             &mut m,
             &[("x-session-id", "ignored"), ("x-conversation", "c-9")],
@@ -1240,11 +1244,7 @@ mod tests {
 
     #[test]
     fn body_limit_while_buffering() {
-        let config = FilterConfig {
-            max_body_bytes: 100,
-            ..FilterConfig::default()
-        };
-        let mut m = RequestMachine::new(Rc::new(config));
+        let mut m = machine_with(|c| c.max_body_bytes = 100);
         assert_eq!(
             m.on_request_headers(headers(&post(CHAT)), false).action,
             Action::Pause
@@ -1267,11 +1267,7 @@ mod tests {
 
     #[test]
     fn trailers_end_the_body() {
-        let config = FilterConfig {
-            max_body_bytes: 1000,
-            ..FilterConfig::default()
-        };
-        let mut m = RequestMachine::new(Rc::new(config));
+        let mut m = machine_with(|c| c.max_body_bytes = 1000);
         m.on_request_headers(headers(&post(CHAT)), false);
         assert_eq!(
             m.on_request_body(10, false),
@@ -1283,10 +1279,7 @@ mod tests {
             Action::Pause
         );
 
-        let mut m = RequestMachine::new(Rc::new(FilterConfig {
-            max_body_bytes: 10,
-            ..FilterConfig::default()
-        }));
+        let mut m = machine_with(|c| c.max_body_bytes = 10);
         m.on_request_headers(headers(&post(CHAT)), false);
         m.on_request_trailers();
         assert_eq!(
