@@ -536,19 +536,32 @@ impl Collector for RouterCollector {
                 |e| Some(e.indexed_blocks as f64),
             ),
         ];
-        for (name, help, get) in per_endpoint {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for e in &snap.endpoints {
-                if let Some(v) = get(e) {
-                    let labels = [("endpoint", e.address.as_str())];
-                    ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
-                }
-            }
-        }
+        endpoint_gauges(&mut encoder, &snap.endpoints, |e| &e.address, &per_endpoint)?;
         encode_latency_model(&mut encoder, &snap.endpoints)?;
         encode_disaggregation(&mut encoder, snap.stats.disaggregated, &snap.endpoints)?;
         Ok(())
     }
+}
+
+/// Writes one gauge family per `(name, help, get)`, with a sample labelled `endpoint` for each
+/// endpoint `get` has a value for: the collectors of the router's and the fleet features'
+/// per-endpoint numbers share this layout.
+pub(crate) fn endpoint_gauges<E>(
+    encoder: &mut DescriptorEncoder,
+    endpoints: &[E],
+    address: fn(&E) -> &str,
+    gauges: &[(&str, &str, fn(&E) -> Option<f64>)],
+) -> fmt::Result {
+    for (name, help, get) in gauges {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for e in endpoints {
+            if let Some(v) = get(e) {
+                let labels = [("endpoint", address(e))];
+                ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Prefill/decode disaggregation: decisions that named a prefill endpoint, how often each
@@ -642,14 +655,13 @@ fn encode_latency_model(
 mod tests {
     use prometheus_client::encoding::text::encode;
     use scorer_core::protocol::RouteRequest;
-    use scorer_core::router::RouterConfig;
 
     use super::*;
+    use crate::test_util::{assert_exposes, state_of};
 
     #[test]
     fn exposition_has_event_and_state_metrics() {
-        let state =
-            Arc::new(State::new(RouterConfig::default(), &["10.0.0.1:80".into()], 4, 1).unwrap());
+        let state = state_of(&["10.0.0.1:80"]);
         state.route(&RouteRequest {
             model: "m".into(),
             block_hashes: vec![1, 2],
@@ -661,26 +673,25 @@ mod tests {
             .count_rejected("/v1/route", "unauthorized");
         let mut text = String::new();
         encode(&mut text, &registry(state)).unwrap();
-        for needle in [
-            "kvroute_decisions_total{reason=\"load\"} 1",
-            "kvroute_rejected_requests_total{path=\"/v1/route\",reason=\"unauthorized\"} 1",
-            "kvroute_route_duration_seconds_bucket",
-            "kvroute_no_endpoint_decisions_total 0",
-            "kvroute_inflight 1",
-            "kvroute_index_blocks 2",
-            "kvroute_endpoint_up{endpoint=\"10.0.0.1:80\"} 1",
-            "kvroute_endpoint_inflight{endpoint=\"10.0.0.1:80\"} 1",
-            "kvroute_endpoint_indexed_blocks{endpoint=\"10.0.0.1:80\"} 2",
-            "kvroute_sync_log_entries 1",
-            "kvroute_sync_calls_total 0",
-            "kvroute_sync_decisions_total 0",
-            "kvroute_sync_resets_total 0",
-            "# EOF",
-        ] {
-            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
-        }
-        // Our own parser reads our own exposition.
-        assert!(crate::prom::samples(&text).all(|s| s.is_ok()));
+        assert_exposes(
+            &text,
+            &[
+                "kvroute_decisions_total{reason=\"load\"} 1",
+                "kvroute_rejected_requests_total{path=\"/v1/route\",reason=\"unauthorized\"} 1",
+                "kvroute_route_duration_seconds_bucket",
+                "kvroute_no_endpoint_decisions_total 0",
+                "kvroute_inflight 1",
+                "kvroute_index_blocks 2",
+                "kvroute_endpoint_up{endpoint=\"10.0.0.1:80\"} 1",
+                "kvroute_endpoint_inflight{endpoint=\"10.0.0.1:80\"} 1",
+                "kvroute_endpoint_indexed_blocks{endpoint=\"10.0.0.1:80\"} 2",
+                "kvroute_sync_log_entries 1",
+                "kvroute_sync_calls_total 0",
+                "kvroute_sync_decisions_total 0",
+                "kvroute_sync_resets_total 0",
+                "# EOF",
+            ],
+        );
     }
 }
 
@@ -688,14 +699,13 @@ mod tests {
 mod latency_metric_tests {
     use prometheus_client::encoding::text::encode;
     use scorer_core::protocol::{FeedbackBatch, Outcome, RouteRequest};
-    use scorer_core::router::RouterConfig;
 
     use super::*;
+    use crate::test_util::{assert_exposes, state_of};
 
     #[test]
     fn prediction_error_is_exported_per_endpoint() {
-        let state =
-            Arc::new(State::new(RouterConfig::default(), &["10.0.0.1:80".into()], 4, 1).unwrap());
+        let state = state_of(&["10.0.0.1:80"]);
         let response = state.route(&RouteRequest {
             model: "m".into(),
             block_hashes: vec![1, 2],
@@ -715,20 +725,20 @@ mod latency_metric_tests {
         });
         let mut text = String::new();
         encode(&mut text, &registry(state)).unwrap();
-        for needle in [
-            "kvroute_endpoint_latency_samples_total{endpoint=\"10.0.0.1:80\"} 1",
-            "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
-            "kvroute_endpoint_ttft_prediction_error_ms{endpoint=\"10.0.0.1:80\"} ",
-            "kvroute_endpoint_tpot_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} ",
-        ] {
-            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
-        }
+        assert_exposes(
+            &text,
+            &[
+                "kvroute_endpoint_latency_samples_total{endpoint=\"10.0.0.1:80\"} 1",
+                "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
+                "kvroute_endpoint_ttft_prediction_error_ms{endpoint=\"10.0.0.1:80\"} ",
+                "kvroute_endpoint_tpot_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} ",
+            ],
+        );
     }
 
     #[test]
     fn disaggregation_is_exported() {
-        let endpoints = ["10.0.0.1:80".to_string(), "10.0.0.2:80".to_string()];
-        let state = Arc::new(State::new(RouterConfig::default(), &endpoints, 4, 1).unwrap());
+        let state = state_of(&["10.0.0.1:80", "10.0.0.2:80"]);
         state.set_role("10.0.0.1:80", EndpointRole::Prefill);
         let response = state.route(&RouteRequest {
             model: "m".into(),
@@ -740,13 +750,14 @@ mod latency_metric_tests {
         assert_eq!(response.endpoints, ["10.0.0.2:80"]);
         let mut text = String::new();
         encode(&mut text, &registry(state)).unwrap();
-        for needle in [
-            "kvroute_disaggregated_decisions_total 1",
-            "kvroute_endpoint_prefill_picks_total{endpoint=\"10.0.0.1:80\"} 1",
-            "kvroute_endpoint_role{endpoint=\"10.0.0.1:80\",role=\"prefill\"} 1",
-            "kvroute_endpoint_role{endpoint=\"10.0.0.2:80\",role=\"both\"} 1",
-        ] {
-            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
-        }
+        assert_exposes(
+            &text,
+            &[
+                "kvroute_disaggregated_decisions_total 1",
+                "kvroute_endpoint_prefill_picks_total{endpoint=\"10.0.0.1:80\"} 1",
+                "kvroute_endpoint_role{endpoint=\"10.0.0.1:80\",role=\"prefill\"} 1",
+                "kvroute_endpoint_role{endpoint=\"10.0.0.2:80\",role=\"both\"} 1",
+            ],
+        );
     }
 }
