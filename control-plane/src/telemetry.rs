@@ -564,6 +564,22 @@ pub(crate) fn endpoint_gauges<E>(
     Ok(())
 }
 
+/// Writes one counter family with a sample labelled `endpoint` for every endpoint.
+fn endpoint_counter(
+    encoder: &mut DescriptorEncoder,
+    endpoints: &[EndpointView],
+    name: &str,
+    help: &str,
+    get: fn(&EndpointView) -> u64,
+) -> fmt::Result {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for e in endpoints {
+        let labels = [("endpoint", e.address.as_str())];
+        ConstCounter::new(get(e)).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
 /// Prefill/decode disaggregation: decisions that named a prefill endpoint, how often each
 /// endpoint was that prefill endpoint, and every endpoint's role.
 fn encode_disaggregation(
@@ -577,16 +593,13 @@ fn encode_disaggregation(
         None,
         MetricType::Counter,
     )?)?;
-    let mut family = encoder.encode_descriptor(
+    endpoint_counter(
+        encoder,
+        endpoints,
         "endpoint_prefill_picks",
         "Times the endpoint was picked to prefill for a decode endpoint",
-        None,
-        MetricType::Counter,
+        |e| e.prefill_picks,
     )?;
-    for e in endpoints {
-        let labels = [("endpoint", e.address.as_str())];
-        ConstCounter::new(e.prefill_picks).encode(family.encode_family(&labels)?)?;
-    }
     let mut family = encoder.encode_descriptor(
         "endpoint_role",
         "1 for the endpoint's prefill/decode role (prefill, decode or both)",
@@ -638,16 +651,13 @@ fn encode_latency_model(
             }
         }
     }
-    let mut family = encoder.encode_descriptor(
+    endpoint_counter(
+        encoder,
+        endpoints,
         "endpoint_latency_samples",
         "Outcomes the endpoint's learned latency model has learned from",
-        None,
-        MetricType::Counter,
+        |e| u64::from(e.latency_samples),
     )?;
-    for e in endpoints {
-        let labels = [("endpoint", e.address.as_str())];
-        ConstCounter::new(u64::from(e.latency_samples)).encode(family.encode_family(&labels)?)?;
-    }
     Ok(())
 }
 
@@ -658,6 +668,13 @@ mod tests {
 
     use super::*;
     use crate::test_util::{assert_exposes, state_of};
+
+    /// Asserts that `state`'s registry exposes every needle (see [`assert_exposes`]).
+    pub(super) fn assert_exports(state: Arc<State>, needles: &[&str]) {
+        let mut text = String::new();
+        encode(&mut text, &registry(state)).unwrap();
+        assert_exposes(&text, needles);
+    }
 
     #[test]
     fn exposition_has_event_and_state_metrics() {
@@ -671,10 +688,8 @@ mod tests {
         state
             .telemetry()
             .count_rejected("/v1/route", "unauthorized");
-        let mut text = String::new();
-        encode(&mut text, &registry(state)).unwrap();
-        assert_exposes(
-            &text,
+        assert_exports(
+            state,
             &[
                 "kvroute_decisions_total{reason=\"load\"} 1",
                 "kvroute_rejected_requests_total{path=\"/v1/route\",reason=\"unauthorized\"} 1",
@@ -697,11 +712,11 @@ mod tests {
 
 #[cfg(test)]
 mod latency_metric_tests {
-    use prometheus_client::encoding::text::encode;
     use scorer_core::protocol::{FeedbackBatch, Outcome, RouteRequest};
 
+    use super::tests::assert_exports;
     use super::*;
-    use crate::test_util::{assert_exposes, state_of};
+    use crate::test_util::state_of;
 
     #[test]
     fn prediction_error_is_exported_per_endpoint() {
@@ -723,10 +738,8 @@ mod latency_metric_tests {
                 ..Default::default()
             }],
         });
-        let mut text = String::new();
-        encode(&mut text, &registry(state)).unwrap();
-        assert_exposes(
-            &text,
+        assert_exports(
+            state,
             &[
                 "kvroute_endpoint_latency_samples_total{endpoint=\"10.0.0.1:80\"} 1",
                 "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
@@ -748,10 +761,8 @@ mod latency_metric_tests {
         });
         assert_eq!(response.prefiller.as_deref(), Some("10.0.0.1:80"));
         assert_eq!(response.endpoints, ["10.0.0.2:80"]);
-        let mut text = String::new();
-        encode(&mut text, &registry(state)).unwrap();
-        assert_exposes(
-            &text,
+        assert_exports(
+            state,
             &[
                 "kvroute_disaggregated_decisions_total 1",
                 "kvroute_endpoint_prefill_picks_total{endpoint=\"10.0.0.1:80\"} 1",
