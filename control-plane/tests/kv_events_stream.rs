@@ -15,7 +15,9 @@ use control_plane::state::{KvStreamStatus, State};
 use parking_lot::Mutex;
 use scorer_core::router::RouterConfig;
 use tokio::sync::watch;
-use vllm_wire::kv_events::{BlockHash, BlockStored, WireBatch, WireEvent, encode_batch};
+use vllm_wire::kv_events::{
+    BlockHash, BlockStored, WireBatch, WireEvent, encode_batch, replay_end, replay_messages,
+};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const ADDRESS: &str = "10.0.0.1:8000";
@@ -95,34 +97,17 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
             continue;
         };
         let start = u64::from_be_bytes(start.as_ref().try_into().unwrap());
-        let batches: Vec<(u64, Bytes)> = buffer
-            .lock()
-            .iter()
-            .filter(|(s, _)| *s >= start)
-            .cloned()
-            .collect();
-        for (seq, payload) in batches {
-            let m = ZmqMessage::try_from(vec![
-                id.clone(),
-                Bytes::new(),
-                Bytes::new(),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ])
-            .unwrap();
+        // The fake publishes replayed batches under an empty topic.
+        let batches = replay_messages(id, &Bytes::new(), start, buffer.lock().iter().cloned());
+        for frames in batches {
+            let m = ZmqMessage::try_from(frames).unwrap();
             if router.send(m).await.is_err() {
                 break;
             }
         }
-        let end = ZmqMessage::try_from(vec![
-            id.clone(),
-            Bytes::new(),
-            Bytes::new(),
-            Bytes::copy_from_slice(&[0xff; 8]),
-            Bytes::new(),
-        ])
-        .unwrap();
-        let _ = router.send(end).await;
+        let _ = router
+            .send(ZmqMessage::try_from(replay_end(id)).unwrap())
+            .await;
     }
 }
 
