@@ -1131,6 +1131,29 @@ pub fn prometheus_sum(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// Starts `cmd` as `name` with its output in `log` and waits until every one of `ready_urls`
+/// answers 200: how the harness starts each process of a fleet.
+async fn spawn_ready(
+    name: &str,
+    cmd: Command,
+    log: &Path,
+    client: &HttpClient,
+    ready_urls: &[String],
+) -> Result<ManagedProcess> {
+    let mut process = ManagedProcess::spawn(name, cmd, log)?;
+    for url in ready_urls {
+        wait_ready(&mut process, client, url, READY_TIMEOUT).await?;
+    }
+    Ok(process)
+}
+
+/// Writes a process's configuration file `file_name` into `log_dir`, beside its log.
+fn write_config(log_dir: &Path, file_name: &str, text: &str) -> Result<PathBuf> {
+    let path = log_dir.join(file_name);
+    fs::write(&path, text).map_err(io_err(format!("writing {}", path.display())))?;
+    Ok(path)
+}
+
 async fn wait_ready(
     process: &mut ManagedProcess,
     client: &HttpClient,
@@ -1208,9 +1231,9 @@ async fn start_replica(
         if let Some(extra) = config.per_replica_args.get(index) {
             cmd.args(extra);
         }
-        let mut process = ManagedProcess::spawn(&name, cmd, &log_dir.join(format!("{name}.log")))?;
-        let url = format!("http://127.0.0.1:{port}/health");
-        wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
+        let log = log_dir.join(format!("{name}.log"));
+        let ready = [format!("http://127.0.0.1:{port}/health")];
+        let process = spawn_ready(&name, cmd, &log, client, &ready).await?;
         Ok(Replica {
             address: format!("127.0.0.1:{port}"),
             kv_events: kv_events.clone(),
@@ -1304,18 +1327,15 @@ async fn start_control_plane(
             &config.control_plane_router,
             &extra_sections,
         )?;
-        let cfg_path = log_dir.join("control-plane.yaml");
-        fs::write(&cfg_path, yaml).map_err(io_err(format!("writing {}", cfg_path.display())))?;
+        let cfg_path = write_config(log_dir, "control-plane.yaml", &yaml)?;
         let mut cmd = Command::new(&tools.control_plane);
         cmd.arg("--config").arg(&cfg_path);
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
-        let mut process = ManagedProcess::spawn(name, cmd, &log_dir.join("control-plane.log"))?;
-        for port in [admin_port, api_port] {
-            let url = format!("http://127.0.0.1:{port}/healthz");
-            wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
-        }
+        let ready = [admin_port, api_port].map(|port| format!("http://127.0.0.1:{port}/healthz"));
+        let log = log_dir.join("control-plane.log");
+        let process = spawn_ready(name, cmd, &log, client, &ready).await?;
         Ok(ControlPlane {
             api_address: format!("127.0.0.1:{api_port}"),
             admin_address: format!("127.0.0.1:{admin_port}"),
@@ -1408,9 +1428,7 @@ async fn start_envoy(
             replicas,
             &eds_vars,
         )?;
-        let cfg_path = log_dir.join("envoy.yaml");
-        fs::write(&cfg_path, rendered)
-            .map_err(io_err(format!("writing {}", cfg_path.display())))?;
+        let cfg_path = write_config(log_dir, "envoy.yaml", &rendered)?;
         let level = std::env::var("KVROUTE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());
         let mut cmd = Command::new(&tools.envoy);
         cmd.arg("-c")
@@ -1423,9 +1441,8 @@ async fn start_envoy(
             ])
             .args(["-l", &level])
             .args(["--component-log-level", "wasm:info"]);
-        let mut process = ManagedProcess::spawn("envoy", cmd, &log_dir.join("envoy.log"))?;
-        let url = format!("http://127.0.0.1:{admin_port}/ready");
-        wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
+        let ready = [format!("http://127.0.0.1:{admin_port}/ready")];
+        let process = spawn_ready("envoy", cmd, &log_dir.join("envoy.log"), client, &ready).await?;
         Ok(Envoy {
             listen_address: format!("127.0.0.1:{listen_port}"),
             admin_address: format!("127.0.0.1:{admin_port}"),
