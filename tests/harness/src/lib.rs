@@ -415,6 +415,29 @@ impl HttpResponse {
     }
 }
 
+/// The request [`HttpClient::request`] sends: `headers` in order, and `content-type:
+/// application/json` when there is a body and `headers` name no content type. For tests that
+/// send through [`HttpClient::hyper`] to read the answer their own way.
+pub fn build_request(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Option<String>,
+) -> std::result::Result<hyper::Request<Full<Bytes>>, hyper::http::Error> {
+    let mut builder = hyper::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        builder = builder.header(*k, *v);
+    }
+    if body.is_some()
+        && !headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+    {
+        builder = builder.header("content-type", "application/json");
+    }
+    builder.body(Full::new(Bytes::from(body.unwrap_or_default())))
+}
+
 /// A response's headers as `(name, value)` pairs, values decoded lossily: the form
 /// [`HttpResponse`] keeps them in, shared with the tests' own HTTP/2 and streaming clients.
 pub fn header_pairs(headers: &hyper::HeaderMap) -> Vec<(String, String)> {
@@ -473,20 +496,7 @@ impl HttpClient {
             url: url.to_string(),
             reason,
         };
-        let mut builder = hyper::Request::builder().method(method).uri(url);
-        for (k, v) in headers {
-            builder = builder.header(*k, *v);
-        }
-        if body.is_some()
-            && !headers
-                .iter()
-                .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
-        {
-            builder = builder.header("content-type", "application/json");
-        }
-        let req = builder
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|e| http_err(e.to_string()))?;
+        let req = build_request(method, url, headers, body).map_err(|e| http_err(e.to_string()))?;
         let fut = async {
             let resp = self
                 .inner
@@ -728,32 +738,11 @@ pub fn plugin_config_json(overrides: &Value) -> String {
     cfg.to_string()
 }
 
-/// Renders a shipped Envoy template with the given ports and paths.
-pub fn render_envoy_config(
-    template_path: &Path,
-    listen_port: u16,
-    admin_port: u16,
-    cp_port: u16,
-    wasm: &Path,
-    plugin_config: &str,
-    replicas: &[String],
-) -> Result<String> {
-    render_envoy_config_with(
-        template_path,
-        listen_port,
-        admin_port,
-        cp_port,
-        wasm,
-        plugin_config,
-        replicas,
-        &[],
-    )
-}
-
-/// [`render_envoy_config`] plus template-specific placeholders (`EDS_PATH`, `EDS_DIR` of
-/// envoy-file-discovery.yaml); extra values a template does not use are ignored.
+/// Renders a shipped Envoy template with the given ports and paths, and `extra`
+/// template-specific placeholders (`EDS_PATH`, `EDS_DIR` of envoy-file-discovery.yaml); extra
+/// values a template does not use are ignored.
 #[allow(clippy::too_many_arguments)]
-pub fn render_envoy_config_with(
+pub fn render_envoy_config(
     template_path: &Path,
     listen_port: u16,
     admin_port: u16,
@@ -1418,7 +1407,7 @@ async fn start_envoy(
     start_with_retries("envoy", async || {
         let listen_port = free_port()?;
         let admin_port = free_port()?;
-        let rendered = render_envoy_config_with(
+        let rendered = render_envoy_config(
             &template,
             listen_port,
             admin_port,
