@@ -265,6 +265,11 @@ mod tests {
             self.t
                 .apply(id, "m", event, &mut self.gpu, &mut self.off, now_ms)
         }
+
+        /// Applies `event` from `id` at time 0; it must apply.
+        fn apply_ok(&mut self, id: EndpointId, event: &KvEvent) {
+            self.apply(id, event, 0).unwrap();
+        }
     }
 
     /// A tracker with empty GPU and offload indexes whose entries never expire.
@@ -286,24 +291,20 @@ mod tests {
     fn chained_stores_match_request_hashes() {
         let mut f = fresh();
         let id = EndpointId(1);
-        f.apply(id, &stored(&[100, 101], None, 0..8, Medium::Gpu), 0)
-            .unwrap();
-        f.apply(id, &stored(&[102], Some(101), 8..12, Medium::Gpu), 0)
-            .unwrap();
+        f.apply_ok(id, &stored(&[100, 101], None, 0..8, Medium::Gpu));
+        f.apply_ok(id, &stored(&[102], Some(101), 8..12, Medium::Gpu));
         let tokens: Vec<u32> = (0..14).collect();
         let request = token_block_hashes(model_seed("m"), &tokens, 4);
         assert_eq!(depth(&f.gpu, &request), 3);
-        f.apply(
+        f.apply_ok(
             id,
             &KvEvent::BlockRemoved {
                 block_hashes: vec![101],
                 medium: Medium::Gpu,
             },
-            0,
-        )
-        .unwrap();
+        );
         assert_eq!(depth(&f.gpu, &request), 1);
-        f.apply(id, &KvEvent::AllBlocksCleared, 0).unwrap();
+        f.apply_ok(id, &KvEvent::AllBlocksCleared);
         assert_eq!(depth(&f.gpu, &request), 0);
         assert_eq!(f.t.tracked(id), 0);
     }
@@ -312,8 +313,7 @@ mod tests {
     fn removed_blocks_are_named_by_our_hashes_before_the_event_applies() {
         let mut f = fresh();
         let id = EndpointId(0);
-        f.apply(id, &stored(&[7, 8], None, 0..8, Medium::Gpu), 0)
-            .unwrap();
+        f.apply_ok(id, &stored(&[7, 8], None, 0..8, Medium::Gpu));
         let ours = token_block_hashes(model_seed("m"), &(0..8).collect::<Vec<u32>>(), 4);
         let gone = |medium| KvEvent::BlockRemoved {
             block_hashes: vec![8, 99],
@@ -366,8 +366,7 @@ mod tests {
     #[test]
     fn offload_tier_goes_to_its_own_index() {
         let mut f = fresh();
-        f.apply(EndpointId(0), &stored(&[1], None, 0..4, Medium::Cpu), 0)
-            .unwrap();
+        f.apply_ok(EndpointId(0), &stored(&[1], None, 0..4, Medium::Cpu));
         let request = token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4);
         assert_eq!(depth(&f.gpu, &request), 0);
         assert_eq!(depth(&f.off, &request), 1);
@@ -390,7 +389,7 @@ mod tests {
         if let KvEvent::BlockStored { lora_name, .. } = &mut e {
             *lora_name = Some("sql".into());
         }
-        f.apply(EndpointId(0), &e, 0).unwrap();
+        f.apply_ok(EndpointId(0), &e);
         assert_eq!(
             depth(
                 &f.gpu,
@@ -417,15 +416,9 @@ mod tests {
             e
         };
         let id = EndpointId(0);
-        f.apply(id, &salted(stored(&[1], None, 0..4, Medium::Gpu), "a"), 0)
-            .unwrap();
+        f.apply_ok(id, &salted(stored(&[1], None, 0..4, Medium::Gpu), "a"));
         // The child run names a (different) salt: it is ignored, the parent's chain holds.
-        f.apply(
-            id,
-            &salted(stored(&[2], Some(1), 4..8, Medium::Gpu), "zz"),
-            0,
-        )
-        .unwrap();
+        f.apply_ok(id, &salted(stored(&[2], Some(1), 4..8, Medium::Gpu), "zz"));
         let tokens: Vec<u32> = (0..8).collect();
         let request = |salt| token_block_hashes(request_seed("m", salt), &tokens, 4);
         assert_eq!(depth(&f.gpu, &request(Some("a"))), 2);
@@ -441,7 +434,7 @@ mod tests {
         if let KvEvent::BlockStored { lora_name, .. } = &mut e {
             *lora_name = Some("sql".into());
         }
-        f.apply(id, &e, 0).unwrap();
+        f.apply_ok(id, &e);
         let lora = token_block_hashes(request_seed("sql", Some("a")), &[0, 1, 2, 3], 4);
         assert_eq!(depth(&f.gpu, &lora), 1);
     }
