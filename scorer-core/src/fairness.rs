@@ -679,18 +679,7 @@ impl Admission {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn request(tenant: &str, criticality: &str, prompt_tokens: u32) -> RouteRequest {
-        RouteRequest {
-            model: "m".into(),
-            prompt_bytes: u64::from(prompt_tokens) * 4,
-            prompt_tokens,
-            max_output_tokens: Some(10),
-            tenant: Some(tenant.into()),
-            criticality: Some(criticality.into()),
-            ..RouteRequest::default()
-        }
-    }
+    use crate::test_util::tenant_request as request;
 
     /// Whether `a` lets `r` through at `saturation` (its verdict sheds nothing).
     fn admits(a: &mut Admission, r: RouteRequest, saturation: f64, now_ms: u64) -> bool {

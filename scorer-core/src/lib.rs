@@ -33,4 +33,6 @@ pub mod protocol;
 pub mod quotes;
 pub mod router;
 pub mod sync;
+#[cfg(any(test, feature = "test-util"))]
+pub mod test_util;
 pub mod token_ratio;
