@@ -603,7 +603,18 @@ fn range_u64(
     max: u64,
     range: &'static str,
 ) -> Result<(), ConfigError> {
-    if (min..=max).contains(&value) {
+    in_range(field, value, min..=max, range)
+}
+
+/// `value` checked against `bounds`; the error names `field` and `range` (`bounds` as written
+/// for people).
+fn in_range<T: PartialOrd + ToString>(
+    field: &'static str,
+    value: T,
+    bounds: impl std::ops::RangeBounds<T>,
+    range: &'static str,
+) -> Result<(), ConfigError> {
+    if bounds.contains(&value) {
         Ok(())
     } else {
         Err(ConfigError::OutOfRange {
@@ -682,13 +693,12 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         s.prefill_tokens_per_ms,
     )?;
     non_negative("router.scoring.decode_ms_per_seq", s.decode_ms_per_seq)?;
-    if !(0.0..1.0).contains(&s.kv_pressure_threshold) {
-        return Err(ConfigError::OutOfRange {
-            field: "router.scoring.kv_pressure_threshold",
-            value: s.kv_pressure_threshold.to_string(),
-            range: "0 <= x < 1",
-        });
-    }
+    in_range(
+        "router.scoring.kv_pressure_threshold",
+        s.kv_pressure_threshold,
+        0.0..1.0,
+        "0 <= x < 1",
+    )?;
     non_negative("router.scoring.kv_pressure_ms", s.kv_pressure_ms)?;
     non_negative(
         "router.scoring.unknown_request_tokens",
@@ -709,13 +719,12 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         1 << 16,
         "1..=65536",
     )?;
-    if !(0.0..=1.0).contains(&p.offload_weight) {
-        return Err(ConfigError::OutOfRange {
-            field: "router.precise.offload_weight",
-            value: p.offload_weight.to_string(),
-            range: "0 <= x <= 1",
-        });
-    }
+    in_range(
+        "router.precise.offload_weight",
+        p.offload_weight,
+        0.0..=1.0,
+        "0 <= x <= 1",
+    )?;
     let l = &r.latency;
     let unit_ranges = [
         ("router.latency.blend", l.blend, 0.0, "0 <= x <= 1"),
@@ -733,13 +742,7 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         ),
     ];
     for (field, value, low, range) in unit_ranges {
-        if !(low..=1.0).contains(&value) {
-            return Err(ConfigError::OutOfRange {
-                field,
-                value: value.to_string(),
-                range,
-            });
-        }
+        in_range(field, value, low..=1.0, range)?;
     }
     non_negative("router.latency.overhead_ms", l.overhead_ms)?;
     Ok(())
