@@ -36,6 +36,11 @@ struct FakePublisher {
 }
 
 impl FakePublisher {
+    /// A publisher on ports the OS picks.
+    async fn ephemeral() -> Self {
+        Self::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await
+    }
+
     async fn bind(endpoint: &str, replay_endpoint: &str) -> Self {
         let mut pub_socket = PubSocket::new();
         let endpoint = pub_socket.bind(endpoint).await.unwrap().to_string();
@@ -88,6 +93,12 @@ impl FakePublisher {
         let _ = self.replay_task.await;
         drop(self.pub_socket);
     }
+}
+
+/// Stops the subscriber, then its publisher.
+async fn stop(h: Harness, p: FakePublisher) {
+    h.stop().await;
+    p.close().await;
 }
 
 async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
@@ -228,7 +239,7 @@ async fn publish_until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn history_live_gap_and_unreplayable_gap() {
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     // Seq 0, before anyone listens: only the replay has it.
     p.publish(batch(vec![stored(1, 2, None)])).await;
     let h = Harness::start(&p, true);
@@ -278,13 +289,12 @@ async fn history_live_gap_and_unreplayable_gap() {
     })
     .await;
 
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_message_drops_state_and_recovers() {
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     let h = Harness::start(&p, true);
     h.wait("live", |h| h.live()).await;
     publish_until(
@@ -305,13 +315,12 @@ async fn undecodable_message_drops_state_and_recovers() {
     assert!(h.live(), "a bad message does not take the stream down");
     p.publish(batch(vec![stored(9, 2, None)])).await;
     h.wait("recovered", |h| h.precise_blocks() == 2).await;
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publisher_restart_and_no_replay_socket() {
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     let (pub_ep, replay_ep) = (p.endpoint.clone(), p.replay_endpoint.clone());
     for i in 0..3 {
         p.publish(batch(vec![stored(10 * (i + 1), 1, None)])).await;
@@ -330,11 +339,10 @@ async fn publisher_restart_and_no_replay_socket() {
     })
     .await;
     assert!(h.status().sessions >= 2);
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 
     // Without a replay socket a late joiner is partial, and a gap drops the state.
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     p.publish(batch(vec![])).await;
     let h = Harness::start(&p, false);
     h.wait("live", |h| h.live()).await;
@@ -351,13 +359,12 @@ async fn publisher_restart_and_no_replay_socket() {
     p.publish(batch(vec![stored(50, 1, None)])).await;
     h.wait("gap without replay", |h| h.status().resets == resets + 1)
         .await;
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequence_going_backwards_on_one_connection_is_a_restart() {
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     for i in 0..3 {
         p.publish(batch(vec![stored(10 * (i + 1), 1, None)])).await;
     }
@@ -378,6 +385,5 @@ async fn sequence_going_backwards_on_one_connection_is_a_restart() {
     h.wait("in order after the restart", |h| h.precise_blocks() == 3)
         .await;
     assert_eq!(h.status().replays, replays, "no replay was needed");
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 }
