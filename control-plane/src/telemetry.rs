@@ -543,6 +543,9 @@ impl Collector for RouterCollector {
     }
 }
 
+/// One per-endpoint gauge family: name, help, and the endpoint's value when it has one.
+pub(crate) type EndpointGauge<'a, E> = (&'a str, &'a str, fn(&E) -> Option<f64>);
+
 /// Writes one gauge family per `(name, help, get)`, with a sample labelled `endpoint` for each
 /// endpoint `get` has a value for: the collectors of the router's and the fleet features'
 /// per-endpoint numbers share this layout.
@@ -550,7 +553,7 @@ pub(crate) fn endpoint_gauges<E>(
     encoder: &mut DescriptorEncoder,
     endpoints: &[E],
     address: fn(&E) -> &str,
-    gauges: &[(&str, &str, fn(&E) -> Option<f64>)],
+    gauges: &[EndpointGauge<'_, E>],
 ) -> fmt::Result {
     for (name, help, get) in gauges {
         let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
