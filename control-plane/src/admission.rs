@@ -168,18 +168,7 @@ impl Gate {
 mod tests {
     use super::*;
     use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
-
-    fn request(tenant: &str, criticality: &str, prompt_tokens: u32) -> RouteRequest {
-        RouteRequest {
-            model: "m".into(),
-            prompt_bytes: u64::from(prompt_tokens) * 4,
-            prompt_tokens,
-            max_output_tokens: Some(2),
-            tenant: Some(tenant.into()),
-            criticality: Some(criticality.into()),
-            ..RouteRequest::default()
-        }
-    }
+    use scorer_core::test_util::tenant_request as request;
 
     fn metrics(gate: &Gate) -> String {
         let mut registry = Registry::with_prefix("kvroute");

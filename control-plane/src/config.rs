@@ -603,7 +603,18 @@ fn range_u64(
     max: u64,
     range: &'static str,
 ) -> Result<(), ConfigError> {
-    if (min..=max).contains(&value) {
+    in_range(field, value, min..=max, range)
+}
+
+/// `value` checked against `bounds`; the error names `field` and `range` (`bounds` as written
+/// for people).
+fn in_range<T: PartialOrd + ToString>(
+    field: &'static str,
+    value: T,
+    bounds: impl std::ops::RangeBounds<T>,
+    range: &'static str,
+) -> Result<(), ConfigError> {
+    if bounds.contains(&value) {
         Ok(())
     } else {
         Err(ConfigError::OutOfRange {
@@ -682,13 +693,12 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         s.prefill_tokens_per_ms,
     )?;
     non_negative("router.scoring.decode_ms_per_seq", s.decode_ms_per_seq)?;
-    if !(0.0..1.0).contains(&s.kv_pressure_threshold) {
-        return Err(ConfigError::OutOfRange {
-            field: "router.scoring.kv_pressure_threshold",
-            value: s.kv_pressure_threshold.to_string(),
-            range: "0 <= x < 1",
-        });
-    }
+    in_range(
+        "router.scoring.kv_pressure_threshold",
+        s.kv_pressure_threshold,
+        0.0..1.0,
+        "0 <= x < 1",
+    )?;
     non_negative("router.scoring.kv_pressure_ms", s.kv_pressure_ms)?;
     non_negative(
         "router.scoring.unknown_request_tokens",
@@ -709,13 +719,12 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         1 << 16,
         "1..=65536",
     )?;
-    if !(0.0..=1.0).contains(&p.offload_weight) {
-        return Err(ConfigError::OutOfRange {
-            field: "router.precise.offload_weight",
-            value: p.offload_weight.to_string(),
-            range: "0 <= x <= 1",
-        });
-    }
+    in_range(
+        "router.precise.offload_weight",
+        p.offload_weight,
+        0.0..=1.0,
+        "0 <= x <= 1",
+    )?;
     let l = &r.latency;
     let unit_ranges = [
         ("router.latency.blend", l.blend, 0.0, "0 <= x <= 1"),
@@ -733,13 +742,7 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         ),
     ];
     for (field, value, low, range) in unit_ranges {
-        if !(low..=1.0).contains(&value) {
-            return Err(ConfigError::OutOfRange {
-                field,
-                value: value.to_string(),
-                range,
-            });
-        }
+        in_range(field, value, low..=1.0, range)?;
     }
     non_negative("router.latency.overhead_ms", l.overhead_ms)?;
     Ok(())
@@ -818,28 +821,53 @@ router: {}
 
     #[test]
     fn bad_limits() {
-        assert!(
-            err(&format!(
-                "{MINIMAL}router:\n  scoring:\n    decode_weight: -1\n"
-            ))
-            .contains("decode_weight")
-        );
-        assert!(
-            err(&format!(
-                "{MINIMAL}router:\n  precise:\n    block_tokens: 0\n"
-            ))
-            .contains("block_tokens")
-        );
-        assert!(
-            err(&format!(
-                "{MINIMAL}router:\n  precise:\n    offload_weight: 2\n"
-            ))
-            .contains("offload_weight")
-        );
-        assert!(
-            err(&format!("{MINIMAL}router:\n  latency:\n    blend: 1.5\n"))
-                .contains("router.latency.blend")
-        );
+        // Each setting added to a valid configuration, and what the error must name.
+        for (extra, named) in [
+            (
+                "router:\n  scoring:\n    decode_weight: -1\n",
+                "decode_weight",
+            ),
+            ("router:\n  precise:\n    block_tokens: 0\n", "block_tokens"),
+            (
+                "router:\n  precise:\n    offload_weight: 2\n",
+                "offload_weight",
+            ),
+            (
+                "router:\n  latency:\n    blend: 1.5\n",
+                "router.latency.blend",
+            ),
+            (
+                "scrape_interval_ms: 0\n",
+                "scrape_interval_ms = 0 is out of range",
+            ),
+            ("max_block_hashes: 0\n", "max_block_hashes"),
+            (
+                "unreachable_after_failures: 0\n",
+                "unreachable_after_failures",
+            ),
+            ("router:\n  block_bytes: 0\n", "router.block_bytes"),
+            (
+                "router:\n  bytes_per_token: .nan\n",
+                "router.bytes_per_token",
+            ),
+            (
+                "router:\n  scoring:\n    prefill_tokens_per_ms: 0\n",
+                "prefill_tokens_per_ms",
+            ),
+            (
+                "router:\n  scoring:\n    kv_pressure_threshold: 1.0\n",
+                "kv_pressure_threshold",
+            ),
+            (
+                "listen: 127.0.0.1:7000\nadmin_listen: 127.0.0.1:7000\n",
+                "both",
+            ),
+            ("auth_token: \"\"\n", "auth_token"),
+            ("auth_token: \"a b\"\n", "auth_token"),
+        ] {
+            let e = err(&format!("{MINIMAL}{extra}"));
+            assert!(e.contains(named), "{extra:?}: {e}");
+        }
         let roles = "endpoints:\n  - address: 10.0.0.1:80\n    role: prefill\n  - address: 10.0.0.2:80\n    role: decode\n";
         let c = Config::from_yaml(roles).unwrap();
         assert_eq!(
@@ -853,42 +881,6 @@ router: {}
             Config::from_yaml(&roles.replace("decode", "encode")).is_err(),
             "unknown roles are errors"
         );
-        assert!(
-            err(&format!("{MINIMAL}scrape_interval_ms: 0\n"))
-                .contains("scrape_interval_ms = 0 is out of range")
-        );
-        assert!(err(&format!("{MINIMAL}max_block_hashes: 0\n")).contains("max_block_hashes"));
-        assert!(
-            err(&format!("{MINIMAL}unreachable_after_failures: 0\n"))
-                .contains("unreachable_after_failures")
-        );
-        assert!(
-            err(&format!("{MINIMAL}router:\n  block_bytes: 0\n")).contains("router.block_bytes")
-        );
-        assert!(
-            err(&format!("{MINIMAL}router:\n  bytes_per_token: .nan\n"))
-                .contains("router.bytes_per_token")
-        );
-        assert!(
-            err(&format!(
-                "{MINIMAL}router:\n  scoring:\n    prefill_tokens_per_ms: 0\n"
-            ))
-            .contains("prefill_tokens_per_ms")
-        );
-        assert!(
-            err(&format!(
-                "{MINIMAL}router:\n  scoring:\n    kv_pressure_threshold: 1.0\n"
-            ))
-            .contains("kv_pressure_threshold")
-        );
-        assert!(
-            err(&format!(
-                "{MINIMAL}listen: 127.0.0.1:7000\nadmin_listen: 127.0.0.1:7000\n"
-            ))
-            .contains("both")
-        );
-        assert!(err(&format!("{MINIMAL}auth_token: \"\"\n")).contains("auth_token"));
-        assert!(err(&format!("{MINIMAL}auth_token: \"a b\"\n")).contains("auth_token"));
     }
 
     #[test]

@@ -517,15 +517,15 @@ mod tests {
         registry.register_collector(Box::new(ObservabilityCollector(state.clone())));
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
-        for needle in [
-            "kvroute_decisions_by_policy_total{policy=\"approximate\"} 1",
-            "kvroute_decisions_by_policy_total{policy=\"precise\"} 0",
-            "kvroute_fallback_outcomes_total 0",
-            "kvroute_endpoint_served_cached_tokens_total{endpoint=",
-            "kvroute_endpoint_scrape_age_seconds{endpoint=\"10.0.0.1:8000\"}",
-        ] {
-            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
-        }
-        assert!(crate::prom::samples(&text).all(|s| s.is_ok()));
+        crate::test_util::assert_exposes(
+            &text,
+            &[
+                "kvroute_decisions_by_policy_total{policy=\"approximate\"} 1",
+                "kvroute_decisions_by_policy_total{policy=\"precise\"} 0",
+                "kvroute_fallback_outcomes_total 0",
+                "kvroute_endpoint_served_cached_tokens_total{endpoint=",
+                "kvroute_endpoint_scrape_age_seconds{endpoint=\"10.0.0.1:8000\"}",
+            ],
+        );
     }
 }

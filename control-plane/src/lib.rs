@@ -26,6 +26,8 @@ pub mod scrape;
 pub mod slo;
 pub mod state;
 pub mod telemetry;
+#[cfg(test)]
+mod test_util;
 pub mod tokenize;
 
 use std::future::Future;

@@ -223,15 +223,12 @@ impl prometheus_client::collector::Collector for FleetFeaturesCollector {
                 |e| e.max_lora.map(f64::from),
             ),
         ];
-        for (name, help, get) in per_endpoint {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for e in &f.endpoints {
-                if let Some(v) = get(e) {
-                    let labels = [("endpoint", e.address.as_str())];
-                    ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
-                }
-            }
-        }
+        crate::telemetry::endpoint_gauges(
+            &mut encoder,
+            &f.endpoints,
+            |e| &e.address,
+            &per_endpoint,
+        )?;
         // GPU blocks are `endpoint_precise_blocks`; this adds the offload tiers per endpoint and
         // both tiers fleet-wide, so a dashboard can compare them.
         let snapshot = self.0.snapshot();

@@ -536,19 +536,51 @@ impl Collector for RouterCollector {
                 |e| Some(e.indexed_blocks as f64),
             ),
         ];
-        for (name, help, get) in per_endpoint {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for e in &snap.endpoints {
-                if let Some(v) = get(e) {
-                    let labels = [("endpoint", e.address.as_str())];
-                    ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
-                }
-            }
-        }
+        endpoint_gauges(&mut encoder, &snap.endpoints, |e| &e.address, &per_endpoint)?;
         encode_latency_model(&mut encoder, &snap.endpoints)?;
         encode_disaggregation(&mut encoder, snap.stats.disaggregated, &snap.endpoints)?;
         Ok(())
     }
+}
+
+/// One per-endpoint gauge family: name, help, and the endpoint's value when it has one.
+pub(crate) type EndpointGauge<'a, E> = (&'a str, &'a str, fn(&E) -> Option<f64>);
+
+/// Writes one gauge family per `(name, help, get)`, with a sample labelled `endpoint` for each
+/// endpoint `get` has a value for: the collectors of the router's and the fleet features'
+/// per-endpoint numbers share this layout.
+pub(crate) fn endpoint_gauges<E>(
+    encoder: &mut DescriptorEncoder,
+    endpoints: &[E],
+    address: fn(&E) -> &str,
+    gauges: &[EndpointGauge<'_, E>],
+) -> fmt::Result {
+    for (name, help, get) in gauges {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for e in endpoints {
+            if let Some(v) = get(e) {
+                let labels = [("endpoint", address(e))];
+                ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes one counter family with a sample labelled `endpoint` for every endpoint.
+fn endpoint_counter(
+    encoder: &mut DescriptorEncoder,
+    endpoints: &[EndpointView],
+    name: &str,
+    help: &str,
+    get: fn(&EndpointView) -> u64,
+) -> fmt::Result {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for e in endpoints {
+        let labels = [("endpoint", e.address.as_str())];
+        ConstCounter::new(get(e)).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 /// Prefill/decode disaggregation: decisions that named a prefill endpoint, how often each
@@ -564,16 +596,13 @@ fn encode_disaggregation(
         None,
         MetricType::Counter,
     )?)?;
-    let mut family = encoder.encode_descriptor(
+    endpoint_counter(
+        encoder,
+        endpoints,
         "endpoint_prefill_picks",
         "Times the endpoint was picked to prefill for a decode endpoint",
-        None,
-        MetricType::Counter,
+        |e| e.prefill_picks,
     )?;
-    for e in endpoints {
-        let labels = [("endpoint", e.address.as_str())];
-        ConstCounter::new(e.prefill_picks).encode(family.encode_family(&labels)?)?;
-    }
     let mut family = encoder.encode_descriptor(
         "endpoint_role",
         "1 for the endpoint's prefill/decode role (prefill, decode or both)",
@@ -640,16 +669,13 @@ fn encode_latency_model(
             }
         }
     }
-    let mut family = encoder.encode_descriptor(
+    endpoint_counter(
+        encoder,
+        endpoints,
         "endpoint_latency_samples",
         "Outcomes the endpoint's learned latency model has learned from",
-        None,
-        MetricType::Counter,
+        |e| u64::from(e.latency_samples),
     )?;
-    for e in endpoints {
-        let labels = [("endpoint", e.address.as_str())];
-        ConstCounter::new(u64::from(e.latency_samples)).encode(family.encode_family(&labels)?)?;
-    }
     Ok(())
 }
 
@@ -657,14 +683,20 @@ fn encode_latency_model(
 mod tests {
     use prometheus_client::encoding::text::encode;
     use scorer_core::protocol::RouteRequest;
-    use scorer_core::router::RouterConfig;
 
     use super::*;
+    use crate::test_util::{assert_exposes, state_of};
+
+    /// Asserts that `state`'s registry exposes every needle (see [`assert_exposes`]).
+    pub(super) fn assert_exports(state: Arc<State>, needles: &[&str]) {
+        let mut text = String::new();
+        encode(&mut text, &registry(state)).unwrap();
+        assert_exposes(&text, needles);
+    }
 
     #[test]
     fn exposition_has_event_and_state_metrics() {
-        let state =
-            Arc::new(State::new(RouterConfig::default(), &["10.0.0.1:80".into()], 4, 1).unwrap());
+        let state = state_of(&["10.0.0.1:80"]);
         state.route(&RouteRequest {
             model: "m".into(),
             block_hashes: vec![1, 2],
@@ -674,43 +706,39 @@ mod tests {
         state
             .telemetry()
             .count_rejected("/v1/route", "unauthorized");
-        let mut text = String::new();
-        encode(&mut text, &registry(state)).unwrap();
-        for needle in [
-            "kvroute_decisions_total{reason=\"load\"} 1",
-            "kvroute_rejected_requests_total{path=\"/v1/route\",reason=\"unauthorized\"} 1",
-            "kvroute_route_duration_seconds_bucket",
-            "kvroute_no_endpoint_decisions_total 0",
-            "kvroute_inflight 1",
-            "kvroute_index_blocks 2",
-            "kvroute_endpoint_up{endpoint=\"10.0.0.1:80\"} 1",
-            "kvroute_endpoint_inflight{endpoint=\"10.0.0.1:80\"} 1",
-            "kvroute_endpoint_indexed_blocks{endpoint=\"10.0.0.1:80\"} 2",
-            "kvroute_sync_log_entries 1",
-            "kvroute_sync_calls_total 0",
-            "kvroute_sync_decisions_total 0",
-            "kvroute_sync_resets_total 0",
-            "# EOF",
-        ] {
-            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
-        }
-        // Our own parser reads our own exposition.
-        assert!(crate::prom::samples(&text).all(|s| s.is_ok()));
+        assert_exports(
+            state,
+            &[
+                "kvroute_decisions_total{reason=\"load\"} 1",
+                "kvroute_rejected_requests_total{path=\"/v1/route\",reason=\"unauthorized\"} 1",
+                "kvroute_route_duration_seconds_bucket",
+                "kvroute_no_endpoint_decisions_total 0",
+                "kvroute_inflight 1",
+                "kvroute_index_blocks 2",
+                "kvroute_endpoint_up{endpoint=\"10.0.0.1:80\"} 1",
+                "kvroute_endpoint_inflight{endpoint=\"10.0.0.1:80\"} 1",
+                "kvroute_endpoint_indexed_blocks{endpoint=\"10.0.0.1:80\"} 2",
+                "kvroute_sync_log_entries 1",
+                "kvroute_sync_calls_total 0",
+                "kvroute_sync_decisions_total 0",
+                "kvroute_sync_resets_total 0",
+                "# EOF",
+            ],
+        );
     }
 }
 
 #[cfg(test)]
 mod latency_metric_tests {
-    use prometheus_client::encoding::text::encode;
     use scorer_core::protocol::{FeedbackBatch, Outcome, RouteRequest};
-    use scorer_core::router::RouterConfig;
 
+    use super::tests::assert_exports;
     use super::*;
+    use crate::test_util::state_of;
 
     #[test]
     fn prediction_error_is_exported_per_endpoint() {
-        let state =
-            Arc::new(State::new(RouterConfig::default(), &["10.0.0.1:80".into()], 4, 1).unwrap());
+        let state = state_of(&["10.0.0.1:80"]);
         let response = state.route(&RouteRequest {
             model: "m".into(),
             block_hashes: vec![1, 2],
@@ -728,24 +756,22 @@ mod latency_metric_tests {
                 ..Default::default()
             }],
         });
-        let mut text = String::new();
-        encode(&mut text, &registry(state)).unwrap();
-        for needle in [
-            "kvroute_endpoint_latency_samples_total{endpoint=\"10.0.0.1:80\"} 1",
-            "kvroute_endpoint_prefill_tokens_per_second{endpoint=\"10.0.0.1:80\"} 5000.0",
-            "kvroute_endpoint_itl_idle_seconds{endpoint=\"10.0.0.1:80\"} 0.015",
-            "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
-            "kvroute_endpoint_ttft_prediction_error_ms{endpoint=\"10.0.0.1:80\"} ",
-            "kvroute_endpoint_tpot_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} ",
-        ] {
-            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
-        }
+        assert_exports(
+            state,
+            &[
+                "kvroute_endpoint_latency_samples_total{endpoint=\"10.0.0.1:80\"} 1",
+                "kvroute_endpoint_prefill_tokens_per_second{endpoint=\"10.0.0.1:80\"} 5000.0",
+                "kvroute_endpoint_itl_idle_seconds{endpoint=\"10.0.0.1:80\"} 0.015",
+                "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
+                "kvroute_endpoint_ttft_prediction_error_ms{endpoint=\"10.0.0.1:80\"} ",
+                "kvroute_endpoint_tpot_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} ",
+            ],
+        );
     }
 
     #[test]
     fn disaggregation_is_exported() {
-        let endpoints = ["10.0.0.1:80".to_string(), "10.0.0.2:80".to_string()];
-        let state = Arc::new(State::new(RouterConfig::default(), &endpoints, 4, 1).unwrap());
+        let state = state_of(&["10.0.0.1:80", "10.0.0.2:80"]);
         state.set_role("10.0.0.1:80", EndpointRole::Prefill);
         let response = state.route(&RouteRequest {
             model: "m".into(),
@@ -755,15 +781,14 @@ mod latency_metric_tests {
         });
         assert_eq!(response.prefiller.as_deref(), Some("10.0.0.1:80"));
         assert_eq!(response.endpoints, ["10.0.0.2:80"]);
-        let mut text = String::new();
-        encode(&mut text, &registry(state)).unwrap();
-        for needle in [
-            "kvroute_disaggregated_decisions_total 1",
-            "kvroute_endpoint_prefill_picks_total{endpoint=\"10.0.0.1:80\"} 1",
-            "kvroute_endpoint_role{endpoint=\"10.0.0.1:80\",role=\"prefill\"} 1",
-            "kvroute_endpoint_role{endpoint=\"10.0.0.2:80\",role=\"both\"} 1",
-        ] {
-            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
-        }
+        assert_exports(
+            state,
+            &[
+                "kvroute_disaggregated_decisions_total 1",
+                "kvroute_endpoint_prefill_picks_total{endpoint=\"10.0.0.1:80\"} 1",
+                "kvroute_endpoint_role{endpoint=\"10.0.0.1:80\",role=\"prefill\"} 1",
+                "kvroute_endpoint_role{endpoint=\"10.0.0.2:80\",role=\"both\"} 1",
+            ],
+        );
     }
 }

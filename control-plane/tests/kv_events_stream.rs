@@ -15,7 +15,9 @@ use control_plane::state::{KvStreamStatus, State};
 use parking_lot::Mutex;
 use scorer_core::router::RouterConfig;
 use tokio::sync::watch;
-use vllm_wire::kv_events::{BlockHash, BlockStored, WireBatch, WireEvent, encode_batch};
+use vllm_wire::kv_events::{
+    BlockHash, BlockStored, WireBatch, WireEvent, encode_batch, replay_end, replay_messages,
+};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const ADDRESS: &str = "10.0.0.1:8000";
@@ -34,6 +36,11 @@ struct FakePublisher {
 }
 
 impl FakePublisher {
+    /// A publisher on ports the OS picks.
+    async fn ephemeral() -> Self {
+        Self::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await
+    }
+
     async fn bind(endpoint: &str, replay_endpoint: &str) -> Self {
         let mut pub_socket = PubSocket::new();
         let endpoint = pub_socket.bind(endpoint).await.unwrap().to_string();
@@ -88,6 +95,12 @@ impl FakePublisher {
     }
 }
 
+/// Stops the subscriber, then its publisher.
+async fn stop(h: Harness, p: FakePublisher) {
+    h.stop().await;
+    p.close().await;
+}
+
 async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
     while let Ok(msg) = router.recv().await {
         let frames = msg.into_vec();
@@ -95,34 +108,17 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
             continue;
         };
         let start = u64::from_be_bytes(start.as_ref().try_into().unwrap());
-        let batches: Vec<(u64, Bytes)> = buffer
-            .lock()
-            .iter()
-            .filter(|(s, _)| *s >= start)
-            .cloned()
-            .collect();
-        for (seq, payload) in batches {
-            let m = ZmqMessage::try_from(vec![
-                id.clone(),
-                Bytes::new(),
-                Bytes::new(),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ])
-            .unwrap();
+        // The fake publishes replayed batches under an empty topic.
+        let batches = replay_messages(id, &Bytes::new(), start, buffer.lock().iter().cloned());
+        for frames in batches {
+            let m = ZmqMessage::try_from(frames).unwrap();
             if router.send(m).await.is_err() {
                 break;
             }
         }
-        let end = ZmqMessage::try_from(vec![
-            id.clone(),
-            Bytes::new(),
-            Bytes::new(),
-            Bytes::copy_from_slice(&[0xff; 8]),
-            Bytes::new(),
-        ])
-        .unwrap();
-        let _ = router.send(end).await;
+        let _ = router
+            .send(ZmqMessage::try_from(replay_end(id)).unwrap())
+            .await;
     }
 }
 
@@ -243,7 +239,7 @@ async fn publish_until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn history_live_gap_and_unreplayable_gap() {
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     // Seq 0, before anyone listens: only the replay has it.
     p.publish(batch(vec![stored(1, 2, None)])).await;
     let h = Harness::start(&p, true);
@@ -293,13 +289,12 @@ async fn history_live_gap_and_unreplayable_gap() {
     })
     .await;
 
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_message_drops_state_and_recovers() {
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     let h = Harness::start(&p, true);
     h.wait("live", |h| h.live()).await;
     publish_until(
@@ -320,13 +315,12 @@ async fn undecodable_message_drops_state_and_recovers() {
     assert!(h.live(), "a bad message does not take the stream down");
     p.publish(batch(vec![stored(9, 2, None)])).await;
     h.wait("recovered", |h| h.precise_blocks() == 2).await;
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publisher_restart_and_no_replay_socket() {
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     let (pub_ep, replay_ep) = (p.endpoint.clone(), p.replay_endpoint.clone());
     for i in 0..3 {
         p.publish(batch(vec![stored(10 * (i + 1), 1, None)])).await;
@@ -345,11 +339,10 @@ async fn publisher_restart_and_no_replay_socket() {
     })
     .await;
     assert!(h.status().sessions >= 2);
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 
     // Without a replay socket a late joiner is partial, and a gap drops the state.
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     p.publish(batch(vec![])).await;
     let h = Harness::start(&p, false);
     h.wait("live", |h| h.live()).await;
@@ -366,13 +359,12 @@ async fn publisher_restart_and_no_replay_socket() {
     p.publish(batch(vec![stored(50, 1, None)])).await;
     h.wait("gap without replay", |h| h.status().resets == resets + 1)
         .await;
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequence_going_backwards_on_one_connection_is_a_restart() {
-    let mut p = FakePublisher::bind("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").await;
+    let mut p = FakePublisher::ephemeral().await;
     for i in 0..3 {
         p.publish(batch(vec![stored(10 * (i + 1), 1, None)])).await;
     }
@@ -393,6 +385,5 @@ async fn sequence_going_backwards_on_one_connection_is_a_restart() {
     h.wait("in order after the restart", |h| h.precise_blocks() == 3)
         .await;
     assert_eq!(h.status().replays, replays, "no replay was needed");
-    h.stop().await;
-    p.close().await;
+    stop(h, p).await;
 }

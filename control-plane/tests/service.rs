@@ -744,6 +744,15 @@ async fn post_sync(r: &Running, body: &Value, headers: &[(&str, &str)]) -> (u16,
     )
 }
 
+/// The string `field` of every object in the JSON array `list`.
+fn strs<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e[field].as_str().unwrap())
+        .collect()
+}
+
 /// A proxy's first sync: no tag yet, nothing seen.
 async fn join(r: &Running) -> (u64, u64) {
     let (status, joined) = post_sync(r, &json!({}), &[]).await;
@@ -773,12 +782,7 @@ async fn a_new_proxy_gets_a_tag_the_endpoints_and_the_config() {
     assert!(tag > 0, "{first}");
     assert_eq!(first["reset"], false);
     assert_eq!(first["events"], json!([]));
-    let mut addresses: Vec<&str> = first["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["address"].as_str().unwrap())
-        .collect();
+    let mut addresses: Vec<&str> = strs(&first["endpoints"], "address");
     addresses.sort_unstable();
     let mut expected = [a.addr.to_string(), b.addr.to_string()];
     expected.sort_unstable();
@@ -877,12 +881,7 @@ async fn a_proxys_decision_reaches_other_proxies_and_loads_the_control_plane() {
         "only the route call's decision is left: {view}"
     );
     let (_, seen) = post_sync(&r, &json!({ "replica": proxy_b, "since": next_b }), &[]).await;
-    let kinds: Vec<&str> = seen["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap())
-        .collect();
+    let kinds: Vec<&str> = strs(&seen["events"], "kind");
     assert_eq!(kinds, ["decision", "outcome"], "{seen}");
     let text = metrics_text(&r).await;
     for needle in [

@@ -215,29 +215,18 @@ impl FilterConfig {
                 "must be between 1 and 4294967295",
             ));
         }
-        if !is_header_name(&self.destination_header) {
-            return Err(invalid(
-                "destination_header",
-                "must be a non-empty lowercase HTTP header name",
-            ));
-        }
-        if !is_header_name(&self.tenant_header) {
-            return Err(invalid(
-                "tenant_header",
-                "must be a non-empty lowercase HTTP header name",
-            ));
-        }
-        if !is_header_name(&self.criticality_header) {
-            return Err(invalid(
-                "criticality_header",
-                "must be a non-empty lowercase HTTP header name",
-            ));
-        }
-        if !is_header_name(&self.session_header) {
-            return Err(invalid(
-                "session_header",
-                "must be a non-empty lowercase HTTP header name",
-            ));
+        for (field, value) in [
+            ("destination_header", &self.destination_header),
+            ("tenant_header", &self.tenant_header),
+            ("criticality_header", &self.criticality_header),
+            ("session_header", &self.session_header),
+        ] {
+            if !is_header_name(value) {
+                return Err(invalid(
+                    field,
+                    "must be a non-empty lowercase HTTP header name",
+                ));
+            }
         }
         if self.block_bytes == 0 {
             return Err(invalid("block_bytes", "must be positive"));

@@ -138,6 +138,15 @@ fn now_ns() -> Option<u64> {
         .and_then(|d| u64::try_from(d.as_nanos()).ok())
 }
 
+/// The status of the answered HTTP call; `None` when it has no headers (it failed).
+fn call_status(num_headers: usize) -> Option<u16> {
+    if num_headers == 0 {
+        None
+    } else {
+        status_of(MapType::HttpCallResponseHeaders)
+    }
+}
+
 fn status_of(map: MapType) -> Option<u16> {
     let value = hostcalls::get_map_value_bytes(map, ":status").ok()??;
     std::str::from_utf8(&value).ok()?.trim().parse().ok()
@@ -178,11 +187,7 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        let status = if num_headers == 0 {
-            None
-        } else {
-            status_of(MapType::HttpCallResponseHeaders)
-        };
+        let status = call_status(num_headers);
         if let Some(shared) = &self.shared {
             let mut shared = shared.borrow_mut();
             if shared.state.local().is_some() {
@@ -281,6 +286,13 @@ impl Request {
         }
     }
 
+    /// Records `value` on the histogram `pick` names, when the root context could define it.
+    fn record(&self, pick: fn(&Metrics) -> Option<u32>, value: u64) {
+        if let Some(id) = self.shared.as_ref().and_then(|s| pick(&s.borrow().metrics)) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
     fn execute(&mut self, step: Step) -> Action {
         let mut action = step.action;
         for effect in step.effects {
@@ -326,15 +338,7 @@ impl Request {
                         shared.borrow_mut().count(counter);
                     }
                 }
-                Effect::RouteLatencyMs(ms) => {
-                    if let Some(id) = self
-                        .shared
-                        .as_ref()
-                        .and_then(|s| s.borrow().metrics.route_latency_ms)
-                    {
-                        let _ = hostcalls::record_metric(id, ms);
-                    }
-                }
+                Effect::RouteLatencyMs(ms) => self.record(|m| m.route_latency_ms, ms),
                 Effect::SendLocalResponse {
                     status,
                     headers,
@@ -354,15 +358,7 @@ impl Request {
                         }
                     }
                 }
-                Effect::HashMicros(us) => {
-                    if let Some(id) = self
-                        .shared
-                        .as_ref()
-                        .and_then(|s| s.borrow().metrics.hash_duration_us)
-                    {
-                        let _ = hostcalls::record_metric(id, us);
-                    }
-                }
+                Effect::HashMicros(us) => self.record(|m| m.hash_duration_us, us),
             }
         }
         action
@@ -422,11 +418,7 @@ impl Context for Request {
         let Some(machine) = self.machine.as_mut() else {
             return;
         };
-        let status = if num_headers == 0 {
-            None
-        } else {
-            status_of(MapType::HttpCallResponseHeaders)
-        };
+        let status = call_status(num_headers);
         let body = match hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size) {
             Ok(body) => body.unwrap_or_default(),
             Err(_) => {

@@ -47,19 +47,6 @@ pub const LLMD_OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
 pub const LOCAL_REPLY_HEADER: &str = "x-kvroute-local-reply";
 /// Longest tenant or criticality value forwarded to the control plane.
 const MAX_TENANT_BYTES: usize = 128;
-/// Chat request fields that decide the engine's prompt tokens (template input and options).
-const CHAT_PROMPT_FIELDS: &[&str] = &[
-    "model",
-    "messages",
-    "tools",
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template",
-    "chat_template_kwargs",
-    "documents",
-];
-/// Completion request fields that decide the engine's prompt tokens.
-const COMPLETION_PROMPT_FIELDS: &[&str] = &["model", "prompt"];
 
 /// What the host returns from the current callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -770,10 +757,7 @@ impl RequestMachine {
 fn prompt_fields(api: ApiKind, body: &[u8]) -> Result<String, CanonError> {
     let map: BTreeMap<String, &serde_json::value::RawValue> =
         serde_json::from_slice(body).map_err(|e| CanonError::InvalidBody(e.to_string()))?;
-    let fields = match api {
-        ApiKind::Chat => CHAT_PROMPT_FIELDS,
-        ApiKind::Completion => COMPLETION_PROMPT_FIELDS,
-    };
+    let fields = api.prompt_fields();
     let mut out = String::with_capacity(body.len() + 2);
     out.push('{');
     for field in fields {
@@ -849,7 +833,23 @@ mod tests {
     const CHAT: &str = "/v1/chat/completions";
 
     fn machine() -> RequestMachine {
-        RequestMachine::new(Rc::new(FilterConfig::default()))
+        machine_with(|_| {})
+    }
+
+    /// A machine on the default configuration as `edit` changes it.
+    fn machine_with(edit: impl FnOnce(&mut FilterConfig)) -> RequestMachine {
+        let mut config = FilterConfig::default();
+        edit(&mut config);
+        RequestMachine::new(Rc::new(config))
+    }
+
+    /// A machine whose chat route is precise (it sends prompt fields).
+    fn precise_machine() -> RequestMachine {
+        let config = FilterConfig::from_json(
+            br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
+        )
+        .unwrap();
+        RequestMachine::new(Rc::new(config))
     }
 
     fn headers<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Iterator<Item = (&'a str, &'a [u8])> {
@@ -1070,11 +1070,7 @@ mod tests {
         assert!(req.block_hashes.iter().all(|h| !plain.contains(h)));
         assert_eq!(req.cache_salt, None, "approximate routes send hashes only");
 
-        let config = FilterConfig::from_json(
-            br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
-        )
-        .unwrap();
-        let req = to_dispatch(&mut RequestMachine::new(Rc::new(config)), &[], &body);
+        let req = to_dispatch(&mut precise_machine(), &[], &body);
         assert_eq!(req.cache_salt.as_deref(), Some("tenant-a"));
         let text: serde_json::Value = serde_json::from_str(&req.prompt_text.unwrap()).unwrap();
         assert!(
@@ -1096,11 +1092,7 @@ mod tests {
 
     #[test]
     fn precise_routes_send_prompt_fields_approximate_ones_never() {
-        let config = FilterConfig::from_json(
-            br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
-        )
-        .unwrap();
-        let mut m = RequestMachine::new(Rc::new(config));
+        let mut m = precise_machine();
         let body = br#"{"model":"m","temperature":0.5,"messages":[{"role":"user","content":"hi \u00e9"}],
             "tools":[{"type":"function"}],"chat_template_kwargs":{"enable_thinking":false},"max_tokens":3}"#;
         let req = to_dispatch(&mut m, &[], body);
@@ -1128,11 +1120,7 @@ mod tests {
 
     #[test]
     fn the_session_header_is_configurable() {
-        let config = FilterConfig {
-            session_header: "x-conversation".into(),
-            ..FilterConfig::default()
-        };
-        let mut m = RequestMachine::new(Rc::new(config));
+        let mut m = machine_with(|c| c.session_header = "x-conversation".into());
         let req = to_dispatch(
             &mut m,
             &[("x-session-id", "ignored"), ("x-conversation", "c-9")],
@@ -1256,11 +1244,7 @@ mod tests {
 
     #[test]
     fn body_limit_while_buffering() {
-        let config = FilterConfig {
-            max_body_bytes: 100,
-            ..FilterConfig::default()
-        };
-        let mut m = RequestMachine::new(Rc::new(config));
+        let mut m = machine_with(|c| c.max_body_bytes = 100);
         assert_eq!(
             m.on_request_headers(headers(&post(CHAT)), false).action,
             Action::Pause
@@ -1283,11 +1267,7 @@ mod tests {
 
     #[test]
     fn trailers_end_the_body() {
-        let config = FilterConfig {
-            max_body_bytes: 1000,
-            ..FilterConfig::default()
-        };
-        let mut m = RequestMachine::new(Rc::new(config));
+        let mut m = machine_with(|c| c.max_body_bytes = 1000);
         m.on_request_headers(headers(&post(CHAT)), false);
         assert_eq!(
             m.on_request_body(10, false),
@@ -1299,10 +1279,7 @@ mod tests {
             Action::Pause
         );
 
-        let mut m = RequestMachine::new(Rc::new(FilterConfig {
-            max_body_bytes: 10,
-            ..FilterConfig::default()
-        }));
+        let mut m = machine_with(|c| c.max_body_bytes = 10);
         m.on_request_headers(headers(&post(CHAT)), false);
         m.on_request_trailers();
         assert_eq!(
@@ -1730,31 +1707,26 @@ mod tests {
 
     #[test]
     fn a_prefiller_is_passed_on_when_well_formed() {
-        let mut m = machine();
-        to_dispatch(&mut m, &[], &chat_body("hi"));
-        let body = serde_json::to_vec(&RouteResponse {
-            decision_id: 1,
-            endpoints: vec!["10.0.0.1:8000".into()],
-            prefiller: Some("10.0.0.9:8000".into()),
-            ..RouteResponse::default()
-        })
-        .unwrap();
-        let step = m.on_route_response(Some(200), &body, 101);
-        assert!(step.effects.contains(&Effect::SetRequestHeader {
-            name: PREFILLER_HEADER.into(),
-            value: "10.0.0.9:8000".into()
-        }));
-        let mut m = machine();
-        to_dispatch(&mut m, &[], &chat_body("hi"));
-        let body = serde_json::to_vec(&RouteResponse {
-            decision_id: 1,
-            endpoints: vec!["10.0.0.1:8000".into()],
-            prefiller: Some("bad,value".into()),
-            ..RouteResponse::default()
-        })
-        .unwrap();
-        let step = m.on_route_response(Some(200), &body, 101);
-        assert!(!step.effects.iter().any(
+        // The effects of a route answer that names `prefiller`.
+        let answered = |prefiller: &str| {
+            let mut m = machine();
+            to_dispatch(&mut m, &[], &chat_body("hi"));
+            let body = serde_json::to_vec(&RouteResponse {
+                decision_id: 1,
+                endpoints: vec!["10.0.0.1:8000".into()],
+                prefiller: Some(prefiller.into()),
+                ..RouteResponse::default()
+            })
+            .unwrap();
+            m.on_route_response(Some(200), &body, 101).effects
+        };
+        assert!(
+            answered("10.0.0.9:8000").contains(&Effect::SetRequestHeader {
+                name: PREFILLER_HEADER.into(),
+                value: "10.0.0.9:8000".into()
+            })
+        );
+        assert!(!answered("bad,value").iter().any(
             |e| matches!(e, Effect::SetRequestHeader { name, .. } if name == PREFILLER_HEADER)
         ));
     }

@@ -162,20 +162,12 @@ fn parse_value(rest: &[u8]) -> Parse {
 /// Length of the JSON object starting at `bytes[0] == b'{'`, or `None` if it is not closed yet.
 fn object_end(bytes: &[u8]) -> Option<usize> {
     let mut depth = 0usize;
-    let mut in_string = false;
-    let mut escaped = false;
+    let mut quotes = scorer_core::quotes::QuoteState::default();
     for (i, &b) in bytes.iter().enumerate() {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
+        if !quotes.outside(b) {
             continue;
         }
         match b {
-            b'"' => in_string = true,
             b'{' | b'[' => depth += 1,
             b'}' | b']' => {
                 depth = depth.saturating_sub(1);

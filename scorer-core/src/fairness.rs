@@ -679,17 +679,11 @@ impl Admission {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::tenant_request as request;
 
-    fn request(tenant: &str, criticality: &str, prompt_tokens: u32) -> RouteRequest {
-        RouteRequest {
-            model: "m".into(),
-            prompt_bytes: u64::from(prompt_tokens) * 4,
-            prompt_tokens,
-            max_output_tokens: Some(10),
-            tenant: Some(tenant.into()),
-            criticality: Some(criticality.into()),
-            ..RouteRequest::default()
-        }
+    /// Whether `a` lets `r` through at `saturation` (its verdict sheds nothing).
+    fn admits(a: &mut Admission, r: RouteRequest, saturation: f64, now_ms: u64) -> bool {
+        a.decide(&r, saturation, now_ms).shed.is_none()
     }
 
     fn load(waiting: f64, kv: f64) -> ReplicaLoad {
@@ -722,18 +716,16 @@ mod tests {
 
     #[test]
     fn criticality_names_priorities_and_objectives() {
-        assert_eq!(
-            Criticality::parse("Sheddable"),
-            Some(Criticality::Sheddable)
-        );
-        assert_eq!(
-            Criticality::parse(" CRITICAL "),
-            Some(Criticality::Critical)
-        );
-        assert_eq!(Criticality::parse("-1"), Some(Criticality::Sheddable));
-        assert_eq!(Criticality::parse("0"), Some(Criticality::Standard));
-        assert_eq!(Criticality::parse("10"), Some(Criticality::Critical));
-        assert_eq!(Criticality::parse("batch"), None);
+        for (name, criticality) in [
+            ("Sheddable", Some(Criticality::Sheddable)),
+            (" CRITICAL ", Some(Criticality::Critical)),
+            ("-1", Some(Criticality::Sheddable)),
+            ("0", Some(Criticality::Standard)),
+            ("10", Some(Criticality::Critical)),
+            ("batch", None),
+        ] {
+            assert_eq!(Criticality::parse(name), criticality, "{name:?}");
+        }
         let mut config = AdmissionConfig::default();
         config
             .objectives
@@ -791,16 +783,8 @@ mod tests {
             critical_at: Some(4.0),
             ..AdmissionConfig::default()
         });
-        assert!(
-            hard.decide(&request("t", "critical", 10), 3.9, 0)
-                .shed
-                .is_none()
-        );
-        assert!(
-            hard.decide(&request("t", "critical", 10), 4.0, 0)
-                .shed
-                .is_some()
-        );
+        assert!(admits(&mut hard, request("t", "critical", 10), 3.9, 0));
+        assert!(!admits(&mut hard, request("t", "critical", 10), 4.0, 0));
     }
 
     #[test]
@@ -822,32 +806,16 @@ mod tests {
             (413, "request_too_large")
         );
         assert!(r.message.contains("104 bytes") && r.message.contains("small"));
-        assert!(
-            a.decide(&request("small", "critical", 25), 0.0, 0)
-                .shed
-                .is_none()
-        );
-        assert!(
-            a.decide(&request("big", "standard", 10_000), 0.0, 0)
-                .shed
-                .is_none()
-        );
+        assert!(admits(&mut a, request("small", "critical", 25), 0.0, 0));
+        assert!(admits(&mut a, request("big", "standard", 10_000), 0.0, 0));
     }
 
     #[test]
     fn a_flooding_tenant_is_shed_before_an_interactive_one() {
         let mut a = Admission::new(AdmissionConfig::default());
         for i in 0..50 {
-            assert!(
-                a.decide(&request("batch", "standard", 4000), 0.5, i)
-                    .shed
-                    .is_none()
-            );
-            assert!(
-                a.decide(&request("chat", "standard", 100), 0.5, i)
-                    .shed
-                    .is_none()
-            );
+            assert!(admits(&mut a, request("batch", "standard", 4000), 0.5, i));
+            assert!(admits(&mut a, request("chat", "standard", 100), 0.5, i));
         }
         // Saturated: the flood is over its share, the interactive tenant far below it.
         let flood = a.decide(&request("batch", "standard", 4000), 1.2, 60);
@@ -857,11 +825,7 @@ mod tests {
         assert_eq!(chat.shed, None);
         assert!(chat.share_ratio < 0.2, "{}", chat.share_ratio);
         // Not saturated: work-conserving, the flood is admitted.
-        assert!(
-            a.decide(&request("batch", "standard", 4000), 0.9, 61)
-                .shed
-                .is_none()
-        );
+        assert!(admits(&mut a, request("batch", "standard", 4000), 0.9, 61));
     }
 
     #[test]
@@ -884,11 +848,7 @@ mod tests {
             a.decide(&request("gold", "standard", 1000), 0.0, 20 + i);
         }
         assert!(a.share_ratio("gold", 80) < 1.0);
-        assert!(
-            a.decide(&request("gold", "standard", 1000), 1.5, 81)
-                .shed
-                .is_none()
-        );
+        assert!(admits(&mut a, request("gold", "standard", 1000), 1.5, 81));
     }
 
     #[test]
@@ -1088,42 +1048,23 @@ mod tests {
     #[test]
     fn validation_catches_unusable_settings() {
         assert!(AdmissionConfig::default().validate().is_ok());
-        let bad = [
-            AdmissionConfig {
-                queue_limit: 0.0,
-                ..AdmissionConfig::default()
+        // Each spoils one setting of an otherwise valid configuration.
+        let bad: [fn(&mut AdmissionConfig); 8] = [
+            |c| c.queue_limit = 0.0,
+            |c| c.standard_at = 0.5,
+            |c| c.critical_at = Some(1.5),
+            |c| c.fair_share_slack = 0.9,
+            |c| c.max_ttft_inflation = Some(0.5),
+            |c| c.max_ttft_inflation = Some(f64::NAN),
+            |c| {
+                c.max_ttft_inflation = Some(3.0);
+                c.fairness = false;
             },
-            AdmissionConfig {
-                standard_at: 0.5,
-                ..AdmissionConfig::default()
-            },
-            AdmissionConfig {
-                critical_at: Some(1.5),
-                ..AdmissionConfig::default()
-            },
-            AdmissionConfig {
-                fair_share_slack: 0.9,
-                ..AdmissionConfig::default()
-            },
-            AdmissionConfig {
-                max_ttft_inflation: Some(0.5),
-                ..AdmissionConfig::default()
-            },
-            AdmissionConfig {
-                max_ttft_inflation: Some(f64::NAN),
-                ..AdmissionConfig::default()
-            },
-            AdmissionConfig {
-                max_ttft_inflation: Some(3.0),
-                fairness: false,
-                ..AdmissionConfig::default()
-            },
-            AdmissionConfig {
-                ttft_reference_tokens: 0,
-                ..AdmissionConfig::default()
-            },
+            |c| c.ttft_reference_tokens = 0,
         ];
-        for c in bad {
+        for spoil in bad {
+            let mut c = AdmissionConfig::default();
+            spoil(&mut c);
             assert!(c.validate().is_err(), "{c:?}");
         }
         let mut c = AdmissionConfig::default();

@@ -17,6 +17,53 @@ const WORDS: usize = MAX_ENDPOINTS / 64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EndpointId(pub u16);
 
+/// One optional value per endpoint slot (LoRA state, served models, ...): the router's
+/// per-endpoint tables share this "set, forget, look up by [`EndpointId`]" vector so that
+/// none of them grows or indexes it its own way.
+#[derive(Debug, Clone)]
+pub struct EndpointSlots<T> {
+    slots: Vec<Option<T>>,
+}
+
+impl<T> Default for EndpointSlots<T> {
+    fn default() -> Self {
+        Self { slots: Vec::new() }
+    }
+}
+
+impl<T> EndpointSlots<T> {
+    /// Replaces `id`'s value, growing the table as needed.
+    pub fn set(&mut self, id: EndpointId, value: T) {
+        let i = usize::from(id.0);
+        if self.slots.len() <= i {
+            self.slots.resize_with(i + 1, || None);
+        }
+        self.slots[i] = Some(value);
+    }
+
+    /// Forgets `id`'s value.
+    pub fn clear(&mut self, id: EndpointId) {
+        if let Some(s) = self.slots.get_mut(usize::from(id.0)) {
+            *s = None;
+        }
+    }
+
+    /// `id`'s value, when known.
+    pub fn get(&self, id: EndpointId) -> Option<&T> {
+        self.slot(usize::from(id.0))
+    }
+
+    /// The value of slot `i`, when known.
+    pub fn slot(&self, i: usize) -> Option<&T> {
+        self.slots.get(i)?.as_ref()
+    }
+
+    /// Every known value, in slot order.
+    pub fn known(&self) -> impl Iterator<Item = &T> {
+        self.slots.iter().flatten()
+    }
+}
+
 /// A set of endpoints as a fixed-width bitset: 32 bytes, no allocation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EndpointSet([u64; WORDS]);

@@ -13,7 +13,8 @@
 //! - [`fairness`] admits or sheds requests by criticality, tenant limits and fair share;
 //! - [`protocol`] is the JSON the filter and the control plane exchange;
 //! - [`sync`] replicates the routing state: the control plane's log of decisions and outcomes,
-//!   and a proxy's local copy that decides without a call.
+//!   and a proxy's local copy that decides without a call;
+//! - [`quotes`] skips double-quoted strings in byte scans (the filter's and `/metrics`' parsers).
 //!
 //! Invariant: nothing here reads a clock, draws ambient randomness, spawns a thread or does
 //! I/O. Time (`now_ms`) and seeds are arguments, so fleet-sim can replay it in virtual time.
@@ -31,6 +32,9 @@ pub mod lora;
 pub mod pools;
 pub mod precise;
 pub mod protocol;
+pub mod quotes;
 pub mod router;
 pub mod sync;
+#[cfg(any(test, feature = "test-util"))]
+pub mod test_util;
 pub mod token_ratio;

@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::index::EndpointId;
+use crate::index::{EndpointId, EndpointSlots};
 
 /// The `router.lora` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -62,34 +62,28 @@ impl LoraState {
 /// Per-replica LoRA state.
 #[derive(Debug, Clone, Default)]
 pub struct LoraTable {
-    states: Vec<Option<LoraState>>,
+    states: EndpointSlots<LoraState>,
 }
 
 impl LoraTable {
     /// Replaces `id`'s state with a fresh sample.
     pub fn set(&mut self, id: EndpointId, state: LoraState) {
-        let i = usize::from(id.0);
-        if self.states.len() <= i {
-            self.states.resize(i + 1, None);
-        }
-        self.states[i] = Some(state);
+        self.states.set(id, state);
     }
 
     /// Forgets `id`'s state.
     pub fn clear(&mut self, id: EndpointId) {
-        if let Some(s) = self.states.get_mut(usize::from(id.0)) {
-            *s = None;
-        }
+        self.states.clear(id);
     }
 
     /// `id`'s state, when known.
     pub fn get(&self, id: EndpointId) -> Option<&LoraState> {
-        self.states.get(usize::from(id.0))?.as_ref()
+        self.states.get(id)
     }
 
     /// Whether any replica reports `model` as a running or waiting adapter.
     pub fn mentions(&self, model: &str) -> bool {
-        self.states.iter().flatten().any(|s| s.holds(model))
+        self.states.known().any(|s| s.holds(model))
     }
 
     /// The LoRA cost term of sending a request for `adapter` to `id` (0 for a base model).

@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::affinity::SessionTable;
-use crate::index::EndpointId;
+use crate::index::{EndpointId, EndpointSlots};
 use crate::lora::LoraTable;
 use crate::protocol::{Reject, RejectType};
 
@@ -69,50 +69,39 @@ impl Eligibility {
 #[derive(Debug, Clone, Default)]
 pub struct ModelCatalog {
     /// Indexed by endpoint slot: the models it serves, when known.
-    served: Vec<Option<Vec<ServedModel>>>,
+    served: EndpointSlots<Vec<ServedModel>>,
 }
 
 impl ModelCatalog {
     /// Replaces what `id` serves (an empty list means "known to serve nothing").
     pub fn set(&mut self, id: EndpointId, models: Vec<ServedModel>) {
-        let i = usize::from(id.0);
-        if self.served.len() <= i {
-            self.served.resize(i + 1, None);
-        }
-        self.served[i] = Some(models);
+        self.served.set(id, models);
     }
 
     /// Forgets what `id` serves (the endpoint went away or its slot is reused).
     pub fn clear(&mut self, id: EndpointId) {
-        if let Some(entry) = self.served.get_mut(usize::from(id.0)) {
-            *entry = None;
-        }
+        self.served.clear(id);
     }
 
     /// What `id` serves, when known.
     pub fn models(&self, id: EndpointId) -> Option<&[ServedModel]> {
-        self.served.get(usize::from(id.0))?.as_deref()
+        self.served.get(id).map(Vec::as_slice)
     }
 
     /// Whether no endpoint's catalogue is known.
     pub fn is_empty(&self) -> bool {
-        self.served.iter().all(Option::is_none)
+        self.served.known().next().is_none()
     }
 
     /// Whether some endpoint lists `model`.
     pub fn lists(&self, model: &str) -> bool {
-        self.served
-            .iter()
-            .flatten()
-            .flatten()
-            .any(|m| m.id == model)
+        self.served.known().flatten().any(|m| m.id == model)
     }
 
     /// Whether some endpoint lists `model` as a LoRA adapter (it has a parent).
     pub fn is_adapter(&self, model: &str) -> bool {
         self.served
-            .iter()
-            .flatten()
+            .known()
             .flatten()
             .any(|m| m.id == model && m.parent.is_some())
     }
@@ -132,8 +121,7 @@ impl ModelCatalog {
         }
         let serves = |i: usize| {
             self.served
-                .get(i)
-                .and_then(Option::as_ref)
+                .slot(i)
                 .map(|models| models.iter().any(|m| m.id == model))
         };
         let listed: Vec<bool> = (0..slots).map(|i| serves(i) == Some(true)).collect();

@@ -247,13 +247,38 @@ mod tests {
         }
     }
 
+    /// A tracker with the GPU and offload indexes it writes to.
+    struct Tiers {
+        t: PreciseTracker,
+        gpu: PrefixIndex,
+        off: PrefixIndex,
+    }
+
+    impl Tiers {
+        /// Applies `event` from `id`, whose blocks are model `m`'s.
+        fn apply(
+            &mut self,
+            id: EndpointId,
+            event: &KvEvent,
+            now_ms: u64,
+        ) -> Result<(), ApplyError> {
+            self.t
+                .apply(id, "m", event, &mut self.gpu, &mut self.off, now_ms)
+        }
+
+        /// Applies `event` from `id` at time 0; it must apply.
+        fn apply_ok(&mut self, id: EndpointId, event: &KvEvent) {
+            self.apply(id, event, 0).unwrap();
+        }
+    }
+
     /// A tracker with empty GPU and offload indexes whose entries never expire.
-    fn fresh() -> (PreciseTracker, PrefixIndex, PrefixIndex) {
-        (
-            PreciseTracker::new(),
-            PrefixIndex::new(u64::MAX / 2),
-            PrefixIndex::new(u64::MAX / 2),
-        )
+    fn fresh() -> Tiers {
+        Tiers {
+            t: PreciseTracker::new(),
+            gpu: PrefixIndex::new(u64::MAX / 2),
+            off: PrefixIndex::new(u64::MAX / 2),
+        }
     }
 
     fn depth(index: &PrefixIndex, hashes: &[u64]) -> usize {
@@ -264,170 +289,117 @@ mod tests {
 
     #[test]
     fn chained_stores_match_request_hashes() {
-        let (mut t, mut gpu, mut off) = fresh();
+        let mut f = fresh();
         let id = EndpointId(1);
-        t.apply(
-            id,
-            "m",
-            &stored(&[100, 101], None, 0..8, Medium::Gpu),
-            &mut gpu,
-            &mut off,
-            0,
-        )
-        .unwrap();
-        t.apply(
-            id,
-            "m",
-            &stored(&[102], Some(101), 8..12, Medium::Gpu),
-            &mut gpu,
-            &mut off,
-            0,
-        )
-        .unwrap();
+        f.apply_ok(id, &stored(&[100, 101], None, 0..8, Medium::Gpu));
+        f.apply_ok(id, &stored(&[102], Some(101), 8..12, Medium::Gpu));
         let tokens: Vec<u32> = (0..14).collect();
         let request = token_block_hashes(model_seed("m"), &tokens, 4);
-        assert_eq!(depth(&gpu, &request), 3);
-        t.apply(
+        assert_eq!(depth(&f.gpu, &request), 3);
+        f.apply_ok(
             id,
-            "m",
             &KvEvent::BlockRemoved {
                 block_hashes: vec![101],
                 medium: Medium::Gpu,
             },
-            &mut gpu,
-            &mut off,
-            0,
-        )
-        .unwrap();
-        assert_eq!(depth(&gpu, &request), 1);
-        t.apply(id, "m", &KvEvent::AllBlocksCleared, &mut gpu, &mut off, 0)
-            .unwrap();
-        assert_eq!(depth(&gpu, &request), 0);
-        assert_eq!(t.tracked(id), 0);
+        );
+        assert_eq!(depth(&f.gpu, &request), 1);
+        f.apply_ok(id, &KvEvent::AllBlocksCleared);
+        assert_eq!(depth(&f.gpu, &request), 0);
+        assert_eq!(f.t.tracked(id), 0);
     }
 
     #[test]
     fn removed_blocks_are_named_by_our_hashes_before_the_event_applies() {
-        let (mut t, mut gpu, mut off) = fresh();
+        let mut f = fresh();
         let id = EndpointId(0);
-        t.apply(
-            id,
-            "m",
-            &stored(&[7, 8], None, 0..8, Medium::Gpu),
-            &mut gpu,
-            &mut off,
-            0,
-        )
-        .unwrap();
+        f.apply_ok(id, &stored(&[7, 8], None, 0..8, Medium::Gpu));
         let ours = token_block_hashes(model_seed("m"), &(0..8).collect::<Vec<u32>>(), 4);
         let gone = |medium| KvEvent::BlockRemoved {
             block_hashes: vec![8, 99],
             medium,
         };
-        assert_eq!(t.removed_from_gpu(id, &gone(Medium::Gpu)), vec![ours[1]]);
-        assert!(t.removed_from_gpu(id, &gone(Medium::Cpu)).is_empty());
+        assert_eq!(f.t.removed_from_gpu(id, &gone(Medium::Gpu)), vec![ours[1]]);
+        assert!(f.t.removed_from_gpu(id, &gone(Medium::Cpu)).is_empty());
         assert!(
-            t.removed_from_gpu(EndpointId(3), &gone(Medium::Gpu))
+            f.t.removed_from_gpu(EndpointId(3), &gone(Medium::Gpu))
                 .is_empty()
         );
         assert!(
-            t.removed_from_gpu(id, &KvEvent::AllBlocksCleared)
+            f.t.removed_from_gpu(id, &KvEvent::AllBlocksCleared)
                 .is_empty()
         );
     }
 
     #[test]
     fn a_block_in_gpu_and_cpu_leaves_each_index_with_its_own_removal() {
-        let (mut t, mut gpu, mut off) = fresh();
+        let mut f = fresh();
         let id = EndpointId(0);
         let request = token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4);
         // Written through: stored on the GPU, then in the CPU tier, under one engine hash.
-        let write_through = |t: &mut PreciseTracker, gpu: &mut _, off: &mut _, now_ms| {
+        let write_through = |f: &mut Tiers, now_ms| {
             for medium in [Medium::Gpu, Medium::Cpu] {
-                t.apply(id, "m", &stored(&[1], None, 0..4, medium), gpu, off, now_ms)
+                f.apply(id, &stored(&[1], None, 0..4, medium), now_ms)
                     .unwrap();
             }
         };
-        write_through(&mut t, &mut gpu, &mut off, 0);
+        write_through(&mut f, 0);
         let removed = |medium| KvEvent::BlockRemoved {
             block_hashes: vec![1],
             medium,
         };
         // The CPU tier drops it first: the GPU copy stays known, and its removal still lands.
-        t.apply(id, "m", &removed(Medium::Cpu), &mut gpu, &mut off, 1)
-            .unwrap();
-        assert_eq!((depth(&gpu, &request), depth(&off, &request)), (1, 0));
-        assert_eq!(t.removed_from_gpu(id, &removed(Medium::Gpu)).len(), 1);
-        t.apply(id, "m", &removed(Medium::Gpu), &mut gpu, &mut off, 2)
-            .unwrap();
-        assert_eq!((depth(&gpu, &request), depth(&off, &request)), (0, 0));
-        assert_eq!(t.tracked(id), 0);
+        f.apply(id, &removed(Medium::Cpu), 1).unwrap();
+        assert_eq!((depth(&f.gpu, &request), depth(&f.off, &request)), (1, 0));
+        assert_eq!(f.t.removed_from_gpu(id, &removed(Medium::Gpu)).len(), 1);
+        f.apply(id, &removed(Medium::Gpu), 2).unwrap();
+        assert_eq!((depth(&f.gpu, &request), depth(&f.off, &request)), (0, 0));
+        assert_eq!(f.t.tracked(id), 0);
         // The other order: GPU eviction keeps the CPU copy.
-        write_through(&mut t, &mut gpu, &mut off, 3);
-        t.apply(id, "m", &removed(Medium::Gpu), &mut gpu, &mut off, 4)
-            .unwrap();
-        assert_eq!((depth(&gpu, &request), depth(&off, &request)), (0, 1));
-        assert!(t.removed_from_gpu(id, &removed(Medium::Gpu)).is_empty());
-        assert_eq!(t.tracked(id), 1);
+        write_through(&mut f, 3);
+        f.apply(id, &removed(Medium::Gpu), 4).unwrap();
+        assert_eq!((depth(&f.gpu, &request), depth(&f.off, &request)), (0, 1));
+        assert!(f.t.removed_from_gpu(id, &removed(Medium::Gpu)).is_empty());
+        assert_eq!(f.t.tracked(id), 1);
     }
 
     #[test]
     fn offload_tier_goes_to_its_own_index() {
-        let (mut t, mut gpu, mut off) = fresh();
-        t.apply(
-            EndpointId(0),
-            "m",
-            &stored(&[1], None, 0..4, Medium::Cpu),
-            &mut gpu,
-            &mut off,
-            0,
-        )
-        .unwrap();
+        let mut f = fresh();
+        f.apply_ok(EndpointId(0), &stored(&[1], None, 0..4, Medium::Cpu));
         let request = token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4);
-        assert_eq!(depth(&gpu, &request), 0);
-        assert_eq!(depth(&off, &request), 1);
+        assert_eq!(depth(&f.gpu, &request), 0);
+        assert_eq!(depth(&f.off, &request), 1);
     }
 
     #[test]
     fn missed_parent_and_bad_counts_are_errors() {
-        let (mut t, mut gpu, mut off) = fresh();
-        let e = t.apply(
-            EndpointId(0),
-            "m",
-            &stored(&[5], Some(4), 0..4, Medium::Gpu),
-            &mut gpu,
-            &mut off,
-            0,
-        );
+        let mut f = fresh();
+        let e = f.apply(EndpointId(0), &stored(&[5], Some(4), 0..4, Medium::Gpu), 0);
         assert_eq!(e, Err(ApplyError::UnknownParent(4)));
-        let e = t.apply(
-            EndpointId(0),
-            "m",
-            &stored(&[5], None, 0..3, Medium::Gpu),
-            &mut gpu,
-            &mut off,
-            0,
-        );
+        let e = f.apply(EndpointId(0), &stored(&[5], None, 0..3, Medium::Gpu), 0);
         assert!(matches!(e, Err(ApplyError::TokenCountMismatch { .. })));
-        assert_eq!(gpu.distinct_blocks(), 0);
+        assert_eq!(f.gpu.distinct_blocks(), 0);
     }
 
     #[test]
     fn lora_blocks_use_the_adapter_seed() {
-        let (mut t, mut gpu, mut off) = fresh();
+        let mut f = fresh();
         let mut e = stored(&[1], None, 0..4, Medium::Gpu);
         if let KvEvent::BlockStored { lora_name, .. } = &mut e {
             *lora_name = Some("sql".into());
         }
-        t.apply(EndpointId(0), "m", &e, &mut gpu, &mut off, 0)
-            .unwrap();
+        f.apply_ok(EndpointId(0), &e);
         assert_eq!(
-            depth(&gpu, &token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4)),
+            depth(
+                &f.gpu,
+                &token_block_hashes(model_seed("m"), &[0, 1, 2, 3], 4)
+            ),
             0
         );
         assert_eq!(
             depth(
-                &gpu,
+                &f.gpu,
                 &token_block_hashes(model_seed("sql"), &[0, 1, 2, 3], 4)
             ),
             1
@@ -436,7 +408,7 @@ mod tests {
 
     #[test]
     fn a_salted_run_is_seeded_with_its_salt_and_children_inherit_it() {
-        let (mut t, mut gpu, mut off) = fresh();
+        let mut f = fresh();
         let salted = |mut e: KvEvent, salt: &str| {
             if let KvEvent::BlockStored { cache_salt, .. } = &mut e {
                 *cache_salt = Some(salt.into());
@@ -444,42 +416,26 @@ mod tests {
             e
         };
         let id = EndpointId(0);
-        t.apply(
-            id,
-            "m",
-            &salted(stored(&[1], None, 0..4, Medium::Gpu), "a"),
-            &mut gpu,
-            &mut off,
-            0,
-        )
-        .unwrap();
+        f.apply_ok(id, &salted(stored(&[1], None, 0..4, Medium::Gpu), "a"));
         // The child run names a (different) salt: it is ignored, the parent's chain holds.
-        t.apply(
-            id,
-            "m",
-            &salted(stored(&[2], Some(1), 4..8, Medium::Gpu), "zz"),
-            &mut gpu,
-            &mut off,
-            0,
-        )
-        .unwrap();
+        f.apply_ok(id, &salted(stored(&[2], Some(1), 4..8, Medium::Gpu), "zz"));
         let tokens: Vec<u32> = (0..8).collect();
         let request = |salt| token_block_hashes(request_seed("m", salt), &tokens, 4);
-        assert_eq!(depth(&gpu, &request(Some("a"))), 2);
+        assert_eq!(depth(&f.gpu, &request(Some("a"))), 2);
         assert_eq!(
-            depth(&gpu, &request(None)),
+            depth(&f.gpu, &request(None)),
             0,
             "unsalted requests do not hit"
         );
-        assert_eq!(depth(&gpu, &request(Some("b"))), 0, "nor do other salts");
+        assert_eq!(depth(&f.gpu, &request(Some("b"))), 0, "nor do other salts");
 
         // A LoRA's salted run: seeded with the adapter name and the salt.
         let mut e = salted(stored(&[3], None, 0..4, Medium::Gpu), "a");
         if let KvEvent::BlockStored { lora_name, .. } = &mut e {
             *lora_name = Some("sql".into());
         }
-        t.apply(id, "m", &e, &mut gpu, &mut off, 0).unwrap();
+        f.apply_ok(id, &e);
         let lora = token_block_hashes(request_seed("sql", Some("a")), &[0, 1, 2, 3], 4);
-        assert_eq!(depth(&gpu, &lora), 1);
+        assert_eq!(depth(&f.gpu, &lora), 1);
     }
 }

@@ -26,6 +26,27 @@ pub enum ApiKind {
     Completion,
 }
 
+impl ApiKind {
+    /// The body fields that decide the engine's prompt tokens (template input and options):
+    /// the filter forwards exactly these as `prompt_text` and the control plane's remote
+    /// tokeniser sends exactly these to vLLM, so both sides agree on what a prompt is.
+    pub fn prompt_fields(self) -> &'static [&'static str] {
+        match self {
+            ApiKind::Chat => &[
+                "model",
+                "messages",
+                "tools",
+                "add_generation_prompt",
+                "continue_final_message",
+                "chat_template",
+                "chat_template_kwargs",
+                "documents",
+            ],
+            ApiKind::Completion => &["model", "prompt"],
+        }
+    }
+}
+
 /// "Where should this request go?": what the filter asks the control plane.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {

@@ -243,11 +243,7 @@ mod tests {
             vec!["127.0.0.1:8001", "127.0.0.1:8002"]
         );
         let full = &set["127.0.0.1:8002"];
-        assert_eq!(full.kv_events.as_deref(), Some("tcp://127.0.0.1:5557"));
-        assert_eq!(
-            full.kv_events_replay.as_deref(),
-            Some("tcp://127.0.0.1:5558")
-        );
+        crate::discovery::assert_publishes_on(full, "127.0.0.1");
         assert_eq!(full.name.as_deref(), Some("eps.yaml"));
         assert_eq!(set["127.0.0.1:8001"].kv_events, None);
         // JSON is YAML too.

@@ -616,11 +616,7 @@ mod tests {
         let eps = t.endpoints();
         assert_eq!(addresses(&eps), vec!["10.244.1.17:8000", "10.244.2.9:8000"]);
         let e = &eps["10.244.1.17:8000"];
-        assert_eq!(e.kv_events.as_deref(), Some("tcp://10.244.1.17:5557"));
-        assert_eq!(
-            e.kv_events_replay.as_deref(),
-            Some("tcp://10.244.1.17:5558")
-        );
+        crate::discovery::assert_publishes_on(e, "10.244.1.17");
         assert_eq!(e.model.as_deref(), Some("llama3"));
         assert_eq!(e.name.as_deref(), Some("llm/vllm-llama3-0"));
         assert_eq!(t.resource_version(), "4711");

@@ -500,6 +500,18 @@ impl Backoff {
     }
 }
 
+/// Asserts that `e` publishes KV events on `ip`'s ports 5557 (live) and 5558 (replay), as
+/// the discovery tests' fixtures configure every source.
+#[cfg(test)]
+pub(crate) fn assert_publishes_on(e: &DiscoveredEndpoint, ip: &str) {
+    let socket = |port: u16| Some(format!("tcp://{ip}:{port}"));
+    assert_eq!(
+        (e.kv_events.clone(), e.kv_events_replay.clone()),
+        (socket(5557), socket(5558)),
+        "{e:?}"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

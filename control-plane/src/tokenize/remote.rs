@@ -27,18 +27,6 @@ use crate::state::State;
 /// Largest tokenisation answer read (4 MiB of JSON is about a million token ids).
 const MAX_RESPONSE_BYTES: usize = 16 << 20;
 
-/// Fields of a chat request that change how vLLM renders it.
-const CHAT_FIELDS: &[&str] = &[
-    "model",
-    "messages",
-    "tools",
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template",
-    "chat_template_kwargs",
-    "documents",
-];
-
 /// A client of the replicas' tokenisation API.
 #[derive(Debug)]
 pub struct RemoteTokenizer {
@@ -137,20 +125,9 @@ impl RemoteTokenizer {
     /// Path and body of the call for `api`.
     fn request(&self, api: ApiKind, prompt: &Map<String, Value>) -> (&'static str, Value) {
         let mut body = Map::new();
-        match api {
-            ApiKind::Chat => {
-                for f in CHAT_FIELDS {
-                    if let Some(v) = prompt.get(*f) {
-                        body.insert((*f).to_string(), v.clone());
-                    }
-                }
-            }
-            ApiKind::Completion => {
-                for f in ["model", "prompt"] {
-                    if let Some(v) = prompt.get(f) {
-                        body.insert(f.to_string(), v.clone());
-                    }
-                }
+        for f in api.prompt_fields() {
+            if let Some(v) = prompt.get(*f) {
+                body.insert((*f).to_string(), v.clone());
             }
         }
         let path = match (self.api, api) {

@@ -407,19 +407,9 @@ fn parse_line(line: &str, number: usize) -> Result<Option<Sample<'_>>, SyntaxErr
 
 /// Finds the `}` closing a label set, skipping quoted values; `s` starts after the `{`.
 fn label_set_end(s: &str) -> Result<usize, SyntaxError> {
-    let mut in_quotes = false;
-    let mut escaped = false;
+    let mut quotes = scorer_core::quotes::QuoteState::default();
     for (i, c) in s.bytes().enumerate() {
-        if in_quotes {
-            match (escaped, c) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_quotes = false,
-                _ => {}
-            }
-        } else if c == b'"' {
-            in_quotes = true;
-        } else if c == b'}' {
+        if quotes.outside(c) && c == b'}' {
             return Ok(i);
         }
     }

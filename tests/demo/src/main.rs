@@ -232,19 +232,7 @@ async fn run_one(
         .with_context(|| format!("cannot start the {label} fleet"))?;
     eprintln!("[{label}] ready at {} ({})", fleet.url(), fleet.describe());
     let total = workload.total_requests();
-    let tty = std::io::stderr().is_terminal();
-    let label_owned = label.to_string();
-    let progress = move |done: usize, total: usize| {
-        if tty {
-            eprint!("\r[{label_owned}] {done}/{total} requests");
-            if done == total {
-                eprintln!();
-            }
-            let _ = std::io::stderr().flush();
-        } else if done.is_multiple_of(16) || done == total {
-            eprintln!("[{label_owned}] {done}/{total} requests");
-        }
-    };
+    let progress = progress_printer(label);
     eprintln!("[{label}] running {total} requests ...");
     let run = loadgen::run_workload(&fleet.url(), workload, progress).await;
     let (hits, queries) = fleet

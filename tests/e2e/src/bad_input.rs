@@ -214,6 +214,7 @@ async fn start_extra_envoy(fleet: &Fleet, plugin_overrides: &Value) -> Result<Ex
             &tools.wasm,
             &plugin_config_json(plugin_overrides),
             &fleet.replica_addresses(),
+            &[],
         )
         .map_err(|e| e.to_string())?;
         let cfg = fleet.log_dir.join(format!("envoy-extra-{attempt}.yaml"));

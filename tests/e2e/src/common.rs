@@ -117,6 +117,20 @@ pub async fn cp_get(fleet: &Fleet, path: &str) -> String {
         .body
 }
 
+/// The decision id in an `x-kvroute-decision` header value (`id=...; ...`), when it has one.
+pub fn decision_id(header: &str) -> Option<&str> {
+    header.split("; ").find_map(|kv| kv.strip_prefix("id="))
+}
+
+/// The control plane's `/debug/decisions/{id}` record of the decision that routed `resp` (an
+/// explained response: it carries `x-kvroute-decision`).
+pub async fn explained_decision(fleet: &Fleet, resp: &HttpResponse) -> Value {
+    let decision = resp.header("x-kvroute-decision").unwrap_or_default();
+    let id = decision_id(decision).unwrap_or_else(|| panic!("no id in {decision:?}"));
+    let body = cp_get(fleet, &format!("/debug/decisions/{id}")).await;
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("decision {id}: {e}: {body}"))
+}
+
 /// The control plane's `/metrics` text; a control plane that does not answer 200 fails the
 /// test.
 pub async fn cp_metrics(fleet: &Fleet) -> String {
@@ -147,6 +161,22 @@ pub fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
         fleet.describe()
     );
     replica
+}
+
+/// Asserts that `out` was served by `expected` from at least 1,000 cached prompt tokens: a
+/// turn that followed its conversation's blocks. `what` names the expectation on failure.
+pub fn assert_followed_cache(out: &StreamOutcome, fleet: &Fleet, expected: &str, what: &str) {
+    assert_eq!(
+        replica_of(out, fleet),
+        expected,
+        "{what} ({})",
+        fleet.describe()
+    );
+    assert!(
+        out.cached_tokens.unwrap_or(0) >= 1_000,
+        "{what}: {:?} cached tokens reused",
+        out.cached_tokens
+    );
 }
 
 /// The replica that served a complete answer, from its `x-vllm-sim-replica` header.

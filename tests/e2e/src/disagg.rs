@@ -28,11 +28,10 @@ fn chat(text: &str) -> Value {
 async fn send(fleet: &Fleet, body: &Value) -> (String, Option<String>) {
     let resp = fleet.chat_explained(body, REQUEST_TIMEOUT).await;
     let replica = common::replica_header(&resp);
-    let id = resp.header(DECISION).and_then(|d| {
-        d.split("; ")
-            .find_map(|kv| kv.strip_prefix("id="))
-            .map(str::to_string)
-    });
+    let id = resp
+        .header(DECISION)
+        .and_then(common::decision_id)
+        .map(str::to_string);
     (replica, id)
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_harness::{
     self as harness, eds_file_json, envoy_base_id, locate_envoy, locate_wasm, plugin_config_json,
-    render_envoy_config_with, write_atomically,
+    render_envoy_config, write_atomically,
 };
 
 /// The Envoy bootstrap files in `envoy-config/` (templates included).
@@ -46,7 +46,7 @@ fn every_shipped_envoy_config_validates() {
     ];
     let mut failures = Vec::new();
     for config in &configs {
-        let rendered = render_envoy_config_with(
+        let rendered = render_envoy_config(
             config, 19_000, 19_001, 19_002, &wasm, &plugin, &replicas, &eds_vars,
         )
         .unwrap_or_else(|e| panic!("{e}"));

@@ -20,8 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use kvroute_harness::{
     ENVOY_KVROUTE_TEMPLATE, HttpClient, ManagedProcess, Tools, control_plane_yaml, envoy_base_id,
     free_port, log_tail, plugin_config_json, prometheus_sum, render_envoy_config, target_dir,
@@ -356,6 +355,7 @@ impl Topo {
                 &tools.wasm,
                 &plugin_config_json(&json!({"route_timeout_ms": ROUTE_TIMEOUT_MS})),
                 &addresses,
+                &[],
             )
             .unwrap_or_else(|e| panic!("{e}"));
             let cfg = log_dir.join("envoy.yaml");
@@ -618,11 +618,8 @@ async fn chat(
     let started = Instant::now();
     let stream = body["stream"].as_bool().unwrap_or(false);
     let fut = async {
-        let req = hyper::Request::builder()
-            .method("POST")
-            .uri(format!("{base}/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
+        let url = format!("{base}/v1/chat/completions");
+        let req = kvroute_harness::build_request("POST", &url, &[], Some(body.to_string()))
             .map_err(|e| e.to_string())?;
         let resp = client
             .hyper()

@@ -137,17 +137,7 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
             &[("x-kvroute-explain", "1")],
         )
         .await;
-        let decision = again
-            .header("x-kvroute-decision")
-            .unwrap_or_default()
-            .to_string();
-        let id = decision
-            .split("; ")
-            .find_map(|kv| kv.strip_prefix("id="))
-            .unwrap_or_else(|| panic!("no id in {decision:?}"));
-        let url = format!("{}/debug/decisions/{id}", common::cp_admin(&fleet));
-        let d: Value =
-            serde_json::from_str(&client.get(&url, REQUEST_TIMEOUT).await.unwrap().body).unwrap();
+        let d = common::explained_decision(&fleet, &again).await;
         let candidate = |address: &str| -> Value {
             d["candidates"]
                 .as_array()

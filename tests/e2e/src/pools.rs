@@ -41,10 +41,6 @@ async fn start(tools: &Tools, name: &str) -> Fleet {
     common::start_fleet(cfg, tools).await
 }
 
-fn admin_url(fleet: &Fleet) -> String {
-    common::cp_admin(fleet)
-}
-
 /// Waits until the control plane knows every replica's models (pool B lists 3).
 async fn wait_for_catalogues(fleet: &Fleet) {
     let addresses: Vec<String> = fleet.replicas.iter().map(|r| r.address.clone()).collect();
@@ -252,14 +248,7 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
             &[("x-kvroute-explain", "1")],
         )
         .await;
-        let decision = resp.header("x-kvroute-decision").unwrap_or_default();
-        let id = decision
-            .split("; ")
-            .find_map(|kv| kv.strip_prefix("id="))
-            .unwrap_or_else(|| panic!("no id in {decision:?}"));
-        let url = format!("{}/debug/decisions/{id}", admin_url(&fleet));
-        let d: Value =
-            serde_json::from_str(&client.get(&url, REQUEST_TIMEOUT).await.unwrap().body).unwrap();
+        let d = common::explained_decision(&fleet, &resp).await;
         let candidates = d["candidates"].as_array().unwrap();
         assert_eq!(candidates.len(), 2, "only pool B: {d:#}");
         for c in candidates {
@@ -374,14 +363,7 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
         .await;
         assert_eq!(resp.status, 200, "{}", resp.body);
         assert_eq!(resp.header(REPLICA_HEADER), Some(other.as_str()));
-        let decision = resp.header("x-kvroute-decision").unwrap_or_default();
-        let id = decision
-            .split("; ")
-            .find_map(|kv| kv.strip_prefix("id="))
-            .unwrap_or_else(|| panic!("no id in {decision:?}"));
-        let url_d = format!("{}/debug/decisions/{id}", admin_url(&fleet));
-        let d: Value =
-            serde_json::from_str(&client.get(&url_d, REQUEST_TIMEOUT).await.unwrap().body).unwrap();
+        let d = common::explained_decision(&fleet, &resp).await;
         let lora_ms = |address: &str| {
             d["candidates"]
                 .as_array()

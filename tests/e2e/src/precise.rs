@@ -147,11 +147,11 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
         .await;
         let body = conv.ask(8);
         let out = conv.send(&client, &fleet, &fleet.url(), &body, &[]).await;
-        assert_eq!(replica_of(&out, &fleet), first, "{}", fleet.describe());
-        assert!(
-            out.cached_tokens.unwrap_or(0) >= 1_000,
-            "turn 2 reused {:?} cached tokens",
-            out.cached_tokens
+        common::assert_followed_cache(
+            &out,
+            &fleet,
+            &first,
+            "turn 2 did not follow turn 1's blocks",
         );
 
         // A second conversation: its replica evicts everything, another replica caches turn
@@ -194,16 +194,11 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
         tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
         let body = conv.ask(8);
         let out = conv.send(&client, &fleet, &fleet.url(), &body, &[]).await;
-        assert_eq!(
-            replica_of(&out, &fleet),
-            other,
-            "turn 2 did not follow the cache to {other} ({})",
-            fleet.describe()
-        );
-        assert!(
-            out.cached_tokens.unwrap_or(0) >= 1_000,
-            "turn 2 reused {:?} cached tokens on {other}",
-            out.cached_tokens
+        common::assert_followed_cache(
+            &out,
+            &fleet,
+            &other,
+            &format!("turn 2 did not follow the cache to {other}"),
         );
         let m = cp_metrics(&fleet).await;
         assert!(
@@ -322,20 +317,15 @@ async fn predicted_cached_tokens_match_under_eviction() {
 /// A small byte-level BPE model directory with a ChatML template behind a BOS token, as a
 /// Hugging Face model ships it.
 fn model_dir(name: &str) -> PathBuf {
-    use vllm_sim::tokenizer::{CHATML_JINJA, SPECIAL_TOKENS, train_byte_level_bpe};
+    use vllm_sim::tokenizer::write_chatml_model_dir;
     let corpus = [
         "You are a terse assistant. Conversation about caches and routers.",
         "the of and to in is was that for on with as by at from it an be this are",
         "which or have not has but were had their one all been can more its new other",
         "data model cache token request server route fleet block prefix latency batch queue",
     ];
-    let json = train_byte_level_bpe(&corpus, 500, &SPECIAL_TOKENS).unwrap();
     let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("tokenizer.json"), json).unwrap();
-    let config = json!({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
-                        "chat_template": format!("{{{{ bos_token }}}}{CHATML_JINJA}")});
-    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    write_chatml_model_dir(&dir, &corpus, 500).unwrap();
     dir
 }
 

@@ -72,11 +72,7 @@ async fn predictions_are_explained_and_converge_on_measured_ttft() {
             let decision = resp
                 .header(DECISION)
                 .unwrap_or_else(|| panic!("no {DECISION} in {:?}", resp.headers));
-            let Some(id) = decision
-                .split("; ")
-                .find_map(|kv| kv.strip_prefix("id="))
-                .map(str::to_string)
-            else {
+            let Some(id) = common::decision_id(decision).map(str::to_string) else {
                 // The route call missed its deadline on a loaded machine: the filter failed
                 // open, which is correct, and there is no decision to explain.
                 assert!(decision.contains("fail_open"), "{decision}");

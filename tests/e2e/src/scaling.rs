@@ -129,6 +129,15 @@ async fn control_plane_endpoints(fleet: &Fleet) -> Vec<String> {
 
 /// Waits until Envoy's `vllm` cluster has `want.len()` hosts and the control plane lists
 /// exactly `want`.
+/// Publishes `replicas` as the fleet's membership and waits until Envoy and the control plane
+/// both route to exactly them.
+async fn publish_and_converge(fleet: &mut Fleet, replicas: &[String]) {
+    fleet
+        .publish_replicas(replicas)
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_converged(fleet, replicas).await;
+}
+
 async fn wait_converged(fleet: &Fleet, want: &[String]) {
     let mut want = want.to_vec();
     want.sort();
@@ -237,10 +246,7 @@ async fn replicas_added_and_removed_under_load() {
         .unwrap_or_else(|e| panic!("{e}"));
     let grown = vec![initial[0].clone(), initial[1].clone(), c.clone(), d.clone()];
     let added_at = Instant::now();
-    fleet
-        .publish_replicas(&grown)
-        .unwrap_or_else(|e| panic!("{e}"));
-    wait_converged(&fleet, &grown).await;
+    publish_and_converge(&mut fleet, &grown).await;
     phase("2 replicas added and seen by Envoy and the control plane");
     let started = Instant::now();
     loop {
@@ -272,10 +278,7 @@ async fn replicas_added_and_removed_under_load() {
     // (b) One original replica leaves gracefully: out of both files, drained, then stopped.
     let leaving = initial[1].clone();
     let shrunk = vec![initial[0].clone(), c.clone(), d.clone()];
-    fleet
-        .publish_replicas(&shrunk)
-        .unwrap_or_else(|e| panic!("{e}"));
-    wait_converged(&fleet, &shrunk).await;
+    publish_and_converge(&mut fleet, &shrunk).await;
     phase("1 replica removed from Envoy and the control plane");
     // Requests already sent to it finish; then nothing may arrive any more.
     let started = Instant::now();

@@ -45,6 +45,23 @@ fn need(text: &str, name: &str, labels: &str) -> f64 {
     gauge(text, name, labels).unwrap_or_else(|| panic!("no {name}{{{labels}}} in\n{text}"))
 }
 
+/// The default pool's gauge `name`.
+fn pool_gauge(text: &str, name: &str) -> f64 {
+    need(text, name, "pool=\"default\"")
+}
+
+/// The default pool's SLO attainment of `kind` (`ttft`, `itl`).
+fn attainment(text: &str, kind: &str) -> f64 {
+    let labels = format!("pool=\"default\",kind=\"{kind}\"");
+    need(text, "kvroute_slo_attainment_ratio", &labels)
+}
+
+/// The default pool's desired replica count of `role`.
+fn desired(text: &str, role: &str) -> f64 {
+    let labels = format!("pool=\"default\",role=\"{role}\"");
+    need(text, "kvroute_desired_replicas", &labels)
+}
+
 /// Waits until the window holds at least `n` TTFT samples (outcomes arrive on the filter's
 /// feedback tick) and returns the metrics text.
 async fn wait_samples(fleet: &Fleet, n: f64) -> String {
@@ -83,20 +100,11 @@ async fn slo_gauges_follow_the_load() {
         // Before any traffic the gauges exist for the pool: nothing violated, one replica.
         let text = metrics(&fleet).await;
         for kind in ["ttft", "itl"] {
-            let labels = format!("pool=\"default\",kind=\"{kind}\"");
-            assert_eq!(need(&text, "kvroute_slo_attainment_ratio", &labels), 1.0);
+            assert_eq!(attainment(&text, kind), 1.0);
         }
-        assert_eq!(
-            need(&text, "kvroute_queue_pressure", "pool=\"default\""),
-            0.0
-        );
+        assert_eq!(pool_gauge(&text, "kvroute_queue_pressure"), 0.0);
         for role in ["prefill", "decode"] {
-            let labels = format!("pool=\"default\",role=\"{role}\"");
-            assert_eq!(
-                need(&text, "kvroute_desired_replicas", &labels),
-                1.0,
-                "{text}"
-            );
+            assert_eq!(desired(&text, role), 1.0, "{text}");
         }
 
         // Light load: short prompts one at a time meet the 1 s TTFT target.
@@ -104,26 +112,11 @@ async fn slo_gauges_follow_the_load() {
             chat(&fleet, body(20, i, 4)).await;
         }
         let light = wait_samples(&fleet, 10.0).await;
-        let light_ttft = need(
-            &light,
-            "kvroute_slo_attainment_ratio",
-            "pool=\"default\",kind=\"ttft\"",
-        );
-        let light_prefill = need(
-            &light,
-            "kvroute_desired_replicas",
-            "pool=\"default\",role=\"prefill\"",
-        );
+        let light_ttft = attainment(&light, "ttft");
+        let light_prefill = desired(&light, "prefill");
         eprintln!("light: ttft attainment {light_ttft}, desired prefill {light_prefill}");
         assert!(light_ttft >= 0.9, "{light}");
-        assert!(
-            need(
-                &light,
-                "kvroute_slo_attainment_ratio",
-                "pool=\"default\",kind=\"itl\""
-            ) >= 0.9,
-            "{light}"
-        );
+        assert!(attainment(&light, "itl") >= 0.9, "{light}");
 
         // Heavy: 16 long prompts at once on 2 replicas batching 2 each: they queue.
         let mut burst = Vec::new();
@@ -151,21 +144,9 @@ async fn slo_gauges_follow_the_load() {
             assert_eq!(status, 200);
         }
         let heavy = wait_samples(&fleet, 26.0).await;
-        let heavy_ttft = need(
-            &heavy,
-            "kvroute_slo_attainment_ratio",
-            "pool=\"default\",kind=\"ttft\"",
-        );
-        let heavy_prefill = need(
-            &heavy,
-            "kvroute_desired_replicas",
-            "pool=\"default\",role=\"prefill\"",
-        );
-        let demand = need(
-            &heavy,
-            "kvroute_prefill_demand_tokens_per_second",
-            "pool=\"default\"",
-        );
+        let heavy_ttft = attainment(&heavy, "ttft");
+        let heavy_prefill = desired(&heavy, "prefill");
+        let demand = pool_gauge(&heavy, "kvroute_prefill_demand_tokens_per_second");
         eprintln!(
             "heavy: max queue pressure {max_pressure}, ttft attainment {heavy_ttft}, desired \
              prefill {heavy_prefill}, prefill demand {demand:.0} tok/s"

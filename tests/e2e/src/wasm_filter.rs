@@ -86,6 +86,12 @@ fn route_answer(endpoints: &[&str]) -> Vec<u8> {
     .expect("json")
 }
 
+/// Ticks the root context and asserts that the tick starts no HTTP call (`why` says why).
+fn assert_quiet_tick(host: &mut FilterHost, why: &str) {
+    host.tick().expect("tick");
+    assert!(host.pending_http_calls().is_empty(), "{why}");
+}
+
 fn metric(host: &FilterHost, name: &str) -> i64 {
     host.metric(name).map_or(0, |m| m.value)
 }
@@ -227,11 +233,7 @@ fn routed_request_gets_the_header_and_feedback_reports_usage() {
     host.respond_http_call(feedback.token, 200, &[], b"{}")
         .expect("answer feedback");
     assert_eq!(metric(&host, "kvroute_feedback_sent"), 1);
-    host.tick().expect("tick");
-    assert!(
-        host.pending_http_calls().is_empty(),
-        "nothing left to flush"
-    );
+    assert_quiet_tick(&mut host, "nothing left to flush");
 }
 
 #[test]
@@ -287,11 +289,7 @@ fn every_bad_route_answer_fails_open() {
         host.logs()
     );
     assert_eq!(metric(&host, "kvroute_requests_routed"), 0);
-    host.tick().expect("tick");
-    assert!(
-        host.pending_http_calls().is_empty(),
-        "unrouted requests produce no feedback"
-    );
+    assert_quiet_tick(&mut host, "unrouted requests produce no feedback");
 }
 
 #[test]
@@ -430,11 +428,7 @@ fn client_gone_before_the_answer_leaves_nothing_behind() {
         host.respond_http_call(call.token, 200, &[], b"{}"),
         Err(HostError::UnknownToken(_))
     ));
-    host.tick().expect("tick");
-    assert!(
-        host.pending_http_calls().is_empty(),
-        "no outcome for an unrouted request"
-    );
+    assert_quiet_tick(&mut host, "no outcome for an unrouted request");
 }
 
 #[test]

@@ -415,6 +415,29 @@ impl HttpResponse {
     }
 }
 
+/// The request [`HttpClient::request`] sends: `headers` in order, and `content-type:
+/// application/json` when there is a body and `headers` name no content type. For tests that
+/// send through [`HttpClient::hyper`] to read the answer their own way.
+pub fn build_request(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Option<String>,
+) -> std::result::Result<hyper::Request<Full<Bytes>>, hyper::http::Error> {
+    let mut builder = hyper::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        builder = builder.header(*k, *v);
+    }
+    if body.is_some()
+        && !headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+    {
+        builder = builder.header("content-type", "application/json");
+    }
+    builder.body(Full::new(Bytes::from(body.unwrap_or_default())))
+}
+
 /// A response's headers as `(name, value)` pairs, values decoded lossily: the form
 /// [`HttpResponse`] keeps them in, shared with the tests' own HTTP/2 and streaming clients.
 pub fn header_pairs(headers: &hyper::HeaderMap) -> Vec<(String, String)> {
@@ -473,20 +496,7 @@ impl HttpClient {
             url: url.to_string(),
             reason,
         };
-        let mut builder = hyper::Request::builder().method(method).uri(url);
-        for (k, v) in headers {
-            builder = builder.header(*k, *v);
-        }
-        if body.is_some()
-            && !headers
-                .iter()
-                .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
-        {
-            builder = builder.header("content-type", "application/json");
-        }
-        let req = builder
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|e| http_err(e.to_string()))?;
+        let req = build_request(method, url, headers, body).map_err(|e| http_err(e.to_string()))?;
         let fut = async {
             let resp = self
                 .inner
@@ -728,32 +738,11 @@ pub fn plugin_config_json(overrides: &Value) -> String {
     cfg.to_string()
 }
 
-/// Renders a shipped Envoy template with the given ports and paths.
-pub fn render_envoy_config(
-    template_path: &Path,
-    listen_port: u16,
-    admin_port: u16,
-    cp_port: u16,
-    wasm: &Path,
-    plugin_config: &str,
-    replicas: &[String],
-) -> Result<String> {
-    render_envoy_config_with(
-        template_path,
-        listen_port,
-        admin_port,
-        cp_port,
-        wasm,
-        plugin_config,
-        replicas,
-        &[],
-    )
-}
-
-/// [`render_envoy_config`] plus template-specific placeholders (`EDS_PATH`, `EDS_DIR` of
-/// envoy-file-discovery.yaml); extra values a template does not use are ignored.
+/// Renders a shipped Envoy template with the given ports and paths, and `extra`
+/// template-specific placeholders (`EDS_PATH`, `EDS_DIR` of envoy-file-discovery.yaml); extra
+/// values a template does not use are ignored.
 #[allow(clippy::too_many_arguments)]
-pub fn render_envoy_config_with(
+pub fn render_envoy_config(
     template_path: &Path,
     listen_port: u16,
     admin_port: u16,
@@ -1131,6 +1120,29 @@ pub fn prometheus_sum(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// Starts `cmd` as `name` with its output in `log` and waits until every one of `ready_urls`
+/// answers 200: how the harness starts each process of a fleet.
+async fn spawn_ready(
+    name: &str,
+    cmd: Command,
+    log: &Path,
+    client: &HttpClient,
+    ready_urls: &[String],
+) -> Result<ManagedProcess> {
+    let mut process = ManagedProcess::spawn(name, cmd, log)?;
+    for url in ready_urls {
+        wait_ready(&mut process, client, url, READY_TIMEOUT).await?;
+    }
+    Ok(process)
+}
+
+/// Writes a process's configuration file `file_name` into `log_dir`, beside its log.
+fn write_config(log_dir: &Path, file_name: &str, text: &str) -> Result<PathBuf> {
+    let path = log_dir.join(file_name);
+    fs::write(&path, text).map_err(io_err(format!("writing {}", path.display())))?;
+    Ok(path)
+}
+
 async fn wait_ready(
     process: &mut ManagedProcess,
     client: &HttpClient,
@@ -1208,9 +1220,9 @@ async fn start_replica(
         if let Some(extra) = config.per_replica_args.get(index) {
             cmd.args(extra);
         }
-        let mut process = ManagedProcess::spawn(&name, cmd, &log_dir.join(format!("{name}.log")))?;
-        let url = format!("http://127.0.0.1:{port}/health");
-        wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
+        let log = log_dir.join(format!("{name}.log"));
+        let ready = [format!("http://127.0.0.1:{port}/health")];
+        let process = spawn_ready(&name, cmd, &log, client, &ready).await?;
         Ok(Replica {
             address: format!("127.0.0.1:{port}"),
             kv_events: kv_events.clone(),
@@ -1304,18 +1316,15 @@ async fn start_control_plane(
             &config.control_plane_router,
             &extra_sections,
         )?;
-        let cfg_path = log_dir.join("control-plane.yaml");
-        fs::write(&cfg_path, yaml).map_err(io_err(format!("writing {}", cfg_path.display())))?;
+        let cfg_path = write_config(log_dir, "control-plane.yaml", &yaml)?;
         let mut cmd = Command::new(&tools.control_plane);
         cmd.arg("--config").arg(&cfg_path);
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
-        let mut process = ManagedProcess::spawn(name, cmd, &log_dir.join("control-plane.log"))?;
-        for port in [admin_port, api_port] {
-            let url = format!("http://127.0.0.1:{port}/healthz");
-            wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
-        }
+        let ready = [admin_port, api_port].map(|port| format!("http://127.0.0.1:{port}/healthz"));
+        let log = log_dir.join("control-plane.log");
+        let process = spawn_ready(name, cmd, &log, client, &ready).await?;
         Ok(ControlPlane {
             api_address: format!("127.0.0.1:{api_port}"),
             admin_address: format!("127.0.0.1:{admin_port}"),
@@ -1398,7 +1407,7 @@ async fn start_envoy(
     start_with_retries("envoy", async || {
         let listen_port = free_port()?;
         let admin_port = free_port()?;
-        let rendered = render_envoy_config_with(
+        let rendered = render_envoy_config(
             &template,
             listen_port,
             admin_port,
@@ -1408,9 +1417,7 @@ async fn start_envoy(
             replicas,
             &eds_vars,
         )?;
-        let cfg_path = log_dir.join("envoy.yaml");
-        fs::write(&cfg_path, rendered)
-            .map_err(io_err(format!("writing {}", cfg_path.display())))?;
+        let cfg_path = write_config(log_dir, "envoy.yaml", &rendered)?;
         let level = std::env::var("KVROUTE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());
         let mut cmd = Command::new(&tools.envoy);
         cmd.arg("-c")
@@ -1423,9 +1430,8 @@ async fn start_envoy(
             ])
             .args(["-l", &level])
             .args(["--component-log-level", "wasm:info"]);
-        let mut process = ManagedProcess::spawn("envoy", cmd, &log_dir.join("envoy.log"))?;
-        let url = format!("http://127.0.0.1:{admin_port}/ready");
-        wait_ready(&mut process, client, &url, READY_TIMEOUT).await?;
+        let ready = [format!("http://127.0.0.1:{admin_port}/ready")];
+        let process = spawn_ready("envoy", cmd, &log_dir.join("envoy.log"), client, &ready).await?;
         Ok(Envoy {
             listen_address: format!("127.0.0.1:{listen_port}"),
             admin_address: format!("127.0.0.1:{admin_port}"),

@@ -206,29 +206,20 @@ impl BlockPool {
     }
 
     fn push_back(&mut self, b: BlockId) {
-        let i = b as usize;
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
-        if self.tail == NIL {
-            self.head = b;
-        } else {
-            self.next[self.tail as usize] = b;
-        }
-        self.tail = b;
-        self.in_free[i] = true;
-        self.free_len += 1;
+        self.link(b, self.tail, NIL);
     }
 
     fn push_front(&mut self, b: BlockId) {
+        self.link(b, NIL, self.head);
+    }
+
+    /// Puts block `b` into the free queue between `p` and `n` (`NIL`: that end of the queue).
+    fn link(&mut self, b: BlockId, p: BlockId, n: BlockId) {
         let i = b as usize;
-        self.next[i] = self.head;
-        self.prev[i] = NIL;
-        if self.head == NIL {
-            self.tail = b;
-        } else {
-            self.prev[self.head as usize] = b;
-        }
-        self.head = b;
+        self.prev[i] = p;
+        self.next[i] = n;
+        self.set_next(p, b);
+        self.set_prev(n, b);
         self.in_free[i] = true;
         self.free_len += 1;
     }
@@ -239,20 +230,30 @@ impl BlockPool {
             return;
         }
         let (p, n) = (self.prev[i], self.next[i]);
-        if p == NIL {
-            self.head = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
+        self.set_next(p, n);
+        self.set_prev(n, p);
         self.prev[i] = NIL;
         self.next[i] = NIL;
         self.in_free[i] = false;
         self.free_len -= 1;
+    }
+
+    /// Points `p`'s forward link at `to`; `p` `NIL` means the queue's head.
+    fn set_next(&mut self, p: BlockId, to: BlockId) {
+        if p == NIL {
+            self.head = to;
+        } else {
+            self.next[p as usize] = to;
+        }
+    }
+
+    /// Points `n`'s backward link at `to`; `n` `NIL` means the queue's tail.
+    fn set_prev(&mut self, n: BlockId, to: BlockId) {
+        if n == NIL {
+            self.tail = to;
+        } else {
+            self.prev[n as usize] = to;
+        }
     }
 }
 

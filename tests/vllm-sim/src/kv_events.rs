@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 use tokio::sync::mpsc;
 use vllm_wire::kv_events::{
     BlockHash, BlockRemoved, BlockStored, WireBatch, WireEvent, block_extra_keys, encode_batch,
+    replay_end, replay_messages,
 };
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -28,9 +29,6 @@ use super::engine::KvEvent;
 
 /// Batches kept for replay (vLLM `buffer_steps` default).
 pub const DEFAULT_BUFFER_STEPS: usize = 10_000;
-
-/// The replay end marker's sequence frame: `-1` as 8 signed big-endian bytes.
-pub const END_SEQ: [u8; 8] = vllm_wire::kv_events::END_SEQ.to_be_bytes();
 
 /// One engine event as vLLM 0.33's GPU block pool publishes it: medium `GPU` (`CPU` for the
 /// offload tier), KV group 0, no spec kind, the extra keys of every block (LoRA name, and the
@@ -241,35 +239,15 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: Bytes) {
             tracing::warn!("invalid kv events replay start sequence");
             continue;
         };
-        let batches: Vec<(u64, Bytes)> = buffer
-            .lock()
-            .iter()
-            .filter(|(seq, _)| *seq >= start)
-            .cloned()
-            .collect();
-        let empty = Bytes::new();
-        for (seq, payload) in batches {
-            let frames = vec![
-                id.clone(),
-                empty.clone(),
-                topic.clone(),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ];
+        let batches = replay_messages(id, &topic, start, buffer.lock().iter().cloned());
+        for frames in batches {
             if let Ok(m) = ZmqMessage::try_from(frames)
                 && router.send(m).await.is_err()
             {
                 break;
             }
         }
-        let end = vec![
-            id.clone(),
-            empty.clone(),
-            empty.clone(),
-            Bytes::copy_from_slice(&END_SEQ),
-            empty.clone(),
-        ];
-        if let Ok(m) = ZmqMessage::try_from(end) {
+        if let Ok(m) = ZmqMessage::try_from(replay_end(id)) {
             let _ = router.send(m).await;
         }
     }

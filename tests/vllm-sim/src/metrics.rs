@@ -121,6 +121,26 @@ pub struct ServerInfo {
     pub prefix_caching_hash_algo: String,
 }
 
+impl ServerInfo {
+    /// The page of a fresh server (nothing served, nothing aborted) for `model_name` with
+    /// 16-token blocks and sha256 hashes: what the tests check names and label escaping on.
+    pub fn idle_page(model_name: &str, max_loras: u32) -> String {
+        let info = ServerInfo {
+            model_name: model_name.into(),
+            block_size: 16,
+            max_loras,
+            prefix_caching_hash_algo: "sha256".into(),
+        };
+        render(
+            &info,
+            &EngineStats::default(),
+            &LatencyHistograms::default(),
+            0,
+            1.0,
+        )
+    }
+}
+
 /// Formats like Python's `float.__repr__` for the common cases (`1.0`, `0.25`).
 fn float(v: f64) -> String {
     if v.is_finite() && v.fract() == 0.0 && v.abs() < 1e15 {
@@ -340,19 +360,7 @@ mod tests {
 
     #[test]
     fn page_has_vllm_names() {
-        let info = ServerInfo {
-            model_name: "m\"x".into(),
-            block_size: 16,
-            max_loras: 4,
-            prefix_caching_hash_algo: "sha256".into(),
-        };
-        let page = render(
-            &info,
-            &EngineStats::default(),
-            &LatencyHistograms::default(),
-            0,
-            1.0,
-        );
+        let page = ServerInfo::idle_page("m\"x", 4);
         for name in [
             "vllm:num_requests_running{model_name=\"m\\\"x\",engine=\"0\"} 0.0",
             "vllm:kv_cache_usage_perc{",

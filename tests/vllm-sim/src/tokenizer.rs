@@ -293,6 +293,24 @@ pub fn train_byte_level_bpe(
     tokenizer.to_string(false).map_err(err)
 }
 
+/// Writes a model directory as vLLM loads one: `tokenizer.json`, a byte-level BPE trained on
+/// `corpus` ([`train_byte_level_bpe`] with ChatML's special tokens), and `tokenizer_config.json`
+/// naming ChatML (BOS first) as the model's own template. For the tests that start a replica or
+/// a control plane on a real tokenizer without downloading one.
+pub fn write_chatml_model_dir(
+    dir: &Path,
+    corpus: &[&str],
+    vocab_size: usize,
+) -> Result<(), SimError> {
+    let json = train_byte_level_bpe(corpus, vocab_size, &SPECIAL_TOKENS)?;
+    let io = |e: std::io::Error| SimError::Config(format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    std::fs::write(dir.join("tokenizer.json"), json).map_err(io)?;
+    let config = serde_json::json!({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+                        "chat_template": format!("{{{{ bos_token }}}}{CHATML_JINJA}")});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).map_err(io)
+}
+
 /// What vLLM takes from `tokenizer_config.json` beside the tokenizer: the special tokens a chat
 /// template refers to, and the model's own chat template.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -730,7 +730,7 @@ async fn speed_scales_wall_time_not_simulated_time() {
 
 #[tokio::test]
 async fn a_real_tokenizer_and_chat_template_keep_chat_turns_cached() {
-    use vllm_sim::tokenizer::{CHATML_JINJA, SPECIAL_TOKENS, train_byte_level_bpe};
+    use vllm_sim::tokenizer::write_chatml_model_dir;
 
     let corpus = [
         "You are a terse assistant. Answer in one line.",
@@ -739,14 +739,9 @@ async fn a_real_tokenizer_and_chat_template_keep_chat_turns_cached() {
         "which or have not has but were had their one all been can more its new other",
         "Thanks! And how does the router pick a replica for each request?",
     ];
-    let json = train_byte_level_bpe(&corpus, 400, &SPECIAL_TOKENS).unwrap();
     let dir = std::env::temp_dir().join(format!("kvroute-sim-tok-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("tokenizer.json"), json).unwrap();
     // The model's own template comes from tokenizer_config.json, as in vLLM.
-    let config = json!({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
-                        "chat_template": format!("{{{{ bos_token }}}}{CHATML_JINJA}")});
-    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    write_chatml_model_dir(&dir, &corpus, 400).unwrap();
     let sim = start(&["--tokenizer", dir.to_str().unwrap()]).await;
     let c = HttpClient::new();
     let base = sim.url();

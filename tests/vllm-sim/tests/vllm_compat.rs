@@ -14,9 +14,9 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use vllm_sim::engine::{EngineStats, KvEvent, StoredBlocks};
+use vllm_sim::engine::{KvEvent, StoredBlocks};
 use vllm_sim::kv_events::wire_batch;
-use vllm_sim::metrics::{LatencyHistograms, ServerInfo, render};
+use vllm_sim::metrics::ServerInfo;
 use vllm_wire::kv_events::{
     BlockHash, WireBatch, WireEvent, cache_salt, decode_batch, encode_batch,
 };
@@ -160,19 +160,7 @@ fn exported_metrics_are_vllm_metrics() {
         .map(|l| l.split_once('\t').expect("name<TAB>type"))
         .collect();
     assert!(vllm.len() > 30, "the generated list is complete");
-    let info = ServerInfo {
-        model_name: "m".into(),
-        block_size: 16,
-        max_loras: 2,
-        prefix_caching_hash_algo: "sha256".into(),
-    };
-    let page = render(
-        &info,
-        &EngineStats::default(),
-        &LatencyHistograms::default(),
-        0,
-        1.0,
-    );
+    let page = ServerInfo::idle_page("m", 2);
     let ours = page_metrics(&page);
     assert!(ours.len() >= 15);
     for (name, kind) in &ours {

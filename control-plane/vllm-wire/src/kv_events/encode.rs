@@ -7,10 +7,12 @@
 //! `block_hashes`, `medium`. `extra_keys`, `group_idx` and `kv_cache_spec_kind` are written only
 //! when set. Integers take their shortest msgpack form, as msgspec's do; an [`BlockHash::Int`]
 //! is written unsigned (vLLM 0.33 publishes no negative hashes).
+//!
+//! Also what a publisher's replay socket answers ([`replay_messages`], [`replay_end`]).
 
 use rmpv::Value;
 
-use super::{BlockHash, BlockRemoved, BlockStored, WireBatch, WireEvent};
+use super::{BlockHash, BlockRemoved, BlockStored, END_SEQ, WireBatch, WireEvent};
 
 /// Msgpack payload of one batch: `[ts, [events...], data_parallel_rank]`, byte for byte what
 /// vLLM 0.33's `msgspec` encoder writes for the same events (an unset rank is written as nil).
@@ -159,6 +161,45 @@ fn write_array_len(buf: &mut Vec<u8>, n: usize) {
     }
 }
 
+/// The messages a replay socket answers a request `[identity, "", start_seq]` with, before the
+/// end marker: every buffered `(seq, payload)` with `seq >= start`, as
+/// `[identity, "", topic, seq, payload]`, as vLLM's `ZmqEventPublisher` replays. Generic over
+/// the frame type (`bytes::Bytes` for zeromq) so that this crate stays sans-IO while vllm-sim and
+/// the control plane's fake publisher share one replay answer.
+pub fn replay_messages<F>(
+    identity: &F,
+    topic: &F,
+    start: u64,
+    buffer: impl IntoIterator<Item = (u64, F)>,
+) -> Vec<Vec<F>>
+where
+    F: Clone + Default + From<Vec<u8>>,
+{
+    buffer
+        .into_iter()
+        .filter(|(seq, _)| *seq >= start)
+        .map(|(seq, payload)| {
+            let seq = F::from(seq.to_be_bytes().to_vec());
+            vec![identity.clone(), F::default(), topic.clone(), seq, payload]
+        })
+        .collect()
+}
+
+/// The replay socket's end marker for `identity`: `[identity, "", "", END_SEQ, ""]`.
+pub fn replay_end<F>(identity: &F) -> Vec<F>
+where
+    F: Clone + Default + From<Vec<u8>>,
+{
+    let end = F::from(END_SEQ.to_be_bytes().to_vec());
+    vec![
+        identity.clone(),
+        F::default(),
+        F::default(),
+        end,
+        F::default(),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,5 +312,24 @@ mod tests {
         assert_eq!(cache_salt(Some(&keys), Some("sql")).as_deref(), Some("t1"));
         let no_salt = block_extra_keys(2, Some("sql"), None);
         assert_eq!(cache_salt(Some(&no_salt), Some("sql")), None);
+    }
+
+    #[test]
+    fn a_replay_answers_from_the_start_seq_and_ends_with_the_marker() {
+        let f = |b: &[u8]| b.to_vec();
+        let buffer = [(3, f(b"c")), (4, f(b"d")), (5, f(b"e"))];
+        let answer = replay_messages(&f(b"id"), &f(b"kv"), 4, buffer.iter().cloned());
+        let seq = |n: u64| n.to_be_bytes().to_vec();
+        assert_eq!(
+            answer,
+            [
+                vec![f(b"id"), f(b""), f(b"kv"), seq(4), f(b"d")],
+                vec![f(b"id"), f(b""), f(b"kv"), seq(5), f(b"e")],
+            ]
+        );
+        assert_eq!(
+            replay_end(&f(b"id")),
+            [f(b"id"), f(b""), f(b""), vec![0xff; 8], f(b"")]
+        );
     }
 }

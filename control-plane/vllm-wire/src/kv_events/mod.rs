@@ -32,7 +32,7 @@ mod router;
 mod test_util;
 
 pub use decode::{DecodeError, decode_batch, decode_seq};
-pub use encode::{block_extra_keys, encode_batch};
+pub use encode::{block_extra_keys, encode_batch, replay_end, replay_messages};
 pub use router::{
     EventBatch, EventMessage, FULL_ATTENTION_KINDS, Skipped, cache_salt, decode_event_batch,
     decode_message, parse_medium,
