@@ -19,12 +19,16 @@
 //!   (`vllm:prompt_tokens_total` counts at the first token instead).
 //! - **Decode step time.** The mean inter-token latency over the interval
 //!   (`vllm:inter_token_latency_seconds` sum over count) against the interval's mean KV usage,
-//!   fitted as a line `itl = idle + (full - idle) * kv_usage` by weighted least squares.
+//!   fitted as a line `itl = idle + (full - idle) * kv_usage` by weighted least squares. With
+//!   chunked prefill a decode token waits for the prefill chunks in its step, so the observed
+//!   latency first loses the share of the interval the engine spent prefilling: the prompt
+//!   tokens it computed meanwhile (`vllm:prompt_tokens_total` less
+//!   `vllm:prefix_cache_hits_total`, both counted as the prefill happens) at the learned rate.
 //!
 //! Both start from a prior (the [`crate::router::ScoringConfig`] values, deliberately generic),
 //! so a replica predicts sensibly before its first scrape, and the data take over once the
-//! replica has done real work (eight intervals with finished requests for prefill; the decode
-//! line holds the prior as pseudo-observations). Old observations leave (the prefill window,
+//! replica has done real work (eight intervals with finished requests for prefill, 200 output
+//! tokens for decode). Old observations leave (the prefill window,
 //! the decode line's half-life), so a replica that slows down is followed. Each endpoint is
 //! learned on its own: a pool of two GPU types gets two rates.
 //!
@@ -40,6 +44,11 @@ const MAX_TOKENS_PER_MS: f64 = 1e6;
 /// The cumulative engine counters one scrape reads (summed over DP engines and models).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineCounters {
+    /// `vllm:prompt_tokens_total`: prompt tokens prefilled, cached or not (counted at the
+    /// first token).
+    pub prompt_tokens: f64,
+    /// `vllm:prefix_cache_hits_total`: prompt tokens found in the prefix cache.
+    pub prefix_cache_hit_tokens: f64,
     /// `vllm:request_prefill_kv_computed_tokens_sum`: prompt tokens finished requests computed
     /// (not found in the prefix cache).
     pub prefill_computed_tokens: f64,
@@ -56,7 +65,9 @@ pub struct EngineCounters {
 impl EngineCounters {
     /// Whether every counter is at or above `earlier`'s (false: the engine restarted).
     fn not_below(&self, earlier: &Self) -> bool {
-        self.prefill_computed_tokens >= earlier.prefill_computed_tokens
+        self.prompt_tokens >= earlier.prompt_tokens
+            && self.prefix_cache_hit_tokens >= earlier.prefix_cache_hit_tokens
+            && self.prefill_computed_tokens >= earlier.prefill_computed_tokens
             && self.prefill_seconds >= earlier.prefill_seconds
             && self.prefill_count >= earlier.prefill_count
             && self.itl_seconds >= earlier.itl_seconds
@@ -65,6 +76,8 @@ impl EngineCounters {
 
     fn is_usable(&self) -> bool {
         [
+            self.prompt_tokens,
+            self.prefix_cache_hit_tokens,
             self.prefill_computed_tokens,
             self.prefill_seconds,
             self.prefill_count,
@@ -82,7 +95,8 @@ impl EngineCounters {
 pub struct CalibrationConfig {
     /// Whether scoring uses the learned rates (false: the configured ones for every endpoint).
     pub enabled: bool,
-    /// Weight of the prior decode line, in output tokens.
+    /// Output tokens after which the decode line is the data's alone (fewer: blended with the
+    /// prior).
     pub prior_decode_tokens: f64,
     /// Half-life of an observation, in ms.
     pub half_life_ms: u64,
@@ -156,8 +170,8 @@ impl LineFit {
         self.wxy += weight * x * y;
     }
 
-    /// `(intercept, slope)`: the data's line blended with the prior line by weight (the
-    /// prior counts as `prior_weight` observations). Where the data's `x` barely varies, the
+    /// `(intercept, slope)`: the data's line blended with the prior line until the data weigh
+    /// `prior_weight`, then the data's alone. Where the data's `x` barely varies, the
     /// data cannot tell slope from intercept, and the prior line is scaled through the data's
     /// mean instead. The slope is at least `min_slope`.
     fn solve(
@@ -181,7 +195,8 @@ impl LineFit {
             let f = if at_mean > 1e-9 { my / at_mean } else { 1.0 };
             (f * a0, f * b0)
         };
-        let data = self.w / (self.w + prior_weight.max(0.0));
+        // The prior fades linearly: the data alone once they weigh `prior_weight`.
+        let data = (self.w / prior_weight.max(1e-9)).min(1.0);
         let slope = (data * b + (1.0 - data) * b0).max(min_slope);
         ((data * a + (1.0 - data) * a0).max(0.0), slope)
     }
@@ -189,6 +204,9 @@ impl LineFit {
 
 /// Computed tokens per request two prefill points must differ by for their slope to count.
 const MIN_TOKEN_SPREAD: f64 = 50.0;
+/// The largest share of an interval a decode sample may lose to prefill (beyond it, the
+/// sample says more about the prefill estimate than about decoding).
+const MAX_PREFILL_SHARE: f64 = 0.9;
 /// Prefill points kept for the robust fit.
 const PREFILL_POINTS: usize = 32;
 /// Prefill points after which the data alone set the rate (fewer: blended with the prior).
@@ -284,6 +302,7 @@ impl EndpointCalibration {
         counters: EngineCounters,
         kv_usage: f64,
         now_ms: u64,
+        prior: Prior,
         config: &CalibrationConfig,
     ) {
         if !counters.is_usable() {
@@ -321,7 +340,16 @@ impl EndpointCalibration {
         let gaps = counters.itl_count - prev.itl_count;
         if gaps > 0.0 {
             let ms = (counters.itl_seconds - prev.itl_seconds) * 1000.0;
-            self.decode.add((prev_kv + kv_usage) / 2.0, ms / gaps, gaps);
+            let prefilled = (counters.prompt_tokens - prev.prompt_tokens)
+                - (counters.prefix_cache_hit_tokens - prev.prefix_cache_hit_tokens);
+            let rate = self.calibrated(prior, config).prefill_tokens_per_ms;
+            let prefill_share = (prefilled.max(0.0) / rate / interval_ms).min(MAX_PREFILL_SHARE);
+            // A sample mostly made of prefill says little about decoding: it weighs less.
+            self.decode.add(
+                (prev_kv + kv_usage) / 2.0,
+                ms / gaps * (1.0 - prefill_share),
+                gaps * (1.0 - prefill_share),
+            );
         }
         self.last = Some((counters, now_ms, kv_usage));
     }
@@ -381,7 +409,7 @@ mod tests {
             c.prefill_seconds += requests * (5.0 + tokens / rate) / 1000.0;
             c.itl_count += 50.0;
             c.itl_seconds += 50.0 * (idle_ms + slope_ms * kv) / 1000.0;
-            cal.observe(c, kv, step * 100, &config);
+            cal.observe(c, kv, step * 100, PRIOR, &config);
         }
         cal
     }
@@ -416,15 +444,17 @@ mod tests {
         assert!((cold.itl_ms_idle - 10.0).abs() < 1e-9);
         assert!((cold.itl_ms_full - 40.0).abs() < 1e-9);
         let busy = EngineCounters {
+            prompt_tokens: 2e6,
+            prefix_cache_hit_tokens: 1e6,
             prefill_computed_tokens: 1e6,
             prefill_count: 100.0,
             prefill_seconds: 10.0,
             itl_seconds: 100.0,
             itl_count: 1e4,
         };
-        cal.observe(busy, 0.5, 0, &config);
+        cal.observe(busy, 0.5, 0, PRIOR, &config);
         // Counters back near zero: the engine restarted, which is not a sample.
-        cal.observe(EngineCounters::default(), 0.0, 100, &config);
+        cal.observe(EngineCounters::default(), 0.0, 100, PRIOR, &config);
         assert_eq!(cal.calibrated(PRIOR, &config), cold);
     }
 
@@ -439,7 +469,7 @@ mod tests {
         c.prefill_seconds += 1.2;
         c.itl_count += 1.0;
         c.itl_seconds += 0.01;
-        cal.observe(c, 0.5, 20_100, &config);
+        cal.observe(c, 0.5, 20_100, PRIOR, &config);
         let rate = cal.calibrated(PRIOR, &config).prefill_tokens_per_ms;
         assert!((rate - 10.0).abs() < 0.5, "{rate}");
     }
@@ -455,7 +485,7 @@ mod tests {
                 itl_count: v,
                 ..Default::default()
             };
-            cal.observe(c, f64::NAN, i as u64 * 100, &config);
+            cal.observe(c, f64::NAN, i as u64 * 100, PRIOR, &config);
         }
         assert_eq!(cal.calibrated(PRIOR, &config), before);
     }

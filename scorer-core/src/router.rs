@@ -892,8 +892,13 @@ impl Router {
         slot.health = Health::Ready;
         let (scoring, calibration) = (&self.config.scoring, &self.config.calibration);
         if let Some(counters) = metrics.counters {
-            slot.calibration
-                .observe(counters, metrics.kv_usage, now_ms, calibration);
+            slot.calibration.observe(
+                counters,
+                metrics.kv_usage,
+                now_ms,
+                prior(scoring),
+                calibration,
+            );
         }
         slot.rates = if calibration.enabled {
             slot.calibration.calibrated(prior(scoring), calibration)

@@ -7,9 +7,10 @@
 //!   engines and weighted by their capacity when known;
 //! - `vllm:cache_config_info{num_gpu_blocks, block_size}`, whose product is the KV capacity;
 //! - optionally, the counters online calibration learns rates from
-//!   ([`scorer_core::calibration::EngineCounters`]): the sums (and one count) of the
-//!   histograms `vllm:request_prefill_kv_computed_tokens`, `vllm:request_prefill_time_seconds`
-//!   and `vllm:inter_token_latency_seconds`. An engine
+//!   ([`scorer_core::calibration::EngineCounters`]): the sums (and counts) of the histograms
+//!   `vllm:request_prefill_kv_computed_tokens`, `vllm:request_prefill_time_seconds` and
+//!   `vllm:inter_token_latency_seconds`, and the counters `vllm:prompt_tokens_total` and
+//!   `vllm:prefix_cache_hits_total`. An engine
 //!   without all of them, or with an unusable value, simply gives no counters.
 //!
 //! Invariant: no I/O, no panics, linear time. Every line must be well-formed (so a non-metrics
@@ -31,6 +32,10 @@ pub const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
 pub const KV_USAGE_OLD: &str = "vllm:gpu_cache_usage_perc";
 /// `vllm:cache_config_info`: the engine's CacheConfig as labels of a constant gauge.
 pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+/// `vllm:prompt_tokens_total`: prompt tokens prefilled, cached or not (counter).
+pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
+/// `vllm:prefix_cache_hits_total`: prompt tokens found in the prefix cache (counter).
+pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits_total";
 /// `vllm:request_prefill_kv_computed_tokens_sum`: prompt tokens computed (not cached).
 pub const PREFILL_COMPUTED_SUM: &str = "vllm:request_prefill_kv_computed_tokens_sum";
 /// `vllm:request_prefill_time_seconds_sum`: seconds requests spent in prefill.
@@ -172,8 +177,8 @@ pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
     // (engine label, capacity in tokens; None when the engine has not profiled yet).
     let mut capacity: Vec<(Option<Cow<'_, str>>, Option<u64>)> = Vec::new();
     // Calibration counters, summed over series: computed tokens, prefill s and count, ITL s
-    // and count.
-    let mut counters: [Option<f64>; 5] = [None; 5];
+    // and count, prompt tokens, prefix-cache hits.
+    let mut counters: [Option<f64>; 7] = [None; 7];
 
     for sample in samples(text) {
         let sample = sample?;
@@ -231,6 +236,8 @@ pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
                     PREFILL_TIME_COUNT => 2,
                     ITL_SUM => 3,
                     ITL_COUNT => 4,
+                    PROMPT_TOKENS => 5,
+                    PREFIX_CACHE_HITS => 6,
                     _ => continue,
                 };
                 let acc = &mut counters[slot];
@@ -256,9 +263,9 @@ pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
 }
 
 /// The calibration counters when every one is present and usable.
-fn engine_counters(c: [Option<f64>; 5]) -> Option<EngineCounters> {
-    let [computed, prefill, prefills, itl, gaps] = c;
-    let values = [computed?, prefill?, prefills?, itl?, gaps?];
+fn engine_counters(c: [Option<f64>; 7]) -> Option<EngineCounters> {
+    let [computed, prefill, prefills, itl, gaps, prompt, hits] = c;
+    let values = [computed?, prefill?, prefills?, itl?, gaps?, prompt?, hits?];
     values
         .iter()
         .all(|v| v.is_finite() && *v >= 0.0)
@@ -268,6 +275,8 @@ fn engine_counters(c: [Option<f64>; 5]) -> Option<EngineCounters> {
             prefill_count: values[2],
             itl_seconds: values[3],
             itl_count: values[4],
+            prompt_tokens: values[5],
+            prefix_cache_hit_tokens: values[6],
         })
 }
 
@@ -529,6 +538,8 @@ mod tests {
                  vllm:request_prefill_kv_computed_tokens_sum{{engine=\"1\"}} 500.0\n\
                  vllm:request_prefill_time_seconds_sum{{engine=\"0\"}} 0.25\n\
                  vllm:request_prefill_time_seconds_count{{engine=\"0\"}} 3.0\n\
+                 vllm:prompt_tokens_total{{engine=\"0\"}} 1800.0\n\
+                 vllm:prefix_cache_hits_total{{engine=\"0\"}} 300.0\n\
                  vllm:inter_token_latency_seconds_sum{{engine=\"0\"}} 2.0\n\
                  {extra}"
             )
@@ -541,6 +552,10 @@ mod tests {
         assert_eq!(c.prefill_computed_tokens, 1500.0);
         assert_eq!((c.prefill_seconds, c.prefill_count), (0.25, 3.0));
         assert_eq!((c.itl_seconds, c.itl_count), (2.0, 100.0));
+        assert_eq!(
+            (c.prompt_tokens, c.prefix_cache_hit_tokens),
+            (1800.0, 300.0)
+        );
         // One counter missing, or unusable: no counters, and the gauges still parse.
         let missing = parse_vllm_metrics(&page("")).unwrap();
         assert_eq!((missing.counters, missing.running), (None, 1));

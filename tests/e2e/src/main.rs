@@ -10,6 +10,7 @@
 mod common;
 
 mod bad_input;
+mod calibration;
 mod demo;
 mod disagg;
 mod envoy;

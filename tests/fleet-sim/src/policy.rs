@@ -49,6 +49,8 @@ impl ReplicaSnapshot {
             capacity_tokens,
             block_size,
             counters: EngineCounters {
+                prompt_tokens: stats.prompt_tokens as f64,
+                prefix_cache_hit_tokens: stats.prefix_cache_hits as f64,
                 prefill_computed_tokens: stats.prefill_computed_tokens as f64,
                 prefill_seconds: stats.prefill_seconds,
                 prefill_count: stats.requests_finished as f64,
