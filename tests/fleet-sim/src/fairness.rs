@@ -253,7 +253,9 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         &PolicyRequest {
                             id: i,
                             tokens: &tokens,
-                            output_tokens: output,
+                            // The benchmark's clients send their length as `max_tokens` and the
+                            // engine generates all of it (ignore_eos), so the cap is the length.
+                            max_tokens: Some(output),
                             session: None,
                         },
                         now,
@@ -301,6 +303,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         kv_usage: st.kv_cache_usage,
                         capacity_tokens: s.profile.kv_capacity_tokens,
                         block_size: s.profile.block_size,
+                        max_batched_tokens: s.profile.max_num_batched_tokens,
                     };
                 }
                 router.on_metrics(&snapshots, now);

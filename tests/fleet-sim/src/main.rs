@@ -9,12 +9,12 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use fleet_sim::des::{RunResult, SimConfig, run};
+use fleet_sim::des::{RunOptions, RunResult, SimConfig, run_with};
 use fleet_sim::policy::{
     DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with, check_policy, regroup_policy_specs,
 };
 use fleet_sim::report::{PolicySummary, line_chart, line_chart_axes, table, ttft_cdf_series};
-use fleet_sim::workload::from_spec;
+use fleet_sim::workload::{client_max_tokens, from_spec};
 use scorer_core::router::RouterConfig;
 use serde::Serialize;
 use vllm_sim::Profile;
@@ -298,6 +298,10 @@ fn run_all(
         workload.truncate(n);
     }
     workload.speed_up(speedup);
+    let options = RunOptions {
+        max_tokens: client_max_tokens(&args.workload)?,
+        ..RunOptions::default()
+    };
     let mut runs = Vec::new();
     for name in policies {
         let mut policy = build_with(
@@ -311,7 +315,7 @@ fn run_all(
         eprint!("  {name:<20} speedup {speedup:<5} ... ");
         std::io::stderr().flush().ok();
         let started = Instant::now();
-        let result = run(&workload, policy.as_mut(), cfg)?;
+        let result = run_with(&workload, policy.as_mut(), cfg, &options)?;
         eprintln!(
             "{} requests in {:.1}s",
             result.records.len(),
