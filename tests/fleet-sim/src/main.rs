@@ -62,7 +62,7 @@ struct MatrixArgs {
     /// Comma-separated policies (default: the matrix's peers, kvroute, kvroute-precise, oracle).
     #[arg(long, value_delimiter = ',')]
     policies: Option<Vec<String>>,
-    /// Requests per workload (about; default 240, quick 100).
+    /// Requests per workload (about; default 400, quick 200; tight-cache cells run 3x).
     #[arg(long)]
     requests: Option<usize>,
     /// Replicas per pool (default 8, quick 4).

@@ -6,12 +6,15 @@
 //! - **Pools**: `llama8b-h100` (the profile kvroute's old constants came from), the shipped
 //!   profiles of other GPUs and models (`llama70b-h100-tp4`, `qwen32b-h200`, `llama8b-l4`),
 //!   and a mixed pool of half `llama8b-h100`, half `llama8b-a100-40g`.
-//! - **Loads** are set from the pool's capacity, not by hand: the workload's arrivals are
-//!   rescaled so its offered prompt tokens per second (every prompt token counted as uncached,
-//!   arrivals of later turns placed at their think time after the previous turn's arrival, as
-//!   if service took no time) are a fraction of the pool's summed `prefill_tokens_per_s`:
-//!   [`MODERATE_LOAD`] (round robin is busy but keeps up) and [`SATURATING_LOAD`] (round robin,
-//!   which reuses little, cannot: its queues grow for the whole run).
+//! - **Loads** are set from the pool's capacity, not by hand. The workload's offered prompt
+//!   tokens per second (later turns placed at their think time after the previous turn's
+//!   arrival, as if service took no time) are first scaled to the pool's summed
+//!   `prefill_tokens_per_s` (all of it, think and tool times included, as `--speedup` does);
+//!   a round-robin pilot run at that rate measures round robin's hit rate `h`, and the final
+//!   rate puts round robin's *uncached* prefill at a fraction of the capacity:
+//!   [`MODERATE_LOAD`] (round robin is busy but keeps up) and [`SATURATING_LOAD`] (it cannot:
+//!   with decode steps on top, its queues grow for the whole run). Requests longer than the
+//!   pool's `max_model_len` are refused by the engines and left out of the offered load.
 //! - **Tight-cache cells** shrink `llama8b-h100`'s cache to [`TIGHT_CACHE_TOKENS`] per replica,
 //!   well under the working set, to test whether precise mode (which sees every eviction)
 //!   earns its cost over approximate mode.
@@ -38,9 +41,9 @@ use crate::report::PolicySummary;
 use crate::workload::{Workload, WorkloadError, client_max_tokens, from_spec, read_mooncake};
 
 /// Offered load (fraction of the pool's prefill capacity) where round robin is moderately busy.
-pub const MODERATE_LOAD: f64 = 0.4;
+pub const MODERATE_LOAD: f64 = 0.5;
 /// Offered load where round robin saturates.
-pub const SATURATING_LOAD: f64 = 1.1;
+pub const SATURATING_LOAD: f64 = 1.2;
 /// Per-replica KV cache of the tight-cache cells (tokens).
 pub const TIGHT_CACHE_TOKENS: u64 = 60_000;
 /// The tuning split of seeds.
@@ -203,9 +206,13 @@ pub struct Cell {
     pub pool: Pool,
     /// Offered load, a fraction of the pool's prefill capacity.
     pub load: f64,
-    /// A tight-cache cell (caches under the working set).
+    /// A tight-cache cell (caches under the working set); it runs [`TIGHT_SCALE`] times the
+    /// requests, so the working set outgrows the caches.
     pub tight: bool,
 }
+
+/// Requests of a tight-cache cell over an ordinary one.
+pub const TIGHT_SCALE: usize = 3;
 
 /// What the matrix runs.
 #[derive(Debug, Clone)]
@@ -258,7 +265,7 @@ impl MatrixSpec {
             seeds,
             policies: MATRIX_POLICIES.iter().map(|s| s.to_string()).collect(),
             replicas: 8,
-            requests: 240,
+            requests: 400,
             trace: default_trace(),
             threads: 2,
         }
@@ -284,7 +291,7 @@ impl MatrixSpec {
             seeds,
             policies: MATRIX_POLICIES.iter().map(|s| s.to_string()).collect(),
             replicas: 4,
-            requests: 100,
+            requests: 200,
             trace: default_trace(),
             threads: 2,
         }
@@ -345,13 +352,44 @@ pub fn offered_tokens_per_s(w: &Workload) -> f64 {
     tokens / span_s
 }
 
-/// Rescales `w`'s independent arrivals (think times stay) by `factor` (2 = twice as fast).
-fn compress_arrivals(w: &mut Workload, factor: f64) {
-    for i in 0..w.requests.len() {
-        if w.depends_on(i).is_none() {
-            w.requests[i].arrival_ms /= factor;
-        }
-    }
+/// Round robin's prefix hit rate on `w` (the load pilot).
+fn pilot_hit_rate(
+    cell: &Cell,
+    seed: u64,
+    w: &Workload,
+    max_tokens: Option<u32>,
+    replicas: usize,
+) -> Result<f64, MatrixError> {
+    let (cfg, options) = sim_setup(cell, seed, max_tokens, replicas);
+    let mut rr = policy::build("round-robin", replicas, seed)
+        .ok_or_else(|| MatrixError::Policy("round-robin".into()))?;
+    let run = run_with(w, rr.as_mut(), &cfg, &options)?;
+    Ok(PolicySummary::of(&run).prefix_hit_rate)
+}
+
+/// The simulation settings of `cell` for `seed`.
+fn sim_setup(
+    cell: &Cell,
+    seed: u64,
+    max_tokens: Option<u32>,
+    replicas: usize,
+) -> (SimConfig, RunOptions) {
+    let profiles = cell.pool.replica_profiles(replicas);
+    let cfg = SimConfig {
+        replicas,
+        profile: profiles[0].clone(),
+        seed,
+        metrics_interval_ms: 100.0,
+    };
+    let options = RunOptions {
+        max_tokens,
+        replica_profiles: if cell.pool.profiles.len() > 1 {
+            profiles
+        } else {
+            Vec::new()
+        },
+    };
+    (cfg, options)
 }
 
 /// The cell's workload for `seed`, at the cell's load, and the client's `max_tokens`.
@@ -361,13 +399,18 @@ fn cell_workload(
     spec: &MatrixSpec,
     trace: &Workload,
     replicas: usize,
-) -> Result<(Workload, Option<u32>), MatrixError> {
-    let (mut w, max_tokens) = match cell.workload.spec(spec.requests) {
+) -> Result<(Workload, Option<u32>, f64), MatrixError> {
+    let requests = if cell.tight {
+        spec.requests * TIGHT_SCALE
+    } else {
+        spec.requests
+    };
+    let (mut w, max_tokens) = match cell.workload.spec(requests) {
         Some(s) => (from_spec(&s, seed)?, client_max_tokens(&s)?),
         None => {
             // A seed picks a window of the trace (windows of different seeds do not overlap
             // until the trace runs out).
-            let n = spec.requests.min(trace.requests.len());
+            let n = requests.min(trace.requests.len());
             let windows = (trace.requests.len() / n.max(1)).max(1);
             let start = (seed as usize % windows) * n;
             let mut requests = trace.requests[start..start + n].to_vec();
@@ -385,26 +428,19 @@ fn cell_workload(
         }
     };
     // Requests no replica accepts are left out of the offered load (the engines refuse them).
-    let servable = Workload {
-        name: w.name.clone(),
-        requests: w.requests.clone(),
-    };
     let limit = cell.pool.max_model_len();
-    let fits: f64 = (0..servable.requests.len())
-        .filter(|&i| servable.prompt_len(i) + servable.requests[i].output_tokens <= limit)
+    let fits = (0..w.requests.len())
+        .filter(|&i| w.prompt_len(i) + w.requests[i].output_tokens <= limit)
         .count() as f64
-        / servable.requests.len().max(1) as f64;
-    let target = cell.load * cell.pool.prefill_capacity(replicas) / fits.max(1e-3);
-    // Think times do not compress, so the span shrinks less than the arrivals: a few rounds
-    // converge (a workload whose think-time chains alone outlast the target span stays below).
-    for _ in 0..8 {
-        let offered = offered_tokens_per_s(&w);
-        if (offered / target - 1.0).abs() < 1e-3 {
-            break;
-        }
-        compress_arrivals(&mut w, target / offered.max(1e-9));
-    }
-    Ok((w, max_tokens))
+        / w.requests.len().max(1) as f64;
+    let capacity = cell.pool.prefill_capacity(replicas) / fits.max(1e-3);
+    // First every prompt token counted as uncached fills the capacity; a round-robin pilot at
+    // that rate measures how much round robin still hits, and the final rate puts round
+    // robin's uncached prefill at `load` of the capacity.
+    w.speed_up(capacity / offered_tokens_per_s(&w).max(1e-9));
+    let pilot_hit = pilot_hit_rate(cell, seed, &w, max_tokens, replicas)?;
+    w.speed_up(cell.load / (1.0 - pilot_hit).max(0.05));
+    Ok((w, max_tokens, pilot_hit))
 }
 
 /// Mean and 95% half-width (Student's t) of a sample.
@@ -673,22 +709,8 @@ fn run_job(
     tick: &dyn Fn(),
 ) -> Result<Vec<PolicySummary>, MatrixError> {
     let replicas = spec.replicas;
-    let (workload, max_tokens) = cell_workload(cell, seed, spec, trace, replicas)?;
-    let profiles = cell.pool.replica_profiles(replicas);
-    let cfg = SimConfig {
-        replicas,
-        profile: profiles[0].clone(),
-        seed,
-        metrics_interval_ms: 100.0,
-    };
-    let options = RunOptions {
-        max_tokens,
-        replica_profiles: if cell.pool.profiles.len() > 1 {
-            profiles
-        } else {
-            Vec::new()
-        },
-    };
+    let (workload, max_tokens, _) = cell_workload(cell, seed, spec, trace, replicas)?;
+    let (cfg, options) = sim_setup(cell, seed, max_tokens, replicas);
     let mut out = Vec::with_capacity(spec.policies.len());
     for name in &spec.policies {
         // kvroute: scorer-core's defaults, no per-profile setting.
@@ -863,10 +885,15 @@ mod tests {
             name: "none".into(),
             requests: Vec::new(),
         };
-        let (w, cap) = cell_workload(&cell, 3, &spec, &empty, 4).unwrap();
+        let (w, cap, hit) = cell_workload(&cell, 3, &spec, &empty, 4).unwrap();
         assert_eq!(cap, Some(2048));
-        let offered = offered_tokens_per_s(&w);
-        assert!((offered / (0.5 * 26_300.0) - 1.0).abs() < 2e-3, "{offered}");
+        assert!(hit > 0.0 && hit < 1.0, "{hit}");
+        // Round robin's uncached prefill is the load's share of the capacity.
+        let uncached = offered_tokens_per_s(&w) * (1.0 - hit);
+        assert!(
+            (uncached / (0.5 * 26_300.0) - 1.0).abs() < 1e-6,
+            "{uncached}"
+        );
     }
 
     #[test]
