@@ -191,6 +191,8 @@ struct Spec {
     arrival_ms: f64,
     prompt: Vec<u32>,
     output: u32,
+    /// The `max_tokens` the client sends (what the router sees).
+    max_tokens: u32,
     long: bool,
 }
 
@@ -221,6 +223,13 @@ fn generate(workload: DisaggWorkload, sc: &DisaggScenario) -> Vec<Spec> {
                 arrival_ms: t,
                 prompt,
                 output: output.max(1),
+                // A client asks for at most the top of its range.
+                max_tokens: if long {
+                    sc.long_output
+                } else {
+                    sc.short_output.1.max(sc.short_output.0)
+                }
+                .max(1),
                 long,
             }
         })
@@ -290,7 +299,8 @@ impl Sim<'_> {
             block_hashes: token_block_hashes(model_seed(MODEL), &spec.prompt, HASH_BLOCK_TOKENS),
             prompt_bytes: spec.prompt.len() as u64 * 4,
             prompt_tokens: spec.prompt.len() as u32,
-            max_output_tokens: Some(spec.output),
+            // The client's cap, not the answer's length: no router knows that.
+            max_output_tokens: Some(spec.max_tokens),
             ..RouteRequest::default()
         };
         self.seed = self.seed.wrapping_mul(6364136223846793005).wrapping_add(1);
