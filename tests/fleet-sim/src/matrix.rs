@@ -51,19 +51,19 @@ pub const TUNING_SEEDS: [u64; 2] = [1, 2];
 /// The report split of seeds (the default).
 pub const REPORT_SEEDS: [u64; 5] = [3, 4, 5, 6, 7];
 
-/// Policies the matrix compares by default.
-pub const MATRIX_POLICIES: &[&str] = &[
-    "round-robin",
-    "least-request",
-    "sglang-cache-aware",
-    "sglang-legacy",
-    "llmd",
-    "llmd-optimized",
-    "dynamo",
-    "kvroute",
-    "kvroute-precise",
-    "oracle",
-];
+/// Policies of [`policy::POLICY_NAMES`] the matrix leaves out by default: random and
+/// power-of-two add nothing least-request and round robin do not show, and kvroute-local is
+/// kvroute's staleness study (`docs/BENCHMARKS.md`).
+pub const MATRIX_SKIPS: &[&str] = &["random", "power-of-two", "kvroute-local"];
+
+/// Policies the matrix compares by default: every policy but [`MATRIX_SKIPS`].
+pub fn matrix_policies() -> Vec<String> {
+    policy::POLICY_NAMES
+        .iter()
+        .filter(|p| !MATRIX_SKIPS.contains(p))
+        .map(|p| p.to_string())
+        .collect()
+}
 
 /// A workload of the matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -263,7 +263,7 @@ impl MatrixSpec {
         Self {
             cells,
             seeds,
-            policies: MATRIX_POLICIES.iter().map(|s| s.to_string()).collect(),
+            policies: matrix_policies(),
             replicas: 8,
             requests: 400,
             trace: default_trace(),
@@ -289,7 +289,7 @@ impl MatrixSpec {
         Self {
             cells,
             seeds,
-            policies: MATRIX_POLICIES.iter().map(|s| s.to_string()).collect(),
+            policies: matrix_policies(),
             replicas: 4,
             requests: 200,
             trace: default_trace(),

@@ -205,14 +205,18 @@ pub fn build_with(
             rng: SplitMix(seed),
             n: replicas,
         }),
-        "least-request" => Box::new(LeastRequest {
-            load: Load::new(replicas),
-            rng: SplitMix(seed),
-        }),
-        "power-of-two" => Box::new(PowerOfTwo {
-            load: Load::new(replicas),
-            rng: SplitMix(seed),
-        }),
+        "least-request" => Box::new(CountPolicy::new(
+            "least-request",
+            replicas,
+            seed,
+            least_request,
+        )),
+        "power-of-two" => Box::new(CountPolicy::new(
+            "power-of-two",
+            replicas,
+            seed,
+            power_of_two,
+        )),
         "sglang-cache-aware" => Box::new(SglangCacheAware::new(replicas, seed, false)),
         "sglang-legacy" => Box::new(SglangCacheAware::new(replicas, seed, true)),
         "llmd" => Box::new(Llmd::new(replicas, seed)),
@@ -333,17 +337,35 @@ impl Policy for RandomPick {
     }
 }
 
-/// Envoy's / the gateways' least-request: fewest router-tracked in-flight requests.
-struct LeastRequest {
+/// A policy that picks from the router's own in-flight counts alone: least-request and
+/// power-of-two differ only in `choose`.
+struct CountPolicy {
+    name: &'static str,
     load: Load,
     rng: SplitMix,
+    choose: fn(&[u32], &mut SplitMix) -> usize,
 }
-impl Policy for LeastRequest {
+impl CountPolicy {
+    fn new(
+        name: &'static str,
+        n: usize,
+        seed: u64,
+        choose: fn(&[u32], &mut SplitMix) -> usize,
+    ) -> Self {
+        Self {
+            name,
+            load: Load::new(n),
+            rng: SplitMix(seed),
+            choose,
+        }
+    }
+}
+impl Policy for CountPolicy {
     fn name(&self) -> &str {
-        "least-request"
+        self.name
     }
     fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
-        let pick = argmin_random(self.load.inflight.iter().copied(), &mut self.rng);
+        let pick = (self.choose)(&self.load.inflight, &mut self.rng);
         self.load.add(r.id, pick);
         pick
     }
@@ -352,34 +374,21 @@ impl Policy for LeastRequest {
     }
 }
 
+/// Envoy's / the gateways' least-request: fewest router-tracked in-flight requests.
+fn least_request(inflight: &[u32], rng: &mut SplitMix) -> usize {
+    argmin_random(inflight.iter().copied(), rng)
+}
+
 /// Power of two choices (SGLang `power_of_two`, Ray Serve LLM default): two random replicas,
 /// the less loaded wins.
-struct PowerOfTwo {
-    load: Load,
-    rng: SplitMix,
-}
-impl Policy for PowerOfTwo {
-    fn name(&self) -> &str {
-        "power-of-two"
+fn power_of_two(inflight: &[u32], rng: &mut SplitMix) -> usize {
+    let n = inflight.len();
+    let a = rng.below(n);
+    let mut b = rng.below(n);
+    if n > 1 && a == b {
+        b = (a + 1 + rng.below(n - 1)) % n;
     }
-    fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
-        let n = self.load.inflight.len();
-        let a = self.rng.below(n);
-        let mut b = self.rng.below(n);
-        if n > 1 && a == b {
-            b = (a + 1 + self.rng.below(n - 1)) % n;
-        }
-        let pick = if self.load.inflight[b] < self.load.inflight[a] {
-            b
-        } else {
-            a
-        };
-        self.load.add(r.id, pick);
-        pick
-    }
-    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
-        self.load.finish(id);
-    }
+    if inflight[b] < inflight[a] { b } else { a }
 }
 
 /// A prefix index learned from routing history only (what SGLang's radix tree and llm-d's
