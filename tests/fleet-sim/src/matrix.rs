@@ -15,6 +15,10 @@
 //!   [`MODERATE_LOAD`] (round robin is busy but keeps up) and [`SATURATING_LOAD`] (it cannot:
 //!   with decode steps on top, its queues grow for the whole run). Requests longer than the
 //!   pool's `max_model_len` are refused by the engines and left out of the offered load.
+//!   Closed-loop workloads (multi-turn, agentic: a turn waits for the previous one) keep their
+//!   think and tool times; their sessions start at the rate that offers that load, and a
+//!   higher load has proportionally more sessions over the same window, since a closed loop's
+//!   load is its concurrency.
 //! - **Tight-cache cells** shrink `llama8b-h100`'s cache to [`TIGHT_CACHE_TOKENS`] per replica,
 //!   well under the working set, to test whether precise mode (which sees every eviction)
 //!   earns its cost over approximate mode.
@@ -106,25 +110,43 @@ impl MatrixWorkload {
     /// are placeholders: the matrix rescales arrivals to the cell's load.
     pub fn spec(self, requests: usize) -> Option<String> {
         let r = requests.max(10);
-        Some(match self {
-            MatrixWorkload::SharedPrefix => format!(
+        match self {
+            MatrixWorkload::SharedPrefix => Some(format!(
                 "shared-prefix:groups={},prompts=5,system=6000,question=1200,output=400",
                 r / 5
-            ),
-            MatrixWorkload::MultiTurn => format!(
-                "multi-turn:conversations={},turns=6,system=2000,user=200,output=150",
-                r / 6
-            ),
-            MatrixWorkload::LongDoc => {
-                format!("long-doc:requests={r},docs=8,doc=12000,short=40,output=100")
+            )),
+            MatrixWorkload::LongDoc => Some(format!(
+                "long-doc:requests={r},docs=8,doc=12000,short=40,output=100"
+            )),
+            MatrixWorkload::MultiTurn | MatrixWorkload::Agentic => {
+                self.session_spec(self.sessions_for(r)?, 1.0)
             }
+            MatrixWorkload::Mooncake => None,
+        }
+    }
+
+    /// Sessions (conversations, agents) of a closed-loop workload for about `requests`
+    /// requests; `None` for open-loop workloads.
+    pub fn sessions_for(self, requests: usize) -> Option<usize> {
+        match self {
+            MatrixWorkload::MultiTurn => Some((requests / 6).max(1)),
             // 10 main turns plus 2 forks of 3 subagents x 3 turns: 28 requests an agent.
-            MatrixWorkload::Agentic => format!(
-                "agentic:agents={},steps=10,system=4000,task=300,tool=500,call=100,answer=400,fork_every=4,fanout=3,sub_steps=3",
-                (r / 28).max(1)
-            ),
-            MatrixWorkload::Mooncake => return None,
-        })
+            MatrixWorkload::Agentic => Some((requests / 28).max(1)),
+            _ => None,
+        }
+    }
+
+    /// The closed-loop generator spec of `sessions` sessions starting at `rps` a second.
+    pub fn session_spec(self, sessions: usize, rps: f64) -> Option<String> {
+        match self {
+            MatrixWorkload::MultiTurn => Some(format!(
+                "multi-turn:conversations={sessions},turns=6,system=2000,user=200,output=150,rps={rps}"
+            )),
+            MatrixWorkload::Agentic => Some(format!(
+                "agentic:agents={sessions},steps=10,system=4000,task=300,tool=500,call=100,answer=400,fork_every=4,fanout=3,sub_steps=3,rps={rps}"
+            )),
+            _ => None,
+        }
     }
 }
 
@@ -405,6 +427,9 @@ fn cell_workload(
     } else {
         spec.requests
     };
+    if let Some(sessions) = cell.workload.sessions_for(requests) {
+        return closed_loop_workload(cell, seed, sessions, replicas);
+    }
     let (mut w, max_tokens) = match cell.workload.spec(requests) {
         Some(s) => (from_spec(&s, seed)?, client_max_tokens(&s)?),
         None => {
@@ -441,6 +466,38 @@ fn cell_workload(
     let pilot_hit = pilot_hit_rate(cell, seed, &w, max_tokens, replicas)?;
     w.speed_up(cell.load / (1.0 - pilot_hit).max(0.05));
     Ok((w, max_tokens, pilot_hit))
+}
+
+/// A closed-loop cell's workload: a turn waits for the previous one, so compressing arrivals
+/// cannot raise the load past what its sessions' concurrency allows. Think and tool times stay
+/// as generated; sessions start at the rate whose prompt tokens (round robin's uncached share,
+/// from a pilot) are `load` of the capacity, and there are more sessions at a higher load (the
+/// moderate load's session count times `load / MODERATE_LOAD`: the same window of time).
+fn closed_loop_workload(
+    cell: &Cell,
+    seed: u64,
+    sessions: usize,
+    replicas: usize,
+) -> Result<(Workload, Option<u32>, f64), MatrixError> {
+    let build = |sessions: usize, rps: f64| -> Result<(Workload, Option<u32>), MatrixError> {
+        let spec = cell
+            .workload
+            .session_spec(sessions, rps)
+            .ok_or_else(|| MatrixError::Policy(cell.workload.name().into()))?;
+        Ok((from_spec(&spec, seed)?, client_max_tokens(&spec)?))
+    };
+    let (w, _) = build(sessions, 1.0)?;
+    let per_session: f64 = (0..w.requests.len())
+        .map(|i| f64::from(w.prompt_len(i)))
+        .sum::<f64>()
+        / sessions as f64;
+    let capacity = cell.pool.prefill_capacity(replicas);
+    let (pilot, max_tokens) = build(sessions, capacity / per_session.max(1.0))?;
+    let hit = pilot_hit_rate(cell, seed, &pilot, max_tokens, replicas)?;
+    let rps = cell.load * capacity / ((1.0 - hit).max(0.05) * per_session.max(1.0));
+    let scaled = ((sessions as f64 * cell.load / MODERATE_LOAD).round() as usize).max(1);
+    let (w, max_tokens) = build(scaled, rps)?;
+    Ok((w, max_tokens, hit))
 }
 
 /// Mean and 95% half-width (Student's t) of a sample.
@@ -893,6 +950,41 @@ mod tests {
         assert!(
             (uncached / (0.5 * 26_300.0) - 1.0).abs() < 1e-6,
             "{uncached}"
+        );
+    }
+
+    // A closed loop's load is its concurrency: a higher load starts more sessions, faster.
+    #[test]
+    fn closed_loop_loads_scale_the_sessions() {
+        let pool = Pool::named("llama8b-h100").unwrap();
+        let cell = |load| Cell {
+            workload: MatrixWorkload::MultiTurn,
+            pool: pool.clone(),
+            load,
+            tight: false,
+        };
+        let mut spec = MatrixSpec::quick(vec![3]);
+        spec.requests = 60;
+        let empty = Workload {
+            name: "none".into(),
+            requests: Vec::new(),
+        };
+        let (moderate, cap, _) = cell_workload(&cell(MODERATE_LOAD), 3, &spec, &empty, 4).unwrap();
+        let (saturating, _, _) =
+            cell_workload(&cell(SATURATING_LOAD), 3, &spec, &empty, 4).unwrap();
+        assert_eq!(cap, None, "chat clients send no max_tokens");
+        let sessions =
+            |w: &Workload| w.requests.iter().filter_map(|r| r.session).max().unwrap() + 1;
+        assert_eq!(sessions(&moderate), 10);
+        assert_eq!(sessions(&saturating), 24);
+        // Think times are kept (0.5x-1.5x of 2 s).
+        assert!(
+            moderate
+                .requests
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| moderate.depends_on(*i).is_some())
+                .all(|(_, r)| (1000.0..=3000.0).contains(&r.arrival_ms))
         );
     }
 
