@@ -8,8 +8,12 @@
 //! arrives to, not the fleet's TTFT distribution. Placing a request where it starts soonest can
 //! crowd a replica that a later request would have wanted (or evict a prefix a later request
 //! would have hit), so a clairvoyant scheduler that planned the whole trace could do better,
-//! and on some cells a real router may beat it at the tail. It bounds what per-request
-//! placement on current state can achieve; the gap to it is what better estimates could win.
+//! and a real router that keeps affinity can beat it, at the tail and on saturated cells even
+//! at the median. It bounds what per-request placement on current state can achieve for the
+//! request at hand; the gap to it is what better estimates of that could win.
+//!
+//! Cost: up to one engine clone and a few simulated steps per replica per request (candidates
+//! are probed fewest-requests first and a probe stops once it is slower than the best so far).
 
 use vllm_sim::{Engine, RequestEvent};
 
