@@ -730,27 +730,31 @@ impl Policy for LlmdOptimized {
 }
 
 /// Dynamo's router queue threshold: requests wait in the router while every worker's active
-/// prefill tokens exceed this fraction of its `max_num_batched_tokens`.
-const DYNAMO_QUEUE_THRESHOLD: f64 = 2.0;
+/// prefill tokens exceed this fraction of its `max_num_batched_tokens` (`KvRouterConfig`'s
+/// default `router_queue_threshold: Some(4.0)`).
+const DYNAMO_QUEUE_THRESHOLD: f64 = 4.0;
 
-/// NVIDIA Dynamo's KV router with its defaults: KV events on (precise overlap), overlap weight
-/// 1.0, temperature 0 (argmin, random ties), active-block and prefill-token tracking, the
-/// router queue (`router_queue_threshold` 2.0, FCFS). Follows
-/// `ai-dynamo/dynamo:lib/kv-router/src/scheduling/selector.rs` (`DefaultWorkerSelector`):
-/// `logit = overlap_weight * potential_prefill_blocks + potential_decode_blocks` with
-/// `potential_prefill_blocks = (active prefill tokens + isl - overlap_blocks * block_size) /
-/// block_size` (fractional: the request's partial block counts by its tokens) and
-/// `potential_decode_blocks` = the worker's distinct active complete blocks plus the request's
-/// complete blocks new to it (a partial block has no hash and is not counted). Prefill tokens
-/// are released at the first token, blocks at completion. The queue
-/// (`lib/kv-router/src/scheduling/queue.rs`, config in `lib/kv-router/src/config.rs`) holds a
-/// request while every worker is busy and re-offers it, oldest first, when one frees.
+/// NVIDIA Dynamo's KV router with its defaults: KV events on (precise overlap), overlap credit
+/// 1.0, prefill load scale 1.0, temperature 0 (argmin, random ties), active-block and
+/// prefill-token tracking, the router queue (`router_queue_threshold` 4.0, FCFS). Follows
+/// `ai-dynamo/dynamo:lib/kv-router/src/scheduling/selector/default.rs` (`worker_logit`; the
+/// older `scheduling/selector.rs` has the same formula):
+/// `logit = scale * max(raw_prefill_blocks - credit * overlap_blocks, 0) + decode_blocks`
+/// (`prefill_load_scale`, `overlap_score_credit`), with
+/// `raw_prefill_blocks = (active prefill tokens + isl) / block_size`
+/// (fractional: the request's partial block counts by its tokens) and `decode_blocks` the
+/// worker's distinct active complete blocks plus the request's complete blocks new to it (a
+/// partial block has no hash and is not counted). Prefill tokens are released at the first
+/// token, blocks at completion. The queue (`lib/kv-router/src/scheduling/queue.rs`, defaults in
+/// `lib/kv-router/src/scheduling/config.rs`) holds a request while every worker is busy and
+/// re-offers it, oldest first, when one frees.
 ///
-/// Where the model differs: the queue threshold default has moved between releases (the
-/// frontend CLI read says 2.0; the Python binding signature in one release 4.0; the Rust
-/// `KvRouterConfig` default `None`); output blocks are not tracked (`router_track_output_blocks`
-/// is off by default); KV events arrive at the end of the engine step that made them, with no
-/// NATS delay, so it sees evictions a little sooner than the real router.
+/// Where the model differs: the queue threshold default has moved between releases (4.0 in
+/// `KvRouterConfig::default()` and the Python binding; some frontend CLI docs say 2.0);
+/// `decode_active_request_weight`, the overlap-credit decay and host/disk tiers are left at
+/// zero / off; output blocks are not tracked (`router_track_output_blocks` is off by default);
+/// KV events arrive at the end of the engine step that made them, with no NATS delay, so it
+/// sees evictions a little sooner than the real router.
 struct Dynamo {
     gpu: PrefixIndex,
     offload: PrefixIndex,
@@ -1405,7 +1409,7 @@ mod tests {
         let w = p.route(&request(1, &prompt), 0.0);
         assert_eq!(p.prefill_tokens[w], 40.0);
         assert_eq!(p.active_blocks[w].len(), 2);
-        p.prefill_tokens = vec![20_000.0, 20_000.0];
+        p.prefill_tokens = vec![40_000.0, 40_000.0];
         assert!(p.holds_in_queue(&request(2, &prompt), 1.0));
         p.prefill_tokens[1] = 0.0;
         assert!(!p.holds_in_queue(&request(2, &prompt), 1.0));
