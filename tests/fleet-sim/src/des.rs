@@ -4,13 +4,15 @@
 //! back to back while they have work; a step's events become visible at its end. Replica
 //! metrics are "scraped" on an interval, so policies see them as stale as a real router would.
 //! Later chat turns arrive a think time after their previous turn finished and repeat its
-//! prompt and generated answer, so the engines' prefix caches see real multi-turn reuse.
+//! prompt and generated answer, so the engines' prefix caches see real multi-turn reuse (an
+//! agent's subagents fork from one turn the same way). Routers see only what a request
+//! carries: its tokens and the client's `max_tokens` cap, never the length it will generate.
 
 use crate::events::EventQueue;
 use hashbrown::HashMap;
 use scorer_core::precise::{KvEvent as CoreKvEvent, Medium};
 
-use super::policy::{Policy, PolicyRequest, ReplicaSnapshot};
+use super::policy::{ExactFleet, Policy, PolicyRequest, ReplicaSnapshot};
 use super::workload::{PromptSource, Workload, push_stream};
 use vllm_sim::{
     Engine, EngineConfig, EngineRequest, KvEvent, Profile, RequestEvent, SimError, StoredBlocks,
@@ -104,29 +106,67 @@ fn to_core(e: &KvEvent) -> CoreKvEvent {
     }
 }
 
-/// Replays `workload` through `cfg.replicas` engines routed by `policy`.
+/// What a run adds to [`SimConfig`]: what the client sends and a mixed-hardware pool.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// The `max_tokens` every request carries (the client's cap), `None` when the client sends
+    /// none. Routers see only this; the engine generates the request's real length, cut at the
+    /// cap as vLLM would (the simulated engine has no EOS, so the real length stands in for it).
+    pub max_tokens: Option<u32>,
+    /// One profile per replica for a mixed-hardware pool; empty runs `cfg.profile` everywhere.
+    pub replica_profiles: Vec<Profile>,
+}
+
+/// Replays `workload` through `cfg.replicas` engines routed by `policy`; the client sends no
+/// `max_tokens` (see [`run_with`]).
 pub fn run(
     workload: &Workload,
     policy: &mut dyn Policy,
     cfg: &SimConfig,
 ) -> Result<RunResult, SimError> {
+    run_with(workload, policy, cfg, &RunOptions::default())
+}
+
+/// A request the router's own queue holds (Dynamo's router queue): its index and tokens.
+struct Held {
+    id: usize,
+    tokens: Vec<u32>,
+}
+
+/// Replays `workload` through `cfg.replicas` engines routed by `policy`, with `options`.
+/// Each policy's metrics are scraped on its own interval ([`Policy::metrics_interval_ms`],
+/// else `cfg.metrics_interval_ms`), so it sees them as stale as its real router does.
+pub fn run_with(
+    workload: &Workload,
+    policy: &mut dyn Policy,
+    cfg: &SimConfig,
+    options: &RunOptions,
+) -> Result<RunResult, SimError> {
     let wants_events = policy.wants_kv_events();
-    let mut fleet = EngineSteps::new(build_engines(
-        &cfg.profile,
-        cfg.replicas,
-        cfg.seed,
-        wants_events,
-    )?);
+    let profiles: Vec<Profile> = if options.replica_profiles.is_empty() {
+        vec![cfg.profile.clone(); cfg.replicas]
+    } else {
+        if options.replica_profiles.len() != cfg.replicas {
+            return Err(SimError::Config(format!(
+                "{} replica profiles for {} replicas",
+                options.replica_profiles.len(),
+                cfg.replicas
+            )));
+        }
+        options.replica_profiles.clone()
+    };
+    let mut fleet = EngineSteps::new(build_mixed_engines(&profiles, cfg.seed, wants_events)?);
     let n = workload.requests.len();
     let mut records = vec![RequestRecord::default(); n];
-    let mut dependent: HashMap<usize, usize> = HashMap::new();
+    // A request's dependents: later chat or agent turns, subagents forked from it.
+    let mut dependents: HashMap<usize, Vec<usize>> = HashMap::new();
     for i in 0..n {
         if let Some(p) = workload.depends_on(i) {
-            dependent.insert(p, i);
+            dependents.entry(p).or_default().push(i);
         }
     }
-    // Prompt + generated tokens of requests a later turn will repeat.
-    let mut context: HashMap<usize, Vec<u32>> = HashMap::new();
+    // Prompt + generated tokens of requests later requests repeat, with how many still will.
+    let mut context: HashMap<usize, (Vec<u32>, usize)> = HashMap::new();
     let mut queue = EventQueue::new();
     for i in 0..n {
         if workload.depends_on(i).is_none() {
@@ -134,56 +174,55 @@ pub fn run(
         }
     }
     queue.push(0.0, Event::Scrape);
+    let scrape_ms = policy
+        .metrics_interval_ms()
+        .unwrap_or(cfg.metrics_interval_ms)
+        .max(1e-3);
     let mut unresolved = n;
+    let mut held: std::collections::VecDeque<Held> = std::collections::VecDeque::new();
     let mut result = RunResult {
         policy: policy.name().to_string(),
         ..RunResult::default()
     };
-    let block_size = cfg.profile.block_size;
-    let capacity_tokens = cfg.profile.kv_capacity_tokens;
+    // Releases request `i`'s dependents at `now` (each after its think time).
+    let release = |i: usize, now: f64, queue: &mut EventQueue<Event>| {
+        for &d in dependents.get(&i).into_iter().flatten() {
+            queue.push(now + workload.requests[d].arrival_ms, Event::Arrival(d));
+        }
+    };
 
     while let Some((now, event)) = queue.pop() {
+        let mut ready: Vec<Held> = Vec::new();
         match event {
             Event::Arrival(i) => {
                 let spec = &workload.requests[i];
                 let tokens = match &spec.prompt {
                     PromptSource::Continue { previous, user } => {
-                        let mut t = context
-                            .remove(previous)
+                        let mut t = take_context(&mut context, *previous)
                             .unwrap_or_else(|| workload.prompt_tokens(*previous));
                         push_stream(&mut t, user.0, user.1);
                         t
                     }
                     _ => workload.prompt_tokens(i),
                 };
-                let request = PolicyRequest {
-                    id: i,
-                    tokens: &tokens,
-                    output_tokens: spec.output_tokens,
-                    session: spec.session,
-                };
-                let replica = policy.route(&request, now).min(cfg.replicas - 1);
                 records[i] = RequestRecord {
                     arrival_ms: now,
                     prompt_tokens: tokens.len() as u32,
-                    replica,
-                    predicted_cached_tokens: policy.predicted_cached_tokens(i),
                     ..RequestRecord::default()
                 };
-                if dependent.contains_key(&i) {
-                    context.insert(i, tokens.clone());
+                if let Some(d) = dependents.get(&i) {
+                    context.insert(i, (tokens.clone(), d.len()));
                 }
-                let request = arriving(i, tokens, spec.output_tokens, now);
-                if fleet
-                    .add(replica, request, now, &mut queue, Event::StepDone)
-                    .is_err()
-                {
-                    records[i].rejected = true;
-                    unresolved -= 1;
-                    policy.on_finish(i, replica, now, 0);
-                    if let Some(&d) = dependent.get(&i) {
-                        queue.push(now + workload.requests[d].arrival_ms, Event::Arrival(d));
-                    }
+                let request = PolicyRequest {
+                    id: i,
+                    tokens: &tokens,
+                    max_tokens: options.max_tokens,
+                    session: spec.session,
+                };
+                if held.is_empty() && !policy.holds_in_queue(&request, now) {
+                    ready.push(Held { id: i, tokens });
+                } else {
+                    held.push_back(Held { id: i, tokens });
                 }
             }
             Event::StepDone(r) => {
@@ -201,7 +240,7 @@ pub fn run(
                             records[i].first_token_ms = Some(now);
                             records[i].cached_tokens = *cached_tokens;
                             records[i].output_tokens += 1;
-                            if let Some(c) = context.get_mut(&i) {
+                            if let Some((c, _)) = context.get_mut(&i) {
                                 c.push(*token_id);
                             }
                             policy.on_first_token(i, r, now);
@@ -209,7 +248,7 @@ pub fn run(
                         RequestEvent::Token { request, token_id } => {
                             let i = *request as usize;
                             records[i].output_tokens += 1;
-                            if let Some(c) = context.get_mut(&i) {
+                            if let Some((c, _)) = context.get_mut(&i) {
                                 c.push(*token_id);
                             }
                         }
@@ -220,10 +259,7 @@ pub fn run(
                             records[i].output_tokens = summary.output_tokens;
                             unresolved -= 1;
                             policy.on_finish(i, r, now, summary.cached_tokens);
-                            if let Some(&d) = dependent.get(&i) {
-                                queue
-                                    .push(now + workload.requests[d].arrival_ms, Event::Arrival(d));
-                            }
+                            release(i, now, &mut queue);
                         }
                     }
                 }
@@ -232,20 +268,66 @@ pub fn run(
                     policy.on_kv_events(r, &events, now);
                 }
                 fleet.start_step(r, now, &mut queue, Event::StepDone);
+                // The router's queue, oldest first, while the router lets requests go.
+                while let Some(front) = held.front() {
+                    let request = PolicyRequest {
+                        id: front.id,
+                        tokens: &front.tokens,
+                        max_tokens: options.max_tokens,
+                        session: workload.requests[front.id].session,
+                    };
+                    if policy.holds_in_queue(&request, now) {
+                        break;
+                    }
+                    ready.extend(held.pop_front());
+                }
             }
             Event::Scrape => {
                 let snapshots: Vec<ReplicaSnapshot> = fleet
                     .engines
                     .iter()
-                    .map(|e| ReplicaSnapshot::of(&e.stats(), capacity_tokens, block_size))
+                    .map(|e| ReplicaSnapshot::of(&e.stats(), &e.config().profile))
                     .collect();
                 result.max_waiting = result
                     .max_waiting
                     .max(snapshots.iter().map(|s| s.waiting).max().unwrap_or(0));
                 policy.on_metrics(&snapshots, now);
                 if unresolved > 0 {
-                    queue.push(now + cfg.metrics_interval_ms, Event::Scrape);
+                    queue.push(now + scrape_ms, Event::Scrape);
                 }
+            }
+        }
+        for Held { id: i, tokens } in ready {
+            let spec = &workload.requests[i];
+            let request = PolicyRequest {
+                id: i,
+                tokens: &tokens,
+                max_tokens: options.max_tokens,
+                session: spec.session,
+            };
+            let busy_until = fleet.busy_until_ms();
+            let exact = ExactFleet {
+                engines: &fleet.engines,
+                busy_until_ms: &busy_until,
+            };
+            let replica = policy
+                .route_exact(&request, &exact, now)
+                .unwrap_or_else(|| policy.route(&request, now))
+                .min(cfg.replicas - 1);
+            records[i].replica = replica;
+            records[i].predicted_cached_tokens = policy.predicted_cached_tokens(i);
+            let output = options
+                .max_tokens
+                .map_or(spec.output_tokens, |cap| spec.output_tokens.min(cap.max(1)));
+            let request = arriving(i, tokens, output, now);
+            if fleet
+                .add(replica, request, now, &mut queue, Event::StepDone)
+                .is_err()
+            {
+                records[i].rejected = true;
+                unresolved -= 1;
+                policy.on_finish(i, replica, now, 0);
+                release(i, now, &mut queue);
             }
         }
     }
@@ -268,6 +350,38 @@ pub fn run(
     Ok(result)
 }
 
+/// Takes one use of request `previous`'s context (prompt and answer), dropping it after its
+/// last dependent took it.
+fn take_context(
+    context: &mut HashMap<usize, (Vec<u32>, usize)>,
+    previous: usize,
+) -> Option<Vec<u32>> {
+    let (tokens, left) = context.get_mut(&previous)?;
+    if *left > 1 {
+        *left -= 1;
+        return Some(tokens.clone());
+    }
+    context.remove(&previous).map(|(t, _)| t)
+}
+
+/// One engine per profile, each seeded from `seed` and its index.
+pub(crate) fn build_mixed_engines(
+    profiles: &[Profile],
+    seed: u64,
+    kv_events: bool,
+) -> Result<Vec<Engine>, SimError> {
+    profiles
+        .iter()
+        .enumerate()
+        .map(|(i, profile)| {
+            let mut ec = EngineConfig::new(profile.clone());
+            ec.seed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9);
+            ec.kv_events = kv_events;
+            Engine::new(ec)
+        })
+        .collect()
+}
+
 /// `replicas` engines of `profile`, each seeded from `seed` and its index, publishing KV events
 /// when `kv_events` (the fleet every fleet-sim model steps).
 pub(crate) fn build_engines(
@@ -276,14 +390,7 @@ pub(crate) fn build_engines(
     seed: u64,
     kv_events: bool,
 ) -> Result<Vec<Engine>, SimError> {
-    (0..replicas)
-        .map(|i| {
-            let mut ec = EngineConfig::new(profile.clone());
-            ec.seed = seed ^ (i as u64).wrapping_mul(0x9e37_79b9);
-            ec.kv_events = kv_events;
-            Engine::new(ec)
-        })
-        .collect()
+    build_mixed_engines(&vec![profile.clone(); replicas], seed, kv_events)
 }
 
 /// Request `id` of `prompt_tokens`, arriving at `now_ms` with no LoRA adapter and no cache
@@ -336,6 +443,14 @@ impl EngineSteps {
         Ok(())
     }
 
+    /// When each engine's step in flight ends (virtual ms), `None` for idle engines.
+    pub(crate) fn busy_until_ms(&self) -> Vec<Option<f64>> {
+        self.pending
+            .iter()
+            .map(|p| p.as_ref().map(|o| o.end_s * 1000.0))
+            .collect()
+    }
+
     /// The output of `replica`'s step that just ended (`None` if none was in flight).
     pub(crate) fn take_step(&mut self, replica: usize) -> Option<vllm_sim::StepOutput> {
         self.pending[replica].take()
@@ -381,4 +496,118 @@ pub(crate) fn start_step<E>(
     let end_ms = (out.end_s * 1000.0).max(now_ms);
     *pending = Some(out);
     queue.push(end_ms, step_done(replica));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::{client_max_tokens, from_spec};
+
+    /// Records what a router is shown, routing round robin.
+    #[derive(Default)]
+    struct Spy {
+        seen: Vec<(usize, Option<u32>)>,
+        scrapes: Vec<f64>,
+        interval: Option<f64>,
+        next: usize,
+    }
+    impl Policy for Spy {
+        fn name(&self) -> &str {
+            "spy"
+        }
+        fn metrics_interval_ms(&self) -> Option<f64> {
+            self.interval
+        }
+        fn on_metrics(&mut self, _: &[ReplicaSnapshot], now_ms: f64) {
+            self.scrapes.push(now_ms);
+        }
+        fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
+            self.seen.push((r.id, r.max_tokens));
+            self.next += 1;
+            self.next % 2
+        }
+    }
+
+    fn cfg() -> SimConfig {
+        SimConfig {
+            replicas: 2,
+            profile: Profile::llama8b_h100(),
+            seed: 1,
+            metrics_interval_ms: 100.0,
+        }
+    }
+
+    // Routers see the client's cap, never the real length; the engine stops at the real length.
+    #[test]
+    fn routers_see_the_cap_not_the_real_length() {
+        let spec = "agentic:agents=2,steps=5,system=300,task=50,tool=80,call=40,answer=90,fork_every=2,fanout=2,sub_steps=2,rps=4";
+        let workload = from_spec(spec, 3).unwrap();
+        let cap = client_max_tokens(spec).unwrap();
+        assert_eq!(cap, Some(4096));
+        let lengths: Vec<u32> = workload.requests.iter().map(|r| r.output_tokens).collect();
+        assert!(
+            lengths.iter().any(|&l| l != lengths[0]),
+            "real lengths vary"
+        );
+        let mut spy = Spy::default();
+        let options = RunOptions {
+            max_tokens: cap,
+            ..RunOptions::default()
+        };
+        let result = run_with(&workload, &mut spy, &cfg(), &options).unwrap();
+        assert_eq!(spy.seen.len(), workload.requests.len());
+        assert!(spy.seen.iter().all(|&(_, m)| m == cap));
+        for (r, spec) in result.records.iter().zip(&workload.requests) {
+            assert_eq!(r.output_tokens, spec.output_tokens);
+        }
+        // Without a cap the router is shown nothing at all.
+        let mut spy = Spy::default();
+        run(&workload, &mut spy, &cfg()).unwrap();
+        assert!(spy.seen.iter().all(|&(_, m)| m.is_none()));
+        // A cap below the real length cuts the answer, as vLLM would.
+        let options = RunOptions {
+            max_tokens: Some(30),
+            ..RunOptions::default()
+        };
+        let result = run_with(&workload, &mut Spy::default(), &cfg(), &options).unwrap();
+        assert!(result.records.iter().all(|r| r.output_tokens <= 30));
+    }
+
+    // Each policy gets scraped on its own router's interval.
+    #[test]
+    fn scrapes_follow_the_policys_interval() {
+        let workload = from_spec("no-sharing:requests=20,input=200,output=20,rps=10", 1).unwrap();
+        let gaps = |interval| {
+            let mut spy = Spy {
+                interval,
+                ..Spy::default()
+            };
+            run(&workload, &mut spy, &cfg()).unwrap();
+            spy.scrapes[1] - spy.scrapes[0]
+        };
+        assert_eq!(gaps(None), 100.0);
+        assert_eq!(gaps(Some(50.0)), 50.0);
+    }
+
+    // Subagents fork from one turn: each repeats that turn's prompt and answer, so they share
+    // its prefix, and all of them run.
+    #[test]
+    fn subagents_share_the_forked_turns_context() {
+        let spec = "agentic:agents=1,steps=3,system=200,task=20,tool=30,call=10,answer=10,fork_every=1,fanout=3,sub_steps=1,rps=1";
+        let workload = from_spec(spec, 1).unwrap();
+        let forks: Vec<usize> = (0..workload.requests.len())
+            .filter(|&i| workload.depends_on(i) == Some(0))
+            .collect();
+        // The main loop's next turn plus three subagents.
+        assert_eq!(forks.len(), 4);
+        let mut spy = Spy::default();
+        let result = run(&workload, &mut spy, &cfg()).unwrap();
+        assert!(result.records.iter().all(|r| r.finish_ms.is_some()));
+        let first = workload.prompt_tokens(0);
+        for &f in &forks {
+            let p = workload.prompt_tokens(f);
+            assert!(p.starts_with(&first));
+            assert_eq!(result.records[f].prompt_tokens, p.len() as u32);
+        }
+    }
 }

@@ -192,6 +192,8 @@ struct Spec {
     arrival_ms: f64,
     prompt: Vec<u32>,
     output: u32,
+    /// The `max_tokens` the client sends (what the router sees).
+    max_tokens: u32,
     long: bool,
 }
 
@@ -222,6 +224,13 @@ fn generate(workload: DisaggWorkload, sc: &DisaggScenario) -> Vec<Spec> {
                 arrival_ms: t,
                 prompt,
                 output: output.max(1),
+                // A client asks for at most the top of its range.
+                max_tokens: if long {
+                    sc.long_output
+                } else {
+                    sc.short_output.1.max(sc.short_output.0)
+                }
+                .max(1),
                 long,
             }
         })
@@ -291,7 +300,8 @@ impl Sim<'_> {
             block_hashes: token_block_hashes(model_seed(MODEL), &spec.prompt, HASH_BLOCK_TOKENS),
             prompt_bytes: spec.prompt.len() as u64 * 4,
             prompt_tokens: spec.prompt.len() as u32,
-            max_output_tokens: Some(spec.output),
+            // The client's cap, not the answer's length: no router knows that.
+            max_output_tokens: Some(spec.max_tokens),
             ..RouteRequest::default()
         };
         self.seed = self.seed.wrapping_mul(6364136223846793005).wrapping_add(1);
@@ -409,7 +419,7 @@ impl Sim<'_> {
 
     fn scrape(&mut self, now: f64) {
         for (a, e) in self.addresses.iter().zip(&self.engines) {
-            let s = ReplicaSnapshot::of(&e.stats(), 0, 0);
+            let s = ReplicaSnapshot::of(&e.stats(), &e.config().profile);
             let m = EndpointMetrics {
                 running: s.running,
                 waiting: s.waiting,

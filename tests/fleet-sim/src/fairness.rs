@@ -253,7 +253,9 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                         &PolicyRequest {
                             id: i,
                             tokens: &tokens,
-                            output_tokens: output,
+                            // The benchmark's clients send their length as `max_tokens` and the
+                            // engine generates all of it (ignore_eos), so the cap is the length.
+                            max_tokens: Some(output),
                             session: None,
                         },
                         now,
@@ -294,11 +296,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
             }
             Event::Scrape => {
                 for (i, e) in fleet.engines.iter().enumerate() {
-                    snapshots[i] = ReplicaSnapshot::of(
-                        &e.stats(),
-                        s.profile.kv_capacity_tokens,
-                        s.profile.block_size,
-                    );
+                    snapshots[i] = ReplicaSnapshot::of(&e.stats(), &s.profile);
                 }
                 router.on_metrics(&snapshots, now);
                 if outstanding > 0 {

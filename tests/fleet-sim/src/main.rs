@@ -9,12 +9,12 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use fleet_sim::des::{RunResult, SimConfig, run};
+use fleet_sim::des::{RunOptions, RunResult, SimConfig, run_with};
 use fleet_sim::policy::{
     DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with, check_policy, regroup_policy_specs,
 };
 use fleet_sim::report::{PolicySummary, line_chart, line_chart_axes, table, ttft_cdf_series};
-use fleet_sim::workload::from_spec;
+use fleet_sim::workload::{client_max_tokens, from_spec};
 use scorer_core::router::RouterConfig;
 use serde::Serialize;
 use vllm_sim::Profile;
@@ -41,6 +41,42 @@ enum Command {
     /// Prefill/decode disaggregation: each workload colocated and disaggregated; prints TTFT
     /// p50/p99 and the ITL p99 of running streams, and when disaggregation helps.
     Disagg(Box<DisaggArgs>),
+    /// Every policy on workloads x engine pools x loads x seeds (TTFT mean with 95%
+    /// t-intervals, hit rate, tokens/s, kvroute against the best peer and the oracle); reports
+    /// on the report split of seeds unless `--split tuning` or `--seeds`.
+    Matrix(Box<MatrixArgs>),
+}
+
+#[derive(clap::Args)]
+struct MatrixArgs {
+    /// A few small cells (two workloads on two pools plus a tight-cache cell, 4 replicas).
+    #[arg(long)]
+    quick: bool,
+    /// Which split of seeds to run: `report` (seeds 3-7, the default) or `tuning` (seeds 1-2,
+    /// for choosing defaults; never report figures from it).
+    #[arg(long, default_value = "report")]
+    split: String,
+    /// Explicit seeds instead of a split (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    seeds: Option<Vec<u64>>,
+    /// Comma-separated policies (default: the matrix's peers, kvroute, kvroute-precise, oracle).
+    #[arg(long, value_delimiter = ',')]
+    policies: Option<Vec<String>>,
+    /// Requests per workload (about; default 400, quick 200; tight-cache cells run 3x).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Replicas per pool (default 8, quick 4).
+    #[arg(long)]
+    replicas: Option<usize>,
+    /// Worker threads (default: the machine's parallelism).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// The Mooncake trace (default: the shipped one).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Write the JSON report here.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -191,7 +227,74 @@ fn main() -> anyhow::Result<()> {
         Command::Compare(args) => compare(*args),
         Command::Fairness(args) => fairness(*args),
         Command::Disagg(args) => disagg(*args),
+        Command::Matrix(args) => matrix(*args),
     }
+}
+
+fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
+    use fleet_sim::matrix::{MatrixSpec, REPORT_SEEDS, TUNING_SEEDS, run_matrix, table};
+    let seeds = match (&args.seeds, args.split.as_str()) {
+        (Some(seeds), _) => seeds.clone(),
+        (None, "report") => REPORT_SEEDS.to_vec(),
+        (None, "tuning") => TUNING_SEEDS.to_vec(),
+        (None, other) => bail!("--split must be report or tuning, not {other:?}"),
+    };
+    if seeds.is_empty() {
+        bail!("need at least one seed");
+    }
+    let mut spec = if args.quick {
+        MatrixSpec::quick(seeds)
+    } else {
+        MatrixSpec::full(seeds)
+    };
+    if let Some(p) = &args.policies {
+        spec.policies = regroup_policy_specs(p);
+    }
+    if let Some(r) = args.requests {
+        spec.requests = r.max(10);
+    }
+    if let Some(r) = args.replicas {
+        if r == 0 || r > scorer_core::index::MAX_ENDPOINTS {
+            bail!(
+                "--replicas must be 1..={}",
+                scorer_core::index::MAX_ENDPOINTS
+            );
+        }
+        spec.replicas = r;
+    }
+    spec.threads = args.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get)
+    });
+    if let Some(t) = &args.trace {
+        spec.trace = t.clone();
+    }
+    eprintln!(
+        "fleet-sim matrix: {} cells x {} seeds x {} policies on {} threads",
+        spec.cells.len(),
+        spec.seeds.len(),
+        spec.policies.len(),
+        spec.threads
+    );
+    let started = Instant::now();
+    let report = run_matrix(&spec, &|done, total| {
+        if done % 50 == 0 || done == total {
+            eprintln!(
+                "  {done}/{total} runs, {:.0}s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    })?;
+    eprintln!("simulated in {:.1}s", started.elapsed().as_secs_f64());
+    print!("{}", table(&report));
+    if let Some(path) = &args.json {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
 }
 
 fn disagg(args: DisaggArgs) -> anyhow::Result<()> {
@@ -298,6 +401,10 @@ fn run_all(
         workload.truncate(n);
     }
     workload.speed_up(speedup);
+    let options = RunOptions {
+        max_tokens: client_max_tokens(&args.workload)?,
+        ..RunOptions::default()
+    };
     let mut runs = Vec::new();
     for name in policies {
         let mut policy = build_with(
@@ -311,7 +418,7 @@ fn run_all(
         eprint!("  {name:<20} speedup {speedup:<5} ... ");
         std::io::stderr().flush().ok();
         let started = Instant::now();
-        let result = run(&workload, policy.as_mut(), cfg)?;
+        let result = run_with(&workload, policy.as_mut(), cfg, &options)?;
         eprintln!(
             "{} requests in {:.1}s",
             result.records.len(),

@@ -31,23 +31,23 @@ pub struct ReplicaSnapshot {
     pub capacity_tokens: u64,
     /// Engine block size in tokens.
     pub block_size: u32,
+    /// The engine's token budget per step (`--max-num-batched-tokens`, which Dynamo's workers
+    /// publish in their runtime config).
+    pub max_batched_tokens: u32,
     /// The counters online calibration reads (`vllm:prompt_tokens_total` and friends).
     pub counters: EngineCounters,
 }
 
 impl ReplicaSnapshot {
-    /// What a scrape of an engine with these stats shows.
-    pub fn of(
-        stats: &vllm_sim::engine::EngineStats,
-        capacity_tokens: u64,
-        block_size: u32,
-    ) -> Self {
+    /// What a scrape of an engine with these stats and this profile shows.
+    pub fn of(stats: &vllm_sim::engine::EngineStats, profile: &vllm_sim::Profile) -> Self {
         Self {
             running: stats.num_running,
             waiting: stats.num_waiting,
             kv_usage: stats.kv_cache_usage,
-            capacity_tokens,
-            block_size,
+            capacity_tokens: profile.kv_capacity_tokens,
+            block_size: profile.block_size,
+            max_batched_tokens: profile.max_num_batched_tokens,
             counters: EngineCounters {
                 prompt_tokens: stats.prompt_tokens as f64,
                 prefix_cache_hit_tokens: stats.prefix_cache_hits as f64,
@@ -68,8 +68,9 @@ pub struct PolicyRequest<'a> {
     pub id: usize,
     /// Prompt token ids (what vllm-router's render endpoint or a tokenizer gives).
     pub tokens: &'a [u32],
-    /// Requested output length.
-    pub output_tokens: u32,
+    /// The client's `max_tokens`, when it sends one: a cap, never the length the answer will
+    /// have (no real router knows that).
+    pub max_tokens: Option<u32>,
     /// Conversation, when the workload has one.
     pub session: Option<u64>,
 }
@@ -92,6 +93,25 @@ pub trait Policy {
     fn wants_kv_events(&self) -> bool {
         false
     }
+    /// How often this policy's real router scrapes replica metrics (virtual ms); `None` takes
+    /// the run's `metrics_interval_ms` (kvroute's control plane: 100 ms).
+    fn metrics_interval_ms(&self) -> Option<f64> {
+        None
+    }
+    /// Whether `request` waits in the router's own queue instead of being routed now (Dynamo's
+    /// router queue); a held request is offered again, oldest first, after every engine step.
+    fn holds_in_queue(&mut self, _request: &PolicyRequest<'_>, _now_ms: f64) -> bool {
+        false
+    }
+    /// Routing on the engines' exact state (only the oracle): `None` routes with [`Policy::route`].
+    fn route_exact(
+        &mut self,
+        _request: &PolicyRequest<'_>,
+        _fleet: &ExactFleet<'_>,
+        _now_ms: f64,
+    ) -> Option<usize> {
+        None
+    }
     /// Cached tokens the policy predicted for request `id` on its replica, if it predicts any.
     fn predicted_cached_tokens(&self, _id: usize) -> Option<u32> {
         None
@@ -108,6 +128,16 @@ pub trait Policy {
     }
 }
 
+/// The engines' exact state at a routing instant, for the oracle: each engine as of the end of
+/// its step in flight, and when that step ends (`None`: the engine is idle and a new request
+/// starts a step at once).
+pub struct ExactFleet<'a> {
+    /// The engines, by replica index.
+    pub engines: &'a [vllm_sim::Engine],
+    /// End of each engine's step in flight (virtual ms).
+    pub busy_until_ms: &'a [Option<f64>],
+}
+
 /// Every policy name the CLI accepts, in table order.
 pub const POLICY_NAMES: &[&str] = &[
     "round-robin",
@@ -115,11 +145,14 @@ pub const POLICY_NAMES: &[&str] = &[
     "least-request",
     "power-of-two",
     "sglang-cache-aware",
+    "sglang-legacy",
     "llmd",
+    "llmd-optimized",
     "dynamo",
     "kvroute",
     "kvroute-precise",
     "kvroute-local",
+    "oracle",
 ];
 
 /// Checks a policy spec as the CLI takes it: a name of [`POLICY_NAMES`], options only for
@@ -198,16 +231,23 @@ pub fn build_with(
             rng: SplitMix(seed),
             n: replicas,
         }),
-        "least-request" => Box::new(LeastRequest {
-            load: Load::new(replicas),
-            rng: SplitMix(seed),
-        }),
-        "power-of-two" => Box::new(PowerOfTwo {
-            load: Load::new(replicas),
-            rng: SplitMix(seed),
-        }),
-        "sglang-cache-aware" => Box::new(SglangCacheAware::new(replicas, seed)),
+        "least-request" => Box::new(CountPolicy::new(
+            "least-request",
+            replicas,
+            seed,
+            least_request,
+        )),
+        "power-of-two" => Box::new(CountPolicy::new(
+            "power-of-two",
+            replicas,
+            seed,
+            power_of_two,
+        )),
+        "sglang-cache-aware" => Box::new(SglangCacheAware::new(replicas, seed, false)),
+        "sglang-legacy" => Box::new(SglangCacheAware::new(replicas, seed, true)),
         "llmd" => Box::new(Llmd::new(replicas, seed)),
+        "llmd-optimized" => Box::new(LlmdOptimized::new(replicas, seed)),
+        "oracle" => Box::new(crate::oracle::Oracle::new(seed)),
         "dynamo" => Box::new(Dynamo::new(replicas, seed)),
         "kvroute" => Box::new(Kvroute::new(
             replicas,
@@ -323,74 +363,154 @@ impl Policy for RandomPick {
     }
 }
 
-/// Envoy's / the gateways' least-request: fewest router-tracked in-flight requests.
-struct LeastRequest {
+/// A policy that picks from the router's own in-flight counts alone: least-request and
+/// power-of-two differ only in `choose`.
+struct CountPolicy {
+    name: &'static str,
     load: Load,
     rng: SplitMix,
+    choose: fn(&[u32], &mut SplitMix) -> usize,
 }
-impl Policy for LeastRequest {
+impl CountPolicy {
+    fn new(
+        name: &'static str,
+        n: usize,
+        seed: u64,
+        choose: fn(&[u32], &mut SplitMix) -> usize,
+    ) -> Self {
+        Self {
+            name,
+            load: Load::new(n),
+            rng: SplitMix(seed),
+            choose,
+        }
+    }
+}
+impl Policy for CountPolicy {
     fn name(&self) -> &str {
-        "least-request"
+        self.name
     }
     fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
-        let pick = argmin_random(self.load.inflight.iter().copied(), &mut self.rng);
+        let pick = (self.choose)(&self.load.inflight, &mut self.rng);
         self.load.add(r.id, pick);
         pick
     }
     fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
         self.load.finish(id);
     }
+}
+
+/// Envoy's / the gateways' least-request: fewest router-tracked in-flight requests.
+fn least_request(inflight: &[u32], rng: &mut SplitMix) -> usize {
+    argmin_random(inflight.iter().copied(), rng)
 }
 
 /// Power of two choices (SGLang `power_of_two`, Ray Serve LLM default): two random replicas,
 /// the less loaded wins.
-struct PowerOfTwo {
-    load: Load,
-    rng: SplitMix,
+fn power_of_two(inflight: &[u32], rng: &mut SplitMix) -> usize {
+    let n = inflight.len();
+    let a = rng.below(n);
+    let mut b = rng.below(n);
+    if n > 1 && a == b {
+        b = (a + 1 + rng.below(n - 1)) % n;
+    }
+    if inflight[b] < inflight[a] { b } else { a }
 }
-impl Policy for PowerOfTwo {
-    fn name(&self) -> &str {
-        "power-of-two"
-    }
-    fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
-        let n = self.load.inflight.len();
-        let a = self.rng.below(n);
-        let mut b = self.rng.below(n);
-        if n > 1 && a == b {
-            b = (a + 1 + self.rng.below(n - 1)) % n;
+
+/// A prefix index learned from routing history only (what SGLang's radix tree and llm-d's
+/// approximate prefix producer keep): `grain`-token blocks, one LRU tenant per replica. Shared by
+/// the SGLang and llm-d models, which differ only in grain, capacity and what they do with it.
+struct HistoryIndex {
+    index: PrefixIndex,
+    grain: usize,
+    /// Longest prefix (in blocks) a lookup matches; `usize::MAX` for no cap.
+    max_blocks: usize,
+}
+
+impl HistoryIndex {
+    fn new(grain: usize, max_blocks: usize) -> Self {
+        Self {
+            index: PrefixIndex::new(u64::MAX / 4),
+            grain,
+            max_blocks,
         }
-        let pick = if self.load.inflight[b] < self.load.inflight[a] {
-            b
-        } else {
-            a
-        };
-        self.load.add(r.id, pick);
-        pick
     }
-    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
-        self.load.finish(id);
+
+    /// Caps every replica's tenant at `blocks` entries (LRU beyond).
+    fn set_capacity(&mut self, replicas: usize, blocks: usize) {
+        for i in 0..replicas {
+            self.index.set_capacity(EndpointId(i as u16), blocks);
+        }
+    }
+
+    /// The request's block hashes (at most `max_blocks`).
+    fn hashes(&self, tokens: &[u32]) -> Vec<u64> {
+        let mut hashes = token_block_hashes(model_seed(MODEL), tokens, self.grain);
+        hashes.truncate(self.max_blocks);
+        hashes
+    }
+
+    /// Matched blocks per replica.
+    fn matched(&self, hashes: &[u64], replicas: usize) -> Vec<usize> {
+        let mut matched = vec![0usize; replicas];
+        self.index
+            .matched_prefix(hashes, |id, d| matched[usize::from(id.0)] = d);
+        matched
+    }
+
+    /// Records that `hashes` went to `replica`.
+    fn insert(&mut self, replica: usize, hashes: &[u64], now_ms: f64) {
+        self.index
+            .insert(EndpointId(replica as u16), hashes, now_ms as u64);
+    }
+
+    fn len_for(&self, replica: usize) -> usize {
+        self.index.len_for(EndpointId(replica as u16))
     }
 }
 
-/// SGLang router `cache_aware` with its CLI defaults (cache_threshold 0.3, balance_abs_threshold
-/// 64, balance_rel_threshold 1.5, max_tree_size 2^26). Its radix tree is over the request text
-/// built from routing history only; here over token ids (as vllm-router's variant does) at
-/// 16-token granularity, with per-tenant LRU eviction to the size cap.
+/// The first index with the lowest key: Rust's `Iterator::min_by_key`, which the SGLang /
+/// Shepherd gateway uses, so its ties go to the first worker.
+fn argmin_first<K: PartialOrd + Copy>(keys: impl Iterator<Item = K>) -> usize {
+    let mut best: Option<(usize, K)> = None;
+    for (i, k) in keys.enumerate() {
+        if best.is_none_or(|(_, b)| k < b) {
+            best = Some((i, k));
+        }
+    }
+    best.map_or(0, |(i, _)| i)
+}
+
+/// SGLang's cache-aware router, now the Shepherd Model Gateway (SMG), with its CLI defaults
+/// (`--cache-threshold 0.3`, `--balance-abs-threshold 64`, `--balance-rel-threshold 1.5`,
+/// `--max-tree-size 2^26`). Follows `lightseekorg/smg:model_gateway/src/policies/cache_aware.rs`
+/// (`select_worker_with_tokens` / `select_worker_with_text`, approximate tree, no KV events):
+/// imbalanced (`max - min > abs` and `max > rel * min` of the router's in-flight counts) goes
+/// to the least-loaded worker; otherwise a match rate above the threshold goes to the matching
+/// worker, and a miss goes to the least-loaded worker (`min_by_key`, ties to the first).
+/// `legacy` keeps the old rule (sgl-router before SMG): a miss goes to the worker with the
+/// smallest tree, ties at random.
+///
+/// Where the model differs from the real gateway: its tree is over token ids at 16-token
+/// granularity (the gRPC token tree is page aligned; the HTTP path matches characters), so
+/// it sees a slightly coarser match; ties between equally deep tenants are broken at random
+/// (the real tree returns one tenant); tree eviction is LRU per tenant at insert time instead
+/// of a periodic sweep (it sees evictions sooner, at the same cap). Like the real router it
+/// never sees the engines' evictions.
 struct SglangCacheAware {
     load: Load,
-    tree: PrefixIndex,
+    tree: HistoryIndex,
     rng: SplitMix,
     cache_threshold: f64,
     balance_abs: u32,
     balance_rel: f64,
+    legacy: bool,
 }
 const SGLANG_GRAIN: usize = 16;
 impl SglangCacheAware {
-    fn new(n: usize, seed: u64) -> Self {
-        let mut tree = PrefixIndex::new(u64::MAX / 4);
-        for i in 0..n {
-            tree.set_capacity(EndpointId(i as u16), (1usize << 26) / SGLANG_GRAIN);
-        }
+    fn new(n: usize, seed: u64, legacy: bool) -> Self {
+        let mut tree = HistoryIndex::new(SGLANG_GRAIN, usize::MAX);
+        tree.set_capacity(n, (1usize << 26) / SGLANG_GRAIN);
         Self {
             load: Load::new(n),
             tree,
@@ -398,15 +518,20 @@ impl SglangCacheAware {
             cache_threshold: 0.3,
             balance_abs: 64,
             balance_rel: 1.5,
+            legacy,
         }
     }
 }
 impl Policy for SglangCacheAware {
     fn name(&self) -> &str {
-        "sglang-cache-aware"
+        if self.legacy {
+            "sglang-legacy"
+        } else {
+            "sglang-cache-aware"
+        }
     }
     fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
-        let hashes = token_block_hashes(model_seed(MODEL), r.tokens, SGLANG_GRAIN);
+        let hashes = self.tree.hashes(r.tokens);
         let loads = &self.load.inflight;
         let (max_load, min_load) = (
             *loads.iter().max().unwrap_or(&0),
@@ -414,28 +539,33 @@ impl Policy for SglangCacheAware {
         );
         let imbalanced = max_load.saturating_sub(min_load) > self.balance_abs
             && f64::from(max_load) > self.balance_rel * f64::from(min_load);
-        let pick = if imbalanced {
-            argmin_random(loads.iter().copied(), &mut self.rng)
-        } else {
-            let mut best = (0usize, Vec::new());
-            self.tree.matched_prefix(&hashes, |id, depth| {
-                if depth > best.0 {
-                    best = (depth, vec![usize::from(id.0)]);
-                } else if depth == best.0 {
-                    best.1.push(usize::from(id.0));
-                }
-            });
-            let match_rate = (best.0 * SGLANG_GRAIN) as f64 / r.tokens.len().max(1) as f64;
-            if match_rate > self.cache_threshold && !best.1.is_empty() {
-                best.1[self.rng.below(best.1.len())]
+        let least_loaded = |rng: &mut SplitMix, legacy: bool| {
+            if legacy {
+                argmin_random(loads.iter().copied(), rng)
             } else {
-                // The tenant with the smallest tree has the most free (approximate) cache.
-                let sizes = (0..loads.len()).map(|i| self.tree.len_for(EndpointId(i as u16)));
-                argmin_random(sizes, &mut self.rng)
+                argmin_first(loads.iter().copied())
             }
         };
-        self.tree
-            .insert(EndpointId(pick as u16), &hashes, now_ms as u64);
+        let pick = if imbalanced {
+            least_loaded(&mut self.rng, self.legacy)
+        } else {
+            let matched = self.tree.matched(&hashes, loads.len());
+            let depth = matched.iter().copied().max().unwrap_or(0);
+            let best: Vec<usize> = (0..matched.len())
+                .filter(|&i| matched[i] == depth)
+                .collect();
+            let match_rate = (depth * SGLANG_GRAIN) as f64 / r.tokens.len().max(1) as f64;
+            if match_rate > self.cache_threshold && depth > 0 {
+                best[self.rng.below(best.len())]
+            } else if self.legacy {
+                // The tenant with the smallest tree has the most free (approximate) cache.
+                let sizes = (0..loads.len()).map(|i| self.tree.len_for(i));
+                argmin_random(sizes, &mut self.rng)
+            } else {
+                least_loaded(&mut self.rng, false)
+            }
+        };
+        self.tree.insert(pick, &hashes, now_ms);
         self.load.add(r.id, pick);
         pick
     }
@@ -444,21 +574,47 @@ impl Policy for SglangCacheAware {
     }
 }
 
-/// llm-d's default scheduler profile: approximate prefix-cache scorer (weight 3), queue scorer
-/// (2), KV-cache utilisation scorer (2), max-score picker. The prefix producer hashes 64-token
-/// blocks and learns the pick before the server sees the request; per-pod LRU sized from
-/// `num_gpu_blocks`; queue and KV scores come from scraped metrics.
+/// The endpoint picker's metrics refresh (llm-d / GIE `--refresh-metrics-interval`, 50 ms).
+const LLMD_SCRAPE_MS: f64 = 50.0;
+/// llm-d's approximate prefix producer hashes 64-token blocks.
+const LLMD_BLOCK: usize = 64;
+
+/// Sizes an llm-d index from the first scrape: per-pod LRU of `num_gpu_blocks` of the engine's
+/// blocks, counted in producer blocks (what `vllm:cache_config_info` tells the EPP).
+fn size_llmd_index(index: &mut HistoryIndex, sized: &mut bool, replicas: &[ReplicaSnapshot]) {
+    if *sized {
+        return;
+    }
+    for (i, r) in replicas.iter().enumerate() {
+        let blocks = r.capacity_tokens / LLMD_BLOCK as u64;
+        index
+            .index
+            .set_capacity(EndpointId(i as u16), blocks as usize);
+    }
+    *sized = true;
+}
+
+/// llm-d's scheduler with the chart's default profile: approximate prefix-cache scorer
+/// (weight 3), queue scorer (2), KV-cache utilisation scorer (2), max-score picker. Follows
+/// `llm-d/llm-d-inference-scheduler` / GIE `config/charts/routerlib/templates/_config.yaml`
+/// (the 3/2/2 `default-plugins.yaml`) and the scorers in
+/// `pkg/epp/framework/plugins/scheduling/scorer/` (`queuedepth/queue.go`: min-max of waiting;
+/// kv-cache: `1 - usage`; prefix: matched blocks over total blocks). The prefix producer
+/// hashes 64-token blocks and learns the pick before the server sees the request; per-pod LRU
+/// sized from `num_gpu_blocks`; queue and KV scores come from metrics scraped every 50 ms.
+///
+/// Where the model differs: it never sees the engines' evictions (neither does the real
+/// approximate producer); a scrape is instantaneous (the real one has an HTTP round trip).
 struct Llmd {
-    index: PrefixIndex,
+    index: HistoryIndex,
     snapshot: Vec<ReplicaSnapshot>,
     rng: SplitMix,
     sized: bool,
 }
-const LLMD_BLOCK: usize = 64;
 impl Llmd {
     fn new(n: usize, seed: u64) -> Self {
         Self {
-            index: PrefixIndex::new(u64::MAX / 4),
+            index: HistoryIndex::new(LLMD_BLOCK, usize::MAX),
             snapshot: vec![ReplicaSnapshot::default(); n],
             rng: SplitMix(seed),
             sized: false,
@@ -469,23 +625,17 @@ impl Policy for Llmd {
     fn name(&self) -> &str {
         "llmd"
     }
+    fn metrics_interval_ms(&self) -> Option<f64> {
+        Some(LLMD_SCRAPE_MS)
+    }
     fn on_metrics(&mut self, replicas: &[ReplicaSnapshot], _: f64) {
         self.snapshot.copy_from_slice(replicas);
-        if !self.sized {
-            for (i, r) in replicas.iter().enumerate() {
-                let blocks = r.capacity_tokens / u64::from(r.block_size.max(1));
-                self.index
-                    .set_capacity(EndpointId(i as u16), blocks as usize);
-            }
-            self.sized = true;
-        }
+        size_llmd_index(&mut self.index, &mut self.sized, replicas);
     }
     fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
-        let hashes = token_block_hashes(model_seed(MODEL), r.tokens, LLMD_BLOCK);
+        let hashes = self.index.hashes(r.tokens);
         let n = self.snapshot.len();
-        let mut matched = vec![0usize; n];
-        self.index
-            .matched_prefix(&hashes, |id, d| matched[usize::from(id.0)] = d);
+        let matched = self.index.matched(&hashes, n);
         let total = hashes.len().max(1) as f64;
         let (qmin, qmax) = self.snapshot.iter().fold((u32::MAX, 0), |(lo, hi), s| {
             (lo.min(s.waiting), hi.max(s.waiting))
@@ -503,24 +653,141 @@ impl Policy for Llmd {
             -(3.0 * prefix + 2.0 * queue + 2.0 * kv)
         });
         let pick = argmin_random(scores, &mut self.rng);
-        self.index
-            .insert(EndpointId(pick as u16), &hashes, now_ms as u64);
+        self.index.insert(pick, &hashes, now_ms);
         pick
     }
 }
 
+/// llm-d's current recommended configuration, the optimized-baseline guide
+/// (`llm-d/llm-d:guides/optimized-baseline/router/optimized-baseline.values.yaml`):
+/// `approx-prefix-cache-producer` (64-token blocks, `maxPrefixTokensToMatch 40960`) and
+/// `inflight-load-producer` feed a `prefix-cache-affinity-filter` (`affinityThreshold 0.80`,
+/// `maxTokensInFlightPenalty 286720`, `maxTTFTPenaltyMs 0`) and one `token-load-scorer`
+/// (`1 - min(1, inFlightTokens / 4194304)`), max-score picker with random ties. Endpoints whose
+/// prefix score (matched over total blocks) reaches 0.80 are kept, or every endpoint if none
+/// does; stickiness is broken when the best sticky endpoint carries more than 286,720 in-flight
+/// tokens over the best other one. In-flight tokens are the uncached prompt part (as the
+/// producer estimates it), added at the pick and released at the first streamed token.
+///
+/// Where the model differs: the TTFT gate is off in the guide (`maxTTFTPenaltyMs 0`) and here;
+/// the producer's estimate of the uncached part uses the same history index, so like the real
+/// one it never sees evictions; `outputRatio` output estimation is off (the guide's default).
+struct LlmdOptimized {
+    index: HistoryIndex,
+    /// Router-side in-flight uncached prompt tokens per endpoint.
+    inflight_tokens: Vec<u64>,
+    /// Request id -> (endpoint, tokens it added).
+    inflight: HashMap<usize, (usize, u64)>,
+    rng: SplitMix,
+    sized: bool,
+}
+const LLMD_AFFINITY_THRESHOLD: f64 = 0.80;
+const LLMD_MAX_TOKENS_IN_FLIGHT_PENALTY: u64 = 286_720;
+const LLMD_TOKEN_LOAD_THRESHOLD: f64 = 4_194_304.0;
+const LLMD_MAX_PREFIX_TOKENS: usize = 40_960;
+impl LlmdOptimized {
+    fn new(n: usize, seed: u64) -> Self {
+        Self {
+            index: HistoryIndex::new(LLMD_BLOCK, LLMD_MAX_PREFIX_TOKENS / LLMD_BLOCK),
+            inflight_tokens: vec![0; n],
+            inflight: HashMap::new(),
+            rng: SplitMix(seed),
+            sized: false,
+        }
+    }
+    fn release(&mut self, id: usize) {
+        if let Some((endpoint, tokens)) = self.inflight.remove(&id) {
+            self.inflight_tokens[endpoint] = self.inflight_tokens[endpoint].saturating_sub(tokens);
+        }
+    }
+}
+impl Policy for LlmdOptimized {
+    fn name(&self) -> &str {
+        "llmd-optimized"
+    }
+    fn metrics_interval_ms(&self) -> Option<f64> {
+        Some(LLMD_SCRAPE_MS)
+    }
+    fn on_metrics(&mut self, replicas: &[ReplicaSnapshot], _: f64) {
+        size_llmd_index(&mut self.index, &mut self.sized, replicas);
+    }
+    fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
+        let hashes = self.index.hashes(r.tokens);
+        let n = self.inflight_tokens.len();
+        let matched = self.index.matched(&hashes, n);
+        let total = hashes.len().max(1) as f64;
+        let sticky: Vec<usize> = (0..n)
+            .filter(|&i| matched[i] as f64 / total >= LLMD_AFFINITY_THRESHOLD)
+            .collect();
+        let min_tokens = |set: &mut dyn Iterator<Item = usize>| {
+            set.map(|i| self.inflight_tokens[i])
+                .min()
+                .unwrap_or(u64::MAX)
+        };
+        let keep_sticky = !sticky.is_empty() && {
+            let best_sticky = min_tokens(&mut sticky.iter().copied());
+            let best_other = min_tokens(&mut (0..n).filter(|i| !sticky.contains(i)));
+            best_other == u64::MAX
+                || best_sticky.saturating_sub(best_other) <= LLMD_MAX_TOKENS_IN_FLIGHT_PENALTY
+        };
+        let candidates: Vec<usize> = if keep_sticky {
+            sticky
+        } else {
+            (0..n).collect()
+        };
+        let scores = candidates.iter().map(|&i| {
+            let load = self.inflight_tokens[i] as f64 / LLMD_TOKEN_LOAD_THRESHOLD;
+            -(1.0 - load.min(1.0))
+        });
+        let pick = candidates[argmin_random(scores, &mut self.rng)];
+        let cached = (matched[pick] * LLMD_BLOCK).min(r.tokens.len());
+        let uncached = (r.tokens.len() - cached) as u64;
+        self.inflight_tokens[pick] += uncached;
+        self.inflight.insert(r.id, (pick, uncached));
+        self.index.insert(pick, &hashes, now_ms);
+        pick
+    }
+    fn on_first_token(&mut self, id: usize, _: usize, _: f64) {
+        self.release(id);
+    }
+    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
+        self.release(id);
+    }
+}
+
+/// Dynamo's router queue threshold: requests wait in the router while every worker's active
+/// prefill tokens exceed this fraction of its `max_num_batched_tokens` (`KvRouterConfig`'s
+/// default `router_queue_threshold: Some(4.0)`).
+const DYNAMO_QUEUE_THRESHOLD: f64 = 4.0;
+
 /// NVIDIA Dynamo's KV router with its defaults: KV events on (precise overlap), overlap credit
-/// 1.0, prefill load scale 1.0, temperature 0 (argmin, random ties), `router_assume_kv_reuse`.
-/// Cost per worker in blocks: `max(active_prefill + request_blocks - overlap, 0) +
-/// decode_blocks`, where decode blocks are the distinct blocks of active requests (shared
-/// prefixes counted once) plus the request's blocks new to that worker; router-side slot
-/// tracking releases prefill at the first token and everything at completion.
+/// 1.0, prefill load scale 1.0, temperature 0 (argmin, random ties), active-block and
+/// prefill-token tracking, the router queue (`router_queue_threshold` 4.0, FCFS). Follows
+/// `ai-dynamo/dynamo:lib/kv-router/src/scheduling/selector/default.rs` (`worker_logit`; the
+/// older `scheduling/selector.rs` has the same formula):
+/// `logit = scale * max(raw_prefill_blocks - credit * overlap_blocks, 0) + decode_blocks`
+/// (`prefill_load_scale`, `overlap_score_credit`), with
+/// `raw_prefill_blocks = (active prefill tokens + isl) / block_size`
+/// (fractional: the request's partial block counts by its tokens) and `decode_blocks` the
+/// worker's distinct active complete blocks plus the request's complete blocks new to it (a
+/// partial block has no hash and is not counted). Prefill tokens are released at the first
+/// token, blocks at completion. The queue (`lib/kv-router/src/scheduling/queue.rs`, defaults in
+/// `lib/kv-router/src/scheduling/config.rs`) holds a request while every worker is busy and
+/// re-offers it, oldest first, when one frees.
+///
+/// Where the model differs: the queue threshold default has moved between releases (4.0 in
+/// `KvRouterConfig::default()` and the Python binding; some frontend CLI docs say 2.0);
+/// `decode_active_request_weight`, the overlap-credit decay and host/disk tiers are left at
+/// zero / off; output blocks are not tracked (`router_track_output_blocks` is off by default);
+/// KV events arrive at the end of the engine step that made them, with no NATS delay, so it
+/// sees evictions a little sooner than the real router.
 struct Dynamo {
     gpu: PrefixIndex,
     offload: PrefixIndex,
     tracker: PreciseTracker,
     block_size: usize,
-    prefill_blocks: Vec<f64>,
+    max_batched_tokens: f64,
+    prefill_tokens: Vec<f64>,
     /// Per worker: refcounts of the blocks of its active requests.
     active_blocks: Vec<HashMap<u64, u32>>,
     active: HashMap<usize, DynamoSlot>,
@@ -530,7 +797,7 @@ struct Dynamo {
 /// Dynamo's slot tracker entry for one request.
 struct DynamoSlot {
     worker: usize,
-    prefill_blocks: f64,
+    prefill_tokens: f64,
     hashes: Vec<u64>,
     prefill_pending: bool,
 }
@@ -542,7 +809,8 @@ impl Dynamo {
             offload: PrefixIndex::new(u64::MAX / 4),
             tracker: PreciseTracker::new(),
             block_size: 16,
-            prefill_blocks: vec![0.0; n],
+            max_batched_tokens: 8192.0,
+            prefill_tokens: vec![0.0; n],
             active_blocks: vec![HashMap::new(); n],
             active: HashMap::new(),
             rng: SplitMix(seed),
@@ -559,6 +827,9 @@ impl Policy for Dynamo {
     fn on_metrics(&mut self, replicas: &[ReplicaSnapshot], _: f64) {
         if let Some(r) = replicas.first() {
             self.block_size = r.block_size.max(1) as usize;
+            if r.max_batched_tokens > 0 {
+                self.max_batched_tokens = f64::from(r.max_batched_tokens);
+            }
         }
     }
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_ms: f64) {
@@ -580,25 +851,28 @@ impl Policy for Dynamo {
             }
         }
     }
+    fn holds_in_queue(&mut self, _: &PolicyRequest<'_>, _: f64) -> bool {
+        let busy = DYNAMO_QUEUE_THRESHOLD * self.max_batched_tokens;
+        self.prefill_tokens.iter().all(|&t| t > busy)
+    }
     fn route(&mut self, r: &PolicyRequest<'_>, _: f64) -> usize {
+        let bs = self.block_size as f64;
         let hashes = token_block_hashes(model_seed(MODEL), r.tokens, self.block_size);
-        let n = self.prefill_blocks.len();
+        let n = self.prefill_tokens.len();
         let mut overlap = vec![0usize; n];
         self.gpu
             .matched_prefix(&hashes, |id, d| overlap[usize::from(id.0)] = d);
-        // The trailing partial block counts as load (it has no hash to share).
-        let request_blocks = r.tokens.len().div_ceil(self.block_size) as f64;
-        let partial = request_blocks - hashes.len() as f64;
+        let isl = r.tokens.len() as f64;
+        let new_tokens = |w: usize| (isl - overlap[w] as f64 * bs).max(0.0);
         let costs = (0..n).map(|w| {
-            let prefill = (self.prefill_blocks[w] + request_blocks - overlap[w] as f64).max(0.0);
+            let prefill = (self.prefill_tokens[w] + new_tokens(w)) / bs;
             let active = &self.active_blocks[w];
-            let new_blocks =
-                hashes.iter().filter(|h| !active.contains_key(*h)).count() as f64 + partial;
-            prefill + active.len() as f64 + new_blocks
+            let new_blocks = hashes.iter().filter(|h| !active.contains_key(*h)).count();
+            prefill + (active.len() + new_blocks) as f64
         });
         let pick = argmin_random(costs, &mut self.rng);
-        let new_prefill = (request_blocks - overlap[pick] as f64).max(0.0);
-        self.prefill_blocks[pick] += new_prefill;
+        let added = new_tokens(pick);
+        self.prefill_tokens[pick] += added;
         for h in &hashes {
             *self.active_blocks[pick].entry(*h).or_insert(0) += 1;
         }
@@ -606,7 +880,7 @@ impl Policy for Dynamo {
             r.id,
             DynamoSlot {
                 worker: pick,
-                prefill_blocks: new_prefill,
+                prefill_tokens: added,
                 hashes,
                 prefill_pending: true,
             },
@@ -617,8 +891,8 @@ impl Policy for Dynamo {
         if let Some(slot) = self.active.get_mut(&id)
             && slot.prefill_pending
         {
-            self.prefill_blocks[slot.worker] =
-                (self.prefill_blocks[slot.worker] - slot.prefill_blocks).max(0.0);
+            self.prefill_tokens[slot.worker] =
+                (self.prefill_tokens[slot.worker] - slot.prefill_tokens).max(0.0);
             slot.prefill_pending = false;
         }
     }
@@ -704,7 +978,7 @@ impl Kvroute {
             block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, self.approx_block_tokens),
             prompt_bytes: (r.tokens.len() as f64 * self.text_bytes_per_token).round() as u64,
             prompt_tokens: r.tokens.len() as u32,
-            max_output_tokens: Some(r.output_tokens),
+            max_output_tokens: r.max_tokens,
             session: r.session.map(|s| s.to_string()),
             prompt_text: None,
             api: None,
@@ -1099,12 +1373,73 @@ mod tests {
             let request = PolicyRequest {
                 id,
                 tokens: &tokens,
-                output_tokens: 16,
+                max_tokens: None,
                 session: None,
             };
             policy.route(&request, id as f64);
         }
         policy.predicted_cached_tokens(1).expect("kvroute predicts")
+    }
+
+    fn request(id: usize, tokens: &[u32]) -> PolicyRequest<'_> {
+        PolicyRequest {
+            id,
+            tokens,
+            max_tokens: None,
+            session: None,
+        }
+    }
+
+    // SMG sends a miss to the least-loaded worker (ties to the first); the legacy rule to the
+    // smallest tree. Replica 0 has the big tree but nothing in flight.
+    #[test]
+    fn sglang_miss_goes_to_least_loaded_legacy_to_smallest_tree() {
+        for (legacy, want) in [(false, 0), (true, 1)] {
+            let mut p = SglangCacheAware::new(2, 1, legacy);
+            let big: Vec<u32> = (0..3000).collect();
+            let small: Vec<u32> = (10_000..10_100).collect();
+            p.tree.insert(0, &p.tree.hashes(&big), 0.0);
+            p.tree.insert(1, &p.tree.hashes(&small), 0.0);
+            p.load.add(99, 1);
+            let miss: Vec<u32> = (50_000..51_000).collect();
+            assert_eq!(p.route(&request(1, &miss), 1.0), want, "legacy {legacy}");
+        }
+    }
+
+    // The affinity filter keeps replicas holding >= 80% of the prompt unless they carry far
+    // more in-flight tokens than the rest; the token-load scorer then picks the lightest.
+    #[test]
+    fn llmd_optimized_sticks_until_the_in_flight_penalty() {
+        let mut p = LlmdOptimized::new(3, 1);
+        let prompt: Vec<u32> = (0..6400).collect();
+        let hashes = p.index.hashes(&prompt);
+        p.index.insert(2, &hashes, 0.0);
+        p.inflight_tokens = vec![0, 10, 200_000];
+        assert_eq!(p.route(&request(1, &prompt), 1.0), 2);
+        assert_eq!(
+            p.inflight_tokens[2], 200_000,
+            "a full hit adds no uncached tokens"
+        );
+        p.inflight_tokens[2] = 400_000;
+        assert_eq!(p.route(&request(2, &prompt), 2.0), 0);
+        p.on_first_token(2, 0, 3.0);
+        assert_eq!(p.inflight_tokens[0], 0);
+    }
+
+    // Dynamo's partial block counts by its tokens in the prefill term and not at all in the
+    // decode term; the router queue holds requests while every worker is busy.
+    #[test]
+    fn dynamo_counts_partial_blocks_as_prefill_only_and_queues() {
+        let mut p = Dynamo::new(2, 1);
+        let prompt: Vec<u32> = (0..40).collect(); // 2 complete blocks + 8 tokens
+        assert!(!p.holds_in_queue(&request(1, &prompt), 0.0));
+        let w = p.route(&request(1, &prompt), 0.0);
+        assert_eq!(p.prefill_tokens[w], 40.0);
+        assert_eq!(p.active_blocks[w].len(), 2);
+        p.prefill_tokens = vec![40_000.0, 40_000.0];
+        assert!(p.holds_in_queue(&request(2, &prompt), 1.0));
+        p.prefill_tokens[1] = 0.0;
+        assert!(!p.holds_in_queue(&request(2, &prompt), 1.0));
     }
 
     #[test]
@@ -1233,7 +1568,7 @@ mod local_tests {
                 let request = PolicyRequest {
                     id,
                     tokens: &tokens,
-                    output_tokens: 64,
+                    max_tokens: Some(64),
                     session: None,
                 };
                 let now = 1.0 + id as f64;
@@ -1274,7 +1609,7 @@ mod local_tests {
                 &PolicyRequest {
                     id: id1,
                     tokens: &turn1,
-                    output_tokens: 32,
+                    max_tokens: None,
                     session,
                 },
                 now,
@@ -1287,7 +1622,7 @@ mod local_tests {
                 &PolicyRequest {
                     id: id2,
                     tokens: &turn2,
-                    output_tokens: 32,
+                    max_tokens: None,
                     session,
                 },
                 now,

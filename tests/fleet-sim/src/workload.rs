@@ -46,7 +46,8 @@ pub struct RequestSpec {
     pub arrival_ms: f64,
     /// How to make its prompt.
     pub prompt: PromptSource,
-    /// Output tokens to generate.
+    /// Output tokens the answer really has (where the model would stop): the engine generates
+    /// this many (cut at the client's cap); no router sees it.
     pub output_tokens: u32,
     /// Conversation id for multi-turn workloads (session affinity, analysis).
     pub session: Option<u64>,
@@ -197,7 +198,7 @@ pub enum WorkloadError {
     },
     /// A generator spec could not be parsed.
     #[error(
-        "bad workload spec {0:?}: expected a .jsonl trace or one of shared-prefix, multi-turn, long-doc, no-sharing (options as name:key=value,...)"
+        "bad workload spec {0:?}: expected a .jsonl trace or one of shared-prefix, multi-turn, long-doc, no-sharing, agentic (options as name:key=value,...)"
     )]
     BadSpec(String),
 }
@@ -278,23 +279,29 @@ impl Rng {
     }
 }
 
-fn opt(options: &[(String, String)], key: &str, default: f64) -> Result<f64, WorkloadError> {
-    match options.iter().find(|(k, _)| k == key) {
-        Some((_, v)) => v
-            .parse()
-            .map_err(|_| WorkloadError::BadSpec(format!("{key}={v}"))),
-        None => Ok(default),
+/// A generator's `key=value` options.
+struct GenOptions(Vec<(String, String)>);
+
+impl GenOptions {
+    /// The values of `keys` in order, each its default unless the spec sets it.
+    fn values<const N: usize>(&self, keys: [(&str, f64); N]) -> Result<[f64; N], WorkloadError> {
+        let mut out = [0.0; N];
+        for (slot, (key, default)) in out.iter_mut().zip(keys) {
+            *slot = match self.0.iter().find(|(k, _)| k == key) {
+                Some((_, v)) => v
+                    .parse()
+                    .map_err(|_| WorkloadError::BadSpec(format!("{key}={v}")))?,
+                None => default,
+            };
+        }
+        Ok(out)
     }
 }
 
-/// Builds a workload from a spec: a path to a `.jsonl` Mooncake trace, or a generator name with
-/// options, e.g. `shared-prefix:groups=150,prompts=5,system=6000,question=1200,output=1000,rps=4`.
-pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
-    if spec.ends_with(".jsonl") {
-        return read_mooncake(Path::new(spec));
-    }
+/// Splits a generator spec `name:key=value,...` into its name and options.
+fn parse_spec(spec: &str) -> Result<(&str, GenOptions), WorkloadError> {
     let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
-    let options: Vec<(String, String)> = rest
+    let options = rest
         .split(',')
         .filter(|s| !s.is_empty())
         .map(|kv| {
@@ -303,18 +310,71 @@ pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
                 .ok_or_else(|| WorkloadError::BadSpec(spec.into()))
         })
         .collect::<Result<_, _>>()?;
+    Ok((name, GenOptions(options)))
+}
+
+/// The `max_tokens` a realistic client of each workload sends (a cap at or above what it gets
+/// back), `None` where clients send none: chat UIs and the Mooncake trace's API callers mostly
+/// omit it, while templated batch jobs, RAG services and agent frameworks set one. A spec's
+/// `max_tokens=N` overrides it (`max_tokens=0`: none).
+pub fn client_max_tokens(spec: &str) -> Result<Option<u32>, WorkloadError> {
+    if spec.ends_with(".jsonl") {
+        return Ok(None);
+    }
+    let (name, options) = parse_spec(spec)?;
+    let default = match name {
+        "shared-prefix" => 2048.0,
+        "long-doc" => 1024.0,
+        "agentic" => 4096.0,
+        "multi-turn" | "no-sharing" => 0.0,
+        _ => return Err(WorkloadError::BadSpec(spec.into())),
+    };
+    let [cap] = options.values([("max_tokens", default)])?;
+    Ok((cap >= 1.0).then_some(cap as u32))
+}
+
+/// Poisson arrival times: a running clock whose gaps have mean `1000 / rps` ms.
+struct Arrivals {
+    t: f64,
+    mean_ms: f64,
+}
+
+impl Arrivals {
+    fn new(rps: f64) -> Self {
+        Self {
+            t: 0.0,
+            mean_ms: 1000.0 / rps,
+        }
+    }
+    fn next(&mut self, rng: &mut Rng) -> f64 {
+        self.t += rng.exp_ms(self.mean_ms);
+        self.t
+    }
+}
+
+/// Builds a workload from a spec: a path to a `.jsonl` Mooncake trace, or a generator name with
+/// options, e.g. `shared-prefix:groups=150,prompts=5,system=6000,question=1200,output=1000,rps=4`.
+/// Every generator also takes `max_tokens` (see [`client_max_tokens`]; routers see only that).
+pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
+    if spec.ends_with(".jsonl") {
+        return read_mooncake(Path::new(spec));
+    }
+    let (name, options) = parse_spec(spec)?;
     let mut rng = Rng::new(seed ^ 0x5eed);
     let mut requests = Vec::new();
     match name {
         "shared-prefix" => {
             // llm-d's benchmark shape: groups share a long system prompt, each prompt adds a question.
-            let groups = opt(&options, "groups", 150.0)? as u64;
-            let prompts = opt(&options, "prompts", 5.0)? as u64;
-            let system = opt(&options, "system", 6000.0)? as u32;
-            let question = opt(&options, "question", 1200.0)? as u32;
-            let output = opt(&options, "output", 1000.0)? as u32;
-            let rps = opt(&options, "rps", 4.0)?;
-            let mut t = 0.0;
+            let [groups, prompts, system, question, output, rps] = options.values([
+                ("groups", 150.0),
+                ("prompts", 5.0),
+                ("system", 6000.0),
+                ("question", 1200.0),
+                ("output", 1000.0),
+                ("rps", 4.0),
+            ])?;
+            let (groups, prompts) = (groups as u64, prompts as u64);
+            let mut clock = Arrivals::new(rps);
             let mut order: Vec<(u64, u64)> = (0..groups)
                 .flat_map(|g| (0..prompts).map(move |p| (g, p)))
                 .collect();
@@ -323,41 +383,42 @@ pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
                 order.swap(i, j);
             }
             for (g, p) in order {
-                t += rng.exp_ms(1000.0 / rps);
                 requests.push(RequestSpec {
-                    arrival_ms: t,
+                    arrival_ms: clock.next(&mut rng),
                     prompt: PromptSource::Segments(vec![
-                        (0x5157_0000 ^ g, system),
-                        ((g << 20) ^ p ^ 0x9000_0000, question),
+                        (0x5157_0000 ^ g, system as u32),
+                        ((g << 20) ^ p ^ 0x9000_0000, question as u32),
                     ]),
-                    output_tokens: output,
+                    output_tokens: output as u32,
                     session: Some(g),
                 });
             }
         }
         "multi-turn" => {
-            let conversations = opt(&options, "conversations", 64.0)? as u64;
-            let turns = opt(&options, "turns", 6.0)? as u32;
-            let system = opt(&options, "system", 2000.0)? as u32;
-            let user = opt(&options, "user", 200.0)? as u32;
-            let output = opt(&options, "output", 150.0)? as u32;
-            let rps = opt(&options, "rps", 2.0)?;
-            let think_ms = opt(&options, "think_ms", 2000.0)?;
-            let mut t = 0.0;
-            for c in 0..conversations {
-                t += rng.exp_ms(1000.0 / rps);
+            let [conversations, turns, system, user, output, rps, think_ms] = options.values([
+                ("conversations", 64.0),
+                ("turns", 6.0),
+                ("system", 2000.0),
+                ("user", 200.0),
+                ("output", 150.0),
+                ("rps", 2.0),
+                ("think_ms", 2000.0),
+            ])?;
+            let (user, output) = (user as u32, output as u32);
+            let mut clock = Arrivals::new(rps);
+            for c in 0..conversations as u64 {
                 let first = requests.len();
                 requests.push(RequestSpec {
-                    arrival_ms: t,
+                    arrival_ms: clock.next(&mut rng),
                     prompt: PromptSource::Segments(vec![
-                        (0x5157_0000, system),
+                        (0x5157_0000, system as u32),
                         (0xC0_0000_0000 ^ (c << 8), user),
                     ]),
                     output_tokens: output,
                     session: Some(c),
                 });
                 let mut previous = first;
-                for turn in 1..turns {
+                for turn in 1..turns as u32 {
                     requests.push(RequestSpec {
                         arrival_ms: think_ms * (0.5 + rng.unit()),
                         prompt: PromptSource::Continue {
@@ -373,54 +434,177 @@ pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
         }
         "long-doc" => {
             // A few long documents asked many short questions, mixed with short chats.
-            let requests_n = opt(&options, "requests", 400.0)? as u64;
-            let docs = opt(&options, "docs", 8.0)? as u64;
-            let doc = opt(&options, "doc", 50_000.0)? as u32;
-            let short = opt(&options, "short", 40.0)? as u32;
-            let output = opt(&options, "output", 100.0)? as u32;
-            let share = opt(&options, "doc_share", 0.5)?;
-            let rps = opt(&options, "rps", 2.0)?;
-            let mut t = 0.0;
-            for i in 0..requests_n {
-                t += rng.exp_ms(1000.0 / rps);
+            let [requests_n, docs, doc, short, output, share, rps] = options.values([
+                ("requests", 400.0),
+                ("docs", 8.0),
+                ("doc", 50_000.0),
+                ("short", 40.0),
+                ("output", 100.0),
+                ("doc_share", 0.5),
+                ("rps", 2.0),
+            ])?;
+            let (docs, short) = (docs as u64, short as u32);
+            let mut clock = Arrivals::new(rps);
+            for i in 0..requests_n as u64 {
+                let arrival_ms = clock.next(&mut rng);
                 let segments = if rng.unit() < share {
                     vec![
-                        (0xD0C0_0000 ^ (rng.next() % docs), doc),
+                        (0xD0C0_0000 ^ (rng.next() % docs), doc as u32),
                         (0xA5C0_0000_0000 ^ i, short),
                     ]
                 } else {
                     vec![(0x5407_0000_0000 ^ i, short)]
                 };
                 requests.push(RequestSpec {
-                    arrival_ms: t,
+                    arrival_ms,
                     prompt: PromptSource::Segments(segments),
-                    output_tokens: output,
+                    output_tokens: output as u32,
                     session: None,
                 });
             }
         }
         "no-sharing" => {
-            let requests_n = opt(&options, "requests", 1000.0)? as u64;
-            let input = opt(&options, "input", 2000.0)? as u32;
-            let output = opt(&options, "output", 200.0)? as u32;
-            let rps = opt(&options, "rps", 4.0)?;
-            let mut t = 0.0;
-            for i in 0..requests_n {
-                t += rng.exp_ms(1000.0 / rps);
+            let [requests_n, input, output, rps] = options.values([
+                ("requests", 1000.0),
+                ("input", 2000.0),
+                ("output", 200.0),
+                ("rps", 4.0),
+            ])?;
+            let mut clock = Arrivals::new(rps);
+            for i in 0..requests_n as u64 {
                 requests.push(RequestSpec {
-                    arrival_ms: t,
-                    prompt: PromptSource::Segments(vec![(0x0005_0000_0000 ^ i, input)]),
-                    output_tokens: output,
+                    arrival_ms: clock.next(&mut rng),
+                    prompt: PromptSource::Segments(vec![(0x0005_0000_0000 ^ i, input as u32)]),
+                    output_tokens: output as u32,
                     session: None,
                 });
             }
         }
+        "agentic" => agentic(&options, &mut rng, &mut requests)?,
         _ => return Err(WorkloadError::BadSpec(spec.into())),
     }
     Ok(Workload {
         name: name.to_string(),
         requests,
     })
+}
+
+/// The agentic generator: `agents` sessions start as a Poisson stream (`rps`). Each is a
+/// tool-call loop of `steps` turns: the first prompt is a tool-definition system prompt every
+/// agent shares (`system`) plus its task (`task`); each later turn repeats the whole context,
+/// the model's tool call, and the tool's result (`tool` tokens), after the tool's latency
+/// (`tool_ms`, uniform 0.5x-1.5x). Every `fork_every` steps the agent forks `fanout` subagents
+/// that share its context up to that turn, add their own instruction (`sub_task`) and run
+/// `sub_steps` tool-call turns of their own. Outputs are tool calls (`call` tokens, 0.5x-1.5x),
+/// the last turn of each loop an answer (`answer`). The parent does not wait for its subagents
+/// (it continues its loop in parallel): their shared prefix is what routing is tested on.
+fn agentic(
+    options: &GenOptions,
+    rng: &mut Rng,
+    requests: &mut Vec<RequestSpec>,
+) -> Result<(), WorkloadError> {
+    let [
+        agents,
+        steps,
+        system,
+        task,
+        tool,
+        call,
+        answer,
+        tool_ms,
+        fork_every,
+        fanout,
+    ] = options.values([
+        ("agents", 24.0),
+        ("steps", 10.0),
+        ("system", 4000.0),
+        ("task", 300.0),
+        ("tool", 500.0),
+        ("call", 100.0),
+        ("answer", 400.0),
+        ("tool_ms", 300.0),
+        ("fork_every", 4.0),
+        ("fanout", 3.0),
+    ])?;
+    let [sub_steps, sub_task, rps] =
+        options.values([("sub_steps", 3.0), ("sub_task", 200.0), ("rps", 0.5)])?;
+    let (steps, sub_steps) = (steps.max(1.0) as u32, sub_steps.max(1.0) as u32);
+    let fork_every = fork_every.max(1.0) as u32;
+    let mut clock = Arrivals::new(rps);
+    let spread = |rng: &mut Rng, mean: f64| ((mean * (0.5 + rng.unit())).round() as u32).max(1);
+    // One loop of `turns` turns whose first prompt is `first`; returns the turns' indices.
+    let push_loop = |requests: &mut Vec<RequestSpec>,
+                     rng: &mut Rng,
+                     session: u64,
+                     first: PromptSource,
+                     first_arrival: f64,
+                     turns: u32,
+                     tool_stream: u64|
+     -> Vec<usize> {
+        let mut ids = Vec::with_capacity(turns as usize);
+        for turn in 0..turns {
+            let last = turn + 1 == turns;
+            let output = if last {
+                spread(rng, answer)
+            } else {
+                spread(rng, call)
+            };
+            let (arrival_ms, prompt) = match ids.last() {
+                None => (first_arrival, first.clone()),
+                Some(&previous) => {
+                    let result = (tool_stream ^ u64::from(turn), spread(rng, tool));
+                    (
+                        tool_ms * (0.5 + rng.unit()),
+                        PromptSource::Continue {
+                            previous,
+                            user: result,
+                        },
+                    )
+                }
+            };
+            requests.push(RequestSpec {
+                arrival_ms,
+                prompt,
+                output_tokens: output,
+                session: Some(session),
+            });
+            ids.push(requests.len() - 1);
+        }
+        ids
+    };
+    for a in 0..agents as u64 {
+        let session = a << 8;
+        let first = PromptSource::Segments(vec![
+            (0xA6E7_0000, system as u32),
+            (0xA6E7_0000_0000 ^ (a << 16), task as u32),
+        ]);
+        let arrival = clock.next(rng);
+        let main = push_loop(
+            requests,
+            rng,
+            session,
+            first,
+            arrival,
+            steps,
+            0xA6E7_1000_0000 ^ (a << 16),
+        );
+        for (k, &at) in main.iter().enumerate() {
+            if !(k as u32 + 1).is_multiple_of(fork_every) || k + 1 == main.len() {
+                continue;
+            }
+            for s in 0..fanout as u64 {
+                let sub = session | (k as u64 * fanout as u64 + s + 1).min(255);
+                let stream = 0xA6E7_2000_0000 ^ (a << 16) ^ (k as u64) << 8 ^ s;
+                let first = PromptSource::Continue {
+                    previous: at,
+                    user: (stream, sub_task as u32),
+                };
+                let delay = tool_ms * (0.5 + rng.unit());
+                push_loop(requests, rng, sub, first, delay, sub_steps, stream << 4);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

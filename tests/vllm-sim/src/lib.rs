@@ -24,7 +24,7 @@ pub use engine::{
     Engine, EngineConfig, EngineRequest, EngineStats, KvEvent, RequestEvent, RequestId,
     RequestSummary, StepOutput, StoredBlocks,
 };
-pub use profile::Profile;
+pub use profile::{BUILTIN_PROFILES, Profile};
 
 /// Errors of the simulator library.
 #[derive(Debug, thiserror::Error)]

@@ -15,6 +15,26 @@ pub const LLAMA8B_H100_YAML: &str = include_str!("../profiles/llama8b-h100.yaml"
 /// Built-in near-zero-compute profile for overhead benchmarks (`tests/vllm-sim/profiles/fast.yaml`).
 pub const FAST_YAML: &str = include_str!("../profiles/fast.yaml");
 
+/// Every shipped profile by name (its file's stem), compiled in: the two above plus other GPUs
+/// and models, each file's comments giving its sources and derivation.
+pub const BUILTIN_PROFILES: &[(&str, &str)] = &[
+    ("llama8b-h100", LLAMA8B_H100_YAML),
+    ("fast", FAST_YAML),
+    (
+        "llama70b-h100-tp4",
+        include_str!("../profiles/llama70b-h100-tp4.yaml"),
+    ),
+    (
+        "qwen32b-h200",
+        include_str!("../profiles/qwen32b-h200.yaml"),
+    ),
+    ("llama8b-l4", include_str!("../profiles/llama8b-l4.yaml")),
+    (
+        "llama8b-a100-40g",
+        include_str!("../profiles/llama8b-a100-40g.yaml"),
+    ),
+];
+
 /// Cost model and limits of one simulated engine (one GPU running one model).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -109,6 +129,14 @@ impl Profile {
         Self::builtin(FAST_YAML)
     }
 
+    /// The shipped profile called `name` ([`BUILTIN_PROFILES`]).
+    pub fn named(name: &str) -> Option<Self> {
+        BUILTIN_PROFILES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, text)| Self::builtin(text))
+    }
+
     fn builtin(text: &str) -> Self {
         match Self::from_yaml(text) {
             Ok(p) => p,
@@ -187,6 +215,36 @@ mod tests {
         assert_eq!(p.kv_bytes_per_token, 128 * 1024);
         assert_eq!(p.num_gpu_blocks(), 490_000 / 16);
         assert!(Profile::fast().prefill_tokens_per_s > 1e8);
+    }
+
+    #[test]
+    fn every_shipped_profile_parses_under_its_name() {
+        for (name, text) in BUILTIN_PROFILES {
+            let p = Profile::from_yaml(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(p.name, *name);
+            assert_eq!(Profile::named(name).as_ref(), Some(&p));
+            // vLLM refuses to start when the cache cannot hold one longest request.
+            if *name != "fast" {
+                assert!(p.kv_capacity_tokens >= u64::from(p.max_model_len), "{name}");
+            }
+        }
+        // The files on disk are the ones compiled in.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("profiles");
+        let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| {
+                let path = e.ok()?.path();
+                (path.extension()? == "yaml")
+                    .then(|| path.file_stem()?.to_str().map(String::from))?
+            })
+            .collect();
+        on_disk.sort();
+        let mut builtin: Vec<String> = BUILTIN_PROFILES
+            .iter()
+            .map(|(n, _)| n.to_string())
+            .collect();
+        builtin.sort();
+        assert_eq!(on_disk, builtin);
     }
 
     #[test]
