@@ -374,11 +374,11 @@ pub struct RouteResponse {
     pub decision_id: u64,
     /// `ip:port` of the chosen endpoint followed by fallbacks.
     pub endpoints: Vec<String>,
-    /// Leading prompt blocks the chosen endpoint is believed to hold, in the unit of the index
-    /// that scored it: hash blocks of `router.block_bytes` canonical bytes (approximate), or
-    /// GPU-resident engine blocks of `router.precise.block_tokens` tokens (precise). Kept in
-    /// those units because the explain header and its readers compare it with the index they
-    /// watch; to compare decisions across modes, read `cached_tokens`.
+    /// Leading prompt blocks the chosen endpoint is believed to hold, in one unit whichever
+    /// index scored it: engine KV blocks of `router.precise.block_tokens` tokens (16 by
+    /// default, vLLM's `block_size`). Precise mode counts the GPU-resident blocks it saw in KV
+    /// events; approximate mode the whole blocks its hit's tokens cover. `cached_tokens` is
+    /// the finer figure (offloaded blocks at their weight, eviction ahead discounted).
     #[serde(default)]
     pub cached_blocks: u32,
     /// Prompt tokens the chosen endpoint is predicted to serve from its cache, in every mode:

@@ -375,9 +375,8 @@ struct InFlight {
 pub struct CandidateScore {
     /// `ip:port` of the candidate.
     pub endpoint: EndpointAddress,
-    /// Leading prompt blocks the candidate is believed to hold, in the unit of the index that
-    /// scored it (`precise`): GPU-resident engine blocks of `precise.block_tokens` tokens, or
-    /// hash blocks of `block_bytes` canonical bytes (see `RouteResponse::cached_blocks`).
+    /// Leading engine KV blocks (`precise.block_tokens` tokens each) of the prompt the
+    /// candidate is believed to hold, in every mode (see `RouteResponse::cached_blocks`).
     pub cached_blocks: u32,
     /// Prompt tokens a hit there saves, in every mode (offload tiers count at their weight, a
     /// precise hit the queue ahead will evict does not count): compare candidates and modes
@@ -651,8 +650,8 @@ struct Candidate<'s> {
 /// How much of the prompt one candidate is believed to hold ([`cached_prefix`]).
 #[derive(Debug, Clone, Copy)]
 struct CachedPrefix {
-    /// Leading blocks in the unit of the index that scored it: engine blocks on GPU when
-    /// precise, approximate hash blocks otherwise.
+    /// Leading engine blocks (`precise.block_tokens` tokens each) the hit covers: on GPU when
+    /// precise, the approximate hit's tokens in whole blocks otherwise.
     blocks: usize,
     /// Prompt tokens a hit there saves: offloaded blocks at `precise.offload_weight`, less what
     /// the prefill queued ahead will evict first; below the prompt's length.
@@ -1844,12 +1843,12 @@ fn cached_prefix(
     let (slot, block_tokens, hittable) = (c.slot, shape.block_tokens, shape.hittable_blocks);
     let precise = shape.precise && slot.events_live;
     if !precise {
-        let blocks = depths.approximate[i];
-        let tokens = (blocks as f64 * shape.tokens_per_block)
+        let tokens = (depths.approximate[i] as f64 * shape.tokens_per_block)
             .min(shape.prompt_tokens - 1.0)
             .max(0.0);
         return CachedPrefix {
-            blocks,
+            // The engine blocks the hit covers: the unit precise mode counts in.
+            blocks: (tokens / block_tokens.max(1) as f64) as usize,
             tokens,
             precise,
         };
