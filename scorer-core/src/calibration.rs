@@ -10,11 +10,14 @@
 //! - **Prefill rate.** Per scrape interval, the mean prefill time of the requests that
 //!   finished (`vllm:request_prefill_time_seconds`, scheduled to first token) against their
 //!   mean computed prompt tokens (`vllm:request_prefill_kv_computed_tokens`, cached tokens
-//!   excluded). The last 32 such points get a Theil-Sen line (the median of pairwise slopes):
-//!   its slope is what a token costs, its intercept the step overhead every prefill pays (a
-//!   ratio of sums would read that overhead as a slow prefill), and a request that shared its
-//!   step with a long prefill, an outlier far above the line, moves the median little where
-//!   it would drag a least-squares slope. Both histograms are observed when a request
+//!   excluded). The last 32 such points get a Theil-Sen line (the median of pairwise slopes),
+//!   whose intercept is the step overhead every prefill pays (a ratio of sums would read that
+//!   overhead as a slow prefill). The cost per token is then the fast quartile of each point's
+//!   own cost above that intercept: a request whose prefill shared its engine steps with
+//!   other prompts took longer than its own tokens explain, never shorter, so on a busy
+//!   replica the median (and any least-squares slope) reads slow while the fast end stays the
+//!   engine's rate. Under the same overlap the prefill throughput over the last half minute
+//!   is a floor under the rate. Both histograms are observed when a request
 //!   finishes, so each interval's two sums describe the same requests
 //!   (`vllm:prompt_tokens_total` counts at the first token instead).
 //! - **Decode step time.** The mean inter-token latency over the interval
@@ -207,6 +210,11 @@ const MIN_TOKEN_SPREAD: f64 = 50.0;
 /// The largest share of an interval a decode sample may lose to prefill (beyond it, the
 /// sample says more about the prefill estimate than about decoding).
 const MAX_PREFILL_SHARE: f64 = 0.9;
+/// Half-life of the throughput floor's sums, ms: long enough that a prompt counted at once
+/// when its prefill ends is spread over the time it took.
+const THROUGHPUT_HALF_LIFE_MS: f64 = 30_000.0;
+/// Time the throughput floor must have seen before it counts, ms.
+const THROUGHPUT_MIN_MS: f64 = 10_000.0;
 /// Prefill points kept for the robust fit.
 const PREFILL_POINTS: usize = 32;
 /// Prefill points after which the data alone set the rate (fewer: blended with the prior).
@@ -233,8 +241,26 @@ impl PrefillFit {
             self.points[self.next] = (x, y);
         }
         self.next = (self.next + 1) % PREFILL_POINTS;
-        if let Some(line) = theil_sen(&self.points) {
-            self.line = Some(line);
+        if let Some((intercept, median_slope)) = theil_sen(&self.points) {
+            // Each point's own cost per token above that intercept; the fast quartile of
+            // them. A request whose prefill shared its steps with others' took longer than its
+            // own tokens explain, never shorter, so the fast end is the engine's own rate and
+            // the median reads slow whenever prefills overlap (a saturated replica).
+            let intercept = intercept.max(0.0);
+            let mut per_token = [0.0; PREFILL_POINTS];
+            let mut n = 0;
+            for &(x, y) in self.points.iter().filter(|(x, _)| *x > MIN_TOKEN_SPREAD) {
+                per_token[n] = ((y - intercept) / x).max(0.0);
+                n += 1;
+            }
+            let slope = if n >= 4 {
+                let q = n / 4;
+                let (_, v, _) = per_token[..n].select_nth_unstable_by(q, f64::total_cmp);
+                *v
+            } else {
+                median_slope
+            };
+            self.line = Some((intercept, slope));
         } else if self.line.is_none() {
             // No spread yet: a line through the origin and the points' median ratio.
             let mut ratios = [0.0; PREFILL_POINTS];
@@ -293,6 +319,10 @@ pub struct EndpointCalibration {
     prefill: PrefillFit,
     /// Time per output token (ms) against KV usage, weighted by output tokens.
     decode: LineFit,
+    /// Prompt tokens computed and the time that passed, decayed over
+    /// [`THROUGHPUT_HALF_LIFE_MS`]: the engine's prefill throughput, a floor under the rate.
+    throughput_tokens: f64,
+    throughput_ms: f64,
 }
 
 impl EndpointCalibration {
@@ -338,12 +368,16 @@ impl EndpointCalibration {
             self.prefill.add(tokens / requests, ms / requests);
         }
         let gaps = counters.itl_count - prev.itl_count;
+        let prefilled = ((counters.prompt_tokens - prev.prompt_tokens)
+            - (counters.prefix_cache_hit_tokens - prev.prefix_cache_hit_tokens))
+            .max(0.0);
+        let rate = self.calibrated(prior, config).prefill_tokens_per_ms;
+        let kept = 0.5f64.powf(interval_ms / THROUGHPUT_HALF_LIFE_MS);
+        self.throughput_tokens = self.throughput_tokens * kept + prefilled;
+        self.throughput_ms = self.throughput_ms * kept + interval_ms;
         if gaps > 0.0 {
             let ms = (counters.itl_seconds - prev.itl_seconds) * 1000.0;
-            let prefilled = (counters.prompt_tokens - prev.prompt_tokens)
-                - (counters.prefix_cache_hit_tokens - prev.prefix_cache_hit_tokens);
-            let rate = self.calibrated(prior, config).prefill_tokens_per_ms;
-            let prefill_share = (prefilled.max(0.0) / rate / interval_ms).min(MAX_PREFILL_SHARE);
+            let prefill_share = (prefilled / rate / interval_ms).min(MAX_PREFILL_SHARE);
             // A sample mostly made of prefill says little about decoding: it weighs less.
             self.decode.add(
                 (prev_kv + kv_usage) / 2.0,
@@ -366,6 +400,15 @@ impl EndpointCalibration {
             None => ms_per_token,
         }
         .max(1.0 / MAX_TOKENS_PER_MS);
+        // Prefills that share a step each take longer than alone, so the per-request line
+        // reads slow exactly when the engine is busiest; what it computed per unit of time is
+        // a floor that is tight then (and loose when it idles, where the line is right).
+        let floor = if self.throughput_ms >= THROUGHPUT_MIN_MS {
+            self.throughput_tokens / self.throughput_ms
+        } else {
+            0.0
+        };
+        let prefill_tokens_per_ms = (1.0 / slope).max(floor);
         let (idle, rise) = self.decode.solve(
             (prior.itl_ms_idle, prior.itl_ms_full - prior.itl_ms_idle),
             config.prior_decode_tokens,
@@ -374,7 +417,7 @@ impl EndpointCalibration {
         );
         let idle = idle.max(0.01);
         Calibrated {
-            prefill_tokens_per_ms: 1.0 / slope,
+            prefill_tokens_per_ms,
             itl_ms_idle: idle,
             itl_ms_full: idle + rise,
             prefill_evidence_points: self.prefill.points.len() as u32,
