@@ -10,8 +10,8 @@
 use std::time::{Duration, Instant};
 
 use kvroute_harness::HttpClient;
-use rand::{Rng, SeedableRng};
 use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
 use crate::common::{self, tools};
