@@ -63,7 +63,8 @@ struct Args {
     /// Skip the Envoy overhead and quality sections (micro-benchmarks only).
     #[arg(long)]
     micro_only: bool,
-    /// Skip the peer routers (sglang-router, vllm-router) in both sections.
+    /// Skip the peer routers (sglang-router, vllm-router; standalone and behind Envoy) in both
+    /// sections.
     #[arg(long)]
     no_peers: bool,
     /// Skip the quality section.
