@@ -584,6 +584,11 @@ pub struct FleetConfig {
     /// files in the log directory instead of static lists, so [`Fleet::publish_replicas`] can
     /// add and remove replicas while the fleet runs (kvroute topology only).
     pub file_discovery: bool,
+    /// Envoy's `vllm` cluster lists these `127.0.0.1:port` addresses instead of the fleet's
+    /// replicas (round-robin topology only), so a plain Envoy can front something the harness
+    /// did not start, such as a peer router in front of another fleet's replicas. With it set,
+    /// `replicas` may be 0.
+    pub envoy_upstreams: Option<Vec<String>>,
 }
 
 impl FleetConfig {
@@ -605,6 +610,7 @@ impl FleetConfig {
             control_plane_extra: json!({}),
             endpoint_extra: Vec::new(),
             file_discovery: false,
+            envoy_upstreams: None,
         }
     }
 }
@@ -805,7 +811,12 @@ pub fn envoy_base_id() -> u32 {
 impl Fleet {
     /// Starts the topology and waits until every process is ready.
     pub async fn start(config: FleetConfig, tools: &Tools) -> Result<Fleet> {
-        if config.replicas == 0 {
+        if config.envoy_upstreams.is_some() && config.router != RouterKind::RoundRobin {
+            return Err(HarnessError::Config(
+                "envoy_upstreams needs the round-robin topology".into(),
+            ));
+        }
+        if config.replicas == 0 && config.envoy_upstreams.is_none() {
             return Err(HarnessError::Config("replicas must be at least 1".into()));
         }
         let n = FLEET_COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -845,7 +856,8 @@ impl Fleet {
             .and_then(|cp| cp.api_address.rsplit_once(':'))
             .and_then(|(_, p)| p.parse().ok())
             .unwrap_or(0);
-        let envoy = start_envoy(&config, tools, &log_dir, &addresses, cp_port, &client).await?;
+        let upstreams = config.envoy_upstreams.as_ref().unwrap_or(&addresses);
+        let envoy = start_envoy(&config, tools, &log_dir, upstreams, cp_port, &client).await?;
         Ok(Fleet {
             envoy,
             control_plane,

@@ -4,8 +4,9 @@
 //! index filled with 1M blocks), the filter natively, as the release `.wasm` in wasmtime and
 //! inside Envoy's V8 (from its own hashing-time histogram), filter memory per in-flight
 //! request, data-plane overhead (kvroute, plain Envoy round robin, sglang-router and
-//! vllm-router, each against direct) in front of `vllm-sim --profile fast`, and routing quality
-//! on cold 8-replica fleets driven by aiperf through each router in turn.
+//! vllm-router standalone and each behind plain Envoy, all against direct) in front of
+//! `vllm-sim --profile fast`, and routing quality on cold 8-replica fleets driven by aiperf
+//! through each router in turn.
 //! Writes `<target>/bench/summary.json` and SVG plots beside it; tables go to stdout.
 //! Peers and aiperf come from `.venv-bench` (`make bench-setup`).
 
@@ -62,7 +63,8 @@ struct Args {
     /// Skip the Envoy overhead and quality sections (micro-benchmarks only).
     #[arg(long)]
     micro_only: bool,
-    /// Skip the peer routers (sglang-router, vllm-router) in both sections.
+    /// Skip the peer routers (sglang-router, vllm-router; standalone and behind Envoy) in both
+    /// sections.
     #[arg(long)]
     no_peers: bool,
     /// Skip the quality section.
@@ -320,7 +322,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .and_then(|r| r.max_rps)
             .unwrap_or(0.0);
         println!(
-            "{:<15}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>14}{:>6}",
+            "{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>14}{:>6}",
             "router",
             "prompt",
             "p50 ms",
@@ -333,7 +335,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         );
         for r in &overhead {
             println!(
-                "{:<15}{:>9}{:>9.2}{:>9.2}{:>9.2}{:>9.2}{:>9}{:>14}{:>6}",
+                "{:<21}{:>9}{:>9.2}{:>9.2}{:>9.2}{:>9.2}{:>9}{:>14}{:>6}",
                 r.router,
                 r.prompt_bytes,
                 r.latency_ms_p50,
@@ -695,6 +697,36 @@ async fn overhead_section(
             }
         }
     }
+    // What an Envoy or Istio user would run instead of kvroute: plain Envoy (round robin, same
+    // worker count as every other row) whose only upstream is the peer router above, which
+    // fronts the very replica "direct" measures. No replicas of their own.
+    let mut envoy_peers = Vec::new();
+    for p in &peer_routers {
+        let label = format!("envoy+{}", p.peer.label());
+        let address = p.url.strip_prefix("http://").unwrap_or(&p.url).to_string();
+        let mut cfg = FleetConfig::new(&format!("bench-overhead-{label}"));
+        cfg.replicas = 0;
+        cfg.router = RouterKind::RoundRobin;
+        cfg.envoy_upstreams = Some(vec![address.clone()]);
+        eprintln!(
+            "[overhead] starting Envoy in front of {} at {address} ...",
+            p.peer.label()
+        );
+        match Fleet::start(cfg, tools).await {
+            Ok(f) => {
+                targets.push(Target {
+                    label: label.clone(),
+                    url: f.url(),
+                    kvroute_admin: None,
+                });
+                envoy_peers.push(f);
+            }
+            Err(e) => {
+                eprintln!("[overhead] {label} not measured: {e}");
+                skipped.push(format!("overhead via {label}: {e}"));
+            }
+        }
+    }
     let mut rows = Vec::new();
     for &size in &SIZES {
         let bodies = Arc::new(
@@ -749,6 +781,7 @@ async fn overhead_section(
             });
         }
     }
+    drop(envoy_peers);
     drop(peer_routers);
     let local_decision_fraction = match fleets.iter().find(|(label, _)| label == LOCAL) {
         Some((_, fleet)) => {
