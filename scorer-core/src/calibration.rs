@@ -16,8 +16,7 @@
 //!   own cost above that intercept: a request whose prefill shared its engine steps with
 //!   other prompts took longer than its own tokens explain, never shorter, so on a busy
 //!   replica the median (and any least-squares slope) reads slow while the fast end stays the
-//!   engine's rate. Under the same overlap the prefill throughput over the last half minute
-//!   is a floor under the rate. Both histograms are observed when a request
+//!   engine's rate. Both histograms are observed when a request
 //!   finishes, so each interval's two sums describe the same requests
 //!   (`vllm:prompt_tokens_total` counts at the first token instead).
 //! - **Decode step time.** The mean inter-token latency over the interval
@@ -96,7 +95,9 @@ impl EngineCounters {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CalibrationConfig {
-    /// Whether scoring uses the learned rates (false: the configured ones for every endpoint).
+    /// Whether scoring uses the learned rates. Off by default: the rates are always learned
+    /// and shown, but in fleet-sim's matrix scoring with them still loses to the generic
+    /// prior on TTFT p99 (README, "Online calibration"), so they steer only when asked to.
     pub enabled: bool,
     /// Output tokens after which the decode line is the data's alone (fewer: blended with the
     /// prior).
@@ -108,7 +109,7 @@ pub struct CalibrationConfig {
 impl Default for CalibrationConfig {
     fn default() -> Self {
         Self {
-            enabled: true,
+            enabled: false,
             prior_decode_tokens: 200.0,
             half_life_ms: 120_000,
         }
@@ -210,11 +211,8 @@ const MIN_TOKEN_SPREAD: f64 = 50.0;
 /// The largest share of an interval a decode sample may lose to prefill (beyond it, the
 /// sample says more about the prefill estimate than about decoding).
 const MAX_PREFILL_SHARE: f64 = 0.9;
-/// Half-life of the throughput floor's sums, ms: long enough that a prompt counted at once
-/// when its prefill ends is spread over the time it took.
-const THROUGHPUT_HALF_LIFE_MS: f64 = 30_000.0;
-/// Time the throughput floor must have seen before it counts, ms.
-const THROUGHPUT_MIN_MS: f64 = 10_000.0;
+/// Mean computed tokens a prefill point needs for its own cost per token to count.
+const MIN_RATE_TOKENS: f64 = 256.0;
 /// Prefill points kept for the robust fit.
 const PREFILL_POINTS: usize = 32;
 /// Prefill points after which the data alone set the rate (fewer: blended with the prior).
@@ -249,14 +247,18 @@ impl PrefillFit {
             let intercept = intercept.max(0.0);
             let mut per_token = [0.0; PREFILL_POINTS];
             let mut n = 0;
-            for &(x, y) in self.points.iter().filter(|(x, _)| *x > MIN_TOKEN_SPREAD) {
+            // Only points with enough computed tokens that the step overhead's noise does not
+            // swamp their cost per token, and never below half their median: the fast end of
+            // noise is not a faster engine.
+            for &(x, y) in self.points.iter().filter(|(x, _)| *x >= MIN_RATE_TOKENS) {
                 per_token[n] = ((y - intercept) / x).max(0.0);
                 n += 1;
             }
             let slope = if n >= 4 {
-                let q = n / 4;
-                let (_, v, _) = per_token[..n].select_nth_unstable_by(q, f64::total_cmp);
-                *v
+                let (_, mid, _) = per_token[..n].select_nth_unstable_by(n / 2, f64::total_cmp);
+                let mid = *mid;
+                let (_, fast, _) = per_token[..n].select_nth_unstable_by(n / 4, f64::total_cmp);
+                fast.max(mid / 2.0)
             } else {
                 median_slope
             };
@@ -309,6 +311,22 @@ fn median(values: &mut [f64]) -> f64 {
 /// KV usage spread below which the decode fit cannot tell slope from intercept.
 const MIN_KV_SPREAD: f64 = 0.05;
 
+impl Calibrated {
+    /// Whether the prefill rate rests on the endpoint's own data alone (no prior left in it).
+    pub fn is_learned(&self) -> bool {
+        f64::from(self.prefill_evidence_points) >= PREFILL_POINTS_TRUSTED
+    }
+
+    /// These rates as the prior of an endpoint that has not shown its own yet.
+    pub fn as_prior(&self) -> Prior {
+        Prior {
+            prefill_tokens_per_ms: self.prefill_tokens_per_ms,
+            itl_ms_idle: self.itl_ms_idle,
+            itl_ms_full: self.itl_ms_full,
+        }
+    }
+}
+
 /// One endpoint's learned rates.
 #[derive(Debug, Clone, Default)]
 pub struct EndpointCalibration {
@@ -319,10 +337,6 @@ pub struct EndpointCalibration {
     prefill: PrefillFit,
     /// Time per output token (ms) against KV usage, weighted by output tokens.
     decode: LineFit,
-    /// Prompt tokens computed and the time that passed, decayed over
-    /// [`THROUGHPUT_HALF_LIFE_MS`]: the engine's prefill throughput, a floor under the rate.
-    throughput_tokens: f64,
-    throughput_ms: f64,
 }
 
 impl EndpointCalibration {
@@ -372,9 +386,6 @@ impl EndpointCalibration {
             - (counters.prefix_cache_hit_tokens - prev.prefix_cache_hit_tokens))
             .max(0.0);
         let rate = self.calibrated(prior, config).prefill_tokens_per_ms;
-        let kept = 0.5f64.powf(interval_ms / THROUGHPUT_HALF_LIFE_MS);
-        self.throughput_tokens = self.throughput_tokens * kept + prefilled;
-        self.throughput_ms = self.throughput_ms * kept + interval_ms;
         if gaps > 0.0 {
             let ms = (counters.itl_seconds - prev.itl_seconds) * 1000.0;
             let prefill_share = (prefilled / rate / interval_ms).min(MAX_PREFILL_SHARE);
@@ -400,15 +411,7 @@ impl EndpointCalibration {
             None => ms_per_token,
         }
         .max(1.0 / MAX_TOKENS_PER_MS);
-        // Prefills that share a step each take longer than alone, so the per-request line
-        // reads slow exactly when the engine is busiest; what it computed per unit of time is
-        // a floor that is tight then (and loose when it idles, where the line is right).
-        let floor = if self.throughput_ms >= THROUGHPUT_MIN_MS {
-            self.throughput_tokens / self.throughput_ms
-        } else {
-            0.0
-        };
-        let prefill_tokens_per_ms = (1.0 / slope).max(floor);
+        let prefill_tokens_per_ms = 1.0 / slope;
         let (idle, rise) = self.decode.solve(
             (prior.itl_ms_idle, prior.itl_ms_full - prior.itl_ms_idle),
             config.prior_decode_tokens,

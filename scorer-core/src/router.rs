@@ -234,7 +234,9 @@ struct Slot {
     latency: EndpointLatencyModel,
     /// Prefill rate and decode step time learned from its counters ...
     calibration: EndpointCalibration,
-    /// ... and the rates in force (the prior until it has done work).
+    /// ... what it has learned (the prior until it has done work) ...
+    learned: Calibrated,
+    /// ... and the rates scoring uses: `learned` with `calibration.enabled`, else the prior.
     rates: Calibrated,
     /// Prefill, decode or both (disaggregated serving).
     role: EndpointRole,
@@ -507,7 +509,8 @@ pub struct EndpointView {
     /// Times it was picked as a request's prefill endpoint.
     #[serde(default)]
     pub prefill_picks: u64,
-    /// The prefill rate and decode step time scoring uses for it (calibrated, or the prior).
+    /// The prefill rate and decode step time learned from its counters (the prior until it has
+    /// finished requests); scoring uses them with `calibration.enabled`.
     #[serde(default)]
     pub calibration: Calibrated,
 }
@@ -535,6 +538,8 @@ pub struct Router {
     inflight_order: VecDeque<(u64, u64)>,
     next_decision_id: u64,
     stats: RouterStats,
+    /// A running average of the rates endpoints have learned: the prior of one that has not.
+    fleet_rates: Option<Prior>,
     /// `now_ms` of the last `expire`, so back-to-back decisions skip it.
     last_expire_ms: u64,
     /// Model pools, sessions and LoRA adapters (see `pools`, `affinity`, `lora`).
@@ -792,6 +797,7 @@ impl Router {
             inflight_order: VecDeque::new(),
             next_decision_id: first_decision_id.max(1),
             stats: RouterStats::default(),
+            fleet_rates: None,
             last_expire_ms: u64::MAX,
             fleet: FleetState::default(),
             scratch: RouteScratch::default(),
@@ -844,6 +850,8 @@ impl Router {
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
             calibration: EndpointCalibration::default(),
+            learned: EndpointCalibration::default()
+                .calibrated(prior(&self.config.scoring), &self.config.calibration),
             rates: EndpointCalibration::default()
                 .calibrated(prior(&self.config.scoring), &self.config.calibration),
             role: EndpointRole::Both,
@@ -890,19 +898,45 @@ impl Router {
         slot.scraped_at_ms = now_ms;
         slot.health = Health::Ready;
         let (scoring, calibration) = (&self.config.scoring, &self.config.calibration);
+        // An endpoint that has not shown its own rates yet starts from what its peers showed
+        // (the configured prior only before any has): a fleet half on the prior and half
+        // learned would otherwise price the learned half as slower or faster than it is
+        // relative to the rest, and shift load onto whichever side the prior flatters.
+        let prior = self.fleet_rates.unwrap_or_else(|| prior(scoring));
         if let Some(counters) = metrics.counters {
-            slot.calibration.observe(
-                counters,
-                metrics.kv_usage,
-                now_ms,
-                prior(scoring),
-                calibration,
-            );
+            slot.calibration
+                .observe(counters, metrics.kv_usage, now_ms, prior, calibration);
+        }
+        slot.learned = slot.calibration.calibrated(prior, calibration);
+        let mut rates = slot.learned;
+        if slot.learned.is_learned() {
+            let learned = slot.learned.as_prior();
+            // Within `SAME_HARDWARE` of the fleet's average an endpoint is scored at the
+            // average: replicas of one kind differ by measurement noise, and per-endpoint
+            // noise would steer load to whichever replica happens to read fastest. A real
+            // difference (another GPU in the pool) keeps its own rates.
+            if let Some(f) = self.fleet_rates {
+                let ratio = learned.prefill_tokens_per_ms / f.prefill_tokens_per_ms.max(1e-9);
+                if (1.0 / SAME_HARDWARE..=SAME_HARDWARE).contains(&ratio) {
+                    rates.prefill_tokens_per_ms = f.prefill_tokens_per_ms;
+                    rates.itl_ms_idle = f.itl_ms_idle;
+                    rates.itl_ms_full = f.itl_ms_full;
+                }
+            }
+            self.fleet_rates = Some(match self.fleet_rates {
+                None => learned,
+                Some(f) => Prior {
+                    prefill_tokens_per_ms: 0.8 * f.prefill_tokens_per_ms
+                        + 0.2 * learned.prefill_tokens_per_ms,
+                    itl_ms_idle: 0.8 * f.itl_ms_idle + 0.2 * learned.itl_ms_idle,
+                    itl_ms_full: 0.8 * f.itl_ms_full + 0.2 * learned.itl_ms_full,
+                },
+            });
         }
         slot.rates = if calibration.enabled {
-            slot.calibration.calibrated(prior(scoring), calibration)
+            rates
         } else {
-            EndpointCalibration::default().calibrated(prior(scoring), calibration)
+            EndpointCalibration::default().calibrated(self::prior(scoring), calibration)
         };
         if let Some(cap) = metrics.capacity_tokens {
             let blocks = (cap as f64 / tokens_per_block) as usize;
@@ -1654,7 +1688,7 @@ impl Router {
                 latency_samples: s.latency.samples(),
                 role: s.role,
                 prefill_picks: s.prefill_picks,
-                calibration: s.rates,
+                calibration: s.learned,
             })
             .collect()
     }
@@ -2218,6 +2252,10 @@ fn lost_before_admission(
 }
 
 /// The replica drains queued prefill at its prefill rate: forget what it has done since.
+/// How far (as a ratio) an endpoint's learned prefill rate may sit from the fleet's average and
+/// still count as the same hardware, scored at the average.
+const SAME_HARDWARE: f64 = 1.3;
+
 /// The prior calibration starts each endpoint from: the configured scoring rates.
 fn prior(s: &ScoringConfig) -> Prior {
     Prior {

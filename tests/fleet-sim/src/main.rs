@@ -77,6 +77,10 @@ struct MatrixArgs {
     /// Write the JSON report here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// kvroute router settings as YAML or JSON (`RouterConfig` fields), e.g.
+    /// `{calibration: {enabled: true}}`: one setting across every cell, never per profile.
+    #[arg(long)]
+    router_config: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -267,6 +271,9 @@ fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
     });
     if let Some(t) = &args.trace {
         spec.trace = t.clone();
+    }
+    if let Some(text) = &args.router_config {
+        spec.router = serde_yaml_ng::from_str(text).context("--router-config")?;
     }
     eprintln!(
         "fleet-sim matrix: {} cells x {} seeds x {} policies on {} threads",

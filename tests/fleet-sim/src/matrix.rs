@@ -253,6 +253,8 @@ pub struct MatrixSpec {
     pub trace: PathBuf,
     /// Worker threads.
     pub threads: usize,
+    /// kvroute's router settings (scorer-core's defaults unless `--router-config`).
+    pub router: scorer_core::router::RouterConfig,
 }
 
 /// The shipped Mooncake trace.
@@ -290,6 +292,7 @@ impl MatrixSpec {
             requests: 400,
             trace: default_trace(),
             threads: 2,
+            router: scorer_core::router::RouterConfig::default(),
         }
     }
 
@@ -316,6 +319,7 @@ impl MatrixSpec {
             requests: 200,
             trace: default_trace(),
             threads: 2,
+            router: scorer_core::router::RouterConfig::default(),
         }
     }
 }
@@ -770,12 +774,12 @@ fn run_job(
     let (cfg, options) = sim_setup(cell, seed, max_tokens, replicas);
     let mut out = Vec::with_capacity(spec.policies.len());
     for name in &spec.policies {
-        // kvroute: scorer-core's defaults, no per-profile setting.
+        // kvroute: scorer-core's defaults (or `--router-config`), no per-profile setting.
         let mut p = policy::build_with(
             name,
             replicas,
             seed,
-            &scorer_core::router::RouterConfig::default(),
+            &spec.router,
             DEFAULT_TEXT_BYTES_PER_TOKEN,
         )
         .ok_or_else(|| MatrixError::Policy(name.clone()))?;
