@@ -168,10 +168,11 @@ async fn get_json(url: String) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
-async fn post_route(r: &Running, req: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
+/// POSTs `req` to the API port's `path`: the status and the body as JSON (or as a string).
+async fn post_api(r: &Running, path: &str, req: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
     let (status, body) = http(
         "POST",
-        format!("http://{}/v1/route", r.api),
+        format!("http://{}{path}", r.api),
         headers,
         Some(req.to_string()),
     )
@@ -180,6 +181,10 @@ async fn post_route(r: &Running, req: &Value, headers: &[(&str, &str)]) -> (u16,
         status,
         serde_json::from_str(&body).unwrap_or(Value::String(body)),
     )
+}
+
+async fn post_route(r: &Running, req: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
+    post_api(r, "/v1/route", req, headers).await
 }
 
 /// Polls `check` until it returns true or the deadline passes.
@@ -243,13 +248,14 @@ async fn routes_follow_the_prefix_and_decisions_are_explained() {
     let (_, second) = post_route(&r, &route_request(1..30), &[]).await;
     assert_eq!(second["endpoints"][0], first["endpoints"][0], "{second}");
     assert_eq!(second["reason"], "prefix");
-    assert_eq!(second["cached_blocks"], 20);
+    // 20 hash blocks of 256 bytes, 1,280 tokens: 80 engine blocks of 16 tokens.
+    assert_eq!(second["cached_blocks"], 80);
 
     let id = second["decision_id"].as_u64().unwrap();
     let explained = get_json(format!("http://{}/debug/decisions/{id}", r.admin)).await;
     assert_eq!(explained["response"], second);
     assert_eq!(explained["candidates"].as_array().unwrap().len(), 2);
-    assert_eq!(explained["candidates"][0]["cached_blocks"], 20);
+    assert_eq!(explained["candidates"][0]["cached_blocks"], 80);
     let recent = get_json(format!("http://{}/debug/decisions?limit=1", r.admin)).await;
     assert_eq!(recent[0]["decision_id"], id);
 
@@ -731,17 +737,7 @@ async fn binary_serves_and_exits_cleanly_on_sigterm() {
 }
 
 async fn post_sync(r: &Running, body: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
-    let (status, text) = http(
-        "POST",
-        format!("http://{}/v1/sync", r.api),
-        headers,
-        Some(body.to_string()),
-    )
-    .await;
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
+    post_api(r, "/v1/sync", body, headers).await
 }
 
 /// The string `field` of every object in the JSON array `list`.
@@ -840,16 +836,9 @@ async fn a_proxys_decision_reaches_other_proxies_and_loads_the_control_plane() {
     assert_eq!(endpoint_view(&r, b.addr).await["inflight"], 1);
     assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
     // ...and the other proxy learns of it, without the prompt text.
-    let (status, text) = http(
-        "POST",
-        format!("http://{}/v1/sync", r.api),
-        &[],
-        Some(json!({ "replica": proxy_b, "since": next_b }).to_string()),
-    )
-    .await;
-    assert_eq!(status, 200, "{text}");
-    assert!(!text.contains("private words"), "{text}");
-    let seen: Value = serde_json::from_str(&text).unwrap();
+    let (status, seen) = post_sync(&r, &json!({ "replica": proxy_b, "since": next_b }), &[]).await;
+    assert_eq!(status, 200, "{seen}");
+    assert!(!seen.to_string().contains("private words"), "{seen}");
     let events = seen["events"].as_array().unwrap();
     assert_eq!(events.len(), 1, "{seen}");
     assert_eq!(events[0]["kind"], "decision");
@@ -864,7 +853,7 @@ async fn a_proxys_decision_reaches_other_proxies_and_loads_the_control_plane() {
     let (status, routed) = post_route(&r, &route_request(1..30), &[]).await;
     assert_eq!(status, 200, "{routed}");
     assert_eq!(routed["endpoints"][0], b.addr.to_string(), "{routed}");
-    assert_eq!(routed["cached_blocks"], 20, "{routed}");
+    assert_eq!(routed["cached_blocks"], 80, "{routed}");
 
     // Its outcome, reported via sync, releases the load and reaches proxy B too.
     let outcome = json!({ "decision_id": decision_id, "endpoint": b.addr.to_string(), "status": 200, "ttfb_ms": 10, "total_ms": 30 });
@@ -913,16 +902,9 @@ async fn route_call_decisions_and_feedback_appear_in_the_next_sync() {
     .await;
     assert_eq!(status, 204);
 
-    let (status, text) = http(
-        "POST",
-        format!("http://{}/v1/sync", r.api),
-        &[],
-        Some(json!({ "replica": proxy, "since": next }).to_string()),
-    )
-    .await;
-    assert_eq!(status, 200, "{text}");
-    assert!(!text.contains("keep me here"), "{text}");
-    let seen: Value = serde_json::from_str(&text).unwrap();
+    let (status, seen) = post_sync(&r, &json!({ "replica": proxy, "since": next }), &[]).await;
+    assert_eq!(status, 200, "{seen}");
+    assert!(!seen.to_string().contains("keep me here"), "{seen}");
     let events = seen["events"].as_array().unwrap();
     assert_eq!(events.len(), 2, "{seen}");
     assert_eq!(events[0]["kind"], "decision");

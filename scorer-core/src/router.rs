@@ -2695,6 +2695,14 @@ mod precise_tests {
         }
     }
 
+    /// A router whose `endpoint` reported `tokens` stored in `medium`.
+    fn router_holding(endpoint: &str, tokens: &[u32], medium: Medium) -> Router {
+        let mut r = router();
+        r.apply_kv_event(endpoint, "m", &stored(tokens, medium), 0)
+            .unwrap();
+        r
+    }
+
     fn request(tokens: &[u32]) -> RouteRequest {
         RouteRequest {
             model: "m".into(),
@@ -2706,10 +2714,8 @@ mod precise_tests {
 
     #[test]
     fn events_decide_where_the_prefix_is() {
-        let mut r = router();
         let tokens: Vec<u32> = (0..321).collect();
-        r.apply_kv_event("b:1", "m", &stored(&tokens[..320], Medium::Gpu), 0)
-            .unwrap();
+        let mut r = router_holding("b:1", &tokens[..320], Medium::Gpu);
         let d = r.route(&request(&tokens), 10, 3);
         assert_eq!(d.response.endpoints[0], "b:1");
         let best = &d.candidates[0];
@@ -2722,10 +2728,8 @@ mod precise_tests {
     #[test]
     fn the_response_predicts_cached_tokens_in_one_unit_whichever_index_scored() {
         // Precise: 20 engine blocks of 16 tokens on GPU.
-        let mut r = router();
         let tokens: Vec<u32> = (0..321).collect();
-        r.apply_kv_event("b:1", "m", &stored(&tokens[..320], Medium::Gpu), 0)
-            .unwrap();
+        let mut r = router_holding("b:1", &tokens[..320], Medium::Gpu);
         let precise = r.route(&request(&tokens), 10, 3);
         assert_eq!(
             (
@@ -2734,7 +2738,8 @@ mod precise_tests {
             ),
             (20, 320)
         );
-        // Approximate: the same 320 tokens are 5 hash blocks of 256 bytes at 4 bytes a token.
+        // Approximate: the same 320 tokens are 5 hash blocks of 256 bytes at 4 bytes a token,
+        // and count as the same 20 engine blocks.
         let mut r = Router::new(RouterConfig::default(), 1);
         r.upsert_endpoint("a:1").unwrap();
         let text = "t".repeat(256 * 5);
@@ -2757,7 +2762,7 @@ mod precise_tests {
                 approximate.response.cached_blocks,
                 approximate.response.cached_tokens
             ),
-            (5, 320)
+            (20, 320)
         );
         for d in [&precise, &approximate] {
             assert_eq!(d.response.cached_tokens, d.candidates[0].cached_tokens);
@@ -2766,10 +2771,8 @@ mod precise_tests {
 
     #[test]
     fn last_token_is_never_a_hit() {
-        let mut r = router();
         let tokens: Vec<u32> = (0..320).collect();
-        r.apply_kv_event("a:1", "m", &stored(&tokens, Medium::Gpu), 0)
-            .unwrap();
+        let mut r = router_holding("a:1", &tokens, Medium::Gpu);
         let d = r.route(&request(&tokens), 10, 3);
         assert_eq!(
             d.candidates[0].cached_tokens, 304,
@@ -2779,10 +2782,8 @@ mod precise_tests {
 
     #[test]
     fn down_stream_falls_back_to_approximate_and_drops_state() {
-        let mut r = router();
         let tokens: Vec<u32> = (0..160).collect();
-        r.apply_kv_event("b:1", "m", &stored(&tokens, Medium::Gpu), 0)
-            .unwrap();
+        let mut r = router_holding("b:1", &tokens, Medium::Gpu);
         r.set_event_stream("b:1", false);
         let d = r.route(&request(&tokens), 10, 3);
         assert!(
@@ -2801,10 +2802,8 @@ mod precise_tests {
 
     #[test]
     fn offload_counts_below_gpu_and_above_nothing() {
-        let mut r = router();
         let tokens: Vec<u32> = (0..161).collect();
-        r.apply_kv_event("a:1", "m", &stored(&tokens[..160], Medium::Cpu), 0)
-            .unwrap();
+        let mut r = router_holding("a:1", &tokens[..160], Medium::Cpu);
         let d = r.route(&request(&tokens), 10, 3);
         let a = d.candidates.iter().find(|c| c.endpoint == "a:1").unwrap();
         assert_eq!(a.cached_tokens, 80, "half credit for 160 offloaded tokens");
@@ -2893,10 +2892,8 @@ mod precise_tests {
 
     #[test]
     fn bad_event_drops_the_endpoint_state() {
-        let mut r = router();
         let tokens: Vec<u32> = (0..32).collect();
-        r.apply_kv_event("a:1", "m", &stored(&tokens, Medium::Gpu), 0)
-            .unwrap();
+        let mut r = router_holding("a:1", &tokens, Medium::Gpu);
         let orphan = orphan_store();
         assert!(r.apply_kv_event("a:1", "m", &orphan, 0).is_err());
         assert_eq!(r.stats().kv_event_errors, 1);

@@ -32,20 +32,19 @@ pub const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
 pub const KV_USAGE_OLD: &str = "vllm:gpu_cache_usage_perc";
 /// `vllm:cache_config_info`: the engine's CacheConfig as labels of a constant gauge.
 pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
-/// `vllm:prompt_tokens_total`: prompt tokens prefilled, cached or not (counter).
-pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
-/// `vllm:prefix_cache_hits_total`: prompt tokens found in the prefix cache (counter).
-pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits_total";
-/// `vllm:request_prefill_kv_computed_tokens_sum`: prompt tokens computed (not cached).
-pub const PREFILL_COMPUTED_SUM: &str = "vllm:request_prefill_kv_computed_tokens_sum";
-/// `vllm:request_prefill_time_seconds_sum`: seconds requests spent in prefill.
-pub const PREFILL_TIME_SUM: &str = "vllm:request_prefill_time_seconds_sum";
-/// `vllm:request_prefill_time_seconds_count`: requests whose prefill time was observed.
-pub const PREFILL_TIME_COUNT: &str = "vllm:request_prefill_time_seconds_count";
-/// `vllm:inter_token_latency_seconds_sum`: seconds between output tokens.
-pub const ITL_SUM: &str = "vllm:inter_token_latency_seconds_sum";
-/// `vllm:inter_token_latency_seconds_count`: gaps between output tokens.
-pub const ITL_COUNT: &str = "vllm:inter_token_latency_seconds_count";
+/// The series online calibration reads ([`EngineCounters`]), in the order `engine_counters`
+/// takes them: prompt tokens computed (cached ones excluded) and the prefill time and count of
+/// finished requests, the inter-token latency sum and count, prompt tokens prefilled, and of
+/// them the prefix-cache hits.
+pub const CALIBRATION_SERIES: [&str; 7] = [
+    "vllm:request_prefill_kv_computed_tokens_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_hits_total",
+];
 
 /// Why a `/metrics` body could not be turned into [`EndpointMetrics`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -230,15 +229,8 @@ pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
                 capacity.push((engine, tokens));
             }
             name => {
-                let slot = match name {
-                    PREFILL_COMPUTED_SUM => 0,
-                    PREFILL_TIME_SUM => 1,
-                    PREFILL_TIME_COUNT => 2,
-                    ITL_SUM => 3,
-                    ITL_COUNT => 4,
-                    PROMPT_TOKENS => 5,
-                    PREFIX_CACHE_HITS => 6,
-                    _ => continue,
+                let Some(slot) = CALIBRATION_SERIES.iter().position(|s| *s == name) else {
+                    continue;
                 };
                 let acc = &mut counters[slot];
                 *acc = Some(acc.unwrap_or(0.0) + sample.value);

@@ -197,8 +197,18 @@ fn arrivals(s: &Scenario, with_batch: bool) -> Vec<Arrival> {
 pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
     let reqs = arrivals(s, mode != Mode::Alone);
     let mut fleet = EngineSteps::new(build_engines(&s.profile, s.replicas, s.seed, true)?);
-    let mut router = policy::build("kvroute", s.replicas, s.seed)
-        .ok_or_else(|| SimError::Config("no kvroute policy".into()))?;
+    // Admission bounds predicted TTFT inflation, which needs each replica's real speed: the
+    // router scores with the rates it learns from the engines' counters, not the generic prior.
+    let mut config = scorer_core::router::RouterConfig::default();
+    config.calibration.enabled = true;
+    let mut router = policy::build_with(
+        "kvroute",
+        s.replicas,
+        s.seed,
+        &config,
+        policy::DEFAULT_TEXT_BYTES_PER_TOKEN,
+    )
+    .ok_or_else(|| SimError::Config("no kvroute policy".into()))?;
     let mut admission = (mode == Mode::Fair).then(|| Admission::new(s.admission.clone()));
     let mut snapshots = vec![ReplicaSnapshot::default(); s.replicas];
     let mut views = Vec::with_capacity(s.replicas);

@@ -294,12 +294,7 @@ fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
     eprintln!("simulated in {:.1}s", started.elapsed().as_secs_f64());
     print!("{}", table(&report));
     if let Some(path) = &args.json {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)?;
-        }
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
+        write_json(path, &report)?;
     }
     Ok(())
 }
@@ -546,12 +541,18 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             results,
             sweep,
         };
-        if let Some(dir) = json.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)?;
-        }
-        std::fs::write(json, serde_json::to_string_pretty(&summary)?)
-            .with_context(|| format!("writing {}", json.display()))?;
-        eprintln!("wrote {}", json.display());
+        write_json(json, &summary)?;
     }
+    Ok(())
+}
+
+/// Writes `value` as pretty JSON to `path`, creating its folder, and says so on stderr.
+fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(value)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
     Ok(())
 }
