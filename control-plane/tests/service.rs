@@ -183,6 +183,17 @@ async fn post_api(r: &Running, path: &str, req: &Value, headers: &[(&str, &str)]
     )
 }
 
+/// A one-endpoint config with small request limits (4 block hashes, and these), for the
+/// bad-input tests.
+fn small_limits(addr: SocketAddr, max_body_bytes: usize, max_feedback_outcomes: usize) -> Config {
+    Config {
+        max_block_hashes: 4,
+        max_body_bytes,
+        max_feedback_outcomes,
+        ..test_config(&[addr])
+    }
+}
+
 async fn post_route(r: &Running, req: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
     post_api(r, "/v1/route", req, headers).await
 }
@@ -365,13 +376,7 @@ async fn feedback_releases_inflight_load() {
 #[tokio::test]
 async fn bad_input_gets_a_clear_json_error() {
     let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
-    let config = Config {
-        max_block_hashes: 4,
-        max_body_bytes: 1024,
-        max_feedback_outcomes: 1,
-        ..test_config(&[a.addr])
-    };
-    let r = start(config).await;
+    let r = start(small_limits(a.addr, 1024, 1)).await;
     let route = format!("http://{}/v1/route", r.api);
 
     let (status, body) = http("POST", route.clone(), &[], Some("{not json".into())).await;
@@ -952,13 +957,7 @@ async fn a_proxy_behind_the_log_or_from_another_generation_starts_over() {
 #[tokio::test]
 async fn bad_sync_bodies_get_a_clear_400() {
     let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
-    let config = Config {
-        max_block_hashes: 4,
-        max_body_bytes: 4096,
-        max_feedback_outcomes: 2,
-        ..test_config(&[a.addr])
-    };
-    let r = start(config).await;
+    let r = start(small_limits(a.addr, 4096, 2)).await;
     let url = format!("http://{}/v1/sync", r.api);
     let ep = a.addr.to_string();
     let decision =

@@ -629,20 +629,18 @@ fn verdict(c: &DisaggRun, d: &DisaggRun) -> String {
     }
     let itl = ratio(c.stall_ms.p99, d.stall_ms.p99);
     let ttft = ratio(d.ttft_ms.p99, c.ttft_ms.p99);
-    let helps = if itl > 1.2 {
-        format!("helps running streams: stall p99 {itl:.1}x lower")
-    } else if itl < 0.8 {
-        format!("hurts running streams: stall p99 {:.1}x higher", 1.0 / itl)
-    } else {
-        "leaves running streams' stalls about the same".to_string()
-    };
-    let cost = if ttft > 1.2 {
-        format!("TTFT p99 {ttft:.1}x higher (fewer replicas prefill, plus the transfer)")
-    } else if ttft < 0.8 {
-        format!("TTFT p99 {:.1}x lower", 1.0 / ttft)
-    } else {
-        "TTFT p99 about the same".to_string()
-    };
+    let helps = by_ratio(
+        itl,
+        |x| format!("helps running streams: stall p99 {x:.1}x lower"),
+        |x| format!("hurts running streams: stall p99 {x:.1}x higher"),
+        "leaves running streams' stalls about the same",
+    );
+    let cost = by_ratio(
+        ttft,
+        |x| format!("TTFT p99 {x:.1}x higher (fewer replicas prefill, plus the transfer)"),
+        |x| format!("TTFT p99 {x:.1}x lower"),
+        "TTFT p99 about the same",
+    );
     format!("disaggregation {helps}; {cost}")
 }
 
@@ -702,6 +700,23 @@ pub fn table(results: &[DisaggComparison]) -> String {
         }
     }
     out
+}
+
+/// `above(ratio)` when `ratio` is over 1.2, `below(1 / ratio)` under 0.8, else `same`: one
+/// wording for "by how much" in either direction.
+fn by_ratio(
+    ratio: f64,
+    above: impl FnOnce(f64) -> String,
+    below: impl FnOnce(f64) -> String,
+    same: &str,
+) -> String {
+    if ratio > 1.2 {
+        above(ratio)
+    } else if ratio < 0.8 {
+        below(1.0 / ratio)
+    } else {
+        same.to_string()
+    }
 }
 
 #[cfg(test)]
