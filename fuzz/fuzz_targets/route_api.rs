@@ -156,6 +156,7 @@ fn run(input: Input) {
                     waiting: u32::from(*waiting),
                     kv_usage: f64::from(*kv) / f64::from(u16::MAX),
                     capacity_tokens: capacity.map(u64::from),
+                    counters: None,
                 };
                 router.update_metrics(&address(*endpoint % 8), metrics, now);
             }
