@@ -16,7 +16,8 @@
 //!   own cost above that intercept: a request whose prefill shared its engine steps with
 //!   other prompts took longer than its own tokens explain, never shorter, so on a busy
 //!   replica the median (and any least-squares slope) reads slow while the fast end stays the
-//!   engine's rate. Both histograms are observed when a request
+//!   engine's rate (points under 256 tokens, whose cost is mostly noise, do not vote, and the
+//!   quartile is never taken below half the median). Both histograms are observed when a request
 //!   finishes, so each interval's two sums describe the same requests
 //!   (`vllm:prompt_tokens_total` counts at the first token instead).
 //! - **Decode step time.** The mean inter-token latency over the interval
@@ -32,7 +33,8 @@
 //! replica has done real work (eight intervals with finished requests for prefill, 200 output
 //! tokens for decode). Old observations leave (the prefill window,
 //! the decode line's half-life), so a replica that slows down is followed. Each endpoint is
-//! learned on its own: a pool of two GPU types gets two rates.
+//! learned on its own: a pool of two GPU types gets two rates (the router passes a replica
+//! without data of its own its peers' average as the prior).
 //!
 //! Invariant: memory per endpoint is fixed, every step is deterministic, and counters that go
 //! backwards (an engine restarted) restart the baseline instead of producing a sample.
