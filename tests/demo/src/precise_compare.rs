@@ -169,8 +169,12 @@ impl CompareConfig {
             "precise": {"tokenizer": "remote", "remote_api": "render",
                         "tokenize_timeout_ms": self.route_timeout_ms}
         });
+        // Every mode scores with the replicas' learned rates: precise mode's eviction-ahead
+        // discount drains the queue at them, and the comparison must not hand one mode a
+        // better speed model than the others.
+        cfg.control_plane_router = json!({"calibration": {"enabled": true}});
         if mode == Mode::ApproximateLearned {
-            cfg.control_plane_router = json!({"learn_bytes_per_token": true});
+            cfg.control_plane_router["learn_bytes_per_token"] = json!(true);
         }
         cfg.plugin_config = json!({
             "route_timeout_ms": self.route_timeout_ms,
