@@ -179,17 +179,11 @@ impl LineFit {
     /// `(intercept, slope)`: the data's line blended with the prior line until the data weigh
     /// `prior_weight`, then the data's alone. Where the data's `x` barely varies, the
     /// data cannot tell slope from intercept, and the prior line is scaled through the data's
-    /// mean instead. The slope is at least `min_slope`.
-    fn solve(
-        &self,
-        prior: (f64, f64),
-        prior_weight: f64,
-        min_x_spread: f64,
-        min_slope: f64,
-    ) -> (f64, f64) {
+    /// mean instead. The slope is never negative.
+    fn solve(&self, prior: (f64, f64), prior_weight: f64, min_x_spread: f64) -> (f64, f64) {
         let (a0, b0) = prior;
         if self.w <= 1e-9 {
-            return (a0, b0.max(min_slope));
+            return (a0, b0.max(0.0));
         }
         let (mx, my) = (self.wx / self.w, self.wy / self.w);
         let var_x = (self.wxx / self.w - mx * mx).max(0.0);
@@ -203,7 +197,7 @@ impl LineFit {
         };
         // The prior fades linearly: the data alone once they weigh `prior_weight`.
         let data = (self.w / prior_weight.max(1e-9)).min(1.0);
-        let slope = (data * b + (1.0 - data) * b0).max(min_slope);
+        let slope = (data * b + (1.0 - data) * b0).max(0.0);
         ((data * a + (1.0 - data) * a0).max(0.0), slope)
     }
 }
@@ -314,6 +308,19 @@ fn median(values: &mut [f64]) -> f64 {
 const MIN_KV_SPREAD: f64 = 0.05;
 
 impl Calibrated {
+    /// `prior` alone: what an endpoint with no data of its own, or with calibration off, is
+    /// scored at.
+    pub fn from_prior(prior: Prior) -> Self {
+        let idle = prior.itl_ms_idle.max(0.01);
+        Self {
+            prefill_tokens_per_ms: prior.prefill_tokens_per_ms.max(1.0 / MAX_TOKENS_PER_MS),
+            itl_ms_idle: idle,
+            itl_ms_full: idle + (prior.itl_ms_full - prior.itl_ms_idle).max(0.0),
+            prefill_evidence_points: 0,
+            decode_evidence_tokens: 0.0,
+        }
+    }
+
     /// Whether the prefill rate rests on the endpoint's own data alone (no prior left in it).
     pub fn is_learned(&self) -> bool {
         f64::from(self.prefill_evidence_points) >= PREFILL_POINTS_TRUSTED
@@ -387,7 +394,7 @@ impl EndpointCalibration {
         let prefilled = ((counters.prompt_tokens - prev.prompt_tokens)
             - (counters.prefix_cache_hit_tokens - prev.prefix_cache_hit_tokens))
             .max(0.0);
-        let rate = self.calibrated(prior, config).prefill_tokens_per_ms;
+        let rate = self.prefill_tokens_per_ms(prior);
         if gaps > 0.0 {
             let ms = (counters.itl_seconds - prev.itl_seconds) * 1000.0;
             let prefill_share = (prefilled / rate / interval_ms).min(MAX_PREFILL_SHARE);
@@ -401,8 +408,9 @@ impl EndpointCalibration {
         self.last = Some((counters, now_ms, kv_usage));
     }
 
-    /// The rates in force: the prior blended with what the counters showed.
-    pub fn calibrated(&self, prior: Prior, config: &CalibrationConfig) -> Calibrated {
+    /// The prefill rate alone: the learned line's slope blended with the prior's until eight
+    /// points, then the line's.
+    fn prefill_tokens_per_ms(&self, prior: Prior) -> f64 {
         let ms_per_token = 1.0 / prior.prefill_tokens_per_ms.max(1e-6);
         let points = self.prefill.points.len() as f64;
         let slope = match self.prefill.line {
@@ -411,18 +419,20 @@ impl EndpointCalibration {
                 data * slope + (1.0 - data) * ms_per_token
             }
             None => ms_per_token,
-        }
-        .max(1.0 / MAX_TOKENS_PER_MS);
-        let prefill_tokens_per_ms = 1.0 / slope;
+        };
+        1.0 / slope.max(1.0 / MAX_TOKENS_PER_MS)
+    }
+
+    /// The rates in force: the prior blended with what the counters showed.
+    pub fn calibrated(&self, prior: Prior, config: &CalibrationConfig) -> Calibrated {
         let (idle, rise) = self.decode.solve(
             (prior.itl_ms_idle, prior.itl_ms_full - prior.itl_ms_idle),
             config.prior_decode_tokens,
             MIN_KV_SPREAD,
-            0.0,
         );
         let idle = idle.max(0.01);
         Calibrated {
-            prefill_tokens_per_ms,
+            prefill_tokens_per_ms: self.prefill_tokens_per_ms(prior),
             itl_ms_idle: idle,
             itl_ms_full: idle + rise,
             prefill_evidence_points: self.prefill.points.len() as u32,
@@ -520,6 +530,12 @@ mod tests {
         cal.observe(c, 0.5, 20_100, PRIOR, &config);
         let rate = cal.calibrated(PRIOR, &config).prefill_tokens_per_ms;
         assert!((rate - 10.0).abs() < 0.5, "{rate}");
+    }
+
+    #[test]
+    fn a_cold_endpoint_is_scored_at_the_prior() {
+        let cold = EndpointCalibration::default().calibrated(PRIOR, &CalibrationConfig::default());
+        assert_eq!(cold, Calibrated::from_prior(PRIOR));
     }
 
     #[test]

@@ -850,10 +850,8 @@ impl Router {
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
             calibration: EndpointCalibration::default(),
-            learned: EndpointCalibration::default()
-                .calibrated(prior(&self.config.scoring), &self.config.calibration),
-            rates: EndpointCalibration::default()
-                .calibrated(prior(&self.config.scoring), &self.config.calibration),
+            learned: Calibrated::from_prior(prior(&self.config.scoring)),
+            rates: Calibrated::from_prior(prior(&self.config.scoring)),
             role: EndpointRole::Both,
             prefill_picks: 0,
         });
@@ -936,7 +934,7 @@ impl Router {
         slot.rates = if calibration.enabled {
             rates
         } else {
-            EndpointCalibration::default().calibrated(self::prior(scoring), calibration)
+            Calibrated::from_prior(self::prior(scoring))
         };
         if let Some(cap) = metrics.capacity_tokens {
             let blocks = (cap as f64 / tokens_per_block) as usize;
