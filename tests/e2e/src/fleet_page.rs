@@ -325,10 +325,14 @@ fn chromium(binary: &Path, args: &[String], url: &str) -> String {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
+    // Both pipes are drained while Chromium runs: a dumped DOM larger than the pipe buffer
+    // would otherwise block Chromium on its write and it would never exit.
+    let stdout = drain(child.stdout.take().expect("piped stdout"));
+    let stderr = drain(child.stderr.take().expect("piped stderr"));
     let started = Instant::now();
-    loop {
-        if child.try_wait().expect("waiting for chromium").is_some() {
-            break;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for chromium") {
+            break status;
         }
         if started.elapsed() > BROWSER_TIMEOUT {
             let _ = child.kill();
@@ -336,16 +340,27 @@ fn chromium(binary: &Path, args: &[String], url: &str) -> String {
             panic!("chromium did not finish within {BROWSER_TIMEOUT:?}");
         }
         std::thread::sleep(Duration::from_millis(100));
-    }
-    let out = child.wait_with_output().expect("chromium output");
+    };
+    let (stdout, stderr) = (
+        stdout.join().unwrap_or_default(),
+        stderr.join().unwrap_or_default(),
+    );
     let _ = std::fs::remove_dir_all(&profile);
     assert!(
-        out.status.success(),
-        "chromium failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+        status.success(),
+        "chromium failed ({status}): {}",
+        String::from_utf8_lossy(&stderr)
     );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    String::from_utf8_lossy(&stdout).into_owned()
+}
+
+/// Reads `pipe` to its end on a thread of its own.
+fn drain(mut pipe: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        bytes
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
