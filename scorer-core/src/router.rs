@@ -1186,6 +1186,11 @@ impl Router {
         let Some(chosen) = self.endpoint_id(endpoint) else {
             return false;
         };
+        // A report sent again (its first sync's answer was lost) is the same decision: counting
+        // it twice would charge its endpoint twice and release it once.
+        if self.inflight.contains_key(&decision_id) {
+            return false;
+        }
         if now_ms != self.last_expire_ms {
             self.expire(now_ms);
         }

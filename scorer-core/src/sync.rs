@@ -47,6 +47,10 @@ pub struct SyncRequest {
     /// The log sequence number after the last entry this copy applied (0: none yet).
     #[serde(default)]
     pub since: u64,
+    /// The log `since` counts in ([`SyncResponse::log`]; 0: none yet). Control-plane replicas
+    /// sharing one stream share one log id, so a copy may sync with any of them.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub log: u64,
     /// Decisions taken locally since the last sync.
     #[serde(default)]
     pub decisions: Vec<DecisionRecord>,
@@ -105,6 +109,10 @@ fn usable_by_default() -> bool {
     true
 }
 
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
 /// The control plane's answer to a [`SyncRequest`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SyncResponse {
@@ -112,6 +120,10 @@ pub struct SyncResponse {
     pub replica: u32,
     /// The sequence number to send as `since` next time.
     pub next: u64,
+    /// Which log `next` counts in: one control plane's own log, or the stream that
+    /// control-plane replicas share. A copy whose log changed starts over.
+    #[serde(default)]
+    pub log: u64,
     /// The requested `since` had left the log: the copy's state is too old to patch, so it
     /// starts over from `events` (the whole log) on a fresh router.
     #[serde(default)]
@@ -131,39 +143,104 @@ pub struct SyncResponse {
 /// Its bound is what a copy may lag before it must [`SyncResponse::reset`]; a fresh copy
 /// replays the whole ring, which is also how it warms its prefix index without a snapshot
 /// format of its own.
+///
+/// A lone control plane numbers its entries itself. Control-plane replicas sharing state
+/// ([`SyncLog::replicate`]) number them by their place in the shared stream instead: an entry
+/// pushed locally waits in an outbox until the stream hands it back with its sequence number
+/// ([`SyncLog::push_replicated`]), so every replica's log is the same sequence under the same
+/// numbers and a copy may sync with any replica.
 #[derive(Debug, Clone)]
 pub struct SyncLog {
-    entries: VecDeque<SyncEvent>,
-    /// Sequence number of `entries[0]`.
+    /// Entries with their sequence numbers, increasing (contiguous unless replicated).
+    entries: VecDeque<(u64, SyncEvent)>,
+    /// Lowest sequence number this log answers from; a `since` below it is a reset.
     first: u64,
+    /// The sequence number after the newest entry.
+    next: u64,
     capacity: usize,
     next_replica: u32,
+    id: u64,
+    /// Replicated: entries pushed here, on their way to the shared stream.
+    outbox: Option<Vec<SyncEvent>>,
 }
 
 impl SyncLog {
     /// An empty log holding at most `capacity` entries; replica tags start at `first_replica`
-    /// (a random start keeps two control-plane generations from handing out the same tags).
+    /// (a random start keeps two control-plane generations from handing out the same tags),
+    /// which also names the log ([`SyncLog::id`]).
     pub fn new(capacity: usize, first_replica: u32) -> Self {
         SyncLog {
             entries: VecDeque::new(),
             first: 1,
+            next: 1,
             capacity: capacity.max(1),
             next_replica: first_replica.max(1),
+            id: (u64::from(first_replica) << 1) | 1,
+            outbox: None,
         }
     }
 
-    /// Appends one entry, dropping the oldest past the bound.
+    /// Switches to numbering by a shared stream named `id`, whose entries from `first` on
+    /// this log will receive. Entries held so far move to the outbox, so they reach the
+    /// stream too.
+    pub fn replicate(&mut self, id: u64, first: u64) {
+        let mut outbox: Vec<SyncEvent> = self.outbox.take().unwrap_or_default();
+        outbox.extend(self.entries.drain(..).map(|(_, event)| event));
+        self.outbox = Some(outbox);
+        self.id = id.max(1);
+        self.first = first.max(1);
+        self.next = self.first;
+    }
+
+    /// Whether entries are numbered by a shared stream.
+    pub fn is_replicated(&self) -> bool {
+        self.outbox.is_some()
+    }
+
+    /// The log's name, echoed by copies ([`SyncResponse::log`]).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Appends one entry, dropping the oldest past the bound; replicated, it goes to the
+    /// outbox instead (see [`SyncLog::take_outbox`]).
     pub fn push(&mut self, event: SyncEvent) {
-        if self.entries.len() == self.capacity {
-            self.entries.pop_front();
-            self.first += 1;
+        if let Some(outbox) = self.outbox.as_mut() {
+            outbox.push(event);
+            return;
         }
-        self.entries.push_back(event);
+        let seq = self.next;
+        self.append(seq, event);
     }
 
-    /// The sequence number the next entry will get.
+    /// Appends an entry the shared stream numbered `seq`. Returns false, changing nothing,
+    /// for a number this log already passed (a redelivery).
+    pub fn push_replicated(&mut self, seq: u64, event: SyncEvent) -> bool {
+        if seq < self.next {
+            return false;
+        }
+        self.append(seq, event);
+        true
+    }
+
+    /// Entries pushed since the last call, for the shared stream (empty unless replicated).
+    pub fn take_outbox(&mut self) -> Vec<SyncEvent> {
+        self.outbox.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn append(&mut self, seq: u64, event: SyncEvent) {
+        if self.entries.len() == self.capacity
+            && let Some((oldest, _)) = self.entries.pop_front()
+        {
+            self.first = oldest + 1;
+        }
+        self.entries.push_back((seq, event));
+        self.next = seq + 1;
+    }
+
+    /// The sequence number after the newest entry.
     pub fn next_seq(&self) -> u64 {
-        self.first + self.entries.len() as u64
+        self.next
     }
 
     /// Entries held now.
@@ -183,21 +260,29 @@ impl SyncLog {
         tag
     }
 
-    /// The entries after `since` (0: from the start) not originated by `replica`, at most
+    /// The entries from `since` on (0: from the start) not originated by `replica`, at most
     /// `limit` of them, the sequence number to ask for next, and whether `since` had already
     /// left the log (then everything held is returned and the copy must start over).
+    ///
+    /// A `since` past the newest entry (another replica of the same stream is ahead of this
+    /// one) gets nothing and is handed back unchanged, never moved backwards: moving it back
+    /// would replay entries the copy already applied.
     pub fn since(&self, since: u64, replica: u32, limit: usize) -> (Vec<SyncEvent>, u64, bool) {
         let reset = since != 0 && since < self.first;
         let start = if reset || since == 0 {
             0
         } else {
-            usize::try_from(since - self.first).unwrap_or(usize::MAX)
+            self.entries.partition_point(|(seq, _)| *seq < since)
         };
         let mut out = Vec::new();
-        let mut next = self.next_seq();
-        for (offset, event) in self.entries.iter().enumerate().skip(start) {
+        let mut next = if reset {
+            self.next
+        } else {
+            self.next.max(since)
+        };
+        for (seq, event) in self.entries.iter().skip(start) {
             if out.len() == limit {
-                next = self.first + offset as u64;
+                next = *seq;
                 break;
             }
             if event.origin() != replica {
@@ -248,6 +333,7 @@ pub fn serve_sync(
     SyncResponse {
         replica,
         next,
+        log: log.id(),
         reset,
         events,
         endpoints: router.endpoint_snapshots(now_ms),
@@ -262,6 +348,7 @@ pub struct LocalRouter {
     router: Option<Router>,
     replica: Option<u32>,
     since: u64,
+    log: u64,
     synced_at_ms: Option<u64>,
     pending_decisions: VecDeque<DecisionRecord>,
     pending_outcomes: VecDeque<Outcome>,
@@ -278,6 +365,7 @@ impl LocalRouter {
             router: None,
             replica: None,
             since: 0,
+            log: 0,
             synced_at_ms: None,
             pending_decisions: VecDeque::new(),
             pending_outcomes: VecDeque::new(),
@@ -328,8 +416,29 @@ impl LocalRouter {
         SyncRequest {
             replica: self.replica,
             since: self.since,
+            log: self.log,
             decisions: self.pending_decisions.drain(..).collect(),
             outcomes: self.pending_outcomes.drain(..).collect(),
+        }
+    }
+
+    /// Puts the reports of a sync call that reached no control plane back in front of the
+    /// queues, so the next call carries them; past `max_pending` the oldest are dropped. A
+    /// call that was processed after all and is sent again does little harm: a decision
+    /// still in flight is recorded once per id, and a second outcome finds nothing to release
+    /// (only a decision whose outcome already arrived comes back, until its in-flight TTL).
+    pub fn requeue(&mut self, request: SyncRequest) {
+        for record in request.decisions.into_iter().rev() {
+            self.pending_decisions.push_front(record);
+        }
+        for outcome in request.outcomes.into_iter().rev() {
+            self.pending_outcomes.push_front(outcome);
+        }
+        while self.pending_decisions.len() > self.max_pending {
+            self.pending_decisions.pop_front();
+        }
+        while self.pending_outcomes.len() > self.max_pending {
+            self.pending_outcomes.pop_front();
         }
     }
 
@@ -339,6 +448,7 @@ impl LocalRouter {
     pub fn apply(&mut self, response: SyncResponse, now_ms: u64) {
         let fresh_router = response.reset
             || self.replica != Some(response.replica)
+            || self.log != response.log
             || self
                 .router
                 .as_ref()
@@ -349,6 +459,7 @@ impl LocalRouter {
         }
         self.replica = Some(response.replica);
         self.since = response.next;
+        self.log = response.log;
         self.synced_at_ms = Some(now_ms);
         let Some(router) = self.router.as_mut() else {
             return;
@@ -573,6 +684,122 @@ mod tests {
         let local = a.route(&chat(4, 1), 1, 1).unwrap();
         assert_eq!(central.response.endpoints, local.response.endpoints);
         assert_eq!(local.response.endpoints, ["10.0.0.9:8000"]);
+    }
+
+    /// Two control-plane replicas sharing one stream, which is a plain vector here: what each
+    /// replica logs goes to the stream, and each reads the stream back in order (applying only
+    /// what the other published), as the control plane's replication task does over NATS.
+    struct Replica {
+        log: SyncLog,
+        router: Router,
+        read: usize,
+    }
+
+    impl Replica {
+        fn new(tag: u32) -> Replica {
+            let mut log = SyncLog::new(1_000, tag);
+            log.replicate(42, 1);
+            Replica {
+                log,
+                router: central(4),
+                read: 0,
+            }
+        }
+        /// Publishes its outbox to `stream` (entry, publisher) and reads what it has not.
+        fn pump(&mut self, me: usize, stream: &mut Vec<(SyncEvent, usize)>) {
+            stream.extend(self.log.take_outbox().into_iter().map(|e| (e, me)));
+            while self.read < stream.len() {
+                let (event, from) = stream[self.read].clone();
+                self.read += 1;
+                if from != me {
+                    match &event {
+                        SyncEvent::Decision { record, .. } => {
+                            self.router.record_decision(
+                                &record.request,
+                                &record.endpoint,
+                                record.decision_id,
+                                0,
+                            );
+                        }
+                        SyncEvent::Outcome { outcome, .. } => self.router.feedback(outcome, 0),
+                    }
+                }
+                assert!(self.log.push_replicated(self.read as u64, event));
+            }
+        }
+    }
+
+    // A proxy syncing with whichever replica it reaches, alternately, never starts over and
+    // never applies an entry twice; another proxy on the other replica sees its decisions.
+    #[test]
+    fn copies_sync_with_any_replica_of_a_shared_stream() {
+        let mut stream = Vec::new();
+        let mut replicas = [Replica::new(100), Replica::new(200)];
+        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
+        let mut tick = |copy: &mut LocalRouter, at: usize, stream: &mut Vec<_>, now| {
+            let r = &mut replicas[at];
+            let request = copy.sync_request();
+            let response = serve_sync(&mut r.log, &mut r.router, request, now);
+            assert!(!response.reset || copy.replica().is_none(), "a reset");
+            assert_eq!(response.log, 42);
+            copy.apply(response, now);
+            r.pump(at, stream);
+            let other = &mut replicas[1 - at];
+            other.pump(1 - at, stream);
+        };
+        tick(&mut a, 0, &mut stream, 0);
+        tick(&mut b, 1, &mut stream, 0);
+        let first = a.route(&chat(5, 1), 1, 1).unwrap();
+        let home = first.response.endpoints[0].clone();
+        for (n, at) in [1, 0, 1, 0].into_iter().enumerate() {
+            tick(&mut a, at, &mut stream, 10 + n as u64);
+            tick(&mut b, 1 - at, &mut stream, 10 + n as u64);
+        }
+        assert_eq!(
+            a.router().unwrap().stats().recorded_decisions,
+            0,
+            "own entry replayed"
+        );
+        assert_eq!(b.router().unwrap().stats().recorded_decisions, 1);
+        let second = b.route(&chat(5, 2), 20, 2).unwrap();
+        assert_eq!(second.response.endpoints[0], home);
+        for r in &replicas {
+            assert_eq!(r.router.stats().recorded_decisions, 1);
+        }
+    }
+
+    // A replica behind the one a copy last synced with hands its `since` back unchanged, and
+    // a copy of another log starts over.
+    #[test]
+    fn since_never_moves_back_and_a_new_log_resets() {
+        let mut log = SyncLog::new(10, 1);
+        log.replicate(9, 1);
+        assert!(log.push_replicated(4, outcome_event(1)));
+        assert!(!log.push_replicated(3, outcome_event(2)), "went backwards");
+        let (events, next, reset) = log.since(8, 99, 100);
+        assert!(events.is_empty() && !reset);
+        assert_eq!(next, 8);
+        let (events, next, _) = log.since(1, 99, 100);
+        assert_eq!((events.len(), next), (1, 5));
+        let mut copy = LocalRouter::new(4);
+        let mut hub = central(1);
+        let request = copy.sync_request();
+        copy.apply(serve_sync(&mut log, &mut hub, request, 0), 0);
+        let request = copy.sync_request();
+        assert_eq!(request.log, 9);
+        let mut other = SyncLog::new(10, 5);
+        let answer = serve_sync(&mut other, &mut hub, request, 1);
+        assert_ne!(answer.log, 9);
+    }
+
+    fn outcome_event(id: u64) -> SyncEvent {
+        SyncEvent::Outcome {
+            origin: 0,
+            outcome: Outcome {
+                decision_id: id,
+                ..Outcome::default()
+            },
+        }
     }
 
     // The pending queues are bounded: a proxy that cannot reach the control plane does not
