@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::rc::Rc;
 
 use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, Outcome, RouteRequest, RouteResponse};
-use scorer_core::sync::{LocalRouter, SYNC_PATH, SyncResponse};
+use scorer_core::sync::{LocalRouter, SYNC_PATH, SyncRequest, SyncResponse};
 
 use crate::config::{DecisionMode, FilterConfig};
 use crate::machine::{Counter, FailKind, RequestMachine};
@@ -68,6 +68,9 @@ pub struct RootState {
     stats: Stats,
     /// The VM's copy of the routing state (`decision: local` only).
     local: Option<LocalRouter>,
+    /// The reports of the outstanding sync call, put back if it never reaches a control plane
+    /// (one killed, or unreachable, while another would have answered the next tick).
+    unacked: Option<SyncRequest>,
 }
 
 impl RootState {
@@ -82,6 +85,7 @@ impl RootState {
             logged: [false; FailKind::ALL.len()],
             stats: Stats::default(),
             local,
+            unacked: None,
         }
     }
 
@@ -117,6 +121,13 @@ impl RootState {
     /// Applies a sync call's answer (`status` `None` on reset). Returns whether it was applied.
     pub fn on_sync_response(&mut self, status: Option<u16>, body: &[u8], now_ms: u64) -> bool {
         self.feedback_in_flight_since_ms = None;
+        let unacked = self.unacked.take();
+        if status.is_none_or(|s| s >= 500) {
+            // Not processed (no answer, or the control plane or the path to it failed): the
+            // reports go out again with the next tick, to whichever replica answers it. A 4xx
+            // is the control plane refusing them, so they are not retried.
+            self.requeue(unacked);
+        }
         let answer = status
             .filter(|s| (200..300).contains(s))
             .and_then(|_| serde_json::from_slice::<SyncResponse>(body).ok());
@@ -130,6 +141,13 @@ impl RootState {
                 self.stats.sync_failed += 1;
                 false
             }
+        }
+    }
+
+    /// Puts a sync call's reports back in front of the copy's queues (bounded there).
+    fn requeue(&mut self, request: Option<SyncRequest>) {
+        if let (Some(request), Some(local)) = (request, self.local.as_mut()) {
+            local.requeue(request);
         }
     }
 
@@ -202,6 +220,8 @@ impl RootState {
             }
             self.feedback_in_flight_since_ms = None;
             self.stats.feedback_failed += 1;
+            let lost = self.unacked.take();
+            self.requeue(lost);
         }
         if let Some(local) = self.local.as_mut() {
             // Every tick: the copy pulls what others did even when it has nothing to report.
@@ -209,6 +229,7 @@ impl RootState {
             let outcomes = request.outcomes.len();
             return match serde_json::to_vec(&request) {
                 Ok(body) => {
+                    self.unacked = Some(request);
                     self.feedback_in_flight_since_ms = Some(now_ms);
                     Some(FeedbackCall {
                         path: SYNC_PATH,
@@ -250,6 +271,8 @@ impl RootState {
     pub fn on_feedback_dispatch_failed(&mut self) {
         self.feedback_in_flight_since_ms = None;
         if self.local.is_some() {
+            let unsent = self.unacked.take();
+            self.requeue(unsent);
             self.stats.sync_failed += 1;
         } else {
             self.stats.feedback_failed += 1;
@@ -414,6 +437,53 @@ mod tests {
             tick(&mut root, &mut cp, 0);
             assert!(root.decide_locally(&request(), 1000).is_some());
             assert_eq!(root.decide_locally(&request(), 1001), None);
+        }
+
+        // Reports of a sync that reached no control plane (a dead replica, a reset) go out
+        // again on the next tick; reports a control plane refused (4xx) do not.
+        #[test]
+        fn reports_of_an_unanswered_sync_are_sent_again() {
+            let mut root = local_root();
+            let mut cp = control_plane();
+            tick(&mut root, &mut cp, 0);
+            let answer = root
+                .decide_locally(&request(), 10)
+                .expect("decided locally");
+            let sent = |call: &FeedbackCall| {
+                let report: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+                report
+                    .decisions
+                    .iter()
+                    .map(|d| d.decision_id)
+                    .collect::<Vec<_>>()
+            };
+            let call = root.on_tick(20).unwrap();
+            assert_eq!(sent(&call), [answer.decision_id]);
+            assert!(!root.on_sync_response(Some(503), b"", 21));
+            let call = root.on_tick(30).unwrap();
+            assert_eq!(sent(&call), [answer.decision_id], "sent again after a 503");
+            assert!(!root.on_sync_response(None, b"", 31));
+            let call = root.on_tick(40).unwrap();
+            assert_eq!(
+                sent(&call),
+                [answer.decision_id],
+                "sent again after a reset"
+            );
+            assert!(!root.on_sync_response(Some(400), b"", 41));
+            assert!(
+                sent(&root.on_tick(50).unwrap()).is_empty(),
+                "a 400 is final"
+            );
+            root.on_feedback_dispatch_failed();
+            root.decide_locally(&request(), 60)
+                .expect("decided locally");
+            let call = root.on_tick(70).unwrap();
+            root.on_feedback_dispatch_failed();
+            assert_eq!(
+                sent(&root.on_tick(80).unwrap()),
+                sent(&call),
+                "not dispatched"
+            );
         }
 
         // A failed or unreadable sync changes nothing and is counted; the next tick retries.
