@@ -92,6 +92,7 @@ pub fn router(state: Arc<State>, settings: ApiSettings) -> axum::Router {
         .route(FEEDBACK_PATH, post(feedback))
         .route(SYNC_PATH, post(sync))
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .fallback(not_found)
         .with_state(app)
 }
@@ -99,6 +100,21 @@ pub fn router(state: Arc<State>, settings: ApiSettings) -> axum::Router {
 /// Liveness: the process is up and serving.
 pub async fn healthz() -> &'static str {
     "ok"
+}
+
+/// Readiness: 503 while a replica sharing state replays the shared stream, so a Service sends
+/// it no traffic before its index is warm.
+async fn readyz(AxumState(app): AxumState<Arc<App>>) -> Response {
+    if app.state.is_ready() {
+        "ok".into_response()
+    } else {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "catching_up",
+            "replaying the shared state stream",
+        )
+        .into_response()
+    }
 }
 
 /// JSON 404 for unknown paths.

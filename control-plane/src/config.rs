@@ -68,6 +68,10 @@ pub struct Config {
     pub slo: Option<crate::slo::SloConfig>,
     /// State replication to proxies that decide locally (`POST /v1/sync`).
     pub sync: SyncSettings,
+    /// State shared with other control-plane replicas through NATS JetStream
+    /// (`crate::replication`); absent: this control plane is the only one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replication: Option<crate::replication::ReplicationConfig>,
 }
 
 /// The `sync:` section: the replicated log that proxies deciding locally pull.
@@ -231,6 +235,7 @@ impl Default for Config {
             admission: None,
             slo: None,
             sync: SyncSettings::default(),
+            replication: None,
         }
     }
 }
@@ -308,6 +313,9 @@ pub enum ConfigError {
     /// The `slo` section is unusable.
     #[error(transparent)]
     Slo(#[from] crate::slo::SloConfigError),
+    /// The `replication` section is unusable.
+    #[error(transparent)]
+    Replication(#[from] crate::replication::ReplicationConfigError),
     /// A `precise` setting is missing or inconsistent.
     #[error("precise.{field}: {reason}")]
     Precise {
@@ -363,6 +371,9 @@ impl Config {
         }
         if let Some(s) = &self.slo {
             s.validate()?;
+        }
+        if let Some(r) = &self.replication {
+            r.validate()?;
         }
         if self.endpoints.is_empty() && self.discovery.is_none() {
             return Err(ConfigError::NoEndpoints);

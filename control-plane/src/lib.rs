@@ -20,6 +20,7 @@ pub mod config;
 pub mod discovery;
 pub mod kv_events;
 pub mod pools;
+pub mod replication;
 /// The Prometheus text parser; it lives in `vllm-wire` so the fuzz targets build it without tokio.
 pub use vllm_wire::prom;
 pub mod scrape;
@@ -85,6 +86,8 @@ pub struct ControlPlane {
     precise: Arc<tokenize::Precise>,
     api: TcpListener,
     admin: TcpListener,
+    /// The other end of the state's outbox, when replicas share state (`replication:`).
+    outbox: Option<tokio::sync::mpsc::Receiver<Vec<scorer_core::sync::SyncEvent>>>,
 }
 
 impl ControlPlane {
@@ -98,6 +101,13 @@ impl ControlPlane {
             .unwrap_or(1);
         // No `rand` in this crate: the start time in nanoseconds and the pid pick the first
         // replica tag (only distinctness across generations matters, not secrecy).
+        let (outbox_tx, outbox) = match config.replication {
+            Some(_) => {
+                let (tx, rx) = replication::outbox();
+                (Some(tx), Some(rx))
+            }
+            None => (None, None),
+        };
         let entropy = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -119,7 +129,8 @@ impl ControlPlane {
                     .collect();
                 slo::SloWindow::new(c, pools)
             }))
-            .with_sync(config.sync.log_entries, state::first_replica_tag(entropy)),
+            .with_sync(config.sync.log_entries, state::first_replica_tag(entropy))
+            .with_replication(outbox_tx),
         );
         for e in &config.endpoints {
             state.set_configured_models(&e.address, e.served_model_names());
@@ -143,6 +154,7 @@ impl ControlPlane {
             precise,
             api,
             admin,
+            outbox,
         })
     }
 
@@ -172,6 +184,7 @@ impl ControlPlane {
             precise,
             api,
             admin,
+            outbox,
         } = self;
         let (stop_tx, stop_rx) = watch::channel(false);
 
@@ -189,6 +202,14 @@ impl ControlPlane {
             stop_rx.clone(),
         );
         background.push(tokio::spawn(housekeeping(state.clone(), stop_rx.clone())));
+        if let (Some(settings), Some(outbox)) = (config.replication.clone(), outbox) {
+            background.push(tokio::spawn(replication::run(
+                state.clone(),
+                settings,
+                outbox,
+                stop_rx.clone(),
+            )));
+        }
         let p = &config.precise;
         background.extend(kv_events::subscriber::spawn(
             state.clone(),

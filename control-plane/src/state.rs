@@ -48,6 +48,13 @@ pub struct State {
     admission: Option<std::sync::Arc<crate::admission::Gate>>,
     /// Outcomes of the SLO window for the autoscaling gauges; `None`: no SLO configured.
     slo: Option<std::sync::Arc<Mutex<crate::slo::SloWindow>>>,
+    /// Where logged entries go when control-plane replicas share state (`replication:`).
+    replication: Option<crate::replication::Outbox>,
+    /// Names this process's messages on the shared stream.
+    replica_id: u64,
+    /// Whether the state is ready to serve: always without replication; with it, once this
+    /// replica has replayed the shared stream (`/readyz`).
+    ready: std::sync::atomic::AtomicBool,
 }
 
 /// What one endpoint is known to serve, from configuration and from polling.
@@ -260,7 +267,91 @@ impl State {
             loras: Mutex::new(HashSet::new()),
             admission: None,
             slo: None,
+            replication: None,
+            replica_id: (seed ^ (u64::from(std::process::id()) << 40)) | 1,
+            ready: std::sync::atomic::AtomicBool::new(true),
         })
+    }
+
+    /// Shares the log with other control-plane replicas through `outbox` (the `replication:`
+    /// section; [`crate::replication::run`] drains it). Not ready until the stream is replayed.
+    pub fn with_replication(mut self, outbox: Option<crate::replication::Outbox>) -> Self {
+        self.ready = std::sync::atomic::AtomicBool::new(outbox.is_none());
+        self.replication = outbox;
+        self
+    }
+
+    /// This process's name on the shared stream.
+    pub fn replica_id(&self) -> u64 {
+        self.replica_id
+    }
+
+    /// Whether to take traffic (`/readyz`): false while a replica replays the shared stream.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The replay of the shared stream finished after `took`.
+    pub fn set_replication_ready(&self, took: std::time::Duration) {
+        self.telemetry.replication_caught_up(took);
+        self.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// From now on the log is numbered by the shared stream named `id`, from log number
+    /// `first` (`scorer_core::sync::SyncLog::replicate`); copies synced before start over.
+    pub fn begin_replication(&self, id: u64, first: u64) {
+        let mut inner = self.inner.lock();
+        inner.sync.replicate(id, first);
+        self.forward(&mut inner);
+    }
+
+    /// Entries of the shared stream's message at `stream_seq`: each takes its place in the log,
+    /// and unless this replica published them (`own`) the router applies them, as it applies a
+    /// proxy's sync report. Returns how many entries were new to the log.
+    pub fn apply_replicated(&self, own: bool, stream_seq: u64, events: Vec<SyncEvent>) -> usize {
+        let now = self.now_ms();
+        let mut inner = self.inner.lock();
+        let Inner { router, sync, .. } = &mut *inner;
+        let mut applied = 0;
+        for (index, event) in events.into_iter().enumerate() {
+            let seq = crate::replication::log_seq(stream_seq, index);
+            if seq < sync.next_seq() {
+                continue;
+            }
+            if !own {
+                match &event {
+                    SyncEvent::Decision { record, .. } => {
+                        router.record_decision(
+                            &record.request,
+                            &record.endpoint,
+                            record.decision_id,
+                            now,
+                        );
+                    }
+                    SyncEvent::Outcome { outcome, .. } => router.feedback(outcome, now),
+                }
+            }
+            if sync.push_replicated(seq, event) {
+                applied += 1;
+            }
+        }
+        applied
+    }
+
+    /// Hands entries logged under `inner` to the replication task (replicated logs only);
+    /// called before the lock is released, so they leave in the order they were logged.
+    fn forward(&self, inner: &mut Inner) {
+        let Some(outbox) = &self.replication else {
+            return;
+        };
+        let batch = inner.sync.take_outbox();
+        if batch.is_empty() {
+            return;
+        }
+        let n = batch.len();
+        if outbox.try_send(batch).is_err() {
+            self.telemetry.count_replication_dropped(n);
+        }
     }
 
     /// Puts an admission gate in front of routing (the `admission:` section).
@@ -416,6 +507,7 @@ impl State {
                     request: replicable(request),
                 };
                 inner.sync.push(SyncEvent::Decision { origin: 0, record });
+                self.forward(&mut inner);
             }
             if inner.recent_cap > 0 {
                 if inner.recent.len() >= inner.recent_cap {
@@ -441,6 +533,7 @@ impl State {
                     outcome: outcome.clone(),
                 });
             }
+            self.forward(&mut inner);
         }
         if let Some(slo) = &self.slo {
             slo.lock().record(&batch.outcomes, now);
@@ -466,11 +559,20 @@ impl State {
         let served = {
             let mut inner = self.inner.lock();
             let Inner { router, sync, .. } = &mut *inner;
-            let foreign = request.replica.is_some() && request.since > sync.next_seq();
+            // A copy numbered by another log (another generation, or this replica before it
+            // joined the shared stream) cannot be patched: it starts over. Copies too old to
+            // name their log are judged by their sequence number alone.
+            let foreign = request.replica.is_some()
+                && if request.log != 0 {
+                    request.log != sync.id()
+                } else {
+                    request.since > sync.next_seq()
+                };
             if foreign {
                 request.replica = None;
             }
             let response = serve_sync(sync, router, request, now);
+            self.forward(&mut inner);
             SyncServed {
                 reset: response.reset || foreign,
                 response,
@@ -881,6 +983,7 @@ mod tests {
         let served = s.sync(SyncRequest {
             replica: Some(a.replica),
             since: a.next,
+            log: a.log,
             decisions: vec![record.clone()],
             outcomes: vec![],
         });
@@ -986,6 +1089,74 @@ mod tests {
             assert_eq!(id, u64::from(tag + REPLICA_TAG_HEADROOM), "no bits lost");
         }
         assert_ne!(first_replica_tag(1), first_replica_tag(2));
+    }
+
+    // Two replicas sharing a stream: what one logs reaches the other's router and log under
+    // the stream's numbers, its own entries come back to its log without being applied twice,
+    // and a proxy may sync with either.
+    #[test]
+    fn replicas_sharing_a_stream_hold_the_same_log_and_load() {
+        let (tx_a, mut out_a) = crate::replication::outbox();
+        let (tx_b, _out_b) = crate::replication::outbox();
+        let a = state(0).with_replication(Some(tx_a));
+        let b = state(0).with_replication(Some(tx_b));
+        assert!(!a.is_ready(), "not ready before the stream is replayed");
+        for s in [&a, &b] {
+            s.begin_replication(77, crate::replication::log_seq(1, 0));
+            s.set_replication_ready(std::time::Duration::from_millis(3));
+            assert!(s.is_ready());
+        }
+        let decision = a.route(&RouteRequest {
+            model: "m".into(),
+            block_hashes: vec![1, 2, 3],
+            prompt_tokens: 100,
+            ..Default::default()
+        });
+        let batch = out_a.try_recv().expect("the decision left for the stream");
+        assert_eq!(batch.len(), 1);
+        assert_eq!(
+            a.snapshot().sync_log_entries,
+            0,
+            "numbered by the stream, not yet back"
+        );
+        // The stream hands message 1 to both replicas.
+        assert_eq!(a.apply_replicated(true, 1, batch.clone()), 1);
+        assert_eq!(b.apply_replicated(false, 1, batch.clone()), 1);
+        assert_eq!(
+            b.apply_replicated(false, 1, batch),
+            0,
+            "a redelivery changes nothing"
+        );
+        assert_eq!((a.snapshot().inflight, b.snapshot().inflight), (1, 1));
+        assert_eq!(b.snapshot().index_blocks, 3);
+        // A proxy that synced with a gets the same entries from b, and no reset.
+        let first = a.sync(SyncRequest::default()).response;
+        assert_eq!(first.log, 77);
+        assert_eq!(first.events.len(), 1);
+        let from_b = b
+            .sync(SyncRequest {
+                replica: Some(first.replica),
+                since: first.next,
+                log: first.log,
+                ..Default::default()
+            })
+            .response;
+        assert!(!from_b.reset && from_b.events.is_empty());
+        assert_eq!(from_b.next, first.next);
+        // The outcome, reported to b, releases the load on both.
+        b.feedback(&FeedbackBatch {
+            outcomes: vec![Outcome {
+                decision_id: decision.decision_id,
+                endpoint: decision.endpoints[0].clone(),
+                status: 200,
+                ..Default::default()
+            }],
+        });
+        assert_eq!(b.snapshot().inflight, 0);
+        let (tx, mut out_b) = crate::replication::outbox();
+        let b = b.with_replication(Some(tx));
+        b.feedback(&FeedbackBatch::default());
+        assert!(out_b.try_recv().is_err(), "an empty batch sends nothing");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
@@ -13,7 +14,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use scorer_core::disagg::EndpointRole;
@@ -87,6 +88,11 @@ pub struct Telemetry {
     sync_calls: Counter,
     sync_decisions: Counter,
     sync_resets: Counter,
+    replication_published: Counter,
+    replication_applied: Counter,
+    replication_dropped: Counter,
+    replication_connected: Gauge,
+    replication_catch_up_seconds: Gauge<f64, AtomicU64>,
 }
 
 impl Default for Telemetry {
@@ -118,6 +124,11 @@ impl Default for Telemetry {
             sync_calls: Counter::default(),
             sync_decisions: Counter::default(),
             sync_resets: Counter::default(),
+            replication_published: Counter::default(),
+            replication_applied: Counter::default(),
+            replication_dropped: Counter::default(),
+            replication_connected: Gauge::default(),
+            replication_catch_up_seconds: Gauge::default(),
         }
     }
 }
@@ -161,6 +172,31 @@ impl Telemetry {
         if reset {
             self.sync_resets.inc();
         }
+    }
+
+    /// Entries this replica published to the shared stream.
+    pub fn count_replication_published(&self, events: usize) {
+        self.replication_published.inc_by(events as u64);
+    }
+
+    /// Entries of the shared stream that entered this replica's log.
+    pub fn count_replication_applied(&self, events: usize) {
+        self.replication_applied.inc_by(events as u64);
+    }
+
+    /// Entries that never reached the shared stream (outbox full, too large, unreadable).
+    pub fn count_replication_dropped(&self, events: usize) {
+        self.replication_dropped.inc_by(events as u64);
+    }
+
+    /// Whether a NATS session is up.
+    pub fn replication_connected(&self, up: bool) {
+        self.replication_connected.set(i64::from(up));
+    }
+
+    /// How long the last replay of the shared stream took.
+    pub fn replication_caught_up(&self, took: Duration) {
+        self.replication_catch_up_seconds.set(took.as_secs_f64());
     }
 
     /// One scrape of `endpoint` ending in `result` (`ok` or an error kind).
@@ -321,6 +357,31 @@ pub fn registry(state: Arc<State>) -> Registry {
         "sync_resets",
         "Sync calls whose proxy had to start over (too far behind the log, or a new generation)",
         t.sync_resets,
+    );
+    r.register(
+        "replication_published_events",
+        "Log entries this replica published to the shared NATS stream",
+        t.replication_published,
+    );
+    r.register(
+        "replication_applied_events",
+        "Entries of the shared NATS stream that entered this replica's log",
+        t.replication_applied,
+    );
+    r.register(
+        "replication_dropped_events",
+        "Log entries that never reached the shared stream (outbox full, too large, unreadable)",
+        t.replication_dropped,
+    );
+    r.register(
+        "replication_connected",
+        "1 while a NATS session is up (replication configured)",
+        t.replication_connected,
+    );
+    r.register(
+        "replication_catch_up_seconds",
+        "How long this replica's last replay of the shared stream took",
+        t.replication_catch_up_seconds,
     );
     r.register("scrapes", "Endpoint /metrics scrapes by result", t.scrapes);
     r.register(
