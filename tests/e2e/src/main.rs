@@ -26,6 +26,7 @@ mod offload;
 mod pools;
 mod precise;
 mod predicted_latency;
+mod replication;
 mod scaling;
 mod slo;
 mod token_ratio;

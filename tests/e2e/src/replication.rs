@@ -1,0 +1,301 @@
+//! Active-active control planes through real Envoy: two Envoys (two workers each, so four
+//! locally deciding copies), two control-plane replicas sharing state through a real NATS
+//! server, no client affinity anywhere. Each turn of a conversation goes to the other Envoy,
+//! and each Envoy balances its sync calls over both control planes, so a turn follows its
+//! predecessor only if that decision crossed a proxy, a control plane, NATS and back.
+
+use std::time::{Duration, Instant};
+
+use kvroute_harness::{Fleet, FleetConfig, HttpClient, Tools, prometheus_sample};
+use serde_json::json;
+
+use crate::common::{self, Conversation, replica_of, tools};
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(240);
+const MODEL: &str = "kvroute-e2e-replication";
+/// Longer than a sync interval twice over plus NATS: the other proxy has heard of the turn.
+const BETWEEN_TURNS: Duration = Duration::from_millis(300);
+
+fn topology(name: &str, control_planes: usize) -> FleetConfig {
+    let mut cfg = common::fleet_config(name, 4, MODEL);
+    cfg.plugin_config = json!({"decision": "local", "sync_interval_ms": 50});
+    cfg.envoy_concurrency = 2;
+    cfg.envoys = 2;
+    cfg.control_planes = control_planes;
+    cfg.replication = control_planes > 1;
+    cfg
+}
+
+/// The default path (a route call per request) against two control planes: each Envoy
+/// balances its route calls and feedback over both.
+fn callout_topology(name: &str) -> FleetConfig {
+    let mut cfg = common::fleet_config(name, 4, MODEL);
+    cfg.plugin_config = json!({"decision": "control-plane"});
+    cfg.envoy_concurrency = 2;
+    cfg.envoys = 2;
+    cfg.control_planes = 2;
+    cfg.replication = true;
+    cfg
+}
+
+/// Waits until every VM of every Envoy has applied syncs.
+async fn wait_synced(fleet: &Fleet) {
+    let vms = 4.0;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let applied = fleet.envoy_counter_all("kvroute_sync_applied").await;
+        if applied >= vms * 3.0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {applied} syncs applied after 15 s ({})",
+            fleet.describe()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Turn statistics of a phase: turns that followed their predecessor's replica, and the
+/// prompt tokens served from cache.
+#[derive(Debug, Default, Clone, Copy)]
+struct Turns {
+    followed: u32,
+    follow_ups: u32,
+    cached: u64,
+    prompt: u64,
+}
+
+impl Turns {
+    fn add(&mut self, other: Turns) {
+        self.followed += other.followed;
+        self.follow_ups += other.follow_ups;
+        self.cached += other.cached;
+        self.prompt += other.prompt;
+    }
+    fn follow_rate(&self) -> f64 {
+        f64::from(self.followed) / f64::from(self.follow_ups.max(1))
+    }
+    fn hit_rate(&self) -> f64 {
+        self.cached as f64 / self.prompt.max(1) as f64
+    }
+}
+
+/// `conversations` conversations of `turns` turns each, all at once; turn t of conversation c
+/// goes to Envoy (c + t) mod 2. A failed request fails the test.
+async fn run_turns(fleet: &Fleet, first_seed: u64, conversations: u64, turns: usize) -> Turns {
+    let urls = fleet.envoy_urls();
+    let client = HttpClient::new();
+    let runs = (0..conversations).map(|c| {
+        let (urls, client) = (&urls, &client);
+        async move {
+            let mut conv = Conversation::new(MODEL, first_seed + c, 1_000, 120);
+            let mut stats = Turns::default();
+            let mut previous: Option<String> = None;
+            for t in 0..turns {
+                let url = &urls[(c as usize + t) % urls.len()];
+                let body = conv.ask(8);
+                let out = conv.send(client, fleet, url, &body, &[]).await;
+                let replica = replica_of(&out, fleet);
+                if let Some(prev) = &previous {
+                    stats.follow_ups += 1;
+                    stats.followed += u32::from(*prev == replica);
+                    stats.cached += out.cached_tokens.unwrap_or(0);
+                    stats.prompt += out.prompt_tokens.unwrap_or(0);
+                }
+                previous = Some(replica);
+                tokio::time::sleep(BETWEEN_TURNS).await;
+            }
+            stats
+        }
+    });
+    let mut total = Turns::default();
+    for stats in futures_util::future::join_all(runs).await {
+        total.add(stats);
+    }
+    total
+}
+
+async fn control_plane_metric(fleet: &Fleet, index: usize, series: &str) -> f64 {
+    let cp = fleet.control_planes()[index];
+    let url = format!("http://{}/metrics", cp.admin_address);
+    let text = fleet
+        .client()
+        .get(&url, Duration::from_secs(5))
+        .await
+        .map(|r| r.body)
+        .unwrap_or_default();
+    prometheus_sample(&text, series).unwrap_or(0.0)
+}
+
+async fn start(cfg: FleetConfig, tools: &Tools) -> Fleet {
+    let fleet = common::start_fleet(cfg, tools).await;
+    wait_synced(&fleet).await;
+    fleet
+}
+
+// Two Envoys and two control planes sharing state through NATS route as one router does;
+// a control plane killed under load costs no request and no hit rate; restarted, it replays
+// the shared stream and serves caught-up state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_control_planes_share_state_through_nats() {
+    let tools = tools();
+    common::bounded("replication", TEST_TIMEOUT, async {
+        // The single-control-plane topology on the same workload, for the hit-rate bar.
+        let single = {
+            let fleet = start(topology("e2e-replication-single", 1), &tools).await;
+            run_turns(&fleet, 4_000, 10, 4).await
+        };
+
+        let mut fleet = start(topology("e2e-replication", 2), &tools).await;
+        let shared = run_turns(&fleet, 4_000, 10, 4).await;
+        eprintln!(
+            "replication: single control plane {}/{} turns followed, hit rate {:.3}; \
+             two control planes over NATS {}/{} followed, hit rate {:.3}",
+            single.followed,
+            single.follow_ups,
+            single.hit_rate(),
+            shared.followed,
+            shared.follow_ups,
+            shared.hit_rate()
+        );
+        assert!(
+            shared.follow_rate() >= 0.95,
+            "only {}/{} turns followed their cache across two control planes ({})",
+            shared.followed,
+            shared.follow_ups,
+            fleet.describe()
+        );
+        assert!(
+            shared.hit_rate() >= single.hit_rate() - 0.02,
+            "hit rate {:.3} with two control planes vs {:.3} with one ({})",
+            shared.hit_rate(),
+            single.hit_rate(),
+            fleet.describe()
+        );
+        // Both control planes answered syncs (Envoy balanced over them) and both applied
+        // what the other published.
+        for index in 0..2 {
+            let syncs = control_plane_metric(&fleet, index, "kvroute_sync_calls_total").await;
+            let applied =
+                control_plane_metric(&fleet, index, "kvroute_replication_applied_events_total")
+                    .await;
+            eprintln!(
+                "replication: control plane {index}: {syncs} syncs, {applied} entries applied"
+            );
+            assert!(
+                syncs > 0.0 && applied > 0.0,
+                "control plane {index} took no part"
+            );
+        }
+
+        // Kill control plane 0 while conversations run: every request is served (send panics
+        // otherwise) and turns keep following their cache through the survivor.
+        let during = {
+            let pid = fleet.control_planes()[0].process().pid();
+            let load = run_turns(&fleet, 5_000, 8, 5);
+            let kill = async {
+                tokio::time::sleep(Duration::from_millis(700)).await;
+                // By pid: the load borrows the fleet; `restart` below reaps the process.
+                let killed = std::process::Command::new("kill")
+                    .args(["-9", &pid.to_string()])
+                    .status();
+                assert!(killed.is_ok_and(|s| s.success()), "kill -9 {pid} failed");
+            };
+            let (turns, ()) = tokio::join!(load, kill);
+            turns
+        };
+        eprintln!(
+            "replication: control plane 0 killed under load: {}/{} turns followed, hit rate {:.3}",
+            during.followed,
+            during.follow_ups,
+            during.hit_rate()
+        );
+        assert!(
+            during.follow_rate() >= 0.9,
+            "{}/{} turns followed after a control plane died ({})",
+            during.followed,
+            during.follow_ups,
+            fleet.describe()
+        );
+        assert!(
+            during.hit_rate() >= shared.hit_rate() - 0.05,
+            "hit rate fell to {:.3} from {:.3} when a control plane died ({})",
+            during.hit_rate(),
+            shared.hit_rate(),
+            fleet.describe()
+        );
+
+        // Restart it: ready (caught up with the stream) within seconds, with the survivor's
+        // index rather than an empty one.
+        let client = HttpClient::new();
+        let took = fleet
+            .control_plane_at(0)
+            .expect("control plane 0")
+            .restart(&tools, &client)
+            .await
+            .unwrap_or_else(|e| panic!("restarting control plane 0: {e}"));
+        let caught_up =
+            control_plane_metric(&fleet, 0, "kvroute_replication_catch_up_seconds").await;
+        let (blocks_restarted, blocks_survivor) = (
+            control_plane_metric(&fleet, 0, "kvroute_index_blocks").await,
+            control_plane_metric(&fleet, 1, "kvroute_index_blocks").await,
+        );
+        eprintln!(
+            "replication: control plane 0 restarted and ready in {} ms (stream replayed in \
+             {:.0} ms); index blocks {blocks_restarted} vs the survivor's {blocks_survivor}",
+            took.as_millis(),
+            caught_up * 1e3
+        );
+        assert!(took < Duration::from_secs(10), "restart took {took:?}");
+        assert!(
+            blocks_restarted >= blocks_survivor * 0.9 && blocks_restarted > 0.0,
+            "restarted with {blocks_restarted} index blocks, the survivor has {blocks_survivor}"
+        );
+        let after = run_turns(&fleet, 6_000, 6, 3).await;
+        assert!(
+            after.follow_rate() >= 0.95,
+            "{}/{} turns followed after the restart ({})",
+            after.followed,
+            after.follow_ups,
+            fleet.describe()
+        );
+    })
+    .await;
+}
+
+// With route calls (the default path), two control planes sharing state answer as one: a
+// turn decided by one is followed when the next route call reaches the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
+    let tools = tools();
+    common::bounded("replication-callout", TEST_TIMEOUT, async {
+        let fleet = common::start_fleet(callout_topology("e2e-replication-callout"), &tools).await;
+        let turns = run_turns(&fleet, 7_000, 8, 4).await;
+        let mut routes = Vec::new();
+        for index in 0..2 {
+            let decided =
+                control_plane_metric(&fleet, index, "kvroute_route_duration_seconds_count").await;
+            routes.push(decided);
+        }
+        eprintln!(
+            "replication (route calls): {}/{} turns followed, hit rate {:.3}; route calls per \
+             control plane {routes:?}",
+            turns.followed,
+            turns.follow_ups,
+            turns.hit_rate()
+        );
+        assert!(
+            routes.iter().all(|&n| n > 0.0),
+            "one control plane answered no route call"
+        );
+        assert!(
+            turns.follow_rate() >= 0.95,
+            "only {}/{} turns followed their cache ({})",
+            turns.followed,
+            turns.follow_ups,
+            fleet.describe()
+        );
+    })
+    .await;
+}
