@@ -159,8 +159,10 @@ bench-setup:
 # any request failed (docs/RELIABILITY.md).
 SOAK_MINUTES ?= 30
 .PHONY: soak
+# SOAK_ARGS passes options through, e.g. SOAK_ARGS="--decision local" for the in-proxy path.
+SOAK_ARGS ?=
 soak: setup
-	scripts/soak.sh $(SOAK_MINUTES)
+	scripts/soak.sh $(SOAK_MINUTES) $(SOAK_ARGS)
 
 # Performance: router in process and over HTTP (pinned to core 1, 1M-block index), filter
 # natively, in wasmtime and in Envoy's V8, Envoy overhead (kvroute vs Envoy round robin vs

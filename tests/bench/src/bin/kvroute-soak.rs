@@ -70,6 +70,27 @@ struct Args {
     /// Output directory (default: `<target>/soak`).
     #[arg(long)]
     out_dir: Option<PathBuf>,
+    /// Where the filter decides: `control-plane` (a route call per request) or `local` (the
+    /// VM's synced copy, no call on the request path).
+    #[arg(long, value_enum, default_value_t = Decision::ControlPlane)]
+    decision: Decision,
+}
+
+/// The filter's `decision` setting, as the plugin configuration spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Decision {
+    ControlPlane,
+    Local,
+}
+
+impl Decision {
+    fn as_str(self) -> &'static str {
+        match self {
+            Decision::ControlPlane => "control-plane",
+            Decision::Local => "local",
+        }
+    }
 }
 
 /// Tenants, each with its own shared system prompt.
@@ -590,6 +611,9 @@ fn csv(samples: &[Sample]) -> String {
 /// What `summary.json` holds.
 #[derive(Debug, Serialize)]
 struct SoakSummary {
+    decision: Decision,
+    /// Routed requests the proxy decided itself (no route call), with `--decision local`.
+    local_decision_fraction: Option<f64>,
     replicas: usize,
     max_num_seqs: u32,
     speed: f64,
@@ -659,6 +683,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     cfg.replicas = args.replicas;
     cfg.router = RouterKind::Kvroute;
     cfg.seed = args.seed;
+    cfg.plugin_config = json!({"decision": args.decision.as_str()});
     cfg.sim_args = vec![
         "--speed".into(),
         args.speed.to_string(),
@@ -777,7 +802,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .iter()
         .map(|n| summarize_series(&samples, n))
         .collect();
+    let local_decision_fraction = match args.decision {
+        Decision::Local => {
+            let routed = fleet.envoy_counter("kvroute_requests_routed").await;
+            let local = fleet.envoy_counter("kvroute_decisions_local").await;
+            (routed > 0.0).then(|| local / routed)
+        }
+        Decision::ControlPlane => None,
+    };
     let summary = SoakSummary {
+        decision: args.decision,
+        local_decision_fraction,
         replicas: args.replicas,
         max_num_seqs: args.max_num_seqs,
         speed: args.speed,
@@ -831,8 +866,13 @@ fn render_summary(s: &SoakSummary, out_dir: &Path) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nkvroute soak: {} min, {} replicas (max_num_seqs {}, speed {}, {}), capacity {}, offered {:.2} req/s",
+        "\nkvroute soak: {} min, decision {}{}, {} replicas (max_num_seqs {}, speed {}, {}), capacity {}, offered {:.2} req/s",
         s.minutes,
+        s.decision.as_str(),
+        s.local_decision_fraction.map_or(String::new(), |f| format!(
+            " ({:.1}% of routed requests decided in the proxy)",
+            f * 100.0
+        )),
         s.replicas,
         s.max_num_seqs,
         s.speed,
