@@ -26,12 +26,13 @@ cargo build --release -q -p control-plane -p vllm-sim -p kvroute-bench \
 
 bin="$target/soak/bin"
 mkdir -p "$bin"
+bin=$(cd "$bin" && pwd) # absolute, whether CARGO_TARGET_DIR is relative or not
 for b in kvroute-control-plane vllm-sim kvroute-soak; do
     cp -f "$target/release/$b" "$bin/$b"
 done
 cp -f "$target/wasm32-unknown-unknown/release/kvroute_filter.wasm" "$bin/kvroute_filter.wasm"
 
-export KVROUTE_CONTROL_PLANE="$PWD/$bin/kvroute-control-plane"
-export KVROUTE_VLLM_SIM="$PWD/$bin/vllm-sim"
-export KVROUTE_WASM="$PWD/$bin/kvroute_filter.wasm"
+export KVROUTE_CONTROL_PLANE="$bin/kvroute-control-plane"
+export KVROUTE_VLLM_SIM="$bin/vllm-sim"
+export KVROUTE_WASM="$bin/kvroute_filter.wasm"
 exec "$bin/kvroute-soak" --minutes "$minutes" --out-dir "$target/soak" "$@"

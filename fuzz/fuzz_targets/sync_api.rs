@@ -1,7 +1,9 @@
 //! The sync protocol, from both ends: `POST /v1/sync` bodies a proxy sends (raw bytes, or
 //! well-formed reports with arbitrary decisions and outcomes) served by the control plane's
 //! side (`serve_sync` on a `Router` and a small `SyncLog`), and the answers a proxy applies
-//! (`LocalRouter::apply`, raw bytes or the control plane's own answers). Invariants: nothing
+//! (`LocalRouter::apply`, raw bytes or the control plane's own answers), and the shared
+//! stream of active-active control planes (the log switched to stream numbering, raw bytes as a
+//! message's entries at an arbitrary stream position). Invariants: nothing
 //! panics; the log never holds more than its bound; an answer's `next` never goes backwards
 //! for a replica; a local copy only ever routes to endpoints the control plane named.
 #![no_main]
@@ -10,7 +12,9 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use scorer_core::protocol::{Outcome, RouteRequest};
 use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
-use scorer_core::sync::{DecisionRecord, LocalRouter, SyncLog, SyncRequest, SyncResponse, serve_sync};
+use scorer_core::sync::{
+    DecisionRecord, LocalRouter, SyncEvent, SyncLog, SyncRequest, SyncResponse, serve_sync,
+};
 
 #[derive(Arbitrary, Debug)]
 enum Step {
@@ -28,6 +32,10 @@ enum Step {
     Route { copy: u8, hashes: Vec<u8> },
     /// The control plane loses or regains an endpoint.
     Churn { endpoint: u8, up: bool },
+    /// The log starts numbering by a shared stream.
+    Replicate { id: u64, first: u64 },
+    /// Raw bytes as a stream message's entries, at stream position `seq`.
+    StreamEntries { seq: u64, bytes: Vec<u8> },
 }
 
 const LOG_BOUND: usize = 16;
@@ -97,6 +105,21 @@ fuzz_target!(|steps: Vec<Step>| {
                         assert!(known.contains(endpoint), "routed to an unknown endpoint");
                     }
                 }
+            }
+            Step::Replicate { id, first } => {
+                log.replicate(id, first);
+                assert!(log.is_replicated());
+            }
+            Step::StreamEntries { seq, bytes } => {
+                let before = log.next_seq();
+                if let Ok(events) = serde_json::from_slice::<Vec<SyncEvent>>(&bytes) {
+                    for (i, event) in events.into_iter().take(16).enumerate() {
+                        let _ = log.push_replicated(seq.saturating_add(i as u64), event);
+                    }
+                }
+                let _ = log.take_outbox();
+                assert!(log.len() <= LOG_BOUND);
+                assert!(log.next_seq() >= before, "the log's numbers went backwards");
             }
             Step::Churn { endpoint, up } => {
                 let address = ENDPOINTS[usize::from(endpoint) % ENDPOINTS.len()];

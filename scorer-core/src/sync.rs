@@ -232,10 +232,10 @@ impl SyncLog {
         if self.entries.len() == self.capacity
             && let Some((oldest, _)) = self.entries.pop_front()
         {
-            self.first = oldest + 1;
+            self.first = oldest.saturating_add(1);
         }
         self.entries.push_back((seq, event));
-        self.next = seq + 1;
+        self.next = seq.saturating_add(1);
     }
 
     /// The sequence number after the newest entry.

@@ -26,6 +26,7 @@ use proxy_wasm_host::{FilterAction, FilterModule, HostError};
 pub mod aiperf;
 pub mod metrics_fleet;
 pub mod peers;
+pub mod scale;
 pub mod tokenize;
 
 /// Model name used by every benchmark request.

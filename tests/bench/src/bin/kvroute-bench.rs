@@ -73,6 +73,13 @@ struct Args {
     /// Run only the quality section (prints its table; writes `quality-summary.json`).
     #[arg(long)]
     quality_only: bool,
+    /// Fleet sizes of the scale section (one control plane scraping a vLLM-shaped payload
+    /// from that many endpoints); empty (`--scale ""`) skips it.
+    #[arg(long, value_delimiter = ',', default_value = "64,256")]
+    scale: Vec<usize>,
+    /// Run only the scale section (prints its table; writes `scale-summary.json`).
+    #[arg(long)]
+    scale_only: bool,
     /// Record the control plane with `perf record -g` during the HTTP decisions run
     /// (`<out>/control-plane-http.perf.data`; read it with `perf report -i`).
     #[arg(long)]
@@ -139,6 +146,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let out_dir = harness::output_dir(args.out_dir.as_deref(), "bench")?;
     let mut loads = vec![("start".to_string(), loadavg())];
     let mut skipped: Vec<String> = Vec::new();
+    if args.scale_only {
+        let tools = Tools::locate().context("kvroute-bench needs its tools")?;
+        let client = HttpClient::new();
+        let scale = scale_section(&args, &tools, &client, &out_dir, &mut skipped).await;
+        print_scale(&scale);
+        loads.push(("scale".into(), loadavg()));
+        let path = out_dir.join("scale-summary.json");
+        let summary = json!({"scale": scale, "load_average": loads, "not_measured": skipped});
+        harness::write_json(&path, &summary)?;
+        println!("summary: {}", path.display());
+        return Ok(());
+    }
     if args.quality_only {
         let tools = Tools::locate().context("kvroute-bench needs its tools")?;
         let quality = quality_section(&args, &tools, &out_dir, &mut skipped).await?;
@@ -233,6 +252,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     loads.push(("tokenize".into(), loadavg()));
+
+    // What one control plane spends per scraped replica (issue #15, point 5).
+    let scale = scale_section(&args, &tools, &client, &out_dir, &mut skipped).await;
+    loads.push(("scale".into(), loadavg()));
 
     let mut overhead = Vec::new();
     let mut local_decision_fraction = None;
@@ -359,6 +382,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if !quality.is_empty() {
         print_quality(&quality, args.speed);
     }
+    print_scale(&scale);
     if !skipped.is_empty() {
         println!("\nnot measured:");
         for s in &skipped {
@@ -372,6 +396,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "overhead": overhead,
         "local_decision_fraction": local_decision_fraction,
         "quality": quality,
+        "scale": scale,
         "filter": filter,
         "control_plane": control_plane,
         "tokenize": {
@@ -1114,4 +1139,66 @@ fn write_overhead_chart(out_dir: &std::path::Path, rows: &[OverheadRow]) -> anyh
     );
     std::fs::write(out_dir.join("overhead-latency.svg"), svg)?;
     Ok(())
+}
+
+/// The scale section: skipped (and said so) when its sizes are empty or it fails.
+async fn scale_section(
+    args: &Args,
+    tools: &Tools,
+    client: &HttpClient,
+    out_dir: &std::path::Path,
+    skipped: &mut Vec<String>,
+) -> Vec<kvroute_bench::scale::ScaleRow> {
+    if args.scale.is_empty() {
+        return Vec::new();
+    }
+    eprintln!("[scale] one control plane scraping {:?} endpoints ...", args.scale);
+    let window = Duration::from_secs(10);
+    match kvroute_bench::scale::run(tools, client, out_dir, &args.scale, window).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            skipped.push(format!("scale: {e:#}"));
+            Vec::new()
+        }
+    }
+}
+
+fn print_scale(rows: &[kvroute_bench::scale::ScaleRow]) {
+    if rows.is_empty() {
+        return;
+    }
+    println!(
+        "\n== control plane at scale (vLLM 0.33-shaped /metrics, {} B, scraped every {} ms; no traffic) ==",
+        rows[0].payload_bytes, rows[0].scrape_interval_ms
+    );
+    println!(
+        "{:>10} {:>10} {:>8} {:>10} {:>12} {:>9} {:>12} {:>16}",
+        "endpoints", "scrapes/s", "usable", "CPU cores", "CPU ms/scrape", "RSS MiB",
+        "sync answer B", "sync MB/s per copy"
+    );
+    for r in rows {
+        println!(
+            "{:>10} {:>10.0} {:>8} {:>10.3} {:>12.3} {:>9.1} {:>12} {:>16.2}",
+            r.endpoints,
+            r.scrapes_per_s,
+            r.usable_endpoints,
+            r.cpu_cores,
+            r.cpu_ms_per_scrape,
+            r.rss_mib,
+            r.sync_answer_bytes,
+            r.sync_bytes_per_s_per_copy / 1e6
+        );
+    }
+    if let Some(last) = rows.last() {
+        let replicas = 1_000;
+        let (cores, sync) = kvroute_bench::scale::extrapolate(last, replicas);
+        println!(
+            "{replicas:>10} (scaled from {} endpoints at their CPU per scrape): {cores:.2} cores \
+             scraping every {} ms, {:.2} at 1 s; sync {:.1} MB/s per copy at 50 ms",
+            last.endpoints,
+            last.scrape_interval_ms,
+            cores * last.scrape_interval_ms as f64 / 1_000.0,
+            sync / 1e6
+        );
+    }
 }

@@ -1,0 +1,231 @@
+//! What one control plane spends per replica as the fleet grows (issue #15, point 5).
+//!
+//! Each row serves a vLLM 0.33-shaped `/metrics` payload (`fixtures/vllm-0.33-metrics.txt`,
+//! 58 KB: every series vLLM registers by default, histograms and `_created` lines included;
+//! `scripts/vllm_metrics_payload.py` writes it from vLLM's wheel) from `n` loopback listeners
+//! in this process, points a release control plane at them with the default scrape interval,
+//! and reads the control plane's own CPU time and RSS from `/proc` over a window, with its
+//! scrape counters for how many scrapes that bought. It also asks `/v1/sync` once as a fresh
+//! proxy copy would and as a synced copy does on every tick, for the bytes state sync costs.
+//! No traffic is routed: this is the fleet's standing cost, which grows with replicas.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use kvroute_harness::{self as harness, HttpClient, ManagedProcess, Tools};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::metrics_fleet::MetricsFleet;
+
+/// The recorded-shape payload every listener serves.
+pub const VLLM_PAYLOAD: &str = include_str!("../fixtures/vllm-0.33-metrics.txt");
+
+/// One fleet size.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleRow {
+    /// Scrape targets.
+    pub endpoints: usize,
+    /// Bytes of one `/metrics` answer.
+    pub payload_bytes: usize,
+    /// The control plane's `scrape_interval_ms` (its default).
+    pub scrape_interval_ms: u64,
+    /// Successful scrapes per second over the window (`n` x 1000 / interval if it keeps up).
+    pub scrapes_per_s: f64,
+    /// Endpoints the control plane considered usable at the end (all of them if scrapes keep up).
+    pub usable_endpoints: usize,
+    /// Control-plane CPU over the window, in cores.
+    pub cpu_cores: f64,
+    /// CPU per successful scrape (fetch, parse, apply), milliseconds.
+    pub cpu_ms_per_scrape: f64,
+    /// Control-plane resident memory at the end, MiB.
+    pub rss_mib: f64,
+    /// `/v1/sync` answer to a copy with nothing new to learn (the endpoint table and config,
+    /// sent whole on every tick), bytes.
+    pub sync_answer_bytes: usize,
+    /// That answer at the default 50 ms sync interval, per proxy copy (one per Envoy worker).
+    pub sync_bytes_per_s_per_copy: f64,
+}
+
+/// Default scrape interval (`control-plane/src/config.rs`).
+const SCRAPE_INTERVAL_MS: u64 = 100;
+/// Default sync interval of a locally deciding copy (`filter/src/config.rs`).
+const SYNC_INTERVAL_MS: f64 = 50.0;
+
+/// Measures each fleet size in `sizes` over `window`.
+pub async fn run(
+    tools: &Tools,
+    client: &HttpClient,
+    out_dir: &Path,
+    sizes: &[usize],
+    window: Duration,
+) -> anyhow::Result<Vec<ScaleRow>> {
+    let ticks = clock_ticks_per_second()?;
+    let mut rows = Vec::new();
+    for &n in sizes {
+        let fleet = MetricsFleet::start(n, VLLM_PAYLOAD.to_string())
+            .await
+            .context("cannot bind the metrics listeners")?;
+        let api = harness::free_port()?;
+        let admin = harness::free_port()?;
+        let yaml = harness::control_plane_yaml(
+            api,
+            admin,
+            SCRAPE_INTERVAL_MS,
+            &fleet.addresses,
+            &json!({}),
+        )?;
+        let cfg = out_dir.join(format!("control-plane-scale-{n}.yaml"));
+        std::fs::write(&cfg, yaml)?;
+        let mut cmd = Command::new(&tools.control_plane);
+        cmd.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
+        let mut proc = ManagedProcess::spawn(
+            "control-plane-scale",
+            cmd,
+            &out_dir.join(format!("control-plane-scale-{n}.log")),
+        )?;
+        let metrics_url = format!("http://127.0.0.1:{admin}/metrics");
+        let scrapes_ok = async || -> anyhow::Result<f64> {
+            let text = client.get(&metrics_url, Duration::from_secs(5)).await?.body;
+            Ok(harness::prometheus_sum_with(
+                &text,
+                "kvroute_scrapes_total",
+                "result=\"ok\"",
+            ))
+        };
+        // Warm-up: every endpoint scraped a few times.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(why) = proc.exited() {
+                bail!("control plane exited: {why}\n{}", proc.log_tail(20));
+            }
+            if scrapes_ok().await.unwrap_or(0.0) >= 3.0 * n as f64 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the control plane did not scrape {n} endpoints 3 times in 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let (cpu0, scrapes0, t0) = (cpu_ticks(proc.pid())?, scrapes_ok().await?, Instant::now());
+        tokio::time::sleep(window).await;
+        let (cpu1, scrapes1) = (cpu_ticks(proc.pid())?, scrapes_ok().await?);
+        let elapsed = t0.elapsed().as_secs_f64();
+        let cpu_s = (cpu1 - cpu0) as f64 / ticks;
+        let scrapes = scrapes1 - scrapes0;
+        let rss_mib = rss_kib(proc.pid())? / 1024.0;
+        let endpoints: serde_json::Value = serde_json::from_str(
+            &client
+                .get(
+                    &format!("http://127.0.0.1:{admin}/debug/endpoints"),
+                    Duration::from_secs(5),
+                )
+                .await?
+                .body,
+        )
+        .context("/debug/endpoints is not JSON")?;
+        let usable = endpoints
+            .as_array()
+            .or_else(|| endpoints["endpoints"].as_array())
+            .map_or(0, |a| {
+                a.iter()
+                    .filter(|e| e["health"].as_str().is_some_and(|h| h == "ready"))
+                    .count()
+            });
+        // A fresh copy's first sync, then a synced copy's tick (nothing new in the log).
+        let sync_url = format!("http://127.0.0.1:{api}/v1/sync");
+        let first = client
+            .request(
+                "POST",
+                &sync_url,
+                &[("content-type", "application/json")],
+                Some("{}".to_string()),
+                Duration::from_secs(5),
+            )
+            .await?;
+        let first: serde_json::Value =
+            serde_json::from_str(&first.body).context("sync answer is not JSON")?;
+        let tick = json!({
+            "replica": first["replica"], "since": first["next"], "log": first["log"],
+        });
+        let tick = client
+            .request(
+                "POST",
+                &sync_url,
+                &[("content-type", "application/json")],
+                Some(tick.to_string()),
+                Duration::from_secs(5),
+            )
+            .await?;
+        proc.kill();
+        drop(fleet);
+        let row = ScaleRow {
+            endpoints: n,
+            payload_bytes: VLLM_PAYLOAD.len(),
+            scrape_interval_ms: SCRAPE_INTERVAL_MS,
+            scrapes_per_s: scrapes / elapsed,
+            usable_endpoints: usable,
+            cpu_cores: cpu_s / elapsed,
+            cpu_ms_per_scrape: if scrapes > 0.0 {
+                cpu_s * 1e3 / scrapes
+            } else {
+                f64::NAN
+            },
+            rss_mib,
+            sync_answer_bytes: tick.body.len(),
+            sync_bytes_per_s_per_copy: tick.body.len() as f64 * 1e3 / SYNC_INTERVAL_MS,
+        };
+        eprintln!("[scale] {row:?}");
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// The row's figures scaled to `replicas` at the row's per-scrape cost and the default
+/// interval: what one control plane would need for them (the router itself holds at most
+/// `scorer_core::index::MAX_ENDPOINTS` endpoints, so a larger fleet is several pools).
+pub fn extrapolate(row: &ScaleRow, replicas: usize) -> (f64, f64) {
+    let scrapes_per_s = replicas as f64 * 1e3 / row.scrape_interval_ms as f64;
+    let cores = scrapes_per_s * row.cpu_ms_per_scrape / 1e3;
+    let sync_per_copy = row.sync_bytes_per_s_per_copy / row.endpoints as f64 * replicas as f64;
+    (cores, sync_per_copy)
+}
+
+fn clock_ticks_per_second() -> anyhow::Result<f64> {
+    let out = Command::new("getconf").arg("CLK_TCK").output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.trim()
+        .parse()
+        .with_context(|| format!("getconf CLK_TCK printed {text:?}"))
+}
+
+/// utime + stime of `pid`, in clock ticks (`/proc/<pid>/stat` fields 14 and 15).
+fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name is in parentheses and may hold spaces: count fields after it.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("unreadable /proc stat")?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| -> anyhow::Result<u64> {
+        fields
+            .get(i)
+            .context("short /proc stat")?
+            .parse()
+            .context("bad /proc stat field")
+    };
+    // After the name: state is field 3, so utime (14) and stime (15) are at 11 and 12.
+    Ok(field(11)? + field(12)?)
+}
+
+fn rss_kib(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmRSS")
+}
