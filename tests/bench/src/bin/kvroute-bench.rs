@@ -1152,7 +1152,10 @@ async fn scale_section(
     if args.scale.is_empty() {
         return Vec::new();
     }
-    eprintln!("[scale] one control plane scraping {:?} endpoints ...", args.scale);
+    eprintln!(
+        "[scale] one control plane scraping {:?} endpoints ...",
+        args.scale
+    );
     let window = Duration::from_secs(10);
     match kvroute_bench::scale::run(tools, client, out_dir, &args.scale, window).await {
         Ok(rows) => rows,
@@ -1173,8 +1176,14 @@ fn print_scale(rows: &[kvroute_bench::scale::ScaleRow]) {
     );
     println!(
         "{:>10} {:>10} {:>8} {:>10} {:>12} {:>9} {:>12} {:>16}",
-        "endpoints", "scrapes/s", "usable", "CPU cores", "CPU ms/scrape", "RSS MiB",
-        "sync answer B", "sync MB/s per copy"
+        "endpoints",
+        "scrapes/s",
+        "usable",
+        "CPU cores",
+        "CPU ms/scrape",
+        "RSS MiB",
+        "sync answer B",
+        "sync MB/s per copy"
     );
     for r in rows {
         println!(
