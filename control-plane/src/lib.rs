@@ -178,14 +178,8 @@ impl ControlPlane {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServiceError> {
-        let Self {
-            config,
-            state,
-            precise,
-            api,
-            admin,
-            outbox,
-        } = self;
+        let (config, state, precise) = (self.config, self.state, self.precise);
+        let (api, admin, outbox) = (self.api, self.admin, self.outbox);
         let (stop_tx, stop_rx) = watch::channel(false);
 
         let settings = scrape::ScrapeSettings {

@@ -323,7 +323,7 @@ async fn session(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use scorer_core::protocol::Outcome;
+    use scorer_core::test_util::outcome_event;
 
     fn config() -> ReplicationConfig {
         serde_yaml_ng::from_str("nats_url: nats://127.0.0.1:4222\n").unwrap()
@@ -359,20 +359,10 @@ mod tests {
         assert!(serde_yaml_ng::from_str::<ReplicationConfig>("nats: x\n").is_err());
     }
 
-    fn outcome(id: u64) -> SyncEvent {
-        SyncEvent::Outcome {
-            origin: 7,
-            outcome: Outcome {
-                decision_id: id,
-                ..Outcome::default()
-            },
-        }
-    }
-
     #[test]
     fn encoding_round_trips_and_cuts_messages() {
         let events: Vec<SyncEvent> = (0..(MAX_EVENTS_PER_MESSAGE as u64 + 5))
-            .map(outcome)
+            .map(|id| outcome_event(7, id))
             .collect();
         let (messages, dropped) = encode(3, &events);
         assert_eq!((messages.len(), dropped), (2, 0));

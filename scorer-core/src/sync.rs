@@ -535,6 +535,7 @@ fn push_bounded<T>(queue: &mut VecDeque<T>, item: T, max: usize) {
 mod tests {
     use super::*;
     use crate::hash::{DEFAULT_BLOCK_BYTES, block_hashes, model_seed};
+    use crate::test_util::outcome_event;
 
     fn central(n: usize) -> Router {
         let mut router = Router::new(RouterConfig::default(), 1);
@@ -774,8 +775,11 @@ mod tests {
     fn since_never_moves_back_and_a_new_log_resets() {
         let mut log = SyncLog::new(10, 1);
         log.replicate(9, 1);
-        assert!(log.push_replicated(4, outcome_event(1)));
-        assert!(!log.push_replicated(3, outcome_event(2)), "went backwards");
+        assert!(log.push_replicated(4, outcome_event(0, 1)));
+        assert!(
+            !log.push_replicated(3, outcome_event(0, 2)),
+            "went backwards"
+        );
         let (events, next, reset) = log.since(8, 99, 100);
         assert!(events.is_empty() && !reset);
         assert_eq!(next, 8);
@@ -790,16 +794,6 @@ mod tests {
         let mut other = SyncLog::new(10, 5);
         let answer = serve_sync(&mut other, &mut hub, request, 1);
         assert_ne!(answer.log, 9);
-    }
-
-    fn outcome_event(id: u64) -> SyncEvent {
-        SyncEvent::Outcome {
-            origin: 0,
-            outcome: Outcome {
-                decision_id: id,
-                ..Outcome::default()
-            },
-        }
     }
 
     // The pending queues are bounded: a proxy that cannot reach the control plane does not

@@ -3,7 +3,8 @@
 //! started or how a test is bounded reaches every area at once.
 
 use std::future::Future;
-use std::time::Duration;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use kvroute_harness::loadgen::{StreamOutcome, stream_chat};
 use kvroute_harness::{Fleet, FleetConfig, HttpClient, HttpResponse, REPLICA_HEADER, Tools};
@@ -334,4 +335,44 @@ pub async fn wait_events_live(fleet: &Fleet, timeout: Duration) {
             .all(|a| endpoint_value(m, "kvroute_endpoint_events_live", a) == Some(1.0))
     })
     .await;
+}
+
+/// Runs a tool with a deadline (killed past it, which fails the test); returns its output.
+/// Both pipes are drained while it runs, so a tool that writes more than a pipe buffer (a
+/// dumped DOM, a validation report) cannot block on its own output.
+pub fn run_bounded(mut cmd: Command, what: &str, limit: Duration) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {what}: {e}"));
+    // Drain pipes on threads so a chatty tool cannot block on a full pipe.
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let out_t = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stdout, &mut b);
+        b
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stderr, &mut b);
+        b
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for the tool") {
+            break status;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{what} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: out_t.join().unwrap_or_default(),
+        stderr: err_t.join().unwrap_or_default(),
+    }
 }

@@ -304,63 +304,33 @@ fn chromium(binary: &Path, args: &[String], url: &str) -> String {
         std::process::id(),
         args.len()
     ));
-    let mut child = Command::new(binary)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--hide-scrollbars",
-        ])
-        .arg(format!("--user-data-dir={}", profile.display()))
-        .args(args)
-        .arg(url)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
-    // Both pipes are drained while Chromium runs: a dumped DOM larger than the pipe buffer
-    // would otherwise block Chromium on its write and it would never exit.
-    let stdout = drain(child.stdout.take().expect("piped stdout"));
-    let stderr = drain(child.stderr.take().expect("piped stderr"));
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for chromium") {
-            break status;
-        }
-        if started.elapsed() > BROWSER_TIMEOUT {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("chromium did not finish within {BROWSER_TIMEOUT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let (stdout, stderr) = (
-        stdout.join().unwrap_or_default(),
-        stderr.join().unwrap_or_default(),
-    );
+    let mut cmd = Command::new(binary);
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+    ])
+    .arg(format!("--user-data-dir={}", profile.display()))
+    .args(args)
+    .arg(url)
+    .stdin(Stdio::null());
+    // A dumped DOM is larger than a pipe buffer: `run_bounded` drains both pipes meanwhile.
+    let out = common::run_bounded(cmd, "chromium", BROWSER_TIMEOUT);
     let _ = std::fs::remove_dir_all(&profile);
     assert!(
-        status.success(),
-        "chromium failed ({status}): {}",
-        String::from_utf8_lossy(&stderr)
+        out.status.success(),
+        "chromium failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8_lossy(&stdout).into_owned()
-}
-
-/// Reads `pipe` to its end on a thread of its own.
-fn drain(mut pipe: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
-    std::thread::spawn(move || {
-        let mut bytes = Vec::new();
-        let _ = pipe.read_to_end(&mut bytes);
-        bytes
-    })
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,17 +22,18 @@ fn local_fleet(name: &str, replicas: usize) -> FleetConfig {
     cfg
 }
 
-/// Waits until every VM has applied a sync (a copy that has not decides nothing locally).
-async fn wait_synced(fleet: &Fleet, vms: f64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+/// Waits until every VM of every Envoy has applied at least two syncs (a copy that has not
+/// decides nothing locally).
+pub(crate) async fn wait_synced(fleet: &Fleet, vms: f64) {
+    let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let applied = fleet.envoy_counter("kvroute_sync_applied").await;
+        let applied = fleet.envoy_counter_all("kvroute_sync_applied").await;
         if applied >= vms * 2.0 {
             return;
         }
         assert!(
             Instant::now() < deadline,
-            "only {applied} syncs applied after 10 s ({})",
+            "only {applied} syncs applied after 15 s ({})",
             fleet.describe()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;

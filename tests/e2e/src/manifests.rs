@@ -18,10 +18,12 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
 
 use kvroute_harness::{self as harness, envoy_base_id, locate_envoy, locate_wasm};
+
+use crate::common;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -145,44 +147,6 @@ fn is_hex64(s: &str) -> bool {
     s.len() == 64
         && s.bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
-
-/// Runs a tool with a deadline; returns its output.
-fn run(mut cmd: Command, what: &str, limit: Duration) -> Output {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {what}: {e}"));
-    // Drain pipes on threads so a chatty tool cannot block on a full pipe.
-    let mut stdout = child.stdout.take().expect("piped stdout");
-    let mut stderr = child.stderr.take().expect("piped stderr");
-    let out_t = std::thread::spawn(move || {
-        let mut b = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut stdout, &mut b);
-        b
-    });
-    let err_t = std::thread::spawn(move || {
-        let mut b = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut stderr, &mut b);
-        b
-    });
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for the tool") {
-            break status;
-        }
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            panic!("{what} did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Output {
-        status,
-        stdout: out_t.join().unwrap_or_default(),
-        stderr: err_t.join().unwrap_or_default(),
-    }
 }
 
 fn venv_tool(env: &str, name: &str) -> PathBuf {
@@ -328,7 +292,7 @@ fn kustomizations_render_and_kubernetes_objects_validate_against_schemas() {
     for k in KUSTOMIZATIONS {
         let mut cmd = Command::new(&kubectl);
         cmd.arg("kustomize").arg(root().join(k));
-        let o = run(
+        let o = common::run_bounded(
             cmd,
             &format!("kubectl kustomize {k}"),
             Duration::from_secs(60),
@@ -357,7 +321,7 @@ fn kustomizations_render_and_kubernetes_objects_validate_against_schemas() {
     cmd.args(["--strict", "--kubernetes-version", "1.37.0"])
         .args(&rendered_files)
         .args(&raw);
-    let o = run(cmd, "kubernetes-validate", Duration::from_secs(120));
+    let o = common::run_bounded(cmd, "kubernetes-validate", Duration::from_secs(120));
     let report = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
@@ -700,7 +664,7 @@ fn envoy_validate(name: &str, bootstrap: &Value) {
         .arg("--use-dynamic-base-id")
         .arg("-c")
         .arg(&path);
-    let o = run(cmd, "envoy --mode validate", Duration::from_secs(60));
+    let o = common::run_bounded(cmd, "envoy --mode validate", Duration::from_secs(60));
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
@@ -1022,7 +986,7 @@ fn oci_script(wasm: &Path, out: &Path, reference: &str) -> Output {
         .arg(wasm)
         .arg(out)
         .arg(reference);
-    run(cmd, "scripts/oci-wasm.sh", Duration::from_secs(60))
+    common::run_bounded(cmd, "scripts/oci-wasm.sh", Duration::from_secs(60))
 }
 
 /// Checks an image layout the way Istio's and Envoy Gateway's fetchers read it; returns the
@@ -1148,7 +1112,7 @@ fn oci_layout_has_correct_digests_and_the_shape_istio_and_eg_accept() {
         cmd.arg("copy")
             .arg(format!("oci-archive:{}", tar.display()))
             .arg(format!("oci:{}:copied", copy.display()));
-        let o = run(cmd, "skopeo copy", Duration::from_secs(60));
+        let o = common::run_bounded(cmd, "skopeo copy", Duration::from_secs(60));
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let index: Value = serde_json::from_slice(
             &std::fs::read(copy.join("index.json")).expect("copied index.json"),

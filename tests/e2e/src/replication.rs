@@ -4,7 +4,7 @@
 //! and each Envoy balances its sync calls over both control planes, so a turn follows its
 //! predecessor only if that decision crossed a proxy, a control plane, NATS and back.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvroute_harness::{Fleet, FleetConfig, HttpClient, Tools, prometheus_sample};
 use serde_json::json;
@@ -38,24 +38,6 @@ fn callout_topology(name: &str) -> FleetConfig {
     cfg
 }
 
-/// Waits until every VM of every Envoy has applied syncs.
-async fn wait_synced(fleet: &Fleet) {
-    let vms = 4.0;
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let applied = fleet.envoy_counter_all("kvroute_sync_applied").await;
-        if applied >= vms * 3.0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "only {applied} syncs applied after 15 s ({})",
-            fleet.describe()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Turn statistics of a phase: turns that followed their predecessor's replica, and the
 /// prompt tokens served from cache.
 #[derive(Debug, Default, Clone, Copy)]
@@ -64,6 +46,18 @@ struct Turns {
     follow_ups: u32,
     cached: u64,
     prompt: u64,
+}
+
+impl std::fmt::Display for Turns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{} turns followed, hit rate {:.3}",
+            self.followed,
+            self.follow_ups,
+            self.hit_rate()
+        )
+    }
 }
 
 impl Turns {
@@ -78,6 +72,25 @@ impl Turns {
     }
     fn hit_rate(&self) -> f64 {
         self.cached as f64 / self.prompt.max(1) as f64
+    }
+    /// Fails the test unless the hit rate is at least `floor`.
+    fn assert_hit_rate(&self, floor: f64, phase: &str, fleet: &Fleet) {
+        assert!(
+            self.hit_rate() >= floor,
+            "{phase}: hit rate {:.3}, below {floor:.3} ({})",
+            self.hit_rate(),
+            fleet.describe()
+        );
+    }
+    /// Fails the test unless at least `min` of the follow-up turns followed their cache.
+    fn assert_followed(&self, min: f64, phase: &str, fleet: &Fleet) {
+        assert!(
+            self.follow_rate() >= min,
+            "{phase}: only {}/{} turns followed their cache ({})",
+            self.followed,
+            self.follow_ups,
+            fleet.describe()
+        );
     }
 }
 
@@ -130,7 +143,8 @@ async fn control_plane_metric(fleet: &Fleet, index: usize, series: &str) -> f64 
 
 async fn start(cfg: FleetConfig, tools: &Tools) -> Fleet {
     let fleet = common::start_fleet(cfg, tools).await;
-    wait_synced(&fleet).await;
+    // Four VMs (two Envoys x two workers), a few syncs each.
+    crate::local_decisions::wait_synced(&fleet, 6.0).await;
     fleet
 }
 
@@ -150,29 +164,11 @@ async fn two_control_planes_share_state_through_nats() {
         let mut fleet = start(topology("e2e-replication", 2), &tools).await;
         let shared = run_turns(&fleet, 4_000, 10, 4).await;
         eprintln!(
-            "replication: single control plane {}/{} turns followed, hit rate {:.3}; \
-             two control planes over NATS {}/{} followed, hit rate {:.3}",
-            single.followed,
-            single.follow_ups,
-            single.hit_rate(),
-            shared.followed,
-            shared.follow_ups,
-            shared.hit_rate()
+            "replication: single control plane {single}; two control planes over NATS {shared}"
         );
-        assert!(
-            shared.follow_rate() >= 0.95,
-            "only {}/{} turns followed their cache across two control planes ({})",
-            shared.followed,
-            shared.follow_ups,
-            fleet.describe()
-        );
-        assert!(
-            shared.hit_rate() >= single.hit_rate() - 0.02,
-            "hit rate {:.3} with two control planes vs {:.3} with one ({})",
-            shared.hit_rate(),
-            single.hit_rate(),
-            fleet.describe()
-        );
+        shared.assert_followed(0.95, "two control planes", &fleet);
+        // Within 2 points of the single control plane's.
+        shared.assert_hit_rate(single.hit_rate() - 0.02, "two control planes", &fleet);
         // Both control planes answered syncs (Envoy balanced over them) and both applied
         // what the other published.
         for index in 0..2 {
@@ -205,26 +201,10 @@ async fn two_control_planes_share_state_through_nats() {
             let (turns, ()) = tokio::join!(load, kill);
             turns
         };
-        eprintln!(
-            "replication: control plane 0 killed under load: {}/{} turns followed, hit rate {:.3}",
-            during.followed,
-            during.follow_ups,
-            during.hit_rate()
-        );
-        assert!(
-            during.follow_rate() >= 0.9,
-            "{}/{} turns followed after a control plane died ({})",
-            during.followed,
-            during.follow_ups,
-            fleet.describe()
-        );
-        assert!(
-            during.hit_rate() >= shared.hit_rate() - 0.05,
-            "hit rate fell to {:.3} from {:.3} when a control plane died ({})",
-            during.hit_rate(),
-            shared.hit_rate(),
-            fleet.describe()
-        );
+        eprintln!("replication: control plane 0 killed under load: {during}");
+        let phase = "a control plane killed under load";
+        during.assert_followed(0.9, phase, &fleet);
+        during.assert_hit_rate(shared.hit_rate() - 0.05, phase, &fleet);
 
         // Restart it: ready (caught up with the stream) within seconds, with the survivor's
         // index rather than an empty one.
@@ -253,13 +233,7 @@ async fn two_control_planes_share_state_through_nats() {
             "restarted with {blocks_restarted} index blocks, the survivor has {blocks_survivor}"
         );
         let after = run_turns(&fleet, 6_000, 6, 3).await;
-        assert!(
-            after.follow_rate() >= 0.95,
-            "{}/{} turns followed after the restart ({})",
-            after.followed,
-            after.follow_ups,
-            fleet.describe()
-        );
+        after.assert_followed(0.95, "after the restart", &fleet);
     })
     .await;
 }
@@ -278,24 +252,12 @@ async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
                 control_plane_metric(&fleet, index, "kvroute_route_duration_seconds_count").await;
             routes.push(decided);
         }
-        eprintln!(
-            "replication (route calls): {}/{} turns followed, hit rate {:.3}; route calls per \
-             control plane {routes:?}",
-            turns.followed,
-            turns.follow_ups,
-            turns.hit_rate()
-        );
+        eprintln!("replication (route calls): {turns}; route calls per control plane {routes:?}");
         assert!(
             routes.iter().all(|&n| n > 0.0),
             "one control plane answered no route call"
         );
-        assert!(
-            turns.follow_rate() >= 0.95,
-            "only {}/{} turns followed their cache ({})",
-            turns.followed,
-            turns.follow_ups,
-            fleet.describe()
-        );
+        turns.assert_followed(0.95, "route calls over two control planes", &fleet);
     })
     .await;
 }

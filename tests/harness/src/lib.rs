@@ -712,16 +712,12 @@ impl Envoy {
 pub struct Fleet {
     /// Envoy (dropped first).
     pub envoy: Envoy,
-    /// Envoys beyond the first ([`FleetConfig::envoys`]).
-    pub more_envoys: Vec<Envoy>,
+    /// Envoys and control planes beyond the first, and NATS (dropped in this order).
+    more: MoreProcesses,
     /// The control plane (kvroute topology only).
     pub control_plane: Option<ControlPlane>,
-    /// Control planes beyond the first ([`FleetConfig::control_planes`]).
-    pub more_control_planes: Vec<ControlPlane>,
     /// The replicas, in the order of `FleetConfig::per_replica_args`.
     pub replicas: Vec<Replica>,
-    /// The NATS server the control planes share state through ([`FleetConfig::replication`]).
-    pub nats: Option<ManagedProcess>,
     /// Where all logs and rendered configs are.
     pub log_dir: PathBuf,
     /// What was started.
@@ -729,6 +725,16 @@ pub struct Fleet {
     client: HttpClient,
     /// Version of the last EDS file written ([`FleetConfig::file_discovery`]).
     eds_version: u64,
+}
+
+/// What [`FleetConfig::envoys`], [`FleetConfig::control_planes`] and
+/// [`FleetConfig::replication`] add to a fleet ([`Fleet::envoy_urls`],
+/// [`Fleet::control_planes`] reach them).
+#[derive(Debug, Default)]
+struct MoreProcesses {
+    envoys: Vec<Envoy>,
+    control_planes: Vec<ControlPlane>,
+    nats: Option<ManagedProcess>,
 }
 
 static FLEET_COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -940,10 +946,12 @@ impl Fleet {
         let control_plane = control_planes.next();
         Ok(Fleet {
             envoy,
-            more_envoys: envoys,
+            more: MoreProcesses {
+                envoys,
+                control_planes: control_planes.collect(),
+                nats,
+            },
             control_plane,
-            more_control_planes: control_planes.collect(),
-            nats,
             replicas,
             log_dir,
             config,
@@ -1016,11 +1024,16 @@ impl Fleet {
         }
     }
 
+    /// The NATS server control planes share state through, when [`FleetConfig::replication`].
+    pub fn nats(&mut self) -> Option<&mut ManagedProcess> {
+        self.more.nats.as_mut()
+    }
+
     /// Every control plane, the first one first.
     pub fn control_planes(&self) -> Vec<&ControlPlane> {
         self.control_plane
             .iter()
-            .chain(&self.more_control_planes)
+            .chain(&self.more.control_planes)
             .collect()
     }
 
@@ -1028,14 +1041,14 @@ impl Fleet {
     pub fn control_plane_at(&mut self, index: usize) -> Option<&mut ControlPlane> {
         match index {
             0 => self.control_plane.as_mut(),
-            i => self.more_control_planes.get_mut(i - 1),
+            i => self.more.control_planes.get_mut(i - 1),
         }
     }
 
     /// Every Envoy's client-facing base URL, the first one first.
     pub fn envoy_urls(&self) -> Vec<String> {
         std::iter::once(&self.envoy)
-            .chain(&self.more_envoys)
+            .chain(&self.more.envoys)
             .map(|e| format!("http://{}", e.listen_address))
             .collect()
     }
@@ -1043,7 +1056,7 @@ impl Fleet {
     /// [`Fleet::envoy_counter`] summed over every Envoy.
     pub async fn envoy_counter_all(&self, name: &str) -> f64 {
         let mut total = 0.0;
-        for envoy in std::iter::once(&self.envoy).chain(&self.more_envoys) {
+        for envoy in std::iter::once(&self.envoy).chain(&self.more.envoys) {
             let url = format!("http://{}/stats?filter={name}", envoy.admin_address);
             let stats = self
                 .client
