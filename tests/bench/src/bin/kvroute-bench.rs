@@ -935,6 +935,9 @@ fn quality_workloads(scale: f64) -> Vec<(&'static str, AiperfWorkload, usize, us
 #[derive(Debug, Clone, Copy)]
 enum QualityRouter {
     Envoy(RouterKind),
+    /// kvroute deciding in the proxy (`decision: local`), against the route call of
+    /// `Envoy(RouterKind::Kvroute)` on the same workload (issue #15's quality bar).
+    KvrouteLocal,
     Peer(Peer),
 }
 
@@ -942,6 +945,7 @@ impl QualityRouter {
     fn label(self) -> &'static str {
         match self {
             QualityRouter::Envoy(k) => k.label(),
+            QualityRouter::KvrouteLocal => "kvroute-local",
             QualityRouter::Peer(p) => p.label(),
         }
     }
@@ -955,6 +959,7 @@ async fn quality_section(
 ) -> anyhow::Result<Vec<QualityRow>> {
     let mut routers = vec![
         QualityRouter::Envoy(RouterKind::Kvroute),
+        QualityRouter::KvrouteLocal,
         QualityRouter::Envoy(RouterKind::RoundRobin),
     ];
     if !args.no_peers {
@@ -971,6 +976,10 @@ async fn quality_section(
             cfg.model = model.to_string();
             cfg.router = match router {
                 QualityRouter::Envoy(k) => k,
+                QualityRouter::KvrouteLocal => {
+                    cfg.plugin_config = json!({"decision": "local"});
+                    RouterKind::Kvroute
+                }
                 // Peers stand in front of the replicas themselves; the fleet's Envoy is idle.
                 QualityRouter::Peer(_) => RouterKind::RoundRobin,
             };
@@ -994,7 +1003,7 @@ async fn quality_section(
                         }
                     }
                 }
-                QualityRouter::Envoy(_) => None,
+                QualityRouter::Envoy(_) | QualityRouter::KvrouteLocal => None,
             };
             let url = peer.as_ref().map_or_else(|| fleet.url(), |p| p.url.clone());
             let run = AiperfRun {
