@@ -181,11 +181,17 @@ impl SyncLog {
     }
 
     /// Switches to numbering by a shared stream named `id`, whose entries from `first` on
-    /// this log will receive. Entries held so far move to the outbox, so they reach the
-    /// stream too.
+    /// this log will receive. Entries this log numbered itself move to the outbox, so they
+    /// reach the stream too; entries of an earlier stream (one that was lost and set up again)
+    /// are dropped instead, since every replica holds them and republishing would duplicate them.
     pub fn replicate(&mut self, id: u64, first: u64) {
+        let was_replicated = self.outbox.is_some();
         let mut outbox: Vec<SyncEvent> = self.outbox.take().unwrap_or_default();
-        outbox.extend(self.entries.drain(..).map(|(_, event)| event));
+        if was_replicated {
+            self.entries.clear();
+        } else {
+            outbox.extend(self.entries.drain(..).map(|(_, event)| event));
+        }
         self.outbox = Some(outbox);
         self.id = id.max(1);
         self.first = first.max(1);
@@ -794,6 +800,13 @@ mod tests {
         let mut other = SyncLog::new(10, 5);
         let answer = serve_sync(&mut other, &mut hub, request, 1);
         assert_ne!(answer.log, 9);
+        // A stream lost and set up again: its entries are not published a second time.
+        log.replicate(10, 1);
+        assert!(log.take_outbox().is_empty() && log.is_empty());
+        // A lone log joining a stream publishes what it logged alone.
+        other.push(outcome_event(0, 3));
+        other.replicate(11, 1);
+        assert_eq!(other.take_outbox().len(), 1);
     }
 
     // The pending queues are bounded: a proxy that cannot reach the control plane does not
