@@ -108,13 +108,17 @@ async fn readyz(AxumState(app): AxumState<Arc<App>>) -> Response {
     if app.state.is_ready() {
         "ok".into_response()
     } else {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "catching_up",
-            "replaying the shared state stream",
-        )
-        .into_response()
+        catching_up().into_response()
     }
+}
+
+/// What `/readyz` and `/v1/sync` answer while the shared stream is replayed.
+fn catching_up() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "catching_up",
+        "replaying the shared state stream",
+    )
 }
 
 /// JSON 404 for unknown paths.
@@ -164,6 +168,11 @@ async fn sync(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Bod
     let result = async {
         let request: SyncRequest = app.read_json(&headers, body).await?;
         app.check_sync(&request)?;
+        // A replica still replaying the shared stream would hand a copy a log it is about to
+        // renumber (and so a reset, twice); the proxy keeps its copy and asks another replica.
+        if !app.state.is_ready() {
+            return Err(catching_up());
+        }
         let served = app.state.sync(request);
         app.state
             .telemetry()

@@ -120,6 +120,10 @@ const MAX_MESSAGE_BYTES: usize = 768 * 1024;
 /// (other replicas then expire those in-flight entries, as they would a lost feedback batch).
 pub const OUTBOX_BATCHES: usize = 4096;
 
+/// How long a replica that cannot reach NATS at start waits before it reports ready and
+/// serves alone: routing on its own state beats a gateway failing open on every request.
+pub const SERVE_ALONE_AFTER: Duration = Duration::from_secs(10);
+
 /// The log number of entry `index` of the message at `stream_seq`.
 pub fn log_seq(stream_seq: u64, index: usize) -> u64 {
     (stream_seq << SEQ_SHIFT) | index as u64
@@ -198,6 +202,7 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
 ) {
     let replica = state.replica_id();
+    let started = Instant::now();
     let mut backoff = Duration::from_millis(200);
     loop {
         let session = session(&state, &config, replica, &mut outbox);
@@ -208,7 +213,12 @@ pub async fn run(
                     return; // The state is gone: nothing left to replicate.
                 };
                 tracing::warn!(error = %e, url = %config.nats_url,
-                    "replication: NATS session ended; retrying");
+                    "replication: NATS session ended; logging alone until it is back");
+                state.end_replication();
+                if !state.is_ready() && started.elapsed() >= SERVE_ALONE_AFTER {
+                    tracing::warn!("replication: NATS unreachable since start; serving alone");
+                    state.set_ready_alone();
+                }
             }
             _ = stop.changed() => return,
         }

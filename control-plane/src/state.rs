@@ -297,6 +297,22 @@ impl State {
         self.ready.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Ready without the shared stream: NATS stayed out of reach, and routing on this
+    /// replica's own state beats every gateway failing open.
+    pub fn set_ready_alone(&self) {
+        self.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The shared stream is out of reach: the log numbers its own entries again, under a new
+    /// name (`scorer_core::sync::SyncLog::go_local`), so this replica's proxies keep seeing each
+    /// other's decisions; they start over once.
+    pub fn end_replication(&self) {
+        let mut inner = self.inner.lock();
+        inner.seed = xorshift64(inner.seed);
+        let id = inner.seed;
+        inner.sync.go_local(id);
+    }
+
     /// From now on the log is numbered by the shared stream named `id`, from log number
     /// `first` (`scorer_core::sync::SyncLog::replicate`); copies synced before start over.
     pub fn begin_replication(&self, id: u64, first: u64) {

@@ -198,6 +198,23 @@ impl SyncLog {
         self.next = self.first;
     }
 
+    /// Back to numbering its own entries, as log `id`, when the shared stream is out of reach:
+    /// the proxies of this replica keep seeing each other's decisions. The stream's entries are
+    /// dropped (every other replica holds them); what waited in the outbox is logged here, and
+    /// so is published when the stream is back ([`SyncLog::replicate`]). Copies start over once.
+    pub fn go_local(&mut self, id: u64) {
+        let Some(outbox) = self.outbox.take() else {
+            return;
+        };
+        self.entries.clear();
+        self.id = id.max(1);
+        self.first = self.next;
+        for event in outbox {
+            let seq = self.next;
+            self.append(seq, event);
+        }
+    }
+
     /// Whether entries are numbered by a shared stream.
     pub fn is_replicated(&self) -> bool {
         self.outbox.is_some()
@@ -803,6 +820,17 @@ mod tests {
         // A stream lost and set up again: its entries are not published a second time.
         log.replicate(10, 1);
         assert!(log.take_outbox().is_empty() && log.is_empty());
+        // A stream out of reach: back to local numbering under a new name, the stream's entries
+        // dropped, the unpublished ones kept; they are published when a stream is back.
+        assert!(log.push_replicated(100, outcome_event(0, 4)));
+        log.push(outcome_event(0, 5));
+        log.go_local(12);
+        assert!(!log.is_replicated());
+        assert_eq!((log.id(), log.len()), (12, 1));
+        let (events, _, reset) = log.since(0, 99, 10);
+        assert_eq!((events, reset), (vec![outcome_event(0, 5)], false));
+        log.replicate(13, 1);
+        assert_eq!(log.take_outbox(), vec![outcome_event(0, 5)]);
         // A lone log joining a stream publishes what it logged alone.
         other.push(outcome_event(0, 3));
         other.replicate(11, 1);

@@ -1155,7 +1155,7 @@ fn deploy_guide_covers_envoy_istio_and_envoy_gateway_and_its_paths_exist() {
         "## Envoy",
         "## Istio",
         "## Envoy Gateway",
-        "## Two replicas",
+        "## Several replicas",
     ] {
         assert!(guide.contains(section), "docs/DEPLOY.md lacks {section}");
     }
