@@ -36,6 +36,12 @@ pub async fn start_fleet(cfg: FleetConfig, tools: &Tools) -> Fleet {
         .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
 }
 
+/// Held by the tests that start the most processes at once (several Envoys and control planes)
+/// and by the ones whose assertions depend on the engines' real-time pace (precise mode's live
+/// prediction): two of them side by side on 2 cores slow each other's simulated engines enough
+/// to move what they measure.
+pub static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Runs a test body under `limit`: a hang fails the test with its name instead of stalling
 /// the whole binary.
 pub async fn bounded<F: Future<Output = ()>>(name: &str, limit: Duration, body: F) {

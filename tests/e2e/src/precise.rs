@@ -361,6 +361,7 @@ async fn live_comparison_precise_prediction_within_five_percent() {
     use kvroute_demo::precise_compare::{CompareConfig, Mode, run_mode};
     use kvroute_harness::loadgen::Workload;
     let tools = tools();
+    let _alone = crate::common::HEAVY.lock().await;
     bounded("precise live comparison", async {
         let config = CompareConfig {
             replicas: 3,

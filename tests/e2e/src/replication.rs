@@ -102,6 +102,9 @@ async fn run_turns(fleet: &Fleet, first_seed: u64, conversations: u64, turns: us
     let runs = (0..conversations).map(|c| {
         let (urls, client) = (&urls, &client);
         async move {
+            // Conversations start 150 ms apart, as arrivals do: a burst of first turns at
+            // once would be placed by copies that have not yet heard of each other's choices.
+            tokio::time::sleep(Duration::from_millis(150) * c as u32).await;
             let mut conv = Conversation::new(MODEL, first_seed + c, 1_000, 120);
             let mut stats = Turns::default();
             let mut previous: Option<String> = None;
@@ -154,6 +157,7 @@ async fn start(cfg: FleetConfig, tools: &Tools) -> Fleet {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_control_planes_share_state_through_nats() {
     let tools = tools();
+    let _alone = common::HEAVY.lock().await;
     common::bounded("replication", TEST_TIMEOUT, async {
         // The single-control-plane topology on the same workload, for the hit-rate bar.
         let single = {
@@ -251,6 +255,7 @@ async fn two_control_planes_share_state_through_nats() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
     let tools = tools();
+    let _alone = common::HEAVY.lock().await;
     common::bounded("replication-callout", TEST_TIMEOUT, async {
         let fleet = common::start_fleet(callout_topology("e2e-replication-callout"), &tools).await;
         let turns = run_turns(&fleet, 7_000, 8, 4).await;
