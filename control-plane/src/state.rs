@@ -335,17 +335,7 @@ impl State {
                 continue;
             }
             if !own {
-                match &event {
-                    SyncEvent::Decision { record, .. } => {
-                        router.record_decision(
-                            &record.request,
-                            &record.endpoint,
-                            record.decision_id,
-                            now,
-                        );
-                    }
-                    SyncEvent::Outcome { outcome, .. } => router.feedback(outcome, now),
-                }
+                event.apply_to(router, now);
             }
             if sync.push_replicated(seq, event) {
                 applied += 1;

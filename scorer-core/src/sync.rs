@@ -80,6 +80,23 @@ pub enum SyncEvent {
 }
 
 impl SyncEvent {
+    /// Accounts for this entry in `router` as the router that logged it did: a decision through
+    /// [`Router::record_decision`], an outcome through [`Router::feedback`]. Every copy and every
+    /// control-plane replica applies entries through here, so they stay the same state machine.
+    pub fn apply_to(&self, router: &mut Router, now_ms: u64) {
+        match self {
+            SyncEvent::Decision { record, .. } => {
+                router.record_decision(
+                    &record.request,
+                    &record.endpoint,
+                    record.decision_id,
+                    now_ms,
+                );
+            }
+            SyncEvent::Outcome { outcome, .. } => router.feedback(outcome, now_ms),
+        }
+    }
+
     fn origin(&self) -> u32 {
         match self {
             SyncEvent::Decision { origin, .. } | SyncEvent::Outcome { origin, .. } => *origin,
@@ -516,18 +533,8 @@ impl LocalRouter {
                 );
             }
         }
-        for event in response.events {
-            match event {
-                SyncEvent::Decision { record, .. } => {
-                    router.record_decision(
-                        &record.request,
-                        &record.endpoint,
-                        record.decision_id,
-                        now_ms,
-                    );
-                }
-                SyncEvent::Outcome { outcome, .. } => router.feedback(&outcome, now_ms),
-            }
+        for event in &response.events {
+            event.apply_to(router, now_ms);
         }
     }
 
@@ -736,17 +743,7 @@ mod tests {
                 let (event, from) = stream[self.read].clone();
                 self.read += 1;
                 if from != me {
-                    match &event {
-                        SyncEvent::Decision { record, .. } => {
-                            self.router.record_decision(
-                                &record.request,
-                                &record.endpoint,
-                                record.decision_id,
-                                0,
-                            );
-                        }
-                        SyncEvent::Outcome { outcome, .. } => self.router.feedback(outcome, 0),
-                    }
+                    event.apply_to(&mut self.router, 0);
                 }
                 assert!(self.log.push_replicated(self.read as u64, event));
             }

@@ -667,11 +667,6 @@ impl ControlPlane {
         &self.process
     }
 
-    /// Kills it (SIGKILL, no drain); [`ControlPlane::restart`] brings it back.
-    pub fn kill(&mut self) {
-        self.process.kill();
-    }
-
     /// Starts it again with the same configuration and ports (Envoy's cluster lists them) and
     /// waits until it is ready (`/readyz` too when it shares state); returns how long that
     /// took.
@@ -680,11 +675,7 @@ impl ControlPlane {
         let started = Instant::now();
         let name = self.process.name().to_string();
         let log = self.process.log().to_path_buf();
-        let mut cmd = Command::new(&tools.control_plane);
-        cmd.arg("--config").arg(&self.config_path);
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info");
-        }
+        let cmd = control_plane_command(tools, &self.config_path);
         self.process = spawn_ready(&name, cmd, &log, client, &self.ready_urls).await?;
         Ok(started.elapsed())
     }
@@ -1057,18 +1048,7 @@ impl Fleet {
     pub async fn envoy_counter_all(&self, name: &str) -> f64 {
         let mut total = 0.0;
         for envoy in std::iter::once(&self.envoy).chain(&self.more.envoys) {
-            let url = format!("http://{}/stats?filter={name}", envoy.admin_address);
-            let stats = self
-                .client
-                .get(&url, Duration::from_secs(5))
-                .await
-                .unwrap_or_else(|e| panic!("reading Envoy stats: {e} ({})", self.describe()))
-                .body;
-            total += stats
-                .lines()
-                .filter(|l| l.contains(name))
-                .filter_map(|l| l.split_once(": ")?.1.trim().parse::<f64>().ok())
-                .sum::<f64>();
+            total += self.counter_of(envoy, name).await;
         }
         total
     }
@@ -1171,10 +1151,18 @@ impl Fleet {
     /// counters, summed over the labels Envoy folds into stat names). Panics when Envoy's
     /// admin port does not answer: every caller is a test asserting on the value.
     pub async fn envoy_counter(&self, name: &str) -> f64 {
+        self.counter_of(&self.envoy, name).await
+    }
+
+    /// The sum of `envoy`'s stats whose names contain `name`; unreadable stats fail the test.
+    async fn counter_of(&self, envoy: &Envoy, name: &str) -> f64 {
+        let url = format!("http://{}/stats?filter={name}", envoy.admin_address);
         let stats = self
-            .envoy_stats(name)
+            .client
+            .get(&url, Duration::from_secs(5))
             .await
-            .unwrap_or_else(|e| panic!("reading Envoy stats: {e} ({})", self.describe()));
+            .unwrap_or_else(|e| panic!("reading Envoy stats: {e} ({})", self.describe()))
+            .body;
         stats
             .lines()
             .filter(|l| l.contains(name))
@@ -1482,11 +1470,7 @@ async fn start_control_plane(
             &extra_sections,
         )?;
         let cfg_path = write_config(log_dir, &format!("{name}.yaml"), &yaml)?;
-        let mut cmd = Command::new(&tools.control_plane);
-        cmd.arg("--config").arg(&cfg_path);
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info");
-        }
+        let cmd = control_plane_command(tools, &cfg_path);
         let mut ready: Vec<String> = [admin_port, api_port]
             .iter()
             .map(|port| format!("http://127.0.0.1:{port}/healthz"))
@@ -1505,6 +1489,16 @@ async fn start_control_plane(
         })
     })
     .await
+}
+
+/// The control plane on `config` (logging at `info` unless `RUST_LOG` says otherwise).
+fn control_plane_command(tools: &Tools, config: &Path) -> Command {
+    let mut cmd = Command::new(&tools.control_plane);
+    cmd.arg("--config").arg(config);
+    if std::env::var_os("RUST_LOG").is_none() {
+        cmd.env("RUST_LOG", "info");
+    }
+    cmd
 }
 
 /// Finds the NATS server: `$KVROUTE_NATS_SERVER`, else `<workspace>/.venv/bin/nats-server`
