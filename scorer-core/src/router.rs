@@ -2254,7 +2254,6 @@ fn lost_before_admission(
     (gpu_cached_tokens - held).max(0.0).min(reaching_prefix)
 }
 
-/// The replica drains queued prefill at its prefill rate: forget what it has done since.
 /// How far (as a ratio) an endpoint's learned prefill rate may sit from the fleet's average and
 /// still count as the same hardware, scored at the average.
 const SAME_HARDWARE: f64 = 1.3;
@@ -2268,6 +2267,7 @@ fn prior(s: &ScoringConfig) -> Prior {
     }
 }
 
+/// The replica drains queued prefill at its prefill rate: forget what it has done since.
 fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {
     slot.backlog_tokens = slot.backlog_at(now_ms, tokens_per_ms);
     slot.backlog_at_ms = now_ms.max(slot.backlog_at_ms);

@@ -284,6 +284,7 @@ async fn run_compare(args: Args, workload: Workload, modes: Vec<Mode>) -> anyhow
         profile: args.profile.clone(),
         seed: args.seed,
         route_timeout_ms: args.route_timeout_ms,
+        warmup: Some(kvroute_demo::precise_compare::default_warmup(&workload)),
         workload,
         decisions_dump: None,
     };

@@ -93,6 +93,12 @@ pub struct CompareConfig {
     pub route_timeout_ms: u64,
     /// The conversations.
     pub workload: Workload,
+    /// Run first on the same fleet and left out of every figure, so the router scores with
+    /// the rates it learned from the replicas, as one that has been serving does. A cold
+    /// router drains its queue estimate at the configured prior (often far from the
+    /// hardware), which makes precise mode's eviction-ahead discount depend on how fast the
+    /// machine running the test happens to be. `None` measures the cold router.
+    pub warmup: Option<Workload>,
     /// When set, each mode's recent routing decisions (`/debug/decisions`) are written beside
     /// this path as `<stem>.<mode>.json`.
     pub decisions_dump: Option<std::path::PathBuf>,
@@ -144,6 +150,7 @@ impl CompareConfig {
             "seed": self.seed,
             "route_timeout_ms": self.route_timeout_ms,
             "workload": self.workload,
+            "warmup": self.warmup,
         })
     }
 
@@ -225,6 +232,66 @@ pub async fn wait_events_live(fleet: &Fleet, limit: Duration) -> Result<(), Comp
     }
 }
 
+/// The warm-up a comparison of `workload` runs by default: the same shape with other prompts
+/// (another seed), long enough for the control plane to see each replica's prefill rate over
+/// several scrapes.
+pub fn default_warmup(workload: &Workload) -> Workload {
+    Workload {
+        conversations: 6,
+        turns: 4,
+        seed: workload.seed.wrapping_add(1_000),
+        ..workload.clone()
+    }
+}
+
+/// Cached tokens the engines reported to the client over a run.
+fn engine_cached(run: &RunResult) -> f64 {
+    run.records
+        .iter()
+        .filter_map(|r| r.cached_tokens)
+        .sum::<u64>() as f64
+}
+
+/// The cumulative counters a mode's figures are differences of (a warm-up is subtracted).
+#[derive(Debug, Default, Clone, Copy)]
+struct Totals {
+    predicted: f64,
+    actual: f64,
+    precise_decisions: f64,
+    decisions: f64,
+    prefix_hits: f64,
+    prefix_queries: f64,
+}
+
+impl Totals {
+    /// Reads the counters once the control plane has the outcomes of requests whose engine
+    /// cached tokens sum to `engine_cached` (the filter reports outcomes on a tick), or after
+    /// 10 s.
+    async fn settled(fleet: &Fleet, engine_cached: f64) -> Result<Totals, CompareError> {
+        let mut metrics = String::new();
+        for _ in 0..200 {
+            metrics = control_plane_metrics(fleet).await?;
+            if prometheus_sum(&metrics, "kvroute_actual_cached_tokens_total") >= engine_cached {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (prefix_hits, prefix_queries) = fleet.prefix_cache_totals().await?;
+        Ok(Totals {
+            predicted: prometheus_sum(&metrics, "kvroute_predicted_cached_tokens_total"),
+            actual: prometheus_sum(&metrics, "kvroute_actual_cached_tokens_total"),
+            precise_decisions: metric_with(
+                &metrics,
+                "kvroute_precise_routes_total",
+                "reason=\"precise\"",
+            ),
+            decisions: prometheus_sum(&metrics, "kvroute_decisions_total"),
+            prefix_hits,
+            prefix_queries,
+        })
+    }
+}
+
 /// Sum over conversations of their longest reported prompt.
 pub fn working_set_tokens(run: &RunResult) -> u64 {
     let mut longest: std::collections::BTreeMap<usize, u64> = std::collections::BTreeMap::new();
@@ -264,27 +331,22 @@ where
     )
     .await?;
     wait_events_live(&fleet, Duration::from_secs(30)).await?;
-    let run = loadgen::run_workload(&fleet.url(), &config.workload, progress).await;
-    let (hits, queries) = fleet.prefix_cache_totals().await?;
-    let hit_rate = if queries > 0.0 { hits / queries } else { 0.0 };
-    let engine_cached: u64 = run.records.iter().filter_map(|r| r.cached_tokens).sum();
-    // The filter reports outcomes on a tick: wait until the control plane has them all.
-    let mut metrics = String::new();
-    for _ in 0..200 {
-        metrics = control_plane_metrics(&fleet).await?;
-        if prometheus_sum(&metrics, "kvroute_actual_cached_tokens_total") >= engine_cached as f64 {
-            break;
+    let before = match &config.warmup {
+        Some(warmup) => {
+            let run = loadgen::run_workload(&fleet.url(), warmup, |_, _| {}).await;
+            Totals::settled(&fleet, engine_cached(&run)).await?
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let predicted = prometheus_sum(&metrics, "kvroute_predicted_cached_tokens_total");
-    let actual = prometheus_sum(&metrics, "kvroute_actual_cached_tokens_total");
-    let precise_decisions = metric_with(
-        &metrics,
-        "kvroute_precise_routes_total",
-        "reason=\"precise\"",
-    );
-    let decisions = prometheus_sum(&metrics, "kvroute_decisions_total");
+        None => Totals::default(),
+    };
+    let run = loadgen::run_workload(&fleet.url(), &config.workload, progress).await;
+    let after = Totals::settled(&fleet, before.actual + engine_cached(&run)).await?;
+    let queries = after.prefix_queries - before.prefix_queries;
+    let hits = after.prefix_hits - before.prefix_hits;
+    let hit_rate = if queries > 0.0 { hits / queries } else { 0.0 };
+    let predicted = after.predicted - before.predicted;
+    let actual = after.actual - before.actual;
+    let precise_decisions = after.precise_decisions - before.precise_decisions;
+    let decisions = after.decisions - before.decisions;
     if let Some(path) = &config.decisions_dump {
         // The control plane's recent decisions (candidates and their believed cached tokens),
         // for looking into a prediction error; best effort.
@@ -437,6 +499,7 @@ mod tests {
             seed: 3,
             route_timeout_ms: 700,
             workload: Workload::default(),
+            warmup: None,
             decisions_dump: None,
         };
         let fleet = cfg.fleet_config("x", Mode::Precise);
