@@ -192,6 +192,21 @@ impl prometheus_client::collector::Collector for FleetFeaturesCollector {
         )?)?;
         labelled_counters(
             &mut encoder,
+            "stored_responses",
+            "Requests naming a stored response (previous_response_id, GET or cancel by id), by \
+             result: pinned (sent to the replica that stored it), unknown (no report placed it), \
+             unavailable (its replica is not usable now)",
+            "result",
+            f.stored_responses,
+        )?;
+        ConstGauge::new(f.stored_responses_remembered as i64).encode(encoder.encode_descriptor(
+            "stored_responses_remembered",
+            "Response ids whose replica the router remembers now (router.responses.max_entries)",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        labelled_counters(
+            &mut encoder,
             "unknown_model",
             "Requests for a model no endpoint serves, by action (rejected with 404, passed through)",
             "action",

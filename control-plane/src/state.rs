@@ -71,6 +71,10 @@ pub struct FleetFeatures {
     pub sessions: SessionStats,
     /// Sessions remembered now.
     pub sessions_remembered: usize,
+    /// Requests naming a stored response: pinned to its replica, unknown, unavailable.
+    pub stored_responses: [(&'static str, u64); 3],
+    /// Stored response ids remembered now.
+    pub stored_responses_remembered: usize,
     /// Unknown-model counters since start.
     pub pools: PoolStats,
     /// Per endpoint: address, models served (`None`: unknown), running and waiting adapters,
@@ -445,9 +449,16 @@ impl State {
                 }
             })
             .collect();
+        let stats = r.stats();
         FleetFeatures {
             sessions,
             sessions_remembered,
+            stored_responses: [
+                ("pinned", stats.stored_response_pinned),
+                ("unknown", stats.stored_response_unknown),
+                ("unavailable", stats.stored_response_unavailable),
+            ],
+            stored_responses_remembered: r.stored_responses(),
             pools: r.pool_stats(),
             endpoints,
         }
@@ -807,6 +818,8 @@ fn replicable(request: &RouteRequest) -> RouteRequest {
         cache_salt,
         tenant,
         criticality,
+        previous_response_id: _,
+        previous_response_endpoint: _,
     } = request;
     RouteRequest {
         model: model.clone(),
@@ -821,6 +834,10 @@ fn replicable(request: &RouteRequest) -> RouteRequest {
         cache_salt: cache_salt.clone(),
         tenant: tenant.clone(),
         criticality: criticality.clone(),
+        // Copies learn stored responses from outcomes (`Outcome::response_id`); a decision's
+        // pin was already applied by the router that took it.
+        previous_response_id: None,
+        previous_response_endpoint: None,
     }
 }
 

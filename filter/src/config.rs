@@ -33,6 +33,10 @@ pub enum RouteMode {
     /// Also sends the prompt fields to the control plane, which tokenises them and scores
     /// endpoints on the KV blocks their engines report holding.
     Precise,
+    /// No prefix term: only the body's `model` is read and the request goes where it would
+    /// wait least (embeddings, scoring, reranking, `count_tokens`: nothing there reuses a
+    /// cached prefix across requests).
+    Load,
 }
 
 /// Where an approximate-mode request's destination is decided.
@@ -53,13 +57,54 @@ pub enum DecisionMode {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteRule {
-    /// Request path, matched exactly after dropping any query string.
+    /// Request path, matched exactly after dropping any query string. A `responses` path also
+    /// covers `{path}/{id}` (`GET`) and `{path}/{id}/cancel` (`POST`): sent to the replica that
+    /// stored the response.
     pub path: String,
-    /// How the body of requests on this path is canonicalised.
-    pub api: ApiKind,
-    /// `approximate` (default) or `precise`.
+    /// How the body of requests on this path is canonicalised (not needed in `load` mode).
+    #[serde(default)]
+    pub api: Option<ApiKind>,
+    /// `approximate` (default), `precise` or `load`.
     #[serde(default)]
     pub mode: RouteMode,
+}
+
+impl RouteRule {
+    fn new(path: &str, api: Option<ApiKind>, mode: RouteMode) -> Self {
+        RouteRule {
+            path: path.into(),
+            api,
+            mode,
+        }
+    }
+}
+
+/// The paths vLLM 0.33 serves whose requests gain nothing from a cached prefix: routed by load.
+/// (`/tokenize`, `/detokenize`, `/v1/models` and the audio APIs, multipart bodies, are left
+/// to Envoy's own balancer.)
+pub const LOAD_PATHS: [&str; 10] = [
+    "/v1/messages/count_tokens",
+    "/v1/embeddings",
+    "/v2/embed",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+];
+
+/// Longest response id accepted in a `GET`/`cancel` path (vLLM's are 37 bytes).
+const MAX_RESPONSE_ID_BYTES: usize = 128;
+
+/// A request naming a stored response by its path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponsePath<'a> {
+    /// The response id.
+    pub id: &'a str,
+    /// `{path}/{id}/cancel` rather than `{path}/{id}`.
+    pub cancel: bool,
 }
 
 /// The filter's configuration; see the crate docs for the JSON shape.
@@ -135,20 +180,29 @@ impl Default for FilterConfig {
             sync_interval_ms: 50,
             max_state_age_ms: 1000,
             max_pending_reports: 4096,
-            routes: vec![
-                RouteRule {
-                    path: "/v1/chat/completions".into(),
-                    api: ApiKind::Chat,
-                    mode: RouteMode::Approximate,
-                },
-                RouteRule {
-                    path: "/v1/completions".into(),
-                    api: ApiKind::Completion,
-                    mode: RouteMode::Approximate,
-                },
-            ],
+            routes: default_routes(),
         }
     }
+}
+
+/// Every vLLM 0.33 path kvroute routes by default: the four generation APIs by their prompt's
+/// cached prefix, the rest of [`LOAD_PATHS`] by load.
+fn default_routes() -> Vec<RouteRule> {
+    let prompt = [
+        ("/v1/chat/completions", ApiKind::Chat),
+        ("/v1/completions", ApiKind::Completion),
+        ("/v1/responses", ApiKind::Responses),
+        ("/v1/messages", ApiKind::Messages),
+    ];
+    prompt
+        .into_iter()
+        .map(|(path, api)| RouteRule::new(path, Some(api), RouteMode::Approximate))
+        .chain(
+            LOAD_PATHS
+                .into_iter()
+                .map(|path| RouteRule::new(path, None, RouteMode::Load)),
+        )
+        .collect()
 }
 
 impl FilterConfig {
@@ -241,6 +295,32 @@ impl FilterConfig {
         if self.auth_token.as_ref().is_some_and(bad_token) {
             return Err(invalid("auth_token", "must be non-empty visible ASCII"));
         }
+        if let Some(rule) = self
+            .routes
+            .iter()
+            .find(|r| r.api.is_none() && r.mode != RouteMode::Load)
+        {
+            return Err(invalid(
+                "routes",
+                format!(
+                    "path {:?} needs an `api` (only `load` routes go without)",
+                    rule.path
+                ),
+            ));
+        }
+        if let Some(rule) = self
+            .routes
+            .iter()
+            .find(|r| r.mode == RouteMode::Precise && r.api.is_some_and(|api| !api.tokenizable()))
+        {
+            return Err(invalid(
+                "routes",
+                format!(
+                    "path {:?}: `precise` mode is for the chat and completion APIs",
+                    rule.path
+                ),
+            ));
+        }
         if let Some(rule) = self.routes.iter().find(|r| !r.path.starts_with('/')) {
             return Err(invalid(
                 "routes",
@@ -264,7 +344,30 @@ impl FilterConfig {
     /// The API of an inference path, or `None` when requests on `path` are not routed.
     /// The query string is ignored.
     pub fn api_for_path(&self, path: &str) -> Option<ApiKind> {
-        self.route_for_path(path).map(|r| r.api)
+        self.route_for_path(path).and_then(|r| r.api)
+    }
+
+    /// `{responses path}/{id}` or `{responses path}/{id}/cancel` of a `responses` route, the
+    /// paths that read or cancel a stored response. The query string is ignored; an id that is
+    /// empty, too long or not `[A-Za-z0-9_-]` is not one.
+    pub fn stored_response_path<'p>(&self, path: &'p str) -> Option<StoredResponsePath<'p>> {
+        let path = path.split_once('?').map_or(path, |(p, _)| p);
+        self.routes
+            .iter()
+            .filter(|r| r.api == Some(ApiKind::Responses))
+            .find_map(|r| {
+                let rest = path.strip_prefix(r.path.as_str())?.strip_prefix('/')?;
+                let (id, cancel) = match rest.strip_suffix("/cancel") {
+                    Some(id) => (id, true),
+                    None => (rest, false),
+                };
+                let valid = !id.is_empty()
+                    && id.len() <= MAX_RESPONSE_ID_BYTES
+                    && id
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                valid.then_some(StoredResponsePath { id, cancel })
+            })
     }
 
     /// The rule of an inference path (API and mode), or `None` when `path` is not routed.
@@ -345,8 +448,40 @@ mod tests {
         let c = FilterConfig::default();
         assert_eq!(c.api_for_path("/v1/chat/completions"), Some(ApiKind::Chat));
         assert_eq!(c.api_for_path("/v1/completions"), Some(ApiKind::Completion));
+        assert_eq!(c.api_for_path("/v1/responses"), Some(ApiKind::Responses));
+        assert_eq!(c.api_for_path("/v1/messages"), Some(ApiKind::Messages));
         assert_eq!(c.api_for_path("/v1/models"), None);
         assert_eq!(c.api_for_path("/v1/chat/completions/x"), None);
+        for path in LOAD_PATHS {
+            assert_eq!(c.route_for_path(path).unwrap().mode, RouteMode::Load);
+        }
+        assert!(c.route_for_path("/tokenize").is_none());
+    }
+
+    #[test]
+    fn stored_response_paths() {
+        let c = FilterConfig::default();
+        let p = |path| c.stored_response_path(path);
+        assert_eq!(
+            p("/v1/responses/resp_1a?x=1"),
+            Some(StoredResponsePath {
+                id: "resp_1a",
+                cancel: false
+            })
+        );
+        assert!(p("/v1/responses/resp_1/cancel").unwrap().cancel);
+        for not in [
+            "/v1/responses",
+            "/v1/responses/",
+            "/v1/responses//cancel",
+            "/v1/responses/a/b",
+            "/v1/responses/a%2Fb",
+            "/v1/responsesX/a",
+            "/v1/messages/a",
+        ] {
+            assert_eq!(p(not), None, "{not}");
+        }
+        assert_eq!(p(&format!("/v1/responses/{}", "a".repeat(129))), None);
     }
 
     #[test]
@@ -368,6 +503,9 @@ mod tests {
             r#"{"routes":[{"path":"/v1/comple?tions","api":"completion"}]}"#,
             r#"{"routes":[{"path":"/chat#x","api":"chat"}]}"#,
             r#"{"routes":[{"path":"/chat","api":"embeddings"}]}"#,
+            r#"{"routes":[{"path":"/chat"}]}"#,
+            r#"{"routes":[{"path":"/r","api":"responses","mode":"precise"}]}"#,
+            r#"{"routes":[{"path":"/m","api":"messages","mode":"precise"}]}"#,
             r#"{"control_plane_cluster":""}"#,
             r#"{"allow_explain":"yes"}"#,
         ] {

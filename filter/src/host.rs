@@ -84,9 +84,43 @@ impl Metrics {
 struct Shared {
     state: RootState,
     metrics: Metrics,
+    /// The tick was brought forward (to report a stored response at once); the next tick
+    /// puts the period back.
+    tick_brought_forward: bool,
 }
 
+/// The tick period that makes the next tick come at once.
+const NEXT_TICK_NOW: Duration = Duration::from_millis(1);
+
 impl Shared {
+    /// The tick's work: dispatches the next feedback batch or sync, if any. Calls made here
+    /// belong to the root context, which receives their answers.
+    fn on_tick(&mut self, now: u64) {
+        if self.tick_brought_forward {
+            self.tick_brought_forward = false;
+            let period = Duration::from_millis(self.state.tick_period_ms());
+            if let Err(status) = hostcalls::set_tick_period(period) {
+                warn!("kvroute: cannot restore the tick period: {status:?}");
+            }
+        }
+        let Some(call) = self.state.on_tick(now) else {
+            return;
+        };
+        let config = Rc::clone(self.state.config());
+        if post(&config, call.path, &call.body, config.feedback_timeout_ms).is_none() {
+            self.state.on_feedback_dispatch_failed();
+            self.count_tick_call(false);
+        }
+    }
+
+    /// Brings the root context's next tick forward (a request context's own call would be
+    /// answered to that context, gone by then).
+    fn tick_now(&mut self) {
+        if !self.tick_brought_forward && hostcalls::set_tick_period(NEXT_TICK_NOW).is_ok() {
+            self.tick_brought_forward = true;
+        }
+    }
+
     /// Counts how a tick's call (a feedback batch, or with `decision: local` a sync) ended.
     fn count_tick_call(&self, ok: bool) {
         let local = self.state.local().is_some();
@@ -242,6 +276,7 @@ impl RootContext for Root {
         let shared = Shared {
             state,
             metrics: Metrics::define(),
+            tick_brought_forward: false,
         };
         self.shared = Some(Rc::new(RefCell::new(shared)));
         true
@@ -249,15 +284,7 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         let Some(shared) = &self.shared else { return };
-        let mut shared = shared.borrow_mut();
-        let Some(call) = shared.state.on_tick(now_ms()) else {
-            return;
-        };
-        let config = Rc::clone(shared.state.config());
-        if post(&config, call.path, &call.body, config.feedback_timeout_ms).is_none() {
-            shared.state.on_feedback_dispatch_failed();
-            shared.count_tick_call(false);
-        }
+        shared.borrow_mut().on_tick(now_ms());
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -400,8 +427,12 @@ impl Request {
         };
         if let Some(shared) = &self.shared {
             let mut shared = shared.borrow_mut();
-            if shared.state.push_outcome(outcome, now) {
+            let queued = shared.state.push_outcome(outcome, now);
+            if queued.dropped {
                 Metrics::bump(shared.metrics.outcomes_dropped);
+            }
+            if queued.flush_now {
+                shared.tick_now();
             }
         }
     }
@@ -449,9 +480,16 @@ impl HttpContext for Request {
                 return HostAction::Continue;
             }
         };
-        let step = machine.on_request_headers(
+        let shared = self.shared.clone();
+        let now = now_ms();
+        let step = machine.on_request_headers_with(
             headers.iter().map(|(k, v)| (k.as_str(), v.as_slice())),
             end_of_stream,
+            now,
+            |request| {
+                let shared = shared.as_ref()?;
+                shared.borrow_mut().state.decide_locally(request, now)
+            },
         );
         self.run(step)
     }

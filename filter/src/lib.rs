@@ -44,6 +44,7 @@
 
 pub mod config;
 pub mod machine;
+pub mod response_id;
 pub mod root;
 pub mod usage;
 

@@ -21,11 +21,17 @@ use scorer_core::protocol::{
 };
 
 use crate::config::{FilterConfig, RouteMode};
+use crate::response_id::ResponseIdScanner;
 use crate::usage::UsageScanner;
 
 /// Default header a client may use to name its session (takes precedence over the body's
 /// `user`); `session_header` in the configuration changes it.
 pub const SESSION_HEADER: &str = "x-session-id";
+/// Session headers coding agents send, read after the configured one, in this order: Claude
+/// Code's (since 2.1.86), then Codex's (`session-id`; older builds and other clients spell it
+/// `session_id`). After them come the body's keys ([`canon::CanonicalPrompt::session_hint`]).
+pub const AGENT_SESSION_HEADERS: [&str; 3] =
+    ["x-claude-code-session-id", "session-id", "session_id"];
 /// Disaggregated-prefill header that only the router may set; clients' copies are removed.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// Request header asking for the explain header (`1`); honoured only with `allow_explain`.
@@ -232,6 +238,18 @@ pub enum BodyStep {
     ReadBody(usize),
 }
 
+/// What a held request is routed on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Target {
+    /// The body's prompt, canonicalised for its API.
+    Prompt(ApiKind),
+    /// Only the body's `model`, by load (a `load` route).
+    Load,
+    /// The stored response its path names (`GET {responses}/{id}`, `POST .../{id}/cancel`);
+    /// a body, if any, is not read.
+    StoredResponse(String),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Phase {
     /// Waiting for request headers.
@@ -239,7 +257,7 @@ enum Phase {
     /// Not ours to route; nothing more to do.
     Passthrough,
     /// Paused, buffering the body.
-    Buffering(ApiKind),
+    Buffering(Target),
     /// The route request was handed to the host for dispatch.
     Dispatching { started_ms: u64 },
     /// Waiting for the control plane's answer.
@@ -262,6 +280,11 @@ pub struct RequestMachine {
     phase: Phase,
     mode: RouteMode,
     session: Option<String>,
+    /// Where `session` came from: 0 the configured header, then [`AGENT_SESSION_HEADERS`]
+    /// (a better-ranked header wins whatever the order they arrive in).
+    session_rank: usize,
+    /// Reads the response id of a Responses request, for the outcome report.
+    response_id: Option<ResponseIdScanner>,
     /// Tenant from the configured header (or llm-d's), for admission and fair sharing.
     tenant: Option<String>,
     /// Whether `tenant` came from the configured header (which wins over llm-d's).
@@ -291,6 +314,8 @@ impl RequestMachine {
             phase: Phase::Start,
             mode: RouteMode::Approximate,
             session: None,
+            session_rank: usize::MAX,
+            response_id: None,
             tenant: None,
             tenant_primary: false,
             criticality: None,
@@ -307,8 +332,25 @@ impl RequestMachine {
     }
 
     /// Request headers arrived. Strips routing headers a client must not set, then decides
-    /// whether to hold the request for routing.
+    /// whether to hold the request for routing. (A bodiless request naming a stored response is
+    /// routed from here: see [`RequestMachine::on_request_headers_with`].)
     pub fn on_request_headers<'a, I>(&mut self, headers: I, end_of_stream: bool) -> Step
+    where
+        I: IntoIterator<Item = (&'a str, &'a [u8])>,
+    {
+        self.on_request_headers_with(headers, end_of_stream, 0, |_| None)
+    }
+
+    /// [`RequestMachine::on_request_headers`] at `now_ms` with the local decider of
+    /// [`RequestMachine::on_body_complete_with`]: a `GET {responses}/{id}` (or a bodiless
+    /// `cancel`) has nothing to wait for and is routed at once.
+    pub fn on_request_headers_with<'a, I>(
+        &mut self,
+        headers: I,
+        end_of_stream: bool,
+        now_ms: u64,
+        decide: impl FnMut(&mut RouteRequest) -> Option<RouteResponse>,
+    ) -> Step
     where
         I: IntoIterator<Item = (&'a str, &'a [u8])>,
     {
@@ -361,16 +403,40 @@ impl RequestMachine {
                     value,
                     MAX_TENANT_BYTES,
                 )));
-            } else if is(&self.config.session_header) && !value.is_empty() {
-                let value = &value[..value.len().min(MAX_SESSION_BYTES)];
-                self.session = Some(String::from_utf8_lossy(value).into_owned());
+            } else if !value.trim_ascii().is_empty()
+                && let Some(rank) = std::iter::once(self.config.session_header.as_str())
+                    .chain(AGENT_SESSION_HEADERS)
+                    .position(is)
+                && rank < self.session_rank
+            {
+                self.session = Some(header_text(value, MAX_SESSION_BYTES));
+                self.session_rank = rank;
             }
         }
-        let Some((api, mode)) = path
-            .and_then(|p| std::str::from_utf8(p).ok())
-            .and_then(|p| self.config.route_for_path(p))
-            .map(|r| (r.api, r.mode))
-        else {
+        let path = path.and_then(|p| std::str::from_utf8(p).ok());
+        if let Some(stored) = path.and_then(|p| self.config.stored_response_path(p)) {
+            let wanted: &[u8] = if stored.cancel { b"POST" } else { b"GET" };
+            if method != Some(wanted) {
+                return Step::go(effects);
+            }
+            let target = Target::StoredResponse(stored.id.to_string());
+            self.mode = RouteMode::Load;
+            if end_of_stream || content_length.and_then(parse_len) == Some(0) {
+                let request = self.stored_response_request(stored.id);
+                let mut step = self.decide_or_dispatch(request, now_ms, None, decide);
+                step.effects.splice(0..0, effects);
+                return step;
+            }
+            self.phase = Phase::Buffering(target);
+            return Step::hold(effects);
+        }
+        let Some((target, mode)) = path.and_then(|p| self.config.route_for_path(p)).map(|r| {
+            let target = match (r.mode, r.api) {
+                (RouteMode::Load, _) | (_, None) => Target::Load,
+                (_, Some(api)) => Target::Prompt(api),
+            };
+            (target, r.mode)
+        }) else {
             return Step::go(effects);
         };
         self.mode = mode;
@@ -398,7 +464,7 @@ impl RequestMachine {
             effects.push(Effect::Count(Counter::Skipped(reason)));
             return Step::go(effects);
         }
-        self.phase = Phase::Buffering(api);
+        self.phase = Phase::Buffering(target);
         Step::hold(effects)
     }
 
@@ -461,25 +527,57 @@ impl RequestMachine {
         body: &[u8],
         now_ms: u64,
         mut clock_ns: impl FnMut() -> Option<u64>,
-        mut decide: impl FnMut(&RouteRequest) -> Option<RouteResponse>,
+        decide: impl FnMut(&mut RouteRequest) -> Option<RouteResponse>,
     ) -> Step {
-        let Phase::Buffering(api) = self.phase else {
+        let Phase::Buffering(target) = &self.phase else {
             return Step::go(Vec::new());
         };
+        let target = target.clone();
         if body.len() > self.config.max_body_bytes {
             return self.fail_open(FailKind::BodyTooLarge, false);
         }
         let started = clock_ns();
-        let request = self.route_request(api, body);
+        let request = match &target {
+            Target::Prompt(api) => self.route_request(*api, body),
+            Target::Load => load_request(body),
+            Target::StoredResponse(id) => Ok(self.stored_response_request(id)),
+        };
         let elapsed = match (started, clock_ns()) {
             (Some(a), Some(b)) => Some(Effect::HashMicros(b.saturating_sub(a) / 1_000)),
             _ => None,
         };
-        let Ok(request) = request else {
+        let Ok(mut request) = request else {
             return self.fail_open(FailKind::BodyParse, false);
         };
-        if self.mode == RouteMode::Approximate
-            && let Some(answer) = decide(&request).filter(|r| {
+        // A load route's request has only the body's model: the headers' keys complete it.
+        if request.session.is_none() {
+            request.session = self.session.clone();
+        }
+        if request.tenant.is_none() {
+            request.tenant = self.tenant.clone();
+        }
+        if request.criticality.is_none() {
+            request.criticality = self.criticality.clone();
+        }
+        if target == Target::Prompt(ApiKind::Responses) {
+            self.response_id = Some(ResponseIdScanner::default());
+        }
+        self.decide_or_dispatch(request, now_ms, elapsed, decide)
+    }
+
+    /// Routes `request` on the local decider's answer when it has a usable one (an endpoint
+    /// list, no refusal; never for a precise request, which the control plane tokenises), or
+    /// hands the route call to the host. The decider may first add what the VM knows
+    /// (`previous_response_endpoint`). Works from the headers or the body callback alike.
+    fn decide_or_dispatch(
+        &mut self,
+        mut request: RouteRequest,
+        now_ms: u64,
+        elapsed: Option<Effect>,
+        mut decide: impl FnMut(&mut RouteRequest) -> Option<RouteResponse>,
+    ) -> Step {
+        if self.mode != RouteMode::Precise
+            && let Some(answer) = decide(&mut request).filter(|r| {
                 r.reject.is_none()
                     && !r.endpoints.is_empty()
                     && r.endpoints.iter().all(|e| is_endpoint(e))
@@ -498,6 +596,19 @@ impl RequestMachine {
                 Step::hold(effects)
             }
             Err(_) => self.fail_open(FailKind::BodyParse, false),
+        }
+    }
+
+    /// The route request of a request naming a stored response by its path: no prompt, no
+    /// model (vLLM finds the response by id alone).
+    fn stored_response_request(&self, id: &str) -> RouteRequest {
+        RouteRequest {
+            previous_response_id: Some(id.to_string()),
+            max_output_tokens: Some(0),
+            session: self.session.clone(),
+            tenant: self.tenant.clone(),
+            criticality: self.criticality.clone(),
+            ..RouteRequest::default()
         }
     }
 
@@ -550,16 +661,15 @@ impl RequestMachine {
         let prompt_tokens = prompt.estimated_tokens();
         let session = self.session.clone().or_else(|| {
             prompt
-                .user
+                .session_hint
                 .as_ref()
-                .filter(|u| !u.is_empty())
                 .map(|u| truncate(u, MAX_SESSION_BYTES))
         });
         // Approximate routes never send the prompt (nor the salt, which their hashes already
         // hold); precise ones send its fields and salt so the control plane can tokenise and
         // seed it like the engine will.
         let (prompt_text, api, cache_salt) = match self.mode {
-            RouteMode::Approximate => (None, None, None),
+            RouteMode::Approximate | RouteMode::Load => (None, None, None),
             RouteMode::Precise => (
                 Some(prompt_fields(api, body)?),
                 Some(api),
@@ -579,6 +689,8 @@ impl RequestMachine {
             token_block_hashes: Vec::new(),
             tenant: self.tenant.clone(),
             criticality: self.criticality.clone(),
+            previous_response_id: prompt.previous_response_id,
+            previous_response_endpoint: None,
         })
     }
 
@@ -724,6 +836,9 @@ impl RequestMachine {
             self.first_byte_ms = Some(now_ms);
         }
         self.usage.feed(chunk);
+        if let Some(scanner) = &mut self.response_id {
+            scanner.feed(chunk);
+        }
     }
 
     /// The stream ended (completed or reset). Returns the outcome of a routed request, once.
@@ -748,8 +863,32 @@ impl RequestMachine {
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: usage.completion_tokens,
             cached_tokens: usage.cached_tokens,
+            response_id: self
+                .response_id
+                .as_ref()
+                .and_then(ResponseIdScanner::id)
+                .filter(|_| (200..300).contains(&self.status))
+                .map(str::to_string),
         })
     }
+}
+
+/// A `load` route's request: the body's `model` and its size, no prefix.
+fn load_request(body: &[u8]) -> Result<RouteRequest, CanonError> {
+    #[derive(serde::Deserialize)]
+    struct ModelOnly<'a> {
+        #[serde(borrow, default)]
+        model: Option<std::borrow::Cow<'a, str>>,
+    }
+    let parsed: ModelOnly<'_> =
+        serde_json::from_slice(body).map_err(|e| CanonError::InvalidBody(e.to_string()))?;
+    Ok(RouteRequest {
+        model: parsed.model.map(|m| m.into_owned()).unwrap_or_default(),
+        prompt_bytes: body.len() as u64,
+        prompt_tokens: u32::try_from(body.len().div_ceil(4)).unwrap_or(u32::MAX),
+        max_output_tokens: Some(0),
+        ..RouteRequest::default()
+    })
 }
 
 /// The fields of `body` that decide its prompt tokens, as a JSON object; values are copied
@@ -874,7 +1013,17 @@ mod tests {
 
     /// Drives a machine to the point where the route call is dispatched; returns the request.
     fn to_dispatch(m: &mut RequestMachine, extra: &[(&str, &str)], body: &[u8]) -> RouteRequest {
-        let mut h = post(CHAT);
+        to_dispatch_at(m, CHAT, extra, body)
+    }
+
+    /// [`to_dispatch`] for a request on `path`.
+    fn to_dispatch_at(
+        m: &mut RequestMachine,
+        path: &str,
+        extra: &[(&str, &str)],
+        body: &[u8],
+    ) -> RouteRequest {
+        let mut h = post(path);
         h.extend_from_slice(extra);
         assert_eq!(
             m.on_request_headers(headers(&h), false).action,
@@ -908,11 +1057,161 @@ mod tests {
         .unwrap()
     }
 
+    /// The route request a step dispatches.
+    fn dispatched(step: &Step) -> RouteRequest {
+        let Some(Effect::DispatchRoute { body }) = step
+            .effects
+            .iter()
+            .find(|e| matches!(e, Effect::DispatchRoute { .. }))
+        else {
+            panic!("no route call: {step:?}")
+        };
+        serde_json::from_slice(body).unwrap()
+    }
+
+    #[test]
+    fn agent_session_headers_rank_below_the_configured_one_in_any_order() {
+        let body = chat_body("hi");
+        let req = to_dispatch(
+            &mut machine(),
+            &[
+                ("session_id", "codex-old"),
+                ("x-claude-code-session-id", "cc"),
+            ],
+            &body,
+        );
+        assert_eq!(req.session.as_deref(), Some("cc"));
+        let req = to_dispatch(
+            &mut machine(),
+            &[("x-claude-code-session-id", "cc"), ("x-session-id", "mine")],
+            &body,
+        );
+        assert_eq!(req.session.as_deref(), Some("mine"));
+        let req = to_dispatch(&mut machine(), &[("session-id", "codex")], &body);
+        assert_eq!(req.session.as_deref(), Some("codex"));
+        // Blank headers do not count; the body's key does.
+        let req = to_dispatch(&mut machine(), &[("session-id", "  ")], &body);
+        assert_eq!(req.session.as_deref(), Some("u1"));
+    }
+
+    #[test]
+    fn a_responses_chain_names_its_previous_response_and_reports_its_own() {
+        let mut m = machine();
+        let body = br#"{"model":"m","input":"next","previous_response_id":"resp_a","prompt_cache_key":"pk"}"#;
+        let req = to_dispatch_at(&mut m, "/v1/responses", &[], body);
+        assert_eq!(req.previous_response_id.as_deref(), Some("resp_a"));
+        assert_eq!(req.session.as_deref(), Some("pk"));
+        assert!(req.prompt_bytes > 0);
+        m.on_route_response(Some(200), &answer(&["10.0.0.1:8000"]), 110);
+        m.on_response_headers(Some(200), Some("10.0.0.1:8000"));
+        m.on_response_body(
+            b"event: response.created\ndata: {\"response\":{\"id\":\"resp_",
+            120,
+        );
+        m.on_response_body(b"b7\",\"usage\":null}}\n\n", 121);
+        m.on_response_body(
+            br#"data: {"response":{"usage":{"input_tokens":90,"input_tokens_details":{"cached_tokens":64},"output_tokens":4}}}"#,
+            130,
+        );
+        let outcome = m.on_done(140).unwrap();
+        assert_eq!(outcome.response_id.as_deref(), Some("resp_b7"));
+        assert_eq!(
+            (
+                outcome.prompt_tokens,
+                outcome.cached_tokens,
+                outcome.completion_tokens
+            ),
+            (Some(90), Some(64), Some(4))
+        );
+        // A failed answer stored nothing.
+        let mut m = machine();
+        to_dispatch_at(&mut m, "/v1/responses", &[], br#"{"input":"x"}"#);
+        m.on_route_response(Some(200), &answer(&["10.0.0.1:8000"]), 110);
+        m.on_response_headers(Some(404), Some("10.0.0.1:8000"));
+        m.on_response_body(br#"{"id":"resp_c"}"#, 120);
+        assert_eq!(m.on_done(130).unwrap().response_id, None);
+    }
+
+    #[test]
+    fn reading_or_cancelling_a_stored_response_is_routed_from_the_headers() {
+        let get = [(":method", "GET"), (":path", "/v1/responses/resp_x1")];
+        let mut m = machine();
+        let step = m.on_request_headers(headers(&get), true);
+        assert_eq!(step.action, Action::Pause);
+        let req = dispatched(&step);
+        assert_eq!(req.previous_response_id.as_deref(), Some("resp_x1"));
+        assert!(req.block_hashes.is_empty() && req.model.is_empty());
+        m.on_dispatched();
+        let step = m.on_route_response(Some(200), &answer(&["10.0.0.2:8000"]), 5);
+        assert!(step.effects.contains(&Effect::ResumeRequest));
+        // A cancel with a body waits for it, then ignores it.
+        let mut m = machine();
+        let cancel = post("/v1/responses/resp_x1/cancel");
+        assert_eq!(
+            m.on_request_headers(headers(&cancel), false).action,
+            Action::Pause
+        );
+        assert_eq!(m.on_request_body(2, true), BodyStep::ReadBody(2));
+        let req = dispatched(&m.on_body_complete(b"{}", 9));
+        assert_eq!(req.previous_response_id.as_deref(), Some("resp_x1"));
+        // Local decisions route it without a call.
+        let mut m = machine();
+        let step = m.on_request_headers_with(headers(&get), true, 0, |r| {
+            assert_eq!(r.previous_response_id.as_deref(), Some("resp_x1"));
+            serde_json::from_slice(&answer(&["10.0.0.3:8000"])).ok()
+        });
+        assert_eq!(step.action, Action::Continue);
+        // Other methods pass through, untouched.
+        for other in [
+            vec![(":method", "DELETE"), (":path", "/v1/responses/resp_x1")],
+            vec![(":method", "POST"), (":path", "/v1/responses/resp_x1")],
+            vec![
+                (":method", "GET"),
+                (":path", "/v1/responses/resp_x1/cancel"),
+            ],
+        ] {
+            let step = machine().on_request_headers(headers(&other), true);
+            assert_eq!(step, Step::go(vec![]), "{other:?}");
+        }
+    }
+
+    #[test]
+    fn load_routes_send_the_model_and_size_only() {
+        let body = br#"{"model":"e5","input":["a long text to embed"]}"#;
+        let mut m = machine();
+        let req = to_dispatch_at(&mut m, "/v1/embeddings", &[("x-kvroute-tenant", "t")], body);
+        assert_eq!(req.model, "e5");
+        assert!(req.block_hashes.is_empty());
+        assert_eq!(req.prompt_bytes, body.len() as u64);
+        assert_eq!(req.max_output_tokens, Some(0));
+        assert_eq!(req.tenant.as_deref(), Some("t"));
+        // Not JSON: fail open, as any unreadable body.
+        let mut m = machine();
+        m.on_request_headers(headers(&post("/v1/messages/count_tokens")), false);
+        m.on_request_body(3, true);
+        let step = m.on_body_complete(b"abc", 1);
+        assert!(
+            step.effects
+                .contains(&Effect::Count(Counter::FailOpen(FailKind::BodyParse))),
+            "{step:?}"
+        );
+    }
+
+    #[test]
+    fn anthropic_messages_are_routed_with_claude_codes_session() {
+        let body = br#"{"model":"m","max_tokens":5,"metadata":{"user_id":"user_1_account_2_session_s9"},
+            "messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}"#;
+        let req = to_dispatch_at(&mut machine(), "/v1/messages", &[], body);
+        assert_eq!(req.session.as_deref(), Some("s9"));
+        assert_eq!(req.max_output_tokens, Some(5));
+        assert!(req.prompt_bytes > 0);
+    }
+
     /// Drives a machine to its complete body, then offers the request to `decide`.
     fn with_decider(
         m: &mut RequestMachine,
         body: &[u8],
-        decide: impl FnMut(&RouteRequest) -> Option<RouteResponse>,
+        decide: impl FnMut(&mut RouteRequest) -> Option<RouteResponse>,
     ) -> Step {
         m.on_request_headers(headers(&post(CHAT)), false);
         assert_eq!(
@@ -1028,6 +1327,7 @@ mod tests {
                 prompt_tokens: Some(200),
                 completion_tokens: Some(3),
                 cached_tokens: Some(128),
+                response_id: None,
             }
         );
         assert_eq!(m.on_done(150), None, "reported once");

@@ -18,6 +18,9 @@ use crate::machine::{Counter, FailKind, RequestMachine};
 
 /// Most outcomes sent in one feedback call; the rest wait for the next tick.
 pub const MAX_BATCH_OUTCOMES: usize = 512;
+/// Response ids this VM saw answered, kept so a chain's next turn finds its replica before
+/// the report reaches the control plane (a client may send it a millisecond later).
+const RECENT_RESPONSES: usize = 256;
 
 /// Counters kept inside the VM (the host also mirrors them into proxy metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -71,6 +74,18 @@ pub struct RootState {
     /// The reports of the outstanding sync call, put back if it never reaches a control plane
     /// (one killed, or unreachable, while another would have answered the next tick).
     unacked: Option<SyncRequest>,
+    /// The latest [`RECENT_RESPONSES`] response ids this VM saw answered, with their replica.
+    recent_responses: VecDeque<(String, String)>,
+}
+
+/// What became of a finished request's outcome.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Queued {
+    /// The queue was full and its oldest outcome was dropped.
+    pub dropped: bool,
+    /// The outcome names a stored response: report it now rather than on the tick, so the
+    /// control plane (and other proxies) can place the chain's next turn.
+    pub flush_now: bool,
 }
 
 impl RootState {
@@ -86,6 +101,7 @@ impl RootState {
             stats: Stats::default(),
             local,
             unacked: None,
+            recent_responses: VecDeque::new(),
         }
     }
 
@@ -99,8 +115,19 @@ impl RootState {
     }
 
     /// Decides `request` on the VM's copy of the routing state when there is one and it is
-    /// fresh enough; `None` tells the request to ask the control plane.
-    pub fn decide_locally(&mut self, request: &RouteRequest, now_ms: u64) -> Option<RouteResponse> {
+    /// fresh enough; `None` tells the request to ask the control plane. Either way, a request
+    /// continuing a response this VM saw answered first learns its replica
+    /// (`previous_response_endpoint`).
+    pub fn decide_locally(
+        &mut self,
+        request: &mut RouteRequest,
+        now_ms: u64,
+    ) -> Option<RouteResponse> {
+        if let Some(id) = request.previous_response_id.as_deref()
+            && let Some((_, endpoint)) = self.recent_responses.iter().rev().find(|(r, _)| r == id)
+        {
+            request.previous_response_endpoint = Some(endpoint.clone());
+        }
         let max_age = self.config.max_state_age_ms;
         let local = self.local.as_mut().filter(|l| l.ready(now_ms, max_age))?;
         // Ties between equal candidates break on this seed; any per-request value spreads them.
@@ -197,18 +224,32 @@ impl RootState {
     /// describe the fleet's current state better). Returns true when one was dropped.
     /// With `decision: local` the outcome is applied to the VM's copy at once and travels in the
     /// next sync instead (bounded there).
-    pub fn push_outcome(&mut self, outcome: Outcome, now_ms: u64) -> bool {
+    pub fn push_outcome(&mut self, outcome: Outcome, now_ms: u64) -> Queued {
+        let flush_now = match &outcome.response_id {
+            Some(id) if (200..300).contains(&outcome.status) && !outcome.endpoint.is_empty() => {
+                if self.recent_responses.len() >= RECENT_RESPONSES {
+                    self.recent_responses.pop_front();
+                }
+                self.recent_responses
+                    .push_back((id.clone(), outcome.endpoint.clone()));
+                true
+            }
+            _ => false,
+        };
         if let Some(local) = self.local.as_mut() {
             local.outcome(outcome, now_ms);
-            return false;
+            return Queued {
+                dropped: false,
+                flush_now,
+            };
         }
-        let full = self.queue.len() >= self.config.max_queued_outcomes;
-        if full {
+        let dropped = self.queue.len() >= self.config.max_queued_outcomes;
+        if dropped {
             self.queue.pop_front();
             self.stats.outcomes_dropped += 1;
         }
         self.queue.push_back(outcome);
-        full
+        Queued { dropped, flush_now }
     }
 
     /// On a tick: the next batch to send, unless the queue is empty or a previous call is still
@@ -354,6 +395,50 @@ mod tests {
         assert_eq!(batch(&r.on_tick(0).unwrap()), [3, 4, 5]);
     }
 
+    #[test]
+    fn a_stored_response_is_reported_at_once_and_hints_its_chain() {
+        let mut r = RootState::new(FilterConfig::default());
+        assert!(!r.push_outcome(outcome(1), 0).flush_now);
+        let stored = Outcome {
+            endpoint: "10.0.0.7:8000".into(),
+            status: 200,
+            response_id: Some("resp_1".into()),
+            ..outcome(2)
+        };
+        assert!(r.push_outcome(stored.clone(), 0).flush_now);
+        let failed = Outcome {
+            status: 404,
+            response_id: Some("resp_2".into()),
+            ..stored.clone()
+        };
+        assert!(!r.push_outcome(failed, 0).flush_now);
+        let mut next = RouteRequest {
+            previous_response_id: Some("resp_1".into()),
+            ..RouteRequest::default()
+        };
+        assert_eq!(r.decide_locally(&mut next, 1), None, "no local copy");
+        assert_eq!(
+            next.previous_response_endpoint.as_deref(),
+            Some("10.0.0.7:8000")
+        );
+        let mut other = RouteRequest {
+            previous_response_id: Some("resp_2".into()),
+            ..RouteRequest::default()
+        };
+        r.decide_locally(&mut other, 1);
+        assert_eq!(other.previous_response_endpoint, None);
+        for id in 0..300 {
+            r.push_outcome(
+                Outcome {
+                    response_id: Some(format!("resp_x{id}")),
+                    ..stored.clone()
+                },
+                0,
+            );
+        }
+        assert_eq!(r.recent_responses.len(), RECENT_RESPONSES, "bounded");
+    }
+
     mod local {
         use super::*;
         use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
@@ -402,10 +487,10 @@ mod tests {
             let mut root = local_root();
             let mut cp = control_plane();
             assert_eq!(root.tick_period_ms(), 50);
-            assert_eq!(root.decide_locally(&request(), 0), None);
+            assert_eq!(root.decide_locally(&mut request(), 0), None);
             tick(&mut root, &mut cp, 0);
             let answer = root
-                .decide_locally(&request(), 10)
+                .decide_locally(&mut request(), 10)
                 .expect("decided locally");
             assert_eq!(
                 answer.endpoints.len(),
@@ -435,8 +520,8 @@ mod tests {
             let mut root = local_root();
             let mut cp = control_plane();
             tick(&mut root, &mut cp, 0);
-            assert!(root.decide_locally(&request(), 1000).is_some());
-            assert_eq!(root.decide_locally(&request(), 1001), None);
+            assert!(root.decide_locally(&mut request(), 1000).is_some());
+            assert_eq!(root.decide_locally(&mut request(), 1001), None);
         }
 
         // Reports of a sync that reached no control plane (a dead replica, a reset) go out
@@ -447,7 +532,7 @@ mod tests {
             let mut cp = control_plane();
             tick(&mut root, &mut cp, 0);
             let answer = root
-                .decide_locally(&request(), 10)
+                .decide_locally(&mut request(), 10)
                 .expect("decided locally");
             let sent = |call: &FeedbackCall| {
                 let report: SyncRequest = serde_json::from_slice(&call.body).unwrap();
@@ -475,7 +560,7 @@ mod tests {
                 "a 400 is final"
             );
             root.on_feedback_dispatch_failed();
-            root.decide_locally(&request(), 60)
+            root.decide_locally(&mut request(), 60)
                 .expect("decided locally");
             let call = root.on_tick(70).unwrap();
             root.on_feedback_dispatch_failed();
@@ -500,7 +585,7 @@ mod tests {
             assert!(root.on_tick(4).is_some());
             assert!(!root.on_sync_response(None, b"", 5));
             assert_eq!(root.stats().sync_failed, 3);
-            assert_eq!(root.decide_locally(&request(), 6), None);
+            assert_eq!(root.decide_locally(&mut request(), 6), None);
         }
 
         // In control-plane mode nothing of this exists: the tick flushes feedback.
@@ -508,7 +593,7 @@ mod tests {
         fn control_plane_mode_keeps_the_feedback_path() {
             let mut root = RootState::new(FilterConfig::default());
             assert!(root.local().is_none());
-            assert_eq!(root.decide_locally(&request(), 0), None);
+            assert_eq!(root.decide_locally(&mut request(), 0), None);
             root.push_outcome(outcome(1), 0);
             assert_eq!(root.on_tick(0).unwrap().path, FEEDBACK_PATH);
         }

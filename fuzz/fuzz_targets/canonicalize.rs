@@ -1,7 +1,8 @@
 //! The filter's body parser: `scorer_core::canon::canonicalize` on arbitrary bytes, then block
 //! hashing. Beyond "never panics", it checks the properties routing relies on: the result is
-//! deterministic, hashes cover exactly the full blocks, and a chat body's canonical bytes with
-//! its last message dropped are a byte prefix of the full body's (turn N is a prefix of N+1).
+//! deterministic, hashes cover exactly the full blocks, and a chat, Messages or Responses body's
+//! canonical bytes with its last message (input item) dropped are a byte prefix of the full
+//! body's (turn N is a prefix of N+1).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -14,12 +15,13 @@ fuzz_target!(|input: &[u8]| {
     let Some((&selector, body)) = input.split_first() else {
         return;
     };
-    let api = if selector & 1 == 0 {
-        ApiKind::Chat
-    } else {
-        ApiKind::Completion
+    let api = match selector & 3 {
+        0 => ApiKind::Chat,
+        1 => ApiKind::Completion,
+        2 => ApiKind::Responses,
+        _ => ApiKind::Messages,
     };
-    let block = match selector >> 1 {
+    let block = match selector >> 2 {
         0 => DEFAULT_BLOCK_BYTES,
         n => usize::from(n),
     };
@@ -48,33 +50,36 @@ fuzz_target!(|input: &[u8]| {
         hashes[..half]
     );
 
-    if api == ApiKind::Chat {
-        prefix_property(body);
+    match api {
+        ApiKind::Chat | ApiKind::Messages => prefix_property(api, "messages", body),
+        ApiKind::Responses => prefix_property(api, "input", body),
+        ApiKind::Completion => {}
     }
 });
 
-/// Dropping the last message of a valid chat body yields a canonical prefix.
-fn prefix_property(body: &[u8]) {
+/// Dropping the last entry of a valid body's `list` (messages, input items) yields a canonical
+/// prefix.
+fn prefix_property(api: ApiKind, list: &str, body: &[u8]) {
     let Ok(Value::Object(mut full)) = serde_json::from_slice::<Value>(body) else {
         return;
     };
-    let Some(Value::Array(messages)) = full.get("messages").cloned() else {
+    let Some(Value::Array(messages)) = full.get(list).cloned() else {
         return;
     };
     if messages.is_empty() {
         return;
     }
     let full_bytes = serde_json::to_vec(&full).expect("a Value serialises");
-    let Ok(whole) = canonicalize(ApiKind::Chat, &full_bytes) else {
+    let Ok(whole) = canonicalize(api, &full_bytes) else {
         return;
     };
     full.insert(
-        "messages".into(),
+        list.into(),
         Value::Array(messages[..messages.len() - 1].to_vec()),
     );
     let prefix_bytes = serde_json::to_vec(&full).expect("a Value serialises");
-    let prefix = canonicalize(ApiKind::Chat, &prefix_bytes)
-        .expect("a valid chat body minus its last message is still valid");
+    let prefix = canonicalize(api, &prefix_bytes)
+        .expect("a valid body minus its last message is still valid");
     assert_eq!(prefix.model, whole.model);
     assert!(
         whole.bytes.starts_with(&prefix.bytes),

@@ -1,10 +1,15 @@
-//! Prompt canonicalisation: turns an OpenAI-style request body into one byte string whose
-//! prefixes are stable across the turns of a conversation.
+//! Prompt canonicalisation: turns an OpenAI-style or Anthropic request body into one byte string
+//! whose prefixes are stable across the turns of a conversation.
 //!
 //! Turn N+1 of a chat repeats turn N's messages and appends new ones, so the canonical bytes of
 //! turn N are a byte prefix of turn N+1's. Tool definitions come first because chat templates
 //! render them into the system prompt. Separators are control bytes that JSON strings rarely
 //! carry, so `("ab","c")` and `("a","bc")` differ.
+//!
+//! Every API is reduced to the same records (role, name, content): a Responses `input` item or
+//! an Anthropic content block becomes what its template renders, never its raw JSON where that
+//! carries fields a client changes between turns (Anthropic's `cache_control` markers move to
+//! the newest message on every turn; Responses output items gain an `id` and a `status`).
 
 use std::borrow::Cow;
 
@@ -13,10 +18,12 @@ use serde_json::value::RawValue;
 
 use crate::protocol::ApiKind;
 
+mod agent;
+
 /// Separates the fields of one message (role, name, content).
-const FIELD_SEP: u8 = 0x1f;
+pub(crate) const FIELD_SEP: u8 = 0x1f;
 /// Ends one message (or one tool definition block).
-const RECORD_SEP: u8 = 0x1e;
+pub(crate) const RECORD_SEP: u8 = 0x1e;
 
 /// Why a body could not be canonicalised. The filter fails open on every variant.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,10 +45,16 @@ pub struct CanonicalPrompt {
     pub bytes: Vec<u8>,
     /// `stream` of the request.
     pub stream: bool,
-    /// `max_tokens` or `max_completion_tokens`.
+    /// `max_tokens`, `max_completion_tokens` or (Responses) `max_output_tokens`.
     pub max_output_tokens: Option<u32>,
-    /// The body's `user` field, a fallback session key.
-    pub user: Option<String>,
+    /// The body's own session key, in this order: `prompt_cache_key` (OpenAI), the session of
+    /// Anthropic's `metadata.user_id`, `safety_identifier`, `user`. Headers come before it.
+    pub session_hint: Option<String>,
+    /// Responses `previous_response_id`: the stored response this request continues.
+    pub previous_response_id: Option<String>,
+    /// Whether an Anthropic block carries a `cache_control` marker: the client asks for the
+    /// prefix up to it to stay cached.
+    pub cache_control: bool,
     /// vLLM's `cache_salt`: it keys the prompt's cached blocks, so only requests with the same
     /// salt share them. `None` when absent or `null`; a non-string or empty salt (which vLLM
     /// answers with 400) makes the body invalid, and the filter fails open.
@@ -71,6 +84,10 @@ struct ChatBody<'a> {
     max_completion_tokens: Option<u32>,
     #[serde(borrow, default)]
     user: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt_cache_key: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    safety_identifier: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
 }
@@ -119,10 +136,35 @@ pub fn canonicalize(api: ApiKind, body: &[u8]) -> Result<CanonicalPrompt, CanonE
     match api {
         ApiKind::Chat => canonicalize_chat(body),
         ApiKind::Completion => canonicalize_completion(body),
+        ApiKind::Responses => agent::canonicalize_responses(body),
+        ApiKind::Messages => agent::canonicalize_messages(body),
     }
 }
 
-fn invalid(e: serde_json::Error) -> CanonError {
+/// The first non-empty of `keys`, owned: a body's session key by precedence.
+pub(crate) fn first_key<const N: usize>(keys: [Option<Cow<'_, str>>; N]) -> Option<String> {
+    keys.into_iter()
+        .flatten()
+        .find(|k| !k.is_empty())
+        .map(Cow::into_owned)
+}
+
+/// Appends one record: `role`, the name field, then `content` pushed by the caller.
+pub(crate) fn push_record(
+    out: &mut Vec<u8>,
+    role: &str,
+    name: &str,
+    content: impl FnOnce(&mut Vec<u8>),
+) {
+    out.extend_from_slice(role.as_bytes());
+    out.push(FIELD_SEP);
+    out.extend_from_slice(name.as_bytes());
+    out.push(FIELD_SEP);
+    content(out);
+    out.push(RECORD_SEP);
+}
+
+pub(crate) fn invalid(e: serde_json::Error) -> CanonError {
     CanonError::InvalidBody(e.to_string())
 }
 
@@ -131,10 +173,7 @@ fn canonicalize_chat(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
     let messages = parsed.messages.ok_or(CanonError::MissingPrompt)?;
     let mut out = Vec::with_capacity(body.len());
     if let Some(tools) = parsed.tools {
-        out.extend_from_slice(b"tools");
-        out.push(FIELD_SEP);
-        out.extend_from_slice(tools.get().as_bytes());
-        out.push(RECORD_SEP);
+        push_tools(&mut out, tools.get().as_bytes());
     }
     for message in &messages {
         out.extend_from_slice(message.role.as_deref().unwrap_or("").as_bytes());
@@ -161,14 +200,27 @@ fn canonicalize_chat(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
         bytes: out,
         stream: parsed.stream.unwrap_or(false),
         max_output_tokens: parsed.max_completion_tokens.or(parsed.max_tokens),
-        user: parsed.user.map(Cow::into_owned),
+        session_hint: first_key([
+            parsed.prompt_cache_key,
+            parsed.safety_identifier,
+            parsed.user,
+        ]),
         cache_salt: salt(parsed.cache_salt)?,
+        ..CanonicalPrompt::default()
     })
+}
+
+/// The tools record every API starts with (templates render tools into the system prompt).
+pub(crate) fn push_tools(out: &mut Vec<u8>, tools: &[u8]) {
+    out.extend_from_slice(b"tools");
+    out.push(FIELD_SEP);
+    out.extend_from_slice(tools);
+    out.push(RECORD_SEP);
 }
 
 /// The request's `cache_salt`, held to vLLM's rule: absent or null is no salt, anything but a
 /// non-empty string is refused. (A non-string already failed to deserialise.)
-fn salt(raw: Option<Cow<'_, str>>) -> Result<Option<String>, CanonError> {
+pub(crate) fn salt(raw: Option<Cow<'_, str>>) -> Result<Option<String>, CanonError> {
     match raw {
         None => Ok(None),
         Some(s) if s.is_empty() => Err(CanonError::InvalidBody(
@@ -230,8 +282,9 @@ fn canonicalize_completion(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
         bytes: out,
         stream: parsed.stream.unwrap_or(false),
         max_output_tokens: parsed.max_tokens,
-        user: parsed.user.map(Cow::into_owned),
+        session_hint: first_key([parsed.user]),
         cache_salt: salt(parsed.cache_salt)?,
+        ..CanonicalPrompt::default()
     })
 }
 

@@ -116,7 +116,9 @@ impl ModelCatalog {
         slots: usize,
         policy: UnknownModelPolicy,
     ) -> Eligibility {
-        if self.is_empty() {
+        // No model named (vLLM serves its default one; a `GET /v1/responses/{id}` names none):
+        // any replica may answer.
+        if self.is_empty() || model.is_empty() {
             return Eligibility::Any;
         }
         let serves = |i: usize| {
@@ -155,6 +157,8 @@ pub struct FleetState {
     pub catalog: ModelCatalog,
     /// Session key → replica.
     pub sessions: SessionTable,
+    /// Stored response id → the replica that stored it (the same bounded table).
+    pub responses: SessionTable,
     /// Adapters each replica holds.
     pub loras: LoraTable,
     /// Model-pool counters.
@@ -198,6 +202,7 @@ impl FleetState {
         self.catalog.clear(id);
         self.loras.clear(id);
         self.sessions.forget_endpoint(id);
+        self.responses.forget_endpoint(id);
     }
 }
 

@@ -24,6 +24,11 @@ pub enum ApiKind {
     Chat,
     /// `/v1/completions`: a string or an array prompt.
     Completion,
+    /// `/v1/responses` (OpenAI Responses): `instructions`, `input` items and `tools`; a
+    /// `previous_response_id` names a response only the replica that stored it can continue.
+    Responses,
+    /// `/v1/messages` (Anthropic Messages): `system`, `messages` of content blocks and `tools`.
+    Messages,
 }
 
 impl ApiKind {
@@ -43,6 +48,31 @@ impl ApiKind {
                 "documents",
             ],
             ApiKind::Completion => &["model", "prompt"],
+            ApiKind::Responses => &[
+                "model",
+                "input",
+                "instructions",
+                "tools",
+                "previous_response_id",
+            ],
+            ApiKind::Messages => &["model", "system", "messages", "tools"],
+        }
+    }
+
+    /// Whether the control plane can tokenise this API's prompts exactly (precise mode). The
+    /// agent APIs are routed approximately: their render endpoints are newer than the
+    /// tokenisers kvroute drives.
+    pub fn tokenizable(self) -> bool {
+        matches!(self, ApiKind::Chat | ApiKind::Completion)
+    }
+
+    /// The wire spelling (configuration, logs).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiKind::Chat => "chat",
+            ApiKind::Completion => "completion",
+            ApiKind::Responses => "responses",
+            ApiKind::Messages => "messages",
         }
     }
 }
@@ -93,6 +123,15 @@ pub struct RouteRequest {
     /// first when the fleet is saturated. Any string parses (see [`RequestedCriticality`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub criticality: Option<RequestedCriticality>,
+    /// A stored response this request continues or reads (Responses `previous_response_id`,
+    /// or the id of `GET /v1/responses/{id}` and its `cancel`): only the replica that stored
+    /// it can serve the request, so the router sends it there when it knows which one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_response_id: Option<String>,
+    /// The replica this proxy saw serve `previous_response_id` (its own recent answers), for
+    /// when the router has not heard of the response yet (the report is still on its way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_response_endpoint: Option<String>,
 }
 
 /// How important a request is when the fleet is saturated.
@@ -297,6 +336,8 @@ pub enum RouteReason {
     Guard,
     /// No usable endpoint: the list is empty and the filter fails open.
     NoEndpoint,
+    /// Sent to the replica that stored the response the request continues or reads.
+    StoredResponse,
     /// The control plane's admission gate refused the request (`reject` says why).
     Rejected,
     /// The router refused it: no endpoint serves the model (`reject` is the 404).
@@ -319,6 +360,7 @@ impl RouteReason {
             Self::Load => "load",
             Self::Guard => "guard",
             Self::NoEndpoint => "no_endpoint",
+            Self::StoredResponse => "stored_response",
             Self::Rejected => "rejected",
             Self::ModelNotFound => "model_not_found",
             Self::RequestTooLarge => "request_too_large",
@@ -336,6 +378,7 @@ impl From<&str> for RouteReason {
             "load" => Self::Load,
             "guard" => Self::Guard,
             "no_endpoint" => Self::NoEndpoint,
+            "stored_response" => Self::StoredResponse,
             "rejected" => Self::Rejected,
             other => RejectType::from(other).into(),
         }
@@ -427,6 +470,10 @@ pub struct Outcome {
     /// `usage.prompt_tokens_details.cached_tokens`, when present.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cached_tokens: Option<u32>,
+    /// The id of the response the replica answered with (Responses API): a later
+    /// `previous_response_id` naming it must go to `endpoint`, which stored it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_id: Option<String>,
 }
 
 /// A batch of outcomes: the filter's root context flushes these on a tick.
@@ -454,6 +501,7 @@ mod tests {
             (RouteReason::Load, "load"),
             (RouteReason::Guard, "guard"),
             (RouteReason::NoEndpoint, "no_endpoint"),
+            (RouteReason::StoredResponse, "stored_response"),
             (RouteReason::Rejected, "rejected"),
             (RouteReason::ModelNotFound, "model_not_found"),
             (RouteReason::RequestTooLarge, "request_too_large"),

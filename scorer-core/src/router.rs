@@ -101,6 +101,28 @@ impl Default for ScoringConfig {
     }
 }
 
+/// The `router.responses` section. vLLM keeps a stored response (`VLLM_ENABLE_RESPONSES_API_STORE`)
+/// in the memory of the replica that answered it, so a request continuing it, reading it or
+/// cancelling it must go there. The router learns response id → replica from outcome reports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoredResponsesConfig {
+    /// A response id is forgotten this long after it was stored or last used.
+    pub ttl_ms: u64,
+    /// Most response ids remembered (least recently used are dropped first): every copy of
+    /// the routing state holds this table, so it is bounded.
+    pub max_entries: usize,
+}
+
+impl Default for StoredResponsesConfig {
+    fn default() -> Self {
+        Self {
+            ttl_ms: 6 * 3_600_000,
+            max_entries: 50_000,
+        }
+    }
+}
+
 /// Router-wide configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -130,6 +152,8 @@ pub struct RouterConfig {
     pub models: ModelsConfig,
     /// Session affinity: the bonus of a session's remembered replica.
     pub sessions: SessionConfig,
+    /// Stored responses (Responses API): which replica holds each response id.
+    pub responses: StoredResponsesConfig,
     /// LoRA awareness: adapter load and full-slot costs.
     pub lora: LoraConfig,
     /// The learned per-endpoint latency model (predicted TTFT / time per output token).
@@ -177,6 +201,7 @@ impl Default for RouterConfig {
             precise: PreciseConfig::default(),
             models: ModelsConfig::default(),
             sessions: SessionConfig::default(),
+            responses: StoredResponsesConfig::default(),
             lora: LoraConfig::default(),
             latency: LatencyConfig::default(),
             calibration: CalibrationConfig::default(),
@@ -471,6 +496,17 @@ pub struct RouterStats {
     /// Decisions another router took that this one accounted for ([`Router::record_decision`]).
     #[serde(default)]
     pub recorded_decisions: u64,
+    /// Requests naming a stored response that went to the replica holding it.
+    #[serde(default)]
+    pub stored_response_pinned: u64,
+    /// Requests naming a stored response no report had placed (routed as any other; a replica
+    /// without it answers 404 as vLLM does).
+    #[serde(default)]
+    pub stored_response_unknown: u64,
+    /// Requests naming a stored response whose replica is not usable now (gone, not ready, or
+    /// not serving the model): routed as any other, so a replica answers 404.
+    #[serde(default)]
+    pub stored_response_unavailable: u64,
 }
 
 /// Read-only view of one endpoint for metrics and the fleet page.
@@ -1067,6 +1103,11 @@ impl Router {
         self.fleet.loras.get(self.endpoint_id(address)?)
     }
 
+    /// Stored response ids remembered now (the `router.responses` table).
+    pub fn stored_responses(&self) -> usize {
+        self.fleet.responses.len()
+    }
+
     /// Session-affinity counters since start, and the sessions remembered now.
     pub fn session_stats(&self) -> (SessionStats, usize) {
         (self.fleet.sessions.stats(), self.fleet.sessions.len())
@@ -1090,6 +1131,9 @@ impl Router {
         self.fleet
             .sessions
             .expire(now_ms, self.config.sessions.ttl_ms);
+        self.fleet
+            .responses
+            .expire(now_ms, self.config.responses.ttl_ms);
         self.precise.speculative.expire(now_ms);
         let ttl = self.config.inflight_ttl_ms;
         while let Some(&(started_ms, decision_id)) = self.inflight_order.front() {
@@ -1142,7 +1186,8 @@ impl Router {
             Err(reject) => return rejected(decision_id, reject),
         };
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
-        let Some(ranking) = self.rank(candidates, decision_id, seed) else {
+        let stored = self.stored_response_endpoint(request, now_ms);
+        let Some(mut ranking) = self.rank(candidates, decision_id, seed) else {
             self.stats.no_endpoint += 1;
             return Decision {
                 response: RouteResponse {
@@ -1153,6 +1198,10 @@ impl Router {
                 candidates: Vec::new(),
             };
         };
+        let pinned = match stored {
+            Some(endpoint) => self.pin(&mut ranking, endpoint),
+            None => false,
+        };
         let prefill = self.account_choice(
             request,
             &shape,
@@ -1161,7 +1210,53 @@ impl Router {
             decision_id,
             now_ms,
         );
-        self.respond(decision_id, ranking, prefill)
+        let mut decision = self.respond(decision_id, ranking, prefill);
+        if pinned {
+            // Another replica cannot continue the response: no fallbacks.
+            decision.response.endpoints.truncate(1);
+        }
+        decision
+    }
+
+    /// The replica that stored the response `request` names: remembered from an outcome
+    /// report, or (not reported yet) the one the asking proxy saw serve it. Counts a miss.
+    fn stored_response_endpoint(
+        &mut self,
+        request: &RouteRequest,
+        now_ms: u64,
+    ) -> Option<EndpointId> {
+        let id = request.previous_response_id.as_deref()?;
+        let ttl = self.config.responses.ttl_ms;
+        let found = self.fleet.responses.lookup(id, now_ms, ttl).or_else(|| {
+            request
+                .previous_response_endpoint
+                .as_deref()
+                .and_then(|a| self.endpoint_id(a))
+        });
+        if found.is_none() {
+            self.stats.stored_response_unknown += 1;
+        }
+        found
+    }
+
+    /// Makes `endpoint` the ranking's choice (reason `stored_response`) when it is a usable
+    /// candidate; otherwise leaves the ranking alone and counts the response unavailable.
+    fn pin(&mut self, ranking: &mut Ranking, endpoint: EndpointId) -> bool {
+        let keys = &mut self.scratch.keys;
+        let Some(at) = keys
+            .iter()
+            .position(|&k| ranking.candidates[key_position(k)].0 == endpoint)
+        else {
+            self.stats.stored_response_unavailable += 1;
+            return false;
+        };
+        let key = keys.remove(at);
+        keys.insert(0, key);
+        ranking.chosen = endpoint;
+        ranking.chosen_at = key_position(key);
+        ranking.reason = RouteReason::StoredResponse;
+        self.stats.stored_response_pinned += 1;
+        true
     }
 
     /// How many endpoints this router knows (usable or not).
@@ -1596,6 +1691,15 @@ impl Router {
     /// Takes one request's outcome: releases its in-flight load and records prediction accuracy.
     pub fn feedback(&mut self, outcome: &Outcome, now_ms: u64) {
         self.stats.outcomes += 1;
+        if let Some(response_id) = outcome.response_id.as_deref()
+            && (200..300).contains(&outcome.status)
+            && let Some(served_by) = self.endpoint_id(&outcome.endpoint)
+        {
+            let max = self.config.responses.max_entries;
+            self.fleet
+                .responses
+                .remember(response_id, served_by, now_ms, max);
+        }
         let Some(entry) = self.inflight.remove(&outcome.decision_id) else {
             return;
         };
@@ -2309,6 +2413,78 @@ mod tests {
         assert_eq!(second.response.reason.as_str(), "prefix");
         assert!(second.response.cached_blocks > 0);
         assert_eq!(second.response.endpoints.len(), 3);
+    }
+
+    #[test]
+    fn a_stored_response_pins_its_chain_to_the_replica_that_answered() {
+        let mut r = router(4);
+        let first = r.route(&request("tell me a story"), 0, 1);
+        let served = first.response.endpoints[0].clone();
+        r.feedback(
+            &Outcome {
+                decision_id: first.response.decision_id,
+                endpoint: served.clone(),
+                status: 200,
+                response_id: Some("resp_1".into()),
+                ..Outcome::default()
+            },
+            5,
+        );
+        // Short new input only: without the pin, load alone would choose.
+        for (i, now) in [10u64, 20, 30].into_iter().enumerate() {
+            let mut next = request(&format!("go on {i}"));
+            next.previous_response_id = Some("resp_1".into());
+            let d = r.route(&next, now, i as u64);
+            assert_eq!(d.response.endpoints, vec![served.clone()], "no fallbacks");
+            assert_eq!(d.response.reason, RouteReason::StoredResponse);
+        }
+        assert_eq!(r.stats().stored_response_pinned, 3);
+        // A failed answer stores nothing.
+        r.feedback(
+            &Outcome {
+                decision_id: 99,
+                endpoint: "10.0.0.3:8000".into(),
+                status: 500,
+                response_id: Some("resp_2".into()),
+                ..Outcome::default()
+            },
+            40,
+        );
+        let mut lost = request("x");
+        lost.previous_response_id = Some("resp_2".into());
+        assert_ne!(
+            r.route(&lost, 50, 9).response.reason,
+            RouteReason::StoredResponse
+        );
+        assert_eq!(r.stats().stored_response_unknown, 1);
+    }
+
+    #[test]
+    fn a_stored_response_follows_the_proxys_hint_until_reported_and_not_a_gone_replica() {
+        let mut r = router(3);
+        let mut next = request("go on");
+        next.previous_response_id = Some("resp_9".into());
+        next.previous_response_endpoint = Some("10.0.0.2:8000".into());
+        let d = r.route(&next, 0, 1);
+        assert_eq!(d.response.endpoints, vec!["10.0.0.2:8000".to_string()]);
+        // Its replica is removed: the id is forgotten and the request is routed as any other
+        // (the replica it reaches answers 404, as vLLM does).
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: "10.0.0.2:8000".into(),
+                status: 200,
+                response_id: Some("resp_10".into()),
+                ..Outcome::default()
+            },
+            5,
+        );
+        r.remove_endpoint("10.0.0.2:8000");
+        let mut after = request("go on");
+        after.previous_response_id = Some("resp_10".into());
+        let d = r.route(&after, 10, 2);
+        assert_ne!(d.response.reason, RouteReason::StoredResponse);
+        assert!(!d.response.endpoints.contains(&"10.0.0.2:8000".to_string()));
     }
 
     #[test]

@@ -157,6 +157,10 @@ impl HfTokenizer {
                     cached: 0,
                 })
             }
+            ApiKind::Responses | ApiKind::Messages => Err(TokenizeError::BadPrompt(format!(
+                "no template for the {} API",
+                api.as_str()
+            ))),
         }
     }
 

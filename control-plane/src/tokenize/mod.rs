@@ -203,6 +203,12 @@ impl Precise {
             None => return Err(TokenizeError::BadPrompt("no messages and no prompt".into())),
         };
         match api {
+            ApiKind::Responses | ApiKind::Messages => {
+                return Err(TokenizeError::BadPrompt(format!(
+                    "precise mode covers the chat and completion APIs, not {}",
+                    api.as_str()
+                )));
+            }
             ApiKind::Chat if !prompt.get("messages").is_some_and(Value::is_array) => {
                 return Err(TokenizeError::BadPrompt("messages must be an array".into()));
             }

@@ -133,6 +133,10 @@ impl RemoteTokenizer {
         let path = match (self.api, api) {
             (RemoteApi::Render, ApiKind::Chat) => "/v1/chat/completions/render",
             (RemoteApi::Render, ApiKind::Completion) => "/v1/completions/render",
+            // vLLM 0.33's own render paths; not called yet (`Tokenizer::tokenize` refuses these
+            // APIs until their render answers are checked against vLLM).
+            (RemoteApi::Render, ApiKind::Responses) => "/v1/responses/render",
+            (RemoteApi::Render, ApiKind::Messages) => "/v1/messages/render",
             (RemoteApi::Tokenize, _) => "/tokenize",
         };
         (path, Value::Object(body))
