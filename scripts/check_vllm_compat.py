@@ -11,10 +11,15 @@ wheel (a zip) in memory and keeps only what it needs, via Python's ``ast``:
   encoding vLLM used before PR #42892 (~0.23).
 - ``vllm/v1/metrics/loggers.py``: every ``vllm:*`` metric the Prometheus stat logger registers,
   with its type.
+- the protocol classes of the agent APIs and of errors (``openai/responses/protocol.py``,
+  ``anthropic/protocol.py``, ``serve/engine/protocol.py``, ``serve/tokenize/protocol.py``): their
+  fields, in order. The Responses output items and stream events are classes of the ``openai``
+  SDK, read the same way from an openai wheel (``--openai-wheel``; ``pip download openai
+  --no-deps -d /tmp/openaiwheel``), if one is given.
 
 It writes and checks, the KV-event fixtures 1-3 into ``--out`` (default
 ``control-plane/vllm-wire/tests/fixtures/vllm/``, beside the codec both the control plane and
-vllm-sim use) and the metric fixtures 4 into ``--metrics-out`` (default
+vllm-sim use) and the simulator's fixtures 4-6 into ``--metrics-out`` (default
 ``tests/vllm-sim/fixtures/vllm/``):
 
 1. ``vllm_events.{map,array}.msgpack`` + ``vllm_events.json``: payloads ENCODED by vLLM's
@@ -31,6 +36,12 @@ vllm-sim use) and the metric fixtures 4 into ``--metrics-out`` (default
 4. ``metric_names.txt``: ``name<TAB>type`` of every metric vLLM 0.33 registers; each metric of
    the captured ``sim_metrics.txt`` page must be there with the same type. The vLLM metrics the
    simulator does not export are listed.
+5. ``agent_fields.json``: the wire fields of each class (``AGENT_SCHEMA`` says how vLLM dumps
+   it: every field, or only the set ones), the Responses event types and the Anthropic ones.
+   ``tests/vllm-sim/tests/vllm_compat.rs`` checks a live simulator's answers against it.
+6. ``agent_capture.json``: Responses, Messages, count_tokens, error and detokenize answers (JSON
+   and SSE) CAPTURED from a live ``vllm-sim`` (``--capture`` or ``--capture-agents``, which
+   needs no pyzmq), checked against 5.
 
 Usage (msgspec, and pyzmq for --capture, in .venv):
 
@@ -39,13 +50,17 @@ Usage (msgspec, and pyzmq for --capture, in .venv):
     cargo build -p vllm-sim
     .venv/bin/python scripts/check_vllm_compat.py --capture target/debug/vllm-sim
 
+or, for the agent APIs alone: ``--capture-agents target/debug/vllm-sim``.
+
 Without ``--capture`` the committed captures are checked again. Exit status 1 on any mismatch.
 """
 
 import argparse
 import ast
+import contextlib
 import glob
 import json
+import os
 import pathlib
 import socket
 import subprocess
@@ -54,6 +69,7 @@ import tempfile
 import threading
 import time
 import types
+import urllib.error
 import urllib.request
 import zipfile
 
@@ -235,6 +251,33 @@ def http(url: str, body=None, timeout=30.0):
         return r.read().decode()
 
 
+@contextlib.contextmanager
+def running_sim(sim_bin: str, args: list[str], env=None):
+    """Runs vllm-sim on a free port of 127.0.0.1 with ``args`` (and ``env``, else this
+    process's environment), yields its base URL once ``/health`` answers, and stops it."""
+    port = free_port()
+    proc = subprocess.Popen([sim_bin, "--host", "127.0.0.1", "--port", str(port), *args],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 20
+        while True:
+            try:
+                http(base + "/health", timeout=1)
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    sys.exit("vllm-sim did not start")
+                time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 PROFILE = """name: compat-capture
 model: sim-compat
 kv_capacity_tokens: 320
@@ -250,27 +293,17 @@ def capture(sim_bin: str, out: pathlib.Path, metrics_out: pathlib.Path) -> None:
     socket, so none is lost) and the /metrics page."""
     import zmq
 
-    port, pub, replay = free_port(), free_port(), free_port()
+    pub, replay = free_port(), free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(PROFILE)
         profile = f.name
-    proc = subprocess.Popen(
-        [sim_bin, "--host", "127.0.0.1", "--port", str(port), "--profile", profile,
-         "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
-         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
-         "--lora-modules", "sql-lora=/adapters/sql"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 20
-        while True:
-            try:
-                http(base + "/health", timeout=1)
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    sys.exit("vllm-sim did not start")
-                time.sleep(0.1)
+    args = ["--profile", profile,
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+            "--lora-modules", "sql-lora=/adapters/sql"]
+    with contextlib.ExitStack() as stack:
+        stack.callback(pathlib.Path(profile).unlink, missing_ok=True)
+        base = stack.enter_context(running_sim(sim_bin, args))
         words = lambda tag, n: " ".join(f"{tag}{i}" for i in range(n))
         done = lambda prompt, **kw: http(base + "/v1/completions",
                                          {"prompt": prompt, "max_tokens": 1, **kw})
@@ -314,13 +347,6 @@ def capture(sim_bin: str, out: pathlib.Path, metrics_out: pathlib.Path) -> None:
             n += 1
         dealer.close(linger=0)
         print(f"captured {n} batches and /metrics from vllm-sim into {out}")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        pathlib.Path(profile).unlink(missing_ok=True)
 
 
 def check_capture(out: pathlib.Path, mod) -> None:
@@ -431,6 +457,265 @@ def check_metrics(out: pathlib.Path, vllm: dict[str, str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The agent APIs (Responses, Messages) and the other answers vllm-sim gives
+
+RESPONSES_PROTOCOL = "vllm/entrypoints/openai/responses/protocol.py"
+ANTHROPIC_PROTOCOL = "vllm/entrypoints/anthropic/protocol.py"
+ENGINE_PROTOCOL = "vllm/entrypoints/serve/engine/protocol.py"
+TOKENIZE_PROTOCOL = "vllm/entrypoints/serve/tokenize/protocol.py"
+
+# How each class is dumped on the wire, and which of its fields hold other classes (a list
+# field: each element). "all": pydantic's model_dump (every field, those with an `exclude_if`
+# omitted when None); "subset": model_dump(exclude_none/exclude_unset), so the keys are some of
+# the fields, in field order.
+AGENT_SCHEMA = {
+    # vllm/entrypoints/openai/responses/protocol.py; api_router.py dumps with model_dump.
+    "ResponsesResponse": ("all", RESPONSES_PROTOCOL,
+                          {"usage": "ResponseUsage", "output": "ResponseOutputMessage"}),
+    "ResponseUsage": ("all", RESPONSES_PROTOCOL,
+                      {"input_tokens_details": "InputTokensDetails",
+                       "output_tokens_details": "OutputTokensDetails"}),
+    "InputTokensDetails": ("all", RESPONSES_PROTOCOL, {}),
+    "OutputTokensDetails": ("all", RESPONSES_PROTOCOL, {}),
+    # The openai SDK classes vLLM builds its output items and stream events from.
+    "ResponseOutputMessage": ("all", "openai", {"content": "ResponseOutputText"}),
+    "ResponseOutputText": ("all", "openai", {}),
+    "ResponseCreatedEvent": ("all", "openai", {"response": "ResponsesResponse"}),
+    "ResponseInProgressEvent": ("all", "openai", {"response": "ResponsesResponse"}),
+    "ResponseCompletedEvent": ("all", "openai", {"response": "ResponsesResponse"}),
+    "ResponseIncompleteEvent": ("all", "openai", {"response": "ResponsesResponse"}),
+    "ResponseOutputItemAddedEvent": ("all", "openai", {"item": "ResponseOutputMessage"}),
+    "ResponseOutputItemDoneEvent": ("all", "openai", {"item": "ResponseOutputMessage"}),
+    "ResponseContentPartAddedEvent": ("all", "openai", {"part": "ResponseOutputText"}),
+    "ResponseContentPartDoneEvent": ("all", "openai", {"part": "ResponseOutputText"}),
+    "ResponseTextDeltaEvent": ("all", "openai", {}),
+    "ResponseTextDoneEvent": ("all", "openai", {}),
+    # vllm/entrypoints/serve/engine/protocol.py: every OpenAI-shaped error.
+    "ErrorResponse": ("all", ENGINE_PROTOCOL, {"error": "ErrorInfo"}),
+    "ErrorInfo": ("all", ENGINE_PROTOCOL, {}),
+    # vllm/entrypoints/anthropic: model_dump(exclude_none=True) / model_dump_json(exclude_unset).
+    "AnthropicMessagesResponse": ("subset", ANTHROPIC_PROTOCOL,
+                                  {"content": "AnthropicContentBlock", "usage": "AnthropicUsage"}),
+    "AnthropicContentBlock": ("subset", ANTHROPIC_PROTOCOL, {}),
+    "AnthropicUsage": ("subset", ANTHROPIC_PROTOCOL, {}),
+    "AnthropicStreamEvent": ("subset", ANTHROPIC_PROTOCOL,
+                             {"message": "AnthropicMessagesResponse", "delta": "AnthropicDelta",
+                              "content_block": "AnthropicContentBlock", "usage": "AnthropicUsage",
+                              "error": "AnthropicError"}),
+    "AnthropicDelta": ("subset", ANTHROPIC_PROTOCOL, {}),
+    "AnthropicErrorResponse": ("subset", ANTHROPIC_PROTOCOL, {"error": "AnthropicError"}),
+    "AnthropicError": ("subset", ANTHROPIC_PROTOCOL, {}),
+    "AnthropicCountTokensResponse": ("subset", ANTHROPIC_PROTOCOL,
+                                     {"context_management": "AnthropicContextManagement"}),
+    "AnthropicContextManagement": ("subset", ANTHROPIC_PROTOCOL, {}),
+    # vllm/entrypoints/serve/tokenize/protocol.py.
+    "DetokenizeResponse": ("all", TOKENIZE_PROTOCOL, {}),
+}
+
+
+def pydantic_classes(source: str) -> dict[str, dict]:
+    """Every class of a module: its bases, its annotated fields in order, the fields dumped
+    only when set (``exclude_if``), and the string of each ``Literal[...]`` ``type``."""
+    out = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields, omit, literal = [], [], None
+        for st in node.body:
+            if not (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)):
+                continue
+            name, ann = st.target.id, ast.unparse(st.annotation)
+            if name.startswith("_") or name == "model_config" or ann.startswith("ClassVar"):
+                continue
+            fields.append(name)
+            if isinstance(st.value, ast.Call) and any(k.arg == "exclude_if"
+                                                      for k in st.value.keywords):
+                omit.append(name)
+            if name == "type":
+                literal = literal_values(st.annotation)
+        out[node.name] = {"bases": [ast.unparse(b) for b in node.bases], "fields": fields,
+                          "omit_when_none": omit, "type": literal}
+    return out
+
+
+def literal_values(annotation: ast.expr) -> list | None:
+    """The values of the first ``Literal[...]`` in an annotation (``Literal[...] | None`` too)."""
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "Literal":
+            elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            return [ast.literal_eval(e) for e in elts]
+    return None
+
+
+def snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def agent_fields(read, openai_read) -> dict:
+    """The fixture the Rust tests and ``check_agents`` use: each class's wire fields."""
+    modules = {path: pydantic_classes(read(path)) for path in
+               (RESPONSES_PROTOCOL, ANTHROPIC_PROTOCOL, ENGINE_PROTOCOL, TOKENIZE_PROTOCOL)}
+    classes, events = {}, {}
+    for name, (dump, where, nested) in AGENT_SCHEMA.items():
+        if where == "openai":
+            if openai_read is None:
+                continue
+            info = pydantic_classes(openai_read(f"openai/types/responses/{snake(name)}.py"))[name]
+        else:
+            info = modules[where][name]
+        classes[name] = {"dump": dump, "fields": info["fields"],
+                         "omit_when_none": info["omit_when_none"], "nested": nested}
+        if name.endswith("Event") and where == "openai" and info["type"]:
+            events[info["type"][0]] = name
+    # vLLM's own subclasses (``ResponseCompletedEvent(OpenAIResponseCompletedEvent)``) keep
+    # their base's fields: check that the ones it streams exist and rebind ``response``.
+    vllm_events = modules[RESPONSES_PROTOCOL]
+    for name in ("ResponseCreatedEvent", "ResponseInProgressEvent", "ResponseCompletedEvent",
+                 "ResponseIncompleteEvent"):
+        if vllm_events[name]["fields"] != ["response"]:
+            fail(f"vLLM's {name} changed: {vllm_events[name]['fields']}")
+    anthropic_types = modules[ANTHROPIC_PROTOCOL]["AnthropicStreamEvent"]["type"]
+    return {"generated_from": "vllm 0.33.0 " + ", ".join(sorted(set(
+                w for _, w, _ in AGENT_SCHEMA.values()) - {"openai"})),
+            "classes": classes, "responses_events": events,
+            "anthropic_event_types": anthropic_types}
+
+
+def check_shape(value, cls: str, fields: dict, where: str) -> int:
+    """Checks ``value`` against class ``cls`` and its nested classes; returns objects checked."""
+    spec = fields["classes"].get(cls)
+    if spec is None or not isinstance(value, dict):
+        if spec is not None:
+            fail(f"{where}: a {cls} must be an object, not {value!r:.80}")
+        return 0
+    keys, want = list(value), spec["fields"]
+    if spec["dump"] == "all":
+        expected = [f for f in want if not (f in spec["omit_when_none"] and value.get(f) is None)]
+        if keys != expected:
+            fail(f"{where}: {cls} keys {keys} != vLLM's {expected}")
+    else:
+        unknown = [k for k in keys if k not in want]
+        if unknown:
+            fail(f"{where}: {cls} has no field {unknown}")
+        elif keys != sorted(keys, key=want.index):
+            fail(f"{where}: {cls} keys {keys} are not in vLLM's field order {want}")
+    n = 1
+    for field, inner in spec["nested"].items():
+        v = value.get(field)
+        for i, item in enumerate(v if isinstance(v, list) else [v]):
+            if item is not None:
+                n += check_shape(item, inner, fields, f"{where}.{field}" +
+                                 (f"[{i}]" if isinstance(v, list) else ""))
+    return n
+
+
+# What each captured answer is: (class of a JSON body) or ("sse", family).
+AGENT_CAPTURE_KINDS = {
+    "responses": "ResponsesResponse",
+    "responses_get": "ResponsesResponse",
+    "responses_stream": ("sse", "responses"),
+    "responses_cancel_finished": "ErrorResponse",
+    "responses_unknown_previous": "ErrorResponse",
+    "messages": "AnthropicMessagesResponse",
+    "messages_stream": ("sse", "anthropic"),
+    "messages_count_tokens": "AnthropicCountTokensResponse",
+    "messages_unknown_model": "AnthropicErrorResponse",
+    "messages_missing_max_tokens": "ErrorResponse",
+    "detokenize": "DetokenizeResponse",
+}
+
+
+def check_agents(capture_file: pathlib.Path, fields: dict) -> None:
+    """Every captured answer has exactly (OpenAI shapes) or only (Anthropic shapes) the fields
+    of vLLM's protocol class, in its order; stream events are framed ``event:``/``data:`` and
+    name a type vLLM streams."""
+    if not capture_file.exists():
+        fail(f"no {capture_file.name} (run with --capture or --capture-agents)")
+        return
+    capture = json.loads(capture_file.read_text())
+    checked = 0
+    for name, kind in AGENT_CAPTURE_KINDS.items():
+        answer = capture.get(name)
+        if answer is None:
+            fail(f"the agent capture lacks {name}")
+            continue
+        if isinstance(kind, str):
+            checked += check_shape(answer["body"], kind, fields, name)
+            continue
+        for i, (event, data) in enumerate(answer["events"]):
+            where = f"{name}[{i}] {event}"
+            if data.get("type") != event:
+                fail(f"{where}: data.type is {data.get('type')!r}")
+            if kind[1] == "responses":
+                cls = fields["responses_events"].get(event)
+                if cls is None and fields["responses_events"]:
+                    fail(f"{where}: vLLM streams no such Responses event")
+                elif cls is not None:
+                    checked += check_shape(data, cls, fields, where)
+                if data.get("sequence_number") != i:
+                    fail(f"{where}: sequence_number {data.get('sequence_number')} != {i}")
+            else:
+                if event not in fields["anthropic_event_types"]:
+                    fail(f"{where}: vLLM streams no such Messages event")
+                checked += check_shape(data, "AnthropicStreamEvent", fields, where)
+    print(f"{checked} objects of the agent capture have vLLM 0.33's fields"
+          + ("" if fields["responses_events"] else
+             " (no openai wheel: output items and Responses events unchecked)"))
+
+
+def http_answer(url: str, body=None, method=None) -> dict:
+    """Status and body (JSON, or the SSE events as [event, data] pairs) of one call."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, ctype, text = r.status, r.headers.get("content-type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, ctype, text = e.code, e.headers.get("content-type", ""), e.read().decode()
+    if ctype.startswith("text/event-stream"):
+        events = []
+        for frame in filter(None, text.split("\n\n")):
+            event, data_line = frame.split("\n", 1)
+            events.append([event.removeprefix("event: "),
+                           json.loads(data_line.removeprefix("data: "))])
+        return {"status": status, "events": events}
+    return {"status": status, "body": json.loads(text)}
+
+
+def capture_agents(sim_bin: str, out: pathlib.Path) -> None:
+    """Asks a live vllm-sim (store on) every agent-API answer ``check_agents`` checks."""
+    env = dict(os.environ, VLLM_ENABLE_RESPONSES_API_STORE="1")
+    with running_sim(sim_bin, ["--model", "sim-compat", "--profile", "fast"], env) as base:
+        cap = {}
+        turn = {"model": "sim-compat", "instructions": "Be terse.", "input": "list the files",
+                "max_output_tokens": 4}
+        cap["responses"] = http_answer(base + "/v1/responses", turn)
+        rid = cap["responses"]["body"]["id"]
+        cap["responses_stream"] = http_answer(base + "/v1/responses", {
+            **turn, "input": [{"role": "user", "content": [{"type": "input_text",
+                                                            "text": "and now?"}]}],
+            "previous_response_id": rid, "stream": True})
+        cap["responses_get"] = http_answer(f"{base}/v1/responses/{rid}", method="GET")
+        cap["responses_cancel_finished"] = http_answer(f"{base}/v1/responses/{rid}/cancel", {})
+        cap["responses_unknown_previous"] = http_answer(base + "/v1/responses", {
+            **turn, "previous_response_id": "resp_0000000000000000"})
+        msg = {"model": "sim-compat", "max_tokens": 4, "system": "Be terse.",
+               "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
+               "messages": [{"role": "user", "content": "list the files"}]}
+        cap["messages"] = http_answer(base + "/v1/messages", msg)
+        cap["messages_stream"] = http_answer(base + "/v1/messages", {**msg, "stream": True})
+        cap["messages_count_tokens"] = http_answer(base + "/v1/messages/count_tokens", msg)
+        cap["messages_unknown_model"] = http_answer(base + "/v1/messages",
+                                                    {**msg, "model": "nope"})
+        cap["messages_missing_max_tokens"] = http_answer(
+            base + "/v1/messages", {k: v for k, v in msg.items() if k != "max_tokens"})
+        cap["detokenize"] = http_answer(base + "/detokenize", {"tokens": [1, 2]})
+        (out / "agent_capture.json").write_text(json.dumps(cap, indent=1) + "\n")
+        print(f"captured {len(cap)} agent-API answers from vllm-sim into {out}")
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -440,9 +725,17 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "control-plane/vllm-wire/tests/fixtures/vllm"),
                     help="KV-event fixture folder")
     ap.add_argument("--metrics-out", default=str(ROOT / "tests/vllm-sim/fixtures/vllm"),
-                    help="metric fixture folder (metric_names.txt, sim_metrics.txt)")
+                    help="vllm-sim fixture folder (metric_names.txt, sim_metrics.txt, "
+                         "agent_fields.json, agent_capture.json)")
     ap.add_argument("--capture", metavar="VLLM_SIM",
-                    help="run this vllm-sim binary and capture its events and /metrics")
+                    help="run this vllm-sim binary and capture its events, /metrics and its "
+                         "agent-API answers")
+    ap.add_argument("--capture-agents", metavar="VLLM_SIM",
+                    help="capture only the agent-API answers (needs no pyzmq)")
+    default_openai = next(iter(sorted(glob.glob("/tmp/openaiwheel/openai-*.whl"))), None)
+    ap.add_argument("--openai-wheel", default=default_openai,
+                    help="an openai SDK wheel (vLLM builds Responses items and events from its "
+                         "classes); without it those are not checked")
     args = ap.parse_args()
     if not args.wheel:
         sys.exit("no wheel: pip download vllm==0.33.0 --no-deps -d /tmp/vllmwheel")
@@ -464,10 +757,34 @@ def main() -> None:
         header + "".join(f"{n}\t{k}\n" for n, k in sorted(names.items())))
     print(f"wrote {len(names)} vLLM metric names to {metrics_out / 'metric_names.txt'}")
 
+    openai_read = None
+    if args.openai_wheel:
+        openai_wheel = zipfile.ZipFile(args.openai_wheel)
+        openai_read = lambda name: openai_wheel.read(name).decode()
+    fields = agent_fields(read, openai_read)
+    fields_file = metrics_out / "agent_fields.json"
+    if openai_read is None and fields_file.exists():
+        # Without the SDK the openai classes cannot be regenerated: keep the committed ones,
+        # after checking that vLLM's own classes still read the same.
+        committed = json.loads(fields_file.read_text())
+        for name, spec in fields["classes"].items():
+            if committed["classes"].get(name) != spec:
+                fail(f"{fields_file.name} is stale for {name}: regenerate it")
+        fields = committed
+        print(f"no openai wheel: checking against the committed {fields_file.name}")
+    else:
+        if openai_read is not None:
+            fields["generated_from"] += f" + {pathlib.Path(args.openai_wheel).name}"
+        fields_file.write_text(json.dumps(fields, indent=1) + "\n")
+        print(f"wrote the fields of {len(fields['classes'])} classes to {fields_file}")
+
     if args.capture:
         capture(args.capture, out, metrics_out)
+    if args.capture or args.capture_agents:
+        capture_agents(args.capture or args.capture_agents, metrics_out)
     check_capture(out, mods["map"])
     check_metrics(metrics_out, names)
+    check_agents(metrics_out / "agent_capture.json", fields)
     if FAILURES:
         sys.exit(f"{len(FAILURES)} incompatibilities")
     print("vllm-sim is compatible with vLLM 0.33.0")

@@ -6,7 +6,8 @@
 //! - [`profile`] holds the hardware/model numbers (YAML data);
 //! - [`tokenizer`] holds the Hugging Face tokenizer and Jinja chat templates, and the fast
 //!   built-in word tokenizer and ChatML template;
-//! - [`server`] is the live `vllm-sim` HTTP server (OpenAI API, `/metrics`, ZMQ KV events);
+//! - [`server`] is the live `vllm-sim` HTTP server (OpenAI API, the Responses and Anthropic
+//!   Messages agent APIs, `/metrics`, ZMQ KV events);
 //! - [`kv_events`] encodes KV events byte for byte as vLLM 0.33 publishes them over ZMQ, and
 //!   decodes what any vLLM version publishes;
 //! - [`metrics`] renders vLLM-named Prometheus metrics.

@@ -77,6 +77,10 @@ pub fn prefill_request_body(body: &[u8]) -> Option<Value> {
     if o.contains_key("max_completion_tokens") {
         o.insert("max_completion_tokens".into(), json!(1));
     }
+    // A Responses API body (`input`) limits its output with `max_output_tokens`.
+    if o.contains_key("input") || o.contains_key("max_output_tokens") {
+        o.insert("max_output_tokens".into(), json!(1));
+    }
     o.insert("stream".into(), json!(false));
     o.remove("stream_options");
     o.insert(

@@ -6,10 +6,35 @@
 //! nothing, so many replicas share a small machine.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE streaming),
-//! `GET /v1/models`, `GET /health`, `GET /version`, `GET /load`, `POST /tokenize`, `POST /v1/chat/completions/render`,
-//! `POST /v1/completions/render`, `POST /reset_prefix_cache`, `GET /metrics`, and for tests
-//! `GET|POST /sim/fault` (failure injection) and `GET /sim/stats`. Every response carries
-//! `x-vllm-sim-replica: host:port`.
+//! the agent APIs `POST /v1/responses` (+ `GET /v1/responses/{id}`,
+//! `POST /v1/responses/{id}/cancel`; [`responses`]) and `POST /v1/messages`
+//! (+ `/v1/messages/count_tokens`; [`messages`]), `GET /v1/models`, `GET /health`,
+//! `GET /version`, `GET /load`, `POST /tokenize`, `POST /detokenize`, the render endpoints
+//! `POST /v1/{chat/completions,completions,responses,messages}/render`,
+//! `POST /reset_prefix_cache`, `GET /metrics`, and for tests `GET|POST /sim/fault` (failure
+//! injection) and `GET /sim/stats`. Every response carries `x-vllm-sim-replica: host:port`.
+//!
+//! Every generating endpoint renders its prompt through the one chat path
+//! (`Shared::chat_prompt`) and runs it as one engine request ([`Generation`]), so they all
+//! share the prefix cache, the `vllm:*` metrics and the KV events.
+//!
+//! The other paths of a vLLM 0.33 server, as it answers for a generative (text-only) model.
+//! vLLM mounts routers by the model's supported tasks
+//! (`vllm/entrypoints/launchers/api_server/routers.py::register_api_routers`): a generative
+//! model supports `generate` only, so the pooling and speech routers are never mounted and
+//! Starlette answers 404 `{"detail":"Not Found"}` (FastAPI's default handler for Starlette's
+//! `HTTPException`; vLLM's own handler is keyed by FastAPI's subclass and does not catch it).
+//! The simulator answers every unknown path so.
+//!
+//! | Path | vLLM 0.33 for a generative model | vllm-sim |
+//! |---|---|---|
+//! | `/v1/embeddings`, `/v2/embed` | not mounted (`pooling/factories.py`: needs task `embed`) | 404 `{"detail":"Not Found"}` |
+//! | `/pooling` | not mounted (needs a pooling task) | 404 `{"detail":"Not Found"}` |
+//! | `/classify` | not mounted (needs task `classify`) | 404 `{"detail":"Not Found"}` |
+//! | `/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank` | not mounted (`enable_scoring_api`: needs `embed`/`classify`) | 404 `{"detail":"Not Found"}` |
+//! | `/v1/audio/transcriptions`, `/v1/audio/translations` | not mounted (`speech_to_text/factories.py`: needs task `transcription`) | 404 `{"detail":"Not Found"}` |
+//! | `/tokenize` | `serve/tokenize/api_router.py` | `{"count","max_model_len","tokens","token_strs"}` |
+//! | `/detokenize` | `serve/tokenize/serving.py::create_detokenize` (decodes without skipping special tokens) | `{"prompt": text}` |
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -41,6 +66,10 @@ use super::tokenizer::{
     ChatMessage, ChatMl, ChatTemplate, HfTokenizer, IncrementalDecoder, JinjaTemplate, Tokenizer,
     TokenizerConfig, WordTokenizer,
 };
+
+pub mod messages;
+pub mod responses;
+mod validation;
 
 /// What `GET /version` reports: the vLLM version whose API this simulates.
 pub const VERSION: &str = "0.33.0+sim";
@@ -144,6 +173,10 @@ pub struct SimArgs {
     /// `x-prefiller-host-port` is prefilled there, then its KV moves here at this rate).
     #[arg(long, default_value_t = 25.0)]
     pub kv_transfer_gbps: f64,
+    /// Keep Responses API answers in memory so `previous_response_id`, `GET` and `cancel` find
+    /// them, as vLLM does with `VLLM_ENABLE_RESPONSES_API_STORE=1` (either turns it on).
+    #[arg(long)]
+    pub enable_responses_store: bool,
 }
 
 impl SimArgs {
@@ -178,6 +211,37 @@ impl SimArgs {
         p.validate()?;
         Ok(p)
     }
+
+    /// Whether the Responses API store is on: `--enable-responses-store`, or
+    /// `VLLM_ENABLE_RESPONSES_API_STORE` read as vLLM reads it (`bool(int(value))`, so `"1"`
+    /// is on, `"0"` off, and a value `int()` refuses stops the server from starting).
+    pub fn responses_store_enabled(&self) -> Result<bool, SimError> {
+        if self.enable_responses_store {
+            return Ok(true);
+        }
+        match std::env::var(responses::STORE_ENV) {
+            Err(_) => Ok(false),
+            Ok(v) => python_int_is_nonzero(&v).ok_or_else(|| {
+                SimError::Config(format!(
+                    "{}: invalid literal for int() with base 10: {v:?}",
+                    responses::STORE_ENV
+                ))
+            }),
+        }
+    }
+}
+
+/// `bool(int(text))` as Python computes it for ASCII digits: surrounding whitespace, one sign
+/// and single underscores between digits are allowed; `None` where `int()` would raise.
+fn python_int_is_nonzero(text: &str) -> Option<bool> {
+    let t = text.trim();
+    let digits = t.strip_prefix(['+', '-']).unwrap_or(t);
+    let well_formed = !digits.is_empty()
+        && !digits.starts_with('_')
+        && !digits.ends_with('_')
+        && !digits.contains("__")
+        && digits.bytes().all(|b| b.is_ascii_digit() || b == b'_');
+    well_formed.then(|| digits.bytes().any(|b| b.is_ascii_digit() && b != b'0'))
 }
 
 /// Failure injection state, changed with `POST /sim/fault` (fields absent keep their value).
@@ -258,6 +322,13 @@ struct Shared {
     created: u64,
     /// llm-d's P/D routing sidecar (remote prefill, KV transfer).
     pd: super::pd::Sidecar,
+    /// The Responses API's stored answers (off unless enabled, as in vLLM).
+    responses: responses::Store,
+    /// `/v1/messages` merges inline system messages into the leading one when the chat
+    /// template refuses a system message after the first turn (vLLM probes it at startup).
+    merge_inline_system: bool,
+    /// Random part of response and item ids; seeded per process so replicas never share ids.
+    ids: Mutex<SmallRng>,
 }
 
 /// A running simulator; dropping it stops the server.
@@ -340,6 +411,8 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
     };
 
     let (tokenizer, template) = text_pipeline(&args)?;
+    let store_enabled = args.responses_store_enabled()?;
+    let merge_inline_system = messages::template_needs_merged_system(template.as_ref());
     let mut cfg = EngineConfig::new(profile.clone());
     cfg.seed = args.seed;
     cfg.output_vocab = tokenizer.output_vocab().into();
@@ -393,6 +466,9 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
             .map(|d| d.as_secs())
             .unwrap_or(0),
         pd: super::pd::Sidecar::new(profile.kv_bytes_per_token, args.kv_transfer_gbps),
+        responses: responses::Store::new(store_enabled),
+        merge_inline_system,
+        ids: Mutex::new(SmallRng::seed_from_u64(id_seed(&addr))),
     });
     let kv_events_endpoint = shared.publisher.as_ref().map(|p| p.endpoint.clone());
     let kv_events_replay_endpoint = shared
@@ -418,6 +494,16 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         shutdown,
         tasks: vec![driver, http],
     })
+}
+
+/// A seed no other process shares: the bound address, the wall clock and the process id.
+fn id_seed(addr: &SocketAddr) -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let key = format!("{addr}/{nanos}/{}", std::process::id());
+    xxhash_rust::xxh3::xxh3_64(key.as_bytes())
 }
 
 /// The tokenizer and chat template `args` ask for (see [`SimArgs::tokenizer`]).
@@ -457,7 +543,18 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions/render", post(render_chat))
         .route("/v1/completions/render", post(render_completion))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/render", post(responses::render))
+        .route("/v1/responses/{response_id}", get(responses::retrieve))
+        .route(
+            "/v1/responses/{response_id}/cancel",
+            post(responses::cancel),
+        )
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/messages/render", post(messages::render))
         .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route(
@@ -469,6 +566,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/sim/fault", get(get_fault).post(set_fault))
         .route("/sim/stats", get(sim_stats))
+        .fallback(not_found)
         // vLLM (uvicorn) reads bodies of any size; axum's 2 MiB default would make the simulator
         // refuse prompts a real replica serves, so only the proxy's limits apply.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
@@ -482,6 +580,15 @@ fn router(shared: Arc<Shared>) -> Router {
             }
         }))
         .with_state(shared)
+}
+
+/// A path vLLM does not mount: Starlette's 404, as FastAPI's default handler renders it.
+async fn not_found() -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        axum::Json(json!({"detail": "Not Found"})),
+    )
+        .into_response()
 }
 
 /// Holds every non-`/sim/` request while the `hang` fault is set.
@@ -620,12 +727,20 @@ fn deliver(s: &Shared, end_s: f64, events: Vec<RequestEvent>) {
 // ---------------------------------------------------------------------------------------------
 // OpenAI API
 
-/// An API error, rendered in vLLM's shape:
-/// `{"error": {"message", "type", "param", "code"}}`.
+/// An API error, rendered in vLLM's shape (`ErrorResponse`,
+/// `vllm/entrypoints/serve/engine/protocol.py`): `{"error": {"message", "type", "param",
+/// "code"}}`, `code` being the HTTP status.
 #[derive(Debug)]
 struct ApiError {
     status: StatusCode,
     message: String,
+    /// `error.type` when it is not vLLM's default for the status (`BadRequestError`, ...).
+    kind: Option<&'static str>,
+    /// `error.param`: the request field at fault, when vLLM names one.
+    param: Option<String>,
+    /// Raised before any handler runs (FastAPI's request validation), so it keeps the OpenAI
+    /// shape even on `/v1/messages`, whose handler translates only its own errors.
+    framework: bool,
 }
 
 impl ApiError {
@@ -633,19 +748,38 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            kind: None,
+            param: None,
+            framework: false,
         }
+    }
+
+    /// Sets `error.type` (vLLM's `err_type`).
+    fn kind(mut self, kind: &'static str) -> Self {
+        self.kind = Some(kind);
+        self
+    }
+
+    /// Sets `error.param`.
+    fn param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// `error.type` as vLLM renders it.
+    fn error_type(&self) -> &'static str {
+        self.kind.unwrap_or(match self.status {
+            StatusCode::BAD_REQUEST => "BadRequestError",
+            StatusCode::NOT_FOUND => "NotFoundError",
+            _ => "InternalServerError",
+        })
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let kind = match self.status {
-            StatusCode::BAD_REQUEST => "BadRequestError",
-            StatusCode::NOT_FOUND => "NotFoundError",
-            _ => "InternalServerError",
-        };
-        let body = json!({"error": {"message": self.message, "type": kind, "param": null,
-                                    "code": self.status.as_u16()}});
+        let body = json!({"error": {"message": self.message, "type": self.error_type(),
+                                    "param": self.param, "code": self.status.as_u16()}});
         (self.status, axum::Json(body)).into_response()
     }
 }
@@ -709,13 +843,29 @@ fn yes() -> bool {
     true
 }
 
-/// vLLM's rule for `cache_salt`: absent or null is no salt, an empty string is refused with 400
-/// (a non-string already failed to parse).
+/// A `VLLMValidationError(message, parameter=...)` as vLLM's handlers render it: 400
+/// `BadRequestError`, the parameter in `param` and appended to the message (its `__str__`,
+/// `vllm/exceptions.py`).
+fn vllm_validation(message: &str, parameter: &str) -> ApiError {
+    bad_request(format!("{message} (parameter={parameter})")).param(parameter)
+}
+
+/// vLLM 0.33's `validate_cache_salt` (`vllm/entrypoints/generate/base/protocol.py`): absent or
+/// null is no salt; an empty salt, one over 128 characters, or one holding `@`, `/`, `\` or
+/// NUL is refused with 400 (a non-string already failed to parse).
 fn cache_salt(salt: Option<String>) -> Result<Option<String>, ApiError> {
     match salt {
-        Some(s) if s.is_empty() => Err(bad_request(
+        Some(s) if s.is_empty() => Err(vllm_validation(
             "Parameter 'cache_salt' must be a non-empty string if provided.",
+            "cache_salt",
         )),
+        Some(s) if s.chars().count() > 128 || s.contains(['@', '/', '\\', '\0']) => {
+            Err(vllm_validation(
+                "Parameter 'cache_salt' must be at most 128 characters and must not contain \
+                 '@', '/', '\\\\', or NUL.",
+                "cache_salt",
+            ))
+        }
         salt => Ok(salt),
     }
 }
@@ -727,38 +877,114 @@ struct RawMessage {
     content: Value,
 }
 
-/// Flattens OpenAI message content (string, null, or a list of parts) into text.
-fn flatten_content(v: &Value) -> Result<String, String> {
-    match v {
-        Value::Null => Ok(String::new()),
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut out = String::new();
-            for part in parts {
-                match part.get("text").and_then(Value::as_str) {
-                    Some(t) => out.push_str(t),
-                    None if part.is_string() => out.push_str(part.as_str().unwrap_or_default()),
-                    None => return Err("only text content parts are supported".into()),
-                }
-            }
-            Ok(out)
+/// Content part types vLLM reads as text, and the field holding the text
+/// (`TEXT_PART_TYPES` and `MM_PARSER_MAP`, `vllm/renderers/chat_utils/chat_message.py`).
+const TEXT_PARTS: [(&str, &str); 5] = [
+    ("text", "text"),
+    ("input_text", "text"),
+    ("output_text", "text"),
+    ("refusal", "refusal"),
+    ("thinking", "thinking"),
+];
+
+/// Content part types vLLM hands to the multimodal processor, which a text-only model refuses.
+const MEDIA_PARTS: [&str; 9] = [
+    "input_image",
+    "image_url",
+    "image_embeds",
+    "image_pil",
+    "audio_url",
+    "input_audio",
+    "audio_embeds",
+    "video_url",
+    "video_embeds",
+];
+
+/// Why message content cannot be rendered.
+#[derive(Debug, PartialEq)]
+enum ContentError {
+    /// An image, audio or video part: the simulated model is text-only.
+    Media,
+    /// Anything else, with the reason.
+    Invalid(String),
+}
+
+/// Flattens OpenAI message content (string, null, or a list of parts) into text, as vLLM's
+/// "string" content format does: the parts' texts joined by newlines.
+fn flatten_content(v: &Value) -> Result<String, ContentError> {
+    let parts = match v {
+        Value::Null => return Ok(String::new()),
+        Value::String(s) => return Ok(s.clone()),
+        Value::Array(parts) => parts,
+        _ => {
+            return Err(ContentError::Invalid(
+                "message content must be a string or a list of parts".into(),
+            ));
         }
-        _ => Err("message content must be a string or a list of parts".into()),
+    };
+    let mut texts = Vec::with_capacity(parts.len());
+    for part in parts {
+        if let Some(text) = part.as_str() {
+            texts.push(text);
+            continue;
+        }
+        let kind = part.get("type").and_then(Value::as_str).unwrap_or("text");
+        if MEDIA_PARTS.contains(&kind) {
+            return Err(ContentError::Media);
+        }
+        let field = TEXT_PARTS
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or("text", |(_, f)| *f);
+        match part.get(field) {
+            Some(Value::String(text)) => texts.push(text),
+            // vLLM skips a text part whose text is missing or null.
+            None | Some(Value::Null) if TEXT_PARTS.iter().any(|(k, _)| *k == kind) => {}
+            _ => {
+                return Err(ContentError::Invalid(
+                    "only text content parts are supported".into(),
+                ));
+            }
+        }
+    }
+    Ok(texts.join("\n"))
+}
+
+/// How a rendered chat prompt ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PromptEnd {
+    /// With the assistant turn's header (`add_generation_prompt`).
+    Generate,
+    /// Where the template leaves the last message.
+    Plain,
+    /// Right after the last message's text, so the model continues it
+    /// (`continue_final_message`, cut as transformers' `apply_chat_template` cuts).
+    ContinueFinal,
+}
+
+impl PromptEnd {
+    fn generate(add_generation_prompt: bool) -> Self {
+        if add_generation_prompt {
+            Self::Generate
+        } else {
+            Self::Plain
+        }
     }
 }
 
-fn chat_messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>, ApiError> {
-    if raw.is_empty() {
-        return Err(bad_request("messages must not be empty"));
-    }
-    raw.iter()
-        .map(|m| {
-            Ok(ChatMessage {
-                role: m.role.clone(),
-                content: flatten_content(&m.content).map_err(bad_request)?,
-            })
-        })
-        .collect()
+/// `rendered` cut after the last occurrence of `final_text`, as transformers cuts a
+/// `continue_final_message` prompt; `None` when the template dropped the text.
+fn cut_after_final_message(rendered: &str, final_text: &str) -> Option<String> {
+    let at = rendered.rfind(final_text.trim())?;
+    // The template kept the text's trailing spacing: keep it too; else cut at the trimmed end.
+    let kept = final_text == final_text.trim_start() && rendered[at..].starts_with(final_text);
+    let end = at
+        + if kept {
+            final_text.len()
+        } else {
+            final_text.trim().len()
+        };
+    Some(rendered[..end].to_owned())
 }
 
 fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
@@ -772,11 +998,49 @@ impl Shared {
             None => Ok(None),
             Some(m) if m == self.model => Ok(None),
             Some(m) if self.loras.iter().any(|l| l == m) => Ok(Some(m.to_owned())),
+            // `_check_model`, vllm/entrypoints/serve/engine/serving.py: only base models are
+            // listed as aliases.
             Some(m) => Err(ApiError::new(
                 StatusCode::NOT_FOUND,
-                format!("The model `{m}` does not exist."),
-            )),
+                format!(
+                    "The model `{m}` does not exist. Valid aliases: {}.",
+                    self.model
+                ),
+            )
+            .param("model")),
         }
+    }
+
+    /// The request's messages as the template sees them: each content flattened to text.
+    fn chat_messages(&self, raw: &[RawMessage]) -> Result<Vec<ChatMessage>, ApiError> {
+        if raw.is_empty() {
+            return Err(bad_request("messages must not be empty"));
+        }
+        raw.iter()
+            .map(|m| {
+                let content = flatten_content(&m.content).map_err(|e| match e {
+                    // vLLM's `MultiModalRegistry.create_processor` (a ValueError, hence 400).
+                    ContentError::Media => {
+                        bad_request(format!("{} is not a multimodal model", self.model))
+                    }
+                    ContentError::Invalid(why) => bad_request(why),
+                })?;
+                Ok(ChatMessage {
+                    role: m.role.clone(),
+                    content,
+                })
+            })
+            .collect()
+    }
+
+    /// The prompt ids of chat messages given as JSON objects (what the agent APIs build from
+    /// their requests, as vLLM builds OpenAI chat messages), through the chat path.
+    fn chat_prompt_of(&self, msgs: &[Value], end: PromptEnd) -> Result<Vec<u32>, ApiError> {
+        let raw = msgs
+            .iter()
+            .map(|m| RawMessage::deserialize(m).map_err(|e| bad_request(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.render_prompt(&self.chat_messages(&raw)?, end, false)
     }
 
     fn completion_prompt(
@@ -816,13 +1080,42 @@ impl Shared {
         add_generation_prompt: bool,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, ApiError> {
-        let text = self
+        self.render_prompt(
+            msgs,
+            PromptEnd::generate(add_generation_prompt),
+            add_special_tokens,
+        )
+    }
+
+    /// Renders `msgs` ending as `end` asks, then tokenises the text.
+    fn render_prompt(
+        &self,
+        msgs: &[ChatMessage],
+        end: PromptEnd,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, ApiError> {
+        let mut text = self
             .template
-            .render(msgs, add_generation_prompt)
+            .render(msgs, end == PromptEnd::Generate)
             .map_err(|e| bad_request(e.to_string()))?;
+        if end == PromptEnd::ContinueFinal {
+            let last = msgs.last().map_or("", |m| m.content.as_str());
+            text = cut_after_final_message(&text, last).ok_or_else(|| {
+                bad_request(
+                    "continue_final_message is set but the final message does not appear in \
+                     the chat after applying the chat template!",
+                )
+            })?;
+        }
         self.tokenizer
             .encode(&text, add_special_tokens)
             .map_err(|e| bad_request(e.to_string()))
+    }
+
+    /// A fresh id: `prefix` and 16 hex digits, the form of vLLM's `random_uuid()`
+    /// (`vllm/utils/__init__.py`: the low 64 bits of a UUID4).
+    fn random_id(&self, prefix: &str) -> String {
+        format!("{prefix}{:016x}", self.ids.lock().random::<u64>())
     }
 
     /// Failure injection common to both completion endpoints.
@@ -849,21 +1142,23 @@ async fn chat_completions(
     let req: ChatRequest = parse(&body)?;
     let lora = s.resolve_model(req.model.as_deref())?;
     let cache_salt = cache_salt(req.cache_salt)?;
-    let msgs = chat_messages(&req.messages)?;
+    let msgs = s.chat_messages(&req.messages)?;
     let prompt = s.chat_prompt(&msgs, req.add_generation_prompt, req.add_special_tokens)?;
     let (remote_prefilled, kv_transfer) =
         disaggregation(&s, &headers, "/v1/chat/completions", &body, prompt.len()).await;
     let job = Job {
         chat: true,
         model: req.model.unwrap_or_else(|| s.model.clone()),
-        lora,
-        cache_salt,
-        prompt,
-        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        engine: EngineJob {
+            lora,
+            cache_salt,
+            prompt,
+            max_tokens: req.max_completion_tokens.or(req.max_tokens),
+            remote_prefilled,
+        },
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         n: req.n,
-        remote_prefilled,
         kv_transfer,
     };
     run_job(s, job).await
@@ -884,14 +1179,16 @@ async fn completions(
     let job = Job {
         chat: false,
         model: req.model.unwrap_or_else(|| s.model.clone()),
-        lora,
-        cache_salt,
-        prompt,
-        max_tokens: req.max_tokens,
+        engine: EngineJob {
+            lora,
+            cache_salt,
+            prompt,
+            max_tokens: req.max_tokens,
+            remote_prefilled,
+        },
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         n: req.n,
-        remote_prefilled,
         kv_transfer,
     };
     run_job(s, job).await
@@ -919,21 +1216,28 @@ async fn disaggregation(
     (remote, false)
 }
 
+/// A chat or completion request, ready to run.
 struct Job {
     chat: bool,
     model: String,
+    engine: EngineJob,
+    stream: bool,
+    include_usage: bool,
+    n: Option<u32>,
+    /// This is a prefill for a remote decode: answer with `kv_transfer_params`.
+    kv_transfer: bool,
+}
+
+/// What every generating endpoint hands the engine: a rendered prompt and its limits.
+struct EngineJob {
     lora: Option<String>,
     /// vLLM's `cache_salt`, keying the prompt's cached blocks.
     cache_salt: Option<String>,
     prompt: Vec<u32>,
+    /// Output length; `None` takes `--default-max-tokens`.
     max_tokens: Option<u32>,
-    stream: bool,
-    include_usage: bool,
-    n: Option<u32>,
     /// The prompt's KV came from a prefill replica (llm-d's P/D sidecar).
     remote_prefilled: bool,
-    /// This is a prefill for a remote decode: answer with `kv_transfer_params`.
-    kv_transfer: bool,
 }
 
 /// Aborts the engine request if the handler (or stream) is dropped before it finished.
@@ -955,60 +1259,144 @@ impl Drop for AbortGuard {
     }
 }
 
+/// One engine request being generated, as every API reads it: the tokens the driver delivers
+/// step by step, and a guard that aborts the request when its answer is dropped unfinished
+/// (a client disconnect), so all APIs share one admission and abort path.
+struct Generation {
+    s: Arc<Shared>,
+    rx: mpsc::UnboundedReceiver<Delivery>,
+    guard: AbortGuard,
+    detok: IncrementalDecoder,
+}
+
+/// What one engine step produced for a request.
+struct StepText {
+    /// Text of the step's new tokens (possibly empty: an incomplete character).
+    text: String,
+    /// Set on the request's last step.
+    finished: Option<RequestSummary>,
+}
+
+impl Generation {
+    /// Queues `job` in the engine.
+    fn start(s: &Arc<Shared>, job: EngineJob) -> Result<Self, ApiError> {
+        let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let arrival_s = s.clock.now();
+        s.pending.lock().insert(
+            id,
+            Pending {
+                tx,
+                arrival_s,
+                last_token_s: None,
+            },
+        );
+        let request = EngineRequest {
+            id,
+            prompt_tokens: job.prompt,
+            max_output_tokens: job.max_tokens.unwrap_or(s.default_max_tokens),
+            lora: job.lora,
+            cache_salt: job.cache_salt,
+            arrival_s,
+        };
+        let added = if job.remote_prefilled {
+            s.engine.lock().add_remote_prefilled(request)
+        } else {
+            s.engine.lock().add_request(request)
+        };
+        if let Err(e) = added {
+            s.pending.lock().remove(&id);
+            return Err(bad_request(e.to_string()));
+        }
+        s.wake.notify_one();
+        Ok(Self {
+            s: s.clone(),
+            rx,
+            guard: AbortGuard {
+                shared: s.clone(),
+                id,
+                done: false,
+            },
+            detok: IncrementalDecoder::default(),
+        })
+    }
+
+    /// Waits for the next step that produced something for this request and returns all of
+    /// it (the driver delivers a step's tokens together); `None` if the request was dropped.
+    async fn next_step(&mut self) -> Option<StepText> {
+        let mut out = StepText {
+            text: String::new(),
+            finished: None,
+        };
+        let first = self.rx.recv().await?;
+        self.take(first, &mut out);
+        while out.finished.is_none() {
+            match self.rx.try_recv() {
+                Ok(d) => self.take(d, &mut out),
+                Err(_) => break,
+            }
+        }
+        if out.finished.is_some() {
+            self.guard.done = true;
+        }
+        Some(out)
+    }
+
+    fn take(&mut self, d: Delivery, out: &mut StepText) {
+        match d {
+            Delivery::Token(id) => out
+                .text
+                .push_str(&self.detok.push(self.s.tokenizer.as_ref(), id)),
+            Delivery::Finished(summary) => out.finished = Some(summary),
+        }
+    }
+
+    /// Waits for the whole answer: its text (decoded at once) and summary.
+    async fn finish(mut self) -> Result<(String, RequestSummary), ApiError> {
+        let mut ids = Vec::new();
+        let summary = loop {
+            match self.rx.recv().await {
+                Some(Delivery::Token(token_id)) => ids.push(token_id),
+                Some(Delivery::Finished(summary)) => break summary,
+                None => {
+                    return Err(ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "request was dropped",
+                    ));
+                }
+            }
+        };
+        self.guard.done = true;
+        Ok((self.s.tokenizer.decode(&ids), summary))
+    }
+}
+
+/// Unix time in whole seconds (`created`, `created_at`).
+fn unix_now_secs(s: &Shared) -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(s.created)
+}
+
 async fn run_job(s: Arc<Shared>, job: Job) -> ApiResult {
     if job.n.is_some_and(|n| n != 1) {
         return Err(bad_request("only n=1 is supported"));
     }
-    let max_tokens = job.max_tokens.unwrap_or(s.default_max_tokens);
-    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let (tx, rx) = mpsc::unbounded_channel();
-    let arrival_s = s.clock.now();
-    s.pending.lock().insert(
-        id,
-        Pending {
-            tx,
-            arrival_s,
-            last_token_s: None,
-        },
-    );
-    let request = EngineRequest {
-        id,
-        prompt_tokens: job.prompt,
-        max_output_tokens: max_tokens,
-        lora: job.lora,
-        cache_salt: job.cache_salt,
-        arrival_s,
-    };
-    let added = if job.remote_prefilled {
-        s.engine.lock().add_remote_prefilled(request)
-    } else {
-        s.engine.lock().add_request(request)
-    };
-    if let Err(e) = added {
-        s.pending.lock().remove(&id);
-        return Err(bad_request(e.to_string()));
-    }
-    s.wake.notify_one();
-    let guard = AbortGuard {
-        shared: s.clone(),
-        id,
-        done: false,
-    };
+    let generation = Generation::start(&s, job.engine)?;
+    let id = generation.guard.id;
     let prefix = if job.chat { "chatcmpl" } else { "cmpl" };
     let ctx = ChunkCtx {
         id: format!("{prefix}-sim-{id}"),
         chat: job.chat,
         model: job.model,
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(s.created),
+        created: unix_now_secs(&s),
         kv_transfer: job.kv_transfer,
     };
     if job.stream {
-        Ok(stream_response(s, ctx, rx, guard, job.include_usage))
+        Ok(stream_response(ctx, generation, job.include_usage))
     } else {
-        full_response(s, ctx, rx, guard).await
+        full_response(s, ctx, generation).await
     }
 }
 
@@ -1021,6 +1409,14 @@ struct ChunkCtx {
     kv_transfer: bool,
 }
 
+/// Prompt tokens the request wrote to the prefix cache: its full blocks not read from it
+/// (vLLM's `PrefillStats.finalize` with the blocks the request holds after its prefill,
+/// `num_cache_creation_tokens`).
+fn cache_write_tokens(sum: &RequestSummary, block_size: u32) -> u32 {
+    let block = block_size.max(1);
+    (sum.prompt_tokens / block * block).saturating_sub(sum.cached_tokens)
+}
+
 fn usage(summary: &RequestSummary) -> Value {
     json!({
         "prompt_tokens": summary.prompt_tokens,
@@ -1030,27 +1426,8 @@ fn usage(summary: &RequestSummary) -> Value {
     })
 }
 
-async fn full_response(
-    s: Arc<Shared>,
-    ctx: ChunkCtx,
-    mut rx: mpsc::UnboundedReceiver<Delivery>,
-    mut guard: AbortGuard,
-) -> ApiResult {
-    let mut ids = Vec::new();
-    let summary = loop {
-        match rx.recv().await {
-            Some(Delivery::Token(token_id)) => ids.push(token_id),
-            Some(Delivery::Finished(summary)) => break summary,
-            None => {
-                return Err(ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "request was dropped",
-                ));
-            }
-        }
-    };
-    guard.done = true;
-    let text = s.tokenizer.decode(&ids);
+async fn full_response(s: Arc<Shared>, ctx: ChunkCtx, generation: Generation) -> ApiResult {
+    let (text, summary) = generation.finish().await?;
     let choice = if ctx.chat {
         json!({"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
                "logprobs": null, "finish_reason": "length", "stop_reason": null})
@@ -1072,22 +1449,30 @@ async fn full_response(
     Ok(axum::Json(body).into_response())
 }
 
-fn stream_response(
-    s: Arc<Shared>,
-    ctx: ChunkCtx,
-    rx: mpsc::UnboundedReceiver<Delivery>,
-    guard: AbortGuard,
-    include_usage: bool,
-) -> Response {
+/// An SSE response whose body is `frames`.
+fn sse_response<S>(frames: S) -> Response
+where
+    S: futures_util::Stream<Item = String> + Send + 'static,
+{
+    use futures_util::StreamExt;
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(
+            frames.map(|f| Ok::<_, std::convert::Infallible>(Bytes::from(f))),
+        ))
+        .unwrap_or_else(|_| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "cannot build stream").into_response()
+        })
+}
+
+fn stream_response(ctx: ChunkCtx, generation: Generation, include_usage: bool) -> Response {
     struct St {
-        s: Arc<Shared>,
         ctx: ChunkCtx,
-        rx: mpsc::UnboundedReceiver<Delivery>,
-        guard: AbortGuard,
+        generation: Generation,
         include_usage: bool,
         sent_role: bool,
         done: bool,
-        detok: IncrementalDecoder,
     }
     let chunk = |ctx: &ChunkCtx, delta: Option<&str>, finish: Option<&str>, role: bool| {
         let choice = if ctx.chat {
@@ -1111,51 +1496,30 @@ fn stream_response(
         format!("data: {v}\n\n")
     };
     let st = St {
-        s,
         ctx,
-        rx,
-        guard,
+        generation,
         include_usage,
         sent_role: false,
         done: false,
-        detok: IncrementalDecoder::default(),
     };
     let stream = futures_util::stream::unfold(st, move |mut st| async move {
         if st.done {
             return None;
         }
-        let mut out = String::new();
         // Tokens are delivered one per step; send what is there, waiting for at least one.
-        let mut pending_text = String::new();
-        let mut finished: Option<RequestSummary> = None;
-        match st.rx.recv().await {
-            Some(Delivery::Token(token_id)) => {
-                pending_text.push_str(&st.detok.push(st.s.tokenizer.as_ref(), token_id))
-            }
-            Some(Delivery::Finished(sum)) => finished = Some(sum),
-            None => return None,
-        }
+        let step = st.generation.next_step().await?;
+        let mut out = String::new();
         if st.ctx.chat && !st.sent_role {
             // Like vLLM, the chat stream opens (with an empty delta carrying the role) only
             // once the first token exists, so clients measure TTFT at the first chunk.
             st.sent_role = true;
             out.push_str(&chunk(&st.ctx, Some(""), None, true));
         }
-        while finished.is_none() {
-            match st.rx.try_recv() {
-                Ok(Delivery::Token(token_id)) => {
-                    pending_text.push_str(&st.detok.push(st.s.tokenizer.as_ref(), token_id))
-                }
-                Ok(Delivery::Finished(sum)) => finished = Some(sum),
-                Err(_) => break,
-            }
-        }
-        match finished {
-            None => out.push_str(&chunk(&st.ctx, Some(&pending_text), None, false)),
+        match step.finished {
+            None => out.push_str(&chunk(&st.ctx, Some(&step.text), None, false)),
             Some(sum) => {
-                st.guard.done = true;
                 st.done = true;
-                out.push_str(&chunk(&st.ctx, Some(&pending_text), Some("length"), false));
+                out.push_str(&chunk(&st.ctx, Some(&step.text), Some("length"), false));
                 if st.include_usage {
                     let v = json!({"id": st.ctx.id,
                         "object": if st.ctx.chat { "chat.completion.chunk" } else { "text_completion" },
@@ -1166,15 +1530,9 @@ fn stream_response(
                 out.push_str("data: [DONE]\n\n");
             }
         }
-        Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), st))
+        Some((out, st))
     });
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(stream))
-        .unwrap_or_else(|_| {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "cannot build stream").into_response()
-        })
+    sse_response(stream)
 }
 
 #[derive(Debug, Deserialize)]
@@ -1200,7 +1558,7 @@ async fn tokenize(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
     let tokens = match (&req.prompt, &req.messages) {
         (Some(p), None) => s.completion_prompt(p, req.add_special_tokens.unwrap_or(true))?,
         (None, Some(m)) => s.chat_prompt(
-            &chat_messages(m)?,
+            &s.chat_messages(m)?,
             req.add_generation_prompt,
             req.add_special_tokens.unwrap_or(false),
         )?,
@@ -1217,11 +1575,44 @@ async fn tokenize(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
     Ok(axum::Json(body).into_response())
 }
 
+/// vLLM's `POST /detokenize` (`serve/tokenize/serving.py::create_detokenize`):
+/// `{"model"?, "tokens": [ids]}` answers `{"prompt": text}`, special tokens kept.
+async fn detokenize(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
+    use validation::{FieldError, list_field, require, string_field, validation_error};
+    let req = validation::json_object(&body)?;
+    let mut errors = require(&req, &["tokens"]);
+    let model = string_field(&req, "model").unwrap_or_else(|e| {
+        errors.push(e);
+        None
+    });
+    let mut ids = Vec::new();
+    if let Ok(Some(tokens)) = list_field(&req, "tokens") {
+        for (i, t) in tokens.iter().enumerate() {
+            match t.as_u64().and_then(|t| u32::try_from(t).ok()) {
+                Some(id) => ids.push(id),
+                None => errors.push(FieldError::value_error(
+                    &format!("tokens.{i}"),
+                    "token ids must be non-negative integers the vocabulary holds",
+                    t,
+                )),
+            }
+        }
+    } else if let Err(e) = list_field(&req, "tokens") {
+        errors.push(e);
+    }
+    if !errors.is_empty() {
+        return Err(validation_error(&errors));
+    }
+    s.resolve_model(model)?;
+    let prompt = s.tokenizer.decode_keeping_special(&ids);
+    Ok(axum::Json(json!({"prompt": prompt})).into_response())
+}
+
 async fn render_chat(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
     let req: ChatRequest = parse(&body)?;
     s.resolve_model(req.model.as_deref())?;
     let tokens = s.chat_prompt(
-        &chat_messages(&req.messages)?,
+        &s.chat_messages(&req.messages)?,
         req.add_generation_prompt,
         req.add_special_tokens,
     )?;
@@ -1359,4 +1750,57 @@ async fn sim_stats(State(s): State<Arc<Shared>>) -> Response {
                       "pd": s.pd.stats()}),
     )
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_store_switch_is_read_as_python_reads_it() {
+        for (text, want) in [
+            ("1", Some(true)),
+            (" 0 ", Some(false)),
+            ("+2", Some(true)),
+            ("1_0", Some(true)),
+            ("00", Some(false)),
+            ("-0", Some(false)),
+            ("yes", None),
+            ("", None),
+            ("1__0", None),
+            ("_1", None),
+            ("1.0", None),
+        ] {
+            assert_eq!(python_int_is_nonzero(text), want, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn content_parts_join_by_newlines_and_media_is_refused() {
+        let parts = json!([{"type": "text", "text": "a"}, "b",
+                           {"type": "input_text", "text": "c"}, {"type": "text", "text": null},
+                           {"type": "refusal", "refusal": "d"}]);
+        assert_eq!(flatten_content(&parts), Ok("a\nb\nc\nd".into()));
+        let image = json!([{"type": "image_url", "image_url": {"url": "x"}}]);
+        assert_eq!(flatten_content(&image), Err(ContentError::Media));
+        assert!(matches!(
+            flatten_content(&json!([{"type": "mystery"}])),
+            Err(ContentError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn a_continued_final_message_is_cut_after_its_text() {
+        let rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhalf<|im_end|>\n";
+        assert_eq!(
+            cut_after_final_message(rendered, "half").as_deref(),
+            Some("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhalf")
+        );
+        // Trailing spacing the template trimmed is not kept.
+        assert_eq!(
+            cut_after_final_message("A: half.\nB", "half. ").as_deref(),
+            Some("A: half.")
+        );
+        assert_eq!(cut_after_final_message("nothing", "gone"), None);
+    }
 }

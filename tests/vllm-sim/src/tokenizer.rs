@@ -36,6 +36,11 @@ pub trait Tokenizer: Send + Sync {
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, SimError>;
     /// Text of `ids`, special tokens skipped (vLLM's default for outputs).
     fn decode(&self, ids: &[u32]) -> String;
+    /// Text of `ids` with special tokens kept: `tokenizer.decode(ids)` with transformers'
+    /// defaults, as vLLM's `/detokenize` decodes (`renderers/base.py::_detokenize_prompt`).
+    fn decode_keeping_special(&self, ids: &[u32]) -> String {
+        self.decode(ids)
+    }
     /// The vocabulary string of one id (`/tokenize`'s `token_strs`).
     fn token_str(&self, id: u32) -> String {
         self.decode(&[id])
@@ -249,6 +254,10 @@ impl Tokenizer for HfTokenizer {
 
     fn decode(&self, ids: &[u32]) -> String {
         self.inner.decode(ids, true).unwrap_or_default()
+    }
+
+    fn decode_keeping_special(&self, ids: &[u32]) -> String {
+        self.inner.decode(ids, false).unwrap_or_default()
     }
 
     fn token_str(&self, id: u32) -> String {

@@ -2,44 +2,23 @@
 //! ZMQ, failure injection. Servers run in-process on OS-picked ports (one test also runs the
 //! built binary), every wait has a timeout.
 
+mod common;
+
 use std::time::Duration;
 
 use clap::Parser;
+use common::{T, json_body, replay_from_zero, run_binary, spawn_binary, start};
 use http_body_util::{BodyExt, Full};
 use kvroute_harness::{HttpClient, HttpResponse};
 use serde_json::{Value, json};
-use vllm_sim::server::{self, REPLICA_HEADER, SimArgs, SimServer};
+use vllm_sim::server::{self, REPLICA_HEADER, SimArgs};
 use vllm_wire::kv_events::{BlockHash, WireBatch, WireEvent, decode_batch};
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
-
-const T: Duration = Duration::from_secs(10);
-
-async fn start(extra: &[&str]) -> SimServer {
-    let mut argv = vec![
-        "vllm-sim",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--model",
-        "sim-llama",
-        "--speed",
-        "20",
-    ];
-    argv.extend_from_slice(extra);
-    server::start(SimArgs::try_parse_from(argv).expect("args"))
-        .await
-        .expect("server starts")
-}
+use zeromq::{Socket, SocketRecv, SubSocket};
 
 async fn post(c: &HttpClient, url: &str, body: Value) -> HttpResponse {
     c.request("POST", url, &[], Some(body.to_string()), T)
         .await
         .expect("response")
-}
-
-fn json_body(r: &HttpResponse) -> Value {
-    serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("not json ({e}): {}", r.body))
 }
 
 /// The OpenAI-style `error.message` of a refused request.
@@ -409,27 +388,8 @@ async fn kv_events_over_zmq_with_replay() {
     assert_eq!(decode(&frames[2]).events, vec![WireEvent::AllBlocksCleared]);
 
     // Replay everything from seq 0: both batches, then the end marker.
-    let mut dealer = DealerSocket::new();
-    dealer.connect(&replay).await.expect("connect replay");
-    let req = ZmqMessage::try_from(vec![
-        bytes::Bytes::new(),
-        bytes::Bytes::copy_from_slice(&0u64.to_be_bytes()),
-    ])
-    .unwrap();
-    dealer.send(req).await.expect("send replay request");
     let mut seqs = Vec::new();
-    loop {
-        let m = tokio::time::timeout(T, dealer.recv())
-            .await
-            .expect("replay in time")
-            .expect("recv");
-        let f: Vec<_> = m.into_vec();
-        assert_eq!(f.len(), 4, "[empty, topic, seq, payload]");
-        assert!(f[0].is_empty());
-        if f[2].as_ref() == [0xFF; 8] {
-            assert!(f[1].is_empty() && f[3].is_empty());
-            break;
-        }
+    for f in replay_from_zero(&replay).await {
         assert_eq!(f[1].as_ref(), b"kv@sim");
         seqs.push(u64::from_be_bytes(f[2].as_ref().try_into().unwrap()));
         decode(&f[3]);
@@ -554,37 +514,12 @@ async fn client_disconnect_aborts_the_request() {
 
 #[tokio::test]
 async fn the_binary_serves_and_stops() {
-    let port = kvroute_harness::free_port().expect("free port");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
-        .args([
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--model",
-            "m",
-            "--profile",
-            "fast",
-        ])
-        .kill_on_drop(true)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn vllm-sim");
+    let (mut child, base) = spawn_binary(
+        &["--host", "127.0.0.1", "--model", "m", "--profile", "fast"],
+        &[],
+    )
+    .await;
     let c = HttpClient::new();
-    let base = format!("http://127.0.0.1:{port}");
-    let deadline = tokio::time::Instant::now() + T;
-    while c
-        .get(&format!("{base}/health"), Duration::from_millis(500))
-        .await
-        .is_err()
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "vllm-sim did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let r = post(
         &c,
         &format!("{base}/v1/completions"),
@@ -592,10 +527,7 @@ async fn the_binary_serves_and_stops() {
     )
     .await;
     assert_eq!(json_body(&r)["usage"]["completion_tokens"], 2);
-    let bad = tokio::process::Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
-        .args(["--port", "0", "--speed", "0"])
-        .output();
-    let bad = tokio::time::timeout(T, bad).await.unwrap().unwrap();
+    let bad = run_binary(&["--port", "0", "--speed", "0"], &[]).await;
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--speed"));
     child.start_kill().unwrap();

@@ -9,10 +9,15 @@
 //! - the batches captured from a live vllm-sim show a block pool's bookkeeping (parents stored
 //!   first, one hash per removal, only stored blocks evicted);
 //! - every metric the simulator exports is a metric vLLM 0.33 registers, with the same type,
-//!   and the router's parser reads the page.
+//!   and the router's parser reads the page;
+//! - every object of the agent APIs' answers (Responses, Messages, their streams, errors,
+//!   `/detokenize`) has the fields of the vLLM 0.33 class it stands for, in its order
+//!   (`agent_fields.json`).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+
+use serde_json::Value;
 
 use vllm_sim::engine::{KvEvent, StoredBlocks};
 use vllm_sim::kv_events::wire_batch;
@@ -191,4 +196,185 @@ fn exported_metrics_are_vllm_metrics() {
     // And the router's parser reads the page.
     let parsed = vllm_wire::prom::parse_vllm_metrics(&page).expect("the router reads it");
     assert_eq!(parsed.kv_usage, 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The agent APIs' wire shapes
+
+/// What `scripts/check_vllm_compat.py` read from vLLM 0.33's protocol classes (and the openai
+/// SDK classes vLLM builds Responses items and events from): each class's fields in order,
+/// and whether vLLM dumps every field (`all`) or only the set ones (`subset`).
+fn agent_fields() -> Value {
+    let text = std::fs::read_to_string(fixtures().join("agent_fields.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Checks `value` against `class` and the classes its fields hold; returns the objects checked.
+fn check_shape(fields: &Value, value: &Value, class: &str, at: &str) -> usize {
+    let spec = &fields["classes"][class];
+    assert!(spec.is_object(), "{at}: {class} is in the fixture");
+    let obj = value
+        .as_object()
+        .unwrap_or_else(|| panic!("{at}: a {class} is an object: {value}"));
+    let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+    let want: Vec<&str> = spec["fields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    if spec["dump"] == "all" {
+        let omit = spec["omit_when_none"].as_array().unwrap();
+        let expected: Vec<&str> = want
+            .iter()
+            .copied()
+            .filter(|f| !(omit.iter().any(|o| o == f) && obj.get(*f).is_none_or(Value::is_null)))
+            .collect();
+        assert_eq!(
+            keys, expected,
+            "{at}: {class} has vLLM's fields in vLLM's order"
+        );
+    } else {
+        let pos: Vec<usize> = keys
+            .iter()
+            .map(|k| {
+                want.iter()
+                    .position(|f| f == k)
+                    .unwrap_or_else(|| panic!("{at}: {class} has no field {k}"))
+            })
+            .collect();
+        assert!(
+            pos.is_sorted(),
+            "{at}: {class} keys {keys:?} in vLLM's order"
+        );
+    }
+    let mut n = 1;
+    for (field, inner) in spec["nested"].as_object().unwrap() {
+        let inner = inner.as_str().unwrap();
+        match obj.get(field) {
+            Some(Value::Array(items)) => {
+                for (i, item) in items.iter().enumerate() {
+                    n += check_shape(fields, item, inner, &format!("{at}.{field}[{i}]"));
+                }
+            }
+            Some(Value::Null) | None => {}
+            Some(v) => n += check_shape(fields, v, inner, &format!("{at}.{field}")),
+        }
+    }
+    n
+}
+
+/// The `(event, data)` pairs of an SSE body.
+fn sse(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter(|f| !f.is_empty())
+        .map(|f| {
+            let (event, data) = f.split_once('\n').unwrap();
+            let data = data.strip_prefix("data: ").unwrap();
+            (
+                event.strip_prefix("event: ").unwrap().to_owned(),
+                serde_json::from_str(data).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn agent_api_answers_have_vllms_fields() {
+    use clap::Parser;
+    let fields = agent_fields();
+    let argv = [
+        "vllm-sim",
+        "--port",
+        "0",
+        "--model",
+        "sim-compat",
+        "--profile",
+        "fast",
+        "--enable-responses-store",
+    ];
+    let sim = vllm_sim::server::start(vllm_sim::server::SimArgs::try_parse_from(argv).unwrap())
+        .await
+        .unwrap();
+    let c = kvroute_harness::HttpClient::new();
+    let t = std::time::Duration::from_secs(10);
+    let ask = async |method: &str, path: &str, body: Option<Value>| {
+        let url = format!("{}{path}", sim.url());
+        let r = c
+            .request(method, &url, &[], body.map(|b| b.to_string()), t)
+            .await
+            .unwrap();
+        (r.status, r.body)
+    };
+    let json = |b: &str| -> Value { serde_json::from_str(b).unwrap() };
+    let mut checked = 0;
+
+    let turn = serde_json::json!({"model": "sim-compat", "instructions": "Be terse.",
+                                  "input": "list the files", "max_output_tokens": 4});
+    let (_, one) = ask("POST", "/v1/responses", Some(turn.clone())).await;
+    let one = json(&one);
+    checked += check_shape(&fields, &one, "ResponsesResponse", "responses");
+    let id = one["id"].as_str().unwrap();
+    let mut streamed = turn.clone();
+    streamed["stream"] = true.into();
+    streamed["previous_response_id"] = id.into();
+    let (_, body) = ask("POST", "/v1/responses", Some(streamed)).await;
+    let events = sse(&body);
+    assert!(events.len() >= 9);
+    for (i, (event, data)) in events.iter().enumerate() {
+        let class = fields["responses_events"][event.as_str()]
+            .as_str()
+            .unwrap_or_else(|| panic!("vLLM streams no {event}"));
+        assert_eq!(data["type"], event.as_str());
+        assert_eq!(data["sequence_number"], i);
+        checked += check_shape(&fields, data, class, event);
+    }
+    let (_, got) = ask("GET", &format!("/v1/responses/{id}"), None).await;
+    checked += check_shape(&fields, &json(&got), "ResponsesResponse", "GET");
+    for (path, body) in [
+        (format!("/v1/responses/{id}/cancel"), serde_json::json!({})),
+        (
+            "/v1/responses".to_owned(),
+            serde_json::json!({"input": "x", "previous_response_id": "resp_x"}),
+        ),
+        (
+            "/v1/messages".to_owned(),
+            serde_json::json!({"model": "sim-compat", "messages": []}),
+        ),
+    ] {
+        let (status, err) = ask("POST", &path, Some(body)).await;
+        assert!(status >= 400);
+        checked += check_shape(&fields, &json(&err), "ErrorResponse", &path);
+    }
+
+    let msg = serde_json::json!({"model": "sim-compat", "max_tokens": 4, "system": "Be terse.",
+                                 "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
+                                 "messages": [{"role": "user", "content": "list the files"}]});
+    let (_, m) = ask("POST", "/v1/messages", Some(msg.clone())).await;
+    checked += check_shape(&fields, &json(&m), "AnthropicMessagesResponse", "messages");
+    let mut streamed = msg.clone();
+    streamed["stream"] = true.into();
+    let (_, body) = ask("POST", "/v1/messages", Some(streamed)).await;
+    let types = fields["anthropic_event_types"].as_array().unwrap();
+    for (event, data) in sse(&body) {
+        assert!(types.iter().any(|t| t == event.as_str()), "{event}");
+        assert_eq!(data["type"], event.as_str());
+        checked += check_shape(&fields, &data, "AnthropicStreamEvent", &event);
+    }
+    let (_, n) = ask("POST", "/v1/messages/count_tokens", Some(msg.clone())).await;
+    checked += check_shape(&fields, &json(&n), "AnthropicCountTokensResponse", "count");
+    let mut unknown = msg;
+    unknown["model"] = "nope".into();
+    let (_, e) = ask("POST", "/v1/messages", Some(unknown)).await;
+    checked += check_shape(
+        &fields,
+        &json(&e),
+        "AnthropicErrorResponse",
+        "messages error",
+    );
+    let tokens = Some(serde_json::json!({"tokens": [1, 2]}));
+    let (_, d) = ask("POST", "/detokenize", tokens).await;
+    checked += check_shape(&fields, &json(&d), "DetokenizeResponse", "detokenize");
+    assert!(checked > 60, "{checked} objects checked");
+    sim.shutdown().await;
 }
