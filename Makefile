@@ -92,6 +92,13 @@ demo: setup build
 demo-precise: setup build
 	$(TARGET_DIR)/release/kvroute-demo --compare approximate,approximate-learned,precise
 
+# The agent workload: Responses API chains linked only by previous_response_id on replicas that
+# store responses, kvroute against round robin (chain failure rate and TTFT); writes
+# $(TARGET_DIR)/kvroute-demo-agent/summary.json.
+.PHONY: demo-agent
+demo-agent: setup build
+	$(TARGET_DIR)/release/kvroute-demo --agent
+
 lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

@@ -199,7 +199,8 @@ impl prometheus_client::collector::Collector for FleetFeaturesCollector {
             "result",
             f.stored_responses,
         )?;
-        ConstGauge::new(f.stored_responses_remembered as i64).encode(encoder.encode_descriptor(
+        ConstGauge::new(f.stored_responses_remembered as i64)
+            .encode(encoder.encode_descriptor(
             "stored_responses_remembered",
             "Response ids whose replica the router remembers now (router.responses.max_entries)",
             None,

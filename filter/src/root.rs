@@ -130,6 +130,16 @@ impl RootState {
         }
         let max_age = self.config.max_state_age_ms;
         let local = self.local.as_mut().filter(|l| l.ready(now_ms, max_age))?;
+        // A stored response neither this VM nor its copy has placed yet (another proxy served
+        // it a moment ago): the control plane hears of it before the next sync does.
+        if let Some(id) = request.previous_response_id.as_deref()
+            && request.previous_response_endpoint.is_none()
+            && !local
+                .router()
+                .is_some_and(|r| r.knows_stored_response(id, now_ms))
+        {
+            return None;
+        }
         // Ties between equal candidates break on this seed; any per-request value spreads them.
         let seed = self.stats.routed ^ now_ms.rotate_left(17);
         let decision = local.route(request, now_ms, seed)?;
@@ -478,6 +488,38 @@ mod tests {
                 prompt_tokens: 192,
                 ..RouteRequest::default()
             }
+        }
+
+        // A chain's next turn is decided locally only where its stored response is known:
+        // by this VM (it saw the answer) or by its copy; otherwise the control plane is asked.
+        #[test]
+        fn an_unplaced_stored_response_asks_the_control_plane() {
+            let mut root = local_root();
+            let mut cp = control_plane();
+            tick(&mut root, &mut cp, 0);
+            let mut unknown = RouteRequest {
+                previous_response_id: Some("resp_far".into()),
+                ..request()
+            };
+            assert_eq!(root.decide_locally(&mut unknown, 10), None);
+            let answered = root.decide_locally(&mut request(), 10).unwrap();
+            root.push_outcome(
+                Outcome {
+                    decision_id: answered.decision_id,
+                    endpoint: answered.endpoints[0].clone(),
+                    status: 200,
+                    response_id: Some("resp_near".into()),
+                    ..Outcome::default()
+                },
+                20,
+            );
+            let mut next = RouteRequest {
+                previous_response_id: Some("resp_near".into()),
+                ..request()
+            };
+            let d = root.decide_locally(&mut next, 30).expect("decided locally");
+            assert_eq!(d.endpoints, vec![answered.endpoints[0].clone()]);
+            assert_eq!(d.reason, scorer_core::protocol::RouteReason::StoredResponse);
         }
 
         // Before the first sync the VM has nothing to decide on: requests ask the control

@@ -286,7 +286,10 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
                 root.count(*counter);
             }
             Effect::SendLocalResponse { status, body, .. } => {
-                assert!(seen.dispatched, "answered a request that was never sent out");
+                assert!(
+                    seen.dispatched,
+                    "answered a request that was never sent out"
+                );
                 assert!((400..600).contains(status), "bad local status {status}");
                 serde_json::from_slice::<serde_json::Value>(body).expect("the error is JSON");
             }

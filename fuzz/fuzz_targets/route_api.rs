@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use scorer_core::protocol::{FeedbackBatch, Outcome, RouteRequest};
+use scorer_core::protocol::{FeedbackBatch, Outcome, RouteReason, RouteRequest};
 use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
 
 #[derive(Arbitrary, Debug)]
@@ -25,6 +25,9 @@ enum Body {
         max_output_tokens: Option<u32>,
         session: Option<String>,
         token_hashes: Vec<u8>,
+        /// A stored response the request continues (small domain, so some are known).
+        previous_response: Option<u8>,
+        previous_endpoint: Option<u8>,
     },
 }
 
@@ -39,6 +42,7 @@ enum Feedback {
         total_ms: u32,
         prompt_tokens: Option<u32>,
         cached_tokens: Option<u32>,
+        response: Option<u8>,
     },
 }
 
@@ -81,6 +85,8 @@ fn request_bytes(body: &Body) -> Vec<u8> {
             max_output_tokens,
             session,
             token_hashes,
+            previous_response,
+            previous_endpoint,
         } => serde_json::to_vec(&serde_json::json!({
             "model": model,
             "block_hashes": hashes.iter().map(|h| u64::from(*h) * 0x9e37_79b9_7f4a_7c15).collect::<Vec<_>>(),
@@ -89,6 +95,8 @@ fn request_bytes(body: &Body) -> Vec<u8> {
             "max_output_tokens": max_output_tokens,
             "session": session,
             "token_block_hashes": token_hashes.iter().map(|h| u64::from(*h)).collect::<Vec<_>>(),
+            "previous_response_id": previous_response.map(|r| format!("resp_{}", r % 16)),
+            "previous_response_endpoint": previous_endpoint.map(|e| address(e % 8)),
         }))
         .unwrap_or_default(),
     }
@@ -135,6 +143,11 @@ fn run(input: Input) {
                 for c in &decision.candidates {
                     assert!(!c.total_ms.is_nan(), "NaN cost: {c:?}");
                 }
+                // A stored response's replica is the only one that can answer: no fallbacks.
+                if decision.response.reason == RouteReason::StoredResponse {
+                    assert_eq!(endpoints.len(), 1, "{endpoints:?}");
+                    assert!(request.previous_response_id.is_some());
+                }
                 if let Some(last) = decisions.last() {
                     assert!(
                         decision.response.decision_id > *last,
@@ -172,6 +185,7 @@ fn run(input: Input) {
                         total_ms,
                         prompt_tokens,
                         cached_tokens,
+                        response,
                     } => {
                         let id = decisions
                             .len()
@@ -187,6 +201,7 @@ fn run(input: Input) {
                                 prompt_tokens: *prompt_tokens,
                                 completion_tokens: None,
                                 cached_tokens: *cached_tokens,
+                                response_id: response.map(|r| format!("resp_{}", r % 16)),
                             }],
                         })
                         .unwrap_or_default()

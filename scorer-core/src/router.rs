@@ -1108,6 +1108,13 @@ impl Router {
         self.fleet.responses.len()
     }
 
+    /// Whether this router knows which endpoint stored response `id` (a copy that does not
+    /// asks the control plane, which may have heard first).
+    pub fn knows_stored_response(&self, id: &str, now_ms: u64) -> bool {
+        let ttl = self.config.responses.ttl_ms;
+        self.fleet.responses.lookup(id, now_ms, ttl).is_some()
+    }
+
     /// Session-affinity counters since start, and the sessions remembered now.
     pub fn session_stats(&self) -> (SessionStats, usize) {
         (self.fleet.sessions.stats(), self.fleet.sessions.len())

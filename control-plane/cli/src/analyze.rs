@@ -178,7 +178,10 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
                 .max_output_tokens
                 .unwrap_or(opts.default_output_tokens)
                 .max(1),
-            session: prompt.user.as_deref().map(|u| xxh3_64(u.as_bytes())),
+            session: prompt
+                .session_hint
+                .as_deref()
+                .map(|u| xxh3_64(u.as_bytes())),
         });
     }
     if requests.is_empty() {

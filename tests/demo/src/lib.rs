@@ -1,3 +1,4 @@
-//! `kvroute-demo`'s comparison logic, shared with the precise-mode end-to-end tests.
+//! `kvroute-demo`'s comparison logic, shared with the end-to-end tests (precise mode, agents).
 
+pub mod agent;
 pub mod precise_compare;

@@ -71,6 +71,13 @@ struct Args {
     /// The filter's route-call deadline in `--compare` runs, ms (precise routes tokenise first).
     #[arg(long, default_value_t = 1_000)]
     route_timeout_ms: u64,
+    /// Run the agent workload instead: `--conversations` agents (default 8), each a
+    /// `--turns`-turn (default 10) Responses API chain that sends only `previous_response_id`
+    /// and a tool's output, on replicas that store responses; kvroute against round robin,
+    /// with the chain failure rate (404s) and TTFT. Writes
+    /// `<target>/kvroute-demo-agent/summary.json`.
+    #[arg(long, conflicts_with = "compare")]
+    agent: bool,
     /// Output directory (default: `<target>/kvroute-demo`).
     #[arg(long)]
     out_dir: Option<std::path::PathBuf>,
@@ -92,7 +99,9 @@ fn main() -> anyhow::Result<()> {
     }
     harness::check_positive("--speed", args.speed)?;
     let rt = harness::driver_runtime()?;
-    if modes.is_empty() {
+    if args.agent {
+        rt.block_on(run_agents(args))
+    } else if modes.is_empty() {
         rt.block_on(run(args, workload))
     } else {
         rt.block_on(run_compare(args, workload, modes))
@@ -174,6 +183,78 @@ async fn run(args: Args, workload: Workload) -> anyhow::Result<()> {
     finish(&summary_path, started, errors, &out_dir)
 }
 
+/// `--agent`: the agent workload on a cold kvroute fleet and a cold round-robin fleet, both
+/// storing responses as `VLLM_ENABLE_RESPONSES_API_STORE=1` vLLM does.
+async fn run_agents(args: Args) -> anyhow::Result<()> {
+    use kvroute_demo::agent::{self, AgentConfig, Streamed};
+    let started = Instant::now();
+    let tools = Tools::locate().context("the demo needs its tools (try `make setup build`)")?;
+    let config = AgentConfig {
+        model: "kvroute-demo-model".to_string(),
+        agents: args.conversations.unwrap_or(8),
+        turns: args.turns.unwrap_or(10),
+        task_words: args.first_message_tokens.unwrap_or(1500),
+        tool_output_words: args.followup_tokens.unwrap_or(150),
+        max_output_tokens: args.max_tokens.unwrap_or(32),
+        streamed: Streamed::All,
+        think_time: Duration::from_millis(args.think_ms.unwrap_or(200)),
+        stagger: Duration::from_millis(args.stagger_ms.unwrap_or(300)),
+        max_attempts: 8,
+        seed: args.seed,
+        request_timeout: Duration::from_secs(120),
+    };
+    eprintln!(
+        "agents: {} chains x {} turns (task ~{} tokens, tool output ~{} tokens, {} output tokens, \
+         {} ms tool time), only previous_response_id links the turns; a 404 is retried up to {} \
+         times; {} replicas at speed {}",
+        config.agents,
+        config.turns,
+        config.task_words,
+        config.tool_output_words,
+        config.max_output_tokens,
+        config.think_time.as_millis(),
+        config.max_attempts,
+        args.replicas,
+        args.speed
+    );
+    let out_dir = harness::output_dir(args.out_dir.as_deref(), "kvroute-demo-agent")?;
+    let mut rows = Vec::new();
+    for router in [RouterKind::Kvroute, RouterKind::RoundRobin] {
+        let label = router.label();
+        let mut cfg = fleet_config(&args, "demo-agent", &config.model, router);
+        cfg.sim_args.push("--enable-responses-store".into());
+        let fleet = Fleet::start(cfg, &tools)
+            .await
+            .with_context(|| format!("cannot start the {label} fleet"))?;
+        eprintln!("[{label}] running {} chains ...", config.agents);
+        let records = agent::run_agents(&fleet.url(), &config).await;
+        harness::write_json(&out_dir.join(format!("turns-{label}.json")), &records)?;
+        let row = agent::summarize(label, &config, &records);
+        eprintln!(
+            "[{label}] {} of {} turns, {:.1}% of attempts lost their chain",
+            row.turns_ok,
+            row.turns_planned,
+            row.chain_failure_rate * 100.0
+        );
+        rows.push(row);
+        drop(fleet);
+    }
+    println!();
+    print!("{}", agent::render_table(&rows));
+    let summary_path = out_dir.join("summary.json");
+    harness::write_json(
+        &summary_path,
+        &serde_json::json!({"config": config, "runs": rows}),
+    )?;
+    // Round robin is expected to lose links; only kvroute's broken chains fail the demo.
+    let broken = rows
+        .iter()
+        .filter(|r| r.router == RouterKind::Kvroute.label())
+        .map(|r| r.turns_planned - r.turns_ok)
+        .sum();
+    finish(&summary_path, started, broken, &out_dir)
+}
+
 /// Where a run ends, both kinds alike: names the summary and the time taken, and fails when
 /// any of its `errors` requests failed (pointing at the results and the fleets' logs).
 fn finish(
@@ -197,17 +278,11 @@ fn finish(
     Ok(())
 }
 
-async fn run_one(
-    args: &Args,
-    tools: &Tools,
-    workload: &Workload,
-    router: RouterKind,
-    out_dir: &std::path::Path,
-) -> anyhow::Result<RunSummary> {
-    let label = router.label();
-    let mut cfg = FleetConfig::new(&format!("demo-{label}"));
+/// The fleet a demo run starts for `router`: the flags' replicas, seed, speed and profile.
+fn fleet_config(args: &Args, name: &str, model: &str, router: RouterKind) -> FleetConfig {
+    let mut cfg = FleetConfig::new(&format!("{name}-{}", router.label()));
     cfg.replicas = args.replicas;
-    cfg.model = workload.model.clone();
+    cfg.model = model.to_string();
     cfg.router = router;
     cfg.seed = args.seed;
     cfg.sim_args = vec![
@@ -216,6 +291,18 @@ async fn run_one(
         "--profile".into(),
         args.profile.clone(),
     ];
+    cfg
+}
+
+async fn run_one(
+    args: &Args,
+    tools: &Tools,
+    workload: &Workload,
+    router: RouterKind,
+    out_dir: &std::path::Path,
+) -> anyhow::Result<RunSummary> {
+    let label = router.label();
+    let cfg = fleet_config(args, "demo", &workload.model, router);
     eprintln!(
         "[{label}] starting {} cold replicas, Envoy{} ...",
         args.replicas,

@@ -616,6 +616,12 @@ fn expect_openai_error(case: &str, r: &Reply, statuses: &[u16]) {
         r.describe()
     );
     assert!(r.answered_by_replica(), "{case}: {}", r.describe());
+    expect_error_body(case, r);
+}
+
+/// A JSON body with a non-empty `error.message`: OpenAI's error shape (and Anthropic's,
+/// `{"type":"error","error":{...}}`).
+fn expect_error_body(case: &str, r: &Reply) {
     let v: Value = serde_json::from_slice(&r.body)
         .unwrap_or_else(|e| panic!("{case}: error is not JSON ({e}): {}", r.describe()));
     assert!(
@@ -1861,6 +1867,122 @@ fn crc32(data: &[u8]) -> u32 {
         }
     }
     !crc
+}
+
+// ------------------------------------------------------------------------------------------
+// The agent APIs and the other paths: odd shapes reach a replica, never a 5xx of the filter's
+
+/// Answered by a replica, 2xx or an OpenAI/Anthropic-style 4xx error: the filter let it through.
+fn expect_replica_answer(case: &str, r: &Reply) {
+    assert_no_5xx(case, r);
+    assert!(r.answered_by_replica(), "{case}: {}", r.describe());
+    if r.status >= 400 {
+        expect_error_body(case, r);
+    }
+}
+
+#[test]
+fn odd_responses_bodies_reach_a_replica() {
+    case("odd_responses_bodies_reach_a_replica", async |t| {
+        for (what, body) in [
+            ("number input", r#"{"model":"m","input":5}"#),
+            ("number item", r#"{"model":"m","input":[5]}"#),
+            (
+                "object tool output",
+                r#"{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":{}}]}"#,
+            ),
+            (
+                "unknown item",
+                r#"{"model":"m","input":[{"type":"from_the_future","x":1}]}"#,
+            ),
+            ("no input", r#"{"model":"m","instructions":"x"}"#),
+            (
+                "empty previous id",
+                r#"{"model":"m","input":"x","previous_response_id":""}"#,
+            ),
+            (
+                "unknown previous id",
+                r#"{"model":"m","input":"x","previous_response_id":"resp_nobody"}"#,
+            ),
+            ("cut", r#"{"model":"m","input":[{"role":"user","content":"#),
+        ] {
+            let r = post_json(t.envoy_addr(), "/v1/responses", body.as_bytes()).await;
+            expect_replica_answer(&format!("responses {what}"), &r);
+        }
+    })
+}
+
+#[test]
+fn odd_messages_bodies_reach_a_replica() {
+    case("odd_messages_bodies_reach_a_replica", async |t| {
+        for (what, body) in [
+            (
+                "number block",
+                r#"{"model":"m","max_tokens":4,"messages":[{"role":"user","content":[5]}]}"#,
+            ),
+            (
+                "number system",
+                r#"{"model":"m","max_tokens":4,"system":5,"messages":[]}"#,
+            ),
+            (
+                "no max_tokens",
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            (
+                "bad metadata",
+                r#"{"model":"m","max_tokens":4,"metadata":{"user_id":7},"messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            (
+                "cache_control everywhere",
+                r#"{"model":"m","max_tokens":4,"cache_control":{"type":"ephemeral"},"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":null}]}]}"#,
+            ),
+        ] {
+            let r = post_json(t.envoy_addr(), "/v1/messages", body.as_bytes()).await;
+            expect_replica_answer(&format!("messages {what}"), &r);
+        }
+        let r = post_json(t.envoy_addr(), "/v1/messages/count_tokens", b"not json").await;
+        expect_replica_answer("count_tokens not json", &r);
+    })
+}
+
+#[test]
+fn odd_stored_response_paths_reach_a_replica() {
+    case("odd_stored_response_paths_reach_a_replica", async |t| {
+        let long = format!("/v1/responses/resp_{}", "a".repeat(4000));
+        for path in [
+            "/v1/responses/resp_unknown",
+            "/v1/responses/resp_unknown/cancel",
+            "/v1/responses/",
+            "/v1/responses/resp_%2F..%2F",
+            "/v1/responses/resp_x/cancel/more",
+            long.as_str(),
+        ] {
+            let method = if path.ends_with("/cancel") {
+                "POST"
+            } else {
+                "GET"
+            };
+            let r = send(t.envoy_addr(), http1(method, path, &[JSON_CT], b"")).await;
+            assert_no_5xx(path, &r);
+            assert!(r.answered_by_replica(), "{path}: {}", r.describe());
+        }
+    })
+}
+
+#[test]
+fn load_routes_take_any_body() {
+    case("load_routes_take_any_body", async |t| {
+        for (path, body) in [
+            ("/v1/embeddings", b"plain text".as_slice()),
+            ("/v1/embeddings", b"[1,2,3]".as_slice()),
+            ("/rerank", br#"{"model":5}"#.as_slice()),
+            ("/score", b"".as_slice()),
+        ] {
+            let r = post_json(t.envoy_addr(), path, body).await;
+            assert_no_5xx(path, &r);
+            assert!(r.answered_by_replica(), "{path}: {}", r.describe());
+        }
+    })
 }
 
 #[test]

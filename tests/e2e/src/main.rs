@@ -9,6 +9,7 @@
 
 mod common;
 
+mod agent_apis;
 mod bad_input;
 mod calibration;
 mod demo;

@@ -274,3 +274,32 @@ async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
     })
     .await;
 }
+
+// A Responses chain whose turns alternate between two proxies, each deciding locally, with two
+// control planes sharing state: every turn finds the replica that stored its predecessor,
+// though that replica's answer passed through the other proxy. The id crossed a proxy, a
+// control plane, NATS and the other control plane on its way back; an agent's tool time
+// (300 ms) covers that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_chain_through_two_proxies_finds_every_stored_response() {
+    let tools = tools();
+    let _alone = common::HEAVY.lock().await;
+    common::bounded("replication-responses", TEST_TIMEOUT, async {
+        let mut cfg = topology("e2e-replication-responses", 2);
+        cfg.model = crate::agent_apis::MODEL.into();
+        cfg.sim_args = vec!["--enable-responses-store".into()];
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let client = HttpClient::new();
+        let (replicas, _, failures, _) =
+            crate::agent_apis::run_chain(&client, &fleet, &fleet.envoy_urls(), BETWEEN_TURNS).await;
+        eprintln!("replication (responses): replicas {replicas:?}, 404 attempts {failures}");
+        assert_eq!(
+            failures,
+            0,
+            "a turn missed its stored response ({})",
+            fleet.describe()
+        );
+        assert!(replicas.iter().all(|r| r == &replicas[0]), "{replicas:?}");
+    })
+    .await;
+}

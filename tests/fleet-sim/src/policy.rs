@@ -985,6 +985,8 @@ impl Kvroute {
             cache_salt: None,
             tenant: None,
             criticality: None,
+            previous_response_id: None,
+            previous_response_endpoint: None,
             token_block_hashes: if self.precise {
                 let block = self.router.config().precise.block_tokens;
                 token_block_hashes(model_seed(MODEL), r.tokens, block)

@@ -85,9 +85,65 @@ async fn stream_chat_inner(
     started: Instant,
 ) -> Result<StreamOutcome, RequestError> {
     let url = format!("{base_url}/v1/chat/completions");
+    let mut out = StreamOutcome::default();
+    let mut content_chunks = 0u64;
+    let mut done = false;
+    out.replica = stream_sse(client, &url, body, extra_headers, |event| {
+        if event == "[DONE]" {
+            done = true;
+            return Ok(());
+        }
+        let v: Value = serde_json::from_str(event)
+            .map_err(|e| RequestError::BadStream(format!("{e}: {event:.200}")))?;
+        if let Some(err) = v.get("error") {
+            return Err(RequestError::BadStream(format!("error event: {err}")));
+        }
+        if let Some(content) = v
+            .pointer("/choices/0/delta/content")
+            .and_then(Value::as_str)
+            .filter(|c| !c.is_empty())
+        {
+            if out.ttft_ms.is_none() {
+                out.ttft_ms = Some(ms(started.elapsed()));
+            }
+            content_chunks += 1;
+            out.text.push_str(content);
+        }
+        if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
+            out.output_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
+            out.prompt_tokens = usage["prompt_tokens"].as_u64();
+            out.cached_tokens = usage
+                .pointer("/prompt_tokens_details/cached_tokens")
+                .and_then(Value::as_u64);
+        }
+        Ok(())
+    })
+    .await?;
+    if !done {
+        return Err(RequestError::BadStream(
+            "stream ended without [DONE]".into(),
+        ));
+    }
+    if out.output_tokens == 0 {
+        out.output_tokens = content_chunks;
+    }
+    out.e2e_ms = ms(started.elapsed());
+    Ok(out)
+}
+
+/// POSTs `body` to `url` asking for an SSE stream and hands each event's `data` to `on_event`
+/// as it arrives (any API: chat, Responses, Anthropic Messages). A non-200 answer is
+/// [`RequestError::Status`]. Returns the `x-vllm-sim-replica` header.
+pub async fn stream_sse(
+    client: &HttpClient,
+    url: &str,
+    body: &Value,
+    extra_headers: &[(&str, &str)],
+    mut on_event: impl FnMut(&str) -> Result<(), RequestError>,
+) -> Result<Option<String>, RequestError> {
     let mut builder = hyper::Request::builder()
         .method("POST")
-        .uri(&url)
+        .uri(url)
         .header("content-type", "application/json")
         .header("accept", "text/event-stream");
     for (k, v) in extra_headers {
@@ -116,58 +172,17 @@ async fn stream_chat_inner(
             body: text.chars().take(300).collect(),
         });
     }
-    let mut out = StreamOutcome {
-        replica,
-        ..StreamOutcome::default()
-    };
     let mut parser = SseParser::default();
-    let mut content_chunks = 0u64;
-    let mut done = false;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| RequestError::Transport(e.to_string()))?;
         let Some(data) = frame.data_ref() else {
             continue;
         };
         for event in parser.push(data) {
-            if event == "[DONE]" {
-                done = true;
-                continue;
-            }
-            let v: Value = serde_json::from_str(&event)
-                .map_err(|e| RequestError::BadStream(format!("{e}: {event:.200}")))?;
-            if let Some(err) = v.get("error") {
-                return Err(RequestError::BadStream(format!("error event: {err}")));
-            }
-            if let Some(content) = v
-                .pointer("/choices/0/delta/content")
-                .and_then(Value::as_str)
-                .filter(|c| !c.is_empty())
-            {
-                if out.ttft_ms.is_none() {
-                    out.ttft_ms = Some(ms(started.elapsed()));
-                }
-                content_chunks += 1;
-                out.text.push_str(content);
-            }
-            if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
-                out.output_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
-                out.prompt_tokens = usage["prompt_tokens"].as_u64();
-                out.cached_tokens = usage
-                    .pointer("/prompt_tokens_details/cached_tokens")
-                    .and_then(Value::as_u64);
-            }
+            on_event(&event)?;
         }
     }
-    if !done {
-        return Err(RequestError::BadStream(
-            "stream ended without [DONE]".into(),
-        ));
-    }
-    if out.output_tokens == 0 {
-        out.output_tokens = content_chunks;
-    }
-    out.e2e_ms = ms(started.elapsed());
-    Ok(out)
+    Ok(replica)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -466,6 +481,18 @@ pub struct TtftStats {
     pub p99: f64,
 }
 
+impl TtftStats {
+    /// The percentiles of `values` (any order), rounded to 0.01 ms.
+    pub fn of(mut values: Vec<f64>) -> TtftStats {
+        values.sort_by(f64::total_cmp);
+        TtftStats {
+            p50: round_to(percentile(&values, 50.0), 2),
+            p90: round_to(percentile(&values, 90.0), 2),
+            p99: round_to(percentile(&values, 99.0), 2),
+        }
+    }
+}
+
 /// Percentiles of end-to-end time, as in `summary.json`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct E2eStats {
@@ -518,9 +545,8 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// Summarises a run; `prefix_cache_hit_rate` comes from the replicas, not the client.
 pub fn summarize(router: &str, run: &RunResult, prefix_cache_hit_rate: f64) -> RunSummary {
     let ok: Vec<&RequestRecord> = run.records.iter().filter(|r| r.error.is_none()).collect();
-    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
+    let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
     let mut e2e: Vec<f64> = ok.iter().map(|r| r.e2e_ms).collect();
-    ttft.sort_by(f64::total_cmp);
     e2e.sort_by(f64::total_cmp);
     let tokens: u64 = ok.iter().map(|r| r.output_tokens).sum();
     let secs = run.wall.as_secs_f64();
@@ -528,11 +554,7 @@ pub fn summarize(router: &str, run: &RunResult, prefix_cache_hit_rate: f64) -> R
         router: router.to_string(),
         requests: run.records.len(),
         errors: run.records.len() - ok.len(),
-        ttft_ms: TtftStats {
-            p50: round_to(percentile(&ttft, 50.0), 2),
-            p90: round_to(percentile(&ttft, 90.0), 2),
-            p99: round_to(percentile(&ttft, 99.0), 2),
-        },
+        ttft_ms: TtftStats::of(ttft),
         e2e_ms: E2eStats {
             p50: round_to(percentile(&e2e, 50.0), 2),
             p99: round_to(percentile(&e2e, 99.0), 2),
