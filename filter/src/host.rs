@@ -96,14 +96,17 @@ impl Shared {
     /// The tick's work: dispatches the next feedback batch or sync, if any. Calls made here
     /// belong to the root context, which receives their answers.
     fn on_tick(&mut self, now: u64) {
-        if self.tick_brought_forward {
+        let call = self.state.on_tick(now);
+        // Brought forward for a stored response: back to the period once it went out (while a
+        // previous call is still in flight, keep ticking soon).
+        if self.tick_brought_forward && !self.state.urgent() {
             self.tick_brought_forward = false;
             let period = Duration::from_millis(self.state.tick_period_ms());
             if let Err(status) = hostcalls::set_tick_period(period) {
                 warn!("kvroute: cannot restore the tick period: {status:?}");
             }
         }
-        let Some(call) = self.state.on_tick(now) else {
+        let Some(call) = call else {
             return;
         };
         let config = Rc::clone(self.state.config());

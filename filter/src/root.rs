@@ -76,6 +76,9 @@ pub struct RootState {
     unacked: Option<SyncRequest>,
     /// The latest [`RECENT_RESPONSES`] response ids this VM saw answered, with their replica.
     recent_responses: VecDeque<(String, String)>,
+    /// An outcome naming a stored response waits for the next call: the host keeps the tick
+    /// brought forward until one goes out.
+    urgent: bool,
 }
 
 /// What became of a finished request's outcome.
@@ -102,7 +105,14 @@ impl RootState {
             local,
             unacked: None,
             recent_responses: VecDeque::new(),
+            urgent: false,
         }
+    }
+
+    /// Whether an outcome naming a stored response is still waiting for a call (one is in
+    /// flight): the host should tick again soon rather than at the period.
+    pub fn urgent(&self) -> bool {
+        self.urgent
     }
 
     /// How often the host should tick: the sync interval with `decision: local`, else the
@@ -246,6 +256,7 @@ impl RootState {
             }
             _ => false,
         };
+        self.urgent |= flush_now;
         if let Some(local) = self.local.as_mut() {
             local.outcome(outcome, now_ms);
             return Queued {
@@ -280,6 +291,7 @@ impl RootState {
             let outcomes = request.outcomes.len();
             return match serde_json::to_vec(&request) {
                 Ok(body) => {
+                    self.urgent = false;
                     self.unacked = Some(request);
                     self.feedback_in_flight_since_ms = Some(now_ms);
                     Some(FeedbackCall {
@@ -303,6 +315,7 @@ impl RootState {
         };
         match serde_json::to_vec(&batch) {
             Ok(body) => {
+                self.urgent = false;
                 self.feedback_in_flight_since_ms = Some(now_ms);
                 Some(FeedbackCall {
                     path: FEEDBACK_PATH,
@@ -416,6 +429,9 @@ mod tests {
             ..outcome(2)
         };
         assert!(r.push_outcome(stored.clone(), 0).flush_now);
+        assert!(r.urgent());
+        assert!(r.on_tick(1).is_some());
+        assert!(!r.urgent(), "sent with that call");
         let failed = Outcome {
             status: 404,
             response_id: Some("resp_2".into()),
