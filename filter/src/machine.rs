@@ -873,7 +873,7 @@ impl RequestMachine {
     }
 }
 
-/// A `load` route's request: the body's `model` and its size, no prefix.
+/// A `load` route's request: the body's `model` and its size in tokens, no prefix.
 fn load_request(body: &[u8]) -> Result<RouteRequest, CanonError> {
     #[derive(serde::Deserialize)]
     struct ModelOnly<'a> {
@@ -884,7 +884,9 @@ fn load_request(body: &[u8]) -> Result<RouteRequest, CanonError> {
         serde_json::from_slice(body).map_err(|e| CanonError::InvalidBody(e.to_string()))?;
     Ok(RouteRequest {
         model: parsed.model.map(|m| m.into_owned()).unwrap_or_default(),
-        prompt_bytes: body.len() as u64,
+        // No canonical prompt (its bytes are what the hashes cover): the size goes as an
+        // estimate of tokens, 4 bytes each.
+        prompt_bytes: 0,
         prompt_tokens: u32::try_from(body.len().div_ceil(4)).unwrap_or(u32::MAX),
         max_output_tokens: Some(0),
         ..RouteRequest::default()
@@ -1182,7 +1184,8 @@ mod tests {
         let req = to_dispatch_at(&mut m, "/v1/embeddings", &[("x-kvroute-tenant", "t")], body);
         assert_eq!(req.model, "e5");
         assert!(req.block_hashes.is_empty());
-        assert_eq!(req.prompt_bytes, body.len() as u64);
+        assert_eq!(req.prompt_bytes, 0, "no canonical prompt");
+        assert_eq!(req.prompt_tokens as usize, body.len().div_ceil(4));
         assert_eq!(req.max_output_tokens, Some(0));
         assert_eq!(req.tenant.as_deref(), Some("t"));
         // Not JSON: fail open, as any unreadable body.
