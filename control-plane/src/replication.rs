@@ -137,6 +137,15 @@ struct Envelope {
     events: Vec<SyncEvent>,
 }
 
+/// How long ago (ms, wall clock) a message published at `published_unix_ns` was published; 0
+/// when the clocks disagree (published "in the future").
+fn published_age_ms(published_unix_ns: i128) -> u64 {
+    let now_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i128);
+    u64::try_from((now_ns - published_unix_ns) / 1_000_000).unwrap_or(0)
+}
+
 /// Where [`State`] puts the entries it would have logged; the replication task drains it.
 pub type Outbox = mpsc::Sender<Vec<SyncEvent>>;
 
@@ -306,10 +315,11 @@ async fn session(
                 };
                 let Ok(meta) = message.info() else { continue };
                 let (seq, pending) = (meta.stream_sequence, meta.pending);
+                let age_ms = published_age_ms(meta.published.unix_timestamp_nanos());
                 match serde_json::from_slice::<Envelope>(&message.payload) {
                     Ok(envelope) => {
                         let own = envelope.replica == replica;
-                        let applied = state.apply_replicated(own, seq, envelope.events);
+                        let applied = state.apply_replicated(own, seq, envelope.events, age_ms);
                         state.telemetry().count_replication_applied(applied);
                     }
                     Err(e) => {

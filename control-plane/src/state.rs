@@ -327,8 +327,16 @@ impl State {
 
     /// Entries of the shared stream's message at `stream_seq`: each takes its place in the log,
     /// and unless this replica published them (`own`) the router applies them, as it applies a
-    /// proxy's sync report. Returns how many entries were new to the log.
-    pub fn apply_replicated(&self, own: bool, stream_seq: u64, events: Vec<SyncEvent>) -> usize {
+    /// proxy's sync report. `age_ms` is how long ago the message was published (a replay after
+    /// a restart reads old decisions, whose prefill is done). Returns how many entries were new
+    /// to the log.
+    pub fn apply_replicated(
+        &self,
+        own: bool,
+        stream_seq: u64,
+        events: Vec<SyncEvent>,
+        age_ms: u64,
+    ) -> usize {
         let now = self.now_ms();
         let mut inner = self.inner.lock();
         let Inner { router, sync, .. } = &mut *inner;
@@ -338,10 +346,11 @@ impl State {
             if seq < sync.next_seq() {
                 continue;
             }
+            let event = event.aged(age_ms);
             if !own {
                 event.apply_to(router, now);
             }
-            if sync.push_replicated(seq, event) {
+            if sync.push_replicated(seq, event, now) {
                 applied += 1;
             }
         }
@@ -522,8 +531,11 @@ impl State {
                     decision_id: response.decision_id,
                     endpoint: endpoint.clone(),
                     request: replicable(request),
+                    age_ms: 0,
                 };
-                inner.sync.push(SyncEvent::Decision { origin: 0, record });
+                inner
+                    .sync
+                    .push(SyncEvent::Decision { origin: 0, record }, now);
                 self.forward(&mut inner);
             }
             if inner.recent_cap > 0 {
@@ -545,10 +557,13 @@ impl State {
             let mut inner = self.inner.lock();
             for outcome in &batch.outcomes {
                 inner.router.feedback(outcome, now);
-                inner.sync.push(SyncEvent::Outcome {
-                    origin: 0,
-                    outcome: outcome.clone(),
-                });
+                inner.sync.push(
+                    SyncEvent::Outcome {
+                        origin: 0,
+                        outcome: outcome.clone(),
+                    },
+                    now,
+                );
             }
             self.forward(&mut inner);
         }
@@ -1002,6 +1017,7 @@ mod tests {
                 prompt_text: Some("not for replication".into()),
                 ..Default::default()
             },
+            age_ms: 0,
         };
         let served = s.sync(SyncRequest {
             replica: Some(a.replica),
@@ -1143,10 +1159,10 @@ mod tests {
             "numbered by the stream, not yet back"
         );
         // The stream hands message 1 to both replicas.
-        assert_eq!(a.apply_replicated(true, 1, batch.clone()), 1);
-        assert_eq!(b.apply_replicated(false, 1, batch.clone()), 1);
+        assert_eq!(a.apply_replicated(true, 1, batch.clone(), 0), 1);
+        assert_eq!(b.apply_replicated(false, 1, batch.clone(), 0), 1);
         assert_eq!(
-            b.apply_replicated(false, 1, batch),
+            b.apply_replicated(false, 1, batch, 0),
             0,
             "a redelivery changes nothing"
         );

@@ -69,6 +69,7 @@ fuzz_target!(|steps: Vec<Step>| {
                         decision_id: u64::from(id),
                         endpoint: ENDPOINTS[usize::from(endpoint) % ENDPOINTS.len()].into(),
                         request: request_of(&hashes),
+                        age_ms: u64::from(id) * 1_000,
                     });
                 }
                 for (id, status) in outcomes.into_iter().take(8) {
@@ -114,7 +115,7 @@ fuzz_target!(|steps: Vec<Step>| {
                 let before = log.next_seq();
                 if let Ok(events) = serde_json::from_slice::<Vec<SyncEvent>>(&bytes) {
                     for (i, event) in events.into_iter().take(16).enumerate() {
-                        let _ = log.push_replicated(seq.saturating_add(i as u64), event);
+                        let _ = log.push_replicated(seq.saturating_add(i as u64), event, now_ms);
                     }
                 }
                 let _ = log.take_outbox();

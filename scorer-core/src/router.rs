@@ -1276,18 +1276,25 @@ impl Router {
     /// prompt's blocks and the session, exactly as if this router had chosen it, so every copy
     /// of the routing state converges on the same fleet. Nothing is ranked and no prefill
     /// endpoint is picked (the deciding router did both). `decision_id` is the deciding
-    /// router's id, which the outcome report will name. Returns false when the endpoint is
-    /// unknown here or could not have served the request (the decision is then ignored).
+    /// router's id, which the outcome report will name. `age_ms` is how long ago it was taken:
+    /// the prefill the endpoint has done since leaves the backlog, and a decision older than
+    /// `inflight_ttl_ms` is ignored (its entry would have expired). Returns false when the
+    /// endpoint is unknown here or could not have served the request (the decision is then
+    /// ignored).
     pub fn record_decision(
         &mut self,
         request: &RouteRequest,
         endpoint: &str,
         decision_id: u64,
         now_ms: u64,
+        age_ms: u64,
     ) -> bool {
         let Some(chosen) = self.endpoint_id(endpoint) else {
             return false;
         };
+        if age_ms >= self.config.inflight_ttl_ms {
+            return false;
+        }
         // A report sent again (its first sync's answer was lost) is the same decision: counting
         // it twice would charge its endpoint twice and release it once.
         if self.inflight.contains_key(&decision_id) {
@@ -1312,6 +1319,7 @@ impl Router {
             prefill_only: Vec::new(),
         };
         self.stats.recorded_decisions += 1;
+        let uncached = f64::from(ranking.chosen_score().uncached_tokens);
         self.account_choice(
             request,
             &shape,
@@ -1320,6 +1328,12 @@ impl Router {
             decision_id,
             now_ms,
         );
+        if age_ms > 0
+            && let Some(slot) = self.slots[usize::from(chosen.0)].as_mut()
+        {
+            let done = (age_ms as f64 * slot.rates.prefill_tokens_per_ms).min(uncached);
+            slot.backlog_tokens = (slot.backlog_tokens - done).max(0.0);
+        }
         true
     }
 

@@ -36,6 +36,11 @@ pub struct DecisionRecord {
     pub endpoint: String,
     /// What the decision was made on (hashes and numbers only, as in a route call).
     pub request: RouteRequest,
+    /// How long ago the decision was taken, ms, as of when this record was sent: a log
+    /// replayed to a new copy (or a control plane replaying the shared stream) holds old
+    /// decisions whose prefill is long done, and must not count it as queued now.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub age_ms: u64,
 }
 
 /// What a locally deciding proxy sends on its tick.
@@ -91,10 +96,19 @@ impl SyncEvent {
                     &record.endpoint,
                     record.decision_id,
                     now_ms,
+                    record.age_ms,
                 );
             }
             SyncEvent::Outcome { outcome, .. } => router.feedback(outcome, now_ms),
         }
+    }
+
+    /// This entry `ms` older (a decision's `age_ms` grows; an outcome has no age).
+    pub fn aged(mut self, ms: u64) -> SyncEvent {
+        if let SyncEvent::Decision { record, .. } = &mut self {
+            record.age_ms = record.age_ms.saturating_add(ms);
+        }
+        self
     }
 
     fn origin(&self) -> u32 {
@@ -168,8 +182,11 @@ pub struct SyncResponse {
 /// numbers and a copy may sync with any replica.
 #[derive(Debug, Clone)]
 pub struct SyncLog {
-    /// Entries with their sequence numbers, increasing (contiguous unless replicated).
-    entries: VecDeque<(u64, SyncEvent)>,
+    /// Entries with their sequence numbers, increasing (contiguous unless replicated), and
+    /// when they were logged (the caller's clock), so decisions are handed out with their age.
+    entries: VecDeque<(u64, u64, SyncEvent)>,
+    /// The latest time a caller passed in.
+    clock_ms: u64,
     /// Lowest sequence number this log answers from; a `since` below it is a reset.
     first: u64,
     /// The sequence number after the newest entry.
@@ -188,6 +205,7 @@ impl SyncLog {
     pub fn new(capacity: usize, first_replica: u32) -> Self {
         SyncLog {
             entries: VecDeque::new(),
+            clock_ms: 0,
             first: 1,
             next: 1,
             capacity: capacity.max(1),
@@ -207,7 +225,12 @@ impl SyncLog {
         if was_replicated {
             self.entries.clear();
         } else {
-            outbox.extend(self.entries.drain(..).map(|(_, event)| event));
+            let now = self.clock_ms;
+            outbox.extend(
+                self.entries
+                    .drain(..)
+                    .map(|(_, logged, event)| event.aged(now.saturating_sub(logged))),
+            );
         }
         self.outbox = Some(outbox);
         self.id = id.max(1);
@@ -228,7 +251,7 @@ impl SyncLog {
         self.first = self.next;
         for event in outbox {
             let seq = self.next;
-            self.append(seq, event);
+            self.append(seq, self.clock_ms, event);
         }
     }
 
@@ -242,24 +265,27 @@ impl SyncLog {
         self.id
     }
 
-    /// Appends one entry, dropping the oldest past the bound; replicated, it goes to the
-    /// outbox instead (see [`SyncLog::take_outbox`]).
-    pub fn push(&mut self, event: SyncEvent) {
+    /// Appends one entry logged at `now_ms`, dropping the oldest past the bound; replicated, it
+    /// goes to the outbox instead (see [`SyncLog::take_outbox`]).
+    pub fn push(&mut self, event: SyncEvent, now_ms: u64) {
+        self.clock_ms = self.clock_ms.max(now_ms);
         if let Some(outbox) = self.outbox.as_mut() {
             outbox.push(event);
             return;
         }
         let seq = self.next;
-        self.append(seq, event);
+        self.append(seq, now_ms, event);
     }
 
-    /// Appends an entry the shared stream numbered `seq`. Returns false, changing nothing,
-    /// for a number this log already passed (a redelivery).
-    pub fn push_replicated(&mut self, seq: u64, event: SyncEvent) -> bool {
+    /// Appends an entry the shared stream numbered `seq`, as of `now_ms` (a decision's age
+    /// already counts its time in the stream). Returns false, changing nothing, for a number
+    /// this log already passed (a redelivery).
+    pub fn push_replicated(&mut self, seq: u64, event: SyncEvent, now_ms: u64) -> bool {
         if seq < self.next {
             return false;
         }
-        self.append(seq, event);
+        self.clock_ms = self.clock_ms.max(now_ms);
+        self.append(seq, now_ms, event);
         true
     }
 
@@ -268,13 +294,13 @@ impl SyncLog {
         self.outbox.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
-    fn append(&mut self, seq: u64, event: SyncEvent) {
+    fn append(&mut self, seq: u64, logged_ms: u64, event: SyncEvent) {
         if self.entries.len() == self.capacity
-            && let Some((oldest, _)) = self.entries.pop_front()
+            && let Some((oldest, _, _)) = self.entries.pop_front()
         {
             self.first = oldest.saturating_add(1);
         }
-        self.entries.push_back((seq, event));
+        self.entries.push_back((seq, logged_ms, event));
         self.next = seq.saturating_add(1);
     }
 
@@ -306,13 +332,20 @@ impl SyncLog {
     ///
     /// A `since` past the newest entry (another replica of the same stream is ahead of this
     /// one) gets nothing and is handed back unchanged, never moved backwards: moving it back
-    /// would replay entries the copy already applied.
-    pub fn since(&self, since: u64, replica: u32, limit: usize) -> (Vec<SyncEvent>, u64, bool) {
+    /// would replay entries the copy already applied. Decisions are handed out aged by their
+    /// time in the log, as of `now_ms`.
+    pub fn since(
+        &self,
+        since: u64,
+        replica: u32,
+        limit: usize,
+        now_ms: u64,
+    ) -> (Vec<SyncEvent>, u64, bool) {
         let reset = since != 0 && since < self.first;
         let start = if reset || since == 0 {
             0
         } else {
-            self.entries.partition_point(|(seq, _)| *seq < since)
+            self.entries.partition_point(|(seq, _, _)| *seq < since)
         };
         let mut out = Vec::new();
         let mut next = if reset {
@@ -320,13 +353,13 @@ impl SyncLog {
         } else {
             self.next.max(since)
         };
-        for (seq, event) in self.entries.iter().skip(start) {
+        for (seq, logged, event) in self.entries.iter().skip(start) {
             if out.len() == limit {
                 next = *seq;
                 break;
             }
             if event.origin() != replica {
-                out.push(event.clone());
+                out.push(event.clone().aged(now_ms.saturating_sub(*logged)));
             }
         }
         (out, next, reset)
@@ -356,20 +389,27 @@ pub fn serve_sync(
             &record.endpoint,
             record.decision_id,
             now_ms,
+            record.age_ms,
         );
-        log.push(SyncEvent::Decision {
-            origin: replica,
-            record,
-        });
+        log.push(
+            SyncEvent::Decision {
+                origin: replica,
+                record,
+            },
+            now_ms,
+        );
     }
     for outcome in request.outcomes {
         router.feedback(&outcome, now_ms);
-        log.push(SyncEvent::Outcome {
-            origin: replica,
-            outcome,
-        });
+        log.push(
+            SyncEvent::Outcome {
+                origin: replica,
+                outcome,
+            },
+            now_ms,
+        );
     }
-    let (events, next, reset) = log.since(since, replica, MAX_EVENTS_PER_SYNC);
+    let (events, next, reset) = log.since(since, replica, MAX_EVENTS_PER_SYNC, now_ms);
     SyncResponse {
         replica,
         next,
@@ -436,6 +476,8 @@ impl LocalRouter {
                     decision_id: decision.response.decision_id,
                     endpoint: endpoint.clone(),
                     request: request.clone(),
+                    // Sent within a sync interval; the control plane's log ages it from there.
+                    age_ms: 0,
                 },
                 self.max_pending,
             );
@@ -662,6 +704,40 @@ mod tests {
         assert_eq!(b.router().unwrap().inflight_len(), 0);
     }
 
+    // A copy that first syncs long after a decision was logged counts it as the old decision
+    // it is: its prefill is done, so none of it is queued; one just taken still is.
+    #[test]
+    fn replayed_decisions_arrive_with_their_age() {
+        let mut log = SyncLog::new(100, 1);
+        let mut hub = central(2);
+        let mut a = LocalRouter::new(64);
+        sync(&mut log, &mut hub, &mut a, 0);
+        let old = a.route(&chat(1, 40), 1, 1).unwrap();
+        sync(&mut log, &mut hub, &mut a, 2);
+        let backlog = |r: &Router| -> f64 { r.endpoints(0).iter().map(|e| e.backlog_tokens).sum() };
+        let (mut late, mut fresh) = (LocalRouter::new(64), LocalRouter::new(64));
+        sync(&mut log, &mut hub, &mut fresh, 3);
+        assert!(
+            backlog(fresh.router().unwrap()) > 0.0,
+            "a decision 1 ms old is queued"
+        );
+        sync(&mut log, &mut hub, &mut late, 60_000);
+        let copy = late.router().unwrap();
+        assert_eq!(copy.stats().recorded_decisions, 1);
+        assert_eq!(copy.inflight_len(), 1, "still in flight: no outcome yet");
+        assert_eq!(backlog(copy), 0.0, "its prefill ended long ago");
+        let (events, _, _) = log.since(0, 99, 10, 60_000);
+        let SyncEvent::Decision { record, .. } = &events[0] else {
+            panic!("{events:?}")
+        };
+        assert_eq!(record.decision_id, old.response.decision_id);
+        assert_eq!(record.age_ms, 59_998);
+        // Past the in-flight TTL there is nothing left to account for.
+        let mut ancient = LocalRouter::new(64);
+        sync(&mut log, &mut hub, &mut ancient, 400_000);
+        assert_eq!(ancient.router().unwrap().stats().recorded_decisions, 0);
+    }
+
     // A copy that fell behind the log's bound starts over instead of patching a gap.
     #[test]
     fn a_copy_behind_the_log_resets() {
@@ -674,7 +750,7 @@ mod tests {
             a.route(&chat(10 + c, 1), 1, c).unwrap();
         }
         sync(&mut log, &mut hub, &mut a, 2);
-        let (events, next, reset) = log.since(1, b.replica().unwrap(), 100);
+        let (events, next, reset) = log.since(1, b.replica().unwrap(), 100, 0);
         assert!(reset);
         assert_eq!(events.len(), 2);
         assert_eq!(next, log.next_seq());
@@ -745,7 +821,7 @@ mod tests {
                 if from != me {
                     event.apply_to(&mut self.router, 0);
                 }
-                assert!(self.log.push_replicated(self.read as u64, event));
+                assert!(self.log.push_replicated(self.read as u64, event, 0));
             }
         }
     }
@@ -795,15 +871,15 @@ mod tests {
     fn since_never_moves_back_and_a_new_log_resets() {
         let mut log = SyncLog::new(10, 1);
         log.replicate(9, 1);
-        assert!(log.push_replicated(4, outcome_event(0, 1)));
+        assert!(log.push_replicated(4, outcome_event(0, 1), 0));
         assert!(
-            !log.push_replicated(3, outcome_event(0, 2)),
+            !log.push_replicated(3, outcome_event(0, 2), 0),
             "went backwards"
         );
-        let (events, next, reset) = log.since(8, 99, 100);
+        let (events, next, reset) = log.since(8, 99, 100, 0);
         assert!(events.is_empty() && !reset);
         assert_eq!(next, 8);
-        let (events, next, _) = log.since(1, 99, 100);
+        let (events, next, _) = log.since(1, 99, 100, 0);
         assert_eq!((events.len(), next), (1, 5));
         let mut copy = LocalRouter::new(4);
         let mut hub = central(1);
@@ -819,17 +895,17 @@ mod tests {
         assert!(log.take_outbox().is_empty() && log.is_empty());
         // A stream out of reach: back to local numbering under a new name, the stream's entries
         // dropped, the unpublished ones kept; they are published when a stream is back.
-        assert!(log.push_replicated(100, outcome_event(0, 4)));
-        log.push(outcome_event(0, 5));
+        assert!(log.push_replicated(100, outcome_event(0, 4), 0));
+        log.push(outcome_event(0, 5), 0);
         log.go_local(12);
         assert!(!log.is_replicated());
         assert_eq!((log.id(), log.len()), (12, 1));
-        let (events, _, reset) = log.since(0, 99, 10);
+        let (events, _, reset) = log.since(0, 99, 10, 0);
         assert_eq!((events, reset), (vec![outcome_event(0, 5)], false));
         log.replicate(13, 1);
         assert_eq!(log.take_outbox(), vec![outcome_event(0, 5)]);
         // A lone log joining a stream publishes what it logged alone.
-        other.push(outcome_event(0, 3));
+        other.push(outcome_event(0, 3), 0);
         other.replicate(11, 1);
         assert_eq!(other.take_outbox().len(), 1);
     }

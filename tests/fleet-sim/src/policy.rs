@@ -1295,14 +1295,18 @@ impl Policy for KvrouteLocal {
                 self.callouts += 1;
                 let decision = self.central.router.route(&request, at, seed);
                 if let Some(endpoint) = decision.response.endpoints.first() {
-                    self.log.push(SyncEvent::Decision {
-                        origin: 0,
-                        record: DecisionRecord {
-                            decision_id: decision.response.decision_id,
-                            endpoint: endpoint.clone(),
-                            request,
+                    self.log.push(
+                        SyncEvent::Decision {
+                            origin: 0,
+                            record: DecisionRecord {
+                                decision_id: decision.response.decision_id,
+                                endpoint: endpoint.clone(),
+                                request,
+                                age_ms: 0,
+                            },
                         },
-                    });
+                        at,
+                    );
                 }
                 (Decider::Central, decision)
             }
@@ -1338,7 +1342,7 @@ impl Policy for KvrouteLocal {
             Decider::Copy(index) => self.copies[index].outcome(outcome, at),
             Decider::Central => {
                 self.central.router.feedback(&outcome, at);
-                self.log.push(SyncEvent::Outcome { origin: 0, outcome });
+                self.log.push(SyncEvent::Outcome { origin: 0, outcome }, at);
             }
         }
     }
