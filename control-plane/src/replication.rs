@@ -137,6 +137,11 @@ struct Envelope {
     events: Vec<SyncEvent>,
 }
 
+/// How long a session waits for a lost NATS connection to come back before the replica logs
+/// alone: longer than a reconnect to a restarting server, short enough that its proxies do not
+/// go long without each other's decisions.
+const NATS_LOST_AFTER: Duration = Duration::from_secs(2);
+
 /// How long ago (ms, wall clock) a message published at `published_unix_ns` was published; 0
 /// when the clocks disagree (published "in the future").
 fn published_age_ms(published_unix_ns: i128) -> u64 {
@@ -290,8 +295,23 @@ async fn session(
         state.set_replication_ready(started.elapsed());
     }
     tracing::info!(stream = %config.stream, first, last, "replication: replaying the stream");
+    // The client reconnects on its own and the consumer waits meanwhile, so a NATS that went
+    // away would never end the session: watch the connection and give up after a grace period,
+    // so this replica logs alone (its proxies keep seeing each other) until NATS is back.
+    let mut health = tokio::time::interval(Duration::from_millis(250));
+    let mut down_since: Option<Instant> = None;
     loop {
         tokio::select! {
+            _ = health.tick() => {
+                if client.connection_state() == async_nats::connection::State::Connected {
+                    down_since = None;
+                } else {
+                    let since = *down_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= NATS_LOST_AFTER {
+                        anyhow::bail!("disconnected for {:?}", since.elapsed());
+                    }
+                }
+            }
             batch = outbox.recv() => {
                 let Some(batch) = batch else { return Ok(()) };
                 let (encoded, dropped) = encode(replica, &batch);

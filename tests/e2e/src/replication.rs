@@ -303,3 +303,38 @@ async fn a_responses_chain_through_two_proxies_finds_every_stored_response() {
     })
     .await;
 }
+
+// NATS lost mid-run: each control plane notices, goes back to numbering its own log, and no
+// request fails; each proxy's copy starts over once at its control plane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_nats_mid_run_costs_no_request() {
+    let tools = tools();
+    let _alone = common::HEAVY.lock().await;
+    common::bounded("replication-nats-down", TEST_TIMEOUT, async {
+        let mut fleet = start(topology("e2e-replication-nats-down", 2), &tools).await;
+        let before = run_turns(&fleet, 8_000, 4, 3).await;
+        fleet.nats().expect("a NATS server").kill();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut connected = 0.0;
+            for index in 0..2 {
+                connected +=
+                    control_plane_metric(&fleet, index, "kvroute_replication_connected").await;
+            }
+            if connected == 0.0 {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the control planes never noticed NATS was gone ({})",
+                fleet.describe()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // Every request of these turns must succeed (run_turns fails the test otherwise).
+        let after = run_turns(&fleet, 9_000, 4, 4).await;
+        eprintln!("replication (NATS lost): before {before}; after {after}");
+        before.assert_followed(0.95, "before NATS was lost", &fleet);
+    })
+    .await;
+}
