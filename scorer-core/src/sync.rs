@@ -383,31 +383,24 @@ pub fn serve_sync(
         Some(replica) => (replica, request.since),
         None => (log.assign_replica(), 0),
     };
-    for record in request.decisions {
-        router.record_decision(
-            &record.request,
-            &record.endpoint,
-            record.decision_id,
-            now_ms,
-            record.age_ms,
-        );
-        log.push(
-            SyncEvent::Decision {
-                origin: replica,
-                record,
-            },
-            now_ms,
-        );
-    }
-    for outcome in request.outcomes {
-        router.feedback(&outcome, now_ms);
-        log.push(
-            SyncEvent::Outcome {
-                origin: replica,
-                outcome,
-            },
-            now_ms,
-        );
+    let decisions = request
+        .decisions
+        .into_iter()
+        .map(|record| SyncEvent::Decision {
+            origin: replica,
+            record,
+        });
+    let outcomes = request
+        .outcomes
+        .into_iter()
+        .map(|outcome| SyncEvent::Outcome {
+            origin: replica,
+            outcome,
+        });
+    // Decisions first, as the copy took them before their outcomes.
+    for event in decisions.chain(outcomes) {
+        event.apply_to(router, now_ms);
+        log.push(event, now_ms);
     }
     let (events, next, reset) = log.since(since, replica, MAX_EVENTS_PER_SYNC, now_ms);
     SyncResponse {
