@@ -93,8 +93,9 @@ pub struct CompareConfig {
     pub route_timeout_ms: u64,
     /// The conversations.
     pub workload: Workload,
-    /// Run first on the same fleet and left out of every figure, so the router scores with
-    /// the rates it learned from the replicas, as one that has been serving does. A cold
+    /// Run first on the same fleet and left out of every figure (the replicas' caches are
+    /// emptied after it), so the router scores with the rates it learned from the replicas,
+    /// as one that has been serving does. A cold
     /// router drains its queue estimate at the configured prior (often far from the
     /// hardware), which makes precise mode's eviction-ahead discount depend on how fast the
     /// machine running the test happens to be. `None` measures the cold router.
@@ -244,6 +245,30 @@ pub fn default_warmup(workload: &Workload) -> Workload {
     }
 }
 
+/// Empties every replica's prefix cache (`POST /reset_prefix_cache`, which vLLM answers with an
+/// `AllBlocksCleared` event) and waits until the control plane's event-fed index is empty: the
+/// warm-up leaves learned rates behind, not caches full of its own prompts (their evictions
+/// would make the measured run depend on how quickly events arrive under load).
+async fn empty_caches(fleet: &Fleet) -> Result<(), CompareError> {
+    for address in fleet.replica_addresses() {
+        let url = format!("http://{address}/reset_prefix_cache");
+        fleet
+            .client()
+            .request("POST", &url, &[], None, Duration::from_secs(5))
+            .await?;
+    }
+    for _ in 0..100 {
+        let metrics = control_plane_metrics(fleet).await?;
+        if metric_with(&metrics, "kvroute_indexed_blocks", "tier=\"gpu\"") == 0.0 {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(CompareError::NotReady(
+        "the KV-event index did not empty after /reset_prefix_cache".into(),
+    ))
+}
+
 /// Cached tokens the engines reported to the client over a run.
 fn engine_cached(run: &RunResult) -> f64 {
     run.records
@@ -334,7 +359,9 @@ where
     let before = match &config.warmup {
         Some(warmup) => {
             let run = loadgen::run_workload(&fleet.url(), warmup, |_, _| {}).await;
-            Totals::settled(&fleet, engine_cached(&run)).await?
+            let totals = Totals::settled(&fleet, engine_cached(&run)).await?;
+            empty_caches(&fleet).await?;
+            totals
         }
         None => Totals::default(),
     };
