@@ -546,19 +546,9 @@ impl RequestMachine {
             (Some(a), Some(b)) => Some(Effect::HashMicros(b.saturating_sub(a) / 1_000)),
             _ => None,
         };
-        let Ok(mut request) = request else {
+        let Ok(request) = request else {
             return self.fail_open(FailKind::BodyParse, false);
         };
-        // A load route's request has only the body's model: the headers' keys complete it.
-        if request.session.is_none() {
-            request.session = self.session.clone();
-        }
-        if request.tenant.is_none() {
-            request.tenant = self.tenant.clone();
-        }
-        if request.criticality.is_none() {
-            request.criticality = self.criticality.clone();
-        }
         if target == Target::Prompt(ApiKind::Responses) {
             self.response_id = Some(ResponseIdScanner::default());
         }
@@ -576,6 +566,17 @@ impl RequestMachine {
         elapsed: Option<Effect>,
         mut decide: impl FnMut(&mut RouteRequest) -> Option<RouteResponse>,
     ) -> Step {
+        // The headers' keys complete what a request's body did not name (a load route's and a
+        // stored response's requests name none).
+        if request.session.is_none() {
+            request.session = self.session.clone();
+        }
+        if request.tenant.is_none() {
+            request.tenant = self.tenant.clone();
+        }
+        if request.criticality.is_none() {
+            request.criticality = self.criticality.clone();
+        }
         if self.mode != RouteMode::Precise
             && let Some(answer) = decide(&mut request).filter(|r| {
                 r.reject.is_none()
@@ -605,9 +606,6 @@ impl RequestMachine {
         RouteRequest {
             previous_response_id: Some(id.to_string()),
             max_output_tokens: Some(0),
-            session: self.session.clone(),
-            tenant: self.tenant.clone(),
-            criticality: self.criticality.clone(),
             ..RouteRequest::default()
         }
     }
