@@ -13,12 +13,14 @@
 
 use std::borrow::Cow;
 
-use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::protocol::ApiKind;
 
 mod agent;
+mod json;
+
+use json::{Field, Limit, fragment, json_object, parse, str_of};
 
 /// Separates the fields of one message (role, name, content).
 pub(crate) const FIELD_SEP: u8 = 0x1f;
@@ -45,7 +47,8 @@ pub struct CanonicalPrompt {
     pub bytes: Vec<u8>,
     /// `stream` of the request.
     pub stream: bool,
-    /// `max_tokens`, `max_completion_tokens` or (Responses) `max_output_tokens`.
+    /// `max_tokens`, `max_completion_tokens` or (Responses) `max_output_tokens`, saturated to
+    /// `0..=u32::MAX` (a limit beyond it still says "long"); `None` when absent or not a number.
     pub max_output_tokens: Option<u32>,
     /// The body's own session key, in this order: `prompt_cache_key` (OpenAI), the session of
     /// Anthropic's `metadata.user_id`, `safety_identifier`, `user`. Headers come before it.
@@ -68,71 +71,69 @@ impl CanonicalPrompt {
     }
 }
 
-#[derive(Deserialize)]
-struct ChatBody<'a> {
-    #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a>>>,
-    #[serde(borrow, default)]
-    tools: Option<&'a RawValue>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    max_completion_tokens: Option<u32>,
-    #[serde(borrow, default)]
-    user: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    prompt_cache_key: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    safety_identifier: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    cache_salt: Option<Cow<'a, str>>,
+json_object! {
+    struct ChatBody<'a> {
+        "model" => model: Cow<'a, str>,
+        "messages" => messages: Vec<Message<'a>>,
+        "tools" => tools: &'a RawValue,
+        "stream" => stream: bool,
+        "max_tokens" => max_tokens: Limit,
+        "max_completion_tokens" => max_completion_tokens: Limit,
+        "user" => user: Cow<'a, str>,
+        "prompt_cache_key" => prompt_cache_key: Cow<'a, str>,
+        "safety_identifier" => safety_identifier: Cow<'a, str>,
+        "cache_salt" => cache_salt: Cow<'a, str>,
+    }
 }
 
-#[derive(Deserialize)]
-struct Message<'a> {
-    #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    tool_calls: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    tool_call_id: Option<Cow<'a, str>>,
+json_object! {
+    struct Message<'a> {
+        "role" => role: Cow<'a, str>,
+        "name" => name: Cow<'a, str>,
+        "content" => content: &'a RawValue,
+        "tool_calls" => tool_calls: &'a RawValue,
+        "tool_call_id" => tool_call_id: Cow<'a, str>,
+    }
 }
 
-#[derive(Deserialize)]
-struct ContentPart<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
+json_object! {
+    struct ContentPart<'a> {
+        "type" => kind: Cow<'a, str>,
+        "text" => text: Cow<'a, str>,
+    }
 }
 
-#[derive(Deserialize)]
-struct CompletionBody<'a> {
-    #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    prompt: Option<&'a RawValue>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(borrow, default)]
-    user: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    cache_salt: Option<Cow<'a, str>>,
+json_object! {
+    struct CompletionBody<'a> {
+        "model" => model: Cow<'a, str>,
+        "prompt" => prompt: &'a RawValue,
+        "stream" => stream: bool,
+        "max_tokens" => max_tokens: Limit,
+        "user" => user: Cow<'a, str>,
+        "cache_salt" => cache_salt: Cow<'a, str>,
+    }
 }
 
-/// Canonicalises `body` for `api`. Pure and allocation-light: strings are borrowed when they
-/// carry no escapes.
+/// `json.loads` reads bytes as `utf-8-sig`.
+const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
+
+/// Canonicalises `body` for `api` as vLLM reads it (module `json`: duplicate keys, `NaN`, lone
+/// surrogates and the rest of what Python's `json` takes). Pure and allocation-light: strings
+/// are borrowed when they carry no escapes.
 pub fn canonicalize(api: ApiKind, body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
+    let body = body.strip_prefix(UTF8_BOM).unwrap_or(body);
+    match canonicalize_strict(api, body) {
+        // A second read only for a body serde_json refused, and only when it had something
+        // Python takes: valid bodies never pay for it.
+        Err(CanonError::InvalidBody(e)) => match json::python_compat(body) {
+            Some(body) => canonicalize_strict(api, &body),
+            None => Err(CanonError::InvalidBody(e)),
+        },
+        other => other,
+    }
+}
+
+fn canonicalize_strict(api: ApiKind, body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
     match api {
         ApiKind::Chat => canonicalize_chat(body),
         ApiKind::Completion => canonicalize_completion(body),
@@ -164,46 +165,64 @@ pub(crate) fn push_record(
     out.push(RECORD_SEP);
 }
 
-pub(crate) fn invalid(e: serde_json::Error) -> CanonError {
-    CanonError::InvalidBody(e.to_string())
+/// The output-length hint: `max_completion_tokens` when it is a number, else `max_tokens`.
+pub(crate) fn limit(fields: impl IntoIterator<Item = Field<Limit>>) -> Option<u32> {
+    fields.into_iter().find_map(|f| match f {
+        Field::Value(Limit(n)) => n,
+        _ => None,
+    })
 }
 
 fn canonicalize_chat(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
-    let parsed: ChatBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
-    let messages = parsed.messages.ok_or(CanonError::MissingPrompt)?;
+    let parsed: ChatBody<'_> = parse(body, "the body")?;
+    let messages = parsed
+        .messages
+        .get("messages")?
+        .ok_or(CanonError::MissingPrompt)?;
     let mut out = Vec::with_capacity(body.len());
-    if let Some(tools) = parsed.tools {
+    if let Some(tools) = parsed.tools.get("tools")? {
         push_tools(&mut out, tools.get().as_bytes());
     }
-    for message in &messages {
-        out.extend_from_slice(message.role.as_deref().unwrap_or("").as_bytes());
+    for message in messages {
+        out.extend_from_slice(
+            message
+                .role
+                .get("role")?
+                .as_deref()
+                .unwrap_or("")
+                .as_bytes(),
+        );
         out.push(FIELD_SEP);
-        if let Some(name) = &message.name {
+        if let Some(name) = message.name.get("name")? {
             out.extend_from_slice(name.as_bytes());
         }
         out.push(FIELD_SEP);
-        if let Some(content) = message.content {
+        if let Some(content) = message.content.get("content")? {
             push_content(&mut out, content)?;
         }
-        if let Some(calls) = message.tool_calls {
+        if let Some(calls) = message.tool_calls.get("tool_calls")? {
             out.push(FIELD_SEP);
             out.extend_from_slice(calls.get().as_bytes());
         }
-        if let Some(id) = &message.tool_call_id {
+        if let Some(id) = message.tool_call_id.get("tool_call_id")? {
             out.push(FIELD_SEP);
             out.extend_from_slice(id.as_bytes());
         }
         out.push(RECORD_SEP);
     }
     Ok(CanonicalPrompt {
-        model: parsed.model.map(Cow::into_owned).unwrap_or_default(),
+        model: parsed
+            .model
+            .get("model")?
+            .map(Cow::into_owned)
+            .unwrap_or_default(),
         bytes: out,
-        stream: parsed.stream.unwrap_or(false),
-        max_output_tokens: parsed.max_completion_tokens.or(parsed.max_tokens),
+        stream: parsed.stream.get("stream")?.unwrap_or(false),
+        max_output_tokens: limit([parsed.max_completion_tokens, parsed.max_tokens]),
         session_hint: first_key([
-            parsed.prompt_cache_key,
-            parsed.safety_identifier,
-            parsed.user,
+            parsed.prompt_cache_key.get("prompt_cache_key")?,
+            parsed.safety_identifier.get("safety_identifier")?,
+            parsed.user.get("user")?,
         ]),
         cache_salt: salt(parsed.cache_salt)?,
         ..CanonicalPrompt::default()
@@ -219,9 +238,9 @@ pub(crate) fn push_tools(out: &mut Vec<u8>, tools: &[u8]) {
 }
 
 /// The request's `cache_salt`, held to vLLM's rule: absent or null is no salt, anything but a
-/// non-empty string is refused. (A non-string already failed to deserialise.)
-pub(crate) fn salt(raw: Option<Cow<'_, str>>) -> Result<Option<String>, CanonError> {
-    match raw {
+/// non-empty string is refused.
+pub(crate) fn salt(raw: Field<Cow<'_, str>>) -> Result<Option<String>, CanonError> {
+    match raw.get("cache_salt")? {
         None => Ok(None),
         Some(s) if s.is_empty() => Err(CanonError::InvalidBody(
             "cache_salt must be a non-empty string".into(),
@@ -235,22 +254,18 @@ pub(crate) fn salt(raw: Option<Cow<'_, str>>) -> Result<Option<String>, CanonErr
 fn push_content(out: &mut Vec<u8>, content: &RawValue) -> Result<(), CanonError> {
     let raw = content.get();
     match raw.as_bytes().first() {
-        Some(b'"') => {
-            let text: Cow<'_, str> = serde_json::from_str(raw).map_err(invalid)?;
-            out.extend_from_slice(text.as_bytes());
-        }
+        Some(b'"') => out.extend_from_slice(str_of(raw)?.as_bytes()),
         Some(b'[') => {
-            let parts: Vec<&RawValue> = serde_json::from_str(raw).map_err(invalid)?;
+            let parts: Vec<&RawValue> = fragment(raw, "content")?;
             for part in parts {
-                let head: ContentPart<'_> = serde_json::from_str(part.get()).map_err(invalid)?;
-                match (head.kind.as_deref(), head.text) {
+                let head: ContentPart<'_> = fragment(part.get(), "a content part")?;
+                match (head.kind.get("type")?.as_deref(), head.text.get("text")?) {
                     (Some("text") | None, Some(text)) => out.extend_from_slice(text.as_bytes()),
                     _ => out.extend_from_slice(part.get().as_bytes()),
                 }
                 out.push(FIELD_SEP);
             }
         }
-        Some(b'n') => {}
         _ => {
             return Err(CanonError::InvalidBody(
                 "message content must be a string, an array or null".into(),
@@ -261,15 +276,15 @@ fn push_content(out: &mut Vec<u8>, content: &RawValue) -> Result<(), CanonError>
 }
 
 fn canonicalize_completion(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
-    let parsed: CompletionBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
-    let prompt = parsed.prompt.ok_or(CanonError::MissingPrompt)?;
+    let parsed: CompletionBody<'_> = parse(body, "the body")?;
+    let prompt = parsed
+        .prompt
+        .get("prompt")?
+        .ok_or(CanonError::MissingPrompt)?;
     let raw = prompt.get();
     let mut out = Vec::with_capacity(raw.len());
     match raw.as_bytes().first() {
-        Some(b'"') => {
-            let text: Cow<'_, str> = serde_json::from_str(raw).map_err(invalid)?;
-            out.extend_from_slice(text.as_bytes());
-        }
+        Some(b'"') => out.extend_from_slice(str_of(raw)?.as_bytes()),
         Some(b'[') => push_prompt_array(&mut out, raw)?,
         _ => {
             return Err(CanonError::InvalidBody(
@@ -278,37 +293,34 @@ fn canonicalize_completion(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
         }
     }
     Ok(CanonicalPrompt {
-        model: parsed.model.map(Cow::into_owned).unwrap_or_default(),
+        model: parsed
+            .model
+            .get("model")?
+            .map(Cow::into_owned)
+            .unwrap_or_default(),
         bytes: out,
-        stream: parsed.stream.unwrap_or(false),
-        max_output_tokens: parsed.max_tokens,
-        session_hint: first_key([parsed.user]),
+        stream: parsed.stream.get("stream")?.unwrap_or(false),
+        max_output_tokens: limit([parsed.max_tokens]),
+        session_hint: first_key([parsed.user.get("user")?]),
         cache_salt: salt(parsed.cache_salt)?,
         ..CanonicalPrompt::default()
     })
 }
 
 /// A prompt array is either token ids (hashed as little-endian u32) or a batch of strings
-/// (joined with record separators).
+/// (joined with record separators), told apart by its first element.
 fn push_prompt_array(out: &mut Vec<u8>, raw: &str) -> Result<(), CanonError> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum PromptArray<'a> {
-        Tokens(Vec<u32>),
-        #[serde(borrow)]
-        Texts(Vec<Cow<'a, str>>),
-    }
-    match serde_json::from_str::<PromptArray<'_>>(raw).map_err(invalid)? {
-        PromptArray::Tokens(tokens) => {
-            for token in tokens {
-                out.extend_from_slice(&token.to_le_bytes());
-            }
+    let first = raw.bytes().skip(1).find(|b| !b.is_ascii_whitespace());
+    if first == Some(b'"') {
+        let texts: Vec<Cow<'_, str>> = fragment(raw, "prompt")?;
+        for text in texts {
+            out.extend_from_slice(text.as_bytes());
+            out.push(RECORD_SEP);
         }
-        PromptArray::Texts(texts) => {
-            for text in texts {
-                out.extend_from_slice(text.as_bytes());
-                out.push(RECORD_SEP);
-            }
+    } else {
+        let tokens: Vec<u32> = serde_json::from_str(raw).map_err(json::invalid)?;
+        for token in tokens {
+            out.extend_from_slice(&token.to_le_bytes());
         }
     }
     Ok(())
@@ -415,6 +427,251 @@ mod tests {
             );
         }
         assert!(canonicalize(ApiKind::Completion, br#"{"prompt":"p","cache_salt":""}"#).is_err());
+    }
+
+    /// `odd` canonicalises exactly as `plain`, the body vLLM reads it as.
+    fn both(api: ApiKind, odd: &[u8], plain: &str) {
+        let odd = canonicalize(api, odd)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(odd)));
+        assert_eq!(odd, canonicalize(api, plain.as_bytes()).unwrap(), "{plain}");
+    }
+
+    #[test]
+    fn duplicate_keys_keep_the_last_value_at_every_level() {
+        // Python's dict: the last duplicate wins, also over an earlier one of the wrong type.
+        both(
+            ApiKind::Chat,
+            br#"{"model":"a","messages":[{"role":"user","content":"old"}],"max_tokens":5,
+                "model":"b","stream":true,"stream":false,"max_tokens":9,"user":7,"user":"u",
+                "messages":[{"role":7,"role":"user","content":"x","content":"hi",
+                  "name":"n"},{"role":"user","content":[{"type":"text","text":"a","text":"b"}]}]}"#,
+            r#"{"model":"b","stream":false,"max_tokens":9,"user":"u",
+                "messages":[{"role":"user","content":"hi","name":"n"},
+                  {"role":"user","content":[{"type":"text","text":"b"}]}]}"#,
+        );
+        both(
+            ApiKind::Chat,
+            br#"{"model":5,"messages":"x","model":"m","messages":[{"role":"user","content":"x"}],
+                "cache_salt":"","cache_salt":"s","max_completion_tokens":1,"max_completion_tokens":2}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"cache_salt":"s",
+                "max_completion_tokens":2}"#,
+        );
+        both(
+            ApiKind::Completion,
+            br#"{"prompt":"a","model":"m","prompt":["b","c"],"max_tokens":1,"max_tokens":3}"#,
+            r#"{"model":"m","prompt":["b","c"],"max_tokens":3}"#,
+        );
+        // The last one decides validity too.
+        assert!(
+            canonicalize(
+                ApiKind::Chat,
+                br#"{"messages":[],"cache_salt":"s","cache_salt":""}"#
+            )
+            .is_err()
+        );
+        assert_eq!(
+            canonicalize(ApiKind::Chat, br#"{"messages":[],"messages":null}"#),
+            Err(CanonError::MissingPrompt)
+        );
+    }
+
+    #[test]
+    fn lone_surrogates_read_as_replacement_characters() {
+        // Python keeps a lone surrogate (escaped, or raw through `surrogatepass`); the filter
+        // reads each as U+FFFD, the same way every time. Pairs stay pairs.
+        let plain = r#"{"model":"m\ufffd","messages":[{"role":"user","content":"x\ufffdy\ufffd\ud83e\udd80 \ufffd"},
+            {"role":"user","content":[{"type":"text","text":"\ufffd"}]}],"user":"\ufffd"}"#;
+        let escaped = br#"{"model":"m\ud800","messages":[{"role":"user","content":"x\uDBFFy\udc00\ud83e\udd80 \ud800"},
+            {"role":"user","content":[{"type":"text","text":"\udfff"}]}],"user":"\ud800"}"#;
+        both(ApiKind::Chat, escaped, plain);
+        assert_eq!(
+            canonicalize(ApiKind::Chat, escaped),
+            canonicalize(ApiKind::Chat, escaped),
+            "deterministic"
+        );
+        // A lead followed by another lead: the first is lone, the second pairs.
+        both(
+            ApiKind::Chat,
+            br#"{"messages":[{"role":"user","content":"\ud800\ud83e\udd80"}]}"#,
+            r#"{"messages":[{"role":"user","content":"\ufffd🦀"}]}"#,
+        );
+        // Raw (UTF-8 encoded) surrogates, as Python's `surrogatepass` decodes them.
+        let mut raw = br#"{"messages":[{"role":"user","content":"a"#.to_vec();
+        raw.extend_from_slice(&[0xed, 0xa0, 0x80, b'b']);
+        raw.extend_from_slice(br#""}]}"#);
+        both(
+            ApiKind::Chat,
+            &raw,
+            r#"{"messages":[{"role":"user","content":"a\ufffdb"}]}"#,
+        );
+        // In a key, and in a completion prompt.
+        both(
+            ApiKind::Chat,
+            br#"{"x\ud800":1,"messages":[{"role":"user","content":"x"}]}"#,
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        );
+        both(
+            ApiKind::Completion,
+            br#"{"prompt":["\ud800","b"]}"#,
+            r#"{"prompt":["\ufffd","b"]}"#,
+        );
+        // Other invalid UTF-8 stays invalid (Python refuses it too).
+        let mut bad = br#"{"messages":[{"role":"user","content":"a"#.to_vec();
+        bad.extend_from_slice(&[0xc3, 0x28]);
+        bad.extend_from_slice(br#""}]}"#);
+        assert!(canonicalize(ApiKind::Chat, &bad).is_err());
+    }
+
+    #[test]
+    fn python_number_literals_read_as_null() {
+        both(
+            ApiKind::Chat,
+            br#"{"messages":[{"role":"user","content":"NaN Infinity"}],"temperature":NaN,
+                "top_p":Infinity,"logit_bias":{"1":-Infinity},"max_tokens":NaN}"#,
+            r#"{"messages":[{"role":"user","content":"NaN Infinity"}]}"#,
+        );
+        both(
+            ApiKind::Completion,
+            br#"{"prompt":"p","temperature":-Infinity,"max_tokens":4}"#,
+            r#"{"prompt":"p","max_tokens":4}"#,
+        );
+        // Still JSON syntax errors otherwise.
+        assert!(canonicalize(ApiKind::Chat, br#"{"messages":[],"t":nan}"#).is_err());
+        assert!(canonicalize(ApiKind::Chat, br#"{"messages":[],"t":NaNa}"#).is_err());
+    }
+
+    #[test]
+    fn output_limits_of_any_size_or_form_saturate() {
+        let limit = |v: &str| {
+            let body =
+                format!(r#"{{"messages":[{{"role":"user","content":"x"}}],"max_tokens":{v}}}"#);
+            let p = canonicalize(ApiKind::Chat, body.as_bytes()).unwrap();
+            assert_eq!(
+                p.bytes,
+                chat(r#"{"messages":[{"role":"user","content":"x"}]}"#).bytes
+            );
+            p.max_output_tokens
+        };
+        for (v, want) in [
+            ("1099511627776", Some(u32::MAX)),
+            ("184467440737095516160000", Some(u32::MAX)),
+            ("1e400", Some(u32::MAX)),
+            ("4294967295", Some(u32::MAX)),
+            ("4294967296", Some(u32::MAX)),
+            ("-5", Some(0)),
+            ("5.0", Some(5)),
+            ("5.9", Some(5)),
+            ("1e3", Some(1000)),
+            ("1E+3", Some(1000)),
+            ("\"7\"", Some(7)),
+            ("null", None),
+            ("\"many\"", None),
+            ("true", None),
+            ("[1]", None),
+            ("{\"a\":1}", None),
+        ] {
+            assert_eq!(limit(v), want, "max_tokens: {v}");
+        }
+        let p = canonicalize(
+            ApiKind::Chat,
+            br#"{"messages":[],"max_tokens":3,"max_completion_tokens":99999999999999}"#,
+        )
+        .unwrap();
+        assert_eq!(p.max_output_tokens, Some(u32::MAX));
+        let p = canonicalize(ApiKind::Completion, br#"{"prompt":"p","max_tokens":1e10}"#).unwrap();
+        assert_eq!(p.max_output_tokens, Some(u32::MAX));
+    }
+
+    #[test]
+    fn byte_order_marks_wide_encodings_and_whitespace() {
+        let plain = r#"{"model":"m","messages":[{"role":"user","content":"héllo 🦀"}]}"#;
+        let mut bom = b"\xef\xbb\xbf".to_vec();
+        bom.extend_from_slice(plain.as_bytes());
+        both(ApiKind::Chat, &bom, plain);
+        both(
+            ApiKind::Chat,
+            format!(" \n\t{plain}\r\n \t").as_bytes(),
+            plain,
+        );
+        // `json.loads` on bytes detects UTF-16 and UTF-32, with or without a BOM.
+        let utf16 = |be: bool| -> Vec<u8> {
+            plain
+                .encode_utf16()
+                .flat_map(|u| if be { u.to_be_bytes() } else { u.to_le_bytes() })
+                .collect()
+        };
+        let utf32 = |be: bool| -> Vec<u8> {
+            plain
+                .chars()
+                .flat_map(|c| {
+                    if be {
+                        u32::from(c).to_be_bytes()
+                    } else {
+                        u32::from(c).to_le_bytes()
+                    }
+                })
+                .collect()
+        };
+        for body in [
+            utf16(false),
+            utf16(true),
+            [vec![0xff, 0xfe], utf16(false)].concat(),
+            [vec![0xfe, 0xff], utf16(true)].concat(),
+            utf32(false),
+            utf32(true),
+            [vec![0xff, 0xfe, 0, 0], utf32(false)].concat(),
+        ] {
+            both(ApiKind::Chat, &body, plain);
+        }
+        // A lone surrogate in UTF-16 too.
+        let mut lone: Vec<u8> = r#"{"messages":[{"role":"user","content":""#
+            .encode_utf16()
+            .flat_map(u16::to_le_bytes)
+            .collect();
+        lone.extend_from_slice(&0xd800u16.to_le_bytes());
+        lone.extend(r#""}]}"#.encode_utf16().flat_map(u16::to_le_bytes));
+        both(
+            ApiKind::Chat,
+            &lone,
+            r#"{"messages":[{"role":"user","content":"\ufffd"}]}"#,
+        );
+        // Half a UTF-16 unit is not a body.
+        let mut odd = utf16(false);
+        odd.push(b' ');
+        assert!(canonicalize(ApiKind::Chat, &odd).is_err());
+    }
+
+    #[test]
+    fn deep_and_huge_values_in_fields_the_prompt_does_not_use() {
+        let plain = r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
+        // Python nests ~1,000 deep; serde_json skips an unread value without recursing.
+        for depth in [200, 100_000] {
+            let deep = format!(
+                r#"{{"model":"m","metadata":{}1{},"messages":[{{"role":"user","content":"x","extra":{}{}}}],"x":{}1{}}}"#,
+                r#"{"a":"#.repeat(depth),
+                "}".repeat(depth),
+                "[".repeat(depth),
+                "]".repeat(depth),
+                r#"[{"a":"#.repeat(depth / 2),
+                "}]".repeat(depth / 2),
+            );
+            both(ApiKind::Chat, deep.as_bytes(), plain);
+        }
+        both(
+            ApiKind::Chat,
+            br#"{"model":"m","seed":184467440737095516160000,"temperature":1e400,"n":-1e-400,
+                "logit_bias":{"5":123456789012345678901234567890.5e300},"messages":[{"role":"user","content":"x"}]}"#,
+            plain,
+        );
+        // A deep prompt array or body is refused, never a stack overflow.
+        let deep_prompt = format!(
+            r#"{{"prompt":{}1{}}}"#,
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        assert!(canonicalize(ApiKind::Completion, deep_prompt.as_bytes()).is_err());
+        let deep_body = "[".repeat(100_000);
+        assert!(canonicalize(ApiKind::Chat, deep_body.as_bytes()).is_err());
     }
 
     #[test]

@@ -7,95 +7,73 @@
 
 use std::borrow::Cow;
 
-use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use super::json::{Key, Limit, Members, end_in, fragment, json_object, parse, str_of};
 use super::{
-    CanonError, CanonicalPrompt, FIELD_SEP, first_key, invalid, push_record, push_tools, salt,
+    CanonError, CanonicalPrompt, FIELD_SEP, first_key, limit, push_record, push_tools, salt,
 };
 
-#[derive(Deserialize)]
-struct ResponsesBody<'a> {
-    #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    input: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    instructions: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    tools: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    previous_response_id: Option<Cow<'a, str>>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    max_output_tokens: Option<u32>,
-    #[serde(borrow, default)]
-    prompt_cache_key: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    safety_identifier: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    user: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    cache_salt: Option<Cow<'a, str>>,
+json_object! {
+    struct ResponsesBody<'a> {
+        "model" => model: Cow<'a, str>,
+        "input" => input: &'a RawValue,
+        "instructions" => instructions: Cow<'a, str>,
+        "tools" => tools: &'a RawValue,
+        "previous_response_id" => previous_response_id: Cow<'a, str>,
+        "stream" => stream: bool,
+        "max_output_tokens" => max_output_tokens: Limit,
+        "prompt_cache_key" => prompt_cache_key: Cow<'a, str>,
+        "safety_identifier" => safety_identifier: Cow<'a, str>,
+        "user" => user: Cow<'a, str>,
+        "cache_salt" => cache_salt: Cow<'a, str>,
+    }
 }
 
-/// One Responses `input` item: a message (`role` + `content`), a function call or its output,
-/// or another item (reasoning, references) kept by its JSON.
-#[derive(Deserialize)]
-struct Item<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    arguments: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    call_id: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    output: Option<&'a RawValue>,
+json_object! {
+    /// One Responses `input` item: a message (`role` + `content`), a function call or its
+    /// output, or another item (reasoning, references) kept by its JSON.
+    struct Item<'a> {
+        "type" => kind: Cow<'a, str>,
+        "role" => role: Cow<'a, str>,
+        "content" => content: &'a RawValue,
+        "name" => name: Cow<'a, str>,
+        "arguments" => arguments: Cow<'a, str>,
+        "call_id" => call_id: Cow<'a, str>,
+        "output" => output: &'a RawValue,
+    }
 }
 
-/// A content part or block of either API: the fields that decide what a template renders.
-#[derive(Deserialize)]
-struct Part<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    refusal: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    thinking: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    id: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    input: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    tool_use_id: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    cache_control: Option<&'a RawValue>,
+json_object! {
+    /// A content part or block of either API: the fields that decide what a template renders.
+    struct Part<'a> {
+        "type" => kind: Cow<'a, str>,
+        "text" => text: Cow<'a, str>,
+        "refusal" => refusal: Cow<'a, str>,
+        "thinking" => thinking: Cow<'a, str>,
+        "id" => id: Cow<'a, str>,
+        "name" => name: Cow<'a, str>,
+        "input" => input: &'a RawValue,
+        "tool_use_id" => tool_use_id: Cow<'a, str>,
+        "content" => content: &'a RawValue,
+        "cache_control" => cache_control: &'a RawValue,
+    }
 }
 
 /// Canonicalises a `/v1/responses` body: tools, `instructions` as the system record, then the
 /// `input` items. A chain continued by `previous_response_id` carries only its new items; the
 /// router follows the id to the replica that holds the rest.
 pub(crate) fn canonicalize_responses(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
-    let parsed: ResponsesBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
-    let input = parsed.input.ok_or(CanonError::MissingPrompt)?;
+    let parsed: ResponsesBody<'_> = parse(body, "the body")?;
+    let input = parsed
+        .input
+        .get("input")?
+        .ok_or(CanonError::MissingPrompt)?;
     let mut out = Vec::with_capacity(body.len());
-    if let Some(tools) = parsed.tools.filter(|t| !is_empty_array(t)) {
+    if let Some(tools) = parsed.tools.get("tools")?.filter(|t| !is_empty_array(t)) {
         push_tools(&mut out, tools.get().as_bytes());
     }
-    if let Some(instructions) = parsed.instructions.as_deref() {
+    if let Some(instructions) = parsed.instructions.get("instructions")? {
         push_record(&mut out, "system", "", |o| {
             o.extend_from_slice(instructions.as_bytes())
         });
@@ -103,13 +81,13 @@ pub(crate) fn canonicalize_responses(body: &[u8]) -> Result<CanonicalPrompt, Can
     let raw = input.get();
     match raw.as_bytes().first() {
         Some(b'"') => {
-            let text: Cow<'_, str> = serde_json::from_str(raw).map_err(invalid)?;
+            let text = str_of(raw)?;
             push_record(&mut out, "user", "", |o| {
                 o.extend_from_slice(text.as_bytes())
             });
         }
         Some(b'[') => {
-            let items: Vec<&RawValue> = serde_json::from_str(raw).map_err(invalid)?;
+            let items: Vec<&RawValue> = fragment(raw, "input")?;
             for item in items {
                 push_item(&mut out, item)?;
             }
@@ -121,17 +99,22 @@ pub(crate) fn canonicalize_responses(body: &[u8]) -> Result<CanonicalPrompt, Can
         }
     }
     Ok(CanonicalPrompt {
-        model: parsed.model.map(Cow::into_owned).unwrap_or_default(),
+        model: parsed
+            .model
+            .get("model")?
+            .map(Cow::into_owned)
+            .unwrap_or_default(),
         bytes: out,
-        stream: parsed.stream.unwrap_or(false),
-        max_output_tokens: parsed.max_output_tokens,
+        stream: parsed.stream.get("stream")?.unwrap_or(false),
+        max_output_tokens: limit([parsed.max_output_tokens]),
         session_hint: first_key([
-            parsed.prompt_cache_key,
-            parsed.safety_identifier,
-            parsed.user,
+            parsed.prompt_cache_key.get("prompt_cache_key")?,
+            parsed.safety_identifier.get("safety_identifier")?,
+            parsed.user.get("user")?,
         ]),
         previous_response_id: parsed
             .previous_response_id
+            .get("previous_response_id")?
             .filter(|id| !id.is_empty())
             .map(Cow::into_owned),
         cache_salt: salt(parsed.cache_salt)?,
@@ -141,38 +124,45 @@ pub(crate) fn canonicalize_responses(body: &[u8]) -> Result<CanonicalPrompt, Can
 
 /// One `input` item as a record. A message without `type` is a message (the easy form).
 fn push_item(out: &mut Vec<u8>, raw: &RawValue) -> Result<(), CanonError> {
-    let item: Item<'_> = serde_json::from_str(raw.get()).map_err(invalid)?;
-    let kind = item
-        .kind
+    let item: Item<'_> = fragment(raw.get(), "an input item")?;
+    let role = item.role.get("role")?;
+    let kind = item.kind.get("type")?;
+    let kind = kind
         .as_deref()
-        .unwrap_or(if item.role.is_some() { "message" } else { "" });
+        .unwrap_or(if role.is_some() { "message" } else { "" });
     match kind {
         "message" => {
-            let role = item.role.as_deref().unwrap_or("user");
+            let role = role.as_deref().unwrap_or("user");
+            let content = item.content.get("content")?;
             let mut failed = None;
             push_record(out, role, "", |o| {
-                if let Some(content) = item.content {
+                if let Some(content) = content {
                     failed = push_parts(o, content).err();
                 }
             });
             failed.map_or(Ok(()), Err)
         }
         "function_call" => {
-            push_record(out, "assistant", item.name.as_deref().unwrap_or(""), |o| {
-                o.extend_from_slice(item.arguments.as_deref().unwrap_or("").as_bytes());
+            let name = item.name.get("name")?;
+            let arguments = item.arguments.get("arguments")?;
+            let call_id = item.call_id.get("call_id")?;
+            push_record(out, "assistant", name.as_deref().unwrap_or(""), |o| {
+                o.extend_from_slice(arguments.as_deref().unwrap_or("").as_bytes());
                 o.push(FIELD_SEP);
-                o.extend_from_slice(item.call_id.as_deref().unwrap_or("").as_bytes());
+                o.extend_from_slice(call_id.as_deref().unwrap_or("").as_bytes());
             });
             Ok(())
         }
         "function_call_output" => {
+            let output = item.output.get("output")?;
+            let call_id = item.call_id.get("call_id")?;
             let mut failed = None;
             push_record(out, "tool", "", |o| {
-                if let Some(output) = item.output {
+                if let Some(output) = output {
                     failed = push_parts(o, output).err();
                 }
                 o.push(FIELD_SEP);
-                o.extend_from_slice(item.call_id.as_deref().unwrap_or("").as_bytes());
+                o.extend_from_slice(call_id.as_deref().unwrap_or("").as_bytes());
             });
             failed.map_or(Ok(()), Err)
         }
@@ -185,46 +175,42 @@ fn push_item(out: &mut Vec<u8>, raw: &RawValue) -> Result<(), CanonError> {
     }
 }
 
-#[derive(Deserialize)]
-struct MessagesBody<'a> {
-    #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    system: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    messages: Option<Vec<AnthropicMessage<'a>>>,
-    #[serde(borrow, default)]
-    tools: Option<Vec<&'a RawValue>>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    max_tokens: Option<u32>,
-    #[serde(borrow, default)]
-    metadata: Option<Metadata<'a>>,
+json_object! {
+    struct MessagesBody<'a> {
+        "model" => model: Cow<'a, str>,
+        "system" => system: &'a RawValue,
+        "messages" => messages: Vec<AnthropicMessage<'a>>,
+        "tools" => tools: Vec<&'a RawValue>,
+        "stream" => stream: bool,
+        "max_tokens" => max_tokens: Limit,
+        "metadata" => metadata: Metadata<'a>,
+    }
 }
 
-#[derive(Deserialize)]
-struct AnthropicMessage<'a> {
-    #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+json_object! {
+    struct AnthropicMessage<'a> {
+        "role" => role: Cow<'a, str>,
+        "content" => content: &'a RawValue,
+    }
 }
 
-#[derive(Deserialize)]
-struct Metadata<'a> {
-    #[serde(borrow, default)]
-    user_id: Option<Cow<'a, str>>,
+json_object! {
+    struct Metadata<'a> {
+        "user_id" => user_id: Cow<'a, str>,
+    }
 }
 
 /// Canonicalises a `/v1/messages` body: tools (without their `cache_control`), `system`, then
 /// the messages' content blocks.
 pub(crate) fn canonicalize_messages(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
-    let parsed: MessagesBody<'_> = serde_json::from_slice(body).map_err(invalid)?;
-    let messages = parsed.messages.ok_or(CanonError::MissingPrompt)?;
+    let parsed: MessagesBody<'_> = parse(body, "the body")?;
+    let messages = parsed
+        .messages
+        .get("messages")?
+        .ok_or(CanonError::MissingPrompt)?;
     let mut out = Vec::with_capacity(body.len());
     let mut cache_control = false;
-    if let Some(tools) = parsed.tools.filter(|t| !t.is_empty()) {
+    if let Some(tools) = parsed.tools.get("tools")?.filter(|t| !t.is_empty()) {
         let mut joined = Vec::new();
         for tool in tools {
             cache_control |= push_without_cache_control(&mut joined, tool)?;
@@ -233,16 +219,17 @@ pub(crate) fn canonicalize_messages(body: &[u8]) -> Result<CanonicalPrompt, Cano
         push_tools(&mut out, &joined);
     }
     let mut failed = None;
-    if let Some(system) = parsed.system.filter(|s| s.get() != "null") {
+    if let Some(system) = parsed.system.get("system")? {
         push_record(&mut out, "system", "", |o| match push_blocks(o, system) {
             Ok(marked) => cache_control |= marked,
             Err(e) => failed = Some(e),
         });
     }
-    for message in &messages {
-        let role = message.role.as_deref().unwrap_or("");
-        push_record(&mut out, role, "", |o| {
-            if let Some(content) = message.content {
+    for message in messages {
+        let role = message.role.get("role")?;
+        let content = message.content.get("content")?;
+        push_record(&mut out, role.as_deref().unwrap_or(""), "", |o| {
+            if let Some(content) = content {
                 match push_blocks(o, content) {
                     Ok(marked) => cache_control |= marked,
                     Err(e) => failed = failed.take().or(Some(e)),
@@ -253,35 +240,40 @@ pub(crate) fn canonicalize_messages(body: &[u8]) -> Result<CanonicalPrompt, Cano
     if let Some(e) = failed {
         return Err(e);
     }
+    let user_id = match parsed.metadata.get("metadata")? {
+        Some(metadata) => metadata.user_id.get("metadata.user_id")?,
+        None => None,
+    };
     Ok(CanonicalPrompt {
-        model: parsed.model.map(Cow::into_owned).unwrap_or_default(),
+        model: parsed
+            .model
+            .get("model")?
+            .map(Cow::into_owned)
+            .unwrap_or_default(),
         bytes: out,
-        stream: parsed.stream.unwrap_or(false),
-        max_output_tokens: parsed.max_tokens,
-        session_hint: parsed
-            .metadata
-            .and_then(|m| m.user_id)
-            .as_deref()
-            .and_then(claude_session),
+        stream: parsed.stream.get("stream")?.unwrap_or(false),
+        max_output_tokens: limit([parsed.max_tokens]),
+        session_hint: user_id.as_deref().and_then(claude_session),
         previous_response_id: None,
         cache_salt: None,
         cache_control,
     })
 }
 
+json_object! {
+    struct Ids<'a> {
+        "session_id" => session_id: Cow<'a, str>,
+    }
+}
+
 /// The session in Anthropic's `metadata.user_id`: Claude Code sends a JSON object with a
 /// `session_id` (since 2.1.86) or `user_<hash>_account_<id>_session_<uuid>` (before); any
 /// other value is the key itself.
 fn claude_session(user_id: &str) -> Option<String> {
-    #[derive(Deserialize)]
-    struct Ids<'a> {
-        #[serde(borrow, default)]
-        session_id: Option<Cow<'a, str>>,
-    }
     let session = if user_id.trim_start().starts_with('{') {
-        serde_json::from_str::<Ids<'_>>(user_id)
+        fragment::<Ids<'_>>(user_id, "user_id")
             .ok()
-            .and_then(|ids| ids.session_id)
+            .and_then(|ids| ids.session_id.get("session_id").ok().flatten())
             .map(Cow::into_owned)
     } else {
         None
@@ -302,12 +294,11 @@ fn push_blocks(out: &mut Vec<u8>, content: &RawValue) -> Result<bool, CanonError
     let raw = content.get();
     match raw.as_bytes().first() {
         Some(b'"') => {
-            let text: Cow<'_, str> = serde_json::from_str(raw).map_err(invalid)?;
-            out.extend_from_slice(text.as_bytes());
+            out.extend_from_slice(str_of(raw)?.as_bytes());
             Ok(false)
         }
         Some(b'[') => {
-            let blocks: Vec<&RawValue> = serde_json::from_str(raw).map_err(invalid)?;
+            let blocks: Vec<&RawValue> = fragment(raw, "content")?;
             let mut marked = false;
             for block in blocks {
                 marked |= push_block(out, block)?;
@@ -324,30 +315,31 @@ fn push_blocks(out: &mut Vec<u8>, content: &RawValue) -> Result<bool, CanonError
 
 /// One part or block as its template renders it.
 fn push_block(out: &mut Vec<u8>, raw: &RawValue) -> Result<bool, CanonError> {
-    let part: Part<'_> = serde_json::from_str(raw.get()).map_err(invalid)?;
-    let marked = part.cache_control.is_some_and(|c| c.get() != "null");
+    let part: Part<'_> = fragment(raw.get(), "a content block")?;
+    let marked = part.cache_control.get("cache_control")?.is_some();
     let field = |out: &mut Vec<u8>, s: Option<&str>| {
         out.extend_from_slice(s.unwrap_or("").as_bytes());
         out.push(FIELD_SEP);
     };
-    match part.kind.as_deref() {
-        Some("text" | "input_text" | "output_text") | None if part.text.is_some() => {
-            field(out, part.text.as_deref());
+    let text = part.text.get("text")?;
+    match part.kind.get("type")?.as_deref() {
+        Some("text" | "input_text" | "output_text") | None if text.is_some() => {
+            field(out, text.as_deref());
         }
-        Some("refusal") => field(out, part.refusal.as_deref()),
-        Some("thinking") => field(out, part.thinking.as_deref()),
+        Some("refusal") => field(out, part.refusal.get("refusal")?.as_deref()),
+        Some("thinking") => field(out, part.thinking.get("thinking")?.as_deref()),
         Some("tool_use") => {
             out.extend_from_slice(b"tool_use");
             out.push(FIELD_SEP);
-            field(out, part.id.as_deref());
-            field(out, part.name.as_deref());
-            field(out, part.input.map(RawValue::get));
+            field(out, part.id.get("id")?.as_deref());
+            field(out, part.name.get("name")?.as_deref());
+            field(out, part.input.get("input")?.map(RawValue::get));
         }
         Some("tool_result") => {
             out.extend_from_slice(b"tool_result");
             out.push(FIELD_SEP);
-            field(out, part.tool_use_id.as_deref());
-            if let Some(content) = part.content {
+            field(out, part.tool_use_id.get("tool_use_id")?.as_deref());
+            if let Some(content) = part.content.get("content")? {
                 return Ok(push_blocks(out, content)? | marked);
             }
         }
@@ -356,20 +348,56 @@ fn push_block(out: &mut Vec<u8>, raw: &RawValue) -> Result<bool, CanonError> {
     Ok(marked)
 }
 
-/// Appends `raw` JSON without a top-level `cache_control` key (it moves between turns and is
-/// not prompt text). Returns whether there was one.
+/// Appends `raw` JSON without its top-level `cache_control` members (the marker moves between
+/// turns and is not prompt text). They are cut out of the text, so the rest is what the client
+/// sent, byte for byte, and what it sends once the marker has moved on; nothing is re-read, so
+/// no depth, number or string in it can fail. Returns whether the last one (a dict keeps the
+/// last) is set.
 fn push_without_cache_control(out: &mut Vec<u8>, raw: &RawValue) -> Result<bool, CanonError> {
     let text = raw.get();
-    if !text.contains("\"cache_control\"") {
+    let members = match text.contains("\"cache_control\"") {
+        true => fragment::<Members<'_>>(text, "a block").ok(),
+        false => None,
+    };
+    let Some(Members(members)) = members else {
         out.extend_from_slice(text.as_bytes());
         return Ok(false);
+    };
+    let is_marker = |key: &Key<'_>| key.as_str() == "cache_control";
+    let Some(last_marker) = members.iter().rev().find(|(k, _)| is_marker(k)) else {
+        out.extend_from_slice(text.as_bytes());
+        return Ok(false);
+    };
+    let marked = last_marker.1.get() != "null";
+    let Some(first_kept) = members.iter().position(|(k, _)| !is_marker(k)) else {
+        out.extend_from_slice(b"{}");
+        return Ok(marked);
+    };
+    // What goes: a leading run of markers up to the first kept key, then each later marker
+    // with the separator before it (from the end of the value before it to its own end).
+    let skip_ws = |at: usize| {
+        text.bytes()
+            .skip(at)
+            .position(|b| !b.is_ascii_whitespace())
+            .map_or(text.len(), |n| at + n)
+    };
+    let mut cuts = Vec::new();
+    if first_kept > 0 {
+        let value_before = end_in(text, members[first_kept - 1].1.get())?;
+        let comma = skip_ws(value_before);
+        cuts.push(skip_ws(1)..skip_ws(comma + 1));
     }
-    let mut value: serde_json::Value = serde_json::from_str(text).map_err(invalid)?;
-    let marked = value
-        .as_object_mut()
-        .and_then(|o| o.remove("cache_control"))
-        .is_some_and(|c| !c.is_null());
-    out.extend_from_slice(value.to_string().as_bytes());
+    for (i, (key, value)) in members.iter().enumerate().skip(first_kept + 1) {
+        if is_marker(key) {
+            cuts.push(end_in(text, members[i - 1].1.get())?..end_in(text, value.get())?);
+        }
+    }
+    let mut at = 0;
+    for cut in cuts {
+        out.extend_from_slice(text.as_bytes().get(at..cut.start).unwrap_or_default());
+        at = cut.end;
+    }
+    out.extend_from_slice(text.as_bytes().get(at..).unwrap_or_default());
     Ok(marked)
 }
 
@@ -497,6 +525,109 @@ mod tests {
         assert_eq!(other.session_hint.as_deref(), Some("alice"));
         let empty = messages(r#"{"messages":[],"metadata":{"user_id":""}}"#);
         assert_eq!(empty.session_hint, None);
+    }
+
+    /// `odd` canonicalises exactly as `plain`, the body vLLM reads it as.
+    fn both(api: ApiKind, odd: &[u8], plain: &str) {
+        let odd = canonicalize(api, odd)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(odd)));
+        assert_eq!(odd, canonicalize(api, plain.as_bytes()).unwrap(), "{plain}");
+    }
+
+    #[test]
+    fn agent_bodies_keep_the_last_duplicate_key() {
+        both(
+            ApiKind::Responses,
+            br#"{"input":"old","instructions":"a","max_output_tokens":3,"input":[
+                {"type":"reasoning","type":"message","role":"user","content":"hi","content":[
+                  {"type":"input_text","text":"a","text":"b"}]},
+                {"type":"function_call","name":"f","name":"g","arguments":"{}","call_id":"1"}],
+                "instructions":"b","max_output_tokens":7,"previous_response_id":"r1",
+                "previous_response_id":"r2","user":5,"user":"u"}"#,
+            r#"{"instructions":"b","max_output_tokens":7,"input":[
+                {"type":"message","role":"user","content":[{"type":"input_text","text":"b"}]},
+                {"type":"function_call","name":"g","arguments":"{}","call_id":"1"}],
+                "previous_response_id":"r2","user":"u"}"#,
+        );
+        both(
+            ApiKind::Messages,
+            br#"{"messages":[{"role":"user","content":"old"}],"system":"s1","max_tokens":2,
+                "system":[{"type":"text","text":"s2","text":"s3"}],"max_tokens":8,
+                "metadata":{"user_id":"a","user_id":"b"},
+                "messages":[{"role":"assistant","role":"user","content":[
+                  {"type":"tool_use","id":"t","name":"ls","input":{},"input":{"d":1}}]}]}"#,
+            r#"{"system":[{"type":"text","text":"s3"}],"max_tokens":8,"metadata":{"user_id":"b"},
+                "messages":[{"role":"user","content":[{"type":"tool_use","id":"t","name":"ls","input":{"d":1}}]}]}"#,
+        );
+    }
+
+    #[test]
+    fn agent_bodies_take_what_python_json_takes() {
+        both(
+            ApiKind::Responses,
+            br#"{"input":[{"role":"user","content":[{"type":"input_text","text":"x\ud800"}]}],
+                "temperature":NaN,"max_output_tokens":1099511627776}"#,
+            r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"x\ufffd"}]}],
+                "max_output_tokens":4294967295}"#,
+        );
+        both(
+            ApiKind::Messages,
+            br#"{"max_tokens":1e12,"temperature":Infinity,"system":"\udc00",
+                "messages":[{"role":"user","content":[{"type":"text","text":"\ud800"}]}]}"#,
+            r#"{"max_tokens":4294967295,"system":"\ufffd",
+                "messages":[{"role":"user","content":[{"type":"text","text":"\ufffd"}]}]}"#,
+        );
+        let p = canonicalize(ApiKind::Messages, br#"{"max_tokens":-3,"messages":[]}"#).unwrap();
+        assert_eq!(p.max_output_tokens, Some(0));
+    }
+
+    #[test]
+    fn marked_blocks_read_as_their_json_without_the_marker() {
+        // A marked tool or block: its JSON as sent, minus the marker, whatever it holds (a
+        // lone surrogate, a number beyond f64, a schema nested deeper than 128).
+        let deep = format!("{}1{}", r#"{"a":"#.repeat(200), "}".repeat(200));
+        let marked = format!(
+            r#"{{"tools":[{{"name":"ls","description":"\ud800","input_schema":{deep},"max":1e400,
+                "cache_control":{{"type":"ephemeral"}}}}],"messages":[]}}"#
+        );
+        let plain = format!(
+            r#"{{"tools":[{{"name":"ls","description":"\ud800","input_schema":{deep},"max":1e400}}],"messages":[]}}"#
+        );
+        let m = messages(&marked);
+        assert!(m.cache_control);
+        assert_eq!(m.bytes, messages(&plain).bytes);
+        // The last marker decides (a dict keeps the last), and all of them go.
+        let m = messages(
+            r#"{"tools":[{"cache_control":{"type":"ephemeral"}, "name":"ls", "cache_control":null}],"messages":[]}"#,
+        );
+        assert!(!m.cache_control);
+        assert_eq!(
+            m.bytes,
+            messages(r#"{"tools":[{"name":"ls"}],"messages":[]}"#).bytes
+        );
+        let m = messages(r#"{"tools":[{ "cache_control":{}, "name":"ls" }],"messages":[]}"#);
+        assert_eq!(
+            m.bytes,
+            messages(r#"{"tools":[{ "name":"ls" }],"messages":[]}"#).bytes
+        );
+        let m = messages(r#"{"tools":[{"cache_control":{}}],"messages":[]}"#);
+        assert_eq!(m.bytes, messages(r#"{"tools":[{}],"messages":[]}"#).bytes);
+    }
+
+    #[test]
+    fn a_marker_moving_off_an_image_keeps_the_prefix() {
+        // Turn N marks its newest block, an image; turn N+1 marks its own newest one instead.
+        let image =
+            r#"{"type":"image","source":{"type":"base64","media_type":"image/png","data":"iVBO"}"#;
+        let t1 = messages(&format!(
+            r#"{{"messages":[{{"role":"user","content":[{image},"cache_control":{{"type":"ephemeral"}}}}]}}]}}"#
+        ));
+        let t2 = messages(&format!(
+            r#"{{"messages":[{{"role":"user","content":[{image}}}]}},{{"role":"assistant","content":"a cat"}},
+               {{"role":"user","content":[{{"type":"text","text":"more","cache_control":{{"type":"ephemeral"}}}}]}}]}}"#
+        ));
+        assert!(t1.cache_control && t2.cache_control);
+        assert!(t2.bytes.starts_with(&t1.bytes));
     }
 
     #[test]

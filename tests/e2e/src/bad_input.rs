@@ -50,6 +50,9 @@ struct Topology {
     /// A second Envoy (same replicas and control plane) whose filter buffers up to 16 MiB,
     /// i.e. more than Envoy's 8 MiB limit, so Envoy itself refuses big bodies with 413.
     big_buffer_envoy: OnceLock<Result<ExtraEnvoy, String>>,
+    /// A third Envoy whose filter explains its decisions (`allow_explain`), for the cases that
+    /// check how a body was routed, not only that it was served.
+    explain_envoy: OnceLock<Result<ExtraEnvoy, String>>,
 }
 
 struct ExtraEnvoy {
@@ -100,6 +103,7 @@ fn start_topology() -> Result<Topology, String> {
         fleet,
         client: HttpClient::new(),
         big_buffer_envoy: OnceLock::new(),
+        explain_envoy: OnceLock::new(),
     })
 }
 
@@ -109,12 +113,22 @@ impl Topology {
     }
 
     fn big_buffer_envoy(&'static self) -> &'static str {
-        let started = self.big_buffer_envoy.get_or_init(|| {
+        self.extra_envoy(&self.big_buffer_envoy, json!({"max_body_bytes": 16 << 20}))
+    }
+
+    fn explain_envoy(&'static self) -> &'static str {
+        self.extra_envoy(&self.explain_envoy, json!({"allow_explain": true}))
+    }
+
+    fn extra_envoy(
+        &'static self,
+        cell: &'static OnceLock<Result<ExtraEnvoy, String>>,
+        plugin_overrides: Value,
+    ) -> &'static str {
+        let started = cell.get_or_init(|| {
             on_keeper_thread(move || {
-                self.rt.block_on(start_extra_envoy(
-                    &self.fleet,
-                    &json!({"max_body_bytes": 16 << 20}),
-                ))
+                self.rt
+                    .block_on(start_extra_envoy(&self.fleet, &plugin_overrides))
             })
         });
         match started {
@@ -1155,6 +1169,168 @@ fn negative_max_tokens() {
         body["max_tokens"] = json!(-5);
         let r = post_json(t.envoy_addr(), CHAT, &bytes_of(&body)).await;
         expect_openai_error("negative", &r, &[400]);
+    });
+}
+
+// ------------------------------------------------------------------------------------------
+// Bodies Python's `json` takes (issue 20, defect 8): vLLM serves them, so they keep their cache
+// affinity. Each is sent after the well-formed body vLLM reads it as, through the explaining
+// Envoy, and must be routed by prefix to that body's replica with its blocks cached, not fail
+// open (`reason=fail_open; error=body_parse`).
+
+/// `key=value; ...` of an `x-kvroute-decision` header.
+fn decision_fields(value: &str) -> Vec<(String, String)> {
+    value
+        .split("; ")
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn decision_field<'a>(fields: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    fields
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
+
+/// Sends `body` through the explaining Envoy until a decision is not a route-call timeout (a
+/// loaded machine misses the filter's 50 ms budget now and then); returns the reply and the
+/// decision's fields.
+async fn explained_decision(
+    t: &'static Topology,
+    case: &str,
+    body: &[u8],
+) -> (Reply, Vec<(String, String)>) {
+    let addr = t.explain_envoy().to_string();
+    let mut last = None;
+    for _ in 0..5 {
+        let r = send(
+            &addr,
+            http1("POST", CHAT, &[JSON_CT, ("x-kvroute-explain", "1")], body),
+        )
+        .await;
+        assert_no_5xx(case, &r);
+        assert!(r.answered_by_replica(), "{case}: {}", r.describe());
+        let fields = r
+            .header("x-kvroute-decision")
+            .map(decision_fields)
+            .unwrap_or_else(|| panic!("{case}: no decision header: {:?}", r.headers));
+        if decision_field(&fields, "error") == Some("timeout") {
+            last = Some((r, fields));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        return (r, fields);
+    }
+    let (r, fields) = last.unwrap_or_else(|| panic!("{case}: no attempt"));
+    panic!(
+        "{case}: every route call timed out: {fields:?} {}",
+        r.describe()
+    );
+}
+
+/// `odd` is `plain` (a chat body with a prompt of its own) in a shape only Python's `json`
+/// reads: routed after `plain`, it goes by prefix to `plain`'s replica with `plain`'s blocks
+/// cached, as the same prompt does.
+async fn expect_routed_like(t: &'static Topology, case: &str, plain: &Value, odd: &[u8]) {
+    let plain = bytes_of(plain);
+    let blocks = scorer_core::canon::canonicalize(scorer_core::protocol::ApiKind::Chat, &plain)
+        .unwrap_or_else(|e| panic!("{case}: {e}"))
+        .bytes
+        .len()
+        / scorer_core::hash::DEFAULT_BLOCK_BYTES;
+    assert!(
+        blocks >= 8,
+        "{case}: make the prompt longer ({blocks} blocks)"
+    );
+    let (first, fields) = explained_decision(t, case, &plain).await;
+    let endpoint = decision_field(&fields, "endpoint")
+        .unwrap_or_else(|| panic!("{case}: the well-formed body was not routed: {fields:?}"))
+        .to_string();
+    assert_eq!(first.status, 200, "{case}: {}", first.describe());
+    let (r, fields) = explained_decision(t, case, odd).await;
+    eprintln!("{case}: {fields:?} {}", r.describe());
+    assert_eq!(
+        decision_field(&fields, "reason"),
+        Some("prefix"),
+        "{case}: not routed by its prefix: {fields:?}"
+    );
+    assert_eq!(
+        decision_field(&fields, "endpoint"),
+        Some(endpoint.as_str()),
+        "{case}: not sent where its prompt is cached: {fields:?}"
+    );
+    assert_eq!(r.header(REPLICA_HEADER), Some(endpoint.as_str()), "{case}");
+    let cached: usize = decision_field(&fields, "cached_blocks")
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("{case}: no cached_blocks in {fields:?}"));
+    // All of the prompt's blocks, bar the last one the engine always recomputes.
+    assert!(
+        cached + 1 >= blocks,
+        "{case}: {cached} of {blocks} blocks cached"
+    );
+}
+
+/// A prompt of its own for each case, long enough for a dozen blocks.
+fn affinity_prompt(case: &str) -> String {
+    format!("{case}: {}", crate::common::words(0x20_08, 500))
+}
+
+#[test]
+fn duplicate_keys_are_routed_by_their_last_values() {
+    case("duplicate_keys_affinity", async |t| {
+        let text = affinity_prompt("duplicate keys");
+        let plain = json!({"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": text}]});
+        let odd = format!(
+            r#"{{"model":"other","max_tokens":"x","messages":[{{"role":"user","content":"first"}}],
+                "model":"{MODEL}","max_tokens":2,"messages":[{{"role":"system","role":"user",
+                "content":"draft","content":{}}}]}}"#,
+            json!(text)
+        );
+        expect_routed_like(t, "duplicate keys", &plain, odd.as_bytes()).await;
+    });
+}
+
+#[test]
+fn lone_surrogate_escape_is_routed_by_its_prefix() {
+    // Python keeps `\ud800`; the filter reads it as U+FFFD, as it reads every lone surrogate.
+    case("lone_surrogate_affinity", async |t| {
+        let text = affinity_prompt("lone surrogate");
+        let plain = json!({"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": format!("{text} \u{fffd}")}]});
+        let odd = plain.to_string().replace('\u{fffd}', r"\ud800");
+        assert!(odd.contains(r"\ud800"), "{odd}");
+        expect_routed_like(t, "lone surrogate", &plain, odd.as_bytes()).await;
+    });
+}
+
+#[test]
+fn nan_temperature_is_routed_by_its_prefix() {
+    case("nan_temperature_affinity", async |t| {
+        let text = affinity_prompt("nan temperature");
+        let plain = json!({"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": text}]});
+        let odd = format!(
+            r#"{{"temperature":NaN,"top_p":Infinity,"presence_penalty":-Infinity,{}"#,
+            &plain.to_string()[1..]
+        );
+        expect_routed_like(t, "NaN temperature", &plain, odd.as_bytes()).await;
+    });
+}
+
+#[test]
+fn max_tokens_of_2_pow_40_is_routed_by_its_prefix() {
+    case("max_tokens_2_pow_40_affinity", async |t| {
+        let text = affinity_prompt("max_tokens 2^40");
+        let plain = json!({"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": text}]});
+        let odd = plain
+            .to_string()
+            .replace(r#""max_tokens":2"#, r#""max_tokens":1099511627776"#);
+        assert!(odd.contains("1099511627776"), "{odd}");
+        expect_routed_like(t, "max_tokens 2^40", &plain, odd.as_bytes()).await;
     });
 }
 
