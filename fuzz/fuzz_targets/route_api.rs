@@ -202,7 +202,10 @@ fn run(input: Input) {
                                 completion_tokens: None,
                                 cached_tokens: *cached_tokens,
                                 response_id: response.map(|r| format!("resp_{}", r % 16)),
+                                decision_tag: 0,
                             }],
+                            // Withdraw the call ids the route requests may have carried.
+                            withdrawn: vec![u64::from(*back) % 4],
                         })
                         .unwrap_or_default()
                     }
@@ -210,6 +213,9 @@ fn run(input: Input) {
                 if let Ok(batch) = serde_json::from_slice::<FeedbackBatch>(&bytes) {
                     for outcome in &batch.outcomes {
                         router.feedback(outcome, now);
+                    }
+                    for call in &batch.withdrawn {
+                        router.withdraw(*call, now);
                     }
                 }
             }

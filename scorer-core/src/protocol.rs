@@ -132,6 +132,16 @@ pub struct RouteRequest {
     /// when the router has not heard of the response yet (the report is still on its way).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_response_endpoint: Option<String>,
+    /// The proxy's own id for this route call, so that when it stops waiting (its route
+    /// timeout) it can withdraw whatever the control plane decides late
+    /// ([`FeedbackBatch::withdrawn`]) instead of leaving phantom load until `inflight_ttl_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call_id: Option<u64>,
+    /// Outcomes the proxy had queued when it made this call: applied before the decision, so
+    /// requests that finished since the last feedback flush no longer count as waiting.
+    /// Not part of the decision (never replicated or logged).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub finished: Vec<Outcome>,
 }
 
 /// How important a request is when the fleet is saturated.
@@ -346,6 +356,9 @@ pub enum RouteReason {
     RequestTooLarge,
     /// Refused by a rate or load limit (idem).
     RateLimitExceeded,
+    /// The proxy withdrew the call before it was decided (it stopped waiting and failed
+    /// open): nothing was accounted, and the answer reaches nobody.
+    Withdrawn,
     /// A reason this build does not know (a newer control plane), or none (empty), kept
     /// verbatim so the answer still parses; the filter sanitises it for its header.
     #[serde(untagged)]
@@ -365,6 +378,7 @@ impl RouteReason {
             Self::ModelNotFound => "model_not_found",
             Self::RequestTooLarge => "request_too_large",
             Self::RateLimitExceeded => "rate_limit_exceeded",
+            Self::Withdrawn => "withdrawn",
             Self::Other(other) => other,
         }
     }
@@ -380,6 +394,7 @@ impl From<&str> for RouteReason {
             "no_endpoint" => Self::NoEndpoint,
             "stored_response" => Self::StoredResponse,
             "rejected" => Self::Rejected,
+            "withdrawn" => Self::Withdrawn,
             other => RejectType::from(other).into(),
         }
     }
@@ -442,6 +457,16 @@ pub struct RouteResponse {
     /// `ip:port` of a prefill replica for `x-prefiller-host-port` (disaggregated serving).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefiller: Option<String>,
+    /// A keyed MAC of `decision_id` and the asking proxy's address: an outcome must carry it
+    /// back ([`Outcome::decision_tag`]), so nobody can release or rate another proxy's
+    /// decisions by guessing their (sequential) ids. 0 from a router that signs nothing
+    /// (fleet-sim, a proxy's local copy).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decision_tag: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// What happened to one routed request, reported after it finished.
@@ -474,6 +499,9 @@ pub struct Outcome {
     /// `previous_response_id` naming it must go to `endpoint`, which stored it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_id: Option<String>,
+    /// The route answer's [`RouteResponse::decision_tag`], echoed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decision_tag: u64,
 }
 
 /// A batch of outcomes: the filter's root context flushes these on a tick.
@@ -481,6 +509,10 @@ pub struct Outcome {
 pub struct FeedbackBatch {
     /// Outcomes in the order the requests finished.
     pub outcomes: Vec<Outcome>,
+    /// [`RouteRequest::call_id`]s of route calls the proxy stopped waiting for (it failed
+    /// open): their decisions, made or still to be made, hold no load.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub withdrawn: Vec<u64>,
 }
 
 #[cfg(test)]

@@ -140,6 +140,9 @@ pub struct RouterConfig {
     pub index_ttl_ms: u64,
     /// How long an in-flight entry lives without feedback (a lost report leaks nothing).
     pub inflight_ttl_ms: u64,
+    /// Most prompt tokens, and most output tokens, one request is charged for: no served
+    /// model takes more, so a forged route call cannot price a replica busy for days.
+    pub max_request_tokens: u32,
     /// Fallback endpoints returned after the chosen one.
     pub fallbacks: usize,
     /// Metrics older than this count as stale.
@@ -195,6 +198,7 @@ impl Default for RouterConfig {
             learn_bytes_per_token: false,
             index_ttl_ms: 120_000,
             inflight_ttl_ms: 300_000,
+            max_request_tokens: 1 << 20,
             fallbacks: 2,
             stale_after_ms: 2_000,
             scoring: ScoringConfig::default(),
@@ -395,6 +399,10 @@ struct InFlight {
     /// The prefill tokens it added to its endpoint's backlog, refunded if the engine refuses
     /// it without prefilling.
     prefill_tokens: u32,
+    /// When it was decided here: no reported time may exceed the time since.
+    started_ms: u64,
+    /// The proxy's route call id, so the proxy can withdraw it (see [`Router::withdraw`]).
+    call_id: Option<u64>,
 }
 
 /// One candidate's score terms: what the explain output shows.
@@ -507,6 +515,13 @@ pub struct RouterStats {
     /// not serving the model): routed as any other, so a replica answers 404.
     #[serde(default)]
     pub stored_response_unavailable: u64,
+    /// Decisions withdrawn by the proxy that asked (it stopped waiting and failed open),
+    /// before or after they were taken: their load was released at once.
+    #[serde(default)]
+    pub withdrawn: u64,
+    /// Outcomes whose reported times exceeded the time since their decision (clamped).
+    #[serde(default)]
+    pub clamped_outcomes: u64,
 }
 
 /// Read-only view of one endpoint for metrics and the fleet page.
@@ -573,6 +588,11 @@ pub struct Router {
     /// while reports lagged). Entries already answered are skipped lazily.
     inflight_order: VecDeque<(u64, u64)>,
     next_decision_id: u64,
+    /// Route call id → decision id of in-flight entries that came with one.
+    calls: HashMap<u64, u64>,
+    /// Call ids withdrawn before their decision was taken (the call was still queued), each
+    /// with when: a decision arriving for one is not taken. Bounded ([`MAX_WITHDRAWN`]).
+    withdrawn: VecDeque<(u64, u64)>,
     stats: RouterStats,
     /// A running average of the rates endpoints have learned: the prior of one that has not.
     fleet_rates: Option<Prior>,
@@ -636,6 +656,8 @@ struct RequestShape<'r> {
     tokens: u32,
     /// `tokens`, at least 1, as the cost terms use it.
     prompt_tokens: f64,
+    /// The request's canonical bytes, bounded by the blocks it hashed.
+    prompt_bytes: u64,
     /// `max_tokens`, or `scoring.default_output_tokens`.
     output_tokens: u32,
     /// Tokens one approximate hash block stands for.
@@ -804,6 +826,30 @@ fn rejected(decision_id: u64, reject: Reject) -> Decision {
     }
 }
 
+/// `request.prompt_bytes`, at most the whole blocks its `block_hashes` cover plus one partial
+/// block: the filter hashes every whole block, so a prompt with no hash is shorter than one.
+fn bounded_prompt_bytes(request: &RouteRequest, block_bytes: usize) -> u64 {
+    let covered = (request.block_hashes.len() as u64 + 1).saturating_mul(block_bytes as u64);
+    if block_bytes == 0 {
+        request.prompt_bytes
+    } else {
+        request.prompt_bytes.min(covered)
+    }
+}
+
+/// The most tokens `blocks` whole engine blocks plus one partial block hold.
+fn block_count_tokens(blocks: usize, block_tokens: usize) -> u32 {
+    u32::try_from((blocks + 1).saturating_mul(block_tokens)).unwrap_or(u32::MAX)
+}
+
+/// Withdrawn call ids remembered ahead of their decision: far more than the route calls a
+/// proxy fleet can have queued during a stall, and a few kilobytes.
+const MAX_WITHDRAWN: usize = 4096;
+
+/// How long a withdrawn call id waits for its decision: a call queued longer than this is
+/// presumed never to arrive.
+const WITHDRAWN_TTL_MS: u64 = 60_000;
+
 fn splitmix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -832,6 +878,8 @@ impl Router {
             inflight: HashMap::new(),
             inflight_order: VecDeque::new(),
             next_decision_id: first_decision_id.max(1),
+            calls: HashMap::new(),
+            withdrawn: VecDeque::new(),
             stats: RouterStats::default(),
             fleet_rates: None,
             last_expire_ms: u64::MAX,
@@ -1142,6 +1190,13 @@ impl Router {
             .responses
             .expire(now_ms, self.config.responses.ttl_ms);
         self.precise.speculative.expire(now_ms);
+        while self
+            .withdrawn
+            .front()
+            .is_some_and(|&(at, _)| at.saturating_add(WITHDRAWN_TTL_MS) <= now_ms)
+        {
+            self.withdrawn.pop_front();
+        }
         let ttl = self.config.inflight_ttl_ms;
         while let Some(&(started_ms, decision_id)) = self.inflight_order.front() {
             if started_ms.saturating_add(ttl) > now_ms {
@@ -1151,6 +1206,9 @@ impl Router {
             let Some(entry) = self.inflight.remove(&decision_id) else {
                 continue;
             };
+            if let Some(call) = entry.call_id {
+                self.calls.remove(&call);
+            }
             self.stats.expired_inflight += 1;
             if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
                 slot.release(&entry);
@@ -1186,6 +1244,20 @@ impl Router {
         let decision_id = self.next_decision_id;
         self.next_decision_id += 1;
         self.stats.decisions += 1;
+        // The proxy gave up on this call while it was queued: it went elsewhere already.
+        if let Some(call) = request.call_id
+            && let Some(at) = self.withdrawn.iter().position(|&(_, c)| c == call)
+        {
+            self.withdrawn.remove(at);
+            return Decision {
+                response: RouteResponse {
+                    decision_id,
+                    reason: RouteReason::Withdrawn,
+                    ..Default::default()
+                },
+                candidates: Vec::new(),
+            };
+        }
 
         let shape = self.shape_request(request);
         let pool = match self.select_pool(request, now_ms) {
@@ -1347,13 +1419,25 @@ impl Router {
         // A precise request's tokens were counted by a tokenizer. An approximate one's are
         // estimated from its canonical bytes at the ratio the index counts blocks in (the
         // filter's own estimate assumes 4 bytes a token).
-        let tokens = match request.prompt_bytes {
+        //
+        // Every number is bounded by what the request could be, so a forged or confused call
+        // prices nothing it did not carry: canonical bytes by the whole blocks hashed plus one
+        // partial block (a load route hashes none and sends no bytes), tokens by the engine
+        // blocks hashed plus one, and both by `max_request_tokens`.
+        let block_tokens = self.config.precise.block_tokens.max(1);
+        let prompt_bytes = bounded_prompt_bytes(request, self.config.block_bytes);
+        let max_tokens = self.config.max_request_tokens.max(1);
+        let tokens = match prompt_bytes {
             bytes if !precise && bytes > 0 => {
                 (bytes as f64 / self.token_ratio.bytes_per_token()).ceil() as u32
             }
+            _ if precise => request.prompt_tokens.min(block_count_tokens(
+                request.token_block_hashes.len(),
+                block_tokens,
+            )),
             _ => request.prompt_tokens,
-        };
-        let block_tokens = self.config.precise.block_tokens.max(1);
+        }
+        .min(max_tokens);
         let kv_blocks = if precise {
             KvBlocks {
                 hashes: &request.token_block_hashes,
@@ -1368,10 +1452,12 @@ impl Router {
         RequestShape {
             precise,
             tokens,
+            prompt_bytes,
             prompt_tokens: f64::from(tokens.max(1)),
             output_tokens: request
                 .max_output_tokens
-                .unwrap_or(self.config.scoring.default_output_tokens),
+                .unwrap_or(self.config.scoring.default_output_tokens)
+                .min(max_tokens),
             tokens_per_block,
             block_tokens,
             // vLLM recomputes at least the last prompt token, so only blocks of the first n-1 count.
@@ -1599,13 +1685,15 @@ impl Router {
         let entry = InFlight {
             endpoint: chosen,
             predicted_cached_tokens: request_tokens.saturating_sub(chosen_score.uncached_tokens),
-            prompt_bytes: request.prompt_bytes,
+            prompt_bytes: shape.prompt_bytes,
             kv_blocks,
             kv_block_tokens,
             kv_private_tokens: shape.output_tokens.saturating_add(unhashed),
             latency_features: self.scratch.features[usize::from(chosen.0)],
             remote_prefill: false,
             prefill_tokens: chosen_score.uncached_tokens,
+            started_ms: now_ms,
+            call_id: request.call_id,
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             slot.backlog_tokens += f64::from(chosen_score.uncached_tokens);
@@ -1621,6 +1709,9 @@ impl Router {
             self.precise
                 .gpu
                 .touch(chosen, &request.token_block_hashes, now_ms);
+        }
+        if let Some(call) = request.call_id {
+            self.calls.insert(call, decision_id);
         }
         self.inflight.insert(decision_id, entry);
         self.track_inflight(decision_id, now_ms);
@@ -1724,6 +1815,25 @@ impl Router {
         let Some(entry) = self.inflight.remove(&outcome.decision_id) else {
             return;
         };
+        if let Some(call) = entry.call_id {
+            self.calls.remove(&call);
+        }
+        // No report can take longer than the time since the decision: a forged or confused
+        // one that claims more is read as that long.
+        let elapsed = now_ms.saturating_sub(entry.started_ms);
+        let clamped;
+        let outcome = if outcome.total_ms > elapsed || outcome.ttfb_ms.is_some_and(|t| t > elapsed)
+        {
+            self.stats.clamped_outcomes += 1;
+            clamped = Outcome {
+                total_ms: outcome.total_ms.min(elapsed),
+                ttfb_ms: outcome.ttfb_ms.map(|t| t.min(elapsed)),
+                ..outcome.clone()
+            };
+            &clamped
+        } else {
+            outcome
+        };
         // Refused without a token generated (a 400 for a prompt too long, a 5xx before the
         // first token): the engine never prefilled it, so its prefill leaves the backlog now
         // instead of pricing the endpoint as busy until it would have drained.
@@ -1778,6 +1888,34 @@ impl Router {
             self.stats.predicted_cached_tokens += u64::from(entry.predicted_cached_tokens);
             self.stats.actual_cached_tokens += u64::from(actual);
         }
+    }
+
+    /// The proxy that made route call `call_id` stopped waiting for it (it failed open): the
+    /// decision taken for it holds no load here. Returns that decision's outcome (status 0, no
+    /// token: its prefill is refunded), which the caller logs so copies release it too; `None`
+    /// when the decision is not taken yet (it will not be, see [`Router::route`]) or is gone.
+    pub fn withdraw(&mut self, call_id: u64, now_ms: u64) -> Option<Outcome> {
+        self.stats.withdrawn += 1;
+        let Some(&decision_id) = self.calls.get(&call_id) else {
+            if self.withdrawn.len() >= MAX_WITHDRAWN {
+                self.withdrawn.pop_front();
+            }
+            self.withdrawn.push_back((now_ms, call_id));
+            return None;
+        };
+        let entry = self.inflight.get(&decision_id)?;
+        let endpoint = self.slots[usize::from(entry.endpoint.0)]
+            .as_ref()
+            .map(|s| s.address.to_string())
+            .unwrap_or_default();
+        let outcome = Outcome {
+            decision_id,
+            endpoint,
+            ..Outcome::default()
+        };
+        // Released as copies will release it: an outcome refused before any token.
+        self.feedback(&outcome, now_ms);
+        Some(outcome)
     }
 
     /// Counters since start.
@@ -2619,12 +2757,7 @@ mod tests {
     fn a_refused_request_refunds_its_prefill_backlog() {
         let mut r = router(1);
         r.update_metrics("10.0.0.0:8000", EndpointMetrics::default(), 0);
-        let huge = RouteRequest {
-            model: "m".into(),
-            prompt_bytes: 3_900_000,
-            prompt_tokens: 975_000,
-            ..Default::default()
-        };
+        let huge = request(&"w".repeat(3_900_000));
         let d = r.route(&huge, 1, 1);
         let backlog = |r: &Router| r.endpoints(1)[0].backlog_tokens;
         assert!(backlog(&r) > 900_000.0, "{}", backlog(&r));
@@ -2652,6 +2785,84 @@ mod tests {
             2,
         );
         assert_eq!(backlog(&r), before);
+    }
+
+    #[test]
+    fn a_forged_prompt_size_prices_only_what_its_hashes_cover() {
+        // One call claiming 4 GB of prompt with two block hashes: before the bound it put
+        // a billion tokens in the replica's backlog (days of prefill).
+        let mut r = router(1);
+        r.update_metrics("10.0.0.0:8000", EndpointMetrics::default(), 0);
+        let mut forged = request(&"w".repeat(600));
+        forged.prompt_bytes = u64::from(u32::MAX);
+        forged.prompt_tokens = u32::MAX;
+        forged.max_output_tokens = Some(u32::MAX);
+        r.route(&forged, 1, 1);
+        let view = &r.endpoints(1)[0];
+        // Two whole blocks and one partial: 768 bytes, 192 tokens at 4 bytes a token.
+        assert!(view.backlog_tokens <= 192.0, "{}", view.backlog_tokens);
+        // A precise request's tokens are bounded by its engine blocks the same way.
+        let mut precise = request("x");
+        precise.token_block_hashes = vec![1, 2];
+        precise.prompt_tokens = u32::MAX;
+        r.route(&precise, 2, 1);
+        let view = &r.endpoints(2)[0];
+        assert!(
+            view.backlog_tokens <= 192.0 + 48.0,
+            "{}",
+            view.backlog_tokens
+        );
+    }
+
+    #[test]
+    fn reported_times_cannot_exceed_the_time_since_the_decision() {
+        let mut r = router(1);
+        r.update_metrics("10.0.0.0:8000", EndpointMetrics::default(), 0);
+        let d = r.route(&request("hello"), 1_000, 1);
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: "10.0.0.0:8000".into(),
+                status: 200,
+                ttfb_ms: Some(u64::MAX / 2),
+                total_ms: u64::MAX / 2,
+                completion_tokens: Some(4),
+                ..Outcome::default()
+            },
+            1_050,
+        );
+        // Read as 50 ms, the time since the decision.
+        assert_eq!(r.stats().clamped_outcomes, 1);
+    }
+
+    #[test]
+    fn a_withdrawn_call_holds_no_load_whenever_it_is_decided() {
+        let mut r = router(1);
+        r.update_metrics("10.0.0.0:8000", EndpointMetrics::default(), 0);
+        let load = |r: &Router| {
+            let v = &r.endpoints(5)[0];
+            (v.inflight, v.backlog_tokens)
+        };
+        // Withdrawn after its decision: released at once, and the outcome says where.
+        let mut late = request(&"a ".repeat(2_000));
+        late.call_id = Some(11);
+        let d = r.route(&late, 1, 1);
+        assert_eq!(load(&r).0, 1);
+        let released = r.withdraw(11, 2).expect("the decision is live");
+        assert_eq!(released.decision_id, d.response.decision_id);
+        assert_eq!(released.endpoint, "10.0.0.0:8000");
+        assert_eq!(load(&r), (0, 0.0));
+        // Withdrawn while still queued (a stalled control plane): never taken.
+        assert!(r.withdraw(12, 3).is_none());
+        let mut queued = request(&"b ".repeat(2_000));
+        queued.call_id = Some(12);
+        let d = r.route(&queued, 4, 1);
+        assert_eq!(d.response.reason, RouteReason::Withdrawn);
+        assert!(d.response.endpoints.is_empty());
+        assert_eq!(load(&r), (0, 0.0));
+        // The tombstone is used up: the same id later is an ordinary call.
+        assert!(!r.route(&queued, 5, 1).response.endpoints.is_empty());
+        assert_eq!(r.stats().withdrawn, 2);
     }
 
     #[test]
@@ -3181,7 +3392,7 @@ mod latency_tests {
                     completion_tokens: Some(1),
                     ..Default::default()
                 },
-                now,
+                now + ttft,
             );
         }
         let views = r.endpoints(now);
@@ -3228,7 +3439,7 @@ mod latency_tests {
                     completion_tokens: Some(1),
                     ..Default::default()
                 },
-                i * 60_000,
+                i * 60_000 + 500,
             );
         }
         let d = r.route(&request(77, 1_000), 10_000_000, 1);

@@ -72,8 +72,9 @@ pub enum SyncEvent {
     Decision {
         /// The replica that took it (0: the control plane itself, on a route call).
         origin: u32,
-        /// The decision.
-        record: DecisionRecord,
+        /// The decision (boxed: it is three times an outcome's size, and half the log's
+        /// entries are outcomes).
+        record: Box<DecisionRecord>,
     },
     /// The outcome of a decision.
     Outcome {
@@ -388,7 +389,7 @@ pub fn serve_sync(
         .into_iter()
         .map(|record| SyncEvent::Decision {
             origin: replica,
-            record,
+            record: Box::new(record),
         });
     let outcomes = request
         .outcomes

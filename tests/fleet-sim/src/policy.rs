@@ -987,6 +987,8 @@ impl Kvroute {
             criticality: None,
             previous_response_id: None,
             previous_response_endpoint: None,
+            call_id: None,
+            finished: Vec::new(),
             token_block_hashes: if self.precise {
                 let block = self.router.config().precise.block_tokens;
                 token_block_hashes(model_seed(MODEL), r.tokens, block)
@@ -1298,12 +1300,12 @@ impl Policy for KvrouteLocal {
                     self.log.push(
                         SyncEvent::Decision {
                             origin: 0,
-                            record: DecisionRecord {
+                            record: Box::new(DecisionRecord {
                                 decision_id: decision.response.decision_id,
                                 endpoint: endpoint.clone(),
                                 request,
                                 age_ms: 0,
-                            },
+                            }),
                         },
                         at,
                     );
