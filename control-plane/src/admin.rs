@@ -35,8 +35,9 @@ struct Admin {
 }
 
 /// The admin router; serve it on `admin_listen`. Inside a tokio runtime it also starts the
-/// fleet page's sampler, which lives as long as the router.
-pub fn router(state: Arc<State>) -> axum::Router {
+/// fleet page's sampler, which lives as long as the router. With `admin_token`, every page
+/// but `/healthz` and `/metrics` asks for it (see [`PageAuth`]).
+pub fn router(state: Arc<State>, admin_token: Option<String>) -> axum::Router {
     let mut registry = telemetry::registry(state.clone());
     registry.register_collector(Box::new(fleet_page::ObservabilityCollector(state.clone())));
     if let Some(gate) = state.admission() {
@@ -54,25 +55,94 @@ pub fn router(state: Arc<State>) -> axum::Router {
         Arc::downgrade(&history),
         fleet_page::SAMPLE_INTERVAL,
     );
-    axum::Router::new()
+    let auth = PageAuth::new(admin_token);
+    let pages = axum::Router::new()
         .route("/", get(fleet_page::page))
         .route("/fleet", get(fleet_page::page))
         .route("/assets/fleet.js", get(fleet_page::script))
         .route("/assets/fleet.css", get(fleet_page::stylesheet))
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
         .route("/debug/fleet.json", get(fleet))
         .route("/debug/endpoints", get(endpoints))
         .route("/debug/scrapes", get(scrapes))
         .route("/debug/kv_events", get(kv_events))
         .route("/debug/decisions", get(decisions))
         .route("/debug/decisions/{id}", get(decision))
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::new(auth),
+            PageAuth::check,
+        ));
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .merge(pages)
         .fallback(not_found)
         .with_state(Arc::new(Admin {
             state,
             registry,
             history,
         }))
+}
+
+/// The admin pages' credential: they explain decisions and show per-endpoint load, which only
+/// operators should see once the port leaves loopback. Accepts `Authorization: Bearer <token>`
+/// (scripts) or HTTP Basic with the token as password (a browser asks for it once).
+#[derive(Debug)]
+pub struct PageAuth {
+    bearer: Option<String>,
+    token: Option<String>,
+}
+
+impl PageAuth {
+    fn new(token: Option<String>) -> Self {
+        Self {
+            bearer: token.as_ref().map(|t| format!("Bearer {t}")),
+            token,
+        }
+    }
+
+    fn allows(&self, authorization: Option<&[u8]>) -> bool {
+        let (Some(bearer), Some(token)) = (&self.bearer, &self.token) else {
+            return true;
+        };
+        let Some(given) = authorization else {
+            return false;
+        };
+        if crate::api::constant_time_eq(given, bearer.as_bytes()) {
+            return true;
+        }
+        use base64::Engine as _;
+        given
+            .strip_prefix(b"Basic ")
+            .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
+            .and_then(|pair| {
+                let colon = pair.iter().position(|&b| b == b':')?;
+                Some(crate::api::constant_time_eq(
+                    &pair[colon + 1..],
+                    token.as_bytes(),
+                ))
+            })
+            .unwrap_or(false)
+    }
+
+    async fn check(
+        AxumState(auth): AxumState<Arc<PageAuth>>,
+        request: axum::extract::Request,
+        next: axum::middleware::Next,
+    ) -> Response {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
+        if auth.allows(given) {
+            return next.run(request).await;
+        }
+        (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Basic realm=\"kvroute\"")],
+            Json(serde_json::json!({ "error": "this page needs the admin token" })),
+        )
+            .into_response()
+    }
 }
 
 async fn fleet(AxumState(admin): AxumState<Arc<Admin>>) -> Response {

@@ -9,18 +9,20 @@
 //! decision. A precise route (with `prompt_text`) is tokenised first, which may call a replica
 //! (`precise.tokenizer: remote`) within `precise.tokenize_timeout_ms`.
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::State as AxumState;
+use axum::extract::{ConnectInfo, Request, State as AxumState};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, ROUTE_PATH, RouteRequest};
+use ring::hmac;
+use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, Outcome, ROUTE_PATH, RouteRequest};
 use scorer_core::sync::{SYNC_PATH, SyncRequest};
 use serde::de::DeserializeOwned;
 
@@ -54,6 +56,57 @@ pub struct ApiSettings {
 struct App {
     state: Arc<State>,
     settings: ApiSettings,
+    tags: DecisionTags,
+}
+
+/// Signs decision ids for the proxy that asked, so an outcome can be checked to come from it:
+/// ids are sequential, and without this anyone reaching the API could release or rate other
+/// proxies' decisions by counting. Keyed by `auth_token`, so every replica sharing state (and
+/// the token) checks every other's tags; with no token the API is open anyway and the key is
+/// a fixed one (tags then bind ids to the asking address only).
+struct DecisionTags {
+    key: hmac::Key,
+}
+
+impl std::fmt::Debug for DecisionTags {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DecisionTags")
+    }
+}
+
+impl DecisionTags {
+    fn new(auth_token: Option<&str>) -> Self {
+        let secret = auth_token.unwrap_or("kvroute: no auth_token configured");
+        Self {
+            key: hmac::Key::new(hmac::HMAC_SHA256, secret.as_bytes()),
+        }
+    }
+
+    /// The tag of `decision_id` answered to `peer`; never 0 (0 means "no tag").
+    fn sign(&self, decision_id: u64, peer: Option<IpAddr>) -> u64 {
+        let mut message = [0u8; 8 + 16 + 16];
+        message[..16].copy_from_slice(b"kvroute-decision");
+        message[16..24].copy_from_slice(&decision_id.to_le_bytes());
+        let ip = match peer {
+            Some(IpAddr::V4(v4)) => v4.to_ipv6_mapped().octets(),
+            Some(IpAddr::V6(v6)) => v6.octets(),
+            None => [0; 16],
+        };
+        message[24..].copy_from_slice(&ip);
+        let mac = hmac::sign(&self.key, &message);
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&mac.as_ref()[..8]);
+        u64::from_le_bytes(first).max(1)
+    }
+
+    /// Whether `outcome` carries the tag its decision was answered with to `peer`.
+    fn verify(&self, outcome: &Outcome, peer: Option<IpAddr>) -> bool {
+        outcome.decision_tag != 0
+            && constant_time_eq(
+                &outcome.decision_tag.to_le_bytes(),
+                &self.sign(outcome.decision_id, peer).to_le_bytes(),
+            )
+    }
 }
 
 /// A refused request: status, metric label and a message for the caller.
@@ -86,15 +139,48 @@ impl IntoResponse for ApiError {
 
 /// The API router; serve it on `listen`.
 pub fn router(state: Arc<State>, settings: ApiSettings) -> axum::Router {
-    let app = Arc::new(App { state, settings });
+    let tags = DecisionTags::new(settings.auth_token.as_deref());
+    let app = Arc::new(App {
+        state,
+        settings,
+        tags,
+    });
     axum::Router::new()
-        .route(ROUTE_PATH, post(route))
-        .route(FEEDBACK_PATH, post(feedback))
-        .route(SYNC_PATH, post(sync))
+        .route(ROUTE_PATH, post(|s, r| guarded(ROUTE_PATH, route(s, r))))
+        .route(
+            FEEDBACK_PATH,
+            post(|s, r| guarded(FEEDBACK_PATH, feedback(s, r))),
+        )
+        .route(SYNC_PATH, post(|s, h, b| guarded(SYNC_PATH, sync(s, h, b))))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(not_found)
         .with_state(app)
+}
+
+/// Runs one call's handler so that a panic in it (a bug, or a dependency choking on one
+/// client's input) answers that call 500 and leaves the service serving: the connection task
+/// would otherwise end without an answer and the proxy wait for its route timeout.
+/// (`parking_lot` locks do not poison, so the state stays usable.)
+async fn guarded(path: &'static str, handler: impl Future<Output = Response>) -> Response {
+    use futures_util::FutureExt as _;
+    match std::panic::AssertUnwindSafe(handler).catch_unwind().await {
+        Ok(response) => response,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(path, panic = %what, "a request handler panicked; the request fails, the service goes on");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "panic",
+                "internal error while handling this request",
+            )
+            .into_response()
+        }
+    }
 }
 
 /// Liveness: the process is up and serving.
@@ -126,15 +212,34 @@ pub async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
 }
 
-async fn route(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+/// The address the call came from (served with connect info), which decision tags bind to.
+fn peer_of(request: &Request) -> Option<IpAddr> {
+    request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip())
+}
+
+async fn route(AxumState(app): AxumState<Arc<App>>, request: Request) -> Response {
+    let peer = peer_of(&request);
+    let (parts, body) = request.into_parts();
+    let headers = parts.headers;
     let result = async {
         let mut request: RouteRequest = app.read_json(&headers, body).await?;
         let started = Instant::now();
         app.check_route(&request)?;
+        // The proxy's finished requests first: they no longer wait anywhere.
+        let finished = std::mem::take(&mut request.finished);
+        if !finished.is_empty() {
+            app.apply_outcomes(finished, Vec::new(), peer);
+        }
         if let Some(how) = app.settings.precise.prepare(&app.state, &mut request).await {
             app.state.telemetry().count_precise_route(how);
         }
-        let response = app.state.route(&request);
+        let mut response = app.state.route(&request);
+        if !response.endpoints.is_empty() {
+            response.decision_tag = app.tags.sign(response.decision_id, peer);
+        }
         let out = Json(response).into_response();
         app.state.telemetry().observe_route(started.elapsed());
         Ok::<_, ApiError>(out)
@@ -143,10 +248,24 @@ async fn route(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Bo
     result.unwrap_or_else(|e| app.reject(ROUTE_PATH, e))
 }
 
-async fn feedback(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+async fn feedback(AxumState(app): AxumState<Arc<App>>, request: Request) -> Response {
+    let peer = peer_of(&request);
+    let (parts, body) = request.into_parts();
+    let headers = parts.headers;
     let result = async {
         let batch: FeedbackBatch = app.read_json(&headers, body).await?;
-        if batch.outcomes.len() > app.settings.max_feedback_outcomes {
+        let max = app.settings.max_feedback_outcomes;
+        if batch.withdrawn.len() > max {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "too_many_withdrawn",
+                format!(
+                    "{} withdrawn calls in one batch, at most {max}",
+                    batch.withdrawn.len()
+                ),
+            ));
+        }
+        if batch.outcomes.len() > max {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "too_many_outcomes",
@@ -157,7 +276,7 @@ async fn feedback(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body:
                 ),
             ));
         }
-        app.state.feedback(&batch);
+        app.apply_outcomes(batch.outcomes, batch.withdrawn, peer);
         Ok(StatusCode::NO_CONTENT.into_response())
     }
     .await;
@@ -184,6 +303,31 @@ async fn sync(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Bod
 }
 
 impl App {
+    /// Applies the outcomes that carry their decision's tag for `peer` (the others are
+    /// counted and dropped: a forged or misdirected report releases nothing), then the
+    /// withdrawals.
+    fn apply_outcomes(
+        &self,
+        mut outcomes: Vec<Outcome>,
+        withdrawn: Vec<u64>,
+        peer: Option<IpAddr>,
+    ) {
+        let before = outcomes.len();
+        outcomes.retain(|o| self.tags.verify(o, peer));
+        for _ in outcomes.len()..before {
+            self.state
+                .telemetry()
+                .count_rejected(FEEDBACK_PATH, "unknown_decision");
+        }
+        if !outcomes.is_empty() {
+            self.state.feedback(&FeedbackBatch {
+                outcomes,
+                withdrawn: Vec::new(),
+            });
+        }
+        self.state.withdraw(&withdrawn);
+    }
+
     fn reject(&self, path: &'static str, e: ApiError) -> Response {
         self.state.telemetry().count_rejected(path, e.reason);
         tracing::debug!(path, status = e.status.as_u16(), error = %e.message, "request rejected");
@@ -329,7 +473,7 @@ impl App {
 }
 
 /// Compares without an early exit, so response timing does not reveal a token prefix.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }
@@ -339,6 +483,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_handler_answers_500_and_the_next_call_is_served() {
+        let failed = guarded("/v1/route", async { panic!("a dependency choked") }).await;
+        assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let next = guarded("/v1/route", async {
+            StatusCode::NO_CONTENT.into_response()
+        })
+        .await;
+        assert_eq!(next.status(), StatusCode::NO_CONTENT);
+    }
 
     #[test]
     fn token_comparison() {

@@ -22,6 +22,19 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     /// Shared secret the filter sends in `x-kvroute-token`; `null` disables the check.
     pub auth_token: Option<String>,
+    /// A file holding `auth_token` (a mounted Kubernetes Secret), read at start; surrounding
+    /// whitespace is ignored. Exclusive with `auth_token`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auth_token_file: Option<PathBuf>,
+    /// Bearer token the admin port's `/debug/*` and fleet pages require (HTTP Basic with any
+    /// user name and this password works too, for a browser); `/healthz` and `/metrics` stay
+    /// open for probes and scrapers. `null`: the pages are open, which is only safe on
+    /// loopback (the default `admin_listen`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_token: Option<String>,
+    /// A file holding `admin_token`, read at start. Exclusive with `admin_token`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admin_token_file: Option<PathBuf>,
     /// How often each endpoint's `/metrics` is scraped.
     pub scrape_interval_ms: u64,
     /// Deadline for one scrape (connect, headers and body).
@@ -217,6 +230,9 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 9002)),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9003)),
             auth_token: None,
+            auth_token_file: None,
+            admin_token: None,
+            admin_token_file: None,
             scrape_interval_ms: 100,
             scrape_timeout_ms: 250,
             unreachable_after_failures: 3,
@@ -292,6 +308,22 @@ pub enum ConfigError {
     /// `auth_token` is set but empty or not a valid header value.
     #[error("auth_token must be non-empty visible ASCII (it is sent as an HTTP header)")]
     BadAuthToken,
+    /// `admin_token` is set but empty or not a valid header value.
+    #[error("admin_token must be non-empty visible ASCII (it is sent as an HTTP header)")]
+    BadAdminToken,
+    /// A secret is given both inline and as a file.
+    #[error("{0} and {0}_file are both set; give the secret one way")]
+    SecretTwice(&'static str),
+    /// A secret file could not be read.
+    #[error("reading {field} {path}: {source}")]
+    SecretFile {
+        /// `auth_token_file` or `admin_token_file`.
+        field: &'static str,
+        /// The path as configured.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// A KV-event socket address is not a ZMQ `tcp://host:port` or `ipc://path` endpoint.
     #[error("endpoints[{index}].{field} {value:?} is not a ZMQ endpoint ({reason})")]
     BadZmqEndpoint {
@@ -333,7 +365,30 @@ impl Config {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::from_yaml(&text)
+        let mut config = Self::from_yaml(&text)?;
+        config.read_secrets()?;
+        Ok(config)
+    }
+
+    /// Reads `auth_token_file` and `admin_token_file` into the secrets they hold (checked like
+    /// inline ones), so the rest of the service sees one field each.
+    pub fn read_secrets(&mut self) -> Result<(), ConfigError> {
+        let read = |field: &'static str, path: &Path| {
+            std::fs::read_to_string(path)
+                .map(|t| t.trim().to_string())
+                .map_err(|source| ConfigError::SecretFile {
+                    field,
+                    path: path.to_path_buf(),
+                    source,
+                })
+        };
+        if let Some(path) = self.auth_token_file.take() {
+            self.auth_token = Some(read("auth_token_file", &path)?);
+        }
+        if let Some(path) = self.admin_token_file.take() {
+            self.admin_token = Some(read("admin_token_file", &path)?);
+        }
+        self.validate()
     }
 
     /// Parses and validates YAML text.
@@ -445,12 +500,18 @@ impl Config {
         if self.listen == self.admin_listen && self.listen.port() != 0 {
             return Err(ConfigError::SameListener(self.listen));
         }
-        if self
-            .auth_token
-            .as_ref()
-            .is_some_and(|t| t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()))
-        {
+        let bad_token = |t: &String| t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic());
+        if self.auth_token.as_ref().is_some_and(bad_token) {
             return Err(ConfigError::BadAuthToken);
+        }
+        if self.admin_token.as_ref().is_some_and(bad_token) {
+            return Err(ConfigError::BadAdminToken);
+        }
+        if self.auth_token.is_some() && self.auth_token_file.is_some() {
+            return Err(ConfigError::SecretTwice("auth_token"));
+        }
+        if self.admin_token.is_some() && self.admin_token_file.is_some() {
+            return Err(ConfigError::SecretTwice("admin_token"));
         }
         range_u64(
             "scrape_interval_ms",

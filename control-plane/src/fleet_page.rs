@@ -416,6 +416,7 @@ mod tests {
                 cached_tokens: Some(cached),
                 ..Default::default()
             }],
+            ..Default::default()
         });
         r
     }

@@ -228,7 +228,7 @@ impl ControlPlane {
                 precise,
             },
         );
-        let admin_router = admin::router(state.clone());
+        let admin_router = admin::router(state.clone(), config.admin_token.clone());
         let mut api_task = tokio::spawn(serve(api, api_router, stop_rx.clone()));
         let mut admin_task = tokio::spawn(serve(admin, admin_router, stop_rx));
         tracing::info!(
@@ -282,11 +282,15 @@ async fn serve(
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
     });
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await
+    // With each connection's peer address: decision tags bind ids to the proxy that asked.
+    axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(async move {
+        let _ = stop.wait_for(|s| *s).await;
+    })
+    .await
 }
 
 async fn housekeeping(state: Arc<State>, mut stop: watch::Receiver<bool>) {

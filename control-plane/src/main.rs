@@ -36,6 +36,13 @@ fn main() -> anyhow::Result<()> {
         .init();
 
     let config = Config::load(&cli.config)?;
+    // Open surfaces beyond loopback are allowed (a lab, a NetworkPolicy in front) but said.
+    if config.auth_token.is_none() && !config.listen.ip().is_loopback() {
+        tracing::warn!(listen = %config.listen, "the route API is open to anyone who reaches it: set auth_token (or auth_token_file)");
+    }
+    if config.admin_token.is_none() && !config.admin_listen.ip().is_loopback() {
+        tracing::warn!(admin_listen = %config.admin_listen, "the admin pages are open to anyone who reaches them: set admin_token (or admin_token_file)");
+    }
     let runtime = match config.worker_threads {
         // One thread polls the sockets and runs the handlers: no wake-up of a second thread
         // between a route call's arrival and its answer.

@@ -470,7 +470,7 @@ mod tests {
             prompt_tokens: Some(prompt),
             completion_tokens: Some(out),
             cached_tokens: Some(cached),
-            response_id: None,
+            ..Outcome::default()
         }
     }
 

@@ -533,9 +533,13 @@ impl State {
                     request: replicable(request),
                     age_ms: 0,
                 };
-                inner
-                    .sync
-                    .push(SyncEvent::Decision { origin: 0, record }, now);
+                inner.sync.push(
+                    SyncEvent::Decision {
+                        origin: 0,
+                        record: Box::new(record),
+                    },
+                    now,
+                );
                 self.forward(&mut inner);
             }
             if inner.recent_cap > 0 {
@@ -571,6 +575,28 @@ impl State {
             slo.lock().record(&batch.outcomes, now);
         }
         self.telemetry.count_feedback(batch.outcomes.len());
+    }
+
+    /// Route calls their proxies stopped waiting for (they failed open): each decision taken
+    /// for one is released, here and (through the log) in every copy; one not taken yet never
+    /// will be. Returns how many were live decisions.
+    pub fn withdraw(&self, call_ids: &[u64]) -> usize {
+        if call_ids.is_empty() {
+            return 0;
+        }
+        let now = self.now_ms();
+        let mut inner = self.inner.lock();
+        let mut released = 0;
+        for &call in call_ids {
+            if let Some(outcome) = inner.router.withdraw(call, now) {
+                released += 1;
+                inner
+                    .sync
+                    .push(SyncEvent::Outcome { origin: 0, outcome }, now);
+            }
+        }
+        self.forward(&mut inner);
+        released
     }
 
     /// A locally deciding proxy's sync tick: its decisions and outcomes enter the router and
@@ -835,6 +861,8 @@ fn replicable(request: &RouteRequest) -> RouteRequest {
         criticality,
         previous_response_id: _,
         previous_response_endpoint: _,
+        call_id,
+        finished: _,
     } = request;
     RouteRequest {
         model: model.clone(),
@@ -853,6 +881,10 @@ fn replicable(request: &RouteRequest) -> RouteRequest {
         // pin was already applied by the router that took it.
         previous_response_id: None,
         previous_response_endpoint: None,
+        // A peer replica may receive the withdrawal of this call.
+        call_id: *call_id,
+        // Outcomes travel as log entries of their own.
+        finished: Vec::new(),
     }
 }
 
@@ -918,6 +950,7 @@ mod tests {
                 decision_id: r.decision_id,
                 ..Default::default()
             }],
+            ..Default::default()
         });
         assert_eq!(s.snapshot().inflight, 0);
     }
@@ -995,6 +1028,7 @@ mod tests {
         };
         s.feedback(&FeedbackBatch {
             outcomes: vec![outcome.clone()],
+            ..Default::default()
         });
         let (events, _) = sync_events(&s, 5, 0);
         assert_eq!(events, vec![SyncEvent::Outcome { origin: 0, outcome }]);
@@ -1190,6 +1224,7 @@ mod tests {
                 status: 200,
                 ..Default::default()
             }],
+            ..Default::default()
         });
         assert_eq!(b.snapshot().inflight, 0);
         let (tx, mut out_b) = crate::replication::outbox();

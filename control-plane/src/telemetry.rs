@@ -464,7 +464,7 @@ impl Collector for RouterCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
         let snap = self.0.snapshot();
         let s = snap.stats;
-        let counters: [(&str, &str, u64); 7] = [
+        let counters: [(&str, &str, u64); 9] = [
             (
                 "kv_events",
                 "KV events applied to the precise index",
@@ -489,6 +489,16 @@ impl Collector for RouterCollector {
                 "expired_inflight",
                 "In-flight entries that expired without feedback",
                 s.expired_inflight,
+            ),
+            (
+                "withdrawn_decisions",
+                "Route calls the proxy stopped waiting for (it failed open) and withdrew",
+                s.withdrawn,
+            ),
+            (
+                "clamped_outcomes",
+                "Outcomes reporting more time than had passed since their decision (clamped)",
+                s.clamped_outcomes,
             ),
             (
                 "predicted_cached_tokens",
@@ -806,6 +816,8 @@ mod latency_metric_tests {
             prompt_tokens: 900,
             ..Default::default()
         });
+        // No report may claim more time than has passed since its decision.
+        std::thread::sleep(std::time::Duration::from_millis(400));
         state.feedback(&FeedbackBatch {
             outcomes: vec![Outcome {
                 decision_id: response.decision_id,
@@ -816,6 +828,7 @@ mod latency_metric_tests {
                 completion_tokens: Some(11),
                 ..Default::default()
             }],
+            ..Default::default()
         });
         assert_exports(
             state,

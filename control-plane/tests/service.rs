@@ -264,7 +264,11 @@ async fn routes_follow_the_prefix_and_decisions_are_explained() {
 
     let id = second["decision_id"].as_u64().unwrap();
     let explained = get_json(format!("http://{}/debug/decisions/{id}", r.admin)).await;
-    assert_eq!(explained["response"], second);
+    // The tag is the asking proxy's alone: the explain page does not show it.
+    let mut untagged = second.clone();
+    assert!(untagged["decision_tag"].as_u64().is_some_and(|t| t != 0));
+    untagged.as_object_mut().unwrap().remove("decision_tag");
+    assert_eq!(explained["response"], untagged);
     assert_eq!(explained["candidates"].as_array().unwrap().len(), 2);
     assert_eq!(explained["candidates"][0]["cached_blocks"], 80);
     let recent = get_json(format!("http://{}/debug/decisions?limit=1", r.admin)).await;
@@ -312,7 +316,7 @@ async fn auth_token_guards_both_posts() {
     let (status, routed) = post_route(&r, &req, &[("x-kvroute-token", "s3cret")]).await;
     assert_eq!(status, 200);
 
-    let batch = json!({ "outcomes": [{ "decision_id": routed["decision_id"], "status": 200, "total_ms": 5 }] });
+    let batch = json!({ "outcomes": [{ "decision_id": routed["decision_id"], "decision_tag": routed["decision_tag"], "status": 200, "total_ms": 5 }] });
     let url = format!("http://{}/v1/feedback", r.api);
     assert_eq!(
         http("POST", url.clone(), &[], Some(batch.to_string()))
@@ -352,8 +356,8 @@ async fn feedback_releases_inflight_load() {
     let (_, routed) = post_route(&r, &route_request(0..8), &[]).await;
     assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 1);
     let batch = json!({ "outcomes": [{
-        "decision_id": routed["decision_id"], "endpoint": a.addr.to_string(), "status": 200,
-        "ttfb_ms": 12, "total_ms": 40, "prompt_tokens": 512, "completion_tokens": 16, "cached_tokens": 0
+        "decision_id": routed["decision_id"], "decision_tag": routed["decision_tag"],
+        "endpoint": a.addr.to_string(), "status": 200, "ttfb_ms": 12, "total_ms": 40, "prompt_tokens": 512, "completion_tokens": 16, "cached_tokens": 0
     }] });
     let (status, body) = http(
         "POST",
@@ -897,7 +901,7 @@ async fn route_call_decisions_and_feedback_appear_in_the_next_sync() {
     req["api"] = json!("completion");
     let (status, routed) = post_route(&r, &req, &[]).await;
     assert_eq!(status, 200, "{routed}");
-    let batch = json!({ "outcomes": [{ "decision_id": routed["decision_id"], "endpoint": a.addr.to_string(), "status": 200, "total_ms": 5 }] });
+    let batch = json!({ "outcomes": [{ "decision_id": routed["decision_id"], "decision_tag": routed["decision_tag"], "endpoint": a.addr.to_string(), "status": 200, "total_ms": 5 }] });
     let (status, _) = http(
         "POST",
         format!("http://{}/v1/feedback", r.api),
@@ -1091,4 +1095,155 @@ async fn auth_token_guards_sync() {
         "{text}"
     );
     assert!(text.contains("kvroute_sync_calls_total 1"), "{text}");
+}
+
+/// Issue #20, defect 2: decision ids are sequential; an outcome naming one without the tag the
+/// route call was answered with releases nothing, so nobody can free other users' in-flight
+/// accounting (or rate their replicas) by counting ids.
+#[tokio::test]
+async fn outcomes_without_their_decisions_tag_release_nothing() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    let (_, routed) = post_route(&r, &route_request(0..8), &[]).await;
+    let id = routed["decision_id"].as_u64().unwrap();
+    let tag = routed["decision_tag"].as_u64().unwrap();
+    assert_ne!(tag, 0);
+    let feedback = |outcome: Value| {
+        let url = format!("http://{}/v1/feedback", r.api);
+        async move {
+            let batch = json!({ "outcomes": [outcome] }).to_string();
+            http("POST", url, &[], Some(batch)).await.0
+        }
+    };
+    // Guessed: no tag, a wrong tag, the neighbour's id with this tag.
+    for forged in [
+        json!({ "decision_id": id, "status": 200, "total_ms": 5 }),
+        json!({ "decision_id": id, "decision_tag": tag ^ 1, "status": 200, "total_ms": 5 }),
+        json!({ "decision_id": id + 1, "decision_tag": tag, "status": 200, "total_ms": 5 }),
+    ] {
+        assert_eq!(feedback(forged).await, 204);
+        assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 1);
+    }
+    let text = metrics_text(&r).await;
+    assert!(
+        text.contains(
+            "kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unknown_decision\"} 3"
+        ),
+        "{text}"
+    );
+    let real = json!({ "decision_id": id, "decision_tag": tag, "status": 200, "total_ms": 5 });
+    assert_eq!(feedback(real).await, 204);
+    assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
+}
+
+/// Issue #20, defect 1: a route call the proxy stopped waiting for is withdrawn, whether the
+/// control plane decided it already or decides it later (a stalled control plane works through
+/// its queue after the proxies failed open).
+#[tokio::test]
+async fn withdrawn_route_calls_hold_no_load() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    let feedback = |batch: Value| {
+        let url = format!("http://{}/v1/feedback", r.api);
+        async move { http("POST", url, &[], Some(batch.to_string())).await.0 }
+    };
+    let mut late = route_request(0..40);
+    late["call_id"] = json!(7);
+    let (_, routed) = post_route(&r, &late, &[]).await;
+    assert!(!routed["endpoints"].as_array().unwrap().is_empty());
+    let view = endpoint_view(&r, a.addr).await;
+    assert_eq!(view["inflight"], 1);
+    assert!(view["backlog_tokens"].as_f64().unwrap() > 0.0, "{view}");
+    assert_eq!(
+        feedback(json!({ "outcomes": [], "withdrawn": [7] })).await,
+        204
+    );
+    let view = endpoint_view(&r, a.addr).await;
+    assert_eq!(view["inflight"], 0, "{view}");
+    assert_eq!(view["backlog_tokens"], 0.0, "{view}");
+    // Withdrawn before the call is served: it is not decided.
+    assert_eq!(
+        feedback(json!({ "outcomes": [], "withdrawn": [8] })).await,
+        204
+    );
+    let mut queued = route_request(100..140);
+    queued["call_id"] = json!(8);
+    let (_, answer) = post_route(&r, &queued, &[]).await;
+    assert_eq!(answer["reason"], "withdrawn", "{answer}");
+    assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
+    assert!(
+        metrics_text(&r)
+            .await
+            .contains("kvroute_withdrawn_decisions_total 2")
+    );
+}
+
+/// Issue #20, defect 4: a route call carries the outcomes its proxy had queued, applied before
+/// the decision, so a client's finished requests do not count as waiting until the next flush.
+#[tokio::test]
+async fn a_route_call_reports_the_requests_that_finished_before_it() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    let (_, first) = post_route(&r, &route_request(0..8), &[]).await;
+    assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 1);
+    let mut next = route_request(50..58);
+    next["finished"] = json!([{
+        "decision_id": first["decision_id"], "decision_tag": first["decision_tag"],
+        "endpoint": a.addr.to_string(), "status": 200, "total_ms": 1, "completion_tokens": 3
+    }]);
+    let (status, second) = post_route(&r, &next, &[]).await;
+    assert_eq!(status, 200, "{second}");
+    // The first is released, only the second is in flight.
+    assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 1);
+}
+
+/// Issue #20, defect 6: with `admin_token` the admin port's pages need it (bearer, or Basic
+/// for a browser); probes and scrapers keep `/healthz` and `/metrics`. Secrets can come from
+/// files (a mounted Kubernetes Secret).
+#[tokio::test]
+async fn admin_pages_need_the_admin_token_and_secrets_come_from_files() {
+    let dir = std::env::temp_dir().join(format!("kvroute-secrets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("api"), "api-secret\n").unwrap();
+    std::fs::write(dir.join("admin"), " admin-secret \n").unwrap();
+    let mut config = test_config(&[]);
+    config.endpoints = vec![control_plane::config::EndpointConfig {
+        address: "127.0.0.1:9".into(),
+        ..Default::default()
+    }];
+    config.auth_token_file = Some(dir.join("api"));
+    config.admin_token_file = Some(dir.join("admin"));
+    config.read_secrets().unwrap();
+    assert_eq!(config.auth_token.as_deref(), Some("api-secret"));
+    let r = start(config).await;
+    let page = format!("http://{}/debug/endpoints", r.admin);
+    assert_eq!(http("GET", page.clone(), &[], None).await.0, 401);
+    let wrong = [("authorization", "Bearer nope")];
+    assert_eq!(http("GET", page.clone(), &wrong, None).await.0, 401);
+    let bearer = [("authorization", "Bearer admin-secret")];
+    assert_eq!(http("GET", page.clone(), &bearer, None).await.0, 200);
+    // "ops:admin-secret"
+    let basic = [("authorization", "Basic b3BzOmFkbWluLXNlY3JldA==")];
+    assert_eq!(http("GET", page, &basic, None).await.0, 200);
+    let fleet = format!("http://{}/fleet", r.admin);
+    assert_eq!(http("GET", fleet, &[], None).await.0, 401);
+    for open in ["/healthz", "/metrics"] {
+        let url = format!("http://{}{open}", r.admin);
+        assert_eq!(http("GET", url, &[], None).await.0, 200, "{open}");
+    }
+    let (status, _) = post_route(&r, &route_request(0..2), &[]).await;
+    assert_eq!(status, 401);
+    let (status, _) = post_route(
+        &r,
+        &route_request(0..2),
+        &[("x-kvroute-token", "api-secret")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    // Both ways at once is a configuration error.
+    let mut both = test_config(&[]);
+    both.auth_token = Some("x".into());
+    both.auth_token_file = Some(dir.join("api"));
+    assert!(both.validate().is_err());
+    std::fs::remove_dir_all(&dir).ok();
 }
