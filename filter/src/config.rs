@@ -53,6 +53,21 @@ pub enum DecisionMode {
     Local,
 }
 
+/// Whether the tenant and criticality request headers are believed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IdentityHeaders {
+    /// A client could name any tenant's share or claim `critical` and skip shedding: the
+    /// headers (kvroute's and llm-d's) are removed and every request is the default tenant,
+    /// `standard`.
+    #[default]
+    Ignore,
+    /// An authority in front of the filter sets them: `jwt_authn` (`claim_to_headers`) or
+    /// `ext_authz`, with the client's own copies removed before it (the HCM's
+    /// `early_header_mutation_extensions`; see envoy-config/README.md).
+    Trusted,
+}
+
 /// One inference path the filter routes, and which API shape its body has.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -143,6 +158,9 @@ pub struct FilterConfig {
     /// Request header carrying `critical`, `standard` or `sheddable` (llm-d's
     /// `x-llm-d-inference-objective` is accepted when this one is absent).
     pub criticality_header: String,
+    /// `ignore` (default) or `trusted`: whether `tenant_header`, `criticality_header` and
+    /// llm-d's equivalents are believed (see [`IdentityHeaders`]).
+    pub identity_headers: IdentityHeaders,
     /// Request header carrying the session key for session affinity (the body's `user` is the
     /// fallback when it is absent).
     pub session_header: String,
@@ -177,6 +195,7 @@ impl Default for FilterConfig {
             criticality_header: "x-kvroute-criticality".into(),
             session_header: crate::machine::SESSION_HEADER.into(),
             decision: DecisionMode::ControlPlane,
+            identity_headers: IdentityHeaders::Ignore,
             sync_interval_ms: 50,
             max_state_age_ms: 1000,
             max_pending_reports: 4096,

@@ -266,7 +266,9 @@ impl RootContext for Root {
         let decision = config.decision;
         let cluster = config.control_plane_cluster.clone();
         let paths = config.routes.len();
-        let state = RootState::new(config);
+        let mut state = RootState::new(config);
+        // Distinct route call ids per VM (each call also mixes in the clock at the call).
+        state.seed_calls(now_ns().unwrap_or_default());
         let tick = Duration::from_millis(state.tick_period_ms());
         if let Err(status) = hostcalls::set_tick_period(tick) {
             error!("kvroute: cannot set tick period: {status:?}");
@@ -389,6 +391,11 @@ impl Request {
                     }
                 }
                 Effect::HashMicros(us) => self.record(|m| m.hash_duration_us, us),
+                Effect::Withdraw(call_id) => {
+                    if let Some(shared) = &self.shared {
+                        shared.borrow_mut().state.withdraw(call_id);
+                    }
+                }
             }
         }
         action
@@ -412,7 +419,11 @@ impl Request {
                             now_ns,
                             |request| {
                                 let shared = shared.as_ref()?;
-                                shared.borrow_mut().state.decide_locally(request, now)
+                                shared.borrow_mut().state.decide_or_prepare(
+                                    request,
+                                    now,
+                                    now_ns().unwrap_or_default(),
+                                )
                             },
                         )
                     }
@@ -491,7 +502,11 @@ impl HttpContext for Request {
             now,
             |request| {
                 let shared = shared.as_ref()?;
-                shared.borrow_mut().state.decide_locally(request, now)
+                shared.borrow_mut().state.decide_or_prepare(
+                    request,
+                    now,
+                    now_ns().unwrap_or_default(),
+                )
             },
         );
         self.run(step)

@@ -20,7 +20,7 @@ use scorer_core::protocol::{
     ApiKind, Outcome, Reject, RequestedCriticality, RouteRequest, RouteResponse,
 };
 
-use crate::config::{FilterConfig, RouteMode};
+use crate::config::{FilterConfig, IdentityHeaders, RouteMode};
 use crate::response_id::ResponseIdScanner;
 use crate::usage::UsageScanner;
 
@@ -192,6 +192,10 @@ pub enum Effect {
     RouteLatencyMs(u64),
     /// Record how long canonicalising and hashing the prompt took (host clock, microseconds).
     HashMicros(u64),
+    /// The route call with this [`RouteRequest::call_id`] was given up (the request failed
+    /// open): tell the control plane, in the next feedback batch, that its decision holds no
+    /// load.
+    Withdraw(u64),
     /// Answer the paused request locally (an OpenAI-style error) instead of sending it upstream.
     SendLocalResponse {
         /// HTTP status.
@@ -269,6 +273,7 @@ enum Phase {
 #[derive(Debug, Clone)]
 struct Routed {
     decision_id: u64,
+    decision_tag: u64,
     endpoint: String,
     routed_ms: u64,
 }
@@ -295,6 +300,8 @@ pub struct RequestMachine {
     /// Whether `criticality` came from the configured header (which wins over llm-d's).
     criticality_primary: bool,
     routed: Option<Routed>,
+    /// The id of the route call made for this request, to withdraw it if it is given up.
+    call_id: Option<u64>,
     status: u16,
     upstream: Option<String>,
     first_byte_ms: Option<u64>,
@@ -321,6 +328,7 @@ impl RequestMachine {
             criticality: None,
             criticality_primary: false,
             routed: None,
+            call_id: None,
             status: 0,
             upstream: None,
             first_byte_ms: None,
@@ -364,12 +372,20 @@ impl RequestMachine {
         let mut content_encoding = None;
         let mut content_type = None;
         let mut content_length = None;
+        let trusted = self.config.identity_headers == IdentityHeaders::Trusted;
         for (name, value) in headers {
             let is = |n: &str| name.eq_ignore_ascii_case(n);
+            let identity = || {
+                is(&self.config.tenant_header)
+                    || is(LLMD_FAIRNESS_HEADER)
+                    || is(&self.config.criticality_header)
+                    || is(LLMD_OBJECTIVE_HEADER)
+            };
             if is(&self.config.destination_header)
                 || is(PREFILLER_HEADER)
                 || is(DECISION_HEADER)
                 || is(LOCAL_REPLY_HEADER)
+                || (!trusted && identity())
             {
                 let name = name.to_ascii_lowercase();
                 if !effects.contains(&Effect::RemoveRequestHeader(name.clone())) {
@@ -577,8 +593,11 @@ impl RequestMachine {
         if request.criticality.is_none() {
             request.criticality = self.criticality.clone();
         }
+        // The decider sees every request (it readies a route call: its id, queued outcomes);
+        // its answer is used only where a copy may decide.
+        let answer = decide(&mut request);
         if self.mode != RouteMode::Precise
-            && let Some(answer) = decide(&mut request).filter(|r| {
+            && let Some(answer) = answer.filter(|r| {
                 r.reject.is_none()
                     && !r.endpoints.is_empty()
                     && r.endpoints.iter().all(|e| is_endpoint(e))
@@ -589,6 +608,7 @@ impl RequestMachine {
             step.effects.push(Effect::Count(Counter::DecidedLocally));
             return step;
         }
+        self.call_id = request.call_id;
         match serde_json::to_vec(&request) {
             Ok(body) => {
                 self.phase = Phase::Dispatching { started_ms: now_ms };
@@ -626,6 +646,7 @@ impl RequestMachine {
         }
         self.routed = Some(Routed {
             decision_id: r.decision_id,
+            decision_tag: r.decision_tag,
             endpoint: r.endpoints.into_iter().next().unwrap_or_default(),
             routed_ms: now_ms,
         });
@@ -689,6 +710,9 @@ impl RequestMachine {
             criticality: self.criticality.clone(),
             previous_response_id: prompt.previous_response_id,
             previous_response_endpoint: None,
+            // The root context sets these when it makes the call.
+            call_id: None,
+            finished: Vec::new(),
         })
     }
 
@@ -738,6 +762,14 @@ impl RequestMachine {
         };
         let mut step = self.fail_open(kind, true);
         step.effects.insert(0, latency);
+        // No answer in time, or one unusable: the control plane may have decided it (or will,
+        // once it works through its queue), and that decision must not hold load there.
+        if matches!(
+            kind,
+            FailKind::Timeout | FailKind::Reset | FailKind::BadResponse
+        ) {
+            step.effects.extend(self.call_id.map(Effect::Withdraw));
+        }
         step
     }
 
@@ -784,7 +816,11 @@ impl RequestMachine {
     /// The route call failed in a way the host detected itself (e.g. unreadable answer).
     pub fn on_route_failure(&mut self, kind: FailKind) -> Step {
         match self.phase {
-            Phase::AwaitingRoute { .. } => self.fail_open(kind, true),
+            Phase::AwaitingRoute { .. } => {
+                let mut step = self.fail_open(kind, true);
+                step.effects.extend(self.call_id.map(Effect::Withdraw));
+                step
+            }
             _ => Step::go(Vec::new()),
         }
     }
@@ -867,6 +903,7 @@ impl RequestMachine {
                 .and_then(ResponseIdScanner::id)
                 .filter(|_| (200..300).contains(&self.status))
                 .map(str::to_string),
+            decision_tag: routed.decision_tag,
         })
     }
 }
@@ -980,6 +1017,11 @@ mod tests {
         let mut config = FilterConfig::default();
         edit(&mut config);
         RequestMachine::new(Rc::new(config))
+    }
+
+    /// A machine that believes the tenant and criticality headers (an authority sets them).
+    fn trusted_machine() -> RequestMachine {
+        machine_with(|c| c.identity_headers = IdentityHeaders::Trusted)
     }
 
     /// A machine whose chat route is precise (it sends prompt fields).
@@ -1178,7 +1220,7 @@ mod tests {
     #[test]
     fn load_routes_send_the_model_and_size_only() {
         let body = br#"{"model":"e5","input":["a long text to embed"]}"#;
-        let mut m = machine();
+        let mut m = trusted_machine();
         let req = to_dispatch_at(&mut m, "/v1/embeddings", &[("x-kvroute-tenant", "t")], body);
         assert_eq!(req.model, "e5");
         assert!(req.block_hashes.is_empty());
@@ -1329,6 +1371,7 @@ mod tests {
                 completion_tokens: Some(3),
                 cached_tokens: Some(128),
                 response_id: None,
+                decision_tag: 0,
             }
         );
         assert_eq!(m.on_done(150), None, "reported once");
@@ -1830,7 +1873,7 @@ mod tests {
 
     #[test]
     fn tenant_and_criticality_headers_reach_the_route_call() {
-        let mut m = machine();
+        let mut m = trusted_machine();
         let req = to_dispatch(
             &mut m,
             &[
@@ -1844,14 +1887,14 @@ mod tests {
             req.criticality.as_ref().map(RequestedCriticality::as_str),
             Some("sheddable")
         );
-        let mut m = machine();
+        let mut m = trusted_machine();
         let req = to_dispatch(&mut m, &[], &chat_body("hi"));
         assert_eq!((req.tenant, req.criticality), (None, None));
     }
 
     #[test]
     fn llmd_headers_are_accepted_but_the_configured_ones_win() {
-        let mut m = machine();
+        let mut m = trusted_machine();
         let req = to_dispatch(
             &mut m,
             &[
@@ -1875,7 +1918,7 @@ mod tests {
             if order {
                 pairs.reverse();
             }
-            let mut m = machine();
+            let mut m = trusted_machine();
             let req = to_dispatch(&mut m, &pairs, &chat_body("hi"));
             assert_eq!(req.tenant.as_deref(), Some("acme"));
             assert_eq!(
@@ -1885,10 +1928,80 @@ mod tests {
         }
     }
 
+    /// Issue #20, defect 5: by default a client cannot pick its tenant or criticality (it
+    /// could claim another tenant's share or `critical` and skip shedding); the headers are
+    /// removed before the request goes upstream.
+    #[test]
+    fn client_chosen_tenant_and_criticality_are_ignored_and_stripped_by_default() {
+        let claims = [
+            ("x-kvroute-tenant", "someone-else"),
+            (LLMD_FAIRNESS_HEADER, "flow-a"),
+            ("x-kvroute-criticality", "critical"),
+            (LLMD_OBJECTIVE_HEADER, "premium"),
+        ];
+        let mut m = machine();
+        let mut h = post(CHAT);
+        h.extend_from_slice(&claims);
+        let step = m.on_request_headers(headers(&h), false);
+        for (name, _) in claims {
+            assert!(
+                step.effects
+                    .contains(&Effect::RemoveRequestHeader(name.to_string())),
+                "{name}: {step:?}"
+            );
+        }
+        let body = chat_body("hi");
+        m.on_request_body(body.len(), true);
+        let step = m.on_body_complete(&body, 1);
+        let req = dispatched(&step);
+        assert_eq!((req.tenant, req.criticality), (None, None));
+    }
+
+    /// Issue #20, defect 1: a route call given up (no answer in time, a reset, an unusable
+    /// answer) is withdrawn; one the control plane answered (a refusal, no endpoint) is not.
+    #[test]
+    fn a_route_call_given_up_is_withdrawn() {
+        let cases: [(Option<u16>, Vec<u8>, bool); 5] = [
+            (Some(504), b"upstream request timeout".to_vec(), true),
+            (None, vec![], true),
+            (Some(200), b"garbage".to_vec(), true),
+            (Some(200), answer(&[]), false),
+            (Some(401), b"{}".to_vec(), false),
+        ];
+        for (status, body, withdrawn) in cases {
+            let mut m = machine();
+            let chat = chat_body("hi");
+            let step = with_decider(&mut m, &chat, |r| {
+                r.call_id = Some(99);
+                None
+            });
+            assert_eq!(dispatched(&step).call_id, Some(99));
+            m.on_dispatched();
+            let step = m.on_route_response(status, &body, 150);
+            assert_eq!(
+                step.effects.contains(&Effect::Withdraw(99)),
+                withdrawn,
+                "{status:?}: {step:?}"
+            );
+        }
+        // The answer's tag travels back in the outcome.
+        let mut m = machine();
+        to_dispatch(&mut m, &[], &chat_body("hi"));
+        let tagged = serde_json::to_vec(&RouteResponse {
+            decision_id: 3,
+            decision_tag: 0xfeed,
+            endpoints: vec!["1.2.3.4:5".into()],
+            ..RouteResponse::default()
+        })
+        .unwrap();
+        m.on_route_response(Some(200), &tagged, 110);
+        assert_eq!(m.on_done(120).unwrap().decision_tag, 0xfeed);
+    }
+
     #[test]
     fn long_tenant_values_are_truncated() {
         let long = "t".repeat(1000);
-        let mut m = machine();
+        let mut m = trusted_machine();
         let req = to_dispatch(&mut m, &[("x-kvroute-tenant", &long)], &chat_body("hi"));
         assert_eq!(req.tenant.map(|t| t.len()), Some(MAX_TENANT_BYTES));
     }

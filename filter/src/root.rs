@@ -21,6 +21,10 @@ pub const MAX_BATCH_OUTCOMES: usize = 512;
 /// Response ids this VM saw answered, kept so a chain's next turn finds its replica before
 /// the report reaches the control plane (a client may send it a millisecond later).
 const RECENT_RESPONSES: usize = 256;
+/// Most queued outcomes a route call carries (`RouteRequest::finished`): enough for the
+/// requests of one feedback interval at a few hundred a second per worker, small beside a
+/// prompt's hashes.
+pub const MAX_CALL_OUTCOMES: usize = 32;
 
 /// Counters kept inside the VM (the host also mirrors them into proxy metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -79,6 +83,15 @@ pub struct RootState {
     /// An outcome naming a stored response waits for the next call: the host keeps the tick
     /// brought forward until one goes out.
     urgent: bool,
+    /// Route calls given up, to withdraw in the next feedback batch (bounded like `queue`).
+    withdrawn: Vec<u64>,
+    /// The withdrawals of the outstanding feedback call, sent again if it fails: a control
+    /// plane stalled long enough to make route calls time out drops feedback calls too, and
+    /// a lost withdrawal is phantom load until `inflight_ttl_ms`.
+    unacked_withdrawn: Vec<u64>,
+    /// Route call ids: `splitmix64(call_seed + n)`, distinct across VMs and restarts.
+    call_seed: u64,
+    calls: u64,
 }
 
 /// What became of a finished request's outcome.
@@ -106,7 +119,42 @@ impl RootState {
             unacked: None,
             recent_responses: VecDeque::new(),
             urgent: false,
+            withdrawn: Vec::new(),
+            unacked_withdrawn: Vec::new(),
+            call_seed: 0,
+            calls: 0,
         }
+    }
+
+    /// Seeds the route call ids (the host passes its clock and context id): VMs started at
+    /// different instants draw unrelated ids.
+    pub fn seed_calls(&mut self, seed: u64) {
+        self.call_seed = seed;
+    }
+
+    /// Readies `request` for a route call: a fresh call id (to withdraw it if the request
+    /// gives up waiting) and up to [`MAX_CALL_OUTCOMES`] queued outcomes, so the control plane
+    /// learns what finished before it decides instead of on the next tick. `nonce` (the host
+    /// clock in ns) keeps two VMs seeded alike from drawing the same ids.
+    pub fn prepare_call(&mut self, request: &mut RouteRequest, nonce: u64) {
+        self.calls += 1;
+        let mut z = (self.call_seed ^ nonce.rotate_left(32))
+            .wrapping_add(self.calls.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        request.call_id = Some((z ^ (z >> 31)).max(1));
+        if self.local.is_none() {
+            let n = self.queue.len().min(MAX_CALL_OUTCOMES);
+            request.finished = self.queue.drain(..n).collect();
+        }
+    }
+
+    /// A route call was given up: its decision is withdrawn in the next feedback batch.
+    pub fn withdraw(&mut self, call_id: u64) {
+        if self.withdrawn.len() >= self.config.max_queued_outcomes {
+            self.withdrawn.remove(0);
+        }
+        self.withdrawn.push(call_id);
     }
 
     /// Whether an outcome naming a stored response is still waiting for a call (one is in
@@ -122,6 +170,26 @@ impl RootState {
             DecisionMode::Local => self.config.sync_interval_ms,
             DecisionMode::ControlPlane => self.config.feedback_interval_ms,
         }
+    }
+
+    /// [`RootState::decide_locally`], or, when that gives no answer, [`RootState::prepare_call`]:
+    /// what the host's request contexts call. A precise request (it carries its prompt) is
+    /// never decided on a copy: the control plane tokenises it.
+    pub fn decide_or_prepare(
+        &mut self,
+        request: &mut RouteRequest,
+        now_ms: u64,
+        nonce: u64,
+    ) -> Option<RouteResponse> {
+        let answer = if request.prompt_text.is_some() {
+            None
+        } else {
+            self.decide_locally(request, now_ms)
+        };
+        if answer.is_none() {
+            self.prepare_call(request, nonce);
+        }
+        answer
     }
 
     /// Decides `request` on the VM's copy of the routing state when there is one and it is
@@ -192,6 +260,17 @@ impl RootState {
     }
 
     /// Puts a sync call's reports back in front of the copy's queues (bounded there).
+    /// Puts the failed feedback call's withdrawals back in front of the queue.
+    fn requeue_withdrawn(&mut self) {
+        let mut again = std::mem::take(&mut self.unacked_withdrawn);
+        again.append(&mut self.withdrawn);
+        let max = self.config.max_queued_outcomes;
+        if again.len() > max {
+            again.drain(..again.len() - max);
+        }
+        self.withdrawn = again;
+    }
+
     fn requeue(&mut self, request: Option<SyncRequest>) {
         if let (Some(request), Some(local)) = (request, self.local.as_mut()) {
             local.requeue(request);
@@ -284,6 +363,7 @@ impl RootState {
             self.stats.feedback_failed += 1;
             let lost = self.unacked.take();
             self.requeue(lost);
+            self.requeue_withdrawn();
         }
         if let Some(local) = self.local.as_mut() {
             // Every tick: the copy pulls what others did even when it has nothing to report.
@@ -306,13 +386,16 @@ impl RootState {
                 }
             };
         }
-        if self.queue.is_empty() {
+        if self.queue.is_empty() && self.withdrawn.is_empty() {
             return None;
         }
         let n = self.queue.len().min(MAX_BATCH_OUTCOMES);
+        let w = self.withdrawn.len().min(MAX_BATCH_OUTCOMES);
         let batch = FeedbackBatch {
             outcomes: self.queue.drain(..n).collect(),
+            withdrawn: self.withdrawn.drain(..w).collect(),
         };
+        self.unacked_withdrawn.clone_from(&batch.withdrawn);
         match serde_json::to_vec(&batch) {
             Ok(body) => {
                 self.urgent = false;
@@ -340,6 +423,7 @@ impl RootState {
             self.stats.sync_failed += 1;
         } else {
             self.stats.feedback_failed += 1;
+            self.requeue_withdrawn();
         }
     }
 
@@ -349,8 +433,10 @@ impl RootState {
         let ok = status.is_some_and(|s| (200..300).contains(&s));
         if ok {
             self.stats.feedback_sent += 1;
+            self.unacked_withdrawn.clear();
         } else {
             self.stats.feedback_failed += 1;
+            self.requeue_withdrawn();
         }
         ok
     }
@@ -403,6 +489,48 @@ mod tests {
         r.on_feedback_dispatch_failed();
         assert_eq!(r.on_tick(2001), None);
         assert_eq!(r.stats().feedback_failed, 2);
+    }
+
+    /// Issue #20, defects 1 and 4: a route call carries a fresh id and the outcomes queued
+    /// so far (the control plane hears of finished requests before its next decision); a
+    /// withdrawn call goes out with the next batch even when no outcome waits.
+    #[test]
+    fn route_calls_carry_an_id_and_the_queued_outcomes_and_withdrawals_flush() {
+        let mut r = RootState::new(FilterConfig::default());
+        r.seed_calls(7);
+        for id in 1..=MAX_CALL_OUTCOMES as u64 + 2 {
+            r.push_outcome(outcome(id), 0);
+        }
+        let mut first = RouteRequest::default();
+        r.prepare_call(&mut first, 1);
+        assert_eq!(first.finished.len(), MAX_CALL_OUTCOMES);
+        assert_eq!(first.finished[0].decision_id, 1);
+        assert_eq!(r.queued(), 2);
+        let mut second = RouteRequest::default();
+        r.prepare_call(&mut second, 1);
+        assert!(first.call_id.is_some() && second.call_id.is_some());
+        assert_ne!(first.call_id, second.call_id);
+        assert_eq!(second.finished.len(), 2);
+        // Another VM seeded the same way but calling at another instant draws another id.
+        let mut other = RootState::new(FilterConfig::default());
+        other.seed_calls(7);
+        let mut third = RouteRequest::default();
+        other.prepare_call(&mut third, 2);
+        assert_ne!(third.call_id, first.call_id);
+
+        r.withdraw(first.call_id.unwrap());
+        let call = r.on_tick(10).expect("a withdrawal is worth a call");
+        let sent: FeedbackBatch = serde_json::from_slice(&call.body).unwrap();
+        assert_eq!(sent.withdrawn, [first.call_id.unwrap()]);
+        assert!(sent.outcomes.is_empty());
+        // A failed call's withdrawals go again (a stalled control plane drops them); an
+        // answered one's do not.
+        assert!(!r.on_feedback_response(Some(503)));
+        let again = r.on_tick(20).expect("sent again");
+        let sent: FeedbackBatch = serde_json::from_slice(&again.body).unwrap();
+        assert_eq!(sent.withdrawn, [first.call_id.unwrap()]);
+        assert!(r.on_feedback_response(Some(204)));
+        assert_eq!(r.on_tick(30), None);
     }
 
     #[test]
