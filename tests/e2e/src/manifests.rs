@@ -10,6 +10,11 @@
 //!   and names that must match across files do;
 //! - the Envoy fragments inside the Istio EnvoyFilter and the Envoy Gateway policies, assembled
 //!   into a bootstrap, pass `envoy --mode validate`;
+//! - every shipped Envoy bounds slow clients, HTTP/2 streams and its heap with the same limits
+//!   (issue #20); the Kubernetes gateway's admin is on loopback and its init container renders
+//!   the token or refuses to start; every Kubernetes control-plane config authenticates its API
+//!   and its network-facing admin; NetworkPolicies admit only the gateways to the control plane
+//!   and only the control plane to NATS;
 //! - `scripts/oci-wasm.sh` builds a reproducible OCI layout with correct digests in the shape
 //!   Istio's and Envoy Gateway's image fetchers accept.
 //!
@@ -44,6 +49,10 @@ const KUSTOMIZATIONS: [&str; 7] = [
     "envoy-config/envoy-gateway",
 ];
 const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// What every shipped plugin configuration carries as `auth_token`: the Kubernetes gateway's
+/// init container replaces it with the Secret `kvroute-token`, and the Istio and Envoy Gateway
+/// quickstarts (docs/DEPLOY.md) do the same with sed.
+const TOKEN_PLACEHOLDER: &str = "__KVROUTE_AUTH_TOKEN__";
 const WASM_LAYER: &str = "application/vnd.module.wasm.content.layer.v1+wasm";
 const WASM_CONFIG: &str = "application/vnd.module.wasm.config.v1+json";
 
@@ -550,6 +559,58 @@ fn istio_resources_carry_what_matters() {
     );
     let se = find(&objects, "ServiceEntry", "vllm-llama3-external");
     assert_eq!(s(se, "/spec/resolution"), "STATIC");
+
+    // The control plane requires its token: both plugin configurations carry the placeholder.
+    assert_eq!(s(&plugin, "/auth_token"), TOKEN_PLACEHOLDER);
+    assert_eq!(s(wp, "/spec/pluginConfig/auth_token"), TOKEN_PLACEHOLDER);
+
+    // Slow clients and HTTP/2 (issue #20): the gateway's connection manager gets the limits of
+    // envoy-demo.yaml, and its bootstrap (through istio-agent's override) the same overload
+    // manager, heap monitor and actions.
+    let demo = demo_bootstrap();
+    let demo_listener = client_listener(&demo);
+    let demo_hcm = hcm_of(demo_listener);
+    let hcm_patch = by("NETWORK_FILTER");
+    assert_eq!(hcm_patch.len(), 1);
+    assert_eq!(s(hcm_patch[0], "/patch/operation"), "MERGE");
+    assert_eq!(
+        s(hcm_patch[0], "/match/listener/filterChain/filter/name"),
+        "envoy.filters.network.http_connection_manager"
+    );
+    let limits = &hcm_patch[0]["patch"]["value"]["typed_config"];
+    for field in [
+        "request_headers_timeout",
+        "request_timeout",
+        "stream_idle_timeout",
+        "http2_protocol_options",
+    ] {
+        assert_eq!(limits[field], demo_hcm[field], "{field}");
+    }
+    assert_eq!(
+        by("LISTENER")[0]["patch"]["value"]["per_connection_buffer_limit_bytes"],
+        demo_listener["per_connection_buffer_limit_bytes"]
+    );
+    let cm = find(&objects, "ConfigMap", "kvroute-gateway-bootstrap");
+    assert_eq!(
+        cm["metadata"]["namespace"], ef["metadata"]["namespace"],
+        "the override must be in the gateway pods' namespace"
+    );
+    let custom: Value = serde_json::from_str(s(cm, "/data/custom_bootstrap.json"))
+        .expect("custom_bootstrap.json is JSON");
+    let (om, demo_om) = (&custom["overload_manager"], &demo["overload_manager"]);
+    for field in ["actions", "buffer_factory_config", "refresh_interval"] {
+        assert_eq!(om[field], demo_om[field], "{field}");
+    }
+    let heap = |om: &Value| -> Value {
+        om["resource_monitors"]
+            .as_array()
+            .expect("monitors")
+            .iter()
+            .find(|m| m["name"] == "envoy.resource_monitors.fixed_heap")
+            .cloned()
+            .expect("a fixed_heap monitor")
+    };
+    assert_eq!(heap(om), heap(demo_om));
 }
 
 #[test]
@@ -607,7 +668,7 @@ fn envoy_gateway_resources_carry_what_matters() {
     assert_eq!(s(cluster, "/operation/value/name"), s(cluster, "/name"));
     let listener = patches
         .iter()
-        .find(|p| p["type"] == "type.googleapis.com/envoy.config.listener.v3.Listener")
+        .find(|p| p["operation"]["path"] == "/allow_on_headers_stop_iteration")
         .expect("listener patch");
     assert_eq!(
         s(listener, "/name"),
@@ -626,6 +687,98 @@ fn envoy_gateway_resources_carry_what_matters() {
         "/allow_on_headers_stop_iteration"
     );
     assert_eq!(listener["operation"]["value"], true);
+
+    // The control plane requires its token: the plugin configuration carries the placeholder.
+    assert_eq!(s(w, "/config/auth_token"), TOKEN_PLACEHOLDER);
+
+    // Slow clients and HTTP/2 (issue #20): ClientTrafficPolicy and the patch policy set the
+    // limits of envoy-demo.yaml; the EnvoyProxy gives the pods the gateway's memory limit (Envoy
+    // Gateway derives its heap monitor from it) and adds the same shedding actions.
+    let demo = demo_bootstrap();
+    let demo_listener = client_listener(&demo);
+    let demo_hcm = hcm_of(demo_listener);
+    let spec = &ctp["spec"];
+    assert_eq!(
+        quantity_bytes(s(spec, "/connection/bufferLimit")),
+        demo_listener["per_connection_buffer_limit_bytes"]
+            .as_u64()
+            .expect("buffer")
+    );
+    for (eg, envoy) in [
+        ("requestReceivedTimeout", "request_timeout"),
+        ("streamIdleTimeout", "stream_idle_timeout"),
+    ] {
+        assert_eq!(
+            secs(&spec["timeout"]["http"][eg], eg),
+            secs(&demo_hcm[envoy], envoy),
+            "{eg}"
+        );
+    }
+    let (h2, demo_h2) = (&spec["http2"], &demo_hcm["http2_protocol_options"]);
+    assert_eq!(
+        h2["maxConcurrentStreams"],
+        demo_h2["max_concurrent_streams"]
+    );
+    for (eg, envoy) in [
+        ("initialStreamWindowSize", "initial_stream_window_size"),
+        (
+            "initialConnectionWindowSize",
+            "initial_connection_window_size",
+        ),
+    ] {
+        assert_eq!(
+            Some(quantity_bytes(s(h2, &format!("/{eg}")))),
+            demo_h2[envoy].as_u64(),
+            "{eg}"
+        );
+    }
+    let headers = patches
+        .iter()
+        .find(|p| p["operation"]["path"] == "/request_headers_timeout")
+        .expect("the request_headers_timeout patch");
+    assert_eq!(s(headers, "/name"), s(listener, "/name"));
+    assert!(
+        s(headers, "/operation/jsonPath").contains("envoy.filters.network.http_connection_manager")
+    );
+    assert_eq!(
+        headers["operation"]["value"],
+        demo_hcm["request_headers_timeout"]
+    );
+    let parameters = &gateway["spec"]["infrastructure"]["parametersRef"];
+    assert_eq!(s(parameters, "/group"), "gateway.envoyproxy.io");
+    assert_eq!(s(parameters, "/kind"), "EnvoyProxy");
+    let ep = find(&objects, "EnvoyProxy", s(parameters, "/name"));
+    assert_eq!(
+        ep["metadata"]["namespace"],
+        gateway["metadata"]["namespace"]
+    );
+    let container = &ep["spec"]["provider"]["kubernetes"]["envoyDeployment"]["container"];
+    assert_eq!(
+        quantity_bytes(s(container, "/resources/limits/memory")),
+        gateway_memory_limit(&objects)
+    );
+    assert_eq!(s(ep, "/spec/bootstrap/type"), "Merge");
+    let merged = parse_docs(s(ep, "/spec/bootstrap/value"), "EnvoyProxy bootstrap").remove(0);
+    let demo_actions = demo["overload_manager"]["actions"]
+        .as_array()
+        .expect("actions");
+    let actions = merged["overload_manager"]["actions"]
+        .as_array()
+        .expect("merged actions");
+    for name in [
+        "envoy.overload_actions.reset_high_memory_stream",
+        "envoy.overload_actions.reduce_timeouts",
+    ] {
+        let a = actions.iter().find(|a| a["name"] == name).expect(name);
+        assert!(
+            demo_actions.contains(a),
+            "{name} differs from envoy-demo.yaml's"
+        );
+    }
+    assert_eq!(
+        merged["overload_manager"]["buffer_factory_config"],
+        demo["overload_manager"]["buffer_factory_config"]
+    );
 }
 
 #[test]
@@ -756,14 +909,24 @@ fn istio_envoyfilter_fragments_pass_envoy_validate() {
     )
     .expect("plugin JSON");
     let cp = static_cluster(s(&plugin, "/control_plane_cluster"), 19_002);
-    let bootstrap = json!({"static_resources": {
-        "listeners": [listener(
-            vec![strip, wasm_filter, router()],
-            &get("LISTENER", "MERGE"),
-            s(&vllm, "/name"),
-        )],
+    let mut ingress = listener(
+        vec![strip, wasm_filter, router()],
+        &get("LISTENER", "MERGE"),
+        s(&vllm, "/name"),
+    );
+    merge(
+        &mut ingress["filter_chains"][0]["filters"][0],
+        &get("NETWORK_FILTER", "MERGE"),
+    );
+    let mut bootstrap = json!({"static_resources": {
+        "listeners": [ingress],
         "clusters": [vllm, cp]
     }});
+    // The bootstrap override (bootstrap-overload.yaml) that istio-agent merges in.
+    let cm = find(&objects, "ConfigMap", "kvroute-gateway-bootstrap");
+    let custom: Value =
+        serde_json::from_str(s(cm, "/data/custom_bootstrap.json")).expect("custom_bootstrap.json");
+    merge(&mut bootstrap, &custom);
     envoy_validate("istio", &bootstrap);
 }
 
@@ -780,7 +943,7 @@ fn envoy_gateway_fragments_pass_envoy_validate() {
     let patches = epp["spec"]["jsonPatches"].as_array().expect("patches");
     let knob = patches
         .iter()
-        .find(|p| p["type"] == "type.googleapis.com/envoy.config.listener.v3.Listener")
+        .find(|p| p["operation"]["path"] == "/allow_on_headers_stop_iteration")
         .expect("listener patch");
     let field = s(knob, "/operation/path").trim_start_matches('/');
     let mut plugin_config = json!({
@@ -824,21 +987,85 @@ fn envoy_gateway_fragments_pass_envoy_validate() {
     // Validation must not depend on cluster DNS: same cluster, resolvable address.
     cp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
         ["address"] = json!("localhost");
-    let bootstrap = json!({"static_resources": {
-        "listeners": [listener(vec![wasm_filter, router()], &json!({}), s(&vllm, "/name"))],
-        "clusters": [vllm, cp]
-    }});
+    // The ClientTrafficPolicy's fields as Envoy Gateway translates them, and the patch policy's
+    // request_headers_timeout on the connection manager.
+    let ctp = &find(&objects, "ClientTrafficPolicy", "kvroute")["spec"];
+    let quantity = |pointer: &str| json!(quantity_bytes(s(ctp, pointer)));
+    let mut ingress = listener(
+        vec![wasm_filter, router()],
+        &json!({"per_connection_buffer_limit_bytes": quantity("/connection/bufferLimit")}),
+        s(&vllm, "/name"),
+    );
+    let headers = patches
+        .iter()
+        .find(|p| p["operation"]["path"] == "/request_headers_timeout")
+        .expect("the request_headers_timeout patch");
+    merge(
+        &mut ingress["filter_chains"][0]["filters"][0]["typed_config"],
+        &json!({
+            "request_timeout": ctp["timeout"]["http"]["requestReceivedTimeout"],
+            "stream_idle_timeout": ctp["timeout"]["http"]["streamIdleTimeout"],
+            "request_headers_timeout": headers["operation"]["value"],
+            "http2_protocol_options": {
+                "max_concurrent_streams": ctp["http2"]["maxConcurrentStreams"],
+                "initial_stream_window_size": quantity("/http2/initialStreamWindowSize"),
+                "initial_connection_window_size": quantity("/http2/initialConnectionWindowSize"),
+            },
+        }),
+    );
+    // The overload manager Envoy Gateway writes for a container memory limit
+    // (internal/xds/bootstrap/bootstrap.yaml.tpl: the heap monitor at 80% of the limit,
+    // shrink_heap at 95%, stop_accepting_requests at 98%), with the EnvoyProxy's merge appended.
+    let ep = find(&objects, "EnvoyProxy", "kvroute");
+    let limit = quantity_bytes(s(
+        ep,
+        "/spec/provider/kubernetes/envoyDeployment/container/resources/limits/memory",
+    ));
+    let heap = "envoy.resource_monitors.fixed_heap";
+    let mut overload = json!({
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            {"name": "envoy.resource_monitors.global_downstream_max_connections",
+             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": 50000}},
+            {"name": heap,
+             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                "max_heap_size_bytes": limit / 5 * 4}}
+        ],
+        "actions": [
+            {"name": "envoy.overload_actions.shrink_heap",
+             "triggers": [{"name": heap, "threshold": {"value": 0.95}}]},
+            {"name": "envoy.overload_actions.stop_accepting_requests",
+             "triggers": [{"name": heap, "threshold": {"value": 0.98}}]}
+        ]
+    });
+    let merged = parse_docs(s(ep, "/spec/bootstrap/value"), "EnvoyProxy bootstrap").remove(0);
+    let merged = &merged["overload_manager"];
+    overload["buffer_factory_config"] = merged["buffer_factory_config"].clone();
+    if let (Some(all), Some(more)) = (
+        overload["actions"].as_array_mut(),
+        merged["actions"].as_array(),
+    ) {
+        all.extend(more.iter().cloned());
+    }
+    let bootstrap = json!({
+        "overload_manager": overload,
+        "static_resources": {"listeners": [ingress], "clusters": [vllm, cp]}
+    });
     envoy_validate("envoy-gateway", &bootstrap);
 }
 
-/// The plain-Envoy-on-Kubernetes bootstrap, with the module path pointed at the local build,
-/// and its names checked against the objects they refer to.
+/// The plain-Envoy-on-Kubernetes bootstrap as the pod's init container renders it (with a
+/// token), the module path pointed at the local build, and its names checked against the
+/// objects they refer to.
 #[test]
 fn kubernetes_envoy_bootstrap_passes_envoy_validate() {
     let objects = objects();
     let wasm_file = locate_wasm().unwrap_or_else(|e| panic!("{e}"));
     let path = root().join("envoy-config/kubernetes/envoy/envoy.yaml");
-    let docs = parse_docs(&read(&path), &rel(&path));
+    let (ok, stderr, rendered) = render_gateway_config(&"5e".repeat(32), "validate");
+    assert!(ok, "render-config: {stderr}");
+    let docs = parse_docs(&rendered.expect("a rendered bootstrap"), &rel(&path));
     let mut bootstrap = docs.into_iter().next().expect("one document");
     let hcm = &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
     let config = hcm["http_filters"][0]["typed_config"]["config"].clone();
@@ -923,6 +1150,847 @@ fn kubernetes_envoy_bootstrap_passes_envoy_validate() {
         ["http_filters"][0]["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] =
         module_json;
     envoy_validate("kubernetes-envoy", &bootstrap);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile clients (issue #20): slow-client and memory limits, authentication, admin surfaces
+
+/// A duration as the shipped YAML writes it (`"10s"`, `"0.25s"`), in seconds.
+fn secs(v: &Value, what: &str) -> f64 {
+    let text = v
+        .as_str()
+        .unwrap_or_else(|| panic!("{what} is not a duration: {v}"));
+    text.strip_suffix('s')
+        .and_then(|n| n.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("{what}: {text:?} is not a duration in seconds"))
+}
+
+/// A Kubernetes quantity (`"8Mi"`, `"1Gi"`, `"4096"`) in bytes.
+fn quantity_bytes(q: &str) -> u64 {
+    let (number, unit) = [("Ki", 1u64 << 10), ("Mi", 1 << 20), ("Gi", 1 << 30)]
+        .iter()
+        .find_map(|(suffix, unit)| q.strip_suffix(suffix).map(|n| (n, *unit)))
+        .unwrap_or((q, 1));
+    number
+        .parse::<u64>()
+        .unwrap_or_else(|e| panic!("quantity {q:?}: {e}"))
+        * unit
+}
+
+/// The Envoy bootstraps we ship: the templates in `envoy-config/` rendered with test values
+/// (as envoy_validate.rs does), and the Kubernetes gateway's as it is.
+fn shipped_bootstraps() -> Vec<(String, Value)> {
+    let dir = root().join("envoy-config");
+    let mut templates: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    templates.sort();
+    let replicas = vec!["127.0.0.1:18001".to_string()];
+    let extra = [
+        ("EDS_PATH", "/tmp/vllm-eds.json".to_string()),
+        ("EDS_DIR", "/tmp".to_string()),
+    ];
+    let plugin = harness::plugin_config_json(&json!({}));
+    let mut out = Vec::new();
+    for t in &templates {
+        let text = harness::render_envoy_config(
+            t,
+            19_000,
+            19_001,
+            19_002,
+            Path::new("/kvroute_filter.wasm"),
+            &plugin,
+            &replicas,
+            &extra,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let doc = parse_docs(&text, &rel(t)).into_iter().next();
+        out.push((rel(t), doc.expect("a bootstrap")));
+    }
+    let k = root().join("envoy-config/kubernetes/envoy/envoy.yaml");
+    let doc = parse_docs(&read(&k), &rel(&k)).into_iter().next();
+    out.push((rel(&k), doc.expect("a bootstrap")));
+    out
+}
+
+/// The rendered envoy-demo.yaml: the reference the other proxies' settings must equal.
+fn demo_bootstrap() -> Value {
+    shipped_bootstraps()
+        .into_iter()
+        .find(|(origin, _)| origin.ends_with("envoy-demo.yaml"))
+        .expect("envoy-demo.yaml")
+        .1
+}
+
+/// The HTTP connection manager of a listener's first filter chain.
+fn hcm_of(listener: &Value) -> &Value {
+    let filter = &listener["filter_chains"][0]["filters"][0];
+    assert_eq!(
+        filter["name"], "envoy.filters.network.http_connection_manager",
+        "listener {}",
+        listener["name"]
+    );
+    &filter["typed_config"]
+}
+
+/// The client-facing listener of a bootstrap (the one the overload manager applies to).
+fn client_listener(bootstrap: &Value) -> &Value {
+    let clients: Vec<&Value> = bootstrap["static_resources"]["listeners"]
+        .as_array()
+        .expect("listeners")
+        .iter()
+        .filter(|l| l["bypass_overload_manager"] != true)
+        .collect();
+    assert_eq!(clients.len(), 1, "one client listener");
+    clients[0]
+}
+
+/// The memory limit of the Envoy gateway's container (envoy-config/kubernetes/envoy).
+fn gateway_memory_limit(objects: &[(String, Value)]) -> u64 {
+    let d = find(objects, "Deployment", "kvroute-envoy");
+    let c = d["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .expect("containers")
+        .iter()
+        .find(|c| c["name"] == "envoy")
+        .expect("the envoy container");
+    quantity_bytes(s(c, "/resources/limits/memory"))
+}
+
+/// An overload manager bounds the heap below `memory_limit` and sheds stalled bodies first:
+/// a fixed_heap monitor at most 80% of the limit, stream resets with buffer accounting, idle
+/// timers that shrink under pressure, both before new requests are refused.
+fn check_overload_manager(origin: &str, om: &Value, memory_limit: u64) {
+    let monitors = om["resource_monitors"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{origin}: no overload manager"));
+    let names: Vec<&str> = monitors.iter().map(|m| s(m, "/name")).collect();
+    assert!(
+        names.contains(&"envoy.resource_monitors.global_downstream_max_connections"),
+        "{origin}: the downstream connection limit is gone"
+    );
+    let heap = monitors
+        .iter()
+        .find(|m| m["name"] == "envoy.resource_monitors.fixed_heap")
+        .unwrap_or_else(|| panic!("{origin}: no fixed_heap monitor"));
+    let max_heap = heap["typed_config"]["max_heap_size_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{origin}: fixed_heap without max_heap_size_bytes"));
+    assert!(
+        max_heap >= 256 << 20 && max_heap * 5 <= memory_limit * 4,
+        "{origin}: max_heap_size_bytes {max_heap} must be at most 80% of the gateway pod's \
+         {memory_limit}-byte memory limit (the heap monitor does not see V8's wasm memory)"
+    );
+    let actions = om["actions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{origin}: an overload manager without actions"));
+    for a in actions {
+        for t in a["triggers"].as_array().expect("triggers") {
+            assert!(
+                names.contains(&s(t, "/name")),
+                "{origin}: {} triggers on a monitor that is not configured",
+                a["name"]
+            );
+        }
+    }
+    let action = |name: &str| -> &Value {
+        actions
+            .iter()
+            .find(|a| a["name"] == name)
+            .unwrap_or_else(|| panic!("{origin}: no {name}"))
+    };
+    let reset = action("envoy.overload_actions.reset_high_memory_stream");
+    let power = om["buffer_factory_config"]["minimum_account_to_track_power_of_two"]
+        .as_u64()
+        .unwrap_or_else(|| {
+            panic!("{origin}: reset_high_memory_stream does nothing without buffer accounting")
+        });
+    assert!(
+        (10..=22).contains(&power),
+        "{origin}: streams are tracked from 2^{power} bytes"
+    );
+    let first_shed = |a: &Value| -> f64 {
+        a["triggers"][0]["scaled"]["scaling_threshold"]
+            .as_f64()
+            .or(a["triggers"][0]["threshold"]["value"].as_f64())
+            .unwrap_or_else(|| panic!("{origin}: {} has no trigger level", a["name"]))
+    };
+    let reduce = action("envoy.overload_actions.reduce_timeouts");
+    let stream_idle = reduce["typed_config"]["timer_scale_factors"]
+        .as_array()
+        .and_then(|t| {
+            t.iter()
+                .find(|f| f["timer"] == "HTTP_DOWNSTREAM_STREAM_IDLE")
+        })
+        .unwrap_or_else(|| {
+            panic!("{origin}: a stalled body is an idle stream: its timer must shrink")
+        });
+    assert!(secs(&stream_idle["min_timeout"], "min_timeout") <= 10.0);
+    let stop = action("envoy.overload_actions.stop_accepting_requests");
+    for shed in [reset, reduce] {
+        assert!(
+            first_shed(shed) < first_shed(stop),
+            "{origin}: {} must act before new requests are refused",
+            shed["name"]
+        );
+    }
+    action("envoy.overload_actions.shrink_heap");
+}
+
+/// A client-facing listener bounds what one connection and one request may hold, and for how
+/// long, without ever capping a token stream.
+fn check_client_listener(origin: &str, listener: &Value) {
+    let buffer = listener["per_connection_buffer_limit_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{origin}: no per_connection_buffer_limit_bytes"));
+    assert!(
+        buffer > 4 << 20 && buffer <= 16 << 20,
+        "{origin}: the buffer limit {buffer} must hold the filter's 4 MiB and stay bounded"
+    );
+    let hcm = hcm_of(listener);
+    let headers = secs(&hcm["request_headers_timeout"], "request_headers_timeout");
+    assert!(
+        headers > 0.0 && headers <= 30.0,
+        "{origin}: headers {headers} s"
+    );
+    let request = secs(&hcm["request_timeout"], "request_timeout");
+    assert!(
+        (10.0..=120.0).contains(&request),
+        "{origin}: the whole request must arrive within 10 to 120 s, not {request} s"
+    );
+    let idle = secs(&hcm["stream_idle_timeout"], "stream_idle_timeout");
+    assert!(
+        idle >= request && idle <= 600.0,
+        "{origin}: stream_idle_timeout {idle} s"
+    );
+    let h2 = &hcm["http2_protocol_options"];
+    let streams = h2["max_concurrent_streams"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{origin}: no HTTP/2 max_concurrent_streams (default 2^31)"));
+    assert!((1..=256).contains(&streams), "{origin}: {streams} streams");
+    let stream_window = h2["initial_stream_window_size"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{origin}: no initial_stream_window_size (default 256 MiB)"));
+    assert!(
+        stream_window >= buffer && stream_window <= 16 << 20,
+        "{origin}: for HTTP/2 the stream window is the per-stream body buffer: at least the \
+         listener's {buffer} bytes (or h2 prompts get 413 where h1 ones pass), and bounded"
+    );
+    let connection_window = h2["initial_connection_window_size"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{origin}: no initial_connection_window_size"));
+    assert!(
+        connection_window >= stream_window && connection_window <= 64 << 20,
+        "{origin}: connection window {connection_window}"
+    );
+    // Token streams may run for minutes: no route caps the response.
+    for vh in hcm["route_config"]["virtual_hosts"]
+        .as_array()
+        .expect("virtual hosts")
+    {
+        for r in vh["routes"].as_array().expect("routes") {
+            if r["route"].is_object() {
+                assert_eq!(
+                    secs(&r["route"]["timeout"], "route timeout"),
+                    0.0,
+                    "{origin}: a route timeout would cut long token streams"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_shipped_envoy_bounds_slow_clients_streams_and_memory() {
+    let objects = objects();
+    let limit = gateway_memory_limit(&objects);
+    let bootstraps = shipped_bootstraps();
+    assert_eq!(bootstraps.len(), 4, "3 templates + the Kubernetes gateway");
+    let demo = demo_bootstrap();
+    for (origin, b) in &bootstraps {
+        check_overload_manager(origin, &b["overload_manager"], limit);
+        let client = client_listener(b);
+        check_client_listener(origin, client);
+        // One set of limits everywhere (the reasons are written once, in envoy-demo.yaml).
+        assert_eq!(b["overload_manager"], demo["overload_manager"], "{origin}");
+        let (hcm, demo_hcm) = (hcm_of(client), hcm_of(client_listener(&demo)));
+        for field in [
+            "request_headers_timeout",
+            "request_timeout",
+            "stream_idle_timeout",
+            "http2_protocol_options",
+        ] {
+            assert_eq!(hcm[field], demo_hcm[field], "{origin}: {field}");
+        }
+        // Listeners outside the overload manager serve probes only, and are bounded too.
+        for l in b["static_resources"]["listeners"]
+            .as_array()
+            .expect("listeners")
+            .iter()
+            .filter(|l| l["bypass_overload_manager"] == true)
+        {
+            let hcm = hcm_of(l);
+            assert!(secs(&hcm["request_timeout"], "request_timeout") <= 10.0);
+            assert!(secs(&hcm["request_headers_timeout"], "request_headers_timeout") <= 10.0);
+            assert!(
+                l["per_connection_buffer_limit_bytes"]
+                    .as_u64()
+                    .is_some_and(|b| b <= 64 << 10),
+                "{origin}: a probe listener needs no big buffers"
+            );
+        }
+    }
+}
+
+#[test]
+fn kubernetes_envoy_admin_is_loopback_and_probes_reach_only_ready() {
+    let objects = objects();
+    let path = root().join("envoy-config/kubernetes/envoy/envoy.yaml");
+    let b = parse_docs(&read(&path), &rel(&path))
+        .into_iter()
+        .next()
+        .expect("a bootstrap");
+    let admin = &b["admin"]["address"]["socket_address"];
+    assert_eq!(
+        s(admin, "/address"),
+        "127.0.0.1",
+        "/quitquitquit and /config_dump (the token) must not be on the network"
+    );
+    let admin_port = admin["port_value"].as_u64().expect("admin port");
+
+    // The admin is reached through one route only: exactly GET /ready on the health listener.
+    let clusters = b["static_resources"]["clusters"]
+        .as_array()
+        .expect("clusters");
+    let to_admin: Vec<&str> = clusters
+        .iter()
+        .filter(|c| {
+            let a = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+                ["socket_address"];
+            a["port_value"].as_u64() == Some(admin_port)
+        })
+        .map(|c| s(c, "/name"))
+        .collect();
+    assert_eq!(to_admin.len(), 1, "one cluster to the admin: {to_admin:?}");
+    let listeners = b["static_resources"]["listeners"]
+        .as_array()
+        .expect("listeners");
+    let health = listeners
+        .iter()
+        .find(|l| l["bypass_overload_manager"] == true)
+        .expect("a health listener outside the overload manager");
+    assert_eq!(
+        health["ignore_global_conn_limit"], true,
+        "probes must connect when clients hold every connection"
+    );
+    let health_port = health["address"]["socket_address"]["port_value"]
+        .as_u64()
+        .expect("health port");
+    let hcm = hcm_of(health);
+    let filters: Vec<&str> = hcm["http_filters"]
+        .as_array()
+        .expect("filters")
+        .iter()
+        .map(|f| s(f, "/name"))
+        .collect();
+    assert_eq!(filters, ["envoy.filters.http.router"]);
+    let mut admin_routes = 0;
+    for vh in hcm["route_config"]["virtual_hosts"].as_array().expect("vh") {
+        for r in vh["routes"].as_array().expect("routes") {
+            if r["route"]["cluster"] == to_admin[0] {
+                admin_routes += 1;
+                let m = &r["match"];
+                assert_eq!(s(m, "/path"), "/ready", "an exact path, no prefix: {m}");
+                assert!(m["prefix"].is_null() && m["safe_regex"].is_null());
+                assert_eq!(m["headers"][0]["name"], ":method");
+                assert_eq!(m["headers"][0]["string_match"]["exact"], "GET");
+            } else {
+                assert!(
+                    r["direct_response"].is_object(),
+                    "the health listener answers everything else itself: {r}"
+                );
+            }
+        }
+    }
+    assert_eq!(admin_routes, 1);
+    for l in listeners.iter().filter(|l| l["name"] != health["name"]) {
+        assert!(
+            !l.to_string().contains(to_admin[0]),
+            "listener {} routes to the admin",
+            l["name"]
+        );
+    }
+
+    // The pod exposes the client and health ports only; both probes use /ready there.
+    let d = find(&objects, "Deployment", "kvroute-envoy");
+    let c = d["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .expect("containers")
+        .iter()
+        .find(|c| c["name"] == "envoy")
+        .expect("the envoy container");
+    let ports: BTreeMap<&str, u64> = c["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| (s(p, "/name"), p["containerPort"].as_u64().unwrap_or(0)))
+        .collect();
+    let client_port = client_listener(&b)["address"]["socket_address"]["port_value"]
+        .as_u64()
+        .expect("client port");
+    assert_eq!(
+        ports,
+        BTreeMap::from([("health", health_port), ("http", client_port)])
+    );
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(s(&c[probe], "/httpGet/path"), "/ready", "{probe}");
+        assert_eq!(s(&c[probe], "/httpGet/port"), "health", "{probe}");
+    }
+    let svc = find(&objects, "Service", "kvroute-envoy");
+    let targets: Vec<&str> = svc["spec"]["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| s(p, "/targetPort"))
+        .collect();
+    assert_eq!(targets, ["http"], "the Service carries client traffic only");
+}
+
+/// Runs the Envoy gateway's init container (`render-config` in deployment.yaml) as the pod
+/// would, on a copy of envoy.yaml and a Secret file holding `token`: whether it succeeded, its
+/// stderr, and the bootstrap it rendered.
+fn render_gateway_config(token: &str, case: &str) -> (bool, String, Option<String>) {
+    let objects = objects();
+    let d = find(&objects, "Deployment", "kvroute-envoy");
+    let init = &d["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(init["command"], json!(["/bin/sh", "-c"]));
+    let script = s(init, "/args/0");
+    let dir = out_dir("render-config").join(case);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let token_file = dir.join("token");
+    let template = dir.join("envoy-template.yaml");
+    let rendered = dir.join("envoy.yaml");
+    std::fs::write(&token_file, token).expect("write the token");
+    std::fs::copy(
+        root().join("envoy-config/kubernetes/envoy/envoy.yaml"),
+        &template,
+    )
+    .expect("copy envoy.yaml");
+    let _ = std::fs::remove_file(&rendered);
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(script)
+        .env("TOKEN_FILE", &token_file)
+        .env("TEMPLATE", &template)
+        .env("OUT", &rendered);
+    let o = common::run_bounded(
+        cmd,
+        "the render-config init container",
+        Duration::from_secs(30),
+    );
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        std::fs::read_to_string(&rendered).ok(),
+    )
+}
+
+#[test]
+fn kubernetes_envoy_init_container_renders_the_token_or_refuses_to_start() {
+    let objects = objects();
+    let d = find(&objects, "Deployment", "kvroute-envoy");
+    let pod = &d["spec"]["template"]["spec"];
+    let init = &pod["initContainers"][0];
+    let env: BTreeMap<&str, &str> = init["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .map(|e| (s(e, "/name"), s(e, "/value")))
+        .collect();
+    let volume = |name: &Value| -> &Value {
+        pod["volumes"]
+            .as_array()
+            .expect("volumes")
+            .iter()
+            .find(|v| v["name"] == *name)
+            .unwrap_or_else(|| panic!("no volume {name}"))
+    };
+    let mount_of = |container: &Value, file: &str| -> (String, Value) {
+        let parent = Path::new(file)
+            .parent()
+            .expect("a directory")
+            .display()
+            .to_string();
+        let m = container["volumeMounts"]
+            .as_array()
+            .expect("mounts")
+            .iter()
+            .find(|m| s(m, "/mountPath") == parent)
+            .unwrap_or_else(|| panic!("nothing mounted at {parent}"));
+        (s(m, "/name").to_string(), volume(&m["name"]).clone())
+    };
+    // The token comes from the Secret's key `token` only, the template from the ConfigMap, and
+    // the result goes to an in-memory volume the Envoy container reads its bootstrap from.
+    let (_, secret) = mount_of(init, env["TOKEN_FILE"]);
+    assert_eq!(s(&secret, "/secret/secretName"), "kvroute-token");
+    assert_eq!(
+        secret["secret"]["items"],
+        json!([{"key": "token", "path": "token"}]),
+        "the gateway pod gets the filter's token, not the admin token"
+    );
+    assert!(env["TOKEN_FILE"].ends_with("/token"));
+    let (_, template) = mount_of(init, env["TEMPLATE"]);
+    assert_eq!(s(&template, "/configMap/name"), "kvroute-envoy-config");
+    let (rendered_volume, out) = mount_of(init, env["OUT"]);
+    assert_eq!(
+        s(&out, "/emptyDir/medium"),
+        "Memory",
+        "the token stays off the disk"
+    );
+    let envoy = pod["containers"]
+        .as_array()
+        .expect("containers")
+        .iter()
+        .find(|c| c["name"] == "envoy")
+        .expect("the envoy container");
+    let args: Vec<&str> = envoy["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let config_arg = args
+        .iter()
+        .position(|a| *a == "-c")
+        .map(|i| args[i + 1])
+        .expect("-c");
+    assert_eq!(config_arg, env["OUT"]);
+    assert_eq!(mount_of(envoy, config_arg).0, rendered_volume);
+
+    // A generated token is rendered into the plugin configuration.
+    let token = "3f1c9a".repeat(10) + "ab01";
+    let (ok, stderr, rendered) = render_gateway_config(&format!("{token}\n"), "good");
+    assert!(ok, "{stderr}");
+    let rendered = rendered.expect("a rendered bootstrap");
+    assert!(!rendered.contains("__KVROUTE_AUTH_TOKEN__"));
+    let b = parse_docs(&rendered, "rendered envoy.yaml")
+        .into_iter()
+        .next()
+        .expect("a bootstrap");
+    let config = &hcm_of(client_listener(&b))["http_filters"][0]["typed_config"]["config"];
+    let plugin = kvroute_filter::config::FilterConfig::from_json(
+        s(config, "/configuration/value").as_bytes(),
+    )
+    .unwrap_or_else(|e| panic!("the rendered plugin configuration: {e}"));
+    assert_eq!(plugin.auth_token.as_deref(), Some(token.as_str()));
+
+    // The shipped placeholder, a missing or malformed token: the pod does not start.
+    let kustomization = parse_docs(
+        &read(&root().join("envoy-config/kubernetes/base/kustomization.yaml")),
+        "base kustomization",
+    )
+    .remove(0);
+    let placeholder = kustomization["secretGenerator"][0]["literals"]
+        .as_array()
+        .expect("literals")
+        .iter()
+        .filter_map(Value::as_str)
+        .find_map(|l| l.strip_prefix("token="))
+        .expect("the shipped token literal");
+    for (case, bad) in [
+        ("placeholder", placeholder.to_string()),
+        ("empty", String::new()),
+        ("short", "0123456789abcdef".to_string()),
+        ("quote", format!("{}\"x", "a".repeat(40))),
+        ("pipe", format!("{}|x", "a".repeat(40))),
+    ] {
+        let (ok, stderr, rendered) = render_gateway_config(&bad, case);
+        assert!(
+            !ok && rendered.is_none(),
+            "{case}: a pod started with {bad:?}"
+        );
+        assert!(
+            stderr.contains("openssl rand") || stderr.contains("characters"),
+            "{case}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn every_kubernetes_control_plane_authenticates_its_api_and_admin() {
+    let objects = objects();
+    let d = find(&objects, "Deployment", "kvroute-control-plane");
+    let pod = &d["spec"]["template"]["spec"];
+    // Files the control-plane container gets from the Secret kvroute-token: path -> key.
+    let mut secret_files = BTreeMap::new();
+    for m in pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .expect("mounts")
+    {
+        let v = pod["volumes"]
+            .as_array()
+            .expect("volumes")
+            .iter()
+            .find(|v| v["name"] == m["name"])
+            .expect("the mount's volume");
+        if v["secret"]["secretName"] == "kvroute-token" {
+            for item in v["secret"]["items"].as_array().expect("items") {
+                secret_files.insert(
+                    format!("{}/{}", s(m, "/mountPath"), s(item, "/path")),
+                    s(item, "/key").to_string(),
+                );
+            }
+        }
+    }
+    assert!(!secret_files.is_empty(), "the Secret is not mounted");
+    let configs: Vec<PathBuf> = all_yaml_files()
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n == "control-plane.yaml"))
+        .collect();
+    assert_eq!(configs.len(), 4, "base + 3 overlays");
+    for path in configs {
+        let origin = rel(&path);
+        let c = parse_docs(&read(&path), &origin).remove(0);
+        let inline = c["auth_token"].as_str();
+        let file = c["auth_token_file"].as_str();
+        assert!(
+            inline.is_some() != file.is_some(),
+            "{origin}: the route and feedback API needs exactly one of auth_token, auth_token_file"
+        );
+        if let Some(file) = file {
+            assert_eq!(
+                secret_files.get(file).map(String::as_str),
+                Some("token"),
+                "{origin}: {file} is not the Secret's `token`"
+            );
+        }
+        let admin: std::net::SocketAddr = s(&c, "/admin_listen")
+            .parse()
+            .unwrap_or_else(|e| panic!("{origin}: admin_listen: {e}"));
+        if !admin.ip().is_loopback() {
+            let token = c["admin_token"].as_str();
+            let token_file = c["admin_token_file"].as_str();
+            assert!(
+                token.is_some() || token_file.is_some(),
+                "{origin}: admin_listen {admin} is reachable from the network: set \
+                 admin_token_file"
+            );
+            if let Some(f) = token_file {
+                assert_eq!(
+                    secret_files.get(f).map(String::as_str),
+                    Some("admin-token"),
+                    "{origin}: {f} is not the Secret's `admin-token`"
+                );
+            }
+        }
+    }
+    // The base ships the Secret under one fixed name (the gateway mounts it too), with both
+    // keys as marked placeholders.
+    let k = parse_docs(
+        &read(&root().join("envoy-config/kubernetes/base/kustomization.yaml")),
+        "base kustomization",
+    )
+    .remove(0);
+    let generator = k["secretGenerator"]
+        .as_array()
+        .expect("a secretGenerator")
+        .iter()
+        .find(|g| g["name"] == "kvroute-token")
+        .expect("the kvroute-token generator");
+    assert_eq!(generator["options"]["disableNameSuffixHash"], true);
+    let mut keys = Vec::new();
+    for literal in generator["literals"].as_array().expect("literals") {
+        let (key, value) = s(literal, "").split_once('=').expect("key=value");
+        assert!(
+            value.starts_with("REPLACE-ME"),
+            "{key}: the shipped value must be a marked placeholder"
+        );
+        keys.push(key);
+    }
+    keys.sort();
+    assert_eq!(keys, ["admin-token", "token"]);
+}
+
+/// Whether a NetworkPolicy peer's or target's `matchLabels` select a pod with `labels`.
+fn selects(selector: &Value, labels: &Value) -> bool {
+    selector["matchLabels"]
+        .as_object()
+        .is_some_and(|m| !m.is_empty() && m.iter().all(|(k, v)| labels[k] == *v))
+}
+
+fn pod_labels<'a>(objects: &'a [(String, Value)], deployment: &str) -> &'a Value {
+    &find(objects, "Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+}
+
+/// The ports of a NetworkPolicy ingress rule.
+fn rule_ports(rule: &Value) -> Vec<u64> {
+    rule["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| p["port"].as_u64().expect("a numbered port"))
+        .collect()
+}
+
+#[test]
+fn network_policies_admit_only_the_gateways_to_the_control_plane_and_only_it_to_nats() {
+    let objects = objects();
+    let policies: Vec<&Value> = objects
+        .iter()
+        .map(|(_, o)| o)
+        .filter(|o| o["kind"] == "NetworkPolicy")
+        .collect();
+    for (dir, file) in [
+        ("envoy-config/kubernetes/base", "networkpolicy.yaml"),
+        ("envoy-config/kubernetes/envoy", "networkpolicy.yaml"),
+        ("envoy-config/istio", "networkpolicy.yaml"),
+        ("envoy-config/envoy-gateway", "networkpolicy.yaml"),
+    ] {
+        let k = parse_docs(&read(&root().join(dir).join("kustomization.yaml")), dir).remove(0);
+        assert!(
+            k["resources"]
+                .as_array()
+                .is_some_and(|r| r.contains(&json!(file))),
+            "{dir}/kustomization.yaml does not include {file}"
+        );
+    }
+    let cp = pod_labels(&objects, "kvroute-control-plane");
+    let gateway = pod_labels(&objects, "kvroute-envoy");
+    let nats = pod_labels(&objects, "kvroute-nats");
+    let config = parse_docs(
+        &read(&root().join("envoy-config/kubernetes/base/control-plane.yaml")),
+        "base control-plane.yaml",
+    )
+    .remove(0);
+    let port = |key: &str| -> u64 {
+        let addr: std::net::SocketAddr = s(&config, &format!("/{key}")).parse().expect("ip:port");
+        u64::from(addr.port())
+    };
+    let (api, admin) = (port("listen"), port("admin_listen"));
+
+    // Every policy on the control plane: ingress rules that name their peers and only its ports.
+    let on_cp: Vec<&Value> = policies
+        .iter()
+        .copied()
+        .filter(|p| selects(&p["spec"]["podSelector"], cp))
+        .collect();
+    assert_eq!(on_cp.len(), 3, "base, Istio and Envoy Gateway");
+    for p in &on_cp {
+        assert_eq!(p["spec"]["policyTypes"], json!(["Ingress"]));
+        for rule in p["spec"]["ingress"].as_array().expect("ingress rules") {
+            assert!(
+                rule["from"].as_array().is_some_and(|f| !f.is_empty()),
+                "{}: a rule that admits everyone",
+                p["metadata"]["name"]
+            );
+            for port in rule_ports(rule) {
+                assert!(port == api || port == admin, "port {port}");
+            }
+        }
+    }
+    let base = find(&objects, "NetworkPolicy", "kvroute-control-plane");
+    let rules = base["spec"]["ingress"].as_array().expect("ingress");
+    let api_rule = rules
+        .iter()
+        .find(|r| rule_ports(r) == [api])
+        .expect("a rule for the API");
+    let peers = api_rule["from"].as_array().expect("from");
+    for (what, labels) in [("the Envoy gateway", gateway), ("the other replicas", cp)] {
+        assert!(
+            peers
+                .iter()
+                .any(|p| p["namespaceSelector"].is_null() && selects(&p["podSelector"], labels)),
+            "the API must admit {what}"
+        );
+    }
+    assert_eq!(peers.len(), 2, "nobody else: {peers:?}");
+    let admin_rule = rules
+        .iter()
+        .find(|r| rule_ports(r) == [admin])
+        .expect("a rule for the admin");
+    assert_eq!(
+        admin_rule["from"],
+        json!([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]),
+        "the admin is for the monitoring namespace"
+    );
+    // The Istio gateway (the EnvoyFilter's workload) and Envoy Gateway's proxies of the Gateway
+    // the policies attach to: the API only.
+    let ef = find(&objects, "EnvoyFilter", "kvroute");
+    let istio = find(
+        &objects,
+        "NetworkPolicy",
+        "kvroute-control-plane-from-istio-gateway",
+    );
+    let peer = &istio["spec"]["ingress"][0]["from"][0];
+    assert_eq!(
+        peer["podSelector"]["matchLabels"],
+        ef["spec"]["workloadSelector"]["labels"]
+    );
+    assert_eq!(
+        peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        ef["metadata"]["namespace"]
+    );
+    assert_eq!(rule_ports(&istio["spec"]["ingress"][0]), [api]);
+    let gw = find_in(&objects, "gateway.networking.k8s.io/", "Gateway", "kvroute");
+    let eg = find(
+        &objects,
+        "NetworkPolicy",
+        "kvroute-control-plane-from-envoy-gateway",
+    );
+    let labels = &eg["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"];
+    assert_eq!(
+        labels["gateway.envoyproxy.io/owning-gateway-name"],
+        gw["metadata"]["name"]
+    );
+    assert_eq!(
+        labels["gateway.envoyproxy.io/owning-gateway-namespace"],
+        gw["metadata"]["namespace"]
+    );
+    assert_eq!(rule_ports(&eg["spec"]["ingress"][0]), [api]);
+
+    // NATS: the control plane only, on the client port.
+    let on_nats: Vec<&Value> = policies
+        .iter()
+        .copied()
+        .filter(|p| selects(&p["spec"]["podSelector"], nats))
+        .collect();
+    assert_eq!(on_nats.len(), 1);
+    let nats_svc = find(&objects, "Service", "kvroute-nats");
+    let nats_rules = on_nats[0]["spec"]["ingress"].as_array().expect("ingress");
+    assert_eq!(nats_rules.len(), 1);
+    assert_eq!(
+        rule_ports(&nats_rules[0]),
+        [nats_svc["spec"]["ports"][0]["port"].as_u64().expect("port")]
+    );
+    let from = nats_rules[0]["from"].as_array().expect("from");
+    assert!(from.len() == 1 && selects(&from[0]["podSelector"], cp));
+
+    // The Envoy gateway: its client and health ports, never the admin's.
+    let on_gateway: Vec<&Value> = policies
+        .iter()
+        .copied()
+        .filter(|p| selects(&p["spec"]["podSelector"], gateway))
+        .collect();
+    assert_eq!(on_gateway.len(), 1);
+    let mut ports: Vec<u64> = on_gateway[0]["spec"]["ingress"]
+        .as_array()
+        .expect("ingress")
+        .iter()
+        .flat_map(rule_ports)
+        .collect();
+    ports.sort();
+    let c =
+        &find(&objects, "Deployment", "kvroute-envoy")["spec"]["template"]["spec"]["containers"][0];
+    let mut exposed: Vec<u64> = c["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| p["containerPort"].as_u64().expect("port"))
+        .collect();
+    exposed.sort();
+    assert_eq!(ports, exposed);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1156,6 +2224,7 @@ fn deploy_guide_covers_envoy_istio_and_envoy_gateway_and_its_paths_exist() {
         "## Istio",
         "## Envoy Gateway",
         "## Several replicas",
+        "## Securing a deployment",
     ] {
         assert!(guide.contains(section), "docs/DEPLOY.md lacks {section}");
     }
