@@ -38,7 +38,8 @@ async fn start(tools: &Tools) -> Fleet {
         KV_TOKENS.to_string(),
     ];
     // A loaded CI machine must not turn a route call into a fail-open (which admits).
-    cfg.plugin_config = json!({"route_timeout_ms": 5000});
+    // The tenant and criticality headers are the test's own: believed, as behind an authority.
+    cfg.plugin_config = json!({"route_timeout_ms": 5000, "identity_headers": "trusted"});
     cfg.control_plane_extra = json!({
         "admission": {
             "queue_limit": 100,
@@ -363,7 +364,8 @@ async fn refuses_an_over_share_tenant_to_keep_the_ttft_bound() {
     let tools = tools();
     common::bounded("refuses_an_over_share_tenant_to_keep_the_ttft_bound", TEST_TIMEOUT, async {
         let mut cfg = common::fleet_config("e2e-fairness-ttft", 2, MODEL);
-        cfg.plugin_config = json!({"route_timeout_ms": 5000});
+        // The tenant and criticality headers are the test's own: believed, as behind an authority.
+    cfg.plugin_config = json!({"route_timeout_ms": 5000, "identity_headers": "trusted"});
         // 2 tokens a second: a routed prompt stays in the router's queue estimate for minutes.
         cfg.control_plane_router = json!({"scoring": {"prefill_tokens_per_ms": 0.002}});
         cfg.control_plane_extra = json!({

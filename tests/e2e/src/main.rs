@@ -20,6 +20,8 @@ mod explain;
 mod fairness;
 mod faults;
 mod fleet_page;
+mod hostile;
+mod hostile_envoy;
 mod kv_events_faults;
 mod local_decisions;
 mod manifests;
