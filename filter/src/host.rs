@@ -6,6 +6,7 @@
 
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use log::{error, info, warn};
@@ -109,7 +110,7 @@ impl Shared {
         let Some(call) = call else {
             return;
         };
-        let config = Rc::clone(self.state.config());
+        let config = Arc::clone(self.state.config());
         if post(&config, call.path, &call.body, config.feedback_timeout_ms).is_none() {
             self.state.on_feedback_dispatch_failed();
             self.count_tick_call(false);
@@ -350,7 +351,7 @@ impl Request {
                     let config = self
                         .shared
                         .as_ref()
-                        .map(|s| Rc::clone(s.borrow().state.config()));
+                        .map(|s| Arc::clone(s.borrow().state.config()));
                     let token =
                         config.and_then(|c| post(&c, ROUTE_PATH, &body, c.route_timeout_ms));
                     if token.is_some() {

@@ -12,7 +12,7 @@
 //! Envoy's fallback load balancer picks the endpoint.
 
 use std::collections::BTreeMap;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use scorer_core::canon::{self, CanonError};
 use scorer_core::hash::{block_hashes, request_seed};
@@ -281,7 +281,7 @@ struct Routed {
 /// One HTTP request's routing state.
 #[derive(Debug)]
 pub struct RequestMachine {
-    config: Rc<FilterConfig>,
+    config: Arc<FilterConfig>,
     phase: Phase,
     mode: RouteMode,
     session: Option<String>,
@@ -315,7 +315,7 @@ pub struct RequestMachine {
 
 impl RequestMachine {
     /// A fresh machine for a new request.
-    pub fn new(config: Rc<FilterConfig>) -> Self {
+    pub fn new(config: Arc<FilterConfig>) -> Self {
         RequestMachine {
             config,
             phase: Phase::Start,
@@ -1016,7 +1016,7 @@ mod tests {
     fn machine_with(edit: impl FnOnce(&mut FilterConfig)) -> RequestMachine {
         let mut config = FilterConfig::default();
         edit(&mut config);
-        RequestMachine::new(Rc::new(config))
+        RequestMachine::new(Arc::new(config))
     }
 
     /// A machine that believes the tenant and criticality headers (an authority sets them).
@@ -1030,7 +1030,7 @@ mod tests {
             br#"{"routes":[{"path":"/v1/chat/completions","api":"chat","mode":"precise"}]}"#,
         )
         .unwrap();
-        RequestMachine::new(Rc::new(config))
+        RequestMachine::new(Arc::new(config))
     }
 
     fn headers<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Iterator<Item = (&'a str, &'a [u8])> {
@@ -1754,7 +1754,7 @@ mod tests {
     }
 
     fn explaining() -> RequestMachine {
-        RequestMachine::new(Rc::new(FilterConfig {
+        RequestMachine::new(Arc::new(FilterConfig {
             allow_explain: true,
             ..FilterConfig::default()
         }))

@@ -8,7 +8,7 @@
 //! copy.
 
 use std::collections::VecDeque;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, Outcome, RouteRequest, RouteResponse};
 use scorer_core::sync::{LocalRouter, SYNC_PATH, SyncRequest, SyncResponse};
@@ -67,7 +67,7 @@ pub struct FeedbackCall {
 /// The root context's state.
 #[derive(Debug)]
 pub struct RootState {
-    config: Rc<FilterConfig>,
+    config: Arc<FilterConfig>,
     queue: VecDeque<Outcome>,
     /// When the outstanding feedback call was dispatched.
     feedback_in_flight_since_ms: Option<u64>,
@@ -110,7 +110,7 @@ impl RootState {
         let local = (config.decision == DecisionMode::Local)
             .then(|| LocalRouter::new(config.max_pending_reports));
         RootState {
-            config: Rc::new(config),
+            config: Arc::new(config),
             queue: VecDeque::new(),
             feedback_in_flight_since_ms: None,
             logged: [false; FailKind::ALL.len()],
@@ -278,13 +278,13 @@ impl RootState {
     }
 
     /// The active configuration.
-    pub fn config(&self) -> &Rc<FilterConfig> {
+    pub fn config(&self) -> &Arc<FilterConfig> {
         &self.config
     }
 
     /// A machine for a new request under this configuration.
     pub fn new_request(&self) -> RequestMachine {
-        RequestMachine::new(Rc::clone(&self.config))
+        RequestMachine::new(Arc::clone(&self.config))
     }
 
     /// Counters so far.
