@@ -85,6 +85,10 @@ pub struct Config {
     /// (`crate::replication`); absent: this control plane is the only one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replication: Option<crate::replication::ReplicationConfig>,
+    /// Endpoint Picker mode: also serve Envoy's ext_proc protocol, for gateways that route an
+    /// InferencePool through a picker (`crate::picker`); absent: only the filter's API.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub picker: Option<crate::picker::PickerConfig>,
 }
 
 /// The `sync:` section: the replicated log that proxies deciding locally pull.
@@ -252,6 +256,7 @@ impl Default for Config {
             slo: None,
             sync: SyncSettings::default(),
             replication: None,
+            picker: None,
         }
     }
 }
@@ -270,6 +275,9 @@ pub enum ConfigError {
     /// The YAML is malformed, has an unknown key or a value of the wrong type.
     #[error("invalid config: {0}")]
     Parse(#[from] serde_yaml_ng::Error),
+    /// `picker.filter` is not a filter configuration.
+    #[error("picker.filter: {0}")]
+    Picker(String),
     /// An endpoint address is not `ip:port`.
     #[error("endpoints[{index}].address {address:?} is not ip:port ({reason})")]
     BadEndpoint {
@@ -429,6 +437,10 @@ impl Config {
         }
         if let Some(r) = &self.replication {
             r.validate()?;
+        }
+        if let Some(p) = &self.picker {
+            p.filter_config()
+                .map_err(|e| ConfigError::Picker(e.to_string()))?;
         }
         if self.endpoints.is_empty() && self.discovery.is_none() {
             return Err(ConfigError::NoEndpoints);

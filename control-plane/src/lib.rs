@@ -7,6 +7,7 @@
 //! - [`tokenize`] turns precise routes' prompts into token ids and token-block hashes;
 //! - [`state`] owns the `scorer_core::router::Router`, the clock and the seed;
 //! - [`api`] serves `POST /v1/route`, `POST /v1/feedback` and `POST /v1/sync` to the filter;
+//! - [`picker`] serves Envoy's ext_proc protocol as an InferencePool's Endpoint Picker;
 //! - [`admin`] serves `/metrics`, `/healthz` and `/debug/*` on a separate port;
 //! - [`telemetry`] defines what `/metrics` reports.
 //!
@@ -19,6 +20,7 @@ pub mod api;
 pub mod config;
 pub mod discovery;
 pub mod kv_events;
+pub mod picker;
 pub mod pools;
 pub mod replication;
 /// The Prometheus text parser; it lives in `vllm-wire` so the fuzz targets build it without tokio.
@@ -86,6 +88,8 @@ pub struct ControlPlane {
     precise: Arc<tokenize::Precise>,
     api: TcpListener,
     admin: TcpListener,
+    /// The Endpoint Picker's listener (`picker:`).
+    picker: Option<TcpListener>,
     /// The other end of the state's outbox, when replicas share state (`replication:`).
     outbox: Option<tokio::sync::mpsc::Receiver<Vec<scorer_core::sync::SyncEvent>>>,
 }
@@ -148,12 +152,17 @@ impl ControlPlane {
         };
         let api = bind(config.listen).await?;
         let admin = bind(config.admin_listen).await?;
+        let picker = match &config.picker {
+            Some(p) => Some(bind(p.listen).await?),
+            None => None,
+        };
         Ok(Self {
             config,
             state,
             precise,
             api,
             admin,
+            picker,
             outbox,
         })
     }
@@ -168,6 +177,11 @@ impl ControlPlane {
         self.admin.local_addr().unwrap_or(self.config.admin_listen)
     }
 
+    /// Where the Endpoint Picker actually listens, when configured.
+    pub fn picker_addr(&self) -> Option<SocketAddr> {
+        self.picker.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
     /// The shared state (for tests and embedding).
     pub fn state(&self) -> Arc<State> {
         self.state.clone()
@@ -180,6 +194,7 @@ impl ControlPlane {
     ) -> Result<(), ServiceError> {
         let (config, state, precise) = (self.config, self.state, self.precise);
         let (api, admin, outbox) = (self.api, self.admin, self.outbox);
+        let picker_listener = self.picker;
         let (stop_tx, stop_rx) = watch::channel(false);
 
         let settings = scrape::ScrapeSettings {
@@ -225,9 +240,21 @@ impl ControlPlane {
                 max_block_hashes: config.max_block_hashes,
                 max_feedback_outcomes: config.max_feedback_outcomes,
                 body_timeout: Duration::from_millis(config.body_timeout_ms),
-                precise,
+                precise: precise.clone(),
             },
         );
+        if let (Some(listener), Some(p)) = (picker_listener, &config.picker) {
+            // Validated in bind(): the configuration parses.
+            let filter = p.filter_config().unwrap_or_default();
+            let serving = picker::Picker::new(state.clone(), precise.clone(), filter);
+            let stop = stop_rx.clone();
+            let listen = p.listen;
+            background.push(tokio::spawn(async move {
+                if let Err(e) = serving.serve(listener, stop).await {
+                    tracing::error!(%listen, error = %e, "endpoint picker stopped");
+                }
+            }));
+        }
         let admin_router = admin::router(state.clone(), config.admin_token.clone());
         let mut api_task = tokio::spawn(serve(api, api_router, stop_rx.clone()));
         let mut admin_task = tokio::spawn(serve(admin, admin_router, stop_rx));

@@ -76,7 +76,8 @@ pub struct Tokenized {
 
 enum Backend {
     None,
-    Remote(remote::RemoteTokenizer),
+    /// Boxed: the hyper client is most of the enum's size, and most control planes have none.
+    Remote(Box<remote::RemoteTokenizer>),
     #[cfg(feature = "hf-tokenizer")]
     Hf(std::sync::Arc<hf::HfTokenizer>),
 }
@@ -108,10 +109,10 @@ impl Precise {
         let p = &config.precise;
         let backend = match p.tokenizer {
             TokenizerBackend::None => Backend::None,
-            TokenizerBackend::Remote => Backend::Remote(remote::RemoteTokenizer::new(
+            TokenizerBackend::Remote => Backend::Remote(Box::new(remote::RemoteTokenizer::new(
                 p.remote_api,
                 Duration::from_millis(p.tokenize_timeout_ms),
-            )),
+            ))),
             #[cfg(feature = "hf-tokenizer")]
             TokenizerBackend::Hf => Backend::Hf(std::sync::Arc::new(hf::HfTokenizer::load(p)?)),
             #[cfg(not(feature = "hf-tokenizer"))]
