@@ -26,6 +26,7 @@ mod kv_events_faults;
 mod local_decisions;
 mod manifests;
 mod offload;
+mod picker;
 mod pools;
 mod precise;
 mod predicted_latency;

@@ -1407,7 +1407,7 @@ fn every_shipped_envoy_bounds_slow_clients_streams_and_memory() {
     let objects = objects();
     let limit = gateway_memory_limit(&objects);
     let bootstraps = shipped_bootstraps();
-    assert_eq!(bootstraps.len(), 4, "3 templates + the Kubernetes gateway");
+    assert_eq!(bootstraps.len(), 5, "4 templates + the Kubernetes gateway");
     let demo = demo_bootstrap();
     for (origin, b) in &bootstraps {
         check_overload_manager(origin, &b["overload_manager"], limit);

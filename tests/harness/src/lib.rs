@@ -35,6 +35,9 @@ use serde_json::{Value, json};
 
 /// Template of the kvroute topology (wasm filter + override_host), relative to the workspace.
 pub const ENVOY_KVROUTE_TEMPLATE: &str = "envoy-config/envoy-demo.yaml";
+/// Envoy with the `ext_proc` filter calling the control plane's Endpoint Picker
+/// ([`FleetConfig::picker`]).
+pub const ENVOY_PICKER_TEMPLATE: &str = "envoy-config/envoy-picker.yaml";
 /// Template of the baseline topology (no filter, round robin), relative to the workspace.
 pub const ENVOY_ROUND_ROBIN_TEMPLATE: &str = "envoy-config/envoy-roundrobin.yaml";
 /// Template of the kvroute topology whose `vllm` cluster reads an EDS file, relative to the
@@ -597,6 +600,10 @@ pub struct FleetConfig {
     /// Starts a NATS server (JetStream on) and gives every control plane a `replication:`
     /// section pointing at it, so the control planes share state.
     pub replication: bool,
+    /// Endpoint Picker mode: Envoy routes through its `ext_proc` filter and the control
+    /// plane's picker (`picker:`, reading requests with `plugin_config`) instead of the wasm
+    /// filter.
+    pub picker: bool,
 }
 
 impl FleetConfig {
@@ -622,6 +629,7 @@ impl FleetConfig {
             control_planes: 1,
             envoys: 1,
             replication: false,
+            picker: false,
         }
     }
 }
@@ -655,6 +663,8 @@ pub struct ControlPlane {
     pub api_address: String,
     /// Admin API (`admin_listen:`).
     pub admin_address: String,
+    /// The Endpoint Picker (`picker.listen:`), when [`FleetConfig::picker`].
+    pub picker_address: Option<String>,
     process: ManagedProcess,
     /// What it was started with, so it can be started again on the same ports.
     config_path: PathBuf,
@@ -918,9 +928,16 @@ impl Fleet {
                 );
             }
         }
+        // Envoy calls each control plane's API, or in picker mode its picker.
         let cp_ports: Vec<u16> = control_planes
             .iter()
-            .filter_map(|cp| cp.api_address.rsplit_once(':')?.1.parse().ok())
+            .filter_map(|cp| {
+                let address = match (&cp.picker_address, config.picker) {
+                    (Some(picker), true) => picker,
+                    _ => &cp.api_address,
+                };
+                address.rsplit_once(':')?.1.parse().ok()
+            })
             .collect();
         let upstreams = config.envoy_upstreams.as_ref().unwrap_or(&addresses);
         let mut envoys = Vec::new();
@@ -1461,6 +1478,24 @@ async fn start_control_plane(
     start_with_retries(&name, async || {
         let api_port = free_port()?;
         let admin_port = free_port()?;
+        let picker_port = if config.picker {
+            Some(free_port()?)
+        } else {
+            None
+        };
+        let mut extra_sections = extra_sections.clone();
+        if let Some(port) = picker_port {
+            if !extra_sections.is_object() {
+                extra_sections = json!({});
+            }
+            if let Some(extra) = extra_sections.as_object_mut() {
+                extra.insert(
+                    "picker".into(),
+                    json!({"listen": format!("127.0.0.1:{port}"),
+                        "filter": config.plugin_config}),
+                );
+            }
+        }
         let yaml = control_plane_yaml_with(
             api_port,
             admin_port,
@@ -1483,6 +1518,7 @@ async fn start_control_plane(
         Ok(ControlPlane {
             api_address: format!("127.0.0.1:{api_port}"),
             admin_address: format!("127.0.0.1:{admin_port}"),
+            picker_address: picker_port.map(|p| format!("127.0.0.1:{p}")),
             process,
             config_path: cfg_path,
             ready_urls: ready,
@@ -1634,6 +1670,7 @@ async fn start_envoy(
     };
     let cp_port = cp_ports.first().copied().unwrap_or(0);
     let template = workspace_root().join(match config.router {
+        RouterKind::Kvroute if config.picker => ENVOY_PICKER_TEMPLATE,
         RouterKind::Kvroute if config.file_discovery => ENVOY_FILE_DISCOVERY_TEMPLATE,
         RouterKind::Kvroute => ENVOY_KVROUTE_TEMPLATE,
         RouterKind::RoundRobin => ENVOY_ROUND_ROBIN_TEMPLATE,
