@@ -155,3 +155,103 @@ async fn picker_passes_bad_bodies_on_and_fails_open_when_gone() {
     )
     .await;
 }
+
+/// A request the control plane refuses (admission: a prompt over its tenant's limit) is
+/// answered by the gateway itself, through the picker's `ImmediateResponse`: the same status and
+/// OpenAI-style error the wasm filter sends, and no replica sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picker_refusals_are_answered_by_the_gateway() {
+    let tools = tools();
+    common::bounded(
+        "picker_refusals_are_answered_by_the_gateway",
+        TEST_TIMEOUT,
+        async {
+            let mut cfg = picker_fleet("e2e-picker-refusal", 1);
+            cfg.control_plane_extra = json!({
+                "admission": {
+                    "queue_limit": 100.0,
+                    "kv_limit": 1.0,
+                    "default_tenant": {"max_prompt_bytes": 2000},
+                }
+            });
+            let fleet = common::start_fleet(cfg, &tools).await;
+            let long = common::user_chat(MODEL, &common::words(5, 1_000), 4);
+            let r = common::post_chat(
+                fleet.client(),
+                &fleet.url(),
+                &long,
+                &[],
+                REQUEST_TIMEOUT,
+                &fleet,
+            )
+            .await;
+            assert_eq!(r.status, 413, "{}", r.body);
+            assert!(
+                r.header(kvroute_harness::REPLICA_HEADER).is_none(),
+                "a refused request reached a replica: {:?}",
+                r.headers
+            );
+            let error: serde_json::Value =
+                serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.body));
+            assert!(error["error"]["message"].is_string(), "{error}");
+            let short = common::user_chat(MODEL, "a short one", 4);
+            let r = common::post_chat(
+                fleet.client(),
+                &fleet.url(),
+                &short,
+                &[],
+                REQUEST_TIMEOUT,
+                &fleet,
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.body);
+        },
+    )
+    .await;
+}
+
+/// The picker with no endpoint list of its own: the control plane learns the replicas from its
+/// discovery (a file here, as an InferencePool's pods would come from the API server), and
+/// conversations still follow their cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picker_routes_replicas_it_only_discovered() {
+    let tools = tools();
+    common::bounded(
+        "picker_routes_replicas_it_only_discovered",
+        TEST_TIMEOUT,
+        async {
+            let mut cfg = picker_fleet("e2e-picker-discovery", 2);
+            cfg.file_discovery = true;
+            let fleet = common::start_fleet(cfg, &tools).await;
+            let client = fleet.client().clone();
+            // Discovery reads its file on a short period: wait until both replicas are routed.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let endpoints = common::cp_get(&fleet, "/debug/endpoints").await;
+                let known = fleet
+                    .replica_addresses()
+                    .iter()
+                    .filter(|a| endpoints.contains(a.as_str()))
+                    .count();
+                if known == 2 || Instant::now() > deadline {
+                    assert_eq!(known, 2, "discovered: {endpoints}");
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let mut followed = 0;
+            for seed in 0..3u64 {
+                let mut c = Conversation::new(MODEL, 900 + seed, 400, 40);
+                let first = c.turn(&client, &fleet, 8, &[]).await;
+                let second = c.turn(&client, &fleet, 8, &[]).await;
+                if common::replica_of(&first, &fleet) == common::replica_of(&second, &fleet)
+                    && second.cached_tokens.unwrap_or(0) >= 400
+                {
+                    followed += 1;
+                }
+            }
+            assert_eq!(followed, 3, "second turns that left their cache");
+        },
+    )
+    .await;
+}

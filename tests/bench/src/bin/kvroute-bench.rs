@@ -258,11 +258,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     loads.push(("scale".into(), loadavg()));
 
     let mut overhead = Vec::new();
+    let mut crowded = Vec::new();
     let mut local_decision_fraction = None;
     let mut quality = Vec::new();
     if !args.micro_only {
         let measured = overhead_section(&args, &tools, &mut skipped).await?;
         overhead = measured.rows;
+        crowded = measured.crowded;
         local_decision_fraction = measured.local_decision_fraction;
         if let Some(v8) = measured.v8 {
             filter.v8_mb_per_s_16k = v8.mb_per_s_16k;
@@ -379,6 +381,31 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
         write_overhead_chart(&out_dir, &overhead)?;
     }
+    if !crowded.is_empty() {
+        println!(
+            "\n== {CROWDED_CONCURRENCY} concurrent clients, {} KB prompts (closed loop) ==",
+            CROWDED_BYTES / 1024
+        );
+        let direct = crowded
+            .iter()
+            .find(|r| r.router == "direct")
+            .map_or(0.0, |r| r.latency_ms_p50);
+        println!(
+            "{:<21}{:>9}{:>9}{:>9}{:>9}{:>6}",
+            "router", "p50 ms", "p99 ms", "+p50", "rps", "err"
+        );
+        for r in &crowded {
+            println!(
+                "{:<21}{:>9.1}{:>9.1}{:>9.1}{:>9.0}{:>6}",
+                r.router,
+                r.latency_ms_p50,
+                r.latency_ms_p99,
+                r.latency_ms_p50 - direct,
+                r.rps,
+                r.errors
+            );
+        }
+    }
     if !quality.is_empty() {
         print_quality(&quality, args.speed);
     }
@@ -394,6 +421,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let venv = peers::bench_venv();
     let summary = json!({
         "overhead": overhead,
+        "crowded": crowded,
         "local_decision_fraction": local_decision_fraction,
         "quality": quality,
         "scale": scale,
@@ -635,9 +663,27 @@ struct V8Figures {
     us_200k: Option<f64>,
 }
 
+/// Prompt size and concurrency of the crowded overhead run.
+const CROWDED_BYTES: usize = 204_800;
+const CROWDED_CONCURRENCY: usize = 150;
+
+/// One router under many concurrent big prompts.
+#[derive(Debug, Clone, serde::Serialize)]
+struct CrowdedRow {
+    router: String,
+    prompt_bytes: usize,
+    concurrency: usize,
+    latency_ms_p50: f64,
+    latency_ms_p99: f64,
+    rps: f64,
+    errors: usize,
+}
+
 /// What the overhead section measured.
 struct Overhead {
     rows: Vec<OverheadRow>,
+    /// Every router at [`CROWDED_CONCURRENCY`] clients with [`CROWDED_BYTES`] prompts.
+    crowded: Vec<CrowdedRow>,
     v8: Option<V8Figures>,
     /// Of the requests the `kvroute-local` row routed, the share its VMs decided locally.
     local_decision_fraction: Option<f64>,
@@ -650,18 +696,22 @@ async fn overhead_section(
 ) -> anyhow::Result<Overhead> {
     const SIZES: [usize; 3] = [1_024, 16_384, 204_800];
     const LOCAL: &str = "kvroute-local";
+    const PICKER: &str = "kvroute-picker";
     let mut fleets = Vec::new();
-    // kvroute with the route call, kvroute deciding in the proxy (`decision: local`), and plain
-    // Envoy round robin, each on the same Envoy worker count.
-    for (label, router, local) in [
-        ("kvroute", RouterKind::Kvroute, false),
-        (LOCAL, RouterKind::Kvroute, true),
-        ("round-robin", RouterKind::RoundRobin, false),
+    // kvroute with the route call, kvroute deciding in the proxy (`decision: local`), kvroute
+    // as an Endpoint Picker behind Envoy's ext_proc (no wasm), and plain Envoy round robin,
+    // each on the same Envoy worker count.
+    for (label, router, local, picker) in [
+        ("kvroute", RouterKind::Kvroute, false, false),
+        (LOCAL, RouterKind::Kvroute, true, false),
+        (PICKER, RouterKind::Kvroute, false, true),
+        ("round-robin", RouterKind::RoundRobin, false, false),
     ] {
         let mut cfg = FleetConfig::new(&format!("bench-overhead-{label}"));
         cfg.replicas = 1;
         cfg.model = bench::MODEL.to_string();
         cfg.router = router;
+        cfg.picker = picker;
         if local {
             cfg.plugin_config = json!({"decision": "local"});
         }
@@ -806,6 +856,45 @@ async fn overhead_section(
             });
         }
     }
+    // Many clients with big prompts at once: what each form adds when requests queue (the
+    // Inference Extension's picker path is reported to add over a second of TTFT at 220 KB
+    // and concurrency 150).
+    let mut crowded = Vec::new();
+    {
+        let bodies = Arc::new(
+            (0..64)
+                .map(|s| bench::chat_body(CROWDED_BYTES, s + 1_000, 1, false))
+                .collect::<Vec<_>>(),
+        );
+        for t in &targets {
+            let url = format!("{}/v1/chat/completions", t.url);
+            let r = bench::http_load(
+                &url,
+                bodies.clone(),
+                CROWDED_CONCURRENCY,
+                Duration::from_secs(args.load_seconds),
+                usize::MAX,
+            )
+            .await;
+            eprintln!(
+                "[overhead] {} {CROWDED_BYTES} B x {CROWDED_CONCURRENCY}: p50 {:.1} ms p99 {:.1} ms rps {:.0} errors {}",
+                t.label,
+                r.p(50.0),
+                r.p(99.0),
+                r.rps,
+                r.errors
+            );
+            crowded.push(CrowdedRow {
+                router: t.label.clone(),
+                prompt_bytes: CROWDED_BYTES,
+                concurrency: CROWDED_CONCURRENCY,
+                latency_ms_p50: r.p(50.0),
+                latency_ms_p99: r.p(99.0),
+                rps: r.rps,
+                errors: r.errors,
+            });
+        }
+    }
     drop(envoy_peers);
     drop(peer_routers);
     let local_decision_fraction = match fleets.iter().find(|(label, _)| label == LOCAL) {
@@ -833,6 +922,7 @@ async fn overhead_section(
     drop(fleets);
     Ok(Overhead {
         rows,
+        crowded,
         v8,
         local_decision_fraction,
     })
