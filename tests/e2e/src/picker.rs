@@ -255,3 +255,52 @@ async fn picker_routes_replicas_it_only_discovered() {
     )
     .await;
 }
+
+/// Precise mode through the picker: the filter configuration's precise routes make the picker
+/// tokenise the prompt (the replicas' render API) and score on the engines' KV events, as the
+/// route call does for the wasm filter; turn 2 lands where turn 1's blocks are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picker_routes_precise_requests_on_the_engines_blocks() {
+    let tools = tools();
+    common::bounded(
+        "picker_routes_precise_requests_on_the_engines_blocks",
+        TEST_TIMEOUT,
+        async {
+            let mut cfg = picker_fleet("e2e-picker-precise", 3);
+            cfg.sim_args = vec!["--speed".into(), "5".into()];
+            cfg.kv_events = true;
+            cfg.control_plane_extra = common::remote_tokenizer();
+            cfg.control_plane_router = common::precise_router(300);
+            cfg.plugin_config = json!({
+                "routes": [
+                    {"path": "/v1/chat/completions", "api": "chat", "mode": "precise"},
+                    {"path": "/v1/completions", "api": "completion", "mode": "precise"}
+                ]
+            });
+            let fleet = common::start_fleet(cfg, &tools).await;
+            common::wait_events_live(&fleet, Duration::from_secs(10)).await;
+            let client = fleet.client().clone();
+            let mut followed = 0;
+            for seed in 0..3u64 {
+                let mut c = Conversation::new(MODEL, 1_100 + seed, 600, 60);
+                let first = c.turn(&client, &fleet, 8, &[]).await;
+                // The engine's events must reach the index before the next turn is scored.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let second = c.turn(&client, &fleet, 8, &[]).await;
+                if common::replica_of(&first, &fleet) == common::replica_of(&second, &fleet)
+                    && second.cached_tokens.unwrap_or(0) >= 500
+                {
+                    followed += 1;
+                }
+            }
+            let metrics = common::cp_metrics(&fleet).await;
+            let precise = prometheus_sum(&metrics, "kvroute_precise_routes_total");
+            eprintln!(
+                "picker precise: {followed}/3 second turns followed; {precise} precise routes"
+            );
+            assert_eq!(followed, 3, "second turns that left their cache");
+            assert!(precise >= 6.0, "precise routes counted: {precise}");
+        },
+    )
+    .await;
+}
