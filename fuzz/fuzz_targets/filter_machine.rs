@@ -216,11 +216,19 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
     for effect in &step.effects {
         match effect {
             Effect::RemoveRequestHeader(name) => {
+                // Routing headers always; tenant and criticality unless an authority sets them.
+                let identity = name.eq_ignore_ascii_case(&config.tenant_header)
+                    || name.eq_ignore_ascii_case(&config.criticality_header)
+                    || name == kvroute_filter::machine::LLMD_FAIRNESS_HEADER
+                    || name == kvroute_filter::machine::LLMD_OBJECTIVE_HEADER;
                 assert!(
                     name == &config.destination_header
                         || name == PREFILLER_HEADER
                         || name == DECISION_HEADER
-                        || name == LOCAL_REPLY_HEADER,
+                        || name == LOCAL_REPLY_HEADER
+                        || (identity
+                            && config.identity_headers
+                                != kvroute_filter::config::IdentityHeaders::Trusted),
                     "removed an unrelated header {name:?}"
                 );
             }
@@ -293,6 +301,9 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
                 assert!((400..600).contains(status), "bad local status {status}");
                 serde_json::from_slice::<serde_json::Value>(body).expect("the error is JSON");
             }
+            // A route call given up (timeout, reset, bad answer) is withdrawn: only after one
+            // was made.
+            Effect::Withdraw(_) => assert!(seen.dispatched, "withdrew a call never made"),
             Effect::RouteLatencyMs(_) | Effect::HashMicros(_) => {}
         }
     }
