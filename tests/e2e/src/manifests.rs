@@ -39,11 +39,12 @@ const MANIFEST_DIRS: [&str; 3] = [
     "envoy-config/envoy-gateway",
 ];
 /// Kustomizations that must render.
-const KUSTOMIZATIONS: [&str; 7] = [
+const KUSTOMIZATIONS: [&str; 8] = [
     "envoy-config/kubernetes/base",
     "envoy-config/kubernetes/envoy",
     "envoy-config/kubernetes/overlays/precise",
     "envoy-config/kubernetes/overlays/inferencepool",
+    "envoy-config/kubernetes/overlays/picker",
     "envoy-config/kubernetes/overlays/dns",
     "envoy-config/istio",
     "envoy-config/envoy-gateway",
@@ -223,7 +224,7 @@ fn every_control_plane_config_passes_the_control_plane_parser() {
         .into_iter()
         .filter(|p| p.file_name().is_some_and(|n| n == "control-plane.yaml"))
         .collect();
-    assert_eq!(configs.len(), 4, "base + 3 overlays: {configs:?}");
+    assert_eq!(configs.len(), 5, "base + 4 overlays: {configs:?}");
     for path in configs {
         let config = control_plane::config::Config::from_yaml(&read(&path))
             .unwrap_or_else(|e| panic!("{}: {e}", rel(&path)));
@@ -238,9 +239,15 @@ fn every_control_plane_config_passes_the_control_plane_parser() {
         );
         assert_eq!(config.router.block_bytes, 256, "{}", rel(&path));
         let replication = config.replication.as_ref().expect("a replication section");
+        // The picker overlay moves everything (NATS too) into the pool's namespace.
+        let namespace = if config.picker.is_some() {
+            "llm"
+        } else {
+            "kvroute"
+        };
         assert_eq!(
             replication.nats_url,
-            "nats://kvroute-nats.kvroute.svc.cluster.local:4222",
+            format!("nats://kvroute-nats.{namespace}.svc.cluster.local:4222"),
             "{}: the NATS Service of base/nats.yaml",
             rel(&path)
         );
@@ -1749,7 +1756,7 @@ fn every_kubernetes_control_plane_authenticates_its_api_and_admin() {
         .into_iter()
         .filter(|p| p.file_name().is_some_and(|n| n == "control-plane.yaml"))
         .collect();
-    assert_eq!(configs.len(), 4, "base + 3 overlays");
+    assert_eq!(configs.len(), 5, "base + 4 overlays");
     for path in configs {
         let origin = rel(&path);
         let c = parse_docs(&read(&path), &origin).remove(0);
@@ -1991,6 +1998,161 @@ fn network_policies_admit_only_the_gateways_to_the_control_plane_and_only_it_to_
         .collect();
     exposed.sort();
     assert_eq!(ports, exposed);
+}
+
+/// `kubectl kustomize dir`, parsed.
+fn rendered(dir: &str) -> Vec<Value> {
+    let mut cmd = Command::new(venv_tool("KVROUTE_KUBECTL", "kubectl"));
+    cmd.arg("kustomize").arg(root().join(dir));
+    let o = common::run_bounded(
+        cmd,
+        &format!("kubectl kustomize {dir}"),
+        Duration::from_secs(60),
+    );
+    assert!(
+        o.status.success(),
+        "kubectl kustomize {dir}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    parse_docs(&String::from_utf8_lossy(&o.stdout), dir)
+}
+
+/// The picker overlay wires an InferencePool to the control plane as its Endpoint Picker (issue
+/// #21): the pool's `endpointPickerRef` names a Service in its own namespace whose port reaches
+/// the pods' picker port, which the control plane's `picker.listen` serves; the control plane
+/// discovers that very pool; an HTTPRoute sends traffic to the pool; only named peers may call
+/// the picker; and nothing is left in the `kvroute` namespace.
+#[test]
+fn picker_overlay_makes_the_control_plane_the_pools_endpoint_picker() {
+    let docs = rendered("envoy-config/kubernetes/overlays/picker");
+    let of = |kind: &str| -> Vec<&Value> { docs.iter().filter(|d| d["kind"] == kind).collect() };
+    assert!(
+        of("Namespace").is_empty(),
+        "the overlay must not create or relabel a namespace"
+    );
+    let pool = of("InferencePool");
+    assert_eq!(pool.len(), 1);
+    let pool = pool[0];
+    let ns = s(pool, "/metadata/namespace");
+    for d in &docs {
+        let kind = s(d, "/kind");
+        if !["ClusterRole", "ClusterRoleBinding"].contains(&kind) {
+            assert_eq!(
+                s(d, "/metadata/namespace"),
+                ns,
+                "{kind} {} is not beside its pool",
+                s(d, "/metadata/name")
+            );
+        }
+    }
+    for b in of("RoleBinding") {
+        for subject in b["subjects"].as_array().expect("subjects") {
+            assert_eq!(s(subject, "/namespace"), ns, "RoleBinding subject");
+        }
+    }
+    let picker_ref = &pool["spec"]["endpointPickerRef"];
+    assert_eq!(s(picker_ref, "/failureMode"), "FailOpen");
+    let service = of("Service")
+        .into_iter()
+        .find(|v| v["metadata"]["name"] == picker_ref["name"])
+        .unwrap_or_else(|| panic!("no Service {} for the pool's picker", picker_ref["name"]));
+    let port = service["spec"]["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .find(|p| p["port"] == picker_ref["port"]["number"])
+        .expect("the Service has the picker's port");
+    assert_eq!(
+        s(port, "/appProtocol"),
+        "kubernetes.io/h2c",
+        "gRPC without TLS"
+    );
+    let deployment = of("Deployment")
+        .into_iter()
+        .find(|d| {
+            selects(
+                &json!({"matchLabels": service["spec"]["selector"]}),
+                &d["spec"]["template"]["metadata"]["labels"],
+            )
+        })
+        .expect("a Deployment behind the picker's Service");
+    assert_eq!(s(deployment, "/metadata/name"), "kvroute-control-plane");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let container_port = container["ports"]
+        .as_array()
+        .expect("container ports")
+        .iter()
+        .find(|p| p["name"] == port["targetPort"])
+        .expect("the Service's targetPort names a container port");
+    // The control plane's own config, as the pods get it.
+    let config_map = of("ConfigMap")
+        .into_iter()
+        .find(|c| s(c, "/metadata/name").starts_with("kvroute-control-plane-config"))
+        .expect("the control plane's ConfigMap");
+    let config =
+        control_plane::config::Config::from_yaml(s(config_map, "/data/control-plane.yaml"))
+            .unwrap_or_else(|e| panic!("the picker overlay's control-plane.yaml: {e}"));
+    let picker = config.picker.as_ref().expect("a picker section");
+    assert_eq!(
+        u64::from(picker.listen.port()),
+        container_port["containerPort"]
+            .as_u64()
+            .expect("a port number")
+    );
+    assert!(
+        picker.listen.ip().is_unspecified(),
+        "the gateway calls it on the pod IP"
+    );
+    picker
+        .filter_config()
+        .unwrap_or_else(|e| panic!("picker.filter: {e}"));
+    let discovery = serde_json::to_value(config.discovery.as_ref().expect("discovery"))
+        .expect("discovery as JSON");
+    assert_eq!(
+        discovery["kubernetes"]["inference_pool"]["name"],
+        pool["metadata"]["name"]
+    );
+    assert_eq!(s(&discovery, "/kubernetes/namespace"), ns);
+    let nats_url = &config.replication.as_ref().expect("replication").nats_url;
+    assert!(
+        nats_url.contains(&format!("kvroute-nats.{ns}.svc")),
+        "NATS moved with the control plane: {nats_url}"
+    );
+    // Traffic reaches the pool (and so its picker) through an HTTPRoute.
+    let route = of("HTTPRoute");
+    assert_eq!(route.len(), 1);
+    let backends: Vec<Value> = route[0]["spec"]["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .flat_map(|r| r["backendRefs"].as_array().cloned().unwrap_or_default())
+        .collect();
+    assert!(
+        backends.iter().any(|b| b["kind"] == "InferencePool"
+            && b["group"] == "inference.networking.k8s.io"
+            && b["name"] == pool["metadata"]["name"]),
+        "no backendRef to the pool: {backends:?}"
+    );
+    // The picker port has no token: only named peers may reach it.
+    let policy = of("NetworkPolicy")
+        .into_iter()
+        .find(|p| {
+            selects(
+                &p["spec"]["podSelector"],
+                &deployment["spec"]["template"]["metadata"]["labels"],
+            )
+        })
+        .expect("a NetworkPolicy on the control plane");
+    let rule = policy["spec"]["ingress"]
+        .as_array()
+        .expect("ingress")
+        .iter()
+        .find(|r| rule_ports(r).contains(&u64::from(picker.listen.port())))
+        .expect("a rule for the picker port");
+    assert!(
+        rule["from"].as_array().is_some_and(|f| !f.is_empty()),
+        "the picker port is open to everyone"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
