@@ -74,7 +74,7 @@ struct Args {
     #[arg(long)]
     quality_only: bool,
     /// Fleet sizes of the scale section (one control plane scraping a vLLM-shaped payload
-    /// from that many endpoints); empty (`--scale ""`) skips it.
+    /// from that many endpoints); `--scale 0` skips it.
     #[arg(long, value_delimiter = ',', default_value = "64,256")]
     scale: Vec<usize>,
     /// Run only the scale section (prints its table; writes `scale-summary.json`).
@@ -1248,7 +1248,7 @@ async fn scale_section(
     out_dir: &std::path::Path,
     skipped: &mut Vec<String>,
 ) -> Vec<kvroute_bench::scale::ScaleRow> {
-    if args.scale.is_empty() {
+    if args.scale.iter().all(|&n| n == 0) {
         return Vec::new();
     }
     eprintln!(
