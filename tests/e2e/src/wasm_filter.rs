@@ -252,9 +252,12 @@ fn every_bad_route_answer_fails_open() {
         }),
         ("timeout", |h, t| h.time_out_http_call(t)),
     ];
+    let mut call_ids = Vec::new();
     for (i, (kind, answer)) in answers.iter().enumerate() {
         let body = chat_body(kind);
         let (id, call) = send_chat(&mut host, &body);
+        let request: RouteRequest = serde_json::from_slice(&call.body).expect("RouteRequest");
+        call_ids.extend(request.call_id);
         answer(&mut host, call.token).expect("answer");
         assert!(
             host.request_released(id).expect("stream"),
@@ -289,7 +292,26 @@ fn every_bad_route_answer_fails_open() {
         host.logs()
     );
     assert_eq!(metric(&host, "kvroute_requests_routed"), 0);
-    assert_quiet_tick(&mut host, "unrouted requests produce no feedback");
+    // Unrouted requests report no outcome; the route calls given up are withdrawn, so a
+    // decision the control plane took late holds no load (issue #20).
+    host.tick().expect("tick");
+    let calls = host.pending_http_calls().to_vec();
+    assert_eq!(calls.len(), 1, "one feedback call: {calls:?}");
+    let batch: FeedbackBatch = serde_json::from_slice(&calls[0].body).expect("FeedbackBatch");
+    assert!(batch.outcomes.is_empty(), "outcomes: {:?}", batch.outcomes);
+    assert!(!batch.withdrawn.is_empty(), "nothing withdrawn");
+    for withdrawn in &batch.withdrawn {
+        assert!(
+            call_ids.contains(withdrawn),
+            "withdrew unknown call {withdrawn}"
+        );
+    }
+    host.respond_http_call(calls[0].token, 204, &[], b"")
+        .expect("feedback answer");
+    assert_quiet_tick(
+        &mut host,
+        "nothing left to report once the withdrawals landed",
+    );
 }
 
 #[test]
