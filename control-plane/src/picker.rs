@@ -226,8 +226,24 @@ impl Exchange {
                 processing_request::Request::ResponseHeaders(h) => {
                     let status = header(&h, ":status").and_then(|s| s.parse().ok());
                     self.machine.on_response_headers(status, None);
+                    // The explain header, when the client asked and the configuration allows.
+                    let explain = self.machine.decision_header().map(|value| {
+                        set_header((
+                            kvroute_filter::machine::DECISION_HEADER.to_string(),
+                            value.to_string(),
+                        ))
+                    });
+                    let response = CommonResponse {
+                        header_mutation: explain.map(|h| HeaderMutation {
+                            set_headers: vec![h],
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    };
                     self.send(processing_response::Response::ResponseHeaders(
-                        HeadersResponse::default(),
+                        HeadersResponse {
+                            response: Some(response),
+                        },
                     ))
                     .await
                 }

@@ -44,7 +44,9 @@ async fn picker_sends_each_turn_where_the_last_one_was_served() {
         "picker_sends_each_turn_where_the_last_one_was_served",
         TEST_TIMEOUT,
         async {
-            let fleet = common::start_fleet(picker_fleet("e2e-picker-turns", 3), &tools).await;
+            let mut cfg = picker_fleet("e2e-picker-turns", 3);
+            cfg.plugin_config = json!({"allow_explain": true});
+            let fleet = common::start_fleet(cfg, &tools).await;
             let client = fleet.client().clone();
             let (mut followed, mut later_turns) = (0, 0);
             let mut first_replicas = Vec::new();
@@ -75,6 +77,22 @@ async fn picker_sends_each_turn_where_the_last_one_was_served() {
                 first_replicas.len() >= 2,
                 "new conversations all went to one replica: {first_replicas:?}"
             );
+            // The explain header, as the filter adds it.
+            let body = common::user_chat(MODEL, &common::words(77, 200), 4);
+            let explained = common::post_chat(
+                fleet.client(),
+                &fleet.url(),
+                &body,
+                &[("x-kvroute-explain", "1")],
+                REQUEST_TIMEOUT,
+                &fleet,
+            )
+            .await;
+            assert_eq!(explained.status, 200, "{}", explained.body);
+            let decision = explained
+                .header("x-kvroute-decision")
+                .unwrap_or_else(|| panic!("no explain header: {:?}", explained.headers));
+            assert!(decision.contains("reason="), "{decision}");
             let inflight = inflight_drains(&fleet).await;
             assert_eq!(inflight, 0.0, "in flight after every stream ended");
             let metrics = common::cp_metrics(&fleet).await;
