@@ -352,3 +352,68 @@ async fn a_client_cannot_claim_another_tenant() {
     )
     .await;
 }
+
+/// Defect 7: a 3.9 MB prompt the replica refuses at once (400: longer than its context) used
+/// to leave its whole estimated prefill, about a million tokens, in the replica's backlog until
+/// it would have drained, so the router steered everyone else away from an idle replica. Now
+/// the outcome of a request refused without a generated token refunds it: within a few
+/// seconds no backlog is left, and ordinary requests keep spreading over both replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_the_replica_refuses_leaves_no_backlog() {
+    let tools = tools();
+    common::bounded(
+        "a_prompt_the_replica_refuses_leaves_no_backlog",
+        TEST_TIMEOUT,
+        async {
+            let cfg = common::fleet_config("e2e-hostile-refused", 2, MODEL);
+            let fleet = common::start_fleet(cfg, &tools).await;
+            let huge = common::user_chat(MODEL, &"refused ".repeat(480_000), 4);
+            let r = chat_with(&fleet, &huge).await;
+            assert_eq!(r.status, 400, "the replica must refuse it: {}", r.body);
+            let backlog = |text: &str| -> f64 {
+                let views: Value = serde_json::from_str(text).unwrap_or_default();
+                views
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|v| v["backlog_tokens"].as_f64()).sum())
+                    .unwrap_or(f64::MAX)
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let left = loop {
+                let left = backlog(&common::cp_get(&fleet, "/debug/endpoints").await);
+                if left < 1_000.0 || Instant::now() > deadline {
+                    break left;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            eprintln!("a refused 3.9 MB prompt left {left} backlog tokens");
+            assert!(left < 1_000.0, "backlog left by a refused prompt: {left}");
+            // Concurrent ordinary requests use both replicas.
+            let results = futures_util::future::join_all(
+                (0..8u64).map(|seed| chat(&fleet, 3_000 + seed, &[])),
+            )
+            .await;
+            let mut replicas: Vec<String> = results
+                .iter()
+                .filter(|r| r.status == 200)
+                .map(common::replica_header)
+                .collect();
+            assert_eq!(replicas.len(), 8, "ordinary requests after the refusal");
+            replicas.sort();
+            replicas.dedup();
+            assert_eq!(replicas.len(), 2, "one replica was avoided: {replicas:?}");
+        },
+    )
+    .await;
+}
+
+async fn chat_with(fleet: &Fleet, body: &Value) -> HttpResponse {
+    common::post_chat(
+        fleet.client(),
+        &fleet.url(),
+        body,
+        &[],
+        REQUEST_TIMEOUT,
+        fleet,
+    )
+    .await
+}
