@@ -301,24 +301,11 @@ fn every_plugin_configuration_passes_the_filter_parser() {
 
 #[test]
 fn kustomizations_render_and_kubernetes_objects_validate_against_schemas() {
-    let kubectl = venv_tool("KVROUTE_KUBECTL", "kubectl");
     let validator = venv_tool("KVROUTE_KUBERNETES_VALIDATE", "kubernetes-validate");
     let out = out_dir("manifests");
     let mut rendered_files = Vec::new();
     for k in KUSTOMIZATIONS {
-        let mut cmd = Command::new(&kubectl);
-        cmd.arg("kustomize").arg(root().join(k));
-        let o = common::run_bounded(
-            cmd,
-            &format!("kubectl kustomize {k}"),
-            Duration::from_secs(60),
-        );
-        assert!(
-            o.status.success(),
-            "kubectl kustomize {k} failed: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let text = String::from_utf8(o.stdout).expect("UTF-8 output");
+        let text = kustomize(k);
         let docs = parse_docs(&text, k);
         assert!(docs.len() >= 3, "{k} rendered only {} objects", docs.len());
         let file = out.join(format!("{}.yaml", k.replace('/', "_")));
@@ -2000,8 +1987,8 @@ fn network_policies_admit_only_the_gateways_to_the_control_plane_and_only_it_to_
     assert_eq!(ports, exposed);
 }
 
-/// `kubectl kustomize dir`, parsed.
-fn rendered(dir: &str) -> Vec<Value> {
+/// `kubectl kustomize dir`: the rendered YAML; a failure fails the test with kubectl's error.
+fn kustomize(dir: &str) -> String {
     let mut cmd = Command::new(venv_tool("KVROUTE_KUBECTL", "kubectl"));
     cmd.arg("kustomize").arg(root().join(dir));
     let o = common::run_bounded(
@@ -2011,10 +1998,15 @@ fn rendered(dir: &str) -> Vec<Value> {
     );
     assert!(
         o.status.success(),
-        "kubectl kustomize {dir}: {}",
+        "kubectl kustomize {dir} failed: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    parse_docs(&String::from_utf8_lossy(&o.stdout), dir)
+    String::from_utf8(o.stdout).expect("UTF-8 output")
+}
+
+/// [`kustomize`], parsed.
+fn rendered(dir: &str) -> Vec<Value> {
+    parse_docs(&kustomize(dir), dir)
 }
 
 /// The picker overlay wires an InferencePool to the control plane as its Endpoint Picker (issue
