@@ -284,12 +284,10 @@ impl Exchange {
         );
         let step = self.carry_out(step).await;
         match step {
-            Outcome::Answered => true,
-            Outcome::Failed => false,
-            Outcome::Routed(mutation) | Outcome::Continue(mutation) => {
-                self.send_headers_answer(mutation).await
-            }
-            Outcome::Hold(removals) => {
+            Carried::Answered => true,
+            Carried::Failed => false,
+            Carried::Go(answer) => self.send_headers_answer(answer).await,
+            Carried::Hold(removals) => {
                 if self.mode == BodyMode::Unrouted {
                     // No whole body will come: let the request go on, unrouted.
                     return self.send_headers_answer(Answer::removing(removals)).await;
@@ -318,11 +316,9 @@ impl Exchange {
                 BodyStep::Step(step) => step,
                 BodyStep::ReadBody(_) => self.machine.on_body_read_failed(),
             };
-            let answer = match self.carry_out(step).await {
-                Outcome::Failed => return false,
-                Outcome::Answered => return true,
-                Outcome::Routed(a) | Outcome::Continue(a) => a,
-                Outcome::Hold(r) => Answer::removing(r),
+            let answer = match self.carry_out(step).await.into_answer() {
+                Ok(answer) => answer,
+                Err(still_open) => return still_open,
             };
             return self.answer_body(answer, b.end_of_stream).await;
         }
@@ -347,11 +343,9 @@ impl Exchange {
                 step
             }
         };
-        let answer = match self.carry_out(step).await {
-            Outcome::Failed => return false,
-            Outcome::Answered => return true,
-            Outcome::Routed(a) | Outcome::Continue(a) => a,
-            Outcome::Hold(r) => Answer::removing(r),
+        let answer = match self.carry_out(step).await.into_answer() {
+            Ok(answer) => answer,
+            Err(still_open) => return still_open,
         };
         self.answer_body(answer, end_of_stream).await
     }
@@ -367,7 +361,7 @@ impl Exchange {
             BodyMode::FullDuplex => {
                 let metadata = answer.metadata();
                 let headers = HeadersResponse {
-                    response: Some(answer.common(None)),
+                    response: Some(answer.common()),
                 };
                 if !self
                     .send_with(
@@ -401,7 +395,7 @@ impl Exchange {
                 let metadata = answer.metadata();
                 self.send_with(
                     processing_response::Response::RequestBody(BodyResponse {
-                        response: Some(answer.common(None)),
+                        response: Some(answer.common()),
                     }),
                     metadata,
                 )
@@ -441,7 +435,7 @@ impl Exchange {
 
     /// Carries out a step's effects: header edits are collected for the answer, a route call
     /// is decided in process, a local response is sent as an `ImmediateResponse`.
-    async fn carry_out(&mut self, step: Step) -> Outcome {
+    async fn carry_out(&mut self, step: Step) -> Carried {
         let mut step = step;
         let mut answer = Answer::default();
         loop {
@@ -477,9 +471,9 @@ impl Exchange {
                             .send(processing_response::Response::ImmediateResponse(immediate))
                             .await
                         {
-                            Outcome::Answered
+                            Carried::Answered
                         } else {
-                            Outcome::Failed
+                            Carried::Failed
                         };
                     }
                     Effect::Withdraw(call_id) => {
@@ -504,9 +498,8 @@ impl Exchange {
                 continue;
             }
             return match step.action {
-                Action::Pause => Outcome::Hold(answer.removals),
-                Action::Continue if answer.destination.is_some() => Outcome::Routed(answer),
-                Action::Continue => Outcome::Continue(answer),
+                Action::Pause => Carried::Hold(answer.removals),
+                Action::Continue => Carried::Go(answer),
             };
         }
     }
@@ -528,7 +521,7 @@ impl Exchange {
         let metadata = answer.metadata();
         self.send_with(
             processing_response::Response::RequestHeaders(HeadersResponse {
-                response: Some(answer.common(None)),
+                response: Some(answer.common()),
             }),
             metadata,
         )
@@ -557,18 +550,31 @@ impl Exchange {
     }
 }
 
-/// What a step left for the answer.
-enum Outcome {
+/// What carrying out a step left for the answer (not to be confused with a request's
+/// outcome report, which `finish` sends).
+enum Carried {
     /// An `ImmediateResponse` was sent: the request is answered by the gateway.
     Answered,
     /// The stream is gone.
     Failed,
-    /// The request is routed: set these headers (and the metadata) and go on.
-    Routed(Answer),
-    /// Not routed (passes through, or failed open): apply these edits and go on.
-    Continue(Answer),
+    /// Apply these edits and go on: routed when the answer has a destination, else passed
+    /// through or failed open.
+    Go(Answer),
     /// The machine waits for the body; these headers are stripped when the answer goes out.
     Hold(Vec<String>),
+}
+
+impl Carried {
+    /// The answer to send once the body is in, or `Err(still_open)` when nothing is left to
+    /// send (answered locally: the stream goes on; failed: it is gone).
+    fn into_answer(self) -> Result<Answer, bool> {
+        match self {
+            Carried::Answered => Err(true),
+            Carried::Failed => Err(false),
+            Carried::Go(answer) => Ok(answer),
+            Carried::Hold(removals) => Ok(Answer::removing(removals)),
+        }
+    }
 }
 
 /// Header edits and the destination for one answer.
@@ -587,13 +593,12 @@ impl Answer {
         }
     }
 
-    fn common(&self, body: Option<BodyMutation>) -> CommonResponse {
+    fn common(&self) -> CommonResponse {
         CommonResponse {
             header_mutation: Some(HeaderMutation {
                 set_headers: self.sets.iter().cloned().map(set_header).collect(),
                 remove_headers: self.removals.clone(),
             }),
-            body_mutation: body,
             // The destination is read by the cluster's load balancer, but a route chosen on a
             // header must see the new one.
             clear_route_cache: self.destination.is_some(),
