@@ -94,6 +94,16 @@ pub async fn post_chat(
         .unwrap_or_else(|e| panic!("{url}: {e} ({})", fleet.describe()))
 }
 
+/// [`post_chat`] through `fleet`'s Envoy with `fleet`'s client, which is what most tests send.
+pub async fn chat_through(
+    fleet: &Fleet,
+    body: &Value,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> HttpResponse {
+    post_chat(fleet.client(), &fleet.url(), body, headers, timeout, fleet).await
+}
+
 /// [`post_chat`] through `fleet`'s Envoy, asserting a 200.
 pub async fn chat_ok(
     client: &HttpClient,

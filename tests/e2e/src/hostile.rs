@@ -36,15 +36,7 @@ fn admission(queue_limit: f64) -> Value {
 
 async fn chat(fleet: &Fleet, seed: u64, headers: &[(&str, &str)]) -> HttpResponse {
     let body = common::user_chat(MODEL, &common::words(seed, 40), 4);
-    common::post_chat(
-        fleet.client(),
-        &fleet.url(),
-        &body,
-        headers,
-        REQUEST_TIMEOUT,
-        fleet,
-    )
-    .await
+    common::chat_through(fleet, &body, headers, REQUEST_TIMEOUT).await
 }
 
 /// Statuses of `n` sequential chats with distinct prompts, and the replica that served each.
@@ -205,15 +197,7 @@ async fn one_api_call_cannot_take_a_replica_out_or_release_others_load() {
             // A real client's requests in flight, and feedback over every id near them.
             let slow = async {
                 let body = common::user_chat(MODEL, &common::words(7, 40), 200);
-                common::post_chat(
-                    fleet.client(),
-                    &fleet.url(),
-                    &body,
-                    &[],
-                    REQUEST_TIMEOUT,
-                    &fleet,
-                )
-                .await
+                common::chat_through(&fleet, &body, &[], REQUEST_TIMEOUT).await
             };
             let flood = async {
                 tokio::time::sleep(Duration::from_millis(300)).await;
@@ -246,15 +230,7 @@ async fn one_api_call_cannot_take_a_replica_out_or_release_others_load() {
                 let fleet = &fleet;
                 async move {
                     let body = common::user_chat(MODEL, &common::words(500 + i, 40), 60);
-                    common::post_chat(
-                        fleet.client(),
-                        &fleet.url(),
-                        &body,
-                        &[],
-                        REQUEST_TIMEOUT,
-                        fleet,
-                    )
-                    .await
+                    common::chat_through(fleet, &body, &[], REQUEST_TIMEOUT).await
                 }
             });
             let answers = futures_util::future::join_all(burst).await;
@@ -325,26 +301,22 @@ async fn a_client_cannot_claim_another_tenant() {
             let fleet = common::start_fleet(cfg, &tools).await;
             let body = common::user_chat(MODEL, &common::words(3, 1_000), 4);
             for header in ["x-kvroute-tenant", "x-llm-d-inference-fairness-id"] {
-                let r = common::post_chat(
-                    fleet.client(),
-                    &fleet.url(),
+                let r = common::chat_through(
+                    &fleet,
                     &body,
                     &[(header, "vip"), ("x-kvroute-criticality", "critical")],
                     REQUEST_TIMEOUT,
-                    &fleet,
                 )
                 .await;
                 assert_eq!(r.status, 413, "{header}: {}", r.body);
             }
             // A short prompt passes, whatever it claims.
             let short = common::user_chat(MODEL, &common::words(4, 20), 4);
-            let r = common::post_chat(
-                fleet.client(),
-                &fleet.url(),
+            let r = common::chat_through(
+                &fleet,
                 &short,
                 &[("x-kvroute-tenant", "vip")],
                 REQUEST_TIMEOUT,
-                &fleet,
             )
             .await;
             assert_eq!(r.status, 200, "{}", r.body);
@@ -368,7 +340,7 @@ async fn a_prompt_the_replica_refuses_leaves_no_backlog() {
             let cfg = common::fleet_config("e2e-hostile-refused", 2, MODEL);
             let fleet = common::start_fleet(cfg, &tools).await;
             let huge = common::user_chat(MODEL, &"refused ".repeat(480_000), 4);
-            let r = chat_with(&fleet, &huge).await;
+            let r = common::chat_through(&fleet, &huge, &[], REQUEST_TIMEOUT).await;
             assert_eq!(r.status, 400, "the replica must refuse it: {}", r.body);
             let backlog = |text: &str| -> f64 {
                 let views: Value = serde_json::from_str(text).unwrap_or_default();
@@ -404,16 +376,4 @@ async fn a_prompt_the_replica_refuses_leaves_no_backlog() {
         },
     )
     .await;
-}
-
-async fn chat_with(fleet: &Fleet, body: &Value) -> HttpResponse {
-    common::post_chat(
-        fleet.client(),
-        &fleet.url(),
-        body,
-        &[],
-        REQUEST_TIMEOUT,
-        fleet,
-    )
-    .await
 }

@@ -50,6 +50,14 @@ const KUSTOMIZATIONS: [&str; 8] = [
     "envoy-config/envoy-gateway",
 ];
 const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The HTTP connection manager fields that bound slow and multiplexing clients (issue #20),
+/// equal in every shipped Envoy to envoy-demo.yaml's.
+const SLOW_CLIENT_LIMITS: [&str; 4] = [
+    "request_headers_timeout",
+    "request_timeout",
+    "stream_idle_timeout",
+    "http2_protocol_options",
+];
 /// What every shipped plugin configuration carries as `auth_token`: the Kubernetes gateway's
 /// init container replaces it with the Secret `kvroute-token`, and the Istio and Envoy Gateway
 /// quickstarts (docs/DEPLOY.md) do the same with sed.
@@ -572,12 +580,7 @@ fn istio_resources_carry_what_matters() {
         "envoy.filters.network.http_connection_manager"
     );
     let limits = &hcm_patch[0]["patch"]["value"]["typed_config"];
-    for field in [
-        "request_headers_timeout",
-        "request_timeout",
-        "stream_idle_timeout",
-        "http2_protocol_options",
-    ] {
+    for field in SLOW_CLIENT_LIMITS {
         assert_eq!(limits[field], demo_hcm[field], "{field}");
     }
     assert_eq!(
@@ -1410,12 +1413,7 @@ fn every_shipped_envoy_bounds_slow_clients_streams_and_memory() {
         // One set of limits everywhere (the reasons are written once, in envoy-demo.yaml).
         assert_eq!(b["overload_manager"], demo["overload_manager"], "{origin}");
         let (hcm, demo_hcm) = (hcm_of(client), hcm_of(client_listener(&demo)));
-        for field in [
-            "request_headers_timeout",
-            "request_timeout",
-            "stream_idle_timeout",
-            "http2_protocol_options",
-        ] {
+        for field in SLOW_CLIENT_LIMITS {
             assert_eq!(hcm[field], demo_hcm[field], "{origin}: {field}");
         }
         // Listeners outside the overload manager serve probes only, and are bounded too.

@@ -79,13 +79,11 @@ async fn picker_sends_each_turn_where_the_last_one_was_served() {
             );
             // The explain header, as the filter adds it.
             let body = common::user_chat(MODEL, &common::words(77, 200), 4);
-            let explained = common::post_chat(
-                fleet.client(),
-                &fleet.url(),
+            let explained = common::chat_through(
+                &fleet,
                 &body,
                 &[("x-kvroute-explain", "1")],
                 REQUEST_TIMEOUT,
-                &fleet,
             )
             .await;
             assert_eq!(explained.status, 200, "{}", explained.body);
@@ -194,15 +192,7 @@ async fn picker_refusals_are_answered_by_the_gateway() {
             });
             let fleet = common::start_fleet(cfg, &tools).await;
             let long = common::user_chat(MODEL, &common::words(5, 1_000), 4);
-            let r = common::post_chat(
-                fleet.client(),
-                &fleet.url(),
-                &long,
-                &[],
-                REQUEST_TIMEOUT,
-                &fleet,
-            )
-            .await;
+            let r = common::chat_through(&fleet, &long, &[], REQUEST_TIMEOUT).await;
             assert_eq!(r.status, 413, "{}", r.body);
             assert!(
                 r.header(kvroute_harness::REPLICA_HEADER).is_none(),
@@ -213,15 +203,7 @@ async fn picker_refusals_are_answered_by_the_gateway() {
                 serde_json::from_str(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.body));
             assert!(error["error"]["message"].is_string(), "{error}");
             let short = common::user_chat(MODEL, "a short one", 4);
-            let r = common::post_chat(
-                fleet.client(),
-                &fleet.url(),
-                &short,
-                &[],
-                REQUEST_TIMEOUT,
-                &fleet,
-            )
-            .await;
+            let r = common::chat_through(&fleet, &short, &[], REQUEST_TIMEOUT).await;
             assert_eq!(r.status, 200, "{}", r.body);
         },
     )
