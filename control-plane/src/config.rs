@@ -795,6 +795,7 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
     non_negative("router.scoring.itl_ms_idle", s.itl_ms_idle)?;
     non_negative("router.scoring.itl_ms_full", s.itl_ms_full)?;
     non_negative("router.scoring.decode_weight", s.decode_weight)?;
+    non_negative("router.local.defer_above_ms", r.local.defer_above_ms)?;
     let p = &r.precise;
     range_u64(
         "router.precise.block_tokens",
@@ -941,6 +942,10 @@ router: {}
             (
                 "router:\n  scoring:\n    kv_pressure_threshold: 1.0\n",
                 "kv_pressure_threshold",
+            ),
+            (
+                "router:\n  local:\n    defer_above_ms: -1\n",
+                "router.local.defer_above_ms",
             ),
             (
                 "listen: 127.0.0.1:7000\nadmin_listen: 127.0.0.1:7000\n",

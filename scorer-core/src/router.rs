@@ -165,6 +165,8 @@ pub struct RouterConfig {
     pub calibration: CalibrationConfig,
     /// Prefill/decode disaggregation: when a request also gets a prefill endpoint.
     pub pd: PdConfig,
+    /// Local decisions: which requests a proxy's copy leaves to the control plane.
+    pub local: crate::sync::LocalConfig,
 }
 
 /// Tunables of precise mode: an index fed by the engines' KV events.
@@ -210,6 +212,7 @@ impl Default for RouterConfig {
             latency: LatencyConfig::default(),
             calibration: CalibrationConfig::default(),
             pd: PdConfig::default(),
+            local: crate::sync::LocalConfig::default(),
         }
     }
 }
@@ -519,6 +522,9 @@ pub struct RouterStats {
     /// before or after they were taken: their load was released at once.
     #[serde(default)]
     pub withdrawn: u64,
+    /// Requests a local copy left to the control plane ([`Router::route_or_defer`]).
+    #[serde(default)]
+    pub deferred: u64,
     /// Outcomes whose reported times exceeded the time since their decision (clamped).
     #[serde(default)]
     pub clamped_outcomes: u64,
@@ -1237,6 +1243,38 @@ impl Router {
     /// (the chosen endpoint's load, indexes, session and prefill endpoint), then
     /// [`Router::respond`].
     pub fn route(&mut self, request: &RouteRequest, now_ms: u64, seed: u64) -> Decision {
+        // With no deferral threshold every request is decided; the default is never built.
+        self.decide(request, now_ms, seed, None)
+            .unwrap_or_else(|| Decision {
+                response: RouteResponse::default(),
+                candidates: Vec::new(),
+            })
+    }
+
+    /// [`Router::route`] for a copy of the state that other routers decide beside
+    /// ([`crate::sync::LocalRouter`]): `None`, with nothing accounted, when the request is a
+    /// placement by load among several candidates (no candidate holds more of its prompt than
+    /// the chosen one) whose own prefill is predicted to take at least `defer_above_ms`. Such a request is where the
+    /// other routers' unseen decisions matter most (each copy sees the same stale loads and
+    /// would send its long misses to the same replica), and where a route call's fraction of a
+    /// millisecond is least: the caller asks the control plane, which sees every such miss.
+    pub fn route_or_defer(
+        &mut self,
+        request: &RouteRequest,
+        now_ms: u64,
+        seed: u64,
+        defer_above_ms: f64,
+    ) -> Option<Decision> {
+        self.decide(request, now_ms, seed, Some(defer_above_ms))
+    }
+
+    fn decide(
+        &mut self,
+        request: &RouteRequest,
+        now_ms: u64,
+        seed: u64,
+        defer_above_ms: Option<f64>,
+    ) -> Option<Decision> {
         // Expiry has per-endpoint work, and nothing new can expire within one millisecond.
         if now_ms != self.last_expire_ms {
             self.expire(now_ms);
@@ -1249,38 +1287,48 @@ impl Router {
             && let Some(at) = self.withdrawn.iter().position(|&(_, c)| c == call)
         {
             self.withdrawn.remove(at);
-            return Decision {
+            return Some(Decision {
                 response: RouteResponse {
                     decision_id,
                     reason: RouteReason::Withdrawn,
                     ..Default::default()
                 },
                 candidates: Vec::new(),
-            };
+            });
         }
 
         let shape = self.shape_request(request);
         let pool = match self.select_pool(request, now_ms) {
             Ok(pool) => pool,
-            Err(reject) => return rejected(decision_id, reject),
+            Err(reject) => return Some(rejected(decision_id, reject)),
         };
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
         let stored = self.stored_response_endpoint(request, now_ms);
         let Some(mut ranking) = self.rank(candidates, decision_id, seed) else {
             self.stats.no_endpoint += 1;
-            return Decision {
+            return Some(Decision {
                 response: RouteResponse {
                     decision_id,
                     reason: RouteReason::NoEndpoint,
                     ..Default::default()
                 },
                 candidates: Vec::new(),
-            };
+            });
         };
         let pinned = match stored {
             Some(endpoint) => self.pin(&mut ranking, endpoint),
             None => false,
         };
+        if let Some(threshold) = defer_above_ms
+            && !pinned
+            && ranking.candidates.len() > 1
+            && ranking.reason != RouteReason::Prefix
+            && ranking.chosen_score().prefill_ms >= threshold
+        {
+            self.stats.deferred += 1;
+            self.stats.decisions -= 1;
+            return None;
+        }
         let prefill = self.account_choice(
             request,
             &shape,
@@ -1294,7 +1342,7 @@ impl Router {
             // Another replica cannot continue the response: no fallbacks.
             decision.response.endpoints.truncate(1);
         }
-        decision
+        Some(decision)
     }
 
     /// The replica that stored the response `request` names: remembered from an outcome
@@ -2644,6 +2692,37 @@ mod tests {
         let d = r.route(&after, 10, 2);
         assert_ne!(d.response.reason, RouteReason::StoredResponse);
         assert!(!d.response.endpoints.contains(&"10.0.0.2:8000".to_string()));
+    }
+
+    // A copy leaves only long placements by load to the control plane: never a hit, never a
+    // short prompt, never a request with nowhere else to go, and it accounts for none of them.
+    #[test]
+    fn only_a_long_placement_by_load_among_several_is_deferred() {
+        let long = "a long document nobody has sent before ".repeat(400);
+        let threshold = 50.0;
+        let mut alone = router(1);
+        assert!(
+            alone
+                .route_or_defer(&request(&long), 0, 1, threshold)
+                .is_some()
+        );
+
+        let mut r = router(4);
+        assert!(r.route_or_defer(&request(&long), 0, 1, threshold).is_none());
+        assert_eq!((r.stats().deferred, r.stats().decisions), (1, 0));
+        assert_eq!(r.inflight_len(), 0, "a deferred request holds no load");
+        let short = r.route_or_defer(&request("hi"), 0, 2, threshold);
+        assert!(short.is_some_and(|d| !d.response.endpoints.is_empty()));
+        let first = r.route(&request(&long), 0, 3);
+        let again = r
+            .route_or_defer(
+                &request(&format!("{long} and a question")),
+                10_000,
+                4,
+                threshold,
+            )
+            .expect("a hit is decided where it is");
+        assert_eq!(again.response.endpoints[0], first.response.endpoints[0]);
     }
 
     #[test]

@@ -27,6 +27,33 @@ pub const SYNC_PATH: &str = "/v1/sync";
 /// replica ([`SyncResponse::replica`]), so ids from different proxies never collide.
 pub const REPLICA_SHIFT: u32 = 40;
 
+/// How long after the last decision another router took a copy still counts as deciding beside
+/// others ([`LocalConfig::defer_above_ms`]); a copy alone decides everything itself.
+pub const OTHERS_DECIDING_WINDOW_MS: u64 = 60_000;
+
+/// The `router.local` section: what a copy deciding in a proxy ([`LocalRouter`]) leaves to the
+/// control plane. Served to every copy with the rest of the router configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LocalConfig {
+    /// A request a copy would place by load (a miss, or a spill off the replica holding its
+    /// prefix) whose own prefill it predicts to take at least this long, in ms, is decided by
+    /// the control plane instead ([`Router::route_or_defer`]), while other routers decide
+    /// beside this copy. Copies between syncs all see the same loads and would send such
+    /// misses to the same replica; the control plane sees every one of them, and a route call
+    /// costs well under a millisecond against a prefill this long. 0: every approximate
+    /// request is decided locally.
+    pub defer_above_ms: f64,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            defer_above_ms: 50.0,
+        }
+    }
+}
+
 /// One decision a router took, reported so that every other copy accounts for it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecisionRecord {
@@ -428,6 +455,8 @@ pub struct LocalRouter {
     pending_outcomes: VecDeque<Outcome>,
     max_pending: usize,
     local_decisions: u64,
+    /// When this copy last applied a decision another router took.
+    others_decided_at_ms: Option<u64>,
 }
 
 impl LocalRouter {
@@ -445,6 +474,7 @@ impl LocalRouter {
             pending_outcomes: VecDeque::new(),
             max_pending: max_pending.max(1),
             local_decisions: 0,
+            others_decided_at_ms: None,
         }
     }
 
@@ -458,10 +488,20 @@ impl LocalRouter {
         fresh && self.router.as_ref().is_some_and(|r| r.endpoint_count() > 0)
     }
 
-    /// Decides locally and queues the decision for the next sync.
+    /// Decides locally and queues the decision for the next sync. `None`: no copy yet, or a
+    /// request the configuration leaves to the control plane ([`LocalConfig::defer_above_ms`]);
+    /// the caller makes the route call (its decision reaches this copy with the next sync).
     pub fn route(&mut self, request: &RouteRequest, now_ms: u64, seed: u64) -> Option<Decision> {
+        let others_deciding = self
+            .others_decided_at_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) <= OTHERS_DECIDING_WINDOW_MS);
         let router = self.router.as_mut()?;
-        let decision = router.route(request, now_ms, seed);
+        let defer_above_ms = router.config().local.defer_above_ms;
+        let decision = if others_deciding && defer_above_ms > 0.0 {
+            router.route_or_defer(request, now_ms, seed, defer_above_ms)?
+        } else {
+            router.route(request, now_ms, seed)
+        };
         if let Some(endpoint) = decision.response.endpoints.first() {
             self.local_decisions += 1;
             push_bounded(
@@ -569,7 +609,11 @@ impl LocalRouter {
                 );
             }
         }
+        let mine = response.replica;
         for event in &response.events {
+            if matches!(event, SyncEvent::Decision { origin, .. } if *origin != mine) {
+                self.others_decided_at_ms = Some(now_ms);
+            }
             event.apply_to(router, now_ms);
         }
     }
@@ -641,6 +685,46 @@ mod tests {
         let response: SyncResponse =
             serde_json::from_slice(&serde_json::to_vec(&response).unwrap()).unwrap();
         copy.apply(response, now_ms);
+    }
+
+    // Once another router decides beside it, a copy leaves long misses to the control plane (the
+    // copies would all send them to the replica that looks idlest) and keeps the rest; alone,
+    // or with the threshold at 0, it decides everything.
+    #[test]
+    fn a_long_miss_is_left_to_the_control_plane_once_others_decide() {
+        // About 1,300 tokens: over 250 ms of prefill at the generic prior; one turn is 40 ms.
+        let long = |n: u64| chat(n, 8);
+        let mut log = SyncLog::new(1_000, 1);
+        let mut hub = central(4);
+        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
+        sync(&mut log, &mut hub, &mut a, 0);
+        sync(&mut log, &mut hub, &mut b, 0);
+        assert!(a.route(&long(1), 1, 1).is_some(), "nobody else decides yet");
+        sync(&mut log, &mut hub, &mut a, 2);
+        sync(&mut log, &mut hub, &mut b, 2);
+        assert!(
+            b.route(&long(2), 3, 2).is_none(),
+            "a long miss goes to the control plane"
+        );
+        assert!(b.route(&chat(3, 1), 3, 3).is_some(), "a short one does not");
+        assert_eq!(b.local_decisions(), 1);
+        let mut hub_config = hub.config().clone();
+        hub_config.local.defer_above_ms = 0.0;
+        let mut hub = Router::new(hub_config, 1);
+        for i in 0..4 {
+            hub.upsert_endpoint(&format!("10.0.0.{}:8000", i + 1))
+                .unwrap();
+        }
+        let mut log = SyncLog::new(1_000, 1);
+        let mut c = LocalRouter::new(64);
+        sync(&mut log, &mut hub, &mut a, 4);
+        sync(&mut log, &mut hub, &mut c, 4);
+        a.route(&long(4), 5, 4).unwrap();
+        sync(&mut log, &mut hub, &mut c, 6);
+        assert!(
+            c.route(&long(5), 7, 5).is_some(),
+            "threshold 0: every request local"
+        );
     }
 
     // A turn decided on one proxy pulls the next turn, decided on another proxy after one sync,

@@ -41,7 +41,7 @@ pub(crate) async fn wait_synced(fleet: &Fleet, vms: f64) {
 }
 
 // Turn N+1 lands where turn N was served, decided locally, for at least 95% of turns; and the
-// decisions really were local.
+// follow-up decisions really were local.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_follow_their_cache_when_proxies_decide_locally() {
     let tools = tools();
@@ -75,8 +75,11 @@ async fn turns_follow_their_cache_when_proxies_decide_locally() {
             "local decisions: {followed} of {follow_ups} turns followed their cache; \
              {local} of {routed} routed requests decided locally"
         );
+        // Follow-up turns are hits, decided in the proxy; a conversation's first turn is a
+        // miss the copies may leave to the control plane (`router.local.defer_above_ms`).
+        let first_turns = 8.0;
         assert!(
-            local >= routed * 0.9 && local > 0.0,
+            local >= (routed - first_turns) * 0.9 && local > 0.0,
             "{local} of {routed} routed requests were decided locally"
         );
     })

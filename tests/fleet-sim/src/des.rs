@@ -71,6 +71,8 @@ pub struct RunResult {
     pub prefix_hits: u64,
     /// Time from first arrival to last finish (ms).
     pub makespan_ms: f64,
+    /// Share of decisions taken by a proxy's copy of the state (policies that decide in proxies).
+    pub local_decision_fraction: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -346,6 +348,7 @@ pub fn run_with(
         .filter_map(|r| r.finish_ms)
         .fold(0.0, f64::max);
     result.makespan_ms = (last - first).max(0.0);
+    result.local_decision_fraction = policy.local_decision_fraction();
     result.records = records;
     Ok(result)
 }

@@ -475,6 +475,15 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     let runs = run_all(&args, &policies, &cfg, &router, args.speedup)?;
     let results: Vec<PolicySummary> = runs.iter().map(PolicySummary::of).collect();
     println!("{}", table(&results));
+    for r in &results {
+        if let Some(local) = r.local_decision_fraction {
+            println!(
+                "{}: {:.1}% of decisions taken in a proxy (the rest by the control plane)",
+                r.policy,
+                local * 100.0
+            );
+        }
+    }
 
     let svg_dir = args.svg_dir.clone().unwrap_or_else(|| match &args.json {
         Some(j) => j.parent().map(PathBuf::from).unwrap_or_default(),

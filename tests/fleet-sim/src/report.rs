@@ -68,6 +68,9 @@ pub struct PolicySummary {
     /// |predicted - actual| cached tokens over actual, summed over requests (policies that predict).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cached_prediction_error: Option<f64>,
+    /// Share of decisions a proxy's copy took without a route call (policies deciding in proxies).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub local_decision_fraction: Option<f64>,
 }
 
 impl PolicySummary {
@@ -115,6 +118,7 @@ impl PolicySummary {
             max_waiting: run.max_waiting,
             cached_prediction_error: (any && actual > 0.0)
                 .then(|| (predicted - actual).abs() / actual),
+            local_decision_fraction: run.local_decision_fraction,
         }
     }
 }
