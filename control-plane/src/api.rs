@@ -22,7 +22,9 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use ring::hmac;
-use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, Outcome, ROUTE_PATH, RouteRequest};
+use scorer_core::protocol::{
+    FEEDBACK_PATH, FeedbackBatch, FirstToken, Outcome, ROUTE_PATH, RouteRequest,
+};
 use scorer_core::sync::{SYNC_PATH, SyncRequest};
 use serde::de::DeserializeOwned;
 
@@ -99,12 +101,13 @@ impl DecisionTags {
         u64::from_le_bytes(first).max(1)
     }
 
-    /// Whether `outcome` carries the tag its decision was answered with to `peer`.
-    fn verify(&self, outcome: &Outcome, peer: Option<IpAddr>) -> bool {
-        outcome.decision_tag != 0
+    /// Whether a report carries `tag`, the one decision `decision_id` was answered with to
+    /// `peer`.
+    fn verify(&self, decision_id: u64, tag: u64, peer: Option<IpAddr>) -> bool {
+        tag != 0
             && constant_time_eq(
-                &outcome.decision_tag.to_le_bytes(),
-                &self.sign(outcome.decision_id, peer).to_le_bytes(),
+                &tag.to_le_bytes(),
+                &self.sign(decision_id, peer).to_le_bytes(),
             )
     }
 }
@@ -228,10 +231,11 @@ async fn route(AxumState(app): AxumState<Arc<App>>, request: Request) -> Respons
         let mut request: RouteRequest = app.read_json(&headers, body).await?;
         let started = Instant::now();
         app.check_route(&request)?;
-        // The proxy's finished requests first: they no longer wait anywhere.
+        // The proxy's finished and started requests first: they no longer wait anywhere.
         let finished = std::mem::take(&mut request.finished);
-        if !finished.is_empty() {
-            app.apply_outcomes(finished, Vec::new(), peer);
+        let first_tokens = std::mem::take(&mut request.first_tokens);
+        if !finished.is_empty() || !first_tokens.is_empty() {
+            app.apply_reports(finished, first_tokens, Vec::new(), peer);
         }
         if let Some(how) = app.settings.precise.prepare(&app.state, &mut request).await {
             app.state.telemetry().count_precise_route(how);
@@ -265,18 +269,18 @@ async fn feedback(AxumState(app): AxumState<Arc<App>>, request: Request) -> Resp
                 ),
             ));
         }
-        if batch.outcomes.len() > max {
+        if batch.outcomes.len() > max || batch.first_tokens.len() > max {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "too_many_outcomes",
                 format!(
-                    "{} outcomes in one batch, at most {}",
+                    "{} outcomes and {} first tokens in one batch, at most {max} each",
                     batch.outcomes.len(),
-                    app.settings.max_feedback_outcomes
+                    batch.first_tokens.len(),
                 ),
             ));
         }
-        app.apply_outcomes(batch.outcomes, batch.withdrawn, peer);
+        app.apply_reports(batch.outcomes, batch.first_tokens, batch.withdrawn, peer);
         Ok(StatusCode::NO_CONTENT.into_response())
     }
     .await;
@@ -303,26 +307,30 @@ async fn sync(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Bod
 }
 
 impl App {
-    /// Applies the outcomes that carry their decision's tag for `peer` (the others are
-    /// counted and dropped: a forged or misdirected report releases nothing), then the
-    /// withdrawals.
-    fn apply_outcomes(
+    /// Applies the first tokens and outcomes that carry their decision's tag for `peer` (the
+    /// others are counted and dropped: a forged or misdirected report releases nothing), then
+    /// the withdrawals.
+    fn apply_reports(
         &self,
         mut outcomes: Vec<Outcome>,
+        mut first_tokens: Vec<FirstToken>,
         withdrawn: Vec<u64>,
         peer: Option<IpAddr>,
     ) {
-        let before = outcomes.len();
-        outcomes.retain(|o| self.tags.verify(o, peer));
-        for _ in outcomes.len()..before {
+        let before = outcomes.len() + first_tokens.len();
+        outcomes.retain(|o| self.tags.verify(o.decision_id, o.decision_tag, peer));
+        first_tokens.retain(|f| self.tags.verify(f.decision_id, f.decision_tag, peer));
+        for _ in outcomes.len() + first_tokens.len()..before {
             self.state
                 .telemetry()
                 .count_rejected(FEEDBACK_PATH, "unknown_decision");
         }
+        // First tokens before outcomes: a request reported in both had its first token first.
+        self.state.first_tokens(&first_tokens);
         if !outcomes.is_empty() {
             self.state.feedback(&FeedbackBatch {
                 outcomes,
-                withdrawn: Vec::new(),
+                ..FeedbackBatch::default()
             });
         }
         self.state.withdraw(&withdrawn);
@@ -429,6 +437,14 @@ impl App {
         if r.session.as_ref().is_some_and(|s| s.len() > MAX_KEY_BYTES) {
             return Err(bad(format!("session is longer than {MAX_KEY_BYTES} bytes")));
         }
+        let max = self.settings.max_feedback_outcomes;
+        if r.finished.len() > max || r.first_tokens.len() > max {
+            return Err(bad(format!(
+                "{} finished and {} first tokens, at most {max} each",
+                r.finished.len(),
+                r.first_tokens.len()
+            )));
+        }
         Ok(())
     }
 
@@ -452,6 +468,12 @@ impl App {
             return Err(bad(format!(
                 "{} outcomes in one sync, at most {max}",
                 r.outcomes.len()
+            )));
+        }
+        if r.first_tokens.len() > max {
+            return Err(bad(format!(
+                "{} first tokens in one sync, at most {max}",
+                r.first_tokens.len()
             )));
         }
         for (i, d) in r.decisions.iter().enumerate() {

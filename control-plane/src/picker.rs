@@ -429,7 +429,10 @@ impl Exchange {
 
     async fn response_body(&mut self, b: HttpBody) -> bool {
         let now = self.now_ms();
-        self.machine.on_response_body(&b.body, now);
+        // The picker decided in process, so it reports in process too: no tag to check.
+        if let Some(first) = self.machine.on_response_body(&b.body, now) {
+            self.picker.state.first_tokens(&[first]);
+        }
         self.pass_body(b, true).await
     }
 

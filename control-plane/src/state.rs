@@ -17,7 +17,7 @@ use scorer_core::affinity::SessionStats;
 use scorer_core::lora::LoraState;
 use scorer_core::pools::{PoolStats, ServedModel};
 use scorer_core::precise::{ApplyError, KvEvent};
-use scorer_core::protocol::{FeedbackBatch, RouteReason, RouteRequest, RouteResponse};
+use scorer_core::protocol::{FeedbackBatch, FirstToken, RouteReason, RouteRequest, RouteResponse};
 use scorer_core::router::{
     Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
 };
@@ -577,6 +577,27 @@ impl State {
         self.telemetry.count_feedback(batch.outcomes.len());
     }
 
+    /// Streamed responses that sent their first token: each leaves its endpoint's measured
+    /// queue, here and (through the log) in every copy.
+    pub fn first_tokens(&self, reports: &[FirstToken]) {
+        if reports.is_empty() {
+            return;
+        }
+        let now = self.now_ms();
+        let mut inner = self.inner.lock();
+        for report in reports {
+            inner.router.first_token(report.decision_id, now);
+            inner.sync.push(
+                SyncEvent::FirstToken {
+                    origin: 0,
+                    decision_id: report.decision_id,
+                },
+                now,
+            );
+        }
+        self.forward(&mut inner);
+    }
+
     /// Route calls their proxies stopped waiting for (they failed open): each decision taken
     /// for one is released, here and (through the log) in every copy; one not taken yet never
     /// will be. Returns how many were live decisions.
@@ -863,6 +884,8 @@ fn replicable(request: &RouteRequest) -> RouteRequest {
         previous_response_endpoint: _,
         call_id,
         finished: _,
+        first_tokens: _,
+        stream,
     } = request;
     RouteRequest {
         model: model.clone(),
@@ -883,8 +906,11 @@ fn replicable(request: &RouteRequest) -> RouteRequest {
         previous_response_endpoint: None,
         // A peer replica may receive the withdrawal of this call.
         call_id: *call_id,
-        // Outcomes travel as log entries of their own.
+        // Outcomes and first tokens travel as log entries of their own.
         finished: Vec::new(),
+        first_tokens: Vec::new(),
+        // Copies count a streamed request in the measured queue until its first token.
+        stream: *stream,
     }
 }
 
@@ -1058,7 +1084,7 @@ mod tests {
             since: a.next,
             log: a.log,
             decisions: vec![record.clone()],
-            outcomes: vec![],
+            ..SyncRequest::default()
         });
         assert_eq!((served.decisions, served.reset), (1, false));
         assert!(

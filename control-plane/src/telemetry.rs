@@ -464,7 +464,7 @@ impl Collector for RouterCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
         let snap = self.0.snapshot();
         let s = snap.stats;
-        let counters: [(&str, &str, u64); 9] = [
+        let counters: [(&str, &str, u64); 10] = [
             (
                 "kv_events",
                 "KV events applied to the precise index",
@@ -489,6 +489,11 @@ impl Collector for RouterCollector {
                 "expired_inflight",
                 "In-flight entries that expired without feedback",
                 s.expired_inflight,
+            ),
+            (
+                "first_tokens",
+                "First-token reports of streamed responses (their prefill left the measured queue)",
+                s.first_tokens,
             ),
             (
                 "withdrawn_decisions",

@@ -1136,6 +1136,76 @@ async fn outcomes_without_their_decisions_tag_release_nothing() {
     assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
 }
 
+/// A streamed response's first token takes its prefill out of the endpoint's measured queue:
+/// reported in a feedback batch or on the next route call, with its decision's tag (a forged
+/// one changes nothing), and passed on to locally deciding proxies through the sync log.
+#[tokio::test]
+async fn first_tokens_empty_the_measured_queue() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    let copy = post_sync(&r, &json!({}), &[]).await.1;
+    let streamed = |blocks: std::ops::Range<u64>| {
+        let mut request = route_request(blocks);
+        request["stream"] = json!(true);
+        request
+    };
+    let (_, routed) = post_route(&r, &streamed(0..40), &[]).await;
+    let (id, tag) = (
+        routed["decision_id"].as_u64().unwrap(),
+        routed["decision_tag"].as_u64().unwrap(),
+    );
+    let feedback = |batch: Value| {
+        let url = format!("http://{}/v1/feedback", r.api);
+        async move { http("POST", url, &[], Some(batch.to_string())).await.0 }
+    };
+    let forged =
+        json!({ "outcomes": [], "first_tokens": [{ "decision_id": id, "decision_tag": tag ^ 1 }] });
+    assert_eq!(feedback(forged).await, 204);
+    let real =
+        json!({ "outcomes": [], "first_tokens": [{ "decision_id": id, "decision_tag": tag }] });
+    assert_eq!(feedback(real).await, 204);
+    // The measured queue holds a second streamed request until its own first token, which
+    // rides on the next route call.
+    let (_, second) = post_route(&r, &streamed(100..140), &[]).await;
+    let queued = endpoint_view(&r, a.addr).await["backlog_tokens"]
+        .as_f64()
+        .unwrap();
+    assert!(queued > 0.0);
+    let mut next = route_request(200..201);
+    next["first_tokens"] = json!([{
+        "decision_id": second["decision_id"],
+        "decision_tag": second["decision_tag"],
+    }]);
+    post_route(&r, &next, &[]).await;
+    let view = endpoint_view(&r, a.addr).await;
+    assert!(
+        view["backlog_tokens"].as_f64().unwrap() < queued,
+        "{view} (was {queued})"
+    );
+    let text = metrics_text(&r).await;
+    assert!(text.contains("kvroute_first_tokens_total 2"), "{text}");
+    assert!(
+        text.contains(
+            "kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unknown_decision\"} 1"
+        ),
+        "{text}"
+    );
+    let pulled = post_sync(
+        &r,
+        &json!({ "replica": copy["replica"], "since": copy["next"], "log": copy["log"] }),
+        &[],
+    )
+    .await
+    .1;
+    let firsts = pulled["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "first_token")
+        .count();
+    assert_eq!(firsts, 2, "{pulled}");
+}
+
 /// Issue #20, defect 1: a route call the proxy stopped waiting for is withdrawn, whether the
 /// control plane decided it already or decides it later (a stalled control plane works through
 /// its queue after the proxies failed open).

@@ -566,7 +566,12 @@ impl HttpContext for Request {
             return HostAction::Continue;
         }
         if let Ok(Some(chunk)) = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
-            machine.on_response_body(&chunk, now_ms());
+            let now = now_ms();
+            if let Some(first) = machine.on_response_body(&chunk, now)
+                && let Some(shared) = &self.shared
+            {
+                shared.borrow_mut().state.push_first_token(first, now);
+            }
         }
         HostAction::Continue
     }

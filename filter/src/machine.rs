@@ -17,7 +17,7 @@ use std::sync::Arc;
 use scorer_core::canon::{self, CanonError};
 use scorer_core::hash::{block_hashes, request_seed};
 use scorer_core::protocol::{
-    ApiKind, Outcome, Reject, RequestedCriticality, RouteRequest, RouteResponse,
+    ApiKind, FirstToken, Outcome, Reject, RequestedCriticality, RouteRequest, RouteResponse,
 };
 
 use crate::config::{FilterConfig, IdentityHeaders, RouteMode};
@@ -311,6 +311,8 @@ pub struct RequestMachine {
     explain: bool,
     /// The explain header's value, once the request's fate is known.
     decision: Option<String>,
+    /// The client asked for a streamed response: its first body byte is its first token.
+    streamed: bool,
 }
 
 impl RequestMachine {
@@ -336,6 +338,7 @@ impl RequestMachine {
             finished: false,
             explain: false,
             decision: None,
+            streamed: false,
         }
     }
 
@@ -582,6 +585,7 @@ impl RequestMachine {
         elapsed: Option<Effect>,
         mut decide: impl FnMut(&mut RouteRequest) -> Option<RouteResponse>,
     ) -> Step {
+        self.streamed = request.stream;
         // The headers' keys complete what a request's body did not name (a load route's and a
         // stored response's requests name none).
         if request.session.is_none() {
@@ -713,6 +717,8 @@ impl RequestMachine {
             // The root context sets these when it makes the call.
             call_id: None,
             finished: Vec::new(),
+            first_tokens: Vec::new(),
+            stream: prompt.stream,
         })
     }
 
@@ -861,18 +867,28 @@ impl RequestMachine {
         self.routed.is_some() && !self.finished
     }
 
-    /// One response body chunk (not cumulative).
-    pub fn on_response_body(&mut self, chunk: &[u8], now_ms: u64) {
+    /// One response body chunk (not cumulative). Returns the first-token report to queue when
+    /// this is the first chunk of a successful streamed response (vLLM sends its first event
+    /// once the prompt is prefilled), so the router's queue for the endpoint is measured.
+    pub fn on_response_body(&mut self, chunk: &[u8], now_ms: u64) -> Option<FirstToken> {
         if !self.wants_response_body() {
-            return;
+            return None;
         }
+        let mut first = None;
         if !chunk.is_empty() && self.first_byte_ms.is_none() {
             self.first_byte_ms = Some(now_ms);
+            if self.streamed && (200..300).contains(&self.status) {
+                first = self.routed.as_ref().map(|routed| FirstToken {
+                    decision_id: routed.decision_id,
+                    decision_tag: routed.decision_tag,
+                });
+            }
         }
         self.usage.feed(chunk);
         if let Some(scanner) = &mut self.response_id {
             scanner.feed(chunk);
         }
+        first
     }
 
     /// The stream ended (completed or reset). Returns the outcome of a routed request, once.
@@ -1375,6 +1391,41 @@ mod tests {
             }
         );
         assert_eq!(m.on_done(150), None, "reported once");
+    }
+
+    // A streamed response's first chunk is its first token: reported once, with the decision's
+    // tag; a buffered response's first chunk is its end, and an error's is no token.
+    #[test]
+    fn a_streamed_responses_first_chunk_reports_its_first_token() {
+        let streamed = |stream: bool, status: u16| {
+            let mut m = machine();
+            let body = serde_json::to_vec(&serde_json::json!({
+                "model": "m", "stream": stream,
+                "messages": [{"role": "user", "content": "hello"}]
+            }))
+            .unwrap();
+            let req = to_dispatch(&mut m, &[], &body);
+            assert_eq!(req.stream, stream);
+            m.on_route_response(Some(200), &answer(&["10.0.0.1:8000"]), 103);
+            m.on_response_headers(Some(status), Some("10.0.0.1:8000"));
+            assert_eq!(
+                m.on_response_body(b"", 104),
+                None,
+                "an empty chunk is no token"
+            );
+            let first = m.on_response_body(b"data: {\"choices\":[]}\n\n", 110);
+            assert_eq!(m.on_response_body(b"data: [DONE]\n\n", 120), None, "once");
+            first
+        };
+        assert_eq!(
+            streamed(true, 200),
+            Some(FirstToken {
+                decision_id: 42,
+                decision_tag: 0
+            })
+        );
+        assert_eq!(streamed(false, 200), None);
+        assert_eq!(streamed(true, 500), None);
     }
 
     #[test]

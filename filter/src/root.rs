@@ -10,7 +10,9 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use scorer_core::protocol::{FEEDBACK_PATH, FeedbackBatch, Outcome, RouteRequest, RouteResponse};
+use scorer_core::protocol::{
+    FEEDBACK_PATH, FeedbackBatch, FirstToken, Outcome, RouteRequest, RouteResponse,
+};
 use scorer_core::sync::{LocalRouter, SYNC_PATH, SyncRequest, SyncResponse};
 
 use crate::config::{DecisionMode, FilterConfig};
@@ -69,6 +71,8 @@ pub struct FeedbackCall {
 pub struct RootState {
     config: Arc<FilterConfig>,
     queue: VecDeque<Outcome>,
+    /// First-token reports for the next call (bounded like `queue`; best effort like it).
+    first_tokens: VecDeque<FirstToken>,
     /// When the outstanding feedback call was dispatched.
     feedback_in_flight_since_ms: Option<u64>,
     logged: [bool; FailKind::ALL.len()],
@@ -112,6 +116,7 @@ impl RootState {
         RootState {
             config: Arc::new(config),
             queue: VecDeque::new(),
+            first_tokens: VecDeque::new(),
             feedback_in_flight_since_ms: None,
             logged: [false; FailKind::ALL.len()],
             stats: Stats::default(),
@@ -146,6 +151,8 @@ impl RootState {
         if self.local.is_none() {
             let n = self.queue.len().min(MAX_CALL_OUTCOMES);
             request.finished = self.queue.drain(..n).collect();
+            let n = self.first_tokens.len().min(MAX_CALL_OUTCOMES);
+            request.first_tokens = self.first_tokens.drain(..n).collect();
         }
     }
 
@@ -352,6 +359,20 @@ impl RootState {
         Queued { dropped, flush_now }
     }
 
+    /// A routed request's streamed response sent its first token ([`FirstToken`]): with
+    /// `decision: local` the VM's copy applies it at once and the next sync carries it;
+    /// otherwise it waits for the next route call or feedback tick, whichever is first.
+    pub fn push_first_token(&mut self, first: FirstToken, now_ms: u64) {
+        if let Some(local) = self.local.as_mut() {
+            local.first_token(first, now_ms);
+            return;
+        }
+        if self.first_tokens.len() >= self.config.max_queued_outcomes {
+            self.first_tokens.pop_front();
+        }
+        self.first_tokens.push_back(first);
+    }
+
     /// On a tick: the next batch to send, unless the queue is empty or a previous call is still
     /// outstanding. A call outstanding for twice its timeout is presumed lost.
     pub fn on_tick(&mut self, now_ms: u64) -> Option<FeedbackCall> {
@@ -386,14 +407,16 @@ impl RootState {
                 }
             };
         }
-        if self.queue.is_empty() && self.withdrawn.is_empty() {
+        if self.queue.is_empty() && self.withdrawn.is_empty() && self.first_tokens.is_empty() {
             return None;
         }
         let n = self.queue.len().min(MAX_BATCH_OUTCOMES);
         let w = self.withdrawn.len().min(MAX_BATCH_OUTCOMES);
+        let f = self.first_tokens.len().min(MAX_BATCH_OUTCOMES);
         let batch = FeedbackBatch {
             outcomes: self.queue.drain(..n).collect(),
             withdrawn: self.withdrawn.drain(..w).collect(),
+            first_tokens: self.first_tokens.drain(..f).collect(),
         };
         self.unacked_withdrawn.clone_from(&batch.withdrawn);
         match serde_json::to_vec(&batch) {
@@ -457,6 +480,35 @@ mod tests {
     fn batch(call: &FeedbackCall) -> Vec<u64> {
         let b: FeedbackBatch = serde_json::from_slice(&call.body).unwrap();
         b.outcomes.iter().map(|o| o.decision_id).collect()
+    }
+
+    // First tokens ride on the next route call, else on the feedback tick; with `decision:
+    // local` they go to the VM's copy and its next sync.
+    #[test]
+    fn first_tokens_go_out_with_the_next_call() {
+        let first = |id| FirstToken {
+            decision_id: id,
+            decision_tag: 9,
+        };
+        let mut r = RootState::new(FilterConfig::default());
+        r.push_first_token(first(1), 0);
+        let mut request = RouteRequest::default();
+        r.prepare_call(&mut request, 0);
+        assert_eq!(request.first_tokens, vec![first(1)]);
+        assert_eq!(r.on_tick(10), None, "nothing left");
+        r.push_first_token(first(2), 20);
+        let call = r.on_tick(30).unwrap();
+        let batch: FeedbackBatch = serde_json::from_slice(&call.body).unwrap();
+        assert_eq!(batch.first_tokens, vec![first(2)]);
+
+        let mut local = RootState::new(FilterConfig {
+            decision: DecisionMode::Local,
+            ..FilterConfig::default()
+        });
+        local.push_first_token(first(3), 0);
+        let call = local.on_tick(10).unwrap();
+        let sync: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+        assert_eq!(sync.first_tokens, vec![first(3)]);
     }
 
     #[test]

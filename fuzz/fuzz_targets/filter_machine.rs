@@ -116,6 +116,7 @@ struct Seen {
     routed: bool,
     failed_open: bool,
     outcome: bool,
+    first_token: bool,
 }
 
 fn header_name(n: &Name) -> String {
@@ -392,7 +393,14 @@ fn run(input: Input) {
                     );
                 }
             }
-            Event::ResponseBody(chunk) => machine.on_response_body(chunk, now),
+            Event::ResponseBody(chunk) => {
+                if let Some(first) = machine.on_response_body(chunk, now) {
+                    assert!(seen.routed, "first token of an unrouted request");
+                    assert!(!seen.first_token, "two first tokens for one request");
+                    seen.first_token = true;
+                    root.push_first_token(first, now);
+                }
+            }
             Event::Done => {
                 if let Some(outcome) = machine.on_done(now) {
                     assert!(
@@ -411,7 +419,11 @@ fn run(input: Input) {
                     let batch: FeedbackBatch =
                         serde_json::from_slice(&call.body).expect("feedback is a FeedbackBatch");
                     assert_eq!(batch.outcomes.len(), call.outcomes);
-                    assert!(call.outcomes > 0);
+                    assert!(
+                        call.outcomes > 0
+                            || !batch.first_tokens.is_empty()
+                            || !batch.withdrawn.is_empty()
+                    );
                 }
             }
             Event::FeedbackResponse(status) => {

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use scorer_core::protocol::{FeedbackBatch, Outcome, RouteReason, RouteRequest};
+use scorer_core::protocol::{FeedbackBatch, FirstToken, Outcome, RouteReason, RouteRequest};
 use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
 
 #[derive(Arbitrary, Debug)]
@@ -28,6 +28,8 @@ enum Body {
         /// A stored response the request continues (small domain, so some are known).
         previous_response: Option<u8>,
         previous_endpoint: Option<u8>,
+        /// Streamed: held in the measured queue until its first token.
+        stream: bool,
     },
 }
 
@@ -87,6 +89,7 @@ fn request_bytes(body: &Body) -> Vec<u8> {
             token_hashes,
             previous_response,
             previous_endpoint,
+            stream,
         } => serde_json::to_vec(&serde_json::json!({
             "model": model,
             "block_hashes": hashes.iter().map(|h| u64::from(*h) * 0x9e37_79b9_7f4a_7c15).collect::<Vec<_>>(),
@@ -97,6 +100,7 @@ fn request_bytes(body: &Body) -> Vec<u8> {
             "token_block_hashes": token_hashes.iter().map(|h| u64::from(*h)).collect::<Vec<_>>(),
             "previous_response_id": previous_response.map(|r| format!("resp_{}", r % 16)),
             "previous_response_endpoint": previous_endpoint.map(|e| address(e % 8)),
+            "stream": stream,
         }))
         .unwrap_or_default(),
     }
@@ -206,11 +210,19 @@ fn run(input: Input) {
                             }],
                             // Withdraw the call ids the route requests may have carried.
                             withdrawn: vec![u64::from(*back) % 4],
+                            // A first token for a decision near the one just ended.
+                            first_tokens: vec![FirstToken {
+                                decision_id: id.wrapping_add(u64::from(*back % 3)),
+                                decision_tag: 0,
+                            }],
                         })
                         .unwrap_or_default()
                     }
                 };
                 if let Ok(batch) = serde_json::from_slice::<FeedbackBatch>(&bytes) {
+                    for first in &batch.first_tokens {
+                        router.first_token(first.decision_id, now);
+                    }
                     for outcome in &batch.outcomes {
                         router.feedback(outcome, now);
                     }

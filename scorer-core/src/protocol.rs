@@ -142,6 +142,14 @@ pub struct RouteRequest {
     /// Not part of the decision (never replicated or logged).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub finished: Vec<Outcome>,
+    /// First-token reports the proxy had queued, applied before the decision like `finished`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub first_tokens: Vec<FirstToken>,
+    /// The client asked for a streamed response, so its first token is seen when it is
+    /// generated and the proxy reports it ([`FirstToken`]); a buffered response shows nothing
+    /// before its end.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
 }
 
 /// How important a request is when the fleet is saturated.
@@ -504,6 +512,19 @@ pub struct Outcome {
     pub decision_tag: u64,
 }
 
+/// "This request's first token has arrived": its prefill is done. The router takes it out of
+/// its endpoint's measured queue at once ([`crate::router::Router::first_token`]), where the
+/// outcome would come only when the whole answer has been generated; so the queue the router
+/// prices is measured, not drained at an assumed prefill rate.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FirstToken {
+    /// The decision whose response streamed its first token.
+    pub decision_id: u64,
+    /// The route answer's [`RouteResponse::decision_tag`], echoed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub decision_tag: u64,
+}
+
 /// A batch of outcomes: the filter's root context flushes these on a tick.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct FeedbackBatch {
@@ -513,6 +534,9 @@ pub struct FeedbackBatch {
     /// open): their decisions, made or still to be made, hold no load.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub withdrawn: Vec<u64>,
+    /// Routed requests whose first token arrived since the last batch.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub first_tokens: Vec<FirstToken>,
 }
 
 #[cfg(test)]

@@ -253,6 +253,15 @@ struct Slot {
     /// Prefill tokens sent here and not yet drained, as of `backlog_at_ms`.
     backlog_tokens: f64,
     backlog_at_ms: u64,
+    /// Prefill tokens of the router's streamed in-flight requests here whose first token has
+    /// not been reported: the queue measured, where `backlog_tokens` is estimated from a rate.
+    unconfirmed_tokens: f64,
+    /// The part of the backlog no first token will measure (buffered requests, prefills for
+    /// another endpoint), drained at the rate as `backlog_tokens` is, as of `backlog_at_ms`.
+    buffered_tokens: f64,
+    /// When a first-token report for this endpoint last arrived: while they keep arriving,
+    /// the measured queue replaces the rate-drained estimate.
+    first_token_at_ms: Option<u64>,
     inflight: u32,
     /// The KV the router's in-flight requests here hold: a prediction of KV use that does not
     /// wait for the next scrape, so a burst cannot pile more concurrent prompts onto one
@@ -300,8 +309,22 @@ impl Slot {
     fn release(&mut self, entry: &InFlight) {
         self.inflight = self.inflight.saturating_sub(1);
         self.inflight_kv.remove(entry);
+        if entry.awaiting_first_token {
+            self.unconfirmed_tokens =
+                (self.unconfirmed_tokens - f64::from(entry.prefill_tokens)).max(0.0);
+        }
+    }
+
+    /// Whether first-token reports for this endpoint are arriving, so its queue is measured.
+    fn confirms(&self, now_ms: u64) -> bool {
+        self.first_token_at_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) <= FIRST_TOKEN_WINDOW_MS)
     }
 }
+
+/// How long first-token reports may pause before an endpoint's queue is estimated from its
+/// prefill rate again (a proxy that stopped sending them, or a long idle spell).
+const FIRST_TOKEN_WINDOW_MS: u64 = 10_000;
 
 /// Prompt tokens one in-flight KV sample stands for: a chained hash names its whole prefix, so
 /// the blocks ending each 512 tokens of two prompts agree exactly when their prefixes do, and
@@ -404,6 +427,8 @@ struct InFlight {
     prefill_tokens: u32,
     /// When it was decided here: no reported time may exceed the time since.
     started_ms: u64,
+    /// Its prefill is in its endpoint's `unconfirmed_tokens` until its first token is reported.
+    awaiting_first_token: bool,
     /// The proxy's route call id, so the proxy can withdraw it (see [`Router::withdraw`]).
     call_id: Option<u64>,
 }
@@ -525,6 +550,9 @@ pub struct RouterStats {
     /// Requests a local copy left to the control plane ([`Router::route_or_defer`]).
     #[serde(default)]
     pub deferred: u64,
+    /// First-token reports received ([`Router::first_token`]).
+    #[serde(default)]
+    pub first_tokens: u64,
     /// Outcomes whose reported times exceeded the time since their decision (clamped).
     #[serde(default)]
     pub clamped_outcomes: u64,
@@ -934,6 +962,9 @@ impl Router {
             scraped_at_ms: 0,
             backlog_tokens: 0.0,
             backlog_at_ms: 0,
+            unconfirmed_tokens: 0.0,
+            buffered_tokens: 0.0,
+            first_token_at_ms: None,
             inflight: 0,
             inflight_kv: InflightKv::default(),
             events_live: false,
@@ -1453,6 +1484,10 @@ impl Router {
         {
             let done = (age_ms as f64 * slot.rates.prefill_tokens_per_ms).min(uncached);
             slot.backlog_tokens = (slot.backlog_tokens - done).max(0.0);
+            // A streamed decision's first token, if it came, is in the log after it.
+            if !request.stream {
+                slot.buffered_tokens = (slot.buffered_tokens - done).max(0.0);
+            }
         }
         true
     }
@@ -1575,6 +1610,9 @@ impl Router {
                 continue;
             }
             drain_backlog(slot, now_ms, slot.rates.prefill_tokens_per_ms);
+            if slot.confirms(now_ms) {
+                slot.backlog_tokens = slot.unconfirmed_tokens + slot.buffered_tokens;
+            }
             let here = EndpointId(i as u16);
             let fresh = slot
                 .metrics
@@ -1741,10 +1779,17 @@ impl Router {
             remote_prefill: false,
             prefill_tokens: chosen_score.uncached_tokens,
             started_ms: now_ms,
+            awaiting_first_token: request.stream,
             call_id: request.call_id,
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
-            slot.backlog_tokens += f64::from(chosen_score.uncached_tokens);
+            let prefill = f64::from(chosen_score.uncached_tokens);
+            slot.backlog_tokens += prefill;
+            if request.stream {
+                slot.unconfirmed_tokens += prefill;
+            } else {
+                slot.buffered_tokens += prefill;
+            }
             slot.inflight += 1;
             slot.inflight_kv.add(&entry);
         }
@@ -1769,6 +1814,8 @@ impl Router {
             Some(endpoint) => {
                 if let Some(entry) = self.inflight.get_mut(&decision_id) {
                     entry.remote_prefill = true;
+                    // The prefill endpoint does the work (`pick_prefiller` moved it there).
+                    entry.awaiting_first_token = false;
                 }
                 PrefillSite::Remote(endpoint)
             }
@@ -1832,11 +1879,19 @@ impl Router {
         }
         let (id, score) = prefill_only.first()?;
         if let Some(slot) = self.slots[usize::from(decode.0)].as_mut() {
-            slot.backlog_tokens =
-                (slot.backlog_tokens - f64::from(decode_score.uncached_tokens)).max(0.0);
+            let moved = f64::from(decode_score.uncached_tokens);
+            slot.backlog_tokens = (slot.backlog_tokens - moved).max(0.0);
+            let measured = if request.stream {
+                &mut slot.unconfirmed_tokens
+            } else {
+                &mut slot.buffered_tokens
+            };
+            *measured = (*measured - moved).max(0.0);
         }
         let slot = self.slots[usize::from(id.0)].as_mut()?;
         slot.backlog_tokens += f64::from(score.uncached_tokens);
+        // No first token on the prefill endpoint tells when this is done: it is estimated.
+        slot.buffered_tokens += f64::from(score.uncached_tokens);
         slot.prefill_picks += 1;
         self.index.insert(*id, &request.block_hashes, now_ms);
         if !request.token_block_hashes.is_empty() {
@@ -1891,8 +1946,12 @@ impl Router {
             slot.release(&entry);
             if refused {
                 drain_backlog(slot, now_ms, slot.rates.prefill_tokens_per_ms);
-                slot.backlog_tokens =
-                    (slot.backlog_tokens - f64::from(entry.prefill_tokens)).max(0.0);
+                let refund = f64::from(entry.prefill_tokens);
+                slot.backlog_tokens = (slot.backlog_tokens - refund).max(0.0);
+                // A streamed one left the measured queue with `release`.
+                if !entry.awaiting_first_token {
+                    slot.buffered_tokens = (slot.buffered_tokens - refund).max(0.0);
+                }
             }
         }
         // Credit the endpoint that really served (Envoy may have used a fallback).
@@ -1935,6 +1994,29 @@ impl Router {
         if let Some(actual) = outcome.cached_tokens {
             self.stats.predicted_cached_tokens += u64::from(entry.predicted_cached_tokens);
             self.stats.actual_cached_tokens += u64::from(actual);
+        }
+    }
+
+    /// The first token of decision `decision_id`'s response was seen: its prefill is done, so
+    /// it leaves its endpoint's measured queue. While such reports keep arriving for an
+    /// endpoint, its queue term is the prefill of its streamed requests still waiting for a
+    /// first token, with no assumed rate (a rate off by 2x, as a prior is on other hardware,
+    /// drains an estimate twice too fast or too slow); without them, the estimate drained at
+    /// the endpoint's rate. A buffered request shows no first token before its end and is
+    /// counted by the estimate only.
+    pub fn first_token(&mut self, decision_id: u64, now_ms: u64) {
+        self.stats.first_tokens += 1;
+        let Some(entry) = self.inflight.get_mut(&decision_id) else {
+            return;
+        };
+        if !entry.awaiting_first_token {
+            return;
+        }
+        entry.awaiting_first_token = false;
+        if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
+            slot.unconfirmed_tokens =
+                (slot.unconfirmed_tokens - f64::from(entry.prefill_tokens)).max(0.0);
+            slot.first_token_at_ms = Some(now_ms);
         }
     }
 
@@ -2580,6 +2662,8 @@ fn prior(s: &ScoringConfig) -> Prior {
 
 /// The replica drains queued prefill at its prefill rate: forget what it has done since.
 fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {
+    let elapsed = now_ms.saturating_sub(slot.backlog_at_ms) as f64;
+    slot.buffered_tokens = (slot.buffered_tokens - elapsed * tokens_per_ms).max(0.0);
     slot.backlog_tokens = slot.backlog_at(now_ms, tokens_per_ms);
     slot.backlog_at_ms = now_ms.max(slot.backlog_at_ms);
 }
@@ -2692,6 +2776,42 @@ mod tests {
         let d = r.route(&after, 10, 2);
         assert_ne!(d.response.reason, RouteReason::StoredResponse);
         assert!(!d.response.endpoints.contains(&"10.0.0.2:8000".to_string()));
+    }
+
+    // While first tokens are reported, a streamed request stays in its endpoint's queue until
+    // its own first token, however long the assumed rate says its prefill should take, and
+    // leaves it the moment the report comes.
+    #[test]
+    fn first_token_reports_measure_the_queue_instead_of_a_rate() {
+        let streamed = |text: &str| RouteRequest {
+            stream: true,
+            ..request(text)
+        };
+        let queue_on = |d: &Decision, endpoint: &str| {
+            d.candidates
+                .iter()
+                .find(|c| c.endpoint.as_str() == endpoint)
+                .map(|c| c.queue_ms)
+                .unwrap()
+        };
+        let mut r = router(2);
+        let system = "a shared system prompt ".repeat(300);
+        let first = r.route(&streamed(&system), 0, 1);
+        let home = first.response.endpoints[0].clone();
+        r.first_token(first.response.decision_id, 10);
+        let second = r.route(
+            &streamed(&format!("{system} and a long question ").repeat(3)),
+            20,
+            2,
+        );
+        assert_eq!(second.response.endpoints[0], home);
+        // Long after the prior rate would have drained it: still queued, not yet started.
+        let probe = r.route(&request("unrelated"), 5_000, 3);
+        assert!(queue_on(&probe, &home) > 0.0, "{probe:?}");
+        r.first_token(second.response.decision_id, 5_001);
+        let probe = r.route(&request("unrelated too"), 5_002, 4);
+        assert_eq!(queue_on(&probe, &home), 0.0);
+        assert_eq!(r.stats().first_tokens, 2);
     }
 
     // A copy leaves only long placements by load to the control plane: never a hit, never a

@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::{Outcome, RouteRequest};
+use crate::protocol::{FirstToken, Outcome, RouteRequest};
 use crate::router::{Decision, EndpointMetrics, Router, RouterConfig};
 
 /// Path of the sync call a locally deciding proxy makes on its tick.
@@ -89,6 +89,9 @@ pub struct SyncRequest {
     /// Outcomes of local decisions since the last sync.
     #[serde(default)]
     pub outcomes: Vec<Outcome>,
+    /// First tokens of local decisions' responses since the last sync.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub first_tokens: Vec<FirstToken>,
 }
 
 /// One entry of the replicated log.
@@ -110,6 +113,13 @@ pub enum SyncEvent {
         /// The outcome.
         outcome: Outcome,
     },
+    /// A decision's response streamed its first token ([`Router::first_token`]).
+    FirstToken {
+        /// The replica that reported it.
+        origin: u32,
+        /// The decision.
+        decision_id: u64,
+    },
 }
 
 impl SyncEvent {
@@ -128,6 +138,7 @@ impl SyncEvent {
                 );
             }
             SyncEvent::Outcome { outcome, .. } => router.feedback(outcome, now_ms),
+            SyncEvent::FirstToken { decision_id, .. } => router.first_token(*decision_id, now_ms),
         }
     }
 
@@ -141,7 +152,9 @@ impl SyncEvent {
 
     fn origin(&self) -> u32 {
         match self {
-            SyncEvent::Decision { origin, .. } | SyncEvent::Outcome { origin, .. } => *origin,
+            SyncEvent::Decision { origin, .. }
+            | SyncEvent::Outcome { origin, .. }
+            | SyncEvent::FirstToken { origin, .. } => *origin,
         }
     }
 }
@@ -425,8 +438,15 @@ pub fn serve_sync(
             origin: replica,
             outcome,
         });
-    // Decisions first, as the copy took them before their outcomes.
-    for event in decisions.chain(outcomes) {
+    let first_tokens = request
+        .first_tokens
+        .into_iter()
+        .map(|first| SyncEvent::FirstToken {
+            origin: replica,
+            decision_id: first.decision_id,
+        });
+    // Decisions first, as the copy took them before their first tokens and outcomes.
+    for event in decisions.chain(first_tokens).chain(outcomes) {
         event.apply_to(router, now_ms);
         log.push(event, now_ms);
     }
@@ -453,6 +473,7 @@ pub struct LocalRouter {
     synced_at_ms: Option<u64>,
     pending_decisions: VecDeque<DecisionRecord>,
     pending_outcomes: VecDeque<Outcome>,
+    pending_first_tokens: VecDeque<FirstToken>,
     max_pending: usize,
     local_decisions: u64,
     /// When this copy last applied a decision another router took.
@@ -472,6 +493,7 @@ impl LocalRouter {
             synced_at_ms: None,
             pending_decisions: VecDeque::new(),
             pending_outcomes: VecDeque::new(),
+            pending_first_tokens: VecDeque::new(),
             max_pending: max_pending.max(1),
             local_decisions: 0,
             others_decided_at_ms: None,
@@ -527,6 +549,15 @@ impl LocalRouter {
         push_bounded(&mut self.pending_outcomes, outcome, self.max_pending);
     }
 
+    /// A local decision's response streamed its first token: applied here at once, and queued
+    /// for the next sync.
+    pub fn first_token(&mut self, first: FirstToken, now_ms: u64) {
+        if let Some(router) = self.router.as_mut() {
+            router.first_token(first.decision_id, now_ms);
+        }
+        push_bounded(&mut self.pending_first_tokens, first, self.max_pending);
+    }
+
     /// The next sync call's body; takes the queued decisions and outcomes with it.
     pub fn sync_request(&mut self) -> SyncRequest {
         SyncRequest {
@@ -535,6 +566,7 @@ impl LocalRouter {
             log: self.log,
             decisions: self.pending_decisions.drain(..).collect(),
             outcomes: self.pending_outcomes.drain(..).collect(),
+            first_tokens: self.pending_first_tokens.drain(..).collect(),
         }
     }
 
@@ -549,6 +581,12 @@ impl LocalRouter {
         }
         for outcome in request.outcomes.into_iter().rev() {
             self.pending_outcomes.push_front(outcome);
+        }
+        for first in request.first_tokens.into_iter().rev() {
+            self.pending_first_tokens.push_front(first);
+        }
+        while self.pending_first_tokens.len() > self.max_pending {
+            self.pending_first_tokens.pop_front();
         }
         while self.pending_decisions.len() > self.max_pending {
             self.pending_decisions.pop_front();
@@ -685,6 +723,34 @@ mod tests {
         let response: SyncResponse =
             serde_json::from_slice(&serde_json::to_vec(&response).unwrap()).unwrap();
         copy.apply(response, now_ms);
+    }
+
+    // A first token seen by one proxy reaches the control plane and every other copy.
+    #[test]
+    fn a_first_token_travels_to_every_copy() {
+        let mut log = SyncLog::new(1_000, 1);
+        let mut hub = central(4);
+        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
+        sync(&mut log, &mut hub, &mut a, 0);
+        sync(&mut log, &mut hub, &mut b, 0);
+        let request = RouteRequest {
+            stream: true,
+            ..chat(1, 1)
+        };
+        let decision = a.route(&request, 1, 1).unwrap();
+        a.first_token(
+            FirstToken {
+                decision_id: decision.response.decision_id,
+                decision_tag: 0,
+            },
+            2,
+        );
+        sync(&mut log, &mut hub, &mut a, 3);
+        sync(&mut log, &mut hub, &mut b, 3);
+        let firsts = |r: &Router| r.stats().first_tokens;
+        assert_eq!(firsts(a.router().unwrap()), 1);
+        assert_eq!(firsts(&hub), 1);
+        assert_eq!(firsts(b.router().unwrap()), 1);
     }
 
     // Once another router decides beside it, a copy leaves long misses to the control plane (the

@@ -78,6 +78,20 @@ async fn second_turn_lands_on_the_first_turns_replica() {
                 }
             }
         }
+        // Every turn streamed: the filter reported each first token, tagged, on a later route
+        // call or feedback tick, so the router measured its queue instead of guessing it.
+        let turns: u32 = 15;
+        fleet
+            .wait_for_control_plane_metrics("15 first tokens", Duration::from_secs(10), |m| {
+                kvroute_harness::prometheus_sum(m, "kvroute_first_tokens_total") >= f64::from(turns)
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
+        let text = fleet.control_plane_metrics().await.unwrap().unwrap();
+        assert!(
+            !text.contains("reason=\"unknown_decision\""),
+            "a first token was refused: {text}"
+        );
     })
     .await;
 }

@@ -11,7 +11,7 @@ use scorer_core::calibration::EngineCounters;
 use scorer_core::hash::{model_seed, token_block_hashes};
 use scorer_core::index::{EndpointId, PrefixIndex};
 use scorer_core::precise::{KvEvent, PreciseTracker};
-use scorer_core::protocol::{Outcome, RouteRequest};
+use scorer_core::protocol::{FirstToken, Outcome, RouteRequest};
 use scorer_core::router::{Decision, EndpointLoad, EndpointMetrics, Router, RouterConfig};
 use scorer_core::sync::{DecisionRecord, LocalRouter, SyncEvent, SyncLog, serve_sync};
 
@@ -931,7 +931,13 @@ struct Kvroute {
     text_bytes_per_token: f64,
     /// Tokens of text one approximate hash block (`block_bytes`) covers.
     approx_block_tokens: usize,
+    /// First-token reports on their way: (when the proxy's next feedback tick delivers it,
+    /// decision id), in order.
+    first_tokens: std::collections::VecDeque<(u64, u64)>,
 }
+/// The filter's feedback tick (`feedback_interval_ms` default): a first-token report waits for
+/// the next one, so the router hears of a first token up to this late.
+const FEEDBACK_TICK_MS: u64 = 200;
 /// Approximate mode hashes 256-byte blocks of canonical text, as the filter does.
 const KVROUTE_APPROX_BLOCK_BYTES: usize = 256;
 impl Kvroute {
@@ -972,6 +978,18 @@ impl Kvroute {
             addresses,
             text_bytes_per_token,
             approx_block_tokens,
+            first_tokens: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// Hands the router the first-token reports whose feedback tick has come by `now_ms`.
+    fn deliver_first_tokens(&mut self, now_ms: u64) {
+        while let Some(&(due, decision_id)) = self.first_tokens.front() {
+            if due > now_ms {
+                break;
+            }
+            self.first_tokens.pop_front();
+            self.router.first_token(decision_id, due);
         }
     }
 
@@ -994,6 +1012,9 @@ impl Kvroute {
             previous_response_endpoint: None,
             call_id: None,
             finished: Vec::new(),
+            first_tokens: Vec::new(),
+            // Every simulated client streams: its first token is seen when it is generated.
+            stream: true,
             token_block_hashes: if self.precise {
                 let block = self.router.config().precise.block_tokens;
                 token_block_hashes(model_seed(MODEL), r.tokens, block)
@@ -1046,6 +1067,7 @@ impl Policy for Kvroute {
         }
     }
     fn route(&mut self, r: &PolicyRequest<'_>, now_ms: f64) -> usize {
+        self.deliver_first_tokens(now_ms as u64);
         let request = self.route_request(r);
         let decision = self
             .router
@@ -1057,7 +1079,14 @@ impl Policy for Kvroute {
         self.predicted.insert(r.id, cached);
         pick
     }
+    fn on_first_token(&mut self, id: usize, _: usize, now_ms: f64) {
+        if let Some(&(decision_id, _)) = self.decisions.get(&id) {
+            let due = (now_ms as u64 / FEEDBACK_TICK_MS + 1) * FEEDBACK_TICK_MS;
+            self.first_tokens.push_back((due, decision_id));
+        }
+    }
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
+        self.deliver_first_tokens(now_ms as u64);
         if let Some((decision_id, prompt_tokens)) = self.decisions.remove(&id) {
             let outcome = Outcome {
                 decision_id,
@@ -1189,6 +1218,8 @@ enum Decider {
 #[derive(Debug, Clone, Copy)]
 struct LocalDecision {
     decider: Decider,
+    /// The copy the request landed on (it decided, or it made the route call).
+    copy: usize,
     decision_id: u64,
     prompt_tokens: u32,
 }
@@ -1324,12 +1355,25 @@ impl Policy for KvrouteLocal {
             r.id,
             LocalDecision {
                 decider,
+                copy: index,
                 decision_id: decision.response.decision_id,
                 prompt_tokens: r.tokens.len() as u32,
             },
         );
         self.predicted.insert(r.id, cached);
         pick
+    }
+    fn on_first_token(&mut self, id: usize, _: usize, now_ms: f64) {
+        self.catch_up(now_ms);
+        // The proxy's VM sees the first byte: its copy applies it at once, the rest of the
+        // fleet hears of it through the next sync, as in the filter.
+        if let Some(decision) = self.decisions.get(&id) {
+            let first = FirstToken {
+                decision_id: decision.decision_id,
+                decision_tag: 0,
+            };
+            self.copies[decision.copy].first_token(first, now_ms as u64);
+        }
     }
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
         self.catch_up(now_ms);
