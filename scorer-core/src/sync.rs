@@ -725,14 +725,24 @@ mod tests {
         copy.apply(response, now_ms);
     }
 
-    // A first token seen by one proxy reaches the control plane and every other copy.
-    #[test]
-    fn a_first_token_travels_to_every_copy() {
-        let mut log = SyncLog::new(1_000, 1);
-        let mut hub = central(4);
+    /// A log of `capacity` entries, a control plane over `endpoints` endpoints and two copies,
+    /// each synced once at time 0.
+    fn two_synced_copies(
+        capacity: usize,
+        endpoints: usize,
+    ) -> (SyncLog, Router, LocalRouter, LocalRouter) {
+        let mut log = SyncLog::new(capacity, 1);
+        let mut hub = central(endpoints);
         let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
         sync(&mut log, &mut hub, &mut a, 0);
         sync(&mut log, &mut hub, &mut b, 0);
+        (log, hub, a, b)
+    }
+
+    // A first token seen by one proxy reaches the control plane and every other copy.
+    #[test]
+    fn a_first_token_travels_to_every_copy() {
+        let (mut log, mut hub, mut a, mut b) = two_synced_copies(1_000, 4);
         let request = RouteRequest {
             stream: true,
             ..chat(1, 1)
@@ -760,11 +770,7 @@ mod tests {
     fn a_long_miss_is_left_to_the_control_plane_once_others_decide() {
         // About 1,300 tokens: over 250 ms of prefill at the generic prior; one turn is 40 ms.
         let long = |n: u64| chat(n, 8);
-        let mut log = SyncLog::new(1_000, 1);
-        let mut hub = central(4);
-        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
-        sync(&mut log, &mut hub, &mut a, 0);
-        sync(&mut log, &mut hub, &mut b, 0);
+        let (mut log, mut hub, mut a, mut b) = two_synced_copies(1_000, 4);
         assert!(a.route(&long(1), 1, 1).is_some(), "nobody else decides yet");
         sync(&mut log, &mut hub, &mut a, 2);
         sync(&mut log, &mut hub, &mut b, 2);
@@ -822,11 +828,7 @@ mod tests {
     // everywhere.
     #[test]
     fn load_and_its_release_reach_every_copy() {
-        let mut log = SyncLog::new(1_000, 1);
-        let mut hub = central(2);
-        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
-        sync(&mut log, &mut hub, &mut a, 0);
-        sync(&mut log, &mut hub, &mut b, 0);
+        let (mut log, mut hub, mut a, mut b) = two_synced_copies(1_000, 2);
         let decision = a.route(&chat(2, 1), 5, 1).unwrap();
         sync(&mut log, &mut hub, &mut a, 10);
         sync(&mut log, &mut hub, &mut b, 10);
@@ -885,11 +887,7 @@ mod tests {
     // A copy that fell behind the log's bound starts over instead of patching a gap.
     #[test]
     fn a_copy_behind_the_log_resets() {
-        let mut log = SyncLog::new(2, 1);
-        let mut hub = central(2);
-        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
-        sync(&mut log, &mut hub, &mut a, 0);
-        sync(&mut log, &mut hub, &mut b, 0);
+        let (mut log, mut hub, mut a, mut b) = two_synced_copies(2, 2);
         for c in 0..3 {
             a.route(&chat(10 + c, 1), 1, c).unwrap();
         }
