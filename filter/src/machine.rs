@@ -115,6 +115,19 @@ pub enum FailKind {
 }
 
 impl FailKind {
+    /// Whether the control plane did not answer the route call usefully (it may be down),
+    /// as opposed to a bad request body or an answer with no endpoint.
+    pub fn is_route_call(self) -> bool {
+        matches!(
+            self,
+            FailKind::Dispatch
+                | FailKind::Timeout
+                | FailKind::Reset
+                | FailKind::Status
+                | FailKind::BadResponse
+        )
+    }
+
     /// Every kind, for per-kind bookkeeping.
     pub const ALL: [FailKind; 9] = [
         FailKind::BodyTooLarge,

@@ -96,7 +96,14 @@ pub struct RootState {
     /// Route call ids: `splitmix64(call_seed + n)`, distinct across VMs and restarts.
     call_seed: u64,
     calls: u64,
+    /// A route call failed since the last local decision: the copy stops deferring for a
+    /// while ([`DEFERRAL_PAUSE_MS`]).
+    route_call_failed: bool,
 }
+
+/// How long a VM's copy decides everything itself after a route call failed, rather than leave
+/// long misses to a control plane that may not answer (they would fail open, unplaced).
+pub const DEFERRAL_PAUSE_MS: u64 = 10_000;
 
 /// What became of a finished request's outcome.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -128,6 +135,7 @@ impl RootState {
             unacked_withdrawn: Vec::new(),
             call_seed: 0,
             calls: 0,
+            route_call_failed: false,
         }
     }
 
@@ -215,6 +223,9 @@ impl RootState {
         }
         let max_age = self.config.max_state_age_ms;
         let local = self.local.as_mut().filter(|l| l.ready(now_ms, max_age))?;
+        if std::mem::take(&mut self.route_call_failed) {
+            local.pause_deferral(now_ms.saturating_add(DEFERRAL_PAUSE_MS));
+        }
         // A stored response neither this VM nor its copy has placed yet (another proxy served
         // it a moment ago): the control plane hears of it before the next sync does.
         if let Some(id) = request.previous_response_id.as_deref()
@@ -315,6 +326,7 @@ impl RootState {
             Counter::Rejected(_) => self.stats.rejected += 1,
             Counter::FailOpen(kind) => {
                 self.stats.fail_open += 1;
+                self.route_call_failed |= kind.is_route_call();
                 if kind == FailKind::BodyParse {
                     self.stats.body_parse_errors += 1;
                 }
@@ -684,6 +696,36 @@ mod tests {
                 prompt_tokens: 192,
                 ..RouteRequest::default()
             }
+        }
+
+        // A long miss is left to the control plane while others decide; once a route call has
+        // failed, the copy decides it itself for a while rather than let it fail open unplaced.
+        #[test]
+        fn a_failed_route_call_pauses_deferral() {
+            let (mut a, mut b) = (local_root(), local_root());
+            let mut cp = control_plane();
+            tick(&mut a, &mut cp, 0);
+            tick(&mut b, &mut cp, 0);
+            let long = |n: u64| RouteRequest {
+                block_hashes: (n * 100..n * 100 + 40).collect(),
+                prompt_bytes: 40 * 256,
+                prompt_tokens: 2_560,
+                ..request()
+            };
+            assert!(a.decide_locally(&mut long(1), 1).is_some());
+            tick(&mut a, &mut cp, 2);
+            tick(&mut b, &mut cp, 2);
+            assert_eq!(b.decide_locally(&mut long(2), 3), None, "deferred");
+            b.count(Counter::FailOpen(FailKind::Timeout));
+            assert!(b.decide_locally(&mut long(3), 4).is_some(), "paused");
+            let later = 5 + DEFERRAL_PAUSE_MS;
+            tick(&mut b, &mut cp, later);
+            assert!(b.local().is_some_and(|l| l.ready(later, 1_000)));
+            assert_eq!(
+                b.decide_locally(&mut long(4), later),
+                None,
+                "the pause is over"
+            );
         }
 
         // A chain's next turn is decided locally only where its stored response is known:

@@ -478,6 +478,8 @@ pub struct LocalRouter {
     local_decisions: u64,
     /// When this copy last applied a decision another router took.
     others_decided_at_ms: Option<u64>,
+    /// Until when it defers nothing ([`LocalRouter::pause_deferral`]).
+    deferral_paused_until_ms: u64,
 }
 
 impl LocalRouter {
@@ -497,6 +499,7 @@ impl LocalRouter {
             max_pending: max_pending.max(1),
             local_decisions: 0,
             others_decided_at_ms: None,
+            deferral_paused_until_ms: 0,
         }
     }
 
@@ -519,7 +522,8 @@ impl LocalRouter {
             .is_some_and(|at| now_ms.saturating_sub(at) <= OTHERS_DECIDING_WINDOW_MS);
         let router = self.router.as_mut()?;
         let defer_above_ms = router.config().local.defer_above_ms;
-        let decision = if others_deciding && defer_above_ms > 0.0 {
+        let may_defer = others_deciding && now_ms >= self.deferral_paused_until_ms;
+        let decision = if may_defer && defer_above_ms > 0.0 {
             router.route_or_defer(request, now_ms, seed, defer_above_ms)?
         } else {
             router.route(request, now_ms, seed)
@@ -539,6 +543,13 @@ impl LocalRouter {
             );
         }
         Some(decision)
+    }
+
+    /// Decides everything locally until `until_ms`: the caller saw a route call fail, and a
+    /// request left to an unreachable control plane would be placed by no one (it fails
+    /// open), where this copy's decision, however stale, still follows the cache.
+    pub fn pause_deferral(&mut self, until_ms: u64) {
+        self.deferral_paused_until_ms = self.deferral_paused_until_ms.max(until_ms);
     }
 
     /// The outcome of a local decision: applied here at once, and queued for the next sync.
@@ -780,6 +791,9 @@ mod tests {
         );
         assert!(b.route(&chat(3, 1), 3, 3).is_some(), "a short one does not");
         assert_eq!(b.local_decisions(), 1);
+        b.pause_deferral(10);
+        assert!(b.route(&long(6), 4, 6).is_some(), "paused: decided here");
+        assert!(b.route(&long(7), 10, 7).is_none(), "the pause is over");
         let mut hub_config = hub.config().clone();
         hub_config.local.defer_above_ms = 0.0;
         let mut hub = Router::new(hub_config, 1);
