@@ -96,13 +96,15 @@ pub struct RootState {
     /// Route call ids: `splitmix64(call_seed + n)`, distinct across VMs and restarts.
     call_seed: u64,
     calls: u64,
-    /// A route call failed since the last local decision: the copy stops deferring for a
-    /// while ([`DEFERRAL_PAUSE_MS`]).
-    route_call_failed: bool,
+    /// A route or sync call failed since the last local decision: the copy stops deferring
+    /// for a while ([`DEFERRAL_PAUSE_MS`]).
+    control_plane_failed: bool,
 }
 
-/// How long a VM's copy decides everything itself after a route call failed, rather than leave
-/// long misses to a control plane that may not answer (they would fail open, unplaced).
+/// How long a VM's copy decides everything itself after a route or sync call failed, rather
+/// than leave long misses to a control plane that may not answer (they would fail open,
+/// unplaced). Syncs run every tick, so a dead control plane is usually noticed by a sync
+/// before any deferred request reaches it.
 pub const DEFERRAL_PAUSE_MS: u64 = 10_000;
 
 /// What became of a finished request's outcome.
@@ -135,7 +137,7 @@ impl RootState {
             unacked_withdrawn: Vec::new(),
             call_seed: 0,
             calls: 0,
-            route_call_failed: false,
+            control_plane_failed: false,
         }
     }
 
@@ -223,7 +225,7 @@ impl RootState {
         }
         let max_age = self.config.max_state_age_ms;
         let local = self.local.as_mut().filter(|l| l.ready(now_ms, max_age))?;
-        if std::mem::take(&mut self.route_call_failed) {
+        if std::mem::take(&mut self.control_plane_failed) {
             local.pause_deferral(now_ms.saturating_add(DEFERRAL_PAUSE_MS));
         }
         // A stored response neither this VM nor its copy has placed yet (another proxy served
@@ -272,6 +274,7 @@ impl RootState {
             }
             _ => {
                 self.stats.sync_failed += 1;
+                self.control_plane_failed = true;
                 false
             }
         }
@@ -326,7 +329,7 @@ impl RootState {
             Counter::Rejected(_) => self.stats.rejected += 1,
             Counter::FailOpen(kind) => {
                 self.stats.fail_open += 1;
-                self.route_call_failed |= kind.is_route_call();
+                self.control_plane_failed |= kind.is_route_call();
                 if kind == FailKind::BodyParse {
                     self.stats.body_parse_errors += 1;
                 }
@@ -394,6 +397,7 @@ impl RootState {
             }
             self.feedback_in_flight_since_ms = None;
             self.stats.feedback_failed += 1;
+            self.control_plane_failed = true;
             let lost = self.unacked.take();
             self.requeue(lost);
             self.requeue_withdrawn();
@@ -456,6 +460,7 @@ impl RootState {
             let unsent = self.unacked.take();
             self.requeue(unsent);
             self.stats.sync_failed += 1;
+            self.control_plane_failed = true;
         } else {
             self.stats.feedback_failed += 1;
             self.requeue_withdrawn();
