@@ -25,6 +25,22 @@ const BLOCK: u32 = 16;
 
 type Buffer = Arc<Mutex<Vec<(u64, Bytes)>>>;
 
+/// Binds, retrying for up to 5 s while the address is in use: a restarted publisher takes its
+/// old ports back, which the kernel (or another test's ephemeral bind, in the moment they were
+/// free) may still hold.
+async fn bind_retrying<S: Socket>(socket: &mut S, endpoint: &str) -> String {
+    for _ in 0..100 {
+        match socket.bind(endpoint).await {
+            Ok(bound) => return bound.to_string(),
+            Err(zeromq::ZmqError::Network(e)) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("binding {endpoint}: {e}"),
+        }
+    }
+    panic!("{endpoint} still in use after 5 s")
+}
+
 /// A vLLM-like publisher whose buffer and live sends the test controls.
 struct FakePublisher {
     pub_socket: PubSocket,
@@ -43,9 +59,9 @@ impl FakePublisher {
 
     async fn bind(endpoint: &str, replay_endpoint: &str) -> Self {
         let mut pub_socket = PubSocket::new();
-        let endpoint = pub_socket.bind(endpoint).await.unwrap().to_string();
+        let endpoint = bind_retrying(&mut pub_socket, endpoint).await;
         let mut router = RouterSocket::new();
-        let replay_endpoint = router.bind(replay_endpoint).await.unwrap().to_string();
+        let replay_endpoint = bind_retrying(&mut router, replay_endpoint).await;
         let buffer: Buffer = Arc::default();
         let replay_task = tokio::spawn(serve_replay(router, buffer.clone()));
         Self {
