@@ -1285,10 +1285,11 @@ impl Router {
     /// [`Router::route`] for a copy of the state that other routers decide beside
     /// ([`crate::sync::LocalRouter`]): `None`, with nothing accounted, when the request is a
     /// placement by load among several candidates (no candidate holds more of its prompt than
-    /// the chosen one) whose own prefill is predicted to take at least `defer_above_ms`. Such a request is where the
-    /// other routers' unseen decisions matter most (each copy sees the same stale loads and
-    /// would send its long misses to the same replica), and where a route call's fraction of a
-    /// millisecond is least: the caller asks the control plane, which sees every such miss.
+    /// the chosen one) whose own prefill is predicted to take at least `defer_above_ms`. Such
+    /// a request is where the other routers' unseen decisions matter most (each copy sees the
+    /// same stale loads and would send its long misses to the same replica), and where a route
+    /// call's fraction of a millisecond is least: the caller asks the control plane, which sees
+    /// every such miss.
     pub fn route_or_defer(
         &mut self,
         request: &RouteRequest,

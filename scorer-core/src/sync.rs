@@ -587,24 +587,10 @@ impl LocalRouter {
     /// still in flight is recorded once per id, and a second outcome finds nothing to release
     /// (only a decision whose outcome already arrived comes back, until its in-flight TTL).
     pub fn requeue(&mut self, request: SyncRequest) {
-        for record in request.decisions.into_iter().rev() {
-            self.pending_decisions.push_front(record);
-        }
-        for outcome in request.outcomes.into_iter().rev() {
-            self.pending_outcomes.push_front(outcome);
-        }
-        for first in request.first_tokens.into_iter().rev() {
-            self.pending_first_tokens.push_front(first);
-        }
-        while self.pending_first_tokens.len() > self.max_pending {
-            self.pending_first_tokens.pop_front();
-        }
-        while self.pending_decisions.len() > self.max_pending {
-            self.pending_decisions.pop_front();
-        }
-        while self.pending_outcomes.len() > self.max_pending {
-            self.pending_outcomes.pop_front();
-        }
+        let max = self.max_pending;
+        put_back(&mut self.pending_decisions, request.decisions, max);
+        put_back(&mut self.pending_outcomes, request.outcomes, max);
+        put_back(&mut self.pending_first_tokens, request.first_tokens, max);
     }
 
     /// Applies the control plane's answer: other routers' decisions and outcomes, then the
@@ -680,6 +666,16 @@ impl LocalRouter {
     /// This copy's replica tag, once assigned.
     pub fn replica(&self) -> Option<u32> {
         self.replica
+    }
+}
+
+/// Puts `items` (oldest first) back in front of `queue`; past `max` the oldest are dropped.
+fn put_back<T>(queue: &mut VecDeque<T>, items: Vec<T>, max: usize) {
+    for item in items.into_iter().rev() {
+        queue.push_front(item);
+    }
+    while queue.len() > max {
+        queue.pop_front();
     }
 }
 
