@@ -224,6 +224,17 @@ async fn endpoint_view(r: &Running, addr: SocketAddr) -> Value {
         .unwrap()
 }
 
+/// Waits until the control plane has scraped each of `addrs` once: before that it routes by
+/// nothing but the endpoint list.
+async fn first_scrapes(r: &Running, addrs: &[SocketAddr]) {
+    for &addr in addrs {
+        eventually("first scrape", || async {
+            !endpoint_view(r, addr).await["metrics"].is_null()
+        })
+        .await;
+    }
+}
+
 async fn metrics_text(r: &Running) -> String {
     let (status, body) = http("GET", format!("http://{}/metrics", r.admin), &[], None).await;
     assert_eq!(status, 200);
@@ -240,12 +251,7 @@ async fn routes_follow_the_prefix_and_decisions_are_explained() {
     let a = FakeVllm::start(vllm_metrics(1, 0, 0.1)).await;
     let b = FakeVllm::start(vllm_metrics(1, 0, 0.1)).await;
     let r = start(test_config(&[a.addr, b.addr])).await;
-    for addr in [a.addr, b.addr] {
-        eventually("first scrape", || async {
-            !endpoint_view(&r, addr).await["metrics"].is_null()
-        })
-        .await;
-    }
+    first_scrapes(&r, &[a.addr, b.addr]).await;
     let view = endpoint_view(&r, a.addr).await;
     assert_eq!(view["metrics"]["capacity_tokens"], 2048 * 16);
     assert_eq!(view["health"], "ready");
@@ -599,10 +605,7 @@ async fn stale_metrics_are_flagged_but_the_endpoint_stays_usable() {
     };
     config.router.stale_after_ms = 300;
     let r = start(config).await;
-    eventually("first scrape", || async {
-        !endpoint_view(&r, a.addr).await["metrics"].is_null()
-    })
-    .await;
+    first_scrapes(&r, &[a.addr]).await;
     assert_eq!(endpoint_view(&r, a.addr).await["stale"], false);
     a.set(|b| b.status = 500);
     eventually("stale", || async {
@@ -628,10 +631,7 @@ async fn stale_metrics_are_flagged_but_the_endpoint_stays_usable() {
 async fn metrics_exposition_reports_load_and_decisions() {
     let a = FakeVllm::start(vllm_metrics(7, 2, 0.25)).await;
     let r = start(test_config(&[a.addr])).await;
-    eventually("first scrape", || async {
-        !endpoint_view(&r, a.addr).await["metrics"].is_null()
-    })
-    .await;
+    first_scrapes(&r, &[a.addr]).await;
     post_route(&r, &route_request(0..10), &[]).await;
     let (status, text) = http("GET", format!("http://{}/metrics", r.admin), &[], None).await;
     assert_eq!(status, 200);
@@ -775,12 +775,7 @@ async fn a_new_proxy_gets_a_tag_the_endpoints_and_the_config() {
     let mut config = test_config(&[a.addr, b.addr]);
     config.router.fallbacks = 1;
     let r = start(config).await;
-    for addr in [a.addr, b.addr] {
-        eventually("first scrape", || async {
-            !endpoint_view(&r, addr).await["metrics"].is_null()
-        })
-        .await;
-    }
+    first_scrapes(&r, &[a.addr, b.addr]).await;
     let (status, first) = post_sync(&r, &json!({}), &[]).await;
     assert_eq!(status, 200, "{first}");
     let tag = first["replica"].as_u64().unwrap();
@@ -815,12 +810,7 @@ async fn a_proxys_decision_reaches_other_proxies_and_loads_the_control_plane() {
     let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
     let b = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
     let r = start(test_config(&[a.addr, b.addr])).await;
-    for addr in [a.addr, b.addr] {
-        eventually("first scrape", || async {
-            !endpoint_view(&r, addr).await["metrics"].is_null()
-        })
-        .await;
-    }
+    first_scrapes(&r, &[a.addr, b.addr]).await;
     let (proxy_a, next_a) = join(&r).await;
     let (proxy_b, next_b) = join(&r).await;
     let decision_id = (proxy_a << 40) + 1;

@@ -15,7 +15,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{
     Action as HostAction, BufferType, ContextType, LogLevel, MapType, MetricType,
 };
-use scorer_core::protocol::ROUTE_PATH;
+use scorer_core::protocol::{ROUTE_PATH, RouteRequest, RouteResponse};
 
 use crate::TOKEN_HEADER;
 use crate::config::FilterConfig;
@@ -412,20 +412,12 @@ impl Request {
             BodyStep::ReadBody(len) => {
                 match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, len) {
                     Ok(body) => {
-                        let shared = self.shared.clone();
                         let now = now_ms();
                         machine.on_body_complete_with(
                             &body.unwrap_or_default(),
                             now,
                             now_ns,
-                            |request| {
-                                let shared = shared.as_ref()?;
-                                shared.borrow_mut().state.decide_or_prepare(
-                                    request,
-                                    now,
-                                    now_ns().unwrap_or_default(),
-                                )
-                            },
+                            local_decision(&self.shared, now),
                         )
                     }
                     Err(_) => machine.on_body_read_failed(),
@@ -450,6 +442,23 @@ impl Request {
                 shared.tick_now();
             }
         }
+    }
+}
+
+/// What the machine calls once a request is parsed: the worker's root state decides it locally
+/// or prepares its route call ([`RootState::decide_or_prepare`]), with the host's clock as the
+/// decision id's nonce. One copy for the header and the body path.
+fn local_decision(
+    shared: &Option<Rc<RefCell<Shared>>>,
+    now: u64,
+) -> impl FnMut(&mut RouteRequest) -> Option<RouteResponse> + '_ {
+    move |request| {
+        let nonce = now_ns().unwrap_or_default();
+        shared
+            .as_ref()?
+            .borrow_mut()
+            .state
+            .decide_or_prepare(request, now, nonce)
     }
 }
 
@@ -495,20 +504,12 @@ impl HttpContext for Request {
                 return HostAction::Continue;
             }
         };
-        let shared = self.shared.clone();
         let now = now_ms();
         let step = machine.on_request_headers_with(
             headers.iter().map(|(k, v)| (k.as_str(), v.as_slice())),
             end_of_stream,
             now,
-            |request| {
-                let shared = shared.as_ref()?;
-                shared.borrow_mut().state.decide_or_prepare(
-                    request,
-                    now,
-                    now_ns().unwrap_or_default(),
-                )
-            },
+            local_decision(&self.shared, now),
         );
         self.run(step)
     }

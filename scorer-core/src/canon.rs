@@ -173,6 +173,21 @@ pub(crate) fn limit(fields: impl IntoIterator<Item = Field<Limit>>) -> Option<u3
     })
 }
 
+/// The fields every API's prompt starts from: its model (`""` when absent), its canonical bytes
+/// and whether it streams; each API adds its own output limit and session keys.
+pub(crate) fn prompt_of(
+    model: Field<Cow<'_, str>>,
+    stream: Field<bool>,
+    bytes: Vec<u8>,
+) -> Result<CanonicalPrompt, CanonError> {
+    Ok(CanonicalPrompt {
+        model: model.get("model")?.map(Cow::into_owned).unwrap_or_default(),
+        bytes,
+        stream: stream.get("stream")?.unwrap_or(false),
+        ..CanonicalPrompt::default()
+    })
+}
+
 fn canonicalize_chat(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
     let parsed: ChatBody<'_> = parse(body, "the body")?;
     let messages = parsed
@@ -211,13 +226,6 @@ fn canonicalize_chat(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
         out.push(RECORD_SEP);
     }
     Ok(CanonicalPrompt {
-        model: parsed
-            .model
-            .get("model")?
-            .map(Cow::into_owned)
-            .unwrap_or_default(),
-        bytes: out,
-        stream: parsed.stream.get("stream")?.unwrap_or(false),
         max_output_tokens: limit([parsed.max_completion_tokens, parsed.max_tokens]),
         session_hint: first_key([
             parsed.prompt_cache_key.get("prompt_cache_key")?,
@@ -225,7 +233,7 @@ fn canonicalize_chat(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
             parsed.user.get("user")?,
         ]),
         cache_salt: salt(parsed.cache_salt)?,
-        ..CanonicalPrompt::default()
+        ..prompt_of(parsed.model, parsed.stream, out)?
     })
 }
 
@@ -293,17 +301,10 @@ fn canonicalize_completion(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
         }
     }
     Ok(CanonicalPrompt {
-        model: parsed
-            .model
-            .get("model")?
-            .map(Cow::into_owned)
-            .unwrap_or_default(),
-        bytes: out,
-        stream: parsed.stream.get("stream")?.unwrap_or(false),
         max_output_tokens: limit([parsed.max_tokens]),
         session_hint: first_key([parsed.user.get("user")?]),
         cache_salt: salt(parsed.cache_salt)?,
-        ..CanonicalPrompt::default()
+        ..prompt_of(parsed.model, parsed.stream, out)?
     })
 }
 

@@ -11,7 +11,8 @@ use serde_json::value::RawValue;
 
 use super::json::{Key, Limit, Members, end_in, fragment, json_object, parse, str_of};
 use super::{
-    CanonError, CanonicalPrompt, FIELD_SEP, first_key, limit, push_record, push_tools, salt,
+    CanonError, CanonicalPrompt, FIELD_SEP, first_key, limit, prompt_of, push_record, push_tools,
+    salt,
 };
 
 json_object! {
@@ -99,13 +100,6 @@ pub(crate) fn canonicalize_responses(body: &[u8]) -> Result<CanonicalPrompt, Can
         }
     }
     Ok(CanonicalPrompt {
-        model: parsed
-            .model
-            .get("model")?
-            .map(Cow::into_owned)
-            .unwrap_or_default(),
-        bytes: out,
-        stream: parsed.stream.get("stream")?.unwrap_or(false),
         max_output_tokens: limit([parsed.max_output_tokens]),
         session_hint: first_key([
             parsed.prompt_cache_key.get("prompt_cache_key")?,
@@ -118,7 +112,7 @@ pub(crate) fn canonicalize_responses(body: &[u8]) -> Result<CanonicalPrompt, Can
             .filter(|id| !id.is_empty())
             .map(Cow::into_owned),
         cache_salt: salt(parsed.cache_salt)?,
-        cache_control: false,
+        ..prompt_of(parsed.model, parsed.stream, out)?
     })
 }
 
@@ -245,18 +239,10 @@ pub(crate) fn canonicalize_messages(body: &[u8]) -> Result<CanonicalPrompt, Cano
         None => None,
     };
     Ok(CanonicalPrompt {
-        model: parsed
-            .model
-            .get("model")?
-            .map(Cow::into_owned)
-            .unwrap_or_default(),
-        bytes: out,
-        stream: parsed.stream.get("stream")?.unwrap_or(false),
         max_output_tokens: limit([parsed.max_tokens]),
         session_hint: user_id.as_deref().and_then(claude_session),
-        previous_response_id: None,
-        cache_salt: None,
         cache_control,
+        ..prompt_of(parsed.model, parsed.stream, out)?
     })
 }
 

@@ -1055,19 +1055,6 @@ impl FilterHost {
         }
     }
 
-    /// Runs a stream callback that takes `(context, size, end_of_stream)` (headers: their
-    /// count; body: the bytes buffered so far) and reads the action it returns.
-    fn stream_callback(
-        &mut self,
-        name: &str,
-        context: u32,
-        size: usize,
-        end_of_stream: bool,
-    ) -> Result<FilterAction, HostError> {
-        let params = (context as i32, size as i32, i32::from(end_of_stream));
-        Self::action(self.call(name, context, params)?)
-    }
-
     fn action(code: i32) -> Result<FilterAction, HostError> {
         match code {
             0 => Ok(FilterAction::Continue),
@@ -1144,19 +1131,12 @@ impl FilterHost {
         end_of_stream: bool,
     ) -> Result<FilterAction, HostError> {
         self.stream_mut(context)?.request_headers = lowercase_map(headers);
-        let action = self.stream_callback(
-            "proxy_on_request_headers",
-            context,
-            headers.len(),
-            end_of_stream,
-        )?;
-        if action == FilterAction::Continue {
-            let stream = self.stream_mut(context)?;
-            if stream.released_headers.is_none() {
-                stream.released_headers = Some(stream.request_headers.clone());
+        let n = headers.len();
+        self.deliver_to_stream("proxy_on_request_headers", context, n, end_of_stream, |s| {
+            if s.released_headers.is_none() {
+                s.released_headers = Some(s.request_headers.clone());
             }
-        }
-        Ok(action)
+        })
     }
 
     /// Delivers a request body chunk. While the filter pauses, chunks accumulate and the
@@ -1170,11 +1150,9 @@ impl FilterHost {
         let stream = self.stream_mut(context)?;
         stream.request_body.extend_from_slice(chunk);
         let size = stream.request_body.len();
-        let action = self.stream_callback("proxy_on_request_body", context, size, end_of_stream)?;
-        if action == FilterAction::Continue {
-            self.stream_mut(context)?.release_request();
-        }
-        Ok(action)
+        self.deliver_to_stream("proxy_on_request_body", context, size, end_of_stream, |s| {
+            s.release_request()
+        })
     }
 
     /// Delivers request trailers (the body ended without an end-of-stream body chunk).
@@ -1201,16 +1179,14 @@ impl FilterHost {
         end_of_stream: bool,
     ) -> Result<FilterAction, HostError> {
         self.stream_mut(context)?.response_headers = lowercase_map(headers);
-        let action = self.stream_callback(
+        let n = headers.len();
+        self.deliver_to_stream(
             "proxy_on_response_headers",
             context,
-            headers.len(),
+            n,
             end_of_stream,
-        )?;
-        if action == FilterAction::Continue {
-            self.stream_mut(context)?.response_headers_released = true;
-        }
-        Ok(action)
+            |s| s.response_headers_released = true,
+        )
     }
 
     /// Delivers a response body chunk (cumulative while the filter pauses).
@@ -1223,12 +1199,33 @@ impl FilterHost {
         let stream = self.stream_mut(context)?;
         stream.response_body.extend_from_slice(chunk);
         let size = stream.response_body.len();
-        let action =
-            self.stream_callback("proxy_on_response_body", context, size, end_of_stream)?;
+        self.deliver_to_stream(
+            "proxy_on_response_body",
+            context,
+            size,
+            end_of_stream,
+            |s| {
+                let body = std::mem::take(&mut s.response_body);
+                s.forwarded_response_body.extend_from_slice(&body);
+            },
+        )
+    }
+
+    /// Runs a stream callback that takes `(context, size, end_of_stream)` (headers: their
+    /// count; body: the bytes buffered so far) and, when the filter answers `Continue`, lets
+    /// `released` apply what Envoy would then pass on (headers or a body going up or down).
+    fn deliver_to_stream(
+        &mut self,
+        callback: &str,
+        context: u32,
+        size: usize,
+        end_of_stream: bool,
+        released: impl FnOnce(&mut StreamState),
+    ) -> Result<FilterAction, HostError> {
+        let params = (context as i32, size as i32, i32::from(end_of_stream));
+        let action = Self::action(self.call(callback, context, params)?)?;
         if action == FilterAction::Continue {
-            let stream = self.stream_mut(context)?;
-            let body = std::mem::take(&mut stream.response_body);
-            stream.forwarded_response_body.extend_from_slice(&body);
+            released(self.stream_mut(context)?);
         }
         Ok(action)
     }

@@ -728,6 +728,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut samples = vec![take_sample(&fleet, &counters, 0.0, 1.0).await?];
     counters.latencies.lock().clear();
     let mut last_sample_at = started;
+    // A sample at the soak's current time over the period since the previous one.
+    let sample_since = async |previous: Instant| {
+        let t_s = started.elapsed().as_secs_f64();
+        take_sample(&fleet, &counters, t_s, previous.elapsed().as_secs_f64()).await
+    };
     let mut arrivals = SmallRng::seed_from_u64(args.seed ^ 0x5eed);
     let mut next_arrival = started;
     let client = HttpClient::new();
@@ -736,13 +741,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     while started.elapsed() < total {
         let now = Instant::now();
         if now >= next_sample {
-            let s = take_sample(
-                &fleet,
-                &counters,
-                started.elapsed().as_secs_f64(),
-                last_sample_at.elapsed().as_secs_f64(),
-            )
-            .await?;
+            let s = sample_since(last_sample_at).await?;
             last_sample_at = Instant::now();
             eprintln!(
                 "soak t={:>5.0}s ok={} failed={} in_flight={} rps={:.2} p99={:.0}ms cp_rss={}kB \
@@ -787,13 +786,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     while counters.in_flight.load(Ordering::Relaxed) > 0 && Instant::now() < drain_deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let last = take_sample(
-        &fleet,
-        &counters,
-        started.elapsed().as_secs_f64(),
-        last_sample_at.elapsed().as_secs_f64(),
-    )
-    .await?;
+    let last = sample_since(last_sample_at).await?;
     samples.push(last);
     std::fs::write(&csv_path, csv(&samples))
         .with_context(|| format!("cannot write {}", csv_path.display()))?;
