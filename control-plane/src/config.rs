@@ -795,6 +795,10 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
     non_negative("router.scoring.itl_ms_idle", s.itl_ms_idle)?;
     non_negative("router.scoring.itl_ms_full", s.itl_ms_full)?;
     non_negative("router.scoring.decode_weight", s.decode_weight)?;
+    non_negative(
+        "router.scoring.prefill_stall_weight",
+        s.prefill_stall_weight,
+    )?;
     non_negative("router.local.defer_above_ms", r.local.defer_above_ms)?;
     let p = &r.precise;
     range_u64(
