@@ -475,6 +475,14 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     let runs = run_all(&args, &policies, &cfg, &router, args.speedup)?;
     let results: Vec<PolicySummary> = runs.iter().map(PolicySummary::of).collect();
     println!("{}", table(&results));
+    println!(
+        "busiest replica's share of requests: {}",
+        results
+            .iter()
+            .map(|r| format!("{} {:.0}%", r.policy, r.busiest_replica_share * 100.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     for r in &results {
         if let Some(local) = r.local_decision_fraction {
             println!(

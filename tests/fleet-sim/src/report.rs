@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::des::RunResult;
+use super::des::{RequestRecord, RunResult};
 
 /// Percentiles of a latency distribution (ms).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -71,6 +71,9 @@ pub struct PolicySummary {
     /// Share of decisions a proxy's copy took without a route call (policies deciding in proxies).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_decision_fraction: Option<f64>,
+    /// Share of the requests routed to the replica that got the most: a cache-aware router
+    /// that draws a fleet onto one prefix holder shows here long before its TTFT does.
+    pub busiest_replica_share: f64,
 }
 
 impl PolicySummary {
@@ -119,7 +122,25 @@ impl PolicySummary {
             cached_prediction_error: (any && actual > 0.0)
                 .then(|| (predicted - actual).abs() / actual),
             local_decision_fraction: run.local_decision_fraction,
+            busiest_replica_share: busiest_share(&run.records),
         }
+    }
+}
+
+/// The share of `records` routed to the replica that got the most of them (0 when empty).
+fn busiest_share(records: &[RequestRecord]) -> f64 {
+    let mut per_replica: Vec<usize> = Vec::new();
+    for r in records {
+        if per_replica.len() <= r.replica {
+            per_replica.resize(r.replica + 1, 0);
+        }
+        per_replica[r.replica] += 1;
+    }
+    let busiest = per_replica.iter().copied().max().unwrap_or(0);
+    if records.is_empty() {
+        0.0
+    } else {
+        busiest as f64 / records.len() as f64
     }
 }
 
@@ -321,6 +342,17 @@ mod tests {
         let l = Latency::of(&mut v);
         assert_eq!((l.p50, l.p90, l.p99), (50.0, 90.0, 99.0));
         assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn the_busiest_replicas_share_counts_routed_requests() {
+        let on = |replica| RequestRecord {
+            replica,
+            ..RequestRecord::default()
+        };
+        let records = [on(2), on(2), on(0), on(2)];
+        assert_eq!(busiest_share(&records), 0.75);
+        assert_eq!(busiest_share(&[]), 0.0);
     }
 
     #[test]
