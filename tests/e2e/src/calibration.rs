@@ -144,5 +144,5 @@ async fn the_router_learns_each_replica_s_rates_from_its_metrics_within_a_minute
             assert!(metrics.contains(&needle), "{needle} missing");
         }
     };
-    common::bounded("calibration", TEST_TIMEOUT, body).await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }

@@ -42,11 +42,11 @@ pub async fn start_fleet(cfg: FleetConfig, tools: &Tools) -> Fleet {
 /// to move what they measure.
 pub static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Runs a test body under `limit`: a hang fails the test with its name instead of stalling
+/// Runs a test body under `limit`: a hang fails the test (libtest names it) instead of stalling
 /// the whole binary.
-pub async fn bounded<F: Future<Output = ()>>(name: &str, limit: Duration, body: F) {
+pub async fn bounded<F: Future<Output = ()>>(limit: Duration, body: F) {
     if tokio::time::timeout(limit, body).await.is_err() {
-        panic!("{name} did not finish within {limit:?}");
+        panic!("the test did not finish within {limit:?}");
     }
 }
 

@@ -127,5 +127,5 @@ async fn long_prompts_are_prefilled_remotely_short_ones_locally() {
             "{metrics}"
         );
     };
-    common::bounded("disaggregation test", TEST_TIMEOUT, body).await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }

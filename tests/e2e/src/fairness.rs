@@ -166,191 +166,186 @@ fn sample(text: &str, prefix: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sheds_by_criticality_and_fair_share_and_limits_prompts_per_tenant() {
     let tools = tools();
-    common::bounded(
-        "sheds_by_criticality_and_fair_share_and_limits_prompts_per_tenant",
-        TEST_TIMEOUT,
-        async {
-            let fleet = start(&tools).await;
-            let tenant = |t| ("x-kvroute-tenant", t);
-            let crit = |c| ("x-kvroute-criticality", c);
-            let small_q = body(8, 1, 2);
+    common::bounded(TEST_TIMEOUT, async {
+        let fleet = start(&tools).await;
+        let tenant = |t| ("x-kvroute-tenant", t);
+        let crit = |c| ("x-kvroute-criticality", c);
+        let small_q = body(8, 1, 2);
 
-            // Idle fleet: everything is served (retry while the first scrapes arrive: metrics not
-            // yet scraped count as saturated).
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                let r = chat(&fleet, &small_q, &[tenant("chat"), crit("sheddable")]).await;
-                if r.status == 200 {
-                    break;
-                }
-                assert_eq!(r.status, 429, "{}", r.body);
-                assert!(Instant::now() < deadline, "an idle fleet kept shedding");
-                tokio::time::sleep(Duration::from_millis(200)).await;
+        // Idle fleet: everything is served (retry while the first scrapes arrive: metrics not
+        // yet scraped count as saturated).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = chat(&fleet, &small_q, &[tenant("chat"), crit("sheddable")]).await;
+            if r.status == 200 {
+                break;
             }
-            served(&fleet, "idle standard", &small_q, &[tenant("chat")]).await;
-            served(&fleet, "idle, no headers", &small_q, &[]).await;
+            assert_eq!(r.status, 429, "{}", r.body);
+            assert!(Instant::now() < deadline, "an idle fleet kept shedding");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        served(&fleet, "idle standard", &small_q, &[tenant("chat")]).await;
+        served(&fleet, "idle, no headers", &small_q, &[]).await;
 
-            // Per-tenant prompt limit: 413 whatever the load; other tenants are not limited.
-            let big = body(600, 2, 2);
-            let (r, error) = refused(
-                &fleet,
-                "over max_prompt_bytes",
-                413,
-                &big,
-                &[tenant("small")],
-            )
-            .await;
-            assert_eq!(
-                error["type"], "request_too_large",
-                "{} / {:?}",
-                r.body, r.headers
-            );
-            assert!(
-                error["message"].as_str().unwrap().contains("\"small\""),
-                "{error}"
-            );
-            assert_eq!(r.header("retry-after"), None);
-            refused(
-                &fleet,
-                "llm-d fairness id",
-                413,
-                &big,
-                &[("x-llm-d-inference-fairness-id", "small")],
-            )
-            .await;
+        // Per-tenant prompt limit: 413 whatever the load; other tenants are not limited.
+        let big = body(600, 2, 2);
+        let (r, error) = refused(
+            &fleet,
+            "over max_prompt_bytes",
+            413,
+            &big,
+            &[tenant("small")],
+        )
+        .await;
+        assert_eq!(
+            error["type"], "request_too_large",
+            "{} / {:?}",
+            r.body, r.headers
+        );
+        assert!(
+            error["message"].as_str().unwrap().contains("\"small\""),
+            "{error}"
+        );
+        assert_eq!(r.header("retry-after"), None);
+        refused(
+            &fleet,
+            "llm-d fairness id",
+            413,
+            &big,
+            &[("x-llm-d-inference-fairness-id", "small")],
+        )
+        .await;
+        served(
+            &fleet,
+            "small prompt of a limited tenant",
+            &small_q,
+            &[tenant("small")],
+        )
+        .await;
+
+        // Tenant `batch` floods (standard, long prompts) while the fleet has room: admitted,
+        // and its token counter runs far ahead of `chat`'s.
+        for i in 0..8 {
             served(
                 &fleet,
-                "small prompt of a limited tenant",
-                &small_q,
-                &[tenant("small")],
-            )
-            .await;
-
-            // Tenant `batch` floods (standard, long prompts) while the fleet has room: admitted,
-            // and its token counter runs far ahead of `chat`'s.
-            for i in 0..8 {
-                served(
-                    &fleet,
-                    "batch while idle",
-                    &body(800, 10 + i, 2),
-                    &[tenant("batch")],
-                )
-                .await;
-            }
-
-            // Saturation between sheddable_at (1) and standard_at (3): KV ≈ 0.2 of each replica.
-            let mut background = hold_kv(&fleet, 1_500, 1);
-            let kv = wait_kv_at_least(&fleet, KV_LIMIT * 1.1).await;
-            eprintln!("moderate saturation: KV use {kv:?}");
-            assert!(
-                kv.iter().all(|k| *k < KV_LIMIT * STANDARD_AT * 0.9),
-                "background too large for the moderate phase: {kv:?}"
-            );
-            let (r, error) = refused(
-                &fleet,
-                "sheddable when saturated",
-                429,
-                &small_q,
-                &[tenant("chat"), crit("sheddable")],
-            )
-            .await;
-            assert_eq!(error["type"], "rate_limit_exceeded");
-            assert_eq!(r.header("retry-after"), Some("2"));
-            refused(
-                &fleet,
-                "llm-d negative priority",
-                429,
-                &small_q,
-                &[("x-llm-d-inference-objective", "-1")],
-            )
-            .await;
-            served(
-                &fleet,
-                "standard chat, moderate",
-                &small_q,
-                &[tenant("chat")],
-            )
-            .await;
-            let (_, error) = refused(
-                &fleet,
-                "standard batch over its fair share",
-                429,
-                &small_q,
+                "batch while idle",
+                &body(800, 10 + i, 2),
                 &[tenant("batch")],
             )
             .await;
-            assert!(
-                error["message"].as_str().unwrap().contains("fair share"),
-                "{error}"
-            );
-            served(
-                &fleet,
-                "critical batch, moderate",
-                &small_q,
-                &[tenant("batch"), crit("critical")],
-            )
-            .await;
+        }
 
-            // Saturation past standard_at: KV ≈ 0.6 of each replica.
-            background.extend(hold_kv(&fleet, 1_500, 2));
-            background.extend(hold_kv(&fleet, 1_500, 3));
-            let kv = wait_kv_at_least(&fleet, KV_LIMIT * STANDARD_AT * 1.05).await;
-            eprintln!("heavy saturation: KV use {kv:?}");
-            refused(&fleet, "standard, heavy", 429, &small_q, &[tenant("chat")]).await;
-            refused(&fleet, "no headers, heavy", 429, &small_q, &[]).await;
-            served(
-                &fleet,
-                "critical, heavy",
-                &small_q,
-                &[tenant("chat"), crit("critical")],
-            )
-            .await;
-            served(
-                &fleet,
-                "llm-d positive priority, heavy",
-                &small_q,
-                &[("x-llm-d-inference-objective", "5")],
-            )
-            .await;
+        // Saturation between sheddable_at (1) and standard_at (3): KV ≈ 0.2 of each replica.
+        let mut background = hold_kv(&fleet, 1_500, 1);
+        let kv = wait_kv_at_least(&fleet, KV_LIMIT * 1.1).await;
+        eprintln!("moderate saturation: KV use {kv:?}");
+        assert!(
+            kv.iter().all(|k| *k < KV_LIMIT * STANDARD_AT * 0.9),
+            "background too large for the moderate phase: {kv:?}"
+        );
+        let (r, error) = refused(
+            &fleet,
+            "sheddable when saturated",
+            429,
+            &small_q,
+            &[tenant("chat"), crit("sheddable")],
+        )
+        .await;
+        assert_eq!(error["type"], "rate_limit_exceeded");
+        assert_eq!(r.header("retry-after"), Some("2"));
+        refused(
+            &fleet,
+            "llm-d negative priority",
+            429,
+            &small_q,
+            &[("x-llm-d-inference-objective", "-1")],
+        )
+        .await;
+        served(
+            &fleet,
+            "standard chat, moderate",
+            &small_q,
+            &[tenant("chat")],
+        )
+        .await;
+        let (_, error) = refused(
+            &fleet,
+            "standard batch over its fair share",
+            429,
+            &small_q,
+            &[tenant("batch")],
+        )
+        .await;
+        assert!(
+            error["message"].as_str().unwrap().contains("fair share"),
+            "{error}"
+        );
+        served(
+            &fleet,
+            "critical batch, moderate",
+            &small_q,
+            &[tenant("batch"), crit("critical")],
+        )
+        .await;
 
-            // Metrics on both sides.
-            let cp = common::cp_metrics(&fleet).await;
-            let shed =
-                |labels: &str| sample(&cp, &format!("kvroute_requests_shed_total{{{labels}}}"));
-            assert!(
-                shed("criticality=\"sheddable\",tenant=\"chat\"") >= 1.0,
-                "{cp}"
-            );
-            assert!(
-                shed("criticality=\"standard\",tenant=\"batch\"") >= 1.0,
-                "{cp}"
-            );
-            assert!(
-                shed("criticality=\"standard\",tenant=\"default\"") >= 1.0,
-                "{cp}"
-            );
-            assert_eq!(
-                sample(&cp, "kvroute_requests_shed_total{criticality=\"critical\""),
-                0.0,
-                "{cp}"
-            );
-            assert!(sample(&cp, "kvroute_requests_shed_over_fair_share_total") >= 1.0);
-            assert!(sample(&cp, "kvroute_requests_too_large_total{tenant=\"small\"}") >= 2.0);
-            assert!(
-                sample(&cp, "kvroute_fleet_saturation") >= STANDARD_AT,
-                "{cp}"
-            );
-            let rejected = fleet.envoy_counter("kvroute_requests_rejected").await;
-            assert!(
-                rejected >= 7.0,
-                "{rejected} local answers counted by the filter"
-            );
+        // Saturation past standard_at: KV ≈ 0.6 of each replica.
+        background.extend(hold_kv(&fleet, 1_500, 2));
+        background.extend(hold_kv(&fleet, 1_500, 3));
+        let kv = wait_kv_at_least(&fleet, KV_LIMIT * STANDARD_AT * 1.05).await;
+        eprintln!("heavy saturation: KV use {kv:?}");
+        refused(&fleet, "standard, heavy", 429, &small_q, &[tenant("chat")]).await;
+        refused(&fleet, "no headers, heavy", 429, &small_q, &[]).await;
+        served(
+            &fleet,
+            "critical, heavy",
+            &small_q,
+            &[tenant("chat"), crit("critical")],
+        )
+        .await;
+        served(
+            &fleet,
+            "llm-d positive priority, heavy",
+            &small_q,
+            &[("x-llm-d-inference-objective", "5")],
+        )
+        .await;
 
-            for task in background {
-                task.abort();
-            }
-        },
-    )
+        // Metrics on both sides.
+        let cp = common::cp_metrics(&fleet).await;
+        let shed = |labels: &str| sample(&cp, &format!("kvroute_requests_shed_total{{{labels}}}"));
+        assert!(
+            shed("criticality=\"sheddable\",tenant=\"chat\"") >= 1.0,
+            "{cp}"
+        );
+        assert!(
+            shed("criticality=\"standard\",tenant=\"batch\"") >= 1.0,
+            "{cp}"
+        );
+        assert!(
+            shed("criticality=\"standard\",tenant=\"default\"") >= 1.0,
+            "{cp}"
+        );
+        assert_eq!(
+            sample(&cp, "kvroute_requests_shed_total{criticality=\"critical\""),
+            0.0,
+            "{cp}"
+        );
+        assert!(sample(&cp, "kvroute_requests_shed_over_fair_share_total") >= 1.0);
+        assert!(sample(&cp, "kvroute_requests_too_large_total{tenant=\"small\"}") >= 2.0);
+        assert!(
+            sample(&cp, "kvroute_fleet_saturation") >= STANDARD_AT,
+            "{cp}"
+        );
+        let rejected = fleet.envoy_counter("kvroute_requests_rejected").await;
+        assert!(
+            rejected >= 7.0,
+            "{rejected} local answers counted by the filter"
+        );
+
+        for task in background {
+            task.abort();
+        }
+    })
     .await;
 }
 
@@ -362,10 +357,10 @@ async fn sheds_by_criticality_and_fair_share_and_limits_prompts_per_tenant() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_an_over_share_tenant_to_keep_the_ttft_bound() {
     let tools = tools();
-    common::bounded("refuses_an_over_share_tenant_to_keep_the_ttft_bound", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let mut cfg = common::fleet_config("e2e-fairness-ttft", 2, MODEL);
         // The tenant and criticality headers are the test's own: believed, as behind an authority.
-    cfg.plugin_config = json!({"route_timeout_ms": 5000, "identity_headers": "trusted"});
+        cfg.plugin_config = json!({"route_timeout_ms": 5000, "identity_headers": "trusted"});
         // 2 tokens a second: a routed prompt stays in the router's queue estimate for minutes.
         cfg.control_plane_router = json!({"scoring": {"prefill_tokens_per_ms": 0.002}});
         cfg.control_plane_extra = json!({

@@ -736,7 +736,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_slow_or_hung_beyond_the_route_timeout() {
     let tools = tools();
-    bounded("slow control plane", TEST_TIMEOUT, async {
+    bounded(TEST_TIMEOUT, async {
         let topo = Topo::start(&tools, "faults-cp-slow", 2, 2).await;
         let baseline = burst(&topo, 10, 12, 3).await;
         assert_all_ok("baseline", &baseline, &topo);
@@ -774,7 +774,7 @@ async fn control_plane_slow_or_hung_beyond_the_route_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_answering_garbage_errors_or_resets() {
     let tools = tools();
-    bounded("garbage control plane", TEST_TIMEOUT, async {
+    bounded(TEST_TIMEOUT, async {
         let topo = Topo::start(&tools, "faults-cp-garbage", 2, 2).await;
         let modes = [
             Mode::Garbage("this is not json".into()),
@@ -822,7 +822,7 @@ async fn control_plane_answering_garbage_errors_or_resets() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_killed_under_load_then_restarted() {
     let tools = tools();
-    bounded("control plane restart", TEST_TIMEOUT, async {
+    bounded(TEST_TIMEOUT, async {
         let mut topo = Topo::start(&tools, "faults-cp-restart", 3, 3).await;
         // Load from 3 workers for the whole test; `sent` counts requests as they start.
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -984,7 +984,7 @@ async fn control_plane_killed_under_load_then_restarted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_killed_mid_stream() {
     let tools = tools();
-    bounded("replica killed", TEST_TIMEOUT, async {
+    bounded(TEST_TIMEOUT, async {
         let mut topo = Topo::start(&tools, "faults-replica-kill", 3, 3).await;
         // Long streams (about 2 s each at --speed 2) on every replica.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
@@ -1064,7 +1064,7 @@ async fn replica_killed_mid_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_metrics_garbage_makes_it_unusable_until_fixed() {
     let tools = tools();
-    bounded("garbage metrics", TEST_TIMEOUT, async {
+    bounded(TEST_TIMEOUT, async {
         let topo = Topo::start(&tools, "faults-metrics-garbage", 2, 2).await;
         let sick = topo.sims[0].address();
         topo.set_sim_fault(0, json!({"garbage_metrics": true}))
@@ -1105,7 +1105,7 @@ async fn replica_metrics_garbage_makes_it_unusable_until_fixed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_hanging_is_avoided() {
     let tools = tools();
-    bounded("hanging replica", TEST_TIMEOUT, async {
+    bounded(TEST_TIMEOUT, async {
         let topo = Topo::start(&tools, "faults-replica-hang", 2, 2).await;
         let hung = topo.sims[0].address();
         topo.set_sim_fault(0, json!({"hang": true})).await;
@@ -1132,7 +1132,7 @@ async fn replica_hanging_is_avoided() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_starting_late_joins_under_load() {
     let tools = tools();
-    bounded("late replica", TEST_TIMEOUT, async {
+    bounded(TEST_TIMEOUT, async {
         // Three endpoints configured, two running: the third is "added" under load.
         let mut topo = Topo::start(&tools, "faults-late-replica", 3, 2).await;
         let late = topo.sims[2].address();
@@ -1173,7 +1173,7 @@ async fn chaos_mixed_faults() {
         .unwrap_or(42);
     let limit = Duration::from_secs(secs + 90);
     let tools = tools();
-    bounded("chaos", limit, async {
+    bounded(limit, async {
         let mut topo = Topo::start(&tools, "faults-chaos", 3, 3).await;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut load = tokio::task::JoinSet::new();

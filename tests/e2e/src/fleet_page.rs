@@ -255,7 +255,7 @@ async fn fleet_page_and_json_reflect_the_traffic() {
             );
         }
     };
-    common::bounded("fleet page test", TEST_TIMEOUT, body).await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }
 
 /// Metric names (`kvroute_*`, `vllm:*`) in the Grafana dashboard's queries.
@@ -421,5 +421,5 @@ async fn fleet_page_renders_in_headless_chromium() {
         assert!(bytes.len() > 20_000, "suspiciously small screenshot");
         eprintln!("fleet page screenshot: {}", png.display());
     };
-    common::bounded("fleet page browser test", TEST_TIMEOUT, body).await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }

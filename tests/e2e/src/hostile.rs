@@ -80,51 +80,47 @@ async fn cp_value(fleet: &Fleet, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_control_plane_leaves_no_phantom_load() {
     let tools = tools();
-    common::bounded(
-        "a_stalled_control_plane_leaves_no_phantom_load",
-        TEST_TIMEOUT,
-        async {
-            let mut cfg = common::fleet_config("e2e-hostile-stall", 2, MODEL);
-            cfg.plugin_config = json!({"route_timeout_ms": 150});
-            cfg.control_plane_extra = admission(4.0);
-            let fleet = common::start_fleet(cfg, &tools).await;
-            let (before, _) = sequential(&fleet, 1, 5).await;
-            assert_eq!(before.get(&200), Some(&5), "{before:?}");
+    common::bounded(TEST_TIMEOUT, async {
+        let mut cfg = common::fleet_config("e2e-hostile-stall", 2, MODEL);
+        cfg.plugin_config = json!({"route_timeout_ms": 150});
+        cfg.control_plane_extra = admission(4.0);
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let (before, _) = sequential(&fleet, 1, 5).await;
+        assert_eq!(before.get(&200), Some(&5), "{before:?}");
 
-            signal(&fleet, "-STOP");
-            let stalled = Instant::now();
-            let mut sent = Vec::new();
-            while stalled.elapsed() < Duration::from_secs(3) {
-                let fleet = &fleet;
-                let seed = 1_000 + sent.len() as u64;
-                sent.push(async move { chat(fleet, seed, &[]).await.status });
-                tokio::time::sleep(Duration::from_millis(50)).await;
+        signal(&fleet, "-STOP");
+        let stalled = Instant::now();
+        let mut sent = Vec::new();
+        while stalled.elapsed() < Duration::from_secs(3) {
+            let fleet = &fleet;
+            let seed = 1_000 + sent.len() as u64;
+            sent.push(async move { chat(fleet, seed, &[]).await.status });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let during = futures_util::future::join_all(sent).await;
+        signal(&fleet, "-CONT");
+        let failed = during.iter().filter(|s| **s != 200).count();
+        assert_eq!(failed, 0, "requests during the stall fail open: {during:?}");
+
+        // The resumed control plane decides the queued calls, then hears their withdrawals
+        // (the filter sends them again until one feedback call gets through).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let inflight = loop {
+            let inflight = cp_value(&fleet, "kvroute_inflight").await;
+            if inflight <= 2.0 || Instant::now() > deadline {
+                break inflight;
             }
-            let during = futures_util::future::join_all(sent).await;
-            signal(&fleet, "-CONT");
-            let failed = during.iter().filter(|s| **s != 200).count();
-            assert_eq!(failed, 0, "requests during the stall fail open: {during:?}");
-
-            // The resumed control plane decides the queued calls, then hears their withdrawals
-            // (the filter sends them again until one feedback call gets through).
-            let deadline = Instant::now() + Duration::from_secs(20);
-            let inflight = loop {
-                let inflight = cp_value(&fleet, "kvroute_inflight").await;
-                if inflight <= 2.0 || Instant::now() > deadline {
-                    break inflight;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            };
-            let withdrawn = cp_value(&fleet, "kvroute_withdrawn_decisions_total").await;
-            eprintln!(
-                "stall: {} requests failed open, {withdrawn} withdrawn, {inflight} in flight after",
-                during.len()
-            );
-            assert!(inflight <= 2.0, "phantom in-flight entries: {inflight}");
-            let (after, _) = sequential(&fleet, 2_000, 20).await;
-            assert_eq!(after.get(&200), Some(&20), "after the stall: {after:?}");
-        },
-    )
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let withdrawn = cp_value(&fleet, "kvroute_withdrawn_decisions_total").await;
+        eprintln!(
+            "stall: {} requests failed open, {withdrawn} withdrawn, {inflight} in flight after",
+            during.len()
+        );
+        assert!(inflight <= 2.0, "phantom in-flight entries: {inflight}");
+        let (after, _) = sequential(&fleet, 2_000, 20).await;
+        assert_eq!(after.get(&200), Some(&20), "after the stall: {after:?}");
+    })
     .await;
 }
 
@@ -137,117 +133,111 @@ async fn a_stalled_control_plane_leaves_no_phantom_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_api_call_cannot_take_a_replica_out_or_release_others_load() {
     let tools = tools();
-    common::bounded(
-        "one_api_call_cannot_take_a_replica_out_or_release_others_load",
-        TEST_TIMEOUT,
-        async {
-            let mut cfg = common::fleet_config("e2e-hostile-api", 2, MODEL);
-            cfg.plugin_config = json!({"auth_token": TOKEN, "route_timeout_ms": 5000});
-            cfg.control_plane_extra = json!({"auth_token": TOKEN});
-            let fleet = common::start_fleet(cfg, &tools).await;
-            let cp = fleet.control_plane.as_ref().unwrap();
-            let api = format!("http://{}", cp.api_address);
-            let post = |path: &str, body: Value, token: bool| {
-                let url = format!("{api}{path}");
-                let client = fleet.client().clone();
-                async move {
-                    let headers: &[(&str, &str)] = if token {
-                        &[("x-kvroute-token", TOKEN)]
-                    } else {
-                        &[]
-                    };
-                    client
-                        .request(
-                            "POST",
-                            &url,
-                            headers,
-                            Some(body.to_string()),
-                            REQUEST_TIMEOUT,
-                        )
-                        .await
-                        .unwrap_or_else(|e| panic!("{url}: {e}"))
-                }
-            };
-            // (Its `max_output_tokens` is left at the default: a claim of a huge output is
-            // bounded by `router.max_request_tokens` only, see docs/RELIABILITY.md.)
-            let forged = json!({"model": MODEL, "prompt_bytes": 4_294_967_295u64,
-                                "prompt_tokens": 4_294_967_295u32, "block_hashes": [1, 2]});
-            // No token: refused, 300 times over.
-            for _ in 0..300 {
-                assert_eq!(post("/v1/route", forged.clone(), false).await.status, 401);
+    common::bounded(TEST_TIMEOUT, async {
+        let mut cfg = common::fleet_config("e2e-hostile-api", 2, MODEL);
+        cfg.plugin_config = json!({"auth_token": TOKEN, "route_timeout_ms": 5000});
+        cfg.control_plane_extra = json!({"auth_token": TOKEN});
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let cp = fleet.control_plane.as_ref().unwrap();
+        let api = format!("http://{}", cp.api_address);
+        let post = |path: &str, body: Value, token: bool| {
+            let url = format!("{api}{path}");
+            let client = fleet.client().clone();
+            async move {
+                let headers: &[(&str, &str)] = if token {
+                    &[("x-kvroute-token", TOKEN)]
+                } else {
+                    &[]
+                };
+                client
+                    .request(
+                        "POST",
+                        &url,
+                        headers,
+                        Some(body.to_string()),
+                        REQUEST_TIMEOUT,
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{url}: {e}"))
             }
-            assert_eq!(cp_value(&fleet, "kvroute_inflight").await, 0.0);
-            // With the token: one forged call.
-            let answer = post("/v1/route", forged, true).await;
-            assert_eq!(answer.status, 200, "{}", answer.body);
-            let answer: Value = serde_json::from_str(&answer.body).unwrap();
-            let victim = answer["endpoints"][0].as_str().unwrap().to_string();
-            let views: Value =
-                serde_json::from_str(&common::cp_get(&fleet, "/debug/endpoints").await).unwrap();
-            let backlog = views
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|v| v["address"] == victim.as_str())
-                .map(|v| v["backlog_tokens"].as_f64().unwrap())
-                .unwrap();
-            eprintln!("a forged 4-GB route call left {backlog} backlog tokens on {victim}");
-            assert!(backlog < 1_000.0, "forged size priced: {backlog} tokens");
+        };
+        // (Its `max_output_tokens` is left at the default: a claim of a huge output is
+        // bounded by `router.max_request_tokens` only, see docs/RELIABILITY.md.)
+        let forged = json!({"model": MODEL, "prompt_bytes": 4_294_967_295u64,
+                                "prompt_tokens": 4_294_967_295u32, "block_hashes": [1, 2]});
+        // No token: refused, 300 times over.
+        for _ in 0..300 {
+            assert_eq!(post("/v1/route", forged.clone(), false).await.status, 401);
+        }
+        assert_eq!(cp_value(&fleet, "kvroute_inflight").await, 0.0);
+        // With the token: one forged call.
+        let answer = post("/v1/route", forged, true).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let answer: Value = serde_json::from_str(&answer.body).unwrap();
+        let victim = answer["endpoints"][0].as_str().unwrap().to_string();
+        let views: Value =
+            serde_json::from_str(&common::cp_get(&fleet, "/debug/endpoints").await).unwrap();
+        let backlog = views
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["address"] == victim.as_str())
+            .map(|v| v["backlog_tokens"].as_f64().unwrap())
+            .unwrap();
+        eprintln!("a forged 4-GB route call left {backlog} backlog tokens on {victim}");
+        assert!(backlog < 1_000.0, "forged size priced: {backlog} tokens");
 
-            // A real client's requests in flight, and feedback over every id near them.
-            let slow = async {
-                let body = common::user_chat(MODEL, &common::words(7, 40), 200);
-                common::chat_through(&fleet, &body, &[], REQUEST_TIMEOUT).await
-            };
-            let flood = async {
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                let seen = cp_value(&fleet, "kvroute_inflight").await;
-                let outcomes: Vec<Value> = (0..400u64)
-                    .map(|id| {
-                        json!({"decision_id": id, "endpoint": victim, "status": 200,
+        // A real client's requests in flight, and feedback over every id near them.
+        let slow = async {
+            let body = common::user_chat(MODEL, &common::words(7, 40), 200);
+            common::chat_through(&fleet, &body, &[], REQUEST_TIMEOUT).await
+        };
+        let flood = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let seen = cp_value(&fleet, "kvroute_inflight").await;
+            let outcomes: Vec<Value> = (0..400u64)
+                .map(|id| {
+                    json!({"decision_id": id, "endpoint": victim, "status": 200,
                                      "ttfb_ms": 1u64 << 40, "total_ms": 1u64 << 40})
-                    })
-                    .collect();
-                let r = post("/v1/feedback", json!({ "outcomes": outcomes }), true).await;
-                assert_eq!(r.status, 204, "{}", r.body);
-                (seen, cp_value(&fleet, "kvroute_inflight").await)
-            };
-            let (served, (before, after)) = tokio::join!(slow, flood);
-            assert_eq!(served.status, 200, "{}", served.body);
-            assert!(before >= 2.0, "the forged call and the real one: {before}");
-            assert_eq!(after, before, "guessed ids released load");
-            let refused = prometheus_sum_with(
-                &common::cp_metrics(&fleet).await,
-                "kvroute_rejected_requests_total",
-                "reason=\"unknown_decision\"",
-            );
-            assert_eq!(refused, 400.0);
+                })
+                .collect();
+            let r = post("/v1/feedback", json!({ "outcomes": outcomes }), true).await;
+            assert_eq!(r.status, 204, "{}", r.body);
+            (seen, cp_value(&fleet, "kvroute_inflight").await)
+        };
+        let (served, (before, after)) = tokio::join!(slow, flood);
+        assert_eq!(served.status, 200, "{}", served.body);
+        assert!(before >= 2.0, "the forged call and the real one: {before}");
+        assert_eq!(after, before, "guessed ids released load");
+        let refused = prometheus_sum_with(
+            &common::cp_metrics(&fleet).await,
+            "kvroute_rejected_requests_total",
+            "reason=\"unknown_decision\"",
+        );
+        assert_eq!(refused, 400.0);
 
-            // The attacked replica costs what one ordinary request in flight costs, not days
-            // of prefill: sequential requests prefer the other replica (it has one request
-            // fewer), but 12 at once spread over both.
-            let burst = (0..12u64).map(|i| {
-                let fleet = &fleet;
-                async move {
-                    let body = common::user_chat(MODEL, &common::words(500 + i, 40), 60);
-                    common::chat_through(fleet, &body, &[], REQUEST_TIMEOUT).await
-                }
-            });
-            let answers = futures_util::future::join_all(burst).await;
-            assert!(answers.iter().all(|r| r.status == 200), "{answers:?}");
-            let on_victim = answers
-                .iter()
-                .filter(|r| common::replica_header(r) == victim)
-                .count();
-            eprintln!(
-                "after the attack: {on_victim}/12 concurrent requests on the attacked replica"
-            );
-            assert!(
-                (3..=9).contains(&on_victim),
-                "traffic steered: {on_victim}/12 on {victim}"
-            );
-        },
-    )
+        // The attacked replica costs what one ordinary request in flight costs, not days
+        // of prefill: sequential requests prefer the other replica (it has one request
+        // fewer), but 12 at once spread over both.
+        let burst = (0..12u64).map(|i| {
+            let fleet = &fleet;
+            async move {
+                let body = common::user_chat(MODEL, &common::words(500 + i, 40), 60);
+                common::chat_through(fleet, &body, &[], REQUEST_TIMEOUT).await
+            }
+        });
+        let answers = futures_util::future::join_all(burst).await;
+        assert!(answers.iter().all(|r| r.status == 200), "{answers:?}");
+        let on_victim = answers
+            .iter()
+            .filter(|r| common::replica_header(r) == victim)
+            .count();
+        eprintln!("after the attack: {on_victim}/12 concurrent requests on the attacked replica");
+        assert!(
+            (3..=9).contains(&on_victim),
+            "traffic steered: {on_victim}/12 on {victim}"
+        );
+    })
     .await;
 }
 
@@ -259,21 +249,17 @@ async fn one_api_call_cannot_take_a_replica_out_or_release_others_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequential_client_is_never_shed_for_its_own_finished_requests() {
     let tools = tools();
-    common::bounded(
-        "a_sequential_client_is_never_shed_for_its_own_finished_requests",
-        TEST_TIMEOUT,
-        async {
-            let mut cfg = common::fleet_config("e2e-hostile-lag", 2, MODEL);
-            cfg.plugin_config = json!({"feedback_interval_ms": 1000, "route_timeout_ms": 5000});
-            cfg.control_plane_extra = admission(4.0);
-            let fleet = common::start_fleet(cfg, &tools).await;
-            let started = Instant::now();
-            let (statuses, _) = sequential(&fleet, 1, 100).await;
-            let rate = 100.0 / started.elapsed().as_secs_f64();
-            eprintln!("sequential client at {rate:.0} req/s: {statuses:?}");
-            assert_eq!(statuses.get(&200), Some(&100), "{statuses:?}");
-        },
-    )
+    common::bounded(TEST_TIMEOUT, async {
+        let mut cfg = common::fleet_config("e2e-hostile-lag", 2, MODEL);
+        cfg.plugin_config = json!({"feedback_interval_ms": 1000, "route_timeout_ms": 5000});
+        cfg.control_plane_extra = admission(4.0);
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let started = Instant::now();
+        let (statuses, _) = sequential(&fleet, 1, 100).await;
+        let rate = 100.0 / started.elapsed().as_secs_f64();
+        eprintln!("sequential client at {rate:.0} req/s: {statuses:?}");
+        assert_eq!(statuses.get(&200), Some(&100), "{statuses:?}");
+    })
     .await;
 }
 
@@ -284,44 +270,40 @@ async fn a_sequential_client_is_never_shed_for_its_own_finished_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_cannot_claim_another_tenant() {
     let tools = tools();
-    common::bounded(
-        "a_client_cannot_claim_another_tenant",
-        TEST_TIMEOUT,
-        async {
-            let mut cfg = common::fleet_config("e2e-hostile-tenant", 1, MODEL);
-            cfg.plugin_config = json!({"route_timeout_ms": 5000});
-            cfg.control_plane_extra = json!({
-                "admission": {
-                    "queue_limit": 100.0,
-                    "kv_limit": 1.0,
-                    "default_tenant": {"max_prompt_bytes": 2000},
-                    "tenants": {"vip": {"weight": 1.0}},
-                }
-            });
-            let fleet = common::start_fleet(cfg, &tools).await;
-            let body = common::user_chat(MODEL, &common::words(3, 1_000), 4);
-            for header in ["x-kvroute-tenant", "x-llm-d-inference-fairness-id"] {
-                let r = common::chat_through(
-                    &fleet,
-                    &body,
-                    &[(header, "vip"), ("x-kvroute-criticality", "critical")],
-                    REQUEST_TIMEOUT,
-                )
-                .await;
-                assert_eq!(r.status, 413, "{header}: {}", r.body);
+    common::bounded(TEST_TIMEOUT, async {
+        let mut cfg = common::fleet_config("e2e-hostile-tenant", 1, MODEL);
+        cfg.plugin_config = json!({"route_timeout_ms": 5000});
+        cfg.control_plane_extra = json!({
+            "admission": {
+                "queue_limit": 100.0,
+                "kv_limit": 1.0,
+                "default_tenant": {"max_prompt_bytes": 2000},
+                "tenants": {"vip": {"weight": 1.0}},
             }
-            // A short prompt passes, whatever it claims.
-            let short = common::user_chat(MODEL, &common::words(4, 20), 4);
+        });
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let body = common::user_chat(MODEL, &common::words(3, 1_000), 4);
+        for header in ["x-kvroute-tenant", "x-llm-d-inference-fairness-id"] {
             let r = common::chat_through(
                 &fleet,
-                &short,
-                &[("x-kvroute-tenant", "vip")],
+                &body,
+                &[(header, "vip"), ("x-kvroute-criticality", "critical")],
                 REQUEST_TIMEOUT,
             )
             .await;
-            assert_eq!(r.status, 200, "{}", r.body);
-        },
-    )
+            assert_eq!(r.status, 413, "{header}: {}", r.body);
+        }
+        // A short prompt passes, whatever it claims.
+        let short = common::user_chat(MODEL, &common::words(4, 20), 4);
+        let r = common::chat_through(
+            &fleet,
+            &short,
+            &[("x-kvroute-tenant", "vip")],
+            REQUEST_TIMEOUT,
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+    })
     .await;
 }
 
@@ -333,47 +315,42 @@ async fn a_client_cannot_claim_another_tenant() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_the_replica_refuses_leaves_no_backlog() {
     let tools = tools();
-    common::bounded(
-        "a_prompt_the_replica_refuses_leaves_no_backlog",
-        TEST_TIMEOUT,
-        async {
-            let cfg = common::fleet_config("e2e-hostile-refused", 2, MODEL);
-            let fleet = common::start_fleet(cfg, &tools).await;
-            let huge = common::user_chat(MODEL, &"refused ".repeat(480_000), 4);
-            let r = common::chat_through(&fleet, &huge, &[], REQUEST_TIMEOUT).await;
-            assert_eq!(r.status, 400, "the replica must refuse it: {}", r.body);
-            let backlog = |text: &str| -> f64 {
-                let views: Value = serde_json::from_str(text).unwrap_or_default();
-                views
-                    .as_array()
-                    .map(|a| a.iter().filter_map(|v| v["backlog_tokens"].as_f64()).sum())
-                    .unwrap_or(f64::MAX)
-            };
-            let deadline = Instant::now() + Duration::from_secs(5);
-            let left = loop {
-                let left = backlog(&common::cp_get(&fleet, "/debug/endpoints").await);
-                if left < 1_000.0 || Instant::now() > deadline {
-                    break left;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            };
-            eprintln!("a refused 3.9 MB prompt left {left} backlog tokens");
-            assert!(left < 1_000.0, "backlog left by a refused prompt: {left}");
-            // Concurrent ordinary requests use both replicas.
-            let results = futures_util::future::join_all(
-                (0..8u64).map(|seed| chat(&fleet, 3_000 + seed, &[])),
-            )
-            .await;
-            let mut replicas: Vec<String> = results
-                .iter()
-                .filter(|r| r.status == 200)
-                .map(common::replica_header)
-                .collect();
-            assert_eq!(replicas.len(), 8, "ordinary requests after the refusal");
-            replicas.sort();
-            replicas.dedup();
-            assert_eq!(replicas.len(), 2, "one replica was avoided: {replicas:?}");
-        },
-    )
+    common::bounded(TEST_TIMEOUT, async {
+        let cfg = common::fleet_config("e2e-hostile-refused", 2, MODEL);
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let huge = common::user_chat(MODEL, &"refused ".repeat(480_000), 4);
+        let r = common::chat_through(&fleet, &huge, &[], REQUEST_TIMEOUT).await;
+        assert_eq!(r.status, 400, "the replica must refuse it: {}", r.body);
+        let backlog = |text: &str| -> f64 {
+            let views: Value = serde_json::from_str(text).unwrap_or_default();
+            views
+                .as_array()
+                .map(|a| a.iter().filter_map(|v| v["backlog_tokens"].as_f64()).sum())
+                .unwrap_or(f64::MAX)
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let left = loop {
+            let left = backlog(&common::cp_get(&fleet, "/debug/endpoints").await);
+            if left < 1_000.0 || Instant::now() > deadline {
+                break left;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        eprintln!("a refused 3.9 MB prompt left {left} backlog tokens");
+        assert!(left < 1_000.0, "backlog left by a refused prompt: {left}");
+        // Concurrent ordinary requests use both replicas.
+        let results =
+            futures_util::future::join_all((0..8u64).map(|seed| chat(&fleet, 3_000 + seed, &[])))
+                .await;
+        let mut replicas: Vec<String> = results
+            .iter()
+            .filter(|r| r.status == 200)
+            .map(common::replica_header)
+            .collect();
+        assert_eq!(replicas.len(), 8, "ordinary requests after the refusal");
+        replicas.sort();
+        replicas.dedup();
+        assert_eq!(replicas.len(), 2, "one replica was avoided: {replicas:?}");
+    })
     .await;
 }

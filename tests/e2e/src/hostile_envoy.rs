@@ -91,101 +91,96 @@ async fn stalled_multi_megabyte_bodies_cannot_exhaust_envoys_memory() {
     const BOUND_MIB: f64 = 1024.0;
     let tools = tools();
     let _heavy = common::HEAVY.lock().await;
-    common::bounded(
-        "stalled_multi_megabyte_bodies_cannot_exhaust_envoys_memory",
-        Duration::from_secs(150),
-        async {
-            let fleet =
-                common::start_fleet(common::fleet_config("e2e-hostile-heap", 2, MODEL), &tools)
-                    .await;
-            let (ok, other) = honest_chats(&fleet, 1, 5).await;
-            assert_eq!(ok, 5, "before the attack: {other:?}");
-            let baseline = rss_mib(&fleet);
-            assert!(baseline > 0.0, "no VmRSS for Envoy");
+    common::bounded(Duration::from_secs(150), async {
+        let fleet =
+            common::start_fleet(common::fleet_config("e2e-hostile-heap", 2, MODEL), &tools).await;
+        let (ok, other) = honest_chats(&fleet, 1, 5).await;
+        assert_eq!(ok, 5, "before the attack: {other:?}");
+        let baseline = rss_mib(&fleet);
+        assert!(baseline > 0.0, "no VmRSS for Envoy");
 
-            let addr = fleet.envoy.listen_address.clone();
-            let mut attack = tokio::task::JoinSet::new();
-            for _ in 0..CONNECTIONS {
-                let tcp = TcpStream::connect(&addr).await.expect("connect");
-                let (sender, conn) = hyper::client::conn::http2::handshake::<_, _, AttackBody>(
-                    TokioExecutor::new(),
-                    TokioIo::new(tcp),
-                )
-                .await
-                .expect("h2 handshake");
+        let addr = fleet.envoy.listen_address.clone();
+        let mut attack = tokio::task::JoinSet::new();
+        for _ in 0..CONNECTIONS {
+            let tcp = TcpStream::connect(&addr).await.expect("connect");
+            let (sender, conn) = hyper::client::conn::http2::handshake::<_, _, AttackBody>(
+                TokioExecutor::new(),
+                TokioIo::new(tcp),
+            )
+            .await
+            .expect("h2 handshake");
+            attack.spawn(async move {
+                let _ = conn.await;
+                None
+            });
+            for _ in 0..STREAMS {
+                let mut sender = sender.clone();
+                let uri = format!("http://{addr}/v1/chat/completions");
                 attack.spawn(async move {
-                    let _ = conn.await;
-                    None
+                    let req = hyper::Request::builder()
+                        .method("POST")
+                        .uri(uri)
+                        .header("content-type", "application/json")
+                        .header("content-length", DECLARED.to_string())
+                        .body(stalled_body(SENT))
+                        .expect("request");
+                    Some(sender.send_request(req).await.map(|r| r.status().as_u16()))
                 });
-                for _ in 0..STREAMS {
-                    let mut sender = sender.clone();
-                    let uri = format!("http://{addr}/v1/chat/completions");
-                    attack.spawn(async move {
-                        let req = hyper::Request::builder()
-                            .method("POST")
-                            .uri(uri)
-                            .header("content-type", "application/json")
-                            .header("content-length", DECLARED.to_string())
-                            .body(stalled_body(SENT))
-                            .expect("request");
-                        Some(sender.send_request(req).await.map(|r| r.status().as_u16()))
-                    });
-                }
             }
+        }
 
-            // While the attack holds its streams: sample Envoy's memory, and send ordinary
-            // requests on other connections.
-            let started = Instant::now();
-            let mut peak = baseline;
-            let (mut ok, mut other, mut seed) = (0u64, Vec::new(), 100u64);
-            while started.elapsed() < Duration::from_secs(20) {
-                let sampler = async {
-                    let mut peak = 0.0f64;
-                    for _ in 0..10 {
-                        peak = peak.max(rss_mib(&fleet));
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                    peak
-                };
-                let (p, status) = tokio::join!(sampler, honest_chat(&fleet, seed));
-                peak = peak.max(p);
-                seed += 1;
-                match status {
-                    200 => ok += 1,
-                    s => other.push(s),
+        // While the attack holds its streams: sample Envoy's memory, and send ordinary
+        // requests on other connections.
+        let started = Instant::now();
+        let mut peak = baseline;
+        let (mut ok, mut other, mut seed) = (0u64, Vec::new(), 100u64);
+        while started.elapsed() < Duration::from_secs(20) {
+            let sampler = async {
+                let mut peak = 0.0f64;
+                for _ in 0..10 {
+                    peak = peak.max(rss_mib(&fleet));
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
+                peak
+            };
+            let (p, status) = tokio::join!(sampler, honest_chat(&fleet, seed));
+            peak = peak.max(p);
+            seed += 1;
+            match status {
+                200 => ok += 1,
+                s => other.push(s),
             }
-            // How the attack's streams ended so far (reset by the overload manager, or 413/408).
-            let mut ended = 0usize;
-            while let Some(Ok(Some(_))) =
-                tokio::time::timeout(Duration::from_millis(10), attack.join_next())
-                    .await
-                    .ok()
-                    .flatten()
-            {
-                ended += 1;
-            }
-            let during = ok as f64 / (ok as usize + other.len()).max(1) as f64;
-            eprintln!(
-                "stalled h2 bodies: Envoy {baseline:.0} MiB before, {peak:.0} MiB at its peak \
+        }
+        // How the attack's streams ended so far (reset by the overload manager, or 413/408).
+        let mut ended = 0usize;
+        while let Some(Ok(Some(_))) =
+            tokio::time::timeout(Duration::from_millis(10), attack.join_next())
+                .await
+                .ok()
+                .flatten()
+        {
+            ended += 1;
+        }
+        let during = ok as f64 / (ok as usize + other.len()).max(1) as f64;
+        eprintln!(
+            "stalled h2 bodies: Envoy {baseline:.0} MiB before, {peak:.0} MiB at its peak \
                  (bound {BOUND_MIB} MiB; the attack offered {} MB); {ended} attack streams \
                  ended during it; ordinary requests {ok} ok, others {other:?}",
-                CONNECTIONS * STREAMS * SENT / 1_000_000
-            );
-            attack.abort_all();
-            assert!(
-                peak < BOUND_MIB,
-                "Envoy grew to {peak:.0} MiB under stalled bodies (bound {BOUND_MIB} MiB)"
-            );
-            assert!(
-                during >= 0.9,
-                "ordinary requests during the attack: {ok} ok, {other:?}"
-            );
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let (ok, other) = honest_chats(&fleet, 10_000, 20).await;
-            assert_eq!(ok, 20, "after the attack: {other:?}");
-        },
-    )
+            CONNECTIONS * STREAMS * SENT / 1_000_000
+        );
+        attack.abort_all();
+        assert!(
+            peak < BOUND_MIB,
+            "Envoy grew to {peak:.0} MiB under stalled bodies (bound {BOUND_MIB} MiB)"
+        );
+        assert!(
+            during >= 0.9,
+            "ordinary requests during the attack: {ok} ok, {other:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (ok, other) = honest_chats(&fleet, 10_000, 20).await;
+        assert_eq!(ok, 20, "after the attack: {other:?}");
+    })
     .await;
 }
 
@@ -228,66 +223,61 @@ async fn trickle(addr: &str, first: &[u8], trickle: u8, every: Duration) -> (Str
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trickled_headers_and_bodies_are_cut_by_the_request_timeouts() {
     let tools = tools();
-    common::bounded(
-        "trickled_headers_and_bodies_are_cut_by_the_request_timeouts",
-        Duration::from_secs(150),
-        async {
-            let fleet =
-                common::start_fleet(common::fleet_config("e2e-hostile-slow", 2, MODEL), &tools)
-                    .await;
-            let addr = fleet.envoy.listen_address.clone();
-            let body_head = format!(
-                "POST /v1/chat/completions HTTP/1.1\r\nhost: kvroute\r\n\
+    common::bounded(Duration::from_secs(150), async {
+        let fleet =
+            common::start_fleet(common::fleet_config("e2e-hostile-slow", 2, MODEL), &tools).await;
+        let addr = fleet.envoy.listen_address.clone();
+        let body_head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: kvroute\r\n\
                  content-type: application/json\r\ncontent-length: 100000\r\n\r\n\
                  {{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\""
-            );
-            let every = Duration::from_secs(2);
-            let slow_body = trickle(&addr, body_head.as_bytes(), b'a', every);
-            let slow_headers = trickle(
-                &addr,
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvroute\r\nx-slow: ",
-                b'a',
-                every,
-            );
-            let honest = async {
-                let (mut ok, mut other) = (0u64, Vec::new());
-                let started = Instant::now();
-                let mut seed = 1u64;
-                while started.elapsed() < Duration::from_secs(70) {
-                    match honest_chat(&fleet, seed).await {
-                        200 => ok += 1,
-                        s => other.push(s),
-                    }
-                    seed += 1;
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+        );
+        let every = Duration::from_secs(2);
+        let slow_body = trickle(&addr, body_head.as_bytes(), b'a', every);
+        let slow_headers = trickle(
+            &addr,
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvroute\r\nx-slow: ",
+            b'a',
+            every,
+        );
+        let honest = async {
+            let (mut ok, mut other) = (0u64, Vec::new());
+            let started = Instant::now();
+            let mut seed = 1u64;
+            while started.elapsed() < Duration::from_secs(70) {
+                match honest_chat(&fleet, seed).await {
+                    200 => ok += 1,
+                    s => other.push(s),
                 }
-                (ok, other)
-            };
-            let ((body_answer, body_held), (headers_answer, headers_held), (ok, other)) =
-                tokio::join!(slow_body, slow_headers, honest);
-            let status = |answer: &str| answer.lines().next().unwrap_or("").to_string();
-            eprintln!(
-                "trickled body held {body_held:.1?}: {:?}; trickled headers held \
+                seed += 1;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            (ok, other)
+        };
+        let ((body_answer, body_held), (headers_answer, headers_held), (ok, other)) =
+            tokio::join!(slow_body, slow_headers, honest);
+        let status = |answer: &str| answer.lines().next().unwrap_or("").to_string();
+        eprintln!(
+            "trickled body held {body_held:.1?}: {:?}; trickled headers held \
                  {headers_held:.1?}: {:?}; ordinary requests meanwhile {ok} ok, others {other:?}",
-                status(&body_answer),
-                status(&headers_answer)
-            );
-            assert!(
-                status(&body_answer).contains(" 408 "),
-                "trickled body: {body_answer:?}"
-            );
-            assert!(
-                body_held < Duration::from_secs(70),
-                "a trickled body held its stream {body_held:?}"
-            );
-            assert!(
-                headers_held < Duration::from_secs(20),
-                "trickled headers held their connection {headers_held:?}: {headers_answer:?}"
-            );
-            assert!(other.is_empty(), "ordinary requests: {ok} ok, {other:?}");
-            let (ok, other) = honest_chats(&fleet, 10_000, 10).await;
-            assert_eq!(ok, 10, "after the slow clients: {other:?}");
-        },
-    )
+            status(&body_answer),
+            status(&headers_answer)
+        );
+        assert!(
+            status(&body_answer).contains(" 408 "),
+            "trickled body: {body_answer:?}"
+        );
+        assert!(
+            body_held < Duration::from_secs(70),
+            "a trickled body held its stream {body_held:?}"
+        );
+        assert!(
+            headers_held < Duration::from_secs(20),
+            "trickled headers held their connection {headers_held:?}: {headers_answer:?}"
+        );
+        assert!(other.is_empty(), "ordinary requests: {ok} ok, {other:?}");
+        let (ok, other) = honest_chats(&fleet, 10_000, 10).await;
+        assert_eq!(ok, 10, "after the slow clients: {other:?}");
+    })
     .await;
 }

@@ -33,8 +33,8 @@ const SPECULATIVE_TTL_MS: u64 = 300;
 /// Words (the simulator's tokens) of a conversation's system prompt: about 75 blocks of 16.
 const SYSTEM_WORDS: usize = 1_200;
 
-async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
-    common::bounded(name, TEST_TIMEOUT, body).await;
+async fn bounded<F: Future<Output = ()>>(body: F) {
+    common::bounded(TEST_TIMEOUT, body).await;
 }
 
 /// Two replicas publishing KV events with replay, the control plane subscribed and tokenising
@@ -127,7 +127,7 @@ async fn turn(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_batch_is_replayed_and_turn_two_still_finds_its_replica() {
     let tools = tools();
-    bounded("KV-event gap", async {
+    bounded(async {
         let fleet = precise_fleet(&tools, "e2e-kv-gap").await;
         let client = HttpClient::new();
         let holder = fleet.replica_addresses()[0].clone();
@@ -196,7 +196,7 @@ async fn a_dropped_batch_is_replayed_and_turn_two_still_finds_its_replica() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_publisher_drops_the_endpoints_state_and_it_is_rebuilt() {
     let tools = tools();
-    bounded("KV publisher restart", async {
+    bounded(async {
         let fleet = precise_fleet(&tools, "e2e-kv-restart").await;
         let client = HttpClient::new();
         let target = fleet.replica_addresses()[1].clone();

@@ -45,7 +45,7 @@ pub(crate) async fn wait_synced(fleet: &Fleet, vms: f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_follow_their_cache_when_proxies_decide_locally() {
     let tools = tools();
-    common::bounded("local-affinity", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let fleet = common::start_fleet(local_fleet("e2e-local", 4), &tools).await;
         wait_synced(&fleet, 2.0).await;
         let client = HttpClient::new();
@@ -91,7 +91,7 @@ async fn turns_follow_their_cache_when_proxies_decide_locally() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_control_plane_under_local_decisions_loses_no_request() {
     let tools = tools();
-    common::bounded("local-fail-open", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let mut fleet = common::start_fleet(local_fleet("e2e-local-kill", 3), &tools).await;
         wait_synced(&fleet, 2.0).await;
         let client = HttpClient::new();

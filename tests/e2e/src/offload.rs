@@ -167,5 +167,5 @@ async fn a_prefix_in_a_cpu_tier_draws_its_request_to_that_replica() {
             "the engine loads every offloaded block: {usage:#}"
         );
     };
-    common::bounded("offload", TEST_TIMEOUT, body).await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }

@@ -128,12 +128,7 @@ async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
             "{text}"
         );
     };
-    common::bounded(
-        "requests_reach_only_their_models_pool_and_unknown_models_get_404",
-        TEST_TIMEOUT,
-        body,
-    )
-    .await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -261,12 +256,7 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
         }
         background.abort();
     };
-    common::bounded(
-        "sessions_stay_on_their_replica_and_adapters_follow_their_holder",
-        TEST_TIMEOUT,
-        body,
-    )
-    .await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }
 
 /// Polls the control plane's metrics until `ok` holds.
@@ -402,10 +392,5 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
             task.abort();
         }
     };
-    common::bounded(
-        "a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds",
-        TEST_TIMEOUT,
-        body,
-    )
-    .await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }

@@ -36,8 +36,8 @@ const MODEL: &str = "kvroute-precise-model";
 /// events alone decide).
 const SPECULATIVE_TTL_MS: u64 = 300;
 
-async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
-    common::bounded(name, TEST_TIMEOUT, body).await;
+async fn bounded<F: Future<Output = ()>>(body: F) {
+    common::bounded(TEST_TIMEOUT, body).await;
 }
 
 /// How the control plane tokenises precise routes.
@@ -130,7 +130,7 @@ fn conversation(seed: u64, system_tokens: usize) -> Conversation {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turn_two_follows_the_real_cache_even_after_eviction() {
     let tools = tools();
-    bounded("precise affinity", async {
+    bounded(async {
         let fleet = precise_fleet(&tools, "e2e-precise-affinity", 3, &Tokenizer::Remote).await;
         let client = HttpClient::new();
 
@@ -276,7 +276,7 @@ use kvroute_harness::prometheus_sum_with as metric_with;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predicted_cached_tokens_match_the_engines() {
     let tools = tools();
-    bounded("precise prediction", async {
+    bounded(async {
         let fleet = precise_fleet(&tools, "e2e-precise-prediction", 3, &Tokenizer::Remote).await;
         assert_prediction_matches(&fleet, 4, 800).await;
     })
@@ -290,7 +290,7 @@ async fn predicted_cached_tokens_match_under_eviction() {
     // Its reuse depends on timing: never beside the two-control-plane topologies (4,624
     // cached tokens, below the floor, in a CI run next to them).
     let _alone = crate::common::HEAVY.lock().await;
-    bounded("precise prediction under eviction", async {
+    bounded(async {
         let fleet = precise_fleet_with(
             &tools,
             "e2e-precise-eviction",
@@ -336,7 +336,7 @@ fn model_dir(name: &str) -> PathBuf {
 async fn in_process_tokenizer_matches_the_engines() {
     let tools = tools();
     let dir = model_dir("e2e-precise-hf");
-    bounded("precise hf", async {
+    bounded(async {
         let fleet = precise_fleet(&tools, "e2e-precise-hf", 3, &Tokenizer::Hf(dir.clone())).await;
         let (m, _) = assert_prediction_matches(&fleet, 4, 800).await;
         assert_eq!(
@@ -365,7 +365,7 @@ async fn live_comparison_precise_prediction_within_five_percent() {
     use kvroute_harness::loadgen::Workload;
     let tools = tools();
     let _alone = crate::common::HEAVY.lock().await;
-    bounded("precise live comparison", async {
+    bounded(async {
         let workload = Workload {
             model: MODEL.into(),
             conversations: 8,
@@ -454,7 +454,7 @@ fn engine_cached(r: &HttpResponse) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_salt_keeps_tenants_apart_and_hits_its_own_blocks() {
     let tools = tools();
-    bounded("precise cache salt", async {
+    bounded(async {
         let fleet = precise_fleet(&tools, "e2e-precise-salt", 3, &Tokenizer::Remote).await;
         let client = HttpClient::new();
         let system = format!("Shared system prompt. {}", text(41, 1_200));

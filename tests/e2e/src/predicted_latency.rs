@@ -155,5 +155,5 @@ async fn predictions_are_explained_and_converge_on_measured_ttft() {
             "{metrics}"
         );
     };
-    common::bounded("predicted-latency test", TEST_TIMEOUT, body).await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }

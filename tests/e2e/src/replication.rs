@@ -158,7 +158,7 @@ async fn start(cfg: FleetConfig, tools: &Tools) -> Fleet {
 async fn two_control_planes_share_state_through_nats() {
     let tools = tools();
     let _alone = common::HEAVY.lock().await;
-    common::bounded("replication", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         // The single-control-plane topology on the same workload, for the hit-rate bar.
         let single = {
             let fleet = start(topology("e2e-replication-single", 1), &tools).await;
@@ -256,7 +256,7 @@ async fn two_control_planes_share_state_through_nats() {
 async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
     let tools = tools();
     let _alone = common::HEAVY.lock().await;
-    common::bounded("replication-callout", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let fleet = common::start_fleet(callout_topology("e2e-replication-callout"), &tools).await;
         let turns = run_turns(&fleet, 7_000, 8, 4).await;
         let mut routes = Vec::new();
@@ -284,7 +284,7 @@ async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
 async fn a_responses_chain_through_two_proxies_finds_every_stored_response() {
     let tools = tools();
     let _alone = common::HEAVY.lock().await;
-    common::bounded("replication-responses", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let mut cfg = topology("e2e-replication-responses", 2);
         cfg.model = crate::agent_apis::MODEL.into();
         cfg.sim_args = vec!["--enable-responses-store".into()];
@@ -310,7 +310,7 @@ async fn a_responses_chain_through_two_proxies_finds_every_stored_response() {
 async fn losing_nats_mid_run_costs_no_request() {
     let tools = tools();
     let _alone = common::HEAVY.lock().await;
-    common::bounded("replication-nats-down", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let mut fleet = start(topology("e2e-replication-nats-down", 2), &tools).await;
         let before = run_turns(&fleet, 8_000, 4, 3).await;
         fleet.nats().expect("a NATS server").kill();

@@ -87,7 +87,7 @@ async fn wait_samples(fleet: &Fleet, n: f64) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slo_gauges_follow_the_load() {
     let tools = tools();
-    common::bounded("slo_gauges_follow_the_load", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let mut cfg = common::fleet_config("e2e-slo", 2, MODEL);
         cfg.sim_args = vec!["--max-num-seqs".into(), "2".into()];
         cfg.plugin_config = json!({"route_timeout_ms": 5000, "feedback_interval_ms": 100});

@@ -54,10 +54,5 @@ async fn the_control_plane_learns_the_traffics_bytes_per_token() {
             "learned {learned:.3} bytes a token, the content alone gives {expected:.3}"
         );
     };
-    common::bounded(
-        "the_control_plane_learns_the_traffics_bytes_per_token",
-        TEST_TIMEOUT,
-        run,
-    )
-    .await;
+    common::bounded(TEST_TIMEOUT, run).await;
 }
