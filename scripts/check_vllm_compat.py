@@ -23,12 +23,12 @@ vllm-sim use) and the simulator's fixtures 4-6 into ``--metrics-out`` (default
 ``tests/vllm-sim/fixtures/vllm/``):
 
 1. ``vllm_events.{map,array}.msgpack`` + ``vllm_events.json``: payloads ENCODED by vLLM's
-   classes, and what they must decode to. ``control-plane/vllm-wire/tests/vllm_compat.rs``
+   classes, and what they must decode to. ``control-plane/vllm-wire/tests/it/vllm_compat.rs``
    decodes them with the shared decoder (``vllm_wire::kv_events::decode_batch``).
 2. ``vllm_sim_shape.msgpack`` + ``vllm_sim_shape.json``: the events a vLLM 0.33 GPU block pool
    publishes for a small scenario (fields set exactly as ``BlockPool`` sets them), encoded by
    vLLM. The Rust tests encode the same events with the shared encoder (vllm-wire) and from the
-   simulator's engine events (``tests/vllm-sim/tests/vllm_compat.rs``), and require the bytes
+   simulator's engine events (``tests/vllm-sim/tests/it/vllm_compat.rs``), and require the bytes
    to be identical.
 3. ``sim_capture/*.msgpack``: batches CAPTURED from a live ``vllm-sim`` (``--capture``, needs
    pyzmq), DECODED here with vLLM's own ``msgspec`` decoder (strict types) and re-encoded: the
@@ -38,7 +38,7 @@ vllm-sim use) and the simulator's fixtures 4-6 into ``--metrics-out`` (default
    simulator does not export are listed.
 5. ``agent_fields.json``: the wire fields of each class (``AGENT_SCHEMA`` says how vLLM dumps
    it: every field, or only the set ones), the Responses event types and the Anthropic ones.
-   ``tests/vllm-sim/tests/vllm_compat.rs`` checks a live simulator's answers against it.
+   ``tests/vllm-sim/tests/it/vllm_compat.rs`` checks a live simulator's answers against it.
 6. ``agent_capture.json``: Responses, Messages, count_tokens, error and detokenize answers (JSON
    and SSE) CAPTURED from a live ``vllm-sim`` (``--capture`` or ``--capture-agents``, which
    needs no pyzmq), checked against 5.

@@ -6,7 +6,7 @@ The router (precise mode, control-plane/src/tokenize/hf.rs) and vllm-sim
 transformers. This script makes "like transformers" checkable: it renders every template in
 control-plane/vllm-wire/fixtures/chat_templates/*.jinja over a set of conversations with the
 real implementation and writes what it produced to expected.json beside them. The Rust tests
-tests/vllm-sim/tests/chat_template_golden.rs and control-plane/tests/chat_template_golden.rs
+tests/vllm-sim/tests/it/chat_template_golden.rs and control-plane/tests/it/chat_template_golden.rs
 render the same inputs and compare byte for byte (or, for a conversation the template rejects,
 check that the error carries transformers' message).
 

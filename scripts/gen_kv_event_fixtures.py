@@ -23,7 +23,7 @@ Usage (msgspec must be importable, e.g. ``.venv/bin/pip install msgspec``):
     .venv/bin/python scripts/gen_kv_event_fixtures.py /tmp/vllmwheel/vllm-0.33.0-*.whl [OUT]
 
 OUT defaults to ``control-plane/vllm-wire/tests/fixtures/kv_events``, which
-``control-plane/vllm-wire/tests/kv_events_decode.rs`` reads.
+``control-plane/vllm-wire/tests/it/kv_events_decode.rs`` reads.
 """
 
 import ast

@@ -928,20 +928,8 @@ mod tests {
 
     #[test]
     fn wasm_memories_are_the_rw_mappings_before_large_guards() {
-        let smaps = "\
-7f024d070000-7f024d1b0000 rw-p 00000000 00:00 0
-Size:               1280 kB
-Rss:                 228 kB
-7f024d1b0000-7f044d070000 ---p 00000000 00:00 0
-Size:            8387328 kB
-Rss:                   0 kB
-7f044d08c000-7f044d09c000 rw-p 00000000 00:00 0
-Size:                 64 kB
-Rss:                  16 kB
-7f044d09c000-7f045d07c000 ---p 00000000 00:00 0
-Size:             262016 kB
-Rss:                   0 kB
-";
+        // Two wasm memories as V8 maps them: each rw mapping is followed by its guard region.
+        let smaps = include_str!("../../fixtures/smaps-wasm-guards.txt");
         assert_eq!(parse_wasm_memories(smaps), (1280, 228));
         assert_eq!(parse_wasm_memories(""), (0, 0));
     }

@@ -4,11 +4,11 @@
 //! errors), and what the server answers on the paths a generative vLLM does not mount.
 //! Servers run in-process on OS-picked ports; every wait has a timeout.
 
-mod common;
+
 
 use std::time::Duration;
 
-use common::{MODEL, T, json_body, replay_from_zero, run_binary, spawn_binary, start};
+use crate::common::{MODEL, T, json_body, replay_from_zero, run_binary, spawn_binary, start};
 use kvroute_harness::{HttpClient, HttpResponse};
 use serde_json::{Value, json};
 use vllm_wire::kv_events::{WireEvent, decode_batch};
@@ -665,19 +665,14 @@ async fn paths_a_generative_vllm_does_not_mount_are_404_and_detokenize_works() {
     let sim = start(&["--tokenizer", dir.to_str().unwrap()]).await;
     let c = HttpClient::new();
     let base = sim.url();
-    for path in [
-        "/v1/embeddings",
-        "/v2/embed",
-        "/pooling",
-        "/classify",
-        "/score",
-        "/v1/score",
-        "/rerank",
-        "/v1/rerank",
-        "/v2/rerank",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-    ] {
+    // Every path the filter routes by load is a pooling or scoring API (vLLM mounts none of
+    // them for a generative model) except Messages' token count, which it serves; the audio
+    // APIs are not mounted either.
+    let unmounted = kvroute_filter::config::LOAD_PATHS
+        .into_iter()
+        .filter(|p| *p != "/v1/messages/count_tokens")
+        .chain(["/v1/audio/transcriptions", "/v1/audio/translations"]);
+    for path in unmounted {
         let r = post(
             &c,
             &format!("{base}{path}"),

@@ -1,0 +1,8 @@
+//! vllm-sim's integration tests, one binary (built and linked once): a module per area.
+
+mod common;
+
+mod agent_apis;
+mod chat_template_golden;
+mod live;
+mod vllm_compat;
