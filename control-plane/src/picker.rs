@@ -286,17 +286,21 @@ impl Exchange {
         match step {
             Carried::Answered => true,
             Carried::Failed => false,
-            Carried::Go(answer) => self.send_headers_answer(answer).await,
+            Carried::Go(answer) => self.send_answer(answer, headers_reply).await,
             Carried::Hold(removals) => {
                 if self.mode == BodyMode::Unrouted {
                     // No whole body will come: let the request go on, unrouted.
-                    return self.send_headers_answer(Answer::removing(removals)).await;
+                    return self
+                        .send_answer(Answer::removing(removals), headers_reply)
+                        .await;
                 }
                 self.holding = true;
                 if self.mode == BodyMode::Buffered {
                     // The body comes after the headers' answer; the decision rides on the
                     // body's answer.
-                    return self.send_headers_answer(Answer::removing(removals)).await;
+                    return self
+                        .send_answer(Answer::removing(removals), headers_reply)
+                        .await;
                 }
                 self.pending_removals = removals;
                 true
@@ -391,16 +395,7 @@ impl Exchange {
                 }
                 true
             }
-            _ => {
-                let metadata = answer.metadata();
-                self.send_with(
-                    processing_response::Response::RequestBody(BodyResponse {
-                        response: Some(answer.common()),
-                    }),
-                    metadata,
-                )
-                .await
-            }
+            _ => self.send_answer(answer, body_reply).await,
         }
     }
 
@@ -520,15 +515,15 @@ impl Exchange {
         serde_json::to_vec(&response).ok()
     }
 
-    async fn send_headers_answer(&mut self, answer: Answer) -> bool {
+    /// Answers the headers or the body in progress (`reply` says which) with `answer`'s
+    /// mutations and its `envoy.lb` metadata.
+    async fn send_answer(
+        &mut self,
+        answer: Answer,
+        reply: fn(CommonResponse) -> processing_response::Response,
+    ) -> bool {
         let metadata = answer.metadata();
-        self.send_with(
-            processing_response::Response::RequestHeaders(HeadersResponse {
-                response: Some(answer.common()),
-            }),
-            metadata,
-        )
-        .await
+        self.send_with(reply(answer.common()), metadata).await
     }
 
     async fn send(&self, response: processing_response::Response) -> bool {
@@ -638,6 +633,20 @@ impl Answer {
 
 /// Largest body chunk the picker sends back in one message.
 const STREAMED_CHUNK_BYTES: usize = 64 << 10;
+
+/// The reply to a request-headers message.
+fn headers_reply(common: CommonResponse) -> processing_response::Response {
+    processing_response::Response::RequestHeaders(HeadersResponse {
+        response: Some(common),
+    })
+}
+
+/// The reply to a request-body message.
+fn body_reply(common: CommonResponse) -> processing_response::Response {
+    processing_response::Response::RequestBody(BodyResponse {
+        response: Some(common),
+    })
+}
 
 /// A body chunk sent back in full-duplex mode.
 fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {

@@ -8,6 +8,9 @@
 //! - an Anthropic Messages conversation with tools stays on its replica, cached tokens rising;
 //! - a session header pins across chat, Responses and Messages;
 //! - every other path vLLM serves answers through Envoy as the replica answers it directly.
+//!
+//! Each runs in both forms ([`Form`]): the wasm filter, and the control plane as Envoy's
+//! Endpoint Picker.
 
 use std::time::Duration;
 
@@ -16,7 +19,7 @@ use serde_json::{Value, json};
 
 use kvroute_demo::agent::{self, AgentConfig, Streamed};
 
-use crate::common::{self, tools};
+use crate::common::{self, Form, both_forms, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(240);
@@ -25,10 +28,17 @@ pub const MODEL: &str = "agent-model";
 /// Turns of each conversation.
 const TURNS: usize = 10;
 
-/// Four replicas that store responses; `router` decides the topology.
-pub async fn start(tools: &Tools, name: &str, router: RouterKind, session_bonus: bool) -> Fleet {
+/// Four replicas that store responses; `router` decides the topology, `form` kvroute's form.
+pub async fn start(
+    tools: &Tools,
+    name: &str,
+    router: RouterKind,
+    session_bonus: bool,
+    form: Form,
+) -> Fleet {
     let mut cfg = common::fleet_config(name, 4, MODEL);
     cfg.router = router;
+    form.apply(&mut cfg);
     cfg.sim_args = vec!["--enable-responses-store".into()];
     cfg.plugin_config = json!({"allow_explain": true});
     if session_bonus {
@@ -36,6 +46,13 @@ pub async fn start(tools: &Tools, name: &str, router: RouterKind, session_bonus:
     }
     common::start_fleet(cfg, tools).await
 }
+
+both_forms!(
+    a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_robin,
+    a_messages_conversation_with_tools_stays_where_its_prefix_is_cached,
+    a_session_header_pins_across_chat_responses_and_messages,
+    every_other_vllm_path_answers_through_envoy_as_the_replica_does,
+);
 
 async fn send(
     client: &HttpClient,
@@ -109,12 +126,11 @@ fn next_turn(previous: &str) -> Value {
            "previous_response_id": previous})
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_robin() {
+async fn a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_robin(form: Form) {
     let tools = tools();
-    common::bounded("responses chain", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let client = HttpClient::new();
-        let mut fleet = start(&tools, "e2e-responses", RouterKind::Kvroute, false).await;
+        let mut fleet = start(&tools, "e2e-responses", RouterKind::Kvroute, false, form).await;
         let (replicas, cached, failures, last) =
             run_chain(&client, &fleet, &[fleet.url()], Duration::ZERO).await;
         println!("kvroute: replicas {replicas:?}, cached {cached:?}, failed attempts {failures}");
@@ -194,16 +210,26 @@ async fn a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_r
             json!(format!("Response with id '{last}' not found."))
         );
 
-        let rr = start(&tools, "e2e-responses-rr", RouterKind::RoundRobin, false).await;
-        let (_, _, rr_failures, _) = run_chain(&client, &rr, &[rr.url()], Duration::ZERO).await;
-        println!(
-            "round robin: failed attempts {rr_failures} over {} turns",
-            TURNS - 1
-        );
-        assert!(
-            rr_failures >= TURNS - 1,
-            "round robin broke the chain {rr_failures} times"
-        );
+        // Round robin has no form: it runs once, beside the filter.
+        if form == Form::Filter {
+            let rr = start(
+                &tools,
+                "e2e-responses-rr",
+                RouterKind::RoundRobin,
+                false,
+                Form::Filter,
+            )
+            .await;
+            let (_, _, rr_failures, _) = run_chain(&client, &rr, &[rr.url()], Duration::ZERO).await;
+            println!(
+                "round robin: failed attempts {rr_failures} over {} turns",
+                TURNS - 1
+            );
+            assert!(
+                rr_failures >= TURNS - 1,
+                "round robin broke the chain {rr_failures} times"
+            );
+        }
     })
     .await;
 }
@@ -265,12 +291,11 @@ fn cache_read(resp: &HttpResponse) -> u64 {
         .unwrap_or(0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_messages_conversation_with_tools_stays_where_its_prefix_is_cached() {
+async fn a_messages_conversation_with_tools_stays_where_its_prefix_is_cached(form: Form) {
     let tools = tools();
-    common::bounded("messages conversation", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let client = HttpClient::new();
-        let fleet = start(&tools, "e2e-messages", RouterKind::Kvroute, false).await;
+        let fleet = start(&tools, "e2e-messages", RouterKind::Kvroute, false, form).await;
         let mut history = Vec::new();
         let (mut replicas, mut cached) = (Vec::new(), Vec::new());
         for turn in 0..TURNS {
@@ -309,12 +334,11 @@ async fn a_messages_conversation_with_tools_stays_where_its_prefix_is_cached() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_header_pins_across_chat_responses_and_messages() {
+async fn a_session_header_pins_across_chat_responses_and_messages(form: Form) {
     let tools = tools();
-    common::bounded("mixed-API session", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let client = HttpClient::new();
-        let fleet = start(&tools, "e2e-agent-session", RouterKind::Kvroute, true).await;
+        let fleet = start(&tools, "e2e-agent-session", RouterKind::Kvroute, true, form).await;
         for (header, value) in [
             ("x-session-id", "s-1"),
             ("x-claude-code-session-id", "cc-2"),
@@ -362,12 +386,11 @@ async fn a_session_header_pins_across_chat_responses_and_messages() {
 /// Every path of vLLM's table besides the four generation APIs: through Envoy it answers what
 /// the replica answers directly (status and error type), whether kvroute routes it by load or
 /// leaves it to Envoy.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_other_vllm_path_answers_through_envoy_as_the_replica_does() {
+async fn every_other_vllm_path_answers_through_envoy_as_the_replica_does(form: Form) {
     let tools = tools();
-    common::bounded("other vLLM paths", TEST_TIMEOUT, async {
+    common::bounded(TEST_TIMEOUT, async {
         let client = HttpClient::new();
-        let fleet = start(&tools, "e2e-other-paths", RouterKind::Kvroute, false).await;
+        let fleet = start(&tools, "e2e-other-paths", RouterKind::Kvroute, false, form).await;
         let text = json!(common::words(7, 30));
         let cases: Vec<(&str, &str, Option<Value>)> = vec![
             (

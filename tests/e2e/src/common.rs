@@ -28,6 +28,42 @@ pub fn fleet_config(name: &str, replicas: usize, model: &str) -> FleetConfig {
     cfg
 }
 
+/// The two forms of kvroute in front of a fleet: the wasm filter in Envoy's HTTP chain, and the
+/// control plane as an Endpoint Picker behind Envoy's `ext_proc` filter (no wasm). Behavioural
+/// tests run in both ([`both_forms!`]): the same request machine and router decide in each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// The proxy-wasm filter (route calls to the control plane).
+    Filter,
+    /// The control plane's Endpoint Picker (issue #21).
+    Picker,
+}
+
+impl Form {
+    /// Sets `cfg` up for this form.
+    pub fn apply(self, cfg: &mut FleetConfig) {
+        cfg.picker = self == Form::Picker;
+    }
+}
+
+/// Declares a behavioural test `async fn NAME(form: Form)` as two tests, `NAME::filter` and
+/// `NAME::picker`, so both forms meet the same assertions (`cargo test -- NAME` runs both).
+macro_rules! both_forms {
+    ($($name:ident),+ $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn filter() {
+                super::$name($crate::common::Form::Filter).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn picker() {
+                super::$name($crate::common::Form::Picker).await;
+            }
+        }
+    )+};
+}
+pub(crate) use both_forms;
+
 /// Starts `cfg`; a fleet that does not come up fails the test with the reason.
 pub async fn start_fleet(cfg: FleetConfig, tools: &Tools) -> Fleet {
     let name = cfg.name.clone();

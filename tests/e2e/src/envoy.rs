@@ -1,5 +1,6 @@
 //! End to end through a real Envoy 1.40 running the kvroute wasm filter, the real control plane
-//! and `vllm-sim` replicas, all on 127.0.0.1 (see `kvroute_harness`).
+//! and `vllm-sim` replicas, all on 127.0.0.1 (see `kvroute_harness`). The behavioural tests run
+//! in both forms ([`Form`]): the filter, and the control plane as Envoy's Endpoint Picker.
 //!
 //! A missing Envoy fails these tests with the reason (run `make setup`); they never skip.
 
@@ -11,7 +12,7 @@ use kvroute_harness::loadgen::stream_chat;
 use kvroute_harness::{DESTINATION_HEADER, Fleet, FleetConfig, HttpClient, Tools};
 use serde_json::{Value, json};
 
-use crate::common::{self, Conversation, chat_ok, replica_of, tools, user_chat};
+use crate::common::{self, Conversation, Form, both_forms, chat_ok, replica_of, tools, user_chat};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);
@@ -21,21 +22,30 @@ const MODEL: &str = "kvroute-e2e-model";
 /// Words of each user turn.
 const USER_WORDS: usize = 200;
 
-/// Starts a fleet; the tools are located (and built if needed) before the clock starts.
+/// Starts a fleet in `form`; the tools are located before the clock starts.
 async fn start_fleet(
     tools: &Tools,
     name: &str,
     replicas: usize,
+    form: Form,
     tweak: impl FnOnce(&mut FleetConfig),
 ) -> Fleet {
     let mut cfg = common::fleet_config(name, replicas, MODEL);
+    form.apply(&mut cfg);
     tweak(&mut cfg);
     common::start_fleet(cfg, tools).await
 }
 
+both_forms!(
+    second_turn_lands_on_the_first_turns_replica,
+    distinct_conversations_spread_over_the_fleet,
+    busy_replica_is_avoided,
+    client_supplied_destination_header_is_ignored,
+);
+
 /// Runs a test body under [`TEST_TIMEOUT`].
-async fn bounded<F: Future<Output = ()>>(name: &str, body: F) {
-    common::bounded(name, TEST_TIMEOUT, body).await;
+async fn bounded<F: Future<Output = ()>>(body: F) {
+    common::bounded(TEST_TIMEOUT, body).await;
 }
 
 /// Deterministic filler text of about `n` tokens (the simulator counts words).
@@ -52,11 +62,10 @@ fn conversation(seed: u64, system_words: usize) -> Conversation {
     Conversation::new(MODEL, seed, system_words, USER_WORDS)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn second_turn_lands_on_the_first_turns_replica() {
+async fn second_turn_lands_on_the_first_turns_replica(form: Form) {
     let tools = tools();
-    bounded("affinity", async {
-        let fleet = start_fleet(&tools, "e2e-affinity", 4, |_| {}).await;
+    bounded(async {
+        let fleet = start_fleet(&tools, "e2e-affinity", 4, form, |_| {}).await;
         let client = HttpClient::new();
         for c in 0..5u64 {
             let mut conv = conversation(100 + c, 1_500);
@@ -96,11 +105,10 @@ async fn second_turn_lands_on_the_first_turns_replica() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn distinct_conversations_spread_over_the_fleet() {
+async fn distinct_conversations_spread_over_the_fleet(form: Form) {
     let tools = tools();
-    bounded("spread", async {
-        let fleet = start_fleet(&tools, "e2e-spread", 4, |_| {}).await;
+    bounded(async {
+        let fleet = start_fleet(&tools, "e2e-spread", 4, form, |_| {}).await;
         let client = HttpClient::new();
         let mut tasks = tokio::task::JoinSet::new();
         for c in 0..12u64 {
@@ -137,12 +145,11 @@ async fn distinct_conversations_spread_over_the_fleet() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn busy_replica_is_avoided() {
+async fn busy_replica_is_avoided(form: Form) {
     let tools = tools();
-    bounded("busy", async {
+    bounded(async {
         // Two sequences at a time: extra requests queue up and show in `num_requests_waiting`.
-        let fleet = start_fleet(&tools, "e2e-busy", 3, |cfg| {
+        let fleet = start_fleet(&tools, "e2e-busy", 3, form, |cfg| {
             cfg.sim_args = vec!["--max-num-seqs".into(), "2".into()];
         })
         .await;
@@ -197,11 +204,12 @@ async fn busy_replica_is_avoided() {
     .await;
 }
 
+/// The filter's fail-open path (the picker's is in `picker::picker_passes_bad_bodies_on_and_fails_open_when_gone`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_control_plane_loses_no_request() {
     let tools = tools();
-    bounded("fail-open", async {
-        let mut fleet = start_fleet(&tools, "e2e-failopen", 3, |_| {}).await;
+    bounded(async {
+        let mut fleet = start_fleet(&tools, "e2e-failopen", 3, Form::Filter, |_| {}).await;
         let client = HttpClient::new();
         let url = fleet.url();
         let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
@@ -270,11 +278,10 @@ async fn killing_the_control_plane_loses_no_request() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_supplied_destination_header_is_ignored() {
+async fn client_supplied_destination_header_is_ignored(form: Form) {
     let tools = tools();
-    bounded("spoof", async {
-        let fleet = start_fleet(&tools, "e2e-spoof", 4, |_| {}).await;
+    bounded(async {
+        let fleet = start_fleet(&tools, "e2e-spoof", 4, form, |_| {}).await;
         let client = HttpClient::new();
         let replicas = fleet.replica_addresses();
         for c in 0..4u64 {
@@ -323,19 +330,20 @@ async fn client_supplied_destination_header_is_ignored() {
     .await;
 }
 
+/// The route API's token: a filter form only (the picker makes no route call).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_secret_guards_the_route_api_and_a_mismatch_fails_open() {
     let tools = tools();
-    bounded("auth", async {
+    bounded(async {
         let secret = json!({"auth_token": "kvroute-e2e-s3cret"});
         // Matching secrets: requests are routed (and keep their affinity).
-        let good = start_fleet(&tools, "e2e-auth-good", 3, |cfg| {
+        let good = start_fleet(&tools, "e2e-auth-good", 3, Form::Filter, |cfg| {
             cfg.control_plane_extra = secret.clone();
             cfg.plugin_config = secret.clone();
         })
         .await;
         // The filter sends the wrong secret: the control plane refuses, the filter fails open.
-        let bad = start_fleet(&tools, "e2e-auth-bad", 3, |cfg| {
+        let bad = start_fleet(&tools, "e2e-auth-bad", 3, Form::Filter, |cfg| {
             cfg.control_plane_extra = secret.clone();
             cfg.plugin_config = json!({"auth_token": "not-the-secret"});
         })

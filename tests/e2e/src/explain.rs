@@ -8,7 +8,7 @@ use std::time::Duration;
 use kvroute_harness::{Fleet, HttpClient, REPLICA_HEADER, Tools};
 use serde_json::{Value, json};
 
-use crate::common::{self, tools};
+use crate::common::{self, Form, both_forms, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);
@@ -16,8 +16,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 const MODEL: &str = "kvroute-explain-model";
 const DECISION: &str = "x-kvroute-decision";
 
-async fn start(tools: &Tools, name: &str, replicas: usize, plugin: Value) -> Fleet {
+async fn start(tools: &Tools, name: &str, replicas: usize, plugin: Value, form: Form) -> Fleet {
     let mut cfg = common::fleet_config(name, replicas, MODEL);
+    form.apply(&mut cfg);
     cfg.plugin_config = plugin;
     common::start_fleet(cfg, tools).await
 }
@@ -64,11 +65,20 @@ fn field<'a>(fields: &'a [(String, String)], key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {key} in {fields:?}"))
 }
 
+/// The filter form: its own stats are in Envoy's (the picker's explain header is checked in
+/// `picker::picker_sends_each_turn_where_the_last_one_was_served`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_header_and_debug_endpoint_agree() {
     let tools = tools();
     let body = async {
-        let fleet = start(&tools, "e2e-explain", 2, json!({"allow_explain": true})).await;
+        let fleet = start(
+            &tools,
+            "e2e-explain",
+            2,
+            json!({"allow_explain": true}),
+            Form::Filter,
+        )
+        .await;
         let client = HttpClient::new();
         let admin = common::cp_admin(&fleet);
 
@@ -215,14 +225,15 @@ async fn explain_header_and_debug_endpoint_agree() {
         );
         assert!(value("kvroute_route_latency_ms_count") >= 3.0);
     };
-    common::bounded("explain test", TEST_TIMEOUT, body).await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn explain_is_off_unless_the_config_allows_it() {
+both_forms!(explain_is_off_unless_the_config_allows_it);
+
+async fn explain_is_off_unless_the_config_allows_it(form: Form) {
     let tools = tools();
     let body = async {
-        let fleet = start(&tools, "e2e-explain-off", 1, json!({})).await;
+        let fleet = start(&tools, "e2e-explain-off", 1, json!({}), form).await;
         let client = HttpClient::new();
         let resp = chat(
             &client,
@@ -233,5 +244,5 @@ async fn explain_is_off_unless_the_config_allows_it() {
         .await;
         assert_eq!(resp.header(DECISION), None, "{:?}", resp.headers);
     };
-    common::bounded("explain-off test", TEST_TIMEOUT, body).await;
+    common::bounded(TEST_TIMEOUT, body).await;
 }

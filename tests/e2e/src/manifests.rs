@@ -39,12 +39,15 @@ const MANIFEST_DIRS: [&str; 3] = [
     "envoy-config/envoy-gateway",
 ];
 /// Kustomizations that must render.
-const KUSTOMIZATIONS: [&str; 8] = [
+const KUSTOMIZATIONS: [&str; 11] = [
     "envoy-config/kubernetes/base",
     "envoy-config/kubernetes/envoy",
     "envoy-config/kubernetes/overlays/precise",
     "envoy-config/kubernetes/overlays/inferencepool",
     "envoy-config/kubernetes/overlays/picker",
+    "envoy-config/kubernetes/overlays/picker-gateways/istio",
+    "envoy-config/kubernetes/overlays/picker-gateways/envoy-gateway",
+    "envoy-config/kubernetes/overlays/picker-gateways/kgateway",
     "envoy-config/kubernetes/overlays/dns",
     "envoy-config/istio",
     "envoy-config/envoy-gateway",
@@ -1861,16 +1864,32 @@ fn network_policies_admit_only_the_gateways_to_the_control_plane_and_only_it_to_
         u64::from(addr.port())
     };
     let (api, admin) = (port("listen"), port("admin_listen"));
+    let picker_config = parse_docs(
+        &read(&root().join("envoy-config/kubernetes/overlays/picker/control-plane.yaml")),
+        "picker control-plane.yaml",
+    )
+    .remove(0);
+    let picker_port: u64 = s(&picker_config, "/picker/listen")
+        .parse::<std::net::SocketAddr>()
+        .expect("ip:port")
+        .port()
+        .into();
 
-    // Every policy on the control plane: ingress rules that name their peers and only its ports.
+    // Every policy on the control plane: ingress rules that name their peers and only its ports
+    // (the picker overlay's own policy: only the picker's).
     let on_cp: Vec<&Value> = policies
         .iter()
         .copied()
         .filter(|p| selects(&p["spec"]["podSelector"], cp))
         .collect();
-    assert_eq!(on_cp.len(), 3, "base, Istio and Envoy Gateway");
+    assert_eq!(
+        on_cp.len(),
+        4,
+        "base, Istio, Envoy Gateway and the picker overlay's"
+    );
     for p in &on_cp {
         assert_eq!(p["spec"]["policyTypes"], json!(["Ingress"]));
+        let picker = p["metadata"]["name"] == "kvroute-picker";
         for rule in p["spec"]["ingress"].as_array().expect("ingress rules") {
             assert!(
                 rule["from"].as_array().is_some_and(|f| !f.is_empty()),
@@ -1878,7 +1897,10 @@ fn network_policies_admit_only_the_gateways_to_the_control_plane_and_only_it_to_
                 p["metadata"]["name"]
             );
             for port in rule_ports(rule) {
-                assert!(port == api || port == admin, "port {port}");
+                match picker {
+                    true => assert_eq!(port, picker_port, "the picker policy's port"),
+                    false => assert!(port == api || port == admin, "port {port}"),
+                }
             }
         }
     }
@@ -2014,7 +2036,69 @@ fn rendered(dir: &str) -> Vec<Value> {
 /// the picker; and nothing is left in the `kvroute` namespace.
 #[test]
 fn picker_overlay_makes_the_control_plane_the_pools_endpoint_picker() {
-    let docs = rendered("envoy-config/kubernetes/overlays/picker");
+    check_picker_overlay("envoy-config/kubernetes/overlays/picker");
+}
+
+/// Each gateway variant of the picker overlay (Istio, Envoy Gateway, kgateway) keeps all of its
+/// wiring, adds the Gateway its HTTPRoute names, of that implementation's class, and lets only
+/// that Gateway's proxies (by the labels the implementation puts on them) reach the picker.
+#[test]
+fn picker_gateway_variants_add_their_gateway_and_admit_only_its_proxies() {
+    for (variant, class, proxy_label) in [
+        ("istio", "istio", "gateway.networking.k8s.io/gateway-name"),
+        (
+            "envoy-gateway",
+            "eg",
+            "gateway.envoyproxy.io/owning-gateway-name",
+        ),
+        (
+            "kgateway",
+            "agentgateway",
+            "gateway.networking.k8s.io/gateway-name",
+        ),
+    ] {
+        let dir = format!("envoy-config/kubernetes/overlays/picker-gateways/{variant}");
+        let (docs, picker_rules) = check_picker_overlay(&dir);
+        let gateways: Vec<&Value> = docs.iter().filter(|d| d["kind"] == "Gateway").collect();
+        assert_eq!(gateways.len(), 1, "{variant}: one Gateway");
+        let gateway = gateways[0];
+        assert_eq!(s(gateway, "/spec/gatewayClassName"), class, "{variant}");
+        let route = docs
+            .iter()
+            .find(|d| d["kind"] == "HTTPRoute")
+            .expect("the HTTPRoute");
+        assert!(
+            route["spec"]["parentRefs"]
+                .as_array()
+                .is_some_and(|refs| refs
+                    .iter()
+                    .any(|r| r["name"] == gateway["metadata"]["name"])),
+            "{variant}: the route does not attach to the Gateway"
+        );
+        assert_eq!(
+            s(route, "/metadata/namespace"),
+            s(gateway, "/metadata/namespace"),
+            "{variant}: the route's parentRef has no namespace, so the Gateway must be beside it"
+        );
+        let peers: Vec<Value> = picker_rules
+            .iter()
+            .flat_map(|r| r["from"].as_array().cloned().unwrap_or_default())
+            .collect();
+        assert!(
+            !peers.is_empty()
+                && peers
+                    .iter()
+                    .all(|p| p["podSelector"]["matchLabels"][proxy_label]
+                        == gateway["metadata"]["name"]),
+            "{variant}: the picker port admits more than the Gateway's proxies: {peers:?}"
+        );
+    }
+}
+
+/// Renders `dir` and checks the picker overlay's wiring (see the test above); returns the
+/// documents and the ingress rules that open the picker port.
+fn check_picker_overlay(dir: &str) -> (Vec<Value>, Vec<Value>) {
+    let docs = rendered(dir);
     let of = |kind: &str| -> Vec<&Value> { docs.iter().filter(|d| d["kind"] == kind).collect() };
     assert!(
         of("Namespace").is_empty(),
@@ -2123,26 +2207,27 @@ fn picker_overlay_makes_the_control_plane_the_pools_endpoint_picker() {
             && b["name"] == pool["metadata"]["name"]),
         "no backendRef to the pool: {backends:?}"
     );
-    // The picker port has no token: only named peers may reach it.
-    let policy = of("NetworkPolicy")
+    // The picker port has no token: only named peers may reach it (policies add up: every
+    // rule of every policy on the control plane that opens the port must name its peers).
+    let rules: Vec<Value> = of("NetworkPolicy")
         .into_iter()
-        .find(|p| {
+        .filter(|p| {
             selects(
                 &p["spec"]["podSelector"],
                 &deployment["spec"]["template"]["metadata"]["labels"],
             )
         })
-        .expect("a NetworkPolicy on the control plane");
-    let rule = policy["spec"]["ingress"]
-        .as_array()
-        .expect("ingress")
-        .iter()
-        .find(|r| rule_ports(r).contains(&u64::from(picker.listen.port())))
-        .expect("a rule for the picker port");
+        .flat_map(|p| p["spec"]["ingress"].as_array().cloned().unwrap_or_default())
+        .filter(|r| rule_ports(r).contains(&u64::from(picker.listen.port())))
+        .collect();
+    assert!(!rules.is_empty(), "{dir}: no rule for the picker port");
     assert!(
-        rule["from"].as_array().is_some_and(|f| !f.is_empty()),
-        "the picker port is open to everyone"
+        rules
+            .iter()
+            .all(|r| r["from"].as_array().is_some_and(|f| !f.is_empty())),
+        "{dir}: the picker port is open to everyone"
     );
+    (docs, rules)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -604,6 +604,13 @@ pub struct FleetConfig {
     /// plane's picker (`picker:`, reading requests with `plugin_config`) instead of the wasm
     /// filter.
     pub picker: bool,
+    /// Replicas listen as the pods behind a Service or an InferencePool do: all on this port,
+    /// replica i at its own loopback address ([`pod_ip`]), so an API server's pod list can
+    /// name them by IP and one target port. `None`: each on 127.0.0.1 at a port of its own.
+    pub pod_port: Option<u16>,
+    /// A `discovery:` section for the control plane in place of its static endpoint list
+    /// (kvroute topology), e.g. `{"kubernetes": {...}}` against a test's own API server.
+    pub discovery: Option<Value>,
 }
 
 impl FleetConfig {
@@ -630,14 +637,23 @@ impl FleetConfig {
             envoys: 1,
             replication: false,
             picker: false,
+            pod_port: None,
+            discovery: None,
         }
     }
+}
+
+/// The loopback address replica `index` listens on with [`FleetConfig::pod_port`]: 127.0.0.11
+/// and up, one per replica, as pods have an IP each (the whole 127.0.0.0/8 range is local).
+pub fn pod_ip(index: usize) -> String {
+    format!("127.0.0.{}", 11 + index % 240)
 }
 
 /// One simulator replica.
 #[derive(Debug)]
 pub struct Replica {
-    /// `127.0.0.1:port`, exactly as in Envoy's `vllm` cluster.
+    /// `ip:port` (127.0.0.1 unless [`FleetConfig::pod_port`]), exactly as in Envoy's `vllm`
+    /// cluster.
     pub address: String,
     /// `(PUB, replay)` ZMQ endpoints of its KV events, when [`FleetConfig::kv_events`] is set.
     pub kv_events: Option<(String, String)>,
@@ -645,7 +661,7 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// `http://127.0.0.1:port`.
+    /// `http://ip:port`.
     pub fn url(&self) -> String {
         format!("http://{}", self.address)
     }
@@ -1358,10 +1374,17 @@ async fn start_replica(
     client: &HttpClient,
 ) -> Result<Replica> {
     let name = format!("vllm-sim-{index}");
+    let host = match config.pod_port {
+        Some(_) => pod_ip(index),
+        None => "127.0.0.1".to_string(),
+    };
     start_with_retries(&name, async || {
-        let port = free_port()?;
+        let port = match config.pod_port {
+            Some(port) => port,
+            None => free_port()?,
+        };
         let mut cmd = Command::new(&tools.vllm_sim);
-        cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        cmd.args(["--host", &host, "--port", &port.to_string()])
             .args(["--model", &config.model])
             .args(["--seed", &(config.seed + index as u64).to_string()])
             .args(&config.sim_args);
@@ -1378,10 +1401,10 @@ async fn start_replica(
             cmd.args(extra);
         }
         let log = log_dir.join(format!("{name}.log"));
-        let ready = [format!("http://127.0.0.1:{port}/health")];
+        let ready = [format!("http://{host}:{port}/health")];
         let process = spawn_ready(&name, cmd, &log, client, &ready).await?;
         Ok(Replica {
-            address: format!("127.0.0.1:{port}"),
+            address: format!("{host}:{port}"),
             kv_events: kv_events.clone(),
             process,
         })
@@ -1453,7 +1476,15 @@ async fn start_control_plane(
         .map(|(i, r)| endpoint_entry(config, i, r))
         .collect();
     let mut extra_sections = config.control_plane_extra.clone();
-    if config.file_discovery {
+    if let Some(discovery) = &config.discovery {
+        endpoints.clear();
+        if !extra_sections.is_object() {
+            extra_sections = json!({});
+        }
+        if let Some(extra) = extra_sections.as_object_mut() {
+            extra.insert("discovery".into(), discovery.clone());
+        }
+    } else if config.file_discovery {
         // The endpoint file (written by `Fleet::start`) replaces the static list.
         endpoints.clear();
         let file = discovery_dir(log_dir).join(CONTROL_PLANE_ENDPOINT_FILE);
