@@ -4,8 +4,6 @@
 //! errors), and what the server answers on the paths a generative vLLM does not mount.
 //! Servers run in-process on OS-picked ports; every wait has a timeout.
 
-
-
 use std::time::Duration;
 
 use crate::common::{MODEL, T, json_body, replay_from_zero, run_binary, spawn_binary, start};

@@ -2,12 +2,10 @@
 //! ZMQ, failure injection. Servers run in-process on OS-picked ports (one test also runs the
 //! built binary), every wait has a timeout.
 
-
-
 use std::time::Duration;
 
-use clap::Parser;
 use crate::common::{T, json_body, replay_from_zero, run_binary, spawn_binary, start};
+use clap::Parser;
 use http_body_util::{BodyExt, Full};
 use kvroute_harness::{HttpClient, HttpResponse};
 use serde_json::{Value, json};
