@@ -10,7 +10,7 @@ use scorer_core::lora::LoraState;
 use scorer_core::pools::ServedModel;
 use serde::Deserialize;
 
-use crate::prom::samples;
+use crate::prom::samples_named;
 
 /// The LoRA gauge vLLM exports; its value is a timestamp, its labels carry the adapters.
 pub const LORA_INFO: &str = "vllm:lora_requests_info";
@@ -79,11 +79,9 @@ fn split_list(value: &str) -> Vec<String> {
 /// which vLLM does until an adapter is used, or malformed).
 pub fn parse_lora_info(text: &str) -> Option<LoraState> {
     let mut best: Option<(f64, LoraState)> = None;
-    for sample in samples(text) {
+    // Only this series' lines are parsed (the scraper reads every page through here).
+    for sample in samples_named(text, &[LORA_INFO]) {
         let Ok(sample) = sample else { continue };
-        if sample.name != LORA_INFO {
-            continue;
-        }
         let label = |name: &str| -> Cow<'_, str> {
             sample
                 .label(name)

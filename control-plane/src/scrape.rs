@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
 use crate::pools::{parse_lora_info, parse_models};
-use crate::prom::{PromError, parse_vllm_metrics_bytes};
+use crate::prom::{PromError, scrape_vllm_metrics};
 use crate::state::State;
 
 /// How and how often endpoints are scraped.
@@ -116,8 +116,10 @@ pub async fn scrape_once(
     settings: &ScrapeSettings,
 ) -> Result<(EndpointMetrics, Option<LoraState>), ScrapeError> {
     let body = fetch(client, address, "/metrics", "text/plain", settings).await?;
-    let metrics = parse_vllm_metrics_bytes(&body)?;
-    let lora = std::str::from_utf8(&body).ok().and_then(parse_lora_info);
+    let text = std::str::from_utf8(&body).map_err(|e| PromError::NotUtf8(e.valid_up_to()))?;
+    // Both read only their own series' lines: a vLLM page is 500+ lines, they need about 13.
+    let metrics = scrape_vllm_metrics(text)?;
+    let lora = parse_lora_info(text);
     Ok((metrics, lora))
 }
 

@@ -1,6 +1,7 @@
 //! The control plane's Prometheus text parser (`vllm_wire::prom`, a sans-IO crate: no tokio or
 //! axum under ASan). Whatever a replica's `/metrics` returns, parsing
-//! must end without a panic, in linear time, and an accepted page must yield sane numbers.
+//! must end without a panic, in linear time, and an accepted page must yield sane numbers; the
+//! scrape path (`scrape_vllm_metrics`) must read what the full parser reads.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -14,6 +15,15 @@ fuzz_target!(|input: &[u8]| {
     let Ok(text) = std::str::from_utf8(input) else {
         return;
     };
+    // The scrape path parses only the lines it reads: a page the full parser accepts gives the
+    // same metrics there, and any page ends cleanly.
+    let scraped = prom::scrape_vllm_metrics(text);
+    if let Ok(m) = prom::parse_vllm_metrics(text) {
+        assert_eq!(scraped, Ok(m));
+    }
+    if let Ok(m) = scraped {
+        assert!((0.0..=1.0).contains(&m.kv_usage), "kv_usage {}", m.kv_usage);
+    }
     for sample in prom::samples(text).take(10_000) {
         let Ok(sample) = sample else {
             continue;

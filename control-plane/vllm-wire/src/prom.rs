@@ -13,8 +13,12 @@
 //!   `vllm:prefix_cache_hits_total`. An engine
 //!   without all of them, or with an unusable value, simply gives no counters.
 //!
-//! Invariant: no I/O, no panics, linear time. Every line must be well-formed (so a non-metrics
-//! page is rejected), but unknown metrics, histograms, NaN and +Inf values elsewhere are fine.
+//! Invariant: no I/O, no panics, linear time. [`parse_vllm_metrics`] requires every line to be
+//! well-formed (so a non-metrics page is rejected), but unknown metrics, histograms, NaN and
+//! +Inf values elsewhere are fine. The scrape path, [`scrape_vllm_metrics`], reads the same
+//! series and parses only their lines: any other line costs a scan of its metric name, and
+//! must only start like a sample or a comment (an HTML or JSON page still fails at its first
+//! line). A vLLM page is over 500 lines, of which the router reads about a dozen.
 //! Timestamps and OpenMetrics exemplars are accepted and ignored.
 
 use std::borrow::Cow;
@@ -44,6 +48,22 @@ pub const CALIBRATION_SERIES: [&str; 7] = [
     "vllm:inter_token_latency_seconds_count",
     "vllm:prompt_tokens_total",
     "vllm:prefix_cache_hits_total",
+];
+
+/// Every series [`parse_vllm_metrics`] reads; [`scrape_vllm_metrics`] parses no other line.
+pub const READ_SERIES: [&str; 12] = [
+    RUNNING,
+    WAITING,
+    KV_USAGE,
+    KV_USAGE_OLD,
+    CACHE_CONFIG_INFO,
+    CALIBRATION_SERIES[0],
+    CALIBRATION_SERIES[1],
+    CALIBRATION_SERIES[2],
+    CALIBRATION_SERIES[3],
+    CALIBRATION_SERIES[4],
+    CALIBRATION_SERIES[5],
+    CALIBRATION_SERIES[6],
 ];
 
 /// Why a `/metrics` body could not be turned into [`EndpointMetrics`].
@@ -149,15 +169,63 @@ impl<'a> Sample<'a> {
 /// Labels are checked for well-formedness as each line is yielded, so a malformed line anywhere
 /// surfaces as an error with its line number.
 pub fn samples(text: &str) -> impl Iterator<Item = Result<Sample<'_>, PromError>> + '_ {
-    text.split('\n').enumerate().filter_map(|(i, line)| {
-        parse_line(line, i + 1)
-            .and_then(|s| match s {
-                Some(s) => for_each_label(s.raw_labels, |_, _| {}).map(|()| Some(s)),
-                None => Ok(None),
-            })
-            .map_err(|kind| PromError::Syntax { line: i + 1, kind })
-            .transpose()
-    })
+    text.split('\n')
+        .enumerate()
+        .filter_map(|(i, line)| checked_sample(line, i + 1).transpose())
+}
+
+/// Like [`samples`], but only the samples of the series in `names`: another line costs a scan
+/// of its metric name and is not checked further, unless it does not start like a sample or a
+/// comment, which is an error as in [`samples`]. What the scrape path reads a page with.
+pub fn samples_named<'a>(
+    text: &'a str,
+    names: &'a [&'a str],
+) -> impl Iterator<Item = Result<Sample<'a>, PromError>> + 'a {
+    text.split('\n')
+        .enumerate()
+        .filter_map(move |(i, line)| match line_head(line) {
+            LineHead::Skip => None,
+            LineHead::Name(name) if !names.contains(&name) => None,
+            LineHead::Name(_) | LineHead::Malformed => checked_sample(line, i + 1).transpose(),
+        })
+}
+
+/// One line parsed and its labels checked; `Ok(None)` for blank lines and comments.
+fn checked_sample(line: &str, number: usize) -> Result<Option<Sample<'_>>, PromError> {
+    parse_line(line, number)
+        .and_then(|s| match s {
+            Some(s) => for_each_label(s.raw_labels, |_, _| {}).map(|()| Some(s)),
+            None => Ok(None),
+        })
+        .map_err(|kind| PromError::Syntax { line: number, kind })
+}
+
+/// What a line starts with, read without parsing the rest of it.
+enum LineHead<'a> {
+    /// A blank line or a comment.
+    Skip,
+    /// A sample of this metric (well-formed up to the name, at least).
+    Name(&'a str),
+    /// Not a sample line: the full parser says why.
+    Malformed,
+}
+
+fn line_head(line: &str) -> LineHead<'_> {
+    let line = line.trim_start_matches([' ', '\t', '\r']);
+    let bytes = line.as_bytes();
+    match bytes.first() {
+        None | Some(b'#') => return LineHead::Skip,
+        Some(c) if !is_name_start(*c) => return LineHead::Malformed,
+        Some(_) => {}
+    }
+    let len = bytes
+        .iter()
+        .position(|c| !is_name_char(*c))
+        .unwrap_or(bytes.len());
+    match bytes.get(len) {
+        None | Some(b'{' | b' ' | b'\t' | b'\r') => LineHead::Name(&line[..len]),
+        Some(_) => LineHead::Malformed,
+    }
 }
 
 /// Parses raw `/metrics` bytes (what the scraper receives) into routing metrics.
@@ -166,20 +234,36 @@ pub fn parse_vllm_metrics_bytes(body: &[u8]) -> Result<EndpointMetrics, PromErro
     parse_vllm_metrics(text)
 }
 
-/// Parses a vLLM `/metrics` body into routing metrics, summed over DP engines.
+/// Parses a vLLM `/metrics` body into routing metrics, summed over DP engines, checking every
+/// line.
 pub fn parse_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
+    metrics_from(samples(text))
+}
+
+/// What the scraper reads a `/metrics` body with: [`parse_vllm_metrics`]'s result, parsing only
+/// the lines of [`READ_SERIES`] ([`samples_named`]). A page `parse_vllm_metrics` accepts gives
+/// the same metrics here; a page whose other lines are malformed past their metric name is
+/// accepted here and not there.
+pub fn scrape_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
+    metrics_from(samples_named(text, &READ_SERIES))
+}
+
+/// Routing metrics from a page's samples.
+fn metrics_from<'a>(
+    samples: impl Iterator<Item = Result<Sample<'a>, PromError>>,
+) -> Result<EndpointMetrics, PromError> {
     let mut running: Option<f64> = None;
     let mut waiting: Option<f64> = None;
     // (engine label, usage) per series, for the new and the old KV metric name.
-    let mut kv_new: Vec<(Option<Cow<'_, str>>, f64)> = Vec::new();
-    let mut kv_old: Vec<(Option<Cow<'_, str>>, f64)> = Vec::new();
+    let mut kv_new: Vec<(Option<Cow<'a, str>>, f64)> = Vec::new();
+    let mut kv_old: Vec<(Option<Cow<'a, str>>, f64)> = Vec::new();
     // (engine label, capacity in tokens; None when the engine has not profiled yet).
-    let mut capacity: Vec<(Option<Cow<'_, str>>, Option<u64>)> = Vec::new();
+    let mut capacity: Vec<(Option<Cow<'a, str>>, Option<u64>)> = Vec::new();
     // Calibration counters, summed over series: computed tokens, prefill s and count, ITL s
     // and count, prompt tokens, prefix-cache hits.
     let mut counters: [Option<f64>; 7] = [None; 7];
 
-    for sample in samples(text) {
+    for sample in samples {
         let sample = sample?;
         let syntax = |kind| PromError::Syntax {
             line: sample.line,
@@ -752,6 +836,64 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
         );
     }
 
+    /// vLLM 0.33's whole default page (`tests/bench/fixtures`, 58 KB, histograms included).
+    const VLLM_033: &str = include_str!("../../../tests/bench/fixtures/vllm-0.33-metrics.txt");
+
+    // The scrape path reads what the checking parser reads, from the lines it needs.
+    #[test]
+    fn the_scrape_path_reads_what_the_full_parser_reads() {
+        for page in [VLLM_DP2, VLLM_033] {
+            let full = parse_vllm_metrics(page).unwrap();
+            assert_eq!(scrape_vllm_metrics(page), Ok(full));
+        }
+        let full = parse_vllm_metrics(VLLM_033).unwrap();
+        assert_eq!((full.running, full.capacity_tokens), (3, Some(29_127 * 16)));
+        assert!(full.counters.is_some());
+        let read = samples_named(VLLM_033, &READ_SERIES).count();
+        assert!(read < 20 && samples(VLLM_033).count() > 400, "{read}");
+        // LoRA-style reads of one series skip the rest the same way.
+        let names = ["vllm:num_requests_waiting"];
+        let waiting: Vec<_> = samples_named(VLLM_DP2, &names)
+            .map(|s| s.unwrap().value)
+            .collect();
+        assert_eq!(waiting, [0.0, 2.0]);
+    }
+
+    // Lines of series the router does not read are checked only up to their name: a page that
+    // is not Prometheus text still fails at its first line, and a bad read line is an error.
+    #[test]
+    fn the_scrape_path_skips_unread_lines_but_not_garbage() {
+        let base = "vllm:num_requests_running 1\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.5\n";
+        let odd = format!("{base}odd{{ü=\"\"}} 1\nhist_bucket{{le=\"1\"}} soon\n");
+        assert!(parse_vllm_metrics(&odd).is_err());
+        assert_eq!(scrape_vllm_metrics(&odd), parse_vllm_metrics(base));
+        for (page, line, kind) in [
+            (
+                "<html><body>502</body></html>\n",
+                1,
+                SyntaxError::MetricName,
+            ),
+            ("{\"object\":\"error\"}", 1, SyntaxError::MetricName),
+            ("abc\"x\" 1\n", 1, SyntaxError::MetricName),
+            (
+                "vllm:num_requests_running{engine} 1\n",
+                1,
+                SyntaxError::LabelSyntax,
+            ),
+            (
+                "ok 1\nvllm:kv_cache_usage_perc one\n",
+                2,
+                SyntaxError::Value,
+            ),
+        ] {
+            assert_eq!(
+                scrape_vllm_metrics(page),
+                Err(PromError::Syntax { line, kind }),
+                "{page:?}"
+            );
+        }
+    }
+
     #[test]
     fn never_panics_on_random_bodies() {
         // Bodies drawn from the format's own alphabet reach deep into the parser.
@@ -768,7 +910,10 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
             let body: Vec<u8> = (0..len)
                 .map(|_| ALPHABET[(next() % ALPHABET.len() as u64) as usize])
                 .collect();
-            let _ = parse_vllm_metrics_bytes(&body);
+            let full = parse_vllm_metrics_bytes(&body);
+            if let (Ok(m), Ok(text)) = (&full, std::str::from_utf8(&body)) {
+                assert_eq!(scrape_vllm_metrics(text).as_ref(), Ok(m));
+            }
         }
     }
 
