@@ -297,9 +297,12 @@ async fn sync(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Bod
             return Err(catching_up());
         }
         let served = app.state.sync(request);
-        app.state
-            .telemetry()
-            .count_sync(served.decisions, served.outcomes, served.reset);
+        app.state.telemetry().count_sync(
+            served.decisions,
+            served.outcomes,
+            served.reset,
+            !served.response.delta,
+        );
         Ok::<_, ApiError>(Json(served.response).into_response())
     }
     .await;

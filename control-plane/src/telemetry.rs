@@ -88,6 +88,7 @@ pub struct Telemetry {
     sync_calls: Counter,
     sync_decisions: Counter,
     sync_resets: Counter,
+    sync_full_tables: Counter,
     replication_published: Counter,
     replication_applied: Counter,
     replication_dropped: Counter,
@@ -124,6 +125,7 @@ impl Default for Telemetry {
             sync_calls: Counter::default(),
             sync_decisions: Counter::default(),
             sync_resets: Counter::default(),
+            sync_full_tables: Counter::default(),
             replication_published: Counter::default(),
             replication_applied: Counter::default(),
             replication_dropped: Counter::default(),
@@ -163,14 +165,18 @@ impl Telemetry {
     }
 
     /// One sync call of a locally deciding proxy that reported `decisions` decisions and
-    /// `outcomes` outcomes, and whether its copy had to start over. Its outcomes count with
-    /// feedback's (`feedback_outcomes`): one outcome total, however it arrived.
-    pub fn count_sync(&self, decisions: usize, outcomes: usize, reset: bool) {
+    /// `outcomes` outcomes, whether its copy had to start over, and whether the answer carried
+    /// the whole endpoint table rather than its changes. Its outcomes count with feedback's
+    /// (`feedback_outcomes`): one outcome total, however it arrived.
+    pub fn count_sync(&self, decisions: usize, outcomes: usize, reset: bool, full_table: bool) {
         self.sync_calls.inc();
         self.sync_decisions.inc_by(decisions as u64);
         self.feedback_outcomes.inc_by(outcomes as u64);
         if reset {
             self.sync_resets.inc();
+        }
+        if full_table {
+            self.sync_full_tables.inc();
         }
     }
 
@@ -357,6 +363,12 @@ pub fn registry(state: Arc<State>) -> Registry {
         "sync_resets",
         "Sync calls whose proxy had to start over (too far behind the log, or a new generation)",
         t.sync_resets,
+    );
+    r.register(
+        "sync_full_tables",
+        "Sync answers that carried the whole endpoint table (a copy's first, another control \
+         plane's copy, or one too far behind the table's changes) instead of what changed",
+        t.sync_full_tables,
     );
     r.register(
         "replication_published_events",

@@ -175,6 +175,11 @@ pub struct FilterConfig {
     /// In `local` mode: decisions and outcomes kept for the next sync; the oldest are dropped
     /// past this (the control plane expires what it never hears about).
     pub max_pending_reports: usize,
+    /// In `local` mode: most prompt blocks the VM's copy indexes over all endpoints, the bulk
+    /// of its memory (about 140 bytes a block natively). Each endpoint keeps at most this
+    /// divided by the endpoints (and never more than its KV capacity), its least recently used
+    /// blocks evicted first. 0: only each endpoint's KV capacity bounds it.
+    pub max_index_blocks: usize,
 }
 
 impl Default for FilterConfig {
@@ -199,6 +204,7 @@ impl Default for FilterConfig {
             sync_interval_ms: 50,
             max_state_age_ms: 1000,
             max_pending_reports: 4096,
+            max_index_blocks: 0,
             routes: default_routes(),
         }
     }

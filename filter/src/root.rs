@@ -120,8 +120,11 @@ pub struct Queued {
 impl RootState {
     /// State for a freshly configured root context.
     pub fn new(config: FilterConfig) -> Self {
-        let local = (config.decision == DecisionMode::Local)
-            .then(|| LocalRouter::new(config.max_pending_reports));
+        let local = (config.decision == DecisionMode::Local).then(|| {
+            LocalRouter::new(config.max_pending_reports).with_max_index_blocks(
+                (config.max_index_blocks > 0).then_some(config.max_index_blocks),
+            )
+        });
         RootState {
             config: Arc::new(config),
             queue: VecDeque::new(),
@@ -701,6 +704,26 @@ mod tests {
                 prompt_tokens: 192,
                 ..RouteRequest::default()
             }
+        }
+
+        // The VM's sync call names the endpoint table its copy holds, so every answer after the
+        // first carries only what changed, and a removal still reaches the copy.
+        #[test]
+        fn syncs_after_the_first_carry_only_changes() {
+            let mut root = local_root();
+            let mut cp = control_plane();
+            tick(&mut root, &mut cp, 0);
+            let call = root.on_tick(50).expect("a sync call every tick");
+            let request: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+            assert_eq!(request.table, cp.0.table());
+            let answer = serve_sync(&mut cp.0, &mut cp.1, request, 50);
+            assert!(answer.delta && answer.endpoints.is_empty() && answer.config.is_none());
+            let body = serde_json::to_vec(&answer).unwrap();
+            assert!(root.on_sync_response(Some(200), &body, 50));
+            cp.1.remove_endpoint("10.0.0.2:8000");
+            tick(&mut root, &mut cp, 100);
+            let copy = root.local().and_then(LocalRouter::router).unwrap();
+            assert_eq!(copy.endpoint_count(), 1);
         }
 
         // A long miss is left to the control plane while others decide; once a route call has

@@ -5,7 +5,9 @@
 //! stream of active-active control planes (the log switched to stream numbering, raw bytes as a
 //! message's entries at an arbitrary stream position). Invariants: nothing
 //! panics; the log never holds more than its bound; an answer's `next` never goes backwards
-//! for a replica; a local copy only ever routes to endpoints the control plane named.
+//! for a replica; a local copy only ever routes to endpoints the control plane named, and a
+//! copy fed only the control plane's answers (whole tables or deltas) holds exactly its
+//! endpoints after each.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -50,6 +52,8 @@ fuzz_target!(|steps: Vec<Step>| {
     }
     let mut copies = [LocalRouter::new(8), LocalRouter::new(8)];
     let mut last_next = [0u64; 2];
+    // Copies that applied a raw answer: their table is whatever it said, not the hub's.
+    let mut raw_fed = [false; 2];
     for (now_ms, step) in (1u64..).zip(steps.into_iter().take(64)) {
         match step {
             Step::RawRequest(bytes) => {
@@ -89,10 +93,22 @@ fuzz_target!(|steps: Vec<Step>| {
                 let bytes = serde_json::to_vec(&answer).expect("an answer serialises");
                 let answer: SyncResponse = serde_json::from_slice(&bytes).expect("and parses");
                 copies[i].apply(answer, now_ms);
+                if !raw_fed[i] {
+                    let addresses = |r: &Router| {
+                        let mut a: Vec<String> =
+                            r.endpoints(now_ms).into_iter().map(|e| e.address).collect();
+                        a.sort();
+                        a
+                    };
+                    let copy = copies[i].router().map(addresses);
+                    assert_eq!(copy, Some(addresses(&hub)), "the copy's table is the hub's");
+                }
             }
             Step::RawAnswer { copy, bytes } => {
                 if let Ok(answer) = serde_json::from_slice::<SyncResponse>(&bytes) {
-                    copies[usize::from(copy) % copies.len()].apply(answer, now_ms);
+                    let i = usize::from(copy) % copies.len();
+                    raw_fed[i] = true;
+                    copies[i].apply(answer, now_ms);
                 }
             }
             Step::Route { copy, hashes } => {

@@ -294,6 +294,11 @@ struct Slot {
     role: EndpointRole,
     /// Times it was picked as a request's prefill endpoint.
     prefill_picks: u64,
+    /// The endpoint table's version when what copies see of this slot last changed
+    /// ([`Router::endpoint_changes`]).
+    version: u64,
+    /// The scrape time copies were last sent (the refresh rule in `note_scrape`).
+    sent_scrape_ms: u64,
 }
 
 impl Slot {
@@ -323,6 +328,16 @@ impl Slot {
         if entry.awaiting_first_token {
             self.unconfirmed_tokens =
                 (self.unconfirmed_tokens - f64::from(entry.prefill_tokens)).max(0.0);
+        }
+    }
+
+    /// What a copy needs of this endpoint ([`Router::endpoint_snapshots`]).
+    fn snapshot(&self, now_ms: u64) -> crate::sync::EndpointSnapshot {
+        crate::sync::EndpointSnapshot {
+            address: self.address.to_string(),
+            usable: self.health == Health::Ready,
+            metrics: self.metrics.filter(|_| self.health == Health::Ready),
+            metrics_age_ms: now_ms.saturating_sub(self.scraped_at_ms),
         }
     }
 
@@ -649,7 +664,38 @@ pub struct Router {
     scratch: RouteScratch,
     /// Canonical bytes per token in force (configured or learned).
     token_ratio: TokenRatio,
+    /// What changed in the endpoint table and when, for sync answers that carry only that.
+    table: TableVersions,
+    /// Most blocks the approximate index holds over all endpoints (a proxy's copy sets it,
+    /// [`Router::set_max_index_blocks`]); `None`: each endpoint's KV capacity alone bounds it.
+    max_index_blocks: Option<usize>,
 }
+
+/// Versions of the endpoint table as copies see it ([`crate::sync::EndpointSnapshot`]): every
+/// change a copy must learn of (an endpoint added, removed, newly usable or unusable, a scrape
+/// with other numbers, or a re-sent one) takes the next version, so a sync answer can carry
+/// only what changed after the version a copy last got ([`Router::endpoint_changes`]).
+#[derive(Debug, Default)]
+struct TableVersions {
+    /// The newest version handed out.
+    version: u64,
+    /// Endpoints removed, with their removal's version, oldest first; at most
+    /// [`MAX_REMOVALS_KEPT`].
+    removed: VecDeque<(u64, EndpointAddress)>,
+    /// A copy at a version below this missed a removal no longer kept: it gets the whole table.
+    floor: u64,
+}
+
+impl TableVersions {
+    fn next(&mut self) -> u64 {
+        self.version += 1;
+        self.version
+    }
+}
+
+/// Removals the endpoint table remembers for copies behind it: far more than a fleet's churn
+/// between two syncs, and small. A copy behind more of them gets the whole table.
+pub(crate) const MAX_REMOVALS_KEPT: usize = 1024;
 
 /// Buffers `Router::route` fills every decision; reused, so a decision allocates only what it
 /// returns (profiles showed a third of a decision's allocations were these).
@@ -932,6 +978,8 @@ impl Router {
             scratch: RouteScratch::default(),
             token_ratio: TokenRatio::new(config.bytes_per_token, config.learn_bytes_per_token),
             config,
+            table: TableVersions::default(),
+            max_index_blocks: None,
         }
     }
 
@@ -986,22 +1034,38 @@ impl Router {
             rates: Calibrated::from_prior(prior(&self.config.scoring)),
             role: EndpointRole::Both,
             prefill_picks: 0,
+            version: self.table.next(),
+            sent_scrape_ms: 0,
         });
         self.index.clear_endpoint(id);
         self.precise.clear(id);
         self.fleet.clear_endpoint(id);
         self.by_address.insert(address.to_string(), id);
+        if self.max_index_blocks.is_some() {
+            self.bound_every_index_share();
+        }
         Ok(id)
     }
 
     /// Removes an endpoint and everything known about it.
     pub fn remove_endpoint(&mut self, address: &str) {
         if let Some(id) = self.by_address.remove(address) {
-            self.slots[usize::from(id.0)] = None;
+            if let Some(slot) = self.slots[usize::from(id.0)].take() {
+                let version = self.table.next();
+                self.table.removed.push_back((version, slot.address));
+                while self.table.removed.len() > MAX_REMOVALS_KEPT {
+                    if let Some((forgotten, _)) = self.table.removed.pop_front() {
+                        self.table.floor = forgotten;
+                    }
+                }
+            }
             self.index.clear_endpoint(id);
             self.precise.clear(id);
             self.fleet.clear_endpoint(id);
             self.inflight.retain(|_, f| f.endpoint != id);
+            if self.max_index_blocks.is_some() {
+                self.bound_every_index_share();
+            }
         }
     }
 
@@ -1017,13 +1081,24 @@ impl Router {
 
     /// Records a successful scrape of `address`.
     pub fn update_metrics(&mut self, address: &str, metrics: EndpointMetrics, now_ms: u64) {
-        let tokens_per_block = self.tokens_per_block();
         let Some(&id) = self.by_address.get(address) else {
             return;
         };
         let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
             return;
         };
+        // What copies see changes with other numbers or health; the same numbers are re-sent
+        // once the scrape they hold is a quarter of `stale_after_ms` old, so a copy never
+        // judges stale an endpoint the control plane scrapes: its scrape lags this one by at
+        // most that, a scrape interval and a sync interval.
+        let resend_after = (self.config.stale_after_ms / 4).max(1);
+        if slot.health != Health::Ready
+            || slot.metrics != Some(metrics)
+            || now_ms.saturating_sub(slot.sent_scrape_ms) >= resend_after
+        {
+            slot.version = self.table.next();
+            slot.sent_scrape_ms = now_ms;
+        }
         slot.metrics = Some(metrics);
         slot.scraped_at_ms = now_ms;
         slot.health = Health::Ready;
@@ -1069,17 +1144,61 @@ impl Router {
             Calibrated::from_prior(self::prior(scoring))
         };
         if let Some(cap) = metrics.capacity_tokens {
-            let blocks = (cap as f64 / tokens_per_block) as usize;
-            self.index.set_capacity(id, blocks.max(1));
             let engine_blocks = cap as usize / self.config.precise.block_tokens.max(1);
             self.precise.gpu.set_capacity(id, engine_blocks.max(1));
+        }
+        self.bound_index(id);
+    }
+
+    /// Bounds the approximate index to `max` blocks over all endpoints (`None`: no bound but
+    /// each endpoint's KV capacity). What a proxy's copy sets, so that a VM's memory is bounded
+    /// by its configuration whatever the fleet reports: each endpoint then keeps at most
+    /// `max / endpoints` blocks (and never more than its KV capacity), its least recently used
+    /// evicted first.
+    pub fn set_max_index_blocks(&mut self, max: Option<usize>) {
+        self.max_index_blocks = max;
+        self.bound_every_index_share();
+    }
+
+    /// Re-applies every endpoint's index bound (the fleet's size or the bound changed).
+    fn bound_every_index_share(&mut self) {
+        for i in 0..self.slots.len() {
+            if self.slots[i].is_some() {
+                self.bound_index(EndpointId(i as u16));
+            }
+        }
+    }
+
+    /// `id`'s share of the approximate index: its KV capacity in blocks, when known, and its
+    /// share of `max_index_blocks`, when set ([`Router::set_max_index_blocks`]).
+    fn bound_index(&mut self, id: EndpointId) {
+        let kv_blocks = self.slots[usize::from(id.0)]
+            .as_ref()
+            .and_then(|s| s.metrics)
+            .and_then(|m| m.capacity_tokens)
+            .map(|cap| (cap as f64 / self.tokens_per_block()) as usize);
+        let share = self
+            .max_index_blocks
+            .map(|max| max / self.by_address.len().max(1));
+        let bound = match (kv_blocks, share) {
+            (Some(kv), Some(share)) => Some(kv.min(share)),
+            (kv, share) => kv.or(share),
+        };
+        if let Some(blocks) = bound {
+            self.index.set_capacity(id, blocks.max(1));
         }
     }
 
     /// Records a failed scrape: the endpoint stops being a candidate until it answers again.
     pub fn mark_unreachable(&mut self, address: &str) {
-        if let Some((_, slot)) = self.slot_mut(address) {
+        let Some(&id) = self.by_address.get(address) else {
+            return;
+        };
+        if let Some(slot) = self.slots[usize::from(id.0)].as_mut()
+            && slot.health != Health::Unreachable
+        {
             slot.health = Health::Unreachable;
+            slot.version = self.table.next();
         }
     }
 
@@ -2107,13 +2226,42 @@ impl Router {
         self.slots
             .iter()
             .flatten()
-            .map(|s| crate::sync::EndpointSnapshot {
-                address: s.address.to_string(),
-                usable: s.health == Health::Ready,
-                metrics: s.metrics.filter(|_| s.health == Health::Ready),
-                metrics_age_ms: now_ms.saturating_sub(s.scraped_at_ms),
-            })
+            .map(|s| s.snapshot(now_ms))
             .collect()
+    }
+
+    /// The endpoint table's version: it grows with every change a copy must see.
+    pub fn table_version(&self) -> u64 {
+        self.table.version
+    }
+
+    /// What changed in the endpoint table after version `since`: the endpoints whose snapshot
+    /// changed (or that were added) and the addresses removed, to apply in that order. `None`
+    /// when that cannot be told (a removal after `since` is no longer kept, or `since` is
+    /// ahead of this table): the caller sends the whole table.
+    pub fn endpoint_changes(
+        &self,
+        since: u64,
+        now_ms: u64,
+    ) -> Option<(Vec<crate::sync::EndpointSnapshot>, Vec<String>)> {
+        if since < self.table.floor || since > self.table.version {
+            return None;
+        }
+        let changed = self
+            .slots
+            .iter()
+            .flatten()
+            .filter(|s| s.version > since)
+            .map(|s| s.snapshot(now_ms))
+            .collect();
+        let removed = self
+            .table
+            .removed
+            .iter()
+            .filter(|(version, _)| *version > since)
+            .map(|(_, address)| address.to_string())
+            .collect();
+        Some((changed, removed))
     }
 
     /// Each endpoint's load as admission reads it, written into `out` (cleared first), so an

@@ -6,9 +6,12 @@
 //! scraped endpoint state. The control plane keeps one append-only [`SyncLog`] of decisions and
 //! outcomes from every source; each copy pulls the entries after the last sequence number it
 //! has seen and applies them through the same `Router` calls that produced the control plane's
-//! own state ([`Router::record_decision`], [`Router::feedback`]). Endpoint state is small and is
-//! sent whole on every pull. So every copy is the same state machine fed the same inputs, a
-//! little later: staleness is the pull interval plus one round trip.
+//! own state ([`Router::record_decision`], [`Router::feedback`]). Endpoint state (the scrapes)
+//! is versioned by the control plane's router ([`Router::endpoint_changes`]): a copy names the
+//! table and version it holds, and gets only the endpoints that changed since, or the whole
+//! table when it names none or one that cannot be patched. So every copy is the same state
+//! machine fed the same inputs, a little later: staleness is the pull interval plus one round
+//! trip.
 //!
 //! Sans-IO like the rest of the crate: the proxy's tick and the HTTP call live in the filter,
 //! the log's owner in the control plane; fleet-sim drives both in virtual time.
@@ -92,6 +95,13 @@ pub struct SyncRequest {
     /// First tokens of local decisions' responses since the last sync.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub first_tokens: Vec<FirstToken>,
+    /// The endpoint table this copy holds ([`SyncResponse::table`]; 0: none, or from a control
+    /// plane that does not version it): with `table_version`, what a delta is taken against.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub table: u64,
+    /// The version of that table the copy holds ([`SyncResponse::table_version`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub table_version: u64,
 }
 
 /// One entry of the replicated log.
@@ -159,7 +169,7 @@ impl SyncEvent {
     }
 }
 
-/// The control plane's view of one endpoint, sent whole on every sync.
+/// The control plane's view of one endpoint, sent when it changes (or whole tables).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EndpointSnapshot {
     /// `ip:port`.
@@ -203,11 +213,29 @@ pub struct SyncResponse {
     /// Log entries after `since`, oldest first, other origins only.
     #[serde(default)]
     pub events: Vec<SyncEvent>,
-    /// Every endpoint the control plane routes to; a copy drops the ones missing here.
+    /// Without `delta`, every endpoint the control plane routes to (a copy drops the ones
+    /// missing here); with it, those whose snapshot changed after the copy's `table_version`.
     #[serde(default)]
     pub endpoints: Vec<EndpointSnapshot>,
-    /// The control plane's router configuration, so local decisions score as it does.
-    pub config: RouterConfig,
+    /// `endpoints` and `removed` patch the table the copy named ([`SyncRequest::table`]).
+    /// False (and so from a control plane that never sends deltas): they replace it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delta: bool,
+    /// With `delta`: endpoints removed after the copy's version, applied before `endpoints`
+    /// (an endpoint removed and added again is in both).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<String>,
+    /// Names the table `endpoints` come from (one control-plane process's scrapes; 0: not
+    /// versioned), for the copy to send back.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub table: u64,
+    /// The table's version these endpoints bring the copy to, for it to send back.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub table_version: u64,
+    /// The control plane's router configuration, so local decisions score as it does: in every
+    /// whole-table answer (fixed for a table's lifetime, so deltas leave it out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<RouterConfig>,
 }
 
 /// The control plane's replicated log: a bounded ring of decisions and outcomes.
@@ -235,6 +263,10 @@ pub struct SyncLog {
     capacity: usize,
     next_replica: u32,
     id: u64,
+    /// Names the endpoint table this log's owner serves ([`SyncResponse::table`]): fixed at
+    /// creation, so it differs between control-plane processes (replicas and generations),
+    /// whose scrapes and table versions are their own, even when they share one stream.
+    table: u64,
     /// Replicated: entries pushed here, on their way to the shared stream.
     outbox: Option<Vec<SyncEvent>>,
 }
@@ -252,6 +284,7 @@ impl SyncLog {
             capacity: capacity.max(1),
             next_replica: first_replica.max(1),
             id: (u64::from(first_replica) << 1) | 1,
+            table: (u64::from(first_replica) << 1) | 1,
             outbox: None,
         }
     }
@@ -304,6 +337,11 @@ impl SyncLog {
     /// The log's name, echoed by copies ([`SyncResponse::log`]).
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The endpoint table's name, echoed by copies ([`SyncResponse::table`]; never 0).
+    pub fn table(&self) -> u64 {
+        self.table
     }
 
     /// Appends one entry logged at `now_ms`, dropping the oldest past the bound; replicated, it
@@ -413,13 +451,16 @@ pub const MAX_EVENTS_PER_SYNC: usize = 4096;
 
 /// The control plane's side of a sync call: accounts for the caller's decisions and outcomes
 /// in `router` (the control plane's own state) and in the log, then answers with what the
-/// caller has not seen. A caller without a replica tag gets one and the whole log.
+/// caller has not seen. A caller without a replica tag gets one and the whole log; a caller
+/// naming no endpoint table, another one, or a version the router cannot patch gets the whole
+/// table and the configuration.
 pub fn serve_sync(
     log: &mut SyncLog,
     router: &mut Router,
     request: SyncRequest,
     now_ms: u64,
 ) -> SyncResponse {
+    let (table, table_version) = (request.table, request.table_version);
     let (replica, since) = match request.replica {
         Some(replica) => (replica, request.since),
         None => (log.assign_replica(), 0),
@@ -451,14 +492,25 @@ pub fn serve_sync(
         log.push(event, now_ms);
     }
     let (events, next, reset) = log.since(since, replica, MAX_EVENTS_PER_SYNC, now_ms);
+    let changes = (table == log.table())
+        .then(|| router.endpoint_changes(table_version, now_ms))
+        .flatten();
+    let (endpoints, removed, delta) = match changes {
+        Some((changed, removed)) => (changed, removed, true),
+        None => (router.endpoint_snapshots(now_ms), Vec::new(), false),
+    };
     SyncResponse {
         replica,
         next,
         log: log.id(),
         reset,
         events,
-        endpoints: router.endpoint_snapshots(now_ms),
-        config: router.config().clone(),
+        endpoints,
+        delta,
+        removed,
+        table: log.table(),
+        table_version: router.table_version(),
+        config: (!delta).then(|| router.config().clone()),
     }
 }
 
@@ -470,6 +522,9 @@ pub struct LocalRouter {
     replica: Option<u32>,
     since: u64,
     log: u64,
+    /// The endpoint table held and its version ([`SyncRequest::table`]; 0: none).
+    table: u64,
+    table_version: u64,
     synced_at_ms: Option<u64>,
     pending_decisions: VecDeque<DecisionRecord>,
     pending_outcomes: VecDeque<Outcome>,
@@ -480,6 +535,8 @@ pub struct LocalRouter {
     others_decided_at_ms: Option<u64>,
     /// Until when it defers nothing ([`LocalRouter::pause_deferral`]).
     deferral_paused_until_ms: u64,
+    /// The bound on its prefix index ([`LocalRouter::with_max_index_blocks`]).
+    max_index_blocks: Option<usize>,
 }
 
 impl LocalRouter {
@@ -492,6 +549,8 @@ impl LocalRouter {
             replica: None,
             since: 0,
             log: 0,
+            table: 0,
+            table_version: 0,
             synced_at_ms: None,
             pending_decisions: VecDeque::new(),
             pending_outcomes: VecDeque::new(),
@@ -500,7 +559,19 @@ impl LocalRouter {
             local_decisions: 0,
             others_decided_at_ms: None,
             deferral_paused_until_ms: 0,
+            max_index_blocks: None,
         }
+    }
+
+    /// Bounds the copy's prefix index to `max` blocks over all endpoints
+    /// ([`Router::set_max_index_blocks`]): a proxy's memory then has a configured bound
+    /// whatever KV capacity the fleet reports. `None`: each endpoint's KV capacity alone.
+    pub fn with_max_index_blocks(mut self, max: Option<usize>) -> Self {
+        self.max_index_blocks = max;
+        if let Some(router) = self.router.as_mut() {
+            router.set_max_index_blocks(max);
+        }
+        self
     }
 
     /// Whether a local decision would be made on state no older than `max_age_ms`: the copy has
@@ -578,6 +649,8 @@ impl LocalRouter {
             decisions: self.pending_decisions.drain(..).collect(),
             outcomes: self.pending_outcomes.drain(..).collect(),
             first_tokens: self.pending_first_tokens.drain(..).collect(),
+            table: self.table,
+            table_version: self.table_version,
         }
     }
 
@@ -593,56 +666,70 @@ impl LocalRouter {
         put_back(&mut self.pending_first_tokens, request.first_tokens, max);
     }
 
-    /// Applies the control plane's answer: other routers' decisions and outcomes, then the
-    /// endpoint table. A new replica tag or a reset starts a fresh router (so decision ids
-    /// carry the tag, and no state from before the gap survives).
+    /// Applies the control plane's answer: the endpoint table (replaced, or patched by a
+    /// delta), then other routers' decisions and outcomes. A new replica tag, a new log, a
+    /// reset or a new configuration starts a fresh router (so decision ids carry the tag, and
+    /// no log state from before the gap survives); the endpoint table, which is the control
+    /// plane's scrapes and not the log's, carries over into it for the answer to patch.
     pub fn apply(&mut self, response: SyncResponse, now_ms: u64) {
+        let Some(config) = response
+            .config
+            .as_ref()
+            .or(self.router.as_ref().map(Router::config))
+        else {
+            // A delta for a copy with no table (it cannot have asked for one): nothing to
+            // patch; the next sync names no table and gets the whole one.
+            self.table = 0;
+            self.table_version = 0;
+            return;
+        };
         let fresh_router = response.reset
             || self.replica != Some(response.replica)
             || self.log != response.log
-            || self
-                .router
-                .as_ref()
-                .is_none_or(|r| *r.config() != response.config);
+            || self.router.as_ref().is_none_or(|r| r.config() != config);
         if fresh_router {
             let first_id = (u64::from(response.replica) << REPLICA_SHIFT) + 1;
-            self.router = Some(Router::new(response.config.clone(), first_id));
+            let mut router = Router::new(config.clone(), first_id);
+            router.set_max_index_blocks(self.max_index_blocks);
+            if let Some(old) = &self.router {
+                for endpoint in old.endpoint_snapshots(now_ms) {
+                    apply_snapshot(&mut router, &endpoint, now_ms);
+                }
+            }
+            self.router = Some(router);
         }
         self.replica = Some(response.replica);
         self.since = response.next;
         self.log = response.log;
+        self.table = response.table;
+        self.table_version = response.table_version;
         self.synced_at_ms = Some(now_ms);
         let Some(router) = self.router.as_mut() else {
             return;
         };
         // Endpoints first: a decision on an endpoint this copy has not seen yet still counts.
-        let keep: Vec<&str> = response
-            .endpoints
-            .iter()
-            .map(|e| e.address.as_str())
-            .collect();
-        let gone: Vec<String> = router
-            .endpoints(now_ms)
-            .into_iter()
-            .map(|view| view.address.to_string())
-            .filter(|a| !keep.contains(&a.as_str()))
-            .collect();
-        for address in gone {
-            router.remove_endpoint(&address);
+        if response.delta {
+            for address in &response.removed {
+                router.remove_endpoint(address);
+            }
+        } else {
+            let keep: hashbrown::HashSet<&str> = response
+                .endpoints
+                .iter()
+                .map(|e| e.address.as_str())
+                .collect();
+            let gone: Vec<String> = router
+                .endpoints(now_ms)
+                .into_iter()
+                .map(|view| view.address.to_string())
+                .filter(|a| !keep.contains(a.as_str()))
+                .collect();
+            for address in gone {
+                router.remove_endpoint(&address);
+            }
         }
         for endpoint in &response.endpoints {
-            if router.upsert_endpoint(&endpoint.address).is_err() {
-                continue;
-            }
-            if !endpoint.usable {
-                router.mark_unreachable(&endpoint.address);
-            } else if let Some(metrics) = endpoint.metrics {
-                router.update_metrics(
-                    &endpoint.address,
-                    metrics,
-                    now_ms.saturating_sub(endpoint.metrics_age_ms),
-                );
-            }
+            apply_snapshot(router, endpoint, now_ms);
         }
         let mine = response.replica;
         for event in &response.events {
@@ -669,6 +756,20 @@ impl LocalRouter {
     }
 }
 
+/// Makes `router`'s view of one endpoint the control plane's (an endpoint past the router's
+/// bound is left out, as on the control plane).
+fn apply_snapshot(router: &mut Router, endpoint: &EndpointSnapshot, now_ms: u64) {
+    if router.upsert_endpoint(&endpoint.address).is_err() {
+        return;
+    }
+    if !endpoint.usable {
+        router.mark_unreachable(&endpoint.address);
+    } else if let Some(metrics) = endpoint.metrics {
+        let scraped_at = now_ms.saturating_sub(endpoint.metrics_age_ms);
+        router.update_metrics(&endpoint.address, metrics, scraped_at);
+    }
+}
+
 /// Puts `items` (oldest first) back in front of `queue`; past `max` the oldest are dropped.
 fn put_back<T>(queue: &mut VecDeque<T>, items: Vec<T>, max: usize) {
     for item in items.into_iter().rev() {
@@ -690,6 +791,7 @@ fn push_bounded<T>(queue: &mut VecDeque<T>, item: T, max: usize) {
 mod tests {
     use super::*;
     use crate::hash::{DEFAULT_BLOCK_BYTES, block_hashes, model_seed};
+    use crate::router::Health;
     use crate::test_util::outcome_event;
 
     fn central(n: usize) -> Router {
@@ -1060,6 +1162,233 @@ mod tests {
         other.push(outcome_event(0, 3), 0);
         other.replicate(11, 1);
         assert_eq!(other.take_outbox().len(), 1);
+    }
+
+    /// `load` running requests on `address`, scraped into `hub` at `now_ms`.
+    fn scrape(hub: &mut Router, address: &str, load: u32, now_ms: u64) {
+        let metrics = EndpointMetrics {
+            running: load,
+            capacity_tokens: Some(100_000),
+            ..EndpointMetrics::default()
+        };
+        hub.update_metrics(address, metrics, now_ms);
+    }
+
+    /// The answer a synced copy gets, through JSON, and the copy after applying it.
+    fn tick(log: &mut SyncLog, hub: &mut Router, copy: &mut LocalRouter, now: u64) -> SyncResponse {
+        let request = copy.sync_request();
+        let response = serve_sync(log, hub, request, now);
+        let wire = serde_json::to_vec(&response).unwrap();
+        copy.apply(serde_json::from_slice(&wire).unwrap(), now);
+        response
+    }
+
+    fn running(copy: &LocalRouter, address: &str) -> Option<u32> {
+        let views = copy.router().unwrap().endpoints(0);
+        let view = views.iter().find(|v| v.address == address)?;
+        Some(view.metrics.map_or(0, |m| m.running))
+    }
+
+    // A synced copy is sent only the endpoints whose snapshot changed since its last pull, and
+    // the removals; a copy naming no table gets the whole table and the configuration.
+    #[test]
+    fn a_synced_copy_gets_only_what_changed() {
+        let mut log = SyncLog::new(100, 1);
+        let mut hub = central(4);
+        let mut a = LocalRouter::new(8);
+        let first = tick(&mut log, &mut hub, &mut a, 0);
+        assert!(!first.delta && first.config.is_some());
+        assert_eq!((first.endpoints.len(), first.table), (4, log.table()));
+        let idle = tick(&mut log, &mut hub, &mut a, 10);
+        assert!(idle.delta && idle.endpoints.is_empty() && idle.removed.is_empty());
+        assert_eq!(idle.config, None, "a delta leaves the configuration out");
+        assert!(serde_json::to_string(&idle).unwrap().len() < 150);
+
+        scrape(&mut hub, "10.0.0.2:8000", 5, 20);
+        hub.remove_endpoint("10.0.0.3:8000");
+        hub.upsert_endpoint("10.0.0.9:8000").unwrap();
+        hub.mark_unreachable("10.0.0.4:8000");
+        let delta = tick(&mut log, &mut hub, &mut a, 30);
+        assert!(delta.delta);
+        let mut sent: Vec<&str> = delta.endpoints.iter().map(|e| e.address.as_str()).collect();
+        sent.sort_unstable();
+        assert_eq!(sent, ["10.0.0.2:8000", "10.0.0.4:8000", "10.0.0.9:8000"]);
+        assert_eq!(delta.removed, ["10.0.0.3:8000"]);
+        assert_eq!(running(&a, "10.0.0.2:8000"), Some(5));
+        assert_eq!(running(&a, "10.0.0.3:8000"), None, "removed from the copy");
+        let copy = a.router().unwrap();
+        assert_eq!(copy.endpoint_count(), hub.endpoint_count());
+        let health = |r: &Router, at: &str| {
+            r.endpoints(30)
+                .into_iter()
+                .find(|v| v.address == at)
+                .map(|v| v.health)
+        };
+        assert_eq!(health(copy, "10.0.0.4:8000"), Some(Health::Unreachable));
+        // Unreachable again: nothing new. Back with a scrape: sent again, usable.
+        hub.mark_unreachable("10.0.0.4:8000");
+        assert!(tick(&mut log, &mut hub, &mut a, 40).endpoints.is_empty());
+        scrape(&mut hub, "10.0.0.4:8000", 1, 45);
+        assert_eq!(tick(&mut log, &mut hub, &mut a, 50).endpoints.len(), 1);
+        assert_eq!(
+            health(a.router().unwrap(), "10.0.0.4:8000"),
+            Some(Health::Ready)
+        );
+        // Removed and added again between two pulls: both, the removal first.
+        hub.remove_endpoint("10.0.0.9:8000");
+        hub.upsert_endpoint("10.0.0.9:8000").unwrap();
+        let again = tick(&mut log, &mut hub, &mut a, 60);
+        assert_eq!((again.removed.len(), again.endpoints.len()), (1, 1));
+        assert_eq!(a.router().unwrap().endpoint_count(), 4);
+    }
+
+    // The same numbers scraped again are re-sent only once the copy's scrape has aged a quarter
+    // of `stale_after_ms`: a copy never counts stale an endpoint its control plane scrapes.
+    #[test]
+    fn unchanged_scrapes_are_resent_before_a_copy_would_count_them_stale() {
+        let mut log = SyncLog::new(100, 1);
+        let mut hub = central(2);
+        let mut a = LocalRouter::new(8);
+        tick(&mut log, &mut hub, &mut a, 0);
+        let stale_after = hub.config().stale_after_ms;
+        let mut sent = 0;
+        for now in (50..10 * stale_after).step_by(50) {
+            if now % 100 == 0 {
+                for i in 1..=2 {
+                    scrape(&mut hub, &format!("10.0.0.{i}:8000"), 0, now);
+                }
+            }
+            sent += tick(&mut log, &mut hub, &mut a, now).endpoints.len();
+            let views = a.router().unwrap().endpoints(now);
+            assert!(views.iter().all(|v| !v.stale), "stale at {now}: {views:?}");
+        }
+        // Two endpoints, each re-sent at most every quarter of `stale_after_ms`, where whole
+        // tables would have carried 2 a tick.
+        let resends = 2 * 10 * stale_after / (stale_after / 4);
+        assert!(sent <= resends as usize + 2, "{sent} snapshots sent");
+        assert!(sent > 0, "re-sent at all");
+    }
+
+    // The whole table goes to a copy naming another table (another control-plane process, or
+    // one that does not version it) or a version behind a removal no longer kept.
+    #[test]
+    fn a_table_that_cannot_be_patched_is_sent_whole() {
+        let mut log = SyncLog::new(100, 1);
+        let mut hub = central(2);
+        let mut a = LocalRouter::new(8);
+        tick(&mut log, &mut hub, &mut a, 0);
+        // Another control plane: its own table.
+        let mut other_log = SyncLog::new(100, 9);
+        let mut other = central(3);
+        let answer = tick(&mut other_log, &mut other, &mut a, 10);
+        assert!(!answer.delta && answer.config.is_some());
+        assert_eq!(a.router().unwrap().endpoint_count(), 3);
+        // Far behind: more removals than the router keeps.
+        let synced = a.sync_request();
+        for _ in 0..=crate::router::MAX_REMOVALS_KEPT {
+            other.remove_endpoint("10.0.0.3:8000");
+            other.upsert_endpoint("10.0.0.3:8000").unwrap();
+        }
+        let answer = serve_sync(&mut other_log, &mut other, synced, 20);
+        assert!(!answer.delta && answer.endpoints.len() == 3);
+        // Just behind: a delta.
+        let request = SyncRequest {
+            table: answer.table,
+            table_version: answer.table_version,
+            ..a.sync_request()
+        };
+        other.remove_endpoint("10.0.0.3:8000");
+        let answer = serve_sync(&mut other_log, &mut other, request, 30);
+        assert!(answer.delta && answer.removed.len() == 1);
+    }
+
+    // Rollouts mix versions. A copy that names no table (an older filter) gets the whole table
+    // and the configuration, as before; a copy talking to an older control plane (no table
+    // fields, configuration always there) replaces its table on every answer.
+    #[test]
+    fn old_copies_and_old_control_planes_still_sync() {
+        let mut log = SyncLog::new(100, 1);
+        let mut hub = central(3);
+        let old_request: SyncRequest =
+            serde_json::from_str(r#"{"since":0,"decisions":[],"outcomes":[]}"#).unwrap();
+        let answer = serve_sync(&mut log, &mut hub, old_request, 0);
+        assert!(!answer.delta && answer.config.is_some() && answer.endpoints.len() == 3);
+        let json = serde_json::to_value(&answer).unwrap();
+        for field in ["replica", "next", "events", "endpoints", "config"] {
+            assert!(json.get(field).is_some(), "{field} missing for an old copy");
+        }
+        // The older control plane's answer: no table, no delta, the configuration.
+        let mut a = LocalRouter::new(8);
+        let old_answer = |endpoints: &[&str]| -> SyncResponse {
+            let endpoints: Vec<serde_json::Value> = endpoints
+                .iter()
+                .map(|a| serde_json::json!({"address": a, "usable": true, "metrics_age_ms": 0}))
+                .collect();
+            let config = serde_json::to_value(RouterConfig::default()).unwrap();
+            serde_json::from_value(serde_json::json!({
+                "replica": 4, "next": 1, "log": 9, "reset": false, "events": [],
+                "endpoints": endpoints, "config": config,
+            }))
+            .unwrap()
+        };
+        a.apply(old_answer(&["10.0.0.1:8000", "10.0.0.2:8000"]), 0);
+        assert_eq!(a.router().unwrap().endpoint_count(), 2);
+        let request = a.sync_request();
+        assert_eq!((request.table, request.table_version), (0, 0));
+        assert!(!serde_json::to_string(&request).unwrap().contains("table"));
+        a.apply(old_answer(&["10.0.0.2:8000"]), 10);
+        assert_eq!(a.router().unwrap().endpoint_count(), 1);
+        assert!(a.ready(10, 100));
+    }
+
+    // A copy that must start a fresh router (its `since` left the log) while its table is
+    // patched keeps the table: it is the control plane's scrapes, not the log.
+    #[test]
+    fn a_reset_copy_keeps_its_table_under_a_delta() {
+        let (mut log, mut hub, mut a, mut b) = two_synced_copies(2, 3);
+        scrape(&mut hub, "10.0.0.1:8000", 7, 1);
+        tick(&mut log, &mut hub, &mut b, 1);
+        for c in 0..3 {
+            a.route(&chat(20 + c, 1), 2, c).unwrap();
+        }
+        sync(&mut log, &mut hub, &mut a, 3);
+        let answer = tick(&mut log, &mut hub, &mut b, 4);
+        assert!(answer.reset && answer.delta && answer.endpoints.is_empty());
+        let copy = b.router().unwrap();
+        assert_eq!(copy.endpoint_count(), 3);
+        assert_eq!(running(&b, "10.0.0.1:8000"), Some(7));
+        assert_eq!(copy.stats().recorded_decisions, 2);
+    }
+
+    // A copy's index is bounded by its configuration whatever the fleet reports: each endpoint
+    // keeps its share of the bound, its least recently used blocks evicted first.
+    #[test]
+    fn a_copys_index_keeps_its_configured_bound() {
+        let mut log = SyncLog::new(1_000, 1);
+        let mut hub = central(4);
+        let mut a = LocalRouter::new(64).with_max_index_blocks(Some(400));
+        let mut b = LocalRouter::new(64);
+        sync(&mut log, &mut hub, &mut a, 0);
+        sync(&mut log, &mut hub, &mut b, 0);
+        // 100,000 tokens of KV each: 1,562 blocks of 64 tokens, more than a's share of 100.
+        for c in 0..40 {
+            b.route(&chat(100 + c, 4), 1, c).unwrap();
+        }
+        sync(&mut log, &mut hub, &mut b, 2);
+        sync(&mut log, &mut hub, &mut a, 2);
+        let indexed = |copy: &LocalRouter| copy.router().unwrap().index().distinct_blocks();
+        assert!(indexed(&b) > 400, "{} blocks without a bound", indexed(&b));
+        assert!(indexed(&a) <= 400, "{} blocks past the bound", indexed(&a));
+        // The newest decision's blocks are the ones kept.
+        let newest = chat(139, 4).block_hashes;
+        let mut deepest = 0;
+        let index = a.router().unwrap().index();
+        index.matched_prefix(&newest, |_, depth| deepest = deepest.max(depth));
+        assert_eq!(deepest, newest.len());
+        // One endpoint fewer: the others' shares grow, and nothing is evicted for it.
+        hub.remove_endpoint("10.0.0.4:8000");
+        sync(&mut log, &mut hub, &mut a, 4);
+        assert!(indexed(&a) <= 400);
     }
 
     // The pending queues are bounded: a proxy that cannot reach the control plane does not

@@ -803,6 +803,16 @@ async fn a_new_proxy_gets_a_tag_the_endpoints_and_the_config() {
     let text = metrics_text(&r).await;
     assert!(text.contains("kvroute_sync_calls_total 3"), "{text}");
     assert!(text.contains("kvroute_sync_log_entries 0"), "{text}");
+    // A copy naming the endpoint table it holds gets only what changed since, and no config.
+    let cursor = json!({
+        "replica": tag, "since": first["next"],
+        "table": first["table"], "table_version": first["table_version"],
+    });
+    let (_, delta) = post_sync(&r, &cursor, &[]).await;
+    assert_eq!(delta["delta"], true, "{delta}");
+    assert!(delta.get("config").is_none(), "{delta}");
+    let text = metrics_text(&r).await;
+    assert!(text.contains("kvroute_sync_full_tables_total 3"), "{text}");
 }
 
 #[tokio::test]
