@@ -28,6 +28,7 @@ pub mod metrics_fleet;
 pub mod peers;
 pub mod scale;
 pub mod tokenize;
+pub mod vm_memory;
 
 /// Model name used by every benchmark request.
 pub const MODEL: &str = "kvroute-bench-model";

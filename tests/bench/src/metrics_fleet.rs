@@ -7,6 +7,8 @@
 //! waiting, KV usage, KV capacity) from every endpoint, as it would from a fleet at rest.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::Router;
 use axum::routing::get;
@@ -14,34 +16,57 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 /// Listeners serving one fixed Prometheus text at `/metrics` (and 200 at `/health`); the
-/// tasks stop when this is dropped.
+/// tasks stop when this is dropped. [`MetricsFleet::set_changing`] makes every answer differ
+/// from the listener's last one, as a busy replica's do.
 #[derive(Debug)]
 pub struct MetricsFleet {
     /// `127.0.0.1:port` of every listener.
     pub addresses: Vec<String>,
     tasks: Vec<JoinHandle<()>>,
+    changing: Arc<AtomicBool>,
 }
 
 impl MetricsFleet {
     /// Binds `n` listeners on 127.0.0.1 (free ports) serving `metrics_text`.
     pub async fn start(n: usize, metrics_text: String) -> std::io::Result<MetricsFleet> {
-        let app = Router::new()
-            .route(
-                "/metrics",
-                get(move || std::future::ready(metrics_text.clone())),
-            )
-            .route("/health", get(|| std::future::ready("")));
+        let text = Arc::new(metrics_text);
+        let changing = Arc::new(AtomicBool::new(false));
         let mut addresses = Vec::with_capacity(n);
         let mut tasks = Vec::with_capacity(n);
         for _ in 0..n {
+            let (text, changing) = (text.clone(), changing.clone());
+            let served = Arc::new(AtomicU64::new(0));
+            let metrics = move || {
+                let page = if changing.load(Ordering::Relaxed) {
+                    // One more engine whose running count alternates: the sum the router reads
+                    // differs from this listener's previous answer.
+                    let n = served.fetch_add(1, Ordering::Relaxed) % 2;
+                    format!("{text}vllm:num_requests_running{{engine=\"busy\"}} {n}.0\n")
+                } else {
+                    text.to_string()
+                };
+                std::future::ready(page)
+            };
+            let app = Router::new()
+                .route("/metrics", get(metrics))
+                .route("/health", get(|| std::future::ready("")));
             let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
             addresses.push(listener.local_addr()?.to_string());
-            let app = app.clone();
             tasks.push(tokio::spawn(async move {
                 let _ = axum::serve(listener, app).await;
             }));
         }
-        Ok(MetricsFleet { addresses, tasks })
+        Ok(MetricsFleet {
+            addresses,
+            tasks,
+            changing,
+        })
+    }
+
+    /// Whether every answer differs from the listener's previous one (a busy fleet, whose
+    /// load numbers move between scrapes) or all are the same text (a fleet at rest).
+    pub fn set_changing(&self, on: bool) {
+        self.changing.store(on, Ordering::Relaxed);
     }
 }
 
@@ -75,5 +100,18 @@ mod tests {
             assert_eq!(r.status, 200);
             assert!(r.body.contains("vllm:num_requests_running 2"));
         }
+        fleet.set_changing(true);
+        let url = format!("http://{}/metrics", fleet.addresses[0]);
+        let get = async || {
+            client
+                .get(&url, std::time::Duration::from_secs(5))
+                .await
+                .unwrap()
+        };
+        assert_ne!(
+            get().await.body,
+            get().await.body,
+            "a busy fleet's answers move"
+        );
     }
 }

@@ -5,9 +5,12 @@
 //! `scripts/vllm_metrics_payload.py` writes it from vLLM's wheel) from `n` loopback listeners
 //! in this process, points a release control plane at them with the default scrape interval,
 //! and reads the control plane's own CPU time and RSS from `/proc` over a window, with its
-//! scrape counters for how many scrapes that bought. It also asks `/v1/sync` once as a fresh
-//! proxy copy would and as a synced copy does on every tick, for the bytes state sync costs.
-//! No traffic is routed: this is the fleet's standing cost, which grows with replicas.
+//! scrape counters for how many scrapes that bought. It also syncs as proxy copies do, for the
+//! bytes state sync costs: a copy naming no endpoint table (the whole table, which every tick
+//! carried before deltas), then a copy syncing every 50 ms for 2 s (the steady delta), with
+//! the fleet at rest and then with every scrape's numbers moving. No traffic is routed: this
+//! is the fleet's standing cost, which grows with replicas. [`parse_cost`] times the parser
+//! alone, in process.
 
 use std::path::Path;
 use std::process::Command;
@@ -42,11 +45,71 @@ pub struct ScaleRow {
     pub cpu_ms_per_scrape: f64,
     /// Control-plane resident memory at the end, MiB.
     pub rss_mib: f64,
-    /// `/v1/sync` answer to a copy with nothing new to learn (the endpoint table and config,
-    /// sent whole on every tick), bytes.
+    /// `/v1/sync` answer to a synced copy naming no endpoint table (an older filter), which
+    /// carries the whole table and the config: what every tick carried before deltas, bytes.
     pub sync_answer_bytes: usize,
     /// That answer at the default 50 ms sync interval, per proxy copy (one per Envoy worker).
     pub sync_bytes_per_s_per_copy: f64,
+    /// Mean answer to a copy syncing every 50 ms and naming the table it holds, fleet at rest
+    /// (same numbers every scrape: only the re-sends of unchanged scrapes), bytes.
+    pub sync_delta_idle_bytes: f64,
+    /// The same with every scrape's numbers moving (a busy fleet: each scrape is a change).
+    pub sync_delta_busy_bytes: f64,
+}
+
+/// In-process cost of reading one payload, µs (the median of several timed runs).
+#[derive(Debug, Clone, Serialize)]
+pub struct ParseCost {
+    /// Bytes of the payload.
+    pub payload_bytes: usize,
+    /// The scraper before it read only its series: UTF-8 check, every line parsed and checked
+    /// for the load metrics, and every line parsed again for the LoRA series.
+    pub every_line_us: f64,
+    /// The scrape path: one UTF-8 check, then only the lines of the series read (load
+    /// metrics, then the LoRA series), every other line skipped after its name.
+    pub scrape_path_us: f64,
+}
+
+/// Times both ways of reading [`VLLM_PAYLOAD`].
+pub fn parse_cost() -> anyhow::Result<ParseCost> {
+    use vllm_wire::prom::{parse_vllm_metrics_bytes, samples, samples_named, scrape_vllm_metrics};
+    const LORA: [&str; 1] = ["vllm:lora_requests_info"];
+    let body = VLLM_PAYLOAD.as_bytes();
+    let time = |f: &dyn Fn() -> anyhow::Result<usize>| -> anyhow::Result<f64> {
+        const ITERS: u32 = 400;
+        let mut runs = Vec::new();
+        for _ in 0..7 {
+            let t = Instant::now();
+            let mut sink = 0;
+            for _ in 0..ITERS {
+                sink += std::hint::black_box(f()?);
+            }
+            std::hint::black_box(sink);
+            runs.push(t.elapsed().as_secs_f64() * 1e6 / f64::from(ITERS));
+        }
+        runs.sort_by(f64::total_cmp);
+        Ok(runs[runs.len() / 2])
+    };
+    let every_line_us = time(&|| {
+        let m = parse_vllm_metrics_bytes(body)?;
+        let text = std::str::from_utf8(body)?;
+        let lora = samples(text)
+            .filter_map(Result::ok)
+            .filter(|s| s.name == LORA[0])
+            .count();
+        Ok(m.running as usize + lora)
+    })?;
+    let scrape_path_us = time(&|| {
+        let text = std::str::from_utf8(body)?;
+        let m = scrape_vllm_metrics(text)?;
+        let lora = samples_named(text, &LORA).filter_map(Result::ok).count();
+        Ok(m.running as usize + lora)
+    })?;
+    Ok(ParseCost {
+        payload_bytes: body.len(),
+        every_line_us,
+        scrape_path_us,
+    })
 }
 
 /// Default scrape interval (`control-plane/src/config.rs`).
@@ -134,19 +197,10 @@ pub async fn run(
                     .filter(|e| e["health"].as_str().is_some_and(|h| h == "ready"))
                     .count()
             });
-        // A fresh copy's first sync, then a synced copy's tick (nothing new in the log).
+        // A fresh copy's first sync, then a synced copy's tick naming no table (nothing new in
+        // the log): the whole table, as every tick carried it before deltas.
         let sync_url = format!("http://127.0.0.1:{api}/v1/sync");
-        let first = client
-            .request(
-                "POST",
-                &sync_url,
-                &[("content-type", "application/json")],
-                Some("{}".to_string()),
-                Duration::from_secs(5),
-            )
-            .await?;
-        let first: serde_json::Value =
-            serde_json::from_str(&first.body).context("sync answer is not JSON")?;
+        let (first, _) = sync(client, &sync_url, &json!({})).await?;
         let tick = json!({
             "replica": first["replica"], "since": first["next"], "log": first["log"],
         });
@@ -159,6 +213,11 @@ pub async fn run(
                 Duration::from_secs(5),
             )
             .await?;
+        let idle = steady_sync_bytes(client, &sync_url, &first).await?;
+        fleet.set_changing(true);
+        // Every endpoint scraped with moving numbers before the copy starts counting.
+        tokio::time::sleep(Duration::from_millis(3 * SCRAPE_INTERVAL_MS)).await;
+        let busy = steady_sync_bytes(client, &sync_url, &first).await?;
         proc.kill();
         drop(fleet);
         let row = ScaleRow {
@@ -176,6 +235,8 @@ pub async fn run(
             rss_mib,
             sync_answer_bytes: tick.body.len(),
             sync_bytes_per_s_per_copy: tick.body.len() as f64 * 1e3 / SYNC_INTERVAL_MS,
+            sync_delta_idle_bytes: idle,
+            sync_delta_busy_bytes: busy,
         };
         eprintln!("[scale] {row:?}");
         rows.push(row);
@@ -183,14 +244,70 @@ pub async fn run(
     Ok(rows)
 }
 
+/// One `/v1/sync` call's answer as JSON, and its size on the wire.
+async fn sync(
+    client: &HttpClient,
+    url: &str,
+    body: &serde_json::Value,
+) -> anyhow::Result<(serde_json::Value, usize)> {
+    let answer = client
+        .request(
+            "POST",
+            url,
+            &[("content-type", "application/json")],
+            Some(body.to_string()),
+            Duration::from_secs(5),
+        )
+        .await?;
+    if answer.status != 200 {
+        bail!("/v1/sync answered {}: {}", answer.status, answer.body);
+    }
+    let json = serde_json::from_str(&answer.body).context("sync answer is not JSON")?;
+    Ok((json, answer.body.len()))
+}
+
+/// Ticks a copy syncs over in [`steady_sync_bytes`]: 2 s at the default interval.
+const STEADY_TICKS: usize = 40;
+
+/// Mean answer bytes of a copy that got `first` (its whole table) and then syncs every
+/// [`SYNC_INTERVAL_MS`], naming the table version each answer brought it to.
+async fn steady_sync_bytes(
+    client: &HttpClient,
+    url: &str,
+    first: &serde_json::Value,
+) -> anyhow::Result<f64> {
+    let mut last = first.clone();
+    let mut bytes = 0;
+    for _ in 0..STEADY_TICKS {
+        tokio::time::sleep(Duration::from_millis(SYNC_INTERVAL_MS as u64)).await;
+        let cursor = json!({
+            "replica": first["replica"], "since": last["next"], "log": last["log"],
+            "table": last["table"], "table_version": last["table_version"],
+        });
+        // A control plane from before deltas answers every tick with the whole table: that is
+        // its steady state, and measured as such.
+        let (answer, size) = sync(client, url, &cursor).await?;
+        bytes += size;
+        last = answer;
+    }
+    Ok(bytes as f64 / STEADY_TICKS as f64)
+}
+
 /// The row's figures scaled to `replicas` at the row's per-scrape cost and the default
 /// interval: what one control plane would need for them (the router itself holds at most
-/// `scorer_core::index::MAX_ENDPOINTS` endpoints, so a larger fleet is several pools).
-pub fn extrapolate(row: &ScaleRow, replicas: usize) -> (f64, f64) {
+/// `scorer_core::index::MAX_ENDPOINTS` endpoints, so a larger fleet is several pools). Cores,
+/// then sync bytes per second per copy: whole tables, steady deltas at rest, busy.
+pub fn extrapolate(row: &ScaleRow, replicas: usize) -> (f64, [f64; 3]) {
     let scrapes_per_s = replicas as f64 * 1e3 / row.scrape_interval_ms as f64;
     let cores = scrapes_per_s * row.cpu_ms_per_scrape / 1e3;
-    let sync_per_copy = row.sync_bytes_per_s_per_copy / row.endpoints as f64 * replicas as f64;
-    (cores, sync_per_copy)
+    let per_s =
+        |bytes: f64| bytes * 1e3 / SYNC_INTERVAL_MS / row.endpoints as f64 * replicas as f64;
+    let sync = [
+        per_s(row.sync_answer_bytes as f64),
+        per_s(row.sync_delta_idle_bytes),
+        per_s(row.sync_delta_busy_bytes),
+    ];
+    (cores, sync)
 }
 
 fn clock_ticks_per_second() -> anyhow::Result<f64> {

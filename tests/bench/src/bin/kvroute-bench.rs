@@ -77,9 +77,19 @@ struct Args {
     /// from that many endpoints); `--scale 0` skips it.
     #[arg(long, value_delimiter = ',', default_value = "64,256")]
     scale: Vec<usize>,
-    /// Run only the scale section (prints its table; writes `scale-summary.json`).
+    /// Run only the scale section (prints its tables; writes `scale-summary.json`).
     #[arg(long)]
     scale_only: bool,
+    /// Fleet sizes of the scale section's proxy-VM memory figure (the release filter in
+    /// wasmtime with `decision: local`, its index filled past its bound); `--vm-memory 0`
+    /// skips it. At most `scorer_core::index::MAX_ENDPOINTS` (256) each.
+    #[arg(long, value_delimiter = ',', default_value = "8,64,256")]
+    vm_memory: Vec<usize>,
+    /// The filter's `max_index_blocks` for the VM-memory figure's second set of rows (the
+    /// first runs without it: each endpoint's KV capacity bounds the index); 0 skips them.
+    /// 32,768 keeps 16 workers' VMs over 64 replicas to a few hundred MB.
+    #[arg(long, default_value_t = 32_768)]
+    vm_max_index_blocks: usize,
     /// Record the control plane with `perf record -g` during the HTTP decisions run
     /// (`<out>/control-plane-http.perf.data`; read it with `perf report -i`).
     #[arg(long)]
@@ -153,7 +163,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         print_scale(&scale);
         loads.push(("scale".into(), loadavg()));
         let path = out_dir.join("scale-summary.json");
-        let summary = json!({"scale": scale, "load_average": loads, "not_measured": skipped});
+        let summary = json!({
+            "scale": scale.rows, "scale_parse": scale.parse, "vm_memory": scale.vm_memory,
+            "load_average": loads, "not_measured": skipped,
+        });
         harness::write_json(&path, &summary)?;
         println!("summary: {}", path.display());
         return Ok(());
@@ -424,7 +437,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "crowded": crowded,
         "local_decision_fraction": local_decision_fraction,
         "quality": quality,
-        "scale": scale,
+        "scale": scale.rows,
+        "scale_parse": scale.parse,
+        "vm_memory": scale.vm_memory,
         "filter": filter,
         "control_plane": control_plane,
         "tokenize": {
@@ -1240,73 +1255,170 @@ fn write_overhead_chart(out_dir: &std::path::Path, rows: &[OverheadRow]) -> anyh
     Ok(())
 }
 
-/// The scale section: skipped (and said so) when its sizes are empty or it fails.
+/// The scale section's figures: the control plane per fleet size, the parser alone, and one
+/// locally deciding proxy VM's memory per fleet size.
+struct ScaleFigures {
+    rows: Vec<kvroute_bench::scale::ScaleRow>,
+    parse: Option<kvroute_bench::scale::ParseCost>,
+    vm_memory: Vec<kvroute_bench::vm_memory::VmMemoryRow>,
+}
+
+/// KV capacity of the VM-memory figure's endpoints: the payload's `vllm:cache_config_info`
+/// (29,127 blocks of 16 tokens, Llama-3.1-8B on one 80 GB GPU).
+const VM_MEMORY_CAPACITY_TOKENS: u64 = 29_127 * 16;
+
+/// The scale section: each part skipped (and said so) when its sizes are empty or it fails.
 async fn scale_section(
     args: &Args,
     tools: &Tools,
     client: &HttpClient,
     out_dir: &std::path::Path,
     skipped: &mut Vec<String>,
-) -> Vec<kvroute_bench::scale::ScaleRow> {
-    if args.scale.iter().all(|&n| n == 0) {
-        return Vec::new();
-    }
-    eprintln!(
-        "[scale] one control plane scraping {:?} endpoints ...",
-        args.scale
-    );
-    let window = Duration::from_secs(10);
-    match kvroute_bench::scale::run(tools, client, out_dir, &args.scale, window).await {
-        Ok(rows) => rows,
-        Err(e) => {
-            skipped.push(format!("scale: {e:#}"));
-            Vec::new()
+) -> ScaleFigures {
+    let mut figures = ScaleFigures {
+        rows: Vec::new(),
+        parse: None,
+        vm_memory: Vec::new(),
+    };
+    if args.scale.iter().any(|&n| n > 0) {
+        match kvroute_bench::scale::parse_cost() {
+            Ok(parse) => figures.parse = Some(parse),
+            Err(e) => skipped.push(format!("scale parse cost: {e:#}")),
+        }
+        eprintln!(
+            "[scale] one control plane scraping {:?} endpoints ...",
+            args.scale
+        );
+        let window = Duration::from_secs(10);
+        match kvroute_bench::scale::run(tools, client, out_dir, &args.scale, window).await {
+            Ok(rows) => figures.rows = rows,
+            Err(e) => skipped.push(format!("scale: {e:#}")),
         }
     }
+    let sizes: Vec<usize> = args.vm_memory.iter().copied().filter(|&n| n > 0).collect();
+    if !sizes.is_empty() {
+        eprintln!("[scale] proxy VM memory (decision: local) over {sizes:?} endpoints ...");
+        let module = FilterModule::from_file(&tools.wasm);
+        let bounds = [0, args.vm_max_index_blocks];
+        let runs = bounds
+            .iter()
+            .enumerate()
+            .filter(|&(i, &b)| i == 0 || b > 0)
+            .flat_map(|(_, &b)| sizes.iter().map(move |&n| (n, b)));
+        for (n, bound) in runs {
+            let row = module.as_ref().map_err(|e| e.to_string()).and_then(|m| {
+                kvroute_bench::vm_memory::vm_memory(m, n, VM_MEMORY_CAPACITY_TOKENS, 1.25, bound)
+                    .map_err(|e| e.to_string())
+            });
+            match row {
+                Ok(row) => {
+                    eprintln!("[scale] {row:?}");
+                    figures.vm_memory.push(row);
+                }
+                Err(e) => skipped.push(format!("vm memory ({n} endpoints): {e}")),
+            }
+        }
+    }
+    figures
 }
 
-fn print_scale(rows: &[kvroute_bench::scale::ScaleRow]) {
-    if rows.is_empty() {
-        return;
-    }
-    println!(
-        "\n== control plane at scale (vLLM 0.33-shaped /metrics, {} B, scraped every {} ms; no traffic) ==",
-        rows[0].payload_bytes, rows[0].scrape_interval_ms
-    );
-    println!(
-        "{:>10} {:>10} {:>8} {:>10} {:>12} {:>9} {:>12} {:>16}",
-        "endpoints",
-        "scrapes/s",
-        "usable",
-        "CPU cores",
-        "CPU ms/scrape",
-        "RSS MiB",
-        "sync answer B",
-        "sync MB/s per copy"
-    );
-    for r in rows {
+fn print_scale(figures: &ScaleFigures) {
+    if let Some(p) = &figures.parse {
         println!(
-            "{:>10} {:>10.0} {:>8} {:>10.3} {:>12.3} {:>9.1} {:>12} {:>16.2}",
-            r.endpoints,
-            r.scrapes_per_s,
-            r.usable_endpoints,
-            r.cpu_cores,
-            r.cpu_ms_per_scrape,
-            r.rss_mib,
-            r.sync_answer_bytes,
-            r.sync_bytes_per_s_per_copy / 1e6
+            "\n== reading one vLLM 0.33-shaped /metrics payload ({} B), in process ==\n\
+             every line (load metrics, then again for LoRA): {:.1} us; \
+             the scrape path (only the series read): {:.1} us",
+            p.payload_bytes, p.every_line_us, p.scrape_path_us
         );
     }
-    if let Some(last) = rows.last() {
-        let replicas = 1_000;
-        let (cores, sync) = kvroute_bench::scale::extrapolate(last, replicas);
+    let rows = &figures.rows;
+    if !rows.is_empty() {
         println!(
-            "{replicas:>10} (scaled from {} endpoints at their CPU per scrape): {cores:.2} cores \
-             scraping every {} ms, {:.2} at 1 s; sync {:.1} MB/s per copy at 50 ms",
-            last.endpoints,
-            last.scrape_interval_ms,
-            cores * last.scrape_interval_ms as f64 / 1_000.0,
-            sync / 1e6
+            "\n== control plane at scale (vLLM 0.33-shaped /metrics, {} B, scraped every {} ms; no traffic) ==",
+            rows[0].payload_bytes, rows[0].scrape_interval_ms
+        );
+        println!(
+            "{:>10} {:>10} {:>8} {:>10} {:>12} {:>9} {:>14} {:>12} {:>12}",
+            "endpoints",
+            "scrapes/s",
+            "usable",
+            "CPU cores",
+            "CPU ms/scrape",
+            "RSS MiB",
+            "whole table B",
+            "delta B rest",
+            "delta B busy"
+        );
+        for r in rows {
+            println!(
+                "{:>10} {:>10.0} {:>8} {:>10.3} {:>12.3} {:>9.1} {:>14} {:>12.0} {:>12.0}",
+                r.endpoints,
+                r.scrapes_per_s,
+                r.usable_endpoints,
+                r.cpu_cores,
+                r.cpu_ms_per_scrape,
+                r.rss_mib,
+                r.sync_answer_bytes,
+                r.sync_delta_idle_bytes,
+                r.sync_delta_busy_bytes
+            );
+        }
+        println!(
+            "(sync answers per 50 ms tick: the whole table, what every tick carried before deltas \
+             and what a copy naming no table still gets; the mean steady delta over 40 ticks, \
+             fleet at rest and with every scrape's numbers moving)"
+        );
+        if let Some(last) = rows.last() {
+            let replicas = 1_000;
+            let (cores, [whole, rest, busy]) = kvroute_bench::scale::extrapolate(last, replicas);
+            println!(
+                "{replicas:>10} (scaled from {} endpoints): {cores:.2} cores scraping every {} ms, \
+                 {:.2} at 1 s; sync per copy at 50 ms: whole tables {:.2} MB/s, \
+                 deltas {:.2} MB/s at rest, {:.2} MB/s busy",
+                last.endpoints,
+                last.scrape_interval_ms,
+                cores * last.scrape_interval_ms as f64 / 1_000.0,
+                whole / 1e6,
+                rest / 1e6,
+                busy / 1e6
+            );
+        }
+    }
+    if !figures.vm_memory.is_empty() {
+        println!(
+            "\n== one proxy VM deciding locally (release .wasm in wasmtime; index filled to 1.25x \
+             each endpoint's KV capacity of {} tokens) ==",
+            VM_MEMORY_CAPACITY_TOKENS
+        );
+        println!(
+            "{:>10} {:>16} {:>14} {:>13} {:>12} {:>12} {:>12} {:>14}",
+            "endpoints",
+            "max_index_blocks",
+            "bound blk/ep",
+            "index blocks",
+            "index MB",
+            "empty VM MB",
+            "VM MB",
+            "16 workers MB"
+        );
+        for r in &figures.vm_memory {
+            println!(
+                "{:>10} {:>16} {:>14} {:>13} {:>12.1} {:>12.1} {:>12.1} {:>14.0}",
+                r.endpoints,
+                r.max_index_blocks,
+                r.bound_blocks_per_endpoint,
+                r.index_blocks,
+                r.index_bytes_native as f64 / 1e6,
+                r.empty_vm_bytes as f64 / 1e6,
+                r.vm_bytes as f64 / 1e6,
+                16.0 * r.vm_bytes as f64 / 1e6
+            );
+        }
+        println!(
+            "(512 endpoints: one router holds at most {} (scorer_core::index::MAX_ENDPOINTS), so \
+             512 replicas are two pools, each its own route and control plane: two copies per \
+             worker, twice the 256 row if both pools are busy)",
+            scorer_core::index::MAX_ENDPOINTS
         );
     }
 }
