@@ -354,12 +354,32 @@ impl State {
                 applied += 1;
             }
         }
+        self.note_state_changes(&mut inner);
         applied
     }
 
+    /// Logs and counts, once each, the endpoint routing-state changes the router made while
+    /// taking outcomes ([`scorer_core::self_check`]).
+    fn note_state_changes(&self, inner: &mut Inner) {
+        for (endpoint, change) in inner.router.take_state_changes() {
+            tracing::warn!(
+                endpoint,
+                from = change.from.as_str(),
+                to = change.to.as_str(),
+                reason = change.reason.as_str(),
+                delivered_share = change.delivered_share,
+                outcomes = change.samples,
+                "endpoint routing state changed"
+            );
+            self.telemetry.count_state_change(&endpoint, &change);
+        }
+    }
+
     /// Hands entries logged under `inner` to the replication task (replicated logs only);
-    /// called before the lock is released, so they leave in the order they were logged.
+    /// called before the lock is released, so they leave in the order they were logged. Every
+    /// change of the router goes through here, so the state changes it made are noted too.
     fn forward(&self, inner: &mut Inner) {
+        self.note_state_changes(inner);
         let Some(outbox) = &self.replication else {
             return;
         };

@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 use scorer_core::disagg::EndpointRole;
 use scorer_core::protocol::RouteReason;
 use scorer_core::router::{EndpointView, Health};
+use scorer_core::self_check::StateChange;
 
 use crate::state::State;
 
@@ -57,6 +58,14 @@ struct TokenizeLabels {
     result: &'static str,
 }
 
+/// An endpoint's routing-state change ([`scorer_core::self_check`]): the state entered and why.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateChangeLabels {
+    endpoint: String,
+    to: &'static str,
+    reason: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TokenSourceLabels {
     backend: &'static str,
@@ -89,6 +98,7 @@ pub struct Telemetry {
     sync_decisions: Counter,
     sync_resets: Counter,
     sync_full_tables: Counter,
+    routing_state_changes: Family<StateChangeLabels, Counter>,
     replication_published: Counter,
     replication_applied: Counter,
     replication_dropped: Counter,
@@ -126,6 +136,7 @@ impl Default for Telemetry {
             sync_decisions: Counter::default(),
             sync_resets: Counter::default(),
             sync_full_tables: Counter::default(),
+            routing_state_changes: Family::default(),
             replication_published: Counter::default(),
             replication_applied: Counter::default(),
             replication_dropped: Counter::default(),
@@ -188,6 +199,17 @@ impl Telemetry {
     /// Entries of the shared stream that entered this replica's log.
     pub fn count_replication_applied(&self, events: usize) {
         self.replication_applied.inc_by(events as u64);
+    }
+
+    /// An endpoint's routing state changed (into load-only on a mismatch, or back to exact).
+    pub fn count_state_change(&self, endpoint: &str, change: &StateChange) {
+        self.routing_state_changes
+            .get_or_create(&StateChangeLabels {
+                endpoint: endpoint.to_string(),
+                to: change.to.as_str(),
+                reason: change.reason.as_str(),
+            })
+            .inc();
     }
 
     /// Entries that never reached the shared stream (outbox full, too large, unreadable).
@@ -381,6 +403,12 @@ pub fn registry(state: Arc<State>) -> Registry {
         t.replication_applied,
     );
     r.register(
+        "routing_state_changes",
+        "Endpoint routing-state changes: `to` load-only when the engine delivered almost none of \
+         the cache hits the index believed in (reason mismatch), back to exact when it does again",
+        t.routing_state_changes.clone(),
+    );
+    r.register(
         "replication_dropped_events",
         "Log entries that never reached the shared stream (outbox full, too large, unreadable)",
         t.replication_dropped,
@@ -567,7 +595,7 @@ impl Collector for RouterCollector {
         )?)?;
 
         type Getter = fn(&EndpointView) -> Option<f64>;
-        let per_endpoint: [(&str, &str, Getter); 11] = [
+        let per_endpoint: [(&str, &str, Getter); 12] = [
             (
                 "endpoint_precise_blocks",
                 "GPU blocks the endpoint's KV events say it holds",
@@ -623,8 +651,15 @@ impl Collector for RouterCollector {
                 "Prompt blocks the index believes the endpoint holds",
                 |e| Some(e.indexed_blocks as f64),
             ),
+            (
+                "endpoint_delivered_share",
+                "Cached tokens the engine delivered over those the index believed it held, over \
+                 its recent outcomes (1 with no evidence)",
+                |e| Some(e.delivered_share),
+            ),
         ];
         endpoint_gauges(&mut encoder, &snap.endpoints, |e| &e.address, &per_endpoint)?;
+        encode_routing_states(&mut encoder, &snap.endpoints)?;
         encode_latency_model(&mut encoder, &snap.endpoints)?;
         encode_disaggregation(&mut encoder, snap.stats.disaggregated, &snap.endpoints)?;
         Ok(())
@@ -651,6 +686,30 @@ pub(crate) fn endpoint_gauges<E>(
                 ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
             }
         }
+    }
+    Ok(())
+}
+
+/// `endpoint_routing_state`: 1 for each endpoint's current state, labelled with the state and
+/// the reason it is not `exact` (empty when it is), so an alert can select `state!="exact"`.
+fn encode_routing_states(
+    encoder: &mut DescriptorEncoder,
+    endpoints: &[EndpointView],
+) -> fmt::Result {
+    let mut family = encoder.encode_descriptor(
+        "endpoint_routing_state",
+        "1 for the endpoint's routing state: exact (prefix hits credited), load-only (chosen by \
+         load: the engine did not deliver the hits the index believed in)",
+        None,
+        MetricType::Gauge,
+    )?;
+    for e in endpoints {
+        let labels = [
+            ("endpoint", e.address.as_str()),
+            ("state", e.routing_state.as_str()),
+            ("reason", e.state_reason.map_or("", |r| r.as_str())),
+        ];
+        ConstGauge::new(1.0).encode(family.encode_family(&labels)?)?;
     }
     Ok(())
 }
@@ -780,6 +839,41 @@ mod tests {
         let mut text = String::new();
         encode(&mut text, &registry(state)).unwrap();
         assert_exposes(&text, needles);
+    }
+
+    // Issue #18: an endpoint whose engine serves none of the hits the index believed in goes
+    // load-only; /metrics says so (state and reason), counts the change, and shows the share.
+    #[test]
+    fn a_mismatched_endpoint_is_exported_load_only_with_its_reason() {
+        let state = state_of(&["10.0.0.1:80"]);
+        let request = RouteRequest {
+            model: "m".into(),
+            block_hashes: (1..=12).collect(),
+            prompt_tokens: 900,
+            ..Default::default()
+        };
+        for _ in 0..10 {
+            let response = state.route(&request);
+            state.feedback(&scorer_core::protocol::FeedbackBatch {
+                outcomes: vec![scorer_core::protocol::Outcome {
+                    decision_id: response.decision_id,
+                    endpoint: "10.0.0.1:80".into(),
+                    status: 200,
+                    prompt_tokens: Some(900),
+                    cached_tokens: Some(0),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            });
+        }
+        assert_exports(
+            state,
+            &[
+                "kvroute_endpoint_routing_state{endpoint=\"10.0.0.1:80\",state=\"load-only\",reason=\"mismatch\"} 1",
+                "kvroute_routing_state_changes_total{endpoint=\"10.0.0.1:80\",to=\"load-only\",reason=\"mismatch\"} 1",
+                "kvroute_endpoint_delivered_share{endpoint=\"10.0.0.1:80\"} ",
+            ],
+        );
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //! - [`pools`], [`affinity`] and [`lora`] keep model pools, session affinity and LoRA
 //!   adapter state for the router;
 //! - [`fairness`] admits or sheds requests by criticality, tenant limits and fair share;
+//! - [`self_check`] compares the hits the index believed in with those the engines delivered,
+//!   and names each endpoint's state (exact, degraded, load-only);
 //! - [`protocol`] is the JSON the filter and the control plane exchange;
 //! - [`sync`] replicates the routing state: the control plane's log of decisions and outcomes,
 //!   and a proxy's local copy that decides without a call;
@@ -34,6 +36,7 @@ pub mod precise;
 pub mod protocol;
 pub mod quotes;
 pub mod router;
+pub mod self_check;
 pub mod sync;
 #[cfg(any(test, feature = "test-util"))]
 pub mod test_util;

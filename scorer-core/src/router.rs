@@ -34,6 +34,7 @@ use crate::lora::{LoraConfig, LoraState};
 use crate::pools::{Eligibility, FleetState, ModelsConfig, PoolStats, ServedModel};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
 use crate::protocol::{Outcome, Reject, RouteReason, RouteRequest, RouteResponse};
+use crate::self_check::{EndpointCheck, RoutingState, SelfCheckConfig, StateChange, StateReason};
 use crate::token_ratio::TokenRatio;
 
 /// Tunables of the scorer. Defaults come from fleet-sim sweeps (see README).
@@ -178,6 +179,8 @@ pub struct RouterConfig {
     pub pd: PdConfig,
     /// Local decisions: which requests a proxy's copy leaves to the control plane.
     pub local: crate::sync::LocalConfig,
+    /// Believed against delivered cache hits per endpoint, and the load-only fallback.
+    pub self_check: SelfCheckConfig,
 }
 
 /// Tunables of precise mode: an index fed by the engines' KV events.
@@ -224,6 +227,7 @@ impl Default for RouterConfig {
             calibration: CalibrationConfig::default(),
             pd: PdConfig::default(),
             local: crate::sync::LocalConfig::default(),
+            self_check: SelfCheckConfig::default(),
         }
     }
 }
@@ -280,6 +284,8 @@ struct Slot {
     inflight_kv: InflightKv,
     /// Whether this endpoint's KV-event stream is live (precise scoring trusts it).
     events_live: bool,
+    /// Whether it delivers the hits the index believes it holds ([`crate::self_check`]).
+    check: EndpointCheck,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
     /// TTFT / TPOT model learned from this endpoint's outcomes.
@@ -436,6 +442,9 @@ pub struct ServedTotals {
 struct InFlight {
     endpoint: EndpointId,
     predicted_cached_tokens: u32,
+    /// What the index believed the endpoint held of the prompt when it was chosen, credited
+    /// or not (a load-only endpoint's belief is still checked against what it delivers).
+    believed_cached_tokens: u32,
     /// The request's canonical bytes, to learn bytes per token from its reported usage.
     prompt_bytes: u64,
     /// Its sampled prompt blocks, held in its endpoint's `inflight_kv` until it ends.
@@ -579,6 +588,9 @@ pub struct RouterStats {
     /// First-token reports received ([`Router::first_token`]).
     #[serde(default)]
     pub first_tokens: u64,
+    /// Endpoint routing-state changes ([`crate::self_check`]): into load-only and back.
+    #[serde(default)]
+    pub state_changes: u64,
     /// Outcomes whose reported times exceeded the time since their decision (clamped).
     #[serde(default)]
     pub clamped_outcomes: u64,
@@ -624,6 +636,15 @@ pub struct EndpointView {
     /// finished requests); scoring uses them with `calibration.enabled`.
     #[serde(default)]
     pub calibration: Calibrated,
+    /// How far scoring trusts what the index says it holds ([`crate::self_check`]).
+    #[serde(default)]
+    pub routing_state: RoutingState,
+    /// Why it is not `exact`.
+    #[serde(default)]
+    pub state_reason: Option<StateReason>,
+    /// Delivered over believed cached tokens of its recent outcomes (1 with no evidence).
+    #[serde(default)]
+    pub delivered_share: f64,
 }
 
 /// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
@@ -633,6 +654,9 @@ pub enum RouterError {
     #[error("too many endpoints (at most {MAX_ENDPOINTS})")]
     TooManyEndpoints,
 }
+
+/// Endpoint state changes kept for [`Router::take_state_changes`] between two calls.
+pub const MAX_STATE_CHANGES: usize = 256;
 
 /// Endpoints, load accounting, prefix index and scorer behind one sans-IO API.
 #[derive(Debug)]
@@ -654,6 +678,9 @@ pub struct Router {
     /// with when: a decision arriving for one is not taken. Bounded ([`MAX_WITHDRAWN`]).
     withdrawn: VecDeque<(u64, u64)>,
     stats: RouterStats,
+    /// Endpoint state changes not yet taken by [`Router::take_state_changes`], oldest first
+    /// (bounded: [`MAX_STATE_CHANGES`]).
+    state_changes: VecDeque<(String, StateChange)>,
     /// A running average of the rates endpoints have learned: the prior of one that has not.
     fleet_rates: Option<Prior>,
     /// `now_ms` of the last `expire`, so back-to-back decisions skip it.
@@ -706,6 +733,9 @@ struct RouteScratch {
     /// The latency model's inputs per endpoint slot, written as each candidate is scored, so
     /// the chosen one's reach its in-flight entry.
     features: Vec<LatencyFeatures>,
+    /// What the index believes each candidate holds of the prompt, in tokens, before a
+    /// load-only endpoint's credit is taken away (written like `features`).
+    believed: Vec<u32>,
     /// Sort keys of the candidates (see `cost_order`).
     keys: Vec<u128>,
     short_keys: Vec<u64>,
@@ -972,6 +1002,7 @@ impl Router {
             calls: HashMap::new(),
             withdrawn: VecDeque::new(),
             stats: RouterStats::default(),
+            state_changes: VecDeque::new(),
             fleet_rates: None,
             last_expire_ms: u64::MAX,
             fleet: FleetState::default(),
@@ -1027,6 +1058,7 @@ impl Router {
             inflight: 0,
             inflight_kv: InflightKv::default(),
             events_live: false,
+            check: EndpointCheck::default(),
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
             calibration: EndpointCalibration::default(),
@@ -1732,6 +1764,8 @@ impl Router {
         // Written for every candidate before the chosen one's is read: no reset needed.
         let latency_features = &mut scratch.features;
         latency_features.resize(n, LatencyFeatures::default());
+        let believed = &mut scratch.believed;
+        believed.resize(n, 0);
         let s = &config.scoring;
         let stale_after = config.stale_after_ms;
         let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::with_capacity(n);
@@ -1744,6 +1778,8 @@ impl Router {
             if slot.confirms(now_ms) {
                 slot.backlog_tokens = slot.unconfirmed_tokens + slot.buffered_tokens;
             }
+            // A load-only endpoint's prefix is not credited, unless a probe runs.
+            let credited = !config.self_check.enabled || slot.check.credits_prefix(now_ms);
             let here = EndpointId(i as u16);
             let fresh = slot
                 .metrics
@@ -1753,7 +1789,13 @@ impl Router {
                 slot,
                 fresh,
             };
-            let cached = cached_prefix(candidate, &depths, shape, precise, &config.precise);
+            let mut cached = cached_prefix(candidate, &depths, shape, precise, &config.precise);
+            believed[i] = cached.tokens as u32;
+            if !credited {
+                // The endpoint does not deliver what the index believes: no prefix credit.
+                cached.blocks = 0;
+                cached.tokens = 0.0;
+            }
             let terms = cost_terms(candidate, cached.tokens, shape, s);
             let steer = steering(
                 candidate,
@@ -1902,6 +1944,7 @@ impl Router {
         let entry = InFlight {
             endpoint: chosen,
             predicted_cached_tokens: request_tokens.saturating_sub(chosen_score.uncached_tokens),
+            believed_cached_tokens: self.scratch.believed[usize::from(chosen.0)],
             prompt_bytes: shape.prompt_bytes,
             kv_blocks,
             kv_block_tokens,
@@ -2103,6 +2146,25 @@ impl Router {
                 served.prompt_tokens += u64::from(prompt);
                 served.cached_tokens += u64::from(cached.min(prompt));
             }
+            // Believed against delivered: only for the endpoint the belief was about, and only
+            // for a request the engine served.
+            if served_by == entry.endpoint
+                && (200..300).contains(&outcome.status)
+                && let Some(delivered) = outcome.cached_tokens
+                && let Some(change) = slot.check.observe(
+                    entry.believed_cached_tokens,
+                    delivered,
+                    now_ms,
+                    &self.config.self_check,
+                )
+            {
+                self.stats.state_changes += 1;
+                if self.state_changes.len() >= MAX_STATE_CHANGES {
+                    self.state_changes.pop_front();
+                }
+                self.state_changes
+                    .push_back((slot.address.to_string(), change));
+            }
             // The features describe the chosen endpoint: a fallback's outcome teaches nothing.
             if served_by == entry.endpoint
                 && !entry.remote_prefill
@@ -2216,8 +2278,20 @@ impl Router {
                 role: s.role,
                 prefill_picks: s.prefill_picks,
                 calibration: s.learned,
+                routing_state: match s.check.load_only() {
+                    true => RoutingState::LoadOnly,
+                    false => RoutingState::Exact,
+                },
+                state_reason: s.check.load_only().then_some(StateReason::Mismatch),
+                delivered_share: s.check.delivered_share(),
             })
             .collect()
+    }
+
+    /// The endpoint state changes since the last call, oldest first, each with its endpoint's
+    /// address: the caller logs and counts each once.
+    pub fn take_state_changes(&mut self) -> Vec<(String, StateChange)> {
+        self.state_changes.drain(..).collect()
     }
 
     /// What a local copy of this router needs of each endpoint (`sync`): its address, and its
@@ -3178,6 +3252,67 @@ mod tests {
             2,
         );
         assert_eq!(backlog(&r), before);
+    }
+
+    // Issue #18: an endpoint whose engine delivers none of the hits the index believes it holds
+    // (prefix caching off, another chat template, a salt left out of the hash) goes load-only:
+    // its prefix is no longer credited. When it delivers again, it is trusted again.
+    #[test]
+    fn an_endpoint_that_delivers_no_believed_hit_goes_load_only_until_it_does() {
+        let mut r = router(1);
+        r.update_metrics("10.0.0.0:8000", EndpointMetrics::default(), 0);
+        let prompt = "the same long prompt ".repeat(200);
+        let serve = |r: &mut Router, now: u64, delivered: Option<u32>| {
+            let d = r.route(&request(&prompt), now, 1);
+            r.feedback(
+                &Outcome {
+                    decision_id: d.response.decision_id,
+                    endpoint: "10.0.0.0:8000".into(),
+                    status: 200,
+                    prompt_tokens: Some(1_000),
+                    cached_tokens: Some(delivered.unwrap_or(d.response.cached_tokens)),
+                    completion_tokens: Some(4),
+                    ..Outcome::default()
+                },
+                now,
+            );
+            d.response
+        };
+        let first = serve(&mut r, 1, Some(0));
+        assert_eq!(first.cached_tokens, 0, "a cold index believes nothing");
+        let believed = serve(&mut r, 2, Some(0));
+        assert_eq!(believed.reason, RouteReason::Prefix);
+        assert!(believed.cached_tokens > 64, "{believed:?}");
+        for now in 3..9 {
+            serve(&mut r, now, Some(0));
+        }
+        assert!(
+            r.take_state_changes().is_empty(),
+            "7 outcomes are not enough"
+        );
+        serve(&mut r, 9, Some(0));
+        let changes = r.take_state_changes();
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        assert_eq!(changes[0].0, "10.0.0.0:8000");
+        assert_eq!(changes[0].1.to, RoutingState::LoadOnly);
+        let view = &r.endpoints(9)[0];
+        assert_eq!(view.routing_state, RoutingState::LoadOnly);
+        assert_eq!(view.state_reason, Some(StateReason::Mismatch));
+        // No credit now: the same prompt is routed by load, and costs its whole prefill.
+        let unrewarded = serve(&mut r, 10, Some(0));
+        assert_eq!(unrewarded.cached_tokens, 0);
+        assert_eq!(unrewarded.reason, RouteReason::Load);
+        // The engine serves its cache again: the belief is checked all along, and trusted
+        // again once it is met.
+        for now in 11..60 {
+            serve(&mut r, now, Some(1_000));
+        }
+        let back = r.take_state_changes();
+        assert_eq!(back.len(), 1, "{back:?}");
+        assert_eq!(back[0].1.to, RoutingState::Exact);
+        assert_eq!(r.endpoints(60)[0].routing_state, RoutingState::Exact);
+        assert_eq!(serve(&mut r, 61, None).reason, RouteReason::Prefix);
+        assert_eq!(r.stats().state_changes, 2);
     }
 
     #[test]

@@ -32,6 +32,7 @@ mod precise;
 mod predicted_latency;
 mod replication;
 mod scaling;
+mod self_check;
 mod slo;
 mod token_ratio;
 mod wasm_filter;

@@ -39,7 +39,7 @@ const MANIFEST_DIRS: [&str; 3] = [
     "envoy-config/envoy-gateway",
 ];
 /// Kustomizations that must render.
-const KUSTOMIZATIONS: [&str; 11] = [
+const KUSTOMIZATIONS: [&str; 12] = [
     "envoy-config/kubernetes/base",
     "envoy-config/kubernetes/envoy",
     "envoy-config/kubernetes/overlays/precise",
@@ -49,6 +49,7 @@ const KUSTOMIZATIONS: [&str; 11] = [
     "envoy-config/kubernetes/overlays/picker-gateways/envoy-gateway",
     "envoy-config/kubernetes/overlays/picker-gateways/kgateway",
     "envoy-config/kubernetes/overlays/dns",
+    "envoy-config/kubernetes/monitoring",
     "envoy-config/istio",
     "envoy-config/envoy-gateway",
 ];
@@ -2228,6 +2229,81 @@ fn check_picker_overlay(dir: &str) -> (Vec<Value>, Vec<Value>) {
         "{dir}: the picker port is open to everyone"
     );
     (docs, rules)
+}
+
+/// The self-check alerts (issue #18) select only metrics the control plane exports, under the
+/// names and labels it exports them with: a renamed metric must not leave an alert that can
+/// never fire.
+#[test]
+fn self_check_alerts_use_what_the_control_plane_exports() {
+    let docs = rendered("envoy-config/kubernetes/monitoring");
+    assert_eq!(docs.len(), 1);
+    assert_eq!(s(&docs[0], "/kind"), "PrometheusRule");
+    let state = std::sync::Arc::new(
+        control_plane::state::State::new(
+            scorer_core::router::RouterConfig::default(),
+            &["10.0.0.1:80".to_string()],
+            4,
+            1,
+        )
+        .expect("a state"),
+    );
+    // One endpoint that delivers none of its believed hits: the change counter gets a sample.
+    let request = scorer_core::protocol::RouteRequest {
+        model: "m".into(),
+        block_hashes: (1..=12).collect(),
+        prompt_tokens: 900,
+        ..Default::default()
+    };
+    for _ in 0..10 {
+        let response = state.route(&request);
+        state.feedback(&scorer_core::protocol::FeedbackBatch {
+            outcomes: vec![scorer_core::protocol::Outcome {
+                decision_id: response.decision_id,
+                endpoint: "10.0.0.1:80".into(),
+                status: 200,
+                prompt_tokens: Some(900),
+                cached_tokens: Some(0),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+    }
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(
+        &mut text,
+        &control_plane::telemetry::registry(state),
+    )
+    .expect("the exposition");
+    let mut alerts = 0;
+    for group in docs[0]["spec"]["groups"].as_array().expect("groups") {
+        for rule in group["rules"].as_array().expect("rules") {
+            alerts += 1;
+            let expr = s(rule, "/expr");
+            let names: Vec<&str> = expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("kvroute_"))
+                .collect();
+            assert!(!names.is_empty(), "{expr}");
+            for name in names {
+                let family = name.strip_suffix("_total").unwrap_or(name);
+                assert!(
+                    text.contains(&format!("# TYPE {family} ")),
+                    "{}: the control plane exports no {family}",
+                    s(rule, "/alert")
+                );
+            }
+            assert!(!s(rule, "/annotations/summary").is_empty());
+        }
+    }
+    assert_eq!(alerts, 3);
+    // The labels the alerts select and group by.
+    assert!(
+        text.contains(
+            "kvroute_endpoint_routing_state{endpoint=\"10.0.0.1:80\",state=\"load-only\",reason=\"mismatch\"} 1"
+        ),
+        "{text}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

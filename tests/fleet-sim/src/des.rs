@@ -73,6 +73,8 @@ pub struct RunResult {
     pub makespan_ms: f64,
     /// Share of decisions taken by a proxy's copy of the state (policies that decide in proxies).
     pub local_decision_fraction: Option<f64>,
+    /// Endpoint routing-state changes of kvroute's self-check ([`Policy::routing_state_changes`]).
+    pub routing_state_changes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -349,6 +351,7 @@ pub fn run_with(
         .fold(0.0, f64::max);
     result.makespan_ms = (last - first).max(0.0);
     result.local_decision_fraction = policy.local_decision_fraction();
+    result.routing_state_changes = policy.routing_state_changes();
     result.records = records;
     Ok(result)
 }

@@ -483,6 +483,16 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let changes: Vec<String> = results
+        .iter()
+        .filter_map(|r| Some(format!("{} {}", r.policy, r.routing_state_changes?)))
+        .collect();
+    if !changes.is_empty() {
+        println!(
+            "self-check: endpoint routing-state changes {}",
+            changes.join(", ")
+        );
+    }
     for r in &results {
         if let Some(local) = r.local_decision_fraction {
             println!(

@@ -121,6 +121,11 @@ pub trait Policy {
     fn local_decision_fraction(&self) -> Option<f64> {
         None
     }
+    /// Endpoint routing-state changes its self-check made (into load-only and back), for
+    /// kvroute's policies: on a healthy simulated fleet any is a false alarm.
+    fn routing_state_changes(&self) -> Option<u64> {
+        None
+    }
     /// The router's load view of every replica, as the control plane's admission reads it
     /// (`Router::endpoint_loads`); `false` for policies without one (peers).
     fn endpoint_loads(
@@ -1102,6 +1107,9 @@ impl Policy for Kvroute {
     fn predicted_cached_tokens(&self, id: usize) -> Option<u32> {
         self.predicted.get(&id).copied()
     }
+    fn routing_state_changes(&self) -> Option<u64> {
+        Some(self.router.stats().state_changes)
+    }
     fn endpoint_loads(
         &self,
         now_ms: f64,
@@ -1404,6 +1412,15 @@ impl Policy for KvrouteLocal {
         let local: u64 = self.copies.iter().map(LocalRouter::local_decisions).sum();
         let all = local + self.callouts;
         (all > 0).then(|| local as f64 / all as f64)
+    }
+    fn routing_state_changes(&self) -> Option<u64> {
+        let copies: u64 = self
+            .copies
+            .iter()
+            .filter_map(LocalRouter::router)
+            .map(|r| r.stats().state_changes)
+            .sum();
+        Some(copies + self.central.router.stats().state_changes)
     }
     fn endpoint_loads(
         &self,

@@ -71,6 +71,10 @@ pub struct PolicySummary {
     /// Share of decisions a proxy's copy took without a route call (policies deciding in proxies).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_decision_fraction: Option<f64>,
+    /// Endpoints kvroute's self-check switched to load-only routing or back (kvroute's
+    /// policies): the simulated engines deliver what they hold, so each is a false alarm.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing_state_changes: Option<u64>,
     /// Share of the requests routed to the replica that got the most: a cache-aware router
     /// that draws a fleet onto one prefix holder shows here long before its TTFT does.
     pub busiest_replica_share: f64,
@@ -122,6 +126,7 @@ impl PolicySummary {
             cached_prediction_error: (any && actual > 0.0)
                 .then(|| (predicted - actual).abs() / actual),
             local_decision_fraction: run.local_decision_fraction,
+            routing_state_changes: run.routing_state_changes,
             busiest_replica_share: busiest_share(&run.records),
         }
     }

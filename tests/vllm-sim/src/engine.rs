@@ -424,6 +424,9 @@ pub struct Engine {
     /// Prompt tokens whose KV a remote prefill computed and transferred, per waiting request
     /// (disaggregated serving): admission counts them as present, like local prefix hits.
     remote_kv: HashMap<RequestId, u32>,
+    /// Whether admissions look up the prefix cache (vLLM's `--enable-prefix-caching`, on by
+    /// default); off, every prompt is computed whole and no request reports cached tokens.
+    prefix_caching: bool,
 }
 
 impl Engine {
@@ -452,8 +455,15 @@ impl Engine {
                 ..EngineStats::default()
             },
             evicted: Vec::new(),
+            prefix_caching: true,
             cfg,
         })
+    }
+
+    /// Turns prefix-cache lookups on or off, as vLLM's `--[no-]enable-prefix-caching` would
+    /// (at run time here, so a test can misconfigure one replica and fix it again).
+    pub fn set_prefix_caching(&mut self, on: bool) {
+        self.prefix_caching = on;
     }
 
     /// The configuration.
@@ -805,7 +815,10 @@ impl Engine {
         let r = self.reqs.get_mut(&id)?;
         let num_tokens = r.tokens.len() as u32;
         // Always recompute at least the last token (vLLM: max_cache_hit_length = n - 1).
-        let max_hit_blocks = ((num_tokens - 1) / bs) as usize;
+        let max_hit_blocks = match self.prefix_caching {
+            true => ((num_tokens - 1) / bs) as usize,
+            false => 0,
+        };
         r.hashes_up_to(max_hit_blocks, bs as usize);
         let mut hits: Vec<BlockId> = Vec::new();
         for h in &r.block_hashes[..max_hit_blocks] {
@@ -1098,6 +1111,21 @@ mod tests {
 
     fn hashes(tokens: &[u32], bs: usize) -> Vec<u64> {
         scorer_core::hash::token_block_hashes(0, tokens, bs)
+    }
+
+    #[test]
+    fn without_prefix_caching_a_repeated_prompt_is_computed_whole() {
+        let mut e = Engine::new(EngineConfig::new(Profile::llama8b_h100())).unwrap();
+        e.set_prefix_caching(false);
+        let prompt = toks(1000..5000);
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        drain(&mut e, 0.0);
+        e.add_request(req(2, &prompt, 1)).unwrap();
+        assert_eq!(summaries(&drain(&mut e, 10.0))[&2].cached_tokens, 0);
+        // Back on, the blocks the engine kept are found again.
+        e.set_prefix_caching(true);
+        e.add_request(req(3, &prompt, 1)).unwrap();
+        assert_eq!(summaries(&drain(&mut e, 20.0))[&3].cached_tokens, 3984);
     }
 
     #[test]

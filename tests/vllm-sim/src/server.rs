@@ -169,6 +169,10 @@ pub struct SimArgs {
     /// 64-bit integer event hashes).
     #[arg(long, default_value = "sha256", value_parser = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])]
     pub prefix_caching_hash_algo: String,
+    /// vLLM's `--no-enable-prefix-caching`: no prefix-cache lookups (also `POST /sim/fault`
+    /// `{"prefix_caching_off": true}` at run time).
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
     /// KV transfer bandwidth from a prefill replica, GB/s (llm-d's P/D sidecar: a request with
     /// `x-prefiller-host-port` is prefilled there, then its KV moves here at this rate).
     #[arg(long, default_value_t = 25.0)]
@@ -261,6 +265,9 @@ pub struct FaultState {
     /// One-shot: the next this many KV-event batches are kept in the replay buffer but not
     /// published (a sequence gap a subscriber can replay). Reads back as 0.
     pub drop_kv_batches: u32,
+    /// The engine computes every prompt whole and reports no cached tokens, as vLLM started
+    /// with `--no-enable-prefix-caching` does: a replica no router index can match.
+    pub prefix_caching_off: bool,
     /// One-shot: the engine restarts as far as KV state goes: its prefix cache is emptied
     /// (without an event) and the publisher starts again at sequence 0 with an empty replay
     /// buffer. Refused while running requests hold blocks. Reads back as false.
@@ -420,7 +427,8 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
     let max_loras = args.max_loras.unwrap_or(args.lora_modules.len() as u32);
     cfg.max_loras = max_loras;
     cfg.cpu_offload_blocks = args.kv_offload_blocks;
-    let engine = Engine::new(cfg)?;
+    let mut engine = Engine::new(cfg)?;
+    engine.set_prefix_caching(!args.no_enable_prefix_caching);
     let (hang_tx, _) = watch::channel(false);
     let (shutdown, shutdown_rx) = watch::channel(false);
     let loras: Vec<String> = args
@@ -453,6 +461,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         fault: Mutex::new(FaultState {
             fail_rate: args.fail_rate,
             fail_status: args.fail_status,
+            prefix_caching_off: args.no_enable_prefix_caching,
             ..FaultState::default()
         }),
         hang_tx,
@@ -1738,6 +1747,7 @@ async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
         new.drop_kv_batches = 0;
         new.restart_kv_publisher = false;
     }
+    s.engine.lock().set_prefix_caching(!new.prefix_caching_off);
     *s.fault.lock() = new.clone();
     s.hang_tx.send_replace(new.hang);
     Ok(axum::Json(new).into_response())

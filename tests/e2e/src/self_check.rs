@@ -1,0 +1,133 @@
+//! Routing that checks itself (issue #18), through real Envoy: a replica whose engine stops
+//! serving its prefix cache (vLLM's `--no-enable-prefix-caching`, switched on at run time with
+//! the simulator's fault API) delivers none of the hits the router's index believes it holds.
+//! The control plane names it load-only with reason `mismatch`, no request fails meanwhile, and
+//! once the replica serves its cache again a probe finds it so and it is trusted again.
+
+use std::time::{Duration, Instant};
+
+use kvroute_harness::{Fleet, prometheus_sample};
+use serde_json::json;
+
+use crate::common::{self, Conversation, tools};
+
+const MODEL: &str = "kvroute-self-check-model";
+const TEST_TIMEOUT: Duration = Duration::from_secs(240);
+/// Conversations the test may start while waiting for one state change.
+const MAX_CONVERSATIONS: u64 = 120;
+/// When a load-only replica is probed (the default is 30 s).
+const PROBE_AFTER_MS: u64 = 2_000;
+
+/// The replica's exported routing state, as `state/reason` (`None` before its first export).
+async fn routing_state(fleet: &Fleet, endpoint: &str) -> Option<String> {
+    let text = common::cp_metrics(fleet).await;
+    ["exact/", "load-only/mismatch"].into_iter().find_map(|s| {
+        let (state, reason) = s.split_once('/')?;
+        let series = format!(
+            "kvroute_endpoint_routing_state{{endpoint=\"{endpoint}\",state=\"{state}\",reason=\"{reason}\"}}"
+        );
+        (prometheus_sample(&text, &series) == Some(1.0)).then(|| s.to_string())
+    })
+}
+
+/// Runs three-turn conversations (each later turn believes a hit where its history went)
+/// until `endpoint`'s state is `want`; returns the conversations and the requests it took.
+/// Every request must be served: `Conversation::turn` fails the test on an error.
+async fn converse_until(fleet: &Fleet, endpoint: &str, want: &str) -> (Vec<Conversation>, u64) {
+    let client = fleet.client().clone();
+    let (mut conversations, mut requests) = (Vec::new(), 0);
+    for seed in 1_000..1_000 + MAX_CONVERSATIONS {
+        let mut c = Conversation::new(MODEL, seed, 300, 30);
+        for _ in 0..3 {
+            c.turn(&client, fleet, 4, &[]).await;
+            requests += 1;
+        }
+        conversations.push(c);
+        if routing_state(fleet, endpoint).await.as_deref() == Some(want) {
+            return (conversations, requests);
+        }
+    }
+    panic!(
+        "{endpoint} never became {want} in {requests} requests ({})",
+        fleet.describe()
+    );
+}
+
+/// Continues `conversations` one turn each, round and round, until `endpoint`'s state is
+/// `want`; returns the requests it took.
+async fn continue_until(
+    fleet: &Fleet,
+    conversations: &mut [Conversation],
+    endpoint: &str,
+    want: &str,
+) -> u64 {
+    let client = fleet.client().clone();
+    let mut requests = 0;
+    for _ in 0..6 {
+        for c in conversations.iter_mut() {
+            c.turn(&client, fleet, 4, &[]).await;
+            requests += 1;
+            if routing_state(fleet, endpoint).await.as_deref() == Some(want) {
+                return requests;
+            }
+        }
+    }
+    panic!(
+        "{endpoint} never became {want} in {requests} requests ({})",
+        fleet.describe()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let mut cfg = common::fleet_config("e2e-self-check", 2, MODEL);
+        cfg.sim_args = vec!["--speed".into(), "20".into()];
+        // Probe a load-only replica sooner than the default (the test's clock).
+        cfg.control_plane_router = json!({"self_check": {"probe_after_ms": PROBE_AFTER_MS}});
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let client = fleet.client().clone();
+        let (victim, other) = (
+            fleet.replicas[0].address.clone(),
+            fleet.replicas[1].address.clone(),
+        );
+        assert_eq!(
+            routing_state(&fleet, &victim).await.as_deref(),
+            Some("exact/")
+        );
+
+        common::set_sim_fault(&client, &victim, &json!({"prefix_caching_off": true})).await;
+        let started = Instant::now();
+        let (mut conversations, to_load_only) =
+            converse_until(&fleet, &victim, "load-only/mismatch").await;
+        eprintln!(
+            "self-check: {victim} load-only after {to_load_only} requests, {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        assert_eq!(
+            routing_state(&fleet, &other).await.as_deref(),
+            Some("exact/"),
+            "the replica that serves its cache stays exact"
+        );
+        let metrics = common::cp_metrics(&fleet).await;
+        let changes = format!(
+            "kvroute_routing_state_changes_total{{endpoint=\"{victim}\",to=\"load-only\",reason=\"mismatch\"}}"
+        );
+        assert_eq!(prometheus_sample(&metrics, &changes), Some(1.0), "{metrics}");
+
+        // Fixed. Once the probe is due, the conversations come back: those whose history the
+        // replica holds are credited there again, it serves their hits, and it is exact again.
+        common::set_sim_fault(&client, &victim, &json!({"prefix_caching_off": false})).await;
+        let started = Instant::now();
+        tokio::time::sleep(Duration::from_millis(PROBE_AFTER_MS + 500)).await;
+        let to_exact = continue_until(&fleet, &mut conversations, &victim, "exact/").await;
+        eprintln!(
+            "self-check: {victim} exact again after {to_exact} requests, {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        let endpoints = common::cp_get(&fleet, "/debug/endpoints").await;
+        assert!(endpoints.contains("\"routing_state\""), "{endpoints}");
+    })
+    .await;
+}
