@@ -841,10 +841,9 @@ mod tests {
         assert_exposes(&text, needles);
     }
 
-    // Issue #18: an endpoint whose engine serves none of the hits the index believed in goes
-    // load-only; /metrics says so (state and reason), counts the change, and shows the share.
-    #[test]
-    fn a_mismatched_endpoint_is_exported_load_only_with_its_reason() {
+    /// One endpoint, `10.0.0.1:80`, whose engine served none of the hits the index believed in,
+    /// ten times: it is load-only (issue #18).
+    fn mismatched_state() -> Arc<State> {
         let state = state_of(&["10.0.0.1:80"]);
         let request = RouteRequest {
             model: "m".into(),
@@ -866,14 +865,53 @@ mod tests {
                 ..Default::default()
             });
         }
+        state
+    }
+
+    // /metrics says which state the endpoint is in and why, counts the change, and shows the
+    // delivered share.
+    #[test]
+    fn a_mismatched_endpoint_is_exported_load_only_with_its_reason() {
         assert_exports(
-            state,
+            mismatched_state(),
             &[
                 "kvroute_endpoint_routing_state{endpoint=\"10.0.0.1:80\",state=\"load-only\",reason=\"mismatch\"} 1",
                 "kvroute_routing_state_changes_total{endpoint=\"10.0.0.1:80\",to=\"load-only\",reason=\"mismatch\"} 1",
                 "kvroute_endpoint_delivered_share{endpoint=\"10.0.0.1:80\"} ",
             ],
         );
+    }
+
+    // The shipped alerts (envoy-config/kubernetes/monitoring) select only metrics exported here,
+    // under these names: a renamed metric must not leave an alert that can never fire.
+    #[test]
+    fn the_self_check_alerts_select_what_is_exported() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../envoy-config/kubernetes/monitoring/prometheusrule.yaml");
+        let rule: serde_yaml_ng::Value =
+            serde_yaml_ng::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut text = String::new();
+        encode(&mut text, &registry(mismatched_state())).unwrap();
+        let mut alerts = 0;
+        for group in rule["spec"]["groups"].as_sequence().unwrap() {
+            for alert in group["rules"].as_sequence().unwrap() {
+                alerts += 1;
+                let expr = alert["expr"].as_str().unwrap();
+                let names: Vec<&str> = expr
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .filter(|w| w.starts_with("kvroute_"))
+                    .collect();
+                assert!(!names.is_empty(), "{expr}");
+                for name in names {
+                    let family = name.strip_suffix("_total").unwrap_or(name);
+                    assert!(
+                        text.contains(&format!("# TYPE {family} ")),
+                        "{expr}: nothing exports {family}"
+                    );
+                }
+            }
+        }
+        assert_eq!(alerts, 3);
     }
 
     #[test]
