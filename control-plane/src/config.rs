@@ -799,6 +799,10 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         "router.scoring.prefill_stall_weight",
         s.prefill_stall_weight,
     )?;
+    non_negative(
+        "router.scoring.decode_occupancy_weight",
+        s.decode_occupancy_weight,
+    )?;
     non_negative("router.local.defer_above_ms", r.local.defer_above_ms)?;
     let p = &r.precise;
     range_u64(

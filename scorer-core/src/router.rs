@@ -8,9 +8,10 @@
 //! would wait and prefill there:
 //! `queue_ms` (prefill work already sent there and not yet drained, router-side) +
 //! `prefill_ms` (this request's uncached tokens) + `decode_ms` (running sequences slow every
-//! step) + `kv_ms` (KV pressure: near-full caches evict and preempt; the scraped usage, or the
-//! router's own in-flight allocations over the replica's capacity when those are higher, since
-//! the scrape lags a burst). Lowest cost wins; ties break by the seed; a guard keeps one hot
+//! step, and the context they hold brings their next turns back) + `kv_ms` (KV pressure:
+//! near-full caches evict and preempt; the scraped usage, or the router's own in-flight
+//! allocations over the replica's capacity when those are higher, since the scrape lags a
+//! burst). Lowest cost wins; ties break by the seed; a guard keeps one hot
 //! replica from taking everything.
 
 use std::collections::VecDeque;
@@ -65,6 +66,14 @@ pub struct ScoringConfig {
     /// prefill_ms`; without it a shared prefix draws every conversation onto the one replica
     /// that holds it, whose decode then crawls while its TTFT stays low.
     pub prefill_stall_weight: f64,
+    /// Weight of a candidate's decode occupancy: the prompt tokens of the requests the router
+    /// has in flight there (a prefix they share counted once, as vLLM holds it; no expected
+    /// output), priced at the candidate's prefill rate. Each of them lengthens every decode
+    /// step there, and in a tool-call loop or a chat brings its next turn back to the replica
+    /// holding its context; without it a prefix every session shares (an agent's tool prompt)
+    /// keeps drawing new sessions onto its few holders, whose decode then crawls. Dynamo's
+    /// router weighs its workers' active KV blocks for the same reason.
+    pub decode_occupancy_weight: f64,
     /// Weight of the decode estimate (output tokens x time per token) in the cost: 0 scores
     /// time to first token only, 1 scores time to the last token.
     pub decode_weight: f64,
@@ -102,6 +111,11 @@ impl Default for ScoringConfig {
             // lowered p50 further but raised p99 (1.34, 1.39). Not a profile constant: the
             // stall is the candidate's own prefill estimate times its running sequences.
             prefill_stall_weight: 0.25,
+            // Chosen on fleet-sim's tuning split (seeds 1-2, with the fleet-wide measured queue):
+            // TTFT geomean against the best peer p50 / p99 was 1.00 / 1.17 at 0, 0.98 / 1.16 at
+            // 0.05, 0.96 / 1.18 at 0.1, 0.97 / 1.17 at 0.25 and 1.01 / 1.17 at 0.5; above 0.1
+            // the shared-prefix cells lose hits (p50 1.10 -> 1.15 at 0.25, 1.41 at 0.5).
+            decode_occupancy_weight: 0.1,
             default_output_tokens: 300,
             kv_pressure_threshold: 0.9,
             kv_pressure_ms: 500.0,
@@ -274,9 +288,6 @@ struct Slot {
     /// The part of the backlog no first token will measure (buffered requests, prefills for
     /// another endpoint), drained at the rate as `backlog_tokens` is, as of `backlog_at_ms`.
     buffered_tokens: f64,
-    /// When a first-token report for this endpoint last arrived: while they keep arriving,
-    /// the measured queue replaces the rate-drained estimate.
-    first_token_at_ms: Option<u64>,
     inflight: u32,
     /// The KV the router's in-flight requests here hold: a prediction of KV use that does not
     /// wait for the next scrape, so a burst cannot pile more concurrent prompts onto one
@@ -346,16 +357,10 @@ impl Slot {
             metrics_age_ms: now_ms.saturating_sub(self.scraped_at_ms),
         }
     }
-
-    /// Whether first-token reports for this endpoint are arriving, so its queue is measured.
-    fn confirms(&self, now_ms: u64) -> bool {
-        self.first_token_at_ms
-            .is_some_and(|at| now_ms.saturating_sub(at) <= FIRST_TOKEN_WINDOW_MS)
-    }
 }
 
-/// How long first-token reports may pause before an endpoint's queue is estimated from its
-/// prefill rate again (a proxy that stopped sending them, or a long idle spell).
+/// How long first-token reports may pause before queues are estimated from prefill rates again
+/// (the proxies stopped sending them, or the whole fleet idled).
 const FIRST_TOKEN_WINDOW_MS: u64 = 10_000;
 
 /// Prompt tokens one in-flight KV sample stands for: a chained hash names its whole prefix, so
@@ -383,6 +388,9 @@ struct InflightKv {
     /// requests holding it.
     blocks: HashMap<u64, u32>,
     tokens: f64,
+    /// The part of `tokens` that is expected output, not prompt (the decode occupancy leaves
+    /// it out: a client's `max_tokens` cap is no estimate of the answer).
+    output_tokens: f64,
 }
 
 impl InflightKv {
@@ -395,6 +403,13 @@ impl InflightKv {
             *holders += 1;
         }
         self.tokens += f64::from(entry.kv_private_tokens);
+        self.output_tokens += f64::from(entry.kv_output_tokens);
+    }
+
+    /// Prompt tokens held (a shared prefix once), without expected output: the decode
+    /// occupancy.
+    fn prompt_tokens(&self) -> f64 {
+        (self.tokens - self.output_tokens).max(0.0)
     }
 
     /// Tokens of the prompt prefix `blocks` (chained hashes of `block_tokens` each) that
@@ -418,8 +433,10 @@ impl InflightKv {
             }
         }
         self.tokens = (self.tokens - f64::from(entry.kv_private_tokens)).max(0.0);
+        self.output_tokens = (self.output_tokens - f64::from(entry.kv_output_tokens)).max(0.0);
         if self.blocks.is_empty() && self.tokens < 1.0 {
             self.tokens = 0.0;
+            self.output_tokens = 0.0;
         }
     }
 }
@@ -453,6 +470,8 @@ struct InFlight {
     kv_block_tokens: f64,
     /// Tokens it holds that no block covers (expected output, unhashed prompt).
     kv_private_tokens: u32,
+    /// The part of `kv_private_tokens` that is expected output.
+    kv_output_tokens: u32,
     /// The latency model's inputs at decision time, so the outcome can teach the model.
     latency_features: LatencyFeatures,
     /// Prefilled on another endpoint: its TTFT says nothing about this endpoint's prefill.
@@ -488,7 +507,8 @@ pub struct CandidateScore {
     pub queue_ms: f64,
     /// This request's own prefill.
     pub prefill_ms: f64,
-    /// Slow-down from running sequences, plus the weighted estimate of this request's decode.
+    /// Slow-down from running sequences (their count, the stall of this request's prefill, the
+    /// decode occupancy of their prompts), plus the weighted estimate of this request's decode.
     pub decode_ms: f64,
     /// KV-pressure penalty.
     pub kv_ms: f64,
@@ -696,6 +716,12 @@ pub struct Router {
     /// Most blocks the approximate index holds over all endpoints (a proxy's copy sets it,
     /// [`Router::set_max_index_blocks`]); `None`: each endpoint's KV capacity alone bounds it.
     max_index_blocks: Option<usize>,
+    /// When a first-token report (for any endpoint) last arrived: while they keep arriving, every
+    /// endpoint's queue is measured, not drained at a rate. Fleet-wide, because the endpoint a
+    /// long miss is sent to is often one that was idle and so has reported nothing lately: its
+    /// queue drained at the prior rate (2-4x too fast on slower hardware) looked empty while
+    /// the prefill ran, and the next long misses piled onto it.
+    first_token_at_ms: Option<u64>,
 }
 
 /// Versions of the endpoint table as copies see it ([`crate::sync::EndpointSnapshot`]): every
@@ -1008,6 +1034,7 @@ impl Router {
             fleet: FleetState::default(),
             scratch: RouteScratch::default(),
             token_ratio: TokenRatio::new(config.bytes_per_token, config.learn_bytes_per_token),
+            first_token_at_ms: None,
             config,
             table: TableVersions::default(),
             max_index_blocks: None,
@@ -1054,7 +1081,6 @@ impl Router {
             backlog_at_ms: 0,
             unconfirmed_tokens: 0.0,
             buffered_tokens: 0.0,
-            first_token_at_ms: None,
             inflight: 0,
             inflight_kv: InflightKv::default(),
             events_live: false,
@@ -1751,6 +1777,9 @@ impl Router {
         now_ms: u64,
     ) -> Vec<(EndpointId, CandidateScore)> {
         let n = self.slots.len();
+        let measured = self
+            .first_token_at_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) <= FIRST_TOKEN_WINDOW_MS);
         let Router {
             config,
             slots,
@@ -1775,7 +1804,7 @@ impl Router {
                 continue;
             }
             drain_backlog(slot, now_ms, slot.rates.prefill_tokens_per_ms);
-            if slot.confirms(now_ms) {
+            if measured {
                 slot.backlog_tokens = slot.unconfirmed_tokens + slot.buffered_tokens;
             }
             // A load-only endpoint's prefix is not credited, unless a probe runs.
@@ -1949,6 +1978,7 @@ impl Router {
             kv_blocks,
             kv_block_tokens,
             kv_private_tokens: shape.output_tokens.saturating_add(unhashed),
+            kv_output_tokens: shape.output_tokens,
             latency_features: self.scratch.features[usize::from(chosen.0)],
             remote_prefill: false,
             prefill_tokens: chosen_score.uncached_tokens,
@@ -2191,14 +2221,15 @@ impl Router {
     }
 
     /// The first token of decision `decision_id`'s response was seen: its prefill is done, so
-    /// it leaves its endpoint's measured queue. While such reports keep arriving for an
-    /// endpoint, its queue term is the prefill of its streamed requests still waiting for a
-    /// first token, with no assumed rate (a rate off by 2x, as a prior is on other hardware,
-    /// drains an estimate twice too fast or too slow); without them, the estimate drained at
-    /// the endpoint's rate. A buffered request shows no first token before its end and is
+    /// it leaves its endpoint's measured queue. While such reports keep arriving (for any
+    /// endpoint: an idle one has none to send), every endpoint's queue term is the prefill of
+    /// its streamed requests still waiting for a first token, with no assumed rate (a rate off
+    /// by 2x, as a prior is on other hardware, drains an estimate twice too fast or too slow);
+    /// without them, the estimate drained at the endpoint's rate. A buffered request shows no first token before its end and is
     /// counted by the estimate only.
     pub fn first_token(&mut self, decision_id: u64, now_ms: u64) {
         self.stats.first_tokens += 1;
+        self.first_token_at_ms = Some(now_ms);
         let Some(entry) = self.inflight.get_mut(&decision_id) else {
             return;
         };
@@ -2209,7 +2240,6 @@ impl Router {
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.unconfirmed_tokens =
                 (slot.unconfirmed_tokens - f64::from(entry.prefill_tokens)).max(0.0);
-            slot.first_token_at_ms = Some(now_ms);
         }
     }
 
@@ -2574,7 +2604,9 @@ fn cost_terms(
         rates.itl_ms_idle + (rates.itl_ms_full - rates.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
-        + s.decode_weight * f64::from(output_tokens) * itl_ms;
+        + s.decode_weight * f64::from(output_tokens) * itl_ms
+        + s.decode_occupancy_weight * slot.inflight_kv.prompt_tokens()
+            / rates.prefill_tokens_per_ms;
     // KV pressure from the scrape, or predicted from what the router itself has in flight
     // here plus this request (the scrape lags a burst; past 1.0 the request would wait for
     // memory, and the penalty keeps growing).
@@ -3048,6 +3080,37 @@ mod tests {
         assert_eq!(r.stats().first_tokens, 2);
     }
 
+    // An endpoint that was idle has sent no first token lately, yet the long miss it was just
+    // given stays queued there until its own first token is reported, while reports arrive
+    // from elsewhere: drained at the prior rate it would look empty long before the prefill
+    // ends on slower hardware, and the next long misses would pile onto it.
+    #[test]
+    fn an_idle_endpoints_first_prefill_is_measured_while_others_report() {
+        let streamed = |text: &str| RouteRequest {
+            stream: true,
+            ..request(text)
+        };
+        let queue_on = |d: &Decision, endpoint: &str| {
+            d.candidates
+                .iter()
+                .find(|c| c.endpoint.as_str() == endpoint)
+                .map(|c| c.queue_ms)
+                .unwrap()
+        };
+        let mut r = router(2);
+        let busy = r.route(&streamed(&"one conversation ".repeat(200)), 0, 1);
+        r.first_token(busy.response.decision_id, 10);
+        // 20,000 tokens: 4 s of queue at the prior rate, which would have drained them by 6 s.
+        let long = r.route(&streamed(&"a long new document ".repeat(4_000)), 20, 2);
+        let idle = long.response.endpoints[0].clone();
+        assert_ne!(idle, busy.response.endpoints[0]);
+        let probe = r.route(&request("unrelated"), 6_000, 3);
+        assert!(queue_on(&probe, &idle) > 3_000.0, "{probe:?}");
+        r.first_token(long.response.decision_id, 6_001);
+        let probe = r.route(&request("unrelated too"), 6_002, 4);
+        assert_eq!(queue_on(&probe, &idle), 0.0);
+    }
+
     // A copy leaves only long placements by load to the control plane: never a hit, never a
     // short prompt, never a request with nowhere else to go, and it accounts for none of them.
     #[test]
@@ -3141,6 +3204,54 @@ mod tests {
         assert_ne!(chosen, holder);
         let (holder, chosen) = pick(0.0);
         assert_eq!(chosen, holder);
+    }
+
+    // Twenty agents run on the replica holding the tool prompt they all share, each with 6,000
+    // tokens of its own context in flight. A new agent's first turn hits that prompt there,
+    // but joining them costs more than prefilling the prompt once on the idle replica: the
+    // decode occupancy prices what their sequences hold. Without it the hit wins.
+    #[test]
+    fn a_new_session_leaves_a_prefix_holder_full_of_other_sessions_context() {
+        let tools = "tool definitions shared by every agent ".repeat(400);
+        let pick = |weight: f64| {
+            let mut r = router(2);
+            r.config.scoring.decode_occupancy_weight = 0.0;
+            let holder = r.route(&request(&tools), 0, 1).response.endpoints[0].clone();
+            // Placed there earlier (when it held little), as another router's decisions are.
+            for k in 0..20u64 {
+                let context = format!("{tools} agent {k} {}", "tool output ".repeat(2_000));
+                assert!(r.record_decision(&request(&context), &holder, 1_000 + k, 10 + k, 0));
+            }
+            r.config.scoring.decode_occupancy_weight = weight;
+            let next = format!("{tools} a new agent's task");
+            let chosen = r.route(&request(&next), 60_000, 99).response.endpoints[0].clone();
+            (holder, chosen)
+        };
+        let (holder, chosen) = pick(ScoringConfig::default().decode_occupancy_weight);
+        assert_ne!(chosen, holder);
+        let (holder, chosen) = pick(0.0);
+        assert_eq!(chosen, holder);
+    }
+
+    // The occupancy counts a prefix its in-flight requests share once, and leaves their
+    // expected output out.
+    #[test]
+    fn decode_occupancy_counts_a_shared_prefix_once_and_no_output() {
+        let tools = "tool definitions shared by every agent ".repeat(400);
+        let mut r = router(1);
+        r.config.scoring.decode_occupancy_weight = 1.0;
+        let mut alone = request(&format!("{tools} agent 0"));
+        alone.max_output_tokens = Some(4_096);
+        r.route(&alone, 0, 1);
+        let one = r.route(&request("probe"), 60_000, 2).candidates[0].decode_ms;
+        let mut second = request(&format!("{tools} agent 1"));
+        second.max_output_tokens = Some(4_096);
+        r.route(&second, 60_001, 3);
+        let two = r.route(&request("probe too"), 120_000, 4).candidates[0].decode_ms;
+        let tokens = |ms: f64| ms * ScoringConfig::default().prefill_tokens_per_ms;
+        // Two requests, one shared prompt: the second adds far less than the first.
+        assert!(tokens(one) > 3_500.0, "{one}");
+        assert!(tokens(two) - tokens(one) < 1_000.0, "{one} {two}");
     }
 
     /// `n` endpoints whose scrape reports `tokens` of KV capacity and no load.

@@ -81,6 +81,15 @@ struct MatrixArgs {
     /// `{calibration: {enabled: true}}`: one setting across every cell, never per profile.
     #[arg(long)]
     router_config: Option<String>,
+    /// Only cells of these workloads (comma-separated names), e.g. `agentic`.
+    #[arg(long, value_delimiter = ',')]
+    workloads: Option<Vec<String>>,
+    /// Only cells of these pools (comma-separated names as the table prints them).
+    #[arg(long, value_delimiter = ',')]
+    pools: Option<Vec<String>>,
+    /// Write every run's per-request records as CSV into this folder.
+    #[arg(long)]
+    records: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -275,6 +284,17 @@ fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
     if let Some(text) = &args.router_config {
         spec.router = serde_yaml_ng::from_str(text).context("--router-config")?;
     }
+    if let Some(w) = &args.workloads {
+        spec.cells
+            .retain(|c| w.iter().any(|n| n == c.workload.name()));
+    }
+    if let Some(p) = &args.pools {
+        spec.cells.retain(|c| p.contains(&c.pool.name));
+    }
+    if spec.cells.is_empty() {
+        bail!("--workloads / --pools leave no cell");
+    }
+    spec.records_dir = args.records.clone();
     eprintln!(
         "fleet-sim matrix: {} cells x {} seeds x {} policies on {} threads",
         spec.cells.len(),

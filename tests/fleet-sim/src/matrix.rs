@@ -255,6 +255,9 @@ pub struct MatrixSpec {
     pub threads: usize,
     /// kvroute's router settings (scorer-core's defaults unless `--router-config`).
     pub router: scorer_core::router::RouterConfig,
+    /// Where to write every run's per-request records (CSV, one file per cell, seed and
+    /// policy), for looking at what a policy did request by request; `None` writes nothing.
+    pub records_dir: Option<PathBuf>,
 }
 
 /// The shipped Mooncake trace.
@@ -293,6 +296,7 @@ impl MatrixSpec {
             trace: default_trace(),
             threads: 2,
             router: scorer_core::router::RouterConfig::default(),
+            records_dir: None,
         }
     }
 
@@ -320,6 +324,7 @@ impl MatrixSpec {
             trace: default_trace(),
             threads: 2,
             router: scorer_core::router::RouterConfig::default(),
+            records_dir: None,
         }
     }
 }
@@ -784,10 +789,54 @@ fn run_job(
         )
         .ok_or_else(|| MatrixError::Policy(name.clone()))?;
         let run = run_with(&workload, p.as_mut(), &cfg, &options)?;
+        if let Some(dir) = &spec.records_dir {
+            let file = format!(
+                "{}_{}_{}{}_s{seed}_{name}.csv",
+                cell.workload.name(),
+                cell.pool.name,
+                cell.load,
+                if cell.tight { "_tight" } else { "" },
+            );
+            // Analysis output only: a failed write loses the file, not the run.
+            let _ = std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::write(dir.join(file), records_csv(&workload, &run)));
+        }
         out.push(PolicySummary::of(&run));
         tick();
     }
     Ok(out)
+}
+
+/// One run's requests as CSV: when each arrived, got its first token and finished, where it
+/// went, its prompt, cached and output tokens, its session and the request it continues.
+pub fn records_csv(workload: &Workload, run: &crate::des::RunResult) -> String {
+    use std::fmt::Write;
+    let mut s = String::from(
+        "id,arrival_ms,first_token_ms,finish_ms,replica,prompt_tokens,cached_tokens,output_tokens,session,depends_on,predicted_cached_tokens\n",
+    );
+    let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.1}"));
+    for (i, r) in run.records.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "{i},{:.1},{},{},{},{},{},{},{},{},{}",
+            r.arrival_ms,
+            opt(r.first_token_ms),
+            opt(r.finish_ms),
+            r.replica,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.output_tokens,
+            workload.requests[i]
+                .session
+                .map_or(String::new(), |v| v.to_string()),
+            workload
+                .depends_on(i)
+                .map_or(String::new(), |v| v.to_string()),
+            r.predicted_cached_tokens
+                .map_or(String::new(), |v| v.to_string()),
+        );
+    }
+    s
 }
 
 fn fmt_iv(i: &Interval) -> String {
