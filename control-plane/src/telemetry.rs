@@ -405,7 +405,8 @@ pub fn registry(state: Arc<State>) -> Registry {
     r.register(
         "routing_state_changes",
         "Endpoint routing-state changes: `to` load-only when the engine delivered almost none of \
-         the cache hits the index believed in (reason mismatch), back to exact when it does again",
+         the cache hits the index believed in (reason mismatch), degraded while its KV-event \
+         stream is down (no_kv_events), back to exact when that ends",
         t.routing_state_changes.clone(),
     );
     r.register(
@@ -698,8 +699,9 @@ fn encode_routing_states(
 ) -> fmt::Result {
     let mut family = encoder.encode_descriptor(
         "endpoint_routing_state",
-        "1 for the endpoint's routing state: exact (prefix hits credited), load-only (chosen by \
-         load: the engine did not deliver the hits the index believed in)",
+        "1 for the endpoint's routing state: exact (prefix hits credited), degraded (its \
+         KV-event stream is down: precise requests scored from the approximate index), \
+         load-only (chosen by load: the engine did not deliver the hits the index believed in)",
         None,
         MetricType::Gauge,
     )?;
@@ -911,7 +913,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(alerts, 3);
+        assert_eq!(alerts, 4);
     }
 
     #[test]

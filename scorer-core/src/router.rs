@@ -295,6 +295,9 @@ struct Slot {
     inflight_kv: InflightKv,
     /// Whether this endpoint's KV-event stream is live (precise scoring trusts it).
     events_live: bool,
+    /// Whether it has a KV-event stream at all (one was ever reported live or down): without a
+    /// live one it is `degraded` (precise requests are scored from the approximate index).
+    events_expected: bool,
     /// Whether it delivers the hits the index believes it holds ([`crate::self_check`]).
     check: EndpointCheck,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
@@ -345,6 +348,27 @@ impl Slot {
         if entry.awaiting_first_token {
             self.unconfirmed_tokens =
                 (self.unconfirmed_tokens - f64::from(entry.prefill_tokens)).max(0.0);
+        }
+    }
+
+    /// How far scoring trusts what the index says this endpoint holds: load-only on a
+    /// mismatch, else degraded while an expected KV-event stream is down, else exact.
+    fn routing_state(&self) -> RoutingState {
+        if self.check.load_only() {
+            RoutingState::LoadOnly
+        } else if self.events_expected && !self.events_live {
+            RoutingState::Degraded
+        } else {
+            RoutingState::Exact
+        }
+    }
+
+    /// Why [`Slot::routing_state`] is not exact.
+    fn state_reason(&self) -> Option<StateReason> {
+        match self.routing_state() {
+            RoutingState::LoadOnly => Some(StateReason::Mismatch),
+            RoutingState::Degraded => Some(StateReason::NoKvEvents),
+            RoutingState::Exact => None,
         }
     }
 
@@ -1084,6 +1108,7 @@ impl Router {
             inflight: 0,
             inflight_kv: InflightKv::default(),
             events_live: false,
+            events_expected: false,
             check: EndpointCheck::default(),
             served: ServedTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
@@ -1272,7 +1297,21 @@ impl Router {
             return;
         };
         let was = slot.events_live;
+        let was_state = slot.routing_state();
         slot.events_live = live;
+        slot.events_expected = true;
+        let now_state = slot.routing_state();
+        if was_state != now_state && !slot.check.load_only() {
+            let change = StateChange {
+                from: was_state,
+                to: now_state,
+                reason: StateReason::NoKvEvents,
+                delivered_share: slot.check.delivered_share(),
+                samples: slot.check.samples(),
+            };
+            let address = slot.address.to_string();
+            self.note_state_change(address, change);
+        }
         if was && !live {
             self.precise.clear(id);
         }
@@ -2166,6 +2205,7 @@ impl Router {
             }
             _ => entry.endpoint,
         };
+        let mut noted = None;
         if let Some(slot) = self.slots[usize::from(served_by.0)].as_mut() {
             let served = &mut slot.served;
             served.outcomes += 1;
@@ -2188,12 +2228,7 @@ impl Router {
                     &self.config.self_check,
                 )
             {
-                self.stats.state_changes += 1;
-                if self.state_changes.len() >= MAX_STATE_CHANGES {
-                    self.state_changes.pop_front();
-                }
-                self.state_changes
-                    .push_back((slot.address.to_string(), change));
+                noted = Some((slot.address.to_string(), change));
             }
             // The features describe the chosen endpoint: a fallback's outcome teaches nothing.
             if served_by == entry.endpoint
@@ -2208,6 +2243,9 @@ impl Router {
                 slot.latency
                     .observe(&entry.latency_features, observed, &self.config.latency);
             }
+        }
+        if let Some((address, change)) = noted {
+            self.note_state_change(address, change);
         }
         if (200..300).contains(&outcome.status)
             && let Some(tokens) = outcome.prompt_tokens
@@ -2308,14 +2346,20 @@ impl Router {
                 role: s.role,
                 prefill_picks: s.prefill_picks,
                 calibration: s.learned,
-                routing_state: match s.check.load_only() {
-                    true => RoutingState::LoadOnly,
-                    false => RoutingState::Exact,
-                },
-                state_reason: s.check.load_only().then_some(StateReason::Mismatch),
+                routing_state: s.routing_state(),
+                state_reason: s.state_reason(),
                 delivered_share: s.check.delivered_share(),
             })
             .collect()
+    }
+
+    /// Keeps one endpoint state change for [`Router::take_state_changes`].
+    fn note_state_change(&mut self, address: String, change: StateChange) {
+        self.stats.state_changes += 1;
+        if self.state_changes.len() >= MAX_STATE_CHANGES {
+            self.state_changes.pop_front();
+        }
+        self.state_changes.push_back((address, change));
     }
 
     /// The endpoint state changes since the last call, oldest first, each with its endpoint's
@@ -3424,6 +3468,56 @@ mod tests {
         assert_eq!(r.endpoints(60)[0].routing_state, RoutingState::Exact);
         assert_eq!(serve(&mut r, 61, None).reason, RouteReason::Prefix);
         assert_eq!(r.stats().state_changes, 2);
+    }
+
+    // Issue #18: an endpoint with a KV-event stream that is not live is `degraded` (precise
+    // requests are scored from the approximate index there), named so, and back to exact when
+    // the stream is.
+    #[test]
+    fn an_endpoint_whose_event_stream_is_down_is_degraded_until_it_is_live() {
+        let mut r = router(2);
+        let state = |r: &Router, i: usize| {
+            let e = &r.endpoints(0)[i];
+            (e.routing_state, e.state_reason)
+        };
+        assert_eq!(
+            state(&r, 0),
+            (RoutingState::Exact, None),
+            "no stream: exact"
+        );
+        r.set_event_stream("10.0.0.0:8000", false);
+        assert_eq!(
+            state(&r, 0),
+            (RoutingState::Degraded, Some(StateReason::NoKvEvents))
+        );
+        assert_eq!(state(&r, 1), (RoutingState::Exact, None));
+        r.set_event_stream("10.0.0.0:8000", true);
+        assert_eq!(state(&r, 0), (RoutingState::Exact, None));
+        let changes: Vec<_> = r
+            .take_state_changes()
+            .into_iter()
+            .map(|(a, c)| (a, c.from, c.to, c.reason))
+            .collect();
+        assert_eq!(
+            changes,
+            [
+                (
+                    "10.0.0.0:8000".to_string(),
+                    RoutingState::Exact,
+                    RoutingState::Degraded,
+                    StateReason::NoKvEvents
+                ),
+                (
+                    "10.0.0.0:8000".to_string(),
+                    RoutingState::Degraded,
+                    RoutingState::Exact,
+                    StateReason::NoKvEvents
+                ),
+            ]
+        );
+        // Reported again as it is: no change.
+        r.set_event_stream("10.0.0.0:8000", true);
+        assert!(r.take_state_changes().is_empty());
     }
 
     #[test]

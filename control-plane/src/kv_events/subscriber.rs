@@ -125,6 +125,10 @@ pub async fn run(
         s.endpoint = source.endpoint.clone();
         s.partial = true;
     });
+    // Expected and not live yet: the endpoint is `degraded` until its first session is, so a
+    // publisher that never answers (never enabled, wrong port) is named, not silently
+    // approximate.
+    state.set_event_stream(&source.address, false);
     let mut backoff = settings.reconnect_min;
     loop {
         let started = Instant::now();

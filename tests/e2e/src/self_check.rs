@@ -1,8 +1,9 @@
-//! Routing that checks itself (issue #18), through real Envoy: a replica whose engine stops
+//! Routing that checks itself (issue #18), through real Envoy. A replica whose engine stops
 //! serving its prefix cache (vLLM's `--no-enable-prefix-caching`, switched on at run time with
 //! the simulator's fault API) delivers none of the hits the router's index believes it holds.
 //! The control plane names it load-only with reason `mismatch`, no request fails meanwhile, and
-//! once the replica serves its cache again a probe finds it so and it is trusted again.
+//! once the replica serves its cache again a probe finds it so and it is trusted again. A
+//! replica whose KV-event publisher never answers is named `degraded`.
 
 use std::time::{Duration, Instant};
 
@@ -128,6 +129,52 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
         );
         let endpoints = common::cp_get(&fleet, "/debug/endpoints").await;
         assert!(endpoints.contains("\"routing_state\""), "{endpoints}");
+    })
+    .await;
+}
+
+/// A replica whose KV-event publisher never answers (vLLM started without
+/// `--kv-events-config`, or the control plane pointed at the wrong port): precise mode would
+/// quietly mean approximate there. The control plane names it `degraded` (`no_kv_events`)
+/// while the replica with a live stream is `exact`, and requests are served as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_event_publisher_never_answers_is_named_degraded() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let dead = |_| format!("tcp://127.0.0.1:{}", kvroute_harness::free_port().expect("a port"));
+        let mut cfg = common::fleet_config("e2e-self-check-events", 2, MODEL);
+        cfg.kv_events = true;
+        cfg.endpoint_extra = vec![json!({"kv_events": dead(0), "kv_events_replay": dead(1)})];
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let (silent, live) = (
+            fleet.replicas[0].address.clone(),
+            fleet.replicas[1].address.clone(),
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = common::cp_metrics(&fleet).await;
+            let is = |endpoint: &str, state: &str, reason: &str| {
+                let series = format!(
+                    "kvroute_endpoint_routing_state{{endpoint=\"{endpoint}\",state=\"{state}\",reason=\"{reason}\"}}"
+                );
+                prometheus_sample(&text, &series) == Some(1.0)
+            };
+            if is(&silent, "degraded", "no_kv_events") && is(&live, "exact", "") {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no degraded/exact pair within 20 s ({}):\n{text}",
+                fleet.describe()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let client = fleet.client().clone();
+        for seed in 0..4 {
+            let mut c = Conversation::new(MODEL, 3_000 + seed, 200, 20);
+            c.turn(&client, &fleet, 4, &[]).await;
+            c.turn(&client, &fleet, 4, &[]).await;
+        }
     })
     .await;
 }
