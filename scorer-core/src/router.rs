@@ -3088,22 +3088,28 @@ mod tests {
         assert!(!d.response.endpoints.contains(&"10.0.0.2:8000".to_string()));
     }
 
+    /// A streamed request for `text` (its first token is reported).
+    fn streamed(text: &str) -> RouteRequest {
+        RouteRequest {
+            stream: true,
+            ..request(text)
+        }
+    }
+
+    /// The queue term `d` priced on `endpoint`.
+    fn queue_on(d: &Decision, endpoint: &str) -> f64 {
+        d.candidates
+            .iter()
+            .find(|c| c.endpoint.as_str() == endpoint)
+            .map(|c| c.queue_ms)
+            .unwrap()
+    }
+
     // While first tokens are reported, a streamed request stays in its endpoint's queue until
     // its own first token, however long the assumed rate says its prefill should take, and
     // leaves it the moment the report comes.
     #[test]
     fn first_token_reports_measure_the_queue_instead_of_a_rate() {
-        let streamed = |text: &str| RouteRequest {
-            stream: true,
-            ..request(text)
-        };
-        let queue_on = |d: &Decision, endpoint: &str| {
-            d.candidates
-                .iter()
-                .find(|c| c.endpoint.as_str() == endpoint)
-                .map(|c| c.queue_ms)
-                .unwrap()
-        };
         let mut r = router(2);
         let system = "a shared system prompt ".repeat(300);
         let first = r.route(&streamed(&system), 0, 1);
@@ -3130,17 +3136,6 @@ mod tests {
     // ends on slower hardware, and the next long misses would pile onto it.
     #[test]
     fn an_idle_endpoints_first_prefill_is_measured_while_others_report() {
-        let streamed = |text: &str| RouteRequest {
-            stream: true,
-            ..request(text)
-        };
-        let queue_on = |d: &Decision, endpoint: &str| {
-            d.candidates
-                .iter()
-                .find(|c| c.endpoint.as_str() == endpoint)
-                .map(|c| c.queue_ms)
-                .unwrap()
-        };
         let mut r = router(2);
         let busy = r.route(&streamed(&"one conversation ".repeat(200)), 0, 1);
         r.first_token(busy.response.decision_id, 10);
