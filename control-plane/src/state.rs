@@ -358,8 +358,8 @@ impl State {
         applied
     }
 
-    /// Logs and counts, once each, the endpoint routing-state changes the router made while
-    /// taking outcomes ([`scorer_core::self_check`]).
+    /// Logs and counts, once each, the endpoint routing-state changes the router made
+    /// ([`scorer_core::self_check`]): on outcomes, and on KV-event streams going down or live.
     fn note_state_changes(&self, inner: &mut Inner) {
         for (endpoint, change) in inner.router.take_state_changes() {
             tracing::warn!(
@@ -377,7 +377,8 @@ impl State {
 
     /// Hands entries logged under `inner` to the replication task (replicated logs only);
     /// called before the lock is released, so they leave in the order they were logged. Every
-    /// change of the router goes through here, so the state changes it made are noted too.
+    /// path that hands the router outcomes goes through here, so the state changes they made
+    /// are noted too.
     fn forward(&self, inner: &mut Inner) {
         self.note_state_changes(inner);
         let Some(outbox) = &self.replication else {
@@ -747,9 +748,12 @@ impl State {
     }
 
     /// Marks `address`'s KV-event stream live (precise scoring trusts it) or down (its precise
-    /// state is dropped and it is scored approximately).
+    /// state is dropped and it is scored approximately). A change of its routing state
+    /// (degraded, exact again) is logged and counted now, not with the next request.
     pub fn set_event_stream(&self, address: &str, live: bool) {
-        self.inner.lock().router.set_event_stream(address, live);
+        let mut inner = self.inner.lock();
+        inner.router.set_event_stream(address, live);
+        self.note_state_changes(&mut inner);
     }
 
     /// Drops `address`'s precise state (publisher restart, unreplayable gap, bad message).

@@ -201,7 +201,8 @@ impl Telemetry {
         self.replication_applied.inc_by(events as u64);
     }
 
-    /// An endpoint's routing state changed (into load-only on a mismatch, or back to exact).
+    /// An endpoint's routing state changed (load-only on a mismatch, degraded without a live
+    /// KV-event stream, or back to exact).
     pub fn count_state_change(&self, endpoint: &str, change: &StateChange) {
         self.routing_state_changes
             .get_or_create(&StateChangeLabels {
@@ -407,7 +408,7 @@ pub fn registry(state: Arc<State>) -> Registry {
         "Endpoint routing-state changes: `to` load-only when the engine delivered almost none of \
          the cache hits the index believed in (reason mismatch), degraded while its KV-event \
          stream is down (no_kv_events), back to exact when that ends",
-        t.routing_state_changes.clone(),
+        t.routing_state_changes,
     );
     r.register(
         "replication_dropped_events",

@@ -1301,7 +1301,8 @@ impl Router {
         slot.events_live = live;
         slot.events_expected = true;
         let now_state = slot.routing_state();
-        if was_state != now_state && !slot.check.load_only() {
+        // (A load-only endpoint stays load-only whatever its stream does: no change.)
+        if was_state != now_state {
             let change = StateChange {
                 from: was_state,
                 to: now_state,

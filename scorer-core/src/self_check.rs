@@ -146,7 +146,6 @@ pub struct EndpointCheck {
     believed: u64,
     delivered: u64,
     load_only: bool,
-    since_ms: u64,
     /// A load-only endpoint whose prefix is credited for a while, to see whether it delivers.
     probing: bool,
     /// When the next probe may start.
@@ -206,7 +205,6 @@ impl EndpointCheck {
         let samples = self.samples.len();
         self.load_only = change.1 == RoutingState::LoadOnly;
         self.probing = false;
-        self.since_ms = now_ms;
         self.clear_window();
         Some(StateChange {
             from: change.0,
@@ -244,11 +242,6 @@ impl EndpointCheck {
     /// Whether a probe of a load-only endpoint is running.
     pub fn probing(&self) -> bool {
         self.probing
-    }
-
-    /// When the current state was entered (0: never changed).
-    pub fn since_ms(&self) -> u64 {
-        self.since_ms
     }
 
     /// Delivered / believed cached tokens over the current window (1 with no evidence).

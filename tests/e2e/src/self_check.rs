@@ -19,16 +19,20 @@ const MAX_CONVERSATIONS: u64 = 120;
 /// When a load-only replica is probed (the default is 30 s).
 const PROBE_AFTER_MS: u64 = 2_000;
 
-/// The replica's exported routing state, as `state/reason` (`None` before its first export).
-async fn routing_state(fleet: &Fleet, endpoint: &str) -> Option<String> {
-    let text = common::cp_metrics(fleet).await;
-    ["exact/", "load-only/mismatch"].into_iter().find_map(|s| {
-        let (state, reason) = s.split_once('/')?;
-        let series = format!(
-            "kvroute_endpoint_routing_state{{endpoint=\"{endpoint}\",state=\"{state}\",reason=\"{reason}\"}}"
-        );
-        (prometheus_sample(&text, &series) == Some(1.0)).then(|| s.to_string())
+/// `endpoint`'s routing state in the exposition `text`, as `state/reason`.
+fn state_in(text: &str, endpoint: &str) -> Option<&'static str> {
+    let states = ["exact/", "load-only/mismatch", "degraded/no_kv_events"];
+    states.into_iter().find(|s| {
+        let (state, reason) = s.split_once('/').unwrap_or_default();
+        let labels = format!("endpoint=\"{endpoint}\",state=\"{state}\",reason=\"{reason}\"");
+        let series = format!("kvroute_endpoint_routing_state{{{labels}}}");
+        prometheus_sample(text, &series) == Some(1.0)
     })
+}
+
+/// The replica's exported routing state, as `state/reason` (`None` before its first export).
+async fn routing_state(fleet: &Fleet, endpoint: &str) -> Option<&'static str> {
+    state_in(&common::cp_metrics(fleet).await, endpoint)
 }
 
 /// Runs three-turn conversations (each later turn believes a hit where its history went)
@@ -44,7 +48,7 @@ async fn converse_until(fleet: &Fleet, endpoint: &str, want: &str) -> (Vec<Conve
             requests += 1;
         }
         conversations.push(c);
-        if routing_state(fleet, endpoint).await.as_deref() == Some(want) {
+        if routing_state(fleet, endpoint).await == Some(want) {
             return (conversations, requests);
         }
     }
@@ -68,7 +72,7 @@ async fn continue_until(
         for c in conversations.iter_mut() {
             c.turn(&client, fleet, 4, &[]).await;
             requests += 1;
-            if routing_state(fleet, endpoint).await.as_deref() == Some(want) {
+            if routing_state(fleet, endpoint).await == Some(want) {
                 return requests;
             }
         }
@@ -94,7 +98,7 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
             fleet.replicas[1].address.clone(),
         );
         assert_eq!(
-            routing_state(&fleet, &victim).await.as_deref(),
+            routing_state(&fleet, &victim).await,
             Some("exact/")
         );
 
@@ -107,7 +111,7 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
             started.elapsed().as_secs_f64()
         );
         assert_eq!(
-            routing_state(&fleet, &other).await.as_deref(),
+            routing_state(&fleet, &other).await,
             Some("exact/"),
             "the replica that serves its cache stays exact"
         );
@@ -141,7 +145,12 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
 async fn a_replica_whose_event_publisher_never_answers_is_named_degraded() {
     let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let dead = |_| format!("tcp://127.0.0.1:{}", kvroute_harness::free_port().expect("a port"));
+        let dead = |_| {
+            format!(
+                "tcp://127.0.0.1:{}",
+                kvroute_harness::free_port().expect("a port")
+            )
+        };
         let mut cfg = common::fleet_config("e2e-self-check-events", 2, MODEL);
         cfg.kv_events = true;
         cfg.endpoint_extra = vec![json!({"kv_events": dead(0), "kv_events_replay": dead(1)})];
@@ -150,25 +159,16 @@ async fn a_replica_whose_event_publisher_never_answers_is_named_degraded() {
             fleet.replicas[0].address.clone(),
             fleet.replicas[1].address.clone(),
         );
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let text = common::cp_metrics(&fleet).await;
-            let is = |endpoint: &str, state: &str, reason: &str| {
-                let series = format!(
-                    "kvroute_endpoint_routing_state{{endpoint=\"{endpoint}\",state=\"{state}\",reason=\"{reason}\"}}"
-                );
-                prometheus_sample(&text, &series) == Some(1.0)
-            };
-            if is(&silent, "degraded", "no_kv_events") && is(&live, "exact", "") {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no degraded/exact pair within 20 s ({}):\n{text}",
-                fleet.describe()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        common::wait_cp_metrics(
+            &fleet,
+            "the silent replica degraded, the other exact",
+            Duration::from_secs(20),
+            |text| {
+                state_in(text, &silent) == Some("degraded/no_kv_events")
+                    && state_in(text, &live) == Some("exact/")
+            },
+        )
+        .await;
         let client = fleet.client().clone();
         for seed in 0..4 {
             let mut c = Conversation::new(MODEL, 3_000 + seed, 200, 20);
