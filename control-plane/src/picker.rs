@@ -477,10 +477,12 @@ impl Exchange {
                     Effect::Withdraw(call_id) => {
                         self.picker.state.withdraw(&[call_id]);
                     }
+                    // The picker decides in process: there is no copy to adopt into.
                     Effect::ResumeRequest
                     | Effect::Count(_)
                     | Effect::RouteLatencyMs(_)
-                    | Effect::HashMicros(_) => {}
+                    | Effect::HashMicros(_)
+                    | Effect::Adopt { .. } => {}
                 }
             }
             if let Some(body) = dispatch {

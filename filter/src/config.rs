@@ -167,7 +167,8 @@ pub struct FilterConfig {
     /// `control-plane` (default) or `local`: see [`DecisionMode`].
     pub decision: DecisionMode,
     /// In `local` mode: how often the VM syncs its routing state (the tick period; outcomes
-    /// travel in the same call, so `feedback_interval_ms` is not used).
+    /// travel in the same call, so `feedback_interval_ms` is not used). Default 25 ms
+    /// ([`scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS`] says why).
     pub sync_interval_ms: u64,
     /// In `local` mode: a copy not synced for this long is not trusted; requests ask the
     /// control plane until a sync lands again.
@@ -201,7 +202,7 @@ impl Default for FilterConfig {
             session_header: crate::machine::SESSION_HEADER.into(),
             decision: DecisionMode::ControlPlane,
             identity_headers: IdentityHeaders::Ignore,
-            sync_interval_ms: 50,
+            sync_interval_ms: scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS,
             max_state_age_ms: 1000,
             max_pending_reports: 4096,
             max_index_blocks: 0,

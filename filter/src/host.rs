@@ -397,6 +397,19 @@ impl Request {
                         shared.borrow_mut().state.withdraw(call_id);
                     }
                 }
+                Effect::Adopt {
+                    call_id,
+                    decision_id,
+                    endpoint,
+                } => {
+                    if let Some(shared) = &self.shared {
+                        let now = now_ms();
+                        shared
+                            .borrow_mut()
+                            .state
+                            .adopt(call_id, &endpoint, decision_id, now);
+                    }
+                }
             }
         }
         action

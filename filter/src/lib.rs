@@ -27,7 +27,7 @@
 //!   "feedback_interval_ms":200,"feedback_timeout_ms":1000,"max_body_bytes":4194304,
 //!   "max_queued_outcomes":4096,"auth_token":null,"allow_explain":false,
 //!   "tenant_header":"x-kvroute-tenant","criticality_header":"x-kvroute-criticality",
-//!   "decision":"control-plane","sync_interval_ms":50,"max_state_age_ms":1000,
+//!   "decision":"control-plane","sync_interval_ms":25,"max_state_age_ms":1000,
 //!   "max_pending_reports":4096,"max_index_blocks":0,
 //!   "routes":[{"path":"/v1/chat/completions","api":"chat","mode":"approximate"},
 //!             {"path":"/v1/completions","api":"completion","mode":"approximate"}]}`

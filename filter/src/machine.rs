@@ -209,6 +209,16 @@ pub enum Effect {
     /// open): tell the control plane, in the next feedback batch, that its decision holds no
     /// load.
     Withdraw(u64),
+    /// The route call with this id was answered with `endpoint` under `decision_id`: the
+    /// VM's copy of the routing state (`decision: local`) accounts for it at once.
+    Adopt {
+        /// The call's [`RouteRequest::call_id`].
+        call_id: u64,
+        /// The control plane's decision id.
+        decision_id: u64,
+        /// The endpoint chosen.
+        endpoint: String,
+    },
     /// Answer the paused request locally (an OpenAI-style error) instead of sending it upstream.
     SendLocalResponse {
         /// HTTP status.
@@ -773,8 +783,14 @@ impl RequestMachine {
                 Ok(r) if r.endpoints.is_empty() => FailKind::NoEndpoint,
                 Ok(r) if !r.endpoints.iter().all(|e| is_endpoint(e)) => FailKind::BadResponse,
                 Ok(r) => {
+                    let adopt = self.call_id.map(|call_id| Effect::Adopt {
+                        call_id,
+                        decision_id: r.decision_id,
+                        endpoint: r.endpoints[0].clone(),
+                    });
                     let mut step = self.route_to(r, now_ms, true);
                     step.effects.insert(0, latency);
+                    step.effects.extend(adopt);
                     return step;
                 }
             },

@@ -99,7 +99,15 @@ pub struct RootState {
     /// A route or sync call failed since the last local decision: the copy stops deferring
     /// for a while ([`DEFERRAL_PAUSE_MS`]).
     control_plane_failed: bool,
+    /// The requests this VM's copy left to a route call (`decision: local`), by call id, so
+    /// the answer can be applied to the copy at once ([`RootState::adopt`]); the oldest of
+    /// more than [`MAX_AWAITED_CALLS`] are forgotten (their decisions arrive with the sync).
+    awaited: VecDeque<(u64, RouteRequest)>,
 }
+
+/// Route calls a copy remembers the request of: more than one Envoy worker has in flight
+/// (each call waits at most the route timeout), small enough to bound the memory.
+pub const MAX_AWAITED_CALLS: usize = 64;
 
 /// How long a VM's copy decides everything itself after a route or sync call failed, rather
 /// than leave long misses to a control plane that may not answer (they would fail open,
@@ -138,6 +146,7 @@ impl RootState {
             urgent: false,
             withdrawn: Vec::new(),
             unacked_withdrawn: Vec::new(),
+            awaited: VecDeque::new(),
             call_seed: 0,
             calls: 0,
             control_plane_failed: false,
@@ -169,8 +178,24 @@ impl RootState {
         }
     }
 
+    /// The control plane answered route call `call_id` with `endpoint`: with `decision:
+    /// local` the VM's copy accounts for that decision now rather than at the next sync
+    /// ([`LocalRouter::adopt`]), so a burst on this worker sees the load it just placed.
+    pub fn adopt(&mut self, call_id: u64, endpoint: &str, decision_id: u64, now_ms: u64) {
+        let Some(at) = self.awaited.iter().position(|(id, _)| *id == call_id) else {
+            return;
+        };
+        let Some((_, request)) = self.awaited.remove(at) else {
+            return;
+        };
+        if let Some(local) = self.local.as_mut() {
+            local.adopt(&request, endpoint, decision_id, now_ms);
+        }
+    }
+
     /// A route call was given up: its decision is withdrawn in the next feedback batch.
     pub fn withdraw(&mut self, call_id: u64) {
+        self.awaited.retain(|(id, _)| *id != call_id);
         if self.withdrawn.len() >= self.config.max_queued_outcomes {
             self.withdrawn.remove(0);
         }
@@ -208,6 +233,12 @@ impl RootState {
         };
         if answer.is_none() {
             self.prepare_call(request, nonce);
+            if let (Some(call_id), Some(_)) = (request.call_id, self.local.as_ref()) {
+                if self.awaited.len() >= MAX_AWAITED_CALLS {
+                    self.awaited.pop_front();
+                }
+                self.awaited.push_back((call_id, request.clone()));
+            }
         }
         answer
     }
@@ -668,7 +699,9 @@ mod tests {
     mod local {
         use super::*;
         use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
-        use scorer_core::sync::{SyncLog, SyncRequest, serve_sync};
+        use scorer_core::sync::{
+            DEFAULT_SYNC_INTERVAL_MS, DecisionRecord, SyncEvent, SyncLog, SyncRequest, serve_sync,
+        };
 
         fn local_root() -> RootState {
             RootState::new(FilterConfig {
@@ -756,6 +789,56 @@ mod tests {
             );
         }
 
+        // A long miss left to the control plane is in the copy as soon as the answer comes:
+        // the VM's next decision sees the load it placed, and the sync's copy of the same
+        // decision is not counted again.
+        #[test]
+        fn a_route_calls_answer_is_adopted_by_the_copy_once() {
+            let (mut a, mut b) = (local_root(), local_root());
+            let mut cp = control_plane();
+            tick(&mut a, &mut cp, 0);
+            tick(&mut b, &mut cp, 0);
+            let mut long = RouteRequest {
+                block_hashes: (100..140).collect(),
+                prompt_bytes: 40 * 256,
+                prompt_tokens: 2_560,
+                ..request()
+            };
+            assert!(a.decide_locally(&mut request(), 1).is_some());
+            tick(&mut a, &mut cp, 2);
+            tick(&mut b, &mut cp, 2);
+            assert_eq!(b.decide_or_prepare(&mut long, 3, 7), None, "deferred");
+            let call_id = long.call_id.expect("a route call");
+            let decision = cp.1.route(&long, 3, 1);
+            let endpoint = decision.response.endpoints[0].clone();
+            let inflight = |root: &RootState| {
+                let copy = root.local().and_then(LocalRouter::router).unwrap();
+                copy.endpoints(4)
+                    .into_iter()
+                    .find(|e| e.address == endpoint)
+                    .map_or(0, |e| e.inflight)
+            };
+            let before = inflight(&b);
+            b.adopt(call_id, &endpoint, decision.response.decision_id, 4);
+            assert_eq!(inflight(&b), before + 1, "adopted at once");
+            b.adopt(call_id, &endpoint, decision.response.decision_id, 4);
+            assert_eq!(inflight(&b), before + 1, "one call, one adoption");
+            cp.0.push(
+                SyncEvent::Decision {
+                    origin: 0,
+                    record: Box::new(DecisionRecord {
+                        decision_id: decision.response.decision_id,
+                        endpoint: endpoint.clone(),
+                        request: long.clone(),
+                        age_ms: 0,
+                    }),
+                },
+                4,
+            );
+            tick(&mut b, &mut cp, 5);
+            assert_eq!(inflight(&b), before + 1, "the sync's copy is a repeat");
+        }
+
         // A chain's next turn is decided locally only where its stored response is known:
         // by this VM (it saw the answer) or by its copy; otherwise the control plane is asked.
         #[test]
@@ -794,7 +877,7 @@ mod tests {
         fn decides_once_synced_and_reports_the_decision() {
             let mut root = local_root();
             let mut cp = control_plane();
-            assert_eq!(root.tick_period_ms(), 50);
+            assert_eq!(root.tick_period_ms(), DEFAULT_SYNC_INTERVAL_MS);
             assert_eq!(root.decide_locally(&mut request(), 0), None);
             tick(&mut root, &mut cp, 0);
             let answer = root

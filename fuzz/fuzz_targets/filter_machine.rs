@@ -305,6 +305,7 @@ fn check_step(step: &Step, seen: &mut Seen, config: &FilterConfig, root: &mut Ro
             // A route call given up (timeout, reset, bad answer) is withdrawn: only after one
             // was made.
             Effect::Withdraw(_) => assert!(seen.dispatched, "withdrew a call never made"),
+            Effect::Adopt { .. } => assert!(seen.dispatched, "adopted a call never made"),
             Effect::RouteLatencyMs(_) | Effect::HashMicros(_) => {}
         }
     }

@@ -34,6 +34,14 @@ pub const REPLICA_SHIFT: u32 = 40;
 /// others ([`LocalConfig::defer_above_ms`]); a copy alone decides everything itself.
 pub const OTHERS_DECIDING_WINDOW_MS: u64 = 60_000;
 
+/// How often a proxy's copy syncs by default (the filter's `sync_interval_ms`, and fleet-sim's
+/// `kvroute-local`). Between syncs a copy cannot see the other copies' decisions, and what it
+/// misses grows with the interval: on fleet-sim's tuning seeds (101-110, 16 copies) the
+/// Mooncake trace's TTFT p50 was 8 % above the single router's at 50 ms, 2.5 % at 25 ms and
+/// 2 % at 10 ms. Each halving doubles the sync calls and, on a busy fleet, their bytes, so
+/// large fleets may want more (docs/BENCHMARKS.md has the cost per interval).
+pub const DEFAULT_SYNC_INTERVAL_MS: u64 = 25;
+
 /// The `router.local` section: what a copy deciding in a proxy ([`LocalRouter`]) leaves to the
 /// control plane. Served to every copy with the rest of the router configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -614,6 +622,17 @@ impl LocalRouter {
             );
         }
         Some(decision)
+    }
+
+    /// The control plane's answer to a route call this copy made (a deferred or unready
+    /// decision): applied at once, as the sync would apply it one interval later, so this
+    /// copy's next decisions see the endpoint's new in-flight load and the prompt's blocks
+    /// there. The sync's copy of the same decision is then a repeat and is ignored (one
+    /// in-flight entry per decision id). No-op before the first sync.
+    pub fn adopt(&mut self, request: &RouteRequest, endpoint: &str, decision_id: u64, now_ms: u64) {
+        if let Some(router) = self.router.as_mut() {
+            router.record_decision(request, endpoint, decision_id, now_ms, 0);
+        }
     }
 
     /// Decides everything locally until `until_ms`: the caller saw a route call fail, and a

@@ -166,7 +166,7 @@ pub const POLICY_NAMES: &[&str] = &[
 ];
 
 /// Checks a policy spec as the CLI takes it: a name of [`POLICY_NAMES`], options only for
-/// `kvroute-local` (`kvroute-local:proxies=4,workers=4,sync_ms=50`); the error says what is
+/// `kvroute-local` (`kvroute-local:proxies=4,workers=4,sync_ms=25`); the error says what is
 /// wrong, where [`build_with`] only says no.
 pub fn check_policy(spec: &str) -> Result<(), String> {
     let (name, options) = spec.split_once(':').unwrap_or((spec, ""));
@@ -1130,7 +1130,8 @@ pub struct LocalSettings {
     pub proxies: usize,
     /// Worker threads per proxy; each runs its own filter VM, so its own copy.
     pub workers: usize,
-    /// Virtual ms between one copy's sync calls (the filter's default: 50).
+    /// Virtual ms between one copy's sync calls (the filter's default,
+    /// [`scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS`]).
     pub sync_ms: u64,
 }
 
@@ -1139,13 +1140,13 @@ impl Default for LocalSettings {
         LocalSettings {
             proxies: 4,
             workers: 4,
-            sync_ms: 50,
+            sync_ms: scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS,
         }
     }
 }
 
 impl LocalSettings {
-    /// Reads `proxies=4,workers=4,sync_ms=50` (any subset, empty for the defaults), so a
+    /// Reads `proxies=4,workers=4,sync_ms=25` (any subset, empty for the defaults), so a
     /// policy list can sweep the staleness without a flag per setting.
     pub fn parse(options: &str) -> Result<Self, String> {
         let mut settings = LocalSettings::default();
@@ -1341,6 +1342,8 @@ impl Policy for KvrouteLocal {
                 self.callouts += 1;
                 let decision = self.central.router.route(&request, at, seed);
                 if let Some(endpoint) = decision.response.endpoints.first() {
+                    // The proxy reads the answer: its copy applies it at once.
+                    copy.adopt(&request, endpoint, decision.response.decision_id, at);
                     self.log.push(
                         SyncEvent::Decision {
                             origin: 0,
