@@ -761,21 +761,32 @@ mod tests {
 
         // A long miss is left to the control plane while others decide; once a route call has
         // failed, the copy decides it itself for a while rather than let it fail open unplaced.
-        #[test]
-        fn a_failed_route_call_pauses_deferral() {
-            let (mut a, mut b) = (local_root(), local_root());
-            let mut cp = control_plane();
-            tick(&mut a, &mut cp, 0);
-            tick(&mut b, &mut cp, 0);
-            let long = |n: u64| RouteRequest {
+        /// A 2,560-token miss, distinct per `n`: a copy that knows of other routers defers it.
+        fn long(n: u64) -> RouteRequest {
+            RouteRequest {
                 block_hashes: (n * 100..n * 100 + 40).collect(),
                 prompt_bytes: 40 * 256,
                 prompt_tokens: 2_560,
                 ..request()
-            };
+            }
+        }
+
+        /// Two synced VMs, the second having heard of the first's decision at time 1 (synced
+        /// at 2), so it leaves long misses to the control plane.
+        fn deferring_pair() -> (RootState, RootState, (SyncLog, Router)) {
+            let (mut a, mut b) = (local_root(), local_root());
+            let mut cp = control_plane();
+            tick(&mut a, &mut cp, 0);
+            tick(&mut b, &mut cp, 0);
             assert!(a.decide_locally(&mut long(1), 1).is_some());
             tick(&mut a, &mut cp, 2);
             tick(&mut b, &mut cp, 2);
+            (a, b, cp)
+        }
+
+        #[test]
+        fn a_failed_route_call_pauses_deferral() {
+            let (_, mut b, mut cp) = deferring_pair();
             assert_eq!(b.decide_locally(&mut long(2), 3), None, "deferred");
             b.count(Counter::FailOpen(FailKind::Timeout));
             assert!(b.decide_locally(&mut long(3), 4).is_some(), "paused");
@@ -794,19 +805,8 @@ mod tests {
         // decision is not counted again.
         #[test]
         fn a_route_calls_answer_is_adopted_by_the_copy_once() {
-            let (mut a, mut b) = (local_root(), local_root());
-            let mut cp = control_plane();
-            tick(&mut a, &mut cp, 0);
-            tick(&mut b, &mut cp, 0);
-            let mut long = RouteRequest {
-                block_hashes: (100..140).collect(),
-                prompt_bytes: 40 * 256,
-                prompt_tokens: 2_560,
-                ..request()
-            };
-            assert!(a.decide_locally(&mut request(), 1).is_some());
-            tick(&mut a, &mut cp, 2);
-            tick(&mut b, &mut cp, 2);
+            let (_, mut b, mut cp) = deferring_pair();
+            let mut long = long(2);
             assert_eq!(b.decide_or_prepare(&mut long, 3, 7), None, "deferred");
             let call_id = long.call_id.expect("a route call");
             let decision = cp.1.route(&long, 3, 1);
