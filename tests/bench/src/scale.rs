@@ -7,7 +7,7 @@
 //! and reads the control plane's own CPU time and RSS from `/proc` over a window, with its
 //! scrape counters for how many scrapes that bought. It also syncs as proxy copies do, for the
 //! bytes state sync costs: a copy naming no endpoint table (the whole table, which every tick
-//! carried before deltas), then a copy syncing every 50 ms for 2 s (the steady delta), with
+//! carried before deltas), then a copy syncing at the filter's default interval for 2 s (the steady delta), with
 //! the fleet at rest and then with every scrape's numbers moving. No traffic is routed: this
 //! is the fleet's standing cost, which grows with replicas. [`parse_cost`] times the parser
 //! alone, in process.
@@ -48,10 +48,10 @@ pub struct ScaleRow {
     /// `/v1/sync` answer to a synced copy naming no endpoint table (an older filter), which
     /// carries the whole table and the config: what every tick carried before deltas, bytes.
     pub sync_answer_bytes: usize,
-    /// That answer at the default 50 ms sync interval, per proxy copy (one per Envoy worker).
+    /// That answer at the default sync interval, per proxy copy (one per Envoy worker).
     pub sync_bytes_per_s_per_copy: f64,
-    /// Mean answer to a copy syncing every 50 ms and naming the table it holds, fleet at rest
-    /// (same numbers every scrape: only the re-sends of unchanged scrapes), bytes.
+    /// Mean answer to a copy syncing at the default interval and naming the table it holds,
+    /// fleet at rest (same numbers every scrape: only the re-sends of unchanged scrapes), bytes.
     pub sync_delta_idle_bytes: f64,
     /// The same with every scrape's numbers moving (a busy fleet: each scrape is a change).
     pub sync_delta_busy_bytes: f64,
@@ -114,8 +114,8 @@ pub fn parse_cost() -> anyhow::Result<ParseCost> {
 
 /// Default scrape interval (`control-plane/src/config.rs`).
 const SCRAPE_INTERVAL_MS: u64 = 100;
-/// Default sync interval of a locally deciding copy (`filter/src/config.rs`).
-const SYNC_INTERVAL_MS: f64 = 50.0;
+/// Default sync interval of a locally deciding copy (the filter's `sync_interval_ms`).
+const SYNC_INTERVAL_MS: f64 = scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS as f64;
 
 /// Measures each fleet size in `sizes` over `window`.
 pub async fn run(

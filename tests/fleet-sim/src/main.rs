@@ -169,7 +169,7 @@ struct CompareArgs {
     #[arg(long, default_value_t = 8)]
     replicas: usize,
     /// Comma-separated policies (default: all); `kvroute-local` takes options as
-    /// `kvroute-local:proxies=4,workers=4,sync_ms=25`.
+    /// `kvroute-local:proxies=4,workers=4,sync_ms=25,max_index_blocks=N`.
     #[arg(long, value_delimiter = ',')]
     policies: Option<Vec<String>>,
     /// Compress arrival times by this factor (2 = twice the load).

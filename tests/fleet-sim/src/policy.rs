@@ -1133,6 +1133,10 @@ pub struct LocalSettings {
     /// Virtual ms between one copy's sync calls (the filter's default,
     /// [`scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS`]).
     pub sync_ms: u64,
+    /// Each copy's bound on its prefix index over all endpoints (the filter's
+    /// `max_index_blocks`; `None`, its default: each endpoint's KV capacity alone), to
+    /// measure what a proxy's memory bound costs in hits.
+    pub max_index_blocks: Option<u64>,
 }
 
 impl Default for LocalSettings {
@@ -1141,12 +1145,14 @@ impl Default for LocalSettings {
             proxies: 4,
             workers: 4,
             sync_ms: scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS,
+            max_index_blocks: None,
         }
     }
 }
 
 impl LocalSettings {
-    /// Reads `proxies=4,workers=4,sync_ms=25` (any subset, empty for the defaults), so a
+    /// Reads `proxies=4,workers=4,sync_ms=25,max_index_blocks=N` (any subset, empty for the
+    /// defaults), so a
     /// policy list can sweep the staleness without a flag per setting.
     pub fn parse(options: &str) -> Result<Self, String> {
         let mut settings = LocalSettings::default();
@@ -1162,9 +1168,11 @@ impl LocalSettings {
                 "proxies" => settings.proxies = number as usize,
                 "workers" => settings.workers = number as usize,
                 "sync_ms" => settings.sync_ms = number,
+                "max_index_blocks" => settings.max_index_blocks = Some(number),
                 _ => {
                     return Err(format!(
-                        "unknown kvroute-local option {key:?} (proxies, workers, sync_ms)"
+                        "unknown kvroute-local option {key:?} (proxies, workers, sync_ms, \
+                         max_index_blocks)"
                     ));
                 }
             }
@@ -1190,6 +1198,9 @@ impl LocalSettings {
         }
         if self.sync_ms != defaults.sync_ms {
             options.push(format!("sync_ms={}", self.sync_ms));
+        }
+        if let Some(max) = self.max_index_blocks {
+            options.push(format!("max_index_blocks={max}"));
         }
         if options.is_empty() {
             "kvroute-local".into()
@@ -1275,7 +1286,13 @@ impl KvrouteLocal {
             central: Kvroute::new(n, seed, false, base, text_bytes_per_token),
             log: SyncLog::new(LOCAL_LOG_CAPACITY, 1),
             copies: (0..copies)
-                .map(|_| LocalRouter::new(LOCAL_MAX_PENDING))
+                .map(|_| {
+                    LocalRouter::new(LOCAL_MAX_PENDING).with_max_index_blocks(
+                        settings
+                            .max_index_blocks
+                            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+                    )
+                })
                 .collect(),
             ticks: 0,
             placement: SplitMix(seed ^ 0x10ca_1c09_1e5d_a7a5),
@@ -1582,6 +1599,9 @@ mod local_tests {
         assert_eq!(LocalSettings::default().name(), "kvroute-local");
         assert!(LocalSettings::parse("sync_ms=0").is_err());
         assert!(LocalSettings::parse("threads=2").is_err());
+        let bounded = LocalSettings::parse("max_index_blocks=4096").unwrap();
+        assert_eq!(bounded.max_index_blocks, Some(4096));
+        assert_eq!(bounded.name(), "kvroute-local:max_index_blocks=4096");
         assert!(check_policy("kvroute-local:proxies=2").is_ok());
         assert!(check_policy("kvroute:proxies=2").is_err());
         let pieces: Vec<String> = ["kvroute", "kvroute-local:proxies=2", "sync_ms=10", "llmd"]
