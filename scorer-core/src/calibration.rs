@@ -209,6 +209,11 @@ const MIN_TOKEN_SPREAD: f64 = 50.0;
 const MAX_PREFILL_SHARE: f64 = 0.9;
 /// Mean computed tokens a prefill point needs for its own cost per token to count.
 const MIN_RATE_TOKENS: f64 = 256.0;
+/// How much faster than the plain mean of its points (time over tokens, overhead and
+/// contention included) a prefill rate may be read: contention slows a saturated replica's
+/// prefills a few times over, not by orders of magnitude, and a rate read far beyond that is
+/// the fit failing (an intercept that ate the points' time), not a faster engine.
+const MAX_SPEEDUP_OVER_MEAN: f64 = 4.0;
 /// Prefill points kept for the robust fit.
 const PREFILL_POINTS: usize = 32;
 /// Prefill points after which the data alone set the rate (fewer: blended with the prior).
@@ -240,23 +245,50 @@ impl PrefillFit {
             // them. A request whose prefill shared its steps with others' took longer than its
             // own tokens explain, never shorter, so the fast end is the engine's own rate and
             // the median reads slow whenever prefills overlap (a saturated replica).
-            let intercept = intercept.max(0.0);
+            //
+            // On a saturated replica contention, not prompt size, sets the prefill times, and
+            // the pairwise slopes can come out flat or negative. That line's intercept is then
+            // most of every point's time, which would leave each point a cost near zero and
+            // read the engine as arbitrarily fast. Without a rising line, no overhead is
+            // subtracted.
+            let intercept = if median_slope > 0.0 {
+                intercept.max(0.0)
+            } else {
+                0.0
+            };
             let mut per_token = [0.0; PREFILL_POINTS];
             let mut n = 0;
+            let (mut sum_x, mut sum_y) = (0.0, 0.0);
             // Only points with enough computed tokens that the step overhead's noise does not
             // swamp their cost per token, and never below half their median: the fast end of
             // noise is not a faster engine.
             for &(x, y) in self.points.iter().filter(|(x, _)| *x >= MIN_RATE_TOKENS) {
                 per_token[n] = ((y - intercept) / x).max(0.0);
                 n += 1;
+                sum_x += x;
+                sum_y += y;
             }
+            // Nor faster than MAX_SPEEDUP_OVER_MEAN times the points' plain mean (all their
+            // time over all their tokens, overhead and contention included).
             let slope = if n >= 4 {
                 let (_, mid, _) = per_token[..n].select_nth_unstable_by(n / 2, f64::total_cmp);
                 let mid = *mid;
                 let (_, fast, _) = per_token[..n].select_nth_unstable_by(n / 4, f64::total_cmp);
                 fast.max(mid / 2.0)
+                    .max(sum_y / sum_x / MAX_SPEEDUP_OVER_MEAN)
             } else {
-                median_slope
+                // Too few large points for quartiles: the pairwise slope when it rises, else
+                // the plain mean of every point (slow, but never a free prefill).
+                let (all_x, all_y) = self
+                    .points
+                    .iter()
+                    .fold((0.0, 0.0), |(sx, sy), &(x, y)| (sx + x, sy + y));
+                let mean = if all_x > 0.0 { all_y / all_x } else { 0.0 };
+                if median_slope > 0.0 {
+                    median_slope.max(mean / MAX_SPEEDUP_OVER_MEAN)
+                } else {
+                    mean
+                }
             };
             self.line = Some((intercept, slope));
         } else if self.line.is_none() {
@@ -530,6 +562,42 @@ mod tests {
         cal.observe(c, 0.5, 20_100, PRIOR, &config);
         let rate = cal.calibrated(PRIOR, &config).prefill_tokens_per_ms;
         assert!((rate - 10.0).abs() < 0.5, "{rate}");
+    }
+
+    // A saturated replica: every interval's requests waited about as long whatever their size,
+    // so the prefill times do not rise with the tokens. The fit cannot separate overhead from
+    // rate there; it must not read the engine as arbitrarily fast (an intercept that eats
+    // every point's time once read 1,000,000 tokens/ms in fleet-sim and sent every moved
+    // request to that replica).
+    #[test]
+    fn prefill_times_flat_in_the_tokens_never_read_as_a_free_prefill() {
+        let config = CalibrationConfig::default();
+        for points in [3u64, 40] {
+            let mut cal = EndpointCalibration::default();
+            let mut c = EngineCounters::default();
+            let (mut tokens_sum, mut ms_sum) = (0.0, 0.0);
+            for step in 0..=points {
+                let tokens = 300.0 + (step % 7) as f64 * 200.0;
+                // Flat, slightly falling: contention, not size, sets the time.
+                let ms = 900.0 - (step % 7) as f64 * 10.0;
+                c.prefill_count += 1.0;
+                c.prefill_computed_tokens += tokens;
+                c.prefill_seconds += ms / 1000.0;
+                c.itl_count += 10.0;
+                c.itl_seconds += 0.2;
+                cal.observe(c, 0.5, step * 100, PRIOR, &config);
+                if step > 0 {
+                    tokens_sum += tokens;
+                    ms_sum += ms;
+                }
+            }
+            let rate = cal.calibrated(PRIOR, &config).prefill_tokens_per_ms;
+            let mean_rate = tokens_sum / ms_sum;
+            assert!(
+                rate <= mean_rate * MAX_SPEEDUP_OVER_MEAN * 1.01 && rate > 0.0,
+                "{points} points: {rate} tokens/ms against a plain mean of {mean_rate}"
+            );
+        }
     }
 
     #[test]
