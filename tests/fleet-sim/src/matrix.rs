@@ -454,6 +454,7 @@ fn cell_workload(
             }
             (
                 Workload {
+                    cache_control: false,
                     name: "mooncake".into(),
                     requests,
                 },
@@ -712,6 +713,7 @@ pub fn run_matrix(
         read_mooncake(&spec.trace)?
     } else {
         Workload {
+            cache_control: false,
             name: "none".into(),
             requests: Vec::new(),
         }
@@ -1011,6 +1013,7 @@ mod tests {
         };
         let spec = MatrixSpec::quick(vec![3]);
         let empty = Workload {
+            cache_control: false,
             name: "none".into(),
             requests: Vec::new(),
         };
@@ -1038,6 +1041,7 @@ mod tests {
         let mut spec = MatrixSpec::quick(vec![3]);
         spec.requests = 60;
         let empty = Workload {
+            cache_control: false,
             name: "none".into(),
             requests: Vec::new(),
         };

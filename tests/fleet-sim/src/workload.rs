@@ -60,6 +60,9 @@ pub struct Workload {
     pub name: String,
     /// Requests; dependent turns come after the turn they depend on.
     pub requests: Vec<RequestSpec>,
+    /// Every prompt ends in an Anthropic `cache_control` breakpoint, as Claude Code marks its
+    /// newest block on every turn: the router is told the whole prompt will be sent again.
+    pub cache_control: bool,
 }
 
 /// Deterministic token `i` of stream `stream`.
@@ -164,6 +167,7 @@ impl Workload {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or(name);
         Workload {
+            cache_control: false,
             name: stem,
             requests,
         }
@@ -483,7 +487,11 @@ pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
         "agentic" => agentic(&options, &mut rng, &mut requests)?,
         _ => return Err(WorkloadError::BadSpec(spec.into())),
     }
+    // `cache_control=1` (any generator): every prompt is marked, as an Anthropic client that
+    // puts a breakpoint on its newest block sends it.
+    let [cache_control] = options.values([("cache_control", 0.0)])?;
     Ok(Workload {
+        cache_control: cache_control >= 1.0,
         name: name.to_string(),
         requests,
     })
