@@ -53,17 +53,20 @@ impl ApiKind {
                 "input",
                 "instructions",
                 "tools",
+                "tool_choice",
                 "previous_response_id",
             ],
-            ApiKind::Messages => &["model", "system", "messages", "tools"],
+            ApiKind::Messages => &[
+                "model",
+                "system",
+                "messages",
+                "tools",
+                "tool_choice",
+                "thinking",
+                "output_config",
+                "chat_template_kwargs",
+            ],
         }
-    }
-
-    /// Whether the control plane can tokenise this API's prompts exactly (precise mode). The
-    /// agent APIs are routed approximately: their render endpoints are newer than the
-    /// tokenisers kvroute drives.
-    pub fn tokenizable(self) -> bool {
-        matches!(self, ApiKind::Chat | ApiKind::Completion)
     }
 
     /// The wire spelling (configuration, logs).

@@ -11,6 +11,10 @@
 //!   control plane's in-process one (a real byte-level BPE `tokenizer.json` and a Jinja chat
 //!   template that the simulated engines use too).
 //!
+//! - an Anthropic Messages conversation is tokenised as the chat request vLLM makes of it:
+//!   every turn is scored precisely and the predicted cached tokens match the engines' within
+//!   5 %;
+//!
 //! - two tenants sending the same long prompt under different `cache_salt`s share no cached
 //!   block: the router predicts none (the engine gives none), while the same salt again hits
 //!   the replica that holds it.
@@ -86,7 +90,8 @@ async fn precise_fleet_with(
         "allow_explain": true,
         "routes": [
             {"path": "/v1/chat/completions", "api": "chat", "mode": "precise"},
-            {"path": "/v1/completions", "api": "completion", "mode": "precise"}
+            {"path": "/v1/completions", "api": "completion", "mode": "precise"},
+            {"path": "/v1/messages", "api": "messages", "mode": "precise"}
         ]
     });
     let fleet = common::start_fleet(cfg, tools).await;
@@ -350,6 +355,97 @@ async fn in_process_tokenizer_matches_the_engines() {
         assert!(
             cached > fresh,
             "cached {cached} vs fresh {fresh} tokens:\n{m}"
+        );
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_conversation_is_tokenised_as_vllms_chat_and_predicted_within_five_percent() {
+    let tools = tools();
+    let dir = model_dir("e2e-precise-messages");
+    bounded(async {
+        let fleet = precise_fleet(
+            &tools,
+            "e2e-precise-messages",
+            3,
+            &Tokenizer::Hf(dir.clone()),
+        )
+        .await;
+        let client = HttpClient::new();
+        let url = format!("{}/v1/messages", fleet.url());
+        let (conversations, turns) = (3u64, 4u64);
+        let mut histories: Vec<Vec<Value>> = vec![Vec::new(); conversations as usize];
+        let mut engine_cached = 0u64;
+        for turn in 0..turns {
+            for (c, history) in histories.iter_mut().enumerate() {
+                let seed = 700 + c as u64;
+                history.push(json!({"role": "user", "content": [
+                    {"type": "text", "text": text(seed * 10 + turn, 150),
+                     "cache_control": {"type": "ephemeral"}}]}));
+                let body = json!({
+                    "model": MODEL,
+                    "max_tokens": 16,
+                    "system": [{"type": "text", "text": text(seed, 800)}],
+                    "messages": history,
+                });
+                let r = client
+                    .request(
+                        "POST",
+                        &url,
+                        &[("content-type", "application/json")],
+                        Some(body.to_string()),
+                        REQUEST_TIMEOUT,
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{url}: {e} ({})", fleet.describe()));
+                assert_eq!(r.status, 200, "{}", r.body);
+                let answer: Value = serde_json::from_str(&r.body).unwrap();
+                engine_cached += answer["usage"]["cache_read_input_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
+                // The marker moves to the newest block, as Claude Code moves it.
+                if let Some(block) = history
+                    .last_mut()
+                    .and_then(|m| m["content"][0].as_object_mut())
+                {
+                    block.remove("cache_control");
+                }
+                let said = answer["content"][0]["text"].as_str().unwrap_or_default();
+                history.push(json!({"role": "assistant", "content": [
+                    {"type": "text", "text": said}]}));
+                // A user's think time: the engine's events for this turn land before the next.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let mut m = String::new();
+        for _ in 0..100 {
+            m = cp_metrics(&fleet).await;
+            if prometheus_sum(&m, "kvroute_actual_cached_tokens_total") >= engine_cached as f64 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let predicted = prometheus_sum(&m, "kvroute_predicted_cached_tokens_total");
+        let actual = prometheus_sum(&m, "kvroute_actual_cached_tokens_total");
+        println!("messages: predicted {predicted} actual {actual}");
+        assert_eq!(actual, engine_cached as f64, "feedback lost:\n{m}");
+        assert!(
+            actual > 5_000.0,
+            "the run reused too little to judge: {actual}"
+        );
+        assert_eq!(
+            metric_with(&m, "kvroute_precise_routes_total", "reason=\"precise\""),
+            (conversations * turns) as f64,
+            "every Messages request was tokenised and scored precisely:\n{m}"
+        );
+        let error = (predicted - actual).abs() / actual;
+        assert!(
+            error <= 0.05,
+            "predicted {predicted} vs actual {actual} cached tokens: {:.1} % off ({})",
+            error * 100.0,
+            fleet.describe()
         );
     })
     .await;
