@@ -178,6 +178,7 @@ json_object! {
         "stream" => stream: bool,
         "max_tokens" => max_tokens: Limit,
         "metadata" => metadata: Metadata<'a>,
+        "cache_salt" => cache_salt: Cow<'a, str>,
     }
 }
 
@@ -248,6 +249,8 @@ pub(crate) fn canonicalize_messages(body: &[u8]) -> Result<CanonicalPrompt, Cano
         max_output_tokens: limit([parsed.max_tokens]),
         session_hint: user_id.as_deref().and_then(claude_session),
         marked_bytes,
+        // vLLM's Messages request takes `cache_salt` too and passes it to the chat it makes.
+        cache_salt: salt(parsed.cache_salt)?,
         ..prompt_of(parsed.model, parsed.stream, out)?
     })
 }
@@ -550,6 +553,16 @@ mod tests {
         assert!(!nested.bytes[..end].windows(4).any(|w| w == b"then"));
         // Every marker is stripped and none makes the offset pass the prompt's end.
         assert!(m.marked_bytes <= m.bytes.len() && nested.marked_bytes <= nested.bytes.len());
+    }
+
+    #[test]
+    fn a_messages_cache_salt_is_read_like_chats() {
+        let salted = messages(r#"{"cache_salt":"t1","messages":[{"role":"user","content":"hi"}]}"#);
+        assert_eq!(salted.cache_salt.as_deref(), Some("t1"));
+        let empty = r#"{"cache_salt":"","messages":[]}"#;
+        assert!(canonicalize(ApiKind::Messages, empty.as_bytes()).is_err());
+        let none = messages(r#"{"cache_salt":null,"messages":[]}"#);
+        assert_eq!(none.cache_salt, None);
     }
 
     #[test]
