@@ -132,12 +132,23 @@ fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), TokenizeEr
     {
         return Err(unsupported("output_config.effort"));
     }
+    refuse_dropped_tools(prompt)
+}
+
+/// `tool_choice: none` with tools: vLLM drops the tools from the template or not by a server
+/// flag (`--exclude-tools-when-tool-choice-none`) the control plane cannot see. Anthropic
+/// spells it `{"type": "none"}`, Responses `"none"`.
+fn refuse_dropped_tools(prompt: &Map<String, Value>) -> Result<(), TokenizeError> {
     let choice = prompt.get("tool_choice");
     let choice = choice
         .and_then(|c| c.get("type"))
         .or(choice)
         .and_then(Value::as_str);
-    if choice == Some("none") {
+    let has_tools = prompt
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty());
+    if choice == Some("none") && has_tools {
         return Err(unsupported(
             "tool_choice none (the server may drop the tools)",
         ));
@@ -377,11 +388,7 @@ pub fn responses_to_chat(prompt: &Map<String, Value>) -> Result<Map<String, Valu
             "previous_response_id (the history is stored on a replica)",
         ));
     }
-    if prompt.get("tool_choice").and_then(Value::as_str) == Some("none") {
-        return Err(unsupported(
-            "tool_choice none (the server may drop the tools)",
-        ));
-    }
+    refuse_dropped_tools(prompt)?;
     let mut out: Vec<Value> = Vec::new();
     if let Some(instructions) = prompt.get("instructions").and_then(Value::as_str)
         && !instructions.is_empty()
@@ -693,7 +700,7 @@ mod tests {
         for refused in [
             json!({"messages": [], "thinking": {"type": "disabled"}}),
             json!({"messages": [], "output_config": {"effort": "low"}}),
-            json!({"messages": [], "tool_choice": {"type": "none"}}),
+            json!({"messages": [], "tool_choice": {"type": "none"}, "tools": [{"name": "x"}]}),
             json!({"messages": [{"role": "user", "content": [
                 {"type": "tool_addition", "tool": {"name": "x"}}]}]}),
             json!({"messages": [{"role": "assistant", "content": [
@@ -757,6 +764,15 @@ mod tests {
             Err(TokenizeError::Unsupported(_))
         ));
         assert!(responses_to_chat(&map(json!({"input": 3}))).is_err());
+        // `none` matters only with tools to drop.
+        let no_tools = map(json!({"input": "hi", "tool_choice": "none"}));
+        assert!(responses_to_chat(&no_tools).is_ok());
+        let with_tools = map(json!({"input": "hi", "tool_choice": "none",
+                                    "tools": [{"type": "function", "name": "ls"}]}));
+        assert!(matches!(
+            responses_to_chat(&with_tools),
+            Err(TokenizeError::Unsupported(_))
+        ));
         let string = responses_to_chat(&map(json!({"input": "hi"}))).unwrap();
         assert_eq!(
             string["messages"],
