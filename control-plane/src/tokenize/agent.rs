@@ -561,7 +561,10 @@ fn write_python(value: &Value, out: &mut String) {
     match value {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Value::Number(n) => out.push_str(&n.to_string()),
+        Value::Number(n) => match n.as_f64().filter(|_| n.is_f64()) {
+            Some(f) => write_python_float(f, out),
+            None => out.push_str(&n.to_string()),
+        },
         Value::String(s) => write_python_str(s, out),
         Value::Array(items) => {
             out.push('[');
@@ -585,6 +588,53 @@ fn write_python(value: &Value, out: &mut String) {
             }
             out.push('}');
         }
+    }
+}
+
+/// Python's `repr(float)`: the shortest digits that read back, positional from 1e-4 up to
+/// 1e16 (always with a fraction), else `d.ddde+XX`.
+fn write_python_float(f: f64, out: &mut String) {
+    // `{:e}` gives the shortest round-trip digits: `1.5e-5`, `1e20`, `-2.5e0`.
+    let sci = format!("{f:e}");
+    let Some((mantissa, exp)) = sci.split_once('e') else {
+        out.push_str(&sci);
+        return;
+    };
+    let Ok(exp) = exp.parse::<i32>() else {
+        out.push_str(&sci);
+        return;
+    };
+    let (sign, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => ("-", m),
+        None => ("", mantissa),
+    };
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    out.push_str(sign);
+    if (-4..16).contains(&exp) {
+        let point = exp + 1;
+        if point <= 0 {
+            out.push_str("0.");
+            out.extend(std::iter::repeat_n('0', point.unsigned_abs() as usize));
+            out.push_str(&digits);
+        } else if point as usize >= digits.len() {
+            out.push_str(&digits);
+            out.extend(std::iter::repeat_n('0', point as usize - digits.len()));
+            out.push_str(".0");
+        } else {
+            let (whole, fraction) = digits.split_at(point as usize);
+            out.push_str(whole);
+            out.push('.');
+            out.push_str(fraction);
+        }
+    } else {
+        let (first, rest) = digits.split_at(1.min(digits.len()));
+        out.push_str(first);
+        if !rest.is_empty() {
+            out.push('.');
+            out.push_str(rest);
+        }
+        let sign = if exp < 0 { '-' } else { '+' };
+        out.push_str(&format!("e{sign}{:02}", exp.unsigned_abs()));
     }
 }
 
@@ -629,6 +679,25 @@ mod tests {
             r#"{"path": "src/\u00e9.rs", "n": [1, true, null], "q": "a\"b\n\ud83d\ude00"}"#
         );
         assert_eq!(python_json(&json!({})), "{}");
+        // repr(float) for each: json.dumps([1.0, 0.5, 1e20, 1.5e-05, 0.0001, 123456.789,
+        // 1e16, 9999999999999998.0, -2.5, 0.0])
+        let floats = json!([
+            1.0,
+            0.5,
+            1e20,
+            1.5e-5,
+            0.0001,
+            123456.789,
+            1e16,
+            9999999999999998.0,
+            -2.5,
+            0.0
+        ]);
+        assert_eq!(
+            python_json(&floats),
+            "[1.0, 0.5, 1e+20, 1.5e-05, 0.0001, 123456.789, 1e+16, 9999999999999998.0, -2.5, 0.0]"
+        );
+        assert_eq!(python_json(&json!([7, -3])), "[7, -3]");
     }
 
     #[test]
@@ -718,6 +787,45 @@ mod tests {
         ] {
             let e = messages_to_chat(&map(bad.clone()), Some(false)).unwrap_err();
             assert!(matches!(e, TokenizeError::BadPrompt(_)), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn any_json_is_converted_or_refused_never_a_panic() {
+        // Every value of a few shapes in every place a converter reads.
+        let values = [
+            json!(null),
+            json!(3),
+            json!("s"),
+            json!([]),
+            json!({}),
+            json!([null, 1, "x", [], {}]),
+            json!([{"type": "text"}, {"type": "tool_use"}, {"type": "tool_result", "content": 3},
+                   {"type": "image", "source": 1}, {"type": "thinking", "thinking": 2}]),
+            json!([{"role": "assistant", "content": 1}, {"type": "function_call", "namespace": 1},
+                   {"type": "reasoning", "content": "x"}, {"type": "message"}]),
+        ];
+        for key in [
+            "system",
+            "messages",
+            "tools",
+            "tool_choice",
+            "thinking",
+            "output_config",
+            "input",
+            "instructions",
+        ] {
+            for v in &values {
+                let mut prompt = Map::new();
+                prompt.insert(key.into(), v.clone());
+                prompt.insert("messages".into(), json!([{"role": "user", "content": v}]));
+                let _ = messages_to_chat(&prompt, Some(true));
+                let _ = messages_to_chat(&prompt, None);
+                let mut responses = Map::new();
+                responses.insert(key.into(), v.clone());
+                responses.insert("input".into(), json!([v, {"role": "user", "content": v}]));
+                let _ = responses_to_chat(&responses);
+            }
         }
     }
 
