@@ -175,6 +175,13 @@ impl Default for CacheControlConfig {
     }
 }
 
+impl CacheControlConfig {
+    /// Whether markers change nothing (`reuse_weight` 0 or less).
+    pub fn is_off(&self) -> bool {
+        self.reuse_weight.is_nan() || self.reuse_weight <= 0.0
+    }
+}
+
 /// Router-wide configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -221,7 +228,9 @@ pub struct RouterConfig {
     pub local: crate::sync::LocalConfig,
     /// Believed against delivered cache hits per endpoint, and the load-only fallback.
     pub self_check: SelfCheckConfig,
-    /// Prefixes the client marked with `cache_control`: how much firmer they stay.
+    /// Prefixes the client marked with `cache_control`: how much firmer they stay. Left out of
+    /// the configuration sent to copies while off, so copies built before it still parse it.
+    #[serde(skip_serializing_if = "CacheControlConfig::is_off")]
     pub cache_control: CacheControlConfig,
 }
 
@@ -3327,6 +3336,20 @@ mod tests {
         assert_eq!(spill_point(true, off), unmarked);
         // The endpoint holding nothing is credited nothing.
         assert!(d.candidates[1].cache_control_ms == 0.0);
+    }
+
+    #[test]
+    fn the_configuration_copies_get_names_cache_control_only_when_on() {
+        let off = serde_json::to_value(RouterConfig::default()).unwrap();
+        assert!(off.get("cache_control").is_none(), "{off}");
+        let mut config = RouterConfig::default();
+        config.cache_control.reuse_weight = 1.0;
+        let on = serde_json::to_string(&config).unwrap();
+        assert_eq!(serde_json::from_str::<RouterConfig>(&on).unwrap(), config);
+        assert_eq!(
+            serde_json::from_value::<RouterConfig>(off).unwrap(),
+            RouterConfig::default()
+        );
     }
 
     #[test]
