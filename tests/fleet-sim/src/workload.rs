@@ -620,6 +620,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn cache_control_marks_a_generators_prompts_only_when_asked() {
+        let spec = "agentic:agents=1,steps=2,system=40,task=5,tool=5,call=3,answer=3";
+        let plain = from_spec(spec, 1).unwrap();
+        let marked = from_spec(&format!("{spec},cache_control=1"), 1).unwrap();
+        assert!(!plain.cache_control && marked.cache_control);
+        // The same requests either way: only what the client tells the router differs.
+        assert_eq!(plain.requests, marked.requests);
+    }
+
+    #[test]
     fn shared_prefix_groups_share_their_system_prompt() {
         let w = from_spec(
             "shared-prefix:groups=3,prompts=2,system=100,question=10,output=5",
