@@ -147,9 +147,8 @@ pub fn run_with(
     options: &RunOptions,
 ) -> Result<RunResult, SimError> {
     let wants_events = policy.wants_kv_events();
-    // A marking client marks the whole prompt it sends (its breakpoint on the newest block).
-    let marks = workload.cache_control;
-    let marked = |tokens: &[u32]| if marks { tokens.len() as u32 } else { 0 };
+    let marking = workload.cache_control;
+    let marked = |tokens: &[u32]| marking.marked_tokens(tokens.len());
     let profiles: Vec<Profile> = if options.replica_profiles.is_empty() {
         vec![cfg.profile.clone(); cfg.replicas]
     } else {
