@@ -896,6 +896,7 @@ fn replicable(request: &RouteRequest) -> RouteRequest {
         block_hashes,
         prompt_bytes,
         prompt_tokens,
+        marked_blocks: _,
         max_output_tokens,
         session,
         token_block_hashes,
@@ -916,6 +917,9 @@ fn replicable(request: &RouteRequest) -> RouteRequest {
         block_hashes: block_hashes.clone(),
         prompt_bytes: *prompt_bytes,
         prompt_tokens: *prompt_tokens,
+        // The marked prefix steered the ranking of the router that took the decision; copies
+        // only account it.
+        marked_blocks: 0,
         max_output_tokens: *max_output_tokens,
         session: session.clone(),
         token_block_hashes: token_block_hashes.clone(),

@@ -334,19 +334,6 @@ impl FilterConfig {
                 ),
             ));
         }
-        if let Some(rule) = self
-            .routes
-            .iter()
-            .find(|r| r.mode == RouteMode::Precise && r.api.is_some_and(|api| !api.tokenizable()))
-        {
-            return Err(invalid(
-                "routes",
-                format!(
-                    "path {:?}: `precise` mode is for the chat and completion APIs",
-                    rule.path
-                ),
-            ));
-        }
         if let Some(rule) = self.routes.iter().find(|r| !r.path.starts_with('/')) {
             return Err(invalid(
                 "routes",
@@ -530,12 +517,17 @@ mod tests {
             r#"{"routes":[{"path":"/chat#x","api":"chat"}]}"#,
             r#"{"routes":[{"path":"/chat","api":"embeddings"}]}"#,
             r#"{"routes":[{"path":"/chat"}]}"#,
-            r#"{"routes":[{"path":"/r","api":"responses","mode":"precise"}]}"#,
-            r#"{"routes":[{"path":"/m","api":"messages","mode":"precise"}]}"#,
             r#"{"control_plane_cluster":""}"#,
             r#"{"allow_explain":"yes"}"#,
         ] {
             assert!(FilterConfig::from_json(bad.as_bytes()).is_err(), "{bad}");
+        }
+        // The agent APIs may be precise: the control plane tokenises them as chat.
+        for good in [
+            r#"{"routes":[{"path":"/r","api":"responses","mode":"precise"}]}"#,
+            r#"{"routes":[{"path":"/m","api":"messages","mode":"precise"}]}"#,
+        ] {
+            assert!(FilterConfig::from_json(good.as_bytes()).is_ok(), "{good}");
         }
     }
 }

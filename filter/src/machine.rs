@@ -722,9 +722,13 @@ impl RequestMachine {
                 prompt.cache_salt,
             ),
         };
+        // Only whole blocks lie inside the marked prefix.
+        let marked_blocks =
+            u32::try_from(prompt.marked_bytes / self.config.block_bytes.max(1)).unwrap_or(u32::MAX);
         Ok(RouteRequest {
             prompt_bytes: prompt.bytes.len() as u64,
             model: prompt.model,
+            marked_blocks,
             block_hashes,
             prompt_tokens,
             max_output_tokens: prompt.max_output_tokens,
@@ -1179,6 +1183,31 @@ mod tests {
         // Blank headers do not count; the body's key does.
         let req = to_dispatch(&mut machine(), &[("session-id", "  ")], &body);
         assert_eq!(req.session.as_deref(), Some("u1"));
+    }
+
+    #[test]
+    fn a_cache_control_marker_sends_the_whole_blocks_before_it() {
+        let system = "s".repeat(3 * DEFAULT_BLOCK_BYTES);
+        let body = |marked: bool| {
+            let marker = if marked {
+                r#","cache_control":{"type":"ephemeral"}"#
+            } else {
+                ""
+            };
+            format!(
+                r#"{{"model":"m","max_tokens":4,"system":[{{"type":"text","text":"{system}"{marker}}}],
+                "messages":[{{"role":"user","content":"{}"}}]}}"#,
+                "q".repeat(2 * DEFAULT_BLOCK_BYTES)
+            )
+        };
+        let marked = to_dispatch_at(&mut machine(), "/v1/messages", &[], body(true).as_bytes());
+        let plain = to_dispatch_at(&mut machine(), "/v1/messages", &[], body(false).as_bytes());
+        // The system prompt fills three blocks and a few bytes: the marker covers three; the
+        // question after it is not marked.
+        assert_eq!(marked.marked_blocks, 3);
+        assert!(marked.block_hashes.len() > 3);
+        assert_eq!(plain.marked_blocks, 0);
+        assert_eq!(marked.block_hashes, plain.block_hashes);
     }
 
     #[test]

@@ -55,9 +55,11 @@ pub struct CanonicalPrompt {
     pub session_hint: Option<String>,
     /// Responses `previous_response_id`: the stored response this request continues.
     pub previous_response_id: Option<String>,
-    /// Whether an Anthropic block carries a `cache_control` marker: the client asks for the
-    /// prefix up to it to stay cached.
-    pub cache_control: bool,
+    /// Canonical bytes up to the end of the last Anthropic block (or tool) that carries a
+    /// `cache_control` marker, 0 when none does: the client declares that prefix worth keeping
+    /// (it will send it again), so the router holds it where it is cached more firmly than an
+    /// unmarked prefix (`router.cache_control`). Markers in tools count up to the tools' end.
+    pub marked_bytes: usize,
     /// vLLM's `cache_salt`: it keys the prompt's cached blocks, so only requests with the same
     /// salt share them. `None` when absent or `null`; a non-string or empty salt (which vLLM
     /// answers with 400) makes the body invalid, and the filter fails open.

@@ -53,17 +53,20 @@ impl ApiKind {
                 "input",
                 "instructions",
                 "tools",
+                "tool_choice",
                 "previous_response_id",
             ],
-            ApiKind::Messages => &["model", "system", "messages", "tools"],
+            ApiKind::Messages => &[
+                "model",
+                "system",
+                "messages",
+                "tools",
+                "tool_choice",
+                "thinking",
+                "output_config",
+                "chat_template_kwargs",
+            ],
         }
-    }
-
-    /// Whether the control plane can tokenise this API's prompts exactly (precise mode). The
-    /// agent APIs are routed approximately: their render endpoints are newer than the
-    /// tokenisers kvroute drives.
-    pub fn tokenizable(self) -> bool {
-        matches!(self, ApiKind::Chat | ApiKind::Completion)
     }
 
     /// The wire spelling (configuration, logs).
@@ -75,6 +78,10 @@ impl ApiKind {
             ApiKind::Messages => "messages",
         }
     }
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
 }
 
 /// "Where should this request go?": what the filter asks the control plane.
@@ -91,6 +98,11 @@ pub struct RouteRequest {
     /// Estimated prompt length in tokens (the filter estimates from bytes).
     #[serde(default)]
     pub prompt_tokens: u32,
+    /// Leading `block_hashes` blocks (whole blocks only) that the client marked with Anthropic
+    /// `cache_control`: it will send them again, so the router holds them where they are
+    /// cached more firmly (`router.cache_control`). 0 (absent): nothing marked.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub marked_blocks: u32,
     /// `max_tokens` / `max_completion_tokens` of the request, when given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_output_tokens: Option<u32>,

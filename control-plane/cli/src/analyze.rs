@@ -590,6 +590,7 @@ mod tests {
     fn shared_prefix_counts_only_whole_blocks_seen_before() {
         // Two requests share a 64-token system segment; the second adds 40 tokens.
         let w = Workload {
+            cache_control: workload::Marking::None,
             name: "t".into(),
             requests: vec![
                 spec(PromptSource::Segments(vec![(1, 64), (2, 40)])),
@@ -608,6 +609,7 @@ mod tests {
     #[test]
     fn identical_prompts_never_reuse_their_last_token() {
         let w = Workload {
+            cache_control: workload::Marking::None,
             name: "t".into(),
             requests: vec![
                 spec(PromptSource::Segments(vec![(1, 64)])),

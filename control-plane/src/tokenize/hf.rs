@@ -42,6 +42,9 @@ pub struct HfTokenizer {
     cache: TokenCache,
     requests: AtomicU64,
     split_ok: AtomicBool,
+    /// The template rejects a system message after the first turn (vLLM's probe), so vLLM
+    /// merges a Messages request's inline system messages into the leading one.
+    merge_inline_system: bool,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -121,7 +124,7 @@ impl HfTokenizer {
             .map(ChatTemplate::new)
             .transpose()
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        Ok(Self {
+        let mut tokenizer = Self {
             tokenizer,
             template,
             bos_token: bos_token.to_owned(),
@@ -130,7 +133,30 @@ impl HfTokenizer {
             cache: TokenCache::new(cache_entries),
             requests: AtomicU64::new(0),
             split_ok: AtomicBool::new(true),
-        })
+            merge_inline_system: true,
+        };
+        tokenizer.merge_inline_system = tokenizer.rejects_inline_system();
+        Ok(tokenizer)
+    }
+
+    /// vLLM's probe (`_detect_merge_inline_system`): a template that fails on
+    /// `[system, user, system, user]`, or no template, needs system messages first.
+    fn rejects_inline_system(&self) -> bool {
+        let probe = serde_json::json!({
+            "messages": [
+                {"role": "system", "content": "t"}, {"role": "user", "content": "t"},
+                {"role": "system", "content": "t"}, {"role": "user", "content": "t"}],
+            "add_generation_prompt": false,
+        });
+        probe
+            .as_object()
+            .is_none_or(|prompt| self.render(prompt).is_err())
+    }
+
+    /// Whether vLLM merges a Messages request's inline system messages into the leading one
+    /// for this template (see [`HfTokenizer::new`]'s probe).
+    pub fn merges_inline_system(&self) -> bool {
+        self.merge_inline_system
     }
 
     /// Token ids of a chat or completion prompt, as vLLM computes them: a chat is rendered
@@ -157,8 +183,9 @@ impl HfTokenizer {
                     cached: 0,
                 })
             }
+            // `Precise::tokenize` converts these to chat first.
             ApiKind::Responses | ApiKind::Messages => Err(TokenizeError::BadPrompt(format!(
-                "no template for the {} API",
+                "the {} API is tokenised as the chat request vLLM makes of it",
                 api.as_str()
             ))),
         }
@@ -324,13 +351,13 @@ fn flatten_message(m: &Value) -> Value {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tokenizers::models::wordlevel::WordLevel;
     use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
     use tokenizers::{AddedToken, Tokenizer};
 
-    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    pub(crate) const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
     /// A word-level tokenizer with a Metaspace pre-tokenizer that prepends only on the first
     /// split: the position-dependent case the piece split must reproduce.

@@ -9,6 +9,7 @@
 //! then hashes the ids in engine blocks with `scorer_core::hash::token_block_hashes`. Any failure
 //! leaves the request approximate: its `block_hashes` still route it.
 
+pub mod agent;
 pub mod cache;
 #[cfg(feature = "hf-tokenizer")]
 pub mod hf;
@@ -63,6 +64,10 @@ pub enum TokenizeError {
     /// The tokenizer files could not be loaded.
     #[error("cannot load tokenizer: {0}")]
     Load(String),
+    /// The prompt is valid but its tokens depend on what the control plane cannot know (a
+    /// stored history, a server setting): it is routed approximately.
+    #[error("not tokenised here: {0}")]
+    Unsupported(String),
 }
 
 /// Token ids of one prompt and how many came from the cache.
@@ -180,6 +185,11 @@ impl Precise {
                 request.prompt_tokens = u32::try_from(tokenized.ids.len()).unwrap_or(u32::MAX);
                 Some("precise")
             }
+            // Not a failure: the prompt's tokens depend on what only the replica knows.
+            Err(e @ TokenizeError::Unsupported(_)) => {
+                tracing::debug!(error = %e, "routing approximately");
+                Some("unsupported_prompt")
+            }
             Err(e) => {
                 t.observe_tokenize(self.backend_name(), "error", started.elapsed(), 0, 0);
                 tracing::debug!(error = %e, "tokenisation failed: routing approximately");
@@ -203,13 +213,23 @@ impl Precise {
             None if prompt.contains_key("prompt") => ApiKind::Completion,
             None => return Err(TokenizeError::BadPrompt("no messages and no prompt".into())),
         };
-        match api {
-            ApiKind::Responses | ApiKind::Messages => {
-                return Err(TokenizeError::BadPrompt(format!(
-                    "precise mode covers the chat and completion APIs, not {}",
-                    api.as_str()
-                )));
+        // The agent APIs are tokenised as the chat request vLLM turns them into.
+        let converted = match api {
+            ApiKind::Messages => Some(agent::messages_to_chat(
+                &prompt,
+                self.merges_inline_system(),
+            )?),
+            ApiKind::Responses => Some(agent::responses_to_chat(&prompt)?),
+            ApiKind::Chat | ApiKind::Completion => None,
+        };
+        let (api, prompt, key_text) = match converted {
+            Some(chat) => {
+                let key_text = Value::Object(chat.clone()).to_string();
+                (ApiKind::Chat, chat, std::borrow::Cow::Owned(key_text))
             }
+            None => (api, prompt, std::borrow::Cow::Borrowed(prompt_text)),
+        };
+        match api {
             ApiKind::Chat if !prompt.get("messages").is_some_and(Value::is_array) => {
                 return Err(TokenizeError::BadPrompt("messages must be an array".into()));
             }
@@ -228,12 +248,12 @@ impl Precise {
                     }
                 }
             }
-            ApiKind::Chat => {}
+            _ => {}
         }
         match &self.backend {
             Backend::None => Err(TokenizeError::Load("no tokenizer configured".into())),
             Backend::Remote(r) => {
-                let key = xxh3_64_with_seed(prompt_text.as_bytes(), api as u64);
+                let key = xxh3_64_with_seed(key_text.as_bytes(), api as u64);
                 if let Some(ids) = self.prompts.get(key) {
                     return Ok(Tokenized {
                         cached: ids.len(),
@@ -253,6 +273,17 @@ impl Precise {
                     .await
                     .map_err(|e| TokenizeError::Tokenizer(format!("tokenizer task: {e}")))?
             }
+        }
+    }
+
+    /// Whether the model's chat template needs system messages first, so vLLM merges a
+    /// Messages request's inline system messages into the leading one: known from the
+    /// in-process template, unknown (`None`) behind a remote tokenizer.
+    fn merges_inline_system(&self) -> Option<bool> {
+        match &self.backend {
+            #[cfg(feature = "hf-tokenizer")]
+            Backend::Hf(h) => Some(h.merges_inline_system()),
+            Backend::None | Backend::Remote(_) => None,
         }
     }
 
@@ -292,6 +323,7 @@ mod tests {
     use super::*;
     use crate::config::{EndpointConfig, PreciseSettings};
     use scorer_core::hash::model_seed;
+    use serde_json::json;
 
     #[test]
     fn token_id_prompts() {
@@ -418,6 +450,96 @@ mod tests {
                 .await
                 .is_none(),
             "approximate requests are left alone"
+        );
+    }
+
+    /// A precise control plane with the in-process tokenizer (the hf tests' tiny vocabulary
+    /// and a ChatML template) and a live event stream.
+    #[cfg(feature = "hf-tokenizer")]
+    fn hf_precise(name: &str) -> (Precise, State) {
+        let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (json, template) = (dir.join("tokenizer.json"), dir.join("chat.jinja"));
+        std::fs::write(&json, hf::tests::test_tokenizer_json()).unwrap();
+        std::fs::write(&template, hf::tests::CHATML).unwrap();
+        let mut c = config(true, TokenizerBackend::Hf);
+        c.precise.tokenizer_json = Some(json);
+        c.precise.chat_template = Some(template);
+        let precise = Precise::from_config(&c).unwrap();
+        let s = state();
+        s.kv_stream("10.0.0.1:80", |st| st.connected = true);
+        (precise, s)
+    }
+
+    #[cfg(feature = "hf-tokenizer")]
+    #[tokio::test]
+    async fn agent_requests_hash_like_the_chat_request_vllm_makes_of_them() {
+        let (precise, s) = hf_precise("agent-precise");
+        let text = |n: usize| "hello world what is a cache and prefix ".repeat(n);
+        let (system, first, answer, next) = (text(2), text(4), text(3), text(5));
+        let chat = json!({"model": "base", "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": next}]});
+        let messages = json!({"model": "base",
+            "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": first}]},
+                {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                {"role": "user", "content": [{"type": "text", "text": next,
+                                              "cache_control": {"type": "ephemeral"}}]}]});
+        let responses = json!({"model": "base", "instructions": system, "input": [
+            {"role": "user", "content": first},
+            {"type": "message", "role": "assistant", "id": "m1", "status": "completed",
+             "content": [{"type": "output_text", "text": answer, "annotations": []}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": next}]}]});
+        let route = |api: ApiKind, body: &Value| RouteRequest {
+            model: "base".into(),
+            prompt_text: Some(body.to_string()),
+            api: Some(api),
+            ..Default::default()
+        };
+        let mut routed = Vec::new();
+        for (api, body) in [
+            (ApiKind::Chat, &chat),
+            (ApiKind::Messages, &messages),
+            (ApiKind::Responses, &responses),
+        ] {
+            let ids = precise
+                .tokenize(&s, Some(api), &body.to_string())
+                .await
+                .unwrap()
+                .ids;
+            let mut r = route(api, body);
+            assert_eq!(
+                precise.prepare(&s, &mut r).await,
+                Some("precise"),
+                "{api:?}"
+            );
+            routed.push((ids, r.token_block_hashes, r.prompt_tokens));
+        }
+        let (chat_ids, chat_hashes, chat_tokens) = &routed[0];
+        assert!(chat_hashes.len() >= 4, "{} tokens", chat_ids.len());
+        for (api, (ids, hashes, tokens)) in ["messages", "responses"].iter().zip(&routed[1..]) {
+            assert_eq!(ids, chat_ids, "{api}");
+            assert_eq!(hashes, chat_hashes, "{api}");
+            assert_eq!(tokens, chat_tokens, "{api}");
+        }
+        // A continued Responses chain's history is on a replica: approximate, not an error.
+        let mut chained = route(
+            ApiKind::Responses,
+            &json!({"model": "base", "input": "more", "previous_response_id": "resp_1"}),
+        );
+        assert_eq!(
+            precise.prepare(&s, &mut chained).await,
+            Some("unsupported_prompt")
+        );
+        assert!(chained.token_block_hashes.is_empty());
+        let mut broken = route(ApiKind::Messages, &json!({"model": "base", "messages": 3}));
+        assert_eq!(
+            precise.prepare(&s, &mut broken).await,
+            Some("tokenize_error")
         );
     }
 }

@@ -133,8 +133,8 @@ impl RemoteTokenizer {
         let path = match (self.api, api) {
             (RemoteApi::Render, ApiKind::Chat) => "/v1/chat/completions/render",
             (RemoteApi::Render, ApiKind::Completion) => "/v1/completions/render",
-            // vLLM 0.33's own render paths; not called yet (`Tokenizer::tokenize` refuses these
-            // APIs until their render answers are checked against vLLM).
+            // vLLM 0.33's own render paths; not called: `Precise::tokenize` sends these APIs as
+            // the chat request vLLM makes of them (`tokenize::agent`).
             (RemoteApi::Render, ApiKind::Responses) => "/v1/responses/render",
             (RemoteApi::Render, ApiKind::Messages) => "/v1/messages/render",
             (RemoteApi::Tokenize, _) => "/tokenize",

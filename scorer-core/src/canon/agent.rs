@@ -178,6 +178,7 @@ json_object! {
         "stream" => stream: bool,
         "max_tokens" => max_tokens: Limit,
         "metadata" => metadata: Metadata<'a>,
+        "cache_salt" => cache_salt: Cow<'a, str>,
     }
 }
 
@@ -203,19 +204,25 @@ pub(crate) fn canonicalize_messages(body: &[u8]) -> Result<CanonicalPrompt, Cano
         .get("messages")?
         .ok_or(CanonError::MissingPrompt)?;
     let mut out = Vec::with_capacity(body.len());
-    let mut cache_control = false;
+    // The end of the last marked block so far: blocks are appended in prompt order, so the
+    // latest marker seen is the furthest.
+    let mut marked_bytes = 0;
     if let Some(tools) = parsed.tools.get("tools")?.filter(|t| !t.is_empty()) {
         let mut joined = Vec::new();
+        let mut marked = false;
         for tool in tools {
-            cache_control |= push_without_cache_control(&mut joined, tool)?;
+            marked |= push_without_cache_control(&mut joined, tool)?;
             joined.push(FIELD_SEP);
         }
         push_tools(&mut out, &joined);
+        if marked {
+            marked_bytes = out.len();
+        }
     }
     let mut failed = None;
     if let Some(system) = parsed.system.get("system")? {
         push_record(&mut out, "system", "", |o| match push_blocks(o, system) {
-            Ok(marked) => cache_control |= marked,
+            Ok(marked) => marked_bytes = marked.unwrap_or(marked_bytes),
             Err(e) => failed = Some(e),
         });
     }
@@ -225,7 +232,7 @@ pub(crate) fn canonicalize_messages(body: &[u8]) -> Result<CanonicalPrompt, Cano
         push_record(&mut out, role.as_deref().unwrap_or(""), "", |o| {
             if let Some(content) = content {
                 match push_blocks(o, content) {
-                    Ok(marked) => cache_control |= marked,
+                    Ok(marked) => marked_bytes = marked.unwrap_or(marked_bytes),
                     Err(e) => failed = failed.take().or(Some(e)),
                 }
             }
@@ -241,7 +248,9 @@ pub(crate) fn canonicalize_messages(body: &[u8]) -> Result<CanonicalPrompt, Cano
     Ok(CanonicalPrompt {
         max_output_tokens: limit([parsed.max_tokens]),
         session_hint: user_id.as_deref().and_then(claude_session),
-        cache_control,
+        marked_bytes,
+        // vLLM's Messages request takes `cache_salt` too and passes it to the chat it makes.
+        cache_salt: salt(parsed.cache_salt)?,
         ..prompt_of(parsed.model, parsed.stream, out)?
     })
 }
@@ -271,38 +280,58 @@ fn claude_session(user_id: &str) -> Option<String> {
 /// Appends Responses content (a string, or parts: `input_text`/`output_text` by their text,
 /// `refusal` by its text, anything else, such as images and files, by its JSON).
 fn push_parts(out: &mut Vec<u8>, content: &RawValue) -> Result<(), CanonError> {
-    push_blocks(out, content).map(|_| ())
+    push_blocks(out, content).map(drop)
 }
 
-/// Appends content of either API: a string, `null`, or an array of parts/blocks. Returns
-/// whether a block carried `cache_control`.
-fn push_blocks(out: &mut Vec<u8>, content: &RawValue) -> Result<bool, CanonError> {
+/// Appends content of either API: a string, `null`, or an array of parts/blocks. Returns the
+/// length of `out` at the end of the last block that carried `cache_control` (its separator
+/// included), if one did.
+fn push_blocks(out: &mut Vec<u8>, content: &RawValue) -> Result<Option<usize>, CanonError> {
     let raw = content.get();
     match raw.as_bytes().first() {
         Some(b'"') => {
             out.extend_from_slice(str_of(raw)?.as_bytes());
-            Ok(false)
+            Ok(None)
         }
         Some(b'[') => {
             let blocks: Vec<&RawValue> = fragment(raw, "content")?;
-            let mut marked = false;
+            let mut marked = None;
             for block in blocks {
-                marked |= push_block(out, block)?;
+                let this = push_block(out, block)?;
                 out.push(FIELD_SEP);
+                // A marker on the block covers it whole; one inside (a tool result's content)
+                // covers up to its own end.
+                marked = match this {
+                    Some(BlockMark::Whole) => Some(out.len()),
+                    Some(BlockMark::Inside(end)) => Some(end),
+                    None => marked,
+                };
             }
             Ok(marked)
         }
-        Some(b'n') => Ok(false),
+        Some(b'n') => Ok(None),
         _ => Err(CanonError::InvalidBody(
             "content must be a string, an array or null".into(),
         )),
     }
 }
 
-/// One part or block as its template renders it.
-fn push_block(out: &mut Vec<u8>, raw: &RawValue) -> Result<bool, CanonError> {
+/// Where a block's `cache_control` marker puts the end of the marked prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockMark {
+    /// The block itself is marked: the prefix ends after it.
+    Whole,
+    /// Only a block nested in it (a tool result's content) is: the prefix ends there.
+    Inside(usize),
+}
+
+/// One part or block as its template renders it; whether it, or a block inside it, was marked.
+fn push_block(out: &mut Vec<u8>, raw: &RawValue) -> Result<Option<BlockMark>, CanonError> {
     let part: Part<'_> = fragment(raw.get(), "a content block")?;
-    let marked = part.cache_control.get("cache_control")?.is_some();
+    let marked = part
+        .cache_control
+        .get("cache_control")?
+        .map(|_| BlockMark::Whole);
     let field = |out: &mut Vec<u8>, s: Option<&str>| {
         out.extend_from_slice(s.unwrap_or("").as_bytes());
         out.push(FIELD_SEP);
@@ -326,10 +355,14 @@ fn push_block(out: &mut Vec<u8>, raw: &RawValue) -> Result<bool, CanonError> {
             out.push(FIELD_SEP);
             field(out, part.tool_use_id.get("tool_use_id")?.as_deref());
             if let Some(content) = part.content.get("content")? {
-                return Ok(push_blocks(out, content)? | marked);
+                let inside = push_blocks(out, content)?.map(BlockMark::Inside);
+                return Ok(marked.or(inside));
             }
         }
-        _ => return Ok(push_without_cache_control(out, raw)? | marked),
+        _ => {
+            let whole = push_without_cache_control(out, raw)?.then_some(BlockMark::Whole);
+            return Ok(marked.or(whole));
+        }
     }
     Ok(marked)
 }
@@ -485,10 +518,51 @@ mod tests {
               {"type":"text","text":"next","cache_control":{"type":"ephemeral"}}]}]}"#,
         );
         assert!(t2.bytes.starts_with(&t1.bytes));
-        assert!(t1.cache_control && t2.cache_control);
+        assert!(t1.marked_bytes > 0 && t2.marked_bytes > t1.bytes.len());
         assert_eq!(t2.max_output_tokens, Some(5));
         let plain = messages(r#"{"max_tokens":1,"messages":[{"role":"user","content":"go"}]}"#);
-        assert!(!plain.cache_control);
+        assert_eq!(plain.marked_bytes, 0);
+    }
+
+    #[test]
+    fn the_marked_prefix_ends_after_the_last_marked_block() {
+        let system =
+            r#""system":[{"type":"text","text":"sys","cache_control":{"type":"ephemeral"}}]"#;
+        let tools =
+            r#""tools":[{"name":"ls","input_schema":{},"cache_control":{"type":"ephemeral"}}]"#;
+        // Only the system prompt is marked: the prefix is tools and system, not the question.
+        let m = messages(&format!(
+            r#"{{{tools},{system},"messages":[{{"role":"user","content":"a long question"}}]}}"#
+        ));
+        let head = messages(&format!(r#"{{{tools},{system},"messages":[]}}"#));
+        // The system record's own end (its record separator) is not part of the block.
+        assert_eq!(m.marked_bytes, head.bytes.len() - 1);
+        assert!(m.bytes.starts_with(&head.bytes));
+        // A marked tool alone covers the tools.
+        let t = messages(&format!(r#"{{{tools},"system":"sys","messages":[]}}"#));
+        let no_tools = messages(r#"{"system":"sys","messages":[]}"#);
+        assert_eq!(t.marked_bytes, t.bytes.len() - no_tools.bytes.len());
+        // A marker inside a tool result's content ends the prefix there, before the next block.
+        let nested = messages(
+            r#"{"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t",
+            "content":[{"type":"text","text":"out","cache_control":{"type":"ephemeral"}}]},
+            {"type":"text","text":"then"}]}]}"#,
+        );
+        let end = nested.marked_bytes;
+        assert!(end > 0 && nested.bytes[..end].ends_with(b"out\x1f\x1f"));
+        assert!(!nested.bytes[..end].windows(4).any(|w| w == b"then"));
+        // Every marker is stripped and none makes the offset pass the prompt's end.
+        assert!(m.marked_bytes <= m.bytes.len() && nested.marked_bytes <= nested.bytes.len());
+    }
+
+    #[test]
+    fn a_messages_cache_salt_is_read_like_chats() {
+        let salted = messages(r#"{"cache_salt":"t1","messages":[{"role":"user","content":"hi"}]}"#);
+        assert_eq!(salted.cache_salt.as_deref(), Some("t1"));
+        let empty = r#"{"cache_salt":"","messages":[]}"#;
+        assert!(canonicalize(ApiKind::Messages, empty.as_bytes()).is_err());
+        let none = messages(r#"{"cache_salt":null,"messages":[]}"#);
+        assert_eq!(none.cache_salt, None);
     }
 
     #[test]
@@ -580,13 +654,13 @@ mod tests {
             r#"{{"tools":[{{"name":"ls","description":"\ud800","input_schema":{deep},"max":1e400}}],"messages":[]}}"#
         );
         let m = messages(&marked);
-        assert!(m.cache_control);
+        assert!(m.marked_bytes > 0);
         assert_eq!(m.bytes, messages(&plain).bytes);
         // The last marker decides (a dict keeps the last), and all of them go.
         let m = messages(
             r#"{"tools":[{"cache_control":{"type":"ephemeral"}, "name":"ls", "cache_control":null}],"messages":[]}"#,
         );
-        assert!(!m.cache_control);
+        assert_eq!(m.marked_bytes, 0);
         assert_eq!(
             m.bytes,
             messages(r#"{"tools":[{"name":"ls"}],"messages":[]}"#).bytes
@@ -612,7 +686,7 @@ mod tests {
             r#"{{"messages":[{{"role":"user","content":[{image}}}]}},{{"role":"assistant","content":"a cat"}},
                {{"role":"user","content":[{{"type":"text","text":"more","cache_control":{{"type":"ephemeral"}}}}]}}]}}"#
         ));
-        assert!(t1.cache_control && t2.cache_control);
+        assert!(t1.marked_bytes > 0 && t2.marked_bytes > t1.marked_bytes);
         assert!(t2.bytes.starts_with(&t1.bytes));
     }
 

@@ -7,6 +7,8 @@
 //!   own 404;
 //! - an Anthropic Messages conversation with tools stays on its replica, cached tokens rising;
 //! - a session header pins across chat, Responses and Messages;
+//! - a prefix marked with `cache_control` stays on its holder under a load that moves an
+//!   unmarked one;
 //! - every other path vLLM serves answers through Envoy as the replica answers it directly.
 //!
 //! Each runs in both forms ([`Form`]): the wasm filter, and the control plane as Envoy's
@@ -51,6 +53,7 @@ both_forms!(
     a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_robin,
     a_messages_conversation_with_tools_stays_where_its_prefix_is_cached,
     a_session_header_pins_across_chat_responses_and_messages,
+    a_marked_prefix_stays_on_its_holder_under_a_load_that_moves_an_unmarked_one,
     every_other_vllm_path_answers_through_envoy_as_the_replica_does,
 );
 
@@ -330,6 +333,174 @@ async fn a_messages_conversation_with_tools_stays_where_its_prefix_is_cached(for
                 .as_u64()
                 .is_some_and(|n| n > 0)
         );
+    })
+    .await;
+}
+
+/// Turn 1 (`second: false`) or 2 of a Messages conversation with a long system prompt; with
+/// `marked`, the system block and the newest block carry `cache_control`, as Claude Code sends
+/// them. `seed` tells conversations apart; both shapes have the same lengths.
+fn marked_turn(seed: u64, second: bool, marked: bool) -> Value {
+    let text = |seed: u64, n: usize| json!({"type": "text", "text": common::words(seed, n)});
+    let mut messages = vec![json!({"role": "user", "content": [text(seed + 1, 200)]})];
+    if second {
+        messages.push(json!({"role": "assistant", "content": [text(seed + 2, 20)]}));
+        messages.push(json!({"role": "user", "content": [text(seed + 3, 20)]}));
+    }
+    let mut system = text(seed, 3_000);
+    if marked {
+        system["cache_control"] = json!({"type": "ephemeral"});
+        if let Some(last) = messages.last_mut() {
+            last["content"][0]["cache_control"] = json!({"type": "ephemeral"});
+        }
+    }
+    json!({"model": MODEL, "max_tokens": 4, "system": [system], "messages": messages})
+}
+
+/// What the test's router counts as a prompt's tokens, and as the hit it gives a later turn:
+/// canonical bytes at 4 bytes a token, a hit in whole 256-byte blocks (`bytes_per_token`,
+/// `block_bytes`).
+fn router_tokens(body: &Value) -> (f64, f64) {
+    use scorer_core::canon::canonicalize;
+    use scorer_core::protocol::ApiKind;
+    let bytes = canonicalize(ApiKind::Messages, body.to_string().as_bytes())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .bytes
+        .len();
+    ((bytes as f64 / 4.0).ceil(), (bytes / 256 * 64) as f64)
+}
+
+/// The replicas' `running` as the control plane last scraped it, and its in-flight count.
+async fn scraped(fleet: &Fleet) -> Vec<(String, u64, u64)> {
+    let body = common::cp_get(fleet, "/debug/endpoints").await;
+    let views: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let views = views.as_array().cloned().unwrap_or_default();
+    views
+        .iter()
+        .map(|v| {
+            (
+                v["address"].as_str().unwrap_or_default().to_string(),
+                v["metrics"]["running"].as_u64().unwrap_or(0),
+                v["inflight"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// Polls `/debug/endpoints` until `ok` holds (the scrape and outcome reports land on their
+/// own schedule; the test waits for them, never for a time).
+async fn wait_scraped(fleet: &Fleet, what: &str, ok: impl Fn(&[(String, u64, u64)]) -> bool) {
+    loop {
+        let views = scraped(fleet).await;
+        if ok(&views) {
+            return;
+        }
+        println!("waiting for {what}: {views:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn a_marked_prefix_stays_on_its_holder_under_a_load_that_moves_an_unmarked_one(form: Form) {
+    // Each running sequence costs a candidate `decode_ms_per_seq`; nothing else moves (no
+    // learned latency, no occupancy term), so the load is what the test puts there. Marked
+    // prefixes count one future read (`cache_control.reuse_weight`, off by default).
+    const PER_SEQ_MS: f64 = 100.0;
+    const REUSE_WEIGHT: f64 = 1.0;
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let mut cfg = common::fleet_config("e2e-cache-control", 4, MODEL);
+        form.apply(&mut cfg);
+        cfg.control_plane_router = json!({
+            "scoring": {"decode_ms_per_seq": PER_SEQ_MS, "decode_occupancy_weight": 0.0},
+            "latency": {"enabled": false},
+            "cache_control": {"reuse_weight": REUSE_WEIGHT},
+        });
+        let fleet = common::start_fleet(cfg, &tools).await;
+        let client = HttpClient::new();
+        let (marked_seed, plain_seed) = (7_000, 8_000);
+        let mut holders = Vec::new();
+        for (seed, marked) in [(marked_seed, true), (plain_seed, false)] {
+            let body = marked_turn(seed, false, marked);
+            let r = send(&client, &fleet, "POST", "/v1/messages", Some(&body), &[]).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+            holders.push(common::replica_header(&r));
+        }
+        wait_scraped(&fleet, "turn 1's outcomes", |v| {
+            v.iter().all(|(_, _, inflight)| *inflight == 0)
+        })
+        .await;
+
+        // The load: on the holder, a marked turn 2 keeps `(prefill_weight + reuse_weight)`
+        // times its held prefix's prefill over a replica without it, an unmarked one
+        // `prefill_weight` times (less the stall its small suffix imposes on the running
+        // sequences). Put it halfway: enough running sequences to move the unmarked one only.
+        let router = scorer_core::router::RouterConfig::default();
+        let (s, reuse) = (&router.scoring, REUSE_WEIGHT);
+        let (prompt, _) = router_tokens(&marked_turn(marked_seed, true, true));
+        let (_, held) = router_tokens(&marked_turn(marked_seed, false, true));
+        let (plain_prompt, _) = router_tokens(&marked_turn(plain_seed, true, false));
+        let (_, plain_held) = router_tokens(&marked_turn(plain_seed, false, false));
+        assert!((plain_held - held).abs() <= 64.0 && (plain_prompt - prompt).abs() <= 16.0);
+        let stall = s.prefill_stall_weight * (prompt - held) / s.prefill_tokens_per_ms;
+        let keep_unmarked = s.prefill_weight * held / s.prefill_tokens_per_ms;
+        let keep_marked = keep_unmarked + reuse * held / s.prefill_tokens_per_ms;
+        let running = ((keep_unmarked + keep_marked) / 2.0 / (PER_SEQ_MS + stall)).round() as u64;
+        println!(
+            "held {held} of {prompt} tokens: the holder keeps unmarked below {keep_unmarked:.0} ms \
+             and marked below {keep_marked:.0} ms of extra cost; {running} running sequences \
+             cost {:.0} ms",
+            running as f64 * (PER_SEQ_MS + stall)
+        );
+        let mut load = tokio::task::JoinSet::new();
+        let mut loaded: Vec<String> = holders.clone();
+        loaded.dedup();
+        for holder in &loaded {
+            for i in 0..running {
+                let body = common::stream_chat_body(
+                    MODEL,
+                    &[json!({"role": "user", "content": common::words(9_000 + i, 20)})],
+                    4_000,
+                );
+                let (client, url) = (client.clone(), format!("http://{holder}"));
+                load.spawn(async move {
+                    let _ = kvroute_harness::loadgen::stream_chat(
+                        &client,
+                        &url,
+                        &body,
+                        &[],
+                        Duration::from_secs(200),
+                    )
+                    .await;
+                });
+            }
+        }
+        wait_scraped(&fleet, "the holders' running sequences", |v| {
+            loaded.iter().all(|h| {
+                v.iter()
+                    .any(|(a, running_now, _)| a == h && *running_now >= running)
+            })
+        })
+        .await;
+
+        let marked = marked_turn(marked_seed, true, true);
+        let r = send(&client, &fleet, "POST", "/v1/messages", Some(&marked), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let (marked_to, marked_cached) = (common::replica_header(&r), cache_read(&r));
+        let plain = marked_turn(plain_seed, true, false);
+        let r = send(&client, &fleet, "POST", "/v1/messages", Some(&plain), &[]).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let plain_to = common::replica_header(&r);
+        load.abort_all();
+        println!(
+            "holders {holders:?}; marked turn 2 -> {marked_to} ({marked_cached} cached), \
+             unmarked -> {plain_to}"
+        );
+        assert_eq!(marked_to, holders[0], "the marked prefix left its holder");
+        assert!(
+            marked_cached > 0,
+            "the marked turn 2 found no cached prefix"
+        );
+        assert_ne!(plain_to, holders[1], "the unmarked prefix did not move");
     })
     .await;
 }

@@ -11,6 +11,10 @@
 //!   control plane's in-process one (a real byte-level BPE `tokenizer.json` and a Jinja chat
 //!   template that the simulated engines use too).
 //!
+//! - Anthropic Messages conversations and stateless Responses loops are tokenised as the chat
+//!   request vLLM makes of them: every turn is scored precisely and the predicted cached tokens match the engines' within
+//!   5 %;
+//!
 //! - two tenants sending the same long prompt under different `cache_salt`s share no cached
 //!   block: the router predicts none (the engine gives none), while the same salt again hits
 //!   the replica that holds it.
@@ -86,7 +90,9 @@ async fn precise_fleet_with(
         "allow_explain": true,
         "routes": [
             {"path": "/v1/chat/completions", "api": "chat", "mode": "precise"},
-            {"path": "/v1/completions", "api": "completion", "mode": "precise"}
+            {"path": "/v1/completions", "api": "completion", "mode": "precise"},
+            {"path": "/v1/messages", "api": "messages", "mode": "precise"},
+            {"path": "/v1/responses", "api": "responses", "mode": "precise"}
         ]
     });
     let fleet = common::start_fleet(cfg, tools).await;
@@ -354,6 +360,148 @@ async fn in_process_tokenizer_matches_the_engines() {
     })
     .await;
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Which agent API a precise conversation speaks.
+#[derive(Debug, Clone, Copy)]
+enum AgentApi {
+    /// Anthropic Messages, the newest block marked with `cache_control` as Claude Code marks it.
+    Messages,
+    /// A stateless Responses loop: each turn sends the previous turns' output items back.
+    Responses,
+}
+
+impl AgentApi {
+    /// The path and body of the next turn, `user` appended to `history` first.
+    fn turn(self, seed: u64, history: &mut Vec<Value>, user: String) -> (&'static str, Value) {
+        match self {
+            AgentApi::Messages => {
+                // The marker moves to the newest block.
+                for message in history.iter_mut() {
+                    if let Some(block) = message["content"][0].as_object_mut() {
+                        block.remove("cache_control");
+                    }
+                }
+                history.push(json!({"role": "user", "content": [
+                    {"type": "text", "text": user, "cache_control": {"type": "ephemeral"}}]}));
+                let body = json!({"model": MODEL, "max_tokens": 16,
+                    "system": [{"type": "text", "text": text(seed, 800)}], "messages": history});
+                ("/v1/messages", body)
+            }
+            AgentApi::Responses => {
+                history.push(json!({"type": "message", "role": "user",
+                                    "content": [{"type": "input_text", "text": user}]}));
+                let body = json!({"model": MODEL, "max_output_tokens": 16,
+                    "instructions": text(seed, 800), "input": history});
+                ("/v1/responses", body)
+            }
+        }
+    }
+
+    /// Appends the answer to `history`; returns the cached tokens the engine reported.
+    fn answered(self, answer: &Value, history: &mut Vec<Value>) -> u64 {
+        match self {
+            AgentApi::Messages => {
+                let said = answer["content"][0]["text"].as_str().unwrap_or_default();
+                history.push(json!({"role": "assistant", "content": [
+                    {"type": "text", "text": said}]}));
+                answer["usage"]["cache_read_input_tokens"]
+                    .as_u64()
+                    .unwrap_or(0)
+            }
+            AgentApi::Responses => {
+                history.extend(answer["output"].as_array().into_iter().flatten().cloned());
+                answer["usage"]["input_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0)
+            }
+        }
+    }
+}
+
+/// Three four-turn conversations of `api` through a precise fleet with the in-process
+/// tokenizer: every turn is tokenised (as the chat vLLM makes of it) and scored precisely, and
+/// the predicted cached tokens match the engines' within 5 %.
+async fn agent_conversations_are_predicted_within_five_percent(api: AgentApi, name: &str) {
+    let tools = tools();
+    let dir = model_dir(name);
+    bounded(async {
+        let fleet = precise_fleet(&tools, name, 3, &Tokenizer::Hf(dir.clone())).await;
+        let client = HttpClient::new();
+        let (conversations, turns) = (3u64, 4u64);
+        let mut histories: Vec<Vec<Value>> = vec![Vec::new(); conversations as usize];
+        let mut engine_cached = 0u64;
+        for turn in 0..turns {
+            for (c, history) in histories.iter_mut().enumerate() {
+                let seed = 700 + c as u64;
+                let (path, body) = api.turn(seed, history, text(seed * 10 + turn, 150));
+                let url = format!("{}{path}", fleet.url());
+                let r = client
+                    .request(
+                        "POST",
+                        &url,
+                        &[("content-type", "application/json")],
+                        Some(body.to_string()),
+                        REQUEST_TIMEOUT,
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{url}: {e} ({})", fleet.describe()));
+                assert_eq!(r.status, 200, "{}", r.body);
+                let answer: Value = serde_json::from_str(&r.body).unwrap();
+                engine_cached += api.answered(&answer, history);
+                // A user's think time: the engine's events for this turn land before the next.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let mut m = String::new();
+        for _ in 0..100 {
+            m = cp_metrics(&fleet).await;
+            if prometheus_sum(&m, "kvroute_actual_cached_tokens_total") >= engine_cached as f64 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let predicted = prometheus_sum(&m, "kvroute_predicted_cached_tokens_total");
+        let actual = prometheus_sum(&m, "kvroute_actual_cached_tokens_total");
+        println!("{api:?}: predicted {predicted} actual {actual}");
+        assert_eq!(actual, engine_cached as f64, "feedback lost:\n{m}");
+        assert!(
+            actual > 5_000.0,
+            "the run reused too little to judge: {actual}"
+        );
+        assert_eq!(
+            metric_with(&m, "kvroute_precise_routes_total", "reason=\"precise\""),
+            (conversations * turns) as f64,
+            "every {api:?} request was tokenised and scored precisely:\n{m}"
+        );
+        let error = (predicted - actual).abs() / actual;
+        assert!(
+            error <= 0.05,
+            "predicted {predicted} vs actual {actual} cached tokens: {:.1} % off ({})",
+            error * 100.0,
+            fleet.describe()
+        );
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_conversation_is_tokenised_as_vllms_chat_and_predicted_within_five_percent() {
+    agent_conversations_are_predicted_within_five_percent(
+        AgentApi::Messages,
+        "e2e-precise-messages",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_loop_is_tokenised_as_vllms_chat_and_predicted_within_five_percent() {
+    agent_conversations_are_predicted_within_five_percent(
+        AgentApi::Responses,
+        "e2e-precise-responses",
+    )
+    .await;
 }
 
 /// A small `kvroute-demo --compare approximate,precise` run in precise mode: chats whose working

@@ -147,6 +147,8 @@ pub fn run_with(
     options: &RunOptions,
 ) -> Result<RunResult, SimError> {
     let wants_events = policy.wants_kv_events();
+    let marking = workload.cache_control;
+    let marked = |tokens: &[u32]| marking.marked_tokens(tokens.len());
     let profiles: Vec<Profile> = if options.replica_profiles.is_empty() {
         vec![cfg.profile.clone(); cfg.replicas]
     } else {
@@ -222,6 +224,7 @@ pub fn run_with(
                     tokens: &tokens,
                     max_tokens: options.max_tokens,
                     session: spec.session,
+                    marked_tokens: marked(&tokens),
                 };
                 if held.is_empty() && !policy.holds_in_queue(&request, now) {
                     ready.push(Held { id: i, tokens });
@@ -279,6 +282,7 @@ pub fn run_with(
                         tokens: &front.tokens,
                         max_tokens: options.max_tokens,
                         session: workload.requests[front.id].session,
+                        marked_tokens: marked(&front.tokens),
                     };
                     if policy.holds_in_queue(&request, now) {
                         break;
@@ -308,6 +312,7 @@ pub fn run_with(
                 tokens: &tokens,
                 max_tokens: options.max_tokens,
                 session: spec.session,
+                marked_tokens: marked(&tokens),
             };
             let busy_until = fleet.busy_until_ms();
             let exact = ExactFleet {

@@ -267,6 +267,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                             // engine generates all of it (ignore_eos), so the cap is the length.
                             max_tokens: Some(output),
                             session: None,
+                            marked_tokens: 0,
                         },
                         now,
                     )

@@ -42,7 +42,9 @@ use vllm_sim::{Profile, SimError};
 use crate::des::{RunOptions, SimConfig, run_with};
 use crate::policy::{self, DEFAULT_TEXT_BYTES_PER_TOKEN};
 use crate::report::PolicySummary;
-use crate::workload::{Workload, WorkloadError, client_max_tokens, from_spec, read_mooncake};
+use crate::workload::{
+    Marking, Workload, WorkloadError, client_max_tokens, from_spec, read_mooncake,
+};
 
 /// Offered load (fraction of the pool's prefill capacity) where round robin is moderately busy.
 pub const MODERATE_LOAD: f64 = 0.5;
@@ -454,6 +456,7 @@ fn cell_workload(
             }
             (
                 Workload {
+                    cache_control: Marking::None,
                     name: "mooncake".into(),
                     requests,
                 },
@@ -712,6 +715,7 @@ pub fn run_matrix(
         read_mooncake(&spec.trace)?
     } else {
         Workload {
+            cache_control: Marking::None,
             name: "none".into(),
             requests: Vec::new(),
         }
@@ -1011,6 +1015,7 @@ mod tests {
         };
         let spec = MatrixSpec::quick(vec![3]);
         let empty = Workload {
+            cache_control: Marking::None,
             name: "none".into(),
             requests: Vec::new(),
         };
@@ -1038,6 +1043,7 @@ mod tests {
         let mut spec = MatrixSpec::quick(vec![3]);
         spec.requests = 60;
         let empty = Workload {
+            cache_control: Marking::None,
             name: "none".into(),
             requests: Vec::new(),
         };

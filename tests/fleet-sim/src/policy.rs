@@ -73,6 +73,9 @@ pub struct PolicyRequest<'a> {
     pub max_tokens: Option<u32>,
     /// Conversation, when the workload has one.
     pub session: Option<u64>,
+    /// Leading prompt tokens the client marked with `cache_control` (0: none); only kvroute
+    /// reads it, as the peers ignore the marker.
+    pub marked_tokens: u32,
 }
 
 /// A routing policy driven by fleet-sim's virtual clock.
@@ -1010,6 +1013,8 @@ impl Kvroute {
             block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, self.approx_block_tokens),
             prompt_bytes: (r.tokens.len() as f64 * self.text_bytes_per_token).round() as u64,
             prompt_tokens: r.tokens.len() as u32,
+            // The filter marks the whole blocks inside the marked prefix.
+            marked_blocks: (r.marked_tokens as usize / self.approx_block_tokens) as u32,
             max_output_tokens: r.max_tokens,
             session: r.session.map(|s| s.to_string()),
             prompt_text: None,
@@ -1478,6 +1483,7 @@ mod tests {
                 tokens: &tokens,
                 max_tokens: None,
                 session: None,
+                marked_tokens: 0,
             };
             policy.route(&request, id as f64);
         }
@@ -1490,6 +1496,7 @@ mod tests {
             tokens,
             max_tokens: None,
             session: None,
+            marked_tokens: 0,
         }
     }
 
@@ -1676,6 +1683,7 @@ mod local_tests {
                     tokens: &tokens,
                     max_tokens: Some(64),
                     session: None,
+                    marked_tokens: 0,
                 };
                 let now = 1.0 + id as f64;
                 let (a, b) = (single.route(&request, now), copy.route(&request, now));
@@ -1717,6 +1725,7 @@ mod local_tests {
                     tokens: &turn1,
                     max_tokens: None,
                     session,
+                    marked_tokens: 0,
                 },
                 now,
             );
@@ -1730,6 +1739,7 @@ mod local_tests {
                     tokens: &turn2,
                     max_tokens: None,
                     session,
+                    marked_tokens: 0,
                 },
                 now,
             );

@@ -60,6 +60,33 @@ pub struct Workload {
     pub name: String,
     /// Requests; dependent turns come after the turn they depend on.
     pub requests: Vec<RequestSpec>,
+    /// Which prefix of each prompt the client marks with Anthropic `cache_control`: what the
+    /// router is told will be sent again.
+    pub cache_control: Marking,
+}
+
+/// Which prefix of each prompt a workload's client marks with `cache_control`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Marking {
+    /// No markers (OpenAI clients, the traces).
+    #[default]
+    None,
+    /// The whole prompt, as Claude Code marks its newest block on every turn.
+    WholePrompt,
+    /// The first this many tokens, such as a shared tool prompt marked and the conversation not.
+    Leading(u32),
+}
+
+impl Marking {
+    /// Marked tokens of a prompt of `prompt_tokens` tokens.
+    pub fn marked_tokens(self, prompt_tokens: usize) -> u32 {
+        let prompt = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
+        match self {
+            Marking::None => 0,
+            Marking::WholePrompt => prompt,
+            Marking::Leading(n) => n.min(prompt),
+        }
+    }
 }
 
 /// Deterministic token `i` of stream `stream`.
@@ -164,6 +191,7 @@ impl Workload {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or(name);
         Workload {
+            cache_control: Marking::None,
             name: stem,
             requests,
         }
@@ -483,7 +511,18 @@ pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
         "agentic" => agentic(&options, &mut rng, &mut requests)?,
         _ => return Err(WorkloadError::BadSpec(spec.into())),
     }
+    // `cache_control=1` (any generator): every prompt is marked, as an Anthropic client that
+    // puts a breakpoint on its newest block sends it; with `marked_tokens=N`, only its first
+    // N tokens.
+    let [cache_control, marked] =
+        options.values([("cache_control", 0.0), ("marked_tokens", 0.0)])?;
+    let cache_control = match (cache_control >= 1.0, marked >= 1.0) {
+        (false, _) => Marking::None,
+        (true, false) => Marking::WholePrompt,
+        (true, true) => Marking::Leading(marked as u32),
+    };
     Ok(Workload {
+        cache_control,
         name: name.to_string(),
         requests,
     })
@@ -610,6 +649,23 @@ fn agentic(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cache_control_marks_a_generators_prompts_only_when_asked() {
+        let spec = "agentic:agents=1,steps=2,system=40,task=5,tool=5,call=3,answer=3";
+        let plain = from_spec(spec, 1).unwrap();
+        let marked = from_spec(&format!("{spec},cache_control=1"), 1).unwrap();
+        assert_eq!(plain.cache_control, Marking::None);
+        assert_eq!(marked.cache_control, Marking::WholePrompt);
+        let system = from_spec(&format!("{spec},cache_control=1,marked_tokens=40"), 1).unwrap();
+        assert_eq!(system.cache_control, Marking::Leading(40));
+        assert_eq!(system.cache_control.marked_tokens(30), 30);
+        assert_eq!(marked.cache_control.marked_tokens(30), 30);
+        assert_eq!(plain.cache_control.marked_tokens(30), 0);
+        // The same requests either way: only what the client tells the router differs.
+        assert_eq!(plain.requests, marked.requests);
+        assert_eq!(plain.requests, system.requests);
+    }
 
     #[test]
     fn shared_prefix_groups_share_their_system_prompt() {

@@ -1,0 +1,890 @@
+//! The agent APIs' prompts as the chat messages vLLM 0.33 builds from them before it applies
+//! the chat template, so precise mode tokenises a `/v1/messages` or `/v1/responses` request
+//! exactly as the chat request vLLM turns it into (`vllm/entrypoints/anthropic/serving.py`,
+//! `AnthropicServingMessages.to_chat_completion_request`; `vllm/entrypoints/openai/responses/
+//! utils.py`, `construct_input_messages` and `construct_tool_dicts`).
+//!
+//! What vLLM's result depends on and the control plane cannot know is refused with
+//! [`TokenizeError::Unsupported`], and the request is then routed approximately: a Responses
+//! history stored on a replica (`previous_response_id`), a template option vLLM derives from
+//! a setting (Anthropic `thinking` disabled, `output_config.effort`, `tool_choice: none`),
+//! tool lists changed by `tool_addition`/`tool_removal` blocks, namespaced or custom tools,
+//! encrypted reasoning, and inline system messages when the template's ordering rule is not
+//! known (the remote tokenizer).
+
+use serde_json::{Map, Value, json};
+
+use super::TokenizeError;
+
+/// Anthropic's per-request attribution block, which vLLM drops from system prompts (its hash
+/// changes every request and would defeat prefix caching).
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+fn unsupported(what: &str) -> TokenizeError {
+    TokenizeError::Unsupported(what.to_string())
+}
+
+fn bad(what: &str) -> TokenizeError {
+    TokenizeError::BadPrompt(what.to_string())
+}
+
+/// The chat prompt (`model`, `messages`, `tools`, `chat_template_kwargs`) vLLM builds from an
+/// Anthropic Messages request's prompt fields. `merge_inline_system`: whether the model's
+/// template needs system messages first (vLLM then merges inline ones into the leading one);
+/// `None` when unknown, which refuses a request that has inline system messages.
+pub fn messages_to_chat(
+    prompt: &Map<String, Value>,
+    merge_inline_system: Option<bool>,
+) -> Result<Map<String, Value>, TokenizeError> {
+    let messages = prompt
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("messages must be an array"))?;
+    refuse_template_options(prompt)?;
+    let inline_system = messages.iter().any(|m| role(m) == Some("system"));
+    let merge = match (inline_system, merge_inline_system) {
+        (false, _) => false,
+        (true, Some(merge)) => merge,
+        (true, None) => {
+            return Err(unsupported(
+                "inline system messages, whose order depends on the chat template",
+            ));
+        }
+    };
+    let mut out: Vec<Value> = Vec::new();
+    let mut system_parts: Vec<String> = Vec::new();
+    match prompt.get("system") {
+        Some(Value::String(s)) if !s.is_empty() => system_parts.push(s.clone()),
+        Some(Value::Array(blocks)) => {
+            for block in blocks {
+                if let Some(text) = text_block(block).filter(|t| !t.starts_with(BILLING_HEADER)) {
+                    system_parts.push(text.to_string());
+                }
+            }
+        }
+        Some(Value::String(_) | Value::Null) | None => {}
+        Some(_) => return Err(bad("system must be a string or blocks")),
+    }
+    if merge {
+        for m in messages.iter().filter(|m| role(m) == Some("system")) {
+            if let Some(text) = system_text(m)? {
+                system_parts.push(text);
+            }
+        }
+    }
+    if !system_parts.is_empty() {
+        out.push(json!({"role": "system", "content": system_parts.concat()}));
+    }
+    for m in messages {
+        let role = role(m).ok_or_else(|| bad("a message has no role"))?;
+        if role == "system" {
+            if !merge && let Some(text) = system_text(m)? {
+                out.push(json!({"role": "system", "content": text}));
+            }
+            continue;
+        }
+        let mut message = Map::new();
+        message.insert("role".into(), Value::String(role.into()));
+        match m.get("content") {
+            Some(Value::String(s)) => {
+                message.insert("content".into(), Value::String(s.clone()));
+            }
+            Some(Value::Array(blocks)) => convert_blocks(role, blocks, &mut message, &mut out)?,
+            _ => return Err(bad("content must be a string or blocks")),
+        }
+        // vLLM drops a user message left with no content (its tool results went out as tool
+        // messages); an assistant message stays even when empty.
+        if role != "user" || message.contains_key("content") {
+            out.push(Value::Object(message));
+        }
+    }
+    let mut chat = Map::new();
+    if let Some(model) = prompt.get("model") {
+        chat.insert("model".into(), model.clone());
+    }
+    chat.insert("messages".into(), Value::Array(out));
+    if let Some(tools) = prompt.get("tools").filter(|t| !t.is_null()) {
+        chat.insert("tools".into(), anthropic_tools(tools)?);
+    }
+    if let Some(kwargs) = prompt.get("chat_template_kwargs").filter(|k| !k.is_null()) {
+        chat.insert("chat_template_kwargs".into(), kwargs.clone());
+    }
+    Ok(chat)
+}
+
+/// Settings vLLM turns into template options (`reasoning_effort`, dropped tools) by rules of
+/// the serving process: a prompt that sets them is not tokenised here.
+fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), TokenizeError> {
+    if prompt
+        .get("thinking")
+        .and_then(|t| t.get("type"))
+        .and_then(Value::as_str)
+        == Some("disabled")
+    {
+        return Err(unsupported(
+            "thinking disabled (a reasoning effort the server picks)",
+        ));
+    }
+    if prompt
+        .get("output_config")
+        .and_then(|c| c.get("effort"))
+        .is_some_and(|e| !e.is_null())
+    {
+        return Err(unsupported("output_config.effort"));
+    }
+    refuse_dropped_tools(prompt)
+}
+
+/// `tool_choice: none` with tools: vLLM drops the tools from the template or not by a server
+/// flag (`--exclude-tools-when-tool-choice-none`) the control plane cannot see. Anthropic
+/// spells it `{"type": "none"}`, Responses `"none"`.
+fn refuse_dropped_tools(prompt: &Map<String, Value>) -> Result<(), TokenizeError> {
+    let choice = prompt.get("tool_choice");
+    let choice = choice
+        .and_then(|c| c.get("type"))
+        .or(choice)
+        .and_then(Value::as_str);
+    let has_tools = prompt
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty());
+    if choice == Some("none") && has_tools {
+        return Err(unsupported(
+            "tool_choice none (the server may drop the tools)",
+        ));
+    }
+    Ok(())
+}
+
+fn role(m: &Value) -> Option<&str> {
+    m.get("role").and_then(Value::as_str)
+}
+
+/// The text of a non-empty `text` block.
+fn text_block(block: &Value) -> Option<&str> {
+    (block.get("type").and_then(Value::as_str) == Some("text"))
+        .then(|| block.get("text").and_then(Value::as_str))
+        .flatten()
+        .filter(|t| !t.is_empty())
+}
+
+/// An inline system message's text: its string, or its text blocks joined, without billing
+/// headers; `None` when nothing is left.
+fn system_text(m: &Value) -> Result<Option<String>, TokenizeError> {
+    match m.get("content") {
+        Some(Value::String(s)) => Ok((!s.starts_with(BILLING_HEADER)).then(|| s.clone())),
+        Some(Value::Array(blocks)) => {
+            let parts: Vec<&str> = blocks
+                .iter()
+                .filter_map(text_block)
+                .filter(|t| !t.starts_with(BILLING_HEADER))
+                .collect();
+            Ok((!parts.is_empty()).then(|| parts.concat()))
+        }
+        _ => Err(bad("a system message's content must be a string or blocks")),
+    }
+}
+
+/// One message's blocks: text and images become content parts, thinking the message's
+/// `reasoning`, `tool_use` its `tool_calls`; a user's `tool_result` becomes a tool message of
+/// its own, appended to `out` before the message itself, as vLLM does.
+fn convert_blocks(
+    role: &str,
+    blocks: &[Value],
+    message: &mut Map<String, Value>,
+    out: &mut Vec<Value>,
+) -> Result<(), TokenizeError> {
+    let mut parts: Vec<Value> = Vec::new();
+    let mut tool_calls: Vec<Value> = Vec::new();
+    let mut reasoning: Vec<String> = Vec::new();
+    for block in blocks {
+        match block.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                if let Some(text) = text_block(block) {
+                    parts.push(json!({"type": "text", "text": text}));
+                }
+            }
+            Some("image") => {
+                if let Some(source) = block.get("source").filter(|s| !s.is_null()) {
+                    parts.push(
+                        json!({"type": "image_url", "image_url": {"url": image_url(source)}}),
+                    );
+                }
+            }
+            Some("thinking") => {
+                if let Some(t) = block.get("thinking").and_then(Value::as_str) {
+                    reasoning.push(t.to_string());
+                }
+            }
+            Some("tool_use") => {
+                let id = block
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .filter(|id| !id.is_empty())
+                    // vLLM makes one from the clock: no two renders would agree.
+                    .ok_or_else(|| unsupported("a tool_use block without an id"))?;
+                let input = match block.get("input") {
+                    None | Some(Value::Null) => json!({}),
+                    Some(v) if v.as_object().is_some_and(Map::is_empty) => json!({}),
+                    Some(v) => v.clone(),
+                };
+                tool_calls.push(json!({
+                    "id": id,
+                    "type": "function",
+                    "function": {
+                        "name": block.get("name").and_then(Value::as_str).unwrap_or(""),
+                        "arguments": python_json(&input),
+                    },
+                }));
+            }
+            Some("tool_result") if role == "user" => tool_result(block, out)?,
+            Some("tool_result") => match block.get("content") {
+                None | Some(Value::Null) => {
+                    parts.push(json!({"type": "text", "text": "Tool result: "}));
+                }
+                Some(Value::String(s)) => {
+                    let text = format!("Tool result: {s}");
+                    parts.push(json!({"type": "text", "text": text}));
+                }
+                // vLLM writes Python's repr of the blocks.
+                Some(_) => return Err(unsupported("an assistant's tool_result with blocks")),
+            },
+            Some("tool_addition" | "tool_removal") => {
+                return Err(unsupported("tool_addition and tool_removal blocks"));
+            }
+            // redacted_thinking, tool_reference and block types vLLM's converter passes over.
+            _ => {}
+        }
+    }
+    if !reasoning.is_empty() {
+        message.insert("reasoning".into(), Value::String(reasoning.concat()));
+    }
+    if !tool_calls.is_empty() {
+        message.insert("tool_calls".into(), Value::Array(tool_calls));
+    }
+    match parts.as_slice() {
+        [] => {}
+        [one] if one["type"] == "text" => {
+            message.insert("content".into(), one["text"].clone());
+        }
+        _ => {
+            message.insert("content".into(), Value::Array(parts));
+        }
+    }
+    Ok(())
+}
+
+/// A user's `tool_result` block as vLLM's tool message: its text (text items joined by
+/// newlines), then a user message with its images, then a tool message naming its tool
+/// references.
+fn tool_result(block: &Value, out: &mut Vec<Value>) -> Result<(), TokenizeError> {
+    let id = block
+        .get("tool_use_id")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let (mut text, mut images, mut references) = (String::new(), Vec::new(), Vec::new());
+    match block.get("content") {
+        Some(Value::String(s)) => text = s.clone(),
+        Some(Value::Array(items)) => {
+            let mut texts = Vec::new();
+            for item in items.iter().filter(|i| i.is_object()) {
+                match item.get("type").and_then(Value::as_str) {
+                    Some("text") => {
+                        texts.push(item.get("text").and_then(Value::as_str).unwrap_or(""));
+                    }
+                    Some("image") => {
+                        let empty = json!({});
+                        let url = image_url(item.get("source").unwrap_or(&empty));
+                        if !url.is_empty() {
+                            images.push(json!({"type": "image_url", "image_url": {"url": url}}));
+                        }
+                    }
+                    Some("tool_reference") => {
+                        let name = item
+                            .get("tool_name")
+                            .and_then(Value::as_str)
+                            .filter(|n| !n.is_empty())
+                            .or_else(|| item.get("name").and_then(Value::as_str));
+                        if let Some(name) = name.filter(|n| !n.is_empty()) {
+                            references.push(json!({"type": "tool_reference", "name": name}));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            text = texts.join("\n");
+        }
+        None | Some(Value::Null) => {}
+        Some(_) => return Err(bad("a tool_result's content must be a string or blocks")),
+    }
+    out.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
+    if !images.is_empty() {
+        out.push(json!({"role": "user", "content": images}));
+    }
+    if !references.is_empty() {
+        out.push(json!({"role": "tool", "tool_call_id": id, "content": references}));
+    }
+    Ok(())
+}
+
+/// An Anthropic image source as the URL vLLM gives the chat parser.
+fn image_url(source: &Value) -> String {
+    let field = |k: &str, default: &str| {
+        source
+            .get(k)
+            .and_then(Value::as_str)
+            .unwrap_or(default)
+            .to_string()
+    };
+    if source.get("type").and_then(Value::as_str) == Some("url") {
+        return field("url", "");
+    }
+    format!(
+        "data:{};base64,{}",
+        field("media_type", "image/jpeg"),
+        field("data", "")
+    )
+}
+
+/// Anthropic tools as chat tools: `input_schema` becomes the function's `parameters`.
+fn anthropic_tools(tools: &Value) -> Result<Value, TokenizeError> {
+    let tools = tools
+        .as_array()
+        .ok_or_else(|| bad("tools must be an array"))?;
+    let converted = tools
+        .iter()
+        .map(|t| {
+            let mut function = Map::new();
+            let name = t
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("a tool has no name"))?;
+            function.insert("name".into(), Value::String(name.into()));
+            for (from, to) in [
+                ("description", "description"),
+                ("input_schema", "parameters"),
+                ("strict", "strict"),
+                ("defer_loading", "defer_loading"),
+            ] {
+                if let Some(v) = t.get(from).filter(|v| !v.is_null()) {
+                    function.insert(to.into(), v.clone());
+                }
+            }
+            Ok(json!({"type": "function", "function": function}))
+        })
+        .collect::<Result<Vec<_>, TokenizeError>>()?;
+    Ok(Value::Array(converted))
+}
+
+/// The chat prompt vLLM builds from a Responses request's prompt fields: `instructions` as the
+/// system message, then the `input` items (function calls merged into the assistant message
+/// before them), and the function tools in chat's shape.
+pub fn responses_to_chat(prompt: &Map<String, Value>) -> Result<Map<String, Value>, TokenizeError> {
+    if prompt
+        .get("previous_response_id")
+        .is_some_and(|id| !id.is_null())
+    {
+        return Err(unsupported(
+            "previous_response_id (the history is stored on a replica)",
+        ));
+    }
+    refuse_dropped_tools(prompt)?;
+    let mut out: Vec<Value> = Vec::new();
+    if let Some(instructions) = prompt.get("instructions").and_then(Value::as_str)
+        && !instructions.is_empty()
+    {
+        out.push(json!({"role": "system", "content": instructions}));
+    }
+    match prompt.get("input") {
+        Some(Value::String(s)) => out.push(json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) => {
+            let start = out.len();
+            for item in items {
+                push_item(item, &mut out, start)?;
+            }
+        }
+        _ => return Err(bad("input must be a string or items")),
+    }
+    let mut chat = Map::new();
+    if let Some(model) = prompt.get("model") {
+        chat.insert("model".into(), model.clone());
+    }
+    chat.insert("messages".into(), Value::Array(out));
+    if let Some(tools) = prompt.get("tools").and_then(Value::as_array)
+        && !tools.is_empty()
+    {
+        let functions = responses_tools(tools)?;
+        if !functions.is_empty() {
+            chat.insert("tools".into(), Value::Array(functions));
+        }
+    }
+    Ok(chat)
+}
+
+/// The function tools of a Responses request in chat's shape (vLLM renders no other kind).
+fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, TokenizeError> {
+    let mut out = Vec::new();
+    for tool in tools {
+        match tool.get("type").and_then(Value::as_str) {
+            Some("function") => {
+                let function: Map<String, Value> = tool
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .filter(|(k, _)| k.as_str() != "type")
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                out.push(json!({"type": "function", "function": function}));
+            }
+            Some("namespace" | "custom") => {
+                return Err(unsupported("namespaced or custom tools"));
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// One `input` item as vLLM's `_construct_message_from_response_item` makes it; `start` is
+/// where this request's items begin in `out` (an item merges only into one of them).
+fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), TokenizeError> {
+    let kind = item.get("type").and_then(Value::as_str);
+    let role = role(item);
+    let field = |k: &str| item.get(k).and_then(Value::as_str);
+    // The assistant message an item may complete: the last one, if it is an assistant's.
+    let last_assistant = |out: &mut Vec<Value>| -> Option<usize> {
+        let at = out.len().checked_sub(1).filter(|&i| i >= start)?;
+        (role_of(&out[at]) == Some("assistant")).then_some(at)
+    };
+    match kind {
+        Some("function_call") => {
+            if item.get("namespace").is_some_and(|n| !n.is_null()) {
+                return Err(unsupported("namespaced function calls"));
+            }
+            let call = json!({
+                "id": field("call_id").unwrap_or(""),
+                "type": "function",
+                "function": {"name": field("name").unwrap_or(""),
+                             "arguments": field("arguments").unwrap_or("")},
+            });
+            match last_assistant(out) {
+                Some(at) => match out[at].get_mut("tool_calls") {
+                    Some(Value::Array(calls)) => calls.push(call),
+                    _ => {
+                        out[at]["tool_calls"] = json!([call]);
+                    }
+                },
+                None => out.push(json!({"role": "assistant", "tool_calls": [call]})),
+            }
+        }
+        Some("custom_tool_call" | "custom_tool_call_output") => {
+            return Err(unsupported("custom tool calls"));
+        }
+        Some("reasoning") => {
+            if item
+                .get("encrypted_content")
+                .is_some_and(|c| !c.is_null() && c != "")
+            {
+                return Err(unsupported("encrypted reasoning"));
+            }
+            let first_text = |k: &str| {
+                item.get(k)
+                    .and_then(Value::as_array)
+                    .and_then(|a| a.first())
+                    .and_then(|p| p.get("text"))
+                    .and_then(Value::as_str)
+            };
+            let text = first_text("content")
+                .or_else(|| first_text("summary"))
+                .unwrap_or("");
+            match last_assistant(out) {
+                Some(at) if out[at].get("reasoning").is_none() => {
+                    out[at]["reasoning"] = json!(text);
+                }
+                _ => out.push(json!({"role": "assistant", "reasoning": text})),
+            }
+        }
+        Some("function_call_output") => {
+            out.push(json!({
+                "role": "tool",
+                "content": item.get("output").cloned().unwrap_or(Value::Null),
+                "tool_call_id": item.get("call_id").cloned().unwrap_or(Value::Null),
+            }));
+        }
+        Some("message") | None if role == Some("assistant") => {
+            let text = match item.get("content") {
+                Some(Value::String(s)) => Some(s.as_str()),
+                Some(Value::Array(parts)) => parts
+                    .first()
+                    .and_then(|p| p.get("text"))
+                    .and_then(Value::as_str),
+                _ => None,
+            };
+            let Some(text) = text else {
+                return Err(unsupported("an assistant message without text"));
+            };
+            match last_assistant(out) {
+                Some(at) if out[at].get("content").is_none_or(Value::is_null) => {
+                    out[at]["content"] = json!(text);
+                }
+                _ => out.push(json!({"role": "assistant", "content": text})),
+            }
+        }
+        Some("message") | None if role.is_some() => {
+            // Passed on as sent; the chat parser reads its role and content.
+            let mut message = Map::new();
+            for k in ["role", "content", "name"] {
+                if let Some(v) = item.get(k) {
+                    message.insert(k.into(), v.clone());
+                }
+            }
+            out.push(Value::Object(message));
+        }
+        _ => return Err(unsupported("an input item vLLM does not render")),
+    }
+    Ok(())
+}
+
+fn role_of(m: &Value) -> Option<&str> {
+    m.get("role").and_then(Value::as_str)
+}
+
+/// `json.dumps(value)` as Python writes it: `", "` and `": "` separators and every non-ASCII
+/// character escaped (vLLM writes a `tool_use` block's input so).
+pub fn python_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_python(value, &mut out);
+    out
+}
+
+fn write_python(value: &Value, out: &mut String) {
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => match n.as_f64().filter(|_| n.is_f64()) {
+            Some(f) => write_python_float(f, out),
+            None => out.push_str(&n.to_string()),
+        },
+        Value::String(s) => write_python_str(s, out),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_python(v, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            out.push('{');
+            for (i, (k, v)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_python_str(k, out);
+                out.push_str(": ");
+                write_python(v, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+/// Python's `repr(float)`: the shortest digits that read back, positional from 1e-4 up to
+/// 1e16 (always with a fraction), else `d.ddde+XX`.
+fn write_python_float(f: f64, out: &mut String) {
+    // `{:e}` gives the shortest round-trip digits: `1.5e-5`, `1e20`, `-2.5e0`.
+    let sci = format!("{f:e}");
+    let Some((mantissa, exp)) = sci.split_once('e') else {
+        out.push_str(&sci);
+        return;
+    };
+    let Ok(exp) = exp.parse::<i32>() else {
+        out.push_str(&sci);
+        return;
+    };
+    let (sign, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => ("-", m),
+        None => ("", mantissa),
+    };
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    out.push_str(sign);
+    if (-4..16).contains(&exp) {
+        let point = exp + 1;
+        if point <= 0 {
+            out.push_str("0.");
+            out.extend(std::iter::repeat_n('0', point.unsigned_abs() as usize));
+            out.push_str(&digits);
+        } else if point as usize >= digits.len() {
+            out.push_str(&digits);
+            out.extend(std::iter::repeat_n('0', point as usize - digits.len()));
+            out.push_str(".0");
+        } else {
+            let (whole, fraction) = digits.split_at(point as usize);
+            out.push_str(whole);
+            out.push('.');
+            out.push_str(fraction);
+        }
+    } else {
+        let (first, rest) = digits.split_at(1.min(digits.len()));
+        out.push_str(first);
+        if !rest.is_empty() {
+            out.push('.');
+            out.push_str(rest);
+        }
+        let sign = if exp < 0 { '-' } else { '+' };
+        out.push_str(&format!("e{sign}{:02}", exp.unsigned_abs()));
+    }
+}
+
+fn write_python_str(s: &str, out: &mut String) {
+    use std::fmt::Write;
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if c.is_ascii() && !c.is_ascii_control() => out.push(c),
+            c => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
+            }
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(v: Value) -> Map<String, Value> {
+        v.as_object().cloned().unwrap()
+    }
+
+    #[test]
+    fn python_json_matches_json_dumps() {
+        // json.dumps({"path": "src/é.rs", "n": [1, true, None], "q": "a\"b\n😀"})
+        let v = json!({"path": "src/é.rs", "n": [1, true, null], "q": "a\"b\n😀"});
+        assert_eq!(
+            python_json(&v),
+            r#"{"path": "src/\u00e9.rs", "n": [1, true, null], "q": "a\"b\n\ud83d\ude00"}"#
+        );
+        assert_eq!(python_json(&json!({})), "{}");
+        // repr(float) for each: json.dumps([1.0, 0.5, 1e20, 1.5e-05, 0.0001, 123456.789,
+        // 1e16, 9999999999999998.0, -2.5, 0.0])
+        let floats = json!([
+            1.0,
+            0.5,
+            1e20,
+            1.5e-5,
+            0.0001,
+            123456.789,
+            1e16,
+            9999999999999998.0,
+            -2.5,
+            0.0
+        ]);
+        assert_eq!(
+            python_json(&floats),
+            "[1.0, 0.5, 1e+20, 1.5e-05, 0.0001, 123456.789, 1e+16, 9999999999999998.0, -2.5, 0.0]"
+        );
+        assert_eq!(python_json(&json!([7, -3])), "[7, -3]");
+    }
+
+    #[test]
+    fn a_messages_conversation_becomes_vllms_chat_messages() {
+        let prompt = map(json!({
+            "model": "m",
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc=1"},
+                       {"type": "text", "text": "You are ", "cache_control": {"type": "ephemeral"}},
+                       {"type": "text", "text": "helpful."}],
+            "tools": [{"name": "ls", "description": "lists", "input_schema": {"type": "object"},
+                       "cache_control": {"type": "ephemeral"}}],
+            "messages": [
+                {"role": "user", "content": "list it"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "hm", "signature": "s"},
+                    {"type": "text", "text": "Sure."},
+                    {"type": "tool_use", "id": "t1", "name": "ls", "input": {"d": "."}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1",
+                     "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                    {"type": "text", "text": "next", "cache_control": {"type": "ephemeral"}}]},
+            ],
+        }));
+        let chat = messages_to_chat(&prompt, Some(false)).unwrap();
+        assert_eq!(
+            Value::Object(chat),
+            json!({
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "You are helpful."},
+                    {"role": "user", "content": "list it"},
+                    {"role": "assistant", "reasoning": "hm", "content": "Sure.",
+                     "tool_calls": [{"id": "t1", "type": "function",
+                                     "function": {"name": "ls", "arguments": "{\"d\": \".\"}"}}]},
+                    {"role": "tool", "tool_call_id": "t1", "content": "a\nb"},
+                    {"role": "user", "content": "next"},
+                ],
+                "tools": [{"type": "function", "function": {"name": "ls", "description": "lists",
+                           "parameters": {"type": "object"}}}],
+            })
+        );
+    }
+
+    #[test]
+    fn inline_system_messages_follow_the_templates_rule_or_are_refused() {
+        let prompt = map(json!({"system": "a", "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "system", "content": [{"type": "text", "text": "reminder"}]},
+            {"role": "user", "content": "r"}]}));
+        let merged = messages_to_chat(&prompt, Some(true)).unwrap();
+        assert_eq!(
+            merged["messages"][0],
+            json!({"role": "system", "content": "areminder"})
+        );
+        assert_eq!(merged["messages"].as_array().unwrap().len(), 3);
+        let inline = messages_to_chat(&prompt, Some(false)).unwrap();
+        assert_eq!(
+            inline["messages"][2],
+            json!({"role": "system", "content": "reminder"})
+        );
+        assert!(matches!(
+            messages_to_chat(&prompt, None),
+            Err(TokenizeError::Unsupported(_))
+        ));
+    }
+
+    #[test]
+    fn what_the_server_decides_is_refused_and_bad_shapes_are_errors() {
+        for refused in [
+            json!({"messages": [], "thinking": {"type": "disabled"}}),
+            json!({"messages": [], "output_config": {"effort": "low"}}),
+            json!({"messages": [], "tool_choice": {"type": "none"}, "tools": [{"name": "x"}]}),
+            json!({"messages": [{"role": "user", "content": [
+                {"type": "tool_addition", "tool": {"name": "x"}}]}]}),
+            json!({"messages": [{"role": "assistant", "content": [
+                {"type": "tool_use", "name": "x", "input": {}}]}]}),
+        ] {
+            let e = messages_to_chat(&map(refused.clone()), Some(false)).unwrap_err();
+            assert!(matches!(e, TokenizeError::Unsupported(_)), "{refused}: {e}");
+        }
+        for bad in [
+            json!({}),
+            json!({"messages": [{"content": "no role"}]}),
+            json!({"messages": [{"role": "user", "content": 3}]}),
+            json!({"messages": [], "system": 3}),
+            json!({"messages": [], "tools": [{"input_schema": {}}]}),
+        ] {
+            let e = messages_to_chat(&map(bad.clone()), Some(false)).unwrap_err();
+            assert!(matches!(e, TokenizeError::BadPrompt(_)), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn any_json_is_converted_or_refused_never_a_panic() {
+        // Every value of a few shapes in every place a converter reads.
+        let values = [
+            json!(null),
+            json!(3),
+            json!("s"),
+            json!([]),
+            json!({}),
+            json!([null, 1, "x", [], {}]),
+            json!([{"type": "text"}, {"type": "tool_use"}, {"type": "tool_result", "content": 3},
+                   {"type": "image", "source": 1}, {"type": "thinking", "thinking": 2}]),
+            json!([{"role": "assistant", "content": 1}, {"type": "function_call", "namespace": 1},
+                   {"type": "reasoning", "content": "x"}, {"type": "message"}]),
+        ];
+        for key in [
+            "system",
+            "messages",
+            "tools",
+            "tool_choice",
+            "thinking",
+            "output_config",
+            "input",
+            "instructions",
+        ] {
+            for v in &values {
+                let mut prompt = Map::new();
+                prompt.insert(key.into(), v.clone());
+                prompt.insert("messages".into(), json!([{"role": "user", "content": v}]));
+                let _ = messages_to_chat(&prompt, Some(true));
+                let _ = messages_to_chat(&prompt, None);
+                let mut responses = Map::new();
+                responses.insert(key.into(), v.clone());
+                responses.insert("input".into(), json!([v, {"role": "user", "content": v}]));
+                let _ = responses_to_chat(&responses);
+            }
+        }
+    }
+
+    #[test]
+    fn a_responses_loop_becomes_vllms_chat_messages() {
+        let prompt = map(json!({
+            "model": "m",
+            "instructions": "be brief",
+            "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}},
+                      {"type": "web_search"}],
+            "input": [
+                {"role": "user", "content": "list it"},
+                {"type": "reasoning", "id": "rs", "summary": [{"type": "summary_text", "text": "hm"}]},
+                {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+                {"type": "message", "role": "assistant", "id": "m1", "status": "completed",
+                 "content": [{"type": "output_text", "text": "one file", "annotations": []}]},
+                {"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": "thanks"}]},
+            ],
+        }));
+        let chat = responses_to_chat(&prompt).unwrap();
+        assert_eq!(
+            Value::Object(chat),
+            json!({
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "list it"},
+                    {"role": "assistant", "reasoning": "hm", "tool_calls": [
+                        {"id": "c1", "type": "function",
+                         "function": {"name": "ls", "arguments": "{}"}}]},
+                    {"role": "tool", "content": "a.txt", "tool_call_id": "c1"},
+                    {"role": "assistant", "content": "one file"},
+                    {"role": "user", "content": [{"type": "input_text", "text": "thanks"}]},
+                ],
+                "tools": [{"type": "function",
+                           "function": {"name": "ls", "parameters": {"type": "object"}}}],
+            })
+        );
+        let chained = map(json!({"input": "more", "previous_response_id": "resp_1"}));
+        assert!(matches!(
+            responses_to_chat(&chained),
+            Err(TokenizeError::Unsupported(_))
+        ));
+        assert!(responses_to_chat(&map(json!({"input": 3}))).is_err());
+        // `none` matters only with tools to drop.
+        let no_tools = map(json!({"input": "hi", "tool_choice": "none"}));
+        assert!(responses_to_chat(&no_tools).is_ok());
+        let with_tools = map(json!({"input": "hi", "tool_choice": "none",
+                                    "tools": [{"type": "function", "name": "ls"}]}));
+        assert!(matches!(
+            responses_to_chat(&with_tools),
+            Err(TokenizeError::Unsupported(_))
+        ));
+        let string = responses_to_chat(&map(json!({"input": "hi"}))).unwrap();
+        assert_eq!(
+            string["messages"],
+            json!([{"role": "user", "content": "hi"}])
+        );
+    }
+}
