@@ -50,6 +50,9 @@ pub struct ApiSettings {
     pub max_feedback_outcomes: usize,
     /// Deadline for receiving a request body.
     pub body_timeout: Duration,
+    /// How long a route call waits for the report of a stored response it names and nobody
+    /// has reported yet (`stored_response_wait_ms`).
+    pub stored_response_wait: Duration,
     /// Tokeniser and hashing of precise routes.
     pub precise: Arc<Precise>,
 }
@@ -237,6 +240,9 @@ async fn route(AxumState(app): AxumState<Arc<App>>, request: Request) -> Respons
         if !finished.is_empty() || !first_tokens.is_empty() {
             app.apply_reports(finished, first_tokens, Vec::new(), peer);
         }
+        app.state
+            .await_stored_response(&request, app.settings.stored_response_wait)
+            .await;
         if let Some(how) = app.settings.precise.prepare(&app.state, &mut request).await {
             app.state.telemetry().count_precise_route(how);
         }

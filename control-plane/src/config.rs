@@ -52,6 +52,13 @@ pub struct Config {
     pub max_feedback_outcomes: usize,
     /// Deadline for reading a request body (a stalled client must not hold a task).
     pub body_timeout_ms: u64,
+    /// How long a route call naming a stored response (`previous_response_id`) that no proxy
+    /// has reported yet waits for the report. The proxy that served the response reports its
+    /// id at once, but a client sending the next turn the moment the answer arrives, through
+    /// another proxy, can beat that report by a few ms; without the wait the turn would be
+    /// placed without its response and fail on the wrong replica. Keep it below the filter's
+    /// `route_timeout_ms` (50 by default). 0: no wait.
+    pub stored_response_wait_ms: u64,
     /// Recent decisions kept for `/debug/decisions/{id}`.
     pub decision_history: usize,
     /// Tokio worker threads. 0 (the default) runs the service on one thread that also waits
@@ -245,6 +252,7 @@ impl Default for Config {
             max_block_hashes: 65_536,
             max_feedback_outcomes: 10_000,
             body_timeout_ms: 2_000,
+            stored_response_wait_ms: 30,
             decision_history: 1_024,
             worker_threads: 0,
             models_interval_ms: 5_000,
@@ -573,6 +581,13 @@ impl Config {
             1,
             1 << 24,
             "1..=16777216",
+        )?;
+        range_u64(
+            "stored_response_wait_ms",
+            self.stored_response_wait_ms,
+            0,
+            10_000,
+            "0..=10000",
         )?;
         range_u64(
             "body_timeout_ms",

@@ -240,13 +240,19 @@ impl ControlPlane {
                 max_block_hashes: config.max_block_hashes,
                 max_feedback_outcomes: config.max_feedback_outcomes,
                 body_timeout: Duration::from_millis(config.body_timeout_ms),
+                stored_response_wait: Duration::from_millis(config.stored_response_wait_ms),
                 precise: precise.clone(),
             },
         );
         if let (Some(listener), Some(p)) = (picker_listener, &config.picker) {
             // Validated in bind(): the configuration parses.
             let filter = p.filter_config().unwrap_or_default();
-            let serving = picker::Picker::new(state.clone(), precise.clone(), filter);
+            let serving = picker::Picker::new(
+                state.clone(),
+                precise.clone(),
+                filter,
+                Duration::from_millis(config.stored_response_wait_ms),
+            );
             let stop = stop_rx.clone();
             let listen = p.listen;
             background.push(tokio::spawn(async move {

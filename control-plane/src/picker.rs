@@ -89,15 +89,23 @@ pub struct Picker {
     state: Arc<State>,
     precise: Arc<Precise>,
     config: Arc<FilterConfig>,
+    stored_response_wait: Duration,
 }
 
 impl Picker {
-    /// A picker deciding with `state` (and `precise` for precise routes).
-    pub fn new(state: Arc<State>, precise: Arc<Precise>, config: FilterConfig) -> Self {
+    /// A picker deciding with `state` (and `precise` for precise routes); a request naming a
+    /// stored response nobody has reported yet waits up to `stored_response_wait` for it.
+    pub fn new(
+        state: Arc<State>,
+        precise: Arc<Precise>,
+        config: FilterConfig,
+        stored_response_wait: Duration,
+    ) -> Self {
         Picker {
             state,
             precise,
             config: Arc::new(config),
+            stored_response_wait,
         }
     }
 
@@ -508,6 +516,9 @@ impl Exchange {
     async fn decide(&self, body: &[u8]) -> Option<Vec<u8>> {
         let mut request: RouteRequest = serde_json::from_slice(body).ok()?;
         let state = &self.picker.state;
+        state
+            .await_stored_response(&request, self.picker.stored_response_wait)
+            .await;
         if let Some(how) = self.picker.precise.prepare(state, &mut request).await {
             state.telemetry().count_precise_route(how);
         }

@@ -10,7 +10,7 @@
 //! so the log and the router never disagree about what happened in which order.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use scorer_core::affinity::SessionStats;
@@ -25,6 +25,9 @@ use scorer_core::sync::{
     DecisionRecord, REPLICA_SHIFT, SyncEvent, SyncLog, SyncRequest, SyncResponse, serve_sync,
 };
 use serde::Serialize;
+
+/// How often a route call waiting for a stored response's report looks again.
+const STORED_RESPONSE_POLL: Duration = Duration::from_millis(2);
 
 use crate::telemetry::Telemetry;
 
@@ -510,6 +513,41 @@ impl State {
         self.catalogues.lock().remove(address);
         self.scrapes.lock().remove(address);
         self.kv_streams.lock().remove(address);
+    }
+
+    /// Whether some proxy (or a peer replica) has reported which replica stored response `id`.
+    pub fn knows_stored_response(&self, id: &str) -> bool {
+        let now = self.now_ms();
+        self.inner.lock().router.knows_stored_response(id, now)
+    }
+
+    /// Holds a route call that names a stored response neither it nor this replica knows of
+    /// until the report arrives (from the proxy that served it, or a peer replica) or `wait`
+    /// has passed; the caller then routes it as usual (pinned when known). A client can send
+    /// a chain's next turn through another proxy the moment the answer arrives, before the
+    /// serving proxy's report lands.
+    pub async fn await_stored_response(&self, request: &RouteRequest, wait: Duration) {
+        let Some(id) = request.previous_response_id.as_deref() else {
+            return;
+        };
+        if wait.is_zero()
+            || request.previous_response_endpoint.is_some()
+            || self.knows_stored_response(id)
+        {
+            return;
+        }
+        let deadline = Instant::now() + wait;
+        let found = loop {
+            let now = Instant::now();
+            if now >= deadline {
+                break false;
+            }
+            tokio::time::sleep(STORED_RESPONSE_POLL.min(deadline - now)).await;
+            if self.knows_stored_response(id) {
+                break true;
+            }
+        };
+        self.telemetry.count_stored_response_wait(found);
     }
 
     /// Milliseconds since this state was created (monotonic).

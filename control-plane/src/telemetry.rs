@@ -94,6 +94,7 @@ pub struct Telemetry {
     tokenize_seconds: Histogram,
     tokenize_tokens: Family<TokenSourceLabels, Counter>,
     precise_routes: Family<ReasonLabels, Counter>,
+    stored_response_waits: Family<ReasonLabels, Counter>,
     sync_calls: Counter,
     sync_decisions: Counter,
     sync_resets: Counter,
@@ -132,6 +133,7 @@ impl Default for Telemetry {
             tokenize_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 15)),
             tokenize_tokens: Family::default(),
             precise_routes: Family::default(),
+            stored_response_waits: Family::default(),
             sync_calls: Counter::default(),
             sync_decisions: Counter::default(),
             sync_resets: Counter::default(),
@@ -336,6 +338,16 @@ impl Telemetry {
         }
     }
 
+    /// A route call that waited for a stored response's report, by how the wait ended.
+    pub fn count_stored_response_wait(&self, found: bool) {
+        let reason = if found { "reported" } else { "timeout" };
+        self.stored_response_waits
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
     /// A route request that asked for precise mode, by how it was scored (`precise`, or the
     /// reason it fell back to approximate).
     pub fn count_precise_route(&self, how: &str) {
@@ -490,6 +502,12 @@ pub fn registry(state: Arc<State>) -> Registry {
         "precise_routes",
         "Route requests that asked for precise mode, by how they were scored",
         t.precise_routes,
+    );
+    r.register(
+        "stored_response_waits",
+        "Route calls that waited for the report of the stored response they name, by how the \
+         wait ended (reported, timeout)",
+        t.stored_response_waits,
     );
     r.register_collector(Box::new(crate::pools::FleetFeaturesCollector(
         state.clone(),

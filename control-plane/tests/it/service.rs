@@ -1317,3 +1317,46 @@ async fn admin_pages_need_the_admin_token_and_secrets_come_from_files() {
     assert!(both.validate().is_err());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+// A client can send a chain's next turn the moment the answer arrives, through another proxy,
+// before the proxy that served it has reported the response id: the route call waits for that
+// report (up to `stored_response_wait_ms`) instead of placing the turn without its response.
+#[tokio::test]
+async fn a_route_call_naming_an_unreported_response_waits_for_its_report() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let b = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(Config {
+        // Far longer than the report takes here, so the test does not race the clock.
+        stored_response_wait_ms: 5_000,
+        ..test_config(&[a.addr, b.addr])
+    })
+    .await;
+    first_scrapes(&r, &[a.addr, b.addr]).await;
+    let (_, first) = post_route(&r, &route_request(0..8), &[]).await;
+    let served_by = first["endpoints"][0].as_str().unwrap().to_string();
+    let next = json!({ "model": "m", "previous_response_id": "resp_late", "max_output_tokens": 0 });
+    let waiting = post_route(&r, &next, &[]);
+    let report = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let batch = json!({ "outcomes": [{
+            "decision_id": first["decision_id"], "decision_tag": first["decision_tag"],
+            "endpoint": served_by, "status": 200, "response_id": "resp_late"
+        }] });
+        http(
+            "POST",
+            format!("http://{}/v1/feedback", r.api),
+            &[],
+            Some(batch.to_string()),
+        )
+        .await
+    };
+    let ((status, answer), (fed, _)) = tokio::join!(waiting, report);
+    assert_eq!((status, fed), (200, 204), "{answer}");
+    assert_eq!(answer["endpoints"][0], served_by.as_str(), "{answer}");
+    assert_eq!(answer["reason"], "stored_response", "{answer}");
+    let text = metrics_text(&r).await;
+    assert!(
+        text.contains("kvroute_stored_response_waits_total{reason=\"reported\"} 1"),
+        "{text}"
+    );
+}

@@ -279,7 +279,8 @@ async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
 // control planes sharing state: every turn finds the replica that stored its predecessor,
 // though that replica's answer passed through the other proxy. The id crossed a proxy, a
 // control plane, NATS and the other control plane on its way back; an agent's tool time
-// (300 ms) covers that.
+// (300 ms) covers that. A second chain sends each turn the moment the answer arrives: the
+// other proxy's route call then waits for the id's report (`stored_response_wait_ms`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_responses_chain_through_two_proxies_finds_every_stored_response() {
     let tools = tools();
@@ -297,6 +298,29 @@ async fn a_responses_chain_through_two_proxies_finds_every_stored_response() {
             failures,
             0,
             "a turn missed its stored response ({})",
+            fleet.describe()
+        );
+        assert!(replicas.iter().all(|r| r == &replicas[0]), "{replicas:?}");
+        let (replicas, _, failures, _) =
+            crate::agent_apis::run_chain(&client, &fleet, &fleet.envoy_urls(), Duration::ZERO)
+                .await;
+        let mut waited = 0.0;
+        for index in 0..2 {
+            waited += control_plane_metric(
+                &fleet,
+                index,
+                "kvroute_stored_response_waits_total{reason=\"reported\"}",
+            )
+            .await;
+        }
+        eprintln!(
+            "replication (responses, no pause): replicas {replicas:?}, 404 attempts {failures}, \
+             route calls that waited for a report {waited}"
+        );
+        assert_eq!(
+            failures,
+            0,
+            "a turn sent at once missed its stored response ({})",
             fleet.describe()
         );
         assert!(replicas.iter().all(|r| r == &replicas[0]), "{replicas:?}");
