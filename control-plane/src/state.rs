@@ -18,6 +18,7 @@ use scorer_core::lora::LoraState;
 use scorer_core::pools::{PoolStats, ServedModel};
 use scorer_core::precise::{ApplyError, KvEvent};
 use scorer_core::protocol::{FeedbackBatch, FirstToken, RouteReason, RouteRequest, RouteResponse};
+use scorer_core::reuse::ReuseTotals;
 use scorer_core::router::{
     Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
 };
@@ -234,6 +235,8 @@ pub struct Snapshot {
     pub sync_log_entries: usize,
     /// Canonical bytes per token the approximate index counts in (configured or learned).
     pub bytes_per_token: f64,
+    /// The fleet numbers per pool (model): reuse available, aimed for, delivered, the gap.
+    pub pools: Vec<(String, ReuseTotals)>,
 }
 
 impl State {
@@ -881,6 +884,7 @@ impl State {
             index_bytes: r.index().approx_bytes(),
             bytes_per_token: r.bytes_per_token(),
             sync_log_entries: inner.sync.len(),
+            pools: r.pool_reuse(),
         }
     }
 }

@@ -35,6 +35,7 @@ use crate::lora::{LoraConfig, LoraState};
 use crate::pools::{Eligibility, FleetState, ModelsConfig, PoolStats, ServedModel};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
 use crate::protocol::{Outcome, Reject, RouteReason, RouteRequest, RouteResponse};
+use crate::reuse::{Aim, PoolKey, PoolTotals, ReuseConfig, ReuseOutcome, ReuseTotals, ReuseWindow};
 use crate::self_check::{EndpointCheck, RoutingState, SelfCheckConfig, StateChange, StateReason};
 use crate::token_ratio::TokenRatio;
 
@@ -195,6 +196,8 @@ pub struct RouterConfig {
     pub local: crate::sync::LocalConfig,
     /// Believed against delivered cache hits per endpoint, and the load-only fallback.
     pub self_check: SelfCheckConfig,
+    /// The fleet numbers: the traffic's reuse ceiling, its window and pool bounds.
+    pub reuse: ReuseConfig,
 }
 
 /// Tunables of precise mode: an index fed by the engines' KV events.
@@ -242,6 +245,7 @@ impl Default for RouterConfig {
             pd: PdConfig::default(),
             local: crate::sync::LocalConfig::default(),
             self_check: SelfCheckConfig::default(),
+            reuse: ReuseConfig::default(),
         }
     }
 }
@@ -261,6 +265,20 @@ pub struct EndpointMetrics {
     /// does not export them, or a scraper that does not read them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<EngineCounters>,
+    /// The engine's own prefix-cache counters (`vllm:prefix_cache_hits_total` over
+    /// `vllm:prefix_cache_queries_total`): delivered reuse over all its traffic, routed here or
+    /// not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_cache: Option<PrefixCacheCounters>,
+}
+
+/// An engine's cumulative prefix-cache counters, in tokens, as last scraped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrefixCacheCounters {
+    /// `vllm:prefix_cache_hits_total`: prompt tokens served from the prefix cache.
+    pub hits: f64,
+    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up in it.
+    pub queries: f64,
 }
 
 /// Why an endpoint is not a candidate right now.
@@ -302,6 +320,8 @@ struct Slot {
     check: EndpointCheck,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
+    /// The fleet numbers of the outcomes it served ([`crate::reuse`]).
+    reuse: ReuseTotals,
     /// TTFT / TPOT model learned from this endpoint's outcomes.
     latency: EndpointLatencyModel,
     /// Prefill rate and decode step time learned from its counters ...
@@ -509,6 +529,10 @@ struct InFlight {
     awaiting_first_token: bool,
     /// The proxy's route call id, so the proxy can withdraw it (see [`Router::withdraw`]).
     call_id: Option<u64>,
+    /// What the router knew of the request's reuse when it chose ([`crate::reuse`]).
+    aim: Aim,
+    /// The pool (model) its fleet numbers count under.
+    pool: PoolKey,
 }
 
 /// One candidate's score terms: what the explain output shows.
@@ -689,6 +713,10 @@ pub struct EndpointView {
     /// Delivered over believed cached tokens of its recent outcomes (1 with no evidence).
     #[serde(default)]
     pub delivered_share: f64,
+    /// The fleet numbers of the outcomes it served: reuse available, aimed for, delivered,
+    /// and the gap by reason ([`crate::reuse`]).
+    #[serde(default)]
+    pub reuse: ReuseTotals,
 }
 
 /// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
@@ -725,6 +753,11 @@ pub struct Router {
     /// Endpoint state changes not yet taken by [`Router::take_state_changes`], oldest first
     /// (bounded: [`MAX_STATE_CHANGES`]).
     state_changes: VecDeque<(String, StateChange)>,
+    /// Recently seen prompt blocks: the traffic's reuse ceiling ([`crate::reuse`]).
+    reuse_window: ReuseWindow,
+    /// The fleet numbers per pool (model).
+    reuse_pools: PoolTotals,
+
     /// A running average of the rates endpoints have learned: the prior of one that has not.
     fleet_rates: Option<Prior>,
     /// `now_ms` of the last `expire`, so back-to-back decisions skip it.
@@ -1053,6 +1086,8 @@ impl Router {
             withdrawn: VecDeque::new(),
             stats: RouterStats::default(),
             state_changes: VecDeque::new(),
+            reuse_window: ReuseWindow::new(config.reuse.window_blocks),
+            reuse_pools: PoolTotals::default(),
             fleet_rates: None,
             last_expire_ms: u64::MAX,
             fleet: FleetState::default(),
@@ -1111,6 +1146,7 @@ impl Router {
             events_expected: false,
             check: EndpointCheck::default(),
             served: ServedTotals::default(),
+            reuse: ReuseTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
             calibration: EndpointCalibration::default(),
             learned: Calibrated::from_prior(prior(&self.config.scoring)),
@@ -2010,10 +2046,13 @@ impl Router {
         let request_tokens = shape.tokens;
         let unhashed =
             (f64::from(request_tokens) - kv_blocks.len() as f64 * kv_block_tokens).max(0.0) as u32;
+        let predicted_cached_tokens = request_tokens.saturating_sub(chosen_score.uncached_tokens);
+        let believed_cached_tokens = self.scratch.believed[usize::from(chosen.0)];
+        let aim = self.aim(shape, ranking, predicted_cached_tokens);
         let entry = InFlight {
             endpoint: chosen,
-            predicted_cached_tokens: request_tokens.saturating_sub(chosen_score.uncached_tokens),
-            believed_cached_tokens: self.scratch.believed[usize::from(chosen.0)],
+            predicted_cached_tokens,
+            believed_cached_tokens,
             prompt_bytes: shape.prompt_bytes,
             kv_blocks,
             kv_block_tokens,
@@ -2025,6 +2064,10 @@ impl Router {
             started_ms: now_ms,
             awaiting_first_token: request.stream,
             call_id: request.call_id,
+            aim,
+            pool: self
+                .reuse_pools
+                .key(&request.model, self.config.reuse.max_pools),
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -2064,6 +2107,45 @@ impl Router {
                 PrefillSite::Remote(endpoint)
             }
             None => PrefillSite::Chosen,
+        }
+    }
+
+    /// The fleet numbers' view of a decision ([`crate::reuse`]): the reuse the recent window
+    /// offered for the prompt (remembering its blocks), what the chosen endpoint was credited
+    /// with and believed to hold, and the most any candidate was.
+    fn aim(&mut self, shape: &RequestShape<'_>, ranking: &Ranking, aimed: u32) -> Aim {
+        let KvBlocks {
+            hashes,
+            block_tokens,
+        } = shape.kv_blocks;
+        let hittable_tokens = shape.tokens.saturating_sub(1);
+        let hittable = (f64::from(hittable_tokens) / block_tokens.max(1.0)) as usize;
+        let matched = self.reuse_window.observe(hashes, hittable);
+        let available = ((matched as f64 * block_tokens) as u32).min(hittable_tokens);
+        let believed = &self.scratch.believed;
+        let believed_by = |id: EndpointId| believed.get(usize::from(id.0)).copied().unwrap_or(0);
+        let chosen = ranking.chosen;
+        let load_only = self.slots[usize::from(chosen.0)]
+            .as_ref()
+            .is_some_and(|s| s.check.load_only());
+        Aim {
+            available,
+            aimed,
+            believed: believed_by(chosen),
+            best_credited: ranking
+                .candidates
+                .iter()
+                .map(|(_, c)| c.cached_tokens)
+                .max()
+                .unwrap_or(0),
+            best_believed: ranking
+                .candidates
+                .iter()
+                .map(|(id, _)| believed_by(*id))
+                .max()
+                .unwrap_or(0),
+            load_only,
+            prompt_tokens: shape.tokens,
         }
     }
 
@@ -2207,6 +2289,7 @@ impl Router {
             _ => entry.endpoint,
         };
         let mut noted = None;
+        let mut reuse = None;
         if let Some(slot) = self.slots[usize::from(served_by.0)].as_mut() {
             let served = &mut slot.served;
             served.outcomes += 1;
@@ -2216,6 +2299,14 @@ impl Router {
             if let (Some(prompt), Some(cached)) = (outcome.prompt_tokens, outcome.cached_tokens) {
                 served.prompt_tokens += u64::from(prompt);
                 served.cached_tokens += u64::from(cached.min(prompt));
+                let counted = ReuseOutcome {
+                    aim: entry.aim.in_engine_tokens(prompt),
+                    prompt,
+                    delivered: cached.min(prompt),
+                    fallback: served_by != entry.endpoint,
+                };
+                slot.reuse.add(&counted);
+                reuse = Some(counted);
             }
             // Believed against delivered: only for the endpoint the belief was about, and only
             // for a request the engine served.
@@ -2248,6 +2339,10 @@ impl Router {
         if let Some((address, change)) = noted {
             self.note_state_change(address, change);
         }
+        if let Some(counted) = reuse {
+            self.reuse_pools.add(entry.pool, &counted);
+        }
+
         if (200..300).contains(&outcome.status)
             && let Some(tokens) = outcome.prompt_tokens
         {
@@ -2350,8 +2445,26 @@ impl Router {
                 routing_state: s.routing_state(),
                 state_reason: s.state_reason(),
                 delivered_share: s.check.delivered_share(),
+                reuse: s.reuse,
             })
             .collect()
+    }
+
+    /// The fleet numbers per pool (the request's model), in the order pools were first seen
+    /// ([`crate::reuse`]).
+    pub fn pool_reuse(&self) -> Vec<(String, ReuseTotals)> {
+        self.reuse_pools.totals()
+    }
+
+    /// The fleet numbers over every pool.
+    pub fn fleet_reuse(&self) -> ReuseTotals {
+        self.reuse_pools.fleet()
+    }
+
+    /// Resizes the window the reuse ceiling is estimated over (0: off, as in a proxy's copy,
+    /// whose fleet numbers nobody reads); what it remembered is dropped.
+    pub fn set_reuse_window(&mut self, blocks: usize) {
+        self.reuse_window = ReuseWindow::new(blocks);
     }
 
     /// Keeps one endpoint state change for [`Router::take_state_changes`].
@@ -3204,6 +3317,7 @@ mod tests {
                 kv_usage: 0.95,
                 capacity_tokens: None,
                 counters: None,
+                ..Default::default()
             },
             0,
         );
@@ -3514,6 +3628,92 @@ mod tests {
         // Reported again as it is: no change.
         r.set_event_stream("10.0.0.0:8000", true);
         assert!(r.take_state_changes().is_empty());
+    }
+
+    /// Routes `text` at `now` and reports it served by its first endpoint, with as many prompt
+    /// tokens as the router counted (4 bytes a token), of which `delivered(response)` from cache.
+    fn serve_reported(
+        r: &mut Router,
+        text: &str,
+        now: u64,
+        delivered: impl Fn(&RouteResponse) -> u32,
+    ) -> RouteResponse {
+        let d = r.route(&request(text), now, 1);
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: d.response.endpoints[0].clone(),
+                status: 200,
+                prompt_tokens: Some(text.len() as u32 / 4),
+                cached_tokens: Some(delivered(&d.response)),
+                completion_tokens: Some(4),
+                ..Outcome::default()
+            },
+            now,
+        );
+        d.response
+    }
+
+    // Issue #18's four numbers: the reuse the traffic offered (a prompt seen before, wherever it
+    // went), what the router aimed for, what the engine delivered, and the gap by reason.
+    #[test]
+    fn the_fleet_numbers_split_the_reuse_offered_by_what_became_of_it() {
+        let mut r = router(2);
+        for i in 0..2 {
+            r.update_metrics(&format!("10.0.0.{i}:8000"), EndpointMetrics::default(), 0);
+        }
+        let prompt = "the same long prompt ".repeat(200);
+        let first = serve_reported(&mut r, &prompt, 1, |_| 0);
+        let cold = r.fleet_reuse();
+        assert_eq!(
+            (cold.outcomes, cold.available_tokens),
+            (1, 0),
+            "nothing seen before"
+        );
+        assert_eq!(cold.gap_tokens.total(), 0);
+
+        // The second turn goes to the holder, which delivers half of what was aimed for: the
+        // rest of the hit is lost to eviction.
+        let second = serve_reported(&mut r, &prompt, 10_000, |d| d.cached_tokens / 2);
+        assert_eq!(second.endpoints[0], first.endpoints[0]);
+        assert_eq!(second.reason, RouteReason::Prefix);
+        let warm = r.fleet_reuse();
+        let available = warm.available_tokens;
+        assert!(available > 0);
+        let delivered = u64::from(second.cached_tokens / 2);
+        assert_eq!(warm.delivered_tokens, delivered);
+        assert_eq!(warm.aimed_tokens, u64::from(second.cached_tokens));
+        assert_eq!(warm.gap_tokens.eviction, available - delivered);
+        assert_eq!(warm.gap_tokens.total(), available - delivered);
+
+        // The holder is swamped (a queue the router did not send): the third turn spills to the
+        // other endpoint, and everything the window offered is lost to load.
+        let busy = EndpointMetrics {
+            waiting: 400,
+            running: 64,
+            ..EndpointMetrics::default()
+        };
+        r.update_metrics(&first.endpoints[0], busy, 20_000);
+        let third = serve_reported(&mut r, &prompt, 20_000, |_| 0);
+        assert_ne!(third.endpoints[0], first.endpoints[0]);
+        let spilled = r.fleet_reuse();
+        let offered = spilled.available_tokens - warm.available_tokens;
+        assert_eq!(offered, available, "the same prompt offers the same reuse");
+        assert_eq!(spilled.gap_tokens.load_spill, offered);
+        assert_eq!(
+            spilled.gap_tokens.total(),
+            spilled.available_tokens - spilled.delivered_tokens
+        );
+
+        // Per pool and per endpoint, the same outcomes.
+        let pools = r.pool_reuse();
+        assert_eq!(pools.len(), 1);
+        assert_eq!((pools[0].0.as_str(), pools[0].1), ("m", spilled));
+        let mut by_endpoint = ReuseTotals::default();
+        for e in r.endpoints(20_000) {
+            by_endpoint.merge(&e.reuse);
+        }
+        assert_eq!(by_endpoint, spilled);
     }
 
     #[test]

@@ -11,7 +11,9 @@
 //!   `vllm:request_prefill_kv_computed_tokens`, `vllm:request_prefill_time_seconds` and
 //!   `vllm:inter_token_latency_seconds`, and the counters `vllm:prompt_tokens_total` and
 //!   `vllm:prefix_cache_hits_total`. An engine
-//!   without all of them, or with an unusable value, simply gives no counters.
+//!   without all of them, or with an unusable value, simply gives no counters;
+//! - optionally, `vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total`, the
+//!   engine's own delivered reuse (the fleet numbers' scraped side).
 //!
 //! Invariant: no I/O, no panics, linear time. [`parse_vllm_metrics`] requires every line to be
 //! well-formed (so a non-metrics page is rejected), but unknown metrics, histograms, NaN and
@@ -24,7 +26,7 @@
 use std::borrow::Cow;
 
 use scorer_core::calibration::EngineCounters;
-use scorer_core::router::EndpointMetrics;
+use scorer_core::router::{EndpointMetrics, PrefixCacheCounters};
 
 /// `vllm:num_requests_running`: sequences in the running batch.
 pub const RUNNING: &str = "vllm:num_requests_running";
@@ -50,8 +52,12 @@ pub const CALIBRATION_SERIES: [&str; 7] = [
     "vllm:prefix_cache_hits_total",
 ];
 
+/// `vllm:prefix_cache_queries_total`: prompt tokens looked up in the prefix cache (the hits
+/// are `CALIBRATION_SERIES[6]`, `vllm:prefix_cache_hits_total`).
+pub const PREFIX_CACHE_QUERIES: &str = "vllm:prefix_cache_queries_total";
+
 /// Every series [`parse_vllm_metrics`] reads; [`scrape_vllm_metrics`] parses no other line.
-pub const READ_SERIES: [&str; 12] = [
+pub const READ_SERIES: [&str; 13] = [
     RUNNING,
     WAITING,
     KV_USAGE,
@@ -64,6 +70,7 @@ pub const READ_SERIES: [&str; 12] = [
     CALIBRATION_SERIES[4],
     CALIBRATION_SERIES[5],
     CALIBRATION_SERIES[6],
+    PREFIX_CACHE_QUERIES,
 ];
 
 /// Why a `/metrics` body could not be turned into [`EndpointMetrics`].
@@ -262,6 +269,7 @@ fn metrics_from<'a>(
     // Calibration counters, summed over series: computed tokens, prefill s and count, ITL s
     // and count, prompt tokens, prefix-cache hits.
     let mut counters: [Option<f64>; 7] = [None; 7];
+    let mut queries: Option<f64> = None;
 
     for sample in samples {
         let sample = sample?;
@@ -312,6 +320,7 @@ fn metrics_from<'a>(
                 };
                 capacity.push((engine, tokens));
             }
+            PREFIX_CACHE_QUERIES => *queries.get_or_insert(0.0) += sample.value,
             name => {
                 let Some(slot) = CALIBRATION_SERIES.iter().position(|s| *s == name) else {
                     continue;
@@ -335,7 +344,17 @@ fn metrics_from<'a>(
         kv_usage: weighted_usage(&kv, &capacity),
         capacity_tokens,
         counters: engine_counters(counters),
+        prefix_cache: prefix_cache(counters[6], queries),
     })
+}
+
+/// The engine's prefix-cache hits and queries when both are present and usable.
+fn prefix_cache(hits: Option<f64>, queries: Option<f64>) -> Option<PrefixCacheCounters> {
+    let (hits, queries) = (hits?, queries?);
+    [hits, queries]
+        .iter()
+        .all(|v| v.is_finite() && *v >= 0.0)
+        .then_some(PrefixCacheCounters { hits, queries })
 }
 
 /// The calibration counters when every one is present and usable.
@@ -640,6 +659,22 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(nan.counters, None);
+        // The engine's own hits over queries, summed over engines, whether or not the
+        // calibration counters are all there; none without the queries.
+        assert_eq!(full.prefix_cache, None);
+        let with_queries = parse_vllm_metrics(&page(
+            "vllm:prefix_cache_queries_total{engine=\"0\"} 1000.0\n\
+             vllm:prefix_cache_queries_total{engine=\"1\"} 800.0\n",
+        ))
+        .unwrap();
+        assert_eq!(
+            with_queries.prefix_cache,
+            Some(PrefixCacheCounters {
+                hits: 300.0,
+                queries: 1800.0
+            })
+        );
+        assert_eq!(with_queries.counters, None);
     }
 
     /// Shaped like vLLM 0.3x output with two DP engines (trimmed).
