@@ -18,7 +18,7 @@ use scorer_core::lora::LoraState;
 use scorer_core::pools::{PoolStats, ServedModel};
 use scorer_core::precise::{ApplyError, KvEvent};
 use scorer_core::protocol::{FeedbackBatch, FirstToken, RouteReason, RouteRequest, RouteResponse};
-use scorer_core::reuse::ReuseTotals;
+use scorer_core::reuse::{MismatchRecord, ReuseTotals};
 use scorer_core::router::{
     Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
 };
@@ -847,6 +847,12 @@ impl State {
     pub fn endpoints(&self) -> Vec<EndpointView> {
         let now = self.now_ms();
         self.inner.lock().router.endpoints(now)
+    }
+
+    /// The recent outcomes whose engine delivered least of what the index believed, worst
+    /// first (`/debug/mismatch`): where the router's and the engine's view of a prompt part.
+    pub fn mismatches(&self) -> Vec<MismatchRecord> {
+        self.inner.lock().router.mismatches()
     }
 
     /// A recent decision by id, with its candidate breakdown.

@@ -369,6 +369,13 @@ impl PoolTotals {
         }
     }
 
+    /// The model `key` stands for ([`OTHER_POOL`] past the bound).
+    pub fn name(&self, key: PoolKey) -> &str {
+        key.0
+            .and_then(|i| self.pools.get(usize::from(i)))
+            .map_or(OTHER_POOL, |(m, _)| m.as_str())
+    }
+
     /// Every pool's totals (by model; [`OTHER_POOL`] last when any request counted there).
     pub fn totals(&self) -> Vec<(String, ReuseTotals)> {
         let mut out = self.pools.clone();
@@ -385,6 +392,75 @@ impl PoolTotals {
             all.merge(t);
         }
         all
+    }
+}
+
+/// One outcome whose engine delivered less than the index believed: what `/debug/mismatch`
+/// lists, to see where the router's and the engine's view of a prompt part.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MismatchRecord {
+    /// The decision the outcome answered.
+    pub decision_id: u64,
+    /// The endpoint the router chose.
+    pub endpoint: String,
+    /// The request's model (its pool).
+    pub model: String,
+    /// The chosen endpoint's routing state when it was chosen.
+    pub state: crate::self_check::RoutingState,
+    /// Whether the KV-event index scored it (false: the approximate index).
+    pub precise: bool,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: u32,
+    /// What the router credited (aimed for).
+    pub predicted_tokens: u32,
+    /// What the index believed the endpoint held, credited or not.
+    pub believed_tokens: u32,
+    /// What the engine reported serving from cache.
+    pub delivered_tokens: u32,
+    /// Tokens of one engine block (`router.precise.block_tokens`), the unit of the next two.
+    pub block_tokens: u32,
+    /// Engine blocks the index believed the endpoint held.
+    pub believed_blocks: u32,
+    /// The first block the router believed in and the engine did not serve: where the two
+    /// views of the prompt part (the delivered tokens in whole blocks).
+    pub parting_block: u32,
+    /// `now_ms` of the outcome.
+    pub at_ms: u64,
+}
+
+impl MismatchRecord {
+    /// Believed tokens the engine did not deliver.
+    pub fn shortfall(&self) -> u32 {
+        self.believed_tokens.saturating_sub(self.delivered_tokens)
+    }
+}
+
+/// Recent shortfalls kept for `/debug/mismatch`; the worst [`MISMATCHES_SHOWN`] are shown.
+pub const MISMATCHES_KEPT: usize = 256;
+/// How many of the kept shortfalls [`MismatchLog::worst`] returns.
+pub const MISMATCHES_SHOWN: usize = 32;
+
+/// A bounded ring of recent outcomes that delivered less than the index believed.
+#[derive(Debug, Clone, Default)]
+pub struct MismatchLog {
+    recent: VecDeque<MismatchRecord>,
+}
+
+impl MismatchLog {
+    /// Keeps `record` (the oldest is dropped past [`MISMATCHES_KEPT`]).
+    pub fn push(&mut self, record: MismatchRecord) {
+        if self.recent.len() >= MISMATCHES_KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(record);
+    }
+
+    /// The worst kept records (largest shortfall first, the newer first on ties), at most
+    /// [`MISMATCHES_SHOWN`].
+    pub fn worst(&self) -> Vec<MismatchRecord> {
+        let mut all: Vec<&MismatchRecord> = self.recent.iter().rev().collect();
+        all.sort_by_key(|r| std::cmp::Reverse(r.shortfall()));
+        all.into_iter().take(MISMATCHES_SHOWN).cloned().collect()
     }
 }
 
@@ -561,6 +637,37 @@ mod tests {
             ..aim
         };
         assert_eq!(unknown.in_engine_tokens(1_000).aimed, 600);
+    }
+
+    #[test]
+    fn the_mismatch_log_is_bounded_and_shows_the_worst_first() {
+        let mut log = MismatchLog::default();
+        for i in 0..(MISMATCHES_KEPT as u64 + 10) {
+            log.push(MismatchRecord {
+                decision_id: i,
+                endpoint: "e".into(),
+                model: "m".into(),
+                state: crate::self_check::RoutingState::Exact,
+                precise: false,
+                prompt_tokens: 1_000,
+                predicted_tokens: 900,
+                believed_tokens: 900,
+                delivered_tokens: i as u32,
+                block_tokens: 16,
+                believed_blocks: 56,
+                parting_block: i as u32 / 16,
+                at_ms: i,
+            });
+        }
+        let worst = log.worst();
+        assert_eq!(worst.len(), MISMATCHES_SHOWN);
+        // Records 0..10 were dropped: the worst kept delivered the least, decision 10.
+        assert_eq!(worst[0].decision_id, 10);
+        assert!(
+            worst
+                .windows(2)
+                .all(|w| w[0].shortfall() >= w[1].shortfall())
+        );
     }
 
     #[test]

@@ -35,7 +35,10 @@ use crate::lora::{LoraConfig, LoraState};
 use crate::pools::{Eligibility, FleetState, ModelsConfig, PoolStats, ServedModel};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
 use crate::protocol::{Outcome, Reject, RouteReason, RouteRequest, RouteResponse};
-use crate::reuse::{Aim, PoolKey, PoolTotals, ReuseConfig, ReuseOutcome, ReuseTotals, ReuseWindow};
+use crate::reuse::{
+    Aim, MismatchLog, MismatchRecord, PoolKey, PoolTotals, ReuseConfig, ReuseOutcome, ReuseTotals,
+    ReuseWindow,
+};
 use crate::self_check::{EndpointCheck, RoutingState, SelfCheckConfig, StateChange, StateReason};
 use crate::token_ratio::TokenRatio;
 
@@ -533,6 +536,10 @@ struct InFlight {
     aim: Aim,
     /// The pool (model) its fleet numbers count under.
     pool: PoolKey,
+    /// Whether the KV-event index scored the chosen endpoint.
+    precise: bool,
+    /// The chosen endpoint's routing state then.
+    state: RoutingState,
 }
 
 /// One candidate's score terms: what the explain output shows.
@@ -757,6 +764,8 @@ pub struct Router {
     reuse_window: ReuseWindow,
     /// The fleet numbers per pool (model).
     reuse_pools: PoolTotals,
+    /// Recent outcomes that delivered less than the index believed (`/debug/mismatch`).
+    mismatches: MismatchLog,
 
     /// A running average of the rates endpoints have learned: the prior of one that has not.
     fleet_rates: Option<Prior>,
@@ -1088,6 +1097,7 @@ impl Router {
             state_changes: VecDeque::new(),
             reuse_window: ReuseWindow::new(config.reuse.window_blocks),
             reuse_pools: PoolTotals::default(),
+            mismatches: MismatchLog::default(),
             fleet_rates: None,
             last_expire_ms: u64::MAX,
             fleet: FleetState::default(),
@@ -2049,6 +2059,9 @@ impl Router {
         let predicted_cached_tokens = request_tokens.saturating_sub(chosen_score.uncached_tokens);
         let believed_cached_tokens = self.scratch.believed[usize::from(chosen.0)];
         let aim = self.aim(shape, ranking, predicted_cached_tokens);
+        let state = self.slots[usize::from(chosen.0)]
+            .as_ref()
+            .map_or(RoutingState::Exact, Slot::routing_state);
         let entry = InFlight {
             endpoint: chosen,
             predicted_cached_tokens,
@@ -2068,6 +2081,8 @@ impl Router {
             pool: self
                 .reuse_pools
                 .key(&request.model, self.config.reuse.max_pools),
+            precise: chosen_score.precise,
+            state,
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -2290,6 +2305,7 @@ impl Router {
         };
         let mut noted = None;
         let mut reuse = None;
+        let mut mismatch = None;
         if let Some(slot) = self.slots[usize::from(served_by.0)].as_mut() {
             let served = &mut slot.served;
             served.outcomes += 1;
@@ -2307,6 +2323,35 @@ impl Router {
                 };
                 slot.reuse.add(&counted);
                 reuse = Some(counted);
+            }
+            // Where the index and the engine part, for `/debug/mismatch`: a served request
+            // that delivered less than a belief worth checking (in the engine's tokens).
+            let engine = match outcome.prompt_tokens {
+                Some(prompt) => entry.aim.in_engine_tokens(prompt),
+                None => entry.aim,
+            };
+            if served_by == entry.endpoint
+                && (200..300).contains(&outcome.status)
+                && let Some(delivered) = outcome.cached_tokens
+                && entry.believed_cached_tokens >= self.config.self_check.min_believed_tokens.max(1)
+                && delivered < engine.believed
+            {
+                let block = self.config.precise.block_tokens.max(1) as u32;
+                mismatch = Some(MismatchRecord {
+                    decision_id: outcome.decision_id,
+                    endpoint: slot.address.to_string(),
+                    model: String::new(),
+                    state: entry.state,
+                    precise: entry.precise,
+                    prompt_tokens: outcome.prompt_tokens.unwrap_or(0),
+                    predicted_tokens: engine.aimed,
+                    believed_tokens: engine.believed,
+                    delivered_tokens: delivered,
+                    block_tokens: block,
+                    believed_blocks: engine.believed / block,
+                    parting_block: delivered / block,
+                    at_ms: now_ms,
+                });
             }
             // Believed against delivered: only for the endpoint the belief was about, and only
             // for a request the engine served.
@@ -2341,6 +2386,10 @@ impl Router {
         }
         if let Some(counted) = reuse {
             self.reuse_pools.add(entry.pool, &counted);
+        }
+        if let Some(mut record) = mismatch {
+            record.model = self.reuse_pools.name(entry.pool).to_string();
+            self.mismatches.push(record);
         }
 
         if (200..300).contains(&outcome.status)
@@ -2459,6 +2508,12 @@ impl Router {
     /// The fleet numbers over every pool.
     pub fn fleet_reuse(&self) -> ReuseTotals {
         self.reuse_pools.fleet()
+    }
+
+    /// The recent outcomes that delivered least of what the index believed, worst first:
+    /// `/debug/mismatch`.
+    pub fn mismatches(&self) -> Vec<MismatchRecord> {
+        self.mismatches.worst()
     }
 
     /// Resizes the window the reuse ceiling is estimated over (0: off, as in a proxy's copy,
@@ -3714,6 +3769,17 @@ mod tests {
             by_endpoint.merge(&e.reuse);
         }
         assert_eq!(by_endpoint, spilled);
+
+        // Where the second turn's belief and the engine parted: at the first block it did not
+        // serve. The spilled turn believed nothing where it went, so it is not listed.
+        let worst = r.mismatches();
+        assert_eq!(worst.len(), 1, "{worst:?}");
+        let m = &worst[0];
+        assert_eq!(m.decision_id, second.decision_id);
+        assert_eq!(m.delivered_tokens as u64, delivered);
+        assert_eq!(m.parting_block, m.delivered_tokens / m.block_tokens);
+        assert!(m.believed_blocks > m.parting_block, "{m:?}");
+        assert_eq!(m.model, "m");
     }
 
     #[test]
