@@ -689,13 +689,14 @@ impl State {
         served
     }
 
-    /// Records a successful scrape of `address` (it becomes a candidate again).
+    /// Records a successful scrape of `address` (it becomes a candidate again). A change of its
+    /// routing state the scrape shows (its engine's block size against the configured one) is
+    /// logged and counted now.
     pub fn update_metrics(&self, address: &str, metrics: EndpointMetrics) {
         let now = self.now_ms();
-        self.inner
-            .lock()
-            .router
-            .update_metrics(address, metrics, now);
+        let mut inner = self.inner.lock();
+        inner.router.update_metrics(address, metrics, now);
+        self.note_state_changes(&mut inner);
     }
 
     /// Sets `address`'s prefill/decode role (from configuration).

@@ -203,7 +203,7 @@ impl Telemetry {
     }
 
     /// An endpoint's routing state changed (load-only on a mismatch, degraded without a live
-    /// KV-event stream, or back to exact).
+    /// KV-event stream or with another block size, or back to exact).
     pub fn count_state_change(&self, endpoint: &str, change: &StateChange) {
         self.routing_state_changes
             .get_or_create(&StateChangeLabels {
@@ -408,7 +408,8 @@ pub fn registry(state: Arc<State>) -> Registry {
         "routing_state_changes",
         "Endpoint routing-state changes: `to` load-only when the engine delivered almost none of \
          the cache hits the index believed in (reason mismatch), degraded while its KV-event \
-         stream is down (no_kv_events), back to exact when that ends",
+         stream is down (no_kv_events) or its engine's block_size differs from the configured \
+         one (block_size), back to exact when that ends",
         t.routing_state_changes,
     );
     r.register(
@@ -703,7 +704,8 @@ fn encode_routing_states(
     let mut family = encoder.encode_descriptor(
         "endpoint_routing_state",
         "1 for the endpoint's routing state: exact (prefix hits credited), degraded (its \
-         KV-event stream is down: precise requests scored from the approximate index), \
+         KV-event stream is down, or its engine's block_size is not the configured one: precise \
+         requests scored from the approximate index), \
          load-only (chosen by load: the engine did not deliver the hits the index believed in)",
         None,
         MetricType::Gauge,
@@ -1056,6 +1058,41 @@ mod tests {
         // Whole values: each needle ends its line.
         let lines: Vec<String> = needles.iter().map(|n| format!("{n}\n")).collect();
         assert_exports(state, &lines.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+
+    // An engine scraped with another block size than the router's is degraded (block_size),
+    // counted once when the scrape shows it, and exact again when the sizes match.
+    #[test]
+    fn an_engine_with_another_block_size_is_exported_degraded() {
+        let state = state_of(&["10.0.0.1:80"]);
+        let block_tokens = scorer_core::router::PreciseConfig::default().block_tokens as u32;
+        let scraped = |block_size: u32| scorer_core::router::EndpointMetrics {
+            block_size: Some(block_size),
+            ..Default::default()
+        };
+        state.update_metrics("10.0.0.1:80", scraped(2 * block_tokens));
+        state.update_metrics("10.0.0.1:80", scraped(2 * block_tokens));
+        let e = "endpoint=\"10.0.0.1:80\"";
+        let degraded = [
+            format!(
+                "kvroute_endpoint_routing_state{{{e},state=\"degraded\",reason=\"block_size\"}} 1"
+            ),
+            format!(
+                "kvroute_routing_state_changes_total{{{e},to=\"degraded\",reason=\"block_size\"}} 1"
+            ),
+        ];
+        assert_exports(
+            state.clone(),
+            &degraded.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        state.update_metrics("10.0.0.1:80", scraped(block_tokens));
+        let exact = [
+            format!("kvroute_endpoint_routing_state{{{e},state=\"exact\",reason=\"\"}} 1"),
+            format!(
+                "kvroute_routing_state_changes_total{{{e},to=\"exact\",reason=\"block_size\"}} 1"
+            ),
+        ];
+        assert_exports(state, &exact.iter().map(String::as_str).collect::<Vec<_>>());
     }
 
     // The engines' own prefix-cache counters are passed on as scraped.

@@ -268,6 +268,11 @@ pub struct EndpointMetrics {
     /// does not export them, or a scraper that does not read them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<EngineCounters>,
+    /// Tokens per KV block, the `block_size` label of `vllm:cache_config_info`: an engine
+    /// whose blocks differ from `router.precise.block_tokens` is `degraded` (its KV events
+    /// name other blocks than the router hashes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
     /// The engine's own prefix-cache counters (`vllm:prefix_cache_hits_total` over
     /// `vllm:prefix_cache_queries_total`): delivered reuse over all its traffic, routed here or
     /// not.
@@ -321,6 +326,9 @@ struct Slot {
     events_expected: bool,
     /// Whether it delivers the hits the index believes it holds ([`crate::self_check`]).
     check: EndpointCheck,
+    /// Its engine's block size when it differs from `router.precise.block_tokens`: it is
+    /// `degraded` (reason `block_size`) and scored from the approximate index.
+    other_block_size: Option<u32>,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
     /// The fleet numbers of the outcomes it served ([`crate::reuse`]).
@@ -377,22 +385,33 @@ impl Slot {
     /// How far scoring trusts what the index says this endpoint holds: load-only on a
     /// mismatch, else degraded while an expected KV-event stream is down, else exact.
     fn routing_state(&self) -> RoutingState {
-        if self.check.load_only() {
-            RoutingState::LoadOnly
-        } else if self.events_expected && !self.events_live {
-            RoutingState::Degraded
-        } else {
-            RoutingState::Exact
-        }
+        self.state_and_reason().0
     }
 
     /// Why [`Slot::routing_state`] is not exact.
     fn state_reason(&self) -> Option<StateReason> {
-        match self.routing_state() {
-            RoutingState::LoadOnly => Some(StateReason::Mismatch),
-            RoutingState::Degraded => Some(StateReason::NoKvEvents),
-            RoutingState::Exact => None,
+        self.state_and_reason().1
+    }
+
+    /// The state and its reason: load-only on a mismatch; else degraded when the engine's
+    /// block size is not the configured one, or while an expected KV-event stream is down;
+    /// else exact.
+    fn state_and_reason(&self) -> (RoutingState, Option<StateReason>) {
+        if self.check.load_only() {
+            (RoutingState::LoadOnly, Some(StateReason::Mismatch))
+        } else if self.other_block_size.is_some() {
+            (RoutingState::Degraded, Some(StateReason::BlockSize))
+        } else if self.events_expected && !self.events_live {
+            (RoutingState::Degraded, Some(StateReason::NoKvEvents))
+        } else {
+            (RoutingState::Exact, None)
         }
+    }
+
+    /// Whether its KV-event index may score precise requests: a live stream of blocks of the
+    /// configured size.
+    fn precise_usable(&self) -> bool {
+        self.events_live && self.other_block_size.is_none()
     }
 
     /// What a copy needs of this endpoint ([`Router::endpoint_snapshots`]).
@@ -1155,6 +1174,7 @@ impl Router {
             events_live: false,
             events_expected: false,
             check: EndpointCheck::default(),
+            other_block_size: None,
             served: ServedTotals::default(),
             reuse: ReuseTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
@@ -1216,6 +1236,13 @@ impl Router {
         let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
             return;
         };
+        let was = slot.state_and_reason();
+        let block_tokens = self.config.precise.block_tokens;
+        let other_block_size = metrics
+            .block_size
+            .filter(|&b| usize::try_from(b).ok() != Some(block_tokens));
+        let new_mismatch = other_block_size.is_some() && slot.other_block_size.is_none();
+        slot.other_block_size = other_block_size;
         // What copies see changes with other numbers or health; the same numbers are re-sent
         // once the scrape they hold is a quarter of `stale_after_ms` old, so a copy never
         // judges stale an endpoint the control plane scrapes: its scrape lags this one by at
@@ -1276,7 +1303,33 @@ impl Router {
             let engine_blocks = cap as usize / self.config.precise.block_tokens.max(1);
             self.precise.gpu.set_capacity(id, engine_blocks.max(1));
         }
+        if new_mismatch {
+            // Built from events whose blocks are not the router's: nothing in it can match.
+            self.precise.clear(id);
+        }
         self.bound_index(id);
+        self.note_transition(id, was);
+    }
+
+    /// Notes `id`'s state change, once, when its state or reason is no longer `was`. A change
+    /// back to exact carries the reason it left.
+    fn note_transition(&mut self, id: EndpointId, was: (RoutingState, Option<StateReason>)) {
+        let Some(slot) = self.slots[usize::from(id.0)].as_ref() else {
+            return;
+        };
+        let now = slot.state_and_reason();
+        let Some(reason) = now.1.or(was.1).filter(|_| now != was) else {
+            return;
+        };
+        let change = StateChange {
+            from: was.0,
+            to: now.0,
+            reason,
+            delivered_share: slot.check.delivered_share(),
+            samples: slot.check.samples(),
+        };
+        let address = slot.address.to_string();
+        self.note_state_change(address, change);
     }
 
     /// Bounds the approximate index to `max` blocks over all endpoints (`None`: no bound but
@@ -1343,22 +1396,11 @@ impl Router {
             return;
         };
         let was = slot.events_live;
-        let was_state = slot.routing_state();
+        let was_state = slot.state_and_reason();
         slot.events_live = live;
         slot.events_expected = true;
-        let now_state = slot.routing_state();
         // (A load-only endpoint stays load-only whatever its stream does: no change.)
-        if was_state != now_state {
-            let change = StateChange {
-                from: was_state,
-                to: now_state,
-                reason: StateReason::NoKvEvents,
-                delivered_share: slot.check.delivered_share(),
-                samples: slot.check.samples(),
-            };
-            let address = slot.address.to_string();
-            self.note_state_change(address, change);
-        }
+        self.note_transition(id, was_state);
         if was && !live {
             self.precise.clear(id);
         }
@@ -2748,7 +2790,7 @@ fn cached_prefix(
 ) -> CachedPrefix {
     let i = usize::from(c.id.0);
     let (slot, block_tokens, hittable) = (c.slot, shape.block_tokens, shape.hittable_blocks);
-    let precise = shape.precise && slot.events_live;
+    let precise = shape.precise && slot.precise_usable();
     if !precise {
         let tokens = (depths.approximate[i] as f64 * shape.tokens_per_block)
             .min(shape.prompt_tokens - 1.0)
@@ -3683,6 +3725,81 @@ mod tests {
         // Reported again as it is: no change.
         r.set_event_stream("10.0.0.0:8000", true);
         assert!(r.take_state_changes().is_empty());
+    }
+
+    // Issue #18: an engine whose blocks are not the configured size publishes KV events for
+    // blocks the router never hashes. It is `degraded` (reason block_size), its precise
+    // requests are scored from the approximate index, and it is exact again once the sizes
+    // match; each change is noted once.
+    #[test]
+    fn an_engine_with_another_block_size_is_degraded_until_its_blocks_match() {
+        let mut r = router(2);
+        let (a, b) = ("10.0.0.0:8000", "10.0.0.1:8000");
+        let block_tokens = r.config().precise.block_tokens as u32;
+        let scraped = |block_size| EndpointMetrics {
+            block_size: Some(block_size),
+            ..EndpointMetrics::default()
+        };
+        let state = |r: &Router| {
+            let e = &r.endpoints(0)[0];
+            (e.routing_state, e.state_reason)
+        };
+        for e in [a, b] {
+            r.set_event_stream(e, true);
+            r.update_metrics(e, scraped(block_tokens), 0);
+        }
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+        let precise_request = RouteRequest {
+            model: "m".into(),
+            token_block_hashes: vec![1, 2, 3],
+            prompt_tokens: 3 * block_tokens + 1,
+            ..Default::default()
+        };
+        let scored_precisely = |r: &mut Router, now: u64| {
+            let d = r.route(&precise_request, now, 1);
+            let c = d.candidates.iter().find(|c| c.endpoint.as_str() == a);
+            c.map(|c| c.precise)
+        };
+        assert_eq!(scored_precisely(&mut r, 1), Some(true));
+        r.update_metrics(a, scraped(2 * block_tokens), 2);
+        r.update_metrics(a, scraped(2 * block_tokens), 3);
+        assert_eq!(
+            state(&r),
+            (RoutingState::Degraded, Some(StateReason::BlockSize))
+        );
+        assert_eq!(
+            scored_precisely(&mut r, 4),
+            Some(false),
+            "approximate while its blocks differ"
+        );
+        r.update_metrics(a, scraped(block_tokens), 5);
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+        assert_eq!(scored_precisely(&mut r, 6), Some(true));
+        let changes: Vec<_> = r
+            .take_state_changes()
+            .into_iter()
+            .map(|(e, c)| (e, c.to, c.reason))
+            .collect();
+        assert_eq!(
+            changes,
+            [
+                (
+                    a.to_string(),
+                    RoutingState::Degraded,
+                    StateReason::BlockSize
+                ),
+                (a.to_string(), RoutingState::Exact, StateReason::BlockSize),
+            ],
+            "one change each way, none for the repeated scrape"
+        );
+        // A stream going down while the blocks differ changes nothing the state says.
+        r.update_metrics(a, scraped(2 * block_tokens), 7);
+        r.set_event_stream(a, false);
+        assert_eq!(
+            state(&r),
+            (RoutingState::Degraded, Some(StateReason::BlockSize))
+        );
+        assert_eq!(r.take_state_changes().len(), 1);
     }
 
     /// Routes `text` at `now` and reports it served by its first endpoint, with as many prompt

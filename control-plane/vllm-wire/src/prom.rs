@@ -266,6 +266,8 @@ fn metrics_from<'a>(
     let mut kv_old: Vec<(Option<Cow<'a, str>>, f64)> = Vec::new();
     // (engine label, capacity in tokens; None when the engine has not profiled yet).
     let mut capacity: Vec<(Option<Cow<'a, str>>, Option<u64>)> = Vec::new();
+    // The first engine's `block_size` (data-parallel engines share one CacheConfig).
+    let mut block_size_seen: Option<u64> = None;
     // Calibration counters, summed over series: computed tokens, prefill s and count, ITL s
     // and count, prompt tokens, prefix-cache hits.
     let mut counters: [Option<f64>; 7] = [None; 7];
@@ -312,6 +314,7 @@ fn metrics_from<'a>(
                     .map_err(syntax)?;
                 let blocks = count_label("num_gpu_blocks", blocks.as_deref())?;
                 let block_size = count_label("block_size", block_size.as_deref())?;
+                block_size_seen = block_size_seen.or(block_size);
                 let tokens = match (blocks, block_size) {
                     (Some(b), Some(s)) => {
                         Some(b.checked_mul(s).ok_or(PromError::CapacityOverflow)?)
@@ -344,6 +347,7 @@ fn metrics_from<'a>(
         kv_usage: weighted_usage(&kv, &capacity),
         capacity_tokens,
         counters: engine_counters(counters),
+        block_size: block_size_seen.and_then(|b| u32::try_from(b).ok()),
         prefix_cache: prefix_cache(counters[6], queries),
     })
 }
@@ -720,6 +724,8 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
         assert_eq!(m.capacity_tokens, Some(4000 * 16));
         // 0.25 * 1000 + 0.75 * 3000 over 4000 blocks.
         assert!((m.kv_usage - 0.625).abs() < 1e-12, "{}", m.kv_usage);
+        // vLLM 0.33's `block_size` label: what the self-check compares with the configured size.
+        assert_eq!(m.block_size, Some(16));
     }
 
     #[test]
@@ -729,6 +735,7 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
                     vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n";
         let m = parse_vllm_metrics(text).unwrap();
         assert_eq!((m.running, m.waiting, m.capacity_tokens), (1, 0, None));
+        assert_eq!(m.block_size, None);
         assert!((m.kv_usage - 0.5).abs() < 1e-12);
     }
 
