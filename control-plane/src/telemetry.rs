@@ -1147,7 +1147,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(alerts, 4);
+        assert_eq!(alerts, 5);
     }
 
     #[test]

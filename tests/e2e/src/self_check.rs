@@ -74,7 +74,7 @@ async fn continue_until(
 ) -> u64 {
     let client = fleet.client().clone();
     let mut requests = 0;
-    for _ in 0..6 {
+    for _ in 0..10 {
         for c in conversations.iter_mut() {
             c.turn(&client, fleet, 4, &[]).await;
             requests += 1;
@@ -126,6 +126,10 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
             "kvroute_routing_state_changes_total{{endpoint=\"{victim}\",to=\"load-only\",reason=\"mismatch\"}}"
         );
         assert_eq!(prometheus_sample(&metrics, &changes), Some(1.0), "{metrics}");
+        // Still broken: one more turn of every conversation, served wherever load puts it.
+        for c in conversations.iter_mut() {
+            c.turn(&client, &fleet, 4, &[]).await;
+        }
 
         // Fixed. Once the probe is due, the conversations come back: those whose history the
         // replica holds are credited there again, it serves their hits, and it is exact again.
@@ -139,6 +143,44 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
         );
         let endpoints = common::cp_get(&fleet, "/debug/endpoints").await;
         assert!(endpoints.contains("\"routing_state\""), "{endpoints}");
+
+        // The fleet numbers account for the lost reuse: aimed at the victim and not delivered
+        // while it was still trusted (eviction, as the router could tell then), then lost
+        // because it was load-only (mismatch). `/debug/mismatch` shows where the views parted:
+        // at block 0, nothing of the believed prefix served.
+        let metrics = common::cp_metrics(&fleet).await;
+        let pool = |name: &str| {
+            let series = format!("kvroute_pool_{name}{{pool=\"{MODEL}\"}}");
+            prometheus_sample(&metrics, &series).unwrap_or(0.0)
+        };
+        let gap = |reason: &str| {
+            let series =
+                format!("kvroute_pool_reuse_gap_tokens_total{{pool=\"{MODEL}\",reason=\"{reason}\"}}");
+            prometheus_sample(&metrics, &series).unwrap_or(0.0)
+        };
+        let prompt = pool("served_prompt_tokens_total");
+        eprintln!(
+            "self-check: fleet numbers of {prompt} prompt tokens: available {:.1}%, aimed {:.1}%, \
+             delivered {:.1}%; gap load_spill {:.1}%, eviction {:.1}%, mismatch {:.1}%, unheld {:.1}%",
+            100.0 * pool("reuse_available_tokens_total") / prompt,
+            100.0 * pool("reuse_aimed_tokens_total") / prompt,
+            100.0 * pool("served_cached_tokens_total") / prompt,
+            100.0 * gap("load_spill") / prompt,
+            100.0 * gap("eviction") / prompt,
+            100.0 * gap("mismatch") / prompt,
+            100.0 * gap("unheld") / prompt,
+        );
+        assert!(gap("eviction") > 0.0 && gap("mismatch") > 0.0, "{metrics}");
+        let worst: serde_json::Value =
+            serde_json::from_str(&common::cp_get(&fleet, "/debug/mismatch").await).unwrap();
+        let on_victim: Vec<&serde_json::Value> = worst
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["endpoint"] == victim.as_str())
+            .collect();
+        assert!(!on_victim.is_empty(), "{worst:#}");
+        assert_eq!(on_victim[0]["parting_block"], 0, "{worst:#}");
     })
     .await;
 }
