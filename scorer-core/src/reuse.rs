@@ -22,6 +22,7 @@
 use std::collections::VecDeque;
 
 use hashbrown::HashMap;
+use hashbrown::hash_map::Entry;
 use serde::{Deserialize, Serialize};
 
 /// The `router.reuse` section.
@@ -77,14 +78,22 @@ impl ReuseWindow {
         if self.capacity == 0 {
             return 0;
         }
-        let matched = blocks
-            .iter()
-            .take(hittable)
-            .take_while(|h| self.seen.contains_key(*h))
-            .count();
-        for &h in blocks {
+        // One map operation a block: the leading run of blocks already there is the match.
+        let (mut matched, mut leading) = (0, true);
+        for (i, &h) in blocks.iter().enumerate() {
             self.seq += 1;
-            self.seen.insert(h, self.seq);
+            match self.seen.entry(h) {
+                Entry::Occupied(mut seen) => {
+                    *seen.get_mut() = self.seq;
+                    if leading && i < hittable {
+                        matched += 1;
+                    }
+                }
+                Entry::Vacant(new) => {
+                    new.insert(self.seq);
+                    leading = false;
+                }
+            }
             self.order.push_back((h, self.seq));
         }
         while self.seen.len() > self.capacity {
