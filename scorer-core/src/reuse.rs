@@ -3,9 +3,10 @@
 //!
 //! - **available**: an online estimate of the workload's ceiling. For each request, the leading
 //!   prompt blocks that some earlier request in a bounded recent window already had, wherever
-//!   it was routed ([`ReuseWindow`]): the hits one LRU cache of [`ReuseConfig::window_blocks`]
-//!   blocks, shared by the whole fleet, would have served. Caches are finite and split over
-//!   replicas, so a fleet only approaches it; it says what routing could win at most.
+//!   it was routed ([`ReuseWindow`]): the hits one LRU cache as large as the whole fleet's KV
+//!   capacity ([`ReuseConfig`]), shared by every replica, would have served. The fleet's
+//!   caches hold as much but are split over replicas, so a fleet only approaches it: it says
+//!   what routing could win at most on this fleet.
 //! - **aimed**: the cached tokens the router credited the chosen endpoint with (the decision's
 //!   prediction, `RouterStats::predicted_cached_tokens` fleet-wide).
 //! - **delivered**: what the engine reported serving from cache,
@@ -29,10 +30,15 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ReuseConfig {
+    /// Estimate the ceiling at all (off: no window, the available reuse counts 0).
+    pub enabled: bool,
     /// Prompt blocks the ceiling's window remembers (least recently seen forgotten first); 0
-    /// turns the estimate off (a proxy's copy, whose numbers nobody reads). 65,536 blocks are
-    /// about 4M tokens of approximate mode's 256-byte blocks, in about 4 MB.
+    /// sizes it to the fleet: its endpoints' scraped KV capacity in the index's blocks, or
+    /// [`DEFAULT_WINDOW_BLOCKS`] before any capacity is known.
     pub window_blocks: usize,
+    /// The most blocks the window may hold however large the fleet: its memory bound (about 60
+    /// bytes a block). 262,144 blocks are 16M tokens of approximate mode's 256-byte blocks.
+    pub max_window_blocks: usize,
     /// Pools (models) counted apart; requests for further models count under
     /// [`OTHER_POOL`], so a client naming ever new models cannot grow the table.
     pub max_pools: usize,
@@ -41,11 +47,31 @@ pub struct ReuseConfig {
 impl Default for ReuseConfig {
     fn default() -> Self {
         Self {
-            window_blocks: 65_536,
+            enabled: true,
+            window_blocks: 0,
+            max_window_blocks: 262_144,
             max_pools: 32,
         }
     }
 }
+
+impl ReuseConfig {
+    /// The window's size for a fleet whose known KV capacity is `fleet_blocks` blocks (0: none
+    /// known yet).
+    pub fn window_for(&self, fleet_blocks: usize) -> usize {
+        let wanted = match (self.enabled, self.window_blocks, fleet_blocks) {
+            (false, _, _) => 0,
+            (true, 0, 0) => DEFAULT_WINDOW_BLOCKS,
+            (true, 0, fleet) => fleet,
+            (true, fixed, _) => fixed,
+        };
+        wanted.min(self.max_window_blocks)
+    }
+}
+
+/// The window of a fleet that has reported no KV capacity yet: about 4M tokens of approximate
+/// mode's blocks.
+pub const DEFAULT_WINDOW_BLOCKS: usize = 65_536;
 
 /// The pool label of requests beyond [`ReuseConfig::max_pools`] models.
 pub const OTHER_POOL: &str = "_other";
@@ -96,6 +122,25 @@ impl ReuseWindow {
             }
             self.order.push_back((h, self.seq));
         }
+        self.evict();
+        // Blocks seen again leave stale entries behind: drop them once they are half the queue.
+        if self.order.len() > 2 * self.capacity.max(1) {
+            let seen = &self.seen;
+            self.order.retain(|(h, s)| seen.get(h) == Some(s));
+        }
+        matched
+    }
+
+    /// Sets the most blocks remembered, forgetting the least recently seen beyond it.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity;
+        self.evict();
+        if capacity == 0 {
+            self.order.clear();
+        }
+    }
+
+    fn evict(&mut self) {
         while self.seen.len() > self.capacity {
             let Some((h, s)) = self.order.pop_front() else {
                 break;
@@ -104,12 +149,11 @@ impl ReuseWindow {
                 self.seen.remove(&h);
             }
         }
-        // Blocks seen again leave stale entries behind: drop them once they are half the queue.
-        if self.order.len() > 2 * self.capacity.max(1) {
-            let seen = &self.seen;
-            self.order.retain(|(h, s)| seen.get(h) == Some(s));
-        }
-        matched
+    }
+
+    /// The most blocks remembered.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// Blocks remembered.
@@ -501,6 +545,33 @@ mod tests {
         off.observe(&[1, 2], 2);
         assert_eq!(off.observe(&[1, 2], 2), 0);
         assert!(off.is_empty());
+        // Shrunk, it forgets the least recently seen first.
+        w.set_capacity(1);
+        assert_eq!(w.len(), 1);
+        assert_eq!(w.observe(&[9], 1), 1, "the block seen last stays");
+        assert_eq!(w.observe(&[1], 1), 0, "the one before is forgotten");
+    }
+
+    #[test]
+    fn the_window_is_as_large_as_the_fleets_kv_within_its_bound() {
+        let auto = ReuseConfig::default();
+        assert_eq!(
+            auto.window_for(0),
+            DEFAULT_WINDOW_BLOCKS,
+            "no capacity known yet"
+        );
+        assert_eq!(auto.window_for(10_000), 10_000);
+        assert_eq!(auto.window_for(10_000_000), auto.max_window_blocks);
+        let fixed = ReuseConfig {
+            window_blocks: 500,
+            ..ReuseConfig::default()
+        };
+        assert_eq!(fixed.window_for(10_000), 500);
+        let off = ReuseConfig {
+            enabled: false,
+            ..ReuseConfig::default()
+        };
+        assert_eq!(off.window_for(10_000), 0);
     }
 
     fn outcome(aim: Aim, delivered: u32, fallback: bool) -> Vec<(GapReason, u32)> {

@@ -779,8 +779,13 @@ pub struct Router {
     /// Endpoint state changes not yet taken by [`Router::take_state_changes`], oldest first
     /// (bounded: [`MAX_STATE_CHANGES`]).
     state_changes: VecDeque<(String, StateChange)>,
-    /// Recently seen prompt blocks: the traffic's reuse ceiling ([`crate::reuse`]).
+    /// Recently seen prompt blocks: the traffic's reuse ceiling ([`crate::reuse`]), as large
+    /// as the fleet's KV unless configured or overridden.
     reuse_window: ReuseWindow,
+    /// The window's size set by [`Router::set_reuse_window`], whatever the fleet.
+    reuse_window_override: Option<usize>,
+    /// The endpoints' last scraped KV capacity, summed, in tokens: what the window is sized to.
+    fleet_kv_tokens: u64,
     /// The fleet numbers per pool (model).
     reuse_pools: PoolTotals,
     /// Recent outcomes that delivered less than the index believed (`/debug/mismatch`).
@@ -1114,7 +1119,9 @@ impl Router {
             withdrawn: VecDeque::new(),
             stats: RouterStats::default(),
             state_changes: VecDeque::new(),
-            reuse_window: ReuseWindow::new(config.reuse.window_blocks),
+            reuse_window: ReuseWindow::new(config.reuse.window_for(0)),
+            reuse_window_override: None,
+            fleet_kv_tokens: 0,
             reuse_pools: PoolTotals::default(),
             mismatches: MismatchLog::default(),
             fleet_rates: None,
@@ -1200,6 +1207,9 @@ impl Router {
     pub fn remove_endpoint(&mut self, address: &str) {
         if let Some(id) = self.by_address.remove(address) {
             if let Some(slot) = self.slots[usize::from(id.0)].take() {
+                let kv = slot.metrics.and_then(|m| m.capacity_tokens).unwrap_or(0);
+                self.fleet_kv_tokens = self.fleet_kv_tokens.saturating_sub(kv);
+                self.resize_reuse_window();
                 let version = self.table.next();
                 self.table.removed.push_back((version, slot.address));
                 while self.table.removed.len() > MAX_REMOVALS_KEPT {
@@ -1243,6 +1253,8 @@ impl Router {
             .filter(|&b| usize::try_from(b).ok() != Some(block_tokens));
         let new_mismatch = other_block_size.is_some() && slot.other_block_size.is_none();
         slot.other_block_size = other_block_size;
+        let old_kv = slot.metrics.and_then(|m| m.capacity_tokens).unwrap_or(0);
+        let new_kv = metrics.capacity_tokens.unwrap_or(0);
         // What copies see changes with other numbers or health; the same numbers are re-sent
         // once the scrape they hold is a quarter of `stale_after_ms` old, so a copy never
         // judges stale an endpoint the control plane scrapes: its scrape lags this one by at
@@ -1308,6 +1320,10 @@ impl Router {
             self.precise.clear(id);
         }
         self.bound_index(id);
+        if old_kv != new_kv {
+            self.fleet_kv_tokens = (self.fleet_kv_tokens + new_kv).saturating_sub(old_kv);
+            self.resize_reuse_window();
+        }
         self.note_transition(id, was);
     }
 
@@ -2100,7 +2116,12 @@ impl Router {
             (f64::from(request_tokens) - kv_blocks.len() as f64 * kv_block_tokens).max(0.0) as u32;
         let predicted_cached_tokens = request_tokens.saturating_sub(chosen_score.uncached_tokens);
         let believed_cached_tokens = self.scratch.believed[usize::from(chosen.0)];
-        let aim = self.aim(shape, ranking, predicted_cached_tokens);
+        let aim = self.aim(
+            &request.block_hashes,
+            shape,
+            ranking,
+            predicted_cached_tokens,
+        );
         let state = self.slots[usize::from(chosen.0)]
             .as_ref()
             .map_or(RoutingState::Exact, Slot::routing_state);
@@ -2170,11 +2191,20 @@ impl Router {
     /// The fleet numbers' view of a decision ([`crate::reuse`]): the reuse the recent window
     /// offered for the prompt (remembering its blocks), what the chosen endpoint was credited
     /// with and believed to hold, and the most any candidate was.
-    fn aim(&mut self, shape: &RequestShape<'_>, ranking: &Ranking, aimed: u32) -> Aim {
-        let KvBlocks {
-            hashes,
-            block_tokens,
-        } = shape.kv_blocks;
+    fn aim(
+        &mut self,
+        request_blocks: &[u64],
+        shape: &RequestShape<'_>,
+        ranking: &Ranking,
+        aimed: u32,
+    ) -> Aim {
+        // The text blocks when the request has them (precise requests too), so the window
+        // counts in one unit, the one it is sized in; else the token blocks.
+        let (hashes, block_tokens) = if request_blocks.is_empty() {
+            (shape.kv_blocks.hashes, shape.kv_blocks.block_tokens)
+        } else {
+            (request_blocks, shape.tokens_per_block)
+        };
         let hittable_tokens = shape.tokens.saturating_sub(1);
         let hittable = (f64::from(hittable_tokens) / block_tokens.max(1.0)) as usize;
         let matched = self.reuse_window.observe(hashes, hittable);
@@ -2558,10 +2588,32 @@ impl Router {
         self.mismatches.worst()
     }
 
-    /// Resizes the window the reuse ceiling is estimated over (0: off, as in a proxy's copy,
-    /// whose fleet numbers nobody reads); what it remembered is dropped.
+    /// Blocks the reuse ceiling's window may remember now (`router.reuse`).
+    pub fn reuse_window_blocks(&self) -> usize {
+        self.reuse_window.capacity()
+    }
+
+    /// Fixes the size of the window the reuse ceiling is estimated over, whatever the fleet
+    /// (0: off, as in a proxy's copy, whose fleet numbers nobody reads).
     pub fn set_reuse_window(&mut self, blocks: usize) {
-        self.reuse_window = ReuseWindow::new(blocks);
+        self.reuse_window_override = Some(blocks);
+        self.reuse_window.set_capacity(blocks);
+    }
+
+    /// Sizes the reuse window to the fleet's KV capacity in the approximate index's blocks
+    /// (`router.reuse`), unless overridden.
+    fn resize_reuse_window(&mut self) {
+        let blocks = match self.reuse_window_override {
+            Some(blocks) => blocks,
+            None => {
+                let tokens = self.fleet_kv_tokens as f64;
+                let fleet = (tokens / self.tokens_per_block().max(1.0)) as usize;
+                self.config.reuse.window_for(fleet)
+            }
+        };
+        if blocks != self.reuse_window.capacity() {
+            self.reuse_window.set_capacity(blocks);
+        }
     }
 
     /// Keeps one endpoint state change for [`Router::take_state_changes`].
@@ -3800,6 +3852,42 @@ mod tests {
             (RoutingState::Degraded, Some(StateReason::BlockSize))
         );
         assert_eq!(r.take_state_changes().len(), 1);
+    }
+
+    // The ceiling is one cache as large as the fleet's KV: the window follows the endpoints'
+    // scraped capacity (bounded), so a prompt the fleet's caches could not all hold is not
+    // counted available again.
+    #[test]
+    fn the_reuse_window_is_as_large_as_the_fleets_kv() {
+        let mut r = router(2);
+        assert_eq!(r.reuse_window_blocks(), crate::reuse::DEFAULT_WINDOW_BLOCKS);
+        let per_block = r.tokens_per_block();
+        let with_capacity = |blocks: f64| EndpointMetrics {
+            capacity_tokens: Some((blocks * per_block) as u64),
+            ..EndpointMetrics::default()
+        };
+        // Two endpoints of 12 blocks each: a window of 24.
+        for i in 0..2 {
+            r.update_metrics(&format!("10.0.0.{i}:8000"), with_capacity(12.0), 0);
+        }
+        assert_eq!(r.reuse_window_blocks(), 24);
+        // Two prompts of 16 blocks each: the second pushes half the first out of the window.
+        let (a, b) = ("a".repeat(16 * 256), "b".repeat(16 * 256));
+        serve_reported(&mut r, &a, 1, |_| 0);
+        serve_reported(&mut r, &b, 2, |_| 0);
+        let before = r.fleet_reuse().available_tokens;
+        serve_reported(&mut r, &a, 3, |_| 0);
+        let again = r.fleet_reuse().available_tokens - before;
+        assert_eq!(again, 0, "its first blocks were the least recently seen");
+        // A larger fleet remembers both.
+        r.update_metrics("10.0.0.0:8000", with_capacity(100.0), 4);
+        assert_eq!(r.reuse_window_blocks(), 112);
+        serve_reported(&mut r, &b, 5, |_| 0);
+        serve_reported(&mut r, &a, 6, |_| 0);
+        let seen = r.fleet_reuse().available_tokens - before;
+        assert!(seen > 0, "{seen}");
+        r.remove_endpoint("10.0.0.0:8000");
+        assert_eq!(r.reuse_window_blocks(), 12);
     }
 
     /// Routes `text` at `now` and reports it served by its first endpoint, with as many prompt
