@@ -167,6 +167,41 @@ function renderEndpoints(data) {
   document.querySelector("#endpoints tbody").replaceChildren(...rows);
 }
 
+// The fleet numbers (issue #18): per pool, then per endpoint, each as a share of prompt tokens.
+const GAP_REASONS = ["load_spill", "eviction", "mismatch", "fallback", "unheld"];
+
+function reuseCells(r) {
+  const share = (n) => (r.prompt_tokens > 0 ? pct(n / r.prompt_tokens) : "–");
+  const cell = (n) => el("td", { class: "num", title: `${num(n)} tokens` }, share(n));
+  return [
+    el("td", { class: "num" }, num(r.prompt_tokens)),
+    cell(r.available_tokens),
+    cell(r.aimed_tokens),
+    cell(r.delivered_tokens),
+    ...GAP_REASONS.map((g) => cell(r.gap_tokens[g])),
+  ];
+}
+
+function routingState(e) {
+  const s = e.routing_state || "exact";
+  const title = s === "exact" ? "prefix hits credited" : `reason ${e.state_reason}`;
+  return el("td", s === "exact" ? { title } : { class: "error", title },
+    s + (e.state_reason ? ` · ${e.state_reason}` : ""));
+}
+
+function renderReuse(data) {
+  const pools = data.pools.map((p) =>
+    el("tr", {}, el("td", {}, el("b", {}, p.pool || "(no model)")), el("td", {}, "pool"), ...reuseCells(p.reuse),
+      el("td", { class: "num" }, "")));
+  const endpoints = data.endpoints.map((e) => {
+    const c = (e.metrics || {}).prefix_cache;
+    const engine = c && c.queries > 0 ? pct(c.hits / c.queries) : "–";
+    return el("tr", {}, el("td", {}, e.address), routingState(e), ...reuseCells(e.reuse),
+      el("td", { class: "num" }, engine));
+  });
+  document.querySelector("#reuse tbody").replaceChildren(...pools, ...endpoints);
+}
+
 let selected = null;
 
 function renderDecisions(data) {
@@ -235,6 +270,7 @@ async function poll() {
     const data = await resp.json();
     renderTiles(data);
     renderEndpoints(data);
+    renderReuse(data);
     renderDecisions(data);
     const up = data.endpoints.filter((e) => health(e)[0] === "up").length;
     status.className = "status";

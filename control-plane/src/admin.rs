@@ -67,6 +67,7 @@ pub fn router(state: Arc<State>, admin_token: Option<String>) -> axum::Router {
         .route("/debug/kv_events", get(kv_events))
         .route("/debug/decisions", get(decisions))
         .route("/debug/decisions/{id}", get(decision))
+        .route("/debug/mismatch", get(mismatch))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::new(auth),
             PageAuth::check,
@@ -181,6 +182,12 @@ async fn decisions(
     Query(q): Query<ListQuery>,
 ) -> Response {
     Json(admin.state.recent_decisions(q.limit.unwrap_or(100))).into_response()
+}
+
+/// The worst recent outcomes that delivered less than the index believed: predicted, believed
+/// and delivered tokens, and the engine block where the two views of the prompt part.
+async fn mismatch(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
+    Json(admin.state.mismatches()).into_response()
 }
 
 async fn decision(AxumState(admin): AxumState<Arc<Admin>>, Path(id): Path<String>) -> Response {

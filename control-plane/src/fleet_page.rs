@@ -25,6 +25,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use scorer_core::protocol::RouteResponse;
+use scorer_core::reuse::ReuseTotals;
 use scorer_core::router::{EndpointView, Health, ServedTotals};
 use serde::Serialize;
 
@@ -188,6 +189,17 @@ pub struct Totals {
     pub hit_rate: Option<f64>,
     /// Reasons of the most recent decisions (at most 1,000), counted.
     pub recent_reasons: BTreeMap<String, u64>,
+    /// The fleet numbers over every pool: reuse available, aimed for, delivered, the gap.
+    pub reuse: ReuseTotals,
+}
+
+/// One pool (model) in the fleet numbers' table.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolRow {
+    /// The model its requests named.
+    pub pool: String,
+    /// Reuse available, aimed for, delivered and the gap by reason, in tokens.
+    pub reuse: ReuseTotals,
 }
 
 /// What `GET /debug/fleet.json` answers.
@@ -201,6 +213,8 @@ pub struct FleetJson {
     pub totals: Totals,
     /// Every endpoint, in configuration order.
     pub endpoints: Vec<EndpointRow>,
+    /// The fleet numbers per pool, in the order pools were first routed.
+    pub pools: Vec<PoolRow>,
     /// The latest decisions, newest first.
     pub recent: Vec<RouteResponse>,
 }
@@ -251,6 +265,15 @@ pub fn fleet_json(state: &State, history: &History) -> FleetJson {
             .or_insert(0) += 1;
     }
     let s = snap.stats;
+    let mut reuse = ReuseTotals::default();
+    for (_, t) in &snap.pools {
+        reuse.merge(t);
+    }
+    let pools = snap
+        .pools
+        .into_iter()
+        .map(|(pool, reuse)| PoolRow { pool, reuse })
+        .collect();
     FleetJson {
         now_ms,
         sample_interval_ms: SAMPLE_INTERVAL.as_millis() as u64,
@@ -268,8 +291,10 @@ pub fn fleet_json(state: &State, history: &History) -> FleetJson {
             actual_cached_tokens: s.actual_cached_tokens,
             hit_rate: ratio(cached, prompt),
             recent_reasons,
+            reuse,
         },
         endpoints,
+        pools,
         recent: window.into_iter().take(RECENT_DECISIONS).collect(),
     }
 }
@@ -433,6 +458,7 @@ mod tests {
                 kv_usage: 0.5,
                 capacity_tokens: None,
                 counters: None,
+                ..Default::default()
             },
         );
         history.record(0, &state.endpoints());
@@ -469,6 +495,14 @@ mod tests {
         assert_eq!(json.totals.decisions, 2);
         assert_eq!(json.totals.outcomes, 2);
         assert_eq!(json.totals.hit_rate, Some(0.4));
+        // The fleet numbers: one pool, the same outcomes; the second turn's reuse was in the
+        // window and 80 tokens of it delivered.
+        assert_eq!(json.pools.len(), 1);
+        assert_eq!(json.pools[0].pool, "m");
+        assert_eq!(json.pools[0].reuse, json.totals.reuse);
+        assert_eq!(json.totals.reuse.outcomes, 2);
+        assert_eq!(json.totals.reuse.delivered_tokens, 80);
+        assert!(json.totals.reuse.available_tokens > 0);
         assert_eq!(json.recent.len(), 2);
         assert_eq!(json.recent[0].decision_id, second.decision_id);
         assert_eq!(json.totals.recent_reasons.values().sum::<u64>(), 2);

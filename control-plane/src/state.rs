@@ -18,6 +18,7 @@ use scorer_core::lora::LoraState;
 use scorer_core::pools::{PoolStats, ServedModel};
 use scorer_core::precise::{ApplyError, KvEvent};
 use scorer_core::protocol::{FeedbackBatch, FirstToken, RouteReason, RouteRequest, RouteResponse};
+use scorer_core::reuse::{MismatchRecord, ReuseTotals};
 use scorer_core::router::{
     Decision, EndpointMetrics, EndpointView, Router, RouterConfig, RouterError, RouterStats,
 };
@@ -237,6 +238,8 @@ pub struct Snapshot {
     pub sync_log_entries: usize,
     /// Canonical bytes per token the approximate index counts in (configured or learned).
     pub bytes_per_token: f64,
+    /// The fleet numbers per pool (model): reuse available, aimed for, delivered, the gap.
+    pub pools: Vec<(String, ReuseTotals)>,
 }
 
 impl State {
@@ -724,13 +727,14 @@ impl State {
         served
     }
 
-    /// Records a successful scrape of `address` (it becomes a candidate again).
+    /// Records a successful scrape of `address` (it becomes a candidate again). A change of its
+    /// routing state the scrape shows (its engine's block size against the configured one) is
+    /// logged and counted now.
     pub fn update_metrics(&self, address: &str, metrics: EndpointMetrics) {
         let now = self.now_ms();
-        self.inner
-            .lock()
-            .router
-            .update_metrics(address, metrics, now);
+        let mut inner = self.inner.lock();
+        inner.router.update_metrics(address, metrics, now);
+        self.note_state_changes(&mut inner);
     }
 
     /// Sets `address`'s prefill/decode role (from configuration).
@@ -884,6 +888,12 @@ impl State {
         self.inner.lock().router.endpoints(now)
     }
 
+    /// The recent outcomes whose engine delivered least of what the index believed, worst
+    /// first (`/debug/mismatch`): where the router's and the engine's view of a prompt part.
+    pub fn mismatches(&self) -> Vec<MismatchRecord> {
+        self.inner.lock().router.mismatches()
+    }
+
     /// A recent decision by id, with its candidate breakdown.
     pub fn decision(&self, id: u64) -> Option<Decision> {
         let inner = self.inner.lock();
@@ -919,6 +929,7 @@ impl State {
             index_bytes: r.index().approx_bytes(),
             bytes_per_token: r.bytes_per_token(),
             sync_log_entries: inner.sync.len(),
+            pools: r.pool_reuse(),
         }
     }
 }

@@ -19,6 +19,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use scorer_core::disagg::EndpointRole;
 use scorer_core::protocol::RouteReason;
+use scorer_core::reuse::{GapReason, ReuseTotals};
 use scorer_core::router::{EndpointView, Health};
 use scorer_core::self_check::StateChange;
 
@@ -204,7 +205,7 @@ impl Telemetry {
     }
 
     /// An endpoint's routing state changed (load-only on a mismatch, degraded without a live
-    /// KV-event stream, or back to exact).
+    /// KV-event stream or with another block size, or back to exact).
     pub fn count_state_change(&self, endpoint: &str, change: &StateChange) {
         self.routing_state_changes
             .get_or_create(&StateChangeLabels {
@@ -419,7 +420,8 @@ pub fn registry(state: Arc<State>) -> Registry {
         "routing_state_changes",
         "Endpoint routing-state changes: `to` load-only when the engine delivered almost none of \
          the cache hits the index believed in (reason mismatch), degraded while its KV-event \
-         stream is down (no_kv_events), back to exact when that ends",
+         stream is down (no_kv_events) or its engine's block_size differs from the configured \
+         one (block_size), back to exact when that ends",
         t.routing_state_changes,
     );
     r.register(
@@ -680,6 +682,7 @@ impl Collector for RouterCollector {
         ];
         endpoint_gauges(&mut encoder, &snap.endpoints, |e| &e.address, &per_endpoint)?;
         encode_routing_states(&mut encoder, &snap.endpoints)?;
+        encode_reuse(&mut encoder, &snap.endpoints, &snap.pools)?;
         encode_latency_model(&mut encoder, &snap.endpoints)?;
         encode_disaggregation(&mut encoder, snap.stats.disaggregated, &snap.endpoints)?;
         Ok(())
@@ -719,7 +722,8 @@ fn encode_routing_states(
     let mut family = encoder.encode_descriptor(
         "endpoint_routing_state",
         "1 for the endpoint's routing state: exact (prefix hits credited), degraded (its \
-         KV-event stream is down: precise requests scored from the approximate index), \
+         KV-event stream is down, or its engine's block_size is not the configured one: precise \
+         requests scored from the approximate index), \
          load-only (chosen by load: the engine did not deliver the hits the index believed in)",
         None,
         MetricType::Gauge,
@@ -731,6 +735,118 @@ fn encode_routing_states(
             ("reason", e.state_reason.map_or("", |r| r.as_str())),
         ];
         ConstGauge::new(1.0).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// The fleet numbers ([`scorer_core::reuse`]) as token counters, per endpoint and per pool (the
+/// request's model), so every share is a PromQL ratio of rates over the same outcomes: reuse
+/// available in the traffic, aimed for, and the gap by reason. Delivered reuse and its
+/// denominator are `endpoint_served_cached_tokens` and `endpoint_served_prompt_tokens` per
+/// endpoint (written with the fleet page's counters), `pool_served_*` per pool. The engines'
+/// own prefix-cache counters, where scraped, follow.
+fn encode_reuse(
+    encoder: &mut DescriptorEncoder,
+    endpoints: &[EndpointView],
+    pools: &[(String, ReuseTotals)],
+) -> fmt::Result {
+    type Get = fn(&ReuseTotals) -> u64;
+    let per_endpoint: [(&str, &str, Get); 2] = [
+        (
+            "endpoint_reuse_available_tokens",
+            "Prompt tokens of the endpoint's served outcomes that an earlier request in the recent              window already had, wherever it went: the reuse the traffic offered (the ceiling)",
+            |t| t.available_tokens,
+        ),
+        (
+            "endpoint_reuse_aimed_tokens",
+            "Cached tokens the router credited when it chose the endpoint, over the same outcomes",
+            |t| t.aimed_tokens,
+        ),
+    ];
+    for (name, help, get) in per_endpoint {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for e in endpoints {
+            let labels = [("endpoint", e.address.as_str())];
+            ConstCounter::new(get(&e.reuse)).encode(family.encode_family(&labels)?)?;
+        }
+    }
+    let mut family = encoder.encode_descriptor(
+        "endpoint_reuse_gap_tokens",
+        "Available reuse the endpoint's served outcomes did not deliver, by the reason the router          attributes: load_spill, eviction, mismatch, fallback, unheld",
+        None,
+        MetricType::Counter,
+    )?;
+    for e in endpoints {
+        for reason in GapReason::ALL {
+            let labels = [
+                ("endpoint", e.address.as_str()),
+                ("reason", reason.as_str()),
+            ];
+            ConstCounter::new(e.reuse.gap_tokens.get(reason))
+                .encode(family.encode_family(&labels)?)?;
+        }
+    }
+    let per_pool: [(&str, &str, Get); 4] = [
+        (
+            "pool_served_prompt_tokens",
+            "Prompt tokens of the pool's outcomes that reported cached tokens (the shares'              denominator)",
+            |t| t.prompt_tokens,
+        ),
+        (
+            "pool_reuse_available_tokens",
+            "Prompt tokens an earlier request in the recent window already had: the reuse the              pool's traffic offered (the ceiling)",
+            |t| t.available_tokens,
+        ),
+        (
+            "pool_reuse_aimed_tokens",
+            "Cached tokens the router credited the chosen endpoints with",
+            |t| t.aimed_tokens,
+        ),
+        (
+            "pool_served_cached_tokens",
+            "Cached prompt tokens the engines reported (delivered reuse)",
+            |t| t.delivered_tokens,
+        ),
+    ];
+    for (name, help, get) in per_pool {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (pool, t) in pools {
+            ConstCounter::new(get(t)).encode(family.encode_family(&[("pool", pool.as_str())])?)?;
+        }
+    }
+    let mut family = encoder.encode_descriptor(
+        "pool_reuse_gap_tokens",
+        "Available reuse the pool's outcomes did not deliver, by the reason the router          attributes: load_spill, eviction, mismatch, fallback, unheld",
+        None,
+        MetricType::Counter,
+    )?;
+    for (pool, t) in pools {
+        for reason in GapReason::ALL {
+            let labels = [("pool", pool.as_str()), ("reason", reason.as_str())];
+            ConstCounter::new(t.gap_tokens.get(reason)).encode(family.encode_family(&labels)?)?;
+        }
+    }
+    type Engine = fn(&scorer_core::router::PrefixCacheCounters) -> f64;
+    let engine: [(&str, &str, Engine); 2] = [
+        (
+            "endpoint_engine_prefix_cache_hit_tokens",
+            "vllm:prefix_cache_hits_total as last scraped: prompt tokens the engine served from              its prefix cache, over all its traffic",
+            |c| c.hits,
+        ),
+        (
+            "endpoint_engine_prefix_cache_query_tokens",
+            "vllm:prefix_cache_queries_total as last scraped: prompt tokens the engine looked up",
+            |c| c.queries,
+        ),
+    ];
+    for (name, help, get) in engine {
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for e in endpoints {
+            if let Some(c) = e.metrics.and_then(|m| m.prefix_cache) {
+                let labels = [("endpoint", e.address.as_str())];
+                ConstCounter::new(get(&c)).encode(family.encode_family(&labels)?)?;
+            }
+        }
     }
     Ok(())
 }
@@ -903,6 +1019,123 @@ mod tests {
         );
     }
 
+    // Issue #18's fleet numbers: the mismatched endpoint's outcomes offered reuse (the same
+    // prompt ten times), the router aimed at it until the endpoint went load-only, and nothing
+    // was delivered: the gap is eviction while it was exact, mismatch after. Exported per
+    // endpoint and per pool, as the router counted them.
+    #[test]
+    fn the_fleet_numbers_are_exported_per_endpoint_and_pool() {
+        let state = mismatched_state();
+        let snap = state.snapshot();
+        let [(pool, t)] = snap.pools.as_slice() else {
+            panic!("one pool: {:?}", snap.pools);
+        };
+        assert_eq!(pool, "m");
+        assert!(t.available_tokens > 0 && t.aimed_tokens > 0, "{t:?}");
+        assert_eq!(t.delivered_tokens, 0);
+        let gap = t.gap_tokens;
+        assert!(gap.eviction > 0 && gap.mismatch > 0, "{gap:?}");
+        assert_eq!(gap.total(), t.available_tokens);
+        let e = "endpoint=\"10.0.0.1:80\"";
+        let needles = [
+            format!(
+                "kvroute_pool_served_prompt_tokens_total{{pool=\"m\"}} {}",
+                t.prompt_tokens
+            ),
+            format!(
+                "kvroute_pool_reuse_available_tokens_total{{pool=\"m\"}} {}",
+                t.available_tokens
+            ),
+            format!(
+                "kvroute_pool_reuse_aimed_tokens_total{{pool=\"m\"}} {}",
+                t.aimed_tokens
+            ),
+            "kvroute_pool_served_cached_tokens_total{pool=\"m\"} 0".to_string(),
+            format!(
+                "kvroute_pool_reuse_gap_tokens_total{{pool=\"m\",reason=\"eviction\"}} {}",
+                gap.eviction
+            ),
+            format!(
+                "kvroute_pool_reuse_gap_tokens_total{{pool=\"m\",reason=\"mismatch\"}} {}",
+                gap.mismatch
+            ),
+            "kvroute_pool_reuse_gap_tokens_total{pool=\"m\",reason=\"load_spill\"} 0".to_string(),
+            format!(
+                "kvroute_endpoint_reuse_available_tokens_total{{{e}}} {}",
+                t.available_tokens
+            ),
+            format!(
+                "kvroute_endpoint_reuse_aimed_tokens_total{{{e}}} {}",
+                t.aimed_tokens
+            ),
+            format!(
+                "kvroute_endpoint_reuse_gap_tokens_total{{{e},reason=\"mismatch\"}} {}",
+                gap.mismatch
+            ),
+        ];
+        // Whole values: each needle ends its line.
+        let lines: Vec<String> = needles.iter().map(|n| format!("{n}\n")).collect();
+        assert_exports(state, &lines.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+
+    // An engine scraped with another block size than the router's is degraded (block_size),
+    // counted once when the scrape shows it, and exact again when the sizes match.
+    #[test]
+    fn an_engine_with_another_block_size_is_exported_degraded() {
+        let state = state_of(&["10.0.0.1:80"]);
+        let block_tokens = scorer_core::router::PreciseConfig::default().block_tokens as u32;
+        let scraped = |block_size: u32| scorer_core::router::EndpointMetrics {
+            block_size: Some(block_size),
+            ..Default::default()
+        };
+        state.update_metrics("10.0.0.1:80", scraped(2 * block_tokens));
+        state.update_metrics("10.0.0.1:80", scraped(2 * block_tokens));
+        let e = "endpoint=\"10.0.0.1:80\"";
+        let degraded = [
+            format!(
+                "kvroute_endpoint_routing_state{{{e},state=\"degraded\",reason=\"block_size\"}} 1"
+            ),
+            format!(
+                "kvroute_routing_state_changes_total{{{e},to=\"degraded\",reason=\"block_size\"}} 1"
+            ),
+        ];
+        assert_exports(
+            state.clone(),
+            &degraded.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        state.update_metrics("10.0.0.1:80", scraped(block_tokens));
+        let exact = [
+            format!("kvroute_endpoint_routing_state{{{e},state=\"exact\",reason=\"\"}} 1"),
+            format!(
+                "kvroute_routing_state_changes_total{{{e},to=\"exact\",reason=\"block_size\"}} 1"
+            ),
+        ];
+        assert_exports(state, &exact.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+
+    // The engines' own prefix-cache counters are passed on as scraped.
+    #[test]
+    fn the_engines_prefix_cache_counters_are_exported() {
+        let state = state_of(&["10.0.0.1:80"]);
+        state.update_metrics(
+            "10.0.0.1:80",
+            scorer_core::router::EndpointMetrics {
+                prefix_cache: Some(scorer_core::router::PrefixCacheCounters {
+                    hits: 300.0,
+                    queries: 1_800.0,
+                }),
+                ..Default::default()
+            },
+        );
+        assert_exports(
+            state,
+            &[
+                "kvroute_endpoint_engine_prefix_cache_hit_tokens_total{endpoint=\"10.0.0.1:80\"} 300",
+                "kvroute_endpoint_engine_prefix_cache_query_tokens_total{endpoint=\"10.0.0.1:80\"} 1800",
+            ],
+        );
+    }
+
     // The shipped alerts (envoy-config/kubernetes/monitoring) select only metrics exported here,
     // under these names: a renamed metric must not leave an alert that can never fire.
     #[test]
@@ -932,7 +1165,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(alerts, 4);
+        assert_eq!(alerts, 5);
     }
 
     #[test]

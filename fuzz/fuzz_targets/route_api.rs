@@ -174,6 +174,7 @@ fn run(input: Input) {
                     kv_usage: f64::from(*kv) / f64::from(u16::MAX),
                     capacity_tokens: capacity.map(u64::from),
                     counters: None,
+                    ..Default::default()
                 };
                 router.update_metrics(&address(*endpoint % 8), metrics, now);
             }

@@ -13,6 +13,8 @@
 //! - [`fairness`] admits or sheds requests by criticality, tenant limits and fair share;
 //! - [`self_check`] compares the hits the index believed in with those the engines delivered,
 //!   and names each endpoint's state (exact, degraded, load-only);
+//! - [`reuse`] counts the fleet numbers: reuse the traffic offers, the router aims for, the
+//!   engines deliver, and the gap by reason;
 //! - [`protocol`] is the JSON the filter and the control plane exchange;
 //! - [`sync`] replicates the routing state: the control plane's log of decisions and outcomes,
 //!   and a proxy's local copy that decides without a call;
@@ -35,6 +37,7 @@ pub mod pools;
 pub mod precise;
 pub mod protocol;
 pub mod quotes;
+pub mod reuse;
 pub mod router;
 pub mod self_check;
 pub mod sync;

@@ -35,6 +35,10 @@ use crate::lora::{LoraConfig, LoraState};
 use crate::pools::{Eligibility, FleetState, ModelsConfig, PoolStats, ServedModel};
 use crate::precise::{ApplyError, KvEvent, PreciseTracker};
 use crate::protocol::{Outcome, Reject, RouteReason, RouteRequest, RouteResponse};
+use crate::reuse::{
+    Aim, MismatchLog, MismatchRecord, PoolKey, PoolTotals, ReuseConfig, ReuseOutcome, ReuseTotals,
+    ReuseWindow,
+};
 use crate::self_check::{EndpointCheck, RoutingState, SelfCheckConfig, StateChange, StateReason};
 use crate::token_ratio::TokenRatio;
 
@@ -233,6 +237,11 @@ pub struct RouterConfig {
     /// the configuration sent to copies while off, so copies built before it still parse it.
     #[serde(skip_serializing_if = "CacheControlConfig::is_off")]
     pub cache_control: CacheControlConfig,
+    /// The fleet numbers: the traffic's reuse ceiling, its window and pool bounds. Copies keep
+    /// no window, so the defaults are left out of the configuration sent to them (copies built
+    /// before it still parse it).
+    #[serde(skip_serializing_if = "ReuseConfig::is_default")]
+    pub reuse: ReuseConfig,
 }
 
 /// Tunables of precise mode: an index fed by the engines' KV events.
@@ -281,6 +290,7 @@ impl Default for RouterConfig {
             local: crate::sync::LocalConfig::default(),
             self_check: SelfCheckConfig::default(),
             cache_control: CacheControlConfig::default(),
+            reuse: ReuseConfig::default(),
         }
     }
 }
@@ -300,6 +310,25 @@ pub struct EndpointMetrics {
     /// does not export them, or a scraper that does not read them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<EngineCounters>,
+    /// Tokens per KV block, the `block_size` label of `vllm:cache_config_info`: an engine
+    /// whose blocks differ from `router.precise.block_tokens` is `degraded` (its KV events
+    /// name other blocks than the router hashes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// The engine's own prefix-cache counters (`vllm:prefix_cache_hits_total` over
+    /// `vllm:prefix_cache_queries_total`): delivered reuse over all its traffic, routed here or
+    /// not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_cache: Option<PrefixCacheCounters>,
+}
+
+/// An engine's cumulative prefix-cache counters, in tokens, as last scraped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrefixCacheCounters {
+    /// `vllm:prefix_cache_hits_total`: prompt tokens served from the prefix cache.
+    pub hits: f64,
+    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up in it.
+    pub queries: f64,
 }
 
 /// Why an endpoint is not a candidate right now.
@@ -339,8 +368,13 @@ struct Slot {
     events_expected: bool,
     /// Whether it delivers the hits the index believes it holds ([`crate::self_check`]).
     check: EndpointCheck,
+    /// Its engine's block size when it differs from `router.precise.block_tokens`: it is
+    /// `degraded` (reason `block_size`) and scored from the approximate index.
+    other_block_size: Option<u32>,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
+    /// The fleet numbers of the outcomes it served ([`crate::reuse`]).
+    reuse: ReuseTotals,
     /// TTFT / TPOT model learned from this endpoint's outcomes.
     latency: EndpointLatencyModel,
     /// Prefill rate and decode step time learned from its counters ...
@@ -393,22 +427,33 @@ impl Slot {
     /// How far scoring trusts what the index says this endpoint holds: load-only on a
     /// mismatch, else degraded while an expected KV-event stream is down, else exact.
     fn routing_state(&self) -> RoutingState {
-        if self.check.load_only() {
-            RoutingState::LoadOnly
-        } else if self.events_expected && !self.events_live {
-            RoutingState::Degraded
-        } else {
-            RoutingState::Exact
-        }
+        self.state_and_reason().0
     }
 
     /// Why [`Slot::routing_state`] is not exact.
     fn state_reason(&self) -> Option<StateReason> {
-        match self.routing_state() {
-            RoutingState::LoadOnly => Some(StateReason::Mismatch),
-            RoutingState::Degraded => Some(StateReason::NoKvEvents),
-            RoutingState::Exact => None,
+        self.state_and_reason().1
+    }
+
+    /// The state and its reason: load-only on a mismatch; else degraded when the engine's
+    /// block size is not the configured one, or while an expected KV-event stream is down;
+    /// else exact.
+    fn state_and_reason(&self) -> (RoutingState, Option<StateReason>) {
+        if self.check.load_only() {
+            (RoutingState::LoadOnly, Some(StateReason::Mismatch))
+        } else if self.other_block_size.is_some() {
+            (RoutingState::Degraded, Some(StateReason::BlockSize))
+        } else if self.events_expected && !self.events_live {
+            (RoutingState::Degraded, Some(StateReason::NoKvEvents))
+        } else {
+            (RoutingState::Exact, None)
         }
+    }
+
+    /// Whether its KV-event index may score precise requests: a live stream of blocks of the
+    /// configured size.
+    fn precise_usable(&self) -> bool {
+        self.events_live && self.other_block_size.is_none()
     }
 
     /// What a copy needs of this endpoint ([`Router::endpoint_snapshots`]).
@@ -548,6 +593,14 @@ struct InFlight {
     awaiting_first_token: bool,
     /// The proxy's route call id, so the proxy can withdraw it (see [`Router::withdraw`]).
     call_id: Option<u64>,
+    /// What the router knew of the request's reuse when it chose ([`crate::reuse`]).
+    aim: Aim,
+    /// The pool (model) its fleet numbers count under.
+    pool: PoolKey,
+    /// Whether the KV-event index scored the chosen endpoint.
+    precise: bool,
+    /// The chosen endpoint's routing state then.
+    state: RoutingState,
 }
 
 /// One candidate's score terms: what the explain output shows.
@@ -732,6 +785,10 @@ pub struct EndpointView {
     /// Delivered over believed cached tokens of its recent outcomes (1 with no evidence).
     #[serde(default)]
     pub delivered_share: f64,
+    /// The fleet numbers of the outcomes it served: reuse available, aimed for, delivered,
+    /// and the gap by reason ([`crate::reuse`]).
+    #[serde(default)]
+    pub reuse: ReuseTotals,
 }
 
 /// Errors of endpoint management (routing itself never fails: no endpoint means an empty list).
@@ -768,6 +825,18 @@ pub struct Router {
     /// Endpoint state changes not yet taken by [`Router::take_state_changes`], oldest first
     /// (bounded: [`MAX_STATE_CHANGES`]).
     state_changes: VecDeque<(String, StateChange)>,
+    /// Recently seen prompt blocks: the traffic's reuse ceiling ([`crate::reuse`]), as large
+    /// as the fleet's KV unless configured or overridden.
+    reuse_window: ReuseWindow,
+    /// The window's size set by [`Router::set_reuse_window`], whatever the fleet.
+    reuse_window_override: Option<usize>,
+    /// The endpoints' last scraped KV capacity, summed, in tokens: what the window is sized to.
+    fleet_kv_tokens: u64,
+    /// The fleet numbers per pool (model).
+    reuse_pools: PoolTotals,
+    /// Recent outcomes that delivered less than the index believed (`/debug/mismatch`).
+    mismatches: MismatchLog,
+
     /// A running average of the rates endpoints have learned: the prior of one that has not.
     fleet_rates: Option<Prior>,
     /// `now_ms` of the last `expire`, so back-to-back decisions skip it.
@@ -1101,6 +1170,11 @@ impl Router {
             withdrawn: VecDeque::new(),
             stats: RouterStats::default(),
             state_changes: VecDeque::new(),
+            reuse_window: ReuseWindow::new(config.reuse.window_for(0)),
+            reuse_window_override: None,
+            fleet_kv_tokens: 0,
+            reuse_pools: PoolTotals::default(),
+            mismatches: MismatchLog::default(),
             fleet_rates: None,
             last_expire_ms: u64::MAX,
             fleet: FleetState::default(),
@@ -1158,7 +1232,9 @@ impl Router {
             events_live: false,
             events_expected: false,
             check: EndpointCheck::default(),
+            other_block_size: None,
             served: ServedTotals::default(),
+            reuse: ReuseTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
             calibration: EndpointCalibration::default(),
             learned: Calibrated::from_prior(prior(&self.config.scoring)),
@@ -1182,6 +1258,9 @@ impl Router {
     pub fn remove_endpoint(&mut self, address: &str) {
         if let Some(id) = self.by_address.remove(address) {
             if let Some(slot) = self.slots[usize::from(id.0)].take() {
+                let kv = slot.metrics.and_then(|m| m.capacity_tokens).unwrap_or(0);
+                self.fleet_kv_tokens = self.fleet_kv_tokens.saturating_sub(kv);
+                self.resize_reuse_window();
                 let version = self.table.next();
                 self.table.removed.push_back((version, slot.address));
                 while self.table.removed.len() > MAX_REMOVALS_KEPT {
@@ -1218,6 +1297,15 @@ impl Router {
         let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
             return;
         };
+        let was = slot.state_and_reason();
+        let block_tokens = self.config.precise.block_tokens;
+        let other_block_size = metrics
+            .block_size
+            .filter(|&b| usize::try_from(b).ok() != Some(block_tokens));
+        let new_mismatch = other_block_size.is_some() && slot.other_block_size.is_none();
+        slot.other_block_size = other_block_size;
+        let old_kv = slot.metrics.and_then(|m| m.capacity_tokens).unwrap_or(0);
+        let new_kv = metrics.capacity_tokens.unwrap_or(0);
         // What copies see changes with other numbers or health; the same numbers are re-sent
         // once the scrape they hold is a quarter of `stale_after_ms` old, so a copy never
         // judges stale an endpoint the control plane scrapes: its scrape lags this one by at
@@ -1278,7 +1366,37 @@ impl Router {
             let engine_blocks = cap as usize / self.config.precise.block_tokens.max(1);
             self.precise.gpu.set_capacity(id, engine_blocks.max(1));
         }
+        if new_mismatch {
+            // Built from events whose blocks are not the router's: nothing in it can match.
+            self.precise.clear(id);
+        }
         self.bound_index(id);
+        if old_kv != new_kv {
+            self.fleet_kv_tokens = (self.fleet_kv_tokens + new_kv).saturating_sub(old_kv);
+            self.resize_reuse_window();
+        }
+        self.note_transition(id, was);
+    }
+
+    /// Notes `id`'s state change, once, when its state or reason is no longer `was`. A change
+    /// back to exact carries the reason it left.
+    fn note_transition(&mut self, id: EndpointId, was: (RoutingState, Option<StateReason>)) {
+        let Some(slot) = self.slots[usize::from(id.0)].as_ref() else {
+            return;
+        };
+        let now = slot.state_and_reason();
+        let Some(reason) = now.1.or(was.1).filter(|_| now != was) else {
+            return;
+        };
+        let change = StateChange {
+            from: was.0,
+            to: now.0,
+            reason,
+            delivered_share: slot.check.delivered_share(),
+            samples: slot.check.samples(),
+        };
+        let address = slot.address.to_string();
+        self.note_state_change(address, change);
     }
 
     /// Bounds the approximate index to `max` blocks over all endpoints (`None`: no bound but
@@ -1345,22 +1463,11 @@ impl Router {
             return;
         };
         let was = slot.events_live;
-        let was_state = slot.routing_state();
+        let was_state = slot.state_and_reason();
         slot.events_live = live;
         slot.events_expected = true;
-        let now_state = slot.routing_state();
         // (A load-only endpoint stays load-only whatever its stream does: no change.)
-        if was_state != now_state {
-            let change = StateChange {
-                from: was_state,
-                to: now_state,
-                reason: StateReason::NoKvEvents,
-                delivered_share: slot.check.delivered_share(),
-                samples: slot.check.samples(),
-            };
-            let address = slot.address.to_string();
-            self.note_state_change(address, change);
-        }
+        self.note_transition(id, was_state);
         if was && !live {
             self.precise.clear(id);
         }
@@ -2066,10 +2173,21 @@ impl Router {
         let request_tokens = shape.tokens;
         let unhashed =
             (f64::from(request_tokens) - kv_blocks.len() as f64 * kv_block_tokens).max(0.0) as u32;
+        let predicted_cached_tokens = request_tokens.saturating_sub(chosen_score.uncached_tokens);
+        let believed_cached_tokens = self.scratch.believed[usize::from(chosen.0)];
+        let aim = self.aim(
+            &request.block_hashes,
+            shape,
+            ranking,
+            predicted_cached_tokens,
+        );
+        let state = self.slots[usize::from(chosen.0)]
+            .as_ref()
+            .map_or(RoutingState::Exact, Slot::routing_state);
         let entry = InFlight {
             endpoint: chosen,
-            predicted_cached_tokens: request_tokens.saturating_sub(chosen_score.uncached_tokens),
-            believed_cached_tokens: self.scratch.believed[usize::from(chosen.0)],
+            predicted_cached_tokens,
+            believed_cached_tokens,
             prompt_bytes: shape.prompt_bytes,
             kv_blocks,
             kv_block_tokens,
@@ -2081,6 +2199,12 @@ impl Router {
             started_ms: now_ms,
             awaiting_first_token: request.stream,
             call_id: request.call_id,
+            aim,
+            pool: self
+                .reuse_pools
+                .key(&request.model, self.config.reuse.max_pools),
+            precise: chosen_score.precise,
+            state,
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -2120,6 +2244,54 @@ impl Router {
                 PrefillSite::Remote(endpoint)
             }
             None => PrefillSite::Chosen,
+        }
+    }
+
+    /// The fleet numbers' view of a decision ([`crate::reuse`]): the reuse the recent window
+    /// offered for the prompt (remembering its blocks), what the chosen endpoint was credited
+    /// with and believed to hold, and the most any candidate was.
+    fn aim(
+        &mut self,
+        request_blocks: &[u64],
+        shape: &RequestShape<'_>,
+        ranking: &Ranking,
+        aimed: u32,
+    ) -> Aim {
+        // The text blocks when the request has them (precise requests too), so the window
+        // counts in one unit, the one it is sized in; else the token blocks.
+        let (hashes, block_tokens) = if request_blocks.is_empty() {
+            (shape.kv_blocks.hashes, shape.kv_blocks.block_tokens)
+        } else {
+            (request_blocks, shape.tokens_per_block)
+        };
+        let hittable_tokens = shape.tokens.saturating_sub(1);
+        let hittable = (f64::from(hittable_tokens) / block_tokens.max(1.0)) as usize;
+        let matched = self.reuse_window.observe(hashes, hittable);
+        let available = ((matched as f64 * block_tokens) as u32).min(hittable_tokens);
+        let believed = &self.scratch.believed;
+        let believed_by = |id: EndpointId| believed.get(usize::from(id.0)).copied().unwrap_or(0);
+        let chosen = ranking.chosen;
+        let load_only = self.slots[usize::from(chosen.0)]
+            .as_ref()
+            .is_some_and(|s| s.check.load_only());
+        Aim {
+            available,
+            aimed,
+            believed: believed_by(chosen),
+            best_credited: ranking
+                .candidates
+                .iter()
+                .map(|(_, c)| c.cached_tokens)
+                .max()
+                .unwrap_or(0),
+            best_believed: ranking
+                .candidates
+                .iter()
+                .map(|(id, _)| believed_by(*id))
+                .max()
+                .unwrap_or(0),
+            load_only,
+            prompt_tokens: shape.tokens,
         }
     }
 
@@ -2263,6 +2435,8 @@ impl Router {
             _ => entry.endpoint,
         };
         let mut noted = None;
+        let mut reuse = None;
+        let mut mismatch = None;
         if let Some(slot) = self.slots[usize::from(served_by.0)].as_mut() {
             let served = &mut slot.served;
             served.outcomes += 1;
@@ -2272,6 +2446,43 @@ impl Router {
             if let (Some(prompt), Some(cached)) = (outcome.prompt_tokens, outcome.cached_tokens) {
                 served.prompt_tokens += u64::from(prompt);
                 served.cached_tokens += u64::from(cached.min(prompt));
+                let counted = ReuseOutcome {
+                    aim: entry.aim.in_engine_tokens(prompt),
+                    prompt,
+                    delivered: cached.min(prompt),
+                    fallback: served_by != entry.endpoint,
+                };
+                slot.reuse.add(&counted);
+                reuse = Some(counted);
+            }
+            // Where the index and the engine part, for `/debug/mismatch`: a served request
+            // that delivered less than a belief worth checking (in the engine's tokens).
+            let engine = match outcome.prompt_tokens {
+                Some(prompt) => entry.aim.in_engine_tokens(prompt),
+                None => entry.aim,
+            };
+            if served_by == entry.endpoint
+                && (200..300).contains(&outcome.status)
+                && let Some(delivered) = outcome.cached_tokens
+                && entry.believed_cached_tokens >= self.config.self_check.min_believed_tokens.max(1)
+                && delivered < engine.believed
+            {
+                let block = self.config.precise.block_tokens.max(1) as u32;
+                mismatch = Some(MismatchRecord {
+                    decision_id: outcome.decision_id,
+                    endpoint: slot.address.to_string(),
+                    model: String::new(),
+                    state: entry.state,
+                    precise: entry.precise,
+                    prompt_tokens: outcome.prompt_tokens.unwrap_or(0),
+                    predicted_tokens: engine.aimed,
+                    believed_tokens: engine.believed,
+                    delivered_tokens: delivered,
+                    block_tokens: block,
+                    believed_blocks: engine.believed / block,
+                    parting_block: delivered / block,
+                    at_ms: now_ms,
+                });
             }
             // Believed against delivered: only for the endpoint the belief was about, and only
             // for a request the engine served.
@@ -2304,6 +2515,14 @@ impl Router {
         if let Some((address, change)) = noted {
             self.note_state_change(address, change);
         }
+        if let Some(counted) = reuse {
+            self.reuse_pools.add(entry.pool, &counted);
+        }
+        if let Some(mut record) = mismatch {
+            record.model = self.reuse_pools.name(entry.pool).to_string();
+            self.mismatches.push(record);
+        }
+
         if (200..300).contains(&outcome.status)
             && let Some(tokens) = outcome.prompt_tokens
         {
@@ -2406,8 +2625,54 @@ impl Router {
                 routing_state: s.routing_state(),
                 state_reason: s.state_reason(),
                 delivered_share: s.check.delivered_share(),
+                reuse: s.reuse,
             })
             .collect()
+    }
+
+    /// The fleet numbers per pool (the request's model), in the order pools were first seen
+    /// ([`crate::reuse`]).
+    pub fn pool_reuse(&self) -> Vec<(String, ReuseTotals)> {
+        self.reuse_pools.totals()
+    }
+
+    /// The fleet numbers over every pool.
+    pub fn fleet_reuse(&self) -> ReuseTotals {
+        self.reuse_pools.fleet()
+    }
+
+    /// The recent outcomes that delivered least of what the index believed, worst first:
+    /// `/debug/mismatch`.
+    pub fn mismatches(&self) -> Vec<MismatchRecord> {
+        self.mismatches.worst()
+    }
+
+    /// Blocks the reuse ceiling's window may remember now (`router.reuse`).
+    pub fn reuse_window_blocks(&self) -> usize {
+        self.reuse_window.capacity()
+    }
+
+    /// Fixes the size of the window the reuse ceiling is estimated over, whatever the fleet
+    /// (0: off, as in a proxy's copy, whose fleet numbers nobody reads).
+    pub fn set_reuse_window(&mut self, blocks: usize) {
+        self.reuse_window_override = Some(blocks);
+        self.reuse_window.set_capacity(blocks);
+    }
+
+    /// Sizes the reuse window to the fleet's KV capacity in the approximate index's blocks
+    /// (`router.reuse`), unless overridden.
+    fn resize_reuse_window(&mut self) {
+        let blocks = match self.reuse_window_override {
+            Some(blocks) => blocks,
+            None => {
+                let tokens = self.fleet_kv_tokens as f64;
+                let fleet = (tokens / self.tokens_per_block().max(1.0)) as usize;
+                self.config.reuse.window_for(fleet)
+            }
+        };
+        if blocks != self.reuse_window.capacity() {
+            self.reuse_window.set_capacity(blocks);
+        }
     }
 
     /// Keeps one endpoint state change for [`Router::take_state_changes`].
@@ -2636,7 +2901,7 @@ fn cached_prefix(
 ) -> CachedPrefix {
     let i = usize::from(c.id.0);
     let (slot, block_tokens, hittable) = (c.slot, shape.block_tokens, shape.hittable_blocks);
-    let precise = shape.precise && slot.events_live;
+    let precise = shape.precise && slot.precise_usable();
     if !precise {
         let tokens = (depths.approximate[i] as f64 * shape.tokens_per_block)
             .min(shape.prompt_tokens - 1.0)
@@ -3343,6 +3608,8 @@ mod tests {
     fn the_configuration_copies_get_names_cache_control_only_when_on() {
         let off = serde_json::to_value(RouterConfig::default()).unwrap();
         assert!(off.get("cache_control").is_none(), "{off}");
+        // Nor the reuse window's defaults (copies keep none): older copies still parse it.
+        assert!(off.get("reuse").is_none(), "{off}");
         let mut config = RouterConfig::default();
         config.cache_control.reuse_weight = 1.0;
         let on = serde_json::to_string(&config).unwrap();
@@ -3383,6 +3650,7 @@ mod tests {
                 kv_usage: 0.95,
                 capacity_tokens: None,
                 counters: None,
+                ..Default::default()
             },
             0,
         );
@@ -3693,6 +3961,214 @@ mod tests {
         // Reported again as it is: no change.
         r.set_event_stream("10.0.0.0:8000", true);
         assert!(r.take_state_changes().is_empty());
+    }
+
+    // Issue #18: an engine whose blocks are not the configured size publishes KV events for
+    // blocks the router never hashes. It is `degraded` (reason block_size), its precise
+    // requests are scored from the approximate index, and it is exact again once the sizes
+    // match; each change is noted once.
+    #[test]
+    fn an_engine_with_another_block_size_is_degraded_until_its_blocks_match() {
+        let mut r = router(2);
+        let (a, b) = ("10.0.0.0:8000", "10.0.0.1:8000");
+        let block_tokens = r.config().precise.block_tokens as u32;
+        let scraped = |block_size| EndpointMetrics {
+            block_size: Some(block_size),
+            ..EndpointMetrics::default()
+        };
+        let state = |r: &Router| {
+            let e = &r.endpoints(0)[0];
+            (e.routing_state, e.state_reason)
+        };
+        for e in [a, b] {
+            r.set_event_stream(e, true);
+            r.update_metrics(e, scraped(block_tokens), 0);
+        }
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+        let precise_request = RouteRequest {
+            model: "m".into(),
+            token_block_hashes: vec![1, 2, 3],
+            prompt_tokens: 3 * block_tokens + 1,
+            ..Default::default()
+        };
+        let scored_precisely = |r: &mut Router, now: u64| {
+            let d = r.route(&precise_request, now, 1);
+            let c = d.candidates.iter().find(|c| c.endpoint.as_str() == a);
+            c.map(|c| c.precise)
+        };
+        assert_eq!(scored_precisely(&mut r, 1), Some(true));
+        r.update_metrics(a, scraped(2 * block_tokens), 2);
+        r.update_metrics(a, scraped(2 * block_tokens), 3);
+        assert_eq!(
+            state(&r),
+            (RoutingState::Degraded, Some(StateReason::BlockSize))
+        );
+        assert_eq!(
+            scored_precisely(&mut r, 4),
+            Some(false),
+            "approximate while its blocks differ"
+        );
+        r.update_metrics(a, scraped(block_tokens), 5);
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+        assert_eq!(scored_precisely(&mut r, 6), Some(true));
+        let changes: Vec<_> = r
+            .take_state_changes()
+            .into_iter()
+            .map(|(e, c)| (e, c.to, c.reason))
+            .collect();
+        assert_eq!(
+            changes,
+            [
+                (
+                    a.to_string(),
+                    RoutingState::Degraded,
+                    StateReason::BlockSize
+                ),
+                (a.to_string(), RoutingState::Exact, StateReason::BlockSize),
+            ],
+            "one change each way, none for the repeated scrape"
+        );
+        // A stream going down while the blocks differ changes nothing the state says.
+        r.update_metrics(a, scraped(2 * block_tokens), 7);
+        r.set_event_stream(a, false);
+        assert_eq!(
+            state(&r),
+            (RoutingState::Degraded, Some(StateReason::BlockSize))
+        );
+        assert_eq!(r.take_state_changes().len(), 1);
+    }
+
+    // The ceiling is one cache as large as the fleet's KV: the window follows the endpoints'
+    // scraped capacity (bounded), so a prompt the fleet's caches could not all hold is not
+    // counted available again.
+    #[test]
+    fn the_reuse_window_is_as_large_as_the_fleets_kv() {
+        let mut r = router(2);
+        assert_eq!(r.reuse_window_blocks(), crate::reuse::DEFAULT_WINDOW_BLOCKS);
+        let per_block = r.tokens_per_block();
+        let with_capacity = |blocks: f64| EndpointMetrics {
+            capacity_tokens: Some((blocks * per_block) as u64),
+            ..EndpointMetrics::default()
+        };
+        // Two endpoints of 12 blocks each: a window of 24.
+        for i in 0..2 {
+            r.update_metrics(&format!("10.0.0.{i}:8000"), with_capacity(12.0), 0);
+        }
+        assert_eq!(r.reuse_window_blocks(), 24);
+        // Two prompts of 16 blocks each: the second pushes half the first out of the window.
+        let (a, b) = ("a".repeat(16 * 256), "b".repeat(16 * 256));
+        serve_reported(&mut r, &a, 1, |_| 0);
+        serve_reported(&mut r, &b, 2, |_| 0);
+        let before = r.fleet_reuse().available_tokens;
+        serve_reported(&mut r, &a, 3, |_| 0);
+        let again = r.fleet_reuse().available_tokens - before;
+        assert_eq!(again, 0, "its first blocks were the least recently seen");
+        // A larger fleet remembers both.
+        r.update_metrics("10.0.0.0:8000", with_capacity(100.0), 4);
+        assert_eq!(r.reuse_window_blocks(), 112);
+        serve_reported(&mut r, &b, 5, |_| 0);
+        serve_reported(&mut r, &a, 6, |_| 0);
+        let seen = r.fleet_reuse().available_tokens - before;
+        assert!(seen > 0, "{seen}");
+        r.remove_endpoint("10.0.0.0:8000");
+        assert_eq!(r.reuse_window_blocks(), 12);
+    }
+
+    /// Routes `text` at `now` and reports it served by its first endpoint, with as many prompt
+    /// tokens as the router counted (4 bytes a token), of which `delivered(response)` from cache.
+    fn serve_reported(
+        r: &mut Router,
+        text: &str,
+        now: u64,
+        delivered: impl Fn(&RouteResponse) -> u32,
+    ) -> RouteResponse {
+        let d = r.route(&request(text), now, 1);
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: d.response.endpoints[0].clone(),
+                status: 200,
+                prompt_tokens: Some(text.len() as u32 / 4),
+                cached_tokens: Some(delivered(&d.response)),
+                completion_tokens: Some(4),
+                ..Outcome::default()
+            },
+            now,
+        );
+        d.response
+    }
+
+    // Issue #18's four numbers: the reuse the traffic offered (a prompt seen before, wherever it
+    // went), what the router aimed for, what the engine delivered, and the gap by reason.
+    #[test]
+    fn the_fleet_numbers_split_the_reuse_offered_by_what_became_of_it() {
+        let mut r = router(2);
+        for i in 0..2 {
+            r.update_metrics(&format!("10.0.0.{i}:8000"), EndpointMetrics::default(), 0);
+        }
+        let prompt = "the same long prompt ".repeat(200);
+        let first = serve_reported(&mut r, &prompt, 1, |_| 0);
+        let cold = r.fleet_reuse();
+        assert_eq!(
+            (cold.outcomes, cold.available_tokens),
+            (1, 0),
+            "nothing seen before"
+        );
+        assert_eq!(cold.gap_tokens.total(), 0);
+
+        // The second turn goes to the holder, which delivers half of what was aimed for: the
+        // rest of the hit is lost to eviction.
+        let second = serve_reported(&mut r, &prompt, 10_000, |d| d.cached_tokens / 2);
+        assert_eq!(second.endpoints[0], first.endpoints[0]);
+        assert_eq!(second.reason, RouteReason::Prefix);
+        let warm = r.fleet_reuse();
+        let available = warm.available_tokens;
+        assert!(available > 0);
+        let delivered = u64::from(second.cached_tokens / 2);
+        assert_eq!(warm.delivered_tokens, delivered);
+        assert_eq!(warm.aimed_tokens, u64::from(second.cached_tokens));
+        assert_eq!(warm.gap_tokens.eviction, available - delivered);
+        assert_eq!(warm.gap_tokens.total(), available - delivered);
+
+        // The holder is swamped (a queue the router did not send): the third turn spills to the
+        // other endpoint, and everything the window offered is lost to load.
+        let busy = EndpointMetrics {
+            waiting: 400,
+            running: 64,
+            ..EndpointMetrics::default()
+        };
+        r.update_metrics(&first.endpoints[0], busy, 20_000);
+        let third = serve_reported(&mut r, &prompt, 20_000, |_| 0);
+        assert_ne!(third.endpoints[0], first.endpoints[0]);
+        let spilled = r.fleet_reuse();
+        let offered = spilled.available_tokens - warm.available_tokens;
+        assert_eq!(offered, available, "the same prompt offers the same reuse");
+        assert_eq!(spilled.gap_tokens.load_spill, offered);
+        assert_eq!(
+            spilled.gap_tokens.total(),
+            spilled.available_tokens - spilled.delivered_tokens
+        );
+
+        // Per pool and per endpoint, the same outcomes.
+        let pools = r.pool_reuse();
+        assert_eq!(pools.len(), 1);
+        assert_eq!((pools[0].0.as_str(), pools[0].1), ("m", spilled));
+        let mut by_endpoint = ReuseTotals::default();
+        for e in r.endpoints(20_000) {
+            by_endpoint.merge(&e.reuse);
+        }
+        assert_eq!(by_endpoint, spilled);
+
+        // Where the second turn's belief and the engine parted: at the first block it did not
+        // serve. The spilled turn believed nothing where it went, so it is not listed.
+        let worst = r.mismatches();
+        assert_eq!(worst.len(), 1, "{worst:?}");
+        let m = &worst[0];
+        assert_eq!(m.decision_id, second.decision_id);
+        assert_eq!(m.delivered_tokens as u64, delivered);
+        assert_eq!(m.parting_block, m.delivered_tokens / m.block_tokens);
+        assert!(m.believed_blocks > m.parting_block, "{m:?}");
+        assert_eq!(m.model, "m");
     }
 
     #[test]

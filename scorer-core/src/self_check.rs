@@ -9,9 +9,10 @@
 //! endpoint's state:
 //!
 //! - [`RoutingState::Exact`]: the index is trusted, prefix hits are credited;
-//! - [`RoutingState::Degraded`]: precise mode is configured but the endpoint's KV-event stream
-//!   is not live, so its prefix comes from the approximate index (derived by the router, not
-//!   kept here);
+//! - [`RoutingState::Degraded`]: the endpoint's KV-event index cannot be trusted, so its prefix
+//!   comes from the approximate index (derived by the router, not kept here): precise mode is
+//!   configured but its KV-event stream is not live ([`StateReason::NoKvEvents`]), or its
+//!   engine's block size is not the configured one ([`StateReason::BlockSize`]);
 //! - [`RoutingState::LoadOnly`]: the endpoint delivered almost none of the hits the index
 //!   believed in over a window of outcomes ([`StateReason::Mismatch`]); scoring credits it no
 //!   cached prefix, so it is chosen by load, until outcomes show the index right again.
@@ -85,7 +86,8 @@ pub enum RoutingState {
     /// Prefix hits are credited as the index reports them.
     #[default]
     Exact,
-    /// Precise mode without a live KV-event stream: the approximate index stands in.
+    /// The KV-event index cannot be trusted (no live stream, or the engine's blocks are not
+    /// the configured size): the approximate index stands in.
     Degraded,
     /// No prefix credit: the endpoint is chosen by load alone.
     LoadOnly,
@@ -110,6 +112,10 @@ pub enum StateReason {
     Mismatch,
     /// Precise mode, and the endpoint's KV-event stream is not live.
     NoKvEvents,
+    /// The engine's `block_size` (`vllm:cache_config_info`) is not `router.precise.block_tokens`:
+    /// its KV events name blocks the router never hashes, so it is scored from the
+    /// approximate index until the sizes match.
+    BlockSize,
 }
 
 impl StateReason {
@@ -118,6 +124,7 @@ impl StateReason {
         match self {
             StateReason::Mismatch => "mismatch",
             StateReason::NoKvEvents => "no_kv_events",
+            StateReason::BlockSize => "block_size",
         }
     }
 }

@@ -710,6 +710,8 @@ impl LocalRouter {
             let first_id = (u64::from(response.replica) << REPLICA_SHIFT) + 1;
             let mut router = Router::new(config.clone(), first_id);
             router.set_max_index_blocks(self.max_index_blocks);
+            // The fleet numbers are the control plane's to export: a VM keeps no window.
+            router.set_reuse_window(0);
             if let Some(old) = &self.router {
                 for endpoint in old.endpoint_snapshots(now_ms) {
                     apply_snapshot(&mut router, &endpoint, now_ms);

@@ -460,7 +460,7 @@ pub fn render_report(workload: &str, sharing: &Sharing, rows: &[FleetRow]) -> St
     out.push('\n');
     let _ = writeln!(
         out,
-        "{:>8} {:>12} {:<14} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "{:>8} {:>12} {:<14} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}{}",
         "replicas",
         "kv_cap_tok",
         "policy",
@@ -470,7 +470,8 @@ pub fn render_report(workload: &str, sharing: &Sharing, rows: &[FleetRow]) -> St
         "ttft_p50",
         "ttft_p90",
         "ttft_p99",
-        "preempt"
+        "preempt",
+        reuse_columns(None)
     );
     for r in rows {
         let s = &r.summary;
@@ -481,7 +482,7 @@ pub fn render_report(workload: &str, sharing: &Sharing, rows: &[FleetRow]) -> St
         };
         let _ = writeln!(
             out,
-            "{:>8} {:>12} {:<14} {:>8} {:>8.1}% {:>9} {:>9.0} {:>9.0} {:>9.0} {:>8}",
+            "{:>8} {:>12} {:<14} {:>8} {:>8.1}% {:>9} {:>9.0} {:>9.0} {:>9.0} {:>8}{}",
             r.replicas,
             r.kv_capacity_tokens,
             s.policy,
@@ -491,14 +492,60 @@ pub fn render_report(workload: &str, sharing: &Sharing, rows: &[FleetRow]) -> St
             s.ttft_ms.p50,
             s.ttft_ms.p90,
             s.ttft_ms.p99,
-            s.preemptions
+            s.preemptions,
+            reuse_columns(Some(s.reuse.as_ref()))
         );
     }
     let _ = writeln!(
         out,
         "(TTFT in ms; of_ideal = hit rate over the sharing potential)"
     );
+    if rows.iter().any(|r| r.summary.reuse.is_some()) {
+        let _ = writeln!(
+            out,
+            "(kvroute's own fleet numbers, % of prompt tokens: avail = reuse its recent window saw \
+             in the traffic, aimed = credited at the chosen replica, deliv = cached_tokens the \
+             engines reported; the gap avail - deliv by reason: spill = chose a non-holder on \
+             load, evict = aimed and not delivered, mism = load-only replica, unheld = no \
+             replica believed to hold it; fleet-sim has no fallbacks)"
+        );
+    }
     out
+}
+
+/// The fleet-number columns of a row ([`scorer_core::reuse`]), as shares of its prompt tokens;
+/// `None` writes the header, `Some(None)` dashes for a policy without them (the peers).
+fn reuse_columns(row: Option<Option<&scorer_core::reuse::ReuseTotals>>) -> String {
+    use scorer_core::reuse::GapReason;
+    const GAPS: [(GapReason, &str); 4] = [
+        (GapReason::LoadSpill, "spill"),
+        (GapReason::Eviction, "evict"),
+        (GapReason::Mismatch, "mism"),
+        (GapReason::Unheld, "unheld"),
+    ];
+    let cells: Vec<String> = match row {
+        None => ["avail", "aimed", "deliv"]
+            .into_iter()
+            .chain(GAPS.iter().map(|(_, name)| *name))
+            .map(String::from)
+            .collect(),
+        Some(None) => vec!["-".into(); 3 + GAPS.len()],
+        Some(Some(t)) => {
+            let share = |n: u64| {
+                if t.prompt_tokens > 0 {
+                    format!("{:.1}%", 100.0 * n as f64 / t.prompt_tokens as f64)
+                } else {
+                    "-".into()
+                }
+            };
+            [t.available_tokens, t.aimed_tokens, t.delivered_tokens]
+                .into_iter()
+                .chain(GAPS.iter().map(|(g, _)| t.gap_tokens.get(*g)))
+                .map(share)
+                .collect()
+        }
+    };
+    cells.iter().map(|c| format!(" {c:>7}")).collect()
 }
 
 /// SVG charts of the analysis: `(file suffix, svg)`. One fleet size: the TTFT CDF per policy.

@@ -131,6 +131,28 @@ fn openai_bodies_show_sharing_and_both_policies() {
         kv["prefix_hit_rate"].as_f64() >= rr["prefix_hit_rate"].as_f64(),
         "{fleets:#?}"
     );
+    // kvroute's own fleet numbers: its window saw the shared system prompt, its router aimed
+    // at it, and the gap is what it did not deliver; the peers have none.
+    let reuse = &kv["reuse"];
+    let tokens = |k: &str| reuse[k].as_u64().unwrap();
+    assert!(tokens("available_tokens") > 0, "{reuse:#}");
+    assert!(tokens("aimed_tokens") > 0, "{reuse:#}");
+    let gap: u64 = reuse["gap_tokens"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert!(
+        gap >= tokens("available_tokens").saturating_sub(tokens("delivered_tokens")),
+        "{reuse:#}"
+    );
+    assert!(rr.get("reuse").is_none(), "{rr:#}");
+    let header = stdout.lines().find(|l| l.contains("hit_rate")).unwrap();
+    assert!(
+        header.contains("avail") && header.contains("spill"),
+        "{header}"
+    );
 
     let chart = std::fs::read_to_string(&svg).unwrap();
     assert!(

@@ -655,6 +655,78 @@ async fn metrics_exposition_reports_load_and_decisions() {
     }
 }
 
+// Issue #18: a turn whose engine delivers less than the index believed is listed on
+// `/debug/mismatch` with where the two views part, and counted in the fleet numbers.
+#[tokio::test]
+async fn a_shortfall_is_listed_on_debug_mismatch_and_counted_in_the_fleet_numbers() {
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    first_scrapes(&r, &[a.addr]).await;
+    let report = |routed: &Value, prompt: u64, cached: u64| {
+        json!({ "outcomes": [{
+            "decision_id": routed["decision_id"], "decision_tag": routed["decision_tag"],
+            "endpoint": a.addr.to_string(), "status": 200, "total_ms": 1,
+            "prompt_tokens": prompt, "completion_tokens": 4, "cached_tokens": cached
+        }] })
+        .to_string()
+    };
+    let feedback = format!("http://{}/v1/feedback", r.api);
+    let (_, first) = post_route(&r, &route_request(1..21), &[]).await;
+    http(
+        "POST",
+        feedback.clone(),
+        &[],
+        Some(report(&first, 20 * 64, 0)),
+    )
+    .await;
+    assert_eq!(
+        get_json(format!("http://{}/debug/mismatch", r.admin)).await,
+        json!([]),
+        "a cold index believed nothing"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second_request = route_request(1..30);
+    let (_, second) = post_route(&r, &second_request, &[]).await;
+    let believed = second["cached_tokens"].as_u64().unwrap();
+    let prompt = second_request["prompt_tokens"].as_u64().unwrap();
+    let delivered = believed / 4;
+    let (status, body) = http(
+        "POST",
+        feedback,
+        &[],
+        Some(report(&second, prompt, delivered)),
+    )
+    .await;
+    assert_eq!(status, 204, "{body}");
+
+    let listed = get_json(format!("http://{}/debug/mismatch", r.admin)).await;
+    let m = &listed[0];
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(m["decision_id"], second["decision_id"]);
+    assert_eq!(m["endpoint"], a.addr.to_string());
+    assert_eq!(
+        (m["model"].as_str(), m["state"].as_str()),
+        (Some("m"), Some("exact"))
+    );
+    assert_eq!(m["believed_tokens"].as_u64(), Some(believed));
+    assert_eq!(m["delivered_tokens"].as_u64(), Some(delivered));
+    let block = m["block_tokens"].as_u64().unwrap();
+    assert_eq!(m["believed_blocks"].as_u64(), Some(believed / block));
+    assert_eq!(m["parting_block"].as_u64(), Some(delivered / block));
+
+    let text = metrics_text(&r).await;
+    let pool = |name: &str| format!("kvroute_pool_{name}_total{{pool=\"m\"}} ");
+    for needle in [
+        format!("{}{}", pool("served_prompt_tokens"), 20 * 64 + prompt),
+        format!("{}{delivered}\n", pool("served_cached_tokens")),
+        format!("{}{believed}\n", pool("reuse_aimed_tokens")),
+        pool("reuse_available_tokens"),
+        "kvroute_pool_reuse_gap_tokens_total{pool=\"m\",reason=\"eviction\"} ".into(),
+    ] {
+        assert!(text.contains(&needle), "missing {needle:?} in\n{text}");
+    }
+}
+
 #[tokio::test]
 async fn bind_refuses_an_invalid_config() {
     let err = ControlPlane::bind(test_config(&[])).await.unwrap_err();

@@ -11,7 +11,9 @@
 //!   `vllm:request_prefill_kv_computed_tokens`, `vllm:request_prefill_time_seconds` and
 //!   `vllm:inter_token_latency_seconds`, and the counters `vllm:prompt_tokens_total` and
 //!   `vllm:prefix_cache_hits_total`. An engine
-//!   without all of them, or with an unusable value, simply gives no counters.
+//!   without all of them, or with an unusable value, simply gives no counters;
+//! - optionally, `vllm:prefix_cache_hits_total` over `vllm:prefix_cache_queries_total`, the
+//!   engine's own delivered reuse (the fleet numbers' scraped side).
 //!
 //! Invariant: no I/O, no panics, linear time. [`parse_vllm_metrics`] requires every line to be
 //! well-formed (so a non-metrics page is rejected), but unknown metrics, histograms, NaN and
@@ -24,7 +26,7 @@
 use std::borrow::Cow;
 
 use scorer_core::calibration::EngineCounters;
-use scorer_core::router::EndpointMetrics;
+use scorer_core::router::{EndpointMetrics, PrefixCacheCounters};
 
 /// `vllm:num_requests_running`: sequences in the running batch.
 pub const RUNNING: &str = "vllm:num_requests_running";
@@ -50,8 +52,12 @@ pub const CALIBRATION_SERIES: [&str; 7] = [
     "vllm:prefix_cache_hits_total",
 ];
 
+/// `vllm:prefix_cache_queries_total`: prompt tokens looked up in the prefix cache (the hits
+/// are `CALIBRATION_SERIES[6]`, `vllm:prefix_cache_hits_total`).
+pub const PREFIX_CACHE_QUERIES: &str = "vllm:prefix_cache_queries_total";
+
 /// Every series [`parse_vllm_metrics`] reads; [`scrape_vllm_metrics`] parses no other line.
-pub const READ_SERIES: [&str; 12] = [
+pub const READ_SERIES: [&str; 13] = [
     RUNNING,
     WAITING,
     KV_USAGE,
@@ -64,6 +70,7 @@ pub const READ_SERIES: [&str; 12] = [
     CALIBRATION_SERIES[4],
     CALIBRATION_SERIES[5],
     CALIBRATION_SERIES[6],
+    PREFIX_CACHE_QUERIES,
 ];
 
 /// Why a `/metrics` body could not be turned into [`EndpointMetrics`].
@@ -259,9 +266,12 @@ fn metrics_from<'a>(
     let mut kv_old: Vec<(Option<Cow<'a, str>>, f64)> = Vec::new();
     // (engine label, capacity in tokens; None when the engine has not profiled yet).
     let mut capacity: Vec<(Option<Cow<'a, str>>, Option<u64>)> = Vec::new();
+    // The first engine's `block_size` (data-parallel engines share one CacheConfig).
+    let mut block_size_seen: Option<u64> = None;
     // Calibration counters, summed over series: computed tokens, prefill s and count, ITL s
     // and count, prompt tokens, prefix-cache hits.
     let mut counters: [Option<f64>; 7] = [None; 7];
+    let mut queries: Option<f64> = None;
 
     for sample in samples {
         let sample = sample?;
@@ -304,6 +314,7 @@ fn metrics_from<'a>(
                     .map_err(syntax)?;
                 let blocks = count_label("num_gpu_blocks", blocks.as_deref())?;
                 let block_size = count_label("block_size", block_size.as_deref())?;
+                block_size_seen = block_size_seen.or(block_size);
                 let tokens = match (blocks, block_size) {
                     (Some(b), Some(s)) => {
                         Some(b.checked_mul(s).ok_or(PromError::CapacityOverflow)?)
@@ -312,6 +323,7 @@ fn metrics_from<'a>(
                 };
                 capacity.push((engine, tokens));
             }
+            PREFIX_CACHE_QUERIES => *queries.get_or_insert(0.0) += sample.value,
             name => {
                 let Some(slot) = CALIBRATION_SERIES.iter().position(|s| *s == name) else {
                     continue;
@@ -335,7 +347,18 @@ fn metrics_from<'a>(
         kv_usage: weighted_usage(&kv, &capacity),
         capacity_tokens,
         counters: engine_counters(counters),
+        block_size: block_size_seen.and_then(|b| u32::try_from(b).ok()),
+        prefix_cache: prefix_cache(counters[6], queries),
     })
+}
+
+/// The engine's prefix-cache hits and queries when both are present and usable.
+fn prefix_cache(hits: Option<f64>, queries: Option<f64>) -> Option<PrefixCacheCounters> {
+    let (hits, queries) = (hits?, queries?);
+    [hits, queries]
+        .iter()
+        .all(|v| v.is_finite() && *v >= 0.0)
+        .then_some(PrefixCacheCounters { hits, queries })
 }
 
 /// The calibration counters when every one is present and usable.
@@ -640,6 +663,22 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(nan.counters, None);
+        // The engine's own hits over queries, summed over engines, whether or not the
+        // calibration counters are all there; none without the queries.
+        assert_eq!(full.prefix_cache, None);
+        let with_queries = parse_vllm_metrics(&page(
+            "vllm:prefix_cache_queries_total{engine=\"0\"} 1000.0\n\
+             vllm:prefix_cache_queries_total{engine=\"1\"} 800.0\n",
+        ))
+        .unwrap();
+        assert_eq!(
+            with_queries.prefix_cache,
+            Some(PrefixCacheCounters {
+                hits: 300.0,
+                queries: 1800.0
+            })
+        );
+        assert_eq!(with_queries.counters, None);
     }
 
     /// Shaped like vLLM 0.3x output with two DP engines (trimmed).
@@ -685,6 +724,8 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
         assert_eq!(m.capacity_tokens, Some(4000 * 16));
         // 0.25 * 1000 + 0.75 * 3000 over 4000 blocks.
         assert!((m.kv_usage - 0.625).abs() < 1e-12, "{}", m.kv_usage);
+        // vLLM 0.33's `block_size` label: what the self-check compares with the configured size.
+        assert_eq!(m.block_size, Some(16));
     }
 
     #[test]
@@ -694,6 +735,7 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
                     vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n";
         let m = parse_vllm_metrics(text).unwrap();
         assert_eq!((m.running, m.waiting, m.capacity_tokens), (1, 0, None));
+        assert_eq!(m.block_size, None);
         assert!((m.kv_usage - 0.5).abs() < 1e-12);
     }
 

@@ -243,6 +243,7 @@ pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> Ro
                 kv_usage: 0.3,
                 capacity_tokens: Some(1_000_000),
                 counters: None,
+                ..Default::default()
             },
             now,
         );

@@ -376,6 +376,15 @@ async fn fleet_page_renders_in_headless_chromium() {
             );
         }
         assert!(dom.contains("class=\"tile\""), "no tiles rendered:\n{dom}");
+        // The fleet numbers' table: a pool row, then the endpoints with their state.
+        assert!(
+            dom.contains("<td>pool</td>"),
+            "no pool in the reuse table:\n{dom}"
+        );
+        assert!(
+            dom.contains("<td title=\"prefix hits credited\">exact</td>"),
+            "{dom}"
+        );
         assert!(
             dom.contains("<svg class=\"spark\""),
             "no sparklines:\n{dom}"

@@ -3,7 +3,8 @@
 //! the simulator's fault API) delivers none of the hits the router's index believes it holds.
 //! The control plane names it load-only with reason `mismatch`, no request fails meanwhile, and
 //! once the replica serves its cache again a probe finds it so and it is trusted again. A
-//! replica whose KV-event publisher never answers is named `degraded`.
+//! replica whose KV-event publisher never answers is named `degraded`, and so is one whose
+//! engine's block size is not the router's, until it is restarted with the right one.
 
 use std::time::{Duration, Instant};
 
@@ -21,7 +22,12 @@ const PROBE_AFTER_MS: u64 = 2_000;
 
 /// `endpoint`'s routing state in the exposition `text`, as `state/reason`.
 fn state_in(text: &str, endpoint: &str) -> Option<&'static str> {
-    let states = ["exact/", "load-only/mismatch", "degraded/no_kv_events"];
+    let states = [
+        "exact/",
+        "load-only/mismatch",
+        "degraded/no_kv_events",
+        "degraded/block_size",
+    ];
     states.into_iter().find(|s| {
         let (state, reason) = s.split_once('/').unwrap_or_default();
         let labels = format!("endpoint=\"{endpoint}\",state=\"{state}\",reason=\"{reason}\"");
@@ -68,7 +74,7 @@ async fn continue_until(
 ) -> u64 {
     let client = fleet.client().clone();
     let mut requests = 0;
-    for _ in 0..6 {
+    for _ in 0..10 {
         for c in conversations.iter_mut() {
             c.turn(&client, fleet, 4, &[]).await;
             requests += 1;
@@ -120,6 +126,10 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
             "kvroute_routing_state_changes_total{{endpoint=\"{victim}\",to=\"load-only\",reason=\"mismatch\"}}"
         );
         assert_eq!(prometheus_sample(&metrics, &changes), Some(1.0), "{metrics}");
+        // Still broken: one more turn of every conversation, served wherever load puts it.
+        for c in conversations.iter_mut() {
+            c.turn(&client, &fleet, 4, &[]).await;
+        }
 
         // Fixed. Once the probe is due, the conversations come back: those whose history the
         // replica holds are credited there again, it serves their hits, and it is exact again.
@@ -133,6 +143,44 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
         );
         let endpoints = common::cp_get(&fleet, "/debug/endpoints").await;
         assert!(endpoints.contains("\"routing_state\""), "{endpoints}");
+
+        // The fleet numbers account for the lost reuse: aimed at the victim and not delivered
+        // while it was still trusted (eviction, as the router could tell then), then lost
+        // because it was load-only (mismatch). `/debug/mismatch` shows where the views parted:
+        // at block 0, nothing of the believed prefix served.
+        let metrics = common::cp_metrics(&fleet).await;
+        let pool = |name: &str| {
+            let series = format!("kvroute_pool_{name}{{pool=\"{MODEL}\"}}");
+            prometheus_sample(&metrics, &series).unwrap_or(0.0)
+        };
+        let gap = |reason: &str| {
+            let series =
+                format!("kvroute_pool_reuse_gap_tokens_total{{pool=\"{MODEL}\",reason=\"{reason}\"}}");
+            prometheus_sample(&metrics, &series).unwrap_or(0.0)
+        };
+        let prompt = pool("served_prompt_tokens_total");
+        eprintln!(
+            "self-check: fleet numbers of {prompt} prompt tokens: available {:.1}%, aimed {:.1}%, \
+             delivered {:.1}%; gap load_spill {:.1}%, eviction {:.1}%, mismatch {:.1}%, unheld {:.1}%",
+            100.0 * pool("reuse_available_tokens_total") / prompt,
+            100.0 * pool("reuse_aimed_tokens_total") / prompt,
+            100.0 * pool("served_cached_tokens_total") / prompt,
+            100.0 * gap("load_spill") / prompt,
+            100.0 * gap("eviction") / prompt,
+            100.0 * gap("mismatch") / prompt,
+            100.0 * gap("unheld") / prompt,
+        );
+        assert!(gap("eviction") > 0.0 && gap("mismatch") > 0.0, "{metrics}");
+        let worst: serde_json::Value =
+            serde_json::from_str(&common::cp_get(&fleet, "/debug/mismatch").await).unwrap();
+        let on_victim: Vec<&serde_json::Value> = worst
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["endpoint"] == victim.as_str())
+            .collect();
+        assert!(!on_victim.is_empty(), "{worst:#}");
+        assert_eq!(on_victim[0]["parting_block"], 0, "{worst:#}");
     })
     .await;
 }
@@ -175,6 +223,76 @@ async fn a_replica_whose_event_publisher_never_answers_is_named_degraded() {
             c.turn(&client, &fleet, 4, &[]).await;
             c.turn(&client, &fleet, 4, &[]).await;
         }
+    })
+    .await;
+}
+
+/// A replica started with another block size than the router's (`--block-size 32` against the
+/// default `router.precise.block_tokens` of 16): its KV events would name blocks the router
+/// never hashes, and every block count the router turns into its tokens would be off. The
+/// control plane reads vLLM's `block_size` label of `vllm:cache_config_info`, names the
+/// replica `degraded` (`block_size`) while the other stays exact, and requests are served as
+/// before; restarted with the configured size, it is exact again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_another_block_size_is_degraded_until_it_matches() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let mut cfg = common::fleet_config("e2e-self-check-block-size", 2, MODEL);
+        cfg.sim_args = vec!["--speed".into(), "20".into()];
+        cfg.per_replica_args = vec![vec!["--block-size".into(), "32".into()]];
+        let mut fleet = common::start_fleet(cfg, &tools).await;
+        let (odd, even) = (
+            fleet.replicas[0].address.clone(),
+            fleet.replicas[1].address.clone(),
+        );
+        let started = Instant::now();
+        common::wait_cp_metrics(
+            &fleet,
+            "the replica with 32-token blocks degraded, the other exact",
+            Duration::from_secs(20),
+            |text| {
+                state_in(text, &odd) == Some("degraded/block_size")
+                    && state_in(text, &even) == Some("exact/")
+            },
+        )
+        .await;
+        eprintln!(
+            "self-check: {odd} degraded (block_size) {:.1} s after the fleet was up",
+            started.elapsed().as_secs_f64()
+        );
+        let client = fleet.client().clone();
+        for seed in 0..4 {
+            let mut c = Conversation::new(MODEL, 5_000 + seed, 200, 20);
+            c.turn(&client, &fleet, 4, &[]).await;
+            c.turn(&client, &fleet, 4, &[]).await;
+        }
+
+        // Fixed: restarted with the engine's default, the configured size.
+        fleet
+            .restart_replica(&tools, 0, Vec::new())
+            .await
+            .unwrap_or_else(|e| panic!("restarting {odd}: {e}"));
+        let started = Instant::now();
+        let text = common::wait_cp_metrics(
+            &fleet,
+            "the restarted replica exact again",
+            Duration::from_secs(20),
+            |text| state_in(text, &odd) == Some("exact/"),
+        )
+        .await;
+        eprintln!(
+            "self-check: {odd} exact again {:.1} s after its restart",
+            started.elapsed().as_secs_f64()
+        );
+        for to in ["degraded", "exact"] {
+            let series = format!(
+                "kvroute_routing_state_changes_total{{endpoint=\"{odd}\",to=\"{to}\",reason=\"block_size\"}}"
+            );
+            assert_eq!(prometheus_sample(&text, &series), Some(1.0), "{text}");
+        }
+        let mut c = Conversation::new(MODEL, 6_000, 200, 20);
+        c.turn(&client, &fleet, 4, &[]).await;
+        c.turn(&client, &fleet, 4, &[]).await;
     })
     .await;
 }

@@ -75,6 +75,8 @@ pub struct RunResult {
     pub local_decision_fraction: Option<f64>,
     /// Endpoint routing-state changes of kvroute's self-check ([`Policy::routing_state_changes`]).
     pub routing_state_changes: Option<u64>,
+    /// kvroute's fleet numbers ([`Policy::reuse`]).
+    pub reuse: Option<scorer_core::reuse::ReuseTotals>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -357,6 +359,7 @@ pub fn run_with(
     result.makespan_ms = (last - first).max(0.0);
     result.local_decision_fraction = policy.local_decision_fraction();
     result.routing_state_changes = policy.routing_state_changes();
+    result.reuse = policy.reuse();
     result.records = records;
     Ok(result)
 }

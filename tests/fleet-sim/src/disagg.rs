@@ -426,6 +426,7 @@ impl Sim<'_> {
                 kv_usage: s.kv_usage,
                 capacity_tokens: None,
                 counters: Some(s.counters),
+                ..Default::default()
             };
             self.router.update_metrics(a, m, now as u64);
         }

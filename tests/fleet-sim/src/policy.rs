@@ -12,6 +12,7 @@ use scorer_core::hash::{model_seed, token_block_hashes};
 use scorer_core::index::{EndpointId, PrefixIndex};
 use scorer_core::precise::{KvEvent, PreciseTracker};
 use scorer_core::protocol::{FirstToken, Outcome, RouteRequest};
+use scorer_core::reuse::ReuseTotals;
 use scorer_core::router::{Decision, EndpointLoad, EndpointMetrics, Router, RouterConfig};
 use scorer_core::sync::{DecisionRecord, LocalRouter, SyncEvent, SyncLog, serve_sync};
 
@@ -127,6 +128,11 @@ pub trait Policy {
     /// Endpoint routing-state changes its self-check made (into load-only and back), for
     /// kvroute's policies: on a healthy simulated fleet any is a false alarm.
     fn routing_state_changes(&self) -> Option<u64> {
+        None
+    }
+    /// The fleet numbers kvroute's router counted (reuse available, aimed for, delivered, the
+    /// gap by reason; `scorer_core::reuse`), for kvroute's policies.
+    fn reuse(&self) -> Option<ReuseTotals> {
         None
     }
     /// The router's load view of every replica, as the control plane's admission reads it
@@ -1068,6 +1074,7 @@ impl Policy for Kvroute {
                 kv_usage: s.kv_usage,
                 capacity_tokens: Some(s.capacity_tokens),
                 counters: Some(s.counters),
+                ..Default::default()
             };
             self.router.update_metrics(a, m, now_ms as u64);
         }
@@ -1118,6 +1125,9 @@ impl Policy for Kvroute {
     }
     fn routing_state_changes(&self) -> Option<u64> {
         Some(self.router.stats().state_changes)
+    }
+    fn reuse(&self) -> Option<ReuseTotals> {
+        Some(self.router.fleet_reuse())
     }
     fn endpoint_loads(
         &self,
@@ -1450,6 +1460,10 @@ impl Policy for KvrouteLocal {
             .map(|r| r.stats().state_changes)
             .sum();
         Some(copies + self.central.router.stats().state_changes)
+    }
+    fn reuse(&self) -> Option<ReuseTotals> {
+        // The control plane hears of every decision and outcome (the copies' reported ones too).
+        Some(self.central.router.fleet_reuse())
     }
     fn endpoint_loads(
         &self,

@@ -78,6 +78,10 @@ pub struct PolicySummary {
     /// Share of the requests routed to the replica that got the most: a cache-aware router
     /// that draws a fleet onto one prefix holder shows here long before its TTFT does.
     pub busiest_replica_share: f64,
+    /// kvroute's fleet numbers, in tokens: reuse the traffic offered (its router's window),
+    /// aimed for, delivered, and the gap by reason (kvroute's policies).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reuse: Option<scorer_core::reuse::ReuseTotals>,
 }
 
 impl PolicySummary {
@@ -128,6 +132,7 @@ impl PolicySummary {
             local_decision_fraction: run.local_decision_fraction,
             routing_state_changes: run.routing_state_changes,
             busiest_replica_share: busiest_share(&run.records),
+            reuse: run.reuse,
         }
     }
 }

@@ -1018,6 +1018,45 @@ impl Fleet {
         write_discovery_files(&self.config, &self.log_dir, &chosen, self.eds_version)
     }
 
+    /// Restarts replica `index` at the same address (and KV-event endpoints) with `args` as its
+    /// own arguments instead of its [`FleetConfig::per_replica_args`]: a replica fixed and
+    /// restarted, which Envoy and the control plane meet again where they left it.
+    pub async fn restart_replica(
+        &mut self,
+        tools: &Tools,
+        index: usize,
+        args: Vec<String>,
+    ) -> Result<()> {
+        let Some(old) = self.replicas.get_mut(index) else {
+            return Err(HarnessError::Config(format!("no replica {index}")));
+        };
+        old.process.kill();
+        let port = old
+            .address
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .ok_or_else(|| HarnessError::Config(format!("{} has no port", old.address)))?;
+        let place = ReplicaPlace {
+            port,
+            kv_events: old.kv_events.clone(),
+        };
+        if self.config.per_replica_args.len() <= index {
+            self.config.per_replica_args.resize(index + 1, Vec::new());
+        }
+        self.config.per_replica_args[index] = args;
+        let replica = start_replica_at(
+            &self.config,
+            tools,
+            &self.log_dir,
+            index,
+            &self.client,
+            Some(place),
+        )
+        .await?;
+        self.replicas[index] = replica;
+        Ok(())
+    }
+
     /// Kills the replica at `address` (it stays in [`Fleet::replicas`] so indices keep their
     /// meaning); a no-op for an unknown address.
     pub fn stop_replica(&mut self, address: &str) {
@@ -1373,22 +1412,46 @@ async fn start_replica(
     index: usize,
     client: &HttpClient,
 ) -> Result<Replica> {
+    start_replica_at(config, tools, log_dir, index, client, None).await
+}
+
+/// Where a restarted replica comes back: its port and KV-event endpoints, which Envoy and the
+/// control plane already name.
+struct ReplicaPlace {
+    port: u16,
+    kv_events: Option<(String, String)>,
+}
+
+/// [`start_replica`], at `place` when given (a restart), else on a free port.
+async fn start_replica_at(
+    config: &FleetConfig,
+    tools: &Tools,
+    log_dir: &Path,
+    index: usize,
+    client: &HttpClient,
+    place: Option<ReplicaPlace>,
+) -> Result<Replica> {
     let name = format!("vllm-sim-{index}");
     let host = match config.pod_port {
         Some(_) => pod_ip(index),
         None => "127.0.0.1".to_string(),
     };
     start_with_retries(&name, async || {
-        let port = match config.pod_port {
-            Some(port) => port,
-            None => free_port()?,
+        let port = match (&place, config.pod_port) {
+            (Some(place), _) => place.port,
+            (None, Some(port)) => port,
+            (None, None) => free_port()?,
         };
         let mut cmd = Command::new(&tools.vllm_sim);
         cmd.args(["--host", &host, "--port", &port.to_string()])
             .args(["--model", &config.model])
             .args(["--seed", &(config.seed + index as u64).to_string()])
             .args(&config.sim_args);
-        let kv_events = if config.kv_events {
+        let kv_events = if let Some(kv) = place.as_ref().and_then(|p| p.kv_events.clone()) {
+            cmd.args(["--kv-events-endpoint", &kv.0])
+                .args(["--kv-events-replay-endpoint", &kv.1]);
+            Some(kv)
+        } else if config.kv_events {
             let pub_ep = format!("tcp://127.0.0.1:{}", free_port()?);
             let replay_ep = format!("tcp://127.0.0.1:{}", free_port()?);
             cmd.args(["--kv-events-endpoint", &pub_ep])
