@@ -754,7 +754,8 @@ fn encode_reuse(
     let per_endpoint: [(&str, &str, Get); 2] = [
         (
             "endpoint_reuse_available_tokens",
-            "Prompt tokens of the endpoint's served outcomes that an earlier request in the recent              window already had, wherever it went: the reuse the traffic offered (the ceiling)",
+            "Prompt tokens of the endpoint's served outcomes that an earlier request in the recent \
+             window already had, wherever it went: the reuse the traffic offered (the ceiling)",
             |t| t.available_tokens,
         ),
         (
@@ -772,7 +773,8 @@ fn encode_reuse(
     }
     let mut family = encoder.encode_descriptor(
         "endpoint_reuse_gap_tokens",
-        "Available reuse the endpoint's served outcomes did not deliver, by the reason the router          attributes: load_spill, eviction, mismatch, fallback, unheld",
+        "Available reuse the endpoint's served outcomes did not deliver, by the reason the router \
+         attributes: load_spill, eviction, mismatch, fallback, unheld",
         None,
         MetricType::Counter,
     )?;
@@ -789,12 +791,14 @@ fn encode_reuse(
     let per_pool: [(&str, &str, Get); 4] = [
         (
             "pool_served_prompt_tokens",
-            "Prompt tokens of the pool's outcomes that reported cached tokens (the shares'              denominator)",
+            "Prompt tokens of the pool's outcomes that reported cached tokens (the shares' \
+             denominator)",
             |t| t.prompt_tokens,
         ),
         (
             "pool_reuse_available_tokens",
-            "Prompt tokens an earlier request in the recent window already had: the reuse the              pool's traffic offered (the ceiling)",
+            "Prompt tokens an earlier request in the recent window already had: the reuse the \
+             pool's traffic offered (the ceiling)",
             |t| t.available_tokens,
         ),
         (
@@ -816,7 +820,8 @@ fn encode_reuse(
     }
     let mut family = encoder.encode_descriptor(
         "pool_reuse_gap_tokens",
-        "Available reuse the pool's outcomes did not deliver, by the reason the router          attributes: load_spill, eviction, mismatch, fallback, unheld",
+        "Available reuse the pool's outcomes did not deliver, by the reason the router \
+         attributes: load_spill, eviction, mismatch, fallback, unheld",
         None,
         MetricType::Counter,
     )?;
@@ -830,7 +835,8 @@ fn encode_reuse(
     let engine: [(&str, &str, Engine); 2] = [
         (
             "endpoint_engine_prefix_cache_hit_tokens",
-            "vllm:prefix_cache_hits_total as last scraped: prompt tokens the engine served from              its prefix cache, over all its traffic",
+            "vllm:prefix_cache_hits_total as last scraped: prompt tokens the engine served from \
+             its prefix cache, over all its traffic",
             |c| c.hits,
         ),
         (
