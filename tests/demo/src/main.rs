@@ -327,7 +327,17 @@ async fn run_one(
         .await
         .with_context(|| format!("cannot read the {label} replicas' metrics"))?;
     let hit_rate = if queries > 0.0 { hits / queries } else { 0.0 };
-    let summary = loadgen::summarize(label, &run, hit_rate);
+    let mut summary = loadgen::summarize(label, &run, hit_rate);
+    if let Some(cp) = fleet.control_planes().first() {
+        let url = format!("http://{}/metrics", cp.admin_address);
+        let text = fleet
+            .client()
+            .get(&url, std::time::Duration::from_secs(5))
+            .await
+            .map(|r| r.body)
+            .with_context(|| format!("cannot read the control plane's metrics at {url}"))?;
+        summary.fleet_numbers = loadgen::FleetNumbers::from_metrics(&text);
+    }
     write_records(out_dir, label, &run)?;
     eprintln!(
         "[{label}] done in {:.1}s: TTFT p50 {:.0} ms, prefix-cache hit rate {:.1}%",
@@ -335,6 +345,26 @@ async fn run_one(
         summary.ttft_ms.p50,
         hit_rate * 100.0
     );
+    if let Some(n) = &summary.fleet_numbers {
+        let gap: Vec<String> = n
+            .gap
+            .iter()
+            .filter(|(_, share)| **share > 0.0)
+            .map(|(reason, share)| format!("{reason} {:.1}%", share * 100.0))
+            .collect();
+        eprintln!(
+            "[{label}] prefix reuse, share of prompt tokens: available {:.1}%, aimed {:.1}%, \
+             delivered {:.1}%; gap: {}",
+            n.available * 100.0,
+            n.aimed * 100.0,
+            n.delivered * 100.0,
+            if gap.is_empty() {
+                "none".to_string()
+            } else {
+                gap.join(", ")
+            }
+        );
+    }
     drop(fleet);
     Ok(summary)
 }

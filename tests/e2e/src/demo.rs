@@ -93,6 +93,14 @@ fn demo_writes_the_summary_and_kvroute_reuses_more_cache() {
         let rate = run["prefix_cache_hit_rate"].as_f64().expect("hit rate");
         assert!((0.0..=1.0).contains(&rate), "{text}");
     }
+    // kvroute's four fleet numbers are shares of its served prompt tokens; round robin has none.
+    let numbers = &runs[0]["fleet_numbers"];
+    for key in ["available", "aimed", "delivered"] {
+        let share = numbers[key].as_f64().expect("a kvroute fleet number");
+        assert!((0.0..=1.0).contains(&share), "{key}: {text}");
+    }
+    assert!(numbers["gap"].is_object(), "{text}");
+    assert!(runs[1].get("fleet_numbers").is_none(), "{text}");
     let kv = runs[0]["prefix_cache_hit_rate"].as_f64().unwrap_or(0.0);
     let rr = runs[1]["prefix_cache_hit_rate"].as_f64().unwrap_or(1.0);
     assert!(

@@ -519,6 +519,62 @@ pub struct RunSummary {
     pub output_tokens_per_s: f64,
     /// Fleet-wide `prefix_cache_hits / prefix_cache_queries` from the replicas' metrics.
     pub prefix_cache_hit_rate: f64,
+    /// kvroute's four fleet numbers for the run (absent for routers that have none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet_numbers: Option<FleetNumbers>,
+}
+
+/// kvroute's four fleet numbers, each a share of the prompt tokens of the outcomes that
+/// reported cached tokens (the control plane's `kvroute_pool_*` counters, summed over pools):
+/// the reuse the traffic offered, what the router aimed for, what the engines delivered, and
+/// the gap by the reason the router attributes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FleetNumbers {
+    /// Prompt tokens the shares are of.
+    pub prompt_tokens: f64,
+    /// Reuse available in the traffic (the ceiling).
+    pub available: f64,
+    /// Reuse the router aimed for (predicted cached tokens of the chosen endpoints).
+    pub aimed: f64,
+    /// Reuse the engines delivered (their `cached_tokens`).
+    pub delivered: f64,
+    /// Available reuse not delivered, by reason (`load_spill`, `eviction`, `mismatch`, ...).
+    pub gap: std::collections::BTreeMap<String, f64>,
+}
+
+impl FleetNumbers {
+    /// Reads them from a control plane's `/metrics` text; `None` before any outcome counted.
+    pub fn from_metrics(text: &str) -> Option<FleetNumbers> {
+        let sum = |name: &str| crate::prometheus_sum_with(text, name, "");
+        let prompt_tokens = sum("kvroute_pool_served_prompt_tokens_total");
+        if prompt_tokens <= 0.0 {
+            return None;
+        }
+        let share = |tokens: f64| round_to(tokens / prompt_tokens, 4);
+        let mut gap = std::collections::BTreeMap::new();
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix("kvroute_pool_reuse_gap_tokens_total{") else {
+                continue;
+            };
+            let reason = rest
+                .split("reason=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next());
+            let value = line
+                .rsplit_once(' ')
+                .and_then(|(_, v)| v.trim().parse::<f64>().ok());
+            if let (Some(reason), Some(value)) = (reason, value) {
+                *gap.entry(reason.to_string()).or_insert(0.0) += value;
+            }
+        }
+        Some(FleetNumbers {
+            prompt_tokens,
+            available: share(sum("kvroute_pool_reuse_available_tokens_total")),
+            aimed: share(sum("kvroute_pool_reuse_aimed_tokens_total")),
+            delivered: share(sum("kvroute_pool_served_cached_tokens_total")),
+            gap: gap.into_iter().map(|(k, v)| (k, share(v))).collect(),
+        })
+    }
 }
 
 /// `summary.json` of the demo: `{"runs":[RunSummary, ...]}`, fields in contract order.
@@ -561,6 +617,7 @@ pub fn summarize(router: &str, run: &RunResult, prefix_cache_hit_rate: f64) -> R
         },
         output_tokens_per_s: round_to(tokens as f64 / secs.max(1e-9), 2),
         prefix_cache_hit_rate: round_to(prefix_cache_hit_rate, 4),
+        fleet_numbers: None,
     }
 }
 
@@ -674,5 +731,24 @@ mod tests {
             "{text}"
         );
         assert!(render_table(&[s]).contains("kvroute"));
+    }
+
+    #[test]
+    fn fleet_numbers_are_shares_of_the_served_prompt_tokens() {
+        let text = "# HELP kvroute_pool_served_prompt_tokens ...\n\
+            kvroute_pool_served_prompt_tokens_total{pool=\"a\"} 600\n\
+            kvroute_pool_served_prompt_tokens_total{pool=\"b\"} 400\n\
+            kvroute_pool_reuse_available_tokens_total{pool=\"a\"} 800\n\
+            kvroute_pool_reuse_aimed_tokens_total{pool=\"a\"} 700\n\
+            kvroute_pool_served_cached_tokens_total{pool=\"a\"} 650\n\
+            kvroute_pool_reuse_gap_tokens_total{pool=\"a\",reason=\"eviction\"} 100\n\
+            kvroute_pool_reuse_gap_tokens_total{pool=\"b\",reason=\"eviction\"} 20\n\
+            kvroute_pool_reuse_gap_tokens_total{pool=\"a\",reason=\"load_spill\"} 30\n";
+        let n = FleetNumbers::from_metrics(text).unwrap();
+        assert_eq!(n.prompt_tokens, 1000.0);
+        assert_eq!((n.available, n.aimed, n.delivered), (0.8, 0.7, 0.65));
+        assert_eq!(n.gap["eviction"], 0.12);
+        assert_eq!(n.gap["load_spill"], 0.03);
+        assert_eq!(FleetNumbers::from_metrics("kvroute_up 1\n"), None);
     }
 }
