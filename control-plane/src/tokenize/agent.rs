@@ -805,16 +805,12 @@ mod tests {
             json!([{"role": "assistant", "content": 1}, {"type": "function_call", "namespace": 1},
                    {"type": "reasoning", "content": "x"}, {"type": "message"}]),
         ];
-        for key in [
-            "system",
-            "messages",
-            "tools",
-            "tool_choice",
-            "thinking",
-            "output_config",
-            "input",
-            "instructions",
-        ] {
+        // The fields a prompt carries for either API (what the filter forwards).
+        let keys = scorer_core::protocol::ApiKind::Messages
+            .prompt_fields()
+            .iter()
+            .chain(scorer_core::protocol::ApiKind::Responses.prompt_fields());
+        for &key in keys {
             for v in &values {
                 let mut prompt = Map::new();
                 prompt.insert(key.into(), v.clone());
