@@ -140,20 +140,14 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
 
 /// A `BlockStored` of `n` blocks with hashes `first..first+n`, tokens derived from the hashes.
 fn stored(first: u64, n: u64, parent: Option<u64>) -> WireEvent {
-    WireEvent::BlockStored(BlockStored {
-        block_hashes: (first..first + n).map(BlockHash::Int).collect(),
-        parent_block_hash: parent.map(BlockHash::Int),
-        token_ids: (first..first + n)
+    WireEvent::BlockStored(BlockStored::on_gpu(
+        (first..first + n).map(BlockHash::Int).collect(),
+        parent.map(BlockHash::Int),
+        (first..first + n)
             .flat_map(|h| (0..BLOCK).map(move |i| h as u32 * 100 + i))
             .collect(),
-        block_size: BLOCK,
-        lora_id: None,
-        medium: Some("GPU".into()),
-        lora_name: None,
-        extra_keys: None,
-        group_idx: None,
-        kv_cache_spec_kind: None,
-    })
+        BLOCK,
+    ))
 }
 
 fn cleared() -> WireEvent {

@@ -65,18 +65,12 @@ fn main() {
             .map(|h| BlockHash::Int(base | (h + 1)))
             .collect();
         next_hash[e] += per_batch as u64;
-        let mut events = vec![WireEvent::BlockStored(BlockStored {
-            block_hashes: hashes,
-            parent_block_hash: (first > 0).then_some(BlockHash::Int(base | first)),
-            token_ids: (0..per_batch as u32 * BLOCK_TOKENS).collect(),
-            block_size: BLOCK_TOKENS,
-            lora_id: None,
-            medium: Some("GPU".into()),
-            lora_name: None,
-            extra_keys: None,
-            group_idx: None,
-            kv_cache_spec_kind: None,
-        })];
+        let mut events = vec![WireEvent::BlockStored(BlockStored::on_gpu(
+            hashes,
+            (first > 0).then_some(BlockHash::Int(base | first)),
+            (0..per_batch as u32 * BLOCK_TOKENS).collect(),
+            BLOCK_TOKENS,
+        ))];
         if next_hash[e] - oldest[e] > held as u64 {
             let from = oldest[e];
             oldest[e] += per_batch as u64;

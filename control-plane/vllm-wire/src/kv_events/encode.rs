@@ -208,16 +208,14 @@ mod tests {
 
     fn stored(hashes: &[u64], parent: Option<u64>, blocks_of: u32) -> BlockStored {
         BlockStored {
-            block_hashes: hashes.iter().map(|h| BlockHash::Int(*h)).collect(),
-            parent_block_hash: parent.map(BlockHash::Int),
-            token_ids: (0..blocks_of * hashes.len() as u32).collect(),
-            block_size: blocks_of,
-            lora_id: None,
-            medium: Some("GPU".into()),
-            lora_name: None,
             extra_keys: Some(block_extra_keys(hashes.len(), None, None)),
             group_idx: Some(0),
-            kv_cache_spec_kind: None,
+            ..BlockStored::on_gpu(
+                hashes.iter().map(|h| BlockHash::Int(*h)).collect(),
+                parent.map(BlockHash::Int),
+                (0..blocks_of * hashes.len() as u32).collect(),
+                blocks_of,
+            )
         }
     }
 

@@ -96,6 +96,30 @@ pub struct BlockStored {
     pub kv_cache_spec_kind: Option<String>,
 }
 
+impl BlockStored {
+    /// Blocks stored on the GPU with nothing else set (no LoRA, extra keys, group or kind):
+    /// what a plain model's engine publishes, for tests and benchmarks to build on.
+    pub fn on_gpu(
+        block_hashes: Vec<BlockHash>,
+        parent_block_hash: Option<BlockHash>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+    ) -> Self {
+        BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id: None,
+            medium: Some("GPU".into()),
+            lora_name: None,
+            extra_keys: None,
+            group_idx: None,
+            kv_cache_spec_kind: None,
+        }
+    }
+}
+
 /// vLLM's `BlockRemoved`: cached blocks were evicted.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockRemoved {
