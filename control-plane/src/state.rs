@@ -27,10 +27,10 @@ use scorer_core::sync::{
 };
 use serde::Serialize;
 
+use crate::telemetry::Telemetry;
+
 /// How often a route call waiting for a stored response's report looks again.
 const STORED_RESPONSE_POLL: Duration = Duration::from_millis(2);
-
-use crate::telemetry::Telemetry;
 
 /// Shared by the API, admin and scrape tasks (behind an `Arc`).
 #[derive(Debug)]
