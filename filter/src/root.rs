@@ -13,7 +13,7 @@ use std::sync::Arc;
 use scorer_core::protocol::{
     FEEDBACK_PATH, FeedbackBatch, FirstToken, Outcome, RouteRequest, RouteResponse,
 };
-use scorer_core::sync::{LocalRouter, SYNC_PATH, SyncRequest, SyncResponse};
+use scorer_core::sync::{LocalRouter, SYNC_PATH, SyncRequest, SyncResponse, push_bounded};
 
 use crate::config::{DecisionMode, FilterConfig};
 use crate::machine::{Counter, FailKind, RequestMachine};
@@ -234,10 +234,11 @@ impl RootState {
         if answer.is_none() {
             self.prepare_call(request, nonce);
             if let (Some(call_id), Some(_)) = (request.call_id, self.local.as_ref()) {
-                if self.awaited.len() >= MAX_AWAITED_CALLS {
-                    self.awaited.pop_front();
-                }
-                self.awaited.push_back((call_id, request.clone()));
+                push_bounded(
+                    &mut self.awaited,
+                    (call_id, request.clone()),
+                    MAX_AWAITED_CALLS,
+                );
             }
         }
         answer
@@ -382,11 +383,11 @@ impl RootState {
     pub fn push_outcome(&mut self, outcome: Outcome, now_ms: u64) -> Queued {
         let flush_now = match &outcome.response_id {
             Some(id) if (200..300).contains(&outcome.status) && !outcome.endpoint.is_empty() => {
-                if self.recent_responses.len() >= RECENT_RESPONSES {
-                    self.recent_responses.pop_front();
-                }
-                self.recent_responses
-                    .push_back((id.clone(), outcome.endpoint.clone()));
+                push_bounded(
+                    &mut self.recent_responses,
+                    (id.clone(), outcome.endpoint.clone()),
+                    RECENT_RESPONSES,
+                );
                 true
             }
             _ => false,
@@ -399,12 +400,8 @@ impl RootState {
                 flush_now,
             };
         }
-        let dropped = self.queue.len() >= self.config.max_queued_outcomes;
-        if dropped {
-            self.queue.pop_front();
-            self.stats.outcomes_dropped += 1;
-        }
-        self.queue.push_back(outcome);
+        let dropped = push_bounded(&mut self.queue, outcome, self.config.max_queued_outcomes);
+        self.stats.outcomes_dropped += u64::from(dropped);
         Queued { dropped, flush_now }
     }
 
@@ -416,10 +413,11 @@ impl RootState {
             local.first_token(first, now_ms);
             return;
         }
-        if self.first_tokens.len() >= self.config.max_queued_outcomes {
-            self.first_tokens.pop_front();
-        }
-        self.first_tokens.push_back(first);
+        push_bounded(
+            &mut self.first_tokens,
+            first,
+            self.config.max_queued_outcomes,
+        );
     }
 
     /// On a tick: the next batch to send, unless the queue is empty or a previous call is still

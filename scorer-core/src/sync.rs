@@ -801,11 +801,13 @@ fn put_back<T>(queue: &mut VecDeque<T>, items: Vec<T>, max: usize) {
     }
 }
 
-fn push_bounded<T>(queue: &mut VecDeque<T>, item: T, max: usize) {
-    if queue.len() >= max {
-        queue.pop_front();
-    }
+/// Appends `item` to a queue of at most `max` entries, dropping the oldest when full (newer
+/// reports describe the fleet better); returns whether one was dropped. Every bounded report
+/// queue (the copies' pending reports, the filter's outcome and first-token queues) uses it.
+pub fn push_bounded<T>(queue: &mut VecDeque<T>, item: T, max: usize) -> bool {
+    let dropped = queue.len() >= max && queue.pop_front().is_some();
     queue.push_back(item);
+    dropped
 }
 
 #[cfg(test)]
