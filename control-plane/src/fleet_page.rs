@@ -364,35 +364,31 @@ impl Collector for ObservabilityCollector {
             MetricType::Counter,
         )?)?;
 
-        type Served = fn(&ServedTotals) -> u64;
+        type Served = fn(&EndpointView) -> u64;
         let served: [(&str, &str, Served); 4] = [
             (
                 "endpoint_served_outcomes",
                 "Outcomes reported for requests the endpoint served",
-                |t| t.outcomes,
+                |e| e.served.outcomes,
             ),
             (
                 "endpoint_fallback_outcomes",
                 "Outcomes the endpoint served as a fallback of another endpoint's decision",
-                |t| t.fallbacks,
+                |e| e.served.fallbacks,
             ),
             (
                 "endpoint_served_prompt_tokens",
                 "Prompt tokens of outcomes that reported cached tokens (hit-rate denominator)",
-                |t| t.prompt_tokens,
+                |e| e.served.prompt_tokens,
             ),
             (
                 "endpoint_served_cached_tokens",
                 "Cached prompt tokens the engine reported (hit-rate numerator)",
-                |t| t.cached_tokens,
+                |e| e.served.cached_tokens,
             ),
         ];
         for (name, help, get) in served {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for e in &snap.endpoints {
-                let labels = [("endpoint", e.address.as_str())];
-                ConstCounter::new(get(&e.served)).encode(family.encode_family(&labels)?)?;
-            }
+            crate::telemetry::endpoint_counter(&mut encoder, &snap.endpoints, name, help, get)?;
         }
 
         let scrapes = state.scrape_statuses();

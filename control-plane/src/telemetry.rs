@@ -751,26 +751,21 @@ fn encode_reuse(
     pools: &[(String, ReuseTotals)],
 ) -> fmt::Result {
     type Get = fn(&ReuseTotals) -> u64;
-    let per_endpoint: [(&str, &str, Get); 2] = [
-        (
-            "endpoint_reuse_available_tokens",
-            "Prompt tokens of the endpoint's served outcomes that an earlier request in the recent \
-             window already had, wherever it went: the reuse the traffic offered (the ceiling)",
-            |t| t.available_tokens,
-        ),
-        (
-            "endpoint_reuse_aimed_tokens",
-            "Cached tokens the router credited when it chose the endpoint, over the same outcomes",
-            |t| t.aimed_tokens,
-        ),
-    ];
-    for (name, help, get) in per_endpoint {
-        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-        for e in endpoints {
-            let labels = [("endpoint", e.address.as_str())];
-            ConstCounter::new(get(&e.reuse)).encode(family.encode_family(&labels)?)?;
-        }
-    }
+    endpoint_counter(
+        encoder,
+        endpoints,
+        "endpoint_reuse_available_tokens",
+        "Prompt tokens of the endpoint's served outcomes that an earlier request in the recent \
+         window already had, wherever it went: the reuse the traffic offered (the ceiling)",
+        |e| e.reuse.available_tokens,
+    )?;
+    endpoint_counter(
+        encoder,
+        endpoints,
+        "endpoint_reuse_aimed_tokens",
+        "Cached tokens the router credited when it chose the endpoint, over the same outcomes",
+        |e| e.reuse.aimed_tokens,
+    )?;
     let mut family = encoder.encode_descriptor(
         "endpoint_reuse_gap_tokens",
         "Available reuse the endpoint's served outcomes did not deliver, by the reason the router \
@@ -858,7 +853,7 @@ fn encode_reuse(
 }
 
 /// Writes one counter family with a sample labelled `endpoint` for every endpoint.
-fn endpoint_counter(
+pub(crate) fn endpoint_counter(
     encoder: &mut DescriptorEncoder,
     endpoints: &[EndpointView],
     name: &str,
