@@ -13,8 +13,10 @@ use fleet_sim::des::{RunOptions, RunResult, SimConfig, run_with};
 use fleet_sim::policy::{
     DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with, check_policy, regroup_policy_specs,
 };
-use fleet_sim::report::{PolicySummary, line_chart, line_chart_axes, table, ttft_cdf_series};
-use fleet_sim::workload::{client_max_tokens, from_spec};
+use fleet_sim::report::{
+    ForkSummary, PolicySummary, fork_table, line_chart, line_chart_axes, table, ttft_cdf_series,
+};
+use fleet_sim::workload::{Workload, client_max_tokens, from_spec};
 use scorer_core::router::RouterConfig;
 use serde::Serialize;
 use vllm_sim::Profile;
@@ -225,6 +227,9 @@ struct Summary {
     seed: u64,
     text_bytes_per_token: f64,
     results: Vec<PolicySummary>,
+    /// Subagent fan-out per policy, for workloads with forks (`agentic`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    forks: Vec<ForkSummary>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     sweep: Vec<SweepPoint>,
 }
@@ -417,7 +422,7 @@ fn run_all(
     cfg: &SimConfig,
     router: &RouterConfig,
     speedup: f64,
-) -> anyhow::Result<Vec<RunResult>> {
+) -> anyhow::Result<(Workload, Vec<RunResult>)> {
     let mut workload = from_spec(&args.workload, args.seed)?;
     if let Some(n) = args.limit {
         workload.truncate(n);
@@ -448,7 +453,7 @@ fn run_all(
         );
         runs.push(result);
     }
-    Ok(runs)
+    Ok((workload, runs))
 }
 
 fn compare(args: CompareArgs) -> anyhow::Result<()> {
@@ -492,9 +497,16 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         metrics_interval_ms: args.metrics_interval_ms,
     };
     eprintln!("fleet-sim: {} on {} replicas", args.workload, args.replicas);
-    let runs = run_all(&args, &policies, &cfg, &router, args.speedup)?;
+    let (workload, runs) = run_all(&args, &policies, &cfg, &router, args.speedup)?;
     let results: Vec<PolicySummary> = runs.iter().map(PolicySummary::of).collect();
     println!("{}", table(&results));
+    let forks: Vec<ForkSummary> = runs
+        .iter()
+        .filter_map(|r| ForkSummary::of(&workload, r))
+        .collect();
+    if !forks.is_empty() {
+        println!("{}", fork_table(&forks));
+    }
     println!(
         "busiest replica's share of requests: {}",
         results
@@ -548,7 +560,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     let mut sweep = Vec::new();
     if let Some(speedups) = &args.sweep {
         for &s in speedups {
-            let runs = run_all(&args, &policies, &cfg, &router, s)?;
+            let (_, runs) = run_all(&args, &policies, &cfg, &router, s)?;
             sweep.push(SweepPoint {
                 speedup: s,
                 results: runs.iter().map(PolicySummary::of).collect(),
@@ -586,6 +598,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             seed: args.seed,
             text_bytes_per_token: args.text_bytes_per_token,
             results,
+            forks,
             sweep,
         };
         write_json(json, &summary)?;

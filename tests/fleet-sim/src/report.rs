@@ -3,6 +3,7 @@
 use serde::Serialize;
 
 use super::des::{RequestRecord, RunResult};
+use super::workload::Workload;
 
 /// Percentiles of a latency distribution (ms).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -152,6 +153,110 @@ fn busiest_share(records: &[RequestRecord]) -> f64 {
     } else {
         busiest as f64 / records.len() as f64
     }
+}
+
+/// How a policy placed subagent fan-out (issue #17, point 4): a fork is a request that continues
+/// a request of another session (`agentic`'s subagents), and a burst is the forks of one parent
+/// request, sent within a tool call's latency of each other. The ideal spends as few prefills of
+/// the parent's context as the load allows: no scattering over replicas that do not hold it, no
+/// piling that makes the forks wait.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ForkSummary {
+    /// The policy.
+    pub policy: String,
+    /// Bursts (parents with at least one fork).
+    pub bursts: usize,
+    /// Forks in them.
+    pub forks: usize,
+    /// Mean distinct replicas a burst's forks went to.
+    pub replicas_per_burst: f64,
+    /// Mean forks per burst that prefilled their parent's context again: served with fewer
+    /// cached tokens than the parent's prompt, less one block's worth of slack (16 tokens).
+    pub context_prefills_per_burst: f64,
+    /// Share of forks that went to their parent's replica.
+    pub stayed: f64,
+    /// Forks' time to first token (ms).
+    pub ttft_ms: Latency,
+    /// Forks' end-to-end time (ms).
+    pub e2e_ms: Latency,
+}
+
+impl ForkSummary {
+    /// The forks of `run` (of `workload`); `None` when the workload has none.
+    pub fn of(workload: &Workload, run: &RunResult) -> Option<Self> {
+        const SLACK_TOKENS: u32 = 16;
+        let mut bursts: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for i in 0..run.records.len().min(workload.requests.len()) {
+            let Some(parent) = workload.depends_on(i) else {
+                continue;
+            };
+            if workload.requests[parent].session != workload.requests[i].session {
+                bursts.entry(parent).or_default().push(i);
+            }
+        }
+        if bursts.is_empty() {
+            return None;
+        }
+        let (mut replicas, mut prefills, mut stayed, mut forks) = (0usize, 0usize, 0usize, 0usize);
+        let (mut ttft, mut e2e) = (Vec::new(), Vec::new());
+        for (&parent, children) in &bursts {
+            let p = &run.records[parent];
+            let mut used: Vec<usize> = children.iter().map(|&c| run.records[c].replica).collect();
+            used.sort_unstable();
+            used.dedup();
+            replicas += used.len();
+            for &c in children {
+                let r = &run.records[c];
+                forks += 1;
+                stayed += usize::from(r.replica == p.replica);
+                prefills += usize::from(r.cached_tokens + SLACK_TOKENS < p.prompt_tokens);
+                ttft.extend(r.first_token_ms.map(|t| t - r.arrival_ms));
+                e2e.extend(r.finish_ms.map(|t| t - r.arrival_ms));
+            }
+        }
+        let n = bursts.len() as f64;
+        Some(Self {
+            policy: run.policy.clone(),
+            bursts: bursts.len(),
+            forks,
+            replicas_per_burst: replicas as f64 / n,
+            context_prefills_per_burst: prefills as f64 / n,
+            stayed: stayed as f64 / forks.max(1) as f64,
+            ttft_ms: Latency::of(&mut ttft),
+            e2e_ms: Latency::of(&mut e2e),
+        })
+    }
+}
+
+/// Renders fork summaries as an aligned text table.
+pub fn fork_table(rows: &[ForkSummary]) -> String {
+    let mut out = format!(
+        "{:<20} {:>7} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9}\n",
+        "subagent forks",
+        "bursts",
+        "forks",
+        "replicas",
+        "prefills",
+        "stayed",
+        "ttft p50",
+        "ttft p99",
+        "e2e p50"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:<20} {:>7} {:>6} {:>9.2} {:>9.2} {:>6.0}% {:>9.0} {:>9.0} {:>9.0}\n",
+            r.policy,
+            r.bursts,
+            r.forks,
+            r.replicas_per_burst,
+            r.context_prefills_per_burst,
+            r.stayed * 100.0,
+            r.ttft_ms.p50,
+            r.ttft_ms.p99,
+            r.e2e_ms.p50
+        ));
+    }
+    out
 }
 
 /// Renders summaries as an aligned text table.
@@ -345,6 +450,48 @@ pub fn ttft_cdf_series(runs: &[RunResult]) -> Vec<(String, Vec<(f64, f64)>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn forks_count_their_bursts_replicas_and_context_prefills() {
+        let spec = "agentic:agents=1,steps=3,fork_every=1,fanout=2,sub_steps=1,system=40,task=5";
+        let workload = crate::workload::from_spec(spec, 1).unwrap();
+        let record = |prompt_tokens: u32| RequestRecord {
+            arrival_ms: 0.0,
+            first_token_ms: Some(10.0),
+            finish_ms: Some(20.0),
+            prompt_tokens,
+            cached_tokens: prompt_tokens,
+            ..Default::default()
+        };
+        let mut run = RunResult {
+            policy: "p".into(),
+            records: workload.requests.iter().map(|_| record(100)).collect(),
+            ..Default::default()
+        };
+        let forks: Vec<usize> = (0..workload.requests.len())
+            .filter(|&i| {
+                workload
+                    .depends_on(i)
+                    .is_some_and(|p| workload.requests[p].session != workload.requests[i].session)
+            })
+            .collect();
+        // Two bursts of two (after turns 1 and 2 of 3), all on the parent's replica, all hits.
+        assert_eq!(forks.len(), 4);
+        let all_stay = ForkSummary::of(&workload, &run).unwrap();
+        assert_eq!((all_stay.bursts, all_stay.forks), (2, 4));
+        assert_eq!(all_stay.replicas_per_burst, 1.0);
+        assert_eq!(all_stay.context_prefills_per_burst, 0.0);
+        assert_eq!(all_stay.stayed, 1.0);
+        // One fork moves to a replica without the context and prefills it.
+        run.records[forks[0]].replica = 1;
+        run.records[forks[0]].cached_tokens = 0;
+        let one_moved = ForkSummary::of(&workload, &run).unwrap();
+        assert_eq!(one_moved.replicas_per_burst, 1.5);
+        assert_eq!(one_moved.context_prefills_per_burst, 0.5);
+        assert_eq!(one_moved.stayed, 0.75);
+        let plain = crate::workload::from_spec("multi-turn", 1).unwrap();
+        assert_eq!(ForkSummary::of(&plain, &run), None);
+    }
 
     #[test]
     fn percentiles_nearest_rank() {
