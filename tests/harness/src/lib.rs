@@ -611,6 +611,9 @@ pub struct FleetConfig {
     /// A `discovery:` section for the control plane in place of its static endpoint list
     /// (kvroute topology), e.g. `{"kubernetes": {...}}` against a test's own API server.
     pub discovery: Option<Value>,
+    /// Literal edits `(from, to)` of the rendered Envoy configuration, each of which must
+    /// match: a test that needs a shorter timeout than the shipped one says which.
+    pub envoy_edits: Vec<(String, String)>,
 }
 
 impl FleetConfig {
@@ -639,6 +642,7 @@ impl FleetConfig {
             picker: false,
             pod_port: None,
             discovery: None,
+            envoy_edits: Vec::new(),
         }
     }
 }
@@ -1791,10 +1795,19 @@ async fn start_envoy(
             replicas,
             &eds_vars,
         )?;
-        let rendered = match cp_ports.get(1..) {
+        let mut rendered = match cp_ports.get(1..) {
             Some(more) if !more.is_empty() => add_control_plane_hosts(&rendered, cp_port, more)?,
             _ => rendered,
         };
+        for (from, to) in &config.envoy_edits {
+            if !rendered.contains(from.as_str()) {
+                return Err(HarnessError::Config(format!(
+                    "envoy edit: {from:?} is not in {}",
+                    template.display()
+                )));
+            }
+            rendered = rendered.replace(from.as_str(), to);
+        }
         let cfg_path = write_config(log_dir, &format!("{name}.yaml"), &rendered)?;
         let level = std::env::var("KVROUTE_ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());
         let mut cmd = Command::new(&tools.envoy);
