@@ -64,6 +64,11 @@ pub struct OverheadRow {
     pub latency_ms_p99: f64,
     /// Closed-loop requests/s at the load client's concurrency (1 KB prompts only; else null).
     pub max_rps: Option<f64>,
+    /// Envoy's CPU time per request in the max-rps run, µs (rows with an Envoy; else null).
+    pub envoy_cpu_us_per_request: Option<f64>,
+    /// CPU time per request of the routing process beside or instead of Envoy in that run (the
+    /// control plane, or the peer router), µs; null where there is none.
+    pub router_cpu_us_per_request: Option<f64>,
     /// Failed requests in this row's runs.
     pub errors: usize,
 }

@@ -99,6 +99,11 @@ pub struct PeerRouter {
 }
 
 impl PeerRouter {
+    /// The router's OS process id (its CPU per request in the overhead section).
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
     /// Starts `peer` on a free loopback port in front of `workers` (`127.0.0.1:port` each) and
     /// waits until it lists every worker (sglang: `GET /workers`; vllm-router registers them
     /// before it listens, so its `GET /health` answering is enough).

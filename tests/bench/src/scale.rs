@@ -318,6 +318,17 @@ fn clock_ticks_per_second() -> anyhow::Result<f64> {
         .with_context(|| format!("getconf CLK_TCK printed {text:?}"))
 }
 
+/// CPU seconds (user + system, all threads) `pid` has used so far: what a process costs per
+/// request, read before and after a load run.
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    let ticks = match TICKS.get() {
+        Some(&t) => t,
+        None => *TICKS.get_or_init(|| clock_ticks_per_second().unwrap_or(100.0)),
+    };
+    Ok(cpu_ticks(pid)? as f64 / ticks)
+}
+
 /// utime + stime of `pid`, in clock ticks (`/proc/<pid>/stat` fields 14 and 15).
 fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;

@@ -360,7 +360,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .and_then(|r| r.max_rps)
             .unwrap_or(0.0);
         println!(
-            "{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>14}{:>6}",
+            "{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>14}{:>11}{:>12}{:>6}",
             "router",
             "prompt",
             "p50 ms",
@@ -369,11 +369,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "+p99",
             "max rps",
             "rps/Envoy RR",
+            "Envoy µs/r",
+            "router µs/r",
             "err"
         );
+        let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0}"));
         for r in &overhead {
             println!(
-                "{:<21}{:>9}{:>9.2}{:>9.2}{:>9.2}{:>9.2}{:>9}{:>14}{:>6}",
+                "{:<21}{:>9}{:>9.2}{:>9.2}{:>9.2}{:>9.2}{:>9}{:>14}{:>11}{:>12}{:>6}",
                 r.router,
                 r.prompt_bytes,
                 r.latency_ms_p50,
@@ -383,9 +386,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 r.max_rps.map_or("-".into(), |v| format!("{v:.0}")),
                 r.max_rps
                     .map_or("-".into(), |v| format!("{:.0}%", 100.0 * v / envoy_rps)),
+                us(r.envoy_cpu_us_per_request),
+                us(r.router_cpu_us_per_request),
                 r.errors
             );
         }
+        println!(
+            "(CPU µs/request: user+system time of Envoy and of the control plane or peer router \
+             during the max-rps run, over the requests it served)"
+        );
         if let Some(fraction) = local_decision_fraction {
             println!(
                 "kvroute-local: {:.1}% of routed requests decided in the proxy (no route call)",
@@ -668,6 +677,10 @@ struct Target {
     url: String,
     /// Envoy admin address of a kvroute Envoy (for the filter's hashing-time histogram).
     kvroute_admin: Option<String>,
+    /// Envoy's pid, when the row goes through one.
+    envoy_pid: Option<u32>,
+    /// The control plane's or the peer router's pid, when the row has one.
+    router_pid: Option<u32>,
 }
 
 /// Parse+hash throughput inside Envoy's V8.
@@ -745,6 +758,8 @@ async fn overhead_section(
         label: "direct".into(),
         url: format!("http://{upstream}"),
         kvroute_admin: None,
+        envoy_pid: None,
+        router_pid: None,
     }];
     for (label, f) in &fleets {
         targets.push(Target {
@@ -754,6 +769,8 @@ async fn overhead_section(
                 .control_plane
                 .as_ref()
                 .map(|_| f.envoy.admin_address.clone()),
+            envoy_pid: Some(f.envoy.process().pid()),
+            router_pid: f.control_plane.as_ref().map(|c| c.process().pid()),
         });
     }
     // Peers in front of the very replica "direct" measures.
@@ -777,6 +794,8 @@ async fn overhead_section(
                         label: peer.label().into(),
                         url: p.url.clone(),
                         kvroute_admin: None,
+                        envoy_pid: None,
+                        router_pid: Some(p.pid()),
                     });
                     peer_routers.push(p);
                 }
@@ -808,6 +827,8 @@ async fn overhead_section(
                     label: label.clone(),
                     url: f.url(),
                     kvroute_admin: None,
+                    envoy_pid: Some(f.envoy.process().pid()),
+                    router_pid: Some(p.pid()),
                 });
                 envoy_peers.push(f);
             }
@@ -841,7 +862,11 @@ async fn overhead_section(
                 direct = (p50, p99);
             }
             let mut errors = seq.errors;
+            let (mut envoy_cpu, mut router_cpu) = (None, None);
             let max_rps = if size == SIZES[0] {
+                let cpu =
+                    |pid: Option<u32>| pid.and_then(|p| kvroute_bench::scale::cpu_seconds(p).ok());
+                let before = (cpu(t.envoy_pid), cpu(t.router_pid));
                 let r = bench::http_load(
                     &url,
                     bodies.clone(),
@@ -851,12 +876,19 @@ async fn overhead_section(
                 )
                 .await;
                 errors += r.errors;
+                let served = r.latencies_ms.len().max(1) as f64;
+                let per_request = |before: Option<f64>, after: Option<f64>| {
+                    Some((after? - before?) * 1e6 / served)
+                };
+                envoy_cpu = per_request(before.0, cpu(t.envoy_pid));
+                router_cpu = per_request(before.1, cpu(t.router_pid));
                 Some(r.rps)
             } else {
                 None
             };
             eprintln!(
-                "[overhead] {} {size} B: p50 {p50:.2} ms p99 {p99:.2} ms max_rps {max_rps:?} errors {errors}",
+                "[overhead] {} {size} B: p50 {p50:.2} ms p99 {p99:.2} ms max_rps {max_rps:?} \
+                 CPU µs/request Envoy {envoy_cpu:?} router {router_cpu:?} errors {errors}",
                 t.label
             );
             rows.push(OverheadRow {
@@ -867,6 +899,8 @@ async fn overhead_section(
                 latency_ms_p50: p50,
                 latency_ms_p99: p99,
                 max_rps,
+                envoy_cpu_us_per_request: envoy_cpu,
+                router_cpu_us_per_request: router_cpu,
                 errors,
             });
         }
