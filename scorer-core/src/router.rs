@@ -78,6 +78,14 @@ pub struct ScoringConfig {
     /// keeps drawing new sessions onto its few holders, whose decode then crawls. Dynamo's
     /// router weighs its workers' active KV blocks for the same reason.
     pub decode_occupancy_weight: f64,
+    /// What the decode occupancy counts: `false`, the prompt tokens in flight with a prefix they
+    /// share counted once (the KV they hold); `true`, every request's whole context, a shared
+    /// prefix once per request (what each decode step reads: attention runs over each
+    /// sequence's own context, shared blocks or not). Off by default: see docs/BENCHMARKS.md.
+    /// Left out of the serialized form while off, so a filter built before it still accepts
+    /// the copy's configuration.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub decode_occupancy_per_request: bool,
     /// Weight of the decode estimate (output tokens x time per token) in the cost: 0 scores
     /// time to first token only, 1 scores time to the last token.
     pub decode_weight: f64,
@@ -120,6 +128,7 @@ impl Default for ScoringConfig {
             // 0.05, 0.96 / 1.18 at 0.1, 0.97 / 1.17 at 0.25 and 1.01 / 1.17 at 0.5; above 0.1
             // the shared-prefix cells lose hits (p50 1.10 -> 1.15 at 0.25, 1.41 at 0.5).
             decode_occupancy_weight: 0.1,
+            decode_occupancy_per_request: false,
             default_output_tokens: 300,
             kv_pressure_threshold: 0.9,
             kv_pressure_ms: 500.0,
@@ -499,6 +508,9 @@ struct InflightKv {
     /// The part of `tokens` that is expected output, not prompt (the decode occupancy leaves
     /// it out: a client's `max_tokens` cap is no estimate of the answer).
     output_tokens: f64,
+    /// Every in-flight request's prompt tokens, a shared prefix counted once per request: what
+    /// each decode step reads (attention runs over each sequence's own context).
+    contexts: f64,
 }
 
 impl InflightKv {
@@ -512,6 +524,12 @@ impl InflightKv {
         }
         self.tokens += f64::from(entry.kv_private_tokens);
         self.output_tokens += f64::from(entry.kv_output_tokens);
+        self.contexts += entry.context_tokens();
+    }
+
+    /// Prompt tokens of every in-flight request, a shared prefix once per request.
+    fn context_tokens(&self) -> f64 {
+        self.contexts
     }
 
     /// Prompt tokens held (a shared prefix once), without expected output: the decode
@@ -542,9 +560,11 @@ impl InflightKv {
         }
         self.tokens = (self.tokens - f64::from(entry.kv_private_tokens)).max(0.0);
         self.output_tokens = (self.output_tokens - f64::from(entry.kv_output_tokens)).max(0.0);
+        self.contexts = (self.contexts - entry.context_tokens()).max(0.0);
         if self.blocks.is_empty() && self.tokens < 1.0 {
             self.tokens = 0.0;
             self.output_tokens = 0.0;
+            self.contexts = 0.0;
         }
     }
 }
@@ -601,6 +621,15 @@ struct InFlight {
     precise: bool,
     /// The chosen endpoint's routing state then.
     state: RoutingState,
+}
+
+impl InFlight {
+    /// Its prompt tokens as the in-flight KV counts them (sampled blocks plus the unhashed
+    /// tail; expected output left out).
+    fn context_tokens(&self) -> f64 {
+        self.kv_blocks.len() as f64 * self.kv_block_tokens
+            + f64::from(self.kv_private_tokens.saturating_sub(self.kv_output_tokens))
+    }
 }
 
 /// One candidate's score terms: what the explain output shows.
@@ -2971,7 +3000,12 @@ fn cost_terms(
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
         + s.decode_weight * f64::from(output_tokens) * itl_ms
-        + s.decode_occupancy_weight * slot.inflight_kv.prompt_tokens()
+        + s.decode_occupancy_weight
+            * if s.decode_occupancy_per_request {
+                slot.inflight_kv.context_tokens()
+            } else {
+                slot.inflight_kv.prompt_tokens()
+            }
             / rates.prefill_tokens_per_ms;
     // KV pressure from the scrape, or predicted from what the router itself has in flight
     // here plus this request (the scrape lags a burst; past 1.0 the request would wait for
@@ -3739,6 +3773,43 @@ mod tests {
         // Two requests, one shared prompt: the second adds far less than the first.
         assert!(tokens(one) > 3_500.0, "{one}");
         assert!(tokens(two) - tokens(one) < 1_000.0, "{one} {two}");
+    }
+
+    // Counted per request, the same two requests add their whole contexts each, and their
+    // expected output still not; once answered they leave nothing behind.
+    #[test]
+    fn decode_occupancy_per_request_counts_every_context_whole() {
+        let tools = "tool definitions shared by every agent ".repeat(400);
+        let mut r = router(1);
+        r.config.scoring.decode_occupancy_weight = 1.0;
+        r.config.scoring.decode_occupancy_per_request = true;
+        let tokens = |ms: f64| ms * ScoringConfig::default().prefill_tokens_per_ms;
+        let mut ids = Vec::new();
+        let mut occupancy = Vec::new();
+        for k in 0..2u64 {
+            let mut agent = request(&format!("{tools} agent {k}"));
+            agent.max_output_tokens = Some(4_096);
+            let routed = r.route(&agent, k * 60_000, 1 + k).response;
+            ids.push((routed.decision_id, routed.endpoints[0].clone()));
+            let probe = r.route(&request("probe"), k * 60_000 + 1, 10 + k);
+            occupancy.push(tokens(probe.candidates[0].decode_ms));
+        }
+        assert!(occupancy[0] > 3_500.0, "{occupancy:?}");
+        assert!(occupancy[1] - occupancy[0] > 3_500.0, "{occupancy:?}");
+        assert!(
+            occupancy[1] < 2.5 * occupancy[0],
+            "output counted: {occupancy:?}"
+        );
+        for (decision_id, endpoint) in ids {
+            let done = Outcome {
+                decision_id,
+                endpoint,
+                ..Default::default()
+            };
+            r.feedback(&done, 200_000);
+        }
+        let after = r.route(&request("probe"), 300_000, 20).candidates[0].decode_ms;
+        assert!(tokens(after) < 100.0, "{after}");
     }
 
     /// `n` endpoints whose scrape reports `tokens` of KV capacity and no load.
