@@ -268,6 +268,14 @@ pub struct FaultState {
     /// The engine computes every prompt whole and reports no cached tokens, as vLLM started
     /// with `--no-enable-prefix-caching` does: a replica no router index can match.
     pub prefix_caching_off: bool,
+    /// The engine leaves requests' `cache_salt` out of their block hashes and KV events: salted
+    /// prompts share blocks with unsalted ones, and a salt-aware router's index never matches
+    /// a salted request there.
+    pub ignore_cache_salt: bool,
+    /// While non-zero, one KV-event batch in this many is lost: not published and not kept for
+    /// replay, so a subscriber sees a sequence gap it cannot fill (a PUB socket's high-water
+    /// mark dropping batches the replay buffer no longer holds). 0 publishes every batch again.
+    pub lose_kv_batch_every: u32,
     /// One-shot: the engine restarts as far as KV state goes: its prefix cache is emptied
     /// (without an event) and the publisher starts again at sequence 0 with an empty replay
     /// buffer. Refused while running requests hold blocks. Reads back as false.
@@ -1724,12 +1732,17 @@ async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
         return Err(bad_request("fail_rate must be in [0, 1]"));
     }
     let mut new = new;
-    if new.drop_kv_batches > 0 || new.restart_kv_publisher {
+    let losing_changed = new.lose_kv_batch_every != s.fault.lock().lose_kv_batch_every;
+    if new.drop_kv_batches > 0 || new.restart_kv_publisher || losing_changed {
         let Some(publisher) = &s.publisher else {
             return Err(bad_request(
-                "drop_kv_batches and restart_kv_publisher need --kv-events-endpoint",
+                "drop_kv_batches, lose_kv_batch_every and restart_kv_publisher need \
+                 --kv-events-endpoint",
             ));
         };
+        if losing_changed {
+            publisher.lose_every(new.lose_kv_batch_every);
+        }
         if new.restart_kv_publisher {
             // A restarted engine starts with an empty cache; its subscribers learn of the
             // restart only from the sequence going back to 0, so no event is published.
@@ -1747,7 +1760,11 @@ async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
         new.drop_kv_batches = 0;
         new.restart_kv_publisher = false;
     }
-    s.engine.lock().set_prefix_caching(!new.prefix_caching_off);
+    {
+        let mut engine = s.engine.lock();
+        engine.set_prefix_caching(!new.prefix_caching_off);
+        engine.set_cache_salt_ignored(new.ignore_cache_salt);
+    }
     *s.fault.lock() = new.clone();
     s.hang_tx.send_replace(new.hang);
     Ok(axum::Json(new).into_response())
