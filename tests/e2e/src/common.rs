@@ -262,7 +262,8 @@ pub const STREAM_TIMEOUT: Duration = Duration::from_secs(30);
 /// prefix): each turn appends a user message and, once answered, the assistant's reply, so the
 /// next turn's prompt extends the cached one.
 pub struct Conversation {
-    model: &'static str,
+    /// The model (or LoRA adapter) every turn asks for.
+    pub model: &'static str,
     user_words: usize,
     /// The history so far, system prompt first.
     pub messages: Vec<Value>,

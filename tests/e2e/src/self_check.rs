@@ -7,6 +7,10 @@
 //! engine's block size is not the router's, until it is restarted with the right one. A
 //! replica whose KV-event publisher loses batches no replay can fill is named `degraded`
 //! (`kv_event_gap`) and routed from the approximate index until its stream runs clean again.
+//! A replica that hashes prompts otherwise than the router (a cache salt it ignores, another
+//! chat template, a LoRA adapter known by another name) publishes events that never hold the
+//! blocks of the requests it computed: it is named `degraded` (`hash_mismatch`) until it
+//! hashes as the router does again.
 
 use std::time::{Duration, Instant};
 
@@ -320,8 +324,19 @@ async fn precise_fleet(
     name: &str,
     self_check: serde_json::Value,
 ) -> Fleet {
+    precise_fleet_with(tools, name, self_check, &[]).await
+}
+
+/// [`precise_fleet`] whose replicas also get `sim_args`.
+async fn precise_fleet_with(
+    tools: &kvroute_harness::Tools,
+    name: &str,
+    self_check: serde_json::Value,
+    sim_args: &[&str],
+) -> Fleet {
     let mut cfg = common::fleet_config(name, 2, MODEL);
     cfg.sim_args = vec!["--speed".into(), "20".into()];
+    cfg.sim_args.extend(sim_args.iter().map(|a| a.to_string()));
     cfg.kv_events = true;
     cfg.control_plane_extra = common::remote_tokenizer();
     let mut router = common::precise_router(300);
@@ -424,72 +439,142 @@ async fn a_replica_that_loses_event_batches_is_degraded_until_its_stream_runs_cl
 /// decides over in the tests below (`router.self_check.window`, 32 by default).
 const HASH_WINDOW: usize = 16;
 
-/// Runs salted conversations (one salt per tenant, three tenants) until `endpoint` is `want`.
-async fn converse_salted_until(
+/// The course of a hashing mismatch on `fleet`'s first replica: `fault` set there, new
+/// conversations (passed through `shape`) until it is `degraded` (`hash_mismatch`), with the
+/// other replica exact and `/debug/endpoints` agreeing; every conversation one turn more, and
+/// it is still degraded; the fault `cleared`, new conversations until it is exact again, each
+/// change counted once. Every request must be served throughout (`Conversation::turn` fails
+/// the test on an error). `what` names the fault in the printed times.
+async fn degraded_by_hashing_until_cleared(
     fleet: &Fleet,
-    endpoint: &str,
-    want: &str,
-) -> (Vec<Conversation>, u64) {
-    converse_with_until(fleet, endpoint, want, |mut c| {
-        c.cache_salt = Some(format!("tenant-{}", c.seed % 3));
-        c
-    })
-    .await
+    what: &str,
+    fault: serde_json::Value,
+    cleared: serde_json::Value,
+    shape: impl Fn(Conversation) -> Conversation,
+) {
+    let client = fleet.client().clone();
+    let (victim, other) = (
+        fleet.replicas[0].address.clone(),
+        fleet.replicas[1].address.clone(),
+    );
+    assert_eq!(routing_state(fleet, &victim).await, Some("exact/"));
+
+    common::set_sim_fault(&client, &victim, &fault).await;
+    let started = Instant::now();
+    let (mut conversations, to_degraded) =
+        converse_with_until(fleet, &victim, "degraded/hash_mismatch", &shape).await;
+    eprintln!(
+        "self-check: {victim} degraded (hash_mismatch, {what}) after {to_degraded} requests, \
+         {:.1} s (bound: {MAX_CONVERSATIONS} three-turn conversations)",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        routing_state(fleet, &other).await,
+        Some("exact/"),
+        "the replica that hashes as the router does stays exact"
+    );
+    assert_degraded_in_debug_endpoints(fleet, &victim, "hash_mismatch").await;
+    for c in conversations.iter_mut() {
+        c.turn(&client, fleet, 4, &[]).await;
+    }
+    assert_eq!(
+        routing_state(fleet, &victim).await,
+        Some("degraded/hash_mismatch"),
+        "still {what}: still degraded"
+    );
+
+    common::set_sim_fault(&client, &victim, &cleared).await;
+    let started = Instant::now();
+    let (_, to_exact) = converse_with_until(fleet, &victim, "exact/", &shape).await;
+    eprintln!(
+        "self-check: {victim} exact again after {to_exact} requests, {:.1} s ({what} cleared)",
+        started.elapsed().as_secs_f64()
+    );
+    assert_changed_each_way(fleet, &victim, "hash_mismatch").await;
 }
 
 /// A replica whose engine leaves `cache_salt` out of its block hashes (an engine that does not
-/// know the field), in precise mode with salted traffic. Its KV events name unsalted blocks,
-/// which no salted request of the router's ever matches, and neither the router nor the
-/// engine ever believes a hit that is not delivered, so believed-against-delivered cannot see
-/// it. The first blocks of the requests it served are looked up in its event index a second
-/// after their answers: almost never there, it is named `degraded` (`hash_mismatch`) and
-/// routed from the approximate index; the replica that hashes the salt stays exact; no request
-/// fails; once it hashes the salt again, its served blocks are found and it is exact again.
+/// know the field), in precise mode with salted traffic (three tenants). Its KV events name
+/// unsalted blocks, which no salted request of the router's ever matches, and neither the
+/// router nor the engine ever believes a hit that is not delivered, so believed-against-
+/// delivered cannot see it. The first blocks of the requests it computed are looked up in its
+/// event index a second after their answers: almost never there, it is named `degraded`
+/// (`hash_mismatch`) and routed from the approximate index until it hashes the salt again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_ignores_the_cache_salt_is_degraded_until_it_hashes_it() {
     let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
         let self_check = json!({"window": HASH_WINDOW});
         let fleet = precise_fleet(&tools, "e2e-self-check-salt", self_check).await;
-        let client = fleet.client().clone();
-        let (victim, other) = (
-            fleet.replicas[0].address.clone(),
-            fleet.replicas[1].address.clone(),
-        );
-        assert_eq!(routing_state(&fleet, &victim).await, Some("exact/"));
+        degraded_by_hashing_until_cleared(
+            &fleet,
+            "salt ignored",
+            json!({"ignore_cache_salt": true}),
+            json!({"ignore_cache_salt": false}),
+            |mut c| {
+                c.cache_salt = Some(format!("tenant-{}", c.seed % 3));
+                c
+            },
+        )
+        .await;
+    })
+    .await;
+}
 
-        common::set_sim_fault(&client, &victim, &json!({"ignore_cache_salt": true})).await;
-        let started = Instant::now();
-        let (mut conversations, to_degraded) =
-            converse_salted_until(&fleet, &victim, "degraded/hash_mismatch").await;
-        eprintln!(
-            "self-check: {victim} degraded (hash_mismatch, salt ignored) after {to_degraded} \
-             requests, {:.1} s (bound: {MAX_CONVERSATIONS} three-turn conversations)",
-            started.elapsed().as_secs_f64()
-        );
-        assert_eq!(
-            routing_state(&fleet, &other).await,
-            Some("exact/"),
-            "the replica that hashes the salt stays exact"
-        );
-        assert_degraded_in_debug_endpoints(&fleet, &victim, "hash_mismatch").await;
-        for c in conversations.iter_mut() {
-            c.turn(&client, &fleet, 4, &[]).await;
-        }
-        assert_eq!(
-            routing_state(&fleet, &victim).await,
-            Some("degraded/hash_mismatch"),
-            "still ignoring the salt: still degraded"
-        );
+/// A replica serving chat with another chat template than the pool's (one that writes a
+/// default system message first) while the router tokenises with the pool's: every prompt's
+/// tokens differ there from block 0 on, so its KV events never hold a block the router
+/// hashed. It is named `degraded` (`hash_mismatch`) and routed approximately until it serves
+/// the pool's template again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_another_chat_template_is_degraded_until_it_matches() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let self_check = json!({"window": HASH_WINDOW});
+        let fleet = precise_fleet(&tools, "e2e-self-check-template", self_check).await;
+        degraded_by_hashing_until_cleared(
+            &fleet,
+            "other chat template",
+            json!({"other_chat_template": true}),
+            json!({"other_chat_template": false}),
+            |c| c,
+        )
+        .await;
+    })
+    .await;
+}
 
-        common::set_sim_fault(&client, &victim, &json!({"ignore_cache_salt": false})).await;
-        let started = Instant::now();
-        let (_, to_exact) = converse_salted_until(&fleet, &victim, "exact/").await;
-        eprintln!(
-            "self-check: {victim} exact again after {to_exact} requests, {:.1} s",
-            started.elapsed().as_secs_f64()
-        );
-        assert_changed_each_way(&fleet, &victim, "hash_mismatch").await;
+/// The LoRA adapter both replicas serve.
+const ADAPTER: &str = "kvroute-self-check-adapter";
+
+/// A replica that knows the LoRA adapter the requests name under another name (its block
+/// hashes and KV events name `<adapter>-alias`): the router hashes the adapter's requests
+/// under the adapter's name, so that replica's events never hold them. It is named `degraded`
+/// (`hash_mismatch`) and routed approximately until it names the adapter as the requests do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_knows_the_adapter_by_another_name_is_degraded_until_it_does_not() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let self_check = json!({"window": HASH_WINDOW});
+        let module = format!("{ADAPTER}=/adapters/self-check");
+        let fleet = precise_fleet_with(
+            &tools,
+            "e2e-self-check-lora",
+            self_check,
+            &["--lora-modules", &module],
+        )
+        .await;
+        degraded_by_hashing_until_cleared(
+            &fleet,
+            "LoRA alias",
+            json!({"lora_alias": true}),
+            json!({"lora_alias": false}),
+            |mut c| {
+                c.model = ADAPTER;
+                c
+            },
+        )
+        .await;
     })
     .await;
 }
