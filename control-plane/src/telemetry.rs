@@ -420,8 +420,10 @@ pub fn registry(state: Arc<State>) -> Registry {
         "routing_state_changes",
         "Endpoint routing-state changes: `to` load-only when the engine delivered almost none of \
          the cache hits the index believed in (reason mismatch), degraded while its KV-event \
-         stream is down (no_kv_events) or its engine's block_size differs from the configured \
-         one (block_size), back to exact when that ends",
+         stream is down (no_kv_events), its engine's block_size differs from the configured \
+         one (block_size), its stream lost batches no replay filled and has not run clean since \
+         (kv_event_gap), or its events do not hold the blocks the router hashed for the \
+         requests it served (hash_mismatch), back to exact when that ends",
         t.routing_state_changes,
     );
     r.register(
@@ -722,8 +724,9 @@ fn encode_routing_states(
     let mut family = encoder.encode_descriptor(
         "endpoint_routing_state",
         "1 for the endpoint's routing state: exact (prefix hits credited), degraded (its \
-         KV-event stream is down, or its engine's block_size is not the configured one: precise \
-         requests scored from the approximate index), \
+         KV-event stream is down, its engine's block_size is not the configured one, its stream \
+         lost batches, or its events do not hold the router's blocks: precise requests scored \
+         from the approximate index), \
          load-only (chosen by load: the engine did not deliver the hits the index believed in)",
         None,
         MetricType::Gauge,
