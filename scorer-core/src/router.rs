@@ -1417,12 +1417,17 @@ impl Router {
         let Some(reason) = now.1.or(was.1).filter(|_| now != was) else {
             return;
         };
+        let (delivered_share, samples) = if reason == StateReason::HashMismatch {
+            slot.hashes.decided()
+        } else {
+            (slot.check.delivered_share(), slot.check.samples())
+        };
         let change = StateChange {
             from: was.0,
             to: now.0,
             reason,
-            delivered_share: slot.check.delivered_share(),
-            samples: slot.check.samples(),
+            delivered_share,
+            samples,
         };
         let address = slot.address.to_string();
         self.note_state_change(address, change);
@@ -2583,9 +2588,11 @@ impl Router {
             // An engine that computed the prompt from its first block (it reported less than a
             // block cached) published that block before it answered: its event index is to
             // hold it as the router hashed it ([`EventHashCheck`]). A hit says nothing: the
-            // block may have been stored before the index was last dropped.
+            // block may have been stored before the index was last dropped; nor does a prompt
+            // prefilled elsewhere (its KV came by transfer).
             let block_tokens = u32::try_from(self.config.precise.block_tokens).unwrap_or(u32::MAX);
             if served_by == entry.endpoint
+                && !entry.remote_prefill
                 && (200..300).contains(&outcome.status)
                 && outcome.cached_tokens.is_some_and(|c| c < block_tokens)
                 && let Some(hash) = entry.first_token_block
@@ -4991,7 +4998,7 @@ mod precise_tests {
         let changes: Vec<_> = r
             .take_state_changes()
             .into_iter()
-            .map(|(e, c)| (e, c.to, c.reason))
+            .map(|(e, c)| (e, c.to, c.reason, c.delivered_share))
             .collect();
         assert_eq!(
             changes,
@@ -4999,12 +5006,15 @@ mod precise_tests {
                 (
                     "a:1".to_string(),
                     RoutingState::Degraded,
-                    StateReason::HashMismatch
+                    StateReason::HashMismatch,
+                    0.0
                 ),
                 (
                     "a:1".to_string(),
                     RoutingState::Exact,
-                    StateReason::HashMismatch
+                    StateReason::HashMismatch,
+                    // Decided at the eighth lookup: request 101's block and seven held ones.
+                    7.0 / 8.0
                 ),
             ]
         );

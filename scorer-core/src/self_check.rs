@@ -161,9 +161,10 @@ pub struct StateChange {
     pub to: RoutingState,
     /// Why, for a change into a state other than exact; for a change back, why it was left.
     pub reason: StateReason,
-    /// Delivered / believed cached tokens over the evidence that decided it.
+    /// Delivered / believed cached tokens over the evidence that decided it; for
+    /// [`StateReason::HashMismatch`], the share of looked-up blocks the event index held.
     pub delivered_share: f64,
-    /// Outcomes that evidence counted.
+    /// Outcomes (for `HashMismatch`, lookups) that evidence counted.
     pub samples: usize,
 }
 
@@ -361,6 +362,8 @@ pub struct EventHashCheck {
     verdicts: VecDeque<bool>,
     held: usize,
     mismatched: bool,
+    /// The held share and the verdicts of the window that made the last change.
+    decided: (f64, usize),
 }
 
 impl EventHashCheck {
@@ -414,6 +417,7 @@ impl EventHashCheck {
         };
         if changed {
             self.mismatched = !self.mismatched;
+            self.decided = (share, self.verdicts.len());
             self.verdicts.clear();
             self.held = 0;
         }
@@ -423,6 +427,11 @@ impl EventHashCheck {
     /// Whether the endpoint's events are known not to hold the router's blocks.
     pub fn mismatched(&self) -> bool {
         self.mismatched
+    }
+
+    /// The held share and the number of verdicts that made the last change.
+    pub fn decided(&self) -> (f64, usize) {
+        self.decided
     }
 
     /// Held / looked up over the current window (1 with no verdict).
@@ -583,6 +592,7 @@ mod tests {
             [false, false, false, false, false, false, false, true]
         );
         assert!(c.mismatched());
+        assert_eq!(c.decided(), (0.0, 8));
         assert!((0..20).all(|_| !c.observe(false, &config)));
         // Held again (the engine was fixed): trusted once more than half are held.
         let left = (0..40).filter(|_| c.observe(true, &config)).count();
