@@ -1117,6 +1117,42 @@ mod tests {
         assert_exports(state, &exact.iter().map(String::as_str).collect::<Vec<_>>());
     }
 
+    // A KV-event stream that lost batches no replay filled is degraded (kv_event_gap), counted
+    // once however many losses follow, and exact again after enough batches in sequence.
+    #[test]
+    fn a_stream_that_lost_batches_is_exported_degraded_until_it_runs_clean() {
+        let state = state_of(&["10.0.0.1:80"]);
+        let address = "10.0.0.1:80";
+        state.set_event_stream(address, true);
+        state.note_event_gap(address);
+        state.note_event_batch_in_sequence(address);
+        state.note_event_gap(address);
+        let e = "endpoint=\"10.0.0.1:80\"";
+        let degraded = [
+            format!(
+                "kvroute_endpoint_routing_state{{{e},state=\"degraded\",reason=\"kv_event_gap\"}} 1"
+            ),
+            format!(
+                "kvroute_routing_state_changes_total{{{e},to=\"degraded\",reason=\"kv_event_gap\"}} 1"
+            ),
+        ];
+        assert_exports(
+            state.clone(),
+            &degraded.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        let clean = scorer_core::self_check::SelfCheckConfig::default().clean_batches_after_gap;
+        for _ in 0..clean {
+            state.note_event_batch_in_sequence(address);
+        }
+        let exact = [
+            format!("kvroute_endpoint_routing_state{{{e},state=\"exact\",reason=\"\"}} 1"),
+            format!(
+                "kvroute_routing_state_changes_total{{{e},to=\"exact\",reason=\"kv_event_gap\"}} 1"
+            ),
+        ];
+        assert_exports(state, &exact.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+
     // The engines' own prefix-cache counters are passed on as scraped.
     #[test]
     fn the_engines_prefix_cache_counters_are_exported() {
