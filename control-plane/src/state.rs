@@ -783,10 +783,14 @@ impl State {
         self.scrapes.lock().values().cloned().collect()
     }
 
-    /// Expires index and in-flight entries even while no requests arrive.
+    /// Expires index and in-flight entries even while no requests arrive, and looks up the
+    /// blocks served requests left in the KV-event index (a state change it makes is logged
+    /// and counted now).
     pub fn expire(&self) {
         let now = self.now_ms();
-        self.inner.lock().router.expire(now);
+        let mut inner = self.inner.lock();
+        inner.router.expire(now);
+        self.note_state_changes(&mut inner);
     }
 
     /// Marks `address`'s KV-event stream live (precise scoring trusts it) or down (its precise
@@ -795,6 +799,22 @@ impl State {
     pub fn set_event_stream(&self, address: &str, live: bool) {
         let mut inner = self.inner.lock();
         inner.router.set_event_stream(address, live);
+        self.note_state_changes(&mut inner);
+    }
+
+    /// `address`'s KV-event stream lost batches its replay socket could not fill: it is
+    /// `degraded` (reason `kv_event_gap`, logged and counted now) until it runs clean.
+    pub fn note_event_gap(&self, address: &str) {
+        let mut inner = self.inner.lock();
+        inner.router.note_event_gap(address);
+        self.note_state_changes(&mut inner);
+    }
+
+    /// One of `address`'s KV-event batches arrived in sequence (it may end an outstanding gap:
+    /// exact again, logged and counted now).
+    pub fn note_event_batch_in_sequence(&self, address: &str) {
+        let mut inner = self.inner.lock();
+        inner.router.note_event_batch_in_sequence(address);
         self.note_state_changes(&mut inner);
     }
 

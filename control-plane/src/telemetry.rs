@@ -420,8 +420,10 @@ pub fn registry(state: Arc<State>) -> Registry {
         "routing_state_changes",
         "Endpoint routing-state changes: `to` load-only when the engine delivered almost none of \
          the cache hits the index believed in (reason mismatch), degraded while its KV-event \
-         stream is down (no_kv_events) or its engine's block_size differs from the configured \
-         one (block_size), back to exact when that ends",
+         stream is down (no_kv_events), its engine's block_size differs from the configured \
+         one (block_size), its stream lost batches no replay filled and has not run clean since \
+         (kv_event_gap), or its events do not hold the blocks the router hashed for the \
+         requests it served (hash_mismatch), back to exact when that ends",
         t.routing_state_changes,
     );
     r.register(
@@ -722,8 +724,9 @@ fn encode_routing_states(
     let mut family = encoder.encode_descriptor(
         "endpoint_routing_state",
         "1 for the endpoint's routing state: exact (prefix hits credited), degraded (its \
-         KV-event stream is down, or its engine's block_size is not the configured one: precise \
-         requests scored from the approximate index), \
+         KV-event stream is down, its engine's block_size is not the configured one, its stream \
+         lost batches, or its events do not hold the router's blocks: precise requests scored \
+         from the approximate index), \
          load-only (chosen by load: the engine did not deliver the hits the index believed in)",
         None,
         MetricType::Gauge,
@@ -1109,6 +1112,42 @@ mod tests {
             format!("kvroute_endpoint_routing_state{{{e},state=\"exact\",reason=\"\"}} 1"),
             format!(
                 "kvroute_routing_state_changes_total{{{e},to=\"exact\",reason=\"block_size\"}} 1"
+            ),
+        ];
+        assert_exports(state, &exact.iter().map(String::as_str).collect::<Vec<_>>());
+    }
+
+    // A KV-event stream that lost batches no replay filled is degraded (kv_event_gap), counted
+    // once however many losses follow, and exact again after enough batches in sequence.
+    #[test]
+    fn a_stream_that_lost_batches_is_exported_degraded_until_it_runs_clean() {
+        let state = state_of(&["10.0.0.1:80"]);
+        let address = "10.0.0.1:80";
+        state.set_event_stream(address, true);
+        state.note_event_gap(address);
+        state.note_event_batch_in_sequence(address);
+        state.note_event_gap(address);
+        let e = "endpoint=\"10.0.0.1:80\"";
+        let degraded = [
+            format!(
+                "kvroute_endpoint_routing_state{{{e},state=\"degraded\",reason=\"kv_event_gap\"}} 1"
+            ),
+            format!(
+                "kvroute_routing_state_changes_total{{{e},to=\"degraded\",reason=\"kv_event_gap\"}} 1"
+            ),
+        ];
+        assert_exports(
+            state.clone(),
+            &degraded.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        let clean = scorer_core::self_check::SelfCheckConfig::default().clean_batches_after_gap;
+        for _ in 0..clean {
+            state.note_event_batch_in_sequence(address);
+        }
+        let exact = [
+            format!("kvroute_endpoint_routing_state{{{e},state=\"exact\",reason=\"\"}} 1"),
+            format!(
+                "kvroute_routing_state_changes_total{{{e},to=\"exact\",reason=\"kv_event_gap\"}} 1"
             ),
         ];
         assert_exports(state, &exact.iter().map(String::as_str).collect::<Vec<_>>());

@@ -328,6 +328,11 @@ impl PrefixIndex {
         }
     }
 
+    /// Whether `id` holds the block `hash`.
+    pub fn holds(&self, id: EndpointId, hash: u64) -> bool {
+        self.holders.get(&hash).is_some_and(|s| s.contains(id))
+    }
+
     /// Blocks indexed for `id`.
     pub fn len_for(&self, id: EndpointId) -> usize {
         self.endpoints

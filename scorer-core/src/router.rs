@@ -39,7 +39,10 @@ use crate::reuse::{
     Aim, MismatchLog, MismatchRecord, PoolKey, PoolTotals, ReuseConfig, ReuseOutcome, ReuseTotals,
     ReuseWindow,
 };
-use crate::self_check::{EndpointCheck, RoutingState, SelfCheckConfig, StateChange, StateReason};
+use crate::self_check::{
+    EndpointCheck, EventGapCheck, EventHashCheck, RoutingState, SelfCheckConfig, StateChange,
+    StateReason,
+};
 use crate::token_ratio::TokenRatio;
 
 /// Tunables of the scorer. Defaults come from fleet-sim sweeps (see README).
@@ -380,6 +383,13 @@ struct Slot {
     /// Its engine's block size when it differs from `router.precise.block_tokens`: it is
     /// `degraded` (reason `block_size`) and scored from the approximate index.
     other_block_size: Option<u32>,
+    /// Whether its KV-event stream lost batches no replay filled, and has not run clean since:
+    /// it is `degraded` (reason `kv_event_gap`) and scored from the approximate index.
+    event_gap: EventGapCheck,
+    /// Whether its KV events hold the blocks the router hashed for the requests it served:
+    /// when they almost never do it is `degraded` (reason `hash_mismatch`) and scored from the
+    /// approximate index.
+    hashes: EventHashCheck,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
     /// The fleet numbers of the outcomes it served ([`crate::reuse`]).
@@ -445,8 +455,9 @@ impl Slot {
     }
 
     /// The state and its reason: load-only on a mismatch; else degraded when the engine's
-    /// block size is not the configured one, or while an expected KV-event stream is down;
-    /// else exact.
+    /// block size is not the configured one, while an expected KV-event stream is down, while
+    /// it has not run clean since it lost batches, or while its events do not hold the blocks
+    /// the router hashes; else exact.
     fn state_and_reason(&self) -> (RoutingState, Option<StateReason>) {
         if self.check.load_only() {
             (RoutingState::LoadOnly, Some(StateReason::Mismatch))
@@ -454,15 +465,27 @@ impl Slot {
             (RoutingState::Degraded, Some(StateReason::BlockSize))
         } else if self.events_expected && !self.events_live {
             (RoutingState::Degraded, Some(StateReason::NoKvEvents))
+        } else if self.event_gap.outstanding() {
+            (RoutingState::Degraded, Some(StateReason::KvEventGap))
+        } else if self.hashes.mismatched() {
+            (RoutingState::Degraded, Some(StateReason::HashMismatch))
         } else {
             (RoutingState::Exact, None)
         }
     }
 
     /// Whether its KV-event index may score precise requests: a live stream of blocks of the
-    /// configured size.
+    /// configured size that lost no batch since it last ran clean, and holds the blocks the
+    /// router hashes.
     fn precise_usable(&self) -> bool {
-        self.events_live && self.other_block_size.is_none()
+        self.events_whole() && !self.hashes.mismatched()
+    }
+
+    /// Whether its event index says what the engine holds, in the engine's hashes: a live
+    /// stream of blocks of the configured size that lost no batch since it last ran clean.
+    /// Only then does a block missing from it say the router's hashes are not the engine's.
+    fn events_whole(&self) -> bool {
+        self.events_live && self.other_block_size.is_none() && !self.event_gap.outstanding()
     }
 
     /// What a copy needs of this endpoint ([`Router::endpoint_snapshots`]).
@@ -621,6 +644,9 @@ struct InFlight {
     precise: bool,
     /// The chosen endpoint's routing state then.
     state: RoutingState,
+    /// The first block of the prompt as the router hashed it for the KV-event index (precise
+    /// requests), looked up there once the endpoint served it ([`EventHashCheck`]).
+    first_token_block: Option<u64>,
 }
 
 impl InFlight {
@@ -1262,6 +1288,8 @@ impl Router {
             events_expected: false,
             check: EndpointCheck::default(),
             other_block_size: None,
+            event_gap: EventGapCheck::default(),
+            hashes: EventHashCheck::default(),
             served: ServedTotals::default(),
             reuse: ReuseTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
@@ -1397,6 +1425,7 @@ impl Router {
         }
         if new_mismatch {
             // Built from events whose blocks are not the router's: nothing in it can match.
+            slot.hashes.forget_awaited();
             self.precise.clear(id);
         }
         self.bound_index(id);
@@ -1417,12 +1446,17 @@ impl Router {
         let Some(reason) = now.1.or(was.1).filter(|_| now != was) else {
             return;
         };
+        let (delivered_share, samples) = if reason == StateReason::HashMismatch {
+            slot.hashes.decided()
+        } else {
+            (slot.check.delivered_share(), slot.check.samples())
+        };
         let change = StateChange {
             from: was.0,
             to: now.0,
             reason,
-            delivered_share: slot.check.delivered_share(),
-            samples: slot.check.samples(),
+            delivered_share,
+            samples,
         };
         let address = slot.address.to_string();
         self.note_state_change(address, change);
@@ -1495,10 +1529,45 @@ impl Router {
         let was_state = slot.state_and_reason();
         slot.events_live = live;
         slot.events_expected = true;
+        if was != live {
+            // A new session rebuilds the history from the replay socket, and a stream that is
+            // down is degraded for that: a gap of the old session says nothing any more, nor
+            // do blocks awaited in the index it had.
+            slot.event_gap.clear();
+            slot.hashes.forget_awaited();
+        }
         // (A load-only endpoint stays load-only whatever its stream does: no change.)
         self.note_transition(id, was_state);
         if was && !live {
             self.precise.clear(id);
+        }
+    }
+
+    /// `address`'s KV-event stream lost batches its replay socket could not fill (the caller
+    /// dropped its precise state, which may miss what they said): it is `degraded` (reason
+    /// `kv_event_gap`) and scored from the approximate index until
+    /// [`Router::note_event_batch_in_sequence`] has seen it run clean.
+    pub fn note_event_gap(&mut self, address: &str) {
+        let Some((id, slot)) = self.slot_mut(address) else {
+            return;
+        };
+        let was = slot.state_and_reason();
+        slot.event_gap.lost();
+        slot.hashes.forget_awaited();
+        self.note_transition(id, was);
+    }
+
+    /// One of `address`'s KV-event batches arrived in sequence: after
+    /// `router.self_check.clean_batches_after_gap` in a row, an outstanding gap ends and its
+    /// event index is trusted again.
+    pub fn note_event_batch_in_sequence(&mut self, address: &str) {
+        let config = self.config.self_check.clone();
+        let Some((id, slot)) = self.slot_mut(address) else {
+            return;
+        };
+        let was = slot.state_and_reason();
+        if slot.event_gap.in_sequence(&config) {
+            self.note_transition(id, was);
         }
     }
 
@@ -1570,8 +1639,38 @@ impl Router {
 
     /// Forgets `address`'s precise state (cache reset, publisher restart, unreplayable gap).
     pub fn clear_precise(&mut self, address: &str) {
-        if let Some(id) = self.endpoint_id(address) {
+        if let Some((id, slot)) = self.slot_mut(address) {
+            // The blocks awaited there are gone with the index, whoever hashed them.
+            slot.hashes.forget_awaited();
             self.precise.clear(id);
+        }
+    }
+
+    /// Looks up, in each endpoint's event-fed index, the first blocks of the requests it
+    /// served whose time has come ([`EventHashCheck`]); a change of state is noted. Blocks of
+    /// an endpoint whose event index is not whole now say nothing and are dropped.
+    fn check_event_hashes(&mut self, now_ms: u64) {
+        let mut changed = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(slot) = slot.as_mut() else {
+                continue;
+            };
+            let id = EndpointId(i as u16);
+            let was = slot.state_and_reason();
+            let mut flipped = false;
+            while let Some(hash) = slot.hashes.next_due(now_ms) {
+                if !slot.events_whole() {
+                    continue;
+                }
+                let held = self.precise.gpu.holds(id, hash) || self.precise.offload.holds(id, hash);
+                flipped |= slot.hashes.observe(held, &self.config.self_check);
+            }
+            if flipped {
+                changed.push((id, was));
+            }
+        }
+        for (id, was) in changed {
+            self.note_transition(id, was);
         }
     }
 
@@ -1639,6 +1738,7 @@ impl Router {
             .responses
             .expire(now_ms, self.config.responses.ttl_ms);
         self.precise.speculative.expire(now_ms);
+        self.check_event_hashes(now_ms);
         while self
             .withdrawn
             .front()
@@ -2234,6 +2334,7 @@ impl Router {
                 .key(&request.model, self.config.reuse.max_pools),
             precise: chosen_score.precise,
             state,
+            first_token_block: request.token_block_hashes.first().copied(),
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -2512,6 +2613,21 @@ impl Router {
                     parting_block: delivered / block,
                     at_ms: now_ms,
                 });
+            }
+            // An engine that computed the prompt from its first block (it reported less than a
+            // block cached) published that block before it answered: its event index is to
+            // hold it as the router hashed it ([`EventHashCheck`]). A hit says nothing: the
+            // block may have been stored before the index was last dropped; nor does a prompt
+            // prefilled elsewhere (its KV came by transfer).
+            let block_tokens = u32::try_from(self.config.precise.block_tokens).unwrap_or(u32::MAX);
+            if served_by == entry.endpoint
+                && !entry.remote_prefill
+                && (200..300).contains(&outcome.status)
+                && outcome.cached_tokens.is_some_and(|c| c < block_tokens)
+                && let Some(hash) = entry.first_token_block
+                && slot.events_whole()
+            {
+                slot.hashes.expect(hash, now_ms, &self.config.self_check);
             }
             // Believed against delivered: only for the endpoint the belief was about, and only
             // for a request the engine served.
@@ -4109,6 +4225,89 @@ mod tests {
         assert_eq!(r.take_state_changes().len(), 1);
     }
 
+    // Issue #18: a KV-event stream that lost batches no replay could fill (the caller dropped
+    // the endpoint's precise state) is `degraded` (reason kv_event_gap) and scored from the
+    // approximate index until `clean_batches_after_gap` batches in a row arrive in sequence;
+    // a loss meanwhile starts the count again, and a new session forgets the gap.
+    #[test]
+    fn a_stream_that_lost_batches_is_degraded_until_it_runs_clean() {
+        let mut config = RouterConfig::default();
+        config.self_check.clean_batches_after_gap = 4;
+        let mut r = Router::new(config, 1);
+        let (a, b) = ("10.0.0.0:8000", "10.0.0.1:8000");
+        for e in [a, b] {
+            r.upsert_endpoint(e).unwrap();
+            r.set_event_stream(e, true);
+        }
+        let state = |r: &Router| {
+            let e = &r.endpoints(0)[0];
+            (e.routing_state, e.state_reason)
+        };
+        let precise_request = RouteRequest {
+            model: "m".into(),
+            token_block_hashes: vec![1, 2, 3],
+            prompt_tokens: 49,
+            ..Default::default()
+        };
+        let scored_precisely = |r: &mut Router, now: u64| {
+            let d = r.route(&precise_request, now, 1);
+            let c = d.candidates.iter().find(|c| c.endpoint.as_str() == a);
+            c.map(|c| c.precise)
+        };
+        assert_eq!(scored_precisely(&mut r, 1), Some(true));
+        r.note_event_batch_in_sequence(a);
+        assert_eq!(state(&r), (RoutingState::Exact, None), "no gap: exact");
+
+        r.note_event_gap(a);
+        assert_eq!(
+            state(&r),
+            (RoutingState::Degraded, Some(StateReason::KvEventGap))
+        );
+        assert_eq!(
+            scored_precisely(&mut r, 2),
+            Some(false),
+            "approximate while the gap is outstanding"
+        );
+        for _ in 0..3 {
+            r.note_event_batch_in_sequence(a);
+        }
+        r.note_event_gap(a);
+        for _ in 0..3 {
+            r.note_event_batch_in_sequence(a);
+        }
+        assert_eq!(
+            state(&r),
+            (RoutingState::Degraded, Some(StateReason::KvEventGap)),
+            "still losing batches: the count started again"
+        );
+        r.note_event_batch_in_sequence(a);
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+        assert_eq!(scored_precisely(&mut r, 3), Some(true));
+        let changes: Vec<_> = r
+            .take_state_changes()
+            .into_iter()
+            .map(|(e, c)| (e, c.to, c.reason))
+            .collect();
+        assert_eq!(
+            changes,
+            [
+                (
+                    a.to_string(),
+                    RoutingState::Degraded,
+                    StateReason::KvEventGap
+                ),
+                (a.to_string(), RoutingState::Exact, StateReason::KvEventGap),
+            ],
+            "one change each way, none for the second loss"
+        );
+
+        // A session that ends and a new one that rebuilt the history: the old gap is gone.
+        r.note_event_gap(a);
+        r.set_event_stream(a, false);
+        r.set_event_stream(a, true);
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+    }
+
     // The ceiling is one cache as large as the fleet's KV: the window follows the endpoints'
     // scraped capacity (bounded), so a prompt the fleet's caches could not all hold is not
     // counted available again.
@@ -4793,6 +4992,110 @@ mod precise_tests {
             r.endpoints(0)[0].precise_blocks,
             0,
             "other errors still drop"
+        );
+    }
+
+    // Issue #18: an engine that hashes prompts otherwise than the router (a cache salt it
+    // leaves out, another chat template, a LoRA adapter under another name) publishes blocks no
+    // request of the router's matches, and neither side ever believes a hit there. Once the
+    // first blocks of the requests it served are almost never in its event index, it is
+    // `degraded` (reason hash_mismatch) and scored approximately; once they are again, exact.
+    #[test]
+    fn an_engine_whose_events_never_hold_the_routers_blocks_is_degraded_until_they_do() {
+        let mut r = Router::new(RouterConfig::default(), 1);
+        r.upsert_endpoint("a:1").unwrap();
+        r.set_event_stream("a:1", true);
+        let wait = r.config().self_check.confirm_after_ms;
+        let samples = r.config().self_check.min_samples as u32;
+        let state = |r: &Router| {
+            let e = &r.endpoints(0)[0];
+            (e.routing_state, e.state_reason)
+        };
+        // Serves request `n` on a:1 at `now`; the engine publishes its prompt's blocks, as the
+        // router tokenises them or (`agrees` false) as other tokens.
+        let serve = |r: &mut Router, n: u32, now: u64, agrees: bool| {
+            let tokens: Vec<u32> = (n * 1_000..n * 1_000 + 321).collect();
+            let d = r.route(&request(&tokens), now, u64::from(n));
+            assert_eq!(d.response.endpoints[0], "a:1");
+            let published: Vec<u32> = if agrees {
+                tokens[..320].to_vec()
+            } else {
+                tokens[..320].iter().map(|t| t + 500_000).collect()
+            };
+            let event = stored_from(u64::from(n) * 1_000, &published, Medium::Gpu);
+            r.apply_kv_event("a:1", "m", &event, now).unwrap();
+            r.feedback(
+                &Outcome {
+                    decision_id: d.response.decision_id,
+                    endpoint: "a:1".into(),
+                    status: 200,
+                    cached_tokens: Some(0),
+                    ..Outcome::default()
+                },
+                now + 1,
+            );
+            d.candidates[0].precise
+        };
+        assert!(serve(&mut r, 1, 10, false), "scored precisely");
+        for n in 2..samples {
+            serve(&mut r, n, 10, false);
+        }
+        r.expire(wait + 10);
+        assert_eq!(
+            state(&r),
+            (RoutingState::Exact, None),
+            "awaited, not looked up"
+        );
+        r.expire(wait + 11);
+        assert_eq!(state(&r), (RoutingState::Exact, None), "too few verdicts");
+        serve(&mut r, 100, 20, false);
+        r.expire(wait + 21);
+        assert_eq!(
+            state(&r),
+            (RoutingState::Degraded, Some(StateReason::HashMismatch))
+        );
+        assert!(
+            !serve(&mut r, 101, 30, false),
+            "scored from the approximate index"
+        );
+
+        // The engine hashes as the router does again: its served requests' blocks are held.
+        for n in 200..200 + samples {
+            serve(&mut r, n, 40, true);
+        }
+        r.expire(wait + 41);
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+        assert!(serve(&mut r, 300, 50, true));
+        let changes: Vec<_> = r
+            .take_state_changes()
+            .into_iter()
+            .map(|(e, c)| (e, c.to, c.reason, c.delivered_share))
+            .collect();
+        assert_eq!(
+            changes,
+            [
+                (
+                    "a:1".to_string(),
+                    RoutingState::Degraded,
+                    StateReason::HashMismatch,
+                    0.0
+                ),
+                (
+                    "a:1".to_string(),
+                    RoutingState::Exact,
+                    StateReason::HashMismatch,
+                    // Decided at the eighth lookup: request 101's block and seven held ones.
+                    7.0 / 8.0
+                ),
+            ]
+        );
+        // A stream that is not whole says nothing: what was awaited is dropped unread.
+        serve(&mut r, 400, 60, false);
+        r.note_event_gap("a:1");
+        r.expire(wait + 61);
+        assert_eq!(
+            r.endpoints(0)[0].state_reason,
+            Some(StateReason::KvEventGap)
         );
     }
 }

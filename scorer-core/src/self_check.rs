@@ -11,8 +11,12 @@
 //! - [`RoutingState::Exact`]: the index is trusted, prefix hits are credited;
 //! - [`RoutingState::Degraded`]: the endpoint's KV-event index cannot be trusted, so its prefix
 //!   comes from the approximate index (derived by the router, not kept here): precise mode is
-//!   configured but its KV-event stream is not live ([`StateReason::NoKvEvents`]), or its
-//!   engine's block size is not the configured one ([`StateReason::BlockSize`]);
+//!   configured but its KV-event stream is not live ([`StateReason::NoKvEvents`]), its
+//!   engine's block size is not the configured one ([`StateReason::BlockSize`]), or its stream
+//!   lost batches that no replay could fill ([`StateReason::KvEventGap`], until
+//!   [`SelfCheckConfig::clean_batches_after_gap`] batches in a row arrive in sequence: see
+//!   [`EventGapCheck`]), or its KV events do not hold the blocks the router hashed for the
+//!   requests it served ([`StateReason::HashMismatch`]: see [`EventHashCheck`]);
 //! - [`RoutingState::LoadOnly`]: the endpoint delivered almost none of the hits the index
 //!   believed in over a window of outcomes ([`StateReason::Mismatch`]); scoring credits it no
 //!   cached prefix, so it is chosen by load, until outcomes show the index right again.
@@ -62,6 +66,12 @@ pub struct SelfCheckConfig {
     pub probe_after_ms: u64,
     /// The longest wait between probes (the wait doubles after each failed one).
     pub max_probe_after_ms: u64,
+    /// After a KV-event gap that could not be replayed, batches that must arrive in sequence
+    /// (none lost) before the endpoint's event index is trusted again.
+    pub clean_batches_after_gap: u32,
+    /// How long after a served request's outcome its first block must be in the endpoint's
+    /// event-fed index (the engine published it before it answered), in ms.
+    pub confirm_after_ms: u64,
 }
 
 impl Default for SelfCheckConfig {
@@ -75,6 +85,8 @@ impl Default for SelfCheckConfig {
             leave_above: 0.5,
             probe_after_ms: 30_000,
             max_probe_after_ms: 600_000,
+            clean_batches_after_gap: 32,
+            confirm_after_ms: 1_000,
         }
     }
 }
@@ -116,6 +128,15 @@ pub enum StateReason {
     /// its KV events name blocks the router never hashes, so it is scored from the
     /// approximate index until the sizes match.
     BlockSize,
+    /// The endpoint's KV-event stream lost batches (a sequence gap) that its replay socket
+    /// could not fill: the event index misses what they said, so it is scored from the
+    /// approximate index until the stream has run clean for a while ([`EventGapCheck`]).
+    KvEventGap,
+    /// The endpoint's KV events do not hold the blocks the router hashed for the requests the
+    /// endpoint served: the engine hashes prompts otherwise (a cache salt it ignores, another
+    /// chat template, a LoRA adapter under another name), so the event index never matches a
+    /// request and the approximate index stands in ([`EventHashCheck`]).
+    HashMismatch,
 }
 
 impl StateReason {
@@ -125,6 +146,8 @@ impl StateReason {
             StateReason::Mismatch => "mismatch",
             StateReason::NoKvEvents => "no_kv_events",
             StateReason::BlockSize => "block_size",
+            StateReason::KvEventGap => "kv_event_gap",
+            StateReason::HashMismatch => "hash_mismatch",
         }
     }
 }
@@ -138,9 +161,10 @@ pub struct StateChange {
     pub to: RoutingState,
     /// Why, for a change into a state other than exact; for a change back, why it was left.
     pub reason: StateReason,
-    /// Delivered / believed cached tokens over the evidence that decided it.
+    /// Delivered / believed cached tokens over the evidence that decided it; for
+    /// [`StateReason::HashMismatch`], the share of looked-up blocks the event index held.
     pub delivered_share: f64,
-    /// Outcomes that evidence counted.
+    /// Outcomes (for `HashMismatch`, lookups) that evidence counted.
     pub samples: usize,
 }
 
@@ -266,6 +290,160 @@ impl EndpointCheck {
     }
 }
 
+/// Whether one endpoint's KV-event stream has lost batches no replay could fill, and whether
+/// it has run clean since. A lost batch may have stored or removed any block, so the event
+/// index is not trusted from the loss until [`SelfCheckConfig::clean_batches_after_gap`]
+/// batches in a row arrived in sequence: a stream still losing batches (a publisher whose
+/// high-water mark keeps dropping them) never gets there, one that was fixed does. Counting
+/// batches rather than time needs no clock: batches come with the engine's activity, and so
+/// does the evidence that the stream is whole.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EventGapCheck {
+    /// Batches in sequence since the last unfilled gap; `None` while no gap is outstanding.
+    clean_since_gap: Option<u32>,
+}
+
+impl EventGapCheck {
+    /// A gap the replay could not fill: the index is not trusted from here.
+    pub fn lost(&mut self) {
+        self.clean_since_gap = Some(0);
+    }
+
+    /// One batch applied in sequence. Returns whether it ended an outstanding gap (the stream
+    /// has now run clean for `config.clean_batches_after_gap` batches).
+    pub fn in_sequence(&mut self, config: &SelfCheckConfig) -> bool {
+        let Some(clean) = self.clean_since_gap.as_mut() else {
+            return false;
+        };
+        *clean = clean.saturating_add(1);
+        if *clean >= config.clean_batches_after_gap {
+            self.clean_since_gap = None;
+            return true;
+        }
+        false
+    }
+
+    /// Forgets an outstanding gap (a new session rebuilt the history from the replay socket).
+    pub fn clear(&mut self) {
+        self.clean_since_gap = None;
+    }
+
+    /// Whether a gap is outstanding (the event index is not trusted).
+    pub fn outstanding(&self) -> bool {
+        self.clean_since_gap.is_some()
+    }
+}
+
+/// Served requests whose first block is awaited in one endpoint's event index, at most.
+const MAX_AWAITED: usize = 256;
+
+/// Whether one endpoint's KV events hold the blocks the router hashed for the requests it
+/// served there. An engine publishes `BlockStored` for every prompt block it computes, so once
+/// it has answered a request it computed from the start (it reported less than one block
+/// cached), the first block of the prompt (as the router hashed it) is in its event-fed index.
+/// (A request that hit says nothing: its first block may have been stored before the index
+/// was last dropped.) When it is almost never there,
+/// the engine hashes prompts otherwise than the router (a cache salt it leaves out, another
+/// chat template or tokeniser, a LoRA adapter it knows under another name): believed and
+/// delivered hits cannot show that, since neither side ever believes a hit there.
+///
+/// Each served request's first block is awaited for [`SelfCheckConfig::confirm_after_ms`]
+/// (the events may trail the answer), then looked up: held or not. Over a window of such
+/// verdicts the same thresholds as for hits apply: under
+/// [`SelfCheckConfig::enter_below`] held the endpoint is mismatched, over
+/// [`SelfCheckConfig::leave_above`] on fresh verdicts it is trusted again. Eviction before the
+/// lookup makes a few verdicts false; it cannot make nearly all of them false. The verdicts go
+/// on while mismatched (they need no credit, only served requests), so no probe is needed.
+#[derive(Debug, Clone, Default)]
+pub struct EventHashCheck {
+    /// First-block hashes of served requests and when to look them up, oldest first.
+    awaited: VecDeque<(u64, u64)>,
+    /// Recent verdicts (whether the index held the block), oldest first.
+    verdicts: VecDeque<bool>,
+    held: usize,
+    mismatched: bool,
+    /// The held share and the verdicts of the window that made the last change.
+    decided: (f64, usize),
+}
+
+impl EventHashCheck {
+    /// A request the endpoint served, whose prompt's first block the router hashed as `hash`:
+    /// it is looked up from `now_ms + confirm_after_ms` on.
+    pub fn expect(&mut self, hash: u64, now_ms: u64, config: &SelfCheckConfig) {
+        if !config.enabled {
+            return;
+        }
+        self.awaited
+            .push_back((hash, now_ms.saturating_add(config.confirm_after_ms)));
+        while self.awaited.len() > MAX_AWAITED {
+            self.awaited.pop_front();
+        }
+    }
+
+    /// The next awaited hash whose time has come at `now_ms`, removed.
+    pub fn next_due(&mut self, now_ms: u64) -> Option<u64> {
+        if self.awaited.front().is_some_and(|&(_, at)| at <= now_ms) {
+            return self.awaited.pop_front().map(|(hash, _)| hash);
+        }
+        None
+    }
+
+    /// Forgets the awaited hashes (the event index was dropped: nothing they said holds).
+    pub fn forget_awaited(&mut self) {
+        self.awaited.clear();
+    }
+
+    /// One verdict: whether the event index held an awaited block. Returns whether it changed
+    /// [`EventHashCheck::mismatched`].
+    pub fn observe(&mut self, held: bool, config: &SelfCheckConfig) -> bool {
+        if !config.enabled {
+            return false;
+        }
+        self.verdicts.push_back(held);
+        self.held += usize::from(held);
+        while self.verdicts.len() > config.window.max(1) {
+            if self.verdicts.pop_front() == Some(true) {
+                self.held -= 1;
+            }
+        }
+        if self.verdicts.len() < config.min_samples.max(1) {
+            return false;
+        }
+        let share = self.held_share();
+        let changed = if self.mismatched {
+            share > config.leave_above
+        } else {
+            share < config.enter_below
+        };
+        if changed {
+            self.mismatched = !self.mismatched;
+            self.decided = (share, self.verdicts.len());
+            self.verdicts.clear();
+            self.held = 0;
+        }
+        changed
+    }
+
+    /// Whether the endpoint's events are known not to hold the router's blocks.
+    pub fn mismatched(&self) -> bool {
+        self.mismatched
+    }
+
+    /// The held share and the number of verdicts that made the last change.
+    pub fn decided(&self) -> (f64, usize) {
+        self.decided
+    }
+
+    /// Held / looked up over the current window (1 with no verdict).
+    pub fn held_share(&self) -> f64 {
+        if self.verdicts.is_empty() {
+            1.0
+        } else {
+            self.held as f64 / self.verdicts.len() as f64
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -374,6 +552,83 @@ mod tests {
     }
 
     #[test]
+    fn an_unfilled_gap_is_outstanding_until_enough_batches_arrive_in_sequence() {
+        let config = SelfCheckConfig {
+            clean_batches_after_gap: 3,
+            ..SelfCheckConfig::default()
+        };
+        let mut g = EventGapCheck::default();
+        assert!(!g.in_sequence(&config), "no gap: nothing to end");
+        assert!(!g.outstanding());
+        g.lost();
+        assert!(g.outstanding());
+        assert!(!g.in_sequence(&config));
+        assert!(!g.in_sequence(&config));
+        // Another loss before the stream ran clean: the count starts again.
+        g.lost();
+        assert!(!g.in_sequence(&config));
+        assert!(!g.in_sequence(&config));
+        assert!(g.outstanding());
+        assert!(g.in_sequence(&config), "the third batch in a row ends it");
+        assert!(!g.outstanding());
+        assert!(!g.in_sequence(&config), "ended once");
+        g.lost();
+        g.clear();
+        assert!(!g.outstanding());
+    }
+
+    #[test]
+    fn blocks_the_events_never_hold_mismatch_the_endpoint_until_they_do_again() {
+        let config = SelfCheckConfig::default();
+        let mut c = EventHashCheck::default();
+        c.expect(7, 100, &config);
+        assert_eq!(c.next_due(1_099), None, "the events may trail the answer");
+        assert_eq!(c.next_due(1_100), Some(7));
+        assert_eq!(c.next_due(1_100), None);
+        // Never held: mismatched once the window has enough verdicts, and only once.
+        let entered: Vec<bool> = (0..8).map(|_| c.observe(false, &config)).collect();
+        assert_eq!(
+            entered,
+            [false, false, false, false, false, false, false, true]
+        );
+        assert!(c.mismatched());
+        assert_eq!(c.decided(), (0.0, 8));
+        assert!((0..20).all(|_| !c.observe(false, &config)));
+        // Held again (the engine was fixed): trusted once more than half are held.
+        let left = (0..40).filter(|_| c.observe(true, &config)).count();
+        assert_eq!(left, 1);
+        assert!(!c.mismatched());
+    }
+
+    #[test]
+    fn evictions_before_the_lookup_do_not_mismatch_an_endpoint() {
+        let config = SelfCheckConfig::default();
+        let mut c = EventHashCheck::default();
+        // A third of the blocks evicted before they are looked up.
+        assert!((0..300).all(|i| !c.observe(i % 3 != 0, &config)));
+        assert!(!c.mismatched());
+    }
+
+    #[test]
+    fn awaited_blocks_are_bounded_and_can_be_forgotten() {
+        let config = SelfCheckConfig::default();
+        let mut c = EventHashCheck::default();
+        for h in 0..(MAX_AWAITED as u64 + 10) {
+            c.expect(h, 0, &config);
+        }
+        assert_eq!(c.next_due(u64::MAX), Some(10), "the oldest were dropped");
+        c.forget_awaited();
+        assert_eq!(c.next_due(u64::MAX), None);
+        let off = SelfCheckConfig {
+            enabled: false,
+            ..SelfCheckConfig::default()
+        };
+        c.expect(1, 0, &off);
+        assert_eq!(c.next_due(u64::MAX), None);
+        assert!((0..100).all(|_| !c.observe(false, &off)));
+    }
+
+    #[test]
     fn states_and_reasons_have_the_wire_spellings() {
         assert_eq!(
             serde_json::to_string(&RoutingState::LoadOnly).unwrap(),
@@ -385,5 +640,10 @@ mod tests {
             "\"no_kv_events\""
         );
         assert_eq!(StateReason::Mismatch.as_str(), "mismatch");
+        assert_eq!(
+            serde_json::to_string(&StateReason::KvEventGap).unwrap(),
+            "\"kv_event_gap\""
+        );
+        assert_eq!(StateReason::KvEventGap.as_str(), "kv_event_gap");
     }
 }

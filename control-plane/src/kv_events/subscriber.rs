@@ -10,6 +10,9 @@
 //!    replayed; a batch also received through a replay is dropped; a sequence that goes
 //!    backwards (a restarted publisher), a gap the replay cannot fill or an undecodable message
 //!    drops the endpoint's state and continues with a partial view.
+//!    A gap the replay cannot fill also names the endpoint `degraded` (reason `kv_event_gap`,
+//!    scored from the approximate index) until enough batches in a row arrive in sequence
+//!    (`router.self_check.clean_batches_after_gap`).
 //!
 //! A disconnect ends the session: the stream goes down (the router drops the state and scores
 //! the endpoint approximately) and the task reconnects with exponential backoff. vLLM publishes
@@ -292,7 +295,12 @@ impl Stream {
             }
         }
         match verdict {
-            Verdict::Apply | Verdict::Restart => {
+            Verdict::Apply => {
+                self.apply_batch(rank, seq, &batch);
+                self.seq.applied(rank, seq);
+                self.state.note_event_batch_in_sequence(self.address());
+            }
+            Verdict::Restart => {
                 self.apply_batch(rank, seq, &batch);
                 self.seq.applied(rank, seq);
             }
@@ -359,6 +367,8 @@ impl Stream {
                 tracing::warn!(endpoint = %self.source.address, from, seq,
                     "KV-event gap cannot be replayed: dropping the endpoint's state");
                 self.reset("unreplayable_gap", "gap could not be replayed");
+                // What the lost batches said is unknown: degraded until the stream runs clean.
+                self.state.note_event_gap(self.address());
             }
             // Whatever the replay did return is still the newest history: keep its tail.
             batches.retain(|(s, ..)| *s >= from);

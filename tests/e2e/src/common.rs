@@ -262,7 +262,8 @@ pub const STREAM_TIMEOUT: Duration = Duration::from_secs(30);
 /// prefix): each turn appends a user message and, once answered, the assistant's reply, so the
 /// next turn's prompt extends the cached one.
 pub struct Conversation {
-    model: &'static str,
+    /// The model (or LoRA adapter) every turn asks for.
+    pub model: &'static str,
     user_words: usize,
     /// The history so far, system prompt first.
     pub messages: Vec<Value>,
@@ -270,6 +271,8 @@ pub struct Conversation {
     pub seed: u64,
     /// User messages asked so far.
     pub turn: usize,
+    /// vLLM's `cache_salt`, sent with every turn when set.
+    pub cache_salt: Option<String>,
 }
 
 impl Conversation {
@@ -288,6 +291,7 @@ impl Conversation {
             messages: vec![json!({"role": "system", "content": system})],
             seed,
             turn: 0,
+            cache_salt: None,
         }
     }
 
@@ -303,7 +307,11 @@ impl Conversation {
         self.turn += 1;
         let user = words(user_seed, self.user_words);
         self.messages.push(json!({"role": "user", "content": user}));
-        stream_chat_body(self.model, &self.messages, max_tokens)
+        let mut body = stream_chat_body(self.model, &self.messages, max_tokens);
+        if let Some(salt) = &self.cache_salt {
+            body["cache_salt"] = json!(salt);
+        }
+        body
     }
 
     /// Streams `body` to `base_url` (Envoy, or a replica directly) and appends the answer to

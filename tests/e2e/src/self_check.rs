@@ -4,7 +4,13 @@
 //! The control plane names it load-only with reason `mismatch`, no request fails meanwhile, and
 //! once the replica serves its cache again a probe finds it so and it is trusted again. A
 //! replica whose KV-event publisher never answers is named `degraded`, and so is one whose
-//! engine's block size is not the router's, until it is restarted with the right one.
+//! engine's block size is not the router's, until it is restarted with the right one. A
+//! replica whose KV-event publisher loses batches no replay can fill is named `degraded`
+//! (`kv_event_gap`) and routed from the approximate index until its stream runs clean again.
+//! A replica that hashes prompts otherwise than the router (a cache salt it ignores, another
+//! chat template, a LoRA adapter known by another name) publishes events that never hold the
+//! blocks of the requests it computed: it is named `degraded` (`hash_mismatch`) until it
+//! hashes as the router does again.
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +33,8 @@ fn state_in(text: &str, endpoint: &str) -> Option<&'static str> {
         "load-only/mismatch",
         "degraded/no_kv_events",
         "degraded/block_size",
+        "degraded/kv_event_gap",
+        "degraded/hash_mismatch",
     ];
     states.into_iter().find(|s| {
         let (state, reason) = s.split_once('/').unwrap_or_default();
@@ -45,10 +53,21 @@ async fn routing_state(fleet: &Fleet, endpoint: &str) -> Option<&'static str> {
 /// until `endpoint`'s state is `want`; returns the conversations and the requests it took.
 /// Every request must be served: `Conversation::turn` fails the test on an error.
 async fn converse_until(fleet: &Fleet, endpoint: &str, want: &str) -> (Vec<Conversation>, u64) {
+    converse_with_until(fleet, endpoint, want, |c| c).await
+}
+
+/// [`converse_until`] with each new conversation passed through `shape` first (a cache salt,
+/// an adapter for its model).
+async fn converse_with_until(
+    fleet: &Fleet,
+    endpoint: &str,
+    want: &str,
+    shape: impl Fn(Conversation) -> Conversation,
+) -> (Vec<Conversation>, u64) {
     let client = fleet.client().clone();
     let (mut conversations, mut requests) = (Vec::new(), 0);
     for seed in 1_000..1_000 + MAX_CONVERSATIONS {
-        let mut c = Conversation::new(MODEL, seed, 300, 30);
+        let mut c = shape(Conversation::new(MODEL, seed, 300, 30));
         for _ in 0..3 {
             c.turn(&client, fleet, 4, &[]).await;
             requests += 1;
@@ -295,4 +314,290 @@ async fn a_replica_with_another_block_size_is_degraded_until_it_matches() {
         c.turn(&client, &fleet, 4, &[]).await;
     })
     .await;
+}
+
+/// Two replicas publishing KV events with replay, the control plane subscribed and tokenising
+/// through their render API, the chat route in precise mode, `router.self_check` as given;
+/// returned once both streams are live.
+async fn precise_fleet(
+    tools: &kvroute_harness::Tools,
+    name: &str,
+    self_check: serde_json::Value,
+) -> Fleet {
+    precise_fleet_with(tools, name, self_check, &[]).await
+}
+
+/// [`precise_fleet`] whose replicas also get `sim_args`.
+async fn precise_fleet_with(
+    tools: &kvroute_harness::Tools,
+    name: &str,
+    self_check: serde_json::Value,
+    sim_args: &[&str],
+) -> Fleet {
+    let mut cfg = common::fleet_config(name, 2, MODEL);
+    cfg.sim_args = vec!["--speed".into(), "20".into()];
+    cfg.sim_args.extend(sim_args.iter().map(|a| a.to_string()));
+    cfg.kv_events = true;
+    cfg.control_plane_extra = common::remote_tokenizer();
+    let mut router = common::precise_router(300);
+    router["self_check"] = self_check;
+    cfg.control_plane_router = router;
+    cfg.plugin_config = json!({
+        "route_timeout_ms": 3000,
+        "routes": [{"path": "/v1/chat/completions", "api": "chat", "mode": "precise"}]
+    });
+    let fleet = common::start_fleet(cfg, tools).await;
+    common::wait_events_live(&fleet, Duration::from_secs(20)).await;
+    fleet
+}
+
+/// Batches in sequence a replica's stream must deliver after an unfilled gap before its event
+/// index is trusted again (`router.self_check.clean_batches_after_gap`, 32 by default).
+const CLEAN_BATCHES: u32 = 8;
+
+/// A replica whose KV-event publisher loses batches (one in two, neither published nor kept
+/// for replay: a PUB high-water mark dropping what the replay buffer no longer holds), in
+/// precise mode. The control plane sees each sequence gap, asks the replay socket, which cannot
+/// fill it, drops the replica's event index and names it `degraded` (`kv_event_gap`): it is
+/// scored from the approximate index, the other replica stays exact, and no request fails.
+/// While batches keep being lost it stays degraded; once every batch is published again,
+/// [`CLEAN_BATCHES`] in a row make it exact again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_loses_event_batches_is_degraded_until_its_stream_runs_clean() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let self_check = json!({"clean_batches_after_gap": CLEAN_BATCHES});
+        let fleet = precise_fleet(&tools, "e2e-self-check-gap", self_check).await;
+        let client = fleet.client().clone();
+        let (victim, other) = (
+            fleet.replicas[0].address.clone(),
+            fleet.replicas[1].address.clone(),
+        );
+        assert_eq!(routing_state(&fleet, &victim).await, Some("exact/"));
+
+        common::set_sim_fault(&client, &victim, &json!({"lose_kv_batch_every": 2})).await;
+        let started = Instant::now();
+        let (mut conversations, to_degraded) =
+            converse_until(&fleet, &victim, "degraded/kv_event_gap").await;
+        eprintln!(
+            "self-check: {victim} degraded (kv_event_gap) after {to_degraded} requests, {:.1} s \
+             (bound: {MAX_CONVERSATIONS} three-turn conversations)",
+            started.elapsed().as_secs_f64()
+        );
+        assert_eq!(
+            routing_state(&fleet, &other).await,
+            Some("exact/"),
+            "the replica whose stream is whole stays exact"
+        );
+        let metrics = common::cp_metrics(&fleet).await;
+        let sample = |series: String| prometheus_sample(&metrics, &series).unwrap_or(0.0);
+        assert!(
+            sample(format!(
+                "kvroute_kv_event_gaps_total{{endpoint=\"{victim}\"}}"
+            )) >= 1.0,
+            "{metrics}"
+        );
+        assert!(
+            sample(format!(
+                "kvroute_kv_event_replays_total{{endpoint=\"{victim}\",result=\"failed\"}}"
+            )) >= 1.0,
+            "the gap was not tried through the replay socket first: {metrics}"
+        );
+        assert!(
+            sample(format!(
+                "kvroute_kv_event_resets_total{{endpoint=\"{victim}\",reason=\"unreplayable_gap\"}}"
+            )) >= 1.0,
+            "{metrics}"
+        );
+        assert_degraded_in_debug_endpoints(&fleet, &victim, "kv_event_gap").await;
+
+        // Still losing batches: every conversation goes on, served wherever the approximate
+        // index and load put it, and the replica stays degraded.
+        for c in conversations.iter_mut() {
+            c.turn(&client, &fleet, 4, &[]).await;
+        }
+        assert_eq!(
+            routing_state(&fleet, &victim).await,
+            Some("degraded/kv_event_gap")
+        );
+
+        // Fixed: every batch published again. The stream runs clean and the replica is exact.
+        common::set_sim_fault(&client, &victim, &json!({"lose_kv_batch_every": 0})).await;
+        let started = Instant::now();
+        let (_, to_exact) = converse_until(&fleet, &victim, "exact/").await;
+        eprintln!(
+            "self-check: {victim} exact again after {to_exact} requests, {:.1} s \
+             ({CLEAN_BATCHES} batches in sequence needed)",
+            started.elapsed().as_secs_f64()
+        );
+        assert_changed_each_way(&fleet, &victim, "kv_event_gap").await;
+    })
+    .await;
+}
+
+/// Verdicts (served requests' first blocks looked up in the event index) the hash check
+/// decides over in the tests below (`router.self_check.window`, 32 by default).
+const HASH_WINDOW: usize = 16;
+
+/// The course of a hashing mismatch on `fleet`'s first replica: `fault` set there, new
+/// conversations (passed through `shape`) until it is `degraded` (`hash_mismatch`), with the
+/// other replica exact and `/debug/endpoints` agreeing; every conversation one turn more, and
+/// it is still degraded; the fault `cleared`, new conversations until it is exact again, each
+/// change counted once. Every request must be served throughout (`Conversation::turn` fails
+/// the test on an error). `what` names the fault in the printed times.
+async fn degraded_by_hashing_until_cleared(
+    fleet: &Fleet,
+    what: &str,
+    fault: serde_json::Value,
+    cleared: serde_json::Value,
+    shape: impl Fn(Conversation) -> Conversation,
+) {
+    let client = fleet.client().clone();
+    let (victim, other) = (
+        fleet.replicas[0].address.clone(),
+        fleet.replicas[1].address.clone(),
+    );
+    assert_eq!(routing_state(fleet, &victim).await, Some("exact/"));
+
+    common::set_sim_fault(&client, &victim, &fault).await;
+    let started = Instant::now();
+    let (mut conversations, to_degraded) =
+        converse_with_until(fleet, &victim, "degraded/hash_mismatch", &shape).await;
+    eprintln!(
+        "self-check: {victim} degraded (hash_mismatch, {what}) after {to_degraded} requests, \
+         {:.1} s (bound: {MAX_CONVERSATIONS} three-turn conversations)",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        routing_state(fleet, &other).await,
+        Some("exact/"),
+        "the replica that hashes as the router does stays exact"
+    );
+    assert_degraded_in_debug_endpoints(fleet, &victim, "hash_mismatch").await;
+    for c in conversations.iter_mut() {
+        c.turn(&client, fleet, 4, &[]).await;
+    }
+    assert_eq!(
+        routing_state(fleet, &victim).await,
+        Some("degraded/hash_mismatch"),
+        "still {what}: still degraded"
+    );
+
+    common::set_sim_fault(&client, &victim, &cleared).await;
+    let started = Instant::now();
+    let (_, to_exact) = converse_with_until(fleet, &victim, "exact/", &shape).await;
+    eprintln!(
+        "self-check: {victim} exact again after {to_exact} requests, {:.1} s ({what} cleared)",
+        started.elapsed().as_secs_f64()
+    );
+    assert_changed_each_way(fleet, &victim, "hash_mismatch").await;
+}
+
+/// A replica whose engine leaves `cache_salt` out of its block hashes (an engine that does not
+/// know the field), in precise mode with salted traffic (three tenants). Its KV events name
+/// unsalted blocks, which no salted request of the router's ever matches, and neither the
+/// router nor the engine ever believes a hit that is not delivered, so believed-against-
+/// delivered cannot see it. The first blocks of the requests it computed are looked up in its
+/// event index a second after their answers: almost never there, it is named `degraded`
+/// (`hash_mismatch`) and routed from the approximate index until it hashes the salt again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_ignores_the_cache_salt_is_degraded_until_it_hashes_it() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let self_check = json!({"window": HASH_WINDOW});
+        let fleet = precise_fleet(&tools, "e2e-self-check-salt", self_check).await;
+        degraded_by_hashing_until_cleared(
+            &fleet,
+            "salt ignored",
+            json!({"ignore_cache_salt": true}),
+            json!({"ignore_cache_salt": false}),
+            |mut c| {
+                c.cache_salt = Some(format!("tenant-{}", c.seed % 3));
+                c
+            },
+        )
+        .await;
+    })
+    .await;
+}
+
+/// A replica serving chat with another chat template than the pool's (one that writes a
+/// default system message first) while the router tokenises with the pool's: every prompt's
+/// tokens differ there from block 0 on, so its KV events never hold a block the router
+/// hashed. It is named `degraded` (`hash_mismatch`) and routed approximately until it serves
+/// the pool's template again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_another_chat_template_is_degraded_until_it_matches() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let self_check = json!({"window": HASH_WINDOW});
+        let fleet = precise_fleet(&tools, "e2e-self-check-template", self_check).await;
+        degraded_by_hashing_until_cleared(
+            &fleet,
+            "other chat template",
+            json!({"other_chat_template": true}),
+            json!({"other_chat_template": false}),
+            |c| c,
+        )
+        .await;
+    })
+    .await;
+}
+
+/// The LoRA adapter both replicas serve.
+const ADAPTER: &str = "kvroute-self-check-adapter";
+
+/// A replica that knows the LoRA adapter the requests name under another name (its block
+/// hashes and KV events name `<adapter>-alias`): the router hashes the adapter's requests
+/// under the adapter's name, so that replica's events never hold them. It is named `degraded`
+/// (`hash_mismatch`) and routed approximately until it names the adapter as the requests do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_knows_the_adapter_by_another_name_is_degraded_until_it_does_not() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let self_check = json!({"window": HASH_WINDOW});
+        let module = format!("{ADAPTER}=/adapters/self-check");
+        let fleet = precise_fleet_with(
+            &tools,
+            "e2e-self-check-lora",
+            self_check,
+            &["--lora-modules", &module],
+        )
+        .await;
+        degraded_by_hashing_until_cleared(
+            &fleet,
+            "LoRA alias",
+            json!({"lora_alias": true}),
+            json!({"lora_alias": false}),
+            |mut c| {
+                c.model = ADAPTER;
+                c
+            },
+        )
+        .await;
+    })
+    .await;
+}
+
+/// Asserts `/debug/endpoints` names `endpoint` degraded for `reason`.
+async fn assert_degraded_in_debug_endpoints(fleet: &Fleet, endpoint: &str, reason: &str) {
+    let endpoints: serde_json::Value =
+        serde_json::from_str(&common::cp_get(fleet, "/debug/endpoints").await).unwrap();
+    let listed = endpoints
+        .as_array()
+        .and_then(|a| a.iter().find(|e| e["address"] == endpoint))
+        .unwrap_or_else(|| panic!("{endpoint} not in /debug/endpoints: {endpoints:#}"));
+    assert_eq!(listed["routing_state"], "degraded", "{listed:#}");
+    assert_eq!(listed["state_reason"], reason, "{listed:#}");
+}
+
+/// Asserts `endpoint` changed into degraded and back to exact once each, for `reason`.
+async fn assert_changed_each_way(fleet: &Fleet, endpoint: &str, reason: &str) {
+    let metrics = common::cp_metrics(fleet).await;
+    for to in ["degraded", "exact"] {
+        let series = format!(
+            "kvroute_routing_state_changes_total{{endpoint=\"{endpoint}\",to=\"{to}\",reason=\"{reason}\"}}"
+        );
+        assert_eq!(prometheus_sample(&metrics, &series), Some(1.0), "{metrics}");
+    }
 }

@@ -427,6 +427,9 @@ pub struct Engine {
     /// Whether admissions look up the prefix cache (vLLM's `--enable-prefix-caching`, on by
     /// default); off, every prompt is computed whole and no request reports cached tokens.
     prefix_caching: bool,
+    /// Fault injection: requests' cache salts are left out of their block hashes (and events),
+    /// as an engine that does not know `cache_salt` would hash them.
+    ignore_cache_salt: bool,
 }
 
 impl Engine {
@@ -456,6 +459,7 @@ impl Engine {
             },
             evicted: Vec::new(),
             prefix_caching: true,
+            ignore_cache_salt: false,
             cfg,
         })
     }
@@ -464,6 +468,13 @@ impl Engine {
     /// (at run time here, so a test can misconfigure one replica and fix it again).
     pub fn set_prefix_caching(&mut self, on: bool) {
         self.prefix_caching = on;
+    }
+
+    /// Fault injection: leaves requests' cache salts out of their block hashes and KV events
+    /// (`ignore`), so salted prompts share blocks with unsalted ones and their events name
+    /// blocks no salt-aware router hashes.
+    pub fn set_cache_salt_ignored(&mut self, ignore: bool) {
+        self.ignore_cache_salt = ignore;
     }
 
     /// The configuration.
@@ -527,7 +538,11 @@ impl Engine {
                 max_output: req.max_output_tokens,
                 lora_id,
                 lora_name,
-                cache_salt: req.cache_salt.as_deref().map(Arc::from),
+                cache_salt: req
+                    .cache_salt
+                    .as_deref()
+                    .filter(|_| !self.ignore_cache_salt)
+                    .map(Arc::from),
                 chain_seed,
                 output_seed,
                 block_hashes: Vec::new(),
@@ -1563,6 +1578,32 @@ mod tests {
                     ..
                 }),
             ] => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_engine_that_ignores_cache_salts_hashes_salted_prompts_as_unsalted() {
+        let mut e = Engine::new(tiny(64)).unwrap();
+        e.set_cache_salt_ignored(true);
+        let prompt = toks(0..13);
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        drain(&mut e, 0.0);
+        e.add_request(salted(2, &prompt, "a")).unwrap();
+        let outs = drain(&mut e, 1.0);
+        assert_eq!(
+            summaries(&outs)[&2].cached_tokens,
+            12,
+            "the salted copy hits the unsalted blocks"
+        );
+        e.set_cache_salt_ignored(false);
+        e.add_request(salted(3, &prompt, "b")).unwrap();
+        let outs = drain(&mut e, 2.0);
+        assert_eq!(summaries(&outs)[&3].cached_tokens, 0, "salted again");
+        match &outs[0].kv_events[..] {
+            [KvEvent::BlockStored(StoredBlocks { cache_salt, .. })] => {
+                assert_eq!(cache_salt.as_deref(), Some("b"));
+            }
             other => panic!("unexpected {other:?}"),
         }
     }

@@ -94,6 +94,9 @@ enum Command {
     /// Fault injection: keep the next `n` batches in the replay buffer but do not send them
     /// on the PUB socket (a subscriber sees a sequence gap it can replay).
     DropNext(u32),
+    /// Fault injection: from now on one batch in `n` (0: none) is lost: neither sent on the PUB
+    /// socket nor kept for replay (a gap no subscriber can fill).
+    LoseEvery(u32),
     /// Fault injection: behave like a restarted engine's new publisher: sequence numbers start
     /// again at 0 and the replay buffer is empty.
     Restart,
@@ -144,11 +147,16 @@ impl Publisher {
         tasks.push(tokio::spawn(async move {
             let mut seq: u64 = 0;
             let mut drop_next: u32 = 0;
+            let (mut lose_every, mut since_loss): (u32, u32) = (0, 0);
             while let Some(command) = rx.recv().await {
                 let (ts, events) = match command {
                     Command::Batch(ts, events) => (ts, events),
                     Command::DropNext(n) => {
                         drop_next = n;
+                        continue;
+                    }
+                    Command::LoseEvery(n) => {
+                        (lose_every, since_loss) = (n, 0);
                         continue;
                     }
                     Command::Restart => {
@@ -158,6 +166,18 @@ impl Publisher {
                         continue;
                     }
                 };
+                if lose_every > 0 {
+                    since_loss += 1;
+                    if since_loss >= lose_every {
+                        since_loss = 0;
+                        tracing::info!(
+                            seq,
+                            "kv events: batch lost, not even kept for replay (fault)"
+                        );
+                        seq += 1;
+                        continue;
+                    }
+                }
                 let payload = Bytes::from(encode_batch(&wire_batch(ts, &events, 0)));
                 let seq_bytes = Bytes::copy_from_slice(&seq.to_be_bytes());
                 {
@@ -204,6 +224,13 @@ impl Publisher {
     /// Fault injection: the next `n` batches go to the replay buffer only, not to subscribers.
     pub fn drop_next(&self, n: u32) {
         let _ = self.sender.send(Command::DropNext(n));
+    }
+
+    /// Fault injection: from now on one batch in `n` is lost, not published and not kept for
+    /// replay, as when a PUB socket's high-water mark drops batches the replay buffer no
+    /// longer holds; 0 stops losing them.
+    pub fn lose_every(&self, n: u32) {
+        let _ = self.sender.send(Command::LoseEvery(n));
     }
 
     /// Fault injection: restart the sequence at 0 with an empty replay buffer, as a restarted

@@ -268,11 +268,33 @@ pub struct FaultState {
     /// The engine computes every prompt whole and reports no cached tokens, as vLLM started
     /// with `--no-enable-prefix-caching` does: a replica no router index can match.
     pub prefix_caching_off: bool,
+    /// The engine leaves requests' `cache_salt` out of their block hashes and KV events: salted
+    /// prompts share blocks with unsalted ones, and a salt-aware router's index never matches
+    /// a salted request there.
+    pub ignore_cache_salt: bool,
+    /// Chat completions are served with another chat template than the pool's: one that
+    /// writes a default system message first ([`OTHER_TEMPLATE_PREAMBLE`]), as a replica
+    /// started with another `--chat-template` would. Only generation changes: `/tokenize` and
+    /// the render API keep the pool's template, as the router's tokenizer has it (a router
+    /// tokenising through this replica's render API would otherwise see either template).
+    pub other_chat_template: bool,
+    /// The engine knows every LoRA adapter under another name (`<name>-alias`): its block
+    /// hashes and KV events name the alias, not the adapter the requests name, as a replica
+    /// that loaded the adapter under another name behind a model rewrite would.
+    pub lora_alias: bool,
+    /// While non-zero, one KV-event batch in this many is lost: not published and not kept for
+    /// replay, so a subscriber sees a sequence gap it cannot fill (a PUB socket's high-water
+    /// mark dropping batches the replay buffer no longer holds). 0 publishes every batch again.
+    pub lose_kv_batch_every: u32,
     /// One-shot: the engine restarts as far as KV state goes: its prefix cache is emptied
     /// (without an event) and the publisher starts again at sequence 0 with an empty replay
     /// buffer. Refused while running requests hold blocks. Reads back as false.
     pub restart_kv_publisher: bool,
 }
+
+/// What the `other_chat_template` fault's template writes before the conversation.
+pub const OTHER_TEMPLATE_PREAMBLE: &str =
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n";
 
 /// Maps simulated time to wall time: `sim = (wall - epoch) * speed`.
 #[derive(Debug, Clone, Copy)]
@@ -1152,7 +1174,14 @@ async fn chat_completions(
     let lora = s.resolve_model(req.model.as_deref())?;
     let cache_salt = cache_salt(req.cache_salt)?;
     let msgs = s.chat_messages(&req.messages)?;
-    let prompt = s.chat_prompt(&msgs, req.add_generation_prompt, req.add_special_tokens)?;
+    let mut prompt = s.chat_prompt(&msgs, req.add_generation_prompt, req.add_special_tokens)?;
+    if s.fault.lock().other_chat_template {
+        let preamble = s
+            .tokenizer
+            .encode(OTHER_TEMPLATE_PREAMBLE, false)
+            .map_err(|e| bad_request(e.to_string()))?;
+        prompt.splice(0..0, preamble);
+    }
     let (remote_prefilled, kv_transfer) =
         disaggregation(&s, &headers, "/v1/chat/completions", &body, prompt.len()).await;
     let job = Job {
@@ -1304,7 +1333,10 @@ impl Generation {
             id,
             prompt_tokens: job.prompt,
             max_output_tokens: job.max_tokens.unwrap_or(s.default_max_tokens),
-            lora: job.lora,
+            lora: match job.lora {
+                Some(name) if s.fault.lock().lora_alias => Some(format!("{name}-alias")),
+                other => other,
+            },
             cache_salt: job.cache_salt,
             arrival_s,
         };
@@ -1724,12 +1756,17 @@ async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
         return Err(bad_request("fail_rate must be in [0, 1]"));
     }
     let mut new = new;
-    if new.drop_kv_batches > 0 || new.restart_kv_publisher {
+    let losing_changed = new.lose_kv_batch_every != s.fault.lock().lose_kv_batch_every;
+    if new.drop_kv_batches > 0 || new.restart_kv_publisher || losing_changed {
         let Some(publisher) = &s.publisher else {
             return Err(bad_request(
-                "drop_kv_batches and restart_kv_publisher need --kv-events-endpoint",
+                "drop_kv_batches, lose_kv_batch_every and restart_kv_publisher need \
+                 --kv-events-endpoint",
             ));
         };
+        if losing_changed {
+            publisher.lose_every(new.lose_kv_batch_every);
+        }
         if new.restart_kv_publisher {
             // A restarted engine starts with an empty cache; its subscribers learn of the
             // restart only from the sequence going back to 0, so no event is published.
@@ -1747,7 +1784,11 @@ async fn set_fault(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
         new.drop_kv_batches = 0;
         new.restart_kv_publisher = false;
     }
-    s.engine.lock().set_prefix_caching(!new.prefix_caching_off);
+    {
+        let mut engine = s.engine.lock();
+        engine.set_prefix_caching(!new.prefix_caching_off);
+        engine.set_cache_salt_ignored(new.ignore_cache_salt);
+    }
     *s.fault.lock() = new.clone();
     s.hang_tx.send_replace(new.hang);
     Ok(axum::Json(new).into_response())

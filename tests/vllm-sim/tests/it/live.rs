@@ -832,3 +832,159 @@ async fn reset_prefix_cache_fails_while_blocks_are_held_like_vllm() {
     assert_eq!(stats["engine"]["num_preemptions"], 1);
     sim.shutdown().await;
 }
+
+async fn set_fault(c: &HttpClient, base: &str, fault: Value) {
+    let r = post(c, &format!("{base}/sim/fault"), fault).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// The replay buffer's batches as `(seq, batch)`, once `done` holds on them (polled: a batch
+/// reaches the buffer a little after its request is answered).
+async fn replayed_until(
+    replay: &str,
+    done: impl Fn(&[(u64, WireBatch)]) -> bool,
+) -> Vec<(u64, WireBatch)> {
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let batches: Vec<(u64, WireBatch)> = replay_from_zero(replay)
+            .await
+            .iter()
+            .map(|f| {
+                (
+                    u64::from_be_bytes(f[2].as_ref().try_into().unwrap()),
+                    decode(&f[3]),
+                )
+            })
+            .collect();
+        if done(&batches) {
+            return batches;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "replay buffer never got there: {:?}",
+            batches.iter().map(|b| b.0).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The `lora_name` of the last store in `batches`.
+fn last_stored_lora(batches: &[(u64, WireBatch)]) -> Option<Option<String>> {
+    batches
+        .iter()
+        .rev()
+        .flat_map(|(_, b)| b.events.iter().rev())
+        .find_map(|e| match e {
+            WireEvent::BlockStored(s) => Some(s.lora_name.clone()),
+            _ => None,
+        })
+}
+
+// The faults issue #18's self-check tests misconfigure one replica with, each set and cleared
+// at run time: KV-event batches lost outright (not even kept for replay), an adapter the
+// engine knows by an alias, and chat served with another template than `/tokenize` renders.
+#[tokio::test]
+async fn self_check_faults_lose_batches_alias_adapters_and_change_the_chat_template() {
+    let sim = start(&[
+        "--kv-events-endpoint",
+        "tcp://127.0.0.1:0",
+        "--kv-events-replay-endpoint",
+        "tcp://127.0.0.1:0",
+        "--lora-modules",
+        "sql=/adapters/sql",
+    ])
+    .await;
+    let replay = sim
+        .kv_events_replay_endpoint
+        .clone()
+        .expect("replay endpoint");
+    let c = HttpClient::new();
+    let base = sim.url();
+    let complete = |model: &str, i: u32| {
+        let words: Vec<String> = (0..40).map(|k| format!("w{i}x{k}")).collect();
+        json!({"model": model, "prompt": words.join(" "), "max_tokens": 1})
+    };
+    let completions = format!("{base}/v1/completions");
+
+    // One batch in two lost: the replay buffer holds only the even sequence numbers.
+    set_fault(&c, &base, json!({"lose_kv_batch_every": 2})).await;
+    for i in 0..6 {
+        assert_eq!(
+            post(&c, &completions, complete("sim-llama", i))
+                .await
+                .status,
+            200
+        );
+    }
+    let batches = replayed_until(&replay, |b| b.len() >= 3).await;
+    let seqs: Vec<u64> = batches.iter().map(|b| b.0).collect();
+    assert!(seqs.iter().all(|s| s % 2 == 0), "{seqs:?}");
+    // Cleared: every batch kept again.
+    set_fault(&c, &base, json!({"lose_kv_batch_every": 0})).await;
+    let last = *seqs.last().unwrap();
+    for i in 6..8 {
+        assert_eq!(
+            post(&c, &completions, complete("sim-llama", i))
+                .await
+                .status,
+            200
+        );
+    }
+    let batches = replayed_until(&replay, |b| b.len() >= seqs.len() + 2).await;
+    let tail: Vec<u64> = batches.iter().map(|b| b.0).skip(seqs.len()).collect();
+    assert!(
+        tail.windows(2).all(|w| w[1] == w[0] + 1) && tail[0] > last,
+        "{tail:?}"
+    );
+
+    // The adapter known by an alias: its blocks are stored under `sql-alias`, then `sql`.
+    set_fault(&c, &base, json!({"lora_alias": true})).await;
+    assert_eq!(
+        post(&c, &completions, complete("sql", 100)).await.status,
+        200
+    );
+    let n = batches.len();
+    let batches = replayed_until(&replay, |b| b.len() > n).await;
+    assert_eq!(last_stored_lora(&batches), Some(Some("sql-alias".into())));
+    set_fault(&c, &base, json!({"lora_alias": false})).await;
+    assert_eq!(
+        post(&c, &completions, complete("sql", 101)).await.status,
+        200
+    );
+    let n = batches.len();
+    let batches = replayed_until(&replay, |b| b.len() > n).await;
+    assert_eq!(last_stored_lora(&batches), Some(Some("sql".into())));
+
+    // Another chat template: generation prepends its default system message; `/tokenize`
+    // (the render path a router tokenises through) keeps the pool's template.
+    let chat_url = format!("{base}/v1/chat/completions");
+    let tokenize = |body: Value| {
+        let (c, url) = (&c, format!("{base}/tokenize"));
+        async move {
+            json_body(&post(c, &url, body).await)["count"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    let messages = json!({"model": "sim-llama", "messages": chat("hi", 1, false)["messages"]});
+    let prompt_tokens = |r: HttpResponse| json_body(&r)["usage"]["prompt_tokens"].as_u64().unwrap();
+    let plain = prompt_tokens(post(&c, &chat_url, chat("hi", 1, false)).await);
+    let rendered = tokenize(messages.clone()).await;
+    set_fault(&c, &base, json!({"other_chat_template": true})).await;
+    let other = prompt_tokens(post(&c, &chat_url, chat("hi", 1, false)).await);
+    let preamble = tokenize(json!({
+        "model": "sim-llama",
+        "prompt": server::OTHER_TEMPLATE_PREAMBLE,
+        "add_special_tokens": false
+    }))
+    .await;
+    assert!(preamble > 0);
+    assert_eq!(other, plain + preamble);
+    assert_eq!(tokenize(messages.clone()).await, rendered);
+    set_fault(&c, &base, json!({"other_chat_template": false})).await;
+    assert_eq!(
+        prompt_tokens(post(&c, &chat_url, chat("hi", 1, false)).await),
+        plain
+    );
+    sim.shutdown().await;
+}
