@@ -4,28 +4,41 @@
 //! `AnthropicServingMessages.to_chat_completion_request`; `vllm/entrypoints/openai/responses/
 //! utils.py`, `construct_input_messages` and `construct_tool_dicts`).
 //!
-//! What vLLM's result depends on and the control plane cannot know is refused with
-//! [`TokenizeError::Unsupported`], and the request is then routed approximately: a Responses
+//! What vLLM's result depends on and a router cannot know is refused with
+//! [`AgentChatError::Unsupported`], and the request is then routed approximately: a Responses
 //! history stored on a replica (`previous_response_id`), a template option vLLM derives from
 //! a setting (Anthropic `thinking` disabled, `output_config.effort`, `tool_choice: none`),
 //! tool lists changed by `tool_addition`/`tool_removal` blocks, namespaced or custom tools,
 //! encrypted reasoning, and inline system messages when the template's ordering rule is not
-//! known (the remote tokenizer).
+//! known (the caller passes `None`, as the control plane's remote tokenizer does).
+//!
+//! Pure `serde_json` over the prompt fields the filter forwards: no tokenizer, no template, so
+//! the fuzz targets run it as the control plane does.
 
 use serde_json::{Map, Value, json};
 
-use super::TokenizeError;
+/// Why a prompt was not converted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentChatError {
+    /// The prompt is valid, but what vLLM makes of it depends on state or settings outside the
+    /// request (a stored history, a server flag): route it approximately.
+    #[error("not converted here: {0}")]
+    Unsupported(String),
+    /// The prompt fields do not have the shape the API requires.
+    #[error("bad prompt: {0}")]
+    BadPrompt(String),
+}
 
 /// Anthropic's per-request attribution block, which vLLM drops from system prompts (its hash
 /// changes every request and would defeat prefix caching).
 const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
-fn unsupported(what: &str) -> TokenizeError {
-    TokenizeError::Unsupported(what.to_string())
+fn unsupported(what: &str) -> AgentChatError {
+    AgentChatError::Unsupported(what.to_string())
 }
 
-fn bad(what: &str) -> TokenizeError {
-    TokenizeError::BadPrompt(what.to_string())
+fn bad(what: &str) -> AgentChatError {
+    AgentChatError::BadPrompt(what.to_string())
 }
 
 /// The chat prompt (`model`, `messages`, `tools`, `chat_template_kwargs`) vLLM builds from an
@@ -35,7 +48,7 @@ fn bad(what: &str) -> TokenizeError {
 pub fn messages_to_chat(
     prompt: &Map<String, Value>,
     merge_inline_system: Option<bool>,
-) -> Result<Map<String, Value>, TokenizeError> {
+) -> Result<Map<String, Value>, AgentChatError> {
     let messages = prompt
         .get("messages")
         .and_then(Value::as_array)
@@ -114,7 +127,7 @@ pub fn messages_to_chat(
 
 /// Settings vLLM turns into template options (`reasoning_effort`, dropped tools) by rules of
 /// the serving process: a prompt that sets them is not tokenised here.
-fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), TokenizeError> {
+fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), AgentChatError> {
     if prompt
         .get("thinking")
         .and_then(|t| t.get("type"))
@@ -138,7 +151,7 @@ fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), TokenizeEr
 /// `tool_choice: none` with tools: vLLM drops the tools from the template or not by a server
 /// flag (`--exclude-tools-when-tool-choice-none`) the control plane cannot see. Anthropic
 /// spells it `{"type": "none"}`, Responses `"none"`.
-fn refuse_dropped_tools(prompt: &Map<String, Value>) -> Result<(), TokenizeError> {
+fn refuse_dropped_tools(prompt: &Map<String, Value>) -> Result<(), AgentChatError> {
     let choice = prompt.get("tool_choice");
     let choice = choice
         .and_then(|c| c.get("type"))
@@ -170,7 +183,7 @@ fn text_block(block: &Value) -> Option<&str> {
 
 /// An inline system message's text: its string, or its text blocks joined, without billing
 /// headers; `None` when nothing is left.
-fn system_text(m: &Value) -> Result<Option<String>, TokenizeError> {
+fn system_text(m: &Value) -> Result<Option<String>, AgentChatError> {
     match m.get("content") {
         Some(Value::String(s)) => Ok((!s.starts_with(BILLING_HEADER)).then(|| s.clone())),
         Some(Value::Array(blocks)) => {
@@ -193,7 +206,7 @@ fn convert_blocks(
     blocks: &[Value],
     message: &mut Map<String, Value>,
     out: &mut Vec<Value>,
-) -> Result<(), TokenizeError> {
+) -> Result<(), AgentChatError> {
     let mut parts: Vec<Value> = Vec::new();
     let mut tool_calls: Vec<Value> = Vec::new();
     let mut reasoning: Vec<String> = Vec::new();
@@ -277,7 +290,7 @@ fn convert_blocks(
 /// A user's `tool_result` block as vLLM's tool message: its text (text items joined by
 /// newlines), then a user message with its images, then a tool message naming its tool
 /// references.
-fn tool_result(block: &Value, out: &mut Vec<Value>) -> Result<(), TokenizeError> {
+fn tool_result(block: &Value, out: &mut Vec<Value>) -> Result<(), AgentChatError> {
     let id = block
         .get("tool_use_id")
         .and_then(Value::as_str)
@@ -347,7 +360,7 @@ fn image_url(source: &Value) -> String {
 }
 
 /// Anthropic tools as chat tools: `input_schema` becomes the function's `parameters`.
-fn anthropic_tools(tools: &Value) -> Result<Value, TokenizeError> {
+fn anthropic_tools(tools: &Value) -> Result<Value, AgentChatError> {
     let tools = tools
         .as_array()
         .ok_or_else(|| bad("tools must be an array"))?;
@@ -372,14 +385,16 @@ fn anthropic_tools(tools: &Value) -> Result<Value, TokenizeError> {
             }
             Ok(json!({"type": "function", "function": function}))
         })
-        .collect::<Result<Vec<_>, TokenizeError>>()?;
+        .collect::<Result<Vec<_>, AgentChatError>>()?;
     Ok(Value::Array(converted))
 }
 
 /// The chat prompt vLLM builds from a Responses request's prompt fields: `instructions` as the
 /// system message, then the `input` items (function calls merged into the assistant message
 /// before them), and the function tools in chat's shape.
-pub fn responses_to_chat(prompt: &Map<String, Value>) -> Result<Map<String, Value>, TokenizeError> {
+pub fn responses_to_chat(
+    prompt: &Map<String, Value>,
+) -> Result<Map<String, Value>, AgentChatError> {
     if prompt
         .get("previous_response_id")
         .is_some_and(|id| !id.is_null())
@@ -422,7 +437,7 @@ pub fn responses_to_chat(prompt: &Map<String, Value>) -> Result<Map<String, Valu
 }
 
 /// The function tools of a Responses request in chat's shape (vLLM renders no other kind).
-fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, TokenizeError> {
+fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, AgentChatError> {
     let mut out = Vec::new();
     for tool in tools {
         match tool.get("type").and_then(Value::as_str) {
@@ -447,7 +462,7 @@ fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, TokenizeError> {
 
 /// One `input` item as vLLM's `_construct_message_from_response_item` makes it; `start` is
 /// where this request's items begin in `out` (an item merges only into one of them).
-fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), TokenizeError> {
+fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), AgentChatError> {
     let kind = item.get("type").and_then(Value::as_str);
     let role = role(item);
     let field = |k: &str| item.get(k).and_then(Value::as_str);
@@ -760,7 +775,7 @@ mod tests {
         );
         assert!(matches!(
             messages_to_chat(&prompt, None),
-            Err(TokenizeError::Unsupported(_))
+            Err(AgentChatError::Unsupported(_))
         ));
     }
 
@@ -776,7 +791,10 @@ mod tests {
                 {"type": "tool_use", "name": "x", "input": {}}]}]}),
         ] {
             let e = messages_to_chat(&map(refused.clone()), Some(false)).unwrap_err();
-            assert!(matches!(e, TokenizeError::Unsupported(_)), "{refused}: {e}");
+            assert!(
+                matches!(e, AgentChatError::Unsupported(_)),
+                "{refused}: {e}"
+            );
         }
         for bad in [
             json!({}),
@@ -786,7 +804,7 @@ mod tests {
             json!({"messages": [], "tools": [{"input_schema": {}}]}),
         ] {
             let e = messages_to_chat(&map(bad.clone()), Some(false)).unwrap_err();
-            assert!(matches!(e, TokenizeError::BadPrompt(_)), "{bad}: {e}");
+            assert!(matches!(e, AgentChatError::BadPrompt(_)), "{bad}: {e}");
         }
     }
 
@@ -865,7 +883,7 @@ mod tests {
         let chained = map(json!({"input": "more", "previous_response_id": "resp_1"}));
         assert!(matches!(
             responses_to_chat(&chained),
-            Err(TokenizeError::Unsupported(_))
+            Err(AgentChatError::Unsupported(_))
         ));
         assert!(responses_to_chat(&map(json!({"input": 3}))).is_err());
         // `none` matters only with tools to drop.
@@ -875,7 +893,7 @@ mod tests {
                                     "tools": [{"type": "function", "name": "ls"}]}));
         assert!(matches!(
             responses_to_chat(&with_tools),
-            Err(TokenizeError::Unsupported(_))
+            Err(AgentChatError::Unsupported(_))
         ));
         let string = responses_to_chat(&map(json!({"input": "hi"}))).unwrap();
         assert_eq!(
