@@ -716,6 +716,17 @@ mod tests {
     }
 
     #[test]
+    fn python_json_writes_a_clients_floats_back_as_python_reads_and_writes_them() {
+        // json.dumps(json.loads(text)) == text for each: the nearest double, then its repr.
+        // 3.388888888888889e+69 is the agent_chat fuzz target's find: serde_json's default
+        // parser read it one ulp off, so the repr written back was not the client's.
+        let text = "[3.388888888888889e+69, 0.1, 2.2250738585072014e-308, 5e-324, \
+                    1.7976931348623157e+308, 1e-05, 1.2345678901234568e+17, 0.30000000000000004]";
+        let value: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(python_json(&value), text);
+    }
+
+    #[test]
     fn a_messages_conversation_becomes_vllms_chat_messages() {
         let prompt = map(json!({
             "model": "m",
