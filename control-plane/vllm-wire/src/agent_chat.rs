@@ -2,12 +2,14 @@
 //! the chat template, so precise mode tokenises a `/v1/messages` or `/v1/responses` request
 //! exactly as the chat request vLLM turns it into (`vllm/entrypoints/anthropic/serving.py`,
 //! `AnthropicServingMessages.to_chat_completion_request`; `vllm/entrypoints/openai/responses/
-//! utils.py`, `construct_input_messages` and `construct_tool_dicts`).
+//! utils.py`, `construct_input_messages` and `construct_tool_dicts`; `vllm/renderers/
+//! online_renderer.py`, where both end as `tool.model_dump()` and template options).
 //!
 //! What vLLM's result depends on and a router cannot know is refused with
 //! [`AgentChatError::Unsupported`], and the request is then routed approximately: a Responses
 //! history stored on a replica (`previous_response_id`), a template option vLLM derives from
-//! a setting (Anthropic `thinking` disabled, `output_config.effort`, `tool_choice: none`),
+//! a setting (Anthropic `thinking` disabled, `output_config.effort`, Responses
+//! `reasoning.effort`, `tool_choice: none`),
 //! tool lists changed by `tool_addition`/`tool_removal` blocks, namespaced or custom tools,
 //! encrypted reasoning, and inline system messages when the template's ordering rule is not
 //! known (the caller passes `None`, as the control plane's remote tokenizer does).
@@ -366,32 +368,37 @@ fn anthropic_tools(tools: &Value) -> Result<Value, AgentChatError> {
         .ok_or_else(|| bad("tools must be an array"))?;
     let converted = tools
         .iter()
-        .map(|t| {
-            let mut function = Map::new();
-            let name = t
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("a tool has no name"))?;
-            function.insert("name".into(), Value::String(name.into()));
-            for (from, to) in [
-                ("description", "description"),
-                ("input_schema", "parameters"),
-                ("strict", "strict"),
-                ("defer_loading", "defer_loading"),
-            ] {
-                if let Some(v) = t.get(from).filter(|v| !v.is_null()) {
-                    function.insert(to.into(), v.clone());
-                }
-            }
-            Ok(json!({"type": "function", "function": function}))
-        })
+        .map(|t| chat_tool(t, "input_schema"))
         .collect::<Result<Vec<_>, AgentChatError>>()?;
     Ok(Value::Array(converted))
 }
 
+/// A function tool as vLLM hands it to the chat template, `ChatCompletionToolsParam`'s
+/// `model_dump()`: `name`, then `description` and `parameters` even when null (templates that
+/// write `tool | tojson` print them), then `strict` and `defer_loading` only when set, and no
+/// other field. `parameters` is read from `parameters_key` (`input_schema` for Anthropic).
+fn chat_tool(tool: &Value, parameters_key: &str) -> Result<Value, AgentChatError> {
+    let name = tool
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("a tool has no name"))?;
+    let field = |k: &str| tool.get(k).cloned().unwrap_or(Value::Null);
+    let mut function = Map::new();
+    function.insert("name".into(), Value::String(name.into()));
+    function.insert("description".into(), field("description"));
+    function.insert("parameters".into(), field(parameters_key));
+    for k in ["strict", "defer_loading"] {
+        if let Some(v) = tool.get(k).filter(|v| !v.is_null()) {
+            function.insert(k.into(), v.clone());
+        }
+    }
+    Ok(json!({"type": "function", "function": function}))
+}
+
 /// The chat prompt vLLM builds from a Responses request's prompt fields: `instructions` as the
 /// system message, then the `input` items (function calls merged into the assistant message
-/// before them), and the function tools in chat's shape.
+/// before them), the function tools in chat's shape, the client's `chat_template_kwargs`, and
+/// `continue_final_message` (without a generation prompt) when the last item was cut short.
 pub fn responses_to_chat(
     prompt: &Map<String, Value>,
 ) -> Result<Map<String, Value>, AgentChatError> {
@@ -401,6 +408,15 @@ pub fn responses_to_chat(
     {
         return Err(unsupported(
             "previous_response_id (the history is stored on a replica)",
+        ));
+    }
+    if prompt
+        .get("reasoning")
+        .and_then(|r| r.get("effort"))
+        .is_some_and(|e| !e.is_null())
+    {
+        return Err(unsupported(
+            "reasoning.effort (the server's --reasoning-effort-map may rewrite it)",
         ));
     }
     refuse_dropped_tools(prompt)?;
@@ -425,15 +441,33 @@ pub fn responses_to_chat(
         chat.insert("model".into(), model.clone());
     }
     chat.insert("messages".into(), Value::Array(out));
+    // vLLM passes no tools for an empty list, but an empty list when none of them is a
+    // function (a template may tell `[]` from none).
     if let Some(tools) = prompt.get("tools").and_then(Value::as_array)
         && !tools.is_empty()
     {
-        let functions = responses_tools(tools)?;
-        if !functions.is_empty() {
-            chat.insert("tools".into(), Value::Array(functions));
-        }
+        chat.insert("tools".into(), Value::Array(responses_tools(tools)?));
+    }
+    if let Some(kwargs) = prompt.get("chat_template_kwargs").filter(|k| !k.is_null()) {
+        chat.insert("chat_template_kwargs".into(), kwargs.clone());
+    }
+    // A last message or reasoning item still `in_progress` or `incomplete` is continued, not
+    // answered (`should_continue_final_message`).
+    if let Some(Value::Array(items)) = prompt.get("input")
+        && items.last().is_some_and(is_partial)
+    {
+        chat.insert("add_generation_prompt".into(), Value::Bool(false));
+        chat.insert("continue_final_message".into(), Value::Bool(true));
     }
     Ok(chat)
+}
+
+/// A message (an item's type defaults to `message`) or reasoning item that was cut short.
+fn is_partial(item: &Value) -> bool {
+    let kind = item.get("type").map_or(Some("message"), Value::as_str);
+    let status = item.get("status").and_then(Value::as_str);
+    matches!(kind, Some("message" | "reasoning"))
+        && matches!(status, Some("in_progress" | "incomplete"))
 }
 
 /// The function tools of a Responses request in chat's shape (vLLM renders no other kind).
@@ -441,16 +475,7 @@ fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, AgentChatError> {
     let mut out = Vec::new();
     for tool in tools {
         match tool.get("type").and_then(Value::as_str) {
-            Some("function") => {
-                let function: Map<String, Value> = tool
-                    .as_object()
-                    .into_iter()
-                    .flatten()
-                    .filter(|(k, _)| k.as_str() != "type")
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
-                out.push(json!({"type": "function", "function": function}));
-            }
+            Some("function") => out.push(chat_tool(tool, "parameters")?),
             Some("namespace" | "custom") => {
                 return Err(unsupported("namespaced or custom tools"));
             }
@@ -887,8 +912,8 @@ mod tests {
                     {"role": "assistant", "content": "one file"},
                     {"role": "user", "content": [{"type": "input_text", "text": "thanks"}]},
                 ],
-                "tools": [{"type": "function",
-                           "function": {"name": "ls", "parameters": {"type": "object"}}}],
+                "tools": [{"type": "function", "function": {"name": "ls", "description": null,
+                                                           "parameters": {"type": "object"}}}],
             })
         );
         let chained = map(json!({"input": "more", "previous_response_id": "resp_1"}));
@@ -911,5 +936,96 @@ mod tests {
             string["messages"],
             json!([{"role": "user", "content": "hi"}])
         );
+    }
+
+    #[test]
+    fn tools_are_what_vllms_model_dump_gives_the_template() {
+        // ChatCompletionToolsParam(...).model_dump(): name, description and parameters even
+        // when null, strict and defer_loading only when set, in the model's order, no extras.
+        let messages = map(json!({"messages": [], "tools": [
+            {"name": "a", "input_schema": {"type": "object"}, "cache_control": {"type": "x"}},
+            {"description": "d", "name": "b", "strict": true, "defer_loading": null}]}));
+        let chat = messages_to_chat(&messages, Some(false)).unwrap();
+        assert_eq!(
+            python_json(&chat["tools"]),
+            r#"[{"type": "function", "function": {"name": "a", "description": null, "parameters": {"type": "object"}}}, {"type": "function", "function": {"name": "b", "description": "d", "parameters": null, "strict": true}}]"#
+        );
+        let responses = map(json!({"input": "hi", "tools": [
+            {"type": "function", "strict": null, "parameters": {"type": "object"}, "name": "a",
+             "extra": 1},
+            {"type": "function", "name": "b", "strict": false, "defer_loading": true},
+            {"type": "web_search"}]}));
+        let chat = responses_to_chat(&responses).unwrap();
+        assert_eq!(
+            python_json(&chat["tools"]),
+            r#"[{"type": "function", "function": {"name": "a", "description": null, "parameters": {"type": "object"}}}, {"type": "function", "function": {"name": "b", "description": null, "parameters": null, "strict": false, "defer_loading": true}}]"#
+        );
+        // Tools none of which is a function: an empty list, as construct_tool_dicts returns.
+        let built_in = map(json!({"input": "hi", "tools": [{"type": "web_search"}]}));
+        assert_eq!(responses_to_chat(&built_in).unwrap()["tools"], json!([]));
+        let no_name = map(json!({"input": "hi", "tools": [{"type": "function"}]}));
+        assert!(matches!(
+            responses_to_chat(&no_name),
+            Err(AgentChatError::BadPrompt(_))
+        ));
+    }
+
+    #[test]
+    fn responses_template_options_are_the_clients_or_refused() {
+        // The client's kwargs reach the template; a reasoning effort goes through the server's
+        // --reasoning-effort-map first, so it is refused; a summary alone changes nothing.
+        let kwargs = map(
+            json!({"input": "hi", "chat_template_kwargs": {"enable_thinking": false},
+                                "reasoning": {"effort": null, "summary": "auto"}}),
+        );
+        let chat = responses_to_chat(&kwargs).unwrap();
+        assert_eq!(
+            chat["chat_template_kwargs"],
+            json!({"enable_thinking": false})
+        );
+        assert!(!chat.contains_key("continue_final_message"));
+        let effort = map(json!({"input": "hi", "reasoning": {"effort": "low"}}));
+        assert!(matches!(
+            responses_to_chat(&effort),
+            Err(AgentChatError::Unsupported(_))
+        ));
+        // should_continue_final_message: a last message or reasoning item cut short.
+        for (last, continued) in [
+            (
+                json!({"role": "assistant", "content": "par", "status": "incomplete"}),
+                true,
+            ),
+            (
+                json!({"type": "message", "role": "assistant", "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "par"}]}),
+                true,
+            ),
+            (
+                json!({"type": "reasoning", "summary": [], "status": "incomplete",
+                    "content": [{"type": "reasoning_text", "text": "hm"}]}),
+                true,
+            ),
+            (
+                json!({"type": "message", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": "done"}]}),
+                false,
+            ),
+            (
+                json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
+                    "status": "incomplete"}),
+                false,
+            ),
+        ] {
+            let prompt = map(json!({"input": [{"role": "user", "content": "q"}, last]}));
+            let chat = responses_to_chat(&prompt).unwrap();
+            let flag = |k: &str| chat.get(k).and_then(Value::as_bool);
+            if continued {
+                assert_eq!(flag("continue_final_message"), Some(true), "{last}");
+                assert_eq!(flag("add_generation_prompt"), Some(false), "{last}");
+            } else {
+                assert_eq!(flag("continue_final_message"), None, "{last}");
+                assert_eq!(flag("add_generation_prompt"), None, "{last}");
+            }
+        }
     }
 }
