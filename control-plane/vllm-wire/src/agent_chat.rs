@@ -10,8 +10,7 @@
 //! history stored on a replica (`previous_response_id`), a template option vLLM derives from
 //! a setting (Anthropic `thinking` disabled, `output_config.effort`, Responses
 //! `reasoning.effort`, `tool_choice: none`),
-//! tool lists changed by `tool_addition`/`tool_removal` blocks, namespaced or custom tools,
-//! encrypted reasoning, and inline system messages when the template's ordering rule is not
+//! tool lists changed by `tool_addition`/`tool_removal` blocks, encrypted reasoning, and inline system messages when the template's ordering rule is not
 //! known (the caller passes `None`, as the control plane's remote tokenizer does).
 //!
 //! Pure `serde_json` over the prompt fields the filter forwards: no tokenizer, no template, so
@@ -476,13 +475,62 @@ fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, AgentChatError> {
     for tool in tools {
         match tool.get("type").and_then(Value::as_str) {
             Some("function") => out.push(chat_tool(tool, "parameters")?),
-            Some("namespace" | "custom") => {
-                return Err(unsupported("namespaced or custom tools"));
+            // Each function of a namespace, named `namespace__name`.
+            Some("namespace") => {
+                let namespace = tool
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("a namespace has no name"))?;
+                let functions = tool.get("tools").and_then(Value::as_array);
+                for function in functions.into_iter().flatten() {
+                    if function.get("type").and_then(Value::as_str) != Some("function") {
+                        continue;
+                    }
+                    let name = function
+                        .get("name")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| bad("a tool has no name"))?;
+                    let mut flat = function.clone();
+                    flat["name"] = json!(format!("{namespace}{NAMESPACE_SEPARATOR}{name}"));
+                    out.push(chat_tool(&flat, "parameters")?);
+                }
+            }
+            // A function of one string argument, `input`, with vLLM's own schema for it.
+            Some("custom") => {
+                let mut shim = Map::new();
+                for k in ["name", "description"] {
+                    if let Some(v) = tool.get(k) {
+                        shim.insert(k.into(), v.clone());
+                    }
+                }
+                shim.insert("parameters".into(), custom_tool_parameters());
+                out.push(chat_tool(&Value::Object(shim), "parameters")?);
             }
             _ => {}
         }
     }
     Ok(out)
+}
+
+/// How vLLM names a namespace's function for the template (`flat_namespace_tool_name`).
+const NAMESPACE_SEPARATOR: &str = "__";
+
+/// The one argument of the function a custom tool is shown as.
+const CUSTOM_TOOL_INPUT_KEY: &str = "input";
+
+/// The parameters of the function a custom tool is shown as (`custom_tool_parameters`).
+fn custom_tool_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            CUSTOM_TOOL_INPUT_KEY: {
+                "type": "string",
+                "description": "The freeform text payload for this tool.",
+            }
+        },
+        "required": [CUSTOM_TOOL_INPUT_KEY],
+        "additionalProperties": false,
+    })
 }
 
 /// One `input` item as vLLM's `_construct_message_from_response_item` makes it; `start` is
@@ -497,15 +545,34 @@ fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), Age
         (role_of(&out[at]) == Some("assistant")).then_some(at)
     };
     match kind {
-        Some("function_call") => {
-            if item.get("namespace").is_some_and(|n| !n.is_null()) {
-                return Err(unsupported("namespaced function calls"));
-            }
+        Some(kind @ ("function_call" | "custom_tool_call")) => {
+            let name = field("name").unwrap_or("");
+            let (name, arguments) = if kind == "function_call" {
+                // A namespaced tool's call names the flattened tool the template was shown.
+                let name = match field("namespace").filter(|n| !n.is_empty()) {
+                    Some(namespace) => format!("{namespace}{NAMESPACE_SEPARATOR}{name}"),
+                    None => name.to_string(),
+                };
+                (name, field("arguments").unwrap_or("").to_string())
+            } else {
+                // A custom tool is shown as a function of one string argument, `input`.
+                let input = match item.get("input") {
+                    None | Some(Value::Null) => "",
+                    Some(Value::String(s)) => s.as_str(),
+                    Some(_) => return Err(bad("a custom tool call's input must be a string")),
+                };
+                let mut arguments = String::new();
+                write_python(
+                    &json!({CUSTOM_TOOL_INPUT_KEY: input}),
+                    &mut arguments,
+                    false,
+                );
+                (name.to_string(), arguments)
+            };
             let call = json!({
                 "id": field("call_id").unwrap_or(""),
                 "type": "function",
-                "function": {"name": field("name").unwrap_or(""),
-                             "arguments": field("arguments").unwrap_or("")},
+                "function": {"name": name, "arguments": arguments},
             });
             match last_assistant(out) {
                 Some(at) => match out[at].get_mut("tool_calls") {
@@ -516,9 +583,6 @@ fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), Age
                 },
                 None => out.push(json!({"role": "assistant", "tool_calls": [call]})),
             }
-        }
-        Some("custom_tool_call" | "custom_tool_call_output") => {
-            return Err(unsupported("custom tool calls"));
         }
         Some("reasoning") => {
             if item
@@ -544,7 +608,7 @@ fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), Age
                 _ => out.push(json!({"role": "assistant", "reasoning": text})),
             }
         }
-        Some("function_call_output") => {
+        Some("function_call_output" | "custom_tool_call_output") => {
             out.push(json!({
                 "role": "tool",
                 "content": item.get("output").cloned().unwrap_or(Value::Null),
@@ -593,11 +657,12 @@ fn role_of(m: &Value) -> Option<&str> {
 /// character escaped (vLLM writes a `tool_use` block's input so).
 pub fn python_json(value: &Value) -> String {
     let mut out = String::new();
-    write_python(value, &mut out);
+    write_python(value, &mut out, true);
     out
 }
 
-fn write_python(value: &Value, out: &mut String) {
+/// `json.dumps` with `ensure_ascii` as given (vLLM writes a custom tool call's input without).
+fn write_python(value: &Value, out: &mut String, ascii: bool) {
     match value {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
@@ -605,14 +670,14 @@ fn write_python(value: &Value, out: &mut String) {
             Some(f) => write_python_float(f, out),
             None => out.push_str(&n.to_string()),
         },
-        Value::String(s) => write_python_str(s, out),
+        Value::String(s) => write_python_str(s, out, ascii),
         Value::Array(items) => {
             out.push('[');
             for (i, v) in items.iter().enumerate() {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_python(v, out);
+                write_python(v, out, ascii);
             }
             out.push(']');
         }
@@ -622,9 +687,9 @@ fn write_python(value: &Value, out: &mut String) {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_python_str(k, out);
+                write_python_str(k, out, ascii);
                 out.push_str(": ");
-                write_python(v, out);
+                write_python(v, out, ascii);
             }
             out.push('}');
         }
@@ -678,7 +743,10 @@ fn write_python_float(f: f64, out: &mut String) {
     }
 }
 
-fn write_python_str(s: &str, out: &mut String) {
+/// A Python string literal as `json.dumps` writes it: with `ascii`, everything outside space
+/// to `~` escaped (non-BMP characters as surrogate pairs); without, only quotes, backslashes
+/// and control characters below U+0020.
+fn write_python_str(s: &str, out: &mut String, ascii: bool) {
     use std::fmt::Write;
     out.push('"');
     for c in s.chars() {
@@ -691,6 +759,7 @@ fn write_python_str(s: &str, out: &mut String) {
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
             c if c.is_ascii() && !c.is_ascii_control() => out.push(c),
+            c if !ascii && c >= ' ' => out.push(c),
             c => {
                 let mut units = [0u16; 2];
                 for unit in c.encode_utf16(&mut units) {
@@ -1027,5 +1096,58 @@ mod tests {
                 assert_eq!(flag("add_generation_prompt"), None, "{last}");
             }
         }
+    }
+
+    #[test]
+    fn namespaced_and_custom_tools_are_shown_as_vllm_flattens_them() {
+        let prompt = map(json!({
+            "tools": [
+                {"type": "namespace", "name": "fs", "description": "files", "tools": [
+                    {"type": "function", "name": "ls", "parameters": {"type": "object"}},
+                    {"type": "web_search"}]},
+                {"type": "custom", "name": "patch", "description": "apply a patch",
+                 "format": {"type": "text"}}],
+            "input": [
+                {"role": "user", "content": "go"},
+                {"type": "function_call", "namespace": "fs", "call_id": "c1", "name": "ls",
+                 "arguments": "{}"},
+                {"type": "custom_tool_call", "call_id": "c2", "name": "patch",
+                 "input": "caf\u{e9}\n\"x\""},
+                {"type": "function_call_output", "call_id": "c1", "output": "a"},
+                {"type": "custom_tool_call_output", "call_id": "c2", "output": "ok"},
+            ],
+        }));
+        let chat = responses_to_chat(&prompt).unwrap();
+        assert_eq!(
+            chat["tools"],
+            json!([
+                {"type": "function", "function": {"name": "fs__ls", "description": null,
+                                                  "parameters": {"type": "object"}}},
+                {"type": "function", "function": {"name": "patch", "description": "apply a patch",
+                    "parameters": {"type": "object", "properties": {"input": {"type": "string",
+                        "description": "The freeform text payload for this tool."}},
+                        "required": ["input"], "additionalProperties": false}}},
+            ])
+        );
+        assert_eq!(
+            chat["messages"],
+            json!([
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "fs__ls", "arguments": "{}"}},
+                    // json.dumps({"input": payload}, ensure_ascii=False)
+                    {"id": "c2", "type": "function",
+                     "function": {"name": "patch",
+                                  "arguments": "{\"input\": \"caf\u{e9}\\n\\\"x\\\"\"}"}}]},
+                {"role": "tool", "content": "a", "tool_call_id": "c1"},
+                {"role": "tool", "content": "ok", "tool_call_id": "c2"},
+            ])
+        );
+        let odd = map(json!({"input": [{"type": "custom_tool_call", "name": "p", "input": 3}]}));
+        assert!(matches!(
+            responses_to_chat(&odd),
+            Err(AgentChatError::BadPrompt(_))
+        ));
     }
 }
