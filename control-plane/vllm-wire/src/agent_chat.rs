@@ -9,9 +9,9 @@
 //! [`AgentChatError::Unsupported`], and the request is then routed approximately: a Responses
 //! history stored on a replica (`previous_response_id`), a template option vLLM derives from
 //! a setting (Anthropic `thinking` disabled, `output_config.effort`, Responses
-//! `reasoning.effort`, `tool_choice: none`),
-//! tool lists changed by `tool_addition`/`tool_removal` blocks, encrypted reasoning, and inline system messages when the template's ordering rule is not
-//! known (the caller passes `None`, as the control plane's remote tokenizer does).
+//! `reasoning.effort`, `tool_choice: none`), encrypted reasoning, and inline system messages
+//! when the template's ordering rule is not known (the caller passes `None`, as the control
+//! plane's remote tokenizer does).
 //!
 //! Pure `serde_json` over the prompt fields the filter forwards: no tokenizer, no template, so
 //! the fuzz targets run it as the control plane does.
@@ -117,8 +117,17 @@ pub fn messages_to_chat(
         chat.insert("model".into(), model.clone());
     }
     chat.insert("messages".into(), Value::Array(out));
-    if let Some(tools) = prompt.get("tools").filter(|t| !t.is_null()) {
-        chat.insert("tools".into(), anthropic_tools(tools)?);
+    if let Some(tools) = resolved_tools(prompt, messages)? {
+        if tool_choice_none(prompt) && !tools.is_empty() {
+            return Err(unsupported(
+                "tool_choice none (the server may drop the tools)",
+            ));
+        }
+        let converted = tools
+            .iter()
+            .map(|t| chat_tool(t, "input_schema"))
+            .collect::<Result<Vec<_>, AgentChatError>>()?;
+        chat.insert("tools".into(), Value::Array(converted));
     }
     if let Some(kwargs) = prompt.get("chat_template_kwargs").filter(|k| !k.is_null()) {
         chat.insert("chat_template_kwargs".into(), kwargs.clone());
@@ -150,24 +159,29 @@ fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), AgentChatE
 }
 
 /// `tool_choice: none` with tools: vLLM drops the tools from the template or not by a server
-/// flag (`--exclude-tools-when-tool-choice-none`) the control plane cannot see. Anthropic
-/// spells it `{"type": "none"}`, Responses `"none"`.
+/// flag (`--exclude-tools-when-tool-choice-none`) the control plane cannot see.
 fn refuse_dropped_tools(prompt: &Map<String, Value>) -> Result<(), AgentChatError> {
-    let choice = prompt.get("tool_choice");
-    let choice = choice
-        .and_then(|c| c.get("type"))
-        .or(choice)
-        .and_then(Value::as_str);
     let has_tools = prompt
         .get("tools")
         .and_then(Value::as_array)
         .is_some_and(|t| !t.is_empty());
-    if choice == Some("none") && has_tools {
+    if tool_choice_none(prompt) && has_tools {
         return Err(unsupported(
             "tool_choice none (the server may drop the tools)",
         ));
     }
     Ok(())
+}
+
+/// Whether the request says `tool_choice: none` (Anthropic spells it `{"type": "none"}`,
+/// Responses `"none"`).
+fn tool_choice_none(prompt: &Map<String, Value>) -> bool {
+    let choice = prompt.get("tool_choice");
+    choice
+        .and_then(|c| c.get("type"))
+        .or(choice)
+        .and_then(Value::as_str)
+        == Some("none")
 }
 
 fn role(m: &Value) -> Option<&str> {
@@ -263,8 +277,11 @@ fn convert_blocks(
                 // vLLM writes Python's repr of the blocks.
                 Some(_) => return Err(unsupported("an assistant's tool_result with blocks")),
             },
+            // vLLM accepts them only in system messages.
             Some("tool_addition" | "tool_removal") => {
-                return Err(unsupported("tool_addition and tool_removal blocks"));
+                return Err(bad(
+                    "tool_addition and tool_removal blocks outside system messages",
+                ));
             }
             // redacted_thinking, tool_reference and block types vLLM's converter passes over.
             _ => {}
@@ -360,16 +377,91 @@ fn image_url(source: &Value) -> String {
     )
 }
 
-/// Anthropic tools as chat tools: `input_schema` becomes the function's `parameters`.
-fn anthropic_tools(tools: &Value) -> Result<Value, AgentChatError> {
-    let tools = tools
-        .as_array()
-        .ok_or_else(|| bad("tools must be an array"))?;
-    let converted = tools
+/// The Anthropic tools in effect at the end of the conversation, as vLLM's `_resolve_tools`
+/// makes them: the request's `tools` (a later one of the same name replaces an earlier one in
+/// its place), then every `tool_addition` and `tool_removal` block in message order. An
+/// addition by value declares or replaces a tool, one by reference undefers a declared tool,
+/// a removal drops it until it is added again. `None` when there are neither tools nor
+/// changes.
+fn resolved_tools(
+    prompt: &Map<String, Value>,
+    messages: &[Value],
+) -> Result<Option<Vec<Value>>, AgentChatError> {
+    let tools = match prompt.get("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(tools)) => Some(tools),
+        Some(_) => return Err(bad("tools must be an array")),
+    };
+    let changes: Vec<&Value> = messages
         .iter()
-        .map(|t| chat_tool(t, "input_schema"))
-        .collect::<Result<Vec<_>, AgentChatError>>()?;
-    Ok(Value::Array(converted))
+        .filter_map(|m| m.get("content").and_then(Value::as_array))
+        .flatten()
+        .filter(|b| {
+            matches!(
+                b.get("type").and_then(Value::as_str),
+                Some("tool_addition" | "tool_removal")
+            )
+        })
+        .collect();
+    if changes.is_empty() {
+        return Ok(tools.cloned());
+    }
+    let name_of = |t: &Value| -> Result<String, AgentChatError> {
+        t.get("name")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| bad("a tool has no name"))
+    };
+    // preserve_order: replacing a name keeps its place, as a Python dict does.
+    let mut by_name = Map::new();
+    for tool in tools.into_iter().flatten() {
+        by_name.insert(name_of(tool)?, tool.clone());
+    }
+    let mut removed: Vec<String> = Vec::new();
+    for block in changes {
+        let removal = block.get("type").and_then(Value::as_str) == Some("tool_removal");
+        let change = block
+            .get("tool")
+            .filter(|t| !t.is_null())
+            .ok_or_else(|| bad("a tool change block has no tool"))?;
+        let name = match change.get("type").and_then(Value::as_str) {
+            Some("tool_definition") if !removal => {
+                let definition = change
+                    .get("definition")
+                    .filter(|d| d.is_object())
+                    .ok_or_else(|| bad("a tool_definition has no definition"))?;
+                let name = name_of(definition)?;
+                by_name.insert(name.clone(), definition.clone());
+                name
+            }
+            Some("tool_reference") => {
+                let name = name_of(change)?;
+                let Some(tool) = by_name.get_mut(&name) else {
+                    return Err(bad("a tool change names a tool not declared in tools"));
+                };
+                if !removal && let Some(tool) = tool.as_object_mut() {
+                    tool.insert("defer_loading".into(), Value::Null);
+                }
+                name
+            }
+            _ => {
+                return Err(bad(
+                    "a tool change is a tool_reference or, to add, a definition",
+                ));
+            }
+        };
+        removed.retain(|r| *r != name);
+        if removal {
+            removed.push(name);
+        }
+    }
+    Ok(Some(
+        by_name
+            .into_iter()
+            .filter(|(name, _)| !removed.contains(name))
+            .map(|(_, tool)| tool)
+            .collect(),
+    ))
 }
 
 /// A function tool as vLLM hands it to the chat template, `ChatCompletionToolsParam`'s
@@ -890,8 +982,6 @@ mod tests {
             json!({"messages": [], "thinking": {"type": "disabled"}}),
             json!({"messages": [], "output_config": {"effort": "low"}}),
             json!({"messages": [], "tool_choice": {"type": "none"}, "tools": [{"name": "x"}]}),
-            json!({"messages": [{"role": "user", "content": [
-                {"type": "tool_addition", "tool": {"name": "x"}}]}]}),
             json!({"messages": [{"role": "assistant", "content": [
                 {"type": "tool_use", "name": "x", "input": {}}]}]}),
         ] {
@@ -907,6 +997,9 @@ mod tests {
             json!({"messages": [{"role": "user", "content": 3}]}),
             json!({"messages": [], "system": 3}),
             json!({"messages": [], "tools": [{"input_schema": {}}]}),
+            // vLLM takes tool changes in system messages only.
+            json!({"messages": [{"role": "user", "content": [
+                {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "x"}}]}]}),
         ] {
             let e = messages_to_chat(&map(bad.clone()), Some(false)).unwrap_err();
             assert!(matches!(e, AgentChatError::BadPrompt(_)), "{bad}: {e}");
@@ -1147,6 +1240,67 @@ mod tests {
         let odd = map(json!({"input": [{"type": "custom_tool_call", "name": "p", "input": 3}]}));
         assert!(matches!(
             responses_to_chat(&odd),
+            Err(AgentChatError::BadPrompt(_))
+        ));
+    }
+
+    #[test]
+    fn tool_changes_resolve_into_the_tools_in_effect_at_the_end() {
+        let tool = |name: &str| {
+            json!({"name": name, "input_schema": {"type": "object"},
+                                       "defer_loading": true})
+        };
+        let change = |kind: &str, tool: Value| json!({"type": kind, "tool": tool});
+        let reference = |name: &str| json!({"type": "tool_reference", "name": name});
+        let prompt = map(json!({
+            "tools": [tool("a"), tool("b"), tool("c")],
+            "messages": [
+                {"role": "system", "content": [
+                    {"type": "text", "text": "tools changed"},
+                    change("tool_addition", reference("a")),
+                    change("tool_removal", reference("b")),
+                    change("tool_addition",
+                           json!({"type": "tool_definition", "definition": tool("d")})),
+                    change("tool_removal", reference("c")),
+                    change("tool_addition", reference("c"))]},
+                {"role": "user", "content": "go"}],
+        }));
+        let chat = messages_to_chat(&prompt, Some(true)).unwrap();
+        let names: Vec<_> = chat["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                (
+                    f["name"].as_str().unwrap(),
+                    f.get("defer_loading").is_some(),
+                )
+            })
+            .collect();
+        // a undeferred, b removed, c removed then added back (undeferred), d declared.
+        assert_eq!(names, [("a", false), ("c", false), ("d", true)]);
+        assert_eq!(
+            chat["messages"][0],
+            json!({"role": "system", "content": "tools changed"})
+        );
+        // Added tools count for tool_choice none; an unknown reference is vLLM's 400.
+        let mut added = map(json!({"tool_choice": {"type": "none"}, "messages": [
+            {"role": "system", "content": [change("tool_addition",
+                json!({"type": "tool_definition", "definition": tool("d")}))]}]}));
+        assert!(matches!(
+            messages_to_chat(&added, Some(true)),
+            Err(AgentChatError::Unsupported(_))
+        ));
+        added.remove("tool_choice");
+        assert_eq!(
+            messages_to_chat(&added, Some(true)).unwrap()["tools"][0]["function"]["name"],
+            "d"
+        );
+        let unknown = map(json!({"messages": [{"role": "system", "content": [
+            change("tool_removal", reference("zz"))]}]}));
+        assert!(matches!(
+            messages_to_chat(&unknown, Some(true)),
             Err(AgentChatError::BadPrompt(_))
         ));
     }
