@@ -55,6 +55,10 @@ impl ApiKind {
                 "tools",
                 "tool_choice",
                 "previous_response_id",
+                // vLLM turns `reasoning.effort` into template options; the client's own
+                // `chat_template_kwargs` reach the template as they do for chat.
+                "reasoning",
+                "chat_template_kwargs",
             ],
             ApiKind::Messages => &[
                 "model",

@@ -9,7 +9,6 @@
 //! then hashes the ids in engine blocks with `scorer_core::hash::token_block_hashes`. Any failure
 //! leaves the request approximate: its `block_hashes` still route it.
 
-pub mod agent;
 pub mod cache;
 #[cfg(feature = "hf-tokenizer")]
 pub mod hf;
@@ -21,6 +20,7 @@ use std::time::{Duration, Instant};
 use scorer_core::hash::{request_seed, token_block_hashes};
 use scorer_core::protocol::{ApiKind, RouteRequest};
 use serde_json::{Map, Value};
+use vllm_wire::agent_chat::{self, AgentChatError};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::{Config, TokenizerBackend};
@@ -68,6 +68,17 @@ pub enum TokenizeError {
     /// stored history, a server setting): it is routed approximately.
     #[error("not tokenised here: {0}")]
     Unsupported(String),
+}
+
+/// The agent converter's refusals keep their kind: unsupported routes approximately without a
+/// tokenisation error, a bad prompt is one.
+impl From<AgentChatError> for TokenizeError {
+    fn from(e: AgentChatError) -> Self {
+        match e {
+            AgentChatError::Unsupported(what) => Self::Unsupported(what),
+            AgentChatError::BadPrompt(what) => Self::BadPrompt(what),
+        }
+    }
 }
 
 /// Token ids of one prompt and how many came from the cache.
@@ -215,11 +226,11 @@ impl Precise {
         };
         // The agent APIs are tokenised as the chat request vLLM turns them into.
         let converted = match api {
-            ApiKind::Messages => Some(agent::messages_to_chat(
+            ApiKind::Messages => Some(agent_chat::messages_to_chat(
                 &prompt,
                 self.merges_inline_system(),
             )?),
-            ApiKind::Responses => Some(agent::responses_to_chat(&prompt)?),
+            ApiKind::Responses => Some(agent_chat::responses_to_chat(&prompt)?),
             ApiKind::Chat | ApiKind::Completion => None,
         };
         let (api, prompt, key_text) = match converted {

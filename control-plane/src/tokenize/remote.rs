@@ -134,7 +134,7 @@ impl RemoteTokenizer {
             (RemoteApi::Render, ApiKind::Chat) => "/v1/chat/completions/render",
             (RemoteApi::Render, ApiKind::Completion) => "/v1/completions/render",
             // vLLM 0.33's own render paths; not called: `Precise::tokenize` sends these APIs as
-            // the chat request vLLM makes of them (`tokenize::agent`).
+            // the chat request vLLM makes of them (`vllm_wire::agent_chat`).
             (RemoteApi::Render, ApiKind::Responses) => "/v1/responses/render",
             (RemoteApi::Render, ApiKind::Messages) => "/v1/messages/render",
             (RemoteApi::Tokenize, _) => "/tokenize",

@@ -6,12 +6,15 @@
 //!   decoder (every encoding vLLM has shipped), one encoder (byte for byte what vLLM 0.33
 //!   writes), and the router's view of a batch;
 //! - [`prom`]: the Prometheus text parser for the vLLM gauges routing needs;
+//! - [`agent_chat`]: an Anthropic Messages or OpenAI Responses prompt as the chat messages
+//!   vLLM builds from it before it applies the chat template;
 //! - `chat_template` (feature `chat-template`): a chat template rendered like transformers'
 //!   `apply_chat_template`.
 //!
 //! Invariant: no I/O, no clock, no async runtime. Callers pass bytes in and get values or typed
 //! errors out; the time a template may print is an argument.
 
+pub mod agent_chat;
 pub mod kv_events;
 pub mod prom;
 

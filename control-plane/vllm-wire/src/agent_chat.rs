@@ -2,30 +2,44 @@
 //! the chat template, so precise mode tokenises a `/v1/messages` or `/v1/responses` request
 //! exactly as the chat request vLLM turns it into (`vllm/entrypoints/anthropic/serving.py`,
 //! `AnthropicServingMessages.to_chat_completion_request`; `vllm/entrypoints/openai/responses/
-//! utils.py`, `construct_input_messages` and `construct_tool_dicts`).
+//! utils.py`, `construct_input_messages` and `construct_tool_dicts`; `vllm/renderers/
+//! online_renderer.py`, where both end as `tool.model_dump()` and template options).
 //!
-//! What vLLM's result depends on and the control plane cannot know is refused with
-//! [`TokenizeError::Unsupported`], and the request is then routed approximately: a Responses
+//! What vLLM's result depends on and a router cannot know is refused with
+//! [`AgentChatError::Unsupported`], and the request is then routed approximately: a Responses
 //! history stored on a replica (`previous_response_id`), a template option vLLM derives from
-//! a setting (Anthropic `thinking` disabled, `output_config.effort`, `tool_choice: none`),
-//! tool lists changed by `tool_addition`/`tool_removal` blocks, namespaced or custom tools,
-//! encrypted reasoning, and inline system messages when the template's ordering rule is not
-//! known (the remote tokenizer).
+//! a setting (Anthropic `thinking` disabled, `output_config.effort`, Responses
+//! `reasoning.effort`, `tool_choice: none`), encrypted reasoning, and inline system messages
+//! when the template's ordering rule is not known (the caller passes `None`, as the control
+//! plane's remote tokenizer does).
+//!
+//! Pure `serde_json` over the prompt fields the filter forwards: no tokenizer, no template, so
+//! the fuzz targets run it as the control plane does.
 
 use serde_json::{Map, Value, json};
 
-use super::TokenizeError;
+/// Why a prompt was not converted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentChatError {
+    /// The prompt is valid, but what vLLM makes of it depends on state or settings outside the
+    /// request (a stored history, a server flag): route it approximately.
+    #[error("not converted here: {0}")]
+    Unsupported(String),
+    /// The prompt fields do not have the shape the API requires.
+    #[error("bad prompt: {0}")]
+    BadPrompt(String),
+}
 
 /// Anthropic's per-request attribution block, which vLLM drops from system prompts (its hash
 /// changes every request and would defeat prefix caching).
 const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
-fn unsupported(what: &str) -> TokenizeError {
-    TokenizeError::Unsupported(what.to_string())
+fn unsupported(what: &str) -> AgentChatError {
+    AgentChatError::Unsupported(what.to_string())
 }
 
-fn bad(what: &str) -> TokenizeError {
-    TokenizeError::BadPrompt(what.to_string())
+fn bad(what: &str) -> AgentChatError {
+    AgentChatError::BadPrompt(what.to_string())
 }
 
 /// The chat prompt (`model`, `messages`, `tools`, `chat_template_kwargs`) vLLM builds from an
@@ -35,7 +49,7 @@ fn bad(what: &str) -> TokenizeError {
 pub fn messages_to_chat(
     prompt: &Map<String, Value>,
     merge_inline_system: Option<bool>,
-) -> Result<Map<String, Value>, TokenizeError> {
+) -> Result<Map<String, Value>, AgentChatError> {
     let messages = prompt
         .get("messages")
         .and_then(Value::as_array)
@@ -103,8 +117,17 @@ pub fn messages_to_chat(
         chat.insert("model".into(), model.clone());
     }
     chat.insert("messages".into(), Value::Array(out));
-    if let Some(tools) = prompt.get("tools").filter(|t| !t.is_null()) {
-        chat.insert("tools".into(), anthropic_tools(tools)?);
+    if let Some(tools) = resolved_tools(prompt, messages)? {
+        if tool_choice_none(prompt) && !tools.is_empty() {
+            return Err(unsupported(
+                "tool_choice none (the server may drop the tools)",
+            ));
+        }
+        let converted = tools
+            .iter()
+            .map(|t| chat_tool(t, "input_schema"))
+            .collect::<Result<Vec<_>, AgentChatError>>()?;
+        chat.insert("tools".into(), Value::Array(converted));
     }
     if let Some(kwargs) = prompt.get("chat_template_kwargs").filter(|k| !k.is_null()) {
         chat.insert("chat_template_kwargs".into(), kwargs.clone());
@@ -114,7 +137,7 @@ pub fn messages_to_chat(
 
 /// Settings vLLM turns into template options (`reasoning_effort`, dropped tools) by rules of
 /// the serving process: a prompt that sets them is not tokenised here.
-fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), TokenizeError> {
+fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), AgentChatError> {
     if prompt
         .get("thinking")
         .and_then(|t| t.get("type"))
@@ -136,24 +159,29 @@ fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), TokenizeEr
 }
 
 /// `tool_choice: none` with tools: vLLM drops the tools from the template or not by a server
-/// flag (`--exclude-tools-when-tool-choice-none`) the control plane cannot see. Anthropic
-/// spells it `{"type": "none"}`, Responses `"none"`.
-fn refuse_dropped_tools(prompt: &Map<String, Value>) -> Result<(), TokenizeError> {
-    let choice = prompt.get("tool_choice");
-    let choice = choice
-        .and_then(|c| c.get("type"))
-        .or(choice)
-        .and_then(Value::as_str);
+/// flag (`--exclude-tools-when-tool-choice-none`) the control plane cannot see.
+fn refuse_dropped_tools(prompt: &Map<String, Value>) -> Result<(), AgentChatError> {
     let has_tools = prompt
         .get("tools")
         .and_then(Value::as_array)
         .is_some_and(|t| !t.is_empty());
-    if choice == Some("none") && has_tools {
+    if tool_choice_none(prompt) && has_tools {
         return Err(unsupported(
             "tool_choice none (the server may drop the tools)",
         ));
     }
     Ok(())
+}
+
+/// Whether the request says `tool_choice: none` (Anthropic spells it `{"type": "none"}`,
+/// Responses `"none"`).
+fn tool_choice_none(prompt: &Map<String, Value>) -> bool {
+    let choice = prompt.get("tool_choice");
+    choice
+        .and_then(|c| c.get("type"))
+        .or(choice)
+        .and_then(Value::as_str)
+        == Some("none")
 }
 
 fn role(m: &Value) -> Option<&str> {
@@ -170,7 +198,7 @@ fn text_block(block: &Value) -> Option<&str> {
 
 /// An inline system message's text: its string, or its text blocks joined, without billing
 /// headers; `None` when nothing is left.
-fn system_text(m: &Value) -> Result<Option<String>, TokenizeError> {
+fn system_text(m: &Value) -> Result<Option<String>, AgentChatError> {
     match m.get("content") {
         Some(Value::String(s)) => Ok((!s.starts_with(BILLING_HEADER)).then(|| s.clone())),
         Some(Value::Array(blocks)) => {
@@ -193,7 +221,7 @@ fn convert_blocks(
     blocks: &[Value],
     message: &mut Map<String, Value>,
     out: &mut Vec<Value>,
-) -> Result<(), TokenizeError> {
+) -> Result<(), AgentChatError> {
     let mut parts: Vec<Value> = Vec::new();
     let mut tool_calls: Vec<Value> = Vec::new();
     let mut reasoning: Vec<String> = Vec::new();
@@ -249,8 +277,11 @@ fn convert_blocks(
                 // vLLM writes Python's repr of the blocks.
                 Some(_) => return Err(unsupported("an assistant's tool_result with blocks")),
             },
+            // vLLM accepts them only in system messages.
             Some("tool_addition" | "tool_removal") => {
-                return Err(unsupported("tool_addition and tool_removal blocks"));
+                return Err(bad(
+                    "tool_addition and tool_removal blocks outside system messages",
+                ));
             }
             // redacted_thinking, tool_reference and block types vLLM's converter passes over.
             _ => {}
@@ -277,7 +308,7 @@ fn convert_blocks(
 /// A user's `tool_result` block as vLLM's tool message: its text (text items joined by
 /// newlines), then a user message with its images, then a tool message naming its tool
 /// references.
-fn tool_result(block: &Value, out: &mut Vec<Value>) -> Result<(), TokenizeError> {
+fn tool_result(block: &Value, out: &mut Vec<Value>) -> Result<(), AgentChatError> {
     let id = block
         .get("tool_use_id")
         .and_then(Value::as_str)
@@ -346,46 +377,137 @@ fn image_url(source: &Value) -> String {
     )
 }
 
-/// Anthropic tools as chat tools: `input_schema` becomes the function's `parameters`.
-fn anthropic_tools(tools: &Value) -> Result<Value, TokenizeError> {
-    let tools = tools
-        .as_array()
-        .ok_or_else(|| bad("tools must be an array"))?;
-    let converted = tools
+/// The Anthropic tools in effect at the end of the conversation, as vLLM's `_resolve_tools`
+/// makes them: the request's `tools` (a later one of the same name replaces an earlier one in
+/// its place), then every `tool_addition` and `tool_removal` block in message order. An
+/// addition by value declares or replaces a tool, one by reference undefers a declared tool,
+/// a removal drops it until it is added again. `None` when there are neither tools nor
+/// changes.
+fn resolved_tools(
+    prompt: &Map<String, Value>,
+    messages: &[Value],
+) -> Result<Option<Vec<Value>>, AgentChatError> {
+    let tools = match prompt.get("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(tools)) => Some(tools),
+        Some(_) => return Err(bad("tools must be an array")),
+    };
+    let changes: Vec<&Value> = messages
         .iter()
-        .map(|t| {
-            let mut function = Map::new();
-            let name = t
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("a tool has no name"))?;
-            function.insert("name".into(), Value::String(name.into()));
-            for (from, to) in [
-                ("description", "description"),
-                ("input_schema", "parameters"),
-                ("strict", "strict"),
-                ("defer_loading", "defer_loading"),
-            ] {
-                if let Some(v) = t.get(from).filter(|v| !v.is_null()) {
-                    function.insert(to.into(), v.clone());
-                }
-            }
-            Ok(json!({"type": "function", "function": function}))
+        .filter_map(|m| m.get("content").and_then(Value::as_array))
+        .flatten()
+        .filter(|b| {
+            matches!(
+                b.get("type").and_then(Value::as_str),
+                Some("tool_addition" | "tool_removal")
+            )
         })
-        .collect::<Result<Vec<_>, TokenizeError>>()?;
-    Ok(Value::Array(converted))
+        .collect();
+    if changes.is_empty() {
+        return Ok(tools.cloned());
+    }
+    let name_of = |t: &Value| -> Result<String, AgentChatError> {
+        t.get("name")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| bad("a tool has no name"))
+    };
+    // preserve_order: replacing a name keeps its place, as a Python dict does.
+    let mut by_name = Map::new();
+    for tool in tools.into_iter().flatten() {
+        by_name.insert(name_of(tool)?, tool.clone());
+    }
+    let mut removed: Vec<String> = Vec::new();
+    for block in changes {
+        let removal = block.get("type").and_then(Value::as_str) == Some("tool_removal");
+        let change = block
+            .get("tool")
+            .filter(|t| !t.is_null())
+            .ok_or_else(|| bad("a tool change block has no tool"))?;
+        let name = match change.get("type").and_then(Value::as_str) {
+            Some("tool_definition") if !removal => {
+                let definition = change
+                    .get("definition")
+                    .filter(|d| d.is_object())
+                    .ok_or_else(|| bad("a tool_definition has no definition"))?;
+                let name = name_of(definition)?;
+                by_name.insert(name.clone(), definition.clone());
+                name
+            }
+            Some("tool_reference") => {
+                let name = name_of(change)?;
+                let Some(tool) = by_name.get_mut(&name) else {
+                    return Err(bad("a tool change names a tool not declared in tools"));
+                };
+                if !removal && let Some(tool) = tool.as_object_mut() {
+                    tool.insert("defer_loading".into(), Value::Null);
+                }
+                name
+            }
+            _ => {
+                return Err(bad(
+                    "a tool change is a tool_reference or, to add, a definition",
+                ));
+            }
+        };
+        removed.retain(|r| *r != name);
+        if removal {
+            removed.push(name);
+        }
+    }
+    Ok(Some(
+        by_name
+            .into_iter()
+            .filter(|(name, _)| !removed.contains(name))
+            .map(|(_, tool)| tool)
+            .collect(),
+    ))
+}
+
+/// A function tool as vLLM hands it to the chat template, `ChatCompletionToolsParam`'s
+/// `model_dump()`: `name`, then `description` and `parameters` even when null (templates that
+/// write `tool | tojson` print them), then `strict` and `defer_loading` only when set, and no
+/// other field. `parameters` is read from `parameters_key` (`input_schema` for Anthropic).
+fn chat_tool(tool: &Value, parameters_key: &str) -> Result<Value, AgentChatError> {
+    let name = tool
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("a tool has no name"))?;
+    let field = |k: &str| tool.get(k).cloned().unwrap_or(Value::Null);
+    let mut function = Map::new();
+    function.insert("name".into(), Value::String(name.into()));
+    function.insert("description".into(), field("description"));
+    function.insert("parameters".into(), field(parameters_key));
+    for k in ["strict", "defer_loading"] {
+        if let Some(v) = tool.get(k).filter(|v| !v.is_null()) {
+            function.insert(k.into(), v.clone());
+        }
+    }
+    Ok(json!({"type": "function", "function": function}))
 }
 
 /// The chat prompt vLLM builds from a Responses request's prompt fields: `instructions` as the
 /// system message, then the `input` items (function calls merged into the assistant message
-/// before them), and the function tools in chat's shape.
-pub fn responses_to_chat(prompt: &Map<String, Value>) -> Result<Map<String, Value>, TokenizeError> {
+/// before them), the function tools in chat's shape, the client's `chat_template_kwargs`, and
+/// `continue_final_message` (without a generation prompt) when the last item was cut short.
+pub fn responses_to_chat(
+    prompt: &Map<String, Value>,
+) -> Result<Map<String, Value>, AgentChatError> {
     if prompt
         .get("previous_response_id")
         .is_some_and(|id| !id.is_null())
     {
         return Err(unsupported(
             "previous_response_id (the history is stored on a replica)",
+        ));
+    }
+    if prompt
+        .get("reasoning")
+        .and_then(|r| r.get("effort"))
+        .is_some_and(|e| !e.is_null())
+    {
+        return Err(unsupported(
+            "reasoning.effort (the server's --reasoning-effort-map may rewrite it)",
         ));
     }
     refuse_dropped_tools(prompt)?;
@@ -410,34 +532,71 @@ pub fn responses_to_chat(prompt: &Map<String, Value>) -> Result<Map<String, Valu
         chat.insert("model".into(), model.clone());
     }
     chat.insert("messages".into(), Value::Array(out));
+    // vLLM passes no tools for an empty list, but an empty list when none of them is a
+    // function (a template may tell `[]` from none).
     if let Some(tools) = prompt.get("tools").and_then(Value::as_array)
         && !tools.is_empty()
     {
-        let functions = responses_tools(tools)?;
-        if !functions.is_empty() {
-            chat.insert("tools".into(), Value::Array(functions));
-        }
+        chat.insert("tools".into(), Value::Array(responses_tools(tools)?));
+    }
+    if let Some(kwargs) = prompt.get("chat_template_kwargs").filter(|k| !k.is_null()) {
+        chat.insert("chat_template_kwargs".into(), kwargs.clone());
+    }
+    // A last message or reasoning item still `in_progress` or `incomplete` is continued, not
+    // answered (`should_continue_final_message`).
+    if let Some(Value::Array(items)) = prompt.get("input")
+        && items.last().is_some_and(is_partial)
+    {
+        chat.insert("add_generation_prompt".into(), Value::Bool(false));
+        chat.insert("continue_final_message".into(), Value::Bool(true));
     }
     Ok(chat)
 }
 
+/// A message (an item's type defaults to `message`) or reasoning item that was cut short.
+fn is_partial(item: &Value) -> bool {
+    let kind = item.get("type").map_or(Some("message"), Value::as_str);
+    let status = item.get("status").and_then(Value::as_str);
+    matches!(kind, Some("message" | "reasoning"))
+        && matches!(status, Some("in_progress" | "incomplete"))
+}
+
 /// The function tools of a Responses request in chat's shape (vLLM renders no other kind).
-fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, TokenizeError> {
+fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, AgentChatError> {
     let mut out = Vec::new();
     for tool in tools {
         match tool.get("type").and_then(Value::as_str) {
-            Some("function") => {
-                let function: Map<String, Value> = tool
-                    .as_object()
-                    .into_iter()
-                    .flatten()
-                    .filter(|(k, _)| k.as_str() != "type")
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
-                out.push(json!({"type": "function", "function": function}));
+            Some("function") => out.push(chat_tool(tool, "parameters")?),
+            // Each function of a namespace, named `namespace__name`.
+            Some("namespace") => {
+                let namespace = tool
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| bad("a namespace has no name"))?;
+                let functions = tool.get("tools").and_then(Value::as_array);
+                for function in functions.into_iter().flatten() {
+                    if function.get("type").and_then(Value::as_str) != Some("function") {
+                        continue;
+                    }
+                    let name = function
+                        .get("name")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| bad("a tool has no name"))?;
+                    let mut flat = function.clone();
+                    flat["name"] = json!(format!("{namespace}{NAMESPACE_SEPARATOR}{name}"));
+                    out.push(chat_tool(&flat, "parameters")?);
+                }
             }
-            Some("namespace" | "custom") => {
-                return Err(unsupported("namespaced or custom tools"));
+            // A function of one string argument, `input`, with vLLM's own schema for it.
+            Some("custom") => {
+                let mut shim = Map::new();
+                for k in ["name", "description"] {
+                    if let Some(v) = tool.get(k) {
+                        shim.insert(k.into(), v.clone());
+                    }
+                }
+                shim.insert("parameters".into(), custom_tool_parameters());
+                out.push(chat_tool(&Value::Object(shim), "parameters")?);
             }
             _ => {}
         }
@@ -445,9 +604,30 @@ fn responses_tools(tools: &[Value]) -> Result<Vec<Value>, TokenizeError> {
     Ok(out)
 }
 
+/// How vLLM names a namespace's function for the template (`flat_namespace_tool_name`).
+const NAMESPACE_SEPARATOR: &str = "__";
+
+/// The one argument of the function a custom tool is shown as.
+const CUSTOM_TOOL_INPUT_KEY: &str = "input";
+
+/// The parameters of the function a custom tool is shown as (`custom_tool_parameters`).
+fn custom_tool_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            CUSTOM_TOOL_INPUT_KEY: {
+                "type": "string",
+                "description": "The freeform text payload for this tool.",
+            }
+        },
+        "required": [CUSTOM_TOOL_INPUT_KEY],
+        "additionalProperties": false,
+    })
+}
+
 /// One `input` item as vLLM's `_construct_message_from_response_item` makes it; `start` is
 /// where this request's items begin in `out` (an item merges only into one of them).
-fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), TokenizeError> {
+fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), AgentChatError> {
     let kind = item.get("type").and_then(Value::as_str);
     let role = role(item);
     let field = |k: &str| item.get(k).and_then(Value::as_str);
@@ -457,15 +637,34 @@ fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), Tok
         (role_of(&out[at]) == Some("assistant")).then_some(at)
     };
     match kind {
-        Some("function_call") => {
-            if item.get("namespace").is_some_and(|n| !n.is_null()) {
-                return Err(unsupported("namespaced function calls"));
-            }
+        Some(kind @ ("function_call" | "custom_tool_call")) => {
+            let name = field("name").unwrap_or("");
+            let (name, arguments) = if kind == "function_call" {
+                // A namespaced tool's call names the flattened tool the template was shown.
+                let name = match field("namespace").filter(|n| !n.is_empty()) {
+                    Some(namespace) => format!("{namespace}{NAMESPACE_SEPARATOR}{name}"),
+                    None => name.to_string(),
+                };
+                (name, field("arguments").unwrap_or("").to_string())
+            } else {
+                // A custom tool is shown as a function of one string argument, `input`.
+                let input = match item.get("input") {
+                    None | Some(Value::Null) => "",
+                    Some(Value::String(s)) => s.as_str(),
+                    Some(_) => return Err(bad("a custom tool call's input must be a string")),
+                };
+                let mut arguments = String::new();
+                write_python(
+                    &json!({CUSTOM_TOOL_INPUT_KEY: input}),
+                    &mut arguments,
+                    false,
+                );
+                (name.to_string(), arguments)
+            };
             let call = json!({
                 "id": field("call_id").unwrap_or(""),
                 "type": "function",
-                "function": {"name": field("name").unwrap_or(""),
-                             "arguments": field("arguments").unwrap_or("")},
+                "function": {"name": name, "arguments": arguments},
             });
             match last_assistant(out) {
                 Some(at) => match out[at].get_mut("tool_calls") {
@@ -476,9 +675,6 @@ fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), Tok
                 },
                 None => out.push(json!({"role": "assistant", "tool_calls": [call]})),
             }
-        }
-        Some("custom_tool_call" | "custom_tool_call_output") => {
-            return Err(unsupported("custom tool calls"));
         }
         Some("reasoning") => {
             if item
@@ -504,7 +700,7 @@ fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), Tok
                 _ => out.push(json!({"role": "assistant", "reasoning": text})),
             }
         }
-        Some("function_call_output") => {
+        Some("function_call_output" | "custom_tool_call_output") => {
             out.push(json!({
                 "role": "tool",
                 "content": item.get("output").cloned().unwrap_or(Value::Null),
@@ -553,11 +749,12 @@ fn role_of(m: &Value) -> Option<&str> {
 /// character escaped (vLLM writes a `tool_use` block's input so).
 pub fn python_json(value: &Value) -> String {
     let mut out = String::new();
-    write_python(value, &mut out);
+    write_python(value, &mut out, true);
     out
 }
 
-fn write_python(value: &Value, out: &mut String) {
+/// `json.dumps` with `ensure_ascii` as given (vLLM writes a custom tool call's input without).
+fn write_python(value: &Value, out: &mut String, ascii: bool) {
     match value {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
@@ -565,14 +762,14 @@ fn write_python(value: &Value, out: &mut String) {
             Some(f) => write_python_float(f, out),
             None => out.push_str(&n.to_string()),
         },
-        Value::String(s) => write_python_str(s, out),
+        Value::String(s) => write_python_str(s, out, ascii),
         Value::Array(items) => {
             out.push('[');
             for (i, v) in items.iter().enumerate() {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_python(v, out);
+                write_python(v, out, ascii);
             }
             out.push(']');
         }
@@ -582,9 +779,9 @@ fn write_python(value: &Value, out: &mut String) {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_python_str(k, out);
+                write_python_str(k, out, ascii);
                 out.push_str(": ");
-                write_python(v, out);
+                write_python(v, out, ascii);
             }
             out.push('}');
         }
@@ -638,7 +835,10 @@ fn write_python_float(f: f64, out: &mut String) {
     }
 }
 
-fn write_python_str(s: &str, out: &mut String) {
+/// A Python string literal as `json.dumps` writes it: with `ascii`, everything outside space
+/// to `~` escaped (non-BMP characters as surrogate pairs); without, only quotes, backslashes
+/// and control characters below U+0020.
+fn write_python_str(s: &str, out: &mut String, ascii: bool) {
     use std::fmt::Write;
     out.push('"');
     for c in s.chars() {
@@ -651,6 +851,7 @@ fn write_python_str(s: &str, out: &mut String) {
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
             c if c.is_ascii() && !c.is_ascii_control() => out.push(c),
+            c if !ascii && c >= ' ' => out.push(c),
             c => {
                 let mut units = [0u16; 2];
                 for unit in c.encode_utf16(&mut units) {
@@ -698,6 +899,17 @@ mod tests {
             "[1.0, 0.5, 1e+20, 1.5e-05, 0.0001, 123456.789, 1e+16, 9999999999999998.0, -2.5, 0.0]"
         );
         assert_eq!(python_json(&json!([7, -3])), "[7, -3]");
+    }
+
+    #[test]
+    fn python_json_writes_a_clients_floats_back_as_python_reads_and_writes_them() {
+        // json.dumps(json.loads(text)) == text for each: the nearest double, then its repr.
+        // 3.388888888888889e+69 is the agent_chat fuzz target's find: serde_json's default
+        // parser read it one ulp off, so the repr written back was not the client's.
+        let text = "[3.388888888888889e+69, 0.1, 2.2250738585072014e-308, 5e-324, \
+                    1.7976931348623157e+308, 1e-05, 1.2345678901234568e+17, 0.30000000000000004]";
+        let value: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(python_json(&value), text);
     }
 
     #[test]
@@ -760,7 +972,7 @@ mod tests {
         );
         assert!(matches!(
             messages_to_chat(&prompt, None),
-            Err(TokenizeError::Unsupported(_))
+            Err(AgentChatError::Unsupported(_))
         ));
     }
 
@@ -770,13 +982,14 @@ mod tests {
             json!({"messages": [], "thinking": {"type": "disabled"}}),
             json!({"messages": [], "output_config": {"effort": "low"}}),
             json!({"messages": [], "tool_choice": {"type": "none"}, "tools": [{"name": "x"}]}),
-            json!({"messages": [{"role": "user", "content": [
-                {"type": "tool_addition", "tool": {"name": "x"}}]}]}),
             json!({"messages": [{"role": "assistant", "content": [
                 {"type": "tool_use", "name": "x", "input": {}}]}]}),
         ] {
             let e = messages_to_chat(&map(refused.clone()), Some(false)).unwrap_err();
-            assert!(matches!(e, TokenizeError::Unsupported(_)), "{refused}: {e}");
+            assert!(
+                matches!(e, AgentChatError::Unsupported(_)),
+                "{refused}: {e}"
+            );
         }
         for bad in [
             json!({}),
@@ -784,9 +997,12 @@ mod tests {
             json!({"messages": [{"role": "user", "content": 3}]}),
             json!({"messages": [], "system": 3}),
             json!({"messages": [], "tools": [{"input_schema": {}}]}),
+            // vLLM takes tool changes in system messages only.
+            json!({"messages": [{"role": "user", "content": [
+                {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "x"}}]}]}),
         ] {
             let e = messages_to_chat(&map(bad.clone()), Some(false)).unwrap_err();
-            assert!(matches!(e, TokenizeError::BadPrompt(_)), "{bad}: {e}");
+            assert!(matches!(e, AgentChatError::BadPrompt(_)), "{bad}: {e}");
         }
     }
 
@@ -858,14 +1074,14 @@ mod tests {
                     {"role": "assistant", "content": "one file"},
                     {"role": "user", "content": [{"type": "input_text", "text": "thanks"}]},
                 ],
-                "tools": [{"type": "function",
-                           "function": {"name": "ls", "parameters": {"type": "object"}}}],
+                "tools": [{"type": "function", "function": {"name": "ls", "description": null,
+                                                           "parameters": {"type": "object"}}}],
             })
         );
         let chained = map(json!({"input": "more", "previous_response_id": "resp_1"}));
         assert!(matches!(
             responses_to_chat(&chained),
-            Err(TokenizeError::Unsupported(_))
+            Err(AgentChatError::Unsupported(_))
         ));
         assert!(responses_to_chat(&map(json!({"input": 3}))).is_err());
         // `none` matters only with tools to drop.
@@ -875,12 +1091,217 @@ mod tests {
                                     "tools": [{"type": "function", "name": "ls"}]}));
         assert!(matches!(
             responses_to_chat(&with_tools),
-            Err(TokenizeError::Unsupported(_))
+            Err(AgentChatError::Unsupported(_))
         ));
         let string = responses_to_chat(&map(json!({"input": "hi"}))).unwrap();
         assert_eq!(
             string["messages"],
             json!([{"role": "user", "content": "hi"}])
         );
+    }
+
+    #[test]
+    fn tools_are_what_vllms_model_dump_gives_the_template() {
+        // ChatCompletionToolsParam(...).model_dump(): name, description and parameters even
+        // when null, strict and defer_loading only when set, in the model's order, no extras.
+        let messages = map(json!({"messages": [], "tools": [
+            {"name": "a", "input_schema": {"type": "object"}, "cache_control": {"type": "x"}},
+            {"description": "d", "name": "b", "strict": true, "defer_loading": null}]}));
+        let chat = messages_to_chat(&messages, Some(false)).unwrap();
+        assert_eq!(
+            python_json(&chat["tools"]),
+            r#"[{"type": "function", "function": {"name": "a", "description": null, "parameters": {"type": "object"}}}, {"type": "function", "function": {"name": "b", "description": "d", "parameters": null, "strict": true}}]"#
+        );
+        let responses = map(json!({"input": "hi", "tools": [
+            {"type": "function", "strict": null, "parameters": {"type": "object"}, "name": "a",
+             "extra": 1},
+            {"type": "function", "name": "b", "strict": false, "defer_loading": true},
+            {"type": "web_search"}]}));
+        let chat = responses_to_chat(&responses).unwrap();
+        assert_eq!(
+            python_json(&chat["tools"]),
+            r#"[{"type": "function", "function": {"name": "a", "description": null, "parameters": {"type": "object"}}}, {"type": "function", "function": {"name": "b", "description": null, "parameters": null, "strict": false, "defer_loading": true}}]"#
+        );
+        // Tools none of which is a function: an empty list, as construct_tool_dicts returns.
+        let built_in = map(json!({"input": "hi", "tools": [{"type": "web_search"}]}));
+        assert_eq!(responses_to_chat(&built_in).unwrap()["tools"], json!([]));
+        let no_name = map(json!({"input": "hi", "tools": [{"type": "function"}]}));
+        assert!(matches!(
+            responses_to_chat(&no_name),
+            Err(AgentChatError::BadPrompt(_))
+        ));
+    }
+
+    #[test]
+    fn responses_template_options_are_the_clients_or_refused() {
+        // The client's kwargs reach the template; a reasoning effort goes through the server's
+        // --reasoning-effort-map first, so it is refused; a summary alone changes nothing.
+        let kwargs = map(
+            json!({"input": "hi", "chat_template_kwargs": {"enable_thinking": false},
+                                "reasoning": {"effort": null, "summary": "auto"}}),
+        );
+        let chat = responses_to_chat(&kwargs).unwrap();
+        assert_eq!(
+            chat["chat_template_kwargs"],
+            json!({"enable_thinking": false})
+        );
+        assert!(!chat.contains_key("continue_final_message"));
+        let effort = map(json!({"input": "hi", "reasoning": {"effort": "low"}}));
+        assert!(matches!(
+            responses_to_chat(&effort),
+            Err(AgentChatError::Unsupported(_))
+        ));
+        // should_continue_final_message: a last message or reasoning item cut short.
+        for (last, continued) in [
+            (
+                json!({"role": "assistant", "content": "par", "status": "incomplete"}),
+                true,
+            ),
+            (
+                json!({"type": "message", "role": "assistant", "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "par"}]}),
+                true,
+            ),
+            (
+                json!({"type": "reasoning", "summary": [], "status": "incomplete",
+                    "content": [{"type": "reasoning_text", "text": "hm"}]}),
+                true,
+            ),
+            (
+                json!({"type": "message", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": "done"}]}),
+                false,
+            ),
+            (
+                json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
+                    "status": "incomplete"}),
+                false,
+            ),
+        ] {
+            let prompt = map(json!({"input": [{"role": "user", "content": "q"}, last]}));
+            let chat = responses_to_chat(&prompt).unwrap();
+            let flag = |k: &str| chat.get(k).and_then(Value::as_bool);
+            if continued {
+                assert_eq!(flag("continue_final_message"), Some(true), "{last}");
+                assert_eq!(flag("add_generation_prompt"), Some(false), "{last}");
+            } else {
+                assert_eq!(flag("continue_final_message"), None, "{last}");
+                assert_eq!(flag("add_generation_prompt"), None, "{last}");
+            }
+        }
+    }
+
+    #[test]
+    fn namespaced_and_custom_tools_are_shown_as_vllm_flattens_them() {
+        let prompt = map(json!({
+            "tools": [
+                {"type": "namespace", "name": "fs", "description": "files", "tools": [
+                    {"type": "function", "name": "ls", "parameters": {"type": "object"}},
+                    {"type": "web_search"}]},
+                {"type": "custom", "name": "patch", "description": "apply a patch",
+                 "format": {"type": "text"}}],
+            "input": [
+                {"role": "user", "content": "go"},
+                {"type": "function_call", "namespace": "fs", "call_id": "c1", "name": "ls",
+                 "arguments": "{}"},
+                {"type": "custom_tool_call", "call_id": "c2", "name": "patch",
+                 "input": "caf\u{e9}\n\"x\""},
+                {"type": "function_call_output", "call_id": "c1", "output": "a"},
+                {"type": "custom_tool_call_output", "call_id": "c2", "output": "ok"},
+            ],
+        }));
+        let chat = responses_to_chat(&prompt).unwrap();
+        assert_eq!(
+            chat["tools"],
+            json!([
+                {"type": "function", "function": {"name": "fs__ls", "description": null,
+                                                  "parameters": {"type": "object"}}},
+                {"type": "function", "function": {"name": "patch", "description": "apply a patch",
+                    "parameters": {"type": "object", "properties": {"input": {"type": "string",
+                        "description": "The freeform text payload for this tool."}},
+                        "required": ["input"], "additionalProperties": false}}},
+            ])
+        );
+        assert_eq!(
+            chat["messages"],
+            json!([
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "fs__ls", "arguments": "{}"}},
+                    // json.dumps({"input": payload}, ensure_ascii=False)
+                    {"id": "c2", "type": "function",
+                     "function": {"name": "patch",
+                                  "arguments": "{\"input\": \"caf\u{e9}\\n\\\"x\\\"\"}"}}]},
+                {"role": "tool", "content": "a", "tool_call_id": "c1"},
+                {"role": "tool", "content": "ok", "tool_call_id": "c2"},
+            ])
+        );
+        let odd = map(json!({"input": [{"type": "custom_tool_call", "name": "p", "input": 3}]}));
+        assert!(matches!(
+            responses_to_chat(&odd),
+            Err(AgentChatError::BadPrompt(_))
+        ));
+    }
+
+    #[test]
+    fn tool_changes_resolve_into_the_tools_in_effect_at_the_end() {
+        let tool = |name: &str| {
+            json!({"name": name, "input_schema": {"type": "object"},
+                                       "defer_loading": true})
+        };
+        let change = |kind: &str, tool: Value| json!({"type": kind, "tool": tool});
+        let reference = |name: &str| json!({"type": "tool_reference", "name": name});
+        let prompt = map(json!({
+            "tools": [tool("a"), tool("b"), tool("c")],
+            "messages": [
+                {"role": "system", "content": [
+                    {"type": "text", "text": "tools changed"},
+                    change("tool_addition", reference("a")),
+                    change("tool_removal", reference("b")),
+                    change("tool_addition",
+                           json!({"type": "tool_definition", "definition": tool("d")})),
+                    change("tool_removal", reference("c")),
+                    change("tool_addition", reference("c"))]},
+                {"role": "user", "content": "go"}],
+        }));
+        let chat = messages_to_chat(&prompt, Some(true)).unwrap();
+        let names: Vec<_> = chat["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let f = &t["function"];
+                (
+                    f["name"].as_str().unwrap(),
+                    f.get("defer_loading").is_some(),
+                )
+            })
+            .collect();
+        // a undeferred, b removed, c removed then added back (undeferred), d declared.
+        assert_eq!(names, [("a", false), ("c", false), ("d", true)]);
+        assert_eq!(
+            chat["messages"][0],
+            json!({"role": "system", "content": "tools changed"})
+        );
+        // Added tools count for tool_choice none; an unknown reference is vLLM's 400.
+        let mut added = map(json!({"tool_choice": {"type": "none"}, "messages": [
+            {"role": "system", "content": [change("tool_addition",
+                json!({"type": "tool_definition", "definition": tool("d")}))]}]}));
+        assert!(matches!(
+            messages_to_chat(&added, Some(true)),
+            Err(AgentChatError::Unsupported(_))
+        ));
+        added.remove("tool_choice");
+        assert_eq!(
+            messages_to_chat(&added, Some(true)).unwrap()["tools"][0]["function"]["name"],
+            "d"
+        );
+        let unknown = map(json!({"messages": [{"role": "system", "content": [
+            change("tool_removal", reference("zz"))]}]}));
+        assert!(matches!(
+            messages_to_chat(&unknown, Some(true)),
+            Err(AgentChatError::BadPrompt(_))
+        ));
     }
 }

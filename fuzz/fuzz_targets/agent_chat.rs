@@ -1,0 +1,73 @@
+//! Precise mode's agent converters, `vllm_wire::agent_chat`, on arbitrary bytes read as the
+//! prompt fields the filter forwards: an Anthropic Messages prompt (with the inline-system rule
+//! unknown, merging and not merging) and an OpenAI Responses prompt. Beyond "never panics", it
+//! checks that a converted prompt is a chat prompt (a `messages` array of objects with a string
+//! role), that knowing the template's rule changes nothing when `None` already converted,
+//! that a merging template gets its system message first only, and that `python_json` writes
+//! ASCII JSON that reads back as the same value (what `json.dumps` gives the template).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use serde_json::{Map, Value};
+use vllm_wire::agent_chat::{messages_to_chat, python_json, responses_to_chat};
+
+fuzz_target!(|input: &[u8]| {
+    let Ok(value) = serde_json::from_slice::<Value>(input) else {
+        return;
+    };
+    python_json_round_trips(&value);
+    let Value::Object(prompt) = value else {
+        return;
+    };
+
+    let unknown = messages_to_chat(&prompt, None);
+    let merged = messages_to_chat(&prompt, Some(true));
+    let inline = messages_to_chat(&prompt, Some(false));
+    for chat in [&unknown, &merged, &inline].into_iter().flatten() {
+        check_chat(chat);
+    }
+    if let Ok(chat) = &unknown {
+        // `None` refuses only what the rule decides: what it converts, both rules convert alike.
+        assert_eq!(merged.as_ref(), Ok(chat), "merging changed a prompt None took");
+        assert_eq!(inline.as_ref(), Ok(chat), "not merging changed a prompt None took");
+    }
+    if let Ok(chat) = &merged {
+        let later_system = messages(chat)
+            .iter()
+            .skip(1)
+            .any(|m| m.get("role").and_then(Value::as_str) == Some("system"));
+        assert!(!later_system, "a merging template got a system message after the first");
+    }
+
+    if let Ok(chat) = responses_to_chat(&prompt) {
+        check_chat(&chat);
+    }
+});
+
+/// A converted prompt is a chat prompt, and its `json.dumps` form is sound.
+fn check_chat(chat: &Map<String, Value>) {
+    for m in messages(chat) {
+        assert!(
+            m.get("role").is_some_and(Value::is_string),
+            "a chat message without a string role: {m}"
+        );
+    }
+    python_json_round_trips(&Value::Object(chat.clone()));
+}
+
+fn messages(chat: &Map<String, Value>) -> &[Value] {
+    match chat.get("messages") {
+        Some(Value::Array(messages)) => messages,
+        other => panic!("a converted prompt without a messages array: {other:?}"),
+    }
+}
+
+/// `python_json` is `json.dumps` with `ensure_ascii`: ASCII only, and JSON that reads back as
+/// the value written (floats in Python's repr still name the same double).
+fn python_json_round_trips(value: &Value) {
+    let text = python_json(value);
+    assert!(text.is_ascii(), "json.dumps output is ASCII: {text}");
+    let back: Value = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("python_json wrote invalid JSON ({e}): {text}"));
+    assert_eq!(&back, value, "python_json does not read back: {text}");
+}
