@@ -2092,6 +2092,26 @@ fn odd_responses_bodies_reach_a_replica() {
                 r#"{"model":"m","input":"x","previous_response_id":"resp_nobody"}"#,
             ),
             ("cut", r#"{"model":"m","input":[{"role":"user","content":"#),
+            (
+                "namespace tool without tools",
+                r#"{"model":"m","input":"x","tools":[{"type":"namespace","name":"ns","tools":7}]}"#,
+            ),
+            (
+                "custom tool call with object input",
+                r#"{"model":"m","input":[{"type":"custom_tool_call","call_id":"c","name":"t","input":{}}]}"#,
+            ),
+            (
+                "template kwargs not an object",
+                r#"{"model":"m","input":"x","chat_template_kwargs":[1]}"#,
+            ),
+            (
+                "reasoning effort a number",
+                r#"{"model":"m","input":"x","reasoning":{"effort":3}}"#,
+            ),
+            (
+                "incomplete last item",
+                r#"{"model":"m","input":[{"type":"message","role":"assistant","status":"incomplete","content":[]}]}"#,
+            ),
         ] {
             let r = post_json(t.envoy_addr(), "/v1/responses", body.as_bytes()).await;
             expect_replica_answer(&format!("responses {what}"), &r);
@@ -2118,6 +2138,18 @@ fn odd_messages_bodies_reach_a_replica() {
             (
                 "bad metadata",
                 r#"{"model":"m","max_tokens":4,"metadata":{"user_id":7},"messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            (
+                "tool_addition outside system",
+                r#"{"model":"m","max_tokens":4,"messages":[{"role":"user","content":[{"type":"tool_addition","tools":5}]}]}"#,
+            ),
+            (
+                "tool_removal of an unknown tool",
+                r#"{"model":"m","max_tokens":4,"system":[{"type":"tool_removal","tool_names":["nope"]}],"messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            (
+                "tool without schema",
+                r#"{"model":"m","max_tokens":4,"tools":[{"name":"t","input_schema":null,"extra":1}],"messages":[{"role":"user","content":"hi"}]}"#,
             ),
             (
                 "cache_control everywhere",
