@@ -3928,6 +3928,20 @@ mod tests {
         assert!(tokens(after) < 100.0, "{after}");
     }
 
+    /// The first endpoint's routing state and its reason.
+    pub(super) fn first_state(r: &Router) -> (RoutingState, Option<StateReason>) {
+        let e = &r.endpoints(0)[0];
+        (e.routing_state, e.state_reason)
+    }
+
+    /// The state changes noted since the last call: endpoint, new state, reason.
+    fn changes_to(r: &mut Router) -> Vec<(String, RoutingState, StateReason)> {
+        r.take_state_changes()
+            .into_iter()
+            .map(|(e, c)| (e, c.to, c.reason))
+            .collect()
+    }
+
     /// `n` endpoints whose scrape reports `tokens` of KV capacity and no load.
     fn router_with_kv_capacity(n: usize, tokens: u64) -> Router {
         let mut r = router(n);
@@ -4163,10 +4177,7 @@ mod tests {
             block_size: Some(block_size),
             ..EndpointMetrics::default()
         };
-        let state = |r: &Router| {
-            let e = &r.endpoints(0)[0];
-            (e.routing_state, e.state_reason)
-        };
+        let state = first_state;
         for e in [a, b] {
             r.set_event_stream(e, true);
             r.update_metrics(e, scraped(block_tokens), 0);
@@ -4198,11 +4209,7 @@ mod tests {
         r.update_metrics(a, scraped(block_tokens), 5);
         assert_eq!(state(&r), (RoutingState::Exact, None));
         assert_eq!(scored_precisely(&mut r, 6), Some(true));
-        let changes: Vec<_> = r
-            .take_state_changes()
-            .into_iter()
-            .map(|(e, c)| (e, c.to, c.reason))
-            .collect();
+        let changes = changes_to(&mut r);
         assert_eq!(
             changes,
             [
@@ -4239,10 +4246,7 @@ mod tests {
             r.upsert_endpoint(e).unwrap();
             r.set_event_stream(e, true);
         }
-        let state = |r: &Router| {
-            let e = &r.endpoints(0)[0];
-            (e.routing_state, e.state_reason)
-        };
+        let state = first_state;
         let precise_request = RouteRequest {
             model: "m".into(),
             token_block_hashes: vec![1, 2, 3],
@@ -4283,11 +4287,7 @@ mod tests {
         r.note_event_batch_in_sequence(a);
         assert_eq!(state(&r), (RoutingState::Exact, None));
         assert_eq!(scored_precisely(&mut r, 3), Some(true));
-        let changes: Vec<_> = r
-            .take_state_changes()
-            .into_iter()
-            .map(|(e, c)| (e, c.to, c.reason))
-            .collect();
+        let changes = changes_to(&mut r);
         assert_eq!(
             changes,
             [
@@ -5007,10 +5007,7 @@ mod precise_tests {
         r.set_event_stream("a:1", true);
         let wait = r.config().self_check.confirm_after_ms;
         let samples = r.config().self_check.min_samples as u32;
-        let state = |r: &Router| {
-            let e = &r.endpoints(0)[0];
-            (e.routing_state, e.state_reason)
-        };
+        let state = super::tests::first_state;
         // Serves request `n` on a:1 at `now`; the engine publishes its prompt's blocks, as the
         // router tokenises them or (`agrees` false) as other tokens.
         let serve = |r: &mut Router, n: u32, now: u64, agrees: bool| {
