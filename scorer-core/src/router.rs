@@ -3934,12 +3934,19 @@ mod tests {
         (e.routing_state, e.state_reason)
     }
 
-    /// The state changes noted since the last call: endpoint, new state, reason.
-    fn changes_to(r: &mut Router) -> Vec<(String, RoutingState, StateReason)> {
-        r.take_state_changes()
+    /// Asserts that the state changes noted since the last call are `endpoint` turning
+    /// degraded and exact again, both for `reason`.
+    fn assert_degraded_and_back(r: &mut Router, endpoint: &str, reason: StateReason, why: &str) {
+        let changes: Vec<_> = r
+            .take_state_changes()
             .into_iter()
             .map(|(e, c)| (e, c.to, c.reason))
-            .collect()
+            .collect();
+        let expected = [
+            (endpoint.to_string(), RoutingState::Degraded, reason),
+            (endpoint.to_string(), RoutingState::Exact, reason),
+        ];
+        assert_eq!(changes, expected, "{why}");
     }
 
     /// `n` endpoints whose scrape reports `tokens` of KV capacity and no load.
@@ -4209,18 +4216,11 @@ mod tests {
         r.update_metrics(a, scraped(block_tokens), 5);
         assert_eq!(state(&r), (RoutingState::Exact, None));
         assert_eq!(scored_precisely(&mut r, 6), Some(true));
-        let changes = changes_to(&mut r);
-        assert_eq!(
-            changes,
-            [
-                (
-                    a.to_string(),
-                    RoutingState::Degraded,
-                    StateReason::BlockSize
-                ),
-                (a.to_string(), RoutingState::Exact, StateReason::BlockSize),
-            ],
-            "one change each way, none for the repeated scrape"
+        assert_degraded_and_back(
+            &mut r,
+            a,
+            StateReason::BlockSize,
+            "one change each way, none for the repeated scrape",
         );
         // A stream going down while the blocks differ changes nothing the state says.
         r.update_metrics(a, scraped(2 * block_tokens), 7);
@@ -4287,18 +4287,11 @@ mod tests {
         r.note_event_batch_in_sequence(a);
         assert_eq!(state(&r), (RoutingState::Exact, None));
         assert_eq!(scored_precisely(&mut r, 3), Some(true));
-        let changes = changes_to(&mut r);
-        assert_eq!(
-            changes,
-            [
-                (
-                    a.to_string(),
-                    RoutingState::Degraded,
-                    StateReason::KvEventGap
-                ),
-                (a.to_string(), RoutingState::Exact, StateReason::KvEventGap),
-            ],
-            "one change each way, none for the second loss"
+        assert_degraded_and_back(
+            &mut r,
+            a,
+            StateReason::KvEventGap,
+            "one change each way, none for the second loss",
         );
 
         // A session that ends and a new one that rebuilt the history: the old gap is gone.
