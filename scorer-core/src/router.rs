@@ -885,8 +885,6 @@ pub struct Router {
     reuse_window: ReuseWindow,
     /// The window's size set by [`Router::set_reuse_window`], whatever the fleet.
     reuse_window_override: Option<usize>,
-    /// The endpoints' last scraped KV capacity, summed, in tokens: what the window is sized to.
-    fleet_kv_tokens: u64,
     /// The fleet numbers per pool (model).
     reuse_pools: PoolTotals,
     /// Recent outcomes that delivered less than the index believed (`/debug/mismatch`).
@@ -1227,7 +1225,6 @@ impl Router {
             state_changes: VecDeque::new(),
             reuse_window: ReuseWindow::new(config.reuse.window_for(0)),
             reuse_window_override: None,
-            fleet_kv_tokens: 0,
             reuse_pools: PoolTotals::default(),
             mismatches: MismatchLog::default(),
             fleet_rates: None,
@@ -1315,8 +1312,6 @@ impl Router {
     pub fn remove_endpoint(&mut self, address: &str) {
         if let Some(id) = self.by_address.remove(address) {
             if let Some(slot) = self.slots[usize::from(id.0)].take() {
-                let kv = slot.metrics.and_then(|m| m.capacity_tokens).unwrap_or(0);
-                self.fleet_kv_tokens = self.fleet_kv_tokens.saturating_sub(kv);
                 self.resize_reuse_window();
                 let version = self.table.next();
                 self.table.removed.push_back((version, slot.address));
@@ -1361,8 +1356,7 @@ impl Router {
             .filter(|&b| usize::try_from(b).ok() != Some(block_tokens));
         let new_mismatch = other_block_size.is_some() && slot.other_block_size.is_none();
         slot.other_block_size = other_block_size;
-        let old_kv = slot.metrics.and_then(|m| m.capacity_tokens).unwrap_or(0);
-        let new_kv = metrics.capacity_tokens.unwrap_or(0);
+        let kv_changed = slot.metrics.and_then(|m| m.capacity_tokens) != metrics.capacity_tokens;
         // What copies see changes with other numbers or health; the same numbers are re-sent
         // once the scrape they hold is a quarter of `stale_after_ms` old, so a copy never
         // judges stale an endpoint the control plane scrapes: its scrape lags this one by at
@@ -1429,8 +1423,7 @@ impl Router {
             self.precise.clear(id);
         }
         self.bound_index(id);
-        if old_kv != new_kv {
-            self.fleet_kv_tokens = (self.fleet_kv_tokens + new_kv).saturating_sub(old_kv);
+        if kv_changed {
             self.resize_reuse_window();
         }
         self.note_transition(id, was);
@@ -2810,8 +2803,14 @@ impl Router {
         let blocks = match self.reuse_window_override {
             Some(blocks) => blocks,
             None => {
-                let tokens = self.fleet_kv_tokens as f64;
-                let fleet = (tokens / self.tokens_per_block().max(1.0)) as usize;
+                // The endpoints' last scraped KV capacity, summed: read only when one changes.
+                let tokens: u64 = self
+                    .slots
+                    .iter()
+                    .flatten()
+                    .filter_map(|slot| slot.metrics?.capacity_tokens)
+                    .sum();
+                let fleet = (tokens as f64 / self.tokens_per_block().max(1.0)) as usize;
                 self.config.reuse.window_for(fleet)
             }
         };
