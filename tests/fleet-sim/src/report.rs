@@ -187,10 +187,7 @@ impl ForkSummary {
         const SLACK_TOKENS: u32 = 16;
         let mut bursts: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
         for i in 0..run.records.len().min(workload.requests.len()) {
-            let Some(parent) = workload.depends_on(i) else {
-                continue;
-            };
-            if workload.requests[parent].session != workload.requests[i].session {
+            if let Some(parent) = workload.fork_parent(i) {
                 bursts.entry(parent).or_default().push(i);
             }
         }
@@ -469,11 +466,7 @@ mod tests {
             ..Default::default()
         };
         let forks: Vec<usize> = (0..workload.requests.len())
-            .filter(|&i| {
-                workload
-                    .depends_on(i)
-                    .is_some_and(|p| workload.requests[p].session != workload.requests[i].session)
-            })
+            .filter(|&i| workload.fork_parent(i).is_some())
             .collect();
         // Two bursts of two (after turns 1 and 2 of 3), all on the parent's replica, all hits.
         assert_eq!(forks.len(), 4);

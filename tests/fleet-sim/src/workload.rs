@@ -172,6 +172,13 @@ impl Workload {
         }
     }
 
+    /// The request `i` forks from, when it continues a request of another session (an
+    /// `agentic` subagent's first turn).
+    pub fn fork_parent(&self, i: usize) -> Option<usize> {
+        let parent = self.depends_on(i)?;
+        (self.requests[parent].session != self.requests[i].session).then_some(parent)
+    }
+
     /// Compresses arrival times by `factor` (2.0 = twice the load).
     pub fn speed_up(&mut self, factor: f64) {
         if factor > 0.0 {
