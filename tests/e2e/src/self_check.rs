@@ -85,21 +85,17 @@ async fn converse_with_until(
             return (conversations, requests);
         }
     }
-    let metrics = common::cp_metrics(fleet).await;
-    let served: Vec<&str> = metrics
-        .lines()
-        .filter(|l| {
-            l.starts_with("kvroute_endpoint_served_outcomes")
-                || l.starts_with("kvroute_endpoint_routing_state{")
-                || l.starts_with("kvroute_precise")
-                || l.starts_with("kvroute_tokeniz")
-        })
-        .collect();
+    never_became(fleet, endpoint, want, requests).await
+}
+
+/// Fails the test: `endpoint` never reached `want` in `requests` requests. Prints what the
+/// control plane knew of every endpoint (outcomes served, state, queue), which tells a check
+/// that never fired from one that never saw traffic.
+async fn never_became(fleet: &Fleet, endpoint: &str, want: &str, requests: u64) -> ! {
     let endpoints = common::cp_get(fleet, "/debug/endpoints").await;
     panic!(
-        "{endpoint} never became {want} in {requests} requests ({}); control plane:\n{}\n{endpoints}",
-        fleet.describe(),
-        served.join("\n")
+        "{endpoint} never became {want} in {requests} requests ({}); /debug/endpoints: {endpoints}",
+        fleet.describe()
     );
 }
 
@@ -122,10 +118,7 @@ async fn continue_until(
             }
         }
     }
-    panic!(
-        "{endpoint} never became {want} in {requests} requests ({})",
-        fleet.describe()
-    );
+    never_became(fleet, endpoint, want, requests).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
