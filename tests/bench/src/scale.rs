@@ -7,7 +7,7 @@
 //! and reads the control plane's own CPU time and RSS from `/proc` over a window, with its
 //! scrape counters for how many scrapes that bought. It also syncs as proxy copies do, for the
 //! bytes state sync costs: a copy naming no endpoint table (the whole table, which every tick
-//! carried before deltas), then a copy syncing at the filter's default interval for 2 s (the steady delta), with
+//! carried before deltas), then a copy syncing at the filter's default interval for [`STEADY_TICKS`] ticks (the steady delta), with
 //! the fleet at rest and then with every scrape's numbers moving. No traffic is routed: this
 //! is the fleet's standing cost, which grows with replicas. [`parse_cost`] times the parser
 //! alone, in process.
@@ -125,7 +125,6 @@ pub async fn run(
     sizes: &[usize],
     window: Duration,
 ) -> anyhow::Result<Vec<ScaleRow>> {
-    let ticks = clock_ticks_per_second()?;
     let mut rows = Vec::new();
     for &n in sizes {
         let fleet = MetricsFleet::start(n, VLLM_PAYLOAD.to_string())
@@ -172,11 +171,15 @@ pub async fn run(
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let (cpu0, scrapes0, t0) = (cpu_ticks(proc.pid())?, scrapes_ok().await?, Instant::now());
+        let (cpu0, scrapes0, t0) = (
+            cpu_seconds(proc.pid())?,
+            scrapes_ok().await?,
+            Instant::now(),
+        );
         tokio::time::sleep(window).await;
-        let (cpu1, scrapes1) = (cpu_ticks(proc.pid())?, scrapes_ok().await?);
+        let (cpu1, scrapes1) = (cpu_seconds(proc.pid())?, scrapes_ok().await?);
         let elapsed = t0.elapsed().as_secs_f64();
-        let cpu_s = (cpu1 - cpu0) as f64 / ticks;
+        let cpu_s = cpu1 - cpu0;
         let scrapes = scrapes1 - scrapes0;
         let rss_mib = rss_kib(proc.pid())? / 1024.0;
         let endpoints: serde_json::Value = serde_json::from_str(
@@ -266,8 +269,8 @@ async fn sync(
     Ok((json, answer.body.len()))
 }
 
-/// Ticks a copy syncs over in [`steady_sync_bytes`]: 2 s at the default interval.
-const STEADY_TICKS: usize = 40;
+/// Ticks a copy syncs over in [`steady_sync_bytes`] (one second at the default interval).
+pub const STEADY_TICKS: usize = 40;
 
 /// Mean answer bytes of a copy that got `first` (its whole table) and then syncs every
 /// [`SYNC_INTERVAL_MS`], naming the table version each answer brought it to.
@@ -324,7 +327,10 @@ pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
     let ticks = match TICKS.get() {
         Some(&t) => t,
-        None => *TICKS.get_or_init(|| clock_ticks_per_second().unwrap_or(100.0)),
+        None => {
+            let t = clock_ticks_per_second()?;
+            *TICKS.get_or_init(|| t)
+        }
     };
     Ok(cpu_ticks(pid)? as f64 / ticks)
 }

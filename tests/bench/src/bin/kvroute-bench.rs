@@ -1397,17 +1397,19 @@ fn print_scale(figures: &ScaleFigures) {
                 r.sync_delta_busy_bytes
             );
         }
+        let tick_ms = scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS;
         println!(
-            "(sync answers per 50 ms tick: the whole table, what every tick carried before deltas \
-             and what a copy naming no table still gets; the mean steady delta over 40 ticks, \
-             fleet at rest and with every scrape's numbers moving)"
+            "(sync answers per {tick_ms} ms tick: the whole table, what every tick carried before \
+             deltas and what a copy naming no table still gets; the mean steady delta over {} \
+             ticks, fleet at rest and with every scrape's numbers moving)",
+            kvroute_bench::scale::STEADY_TICKS
         );
         if let Some(last) = rows.last() {
             let replicas = 1_000;
             let (cores, [whole, rest, busy]) = kvroute_bench::scale::extrapolate(last, replicas);
             println!(
                 "{replicas:>10} (scaled from {} endpoints): {cores:.2} cores scraping every {} ms, \
-                 {:.2} at 1 s; sync per copy at 50 ms: whole tables {:.2} MB/s, \
+                 {:.2} at 1 s; sync per copy at {tick_ms} ms: whole tables {:.2} MB/s, \
                  deltas {:.2} MB/s at rest, {:.2} MB/s busy",
                 last.endpoints,
                 last.scrape_interval_ms,
