@@ -1029,6 +1029,11 @@ struct CandidatePool<'r> {
     adapter: bool,
     /// The request's session and the replica it went to last.
     session: SessionAffinity<'r>,
+    /// A decision made elsewhere (a proxy, another control plane) being recorded: the
+    /// request went there, so its endpoint is scored whatever this router knows of its health
+    /// and models. A control plane replaying the shared stream before it has polled every
+    /// endpoint's `/v1/models` would otherwise drop those endpoints' decisions.
+    recorded: Option<EndpointId>,
 }
 
 /// A request's session, when affinity is on, and the replica that session remembers.
@@ -1935,9 +1940,10 @@ impl Router {
     /// endpoint is picked (the deciding router did both). `decision_id` is the deciding
     /// router's id, which the outcome report will name. `age_ms` is how long ago it was taken:
     /// the prefill the endpoint has done since leaves the backlog, and a decision older than
-    /// `inflight_ttl_ms` is ignored (its entry would have expired). Returns false when the
-    /// endpoint is unknown here or could not have served the request (the decision is then
-    /// ignored).
+    /// `inflight_ttl_ms` is ignored (its entry would have expired). The request went to the
+    /// endpoint, so it is recorded whatever this router believes of that endpoint's health and
+    /// models. Returns false when the endpoint is unknown here, the decision is too old, or it
+    /// was recorded already (the decision is then ignored).
     pub fn record_decision(
         &mut self,
         request: &RouteRequest,
@@ -1961,9 +1967,18 @@ impl Router {
             self.expire(now_ms);
         }
         let shape = self.shape_request(request);
-        let Ok(pool) = self.select_pool(request, now_ms) else {
-            return false;
-        };
+        let mut pool = self
+            .select_pool(request, now_ms)
+            .unwrap_or_else(|_| CandidatePool {
+                eligible: Eligibility::Only(Vec::new()),
+                adapter: self.fleet.is_adapter(&request.model),
+                session: SessionAffinity {
+                    key: None,
+                    remembered: None,
+                },
+                recorded: None,
+            });
+        pool.recorded = Some(chosen);
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
         let Some(chosen_at) = candidates.iter().position(|(id, _)| *id == chosen) else {
             return false;
@@ -2085,6 +2100,7 @@ impl Router {
             eligible,
             adapter: self.fleet.is_adapter(&request.model),
             session: SessionAffinity { key, remembered },
+            recorded: None,
         })
     }
 
@@ -2123,7 +2139,8 @@ impl Router {
         let mut candidates: Vec<(EndpointId, CandidateScore)> = Vec::with_capacity(n);
         for (i, slot) in slots.iter_mut().enumerate() {
             let Some(slot) = slot else { continue };
-            if slot.health != Health::Ready || !pool.eligible.allows(i) {
+            let recorded = pool.recorded.is_some_and(|id| usize::from(id.0) == i);
+            if !recorded && (slot.health != Health::Ready || !pool.eligible.allows(i)) {
                 continue;
             }
             drain_backlog(slot, now_ms, slot.rates.prefill_tokens_per_ms);
@@ -3840,6 +3857,42 @@ mod tests {
         assert_ne!(chosen, holder);
         let (holder, chosen) = pick(0.0);
         assert_eq!(chosen, holder);
+    }
+
+    // A control plane that restarts replays the shared stream before it has polled every
+    // endpoint's models or scraped it: decisions for those endpoints are facts all the same,
+    // and their prefixes must be in the index it serves from.
+    #[test]
+    fn recorded_decisions_count_whatever_this_router_knows_of_the_endpoint() {
+        let mut r = router(3);
+        let served = |id: &str| {
+            vec![ServedModel {
+                id: id.into(),
+                parent: None,
+            }]
+        };
+        // Endpoint 0 was polled and lists the model; 1 not yet polled; 2 lists another model
+        // (this router's view is stale) and its metrics stopped answering.
+        r.set_served_models("10.0.0.0:8000", served("m"));
+        r.set_served_models("10.0.0.2:8000", served("other"));
+        r.mark_unreachable("10.0.0.2:8000");
+        for (k, endpoint) in ["10.0.0.1:8000", "10.0.0.2:8000"].into_iter().enumerate() {
+            let text = format!("conversation {k} ").repeat(200);
+            let req = request(&text);
+            assert!(r.record_decision(&req, endpoint, 100 + k as u64, 10, 0));
+            let id = r.endpoint_id(endpoint).unwrap();
+            assert!(
+                req.block_hashes.iter().all(|&h| r.index().holds(id, h)),
+                "{endpoint}: prefix not indexed"
+            );
+            // The same report again is the same decision.
+            assert!(!r.record_decision(&req, endpoint, 100 + k as u64, 11, 0));
+        }
+        // A model no endpoint lists, under `reject`, was still routed by whoever decided.
+        r.config.models.unknown_model = crate::pools::UnknownModelPolicy::Reject;
+        let mut unknown = request(&"an unlisted model ".repeat(200));
+        unknown.model = "unlisted".into();
+        assert!(r.record_decision(&unknown, "10.0.0.0:8000", 200, 12, 0));
     }
 
     // Twenty agents run on the replica holding the tool prompt they all share, each with 6,000
