@@ -42,6 +42,20 @@ fn bad(what: &str) -> AgentChatError {
     AgentChatError::BadPrompt(what.to_string())
 }
 
+/// Who converts a prompt, which decides what becomes of what only the serving process knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Converter {
+    /// A router predicting vLLM's prompt: refuses what depends on the server's clock or
+    /// settings ([`AgentChatError::Unsupported`]).
+    Router,
+    /// The serving process itself (the simulator): decides those as vLLM does, naming a tool
+    /// call that has no id `call_{unix_now_s}`.
+    Server {
+        /// The server's clock, in whole seconds since the Unix epoch.
+        unix_now_s: u64,
+    },
+}
+
 /// The chat prompt (`model`, `messages`, `tools`, `chat_template_kwargs`) vLLM builds from an
 /// Anthropic Messages request's prompt fields. `merge_inline_system`: whether the model's
 /// template needs system messages first (vLLM then merges inline ones into the leading one);
@@ -50,10 +64,7 @@ pub fn messages_to_chat(
     prompt: &Map<String, Value>,
     merge_inline_system: Option<bool>,
 ) -> Result<Map<String, Value>, AgentChatError> {
-    let messages = prompt
-        .get("messages")
-        .and_then(Value::as_array)
-        .ok_or_else(|| bad("messages must be an array"))?;
+    let messages = message_list(prompt)?;
     refuse_template_options(prompt)?;
     let inline_system = messages.iter().any(|m| role(m) == Some("system"));
     let merge = match (inline_system, merge_inline_system) {
@@ -65,53 +76,7 @@ pub fn messages_to_chat(
             ));
         }
     };
-    let mut out: Vec<Value> = Vec::new();
-    let mut system_parts: Vec<String> = Vec::new();
-    match prompt.get("system") {
-        Some(Value::String(s)) if !s.is_empty() => system_parts.push(s.clone()),
-        Some(Value::Array(blocks)) => {
-            for block in blocks {
-                if let Some(text) = text_block(block).filter(|t| !t.starts_with(BILLING_HEADER)) {
-                    system_parts.push(text.to_string());
-                }
-            }
-        }
-        Some(Value::String(_) | Value::Null) | None => {}
-        Some(_) => return Err(bad("system must be a string or blocks")),
-    }
-    if merge {
-        for m in messages.iter().filter(|m| role(m) == Some("system")) {
-            if let Some(text) = system_text(m)? {
-                system_parts.push(text);
-            }
-        }
-    }
-    if !system_parts.is_empty() {
-        out.push(json!({"role": "system", "content": system_parts.concat()}));
-    }
-    for m in messages {
-        let role = role(m).ok_or_else(|| bad("a message has no role"))?;
-        if role == "system" {
-            if !merge && let Some(text) = system_text(m)? {
-                out.push(json!({"role": "system", "content": text}));
-            }
-            continue;
-        }
-        let mut message = Map::new();
-        message.insert("role".into(), Value::String(role.into()));
-        match m.get("content") {
-            Some(Value::String(s)) => {
-                message.insert("content".into(), Value::String(s.clone()));
-            }
-            Some(Value::Array(blocks)) => convert_blocks(role, blocks, &mut message, &mut out)?,
-            _ => return Err(bad("content must be a string or blocks")),
-        }
-        // vLLM drops a user message left with no content (its tool results went out as tool
-        // messages); an assistant message stays even when empty.
-        if role != "user" || message.contains_key("content") {
-            out.push(Value::Object(message));
-        }
-    }
+    let out = anthropic_chat_messages(prompt, merge, Converter::Router)?;
     let mut chat = Map::new();
     if let Some(model) = prompt.get("model") {
         chat.insert("model".into(), model.clone());
@@ -133,6 +98,75 @@ pub fn messages_to_chat(
         chat.insert("chat_template_kwargs".into(), kwargs.clone());
     }
     Ok(chat)
+}
+
+fn message_list(prompt: &Map<String, Value>) -> Result<&Vec<Value>, AgentChatError> {
+    prompt
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("messages must be an array"))
+}
+
+/// The chat messages vLLM builds from a Messages request's `system` and `messages`
+/// (`_convert_messages`), whatever template options the request sets: what a server renders.
+/// `merge_inline_system`: inline system messages join the leading one (the template needs
+/// system messages first) rather than staying in place.
+pub fn anthropic_chat_messages(
+    prompt: &Map<String, Value>,
+    merge_inline_system: bool,
+    converter: Converter,
+) -> Result<Vec<Value>, AgentChatError> {
+    let messages = message_list(prompt)?;
+    let mut out: Vec<Value> = Vec::new();
+    let mut system_parts: Vec<String> = Vec::new();
+    match prompt.get("system") {
+        Some(Value::String(s)) if !s.is_empty() => system_parts.push(s.clone()),
+        Some(Value::Array(blocks)) => {
+            for block in blocks {
+                if let Some(text) = text_block(block).filter(|t| !t.starts_with(BILLING_HEADER)) {
+                    system_parts.push(text.to_string());
+                }
+            }
+        }
+        Some(Value::String(_) | Value::Null) | None => {}
+        Some(_) => return Err(bad("system must be a string or blocks")),
+    }
+    if merge_inline_system {
+        for m in messages.iter().filter(|m| role(m) == Some("system")) {
+            if let Some(text) = system_text(m)? {
+                system_parts.push(text);
+            }
+        }
+    }
+    if !system_parts.is_empty() {
+        out.push(json!({"role": "system", "content": system_parts.concat()}));
+    }
+    for m in messages {
+        let role = role(m).ok_or_else(|| bad("a message has no role"))?;
+        if role == "system" {
+            if !merge_inline_system && let Some(text) = system_text(m)? {
+                out.push(json!({"role": "system", "content": text}));
+            }
+            continue;
+        }
+        let mut message = Map::new();
+        message.insert("role".into(), Value::String(role.into()));
+        match m.get("content") {
+            Some(Value::String(s)) => {
+                message.insert("content".into(), Value::String(s.clone()));
+            }
+            Some(Value::Array(blocks)) => {
+                convert_blocks(role, blocks, converter, &mut message, &mut out)?;
+            }
+            _ => return Err(bad("content must be a string or blocks")),
+        }
+        // vLLM drops a user message left with no content (its tool results went out as tool
+        // messages); an assistant message stays even when empty.
+        if role != "user" || message.contains_key("content") {
+            out.push(Value::Object(message));
+        }
+    }
+    Ok(out)
 }
 
 /// Settings vLLM turns into template options (`reasoning_effort`, dropped tools) by rules of
@@ -219,6 +253,7 @@ fn system_text(m: &Value) -> Result<Option<String>, AgentChatError> {
 fn convert_blocks(
     role: &str,
     blocks: &[Value],
+    converter: Converter,
     message: &mut Map<String, Value>,
     out: &mut Vec<Value>,
 ) -> Result<(), AgentChatError> {
@@ -245,12 +280,16 @@ fn convert_blocks(
                 }
             }
             Some("tool_use") => {
-                let id = block
-                    .get("id")
-                    .and_then(Value::as_str)
-                    .filter(|id| !id.is_empty())
-                    // vLLM makes one from the clock: no two renders would agree.
-                    .ok_or_else(|| unsupported("a tool_use block without an id"))?;
+                let id = match block.get("id").and_then(Value::as_str) {
+                    Some(id) if !id.is_empty() => id.to_string(),
+                    // vLLM makes one from its clock: no router's render would agree.
+                    _ => match converter {
+                        Converter::Router => {
+                            return Err(unsupported("a tool_use block without an id"));
+                        }
+                        Converter::Server { unix_now_s } => format!("call_{unix_now_s}"),
+                    },
+                };
                 let input = match block.get("input") {
                     None | Some(Value::Null) => json!({}),
                     Some(v) if v.as_object().is_some_and(Map::is_empty) => json!({}),
@@ -274,8 +313,16 @@ fn convert_blocks(
                     let text = format!("Tool result: {s}");
                     parts.push(json!({"type": "text", "text": text}));
                 }
-                // vLLM writes Python's repr of the blocks.
-                Some(_) => return Err(unsupported("an assistant's tool_result with blocks")),
+                // vLLM writes Python's repr of the blocks, which a router does not predict.
+                Some(blocks) => match converter {
+                    Converter::Router => {
+                        return Err(unsupported("an assistant's tool_result with blocks"));
+                    }
+                    Converter::Server { .. } => {
+                        let text = format!("Tool result: {}", python_repr(blocks));
+                        parts.push(json!({"type": "text", "text": text}));
+                    }
+                },
             },
             // vLLM accepts them only in system messages.
             Some("tool_addition" | "tool_removal") => {
@@ -657,7 +704,7 @@ fn push_item(item: &Value, out: &mut Vec<Value>, start: usize) -> Result<(), Age
                 write_python(
                     &json!({CUSTOM_TOOL_INPUT_KEY: input}),
                     &mut arguments,
-                    false,
+                    Python::Json { ascii: false },
                 );
                 (name.to_string(), arguments)
             };
@@ -749,27 +796,48 @@ fn role_of(m: &Value) -> Option<&str> {
 /// character escaped (vLLM writes a `tool_use` block's input so).
 pub fn python_json(value: &Value) -> String {
     let mut out = String::new();
-    write_python(value, &mut out, true);
+    write_python(value, &mut out, Python::Json { ascii: true });
     out
 }
 
-/// `json.dumps` with `ensure_ascii` as given (vLLM writes a custom tool call's input without).
-fn write_python(value: &Value, out: &mut String, ascii: bool) {
+/// Python's `repr()` of the object `json.loads` makes of `value` (vLLM writes an assistant's
+/// `tool_result` blocks so): single-quoted strings, `None`, `True`, `False`.
+pub fn python_repr(value: &Value) -> String {
+    let mut out = String::new();
+    write_python(value, &mut out, Python::Repr);
+    out
+}
+
+/// How Python writes a value: `json.dumps` (with `ensure_ascii` or without) or `repr()`. Both
+/// lay out lists and dicts alike (`[a, b]`, `{k: v}`) and floats by `repr(float)`.
+#[derive(Debug, Clone, Copy)]
+enum Python {
+    Json { ascii: bool },
+    Repr,
+}
+
+fn write_python(value: &Value, out: &mut String, style: Python) {
+    let repr = matches!(style, Python::Repr);
     match value {
-        Value::Null => out.push_str("null"),
-        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Null => out.push_str(if repr { "None" } else { "null" }),
+        Value::Bool(b) => out.push_str(match (b, repr) {
+            (true, false) => "true",
+            (false, false) => "false",
+            (true, true) => "True",
+            (false, true) => "False",
+        }),
         Value::Number(n) => match n.as_f64().filter(|_| n.is_f64()) {
             Some(f) => write_python_float(f, out),
             None => out.push_str(&n.to_string()),
         },
-        Value::String(s) => write_python_str(s, out, ascii),
+        Value::String(s) => write_python_string(s, out, style),
         Value::Array(items) => {
             out.push('[');
             for (i, v) in items.iter().enumerate() {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_python(v, out, ascii);
+                write_python(v, out, style);
             }
             out.push(']');
         }
@@ -779,12 +847,19 @@ fn write_python(value: &Value, out: &mut String, ascii: bool) {
                 if i > 0 {
                     out.push_str(", ");
                 }
-                write_python_str(k, out, ascii);
+                write_python_string(k, out, style);
                 out.push_str(": ");
-                write_python(v, out, ascii);
+                write_python(v, out, style);
             }
             out.push('}');
         }
+    }
+}
+
+fn write_python_string(s: &str, out: &mut String, style: Python) {
+    match style {
+        Python::Json { ascii } => write_python_str(s, out, ascii),
+        Python::Repr => write_python_repr_str(s, out),
     }
 }
 
@@ -863,12 +938,77 @@ fn write_python_str(s: &str, out: &mut String, ascii: bool) {
     out.push('"');
 }
 
+/// A string as Python's `repr()` writes it: single quotes unless the text holds a single quote
+/// and no double quote; backslashes, the quote, `\n`, `\r`, `\t` and other control
+/// characters escaped; printable non-ASCII text as it is.
+fn write_python_repr_str(s: &str, out: &mut String) {
+    use std::fmt::Write;
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn map(v: Value) -> Map<String, Value> {
         v.as_object().cloned().unwrap()
+    }
+
+    // What only the serving process knows: a router refuses it, the server (the simulator)
+    // decides it as vLLM does, from its clock and with Python's repr.
+    #[test]
+    fn a_server_decides_what_a_router_refuses() {
+        let prompt = map(json!({"messages": [
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "name": "ls", "input": {}},
+                {"type": "tool_result", "content": [{"type": "text", "text": "it's", "n": null}]}
+            ]}
+        ]}));
+        assert!(matches!(
+            anthropic_chat_messages(&prompt, false, Converter::Router),
+            Err(AgentChatError::Unsupported(_))
+        ));
+        let server = Converter::Server { unix_now_s: 1_700 };
+        let out = anthropic_chat_messages(&prompt, false, server).unwrap();
+        assert_eq!(out[0]["tool_calls"][0]["id"], "call_1700");
+        assert_eq!(
+            out[0]["content"],
+            r#"Tool result: [{'type': 'text', 'text': "it's", 'n': None}]"#
+        );
+    }
+
+    #[test]
+    fn python_repr_matches_repr_of_json_loads() {
+        // repr(json.loads('{"a": [1, 2.5, true, null], "b": "x\ny", "c": "\u00e9"}'))
+        let v = json!({"a": [1, 2.5, true, null], "b": "x\ny", "c": "é"});
+        assert_eq!(
+            python_repr(&v),
+            r#"{'a': [1, 2.5, True, None], 'b': 'x\ny', 'c': 'é'}"#
+        );
+        assert_eq!(python_repr(&json!("it's")), r#""it's""#);
+        assert_eq!(python_repr(&json!("a'\"b")), r#"'a\'"b'"#);
     }
 
     #[test]

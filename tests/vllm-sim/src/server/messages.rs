@@ -30,10 +30,7 @@ use super::{
 };
 use crate::engine::RequestSummary;
 use crate::tokenizer::{ChatMessage, ChatTemplate};
-
-/// Claude Code's attribution header, which vLLM drops from system text (a per-request hash
-/// would defeat prefix caching).
-const BILLING_HEADER: &str = "x-anthropic-billing-header";
+use vllm_wire::agent_chat;
 
 /// Block types `AnthropicContentBlock` accepts.
 const BLOCK_TYPES: [&str; 9] = [
@@ -67,10 +64,10 @@ pub(super) fn template_needs_merged_system(template: &dyn ChatTemplate) -> bool 
 #[derive(Debug)]
 struct MessagesRequest {
     model: String,
-    messages: Vec<Value>,
+    /// The validated body, whose `system` and `messages` become the chat messages.
+    prompt: Map<String, Value>,
     /// Absent only on `count_tokens`.
     max_tokens: Option<u32>,
-    system: Option<Value>,
     stream: bool,
     cache_salt: Option<String>,
 }
@@ -118,8 +115,7 @@ fn parse_request(raw: &[u8], count_tokens: bool) -> Result<MessagesRequest, ApiE
         errors.push(e);
         None
     });
-    let system = body.get("system").filter(|v| !v.is_null()).cloned();
-    if let Some(v) = &system
+    if let Some(v) = body.get("system").filter(|v| !v.is_null())
         && !v.is_string()
         && !v.is_array()
     {
@@ -132,13 +128,16 @@ fn parse_request(raw: &[u8], count_tokens: bool) -> Result<MessagesRequest, ApiE
     if !errors.is_empty() {
         return Err(validation::validation_error(&errors));
     }
+    let (model, cache_salt) = (
+        model.unwrap_or_default().to_owned(),
+        salt.map(str::to_owned),
+    );
     Ok(MessagesRequest {
-        model: model.unwrap_or_default().to_owned(),
-        messages,
+        model,
+        prompt: body,
         max_tokens,
-        system,
         stream: stream.unwrap_or(false),
-        cache_salt: salt.map(str::to_owned),
+        cache_salt,
     })
 }
 
@@ -206,234 +205,14 @@ fn check_message(i: usize, m: &Value, errors: &mut Vec<FieldError>) {
 // ---------------------------------------------------------------------------------------------
 // Conversion to chat messages (serving.py `to_chat_completion_request`)
 
-fn str_field<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
-    v.get(key).and_then(Value::as_str)
-}
-
-/// The OpenAI chat messages vLLM builds from a Messages request.
-fn chat_messages(req: &MessagesRequest, merge_inline_system: bool) -> Vec<Value> {
-    let mut out = Vec::new();
-    if let Some(system) = system_text(req, merge_inline_system) {
-        out.push(json!({"role": "system", "content": system}));
-    }
-    for msg in &req.messages {
-        convert_message(msg, merge_inline_system, &mut out);
-    }
-    out
-}
-
-/// `_convert_system_message`: the top-level `system` (and, when merging, every inline system
-/// message) joined into one text, billing headers dropped.
-fn system_text(req: &MessagesRequest, merge_inline_system: bool) -> Option<String> {
-    let mut parts = Vec::new();
-    match &req.system {
-        Some(Value::String(s)) if !s.is_empty() => parts.push(s.clone()),
-        Some(Value::Array(blocks)) => parts.extend(text_blocks(blocks)),
-        _ => {}
-    }
-    if merge_inline_system {
-        let inline = req.messages.iter().filter(|m| role(m) == "system");
-        parts.extend(inline.filter_map(inline_system_text));
-    }
-    (!parts.is_empty()).then(|| parts.concat())
-}
-
-fn role(m: &Value) -> &str {
-    str_field(m, "role").unwrap_or("")
-}
-
-/// The non-empty text blocks, billing headers dropped.
-fn text_blocks(blocks: &[Value]) -> Vec<String> {
-    blocks
-        .iter()
-        .filter(|b| str_field(b, "type") == Some("text"))
-        .filter_map(|b| str_field(b, "text"))
-        .filter(|t| !t.is_empty() && !t.starts_with(BILLING_HEADER))
-        .map(str::to_owned)
-        .collect()
-}
-
-/// `_extract_system_text` of an inline system message.
-fn inline_system_text(m: &Value) -> Option<String> {
-    match m.get("content") {
-        Some(Value::String(s)) if s.starts_with(BILLING_HEADER) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(Value::Array(blocks)) => {
-            let parts = text_blocks(blocks);
-            (!parts.is_empty()).then(|| parts.concat())
-        }
-        _ => None,
-    }
-}
-
-/// `_convert_messages` for one message; a user's tool results become `tool` messages placed
-/// before the rest of the user message.
-fn convert_message(msg: &Value, merge_inline_system: bool, out: &mut Vec<Value>) {
-    let role = role(msg);
-    if role == "system" {
-        if !merge_inline_system
-            && let Some(text) = inline_system_text(msg).filter(|t| !t.is_empty())
-        {
-            out.push(json!({"role": "system", "content": text}));
-        }
-        return;
-    }
-    let mut chat = Map::new();
-    chat.insert("role".into(), json!(role));
-    match msg.get("content") {
-        Some(Value::String(s)) => {
-            chat.insert("content".into(), json!(s));
-        }
-        Some(Value::Array(blocks)) => convert_blocks(blocks, role, &mut chat, out),
-        _ => {}
-    }
-    // A user message left with no content (only tool results) is not sent.
-    if role != "user" || chat.contains_key("content") {
-        out.push(Value::Object(chat));
-    }
-}
-
-/// `_convert_message_content`: texts and images become content parts, thinking becomes
-/// `reasoning`, tool uses `tool_calls`, a user's tool results separate `tool` messages.
-fn convert_blocks(
-    blocks: &[Value],
-    role: &str,
-    chat: &mut Map<String, Value>,
-    out: &mut Vec<Value>,
-) {
-    let mut parts = Vec::new();
-    let mut calls = Vec::new();
-    let mut reasoning = Vec::new();
-    for b in blocks {
-        match str_field(b, "type") {
-            Some("text") => {
-                if let Some(t) = str_field(b, "text").filter(|t| !t.is_empty()) {
-                    parts.push(json!({"type": "text", "text": t}));
-                }
-            }
-            Some("image") => {
-                if let Some(src) = b.get("source").filter(|s| !s.is_null()) {
-                    parts.push(json!({"type": "image_url", "image_url": {"url": image_url(src)}}));
-                }
-            }
-            Some("thinking") => reasoning.extend(str_field(b, "thinking")),
-            Some("tool_use") => calls.push(tool_call(b)),
-            Some("tool_result") if role == "user" => user_tool_result(b, out),
-            Some("tool_result") => {
-                let text = match b.get("content") {
-                    None | Some(Value::Null) => String::new(),
-                    Some(Value::String(s)) => s.clone(),
-                    Some(v) => validation::py_repr(v),
-                };
-                parts.push(json!({"type": "text", "text": format!("Tool result: {text}")}));
-            }
-            _ => {}
-        }
-    }
-    if !reasoning.is_empty() {
-        chat.insert("reasoning".into(), json!(reasoning.concat()));
-    }
-    if !calls.is_empty() {
-        chat.insert("tool_calls".into(), Value::Array(calls));
-    }
-    match parts.as_slice() {
-        [] => {}
-        [only] if only["type"] == "text" => {
-            chat.insert("content".into(), only["text"].clone());
-        }
-        _ => {
-            chat.insert("content".into(), Value::Array(parts));
-        }
-    }
-}
-
-/// `_convert_image_source_to_url`.
-fn image_url(source: &Value) -> String {
-    if str_field(source, "type") == Some("url") {
-        return str_field(source, "url").unwrap_or("").to_owned();
-    }
-    let media = str_field(source, "media_type").unwrap_or("image/jpeg");
-    let data = str_field(source, "data").unwrap_or("");
-    format!("data:{media};base64,{data}")
-}
-
-/// `_convert_tool_use_block`: arguments are `json.dumps(input)`.
-fn tool_call(b: &Value) -> Value {
-    let id = str_field(b, "id").map_or_else(
-        || format!("call_{}", super::unix_now_s() as u64),
-        str::to_owned,
-    );
-    let input = b
-        .get("input")
-        .filter(|v| !v.is_null())
-        .cloned()
-        .unwrap_or(json!({}));
-    json!({"id": id, "type": "function",
-           "function": {"name": str_field(b, "name").unwrap_or(""),
-                        "arguments": json_dumps(&input)}})
-}
-
-/// `_convert_user_tool_result`: a `tool` message with the result's text, then its images as
-/// a user message and its tool references as another `tool` message.
-fn user_tool_result(b: &Value, out: &mut Vec<Value>) {
-    let call_id = str_field(b, "tool_use_id").unwrap_or("");
-    let mut texts = Vec::new();
-    let mut images = Vec::new();
-    let mut refs = Vec::new();
-    let text = match b.get("content") {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(items)) => {
-            for item in items {
-                match str_field(item, "type") {
-                    Some("text") => texts.push(str_field(item, "text").unwrap_or("")),
-                    Some("image") => {
-                        let url = image_url(item.get("source").unwrap_or(&Value::Null));
-                        if !url.is_empty() {
-                            images.push(json!({"type": "image_url", "image_url": {"url": url}}));
-                        }
-                    }
-                    Some("tool_reference") => {
-                        let name = str_field(item, "tool_name").or(str_field(item, "name"));
-                        if let Some(name) = name.filter(|n| !n.is_empty()) {
-                            refs.push(json!({"type": "tool_reference", "name": name}));
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            texts.join("\n")
-        }
-        _ => String::new(),
+/// The OpenAI chat messages vLLM builds from a Messages request: the converter the router's
+/// precise mode uses ([`agent_chat`]), as the serving process runs it.
+fn chat_messages(req: &MessagesRequest, merge_inline_system: bool) -> Result<Vec<Value>, ApiError> {
+    let converter = agent_chat::Converter::Server {
+        unix_now_s: super::unix_now_s() as u64,
     };
-    out.push(json!({"role": "tool", "tool_call_id": call_id, "content": text}));
-    if !images.is_empty() {
-        out.push(json!({"role": "user", "content": images}));
-    }
-    if !refs.is_empty() {
-        out.push(json!({"role": "tool", "tool_call_id": call_id, "content": refs}));
-    }
-}
-
-/// Python's `json.dumps(v)` with its defaults: `", "` and `": "` separators, non-ASCII
-/// escaped.
-fn json_dumps(v: &Value) -> String {
-    validation::py_layout(v, ascii_json_str, Value::to_string)
-}
-
-/// A JSON string literal with every non-ASCII character as `\uXXXX` (`ensure_ascii=True`).
-fn ascii_json_str(s: &str) -> String {
-    let mut out = String::new();
-    for c in Value::from(s).to_string().chars() {
-        if c.is_ascii() {
-            out.push(c);
-        } else {
-            let mut units = [0u16; 2];
-            for u in c.encode_utf16(&mut units) {
-                out.push_str(&format!("\\u{u:04x}"));
-            }
-        }
-    }
-    out
+    agent_chat::anthropic_chat_messages(&req.prompt, merge_inline_system, converter)
+        .map_err(|e| super::bad_request(e.to_string()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -582,7 +361,7 @@ async fn create_inner(
     let lora = s.resolve_model(Some(&req.model))?;
     let salt = cache_salt(req.cache_salt.clone())?;
     let prompt = s.chat_prompt_of(
-        &chat_messages(&req, s.merge_inline_system),
+        &chat_messages(&req, s.merge_inline_system)?,
         PromptEnd::Generate,
     )?;
     let prompt_tokens = prompt.len();
@@ -630,7 +409,7 @@ pub(super) async fn count_tokens(State(s): State<Arc<Shared>>, body: Bytes) -> R
     let inner = || -> Result<Response, ApiError> {
         let req = parse_request(&body, true)?;
         s.resolve_model(Some(&req.model))?;
-        let msgs = chat_messages(&req, s.merge_inline_system);
+        let msgs = chat_messages(&req, s.merge_inline_system)?;
         let n = s.chat_prompt_of(&msgs, PromptEnd::Generate)?.len();
         let body = json!({"input_tokens": n, "context_management": {"original_input_tokens": n}});
         Ok(axum::Json(body).into_response())
@@ -645,7 +424,7 @@ pub(super) async fn render(State(s): State<Arc<Shared>>, body: Bytes) -> Respons
     let inner = || -> Result<Response, ApiError> {
         let req = parse_request(&body, false)?;
         s.resolve_model(Some(&req.model))?;
-        let msgs = chat_messages(&req, s.merge_inline_system);
+        let msgs = chat_messages(&req, s.merge_inline_system)?;
         let tokens = s.chat_prompt_of(&msgs, PromptEnd::Generate)?;
         Ok(axum::Json(json!({"token_ids": tokens, "model": s.model})).into_response())
     };
@@ -682,7 +461,7 @@ mod tests {
                 ]}
             ]
         }));
-        let msgs = chat_messages(&req, false);
+        let msgs = chat_messages(&req, false).unwrap();
         assert_eq!(msgs[0], json!({"role": "system", "content": "Be brief."}));
         assert_eq!(msgs[1], json!({"role": "user", "content": "list files"}));
         assert_eq!(msgs[2]["reasoning"], "hmm");
@@ -707,7 +486,7 @@ mod tests {
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}
         ]}));
         assert_eq!(
-            chat_messages(&req, false),
+            chat_messages(&req, false).unwrap(),
             vec![json!({"role": "tool", "tool_call_id": "t", "content": "ok"})]
         );
     }
@@ -716,8 +495,8 @@ mod tests {
     fn inline_system_messages_merge_only_when_the_template_needs_it() {
         let req = request(json!({"model": "m", "max_tokens": 1, "system": "A",
             "messages": [{"role": "user", "content": "u"}, {"role": "system", "content": "B"}]}));
-        assert_eq!(chat_messages(&req, true)[0]["content"], "AB");
-        assert_eq!(chat_messages(&req, false).len(), 3);
+        assert_eq!(chat_messages(&req, true).unwrap()[0]["content"], "AB");
+        assert_eq!(chat_messages(&req, false).unwrap().len(), 3);
         assert!(!template_needs_merged_system(&ChatMl));
         let strict = JinjaTemplate::new(
             "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\

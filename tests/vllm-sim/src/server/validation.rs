@@ -326,69 +326,9 @@ fn summarize(v: &Value) -> String {
     }
 }
 
-/// A JSON value as Python's `repr()` writes the object `json.loads` makes of it.
-pub(super) fn py_repr(v: &Value) -> String {
-    py_layout(v, py_str, |scalar| match scalar {
-        Value::Null => "None".into(),
-        Value::Bool(true) => "True".into(),
-        Value::Bool(false) => "False".into(),
-        other => other.to_string(),
-    })
-}
-
-/// `v` laid out as both Python's `repr()` and `json.dumps()` (default separators) lay out
-/// lists and dicts, `[a, b]` and `{k: v}`, with its strings (keys too) written by `string` and
-/// its other scalars by `scalar`.
-pub(super) fn py_layout(
-    v: &Value,
-    string: fn(&str) -> String,
-    scalar: fn(&Value) -> String,
-) -> String {
-    match v {
-        Value::String(s) => string(s),
-        Value::Array(items) => {
-            let inner: Vec<String> = items.iter().map(|v| py_layout(v, string, scalar)).collect();
-            format!("[{}]", inner.join(", "))
-        }
-        Value::Object(map) => {
-            let inner: Vec<String> = map
-                .iter()
-                .map(|(k, v)| format!("{}: {}", string(k), py_layout(v, string, scalar)))
-                .collect();
-            format!("{{{}}}", inner.join(", "))
-        }
-        other => scalar(other),
-    }
-}
-
-/// A string as Python's `repr()` writes it: single quotes unless the text holds a single quote
-/// and no double quote.
+/// A string as Python's `repr()` writes it (the router's writer, so both agree).
 fn py_str(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push(quote);
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c == quote => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
-                out.push_str(&format!("\\x{:02x}", c as u32));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push(quote);
-    out
+    vllm_wire::agent_chat::python_repr(&Value::from(s))
 }
 
 #[cfg(test)]
