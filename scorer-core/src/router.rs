@@ -3501,6 +3501,22 @@ mod tests {
         }
     }
 
+    /// Asserts that one scoring term alone moves a request off its prefix holder: at `weight`
+    /// (its default) the request leaves the holder, at 0 it stays. `pick` routes the scenario
+    /// with the term at a weight and returns (holder, chosen).
+    fn term_moves_off_the_holder(weight: f64, pick: impl Fn(f64) -> (String, String)) {
+        let (holder, chosen) = pick(weight);
+        assert_ne!(
+            chosen, holder,
+            "the term at {weight} left the request on its holder"
+        );
+        let (holder, chosen) = pick(0.0);
+        assert_eq!(
+            chosen, holder,
+            "without the term the request left its holder"
+        );
+    }
+
     #[test]
     fn second_turn_follows_first() {
         let mut r = router(4);
@@ -3853,10 +3869,7 @@ mod tests {
             let chosen = r.route(&request(&follow_up), 60_000, 2).response.endpoints[0].clone();
             (holder, chosen)
         };
-        let (holder, chosen) = pick(ScoringConfig::default().prefill_stall_weight);
-        assert_ne!(chosen, holder);
-        let (holder, chosen) = pick(0.0);
-        assert_eq!(chosen, holder);
+        term_moves_off_the_holder(ScoringConfig::default().prefill_stall_weight, pick);
     }
 
     // A control plane that restarts replays the shared stream before it has polled every
@@ -3916,10 +3929,7 @@ mod tests {
             let chosen = r.route(&request(&next), 60_000, 99).response.endpoints[0].clone();
             (holder, chosen)
         };
-        let (holder, chosen) = pick(ScoringConfig::default().decode_occupancy_weight);
-        assert_ne!(chosen, holder);
-        let (holder, chosen) = pick(0.0);
-        assert_eq!(chosen, holder);
+        term_moves_off_the_holder(ScoringConfig::default().decode_occupancy_weight, pick);
     }
 
     // The occupancy counts a prefix its in-flight requests share once, and leaves their

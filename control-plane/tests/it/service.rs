@@ -241,6 +241,15 @@ async fn metrics_text(r: &Running) -> String {
     body
 }
 
+/// Asserts that one scrape of `/metrics` holds every line in `needles`, printing the scrape
+/// when one is missing.
+async fn assert_metrics(r: &Running, needles: &[&str]) {
+    let text = metrics_text(r).await;
+    for needle in needles {
+        assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+    }
+}
+
 fn route_request(blocks: std::ops::Range<u64>) -> Value {
     let hashes: Vec<u64> = blocks.collect();
     json!({ "model": "m", "block_hashes": hashes, "prompt_bytes": hashes.len() * 256, "prompt_tokens": hashes.len() * 64 })
@@ -350,9 +359,11 @@ async fn auth_token_guards_both_posts() {
         http("GET", format!("http://{}/healthz", r.admin), &[], None).await,
         (200, "ok".into())
     );
-    assert!(metrics_text(&r).await.contains(
-        "kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unauthorized\"} 1"
-    ));
+    assert_metrics(
+        &r,
+        &["kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unauthorized\"} 1"],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -374,13 +385,15 @@ async fn feedback_releases_inflight_load() {
     .await;
     assert_eq!(status, 204, "{body}");
     assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
-    let text = metrics_text(&r).await;
-    assert!(text.contains("kvroute_feedback_outcomes_total 1"), "{text}");
-    assert!(text.contains("kvroute_inflight 0"), "{text}");
-    assert!(
-        text.contains("kvroute_actual_cached_tokens_total 0"),
-        "{text}"
-    );
+    assert_metrics(
+        &r,
+        &[
+            "kvroute_feedback_outcomes_total 1",
+            "kvroute_inflight 0",
+            "kvroute_actual_cached_tokens_total 0",
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -587,19 +600,17 @@ async fn dead_and_slow_endpoints_are_dropped_without_stalling_the_others() {
     assert_eq!(status, 200);
     assert_eq!(routed["endpoints"], json!([]));
     assert_eq!(routed["reason"], "no_endpoint");
-    let text = metrics_text(&r).await;
-    assert!(
-        text.contains("kvroute_no_endpoint_decisions_total 1"),
-        "{text}"
-    );
-    assert!(text.contains(&format!(
-        "kvroute_scrapes_total{{endpoint=\"{}\",result=\"parse\"}}",
-        slow.addr
-    )));
-    assert!(text.contains(&format!(
-        "kvroute_scrapes_total{{endpoint=\"{}\",result=\"status\"}}",
-        healthy.addr
-    )));
+    let scrapes =
+        |addr, result| format!("kvroute_scrapes_total{{endpoint=\"{addr}\",result=\"{result}\"}}");
+    assert_metrics(
+        &r,
+        &[
+            "kvroute_no_endpoint_decisions_total 1",
+            &scrapes(slow.addr, "parse"),
+            &scrapes(healthy.addr, "status"),
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -621,14 +632,8 @@ async fn stale_metrics_are_flagged_but_the_endpoint_stays_usable() {
     let view = endpoint_view(&r, a.addr).await;
     assert_eq!(view["health"], "ready");
     assert_eq!(view["metrics"]["running"], 3);
-    let text = metrics_text(&r).await;
-    assert!(
-        text.contains(&format!(
-            "kvroute_endpoint_stale{{endpoint=\"{}\"}} 1",
-            a.addr
-        )),
-        "{text}"
-    );
+    let stale = format!("kvroute_endpoint_stale{{endpoint=\"{}\"}} 1", a.addr);
+    assert_metrics(&r, &[&stale]).await;
     let (_, routed) = post_route(&r, &route_request(0..3), &[]).await;
     assert_eq!(routed["endpoints"], json!([a.addr.to_string()]));
 }
@@ -878,9 +883,11 @@ async fn a_new_proxy_gets_a_tag_the_endpoints_and_the_config() {
     assert_ne!(second["replica"], first["replica"]);
     let (_, again) = post_sync(&r, &json!({ "replica": tag, "since": first["next"] }), &[]).await;
     assert_eq!(again["replica"], tag);
-    let text = metrics_text(&r).await;
-    assert!(text.contains("kvroute_sync_calls_total 3"), "{text}");
-    assert!(text.contains("kvroute_sync_log_entries 0"), "{text}");
+    assert_metrics(
+        &r,
+        &["kvroute_sync_calls_total 3", "kvroute_sync_log_entries 0"],
+    )
+    .await;
     // A copy naming the endpoint table it holds gets only what changed since, and no config.
     let cursor = json!({
         "replica": tag, "since": first["next"],
@@ -889,8 +896,7 @@ async fn a_new_proxy_gets_a_tag_the_endpoints_and_the_config() {
     let (_, delta) = post_sync(&r, &cursor, &[]).await;
     assert_eq!(delta["delta"], true, "{delta}");
     assert!(delta.get("config").is_none(), "{delta}");
-    let text = metrics_text(&r).await;
-    assert!(text.contains("kvroute_sync_full_tables_total 3"), "{text}");
+    assert_metrics(&r, &["kvroute_sync_full_tables_total 3"]).await;
 }
 
 #[tokio::test]
@@ -959,14 +965,15 @@ async fn a_proxys_decision_reaches_other_proxies_and_loads_the_control_plane() {
     let (_, seen) = post_sync(&r, &json!({ "replica": proxy_b, "since": next_b }), &[]).await;
     let kinds: Vec<&str> = strs(&seen["events"], "kind");
     assert_eq!(kinds, ["decision", "outcome"], "{seen}");
-    let text = metrics_text(&r).await;
-    for needle in [
-        "kvroute_sync_decisions_total 1",
-        "kvroute_feedback_outcomes_total 1",
-        "kvroute_sync_log_entries 3",
-    ] {
-        assert!(text.contains(needle), "missing {needle:?} in\n{text}");
-    }
+    assert_metrics(
+        &r,
+        &[
+            "kvroute_sync_decisions_total 1",
+            "kvroute_feedback_outcomes_total 1",
+            "kvroute_sync_log_entries 3",
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -1031,9 +1038,11 @@ async fn a_proxy_behind_the_log_or_from_another_generation_starts_over() {
     let (_, stale) = post_sync(&r, &json!({ "replica": proxy, "since": 1_000_000 }), &[]).await;
     assert_ne!(stale["replica"], proxy, "{stale}");
     assert_eq!(stale["events"].as_array().unwrap().len(), 2);
-    let text = metrics_text(&r).await;
-    assert!(text.contains("kvroute_sync_resets_total 2"), "{text}");
-    assert!(text.contains("kvroute_sync_log_entries 2"), "{text}");
+    assert_metrics(
+        &r,
+        &["kvroute_sync_resets_total 2", "kvroute_sync_log_entries 2"],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -1126,11 +1135,11 @@ async fn bad_sync_bodies_get_a_clear_400() {
     // The service is still fine.
     assert_eq!(post_route(&r, &route_request(0..2), &[]).await.0, 200);
     assert_eq!(post_sync(&r, &json!({}), &[]).await.0, 200);
-    assert!(
-        metrics_text(&r)
-            .await
-            .contains("kvroute_rejected_requests_total{path=\"/v1/sync\",reason=\"bad_json\"}")
-    );
+    assert_metrics(
+        &r,
+        &["kvroute_rejected_requests_total{path=\"/v1/sync\",reason=\"bad_json\"}"],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -1165,14 +1174,14 @@ async fn auth_token_guards_sync() {
     let (status, joined) = post_sync(&r, &json!({}), &[("x-kvroute-token", "s3cret")]).await;
     assert_eq!(status, 200, "{joined}");
     assert!(joined["replica"].as_u64().unwrap() > 0);
-    let text = metrics_text(&r).await;
-    assert!(
-        text.contains(
-            "kvroute_rejected_requests_total{path=\"/v1/sync\",reason=\"unauthorized\"} 3"
-        ),
-        "{text}"
-    );
-    assert!(text.contains("kvroute_sync_calls_total 1"), "{text}");
+    assert_metrics(
+        &r,
+        &[
+            "kvroute_rejected_requests_total{path=\"/v1/sync\",reason=\"unauthorized\"} 3",
+            "kvroute_sync_calls_total 1",
+        ],
+    )
+    .await;
 }
 
 /// Issue #20, defect 2: decision ids are sequential; an outcome naming one without the tag the
@@ -1202,13 +1211,11 @@ async fn outcomes_without_their_decisions_tag_release_nothing() {
         assert_eq!(feedback(forged).await, 204);
         assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 1);
     }
-    let text = metrics_text(&r).await;
-    assert!(
-        text.contains(
-            "kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unknown_decision\"} 3"
-        ),
-        "{text}"
-    );
+    assert_metrics(
+        &r,
+        &["kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unknown_decision\"} 3"],
+    )
+    .await;
     let real = json!({ "decision_id": id, "decision_tag": tag, "status": 200, "total_ms": 5 });
     assert_eq!(feedback(real).await, 204);
     assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
@@ -1260,14 +1267,14 @@ async fn first_tokens_empty_the_measured_queue() {
         view["backlog_tokens"].as_f64().unwrap() < queued,
         "{view} (was {queued})"
     );
-    let text = metrics_text(&r).await;
-    assert!(text.contains("kvroute_first_tokens_total 2"), "{text}");
-    assert!(
-        text.contains(
-            "kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unknown_decision\"} 1"
-        ),
-        "{text}"
-    );
+    assert_metrics(
+        &r,
+        &[
+            "kvroute_first_tokens_total 2",
+            "kvroute_rejected_requests_total{path=\"/v1/feedback\",reason=\"unknown_decision\"} 1",
+        ],
+    )
+    .await;
     let pulled = post_sync(
         &r,
         &json!({ "replica": copy["replica"], "since": copy["next"], "log": copy["log"] }),
@@ -1319,11 +1326,7 @@ async fn withdrawn_route_calls_hold_no_load() {
     let (_, answer) = post_route(&r, &queued, &[]).await;
     assert_eq!(answer["reason"], "withdrawn", "{answer}");
     assert_eq!(endpoint_view(&r, a.addr).await["inflight"], 0);
-    assert!(
-        metrics_text(&r)
-            .await
-            .contains("kvroute_withdrawn_decisions_total 2")
-    );
+    assert_metrics(&r, &["kvroute_withdrawn_decisions_total 2"]).await;
 }
 
 /// Issue #20, defect 4: a route call carries the outcomes its proxy had queued, applied before
@@ -1432,9 +1435,9 @@ async fn a_route_call_naming_an_unreported_response_waits_for_its_report() {
     assert_eq!((status, fed), (200, 204), "{answer}");
     assert_eq!(answer["endpoints"][0], served_by.as_str(), "{answer}");
     assert_eq!(answer["reason"], "stored_response", "{answer}");
-    let text = metrics_text(&r).await;
-    assert!(
-        text.contains("kvroute_stored_response_waits_total{reason=\"reported\"} 1"),
-        "{text}"
-    );
+    assert_metrics(
+        &r,
+        &["kvroute_stored_response_waits_total{reason=\"reported\"} 1"],
+    )
+    .await;
 }
