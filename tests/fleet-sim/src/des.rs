@@ -10,13 +10,12 @@
 
 use crate::events::EventQueue;
 use hashbrown::HashMap;
-use scorer_core::precise::{KvEvent as CoreKvEvent, Medium};
+use scorer_core::precise::KvEvent as CoreKvEvent;
+use vllm_wire::kv_events::EventBatch;
 
 use super::policy::{ExactFleet, Policy, PolicyRequest, ReplicaSnapshot};
 use super::workload::{PromptSource, Workload, push_stream};
-use vllm_sim::{
-    Engine, EngineConfig, EngineRequest, KvEvent, Profile, RequestEvent, SimError, StoredBlocks,
-};
+use vllm_sim::{Engine, EngineConfig, EngineRequest, KvEvent, Profile, RequestEvent, SimError};
 
 /// Settings of one simulated run.
 #[derive(Debug, Clone)]
@@ -86,30 +85,12 @@ enum Event {
     Scrape,
 }
 
-fn to_core(e: &KvEvent) -> CoreKvEvent {
-    // The GPU and the CPU offload tier store the same payload; only the medium differs.
-    let stored = |s: &StoredBlocks, medium| CoreKvEvent::BlockStored {
-        block_hashes: s.block_hashes.clone(),
-        parent_block_hash: s.parent_block_hash,
-        token_ids: s.token_ids.clone(),
-        block_size: s.block_size,
-        lora_name: s.lora_name.clone(),
-        cache_salt: s.cache_salt.clone(),
-        medium,
-    };
-    match e {
-        KvEvent::BlockStored(s) => stored(s, Medium::Gpu),
-        KvEvent::BlockRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
-            block_hashes: block_hashes.clone(),
-            medium: Medium::Gpu,
-        },
-        KvEvent::AllBlocksCleared => CoreKvEvent::AllBlocksCleared,
-        KvEvent::OffloadStored(s) => stored(s, Medium::Cpu),
-        KvEvent::OffloadRemoved { block_hashes } => CoreKvEvent::BlockRemoved {
-            block_hashes: block_hashes.clone(),
-            medium: Medium::Cpu,
-        },
-    }
+/// One engine step's KV events as the control plane applies them: encoded as vLLM publishes
+/// them and read back through the same conversion (`vllm_wire::kv_events::EventBatch`), which
+/// keeps only the full-attention group's events of a hybrid model, so a precise policy sees
+/// what a real one would.
+fn router_events(now_ms: f64, events: &[KvEvent]) -> Vec<CoreKvEvent> {
+    EventBatch::from(vllm_sim::kv_events::wire_batch(now_ms / 1e3, events, 0)).events
 }
 
 /// What a run adds to [`SimConfig`]: what the client sends and a mixed-hardware pool.
@@ -273,7 +254,7 @@ pub fn run_with(
                     }
                 }
                 if wants_events && !out.kv_events.is_empty() {
-                    let events: Vec<CoreKvEvent> = out.kv_events.iter().map(to_core).collect();
+                    let events = router_events(now, &out.kv_events);
                     policy.on_kv_events(r, &events, now);
                 }
                 fleet.start_step(r, now, &mut queue, Event::StepDone);
@@ -548,6 +529,46 @@ mod tests {
             profile: Profile::llama8b_h100(),
             seed: 1,
             metrics_interval_ms: 100.0,
+        }
+    }
+
+    // A hybrid model's sliding-window group publishes its own stores and drops (most of a
+    // long conversation falls out of a 1,024-token window), but only full attention decides a
+    // prefix hit: routers that read KV events route the hybrid fleet exactly as the plain one,
+    // whose engines cost the same. Had the window's drops reached the index, follow-up turns
+    // would have lost their prefix there.
+    #[test]
+    fn a_hybrid_models_window_group_does_not_move_precise_routing() {
+        let spec = "multi-turn:conversations=6,turns=4,system=1500,user=300,output=40,rps=3";
+        let workload = from_spec(spec, 2).unwrap();
+        let hybrid = Profile::named("llama8b-h100-sliding-window").unwrap();
+        assert_eq!(hybrid.sliding_window_tokens, Some(1024));
+        for name in ["kvroute-precise", "dynamo"] {
+            let placed = |profile: &Profile| {
+                let cfg = SimConfig {
+                    replicas: 3,
+                    profile: profile.clone(),
+                    ..cfg()
+                };
+                let mut policy = crate::policy::build(name, cfg.replicas, cfg.seed).unwrap();
+                assert!(policy.wants_kv_events(), "{name} reads KV events");
+                let result = run(&workload, policy.as_mut(), &cfg).unwrap();
+                let cached: u64 = result
+                    .records
+                    .iter()
+                    .map(|r| u64::from(r.cached_tokens))
+                    .sum();
+                let replicas: Vec<usize> = result.records.iter().map(|r| r.replica).collect();
+                (replicas, cached)
+            };
+            let (plain, plain_cached) = placed(&Profile::llama8b_h100());
+            let (windowed, windowed_cached) = placed(&hybrid);
+            assert!(plain_cached > 0, "{name}: the workload reuses prefixes");
+            assert_eq!(
+                windowed, plain,
+                "{name}: placements differ on the hybrid fleet"
+            );
+            assert_eq!(windowed_cached, plain_cached, "{name}");
         }
     }
 

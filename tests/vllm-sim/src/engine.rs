@@ -25,7 +25,7 @@
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -196,7 +196,19 @@ pub enum KvEvent {
         /// The dropped hashes.
         block_hashes: Vec<u64>,
     },
+    /// Blocks of a hybrid model's sliding-window layers became cached: `BlockStored` with
+    /// `group_idx` [`SLIDING_WINDOW_GROUP`], the same hashes as the full-attention run.
+    WindowStored(StoredBlocks),
+    /// A sliding-window block was dropped (`BlockRemoved` with `group_idx`
+    /// [`SLIDING_WINDOW_GROUP`]): it fell out of the window, or the full-attention copy went.
+    WindowRemoved {
+        /// The dropped hash.
+        block_hashes: Vec<u64>,
+    },
 }
+
+/// The KV-cache group of a hybrid model's sliding-window layers (full attention is group 0).
+pub const SLIDING_WINDOW_GROUP: u32 = 1;
 
 /// Everything one step did.
 #[derive(Debug, Clone, Default)]
@@ -430,6 +442,8 @@ pub struct Engine {
     /// Fault injection: requests' cache salts are left out of their block hashes (and events),
     /// as an engine that does not know `cache_salt` would hash them.
     ignore_cache_salt: bool,
+    /// A hybrid model's sliding-window group: the hashes it holds (empty without a window).
+    window_blocks: HashSet<u64>,
 }
 
 impl Engine {
@@ -460,6 +474,7 @@ impl Engine {
             evicted: Vec::new(),
             prefix_caching: true,
             ignore_cache_salt: false,
+            window_blocks: HashSet::new(),
             cfg,
         })
     }
@@ -614,6 +629,7 @@ impl Engine {
         }
         self.pool.clear_cache();
         self.cpu.clear();
+        self.window_blocks.clear();
         Some(vec![KvEvent::AllBlocksCleared])
     }
 
@@ -899,12 +915,59 @@ impl Engine {
 
     fn flush_evictions(&mut self, out: &mut StepOutput) {
         if self.cfg.kv_events {
-            out.kv_events
-                .extend(self.evicted.drain(..).map(|h| KvEvent::BlockRemoved {
+            for h in self.evicted.drain(..) {
+                out.kv_events.push(KvEvent::BlockRemoved {
                     block_hashes: vec![h],
-                }));
+                });
+                // The block's sliding-window copy goes with it (vLLM frees both when a request's
+                // blocks are reused).
+                if self.window_blocks.remove(&h) {
+                    out.kv_events.push(KvEvent::WindowRemoved {
+                        block_hashes: vec![h],
+                    });
+                }
+            }
         } else {
             self.evicted.clear();
+        }
+    }
+
+    /// A hybrid model publishes its sliding-window group's copy of each full-attention run
+    /// stored at `from..` in `events`.
+    fn window_copies(&mut self, events: &mut Vec<KvEvent>, from: usize) {
+        if self.cfg.profile.sliding_window_tokens.is_none() {
+            return;
+        }
+        let copies: Vec<KvEvent> = events[from..]
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored(run) => Some(KvEvent::WindowStored(run.clone())),
+                _ => None,
+            })
+            .collect();
+        for copy in &copies {
+            if let KvEvent::WindowStored(run) = copy {
+                self.window_blocks.extend(&run.block_hashes);
+            }
+        }
+        events.extend(copies);
+    }
+
+    /// A finished request's sliding-window blocks that lie wholly before its last `window`
+    /// tokens: vLLM frees them as the request advances, and they are the first reused, so the
+    /// simulator drops them (and publishes it) when the request ends.
+    fn drop_out_of_window(&mut self, hashes: &[u64], tokens: usize, out: &mut StepOutput) {
+        let Some(window) = self.cfg.profile.sliding_window_tokens else {
+            return;
+        };
+        let bs = self.block_size as usize;
+        let outside = tokens.saturating_sub(window as usize) / bs;
+        for h in hashes.iter().take(outside) {
+            if self.window_blocks.remove(h) && self.cfg.kv_events {
+                out.kv_events.push(KvEvent::WindowRemoved {
+                    block_hashes: vec![*h],
+                });
+            }
         }
     }
 
@@ -925,6 +988,7 @@ impl Engine {
 
         // Cache the blocks that just became full, one BlockStored per contiguous run.
         let full = r.num_computed / bs;
+        let stored_from = out.kv_events.len();
         if full > r.num_registered {
             r.hashes_up_to(full as usize, bs as usize);
             let mut run: Option<KvEvent> = None;
@@ -984,7 +1048,11 @@ impl Engine {
                 offload_events(r, &offloaded, bs, &mut out.kv_events);
             }
             r.num_registered = full;
+            self.window_copies(&mut out.kv_events, stored_from);
         }
+        let Some(r) = self.reqs.get_mut(&id) else {
+            return;
+        };
 
         if r.num_computed < r.tokens.len() as u32 {
             return; // chunked prefill continues next step
@@ -1032,8 +1100,10 @@ impl Engine {
         self.stats.prefill_computed_tokens +=
             u64::from(summary.prompt_tokens.saturating_sub(summary.cached_tokens));
         let blocks = std::mem::take(&mut r.blocks);
+        let (hashes, tokens) = (std::mem::take(&mut r.block_hashes), r.tokens.len());
         self.pool.free(&blocks);
         self.reqs.remove(&id);
+        self.drop_out_of_window(&hashes, tokens, out);
         self.stats.requests_finished += 1;
         finished.push(id);
         out.events.push(RequestEvent::Finished {
@@ -1303,6 +1373,74 @@ mod tests {
         // A is still cached.
         e.add_request(req(6, &toks(0..9), 1)).unwrap();
         assert_eq!(summaries(&drain(&mut e, 5.0))[&6].cached_tokens, 8);
+    }
+
+    // A hybrid model's sliding-window group publishes a copy of every stored run under its
+    // own group, drops what fell out of the window when the request ends, and loses a block's
+    // copy when the full-attention block is evicted; the full-attention group is untouched.
+    #[test]
+    fn a_sliding_window_group_publishes_its_own_stores_and_drops() {
+        let mut cfg = tiny(8);
+        cfg.profile.sliding_window_tokens = Some(8);
+        let mut e = Engine::new(cfg).unwrap();
+        let prompt = toks(0..20); // five full blocks; the last 8 tokens are blocks 3 and 4
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        let events: Vec<&KvEvent> = outs.iter().flat_map(|o| &o.kv_events).collect();
+        let runs = |pick: fn(&KvEvent) -> Option<&StoredBlocks>| -> Vec<u64> {
+            events
+                .iter()
+                .filter_map(|e| pick(e))
+                .flat_map(|r| r.block_hashes.clone())
+                .collect()
+        };
+        let h = hashes(&prompt, 4);
+        let full = runs(|e| match e {
+            KvEvent::BlockStored(r) => Some(r),
+            _ => None,
+        });
+        let window = runs(|e| match e {
+            KvEvent::WindowStored(r) => Some(r),
+            _ => None,
+        });
+        assert_eq!(full, h[..5].to_vec());
+        assert_eq!(window, full, "the window group stores the same blocks");
+        let dropped: Vec<u64> = events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::WindowRemoved { block_hashes } => Some(block_hashes[0]),
+                _ => None,
+            })
+            .collect();
+        // 21 tokens at the end (20 + 1 generated): blocks wholly before the last 8 are 0..3.
+        assert_eq!(dropped, h[..3].to_vec());
+        assert!(
+            removed(&outs).is_empty(),
+            "full attention keeps every block"
+        );
+        // The wire tags them with their group.
+        let wire = crate::kv_events::wire_batch(0.0, &outs[0].kv_events, 0);
+        let groups: Vec<Option<u32>> = wire
+            .events
+            .iter()
+            .map(|e| match e {
+                vllm_wire::kv_events::WireEvent::BlockStored(s) => s.group_idx,
+                _ => None,
+            })
+            .collect();
+        assert!(groups.contains(&Some(0)) && groups.contains(&Some(SLIDING_WINDOW_GROUP)));
+        // Evicting the full-attention blocks drops their remaining window copies too.
+        e.add_request(req(2, &toks(100..128), 1)).unwrap();
+        let outs = drain(&mut e, 1.0);
+        let window_gone = outs
+            .iter()
+            .flat_map(|o| &o.kv_events)
+            .filter(|e| matches!(e, KvEvent::WindowRemoved { .. }))
+            .count();
+        assert!(
+            window_gone >= 2,
+            "{window_gone} window copies dropped on eviction"
+        );
     }
 
     #[test]

@@ -25,13 +25,14 @@ use vllm_wire::kv_events::{
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::SimError;
-use super::engine::KvEvent;
+use super::engine::{KvEvent, SLIDING_WINDOW_GROUP};
 
 /// Batches kept for replay (vLLM `buffer_steps` default).
 pub const DEFAULT_BUFFER_STEPS: usize = 10_000;
 
 /// One engine event as vLLM 0.33's GPU block pool publishes it: medium `GPU` (`CPU` for the
-/// offload tier), KV group 0, no spec kind, the extra keys of every block (LoRA name, and the
+/// offload tier), KV group 0 (a hybrid model's sliding-window layers: group
+/// [`SLIDING_WINDOW_GROUP`]), no spec kind, the extra keys of every block (LoRA name, and the
 /// cache salt on block 0).
 pub fn wire_event(ev: &KvEvent) -> WireEvent {
     let ints = |hs: &[u64]| hs.iter().copied().map(BlockHash::Int).collect();
@@ -40,8 +41,12 @@ pub fn wire_event(ev: &KvEvent) -> WireEvent {
         KvEvent::OffloadStored(_) | KvEvent::OffloadRemoved { .. } => "CPU",
         _ => "GPU",
     };
+    let group = match ev {
+        KvEvent::WindowStored(_) | KvEvent::WindowRemoved { .. } => SLIDING_WINDOW_GROUP,
+        _ => 0,
+    };
     match ev {
-        KvEvent::BlockStored(s) | KvEvent::OffloadStored(s) => {
+        KvEvent::BlockStored(s) | KvEvent::OffloadStored(s) | KvEvent::WindowStored(s) => {
             WireEvent::BlockStored(BlockStored {
                 block_hashes: ints(&s.block_hashes),
                 parent_block_hash: s.parent_block_hash.map(BlockHash::Int),
@@ -55,17 +60,17 @@ pub fn wire_event(ev: &KvEvent) -> WireEvent {
                     s.lora_name.as_deref(),
                     s.cache_salt.as_deref(),
                 )),
-                group_idx: Some(0),
+                group_idx: Some(group),
                 kv_cache_spec_kind: None,
             })
         }
-        KvEvent::BlockRemoved { block_hashes } | KvEvent::OffloadRemoved { block_hashes } => {
-            WireEvent::BlockRemoved(BlockRemoved {
-                block_hashes: ints(block_hashes),
-                medium: Some(medium.into()),
-                group_idx: Some(0),
-            })
-        }
+        KvEvent::BlockRemoved { block_hashes }
+        | KvEvent::OffloadRemoved { block_hashes }
+        | KvEvent::WindowRemoved { block_hashes } => WireEvent::BlockRemoved(BlockRemoved {
+            block_hashes: ints(block_hashes),
+            medium: Some(medium.into()),
+            group_idx: Some(group),
+        }),
         KvEvent::AllBlocksCleared => WireEvent::AllBlocksCleared,
     }
 }

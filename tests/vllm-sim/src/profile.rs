@@ -33,6 +33,10 @@ pub const BUILTIN_PROFILES: &[(&str, &str)] = &[
         "llama8b-a100-40g",
         include_str!("../profiles/llama8b-a100-40g.yaml"),
     ),
+    (
+        "llama8b-h100-sliding-window",
+        include_str!("../profiles/llama8b-h100-sliding-window.yaml"),
+    ),
 ];
 
 /// Cost model and limits of one simulated engine (one GPU running one model).
@@ -77,6 +81,12 @@ pub struct Profile {
     /// bandwidth over KV bytes per token); far faster than prefill, slower than a GPU hit.
     #[serde(default = "default_cpu_load_tokens_per_s")]
     pub cpu_load_tokens_per_s: f64,
+    /// A hybrid model's sliding window, in tokens: some of its layers (Gemma 3's local layers,
+    /// gpt-oss's banded ones) attend only to that many recent tokens and form a KV-cache group
+    /// of their own (group 1), which publishes its own events and drops a block once it falls
+    /// out of the window. `None`: every layer is full attention (one group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window_tokens: Option<u32>,
 }
 
 fn default_cpu_load_tokens_per_s() -> f64 {
@@ -177,6 +187,12 @@ impl Profile {
         }
         if !(self.cpu_load_tokens_per_s.is_finite() && self.cpu_load_tokens_per_s > 0.0) {
             return bad("cpu_load_tokens_per_s must be a positive number");
+        }
+        if self
+            .sliding_window_tokens
+            .is_some_and(|w| w < self.block_size)
+        {
+            return bad("sliding_window_tokens must hold at least one block");
         }
         if self.num_gpu_blocks() == 0 {
             return bad("kv_capacity_tokens must hold at least one block");
