@@ -818,6 +818,17 @@ impl State {
         self.note_state_changes(&mut inner);
     }
 
+    /// One of `address`'s KV-event batches stored `usable` runs the index applied and
+    /// `other_groups` runs of KV-cache groups it skipped (an `event_groups` state change is
+    /// logged and counted now).
+    pub fn note_event_groups(&self, address: &str, usable: u32, other_groups: u32) {
+        let mut inner = self.inner.lock();
+        inner
+            .router
+            .note_event_groups(address, usable, other_groups);
+        self.note_state_changes(&mut inner);
+    }
+
     /// Drops `address`'s precise state (publisher restart, unreplayable gap, bad message).
     pub fn clear_precise(&self, address: &str) {
         self.inner.lock().router.clear_precise(address);

@@ -40,8 +40,8 @@ use crate::reuse::{
     ReuseWindow,
 };
 use crate::self_check::{
-    EndpointCheck, EventGapCheck, EventHashCheck, RoutingState, SelfCheckConfig, StateChange,
-    StateReason,
+    EndpointCheck, EventGapCheck, EventGroupCheck, EventHashCheck, RoutingState, SelfCheckConfig,
+    StateChange, StateReason,
 };
 use crate::token_ratio::TokenRatio;
 
@@ -390,6 +390,10 @@ struct Slot {
     /// when they almost never do it is `degraded` (reason `hash_mismatch`) and scored from the
     /// approximate index.
     hashes: EventHashCheck,
+    /// Whether its KV events store blocks of a KV-cache group the index can use: when they
+    /// store only other groups it is `degraded` (reason `event_groups`) and scored from the
+    /// approximate index.
+    event_groups: EventGroupCheck,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
     /// The fleet numbers of the outcomes it served ([`crate::reuse`]).
@@ -456,8 +460,9 @@ impl Slot {
 
     /// The state and its reason: load-only on a mismatch; else degraded when the engine's
     /// block size is not the configured one, while an expected KV-event stream is down, while
-    /// it has not run clean since it lost batches, or while its events do not hold the blocks
-    /// the router hashes; else exact.
+    /// it has not run clean since it lost batches, while its events store only KV-cache groups
+    /// the index cannot use, or while its events do not hold the blocks the router hashes;
+    /// else exact.
     fn state_and_reason(&self) -> (RoutingState, Option<StateReason>) {
         if self.check.load_only() {
             (RoutingState::LoadOnly, Some(StateReason::Mismatch))
@@ -467,6 +472,8 @@ impl Slot {
             (RoutingState::Degraded, Some(StateReason::NoKvEvents))
         } else if self.event_gap.outstanding() {
             (RoutingState::Degraded, Some(StateReason::KvEventGap))
+        } else if self.event_groups.unusable() {
+            (RoutingState::Degraded, Some(StateReason::EventGroups))
         } else if self.hashes.mismatched() {
             (RoutingState::Degraded, Some(StateReason::HashMismatch))
         } else {
@@ -485,7 +492,10 @@ impl Slot {
     /// stream of blocks of the configured size that lost no batch since it last ran clean.
     /// Only then does a block missing from it say the router's hashes are not the engine's.
     fn events_whole(&self) -> bool {
-        self.events_live && self.other_block_size.is_none() && !self.event_gap.outstanding()
+        self.events_live
+            && self.other_block_size.is_none()
+            && !self.event_gap.outstanding()
+            && !self.event_groups.unusable()
     }
 
     /// What a copy needs of this endpoint ([`Router::endpoint_snapshots`]).
@@ -1292,6 +1302,7 @@ impl Router {
             other_block_size: None,
             event_gap: EventGapCheck::default(),
             hashes: EventHashCheck::default(),
+            event_groups: EventGroupCheck::default(),
             served: ServedTotals::default(),
             reuse: ReuseTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
@@ -1532,6 +1543,7 @@ impl Router {
             // down is degraded for that: a gap of the old session says nothing any more, nor
             // do blocks awaited in the index it had.
             slot.event_gap.clear();
+            slot.event_groups.clear();
             slot.hashes.forget_awaited();
         }
         // (A load-only endpoint stays load-only whatever its stream does: no change.)
@@ -1565,6 +1577,21 @@ impl Router {
         };
         let was = slot.state_and_reason();
         if slot.event_gap.in_sequence(&config) {
+            self.note_transition(id, was);
+        }
+    }
+
+    /// One of `address`'s KV-event batches stored `usable` runs of blocks the index applies and
+    /// `other_groups` runs of KV-cache groups it skips: after
+    /// `router.self_check.unusable_group_batches` batches in a row with only the latter the
+    /// endpoint is `degraded` (reason `event_groups`), and a usable store ends that.
+    pub fn note_event_groups(&mut self, address: &str, usable: u32, other_groups: u32) {
+        let config = self.config.self_check.clone();
+        let Some((id, slot)) = self.slot_mut(address) else {
+            return;
+        };
+        let was = slot.state_and_reason();
+        if slot.event_groups.batch(usable, other_groups, &config) {
             self.note_transition(id, was);
         }
     }
@@ -4361,6 +4388,46 @@ mod tests {
         r.set_event_stream(a, false);
         r.set_event_stream(a, true);
         assert_eq!(state(&r), (RoutingState::Exact, None));
+    }
+
+    // Issue #18: an endpoint whose KV events store only blocks of KV-cache groups the index
+    // cannot use (a hybrid model's other groups) is `degraded` (reason event_groups) after
+    // `unusable_group_batches` such batches in a row, and scored from the approximate index;
+    // batches that store nothing say nothing, and one usable store ends it.
+    #[test]
+    fn events_of_unusable_kv_groups_only_degrade_until_a_usable_store() {
+        let mut config = RouterConfig::default();
+        config.self_check.unusable_group_batches = 3;
+        let mut r = Router::new(config, 1);
+        let a = "10.0.0.0:8000";
+        r.upsert_endpoint(a).unwrap();
+        r.set_event_stream(a, true);
+        let state = first_state;
+        let precise_request = RouteRequest {
+            model: "m".into(),
+            token_block_hashes: vec![1, 2, 3],
+            prompt_tokens: 49,
+            ..Default::default()
+        };
+        let scored_precisely =
+            |r: &mut Router, now: u64| r.route(&precise_request, now, 1).candidates[0].precise;
+        // A healthy hybrid stream: both kinds in one batch, or other groups alone now and then.
+        r.note_event_groups(a, 1, 1);
+        r.note_event_groups(a, 0, 1);
+        r.note_event_groups(a, 0, 0);
+        r.note_event_groups(a, 0, 1);
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+        r.note_event_groups(a, 0, 1);
+        assert_eq!(
+            state(&r),
+            (RoutingState::Degraded, Some(StateReason::EventGroups)),
+            "three batches in a row stored only other groups"
+        );
+        assert!(!scored_precisely(&mut r, 1), "approximate while degraded");
+        r.note_event_groups(a, 2, 0);
+        assert_eq!(state(&r), (RoutingState::Exact, None));
+        assert!(scored_precisely(&mut r, 2));
+        assert_degraded_and_back(&mut r, a, StateReason::EventGroups, "one change each way");
     }
 
     // The ceiling is one cache as large as the fleet's KV: the window follows the endpoints'

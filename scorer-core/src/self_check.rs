@@ -15,8 +15,10 @@
 //!   engine's block size is not the configured one ([`StateReason::BlockSize`]), or its stream
 //!   lost batches that no replay could fill ([`StateReason::KvEventGap`], until
 //!   [`SelfCheckConfig::clean_batches_after_gap`] batches in a row arrive in sequence: see
-//!   [`EventGapCheck`]), or its KV events do not hold the blocks the router hashed for the
-//!   requests it served ([`StateReason::HashMismatch`]: see [`EventHashCheck`]);
+//!   [`EventGapCheck`]), its KV events do not hold the blocks the router hashed for the
+//!   requests it served ([`StateReason::HashMismatch`]: see [`EventHashCheck`]), or its events
+//!   store only blocks of KV-cache groups the index cannot use ([`StateReason::EventGroups`]:
+//!   see [`EventGroupCheck`]);
 //! - [`RoutingState::LoadOnly`]: the endpoint delivered almost none of the hits the index
 //!   believed in over a window of outcomes ([`StateReason::Mismatch`]); scoring credits it no
 //!   cached prefix, so it is chosen by load, until outcomes show the index right again.
@@ -72,6 +74,11 @@ pub struct SelfCheckConfig {
     /// How long after a served request's outcome its first block must be in the endpoint's
     /// event-fed index (the engine published it before it answered), in ms.
     pub confirm_after_ms: u64,
+    /// KV-event batches in a row that stored blocks of other KV-cache groups only (none the
+    /// index can use) before the endpoint is degraded with reason `event_groups`. Generous:
+    /// a healthy hybrid model whose other groups have smaller blocks stores them in batches
+    /// of their own between full-attention stores.
+    pub unusable_group_batches: u32,
 }
 
 impl Default for SelfCheckConfig {
@@ -87,6 +94,7 @@ impl Default for SelfCheckConfig {
             max_probe_after_ms: 600_000,
             clean_batches_after_gap: 32,
             confirm_after_ms: 1_000,
+            unusable_group_batches: 64,
         }
     }
 }
@@ -137,6 +145,11 @@ pub enum StateReason {
     /// chat template, a LoRA adapter under another name), so the event index never matches a
     /// request and the approximate index stands in ([`EventHashCheck`]).
     HashMismatch,
+    /// The endpoint's KV events store blocks only for KV-cache groups other than full
+    /// attention (a hybrid model whose full-attention group is not group 0, Mamba state, a
+    /// spec kind the decoder does not know): the event index stays empty while the stream
+    /// looks healthy, so the approximate index stands in ([`EventGroupCheck`]).
+    EventGroups,
 }
 
 impl StateReason {
@@ -148,6 +161,7 @@ impl StateReason {
             StateReason::BlockSize => "block_size",
             StateReason::KvEventGap => "kv_event_gap",
             StateReason::HashMismatch => "hash_mismatch",
+            StateReason::EventGroups => "event_groups",
         }
     }
 }
@@ -331,6 +345,45 @@ impl EventGapCheck {
     /// Whether a gap is outstanding (the event index is not trusted).
     pub fn outstanding(&self) -> bool {
         self.clean_since_gap.is_some()
+    }
+}
+
+/// Whether one endpoint's KV events store blocks of a KV-cache group the index can use. A model
+/// whose every store names another group leaves the event index empty while its stream looks
+/// healthy; after [`SelfCheckConfig::unusable_group_batches`] batches in a row that stored only
+/// such blocks the endpoint is degraded ([`StateReason::EventGroups`]) and precise requests
+/// read the approximate index, until a batch stores a usable block. Batches that store nothing
+/// (removals only, a cleared cache) say nothing either way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EventGroupCheck {
+    /// Batches in a row whose stores were all of other groups.
+    only_other_groups: u32,
+    /// Whether that run reached the threshold (and no usable store has come since).
+    unusable: bool,
+}
+
+impl EventGroupCheck {
+    /// One batch that stored `usable` blocks runs the index applies and `other_groups` runs of
+    /// other groups. Returns whether the verdict changed.
+    pub fn batch(&mut self, usable: u32, other_groups: u32, config: &SelfCheckConfig) -> bool {
+        let was = self.unusable;
+        if usable > 0 {
+            *self = Self::default();
+        } else if other_groups > 0 {
+            self.only_other_groups = self.only_other_groups.saturating_add(1);
+            self.unusable |= self.only_other_groups >= config.unusable_group_batches.max(1);
+        }
+        was != self.unusable
+    }
+
+    /// Forgets the run (a new stream session).
+    pub fn clear(&mut self) {
+        *self = Self::default();
+    }
+
+    /// Whether the endpoint's events have stored only unusable groups for long enough.
+    pub fn unusable(&self) -> bool {
+        self.unusable
     }
 }
 

@@ -14,6 +14,7 @@ use control_plane::kv_events::subscriber::{self, EventSource, SubscriberSettings
 use control_plane::state::{KvStreamStatus, State};
 use parking_lot::Mutex;
 use scorer_core::router::RouterConfig;
+use scorer_core::self_check::StateReason;
 use tokio::sync::watch;
 use vllm_wire::kv_events::{
     BlockHash, BlockStored, WireBatch, WireEvent, encode_batch, replay_end, replay_messages,
@@ -395,5 +396,33 @@ async fn sequence_going_backwards_on_one_connection_is_a_restart() {
     h.wait("in order after the restart", |h| h.precise_blocks() == 3)
         .await;
     assert_eq!(h.status().replays, replays, "no replay was needed");
+    stop(h, p).await;
+}
+
+// A stream whose every store names another KV-cache group (a hybrid model whose full-attention
+// group is not group 0) leaves the event index empty while it looks healthy: after
+// `unusable_group_batches` such batches the endpoint is degraded (event_groups); the first
+// usable store ends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_other_kv_groups_only_is_named_and_a_usable_store_ends_it() {
+    let mut p = FakePublisher::ephemeral().await;
+    let h = Harness::start(&p, true);
+    h.wait("live", |h| h.live()).await;
+    let reason = |h: &Harness| h.state.endpoints()[0].state_reason;
+    let other_group = || {
+        let WireEvent::BlockStored(mut s) = stored(1_000, 1, None) else {
+            unreachable!()
+        };
+        s.group_idx = Some(1);
+        batch(vec![WireEvent::BlockStored(s)])
+    };
+    publish_until(&mut p, &h, other_group, |h| {
+        reason(h) == Some(StateReason::EventGroups)
+    })
+    .await;
+    assert_eq!(h.precise_blocks(), 0, "nothing the index can use");
+    p.publish(batch(vec![stored(1, 1, None)])).await;
+    h.wait("a usable store", |h| reason(h).is_none()).await;
+    assert_eq!(h.precise_blocks(), 1);
     stop(h, p).await;
 }

@@ -19,6 +19,9 @@ pub const FULL_ATTENTION_KINDS: &[&str] =
 pub struct Skipped {
     /// Events of a KV group other than full attention (hybrid models).
     pub other_groups: u32,
+    /// Of those, the stores (`BlockStored`): a stream whose every store is one says nothing
+    /// the index can use.
+    pub other_group_stores: u32,
     /// Events of a type this crate does not know (a newer vLLM).
     pub unknown_types: u32,
 }
@@ -47,7 +50,10 @@ impl From<WireBatch> for EventBatch {
         let u64s = |hs: Vec<BlockHash>| hs.iter().map(BlockHash::to_u64).collect();
         for event in wire.events {
             match event {
-                WireEvent::BlockStored(s) if !full_attention(&s) => batch.skipped.other_groups += 1,
+                WireEvent::BlockStored(s) if !full_attention(&s) => {
+                    batch.skipped.other_groups += 1;
+                    batch.skipped.other_group_stores += 1;
+                }
                 WireEvent::BlockStored(s) => {
                     let cache_salt = match s.parent_block_hash {
                         None => cache_salt(s.extra_keys.as_ref(), s.lora_name.as_deref()),
