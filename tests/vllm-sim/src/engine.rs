@@ -1533,19 +1533,23 @@ mod tests {
         r
     }
 
+    /// Runs `prompt` unsalted (request 1), then salted "a" (request 2), and returns the salted
+    /// copy's cached tokens with its steps: both salt tests open this way, one expecting a
+    /// miss, the other (salts ignored) a hit.
+    fn salted_after_unsalted(e: &mut Engine, prompt: &[u32]) -> (u32, Vec<StepOutput>) {
+        e.add_request(req(1, prompt, 1)).unwrap();
+        drain(e, 0.0);
+        e.add_request(salted(2, prompt, "a")).unwrap();
+        let outs = drain(e, 1.0);
+        (summaries(&outs)[&2].cached_tokens, outs)
+    }
+
     #[test]
     fn a_cache_salt_isolates_the_prefix_cache_and_rides_on_block_zero() {
         let mut e = Engine::new(tiny(64)).unwrap();
         let prompt = toks(0..13);
-        e.add_request(req(1, &prompt, 1)).unwrap();
-        drain(&mut e, 0.0);
-        e.add_request(salted(2, &prompt, "a")).unwrap();
-        let outs = drain(&mut e, 1.0);
-        assert_eq!(
-            summaries(&outs)[&2].cached_tokens,
-            0,
-            "no hit on the unsalted copy"
-        );
+        let (cached, outs) = salted_after_unsalted(&mut e, &prompt);
+        assert_eq!(cached, 0, "no hit on the unsalted copy");
         match &outs[0].kv_events[..] {
             [
                 KvEvent::BlockStored(StoredBlocks {
@@ -1587,15 +1591,8 @@ mod tests {
         let mut e = Engine::new(tiny(64)).unwrap();
         e.set_cache_salt_ignored(true);
         let prompt = toks(0..13);
-        e.add_request(req(1, &prompt, 1)).unwrap();
-        drain(&mut e, 0.0);
-        e.add_request(salted(2, &prompt, "a")).unwrap();
-        let outs = drain(&mut e, 1.0);
-        assert_eq!(
-            summaries(&outs)[&2].cached_tokens,
-            12,
-            "the salted copy hits the unsalted blocks"
-        );
+        let (cached, _) = salted_after_unsalted(&mut e, &prompt);
+        assert_eq!(cached, 12, "the salted copy hits the unsalted blocks");
         e.set_cache_salt_ignored(false);
         e.add_request(salted(3, &prompt, "b")).unwrap();
         let outs = drain(&mut e, 2.0);
