@@ -937,23 +937,20 @@ async fn self_check_faults_lose_batches_alias_adapters_and_change_the_chat_templ
         "{tail:?}"
     );
 
-    // The adapter known by an alias: its blocks are stored under `sql-alias`, then `sql`.
-    set_fault(&c, &base, json!({"lora_alias": true})).await;
-    assert_eq!(
-        post(&c, &completions, complete("sql", 100)).await.status,
-        200
-    );
-    let n = batches.len();
-    let batches = replayed_until(&replay, |b| b.len() > n).await;
-    assert_eq!(last_stored_lora(&batches), Some(Some("sql-alias".into())));
-    set_fault(&c, &base, json!({"lora_alias": false})).await;
-    assert_eq!(
-        post(&c, &completions, complete("sql", 101)).await.status,
-        200
-    );
-    let n = batches.len();
-    let batches = replayed_until(&replay, |b| b.len() > n).await;
-    assert_eq!(last_stored_lora(&batches), Some(Some("sql".into())));
+    // The adapter known by an alias: its blocks are stored under `sql-alias`, then, with the
+    // fault cleared, under `sql`.
+    let mut seen = batches.len();
+    for (alias, i, stored) in [(true, 100, "sql-alias"), (false, 101, "sql")] {
+        set_fault(&c, &base, json!({"lora_alias": alias})).await;
+        assert_eq!(post(&c, &completions, complete("sql", i)).await.status, 200);
+        let batches = replayed_until(&replay, |b| b.len() > seen).await;
+        assert_eq!(
+            last_stored_lora(&batches),
+            Some(Some(stored.into())),
+            "lora_alias {alias}"
+        );
+        seen = batches.len();
+    }
 
     // Another chat template: generation prepends its default system message; `/tokenize`
     // (the render path a router tokenises through) keeps the pool's template.
