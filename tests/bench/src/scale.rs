@@ -208,13 +208,7 @@ pub async fn run(
             "replica": first["replica"], "since": first["next"], "log": first["log"],
         });
         let tick = client
-            .request(
-                "POST",
-                &sync_url,
-                &[("content-type", "application/json")],
-                Some(tick.to_string()),
-                Duration::from_secs(5),
-            )
+            .post_json(&sync_url, &tick, Duration::from_secs(5))
             .await?;
         let idle = steady_sync_bytes(client, &sync_url, &first).await?;
         fleet.set_changing(true);
@@ -253,15 +247,7 @@ async fn sync(
     url: &str,
     body: &serde_json::Value,
 ) -> anyhow::Result<(serde_json::Value, usize)> {
-    let answer = client
-        .request(
-            "POST",
-            url,
-            &[("content-type", "application/json")],
-            Some(body.to_string()),
-            Duration::from_secs(5),
-        )
-        .await?;
+    let answer = client.post_json(url, body, Duration::from_secs(5)).await?;
     if answer.status != 200 {
         bail!("/v1/sync answered {}: {}", answer.status, answer.body);
     }

@@ -14,9 +14,7 @@ use vllm_wire::kv_events::{BlockHash, WireBatch, WireEvent, decode_batch};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 async fn post(c: &HttpClient, url: &str, body: Value) -> HttpResponse {
-    c.request("POST", url, &[], Some(body.to_string()), T)
-        .await
-        .expect("response")
+    c.post_json(url, &body, T).await.expect("response")
 }
 
 /// The OpenAI-style `error.message` of a refused request.
@@ -544,10 +542,7 @@ async fn shutdown_releases_hung_requests() {
     let hung = {
         let c = c.clone();
         let url = format!("{base}/v1/chat/completions");
-        tokio::spawn(async move {
-            c.request("POST", &url, &[], Some(chat("hi", 1, false).to_string()), T)
-                .await
-        })
+        tokio::spawn(async move { c.post_json(&url, &chat("hi", 1, false), T).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = std::time::Instant::now();
@@ -793,8 +788,7 @@ async fn reset_prefix_cache_fails_while_blocks_are_held_like_vllm() {
         let url = format!("{base}/v1/completions");
         tokio::spawn(async move {
             let body = json!({"prompt": "a long story", "max_tokens": 60});
-            c.request("POST", &url, &[], Some(body.to_string()), T)
-                .await
+            c.post_json(&url, &body, T).await
         })
     };
     let deadline = tokio::time::Instant::now() + T;
