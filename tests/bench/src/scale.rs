@@ -158,19 +158,15 @@ pub async fn run(
             ))
         };
         // Warm-up: every endpoint scraped a few times.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(why) = proc.exited() {
-                bail!("control plane exited: {why}\n{}", proc.log_tail(20));
-            }
-            if scrapes_ok().await.unwrap_or(0.0) >= 3.0 * n as f64 {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!("the control plane did not scrape {n} endpoints 3 times in 20 s");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        crate::wait_while_running(
+            &mut proc,
+            "control plane",
+            Duration::from_secs(20),
+            Duration::from_millis(200),
+            async || (scrapes_ok().await.unwrap_or(0.0) >= 3.0 * n as f64).then_some(()),
+            |_| format!("the control plane did not scrape {n} endpoints 3 times in 20 s"),
+        )
+        .await?;
         let (cpu0, scrapes0, t0) = (
             cpu_seconds(proc.pid())?,
             scrapes_ok().await?,
