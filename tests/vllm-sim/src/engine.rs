@@ -1345,12 +1345,20 @@ mod tests {
         assert_eq!(e.stats().num_cached_blocks, 7, "request 4's full blocks");
     }
 
-    #[test]
-    fn a_preempted_request_is_counted_once_and_recomputes_from_cache() {
+    /// Requests 1 (tokens 0..12) and 2 (100..112), 12 output tokens each, run to idle in 8
+    /// blocks: each needs 6 blocks at its end, both together 12, so one is preempted. The
+    /// preemption tests read different things off this one overflow.
+    fn overflowing_pair() -> (Engine, Vec<StepOutput>) {
         let mut e = Engine::new(tiny(8)).unwrap();
         e.add_request(req(1, &toks(0..12), 12)).unwrap();
         e.add_request(req(2, &toks(100..112), 12)).unwrap();
         let outs = drain(&mut e, 0.0);
+        (e, outs)
+    }
+
+    #[test]
+    fn a_preempted_request_is_counted_once_and_recomputes_from_cache() {
+        let (e, outs) = overflowing_pair();
         let s = summaries(&outs);
         assert!(s[&2].num_preemptions > 0);
         // vLLM exports the lookups of first admissions only.
@@ -1384,11 +1392,7 @@ mod tests {
 
     #[test]
     fn preempts_newest_when_cache_overflows() {
-        // 8 blocks; each request needs 6 blocks at its end, both together 12.
-        let mut e = Engine::new(tiny(8)).unwrap();
-        e.add_request(req(1, &toks(0..12), 12)).unwrap();
-        e.add_request(req(2, &toks(100..112), 12)).unwrap();
-        let outs = drain(&mut e, 0.0);
+        let (e, outs) = overflowing_pair();
         let pre: Vec<_> = outs
             .iter()
             .flat_map(|o| &o.events)
