@@ -894,21 +894,19 @@ async fn self_check_faults_lose_batches_alias_adapters_and_change_the_chat_templ
         .expect("replay endpoint");
     let c = HttpClient::new();
     let base = sim.url();
-    let complete = |model: &str, i: u32| {
-        let words: Vec<String> = (0..40).map(|k| format!("w{i}x{k}")).collect();
-        json!({"model": model, "prompt": words.join(" "), "max_tokens": 1})
-    };
     let completions = format!("{base}/v1/completions");
+    // Sends completion `i` (40 words of its own) to `model` and asserts it was served: each
+    // fault is watched through the KV-event batches of a few such requests.
+    let complete = async |model: &str, i: u32| {
+        let words: Vec<String> = (0..40).map(|k| format!("w{i}x{k}")).collect();
+        let body = json!({"model": model, "prompt": words.join(" "), "max_tokens": 1});
+        assert_eq!(post(&c, &completions, body).await.status, 200);
+    };
 
     // One batch in two lost: the replay buffer holds only the even sequence numbers.
     set_fault(&c, &base, json!({"lose_kv_batch_every": 2})).await;
     for i in 0..6 {
-        assert_eq!(
-            post(&c, &completions, complete("sim-llama", i))
-                .await
-                .status,
-            200
-        );
+        complete("sim-llama", i).await;
     }
     let batches = replayed_until(&replay, |b| b.len() >= 3).await;
     let seqs: Vec<u64> = batches.iter().map(|b| b.0).collect();
@@ -917,12 +915,7 @@ async fn self_check_faults_lose_batches_alias_adapters_and_change_the_chat_templ
     set_fault(&c, &base, json!({"lose_kv_batch_every": 0})).await;
     let last = *seqs.last().unwrap();
     for i in 6..8 {
-        assert_eq!(
-            post(&c, &completions, complete("sim-llama", i))
-                .await
-                .status,
-            200
-        );
+        complete("sim-llama", i).await;
     }
     let batches = replayed_until(&replay, |b| b.len() >= seqs.len() + 2).await;
     let tail: Vec<u64> = batches.iter().map(|b| b.0).skip(seqs.len()).collect();
@@ -936,7 +929,7 @@ async fn self_check_faults_lose_batches_alias_adapters_and_change_the_chat_templ
     let mut seen = batches.len();
     for (alias, i, stored) in [(true, 100, "sql-alias"), (false, 101, "sql")] {
         set_fault(&c, &base, json!({"lora_alias": alias})).await;
-        assert_eq!(post(&c, &completions, complete("sql", i)).await.status, 200);
+        complete("sql", i).await;
         let batches = replayed_until(&replay, |b| b.len() > seen).await;
         assert_eq!(
             last_stored_lora(&batches),
