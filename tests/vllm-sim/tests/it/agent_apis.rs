@@ -41,6 +41,14 @@ fn sse_events(r: &HttpResponse) -> Vec<(String, Value)> {
         .collect()
 }
 
+/// The event names of `events` in order, and how many of them are `delta`: both stream tests
+/// compare the order with vLLM's around however many deltas the answer took.
+fn names_and_deltas<'a>(events: &'a [(String, Value)], delta: &str) -> (Vec<&'a str>, usize) {
+    let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
+    let deltas = names.iter().filter(|n| **n == delta).count();
+    (names, deltas)
+}
+
 fn is_hex_id(id: &str, prefix: &str) -> bool {
     id.strip_prefix(prefix)
         .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
@@ -340,11 +348,7 @@ async fn a_streamed_response_sends_vllms_events_in_order() {
     let r = post(&c, &url, body).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let events = sse_events(&r);
-    let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
-    let deltas = names
-        .iter()
-        .filter(|n| **n == "response.output_text.delta")
-        .count();
+    let (names, deltas) = names_and_deltas(&events, "response.output_text.delta");
     assert!(deltas >= 1);
     let mut want = vec![
         "response.created",
@@ -565,11 +569,7 @@ async fn a_streamed_message_sends_anthropics_events_as_vllm_does() {
     let r = post(&c, &format!("{}/v1/messages", sim.url()), body).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let events = sse_events(&r);
-    let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
-    let deltas = names
-        .iter()
-        .filter(|n| **n == "content_block_delta")
-        .count();
+    let (names, deltas) = names_and_deltas(&events, "content_block_delta");
     let mut want = vec!["message_start", "content_block_start"];
     want.extend(std::iter::repeat_n("content_block_delta", deltas));
     want.extend(["content_block_stop", "message_delta", "message_stop"]);
