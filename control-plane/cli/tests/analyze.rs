@@ -44,6 +44,15 @@ fn text(out: &[u8]) -> String {
     String::from_utf8_lossy(out).into_owned()
 }
 
+/// Runs `kvroute-analyze` with `args`, asserts it succeeded (showing its stderr if not) and
+/// returns its stdout and stderr: every test of a good input starts this way.
+fn run_ok(args: &[&str]) -> (String, String) {
+    let out = run(args);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    (stdout, stderr)
+}
+
 /// A chat log where every conversation shares one long system prompt.
 fn chat_log(path: &Path) {
     let system = "You are a careful assistant for the kvroute project. ".repeat(60);
@@ -78,7 +87,7 @@ fn openai_bodies_show_sharing_and_both_policies() {
     chat_log(&log);
     let svg = dir.join("chart.svg");
     let report = dir.join("report.json");
-    let out = run(&[
+    let (stdout, stderr) = run_ok(&[
         log.to_str().unwrap(),
         "--replicas",
         "2",
@@ -89,8 +98,6 @@ fn openai_bodies_show_sharing_and_both_policies() {
         "--json",
         report.to_str().unwrap(),
     ]);
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{stderr}");
     assert!(
         stderr.contains("simulating kvroute on 2 replicas"),
         "{stderr}"
@@ -177,15 +184,13 @@ fn mooncake_trace_over_several_fleet_sizes_draws_both_charts() {
     }
     std::fs::write(&trace, lines.join("\n")).unwrap();
     let svg = dir.join("fleet.svg");
-    let out = run(&[
+    let (stdout, _) = run_ok(&[
         trace.to_str().unwrap(),
         "--replicas",
         "1,3",
         "--svg",
         svg.to_str().unwrap(),
     ]);
-    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(out.status.success(), "{stderr}");
     // 27 of 30 requests find their document's 2,048 tokens (minus nothing: whole blocks).
     assert!(
         stdout.contains("requests            30 (27 reuse"),
@@ -207,9 +212,7 @@ fn mooncake_trace_over_several_fleet_sizes_draws_both_charts() {
 
 #[test]
 fn generator_without_sharing_says_routing_cannot_help() {
-    let out = run(&["no-sharing:requests=40,input=500", "--no-sim"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let stdout = text(&out.stdout);
+    let (stdout, _) = run_ok(&["no-sharing:requests=40,input=500", "--no-sim"]);
     assert!(stdout.contains("prefix sharing      0.0%"), "{stdout}");
     assert!(stdout.contains("cannot help"), "{stdout}");
 }

@@ -20,6 +20,7 @@ use scorer_core::protocol::{ApiKind, Outcome, RouteRequest, RouteResponse};
 use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
 use serde::Serialize;
 
+use kvroute_harness::ManagedProcess;
 use kvroute_harness::loadgen::{percentile, words};
 use proxy_wasm_host::{FilterAction, FilterModule, HostError};
 
@@ -584,6 +585,32 @@ pub fn filled_index_bodies(blocks: usize, n: usize) -> (Vec<String>, Vec<String>
         .collect();
     let fill = chains.into_iter().map(body).collect();
     (fill, measure)
+}
+
+/// Polls `ready` every `every` until it gives a value, while `process` runs. The drivers start
+/// a process and wait for it to serve in several places; they fail alike when it exits
+/// (`"{label} exited: {why}"` with its log tail) and with `late(process)` once `within` passes.
+pub async fn wait_while_running<T>(
+    process: &mut ManagedProcess,
+    label: &str,
+    within: Duration,
+    every: Duration,
+    mut ready: impl AsyncFnMut() -> Option<T>,
+    late: impl FnOnce(&ManagedProcess) -> String,
+) -> anyhow::Result<T> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(why) = process.exited() {
+            anyhow::bail!("{label} exited: {why}\n{}", process.log_tail(20));
+        }
+        if let Some(value) = ready().await {
+            return Ok(value);
+        }
+        if Instant::now() > deadline {
+            anyhow::bail!("{}", late(process));
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 #[cfg(test)]

@@ -158,19 +158,15 @@ pub async fn run(
             ))
         };
         // Warm-up: every endpoint scraped a few times.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(why) = proc.exited() {
-                bail!("control plane exited: {why}\n{}", proc.log_tail(20));
-            }
-            if scrapes_ok().await.unwrap_or(0.0) >= 3.0 * n as f64 {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!("the control plane did not scrape {n} endpoints 3 times in 20 s");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        crate::wait_while_running(
+            &mut proc,
+            "control plane",
+            Duration::from_secs(20),
+            Duration::from_millis(200),
+            async || (scrapes_ok().await.unwrap_or(0.0) >= 3.0 * n as f64).then_some(()),
+            |_| format!("the control plane did not scrape {n} endpoints 3 times in 20 s"),
+        )
+        .await?;
         let (cpu0, scrapes0, t0) = (
             cpu_seconds(proc.pid())?,
             scrapes_ok().await?,
@@ -208,13 +204,7 @@ pub async fn run(
             "replica": first["replica"], "since": first["next"], "log": first["log"],
         });
         let tick = client
-            .request(
-                "POST",
-                &sync_url,
-                &[("content-type", "application/json")],
-                Some(tick.to_string()),
-                Duration::from_secs(5),
-            )
+            .post_json(&sync_url, &tick, Duration::from_secs(5))
             .await?;
         let idle = steady_sync_bytes(client, &sync_url, &first).await?;
         fleet.set_changing(true);
@@ -253,15 +243,7 @@ async fn sync(
     url: &str,
     body: &serde_json::Value,
 ) -> anyhow::Result<(serde_json::Value, usize)> {
-    let answer = client
-        .request(
-            "POST",
-            url,
-            &[("content-type", "application/json")],
-            Some(body.to_string()),
-            Duration::from_secs(5),
-        )
-        .await?;
+    let answer = client.post_json(url, body, Duration::from_secs(5)).await?;
     if answer.status != 200 {
         bail!("/v1/sync answered {}: {}", answer.status, answer.body);
     }

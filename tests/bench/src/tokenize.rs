@@ -190,13 +190,7 @@ async fn route(
         "api": "chat",
     });
     let r = client
-        .request(
-            "POST",
-            url,
-            &[("content-type", "application/json")],
-            Some(body.to_string()),
-            Duration::from_secs(10),
-        )
+        .post_json(url, &body, Duration::from_secs(10))
         .await?;
     if r.status != 200 {
         return Err(TokenizeBenchError::Control(format!(

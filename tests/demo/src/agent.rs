@@ -154,9 +154,8 @@ async fn attempt(
             .await
             .map_err(|_| RequestError::Timeout(timeout))??;
     } else {
-        let headers = [("content-type", "application/json")];
         let resp = client
-            .request("POST", &url, &headers, Some(body.to_string()), timeout)
+            .post_json(&url, body, timeout)
             .await
             .map_err(|e| RequestError::Transport(e.to_string()))?;
         if resp.status != 200 {

@@ -120,6 +120,24 @@ struct Held {
     tokens: Vec<u32>,
 }
 
+/// Request `id` with prompt `tokens` as the router sees it: the driver offers a request to the
+/// policy at arrival, again from the router's queue and when it routes it, and every offer must
+/// carry the same cap, session and `cache_control` marking.
+fn policy_request<'a>(
+    workload: &Workload,
+    options: &RunOptions,
+    id: usize,
+    tokens: &'a [u32],
+) -> PolicyRequest<'a> {
+    PolicyRequest {
+        id,
+        tokens,
+        max_tokens: options.max_tokens,
+        session: workload.requests[id].session,
+        marked_tokens: workload.cache_control.marked_tokens(tokens.len()),
+    }
+}
+
 /// Replays `workload` through `cfg.replicas` engines routed by `policy`, with `options`.
 /// Each policy's metrics are scraped on its own interval ([`Policy::metrics_interval_ms`],
 /// else `cfg.metrics_interval_ms`), so it sees them as stale as its real router does.
@@ -130,8 +148,6 @@ pub fn run_with(
     options: &RunOptions,
 ) -> Result<RunResult, SimError> {
     let wants_events = policy.wants_kv_events();
-    let marking = workload.cache_control;
-    let marked = |tokens: &[u32]| marking.marked_tokens(tokens.len());
     let profiles: Vec<Profile> = if options.replica_profiles.is_empty() {
         vec![cfg.profile.clone(); cfg.replicas]
     } else {
@@ -202,13 +218,7 @@ pub fn run_with(
                 if let Some(d) = dependents.get(&i) {
                     context.insert(i, (tokens.clone(), d.len()));
                 }
-                let request = PolicyRequest {
-                    id: i,
-                    tokens: &tokens,
-                    max_tokens: options.max_tokens,
-                    session: spec.session,
-                    marked_tokens: marked(&tokens),
-                };
+                let request = policy_request(workload, options, i, &tokens);
                 if held.is_empty() && !policy.holds_in_queue(&request, now) {
                     ready.push(Held { id: i, tokens });
                 } else {
@@ -260,13 +270,7 @@ pub fn run_with(
                 fleet.start_step(r, now, &mut queue, Event::StepDone);
                 // The router's queue, oldest first, while the router lets requests go.
                 while let Some(front) = held.front() {
-                    let request = PolicyRequest {
-                        id: front.id,
-                        tokens: &front.tokens,
-                        max_tokens: options.max_tokens,
-                        session: workload.requests[front.id].session,
-                        marked_tokens: marked(&front.tokens),
-                    };
+                    let request = policy_request(workload, options, front.id, &front.tokens);
                     if policy.holds_in_queue(&request, now) {
                         break;
                     }
@@ -290,13 +294,7 @@ pub fn run_with(
         }
         for Held { id: i, tokens } in ready {
             let spec = &workload.requests[i];
-            let request = PolicyRequest {
-                id: i,
-                tokens: &tokens,
-                max_tokens: options.max_tokens,
-                session: spec.session,
-                marked_tokens: marked(&tokens),
-            };
+            let request = policy_request(workload, options, i, &tokens);
             let busy_until = fleet.busy_until_ms();
             let exact = ExactFleet {
                 engines: &fleet.engines,

@@ -529,6 +529,18 @@ impl HttpClient {
     pub async fn get(&self, url: &str, timeout: Duration) -> Result<HttpResponse> {
         self.request("GET", url, &[], None, timeout).await
     }
+
+    /// `POST url` with `body` as JSON (`content-type: application/json`, added by
+    /// [`build_request`]) and a timeout: the drivers' and simulators' JSON APIs all take this.
+    pub async fn post_json(
+        &self,
+        url: &str,
+        body: &Value,
+        timeout: Duration,
+    ) -> Result<HttpResponse> {
+        self.request("POST", url, &[], Some(body.to_string()), timeout)
+            .await
+    }
 }
 
 /// Which Envoy topology a fleet runs.

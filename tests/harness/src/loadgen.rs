@@ -365,6 +365,25 @@ pub struct RequestRecord {
     pub error: Option<String>,
 }
 
+impl RequestRecord {
+    /// A request that got no answer, measured as nothing but its `error`: a failed request and
+    /// a conversation task that died are recorded alike.
+    fn failed(conversation: usize, turn: usize, sent_ms: f64, error: String) -> Self {
+        Self {
+            conversation,
+            turn,
+            sent_ms,
+            ttft_ms: None,
+            e2e_ms: 0.0,
+            output_tokens: 0,
+            cached_tokens: None,
+            prompt_tokens: None,
+            replica: None,
+            error: Some(error),
+        }
+    }
+}
+
 /// The result of a workload run.
 #[derive(Debug, Clone)]
 pub struct RunResult {
@@ -422,18 +441,7 @@ where
                     Err(e) => {
                         // Keep the conversation going with a placeholder answer.
                         history.push(json!({"role": "assistant", "content": "(no answer)"}));
-                        RequestRecord {
-                            conversation: c,
-                            turn,
-                            sent_ms,
-                            ttft_ms: None,
-                            e2e_ms: 0.0,
-                            output_tokens: 0,
-                            cached_tokens: None,
-                            prompt_tokens: None,
-                            replica: None,
-                            error: Some(e.to_string()),
-                        }
+                        RequestRecord::failed(c, turn, sent_ms, e.to_string())
                     }
                 };
                 records.push(record);
@@ -450,18 +458,12 @@ where
     while let Some(joined) = tasks.join_next().await {
         match joined {
             Ok(r) => records.extend(r),
-            Err(e) => records.push(RequestRecord {
-                conversation: usize::MAX,
-                turn: 0,
-                sent_ms: 0.0,
-                ttft_ms: None,
-                e2e_ms: 0.0,
-                output_tokens: 0,
-                cached_tokens: None,
-                prompt_tokens: None,
-                replica: None,
-                error: Some(format!("conversation task failed: {e}")),
-            }),
+            Err(e) => records.push(RequestRecord::failed(
+                usize::MAX,
+                0,
+                0.0,
+                format!("conversation task failed: {e}"),
+            )),
         }
     }
     RunResult {

@@ -1483,12 +1483,20 @@ mod tests {
         assert_eq!(e.stats().num_cached_blocks, 7, "request 4's full blocks");
     }
 
-    #[test]
-    fn a_preempted_request_is_counted_once_and_recomputes_from_cache() {
+    /// Requests 1 (tokens 0..12) and 2 (100..112), 12 output tokens each, run to idle in 8
+    /// blocks: each needs 6 blocks at its end, both together 12, so one is preempted. The
+    /// preemption tests read different things off this one overflow.
+    fn overflowing_pair() -> (Engine, Vec<StepOutput>) {
         let mut e = Engine::new(tiny(8)).unwrap();
         e.add_request(req(1, &toks(0..12), 12)).unwrap();
         e.add_request(req(2, &toks(100..112), 12)).unwrap();
         let outs = drain(&mut e, 0.0);
+        (e, outs)
+    }
+
+    #[test]
+    fn a_preempted_request_is_counted_once_and_recomputes_from_cache() {
+        let (e, outs) = overflowing_pair();
         let s = summaries(&outs);
         assert!(s[&2].num_preemptions > 0);
         // vLLM exports the lookups of first admissions only.
@@ -1522,11 +1530,7 @@ mod tests {
 
     #[test]
     fn preempts_newest_when_cache_overflows() {
-        // 8 blocks; each request needs 6 blocks at its end, both together 12.
-        let mut e = Engine::new(tiny(8)).unwrap();
-        e.add_request(req(1, &toks(0..12), 12)).unwrap();
-        e.add_request(req(2, &toks(100..112), 12)).unwrap();
-        let outs = drain(&mut e, 0.0);
+        let (e, outs) = overflowing_pair();
         let pre: Vec<_> = outs
             .iter()
             .flat_map(|o| &o.events)
@@ -1671,19 +1675,23 @@ mod tests {
         r
     }
 
+    /// Runs `prompt` unsalted (request 1), then salted "a" (request 2), and returns the salted
+    /// copy's cached tokens with its steps: both salt tests open this way, one expecting a
+    /// miss, the other (salts ignored) a hit.
+    fn salted_after_unsalted(e: &mut Engine, prompt: &[u32]) -> (u32, Vec<StepOutput>) {
+        e.add_request(req(1, prompt, 1)).unwrap();
+        drain(e, 0.0);
+        e.add_request(salted(2, prompt, "a")).unwrap();
+        let outs = drain(e, 1.0);
+        (summaries(&outs)[&2].cached_tokens, outs)
+    }
+
     #[test]
     fn a_cache_salt_isolates_the_prefix_cache_and_rides_on_block_zero() {
         let mut e = Engine::new(tiny(64)).unwrap();
         let prompt = toks(0..13);
-        e.add_request(req(1, &prompt, 1)).unwrap();
-        drain(&mut e, 0.0);
-        e.add_request(salted(2, &prompt, "a")).unwrap();
-        let outs = drain(&mut e, 1.0);
-        assert_eq!(
-            summaries(&outs)[&2].cached_tokens,
-            0,
-            "no hit on the unsalted copy"
-        );
+        let (cached, outs) = salted_after_unsalted(&mut e, &prompt);
+        assert_eq!(cached, 0, "no hit on the unsalted copy");
         match &outs[0].kv_events[..] {
             [
                 KvEvent::BlockStored(StoredBlocks {
@@ -1725,15 +1733,8 @@ mod tests {
         let mut e = Engine::new(tiny(64)).unwrap();
         e.set_cache_salt_ignored(true);
         let prompt = toks(0..13);
-        e.add_request(req(1, &prompt, 1)).unwrap();
-        drain(&mut e, 0.0);
-        e.add_request(salted(2, &prompt, "a")).unwrap();
-        let outs = drain(&mut e, 1.0);
-        assert_eq!(
-            summaries(&outs)[&2].cached_tokens,
-            12,
-            "the salted copy hits the unsalted blocks"
-        );
+        let (cached, _) = salted_after_unsalted(&mut e, &prompt);
+        assert_eq!(cached, 12, "the salted copy hits the unsalted blocks");
         e.set_cache_salt_ignored(false);
         e.add_request(salted(3, &prompt, "b")).unwrap();
         let outs = drain(&mut e, 2.0);

@@ -24,6 +24,12 @@ use wasmtime::{
 /// Fuel for one guest call: far above any real callback, small enough to stop a loop fast.
 const FUEL_PER_CALL: u64 = 5_000_000_000;
 
+/// The table index of a proxy-wasm handle: the host hands out `index + 1` for shared queues and
+/// metrics, so 0 names nothing (and a negative id, read as a large `u32`, no entry).
+fn slot(id: i32) -> Option<usize> {
+    (id as u32).checked_sub(1).map(|i| i as usize)
+}
+
 /// proxy-wasm status codes (ABI 0.2.1).
 mod status {
     pub const OK: i32 = 0;
@@ -237,6 +243,18 @@ impl HostState {
             }
             3 => Some((&mut stream.response_trailers, true)),
             _ => None,
+        }
+    }
+
+    /// Runs `edit` on header map `map_type` when the module may still write it, answering
+    /// `BAD_ARGUMENT` for a missing or read-only map: what every header-map setter does.
+    fn edit_map(&mut self, map_type: i32, edit: impl FnOnce(&mut HeaderMap)) -> i32 {
+        match self.map(map_type) {
+            Some((map, true)) => {
+                edit(map);
+                status::OK
+            }
+            _ => status::BAD_ARGUMENT,
         }
     }
 
@@ -455,16 +473,12 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             let Some(new) = deserialize_map(&bytes) else {
                 return Ok(status::BAD_ARGUMENT);
             };
-            match c.data_mut().map(kind) {
-                Some((map, true)) => {
-                    *map = new
-                        .into_iter()
-                        .map(|(k, v)| (k.to_ascii_lowercase(), v))
-                        .collect();
-                    Ok(status::OK)
-                }
-                _ => Ok(status::BAD_ARGUMENT),
-            }
+            Ok(c.data_mut().edit_map(kind, |map| {
+                *map = new
+                    .into_iter()
+                    .map(|(k, v)| (k.to_ascii_lowercase(), v))
+                    .collect();
+            }))
         },
     )?;
     linker.func_wrap(
@@ -496,13 +510,9 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "proxy_remove_header_map_value",
         |mut c: Caller<'_, HostState>, kind: i32, kptr: i32, klen: i32| {
             let key = read_string(&mut c, kptr, klen)?;
-            match c.data_mut().map(kind) {
-                Some((map, true)) => {
-                    map.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
-                    Ok(status::OK)
-                }
-                _ => Ok(status::BAD_ARGUMENT),
-            }
+            Ok(c.data_mut().edit_map(kind, |map| {
+                map.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
+            }))
         },
     )?;
     linker.func_wrap(
@@ -511,23 +521,18 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         |mut c: Caller<'_, HostState>, kind: i32, kptr: i32, klen: i32, vptr: i32, vlen: i32| {
             let key = read_string(&mut c, kptr, klen)?.to_ascii_lowercase();
             let value = read(&mut c, vptr, vlen)?;
-            match c.data_mut().map(kind) {
-                Some((map, true)) => {
-                    match map.iter().position(|(k, _)| *k == key) {
-                        Some(i) => {
-                            map[i].1 = value;
-                            let mut seen = 0;
-                            map.retain(|(k, _)| {
-                                seen += usize::from(*k == key);
-                                *k != key || seen == 1
-                            });
-                        }
-                        None => map.push((key, value)),
+            Ok(c.data_mut()
+                .edit_map(kind, |map| match map.iter().position(|(k, _)| *k == key) {
+                    Some(i) => {
+                        map[i].1 = value;
+                        let mut seen = 0;
+                        map.retain(|(k, _)| {
+                            seen += usize::from(*k == key);
+                            *k != key || seen == 1
+                        });
                     }
-                    Ok(status::OK)
-                }
-                _ => Ok(status::BAD_ARGUMENT),
-            }
+                    None => map.push((key, value)),
+                }))
         },
     )?;
     linker.func_wrap(
@@ -536,13 +541,7 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         |mut c: Caller<'_, HostState>, kind: i32, kptr: i32, klen: i32, vptr: i32, vlen: i32| {
             let key = read_string(&mut c, kptr, klen)?.to_ascii_lowercase();
             let value = read(&mut c, vptr, vlen)?;
-            match c.data_mut().map(kind) {
-                Some((map, true)) => {
-                    map.push((key, value));
-                    Ok(status::OK)
-                }
-                _ => Ok(status::BAD_ARGUMENT),
-            }
+            Ok(c.data_mut().edit_map(kind, |map| map.push((key, value))))
         },
     )?;
     linker.func_wrap(
@@ -640,10 +639,7 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "proxy_enqueue_shared_queue",
         |mut c: Caller<'_, HostState>, id: i32, vptr: i32, vlen: i32| {
             let value = read(&mut c, vptr, vlen)?;
-            match (id as u32)
-                .checked_sub(1)
-                .and_then(|i| c.data_mut().queues.get_mut(i as usize))
-            {
+            match slot(id).and_then(|i| c.data_mut().queues.get_mut(i)) {
                 Some((_, q)) => {
                     q.push_back(value);
                     Ok(status::OK)
@@ -656,10 +652,7 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "env",
         "proxy_dequeue_shared_queue",
         |mut c: Caller<'_, HostState>, id: i32, ret_ptr: i32, ret_size: i32| {
-            let item = match (id as u32)
-                .checked_sub(1)
-                .and_then(|i| c.data_mut().queues.get_mut(i as usize))
-            {
+            let item = match slot(id).and_then(|i| c.data_mut().queues.get_mut(i)) {
                 Some((_, q)) => q.pop_front(),
                 None => return Ok(status::NOT_FOUND),
             };
@@ -869,10 +862,7 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "env",
         "proxy_increment_metric",
         |mut c: Caller<'_, HostState>, id: i32, offset: i64| {
-            let Some(metric) = (id as u32)
-                .checked_sub(1)
-                .and_then(|i| c.data_mut().metrics.get_mut(i as usize))
-            else {
+            let Some(metric) = slot(id).and_then(|i| c.data_mut().metrics.get_mut(i)) else {
                 return status::NOT_FOUND;
             };
             // Envoy: counters only go up; histograms cannot be incremented.
@@ -887,10 +877,7 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "env",
         "proxy_record_metric",
         |mut c: Caller<'_, HostState>, id: i32, value: i64| {
-            let Some(metric) = (id as u32)
-                .checked_sub(1)
-                .and_then(|i| c.data_mut().metrics.get_mut(i as usize))
-            else {
+            let Some(metric) = slot(id).and_then(|i| c.data_mut().metrics.get_mut(i)) else {
                 return status::NOT_FOUND;
             };
             metric.value = value;
@@ -904,10 +891,7 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "env",
         "proxy_get_metric",
         |mut c: Caller<'_, HostState>, id: i32, ret: i32| {
-            let value = match (id as u32)
-                .checked_sub(1)
-                .and_then(|i| c.data().metrics.get(i as usize))
-            {
+            let value = match slot(id).and_then(|i| c.data().metrics.get(i)) {
                 Some(m) => m.value as u64,
                 None => return Ok(status::NOT_FOUND),
             };
@@ -1403,5 +1387,42 @@ mod tests {
             None,
             "truncated input is an error"
         );
+    }
+
+    #[test]
+    fn header_setters_edit_only_maps_still_writable() {
+        let mut state = HostState {
+            active_context: 2,
+            ..HostState::default()
+        };
+        state.streams.insert(2, StreamState::default());
+        let add = |map: &mut HeaderMap| map.push(("x".into(), b"1".to_vec()));
+        assert_eq!(state.edit_map(0, add), status::OK);
+        assert_eq!(state.edit_map(3, add), status::OK);
+        assert_eq!(state.edit_map(5, add), status::BAD_ARGUMENT, "no such map");
+        assert_eq!(
+            state.edit_map(6, add),
+            status::BAD_ARGUMENT,
+            "no call answer"
+        );
+        let stream = state.streams.get_mut(&2).unwrap();
+        stream.release_request();
+        stream.response_headers_released = true;
+        assert_eq!(state.edit_map(0, add), status::BAD_ARGUMENT, "released");
+        assert_eq!(state.edit_map(2, add), status::BAD_ARGUMENT, "released");
+        let stream = &state.streams[&2];
+        assert_eq!(
+            stream.request_headers,
+            vec![("x".to_string(), b"1".to_vec())]
+        );
+        assert_eq!(stream.response_trailers.len(), 1);
+        assert!(stream.response_headers.is_empty());
+    }
+
+    #[test]
+    fn handles_are_one_based() {
+        assert_eq!(slot(1), Some(0));
+        assert_eq!(slot(3), Some(2));
+        assert_eq!(slot(0), None);
     }
 }

@@ -525,21 +525,18 @@ async fn http_decisions(
             &out_dir.join("vllm-sim-metrics.log"),
         )?;
         let url = format!("http://127.0.0.1:{port}/metrics");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let text = loop {
-            if let Ok(r) = client.get(&url, Duration::from_millis(500)).await
-                && r.status == 200
-            {
-                break r.body;
-            }
-            if let Some(why) = sim.exited() {
-                bail!("vllm-sim exited: {why}\n{}", sim.log_tail(20));
-            }
-            if Instant::now() > deadline {
-                bail!("vllm-sim did not serve /metrics\n{}", sim.log_tail(20));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let text = bench::wait_while_running(
+            &mut sim,
+            "vllm-sim",
+            Duration::from_secs(20),
+            Duration::from_millis(50),
+            async || match client.get(&url, Duration::from_millis(500)).await {
+                Ok(r) if r.status == 200 => Some(r.body),
+                _ => None,
+            },
+            |sim| format!("vllm-sim did not serve /metrics\n{}", sim.log_tail(20)),
+        )
+        .await?;
         sim.kill();
         text
     };
@@ -579,23 +576,21 @@ async fn http_decisions(
             .unwrap_or(0.0)
     };
     // Ready once every endpoint has been scraped.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(why) = proc.exited() {
-            bail!("the control plane exited: {why}\n{}", proc.log_tail(20));
-        }
-        if gauge("kvroute_endpoint_up").await >= args.endpoints as f64 {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!(
+    bench::wait_while_running(
+        &mut proc,
+        "the control plane",
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        async || (gauge("kvroute_endpoint_up").await >= args.endpoints as f64).then_some(()),
+        |proc| {
+            format!(
                 "the control plane did not see {} endpoints up\n{}",
                 args.endpoints,
                 proc.log_tail(20)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+            )
+        },
+    )
+    .await?;
     let url = format!(
         "http://127.0.0.1:{api}{}",
         scorer_core::protocol::ROUTE_PATH

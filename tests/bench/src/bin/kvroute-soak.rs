@@ -284,11 +284,9 @@ async fn one_request(
             .map_err(|e| e.to_string())
     } else {
         match client
-            .request(
-                "POST",
+            .post_json(
                 &format!("{url}/v1/chat/completions"),
-                &[],
-                Some(body.to_string()),
+                &body,
                 REQUEST_TIMEOUT,
             )
             .await

@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::common::{MODEL, T, json_body, replay_from_zero, run_binary, spawn_binary, start};
 use kvroute_harness::{HttpClient, HttpResponse};
 use serde_json::{Value, json};
+use vllm_sim::server::SimServer;
 use vllm_wire::kv_events::{WireEvent, decode_batch};
 
 async fn call(c: &HttpClient, method: &str, url: &str, body: Option<Value>) -> HttpResponse {
@@ -38,6 +39,14 @@ fn sse_events(r: &HttpResponse) -> Vec<(String, Value)> {
             )
         })
         .collect()
+}
+
+/// The event names of `events` in order, and how many of them are `delta`: both stream tests
+/// compare the order with vLLM's around however many deltas the answer took.
+fn names_and_deltas<'a>(events: &'a [(String, Value)], delta: &str) -> (Vec<&'a str>, usize) {
+    let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
+    let deltas = names.iter().filter(|n| **n == delta).count();
+    (names, deltas)
 }
 
 fn is_hex_id(id: &str, prefix: &str) -> bool {
@@ -72,9 +81,17 @@ async fn metric(c: &HttpClient, base: &str, name: &str) -> f64 {
 // ---------------------------------------------------------------------------------------------
 // Responses
 
+/// A simulator started with `args`, a client and its `/v1/responses` URL: what most Responses
+/// tests open with.
+async fn start_responses(args: &[&str]) -> (SimServer, HttpClient, String) {
+    let sim = start(args).await;
+    let url = format!("{}/v1/responses", sim.url());
+    (sim, HttpClient::new(), url)
+}
+
 #[tokio::test]
 async fn a_three_turn_responses_chain_reads_its_prefix_from_the_cache() {
-    let sim = start(&[
+    let (sim, c, url) = start_responses(&[
         "--enable-responses-store",
         "--kv-events-endpoint",
         "tcp://127.0.0.1:0",
@@ -82,8 +99,6 @@ async fn a_three_turn_responses_chain_reads_its_prefix_from_the_cache() {
         "tcp://127.0.0.1:0",
     ])
     .await;
-    let c = HttpClient::new();
-    let url = format!("{}/v1/responses", sim.url());
     let first = json!({"model": MODEL, "instructions": "You are terse.",
                        "input": words("task", 120), "max_output_tokens": 6});
     let rendered = json_body(&post(&c, &format!("{url}/render"), first.clone()).await);
@@ -198,11 +213,10 @@ async fn replay_stored_tokens(replay: &str) -> Vec<Vec<u32>> {
 
 #[tokio::test]
 async fn an_unknown_previous_response_id_is_vllms_404() {
-    let sim = start(&["--enable-responses-store"]).await;
-    let c = HttpClient::new();
+    let (sim, c, url) = start_responses(&["--enable-responses-store"]).await;
     let r = post(
         &c,
-        &format!("{}/v1/responses", sim.url()),
+        &url,
         json!({"model": MODEL, "input": "hi", "previous_response_id": "resp_0123456789abcdef"}),
     )
     .await;
@@ -226,9 +240,7 @@ async fn with_the_store_off_even_a_returned_id_is_unknown() {
         eprintln!("skipped: the environment turns the store on");
         return;
     }
-    let sim = start(&[]).await;
-    let c = HttpClient::new();
-    let url = format!("{}/v1/responses", sim.url());
+    let (sim, c, url) = start_responses(&[]).await;
     let r = post(
         &c,
         &url,
@@ -259,9 +271,7 @@ async fn with_the_store_off_even_a_returned_id_is_unknown() {
 
 #[tokio::test]
 async fn get_and_cancel_follow_vllm() {
-    let sim = start(&["--enable-responses-store"]).await;
-    let c = HttpClient::new();
-    let url = format!("{}/v1/responses", sim.url());
+    let (sim, c, url) = start_responses(&["--enable-responses-store"]).await;
     let r = post(
         &c,
         &url,
@@ -331,20 +341,14 @@ async fn get_and_cancel_follow_vllm() {
 
 #[tokio::test]
 async fn a_streamed_response_sends_vllms_events_in_order() {
-    let sim = start(&["--enable-responses-store"]).await;
-    let c = HttpClient::new();
-    let url = format!("{}/v1/responses", sim.url());
+    let (sim, c, url) = start_responses(&["--enable-responses-store"]).await;
     let body = json!({"model": MODEL, "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "stream this"}]}
     ], "max_output_tokens": 5, "stream": true});
     let r = post(&c, &url, body).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let events = sse_events(&r);
-    let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
-    let deltas = names
-        .iter()
-        .filter(|n| **n == "response.output_text.delta")
-        .count();
+    let (names, deltas) = names_and_deltas(&events, "response.output_text.delta");
     assert!(deltas >= 1);
     let mut want = vec![
         "response.created",
@@ -408,9 +412,7 @@ async fn a_streamed_response_sends_vllms_events_in_order() {
 
 #[tokio::test]
 async fn responses_requests_vllm_refuses() {
-    let sim = start(&["--max-model-len", "512"]).await;
-    let c = HttpClient::new();
-    let url = format!("{}/v1/responses", sim.url());
+    let (sim, c, url) = start_responses(&["--max-model-len", "512"]).await;
     let r = post(&c, &url, json!({"model": MODEL})).await;
     assert_eq!(r.status, 400);
     let e = json_body(&r)["error"].clone();
@@ -567,11 +569,7 @@ async fn a_streamed_message_sends_anthropics_events_as_vllm_does() {
     let r = post(&c, &format!("{}/v1/messages", sim.url()), body).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let events = sse_events(&r);
-    let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
-    let deltas = names
-        .iter()
-        .filter(|n| **n == "content_block_delta")
-        .count();
+    let (names, deltas) = names_and_deltas(&events, "content_block_delta");
     let mut want = vec!["message_start", "content_block_start"];
     want.extend(std::iter::repeat_n("content_block_delta", deltas));
     want.extend(["content_block_stop", "message_delta", "message_stop"]);

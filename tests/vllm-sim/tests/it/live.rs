@@ -14,9 +14,7 @@ use vllm_wire::kv_events::{BlockHash, WireBatch, WireEvent, decode_batch};
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 async fn post(c: &HttpClient, url: &str, body: Value) -> HttpResponse {
-    c.request("POST", url, &[], Some(body.to_string()), T)
-        .await
-        .expect("response")
+    c.post_json(url, &body, T).await.expect("response")
 }
 
 /// The OpenAI-style `error.message` of a refused request.
@@ -544,10 +542,7 @@ async fn shutdown_releases_hung_requests() {
     let hung = {
         let c = c.clone();
         let url = format!("{base}/v1/chat/completions");
-        tokio::spawn(async move {
-            c.request("POST", &url, &[], Some(chat("hi", 1, false).to_string()), T)
-                .await
-        })
+        tokio::spawn(async move { c.post_json(&url, &chat("hi", 1, false), T).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = std::time::Instant::now();
@@ -793,8 +788,7 @@ async fn reset_prefix_cache_fails_while_blocks_are_held_like_vllm() {
         let url = format!("{base}/v1/completions");
         tokio::spawn(async move {
             let body = json!({"prompt": "a long story", "max_tokens": 60});
-            c.request("POST", &url, &[], Some(body.to_string()), T)
-                .await
+            c.post_json(&url, &body, T).await
         })
     };
     let deadline = tokio::time::Instant::now() + T;
@@ -900,21 +894,19 @@ async fn self_check_faults_lose_batches_alias_adapters_and_change_the_chat_templ
         .expect("replay endpoint");
     let c = HttpClient::new();
     let base = sim.url();
-    let complete = |model: &str, i: u32| {
-        let words: Vec<String> = (0..40).map(|k| format!("w{i}x{k}")).collect();
-        json!({"model": model, "prompt": words.join(" "), "max_tokens": 1})
-    };
     let completions = format!("{base}/v1/completions");
+    // Sends completion `i` (40 words of its own) to `model` and asserts it was served: each
+    // fault is watched through the KV-event batches of a few such requests.
+    let complete = async |model: &str, i: u32| {
+        let words: Vec<String> = (0..40).map(|k| format!("w{i}x{k}")).collect();
+        let body = json!({"model": model, "prompt": words.join(" "), "max_tokens": 1});
+        assert_eq!(post(&c, &completions, body).await.status, 200);
+    };
 
     // One batch in two lost: the replay buffer holds only the even sequence numbers.
     set_fault(&c, &base, json!({"lose_kv_batch_every": 2})).await;
     for i in 0..6 {
-        assert_eq!(
-            post(&c, &completions, complete("sim-llama", i))
-                .await
-                .status,
-            200
-        );
+        complete("sim-llama", i).await;
     }
     let batches = replayed_until(&replay, |b| b.len() >= 3).await;
     let seqs: Vec<u64> = batches.iter().map(|b| b.0).collect();
@@ -923,12 +915,7 @@ async fn self_check_faults_lose_batches_alias_adapters_and_change_the_chat_templ
     set_fault(&c, &base, json!({"lose_kv_batch_every": 0})).await;
     let last = *seqs.last().unwrap();
     for i in 6..8 {
-        assert_eq!(
-            post(&c, &completions, complete("sim-llama", i))
-                .await
-                .status,
-            200
-        );
+        complete("sim-llama", i).await;
     }
     let batches = replayed_until(&replay, |b| b.len() >= seqs.len() + 2).await;
     let tail: Vec<u64> = batches.iter().map(|b| b.0).skip(seqs.len()).collect();
@@ -937,23 +924,20 @@ async fn self_check_faults_lose_batches_alias_adapters_and_change_the_chat_templ
         "{tail:?}"
     );
 
-    // The adapter known by an alias: its blocks are stored under `sql-alias`, then `sql`.
-    set_fault(&c, &base, json!({"lora_alias": true})).await;
-    assert_eq!(
-        post(&c, &completions, complete("sql", 100)).await.status,
-        200
-    );
-    let n = batches.len();
-    let batches = replayed_until(&replay, |b| b.len() > n).await;
-    assert_eq!(last_stored_lora(&batches), Some(Some("sql-alias".into())));
-    set_fault(&c, &base, json!({"lora_alias": false})).await;
-    assert_eq!(
-        post(&c, &completions, complete("sql", 101)).await.status,
-        200
-    );
-    let n = batches.len();
-    let batches = replayed_until(&replay, |b| b.len() > n).await;
-    assert_eq!(last_stored_lora(&batches), Some(Some("sql".into())));
+    // The adapter known by an alias: its blocks are stored under `sql-alias`, then, with the
+    // fault cleared, under `sql`.
+    let mut seen = batches.len();
+    for (alias, i, stored) in [(true, 100, "sql-alias"), (false, 101, "sql")] {
+        set_fault(&c, &base, json!({"lora_alias": alias})).await;
+        complete("sql", i).await;
+        let batches = replayed_until(&replay, |b| b.len() > seen).await;
+        assert_eq!(
+            last_stored_lora(&batches),
+            Some(Some(stored.into())),
+            "lora_alias {alias}"
+        );
+        seen = batches.len();
+    }
 
     // Another chat template: generation prepends its default system message; `/tokenize`
     // (the render path a router tokenises through) keeps the pool's template.
