@@ -2236,6 +2236,9 @@ impl Router {
                 },
             ));
         }
+        if config.latency.enabled {
+            cold_latency_from_warm(&mut candidates, config.latency.min_samples);
+        }
         candidates
     }
 
@@ -3035,6 +3038,37 @@ fn learned_correction(
         correction
     } else {
         0.0
+    }
+}
+
+/// Stage 3e: a candidate whose latency model is still cold (fewer than `min_samples`
+/// outcomes) is scored with the warm candidates' median correction instead of none. Without
+/// it, warm models that predict faster than the analytic prior beat every cold replica, the
+/// cold one never gets the outcomes that would warm it, and a replica that joins an idle pool
+/// stays unused (a rich-get-richer loop). The median stands for the pool's typical hardware; a
+/// cold replica that differs learns its own correction once it is served.
+fn cold_latency_from_warm(candidates: &mut [(EndpointId, CandidateScore)], min_samples: u32) {
+    let mut warm: Vec<f64> = candidates
+        .iter()
+        .filter(|(_, c)| c.latency_samples >= min_samples)
+        .map(|(_, c)| c.latency_ms)
+        .collect();
+    if warm.is_empty() || warm.len() == candidates.len() {
+        return;
+    }
+    warm.sort_by(f64::total_cmp);
+    let mid = warm.len() / 2;
+    let median = if warm.len().is_multiple_of(2) {
+        (warm[mid - 1] + warm[mid]) / 2.0
+    } else {
+        warm[mid]
+    };
+    for (_, c) in candidates
+        .iter_mut()
+        .filter(|(_, c)| c.latency_samples < min_samples)
+    {
+        c.latency_ms = median;
+        c.total_ms += median;
     }
 }
 
@@ -5291,6 +5325,54 @@ mod latency_tests {
         );
         assert!(slow.latency_ms > fast.latency_ms, "{d:?}");
         assert_eq!(d.response.endpoints[0], "fast:1");
+    }
+
+    // Two replicas warm up on an idle pool, each learning that it prefills twice as fast as
+    // the prior assumes; then a third joins. Scored against a warm model's negative
+    // correction with none of its own, it would never be chosen and never warm up; with the
+    // warm replicas' median correction it takes its share at once.
+    #[test]
+    fn a_replica_that_joins_a_warm_idle_pool_gets_its_share() {
+        let mut config = RouterConfig::default();
+        config.scoring.prefill_tokens_per_ms = 10.0;
+        let mut r = Router::new(config, 1);
+        let mut now = 0;
+        let mut serve = |r: &mut Router, i: u64| {
+            now += 60_000;
+            let seed = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let d = r.route(&request(i, 2_000 + (i as usize % 7) * 1_000), now, seed);
+            let chosen = d.candidates[0].clone();
+            // Twice as fast as the prior's 0.1 ms a token.
+            let ttft = (10.0 + f64::from(chosen.uncached_tokens) * 0.05) as u64;
+            r.feedback(
+                &Outcome {
+                    decision_id: d.response.decision_id,
+                    endpoint: chosen.endpoint.to_string(),
+                    status: 200,
+                    ttfb_ms: Some(ttft),
+                    total_ms: ttft,
+                    completion_tokens: Some(1),
+                    ..Default::default()
+                },
+                now + ttft,
+            );
+            chosen.endpoint.to_string()
+        };
+        for a in ["a:1", "b:1"] {
+            r.upsert_endpoint(a).unwrap();
+        }
+        for i in 0..120 {
+            serve(&mut r, i);
+        }
+        r.upsert_endpoint("new:1").unwrap();
+        let joined = (120..180).filter(|&i| serve(&mut r, i) == "new:1").count();
+        assert!(
+            (12..=30).contains(&joined),
+            "the new replica got {joined} of 60 requests"
+        );
+        let views = r.endpoints(now);
+        let new = views.iter().find(|e| e.address == "new:1").unwrap();
+        assert!(new.latency_samples > 0, "{new:?}");
     }
 
     #[test]
