@@ -5276,6 +5276,29 @@ mod latency_tests {
         (10.0 + f64::from(uncached) * per_token) as u64
     }
 
+    /// Routes request `i` (2,000 to 8,000 bytes) at `now` with a seed that varies in every bit
+    /// (so ties split evenly) and reports it served in `ttft(endpoint, uncached tokens)` ms;
+    /// returns the chosen candidate.
+    fn serve(r: &mut Router, i: u64, now: u64, ttft: impl Fn(&str, u32) -> u64) -> CandidateScore {
+        let seed = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let d = r.route(&request(i, 2_000 + (i as usize % 7) * 1_000), now, seed);
+        let chosen = d.candidates[0].clone();
+        let ttft = ttft(&chosen.endpoint, chosen.uncached_tokens);
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: chosen.endpoint.to_string(),
+                status: 200,
+                ttfb_ms: Some(ttft),
+                total_ms: ttft,
+                completion_tokens: Some(1),
+                ..Default::default()
+            },
+            now + ttft,
+        );
+        chosen
+    }
+
     #[test]
     fn outcomes_teach_each_endpoint_its_own_latency() {
         let mut config = RouterConfig::default();
@@ -5287,24 +5310,8 @@ mod latency_tests {
         let mut now = 0;
         for i in 0..200u64 {
             now += 60_000;
-            // Seeds that vary in every bit, so ties split evenly.
-            let seed = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            let d = r.route(&request(i, 2_000 + (i as usize % 7) * 1_000), now, seed);
-            let chosen = &d.candidates[0];
+            let chosen = serve(&mut r, i, now, observed_ttft);
             assert!(chosen.predicted_ttft_ms > 0.0 && chosen.predicted_tpot_ms > 0.0);
-            let ttft = observed_ttft(&chosen.endpoint, chosen.uncached_tokens);
-            r.feedback(
-                &Outcome {
-                    decision_id: d.response.decision_id,
-                    endpoint: chosen.endpoint.to_string(),
-                    status: 200,
-                    ttfb_ms: Some(ttft),
-                    total_ms: ttft,
-                    completion_tokens: Some(1),
-                    ..Default::default()
-                },
-                now + ttft,
-            );
         }
         let views = r.endpoints(now);
         let slow = views.iter().find(|e| e.address == "slow:1").unwrap();
@@ -5337,35 +5344,22 @@ mod latency_tests {
         config.scoring.prefill_tokens_per_ms = 10.0;
         let mut r = Router::new(config, 1);
         let mut now = 0;
-        let mut serve = |r: &mut Router, i: u64| {
+        // Twice as fast as the prior's 0.1 ms a token.
+        let fast = |_: &str, uncached: u32| (10.0 + f64::from(uncached) * 0.05) as u64;
+        let mut serve_next = |r: &mut Router, i: u64| {
             now += 60_000;
-            let seed = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            let d = r.route(&request(i, 2_000 + (i as usize % 7) * 1_000), now, seed);
-            let chosen = d.candidates[0].clone();
-            // Twice as fast as the prior's 0.1 ms a token.
-            let ttft = (10.0 + f64::from(chosen.uncached_tokens) * 0.05) as u64;
-            r.feedback(
-                &Outcome {
-                    decision_id: d.response.decision_id,
-                    endpoint: chosen.endpoint.to_string(),
-                    status: 200,
-                    ttfb_ms: Some(ttft),
-                    total_ms: ttft,
-                    completion_tokens: Some(1),
-                    ..Default::default()
-                },
-                now + ttft,
-            );
-            chosen.endpoint.to_string()
+            serve(r, i, now, fast).endpoint.to_string()
         };
         for a in ["a:1", "b:1"] {
             r.upsert_endpoint(a).unwrap();
         }
         for i in 0..120 {
-            serve(&mut r, i);
+            serve_next(&mut r, i);
         }
         r.upsert_endpoint("new:1").unwrap();
-        let joined = (120..180).filter(|&i| serve(&mut r, i) == "new:1").count();
+        let joined = (120..180)
+            .filter(|&i| serve_next(&mut r, i) == "new:1")
+            .count();
         assert!(
             (12..=30).contains(&joined),
             "the new replica got {joined} of 60 requests"
