@@ -4,12 +4,17 @@
 //! checks that a converted prompt is a chat prompt (a `messages` array of objects with a string
 //! role), that knowing the template's rule changes nothing when `None` already converted,
 //! that a merging template gets its system message first only, and that `python_json` writes
-//! ASCII JSON that reads back as the same value (what `json.dumps` gives the template).
+//! ASCII JSON that reads back as the same value (what `json.dumps` gives the template). The
+//! server's side (vllm-sim converts with `Converter::Server`) converts whatever the router's
+//! converts, to the same messages, and `python_repr` never panics.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Map, Value};
-use vllm_wire::agent_chat::{messages_to_chat, python_json, responses_to_chat};
+use vllm_wire::agent_chat::{
+    Converter, anthropic_chat_messages, messages_to_chat, python_json, python_repr,
+    responses_to_chat,
+};
 
 fuzz_target!(|input: &[u8]| {
     let Ok(value) = serde_json::from_slice::<Value>(input) else {
@@ -28,15 +33,40 @@ fuzz_target!(|input: &[u8]| {
     }
     if let Ok(chat) = &unknown {
         // `None` refuses only what the rule decides: what it converts, both rules convert alike.
-        assert_eq!(merged.as_ref(), Ok(chat), "merging changed a prompt None took");
-        assert_eq!(inline.as_ref(), Ok(chat), "not merging changed a prompt None took");
+        assert_eq!(
+            merged.as_ref(),
+            Ok(chat),
+            "merging changed a prompt None took"
+        );
+        assert_eq!(
+            inline.as_ref(),
+            Ok(chat),
+            "not merging changed a prompt None took"
+        );
     }
+    // The serving process decides what a router refuses; where the router converted, both
+    // agree message for message.
+    for (rule, router) in [(true, &merged), (false, &inline)] {
+        let server = anthropic_chat_messages(&prompt, rule, Converter::Server { unix_now_s: 7 });
+        if let Ok(chat) = router {
+            let server = server.expect("the server refused what the router converted");
+            assert_eq!(
+                messages(chat),
+                server.as_slice(),
+                "router and server differ"
+            );
+        }
+    }
+    let _ = python_repr(&Value::Object(prompt.clone()));
     if let Ok(chat) = &merged {
         let later_system = messages(chat)
             .iter()
             .skip(1)
             .any(|m| m.get("role").and_then(Value::as_str) == Some("system"));
-        assert!(!later_system, "a merging template got a system message after the first");
+        assert!(
+            !later_system,
+            "a merging template got a system message after the first"
+        );
     }
 
     if let Ok(chat) = responses_to_chat(&prompt) {
