@@ -397,6 +397,16 @@ pub async fn wait_events_live(fleet: &Fleet, timeout: Duration) {
     .await;
 }
 
+/// A tool's stdout then its stderr, as one text: what a check reads and a failure shows of
+/// tools that report on either stream.
+pub fn output_text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 /// Runs a tool with a deadline (killed past it, which fails the test); returns its output.
 /// Both pipes are drained while it runs, so a tool that writes more than a pipe buffer (a
 /// dumped DOM, a validation report) cannot block on its own output.
