@@ -72,6 +72,19 @@ pub async fn start_fleet(cfg: FleetConfig, tools: &Tools) -> Fleet {
         .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
 }
 
+/// A fleet of [`fleet_config`] with `configure`'s settings on top, started with the located
+/// [`tools`]: how most tests begin, written once.
+pub async fn start_configured(
+    name: &str,
+    replicas: usize,
+    model: &str,
+    configure: impl FnOnce(&mut FleetConfig),
+) -> Fleet {
+    let mut cfg = fleet_config(name, replicas, model);
+    configure(&mut cfg);
+    start_fleet(cfg, &tools()).await
+}
+
 /// Held by the tests that start the most processes at once (several Envoys and control planes)
 /// and by the ones whose assertions depend on the engines' real-time pace (precise mode's live
 /// prediction): two of them side by side on 2 cores slow each other's simulated engines enough

@@ -356,22 +356,22 @@ async fn sheds_by_criticality_and_fair_share_and_limits_prompts_per_tenant() {
 /// the prompts it routed stay queued in its estimate for the whole test (no timing involved).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_an_over_share_tenant_to_keep_the_ttft_bound() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-fairness-ttft", 2, MODEL);
-        // The tenant and criticality headers are the test's own: believed, as behind an authority.
-        cfg.plugin_config = json!({"route_timeout_ms": 5000, "identity_headers": "trusted"});
-        // 2 tokens a second: a routed prompt stays in the router's queue estimate for minutes.
-        cfg.control_plane_router = json!({"scoring": {"prefill_tokens_per_ms": 0.002}});
-        cfg.control_plane_extra = json!({
-            "admission": {
-                "max_ttft_inflation": 2.0,
-                "retry_after_s": 3,
-                "usage_half_life_ms": 600_000,
-                "tenants": {"batch": {"weight": 1.0}, "chat": {"weight": 1.0}},
-            }
-        });
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-fairness-ttft", 2, MODEL, |cfg| {
+            // The tenant and criticality headers are the test's own: believed, as behind an authority.
+            cfg.plugin_config = json!({"route_timeout_ms": 5000, "identity_headers": "trusted"});
+            // 2 tokens a second: a routed prompt stays in the router's queue estimate for minutes.
+            cfg.control_plane_router = json!({"scoring": {"prefill_tokens_per_ms": 0.002}});
+            cfg.control_plane_extra = json!({
+                "admission": {
+                    "max_ttft_inflation": 2.0,
+                    "retry_after_s": 3,
+                    "usage_half_life_ms": 600_000,
+                    "tenants": {"batch": {"weight": 1.0}, "chat": {"weight": 1.0}},
+                }
+            });
+        })
+        .await;
         let tenant = |t| ("x-kvroute-tenant", t);
         let crit = |c| ("x-kvroute-criticality", c);
         let small_q = body(8, 1, 2);
