@@ -126,8 +126,24 @@ pub fn stream_chat_body(model: &str, messages: &[Value], max_tokens: u32) -> Val
     })
 }
 
-/// POSTs `body` to `{base}/v1/chat/completions` and reads the whole answer; a transport error
-/// fails the test (naming `fleet`'s logs). The status is the caller's to check.
+/// `method url` with `headers` and `body`, the whole answer read; a transport error fails the
+/// test (naming `fleet`'s logs). The status is the caller's to check.
+pub async fn request(
+    client: &HttpClient,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Option<String>,
+    timeout: Duration,
+    fleet: &Fleet,
+) -> HttpResponse {
+    client
+        .request(method, url, headers, body, timeout)
+        .await
+        .unwrap_or_else(|e| panic!("{method} {url}: {e} ({})", fleet.describe()))
+}
+
+/// POSTs `body` to `{base}/v1/chat/completions` and reads the whole answer ([`request`]).
 pub async fn post_chat(
     client: &HttpClient,
     base: &str,
@@ -137,10 +153,16 @@ pub async fn post_chat(
     fleet: &Fleet,
 ) -> HttpResponse {
     let url = format!("{base}/v1/chat/completions");
-    client
-        .request("POST", &url, headers, Some(body.to_string()), timeout)
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e} ({})", fleet.describe()))
+    request(
+        client,
+        "POST",
+        &url,
+        headers,
+        Some(body.to_string()),
+        timeout,
+        fleet,
+    )
+    .await
 }
 
 /// [`post_chat`] through `fleet`'s Envoy with `fleet`'s client, which is what most tests send.
