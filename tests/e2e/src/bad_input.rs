@@ -730,6 +730,7 @@ fn chat_with(content: &str, fields: Value) -> Value {
 /// A case's body as the bytes sent: a JSON value serialised, bytes as they are. Lets a
 /// [`post_cases!`] row write its body in whichever form the case is about.
 trait IntoBody {
+    /// The bytes sent.
     fn into_body(self) -> Vec<u8>;
 }
 
@@ -781,6 +782,7 @@ enum Expect {
 }
 
 impl Expect {
+    /// Runs this expectation's check on `r`; failures name `case`.
     fn check(self, case: &str, r: &Reply) {
         match self {
             Expect::Completion => expect_completion(case, r),

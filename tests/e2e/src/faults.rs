@@ -748,6 +748,7 @@ struct Load {
 }
 
 impl Load {
+    /// Starts the workers on `topo`'s Envoy.
     fn start(
         topo: &Topo,
         workers: u64,
@@ -779,6 +780,7 @@ impl Load {
         Load { stop, sent, tasks }
     }
 
+    /// Requests started so far, by every worker.
     fn sent(&self) -> u64 {
         self.sent.load(Ordering::Relaxed)
     }
