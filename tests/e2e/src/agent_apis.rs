@@ -69,10 +69,29 @@ async fn send(
     let mut all = vec![("content-type", "application/json")];
     all.extend_from_slice(headers);
     let body = body.map(Value::to_string);
-    client
-        .request(method, &url, &all, body, REQUEST_TIMEOUT)
-        .await
-        .unwrap_or_else(|e| panic!("{method} {url}: {e} ({})", fleet.describe()))
+    common::request(client, method, &url, &all, body, REQUEST_TIMEOUT, fleet).await
+}
+
+/// [`send`] of a POST with no headers of its own: most of these tests' requests.
+async fn post(client: &HttpClient, fleet: &Fleet, path: &str, body: &Value) -> HttpResponse {
+    send(client, fleet, "POST", path, Some(body), &[]).await
+}
+
+/// The frame of the tests on one kvroute fleet: the fleet ([`start`]ed in `form` called
+/// `name`, with the session bonus or not), a client, and `body` on them within
+/// [`TEST_TIMEOUT`].
+async fn kvroute_test(
+    name: &str,
+    session_bonus: bool,
+    form: Form,
+    body: impl AsyncFnOnce(&mut Fleet, &HttpClient),
+) {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let mut fleet = start(&tools, name, RouterKind::Kvroute, session_bonus, form).await;
+        body(&mut fleet, &HttpClient::new()).await;
+    })
+    .await;
 }
 
 fn json_body(resp: &HttpResponse) -> Value {
@@ -130,12 +149,9 @@ fn next_turn(previous: &str) -> Value {
 }
 
 async fn a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_robin(form: Form) {
-    let tools = tools();
-    common::bounded(TEST_TIMEOUT, async {
-        let client = HttpClient::new();
-        let mut fleet = start(&tools, "e2e-responses", RouterKind::Kvroute, false, form).await;
+    kvroute_test("e2e-responses", false, form, async |fleet, client| {
         let (replicas, cached, failures, last) =
-            run_chain(&client, &fleet, &[fleet.url()], Duration::ZERO).await;
+            run_chain(client, fleet, &[fleet.url()], Duration::ZERO).await;
         println!("kvroute: replicas {replicas:?}, cached {cached:?}, failed attempts {failures}");
         assert_eq!(
             failures,
@@ -154,40 +170,24 @@ async fn a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_r
         // response; cancel answers what vLLM answers for a finished one (400 "Cannot cancel a
         // synchronous response.", not a 404).
         let path = format!("/v1/responses/{last}");
-        let got = send(&client, &fleet, "GET", &path, None, &[]).await;
+        let got = send(client, fleet, "GET", &path, None, &[]).await;
         assert_eq!(got.status, 200, "{}", got.body);
         assert_eq!(json_body(&got)["id"], json!(last));
         assert_eq!(common::replica_header(&got), replicas[0]);
-        let cancel = send(
-            &client,
-            &fleet,
-            "POST",
-            &format!("{path}/cancel"),
-            None,
-            &[],
-        )
-        .await;
+        let cancel = send(client, fleet, "POST", &format!("{path}/cancel"), None, &[]).await;
         assert_eq!(common::replica_header(&cancel), replicas[0]);
         assert_eq!(cancel.status, 400, "{}", cancel.body);
         // A background response is still running when the cancel reaches its replica.
         let background = json!({"model": MODEL, "input": common::words(9, 50),
                                 "max_output_tokens": 500, "background": true});
-        let queued = send(
-            &client,
-            &fleet,
-            "POST",
-            "/v1/responses",
-            Some(&background),
-            &[],
-        )
-        .await;
+        let queued = post(client, fleet, "/v1/responses", &background).await;
         assert_eq!(queued.status, 200, "{}", queued.body);
         let id = json_body(&queued)["id"]
             .as_str()
             .unwrap_or_default()
             .to_string();
         let path = format!("/v1/responses/{id}/cancel");
-        let cancelled = send(&client, &fleet, "POST", &path, None, &[]).await;
+        let cancelled = send(client, fleet, "POST", &path, None, &[]).await;
         assert_eq!(cancelled.status, 200, "{}", cancelled.body);
         assert_eq!(json_body(&cancelled)["status"], "cancelled");
         assert_eq!(
@@ -198,7 +198,7 @@ async fn a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_r
         // Its replica gone: vLLM's own 404 from a live replica, never another's answer.
         fleet.stop_replica(&replicas[0]);
         let gone = replicas[0].clone();
-        common::wait_cp_metrics(&fleet, "the replica marked down", TEST_TIMEOUT, |text| {
+        common::wait_cp_metrics(fleet, "the replica marked down", TEST_TIMEOUT, |text| {
             kvroute_harness::prometheus_sample(
                 text,
                 &format!("kvroute_endpoint_up{{endpoint=\"{gone}\"}}"),
@@ -206,7 +206,7 @@ async fn a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_r
         })
         .await;
         let next = next_turn(&last);
-        let resp = send(&client, &fleet, "POST", "/v1/responses", Some(&next), &[]).await;
+        let resp = post(client, fleet, "/v1/responses", &next).await;
         assert_eq!(resp.status, 404, "{}", resp.body);
         assert_eq!(
             json_body(&resp)["error"]["message"],
@@ -216,14 +216,14 @@ async fn a_responses_chain_reaches_its_stored_responses_and_breaks_under_round_r
         // Round robin has no form: it runs once, beside the filter.
         if form == Form::Filter {
             let rr = start(
-                &tools,
+                &tools(),
                 "e2e-responses-rr",
                 RouterKind::RoundRobin,
                 false,
                 Form::Filter,
             )
             .await;
-            let (_, _, rr_failures, _) = run_chain(&client, &rr, &[rr.url()], Duration::ZERO).await;
+            let (_, _, rr_failures, _) = run_chain(client, &rr, &[rr.url()], Duration::ZERO).await;
             println!(
                 "round robin: failed attempts {rr_failures} over {} turns",
                 TURNS - 1
@@ -295,22 +295,19 @@ fn cache_read(resp: &HttpResponse) -> u64 {
 }
 
 async fn a_messages_conversation_with_tools_stays_where_its_prefix_is_cached(form: Form) {
-    let tools = tools();
-    common::bounded(TEST_TIMEOUT, async {
-        let client = HttpClient::new();
-        let fleet = start(&tools, "e2e-messages", RouterKind::Kvroute, false, form).await;
+    kvroute_test("e2e-messages", false, form, async |fleet, client| {
         let mut history = Vec::new();
         let (mut replicas, mut cached) = (Vec::new(), Vec::new());
         for turn in 0..TURNS {
             let body = messages_turn(&mut history, turn);
-            let resp = send(&client, &fleet, "POST", "/v1/messages", Some(&body), &[]).await;
+            let resp = post(client, fleet, "/v1/messages", &body).await;
             assert_eq!(resp.status, 200, "turn {turn}: {}", resp.body);
             replicas.push(common::replica_header(&resp));
             cached.push(cache_read(&resp));
             // Another conversation in between, so load alone would move this one.
             let other = json!({"model": MODEL, "max_tokens": 4, "messages": [
                 {"role": "user", "content": common::words(900 + turn as u64, 200)}]});
-            let r = send(&client, &fleet, "POST", "/v1/messages", Some(&other), &[]).await;
+            let r = post(client, fleet, "/v1/messages", &other).await;
             assert_eq!(r.status, 200, "{}", r.body);
         }
         println!("messages: replicas {replicas:?}, cache reads {cached:?}");
@@ -318,15 +315,7 @@ async fn a_messages_conversation_with_tools_stays_where_its_prefix_is_cached(for
         assert!(cached[1..].iter().all(|&c| c > 0), "{cached:?}");
         assert!(cached.windows(2).all(|w| w[1] >= w[0]), "{cached:?}");
         let count = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
-        let r = send(
-            &client,
-            &fleet,
-            "POST",
-            "/v1/messages/count_tokens",
-            Some(&count),
-            &[],
-        )
-        .await;
+        let r = post(client, fleet, "/v1/messages/count_tokens", &count).await;
         assert_eq!(r.status, 200, "{}", r.body);
         assert!(
             json_body(&r)["input_tokens"]
@@ -406,22 +395,22 @@ async fn a_marked_prefix_stays_on_its_holder_under_a_load_that_moves_an_unmarked
     // prefixes count one future read (`cache_control.reuse_weight`, off by default).
     const PER_SEQ_MS: f64 = 100.0;
     const REUSE_WEIGHT: f64 = 1.0;
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-cache-control", 4, MODEL);
-        form.apply(&mut cfg);
-        cfg.control_plane_router = json!({
-            "scoring": {"decode_ms_per_seq": PER_SEQ_MS, "decode_occupancy_weight": 0.0},
-            "latency": {"enabled": false},
-            "cache_control": {"reuse_weight": REUSE_WEIGHT},
-        });
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-cache-control", 4, MODEL, |cfg| {
+            form.apply(cfg);
+            cfg.control_plane_router = json!({
+                "scoring": {"decode_ms_per_seq": PER_SEQ_MS, "decode_occupancy_weight": 0.0},
+                "latency": {"enabled": false},
+                "cache_control": {"reuse_weight": REUSE_WEIGHT},
+            });
+        })
+        .await;
         let client = HttpClient::new();
         let (marked_seed, plain_seed) = (7_000, 8_000);
         let mut holders = Vec::new();
         for (seed, marked) in [(marked_seed, true), (plain_seed, false)] {
             let body = marked_turn(seed, false, marked);
-            let r = send(&client, &fleet, "POST", "/v1/messages", Some(&body), &[]).await;
+            let r = post(&client, &fleet, "/v1/messages", &body).await;
             assert_eq!(r.status, 200, "{}", r.body);
             holders.push(common::replica_header(&r));
         }
@@ -483,11 +472,11 @@ async fn a_marked_prefix_stays_on_its_holder_under_a_load_that_moves_an_unmarked
         .await;
 
         let marked = marked_turn(marked_seed, true, true);
-        let r = send(&client, &fleet, "POST", "/v1/messages", Some(&marked), &[]).await;
+        let r = post(&client, &fleet, "/v1/messages", &marked).await;
         assert_eq!(r.status, 200, "{}", r.body);
         let (marked_to, marked_cached) = (common::replica_header(&r), cache_read(&r));
         let plain = marked_turn(plain_seed, true, false);
-        let r = send(&client, &fleet, "POST", "/v1/messages", Some(&plain), &[]).await;
+        let r = post(&client, &fleet, "/v1/messages", &plain).await;
         assert_eq!(r.status, 200, "{}", r.body);
         let plain_to = common::replica_header(&r);
         load.abort_all();
@@ -506,10 +495,7 @@ async fn a_marked_prefix_stays_on_its_holder_under_a_load_that_moves_an_unmarked
 }
 
 async fn a_session_header_pins_across_chat_responses_and_messages(form: Form) {
-    let tools = tools();
-    common::bounded(TEST_TIMEOUT, async {
-        let client = HttpClient::new();
-        let fleet = start(&tools, "e2e-agent-session", RouterKind::Kvroute, true, form).await;
+    kvroute_test("e2e-agent-session", true, form, async |fleet, client| {
         for (header, value) in [
             ("x-session-id", "s-1"),
             ("x-claude-code-session-id", "cc-2"),
@@ -532,15 +518,7 @@ async fn a_session_header_pins_across_chat_responses_and_messages(form: Form) {
                                                 "messages": [{"role": "user", "content": text}]}),
                     ),
                 };
-                let resp = send(
-                    &client,
-                    &fleet,
-                    "POST",
-                    path,
-                    Some(&body),
-                    &[(header, value)],
-                )
-                .await;
+                let resp = send(client, fleet, "POST", path, Some(&body), &[(header, value)]).await;
                 assert_eq!(resp.status, 200, "{path}: {}", resp.body);
                 served.push(common::replica_header(&resp));
             }
@@ -558,10 +536,7 @@ async fn a_session_header_pins_across_chat_responses_and_messages(form: Form) {
 /// the replica answers directly (status and error type), whether kvroute routes it by load or
 /// leaves it to Envoy.
 async fn every_other_vllm_path_answers_through_envoy_as_the_replica_does(form: Form) {
-    let tools = tools();
-    common::bounded(TEST_TIMEOUT, async {
-        let client = HttpClient::new();
-        let fleet = start(&tools, "e2e-other-paths", RouterKind::Kvroute, false, form).await;
+    kvroute_test("e2e-other-paths", false, form, async |fleet, client| {
         let text = json!(common::words(7, 30));
         let cases: Vec<(&str, &str, Option<Value>)> = vec![
             (
@@ -630,7 +605,7 @@ async fn every_other_vllm_path_answers_through_envoy_as_the_replica_does(form: F
             ("GET", "/health", None),
         ];
         for (method, path, body) in &cases {
-            let through = send(&client, &fleet, method, path, body.as_ref(), &[]).await;
+            let through = send(client, fleet, method, path, body.as_ref(), &[]).await;
             let direct_url = format!("http://{}{path}", fleet.replicas[0].address);
             let direct = client
                 .request(
@@ -656,7 +631,7 @@ async fn every_other_vllm_path_answers_through_envoy_as_the_replica_does(form: F
                 "{path}"
             );
         }
-        let m = common::cp_metrics(&fleet).await;
+        let m = common::cp_metrics(fleet).await;
         let by_load =
             kvroute_harness::prometheus_sum_with(&m, "kvroute_decisions_total", "reason=\"load\"");
         assert!(by_load >= 10.0, "the load paths were routed by load:\n{m}");

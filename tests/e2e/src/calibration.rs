@@ -14,7 +14,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
-use crate::common::{self, tools};
+use crate::common;
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(150);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -59,14 +59,14 @@ fn errors(c: &Value, i: usize) -> (f64, f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_learns_each_replica_s_rates_from_its_metrics_within_a_minute() {
-    let tools = tools();
     let body = async {
-        let mut cfg = common::fleet_config("e2e-calibration", 2, MODEL);
-        cfg.per_replica_args = SPEEDS
-            .iter()
-            .map(|s| vec!["--speed".to_string(), s.to_string()])
-            .collect();
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-calibration", 2, MODEL, |cfg| {
+            cfg.per_replica_args = SPEEDS
+                .iter()
+                .map(|s| vec!["--speed".to_string(), s.to_string()])
+                .collect();
+        })
+        .await;
         let client = HttpClient::new();
         let before = calibrations(&fleet, &client).await;
         for c in &before {

@@ -72,6 +72,19 @@ pub async fn start_fleet(cfg: FleetConfig, tools: &Tools) -> Fleet {
         .unwrap_or_else(|e| panic!("starting fleet {name}: {e}"))
 }
 
+/// A fleet of [`fleet_config`] with `configure`'s settings on top, started with the located
+/// [`tools`]: how most tests begin, written once.
+pub async fn start_configured(
+    name: &str,
+    replicas: usize,
+    model: &str,
+    configure: impl FnOnce(&mut FleetConfig),
+) -> Fleet {
+    let mut cfg = fleet_config(name, replicas, model);
+    configure(&mut cfg);
+    start_fleet(cfg, &tools()).await
+}
+
 /// Held by the tests that start the most processes at once (several Envoys and control planes)
 /// and by the ones whose assertions depend on the engines' real-time pace (precise mode's live
 /// prediction): two of them side by side on 2 cores slow each other's simulated engines enough
@@ -113,8 +126,24 @@ pub fn stream_chat_body(model: &str, messages: &[Value], max_tokens: u32) -> Val
     })
 }
 
-/// POSTs `body` to `{base}/v1/chat/completions` and reads the whole answer; a transport error
-/// fails the test (naming `fleet`'s logs). The status is the caller's to check.
+/// `method url` with `headers` and `body`, the whole answer read; a transport error fails the
+/// test (naming `fleet`'s logs). The status is the caller's to check.
+pub async fn request(
+    client: &HttpClient,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Option<String>,
+    timeout: Duration,
+    fleet: &Fleet,
+) -> HttpResponse {
+    client
+        .request(method, url, headers, body, timeout)
+        .await
+        .unwrap_or_else(|e| panic!("{method} {url}: {e} ({})", fleet.describe()))
+}
+
+/// POSTs `body` to `{base}/v1/chat/completions` and reads the whole answer ([`request`]).
 pub async fn post_chat(
     client: &HttpClient,
     base: &str,
@@ -124,10 +153,16 @@ pub async fn post_chat(
     fleet: &Fleet,
 ) -> HttpResponse {
     let url = format!("{base}/v1/chat/completions");
-    client
-        .request("POST", &url, headers, Some(body.to_string()), timeout)
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e} ({})", fleet.describe()))
+    request(
+        client,
+        "POST",
+        &url,
+        headers,
+        Some(body.to_string()),
+        timeout,
+        fleet,
+    )
+    .await
 }
 
 /// [`post_chat`] through `fleet`'s Envoy with `fleet`'s client, which is what most tests send.
@@ -395,6 +430,16 @@ pub async fn wait_events_live(fleet: &Fleet, timeout: Duration) {
             .all(|a| endpoint_value(m, "kvroute_endpoint_events_live", a) == Some(1.0))
     })
     .await;
+}
+
+/// A tool's stdout then its stderr, as one text: what a check reads and a failure shows of
+/// tools that report on either stream.
+pub fn output_text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// Runs a tool with a deadline (killed past it, which fails the test); returns its output.

@@ -12,7 +12,7 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::common::{self, tools};
+use crate::common;
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(150);
@@ -52,17 +52,17 @@ async fn pd_stats(client: &HttpClient, replica: &str) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_prompts_are_prefilled_remotely_short_ones_locally() {
-    let tools = tools();
     let body = async {
-        let mut cfg = common::fleet_config("e2e-disagg", 3, MODEL);
-        cfg.plugin_config = json!({"allow_explain": true});
-        cfg.endpoint_extra = vec![
-            json!({"role": "prefill"}),
-            json!({"role": "decode"}),
-            json!({"role": "decode"}),
-        ];
-        cfg.control_plane_router = json!({"pd": {"threshold_tokens": 512}});
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-disagg", 3, MODEL, |cfg| {
+            cfg.plugin_config = json!({"allow_explain": true});
+            cfg.endpoint_extra = vec![
+                json!({"role": "prefill"}),
+                json!({"role": "decode"}),
+                json!({"role": "decode"}),
+            ];
+            cfg.control_plane_router = json!({"pd": {"threshold_tokens": 512}});
+        })
+        .await;
         let client = HttpClient::new();
         let admin = common::cp_admin(&fleet);
         let prefill = fleet.replicas[0].address.clone();

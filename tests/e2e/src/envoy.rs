@@ -36,6 +36,22 @@ async fn start_fleet(
     common::start_fleet(cfg, tools).await
 }
 
+/// The frame of the behavioural tests that need nothing but a fleet: `replicas` in `form`
+/// called `name`, a client, and `body` on them within [`TEST_TIMEOUT`].
+async fn form_test(
+    name: &str,
+    replicas: usize,
+    form: Form,
+    body: impl AsyncFnOnce(&Fleet, &HttpClient),
+) {
+    let tools = tools();
+    bounded(async {
+        let fleet = start_fleet(&tools, name, replicas, form, |_| {}).await;
+        body(&fleet, &HttpClient::new()).await;
+    })
+    .await;
+}
+
 both_forms!(
     second_turn_lands_on_the_first_turns_replica,
     distinct_conversations_spread_over_the_fleet,
@@ -63,16 +79,13 @@ fn conversation(seed: u64, system_words: usize) -> Conversation {
 }
 
 async fn second_turn_lands_on_the_first_turns_replica(form: Form) {
-    let tools = tools();
-    bounded(async {
-        let fleet = start_fleet(&tools, "e2e-affinity", 4, form, |_| {}).await;
-        let client = HttpClient::new();
+    form_test("e2e-affinity", 4, form, async |fleet, client| {
         for c in 0..5u64 {
             let mut conv = conversation(100 + c, 1_500);
-            let first = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
+            let first = replica_of(&conv.turn(client, fleet, 8, &[]).await, fleet);
             for turn in 2..=3 {
-                let out = conv.turn(&client, &fleet, 8, &[]).await;
-                let now = replica_of(&out, &fleet);
+                let out = conv.turn(client, fleet, 8, &[]).await;
+                let now = replica_of(&out, fleet);
                 assert_eq!(
                     now,
                     first,
@@ -106,10 +119,7 @@ async fn second_turn_lands_on_the_first_turns_replica(form: Form) {
 }
 
 async fn distinct_conversations_spread_over_the_fleet(form: Form) {
-    let tools = tools();
-    bounded(async {
-        let fleet = start_fleet(&tools, "e2e-spread", 4, form, |_| {}).await;
-        let client = HttpClient::new();
+    form_test("e2e-spread", 4, form, async |fleet, client| {
         let mut tasks = tokio::task::JoinSet::new();
         for c in 0..12u64 {
             let body = chat_body(
@@ -132,7 +142,7 @@ async fn distinct_conversations_spread_over_the_fleet(form: Form) {
             let out = joined
                 .expect("request task")
                 .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
-            *per_replica.entry(replica_of(&out, &fleet)).or_default() += 1;
+            *per_replica.entry(replica_of(&out, fleet)).or_default() += 1;
         }
         assert!(
             per_replica.len() >= 3,
@@ -279,23 +289,15 @@ async fn killing_the_control_plane_loses_no_request() {
 }
 
 async fn client_supplied_destination_header_is_ignored(form: Form) {
-    let tools = tools();
-    bounded(async {
-        let fleet = start_fleet(&tools, "e2e-spoof", 4, form, |_| {}).await;
-        let client = HttpClient::new();
+    form_test("e2e-spoof", 4, form, async |fleet, client| {
         let replicas = fleet.replica_addresses();
         for c in 0..4u64 {
             let mut conv = conversation(800 + c, 1_500);
             // A destination outside the cluster: the request must still be served.
             let first = conv
-                .turn(
-                    &client,
-                    &fleet,
-                    8,
-                    &[(DESTINATION_HEADER, "10.255.255.1:9")],
-                )
+                .turn(client, fleet, 8, &[(DESTINATION_HEADER, "10.255.255.1:9")])
                 .await;
-            let first = replica_of(&first, &fleet);
+            let first = replica_of(&first, fleet);
             // Ask for another replica (and a list of them): kvroute keeps the cache-warm one.
             let others: Vec<&String> = replicas.iter().filter(|r| **r != first).collect();
             let spoof_one = others[c as usize % others.len()].clone();
@@ -306,10 +308,10 @@ async fn client_supplied_destination_header_is_ignored(form: Form) {
                 .join(",");
             for spoof in [spoof_one, spoof_list] {
                 let out = conv
-                    .turn(&client, &fleet, 8, &[(DESTINATION_HEADER, &spoof)])
+                    .turn(client, fleet, 8, &[(DESTINATION_HEADER, &spoof)])
                     .await;
                 assert_eq!(
-                    replica_of(&out, &fleet),
+                    replica_of(&out, fleet),
                     first,
                     "a client header {DESTINATION_HEADER}: {spoof} moved the request ({})",
                     fleet.describe()
@@ -319,8 +321,8 @@ async fn client_supplied_destination_header_is_ignored(form: Form) {
         // Non-streaming requests are routed the same way.
         let body = user_chat(MODEL, &text(900, 50), 4);
         chat_ok(
-            &client,
-            &fleet,
+            client,
+            fleet,
             &body,
             &[(DESTINATION_HEADER, "127.0.0.1:1")],
             REQUEST_TIMEOUT,

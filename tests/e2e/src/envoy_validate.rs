@@ -75,11 +75,7 @@ fn every_shipped_envoy_config_validates() {
             std::thread::sleep(Duration::from_millis(50));
         }
         let out = child.wait_with_output().expect("collecting envoy output");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let text = crate::common::output_text(&out);
         if !out.status.success() || !text.contains(" OK") {
             failures.push(format!(
                 "{} (rendered at {}): {}\n{text}",

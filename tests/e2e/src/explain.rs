@@ -158,16 +158,16 @@ async fn explain_header_and_debug_endpoint_agree() {
 
         // A skipped inference request says why.
         let url = format!("{}/v1/chat/completions", fleet.url());
-        let skipped = client
-            .request(
-                "GET",
-                &url,
-                &[("x-kvroute-explain", "1")],
-                None,
-                REQUEST_TIMEOUT,
-            )
-            .await
-            .unwrap();
+        let skipped = common::request(
+            &client,
+            "GET",
+            &url,
+            &[("x-kvroute-explain", "1")],
+            None,
+            REQUEST_TIMEOUT,
+            &fleet,
+        )
+        .await;
         assert_eq!(
             skipped.header(DECISION),
             Some("reason=skipped; skip=not_post")

@@ -80,6 +80,20 @@ async fn served(fleet: &Fleet, what: &str, body: &Value, headers: &[(&str, &str)
     assert_eq!(r.status, 200, "{what}: {} ({})", r.body, fleet.describe());
 }
 
+/// `n` prompts of `words_n` words (seeded from `first_seed`) from the flooding tenant `batch`,
+/// each of which must be served: its traffic while admission still has room for it.
+async fn batch_served(fleet: &Fleet, what: &str, n: u64, words_n: usize, first_seed: u64) {
+    for seed in first_seed..first_seed + n {
+        served(
+            fleet,
+            &format!("{what} (prompt {seed})"),
+            &body(words_n, seed, 2),
+            &[("x-kvroute-tenant", "batch")],
+        )
+        .await;
+    }
+}
+
 /// A request that must be refused with `status`; returns the OpenAI error object.
 async fn refused(
     fleet: &Fleet,
@@ -225,15 +239,7 @@ async fn sheds_by_criticality_and_fair_share_and_limits_prompts_per_tenant() {
 
         // Tenant `batch` floods (standard, long prompts) while the fleet has room: admitted,
         // and its token counter runs far ahead of `chat`'s.
-        for i in 0..8 {
-            served(
-                &fleet,
-                "batch while idle",
-                &body(800, 10 + i, 2),
-                &[tenant("batch")],
-            )
-            .await;
-        }
+        batch_served(&fleet, "batch while idle", 8, 800, 10).await;
 
         // Saturation between sheddable_at (1) and standard_at (3): KV ≈ 0.2 of each replica.
         let mut background = hold_kv(&fleet, 1_500, 1);
@@ -356,37 +362,29 @@ async fn sheds_by_criticality_and_fair_share_and_limits_prompts_per_tenant() {
 /// the prompts it routed stay queued in its estimate for the whole test (no timing involved).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_an_over_share_tenant_to_keep_the_ttft_bound() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-fairness-ttft", 2, MODEL);
-        // The tenant and criticality headers are the test's own: believed, as behind an authority.
-        cfg.plugin_config = json!({"route_timeout_ms": 5000, "identity_headers": "trusted"});
-        // 2 tokens a second: a routed prompt stays in the router's queue estimate for minutes.
-        cfg.control_plane_router = json!({"scoring": {"prefill_tokens_per_ms": 0.002}});
-        cfg.control_plane_extra = json!({
-            "admission": {
-                "max_ttft_inflation": 2.0,
-                "retry_after_s": 3,
-                "usage_half_life_ms": 600_000,
-                "tenants": {"batch": {"weight": 1.0}, "chat": {"weight": 1.0}},
-            }
-        });
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-fairness-ttft", 2, MODEL, |cfg| {
+            // The tenant and criticality headers are the test's own: believed, as behind an authority.
+            cfg.plugin_config = json!({"route_timeout_ms": 5000, "identity_headers": "trusted"});
+            // 2 tokens a second: a routed prompt stays in the router's queue estimate for minutes.
+            cfg.control_plane_router = json!({"scoring": {"prefill_tokens_per_ms": 0.002}});
+            cfg.control_plane_extra = json!({
+                "admission": {
+                    "max_ttft_inflation": 2.0,
+                    "retry_after_s": 3,
+                    "usage_half_life_ms": 600_000,
+                    "tenants": {"batch": {"weight": 1.0}, "chat": {"weight": 1.0}},
+                }
+            });
+        })
+        .await;
         let tenant = |t| ("x-kvroute-tenant", t);
         let crit = |c| ("x-kvroute-criticality", c);
         let small_q = body(8, 1, 2);
 
         // Alone, the flooding tenant is never over its share: every prompt is admitted
         // (work-conserving), and they queue on both replicas in the router's estimate.
-        for i in 0..4 {
-            served(
-                &fleet,
-                "batch while alone",
-                &body(300, 20 + i, 2),
-                &[tenant("batch")],
-            )
-            .await;
-        }
+        batch_served(&fleet, "batch while alone", 4, 300, 20).await;
         // Another tenant shows up: far under its share, it is served.
         served(&fleet, "chat", &small_q, &[tenant("chat")]).await;
         // Now `batch` is over its share and no replica is within 2x: refused for the bound.

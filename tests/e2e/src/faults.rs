@@ -475,13 +475,21 @@ impl Topo {
         )
     }
 
+    /// The body of `GET url`, empty when nothing answers: the control plane may be down on
+    /// purpose, and the readers below take an empty body as "nothing there".
+    async fn get_or_empty(&self, url: &str, timeout: Duration) -> String {
+        self.client
+            .get(url, timeout)
+            .await
+            .map(|r| r.body)
+            .unwrap_or_default()
+    }
+
     /// `(address, health)` from the control plane's `/debug/endpoints` (empty when it is down).
     async fn endpoint_health(&self) -> Vec<(String, String)> {
         let url = format!("http://127.0.0.1:{}/debug/endpoints", self.cp_admin_port);
-        let Ok(resp) = self.client.get(&url, Duration::from_secs(2)).await else {
-            return Vec::new();
-        };
-        let v: Value = serde_json::from_str(&resp.body).unwrap_or(Value::Null);
+        let body = self.get_or_empty(&url, Duration::from_secs(2)).await;
+        let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
         v.as_array()
             .map(|a| {
                 a.iter()
@@ -499,12 +507,7 @@ impl Topo {
     /// `kvroute_index_blocks` from the control plane's admin metrics (0 when it is down).
     async fn index_blocks(&self) -> f64 {
         let url = format!("http://127.0.0.1:{}/metrics", self.cp_admin_port);
-        let body = self
-            .client
-            .get(&url, Duration::from_secs(2))
-            .await
-            .map(|r| r.body)
-            .unwrap_or_default();
+        let body = self.get_or_empty(&url, Duration::from_secs(2)).await;
         prometheus_sum(&body, "kvroute_index_blocks")
     }
 
@@ -534,12 +537,7 @@ impl Topo {
     /// A filter counter from Envoy's stats (`wasmcustom.kvroute_<name>`).
     async fn counter(&self, name: &str) -> f64 {
         let url = format!("http://{}/stats?filter=wasmcustom", self.envoy_admin);
-        let body = self
-            .client
-            .get(&url, Duration::from_secs(5))
-            .await
-            .map(|r| r.body)
-            .unwrap_or_default();
+        let body = self.get_or_empty(&url, Duration::from_secs(5)).await;
         body.lines()
             .filter_map(|l| l.split_once(": "))
             .find(|(k, _)| *k == format!("wasmcustom.kvroute_{name}"))
@@ -558,12 +556,7 @@ impl Topo {
             );
         }
         let url = format!("http://{}/stats?filter=wasm", self.envoy_admin);
-        let stats = self
-            .client
-            .get(&url, Duration::from_secs(5))
-            .await
-            .map(|r| r.body)
-            .unwrap_or_default();
+        let stats = self.get_or_empty(&url, Duration::from_secs(5)).await;
         assert!(
             stats.contains("wasm.kvroute.vm_reload: 0"),
             "wasm VM reloaded: {stats}"
@@ -572,6 +565,22 @@ impl Topo {
 
     async fn set_sim_fault(&self, i: usize, fault: Value) {
         common::set_sim_fault(&self.client, &self.sims[i].address(), &fault).await;
+    }
+
+    /// One request through Envoy, which must be answered in full.
+    async fn chat_ok(&self, body: &Value) -> Done {
+        let done = chat(&self.client, &self.url(), body, None).await;
+        assert!(done.ok(), "{done:?}");
+        done
+    }
+
+    /// Waits (5 s at most) until the control plane reports replica `i` as `health`: how the
+    /// replica tests see a fault, a kill or a start take effect. `what` names it in a failure.
+    async fn wait_health(&self, i: usize, health: &str, what: &str) {
+        self.wait_for(Duration::from_secs(5), what, async |t| {
+            t.health_of(i).await == health
+        })
+        .await;
     }
 }
 
@@ -686,9 +695,11 @@ async fn chat(
     }
 }
 
-/// `n` requests (alternating streamed and not) from `workers` concurrent clients; returns
-/// every result.
-async fn burst(topo: &Topo, seed: u64, n: usize, workers: usize) -> Vec<Done> {
+/// `n` requests (alternating streamed and not) from `workers` concurrent clients, every one of
+/// which must be answered in full ([`assert_all_ok`], as `what`: no burst of these tests may
+/// lose a request); returns every result.
+async fn burst(topo: &Topo, what: &str, seed: u64, n: usize, workers: usize) -> Vec<Done> {
+    let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for w in 0..workers {
         let client = topo.client.clone();
@@ -707,11 +718,92 @@ async fn burst(topo: &Topo, seed: u64, n: usize, workers: usize) -> Vec<Done> {
             out
         });
     }
+    let results = join_all(tasks).await;
+    assert_all_ok(
+        &format!("{what} (a burst of {:?})", started.elapsed()),
+        &results,
+        topo,
+    );
+    results
+}
+
+/// Every worker's results, once they have all ended: how a burst or a background load is
+/// collected.
+async fn join_all(mut tasks: tokio::task::JoinSet<Vec<Done>>) -> Vec<Done> {
     let mut all = Vec::new();
     while let Some(joined) = tasks.join_next().await {
-        all.extend(joined.expect("worker"));
+        all.extend(joined.expect("load worker"));
     }
     all
+}
+
+/// Requests from `workers` clients, each in a loop until [`Load::stop`]: the steady load the
+/// kill and chaos tests keep up while faults come and go. `body(worker, i)` is worker's `i`th
+/// request.
+struct Load {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Requests started so far.
+    sent: Arc<AtomicU64>,
+    tasks: tokio::task::JoinSet<Vec<Done>>,
+}
+
+impl Load {
+    /// Starts the workers on `topo`'s Envoy.
+    fn start(
+        topo: &Topo,
+        workers: u64,
+        body: impl Fn(u64, u64) -> Value + Clone + Send + 'static,
+    ) -> Load {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let mut tasks = tokio::task::JoinSet::new();
+        for w in 0..workers {
+            let (client, url, stop, sent, body) = (
+                topo.client.clone(),
+                topo.url(),
+                stop.clone(),
+                sent.clone(),
+                body.clone(),
+            );
+            tasks.spawn(async move {
+                let mut out = Vec::new();
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let body = body(w, i);
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    out.push(chat(&client, &url, &body, None).await);
+                    i += 1;
+                }
+                out
+            });
+        }
+        Load { stop, sent, tasks }
+    }
+
+    /// Requests started so far, by every worker.
+    fn sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    /// Asks every worker to stop after its current request.
+    fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops the load and returns every request's result.
+    async fn results(self) -> Vec<Done> {
+        self.stop();
+        join_all(self.tasks).await
+    }
+}
+
+/// How many of `results` `replica` answered: a sick replica must get none, a recovered or new
+/// one some.
+fn answered_by(results: &[Done], replica: &str) -> usize {
+    results
+        .iter()
+        .filter(|d| d.replica.as_deref() == Some(replica))
+        .count()
 }
 
 fn assert_all_ok(what: &str, results: &[Done], topo: &Topo) {
@@ -730,23 +822,63 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
+/// The frame of every fault test but the chaos run: a topology of `replicas` (the first
+/// `running` started), `body` on it within [`TEST_TIMEOUT`], then the filter checked for
+/// panics, traps and VM reloads.
+async fn fault_test(
+    name: &str,
+    replicas: usize,
+    running: usize,
+    body: impl AsyncFnOnce(&mut Topo),
+) {
+    let tools = tools();
+    bounded(TEST_TIMEOUT, async {
+        let mut topo = Topo::start(&tools, name, replicas, running).await;
+        body(&mut topo).await;
+        topo.assert_filter_healthy().await;
+    })
+    .await;
+}
+
 // ------------------------------------------------------------------------------------------
 // Control-plane faults
 
+/// `((route calls, feedback calls), requests sent)` through the fault proxy at one moment.
+type CallCount = ((u64, u64), u64);
+
+/// No thundering herd over a window of `elapsed` from `start` to `end` (`when`, in failures):
+/// at most one route call a request (the requests in flight at its start may call too, one per
+/// each of the 3 load workers) and at most one feedback batch per 200 ms tick per VM (one
+/// worker VM and the main-thread VM), so no retry loop either.
+fn assert_no_herd(when: &str, start: CallCount, end: CallCount, elapsed: Duration) {
+    let route_calls = end.0.0 - start.0.0;
+    let feedback_calls = end.0.1 - start.0.1;
+    let requests = end.1 - start.1 + 3;
+    let ticks = elapsed.as_millis() as u64 / 200 + 1;
+    eprintln!(
+        "{when}, {elapsed:?}: {requests} requests, {route_calls} route calls, \
+         {feedback_calls} feedback calls ({ticks} ticks)"
+    );
+    assert!(
+        route_calls <= requests,
+        "{route_calls} route calls for {requests} requests {when}"
+    );
+    assert!(
+        feedback_calls <= 2 * ticks,
+        "{feedback_calls} feedback calls in {elapsed:?} {when}: feedback retried in a loop"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_slow_or_hung_beyond_the_route_timeout() {
-    let tools = tools();
-    bounded(TEST_TIMEOUT, async {
-        let topo = Topo::start(&tools, "faults-cp-slow", 2, 2).await;
-        let baseline = burst(&topo, 10, 12, 3).await;
-        assert_all_ok("baseline", &baseline, &topo);
+    fault_test("faults-cp-slow", 2, 2, async |topo| {
+        let baseline = burst(topo, "baseline", 10, 12, 3).await;
         let base_median = median(baseline.iter().map(|d| d.elapsed).collect());
 
         for mode in [Mode::Delay(400), Mode::Hang] {
             let fail_open = topo.counter("fail_open").await;
             topo.proxy.set(mode.clone());
-            let results = burst(&topo, 20, 12, 3).await;
-            assert_all_ok(&format!("{mode:?}"), &results, &topo);
+            let results = burst(topo, &format!("{mode:?}"), 20, 12, 3).await;
             // The filter waits for the route answer no longer than its timeout.
             let m = median(results.iter().map(|d| d.elapsed).collect());
             eprintln!("{mode:?}: median {m:?}, without the fault {base_median:?}");
@@ -761,21 +893,18 @@ async fn control_plane_slow_or_hung_beyond_the_route_timeout() {
         }
         topo.proxy.set(Mode::Pass);
         let routed = topo.counter("requests_routed").await;
-        assert_all_ok("recovered", &burst(&topo, 30, 8, 2).await, &topo);
+        burst(topo, "recovered", 30, 8, 2).await;
         assert!(
             topo.counter("requests_routed").await >= routed + 4.0,
             "routing did not resume after the control plane recovered"
         );
-        topo.assert_filter_healthy().await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_answering_garbage_errors_or_resets() {
-    let tools = tools();
-    bounded(TEST_TIMEOUT, async {
-        let topo = Topo::start(&tools, "faults-cp-garbage", 2, 2).await;
+    fault_test("faults-cp-garbage", 2, 2, async |topo| {
         let modes = [
             Mode::Garbage("this is not json".into()),
             Mode::Garbage(String::new()),
@@ -804,55 +933,36 @@ async fn control_plane_answering_garbage_errors_or_resets() {
         for (i, mode) in modes.iter().enumerate() {
             topo.proxy.set(mode.clone());
             let started = Instant::now();
-            let results = burst(&topo, 100 + i as u64, 6, 2).await;
+            burst(topo, &format!("{mode:?}"), 100 + i as u64, 6, 2).await;
             eprintln!("{mode:?}: {:?}", started.elapsed());
-            assert_all_ok(&format!("{mode:?}"), &results, &topo);
         }
         topo.proxy.set(Mode::Pass);
         let routed = topo.counter("requests_routed").await;
-        assert_all_ok("recovered", &burst(&topo, 200, 6, 2).await, &topo);
+        burst(topo, "recovered", 200, 6, 2).await;
         // Most of them routed again (one may still fail open on a loaded machine).
         assert!(topo.counter("requests_routed").await >= routed + 3.0);
         assert!(topo.proxy.calls.load(Ordering::Relaxed) > 90);
-        topo.assert_filter_healthy().await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_killed_under_load_then_restarted() {
-    let tools = tools();
-    bounded(TEST_TIMEOUT, async {
-        let mut topo = Topo::start(&tools, "faults-cp-restart", 3, 3).await;
-        // Load from 3 workers for the whole test; `sent` counts requests as they start.
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let sent = Arc::new(AtomicU64::new(0));
-        let mut load = tokio::task::JoinSet::new();
-        for w in 0..3u64 {
-            let (client, url, stop, sent) =
-                (topo.client.clone(), topo.url(), stop.clone(), sent.clone());
-            load.spawn(async move {
-                let mut out = Vec::new();
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    let body = chat_body(300 + w, 3_000 + w * 1_000 + i, 4, i.is_multiple_of(2));
-                    sent.fetch_add(1, Ordering::Relaxed);
-                    out.push(chat(&client, &url, &body, None).await);
-                    i += 1;
-                }
-                out
-            });
-        }
+    fault_test("faults-cp-restart", 3, 3, async |topo| {
+        // Load from 3 workers for the whole test; `load.sent()` counts requests as they start.
+        let load = Load::start(topo, 3, |w, i| {
+            chat_body(300 + w, 3_000 + w * 1_000 + i, 4, i.is_multiple_of(2))
+        });
         tokio::time::sleep(Duration::from_millis(700)).await;
         topo.kill_control_plane();
         let down_calls = topo.proxy.route_and_feedback_calls();
-        let down_sent = sent.load(Ordering::Relaxed);
+        let down_sent = load.sent();
         let down_at = Instant::now();
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let routed_before_restart = topo.counter("requests_routed").await;
         topo.start_control_plane().await;
         let up_calls = topo.proxy.route_and_feedback_calls();
-        let up_sent = sent.load(Ordering::Relaxed);
+        let up_sent = load.sent();
         let down_for = down_at.elapsed();
         topo.wait_for(
             Duration::from_secs(10),
@@ -884,80 +994,31 @@ async fn control_plane_killed_under_load_then_restarted() {
         // No thundering herd: after the restart every request makes at most one route call
         // (no retries, no backlog replayed), and feedback stays one batch per tick per VM
         // (200 ms; `--concurrency 1` runs one worker VM, plus the main-thread VM).
-        let window_start = (
-            topo.proxy.route_and_feedback_calls(),
-            sent.load(Ordering::Relaxed),
-        );
+        let window_start = (topo.proxy.route_and_feedback_calls(), load.sent());
         let window_at = Instant::now();
         tokio::time::sleep(Duration::from_millis(2_000)).await;
-        let window_end = (
-            topo.proxy.route_and_feedback_calls(),
-            sent.load(Ordering::Relaxed),
-        );
+        let window_end = (topo.proxy.route_and_feedback_calls(), load.sent());
         let window = window_at.elapsed();
-        stop.store(true, Ordering::Relaxed);
-        let route_calls = window_end.0.0 - window_start.0.0;
-        let feedback_calls = window_end.0.1 - window_start.0.1;
-        // Requests in flight at the window's start may call too: at most one per worker.
-        let requests = window_end.1 - window_start.1 + 3;
-        let ticks = window.as_millis() as u64 / 200 + 1;
-        eprintln!(
-            "after restart, {window:?}: {requests} requests, {route_calls} route calls, \
-             {feedback_calls} feedback calls ({ticks} ticks)"
-        );
-        assert!(
-            route_calls <= requests,
-            "{route_calls} route calls for {requests} requests after the restart"
-        );
-        assert!(
-            feedback_calls <= 2 * ticks,
-            "{feedback_calls} feedback calls in {window:?} after the restart"
-        );
+        load.stop();
+        assert_no_herd("after restart", window_start, window_end, window);
         // While it was down, requests failed open without retrying the route call either.
-        let down_route_calls = up_calls.0 - down_calls.0;
-        let down_requests = up_sent - down_sent + 3;
-        let down_ticks = down_for.as_millis() as u64 / 200 + 1;
-        eprintln!(
-            "while down, {down_for:?}: {down_requests} requests, {down_route_calls} route \
-             calls, {} feedback calls",
-            up_calls.1 - down_calls.1
+        assert_no_herd(
+            "while down",
+            (down_calls, down_sent),
+            (up_calls, up_sent),
+            down_for,
         );
-        assert!(
-            down_route_calls <= down_requests,
-            "{down_route_calls} route calls for {down_requests} requests while down"
-        );
-        assert!(
-            up_calls.1 - down_calls.1 <= 2 * down_ticks,
-            "feedback retried in a loop while the control plane was down"
-        );
-        let mut results = Vec::new();
-        while let Some(joined) = load.join_next().await {
-            results.extend(joined.expect("load worker"));
-        }
+        let results = load.results().await;
         assert!(results.len() >= 20, "only {} requests ran", results.len());
-        assert_all_ok("through the kill and restart", &results, &topo);
+        assert_all_ok("through the kill and restart", &results, topo);
 
         // The rebuilt state learns again: a new conversation's second turn stays put, and
         // new conversations spread instead of herding onto one replica.
         let mut firsts = std::collections::BTreeSet::new();
         let mut moved = Vec::new();
         for c in 0..6u64 {
-            let first = chat(
-                &topo.client,
-                &topo.url(),
-                &chat_body(500 + c, 1, 4, false),
-                None,
-            )
-            .await;
-            assert!(first.ok(), "{first:?}");
-            let second = chat(
-                &topo.client,
-                &topo.url(),
-                &chat_body(500 + c, 2, 4, false),
-                None,
-            )
-            .await;
-            assert!(second.ok(), "{second:?}");
+            let first = topo.chat_ok(&chat_body(500 + c, 1, 4, false)).await;
+            let second = topo.chat_ok(&chat_body(500 + c, 2, 4, false)).await;
             if first.replica != second.replica {
                 moved.push(c);
             }
@@ -973,7 +1034,6 @@ async fn control_plane_killed_under_load_then_restarted() {
             firsts.len() >= 2,
             "after the restart everything went to {firsts:?}"
         );
-        topo.assert_filter_healthy().await;
     })
     .await;
 }
@@ -981,11 +1041,25 @@ async fn control_plane_killed_under_load_then_restarted() {
 // ------------------------------------------------------------------------------------------
 // Replica faults
 
+/// Makes replica 0 sick with `fault` (`what`, in failures), waits until the control plane
+/// names it unreachable, then checks that a burst (seeded by `seed`) is served entirely by the
+/// others: what every sickness of a replica must come to.
+async fn assert_sick_replica_avoided(topo: &Topo, fault: Value, what: &str, seed: u64) {
+    let sick = topo.sims[0].address();
+    topo.set_sim_fault(0, fault).await;
+    topo.wait_health(0, "unreachable", &format!("{what} noticed"))
+        .await;
+    let results = burst(topo, &format!("with {what}"), seed, 12, 3).await;
+    assert_eq!(
+        answered_by(&results, &sick),
+        0,
+        "kvroute routed to a replica with {what}: {results:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_killed_mid_stream() {
-    let tools = tools();
-    bounded(TEST_TIMEOUT, async {
-        let mut topo = Topo::start(&tools, "faults-replica-kill", 3, 3).await;
+    fault_test("faults-replica-kill", 3, 3, async |topo| {
         // Long streams (about 2 s each at --speed 2) on every replica.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let mut streams = tokio::task::JoinSet::new();
@@ -1040,122 +1114,67 @@ async fn replica_killed_mid_stream() {
 
         // New requests: none is lost (Envoy retries connect failures on another host; the
         // control plane stops choosing the dead replica after its scrapes fail).
-        let results = burst(&topo, 800, 18, 3).await;
-        assert_all_ok("after the kill", &results, &topo);
-        topo.wait_for(
-            Duration::from_secs(5),
-            "the dead replica marked unreachable",
-            async |t| t.health_of(index).await == "unreachable",
-        )
-        .await;
-        let results = burst(&topo, 900, 12, 3).await;
-        assert_all_ok("after it was marked", &results, &topo);
-        assert!(
-            results
-                .iter()
-                .all(|d| d.replica.as_deref() != Some(victim.as_str())),
+        burst(topo, "after the kill", 800, 18, 3).await;
+        topo.wait_health(index, "unreachable", "the dead replica marked unreachable")
+            .await;
+        let results = burst(topo, "after it was marked", 900, 12, 3).await;
+        assert_eq!(
+            answered_by(&results, &victim),
+            0,
             "a request was answered by a dead replica?"
         );
-        topo.assert_filter_healthy().await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_metrics_garbage_makes_it_unusable_until_fixed() {
-    let tools = tools();
-    bounded(TEST_TIMEOUT, async {
-        let topo = Topo::start(&tools, "faults-metrics-garbage", 2, 2).await;
-        let sick = topo.sims[0].address();
-        topo.set_sim_fault(0, json!({"garbage_metrics": true}))
-            .await;
-        topo.wait_for(
-            Duration::from_secs(5),
-            "garbage metrics noticed",
-            async |t| t.health_of(0).await == "unreachable",
+    fault_test("faults-metrics-garbage", 2, 2, async |topo| {
+        assert_sick_replica_avoided(
+            topo,
+            json!({"garbage_metrics": true}),
+            "garbage metrics",
+            1_000,
         )
         .await;
-        let results = burst(&topo, 1_000, 12, 3).await;
-        assert_all_ok("with garbage metrics", &results, &topo);
-        assert!(
-            results
-                .iter()
-                .all(|d| d.replica.as_deref() != Some(sick.as_str())),
-            "kvroute routed to a replica whose metrics are garbage: {results:?}"
-        );
         topo.set_sim_fault(0, json!({"garbage_metrics": false}))
             .await;
-        topo.wait_for(Duration::from_secs(5), "recovery noticed", async |t| {
-            t.health_of(0).await == "ready"
-        })
-        .await;
-        let results = burst(&topo, 1_100, 16, 4).await;
-        assert_all_ok("after recovery", &results, &topo);
-        assert!(
-            results
-                .iter()
-                .any(|d| d.replica.as_deref() == Some(sick.as_str())),
-            "the recovered replica got no traffic: {results:?}"
-        );
-        topo.assert_filter_healthy().await;
+        assert_replica_gets_traffic(topo, 0, "the recovered replica", 1_100, 16).await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_hanging_is_avoided() {
-    let tools = tools();
-    bounded(TEST_TIMEOUT, async {
-        let topo = Topo::start(&tools, "faults-replica-hang", 2, 2).await;
-        let hung = topo.sims[0].address();
-        topo.set_sim_fault(0, json!({"hang": true})).await;
-        topo.wait_for(
-            Duration::from_secs(5),
-            "hanging metrics noticed",
-            async |t| t.health_of(0).await == "unreachable",
-        )
-        .await;
-        let results = burst(&topo, 1_200, 12, 3).await;
-        assert_all_ok("with a hung replica", &results, &topo);
-        assert!(
-            results
-                .iter()
-                .all(|d| d.replica.as_deref() != Some(hung.as_str())),
-            "{results:?}"
-        );
+    fault_test("faults-replica-hang", 2, 2, async |topo| {
+        assert_sick_replica_avoided(topo, json!({"hang": true}), "a hang", 1_200).await;
         topo.set_sim_fault(0, json!({"hang": false})).await;
-        topo.assert_filter_healthy().await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replica_starting_late_joins_under_load() {
-    let tools = tools();
-    bounded(TEST_TIMEOUT, async {
+    fault_test("faults-late-replica", 3, 2, async |topo| {
         // Three endpoints configured, two running: the third is "added" under load.
-        let mut topo = Topo::start(&tools, "faults-late-replica", 3, 2).await;
-        let late = topo.sims[2].address();
-        let before = burst(&topo, 1_300, 12, 3).await;
-        assert_all_ok("with one replica down", &before, &topo);
+        burst(topo, "with one replica down", 1_300, 12, 3).await;
         topo.start_replica(2).await;
-        topo.wait_for(
-            Duration::from_secs(5),
-            "the late replica ready",
-            async |t| t.health_of(2).await == "ready",
-        )
-        .await;
-        let after = burst(&topo, 1_400, 24, 4).await;
-        assert_all_ok("after it joined", &after, &topo);
-        assert!(
-            after
-                .iter()
-                .any(|d| d.replica.as_deref() == Some(late.as_str())),
-            "the new replica got no traffic: {after:?}"
-        );
-        topo.assert_filter_healthy().await;
+        assert_replica_gets_traffic(topo, 2, "the new replica", 1_400, 24).await;
     })
     .await;
+}
+
+/// Waits until the control plane names replica `i` (`what`, in failures) ready, then checks
+/// that a burst of `n` requests (seeded by `seed`) is all served and reaches it: what a replica
+/// that recovers or joins must get.
+async fn assert_replica_gets_traffic(topo: &Topo, i: usize, what: &str, seed: u64, n: usize) {
+    let replica = topo.sims[i].address();
+    topo.wait_health(i, "ready", &format!("{what} ready")).await;
+    let results = burst(topo, &format!("once {what} was ready"), seed, n, 4).await;
+    assert!(
+        answered_by(&results, &replica) > 0,
+        "{what} got no traffic: {results:?}"
+    );
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1175,26 +1194,14 @@ async fn chaos_mixed_faults() {
     let tools = tools();
     bounded(limit, async {
         let mut topo = Topo::start(&tools, "faults-chaos", 3, 3).await;
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut load = tokio::task::JoinSet::new();
-        for w in 0..4u64 {
-            let (client, url, stop) = (topo.client.clone(), topo.url(), stop.clone());
-            load.spawn(async move {
-                let mut out = Vec::new();
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    let body = chat_body(
-                        2_000 + (w * 7 + i) % 12,
-                        20_000 + w * 100_000 + i,
-                        4,
-                        i.is_multiple_of(2),
-                    );
-                    out.push(chat(&client, &url, &body, None).await);
-                    i += 1;
-                }
-                out
-            });
-        }
+        let load = Load::start(&topo, 4, |w, i| {
+            chat_body(
+                2_000 + (w * 7 + i) % 12,
+                20_000 + w * 100_000 + i,
+                4,
+                i.is_multiple_of(2),
+            )
+        });
         let mut rng = SmallRng::seed_from_u64(seed);
         let started = Instant::now();
         let mut log = Vec::new();
@@ -1255,11 +1262,7 @@ async fn chaos_mixed_faults() {
             log.push(format!("{:>6} ms {what}", started.elapsed().as_millis()));
             tokio::time::sleep(Duration::from_millis(rng.random_range(200..1_200))).await;
         }
-        stop.store(true, Ordering::Relaxed);
-        let mut results = Vec::new();
-        while let Some(joined) = load.join_next().await {
-            results.extend(joined.expect("load worker"));
-        }
+        let results = load.results().await;
         let routed = topo.counter("requests_routed").await;
         let fail_open = topo.counter("fail_open").await;
         let slowest = results.iter().map(|d| d.elapsed).max().unwrap_or_default();

@@ -79,12 +79,12 @@ async fn cp_value(fleet: &Fleet, name: &str) -> f64 {
 /// of the resume nothing is in flight and every request is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_control_plane_leaves_no_phantom_load() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-hostile-stall", 2, MODEL);
-        cfg.plugin_config = json!({"route_timeout_ms": 150});
-        cfg.control_plane_extra = admission(4.0);
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-hostile-stall", 2, MODEL, |cfg| {
+            cfg.plugin_config = json!({"route_timeout_ms": 150});
+            cfg.control_plane_extra = admission(4.0);
+        })
+        .await;
         let (before, _) = sequential(&fleet, 1, 5).await;
         assert_eq!(before.get(&200), Some(&5), "{before:?}");
 
@@ -132,12 +132,12 @@ async fn a_stalled_control_plane_leaves_no_phantom_load() {
 /// passed. Through all of it, a client's requests keep spreading over both replicas.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_api_call_cannot_take_a_replica_out_or_release_others_load() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-hostile-api", 2, MODEL);
-        cfg.plugin_config = json!({"auth_token": TOKEN, "route_timeout_ms": 5000});
-        cfg.control_plane_extra = json!({"auth_token": TOKEN});
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-hostile-api", 2, MODEL, |cfg| {
+            cfg.plugin_config = json!({"auth_token": TOKEN, "route_timeout_ms": 5000});
+            cfg.control_plane_extra = json!({"auth_token": TOKEN});
+        })
+        .await;
         let cp = fleet.control_plane.as_ref().unwrap();
         let api = format!("http://{}", cp.api_address);
         let post = |path: &str, body: Value, token: bool| {
@@ -248,12 +248,12 @@ async fn one_api_call_cannot_take_a_replica_out_or_release_others_load() {
 /// queued, and none is shed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequential_client_is_never_shed_for_its_own_finished_requests() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-hostile-lag", 2, MODEL);
-        cfg.plugin_config = json!({"feedback_interval_ms": 1000, "route_timeout_ms": 5000});
-        cfg.control_plane_extra = admission(4.0);
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-hostile-lag", 2, MODEL, |cfg| {
+            cfg.plugin_config = json!({"feedback_interval_ms": 1000, "route_timeout_ms": 5000});
+            cfg.control_plane_extra = admission(4.0);
+        })
+        .await;
         let started = Instant::now();
         let (statuses, _) = sequential(&fleet, 1, 100).await;
         let rate = 100.0 / started.elapsed().as_secs_f64();
@@ -269,19 +269,19 @@ async fn a_sequential_client_is_never_shed_for_its_own_finished_requests() {
 /// header or llm-d's) is still refused with 413; the header does not reach the replica either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_cannot_claim_another_tenant() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-hostile-tenant", 1, MODEL);
-        cfg.plugin_config = json!({"route_timeout_ms": 5000});
-        cfg.control_plane_extra = json!({
-            "admission": {
-                "queue_limit": 100.0,
-                "kv_limit": 1.0,
-                "default_tenant": {"max_prompt_bytes": 2000},
-                "tenants": {"vip": {"weight": 1.0}},
-            }
-        });
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-hostile-tenant", 1, MODEL, |cfg| {
+            cfg.plugin_config = json!({"route_timeout_ms": 5000});
+            cfg.control_plane_extra = json!({
+                "admission": {
+                    "queue_limit": 100.0,
+                    "kv_limit": 1.0,
+                    "default_tenant": {"max_prompt_bytes": 2000},
+                    "tenants": {"vip": {"weight": 1.0}},
+                }
+            });
+        })
+        .await;
         let body = common::user_chat(MODEL, &common::words(3, 1_000), 4);
         for header in ["x-kvroute-tenant", "x-llm-d-inference-fairness-id"] {
             let r = common::chat_through(

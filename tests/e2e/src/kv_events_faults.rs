@@ -14,7 +14,6 @@
 //! Each check reads the control plane's own account (`kvroute_kv_event_*` metrics and
 //! `/debug/kv_events`). A missing Envoy fails these tests (run `make setup`); they never skip.
 
-use std::future::Future;
 use std::time::Duration;
 
 use kvroute_harness::loadgen::StreamOutcome;
@@ -33,8 +32,24 @@ const SPECULATIVE_TTL_MS: u64 = 300;
 /// Words (the simulator's tokens) of a conversation's system prompt: about 75 blocks of 16.
 const SYSTEM_WORDS: usize = 1_200;
 
-async fn bounded<F: Future<Output = ()>>(body: F) {
-    common::bounded(TEST_TIMEOUT, body).await;
+/// The frame of both tests: within [`TEST_TIMEOUT`], a [`precise_fleet`] called `name`, a
+/// client, and the replica (of index `replica`) whose stream the test breaks, with its direct
+/// URL: requests sent there make no routing decision (and no speculative entry), so only the
+/// replica's KV events can tell the control plane where their prompts are.
+async fn kv_fault_test(
+    name: &str,
+    replica: usize,
+    body: impl AsyncFnOnce(&Fleet, &HttpClient, &str, &str),
+) {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let fleet = precise_fleet(&tools, name).await;
+        let client = HttpClient::new();
+        let replica = fleet.replica_addresses()[replica].clone();
+        let direct = format!("http://{replica}");
+        body(&fleet, &client, &replica, &direct).await;
+    })
+    .await;
 }
 
 /// Two replicas publishing KV events with replay, the control plane subscribed and tokenising
@@ -124,146 +139,150 @@ async fn turn(
     conv.send(client, fleet, base_url, &body, &[]).await
 }
 
+/// Once the speculative entries of earlier routed turns have expired (so the KV events alone
+/// decide), `conv`'s next turn through Envoy goes to `replica` and reuses its cache; `what`
+/// names the expectation in a failure.
+async fn assert_next_turn_follows(
+    conv: &mut Conversation,
+    client: &HttpClient,
+    fleet: &Fleet,
+    replica: &str,
+    what: &str,
+) {
+    tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
+    let next = turn(conv, client, fleet, &fleet.url()).await;
+    common::assert_followed_cache(&next, fleet, replica, what);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_batch_is_replayed_and_turn_two_still_finds_its_replica() {
-    let tools = tools();
-    bounded(async {
-        let fleet = precise_fleet(&tools, "e2e-kv-gap").await;
-        let client = HttpClient::new();
-        let holder = fleet.replica_addresses()[0].clone();
-        let direct = format!("http://{holder}");
+    kv_fault_test("e2e-kv-gap", 0, async |fleet, client, holder, direct| {
         // Some history first: a gap is a jump after batches already applied (a stream that
         // starts above 0 is a late join, replayed from 0 without counting a gap).
-        turn(&mut conversation(3), &client, &fleet, &direct).await;
-        wait_for(&fleet, "the first batch applied", async |f| {
-            kv_stream(f, &holder).await["batches"].as_u64().unwrap_or(0) >= 1
+        turn(&mut conversation(3), client, fleet, direct).await;
+        wait_for(fleet, "the first batch applied", async |f| {
+            kv_stream(f, holder).await["batches"].as_u64().unwrap_or(0) >= 1
         })
         .await;
-        let stream_before = kv_stream(&fleet, &holder).await;
+        let stream_before = kv_stream(fleet, holder).await;
         let gaps_before = stream_before["gaps"].as_u64().unwrap_or(0);
         let replays_before = stream_before["replays"].as_u64().unwrap_or(0);
 
         // The batch announcing conversation 1's prompt blocks is kept for replay only. The
         // request goes to the replica directly, so no routing decision (and no speculative
         // entry) tells the control plane where the prompt is: only the events can.
-        set_fault(&fleet, &holder, json!({"drop_kv_batches": 1})).await;
+        set_fault(fleet, holder, json!({"drop_kv_batches": 1})).await;
         let mut conv = conversation(1);
-        let first = turn(&mut conv, &client, &fleet, &direct).await;
-        assert_eq!(first.replica.as_deref(), Some(holder.as_str()));
+        let first = turn(&mut conv, client, fleet, direct).await;
+        assert_eq!(first.replica.as_deref(), Some(holder));
         // The next batch from that replica reveals the gap.
-        turn(&mut conversation(2), &client, &fleet, &direct).await;
-        wait_for(&fleet, "the gap detected and replayed", async |f| {
-            let s = kv_stream(f, &holder).await;
+        turn(&mut conversation(2), client, fleet, direct).await;
+        wait_for(fleet, "the gap detected and replayed", async |f| {
+            let s = kv_stream(f, holder).await;
             s["gaps"].as_u64().unwrap_or(0) > gaps_before
                 && s["replays"].as_u64().unwrap_or(0) > replays_before
                 && s["resets"].as_u64() == Some(0)
                 && s["replay_failures"].as_u64() == Some(0)
         })
         .await;
-        let m = cp_metrics(&fleet).await;
+        let m = cp_metrics(fleet).await;
         assert!(
-            labelled_value(&m, "kvroute_kv_event_gaps_total", &holder, None) >= 1.0,
+            labelled_value(&m, "kvroute_kv_event_gaps_total", holder, None) >= 1.0,
             "no gap counted:\n{m}"
         );
         assert!(
             labelled_value(
                 &m,
                 "kvroute_kv_event_replays_total",
-                &holder,
+                holder,
                 Some("result=\"ok\"")
             ) >= 2.0,
             "the initial history and the gap were not both replayed:\n{m}"
         );
         // All three conversations' blocks are known, the replayed ones included.
-        wait_for(&fleet, "both prompts' blocks known", async |f| {
-            precise_blocks(f, &holder).await >= 210.0
+        wait_for(fleet, "both prompts' blocks known", async |f| {
+            precise_blocks(f, holder).await >= 210.0
         })
         .await;
 
         // Turn 2 through Envoy follows the replayed blocks.
-        tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
-        let second = turn(&mut conv, &client, &fleet, &fleet.url()).await;
-        common::assert_followed_cache(
-            &second,
-            &fleet,
-            &holder,
+        assert_next_turn_follows(
+            &mut conv,
+            client,
+            fleet,
+            holder,
             "turn 2 did not follow the replayed blocks",
-        );
+        )
+        .await;
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_publisher_drops_the_endpoints_state_and_it_is_rebuilt() {
-    let tools = tools();
-    bounded(async {
-        let fleet = precise_fleet(&tools, "e2e-kv-restart").await;
-        let client = HttpClient::new();
-        let target = fleet.replica_addresses()[1].clone();
-        let direct = format!("http://{target}");
+    kv_fault_test(
+        "e2e-kv-restart",
+        1,
+        async |fleet, client, target, direct| {
+            // Conversation 1's blocks on the replica, known to the control plane.
+            let mut old = conversation(11);
+            turn(&mut old, client, fleet, direct).await;
+            wait_for(fleet, "conversation 1's blocks known", async |f| {
+                precise_blocks(f, target).await >= 70.0
+            })
+            .await;
+            let before = precise_blocks(fleet, target).await;
 
-        // Conversation 1's blocks on the replica, known to the control plane.
-        let mut old = conversation(11);
-        turn(&mut old, &client, &fleet, &direct).await;
-        wait_for(&fleet, "conversation 1's blocks known", async |f| {
-            precise_blocks(f, &target).await >= 70.0
-        })
-        .await;
-        let before = precise_blocks(&fleet, &target).await;
-
-        // The engine restarts: empty cache, sequence back at 0, nothing to replay. The first
-        // batch after it (a new conversation) shows the sequence going backwards.
-        set_fault(&fleet, &target, json!({"restart_kv_publisher": true})).await;
-        let mut new = conversation(12);
-        turn(&mut new, &client, &fleet, &direct).await;
-        wait_for(&fleet, "the restart detected", async |f| {
-            kv_stream(f, &target).await["resets"].as_u64().unwrap_or(0) >= 1
-        })
-        .await;
-        let m = cp_metrics(&fleet).await;
-        assert!(
-            labelled_value(
-                &m,
-                "kvroute_kv_event_resets_total",
-                &target,
-                Some("reason=\"restart\"")
-            ) >= 1.0,
-            "the reset was not counted as a restart:\n{m}"
-        );
-        // The old blocks are forgotten; the new conversation's are known.
-        wait_for(
-            &fleet,
-            "the state rebuilt from the new history",
-            async |f| {
-                let blocks = precise_blocks(f, &target).await;
+            // The engine restarts: empty cache, sequence back at 0, nothing to replay. The first
+            // batch after it (a new conversation) shows the sequence going backwards.
+            set_fault(fleet, target, json!({"restart_kv_publisher": true})).await;
+            let mut new = conversation(12);
+            turn(&mut new, client, fleet, direct).await;
+            wait_for(fleet, "the restart detected", async |f| {
+                kv_stream(f, target).await["resets"].as_u64().unwrap_or(0) >= 1
+            })
+            .await;
+            let m = cp_metrics(fleet).await;
+            assert!(
+                labelled_value(
+                    &m,
+                    "kvroute_kv_event_resets_total",
+                    target,
+                    Some("reason=\"restart\"")
+                ) >= 1.0,
+                "the reset was not counted as a restart:\n{m}"
+            );
+            // The old blocks are forgotten; the new conversation's are known.
+            wait_for(fleet, "the state rebuilt from the new history", async |f| {
+                let blocks = precise_blocks(f, target).await;
                 blocks > 0.0 && blocks < before + 40.0
-            },
-        )
-        .await;
-        let after = precise_blocks(&fleet, &target).await;
-        assert!(
-            after < before + 40.0,
-            "old blocks still claimed: {before} before, {after} after the restart"
-        );
-        // Still live: precise scoring goes on for the endpoint.
-        assert_eq!(
-            endpoint_value(&m, "kvroute_endpoint_events_live", &target),
-            Some(1.0)
-        );
+            })
+            .await;
+            let after = precise_blocks(fleet, target).await;
+            assert!(
+                after < before + 40.0,
+                "old blocks still claimed: {before} before, {after} after the restart"
+            );
+            // Still live: precise scoring goes on for the endpoint.
+            assert_eq!(
+                endpoint_value(&m, "kvroute_endpoint_events_live", target),
+                Some(1.0)
+            );
 
-        // The rebuilt state routes: the new conversation's turn 2 goes back to the replica.
-        tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
-        let second = turn(&mut new, &client, &fleet, &fleet.url()).await;
-        common::assert_followed_cache(
-            &second,
-            &fleet,
-            &target,
-            "turn 2 after the restart did not follow the rebuilt state",
-        );
-        // And the old conversation is not sent there for a cache that is gone: wherever it
-        // goes, it is served.
-        let again = turn(&mut old, &client, &fleet, &fleet.url()).await;
-        replica_of(&again, &fleet);
-    })
+            // The rebuilt state routes: the new conversation's turn 2 goes back to the replica.
+            assert_next_turn_follows(
+                &mut new,
+                client,
+                fleet,
+                target,
+                "turn 2 after the restart did not follow the rebuilt state",
+            )
+            .await;
+            // And the old conversation is not sent there for a cache that is gone: wherever it
+            // goes, it is served.
+            let again = turn(&mut old, client, fleet, &fleet.url()).await;
+            replica_of(&again, fleet);
+        },
+    )
     .await;
 }

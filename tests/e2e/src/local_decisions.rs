@@ -7,19 +7,24 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_harness::{Fleet, FleetConfig, HttpClient};
+use kvroute_harness::{Fleet, HttpClient};
 use serde_json::json;
 
-use crate::common::{self, Conversation, replica_of, tools};
+use crate::common::{self, Conversation, replica_of};
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(120);
 const MODEL: &str = "kvroute-e2e-local";
 
-fn local_fleet(name: &str, replicas: usize) -> FleetConfig {
-    let mut cfg = common::fleet_config(name, replicas, MODEL);
-    cfg.plugin_config = json!({"decision": "local", "sync_interval_ms": 50});
-    cfg.envoy_concurrency = 2;
-    cfg
+/// A fleet of `replicas` whose proxies decide locally (two Envoy workers, a sync every 50 ms),
+/// returned once both workers' copies have synced: what both tests start from.
+async fn start_local(name: &str, replicas: usize) -> Fleet {
+    let fleet = common::start_configured(name, replicas, MODEL, |cfg| {
+        cfg.plugin_config = json!({"decision": "local", "sync_interval_ms": 50});
+        cfg.envoy_concurrency = 2;
+    })
+    .await;
+    wait_synced(&fleet, 2.0).await;
+    fleet
 }
 
 /// Waits until every VM of every Envoy has applied at least two syncs (a copy that has not
@@ -44,10 +49,8 @@ pub(crate) async fn wait_synced(fleet: &Fleet, vms: f64) {
 // follow-up decisions really were local.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turns_follow_their_cache_when_proxies_decide_locally() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let fleet = common::start_fleet(local_fleet("e2e-local", 4), &tools).await;
-        wait_synced(&fleet, 2.0).await;
+        let fleet = start_local("e2e-local", 4).await;
         let client = HttpClient::new();
         let (mut followed, mut follow_ups) = (0, 0);
         for c in 0..8u64 {
@@ -90,10 +93,8 @@ async fn turns_follow_their_cache_when_proxies_decide_locally() {
 // are served all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_control_plane_under_local_decisions_loses_no_request() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut fleet = common::start_fleet(local_fleet("e2e-local-kill", 3), &tools).await;
-        wait_synced(&fleet, 2.0).await;
+        let mut fleet = start_local("e2e-local-kill", 3).await;
         let client = HttpClient::new();
         let mut conv = Conversation::new(MODEL, 990, 400, 40);
         for _ in 0..4 {

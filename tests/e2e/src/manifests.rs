@@ -165,6 +165,50 @@ fn s<'a>(v: &'a Value, pointer: &str) -> &'a str {
         .unwrap_or_else(|| panic!("{pointer} is not a string in {v}"))
 }
 
+/// The Kubernetes discovery of the shipped control-plane config at `path` (from the repository
+/// root), through the control plane's own parser: what the tests compare the RBAC and the
+/// InferencePool objects with.
+fn kubernetes_discovery(path: &str) -> control_plane::discovery::KubernetesDiscovery {
+    control_plane::config::Config::from_yaml(&read(&root().join(path)))
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .discovery
+        .and_then(|d| d.kubernetes)
+        .unwrap_or_else(|| panic!("{path}: no kubernetes discovery"))
+}
+
+/// The item called `name` in `items` (a pod's containers, volumes, ...: Kubernetes names the
+/// items of these lists).
+fn named<'a>(items: &'a Value, name: &str) -> &'a Value {
+    items
+        .as_array()
+        .unwrap_or_else(|| panic!("not a list: {items}"))
+        .iter()
+        .find(|i| i["name"] == name)
+        .unwrap_or_else(|| panic!("nothing named {name}"))
+}
+
+/// The container called `name` in `pod` (a pod spec).
+fn container<'a>(pod: &'a Value, name: &str) -> &'a Value {
+    named(&pod["containers"], name)
+}
+
+/// The pod volume that `mount` (one of a container's `volumeMounts`) names: where the tests
+/// follow a mounted file to its ConfigMap or Secret.
+fn volume_of<'a>(pod: &'a Value, mount: &Value) -> &'a Value {
+    named(&pod["volumes"], s(mount, "/name"))
+}
+
+/// A container's ports as `name -> containerPort`: how the Deployment tests compare what a pod
+/// exposes with what its configuration listens on.
+fn container_ports(container: &Value) -> BTreeMap<&str, u64> {
+    container["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .map(|p| (s(p, "/name"), p["containerPort"].as_u64().unwrap_or(0)))
+        .collect()
+}
+
 fn is_hex64(s: &str) -> bool {
     s.len() == 64
         && s.bytes()
@@ -230,14 +274,20 @@ fn every_manifest_parses_and_names_itself() {
     }
 }
 
-#[test]
-fn every_control_plane_config_passes_the_control_plane_parser() {
+/// Every shipped control-plane config (the base and its four overlays): the tests that check
+/// each one all start from this list, and a config added or lost fails them here.
+fn control_plane_configs() -> Vec<PathBuf> {
     let configs: Vec<PathBuf> = all_yaml_files()
         .into_iter()
         .filter(|p| p.file_name().is_some_and(|n| n == "control-plane.yaml"))
         .collect();
     assert_eq!(configs.len(), 5, "base + 4 overlays: {configs:?}");
-    for path in configs {
+    configs
+}
+
+#[test]
+fn every_control_plane_config_passes_the_control_plane_parser() {
+    for path in control_plane_configs() {
         let config = control_plane::config::Config::from_yaml(&read(&path))
             .unwrap_or_else(|e| panic!("{}: {e}", rel(&path)));
         // The Deployment exposes these ports and probes /healthz on them.
@@ -343,11 +393,7 @@ fn kustomizations_render_and_kubernetes_objects_validate_against_schemas() {
         .args(&rendered_files)
         .args(&raw);
     let o = common::run_bounded(cmd, "kubernetes-validate", Duration::from_secs(120));
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let report = common::output_text(&o);
     std::fs::write(out.join("kubernetes-validate.log"), &report).expect("writing the report");
     assert!(o.status.success() && !report.contains("ERROR"), "{report}");
     // Every core object was checked against a schema: only custom resources may lack one.
@@ -395,12 +441,7 @@ fn control_plane_deployment_is_hardened_and_consistent() {
     // Ready only once a replica has replayed the shared state stream; alive while it does.
     assert_eq!(s(&c["readinessProbe"], "/httpGet/path"), "/readyz");
     assert_eq!(s(&c["livenessProbe"], "/httpGet/path"), "/healthz");
-    let ports: BTreeMap<&str, u64> = c["ports"]
-        .as_array()
-        .expect("ports")
-        .iter()
-        .map(|p| (s(p, "/name"), p["containerPort"].as_u64().unwrap_or(0)))
-        .collect();
+    let ports = container_ports(c);
     assert_eq!(ports, BTreeMap::from([("admin", 9003), ("api", 9002)]));
     // The Containerfile's user is the one the pod runs as, and it starts the same binary.
     let containerfile = read(&root().join("control-plane/Containerfile"));
@@ -469,14 +510,7 @@ fn control_plane_deployment_is_hardened_and_consistent() {
         s(binding, "/subjects/0/namespace"),
         s(d, "/metadata/namespace")
     );
-    let base = control_plane::config::Config::from_yaml(&read(
-        &root().join("envoy-config/kubernetes/base/control-plane.yaml"),
-    ))
-    .expect("base config");
-    let k = base
-        .discovery
-        .and_then(|d| d.kubernetes)
-        .expect("kubernetes discovery");
+    let k = kubernetes_discovery("envoy-config/kubernetes/base/control-plane.yaml");
     assert_eq!(k.namespace.as_deref(), Some(s(role, "/metadata/namespace")));
 }
 
@@ -793,14 +827,8 @@ fn envoy_gateway_resources_carry_what_matters() {
 fn inference_pool_matches_discovery() {
     let objects = objects();
     let pool = find(&objects, "InferencePool", "vllm-llama3");
-    let cfg = control_plane::config::Config::from_yaml(&read(
-        &root().join("envoy-config/kubernetes/overlays/inferencepool/control-plane.yaml"),
-    ))
-    .expect("config");
-    let k = cfg
-        .discovery
-        .and_then(|d| d.kubernetes)
-        .expect("kubernetes");
+    let k =
+        kubernetes_discovery("envoy-config/kubernetes/overlays/inferencepool/control-plane.yaml");
     let r = k.inference_pool.expect("pool ref");
     assert_eq!(r.name, s(pool, "/metadata/name"));
     assert_eq!(r.api_version, s(pool, "/apiVersion"));
@@ -826,11 +854,7 @@ fn envoy_validate(name: &str, bootstrap: &Value) {
         .arg("-c")
         .arg(&path);
     let o = common::run_bounded(cmd, "envoy --mode validate", Duration::from_secs(60));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let text = common::output_text(&o);
     assert!(
         o.status.success() && text.contains(" OK"),
         "envoy rejected the {name} fragments ({}): {text}",
@@ -1094,12 +1118,7 @@ fn kubernetes_envoy_bootstrap_passes_envoy_validate() {
         .iter()
         .find(|m| module.starts_with(s(m, "/mountPath")))
         .expect("a mount holding the module");
-    let volume = pod["volumes"]
-        .as_array()
-        .expect("volumes")
-        .iter()
-        .find(|v| v["name"] == mount["name"])
-        .expect("the module's volume");
+    let volume = volume_of(pod, mount);
     assert_eq!(s(volume, "/configMap/name"), "kvroute-filter");
 
     // Clusters: the control plane's Service, and the vLLM pods' headless Service on the port
@@ -1258,12 +1277,7 @@ fn client_listener(bootstrap: &Value) -> &Value {
 /// The memory limit of the Envoy gateway's container (envoy-config/kubernetes/envoy).
 fn gateway_memory_limit(objects: &[(String, Value)]) -> u64 {
     let d = find(objects, "Deployment", "kvroute-envoy");
-    let c = d["spec"]["template"]["spec"]["containers"]
-        .as_array()
-        .expect("containers")
-        .iter()
-        .find(|c| c["name"] == "envoy")
-        .expect("the envoy container");
+    let c = container(&d["spec"]["template"]["spec"], "envoy");
     quantity_bytes(s(c, "/resources/limits/memory"))
 }
 
@@ -1528,18 +1542,8 @@ fn kubernetes_envoy_admin_is_loopback_and_probes_reach_only_ready() {
 
     // The pod exposes the client and health ports only; both probes use /ready there.
     let d = find(&objects, "Deployment", "kvroute-envoy");
-    let c = d["spec"]["template"]["spec"]["containers"]
-        .as_array()
-        .expect("containers")
-        .iter()
-        .find(|c| c["name"] == "envoy")
-        .expect("the envoy container");
-    let ports: BTreeMap<&str, u64> = c["ports"]
-        .as_array()
-        .expect("ports")
-        .iter()
-        .map(|p| (s(p, "/name"), p["containerPort"].as_u64().unwrap_or(0)))
-        .collect();
+    let c = container(&d["spec"]["template"]["spec"], "envoy");
+    let ports = container_ports(c);
     let client_port = client_listener(&b)["address"]["socket_address"]["port_value"]
         .as_u64()
         .expect("client port");
@@ -1612,14 +1616,6 @@ fn kubernetes_envoy_init_container_renders_the_token_or_refuses_to_start() {
         .iter()
         .map(|e| (s(e, "/name"), s(e, "/value")))
         .collect();
-    let volume = |name: &Value| -> &Value {
-        pod["volumes"]
-            .as_array()
-            .expect("volumes")
-            .iter()
-            .find(|v| v["name"] == *name)
-            .unwrap_or_else(|| panic!("no volume {name}"))
-    };
     let mount_of = |container: &Value, file: &str| -> (String, Value) {
         let parent = Path::new(file)
             .parent()
@@ -1632,7 +1628,7 @@ fn kubernetes_envoy_init_container_renders_the_token_or_refuses_to_start() {
             .iter()
             .find(|m| s(m, "/mountPath") == parent)
             .unwrap_or_else(|| panic!("nothing mounted at {parent}"));
-        (s(m, "/name").to_string(), volume(&m["name"]).clone())
+        (s(m, "/name").to_string(), volume_of(pod, m).clone())
     };
     // The token comes from the Secret's key `token` only, the template from the ConfigMap, and
     // the result goes to an in-memory volume the Envoy container reads its bootstrap from.
@@ -1652,12 +1648,7 @@ fn kubernetes_envoy_init_container_renders_the_token_or_refuses_to_start() {
         "Memory",
         "the token stays off the disk"
     );
-    let envoy = pod["containers"]
-        .as_array()
-        .expect("containers")
-        .iter()
-        .find(|c| c["name"] == "envoy")
-        .expect("the envoy container");
+    let envoy = container(pod, "envoy");
     let args: Vec<&str> = envoy["args"]
         .as_array()
         .expect("args")
@@ -1732,12 +1723,7 @@ fn every_kubernetes_control_plane_authenticates_its_api_and_admin() {
         .as_array()
         .expect("mounts")
     {
-        let v = pod["volumes"]
-            .as_array()
-            .expect("volumes")
-            .iter()
-            .find(|v| v["name"] == m["name"])
-            .expect("the mount's volume");
+        let v = volume_of(pod, m);
         if v["secret"]["secretName"] == "kvroute-token" {
             for item in v["secret"]["items"].as_array().expect("items") {
                 secret_files.insert(
@@ -1748,12 +1734,7 @@ fn every_kubernetes_control_plane_authenticates_its_api_and_admin() {
         }
     }
     assert!(!secret_files.is_empty(), "the Secret is not mounted");
-    let configs: Vec<PathBuf> = all_yaml_files()
-        .into_iter()
-        .filter(|p| p.file_name().is_some_and(|n| n == "control-plane.yaml"))
-        .collect();
-    assert_eq!(configs.len(), 5, "base + 4 overlays");
-    for path in configs {
+    for path in control_plane_configs() {
         let origin = rel(&path);
         let c = parse_docs(&read(&path), &origin).remove(0);
         let inline = c["auth_token"].as_str();
@@ -1883,13 +1864,18 @@ fn network_policies_admit_only_the_gateways_to_the_control_plane_and_only_it_to_
         .port()
         .into();
 
+    // The policies whose pod selector takes the pods labelled `labels`.
+    let policies_on = |labels: &Value| -> Vec<&Value> {
+        policies
+            .iter()
+            .copied()
+            .filter(|p| selects(&p["spec"]["podSelector"], labels))
+            .collect()
+    };
+
     // Every policy on the control plane: ingress rules that name their peers and only its ports
     // (the picker overlay's own policy: only the picker's).
-    let on_cp: Vec<&Value> = policies
-        .iter()
-        .copied()
-        .filter(|p| selects(&p["spec"]["podSelector"], cp))
-        .collect();
+    let on_cp = policies_on(cp);
     assert_eq!(
         on_cp.len(),
         4,
@@ -1973,11 +1959,7 @@ fn network_policies_admit_only_the_gateways_to_the_control_plane_and_only_it_to_
     assert_eq!(rule_ports(&eg["spec"]["ingress"][0]), [api]);
 
     // NATS: the control plane only, on the client port.
-    let on_nats: Vec<&Value> = policies
-        .iter()
-        .copied()
-        .filter(|p| selects(&p["spec"]["podSelector"], nats))
-        .collect();
+    let on_nats = policies_on(nats);
     assert_eq!(on_nats.len(), 1);
     let nats_svc = find(&objects, "Service", "kvroute-nats");
     let nats_rules = on_nats[0]["spec"]["ingress"].as_array().expect("ingress");
@@ -1990,11 +1972,7 @@ fn network_policies_admit_only_the_gateways_to_the_control_plane_and_only_it_to_
     assert!(from.len() == 1 && selects(&from[0]["podSelector"], cp));
 
     // The Envoy gateway: its client and health ports, never the admin's.
-    let on_gateway: Vec<&Value> = policies
-        .iter()
-        .copied()
-        .filter(|p| selects(&p["spec"]["podSelector"], gateway))
-        .collect();
+    let on_gateway = policies_on(gateway);
     assert_eq!(on_gateway.len(), 1);
     let mut ports: Vec<u64> = on_gateway[0]["spec"]["ingress"]
         .as_array()

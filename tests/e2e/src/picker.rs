@@ -10,16 +10,24 @@ use std::time::{Duration, Instant};
 use kvroute_harness::{Fleet, prometheus_sum};
 use serde_json::json;
 
-use crate::common::{self, Conversation, tools};
+use crate::common::{self, Conversation};
 
 const MODEL: &str = "kvroute-picker-model";
 const TEST_TIMEOUT: Duration = Duration::from_secs(150);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
 
-fn picker_fleet(name: &str, replicas: usize) -> kvroute_harness::FleetConfig {
-    let mut cfg = common::fleet_config(name, replicas, MODEL);
-    cfg.picker = true;
-    cfg
+/// A fleet of `replicas` behind Envoy's `ext_proc` and the control plane's picker, with
+/// `configure`'s settings on top ([`common::start_configured`]).
+async fn start_picker(
+    name: &str,
+    replicas: usize,
+    configure: impl FnOnce(&mut kvroute_harness::FleetConfig),
+) -> Fleet {
+    common::start_configured(name, replicas, MODEL, |cfg| {
+        common::Form::Picker.apply(cfg);
+        configure(cfg);
+    })
+    .await
 }
 
 /// Waits until the control plane holds no request in flight: every stream's end reached it.
@@ -58,11 +66,11 @@ async fn wait_discovered(fleet: &Fleet) {
 /// so when they end nothing is left in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn picker_sends_each_turn_where_the_last_one_was_served() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = picker_fleet("e2e-picker-turns", 3);
-        cfg.plugin_config = json!({"allow_explain": true});
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = start_picker("e2e-picker-turns", 3, |cfg| {
+            cfg.plugin_config = json!({"allow_explain": true});
+        })
+        .await;
         let client = fleet.client().clone();
         let (mut followed, mut later_turns) = (0, 0);
         let mut first_replicas = Vec::new();
@@ -122,9 +130,8 @@ async fn picker_sends_each_turn_where_the_last_one_was_served() {
 /// request on unrouted, and each is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn picker_passes_bad_bodies_on_and_fails_open_when_gone() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut fleet = common::start_fleet(picker_fleet("e2e-picker-bad", 2), &tools).await;
+        let mut fleet = start_picker("e2e-picker-bad", 2, |_| {}).await;
         let url = format!("{}/v1/chat/completions", fleet.url());
         let ct = [("content-type", "application/json")];
         for (case, body, want) in [
@@ -188,17 +195,17 @@ async fn picker_passes_bad_bodies_on_and_fails_open_when_gone() {
 /// OpenAI-style error the wasm filter sends, and no replica sees it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn picker_refusals_are_answered_by_the_gateway() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = picker_fleet("e2e-picker-refusal", 1);
-        cfg.control_plane_extra = json!({
-            "admission": {
-                "queue_limit": 100.0,
-                "kv_limit": 1.0,
-                "default_tenant": {"max_prompt_bytes": 2000},
-            }
-        });
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = start_picker("e2e-picker-refusal", 1, |cfg| {
+            cfg.control_plane_extra = json!({
+                "admission": {
+                    "queue_limit": 100.0,
+                    "kv_limit": 1.0,
+                    "default_tenant": {"max_prompt_bytes": 2000},
+                }
+            });
+        })
+        .await;
         let long = common::user_chat(MODEL, &common::words(5, 1_000), 4);
         let r = common::chat_through(&fleet, &long, &[], REQUEST_TIMEOUT).await;
         assert_eq!(r.status, 413, "{}", r.body);
@@ -222,11 +229,11 @@ async fn picker_refusals_are_answered_by_the_gateway() {
 /// conversations still follow their cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn picker_routes_replicas_it_only_discovered() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = picker_fleet("e2e-picker-discovery", 2);
-        cfg.file_discovery = true;
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = start_picker("e2e-picker-discovery", 2, |cfg| {
+            cfg.file_discovery = true;
+        })
+        .await;
         let client = fleet.client().clone();
         // Discovery reads its file on a short period: wait until both replicas are routed.
         wait_discovered(&fleet).await;
@@ -251,20 +258,20 @@ async fn picker_routes_replicas_it_only_discovered() {
 /// route call does for the wasm filter; turn 2 lands where turn 1's blocks are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn picker_routes_precise_requests_on_the_engines_blocks() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = picker_fleet("e2e-picker-precise", 3);
-        cfg.sim_args = vec!["--speed".into(), "5".into()];
-        cfg.kv_events = true;
-        cfg.control_plane_extra = common::remote_tokenizer();
-        cfg.control_plane_router = common::precise_router(300);
-        cfg.plugin_config = json!({
-            "routes": [
-                {"path": "/v1/chat/completions", "api": "chat", "mode": "precise"},
-                {"path": "/v1/completions", "api": "completion", "mode": "precise"}
-            ]
-        });
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = start_picker("e2e-picker-precise", 3, |cfg| {
+            cfg.sim_args = vec!["--speed".into(), "5".into()];
+            cfg.kv_events = true;
+            cfg.control_plane_extra = common::remote_tokenizer();
+            cfg.control_plane_router = common::precise_router(300);
+            cfg.plugin_config = json!({
+                "routes": [
+                    {"path": "/v1/chat/completions", "api": "chat", "mode": "precise"},
+                    {"path": "/v1/completions", "api": "completion", "mode": "precise"}
+                ]
+            });
+        })
+        .await;
         common::wait_events_live(&fleet, Duration::from_secs(10)).await;
         let client = fleet.client().clone();
         let mut followed = 0;
@@ -296,22 +303,22 @@ async fn picker_routes_precise_requests_on_the_engines_blocks() {
 /// the way a gateway's InferencePool backend would ask it: second turns follow their cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn picker_routes_an_inference_pool_read_from_the_api_server() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
         let port = kvroute_harness::free_port().expect("a free port");
         let pod_ips: Vec<String> = (0..3).map(kvroute_harness::pod_ip).collect();
         let api = FakeApiServer::start(api_objects(port, &pod_ips)).await;
-        let mut cfg = picker_fleet("e2e-picker-pool", 3);
-        cfg.pod_port = Some(port);
-        cfg.discovery = Some(json!({"kubernetes": {
-            "api_server": api.url,
-            "namespace": POOL_NAMESPACE,
-            "token_file": null,
-            "ca_file": null,
-            "model": MODEL,
-            "inference_pool": {"name": POOL_NAME}
-        }}));
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = start_picker("e2e-picker-pool", 3, |cfg| {
+            cfg.pod_port = Some(port);
+            cfg.discovery = Some(json!({"kubernetes": {
+                "api_server": api.url,
+                "namespace": POOL_NAMESPACE,
+                "token_file": null,
+                "ca_file": null,
+                "model": MODEL,
+                "inference_pool": {"name": POOL_NAME}
+            }}));
+        })
+        .await;
         let client = fleet.client().clone();
         wait_discovered(&fleet).await;
         let mut followed = 0;

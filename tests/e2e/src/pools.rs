@@ -87,22 +87,29 @@ fn served_by(resp: &HttpResponse, fleet: &Fleet) -> usize {
         .unwrap_or_else(|| panic!("unknown replica {replica}"))
 }
 
+/// The frame of the tests on the two-pool fleet: the fleet ([`start`]ed as `name`, every
+/// replica's model catalogue scraped), a client, and `body` on them within [`TEST_TIMEOUT`].
+async fn pools_test(name: &str, body: impl AsyncFnOnce(&Fleet, &HttpClient)) {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let fleet = start(&tools, name).await;
+        wait_for_catalogues(&fleet).await;
+        body(&fleet, &HttpClient::new()).await;
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
-    let tools = tools();
-    let body = async {
-        let fleet = start(&tools, "e2e-pools").await;
-        let client = HttpClient::new();
-        wait_for_catalogues(&fleet).await;
-
+    pools_test("e2e-pools", async |fleet, client| {
         for i in 0..12u64 {
             let (model, pool) = match i % 3 {
                 0 => ("pool-a", [0, 1]),
                 1 => ("pool-b", [2, 3]),
                 _ => ("pool-b-sql", [2, 3]),
             };
-            let resp = chat(&client, &fleet, &chat_body(model, i, None), &[]).await;
-            let replica = served_by(&resp, &fleet);
+            let resp = chat(client, fleet, &chat_body(model, i, None), &[]).await;
+            let replica = served_by(&resp, fleet);
             assert!(
                 pool.contains(&replica),
                 "{model} served by replica {replica}, outside its pool {pool:?}"
@@ -110,7 +117,7 @@ async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
         }
 
         // A model nobody serves: the filter answers 404 itself, in OpenAI's error shape.
-        let resp = chat(&client, &fleet, &chat_body("gpt-9", 99, None), &[]).await;
+        let resp = chat(client, fleet, &chat_body("gpt-9", 99, None), &[]).await;
         assert_eq!(resp.status, 404, "{}", resp.body);
         assert_eq!(resp.header(REPLICA_HEADER), None, "no replica saw it");
         let err: Value = serde_json::from_str(&resp.body).unwrap();
@@ -121,24 +128,19 @@ async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
             "{err:#}"
         );
 
-        let text = common::cp_metrics(&fleet).await;
+        let text = common::cp_metrics(fleet).await;
         assert_eq!(
             prometheus_sample(&text, "kvroute_unknown_model_total{action=\"rejected\"}"),
             Some(1.0),
             "{text}"
         );
-    };
-    common::bounded(TEST_TIMEOUT, body).await;
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
-    let tools = tools();
-    let body = async {
-        let fleet = start(&tools, "e2e-sessions").await;
-        let client = HttpClient::new();
-        wait_for_catalogues(&fleet).await;
-
+    pools_test("e2e-sessions", async |fleet, client| {
         // Three conversations by header and one by the body's `user`, interleaved; prompts
         // share no prefix, so only affinity keeps each on one replica.
         let keys = ["s-1", "s-2", "s-3", "user-4"];
@@ -147,12 +149,12 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
             for (k, key) in keys.iter().enumerate() {
                 let seed = 1_000 * (k as u64 + 1) + round;
                 let resp = if key.starts_with("user") {
-                    chat(&client, &fleet, &chat_body("pool-a", seed, Some(key)), &[]).await
+                    chat(client, fleet, &chat_body("pool-a", seed, Some(key)), &[]).await
                 } else {
                     let body = chat_body("pool-a", seed, None);
-                    chat(&client, &fleet, &body, &[("x-session-id", key)]).await
+                    chat(client, fleet, &body, &[("x-session-id", key)]).await
                 };
-                let replica = served_by(&resp, &fleet);
+                let replica = served_by(&resp, fleet);
                 assert!([0, 1].contains(&replica), "{key} left pool-a: {replica}");
                 match homes[k] {
                     None => homes[k] = Some(replica),
@@ -165,7 +167,7 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
                 }
             }
         }
-        let text = common::cp_metrics(&fleet).await;
+        let text = common::cp_metrics(fleet).await;
         assert_eq!(
             prometheus_sample(&text, "kvroute_sessions_total{result=\"hit\"}"),
             Some(20.0),
@@ -201,7 +203,7 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
         // Wait until a pool-B replica reports the adapter running.
         let deadline = Instant::now() + CATALOGUE_TIMEOUT;
         let holder = loop {
-            let text = common::cp_metrics(&fleet).await;
+            let text = common::cp_metrics(fleet).await;
             let running: Vec<f64> = fleet.replicas[2..]
                 .iter()
                 .map(|r| {
@@ -223,27 +225,27 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
         };
         for i in 0..4u64 {
             let resp = chat(
-                &client,
-                &fleet,
+                client,
+                fleet,
                 &chat_body("pool-b-sql", 5_000 + i, None),
                 &[("x-kvroute-explain", "1")],
             )
             .await;
             assert_eq!(
-                served_by(&resp, &fleet),
+                served_by(&resp, fleet),
                 holder,
                 "the adapter's holder serves it"
             );
         }
         // The explain output shows the LoRA term: zero on the holder, a load on the other.
         let resp = chat(
-            &client,
-            &fleet,
+            client,
+            fleet,
             &chat_body("pool-b-sql", 6_000, None),
             &[("x-kvroute-explain", "1")],
         )
         .await;
-        let d = common::explained_decision(&fleet, &resp).await;
+        let d = common::explained_decision(fleet, &resp).await;
         let candidates = d["candidates"].as_array().unwrap();
         assert_eq!(candidates.len(), 2, "only pool B: {d:#}");
         for c in candidates {
@@ -255,8 +257,8 @@ async fn sessions_stay_on_their_replica_and_adapters_follow_their_holder() {
             }
         }
         background.abort();
-    };
-    common::bounded(TEST_TIMEOUT, body).await;
+    })
+    .await;
 }
 
 /// Polls the control plane's metrics until `ok` holds.
@@ -280,30 +282,32 @@ fn long_request(url: String, model: &str) -> tokio::task::JoinHandle<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds() {
-    let tools = tools();
     let body = async {
-        let mut cfg = common::fleet_config("e2e-lora-slots", 2, "lora-base");
-        cfg.sim_args = [
-            "--lora-modules",
-            "a=/adapters/a",
-            "b=/adapters/b",
-            "--max-loras",
-            "1",
-        ]
-        .map(String::from)
-        .to_vec();
-        cfg.plugin_config = json!({"allow_explain": true});
-        cfg.control_plane_extra = json!({"models_interval_ms": 200});
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-lora-slots", 2, "lora-base", |cfg| {
+            cfg.sim_args = [
+                "--lora-modules",
+                "a=/adapters/a",
+                "b=/adapters/b",
+                "--max-loras",
+                "1",
+            ]
+            .map(String::from)
+            .to_vec();
+            cfg.plugin_config = json!({"allow_explain": true});
+            cfg.control_plane_extra = json!({"models_interval_ms": 200});
+        })
+        .await;
         let client = HttpClient::new();
         let gauge = |text: &str, name: &str, address: &str| {
             prometheus_sample(text, &format!("{name}{{endpoint=\"{address}\"}}")).unwrap_or(0.0)
         };
+        // Every replica's sample of the per-endpoint gauge `name`, in the fleet's order.
+        let per_replica = |text: &str, name: &str| -> Vec<f64> {
+            let replicas = fleet.replicas.iter();
+            replicas.map(|r| gauge(text, name, &r.address)).collect()
+        };
         wait_for(&fleet, "both catalogues", |m| {
-            fleet
-                .replicas
-                .iter()
-                .all(|r| gauge(m, "kvroute_endpoint_models", &r.address) == 3.0)
+            per_replica(m, "kvroute_endpoint_models") == [3.0, 3.0]
         })
         .await;
 
@@ -312,10 +316,7 @@ async fn a_new_adapter_avoids_the_replica_whose_only_slot_another_adapter_holds(
         let mut background = vec![long_request(url.clone(), "a")];
         let mut holder = String::new();
         wait_for(&fleet, "adapter a running", |m| {
-            fleet
-                .replicas
-                .iter()
-                .any(|r| gauge(m, "kvroute_endpoint_lora_running", &r.address) == 1.0)
+            per_replica(m, "kvroute_endpoint_lora_running").contains(&1.0)
         })
         .await;
         let text = common::cp_metrics(&fleet).await;

@@ -133,40 +133,43 @@ fn conversation(seed: u64, system_tokens: usize) -> Conversation {
     Conversation::new(MODEL, seed, system_tokens, 150)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn turn_two_follows_the_real_cache_even_after_eviction() {
+/// The frame of the tests on a plain precise fleet of 3 replicas called `name` (prompts
+/// tokenised through the replicas' render API): the fleet, a client, and `body` on them within
+/// [`TEST_TIMEOUT`].
+async fn remote_precise_test(name: &str, body: impl AsyncFnOnce(&Fleet, &HttpClient)) {
     let tools = tools();
     bounded(async {
-        let fleet = precise_fleet(&tools, "e2e-precise-affinity", 3, &Tokenizer::Remote).await;
-        let client = HttpClient::new();
+        let fleet = precise_fleet(&tools, name, 3, &Tokenizer::Remote).await;
+        body(&fleet, &HttpClient::new()).await;
+    })
+    .await;
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_two_follows_the_real_cache_even_after_eviction() {
+    remote_precise_test("e2e-precise-affinity", async |fleet, client| {
         // Turn 2 lands where turn 1's blocks really are.
         let mut conv = conversation(7, 1_200);
         let body = conv.ask(8);
         let first = replica_of(
-            &conv.send(&client, &fleet, &fleet.url(), &body, &[]).await,
-            &fleet,
+            &conv.send(client, fleet, &fleet.url(), &body, &[]).await,
+            fleet,
         );
-        wait_metrics(&fleet, "turn 1's blocks reported", |m| {
+        wait_metrics(fleet, "turn 1's blocks reported", |m| {
             endpoint_value(m, "kvroute_endpoint_precise_blocks", &first).unwrap_or(0.0) >= 60.0
         })
         .await;
         let body = conv.ask(8);
-        let out = conv.send(&client, &fleet, &fleet.url(), &body, &[]).await;
-        common::assert_followed_cache(
-            &out,
-            &fleet,
-            &first,
-            "turn 2 did not follow turn 1's blocks",
-        );
+        let out = conv.send(client, fleet, &fleet.url(), &body, &[]).await;
+        common::assert_followed_cache(&out, fleet, &first, "turn 2 did not follow turn 1's blocks");
 
         // A second conversation: its replica evicts everything, another replica caches turn
         // 1's prompt behind the router's back; turn 2 must follow the cache there.
         let mut conv = conversation(8, 1_200);
         let turn1 = conv.ask(8);
         let holder = replica_of(
-            &conv.send(&client, &fleet, &fleet.url(), &turn1, &[]).await,
-            &fleet,
+            &conv.send(client, fleet, &fleet.url(), &turn1, &[]).await,
+            fleet,
         );
         let other = fleet
             .replica_addresses()
@@ -181,7 +184,7 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
         assert_eq!(r.status, 200, "{reset}: {}", r.body);
         assert!(!r.body.contains("false"), "{reset}: {}", r.body);
         let direct = stream_chat(
-            &client,
+            client,
             &format!("http://{other}"),
             &turn1,
             &[],
@@ -190,7 +193,7 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
         .await
         .unwrap_or_else(|e| panic!("direct request to {other}: {e}"));
         assert_eq!(direct.replica.as_deref(), Some(other.as_str()));
-        wait_metrics(&fleet, "the eviction and the new holder reported", |m| {
+        wait_metrics(fleet, "the eviction and the new holder reported", |m| {
             endpoint_value(m, "kvroute_endpoint_precise_blocks", &holder) == Some(0.0)
                 && endpoint_value(m, "kvroute_endpoint_precise_blocks", &other).unwrap_or(0.0)
                     >= 60.0
@@ -199,14 +202,14 @@ async fn turn_two_follows_the_real_cache_even_after_eviction() {
         // Let the speculative entries of turn 1's routing decision expire: events alone decide.
         tokio::time::sleep(Duration::from_millis(SPECULATIVE_TTL_MS + 200)).await;
         let body = conv.ask(8);
-        let out = conv.send(&client, &fleet, &fleet.url(), &body, &[]).await;
+        let out = conv.send(client, fleet, &fleet.url(), &body, &[]).await;
         common::assert_followed_cache(
             &out,
-            &fleet,
+            fleet,
             &other,
             &format!("turn 2 did not follow the cache to {other}"),
         );
-        let m = cp_metrics(&fleet).await;
+        let m = cp_metrics(fleet).await;
         assert!(
             prometheus_sum(&m, "kvroute_precise_routes_total") >= 4.0,
             "precise routes were not tokenised:\n{m}"
@@ -281,10 +284,8 @@ use kvroute_harness::prometheus_sum_with as metric_with;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predicted_cached_tokens_match_the_engines() {
-    let tools = tools();
-    bounded(async {
-        let fleet = precise_fleet(&tools, "e2e-precise-prediction", 3, &Tokenizer::Remote).await;
-        assert_prediction_matches(&fleet, 4, 800).await;
+    remote_precise_test("e2e-precise-prediction", async |fleet, _| {
+        assert_prediction_matches(fleet, 4, 800).await;
     })
     .await;
 }
@@ -436,16 +437,16 @@ async fn agent_conversations_are_predicted_within_five_percent(api: AgentApi, na
                 let seed = 700 + c as u64;
                 let (path, body) = api.turn(seed, history, text(seed * 10 + turn, 150));
                 let url = format!("{}{path}", fleet.url());
-                let r = client
-                    .request(
-                        "POST",
-                        &url,
-                        &[("content-type", "application/json")],
-                        Some(body.to_string()),
-                        REQUEST_TIMEOUT,
-                    )
-                    .await
-                    .unwrap_or_else(|e| panic!("{url}: {e} ({})", fleet.describe()));
+                let r = common::request(
+                    &client,
+                    "POST",
+                    &url,
+                    &[("content-type", "application/json")],
+                    Some(body.to_string()),
+                    REQUEST_TIMEOUT,
+                    &fleet,
+                )
+                .await;
                 assert_eq!(r.status, 200, "{}", r.body);
                 let answer: Value = serde_json::from_str(&r.body).unwrap();
                 engine_cached += api.answered(&answer, history);
@@ -601,10 +602,7 @@ fn engine_cached(r: &HttpResponse) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_salt_keeps_tenants_apart_and_hits_its_own_blocks() {
-    let tools = tools();
-    bounded(async {
-        let fleet = precise_fleet(&tools, "e2e-precise-salt", 3, &Tokenizer::Remote).await;
-        let client = HttpClient::new();
+    remote_precise_test("e2e-precise-salt", async |fleet, client| {
         let system = format!("Shared system prompt. {}", text(41, 1_200));
         let salted = |salt: Option<&str>| {
             let mut body = json!({
@@ -630,7 +628,7 @@ async fn a_cache_salt_keeps_tenants_apart_and_hits_its_own_blocks() {
             .expect("replica header")
             .to_string();
         assert_eq!(decision_field(&a, "cached_blocks"), "0", "a cold fleet");
-        wait_metrics(&fleet, "tenant A's blocks reported", |m| {
+        wait_metrics(fleet, "tenant A's blocks reported", |m| {
             endpoint_value(m, "kvroute_endpoint_precise_blocks", &holder).unwrap_or(0.0) >= 60.0
         })
         .await;

@@ -14,7 +14,7 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::common::{self, tools};
+use crate::common;
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(150);
@@ -37,14 +37,14 @@ fn request(rng: &mut SmallRng, words: usize) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predictions_are_explained_and_converge_on_measured_ttft() {
-    let tools = tools();
     let body = async {
-        let mut cfg = common::fleet_config("e2e-predicted-latency", 2, MODEL);
-        cfg.plugin_config = json!({"allow_explain": true});
-        // Replica 1 runs at a quarter of the profile's speed: four times slower prefill.
-        cfg.per_replica_args = vec![vec![], vec!["--speed".into(), "0.25".into()]];
-        cfg.control_plane_router = json!({"latency": {"min_samples": 6}});
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-predicted-latency", 2, MODEL, |cfg| {
+            cfg.plugin_config = json!({"allow_explain": true});
+            // Replica 1 runs at a quarter of the profile's speed: four times slower prefill.
+            cfg.per_replica_args = vec![vec![], vec!["--speed".into(), "0.25".into()]];
+            cfg.control_plane_router = json!({"latency": {"min_samples": 6}});
+        })
+        .await;
         let client = HttpClient::new();
         let admin = common::cp_admin(&fleet);
         let slow = fleet.replicas[1].address.clone();

@@ -144,6 +144,15 @@ async fn control_plane_metric(fleet: &Fleet, index: usize, series: &str) -> f64 
     prometheus_sample(&text, series).unwrap_or(0.0)
 }
 
+/// The frame of every test here: they start two control planes, NATS and several Envoys, so
+/// each runs alone among the heavy tests ([`common::HEAVY`]), within [`TEST_TIMEOUT`], with
+/// the located tools.
+async fn heavy_test(body: impl AsyncFnOnce(&Tools)) {
+    let tools = tools();
+    let _alone = common::HEAVY.lock().await;
+    common::bounded(TEST_TIMEOUT, body(&tools)).await;
+}
+
 async fn start(cfg: FleetConfig, tools: &Tools) -> Fleet {
     let fleet = common::start_fleet(cfg, tools).await;
     // Four VMs (two Envoys x two workers), a few syncs each.
@@ -156,16 +165,14 @@ async fn start(cfg: FleetConfig, tools: &Tools) -> Fleet {
 // the shared stream and serves caught-up state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_control_planes_share_state_through_nats() {
-    let tools = tools();
-    let _alone = common::HEAVY.lock().await;
-    common::bounded(TEST_TIMEOUT, async {
+    heavy_test(async |tools| {
         // The single-control-plane topology on the same workload, for the hit-rate bar.
         let single = {
-            let fleet = start(topology("e2e-replication-single", 1), &tools).await;
+            let fleet = start(topology("e2e-replication-single", 1), tools).await;
             run_turns(&fleet, 4_000, 10, 4).await
         };
 
-        let mut fleet = start(topology("e2e-replication", 2), &tools).await;
+        let mut fleet = start(topology("e2e-replication", 2), tools).await;
         let shared = run_turns(&fleet, 4_000, 10, 4).await;
         eprintln!(
             "replication: single control plane {single}; two control planes over NATS {shared}"
@@ -216,7 +223,7 @@ async fn two_control_planes_share_state_through_nats() {
         let took = fleet
             .control_plane_at(0)
             .expect("control plane 0")
-            .restart(&tools, &client)
+            .restart(tools, &client)
             .await
             .unwrap_or_else(|e| panic!("restarting control plane 0: {e}"));
         let caught_up =
@@ -254,10 +261,8 @@ async fn two_control_planes_share_state_through_nats() {
 // turn decided by one is followed when the next route call reaches the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
-    let tools = tools();
-    let _alone = common::HEAVY.lock().await;
-    common::bounded(TEST_TIMEOUT, async {
-        let fleet = common::start_fleet(callout_topology("e2e-replication-callout"), &tools).await;
+    heavy_test(async |tools| {
+        let fleet = common::start_fleet(callout_topology("e2e-replication-callout"), tools).await;
         let turns = run_turns(&fleet, 7_000, 8, 4).await;
         let mut routes = Vec::new();
         for index in 0..2 {
@@ -283,13 +288,11 @@ async fn route_calls_balanced_over_two_control_planes_follow_the_cache() {
 // other proxy's route call then waits for the id's report (`stored_response_wait_ms`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_responses_chain_through_two_proxies_finds_every_stored_response() {
-    let tools = tools();
-    let _alone = common::HEAVY.lock().await;
-    common::bounded(TEST_TIMEOUT, async {
+    heavy_test(async |tools| {
         let mut cfg = topology("e2e-replication-responses", 2);
         cfg.model = crate::agent_apis::MODEL.into();
         cfg.sim_args = vec!["--enable-responses-store".into()];
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_fleet(cfg, tools).await;
         let client = HttpClient::new();
         let (replicas, _, failures, _) =
             crate::agent_apis::run_chain(&client, &fleet, &fleet.envoy_urls(), BETWEEN_TURNS).await;
@@ -332,10 +335,8 @@ async fn a_responses_chain_through_two_proxies_finds_every_stored_response() {
 // request fails; each proxy's copy starts over once at its control plane.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_nats_mid_run_costs_no_request() {
-    let tools = tools();
-    let _alone = common::HEAVY.lock().await;
-    common::bounded(TEST_TIMEOUT, async {
-        let mut fleet = start(topology("e2e-replication-nats-down", 2), &tools).await;
+    heavy_test(async |tools| {
+        let mut fleet = start(topology("e2e-replication-nats-down", 2), tools).await;
         let before = run_turns(&fleet, 8_000, 4, 3).await;
         fleet.nats().expect("a NATS server").kill();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);

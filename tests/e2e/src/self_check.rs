@@ -88,6 +88,50 @@ async fn converse_with_until(
     never_became(fleet, endpoint, want, requests).await
 }
 
+/// How each test breaks one replica: `victim` exact to begin with, `fault` set there, then
+/// three-turn conversations (through `shape`) until it is `want`, while `other` stays exact;
+/// returns the conversations, for the test to go on with.
+async fn fault_until(
+    fleet: &Fleet,
+    (victim, other): (&str, &str),
+    fault: serde_json::Value,
+    want: &str,
+    shape: impl Fn(Conversation) -> Conversation,
+) -> Vec<Conversation> {
+    assert_eq!(routing_state(fleet, victim).await, Some("exact/"));
+    common::set_sim_fault(fleet.client(), victim, &fault).await;
+    let started = Instant::now();
+    let (conversations, requests) = converse_with_until(fleet, victim, want, shape).await;
+    eprintln!(
+        "self-check: {victim} {want} after {requests} requests, {:.1} s (fault {fault}; bound: \
+         {MAX_CONVERSATIONS} three-turn conversations)",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        routing_state(fleet, other).await,
+        Some("exact/"),
+        "{other} stays exact while {victim} is {want} (fault {fault})"
+    );
+    conversations
+}
+
+/// The fleet's two replicas: the one a test breaks first, then the other.
+fn two_replicas(fleet: &Fleet) -> (String, String) {
+    (
+        fleet.replicas[0].address.clone(),
+        fleet.replicas[1].address.clone(),
+    )
+}
+
+/// One more turn of every conversation, each served wherever the router puts it
+/// (`Conversation::turn` fails the test on an error).
+async fn one_more_turn_each(fleet: &Fleet, conversations: &mut [Conversation]) {
+    let client = fleet.client().clone();
+    for c in conversations.iter_mut() {
+        c.turn(&client, fleet, 4, &[]).await;
+    }
+}
+
 /// Fails the test: `endpoint` never reached `want` in `requests` requests. Prints what the
 /// control plane knew of every endpoint (outcomes served, state, queue), which tells a check
 /// that never fired from one that never saw traffic.
@@ -123,48 +167,33 @@ async fn continue_until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-self-check", 2, MODEL);
-        cfg.sim_args = vec!["--speed".into(), "20".into()];
-        // Probe a load-only replica sooner than the default (the test's clock).
-        cfg.control_plane_router = json!({
-            "self_check": {"probe_after_ms": PROBE_AFTER_MS},
-            "latency": no_learned_latency(),
-        });
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-self-check", 2, MODEL, |cfg| {
+            cfg.sim_args = vec!["--speed".into(), "20".into()];
+            // Probe a load-only replica sooner than the default (the test's clock).
+            cfg.control_plane_router = json!({
+                "self_check": {"probe_after_ms": PROBE_AFTER_MS},
+                "latency": no_learned_latency(),
+            });
+        })
+        .await;
         let client = fleet.client().clone();
-        let (victim, other) = (
-            fleet.replicas[0].address.clone(),
-            fleet.replicas[1].address.clone(),
-        );
-        assert_eq!(
-            routing_state(&fleet, &victim).await,
-            Some("exact/")
-        );
-
-        common::set_sim_fault(&client, &victim, &json!({"prefix_caching_off": true})).await;
-        let started = Instant::now();
-        let (mut conversations, to_load_only) =
-            converse_until(&fleet, &victim, "load-only/mismatch").await;
-        eprintln!(
-            "self-check: {victim} load-only after {to_load_only} requests, {:.1} s",
-            started.elapsed().as_secs_f64()
-        );
-        assert_eq!(
-            routing_state(&fleet, &other).await,
-            Some("exact/"),
-            "the replica that serves its cache stays exact"
-        );
+        let (victim, other) = two_replicas(&fleet);
+        let mut conversations = fault_until(
+            &fleet,
+            (&victim, &other),
+            json!({"prefix_caching_off": true}),
+            "load-only/mismatch",
+            |c| c,
+        )
+        .await;
         let metrics = common::cp_metrics(&fleet).await;
         let changes = format!(
             "kvroute_routing_state_changes_total{{endpoint=\"{victim}\",to=\"load-only\",reason=\"mismatch\"}}"
         );
         assert_eq!(prometheus_sample(&metrics, &changes), Some(1.0), "{metrics}");
         // Still broken: one more turn of every conversation, served wherever load puts it.
-        for c in conversations.iter_mut() {
-            c.turn(&client, &fleet, 4, &[]).await;
-        }
+        one_more_turn_each(&fleet, &mut conversations).await;
 
         // Fixed. Once the probe is due, the conversations come back: those whose history the
         // replica holds are credited there again, it serves their hits, and it is exact again.
@@ -220,6 +249,30 @@ async fn a_replica_that_serves_no_cached_prefix_is_routed_by_load_until_it_does(
     .await;
 }
 
+/// Waits (20 s at most) until the control plane names the first of `degraded` (`what`, in a
+/// failure) its state and `exact` exact: a fault of one replica shows on it alone.
+async fn wait_one_degraded(fleet: &Fleet, what: &str, degraded: (&str, &str), exact: &str) {
+    let (replica, state) = degraded;
+    common::wait_cp_metrics(
+        fleet,
+        &format!("{what} {state}, the other exact"),
+        Duration::from_secs(20),
+        |text| state_in(text, replica) == Some(state) && state_in(text, exact) == Some("exact/"),
+    )
+    .await;
+}
+
+/// `n` two-turn conversations, seeded from `first_seed`: every request must be served
+/// (`Conversation::turn` fails the test on an error), whatever state a replica is named.
+async fn short_conversations(fleet: &Fleet, first_seed: u64, n: u64) {
+    let client = fleet.client().clone();
+    for seed in first_seed..first_seed + n {
+        let mut c = Conversation::new(MODEL, seed, 200, 20);
+        c.turn(&client, fleet, 4, &[]).await;
+        c.turn(&client, fleet, 4, &[]).await;
+    }
+}
+
 /// A replica whose KV-event publisher never answers (vLLM started without
 /// `--kv-events-config`, or the control plane pointed at the wrong port): precise mode would
 /// quietly mean approximate there. The control plane names it `degraded` (`no_kv_events`)
@@ -238,26 +291,15 @@ async fn a_replica_whose_event_publisher_never_answers_is_named_degraded() {
         cfg.kv_events = true;
         cfg.endpoint_extra = vec![json!({"kv_events": dead(0), "kv_events_replay": dead(1)})];
         let fleet = common::start_fleet(cfg, &tools).await;
-        let (silent, live) = (
-            fleet.replicas[0].address.clone(),
-            fleet.replicas[1].address.clone(),
-        );
-        common::wait_cp_metrics(
+        let (silent, live) = two_replicas(&fleet);
+        wait_one_degraded(
             &fleet,
-            "the silent replica degraded, the other exact",
-            Duration::from_secs(20),
-            |text| {
-                state_in(text, &silent) == Some("degraded/no_kv_events")
-                    && state_in(text, &live) == Some("exact/")
-            },
+            "the silent replica",
+            (&silent, "degraded/no_kv_events"),
+            &live,
         )
         .await;
-        let client = fleet.client().clone();
-        for seed in 0..4 {
-            let mut c = Conversation::new(MODEL, 3_000 + seed, 200, 20);
-            c.turn(&client, &fleet, 4, &[]).await;
-            c.turn(&client, &fleet, 4, &[]).await;
-        }
+        short_conversations(&fleet, 3_000, 4).await;
     })
     .await;
 }
@@ -276,31 +318,20 @@ async fn a_replica_with_another_block_size_is_degraded_until_it_matches() {
         cfg.sim_args = vec!["--speed".into(), "20".into()];
         cfg.per_replica_args = vec![vec!["--block-size".into(), "32".into()]];
         let mut fleet = common::start_fleet(cfg, &tools).await;
-        let (odd, even) = (
-            fleet.replicas[0].address.clone(),
-            fleet.replicas[1].address.clone(),
-        );
+        let (odd, even) = two_replicas(&fleet);
         let started = Instant::now();
-        common::wait_cp_metrics(
+        wait_one_degraded(
             &fleet,
-            "the replica with 32-token blocks degraded, the other exact",
-            Duration::from_secs(20),
-            |text| {
-                state_in(text, &odd) == Some("degraded/block_size")
-                    && state_in(text, &even) == Some("exact/")
-            },
+            "the replica with 32-token blocks",
+            (&odd, "degraded/block_size"),
+            &even,
         )
         .await;
         eprintln!(
             "self-check: {odd} degraded (block_size) {:.1} s after the fleet was up",
             started.elapsed().as_secs_f64()
         );
-        let client = fleet.client().clone();
-        for seed in 0..4 {
-            let mut c = Conversation::new(MODEL, 5_000 + seed, 200, 20);
-            c.turn(&client, &fleet, 4, &[]).await;
-            c.turn(&client, &fleet, 4, &[]).await;
-        }
+        short_conversations(&fleet, 5_000, 4).await;
 
         // Fixed: restarted with the engine's default, the configured size.
         fleet
@@ -325,9 +356,7 @@ async fn a_replica_with_another_block_size_is_degraded_until_it_matches() {
             );
             assert_eq!(prometheus_sample(&text, &series), Some(1.0), "{text}");
         }
-        let mut c = Conversation::new(MODEL, 6_000, 200, 20);
-        c.turn(&client, &fleet, 4, &[]).await;
-        c.turn(&client, &fleet, 4, &[]).await;
+        short_conversations(&fleet, 6_000, 1).await;
     })
     .await;
 }
@@ -389,26 +418,15 @@ async fn a_replica_that_loses_event_batches_is_degraded_until_its_stream_runs_cl
         let self_check = json!({"clean_batches_after_gap": CLEAN_BATCHES});
         let fleet = precise_fleet(&tools, "e2e-self-check-gap", self_check).await;
         let client = fleet.client().clone();
-        let (victim, other) = (
-            fleet.replicas[0].address.clone(),
-            fleet.replicas[1].address.clone(),
-        );
-        assert_eq!(routing_state(&fleet, &victim).await, Some("exact/"));
-
-        common::set_sim_fault(&client, &victim, &json!({"lose_kv_batch_every": 2})).await;
-        let started = Instant::now();
-        let (mut conversations, to_degraded) =
-            converse_until(&fleet, &victim, "degraded/kv_event_gap").await;
-        eprintln!(
-            "self-check: {victim} degraded (kv_event_gap) after {to_degraded} requests, {:.1} s \
-             (bound: {MAX_CONVERSATIONS} three-turn conversations)",
-            started.elapsed().as_secs_f64()
-        );
-        assert_eq!(
-            routing_state(&fleet, &other).await,
-            Some("exact/"),
-            "the replica whose stream is whole stays exact"
-        );
+        let (victim, other) = two_replicas(&fleet);
+        let mut conversations = fault_until(
+            &fleet,
+            (&victim, &other),
+            json!({"lose_kv_batch_every": 2}),
+            "degraded/kv_event_gap",
+            |c| c,
+        )
+        .await;
         let metrics = common::cp_metrics(&fleet).await;
         let sample = |series: String| prometheus_sample(&metrics, &series).unwrap_or(0.0);
         assert!(
@@ -433,9 +451,7 @@ async fn a_replica_that_loses_event_batches_is_degraded_until_its_stream_runs_cl
 
         // Still losing batches: every conversation goes on, served wherever the approximate
         // index and load put it, and the replica stays degraded.
-        for c in conversations.iter_mut() {
-            c.turn(&client, &fleet, 4, &[]).await;
-        }
+        one_more_turn_each(&fleet, &mut conversations).await;
         assert_eq!(
             routing_state(&fleet, &victim).await,
             Some("degraded/kv_event_gap")
@@ -459,51 +475,38 @@ async fn a_replica_that_loses_event_batches_is_degraded_until_its_stream_runs_cl
 /// decides over in the tests below (`router.self_check.window`, 32 by default).
 const HASH_WINDOW: usize = 16;
 
-/// The course of a hashing mismatch on `fleet`'s first replica: `fault` set there, new
-/// conversations (passed through `shape`) until it is `degraded` (`hash_mismatch`), with the
-/// other replica exact and `/debug/endpoints` agreeing; every conversation one turn more, and
-/// it is still degraded; the fault `cleared`, new conversations until it is exact again, each
-/// change counted once. Every request must be served throughout (`Conversation::turn` fails
-/// the test on an error). `what` names the fault in the printed times.
+/// The course of a hashing mismatch on `fleet`'s first replica: the simulator's `fault` set
+/// there (`{fault: true}`), new conversations (passed through `shape`) until it is `degraded`
+/// (`hash_mismatch`), with the other replica exact and `/debug/endpoints` agreeing; every
+/// conversation one turn more, and it is still degraded; the fault cleared (`{fault: false}`),
+/// new conversations until it is exact again, each change counted once. Every request must be
+/// served throughout (`Conversation::turn` fails the test on an error). `what` names the fault
+/// in the printed times.
 async fn degraded_by_hashing_until_cleared(
     fleet: &Fleet,
     what: &str,
-    fault: serde_json::Value,
-    cleared: serde_json::Value,
+    fault: &str,
     shape: impl Fn(Conversation) -> Conversation,
 ) {
     let client = fleet.client().clone();
-    let (victim, other) = (
-        fleet.replicas[0].address.clone(),
-        fleet.replicas[1].address.clone(),
-    );
-    assert_eq!(routing_state(fleet, &victim).await, Some("exact/"));
-
-    common::set_sim_fault(&client, &victim, &fault).await;
-    let started = Instant::now();
-    let (mut conversations, to_degraded) =
-        converse_with_until(fleet, &victim, "degraded/hash_mismatch", &shape).await;
-    eprintln!(
-        "self-check: {victim} degraded (hash_mismatch, {what}) after {to_degraded} requests, \
-         {:.1} s (bound: {MAX_CONVERSATIONS} three-turn conversations)",
-        started.elapsed().as_secs_f64()
-    );
-    assert_eq!(
-        routing_state(fleet, &other).await,
-        Some("exact/"),
-        "the replica that hashes as the router does stays exact"
-    );
+    let (victim, other) = two_replicas(fleet);
+    let mut conversations = fault_until(
+        fleet,
+        (&victim, &other),
+        json!({ fault: true }),
+        "degraded/hash_mismatch",
+        &shape,
+    )
+    .await;
     assert_degraded_in_debug_endpoints(fleet, &victim, "hash_mismatch").await;
-    for c in conversations.iter_mut() {
-        c.turn(&client, fleet, 4, &[]).await;
-    }
+    one_more_turn_each(fleet, &mut conversations).await;
     assert_eq!(
         routing_state(fleet, &victim).await,
         Some("degraded/hash_mismatch"),
         "still {what}: still degraded"
     );
 
-    common::set_sim_fault(&client, &victim, &cleared).await;
+    common::set_sim_fault(&client, &victim, &json!({ fault: false })).await;
     let started = Instant::now();
     let (_, to_exact) = converse_with_until(fleet, &victim, "exact/", &shape).await;
     eprintln!(
@@ -511,6 +514,23 @@ async fn degraded_by_hashing_until_cleared(
         started.elapsed().as_secs_f64()
     );
     assert_changed_each_way(fleet, &victim, "hash_mismatch").await;
+}
+
+/// The whole of a hashing test on a plain precise fleet called `name` (the hash check deciding
+/// over [`HASH_WINDOW`] verdicts): [`degraded_by_hashing_until_cleared`] within
+/// [`TEST_TIMEOUT`].
+async fn hash_mismatch_test(
+    name: &str,
+    what: &str,
+    fault: &str,
+    shape: impl Fn(Conversation) -> Conversation,
+) {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let fleet = precise_fleet(&tools, name, json!({"window": HASH_WINDOW})).await;
+        degraded_by_hashing_until_cleared(&fleet, what, fault, shape).await;
+    })
+    .await;
 }
 
 /// A replica whose engine leaves `cache_salt` out of its block hashes (an engine that does not
@@ -522,22 +542,15 @@ async fn degraded_by_hashing_until_cleared(
 /// (`hash_mismatch`) and routed from the approximate index until it hashes the salt again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_ignores_the_cache_salt_is_degraded_until_it_hashes_it() {
-    let tools = tools();
-    common::bounded(TEST_TIMEOUT, async {
-        let self_check = json!({"window": HASH_WINDOW});
-        let fleet = precise_fleet(&tools, "e2e-self-check-salt", self_check).await;
-        degraded_by_hashing_until_cleared(
-            &fleet,
-            "salt ignored",
-            json!({"ignore_cache_salt": true}),
-            json!({"ignore_cache_salt": false}),
-            |mut c| {
-                c.cache_salt = Some(format!("tenant-{}", c.seed % 3));
-                c
-            },
-        )
-        .await;
-    })
+    hash_mismatch_test(
+        "e2e-self-check-salt",
+        "salt ignored",
+        "ignore_cache_salt",
+        |mut c| {
+            c.cache_salt = Some(format!("tenant-{}", c.seed % 3));
+            c
+        },
+    )
     .await;
 }
 
@@ -548,19 +561,12 @@ async fn a_replica_that_ignores_the_cache_salt_is_degraded_until_it_hashes_it() 
 /// the pool's template again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_with_another_chat_template_is_degraded_until_it_matches() {
-    let tools = tools();
-    common::bounded(TEST_TIMEOUT, async {
-        let self_check = json!({"window": HASH_WINDOW});
-        let fleet = precise_fleet(&tools, "e2e-self-check-template", self_check).await;
-        degraded_by_hashing_until_cleared(
-            &fleet,
-            "other chat template",
-            json!({"other_chat_template": true}),
-            json!({"other_chat_template": false}),
-            |c| c,
-        )
-        .await;
-    })
+    hash_mismatch_test(
+        "e2e-self-check-template",
+        "other chat template",
+        "other_chat_template",
+        |c| c,
+    )
     .await;
 }
 
@@ -591,16 +597,10 @@ async fn a_replica_that_knows_the_adapter_by_another_name_is_degraded_until_it_d
             &["--lora-modules", &module],
         )
         .await;
-        degraded_by_hashing_until_cleared(
-            &fleet,
-            "LoRA alias",
-            json!({"lora_alias": true}),
-            json!({"lora_alias": false}),
-            |mut c| {
-                c.model = ADAPTER;
-                c
-            },
-        )
+        degraded_by_hashing_until_cleared(&fleet, "LoRA alias", "lora_alias", |mut c| {
+            c.model = ADAPTER;
+            c
+        })
         .await;
     })
     .await;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvroute_harness::Fleet;
 use serde_json::{Value, json};
 
-use crate::common::{self, tools};
+use crate::common;
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(150);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -86,16 +86,16 @@ async fn wait_samples(fleet: &Fleet, n: f64) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slo_gauges_follow_the_load() {
-    let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let mut cfg = common::fleet_config("e2e-slo", 2, MODEL);
-        cfg.sim_args = vec!["--max-num-seqs".into(), "2".into()];
-        cfg.plugin_config = json!({"route_timeout_ms": 5000, "feedback_interval_ms": 100});
-        cfg.control_plane_extra = json!({
-            "slo": {"ttft_ms": 1000, "itl_ms": 200, "window_ms": 600_000,
-                    "attainment_target": 0.9}
-        });
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("e2e-slo", 2, MODEL, |cfg| {
+            cfg.sim_args = vec!["--max-num-seqs".into(), "2".into()];
+            cfg.plugin_config = json!({"route_timeout_ms": 5000, "feedback_interval_ms": 100});
+            cfg.control_plane_extra = json!({
+                "slo": {"ttft_ms": 1000, "itl_ms": 200, "window_ms": 600_000,
+                        "attainment_target": 0.9}
+            });
+        })
+        .await;
 
         // Before any traffic the gauges exist for the pool: nothing violated, one replica.
         let text = metrics(&fleet).await;

@@ -9,7 +9,7 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::{Value, json};
 
-use crate::common::{self, tools};
+use crate::common;
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -17,11 +17,11 @@ const MODEL: &str = "kvroute-ratio-model";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_control_plane_learns_the_traffics_bytes_per_token() {
-    let tools = tools();
     let run = async {
-        let mut cfg = common::fleet_config("token-ratio", 2, MODEL);
-        cfg.control_plane_router = json!({"learn_bytes_per_token": true});
-        let fleet = common::start_fleet(cfg, &tools).await;
+        let fleet = common::start_configured("token-ratio", 2, MODEL, |cfg| {
+            cfg.control_plane_router = json!({"learn_bytes_per_token": true});
+        })
+        .await;
         let before = common::cp_metrics(&fleet).await;
         assert_eq!(
             prometheus_sample(&before, "kvroute_bytes_per_token"),
