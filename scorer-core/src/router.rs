@@ -4355,6 +4355,27 @@ mod tests {
         assert_eq!(r.take_state_changes().len(), 1);
     }
 
+    /// A router over `endpoints`, each with a live KV-event stream.
+    fn router_with_live_streams(config: RouterConfig, endpoints: &[&str]) -> Router {
+        let mut r = Router::new(config, 1);
+        for e in endpoints {
+            r.upsert_endpoint(e).unwrap();
+            r.set_event_stream(e, true);
+        }
+        r
+    }
+
+    /// A precise request of three token blocks: scored from an endpoint's event index only
+    /// while that index is trusted.
+    fn precise_probe() -> RouteRequest {
+        RouteRequest {
+            model: "m".into(),
+            token_block_hashes: vec![1, 2, 3],
+            prompt_tokens: 49,
+            ..Default::default()
+        }
+    }
+
     // Issue #18: a KV-event stream that lost batches no replay could fill (the caller dropped
     // the endpoint's precise state) is `degraded` (reason kv_event_gap) and scored from the
     // approximate index until `clean_batches_after_gap` batches in a row arrive in sequence;
@@ -4363,19 +4384,10 @@ mod tests {
     fn a_stream_that_lost_batches_is_degraded_until_it_runs_clean() {
         let mut config = RouterConfig::default();
         config.self_check.clean_batches_after_gap = 4;
-        let mut r = Router::new(config, 1);
         let (a, b) = ("10.0.0.0:8000", "10.0.0.1:8000");
-        for e in [a, b] {
-            r.upsert_endpoint(e).unwrap();
-            r.set_event_stream(e, true);
-        }
+        let mut r = router_with_live_streams(config, &[a, b]);
         let state = first_state;
-        let precise_request = RouteRequest {
-            model: "m".into(),
-            token_block_hashes: vec![1, 2, 3],
-            prompt_tokens: 49,
-            ..Default::default()
-        };
+        let precise_request = precise_probe();
         let scored_precisely = |r: &mut Router, now: u64| {
             let d = r.route(&precise_request, now, 1);
             let c = d.candidates.iter().find(|c| c.endpoint.as_str() == a);
@@ -4432,17 +4444,10 @@ mod tests {
     fn events_of_unusable_kv_groups_only_degrade_until_a_usable_store() {
         let mut config = RouterConfig::default();
         config.self_check.unusable_group_batches = 3;
-        let mut r = Router::new(config, 1);
         let a = "10.0.0.0:8000";
-        r.upsert_endpoint(a).unwrap();
-        r.set_event_stream(a, true);
+        let mut r = router_with_live_streams(config, &[a]);
         let state = first_state;
-        let precise_request = RouteRequest {
-            model: "m".into(),
-            token_block_hashes: vec![1, 2, 3],
-            prompt_tokens: 49,
-            ..Default::default()
-        };
+        let precise_request = precise_probe();
         let scored_precisely =
             |r: &mut Router, now: u64| r.route(&precise_request, now, 1).candidates[0].precise;
         // A healthy hybrid stream: both kinds in one batch, or other groups alone now and then.
