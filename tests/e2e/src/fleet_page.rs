@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_harness::loadgen::{self, Workload};
 use kvroute_harness::{self as harness, Fleet, HttpClient, Tools};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::common::{self, tools};
 
@@ -29,8 +29,20 @@ fn admin_url(fleet: &Fleet) -> String {
 
 /// A fleet that has served a few multi-turn conversations, and whose page has history.
 async fn busy_fleet(tools: &Tools, name: &str, replicas: usize, speed: f64) -> Fleet {
+    busy_fleet_with(tools, name, replicas, speed, |_| {}).await
+}
+
+/// [`busy_fleet`], with `configure` applied to the fleet's configuration first.
+async fn busy_fleet_with(
+    tools: &Tools,
+    name: &str,
+    replicas: usize,
+    speed: f64,
+    configure: impl FnOnce(&mut kvroute_harness::FleetConfig),
+) -> Fleet {
     let mut cfg = common::fleet_config(name, replicas, MODEL);
     cfg.sim_args = vec!["--speed".into(), speed.to_string()];
+    configure(&mut cfg);
     let fleet = common::start_fleet(cfg, tools).await;
     let run = loadgen::run_workload(&fleet.url(), &chats(11, 6, 16), |_, _| {}).await;
     assert_no_errors(&run, &fleet);
@@ -351,8 +363,27 @@ async fn fleet_page_renders_in_headless_chromium() {
     };
     let tools = tools();
     let body = async {
-        let fleet = busy_fleet(&tools, "fleet-page-browser", 4, 1.0).await;
-        fleet_json_when(&fleet, has_history_and_outcomes).await;
+        // Precise mode, with the first replica's KV-event publisher pointed at a port nobody
+        // serves: the page shows that replica `degraded` (no_kv_events) beside exact ones.
+        let fleet = busy_fleet_with(&tools, "fleet-page-browser", 4, 1.0, |cfg| {
+            let dead = || {
+                let port = kvroute_harness::free_port().expect("a port");
+                format!("tcp://127.0.0.1:{port}")
+            };
+            cfg.kv_events = true;
+            cfg.endpoint_extra = vec![json!({"kv_events": dead(), "kv_events_replay": dead()})];
+        })
+        .await;
+        let silent = fleet.replica_addresses()[0].to_string();
+        fleet_json_when(&fleet, |json| {
+            has_history_and_outcomes(json)
+                && json["endpoints"].as_array().is_some_and(|endpoints| {
+                    endpoints.iter().any(|e| {
+                        e["address"] == silent.as_str() && e["routing_state"] == "degraded"
+                    })
+                })
+        })
+        .await;
         let url = format!("{}/fleet", admin_url(&fleet));
 
         // The DOM after the page's script polled the JSON at least once.
@@ -384,6 +415,10 @@ async fn fleet_page_renders_in_headless_chromium() {
         assert!(
             dom.contains("<td title=\"prefix hits credited\">exact</td>"),
             "{dom}"
+        );
+        assert!(
+            dom.contains("degraded · no_kv_events"),
+            "the silent replica's state is not shown:\n{dom}"
         );
         assert!(
             dom.contains("<svg class=\"spark\""),
