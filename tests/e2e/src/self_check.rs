@@ -457,6 +457,7 @@ async fn a_replica_that_loses_event_batches_is_degraded_until_its_stream_runs_cl
             routing_state(&fleet, &victim).await,
             Some("degraded/kv_event_gap")
         );
+        assert_newest_decision_scored(&fleet, &victim, &other).await;
 
         // Fixed: every batch published again. The stream runs clean and the replica is exact.
         common::set_sim_fault(&client, &victim, &json!({"lose_kv_batch_every": 0})).await;
@@ -506,6 +507,7 @@ async fn degraded_by_hashing_until_cleared(
         Some("degraded/hash_mismatch"),
         "still {what}: still degraded"
     );
+    assert_newest_decision_scored(fleet, &victim, &other).await;
 
     common::set_sim_fault(&client, &victim, &json!({ fault: false })).await;
     let started = Instant::now();
@@ -617,6 +619,29 @@ async fn assert_degraded_in_debug_endpoints(fleet: &Fleet, endpoint: &str, reaso
         .unwrap_or_else(|| panic!("{endpoint} not in /debug/endpoints: {endpoints:#}"));
     assert_eq!(listed["routing_state"], "degraded", "{listed:#}");
     assert_eq!(listed["state_reason"], reason, "{listed:#}");
+}
+
+/// Asserts that the newest decision (a precise request, made while `degraded` is degraded)
+/// scored `degraded` from the approximate index and `exact` from its KV-event index: the
+/// fallback the state names, seen in a decision's candidates.
+async fn assert_newest_decision_scored(fleet: &Fleet, degraded: &str, exact: &str) {
+    let recent: serde_json::Value =
+        serde_json::from_str(&common::cp_get(fleet, "/debug/decisions?limit=1").await).unwrap();
+    let id = recent[0]["decision_id"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no recent decision: {recent}"));
+    let decision: serde_json::Value =
+        serde_json::from_str(&common::cp_get(fleet, &format!("/debug/decisions/{id}")).await)
+            .unwrap();
+    let precise = |endpoint: &str| {
+        decision["candidates"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["endpoint"] == endpoint))
+            .unwrap_or_else(|| panic!("{endpoint} not a candidate of {decision:#}"))["precise"]
+            .as_bool()
+    };
+    assert_eq!(precise(degraded), Some(false), "{decision:#}");
+    assert_eq!(precise(exact), Some(true), "{decision:#}");
 }
 
 /// Asserts `endpoint` changed into degraded and back to exact once each, for `reason`.
