@@ -77,8 +77,17 @@ pub struct SelfCheckConfig {
     /// KV-event batches in a row that stored blocks of other KV-cache groups only (none the
     /// index can use) before the endpoint is degraded with reason `event_groups`. Generous:
     /// a healthy hybrid model whose other groups have smaller blocks stores them in batches
-    /// of their own between full-attention stores.
+    /// of their own between full-attention stores. Left out of the serialized form at its
+    /// default, so a filter built before it still accepts the copy's configuration.
+    #[serde(skip_serializing_if = "is_default_unusable_group_batches")]
     pub unusable_group_batches: u32,
+}
+
+/// The default of [`SelfCheckConfig::unusable_group_batches`].
+const DEFAULT_UNUSABLE_GROUP_BATCHES: u32 = 64;
+
+fn is_default_unusable_group_batches(n: &u32) -> bool {
+    *n == DEFAULT_UNUSABLE_GROUP_BATCHES
 }
 
 impl Default for SelfCheckConfig {
@@ -94,7 +103,7 @@ impl Default for SelfCheckConfig {
             max_probe_after_ms: 600_000,
             clean_batches_after_gap: 32,
             confirm_after_ms: 1_000,
-            unusable_group_batches: 64,
+            unusable_group_batches: DEFAULT_UNUSABLE_GROUP_BATCHES,
         }
     }
 }
@@ -363,8 +372,8 @@ pub struct EventGroupCheck {
 }
 
 impl EventGroupCheck {
-    /// One batch that stored `usable` blocks runs the index applies and `other_groups` runs of
-    /// other groups. Returns whether the verdict changed.
+    /// One batch that stored `usable` runs of blocks the index applies and `other_groups` runs
+    /// of other groups' blocks. Returns whether the verdict changed.
     pub fn batch(&mut self, usable: u32, other_groups: u32, config: &SelfCheckConfig) -> bool {
         let was = self.unusable;
         if usable > 0 {
@@ -506,6 +515,21 @@ mod tests {
         (0..n)
             .filter_map(|i| c.observe(believed, delivered, i as u64, &config))
             .collect()
+    }
+
+    // A control plane sends its configuration to the filters' copies; one built before
+    // `unusable_group_batches` rejects unknown fields, so the default is left out.
+    #[test]
+    fn the_default_unusable_group_batches_is_not_serialized() {
+        let text = serde_json::to_string(&SelfCheckConfig::default()).unwrap();
+        assert!(!text.contains("unusable_group_batches"), "{text}");
+        let set = SelfCheckConfig {
+            unusable_group_batches: 8,
+            ..SelfCheckConfig::default()
+        };
+        let back: SelfCheckConfig =
+            serde_json::from_str(&serde_json::to_string(&set).unwrap()).unwrap();
+        assert_eq!(back, set);
     }
 
     #[test]
