@@ -198,11 +198,7 @@ fn decode_event<'a>(event: &'a Value, index: usize) -> Result<WireEvent, DecodeE
                 None => None,
             },
             token_ids: match required("token_ids")? {
-                Value::Array(a) => a
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| as_u32(t, &format!("events[{index}].token_ids[{i}]")))
-                    .collect::<Result<Vec<u32>, _>>()?,
+                Value::Array(a) => token_ids(a, index)?,
                 other => return Err(type_error(&at("token_ids"), "array", other)),
             },
             block_size: as_u32(required("block_size")?, &at("block_size"))?,
@@ -226,13 +222,38 @@ fn decode_event<'a>(event: &'a Value, index: usize) -> Result<WireEvent, DecodeE
     }
 }
 
+/// A `token_ids` array. Every id is read on the fast path; an element's location is only
+/// formatted for the error when one is not a u32 (formatting it for every id was most of the
+/// decoder's time).
+fn token_ids(a: &[Value], index: usize) -> Result<Vec<u32>, DecodeError> {
+    let mut ids = Vec::with_capacity(a.len());
+    for (i, t) in a.iter().enumerate() {
+        match t.as_u64().and_then(|x| u32::try_from(x).ok()) {
+            Some(id) => ids.push(id),
+            None => ids.push(as_u32(t, &format!("events[{index}].token_ids[{i}]"))?),
+        }
+    }
+    Ok(ids)
+}
+
 fn hashes(v: &Value, at: &str) -> Result<Vec<BlockHash>, DecodeError> {
     match v {
-        Value::Array(a) => a
-            .iter()
-            .enumerate()
-            .map(|(i, h)| block_hash(h, &format!("{at}[{i}]")))
-            .collect(),
+        Value::Array(a) => {
+            let mut out = Vec::with_capacity(a.len());
+            for (i, h) in a.iter().enumerate() {
+                // The common case, an integer hash, without formatting a location.
+                match h {
+                    Value::Integer(n) => {
+                        match n.as_u64().or_else(|| n.as_i64().map(|x| x as u64)) {
+                            Some(x) => out.push(BlockHash::Int(x)),
+                            None => out.push(block_hash(h, &format!("{at}[{i}]"))?),
+                        }
+                    }
+                    _ => out.push(block_hash(h, &format!("{at}[{i}]"))?),
+                }
+            }
+            Ok(out)
+        }
         other => Err(type_error(at, "array", other)),
     }
 }
