@@ -10,6 +10,10 @@ use super::{BlockHash, BlockRemoved, BlockStored, WireBatch, WireEvent};
 /// Most nested msgpack levels accepted (real batches use four).
 const MAX_DEPTH: usize = 16;
 
+/// Where a value sits in the batch (`events[2].token_ids[5]`), written out only when it is
+/// wrong: formatting the place of every value read was most of the decoder's time.
+type At<'a> = &'a dyn Fn() -> String;
+
 /// Field order of the tagged-array encoding of `BlockStored` (after the tag).
 pub(super) const STORED_FIELDS: &[&str] = &[
     "block_hashes",
@@ -109,7 +113,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
         other => return Err(type_error("batch", "array", other)),
     };
     let ts = match ts {
-        Some(v) => as_f64(v, "batch.ts")?,
+        Some(v) => as_f64(v, &|| "batch.ts".into())?,
         None => return Err(missing("batch", "ts")),
     };
     let events = match events {
@@ -118,7 +122,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
         None => return Err(missing("batch", "events")),
     };
     let data_parallel_rank = match rank.filter(|v| !v.is_nil()) {
-        Some(v) => Some(as_u32(v, "batch.data_parallel_rank")?),
+        Some(v) => Some(as_u32(v, &|| "batch.data_parallel_rank".into())?),
         None => None,
     };
     Ok(WireBatch {
@@ -153,7 +157,7 @@ fn decode_event<'a>(event: &'a Value, index: usize) -> Result<WireEvent, DecodeE
     let at = |field: &str| format!("events[{index}].{field}");
     let tag_of = |v: Option<&'a Value>| -> Result<&'a str, DecodeError> {
         match v {
-            Some(v @ Value::String(_)) => as_str(v, &at("type")),
+            Some(v @ Value::String(_)) => as_str(v, &|| at("type")),
             Some(other) => Err(type_error(&at("type"), "string", other)),
             None => Err(missing(&format!("events[{index}]"), "type")),
         }
@@ -183,27 +187,27 @@ fn decode_event<'a>(event: &'a Value, index: usize) -> Result<WireEvent, DecodeE
             .ok_or_else(|| missing(&format!("events[{index}]"), field))
     };
     let opt_str = |field: &str| match fields.get(field) {
-        Some(v) => as_str(v, &at(field)).map(|s| Some(s.to_owned())),
+        Some(v) => as_str(v, &|| at(field)).map(|s| Some(s.to_owned())),
         None => Ok(None),
     };
     let group_idx = match fields.get("group_idx") {
-        Some(v) => Some(as_u32(v, &at("group_idx"))?),
+        Some(v) => Some(as_u32(v, &|| at("group_idx"))?),
         None => None,
     };
     match tag {
         "BlockStored" => Ok(WireEvent::BlockStored(BlockStored {
-            block_hashes: hashes(required("block_hashes")?, &at("block_hashes"))?,
+            block_hashes: hashes(required("block_hashes")?, &|| at("block_hashes"))?,
             parent_block_hash: match fields.get("parent_block_hash") {
-                Some(v) => Some(block_hash(v, &at("parent_block_hash"))?),
+                Some(v) => Some(block_hash(v, &|| at("parent_block_hash"))?),
                 None => None,
             },
             token_ids: match required("token_ids")? {
                 Value::Array(a) => token_ids(a, index)?,
                 other => return Err(type_error(&at("token_ids"), "array", other)),
             },
-            block_size: as_u32(required("block_size")?, &at("block_size"))?,
+            block_size: as_u32(required("block_size")?, &|| at("block_size"))?,
             lora_id: match fields.get("lora_id") {
-                Some(v) => Some(as_u64(v, &at("lora_id"))?),
+                Some(v) => Some(as_u64(v, &|| at("lora_id"))?),
                 None => None,
             },
             medium: opt_str("medium")?,
@@ -213,7 +217,7 @@ fn decode_event<'a>(event: &'a Value, index: usize) -> Result<WireEvent, DecodeE
             kv_cache_spec_kind: opt_str("kv_cache_spec_kind")?,
         })),
         "BlockRemoved" => Ok(WireEvent::BlockRemoved(BlockRemoved {
-            block_hashes: hashes(required("block_hashes")?, &at("block_hashes"))?,
+            block_hashes: hashes(required("block_hashes")?, &|| at("block_hashes"))?,
             medium: opt_str("medium")?,
             group_idx,
         })),
@@ -230,13 +234,13 @@ fn token_ids(a: &[Value], index: usize) -> Result<Vec<u32>, DecodeError> {
     for (i, t) in a.iter().enumerate() {
         match t.as_u64().and_then(|x| u32::try_from(x).ok()) {
             Some(id) => ids.push(id),
-            None => ids.push(as_u32(t, &format!("events[{index}].token_ids[{i}]"))?),
+            None => ids.push(as_u32(t, &|| format!("events[{index}].token_ids[{i}]"))?),
         }
     }
     Ok(ids)
 }
 
-fn hashes(v: &Value, at: &str) -> Result<Vec<BlockHash>, DecodeError> {
+fn hashes(v: &Value, at: At<'_>) -> Result<Vec<BlockHash>, DecodeError> {
     match v {
         Value::Array(a) => {
             let mut out = Vec::with_capacity(a.len());
@@ -246,52 +250,52 @@ fn hashes(v: &Value, at: &str) -> Result<Vec<BlockHash>, DecodeError> {
                     Value::Integer(n) => {
                         match n.as_u64().or_else(|| n.as_i64().map(|x| x as u64)) {
                             Some(x) => out.push(BlockHash::Int(x)),
-                            None => out.push(block_hash(h, &format!("{at}[{i}]"))?),
+                            None => out.push(block_hash(h, &|| format!("{}[{i}]", at()))?),
                         }
                     }
-                    _ => out.push(block_hash(h, &format!("{at}[{i}]"))?),
+                    _ => out.push(block_hash(h, &|| format!("{}[{i}]", at()))?),
                 }
             }
             Ok(out)
         }
-        other => Err(type_error(at, "array", other)),
+        other => Err(type_error(&at(), "array", other)),
     }
 }
 
 /// A block hash: a u64 as is, an i64 as its two's complement, non-empty bytes as they are.
-fn block_hash(v: &Value, at: &str) -> Result<BlockHash, DecodeError> {
+fn block_hash(v: &Value, at: At<'_>) -> Result<BlockHash, DecodeError> {
     match v {
         Value::Integer(i) => i
             .as_u64()
             .or_else(|| i.as_i64().map(|x| x as u64))
             .map(BlockHash::Int)
             .ok_or_else(|| DecodeError::Range {
-                at: at.into(),
+                at: at(),
                 value: i.to_string(),
                 range: "64-bit integer",
             }),
         Value::Binary(b) if !b.is_empty() => Ok(BlockHash::Bytes(b.clone())),
         Value::Binary(_) => Err(DecodeError::Range {
-            at: at.into(),
+            at: at(),
             value: "empty bytes".into(),
             range: "1 or more bytes",
         }),
-        other => Err(type_error(at, "integer or bytes", other)),
+        other => Err(type_error(&at(), "integer or bytes", other)),
     }
 }
 
-fn as_u64(v: &Value, at: &str) -> Result<u64, DecodeError> {
+fn as_u64(v: &Value, at: At<'_>) -> Result<u64, DecodeError> {
     match v {
         Value::Integer(i) => i.as_u64().ok_or_else(|| DecodeError::Range {
-            at: at.into(),
+            at: at(),
             value: i.to_string(),
             range: "0..=2^64-1",
         }),
-        other => Err(type_error(at, "integer", other)),
+        other => Err(type_error(&at(), "integer", other)),
     }
 }
 
-fn as_u32(v: &Value, at: &str) -> Result<u32, DecodeError> {
+fn as_u32(v: &Value, at: At<'_>) -> Result<u32, DecodeError> {
     let x = as_u64(v, at).map_err(|e| match e {
         DecodeError::Range { at, value, .. } => DecodeError::Range {
             at,
@@ -301,29 +305,29 @@ fn as_u32(v: &Value, at: &str) -> Result<u32, DecodeError> {
         e => e,
     })?;
     u32::try_from(x).map_err(|_| DecodeError::Range {
-        at: at.into(),
+        at: at(),
         value: x.to_string(),
         range: "0..=4294967295",
     })
 }
 
-fn as_f64(v: &Value, at: &str) -> Result<f64, DecodeError> {
+fn as_f64(v: &Value, at: At<'_>) -> Result<f64, DecodeError> {
     match v {
         Value::F64(x) => Ok(*x),
         Value::F32(x) => Ok(f64::from(*x)),
-        Value::Integer(i) => i.as_f64().ok_or_else(|| type_error(at, "number", v)),
-        other => Err(type_error(at, "number", other)),
+        Value::Integer(i) => i.as_f64().ok_or_else(|| type_error(&at(), "number", v)),
+        other => Err(type_error(&at(), "number", other)),
     }
 }
 
-fn as_str<'a>(v: &'a Value, at: &str) -> Result<&'a str, DecodeError> {
+fn as_str<'a>(v: &'a Value, at: At<'_>) -> Result<&'a str, DecodeError> {
     match v {
         Value::String(s) => s.as_str().ok_or_else(|| DecodeError::Type {
-            at: at.into(),
+            at: at(),
             expected: "UTF-8 string",
             found: "invalid UTF-8",
         }),
-        other => Err(type_error(at, "string", other)),
+        other => Err(type_error(&at(), "string", other)),
     }
 }
 
@@ -371,7 +375,7 @@ mod tests {
 
     #[test]
     fn hash_shapes() {
-        let at = "h";
+        let at: At<'_> = &|| "h".into();
         assert_eq!(
             block_hash(&Value::from(u64::MAX), at).map(|h| h.to_u64()),
             Ok(u64::MAX)
