@@ -247,12 +247,7 @@ fn hashes(v: &Value, at: At<'_>) -> Result<Vec<BlockHash>, DecodeError> {
             for (i, h) in a.iter().enumerate() {
                 // The common case, an integer hash, without formatting a location.
                 match h {
-                    Value::Integer(n) => {
-                        match n.as_u64().or_else(|| n.as_i64().map(|x| x as u64)) {
-                            Some(x) => out.push(BlockHash::Int(x)),
-                            None => out.push(block_hash(h, &|| format!("{}[{i}]", at()))?),
-                        }
-                    }
+                    Value::Integer(n) if let Some(x) = int_hash(n) => out.push(BlockHash::Int(x)),
                     _ => out.push(block_hash(h, &|| format!("{}[{i}]", at()))?),
                 }
             }
@@ -262,12 +257,16 @@ fn hashes(v: &Value, at: At<'_>) -> Result<Vec<BlockHash>, DecodeError> {
     }
 }
 
+/// An integer block hash as 64 bits: a u64 as is, an i64 (vLLM before 0.10.2) as its two's
+/// complement; `None` when it fits neither.
+fn int_hash(n: &rmpv::Integer) -> Option<u64> {
+    n.as_u64().or_else(|| n.as_i64().map(|x| x as u64))
+}
+
 /// A block hash: a u64 as is, an i64 as its two's complement, non-empty bytes as they are.
 fn block_hash(v: &Value, at: At<'_>) -> Result<BlockHash, DecodeError> {
     match v {
-        Value::Integer(i) => i
-            .as_u64()
-            .or_else(|| i.as_i64().map(|x| x as u64))
+        Value::Integer(i) => int_hash(i)
             .map(BlockHash::Int)
             .ok_or_else(|| DecodeError::Range {
                 at: at(),
