@@ -1047,7 +1047,7 @@ struct CandidatePool<'r> {
 }
 
 /// A request's session, when affinity is on, and the replica that session remembers.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct SessionAffinity<'r> {
     /// The session key (`None`: no session, or `sessions.bonus_ms` is 0).
     key: Option<&'r str>,
@@ -1558,27 +1558,19 @@ impl Router {
     /// `kv_event_gap`) and scored from the approximate index until
     /// [`Router::note_event_batch_in_sequence`] has seen it run clean.
     pub fn note_event_gap(&mut self, address: &str) {
-        let Some((id, slot)) = self.slot_mut(address) else {
-            return;
-        };
-        let was = slot.state_and_reason();
-        slot.event_gap.lost();
-        slot.hashes.forget_awaited();
-        self.note_transition(id, was);
+        self.check_slot(address, |slot, _| {
+            slot.event_gap.lost();
+            slot.hashes.forget_awaited();
+        });
     }
 
     /// One of `address`'s KV-event batches arrived in sequence: after
     /// `router.self_check.clean_batches_after_gap` in a row, an outstanding gap ends and its
     /// event index is trusted again.
     pub fn note_event_batch_in_sequence(&mut self, address: &str) {
-        let config = self.config.self_check.clone();
-        let Some((id, slot)) = self.slot_mut(address) else {
-            return;
-        };
-        let was = slot.state_and_reason();
-        if slot.event_gap.in_sequence(&config) {
-            self.note_transition(id, was);
-        }
+        self.check_slot(address, |slot, config| {
+            slot.event_gap.in_sequence(config);
+        });
     }
 
     /// One of `address`'s KV-event batches stored `usable` runs of blocks the index applies and
@@ -1586,14 +1578,23 @@ impl Router {
     /// `router.self_check.unusable_group_batches` batches in a row with only the latter the
     /// endpoint is `degraded` (reason `event_groups`), and a usable store ends that.
     pub fn note_event_groups(&mut self, address: &str, usable: u32, other_groups: u32) {
-        let config = self.config.self_check.clone();
-        let Some((id, slot)) = self.slot_mut(address) else {
+        self.check_slot(address, |slot, config| {
+            slot.event_groups.batch(usable, other_groups, config);
+        });
+    }
+
+    /// Runs `change` on `address`'s slot with the self-check settings, then notes the
+    /// routing-state change it made, if any: how the event-stream checks move a state.
+    fn check_slot(&mut self, address: &str, change: impl FnOnce(&mut Slot, &SelfCheckConfig)) {
+        let Some(&id) = self.by_address.get(address) else {
+            return;
+        };
+        let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
             return;
         };
         let was = slot.state_and_reason();
-        if slot.event_groups.batch(usable, other_groups, &config) {
-            self.note_transition(id, was);
-        }
+        change(slot, &self.config.self_check);
+        self.note_transition(id, was);
     }
 
     /// Applies one KV event from `address` (serving `model`). On error the endpoint's precise
@@ -1999,10 +2000,7 @@ impl Router {
             .unwrap_or_else(|_| CandidatePool {
                 eligible: Eligibility::Only(Vec::new()),
                 adapter: self.fleet.is_adapter(&request.model),
-                session: SessionAffinity {
-                    key: None,
-                    remembered: None,
-                },
+                session: SessionAffinity::default(),
                 recorded: None,
             });
         pool.recorded = Some(chosen);
@@ -4313,17 +4311,7 @@ mod tests {
             r.update_metrics(e, scraped(block_tokens), 0);
         }
         assert_eq!(state(&r), (RoutingState::Exact, None));
-        let precise_request = RouteRequest {
-            model: "m".into(),
-            token_block_hashes: vec![1, 2, 3],
-            prompt_tokens: 3 * block_tokens + 1,
-            ..Default::default()
-        };
-        let scored_precisely = |r: &mut Router, now: u64| {
-            let d = r.route(&precise_request, now, 1);
-            let c = d.candidates.iter().find(|c| c.endpoint.as_str() == a);
-            c.map(|c| c.precise)
-        };
+        let scored_precisely = |r: &mut Router, now| scored_precisely(r, a, now);
         assert_eq!(scored_precisely(&mut r, 1), Some(true));
         r.update_metrics(a, scraped(2 * block_tokens), 2);
         r.update_metrics(a, scraped(2 * block_tokens), 3);
@@ -4365,15 +4353,22 @@ mod tests {
         r
     }
 
-    /// A precise request of three token blocks: scored from an endpoint's event index only
-    /// while that index is trusted.
-    fn precise_probe() -> RouteRequest {
-        RouteRequest {
+    /// Whether a precise request of three token blocks routed at `now` scored `endpoint` from
+    /// its event index (it does only while that index is trusted); `None` when `endpoint` was
+    /// no candidate.
+    fn scored_precisely(r: &mut Router, endpoint: &str, now: u64) -> Option<bool> {
+        let probe = RouteRequest {
             model: "m".into(),
             token_block_hashes: vec![1, 2, 3],
-            prompt_tokens: 49,
+            prompt_tokens: 3 * r.config().precise.block_tokens as u32 + 1,
             ..Default::default()
-        }
+        };
+        let d = r.route(&probe, now, 1);
+        let c = d
+            .candidates
+            .iter()
+            .find(|c| c.endpoint.as_str() == endpoint);
+        c.map(|c| c.precise)
     }
 
     // Issue #18: a KV-event stream that lost batches no replay could fill (the caller dropped
@@ -4387,12 +4382,7 @@ mod tests {
         let (a, b) = ("10.0.0.0:8000", "10.0.0.1:8000");
         let mut r = router_with_live_streams(config, &[a, b]);
         let state = first_state;
-        let precise_request = precise_probe();
-        let scored_precisely = |r: &mut Router, now: u64| {
-            let d = r.route(&precise_request, now, 1);
-            let c = d.candidates.iter().find(|c| c.endpoint.as_str() == a);
-            c.map(|c| c.precise)
-        };
+        let scored_precisely = |r: &mut Router, now| scored_precisely(r, a, now);
         assert_eq!(scored_precisely(&mut r, 1), Some(true));
         r.note_event_batch_in_sequence(a);
         assert_eq!(state(&r), (RoutingState::Exact, None), "no gap: exact");
@@ -4447,9 +4437,7 @@ mod tests {
         let a = "10.0.0.0:8000";
         let mut r = router_with_live_streams(config, &[a]);
         let state = first_state;
-        let precise_request = precise_probe();
-        let scored_precisely =
-            |r: &mut Router, now: u64| r.route(&precise_request, now, 1).candidates[0].precise;
+        let scored_precisely = |r: &mut Router, now| scored_precisely(r, a, now);
         // A healthy hybrid stream: both kinds in one batch, or other groups alone now and then.
         r.note_event_groups(a, 1, 1);
         r.note_event_groups(a, 0, 1);
@@ -4462,10 +4450,14 @@ mod tests {
             (RoutingState::Degraded, Some(StateReason::EventGroups)),
             "three batches in a row stored only other groups"
         );
-        assert!(!scored_precisely(&mut r, 1), "approximate while degraded");
+        assert_eq!(
+            scored_precisely(&mut r, 1),
+            Some(false),
+            "approximate while degraded"
+        );
         r.note_event_groups(a, 2, 0);
         assert_eq!(state(&r), (RoutingState::Exact, None));
-        assert!(scored_precisely(&mut r, 2));
+        assert_eq!(scored_precisely(&mut r, 2), Some(true));
         assert_degraded_and_back(&mut r, a, StateReason::EventGroups, "one change each way");
     }
 

@@ -373,16 +373,14 @@ pub struct EventGroupCheck {
 
 impl EventGroupCheck {
     /// One batch that stored `usable` runs of blocks the index applies and `other_groups` runs
-    /// of other groups' blocks. Returns whether the verdict changed.
-    pub fn batch(&mut self, usable: u32, other_groups: u32, config: &SelfCheckConfig) -> bool {
-        let was = self.unusable;
+    /// of other groups' blocks.
+    pub fn batch(&mut self, usable: u32, other_groups: u32, config: &SelfCheckConfig) {
         if usable > 0 {
             *self = Self::default();
         } else if other_groups > 0 {
             self.only_other_groups = self.only_other_groups.saturating_add(1);
             self.unusable |= self.only_other_groups >= config.unusable_group_batches.max(1);
         }
-        was != self.unusable
     }
 
     /// Forgets the run (a new stream session).
