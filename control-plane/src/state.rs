@@ -818,17 +818,6 @@ impl State {
         self.note_state_changes(&mut inner);
     }
 
-    /// One of `address`'s KV-event batches stored `usable` runs the index applied and
-    /// `other_groups` runs of KV-cache groups it skipped (an `event_groups` state change is
-    /// logged and counted now).
-    pub fn note_event_groups(&self, address: &str, usable: u32, other_groups: u32) {
-        let mut inner = self.inner.lock();
-        inner
-            .router
-            .note_event_groups(address, usable, other_groups);
-        self.note_state_changes(&mut inner);
-    }
-
     /// Drops `address`'s precise state (publisher restart, unreplayable gap, bad message).
     pub fn clear_precise(&self, address: &str) {
         self.inner.lock().router.clear_precise(address);
@@ -836,12 +825,15 @@ impl State {
 
     /// Applies one batch of `address`'s KV events under one lock. `partial` says whether the
     /// view already misses history; it becomes true when an error drops the state, and false
-    /// after `AllBlocksCleared` (an empty cache is an exactly known one).
+    /// after `AllBlocksCleared` (an empty cache is an exactly known one). `other_group_stores`
+    /// counts the batch's stores of KV-cache groups the decoder skipped: with the batch's own
+    /// stores they feed the `event_groups` check (a state change is logged and counted now).
     pub fn apply_kv_batch(
         &self,
         address: &str,
         model: &str,
         events: &[KvEvent],
+        other_group_stores: u32,
         partial: &mut bool,
     ) -> BatchApplied {
         let now = self.now_ms();
@@ -849,6 +841,7 @@ impl State {
         let mut new_loras = Vec::new();
         {
             let mut inner = self.inner.lock();
+            let mut usable_stores = 0u32;
             for event in events {
                 let result = if *partial {
                     inner
@@ -867,12 +860,17 @@ impl State {
                 }
                 match event {
                     KvEvent::AllBlocksCleared => *partial = false,
-                    KvEvent::BlockStored {
-                        lora_name: Some(l), ..
-                    } => new_loras.push(l),
+                    KvEvent::BlockStored { lora_name, .. } => {
+                        usable_stores = usable_stores.saturating_add(1);
+                        new_loras.extend(lora_name);
+                    }
                     _ => {}
                 }
             }
+            inner
+                .router
+                .note_event_groups(address, usable_stores, other_group_stores);
+            self.note_state_changes(&mut inner);
         }
         if !new_loras.is_empty() {
             let mut loras = self.loras.lock();

@@ -31,7 +31,6 @@ use zeromq::{
 
 use super::seq::{SeqTracker, Verdict};
 use crate::state::State;
-use scorer_core::precise::KvEvent;
 use vllm_wire::kv_events::{DecodeError, END_SEQ, EventBatch, decode_event_batch, decode_seq};
 
 /// Most batches accepted from one replay (vLLM buffers 10 000 by default).
@@ -419,6 +418,7 @@ impl Stream {
             address,
             &self.source.model,
             &batch.events,
+            batch.skipped.other_group_stores,
             &mut self.partial,
         );
         t.count_kv_batch(
@@ -426,16 +426,6 @@ impl Stream {
             result.applied,
             result.unknown_parents,
             &batch.skipped,
-        );
-        let usable_stores = batch
-            .events
-            .iter()
-            .filter(|e| matches!(e, KvEvent::BlockStored { .. }))
-            .count();
-        self.state.note_event_groups(
-            address,
-            u32::try_from(usable_stores).unwrap_or(u32::MAX),
-            batch.skipped.other_group_stores,
         );
         if let Some(e) = &result.dropped {
             t.count_kv_reset(address, "apply_error");

@@ -394,6 +394,7 @@ mod tests {
                 cache_salt: None,
                 medium: scorer_core::precise::Medium::Gpu,
             }],
+            0,
             &mut partial,
         );
         assert_eq!(without.seed_model(&s, "adapter"), "adapter");
