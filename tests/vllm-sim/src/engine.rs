@@ -938,16 +938,11 @@ impl Engine {
         if self.cfg.profile.sliding_window_tokens.is_none() {
             return;
         }
-        let copies: Vec<KvEvent> = events[from..]
-            .iter()
-            .filter_map(|e| match e {
-                KvEvent::BlockStored(run) => Some(KvEvent::WindowStored(run.clone())),
-                _ => None,
-            })
-            .collect();
-        for copy in &copies {
-            if let KvEvent::WindowStored(run) = copy {
+        let mut copies = Vec::new();
+        for e in &events[from..] {
+            if let KvEvent::BlockStored(run) = e {
                 self.window_blocks.extend(&run.block_hashes);
+                copies.push(KvEvent::WindowStored(run.clone()));
             }
         }
         events.extend(copies);
