@@ -182,14 +182,20 @@ fn refuse_template_options(prompt: &Map<String, Value>) -> Result<(), AgentChatE
             "thinking disabled (a reasoning effort the server picks)",
         ));
     }
-    if prompt
-        .get("output_config")
-        .and_then(|c| c.get("effort"))
-        .is_some_and(|e| !e.is_null())
-    {
+    if is_set(prompt, "output_config", Some("effort")) {
         return Err(unsupported("output_config.effort"));
     }
     refuse_dropped_tools(prompt)
+}
+
+/// Whether the prompt sets `field` (or `field.inner`): present and not null.
+fn is_set(prompt: &Map<String, Value>, field: &str, inner: Option<&str>) -> bool {
+    let value = prompt.get(field);
+    let value = match inner {
+        Some(key) => value.and_then(|v| v.get(key)),
+        None => value,
+    };
+    value.is_some_and(|v| !v.is_null())
 }
 
 /// `tool_choice: none` with tools: vLLM drops the tools from the template or not by a server
@@ -540,19 +546,12 @@ fn chat_tool(tool: &Value, parameters_key: &str) -> Result<Value, AgentChatError
 pub fn responses_to_chat(
     prompt: &Map<String, Value>,
 ) -> Result<Map<String, Value>, AgentChatError> {
-    if prompt
-        .get("previous_response_id")
-        .is_some_and(|id| !id.is_null())
-    {
+    if is_set(prompt, "previous_response_id", None) {
         return Err(unsupported(
             "previous_response_id (the history is stored on a replica)",
         ));
     }
-    if prompt
-        .get("reasoning")
-        .and_then(|r| r.get("effort"))
-        .is_some_and(|e| !e.is_null())
-    {
+    if is_set(prompt, "reasoning", Some("effort")) {
         return Err(unsupported(
             "reasoning.effort (the server's --reasoning-effort-map may rewrite it)",
         ));
