@@ -282,6 +282,28 @@ pub fn free_port() -> Result<u16> {
     Ok(port)
 }
 
+/// The first of `count` consecutive ports on 127.0.0.1 that were all free a moment ago: what
+/// a vLLM data-parallel deployment's KV-event publishers need (rank `r` binds the base port
+/// + `r`). Tries OS-picked bases until a run is free.
+pub fn free_port_run(count: u16) -> Result<u16> {
+    for _ in 0..64 {
+        let base = free_port()?;
+        if base.checked_add(count).is_none() {
+            continue;
+        }
+        let held: Vec<_> = (0..count)
+            .map_while(|i| TcpListener::bind(("127.0.0.1", base + i)).ok())
+            .collect();
+        if held.len() == usize::from(count) {
+            return Ok(base);
+        }
+    }
+    Err(HarnessError::Io {
+        context: format!("finding {count} consecutive free ports"),
+        source: std::io::Error::other("none found in 64 tries"),
+    })
+}
+
 /// A child process killed (with a watchdog for the case we die first) when dropped.
 #[derive(Debug)]
 pub struct ManagedProcess {

@@ -118,12 +118,14 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    /// Binds the sockets and starts the publishing tasks.
+    /// Binds the sockets and starts the publishing tasks. Every batch carries
+    /// `data_parallel_rank` (vLLM stamps each engine's rank, 0 without data parallelism).
     pub async fn start(
         endpoint: &str,
         replay_endpoint: Option<&str>,
         topic: &str,
         buffer_steps: usize,
+        data_parallel_rank: u32,
     ) -> Result<Self, SimError> {
         let mut pub_socket = PubSocket::new();
         let bound = pub_socket
@@ -183,7 +185,8 @@ impl Publisher {
                         continue;
                     }
                 }
-                let payload = Bytes::from(encode_batch(&wire_batch(ts, &events, 0)));
+                let payload =
+                    Bytes::from(encode_batch(&wire_batch(ts, &events, data_parallel_rank)));
                 let seq_bytes = Bytes::copy_from_slice(&seq.to_be_bytes());
                 {
                     let mut buf = buffer.lock();

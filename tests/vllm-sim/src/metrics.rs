@@ -119,6 +119,8 @@ pub struct ServerInfo {
     pub max_loras: u32,
     /// The `prefix_caching_hash_algo` label (a vLLM value; informational).
     pub prefix_caching_hash_algo: String,
+    /// The `engine` label: the engine's data-parallel rank (0 without data parallelism).
+    pub engine: u32,
 }
 
 impl ServerInfo {
@@ -130,6 +132,7 @@ impl ServerInfo {
             block_size: 16,
             max_loras,
             prefix_caching_hash_algo: "sha256".into(),
+            engine: 0,
         };
         render(
             &info,
@@ -148,6 +151,54 @@ fn float(v: f64) -> String {
     } else {
         format!("{v}")
     }
+}
+
+/// One `/metrics` page from the pages of a data-parallel server's engines, as vLLM's single
+/// registry writes it: each metric family's `# HELP`/`# TYPE` once, then every engine's
+/// samples (they differ by their `engine` label). A sample that is the same line in several
+/// pages (a family without an `engine` label) is written once. The pages must come from
+/// [`render`], so they list the same families in the same order.
+pub fn merge_engine_pages(pages: &[String]) -> String {
+    // A family: its comment lines and its sample lines, in page order.
+    fn families(page: &str) -> Vec<(Vec<&str>, Vec<&str>)> {
+        let mut out: Vec<(Vec<&str>, Vec<&str>)> = Vec::new();
+        for line in page.lines() {
+            if line.starts_with("# HELP ") || out.is_empty() {
+                out.push((Vec::new(), Vec::new()));
+            }
+            let Some(family) = out.last_mut() else {
+                continue;
+            };
+            if line.starts_with('#') {
+                family.0.push(line);
+            } else {
+                family.1.push(line);
+            }
+        }
+        out
+    }
+    let per_page: Vec<_> = pages.iter().map(|p| families(p)).collect();
+    let mut out = String::with_capacity(pages.iter().map(String::len).sum());
+    let count = per_page.first().map_or(0, Vec::len);
+    for i in 0..count {
+        let mut seen = std::collections::HashSet::new();
+        for (n, page) in per_page.iter().enumerate() {
+            let Some((comments, samples)) = page.get(i) else {
+                continue;
+            };
+            if n == 0 {
+                for c in comments {
+                    let _ = writeln!(out, "{c}");
+                }
+            }
+            for s in samples {
+                if seen.insert(*s) {
+                    let _ = writeln!(out, "{s}");
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Escapes a Prometheus label value.
@@ -174,8 +225,9 @@ pub fn render(
     let mut out = String::with_capacity(16 * 1024);
     // prometheus_client writes labels in declaration order: vLLM declares model_name, engine.
     let l = format!(
-        "model_name=\"{}\",engine=\"0\"",
-        escape_label(&info.model_name)
+        "model_name=\"{}\",engine=\"{}\"",
+        escape_label(&info.model_name),
+        info.engine
     );
     let o = &mut out;
     metric(
@@ -268,10 +320,11 @@ pub fn render(
     let cache_labels = format!(
         "block_size=\"{}\",gpu_memory_utilization=\"0.92\",cache_dtype=\"auto\",\
          enable_prefix_caching=\"True\",prefix_caching_hash_algo=\"{}\",num_gpu_blocks=\"{}\",\
-         num_cpu_blocks=\"None\",engine=\"0\"",
+         num_cpu_blocks=\"None\",engine=\"{}\"",
         info.block_size,
         escape_label(&info.prefix_caching_hash_algo),
-        stats.num_gpu_blocks
+        stats.num_gpu_blocks,
+        info.engine
     );
     metric(
         o,

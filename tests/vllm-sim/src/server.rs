@@ -67,6 +67,7 @@ use super::tokenizer::{
     TokenizerConfig, WordTokenizer,
 };
 
+pub mod dp;
 pub mod messages;
 pub mod responses;
 mod validation;
@@ -76,6 +77,10 @@ pub const VERSION: &str = "0.33.0+sim";
 
 /// Response header naming the replica that served a request.
 pub const REPLICA_HEADER: &str = "x-vllm-sim-replica";
+
+/// Response header naming the data-parallel rank (engine) that served a request: 0 without
+/// data parallelism.
+pub const DP_RANK_HEADER: &str = "x-vllm-sim-dp-rank";
 
 /// Command line of `vllm-sim`.
 #[derive(Debug, Clone, clap::Parser)]
@@ -181,6 +186,18 @@ pub struct SimArgs {
     /// them, as vLLM does with `VLLM_ENABLE_RESPONSES_API_STORE=1` (either turns it on).
     #[arg(long)]
     pub enable_responses_store: bool,
+    /// vLLM's `--data-parallel-size`: this many engines (ranks), each with its own KV cache,
+    /// scheduler, `engine="<rank>"` metrics and KV-event publisher (port + rank), behind this
+    /// one API server. A request's `X-data-parallel-rank` header picks its rank; without it
+    /// the server balances as vLLM's DP client does ([`dp`]).
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel_size: u32,
+    /// vLLM's `--data-parallel-rank` (the external-load-balancer layout): this server is that
+    /// one rank of a `--data-parallel-size` deployment whose ranks each have their own API
+    /// server and port. Its metrics say `engine="<rank>"`, its KV events carry the rank and
+    /// publish on the configured port + rank.
+    #[arg(long)]
+    pub data_parallel_rank: Option<u32>,
 }
 
 impl SimArgs {
@@ -351,8 +368,9 @@ struct Shared {
     created: u64,
     /// llm-d's P/D routing sidecar (remote prefill, KV transfer).
     pd: super::pd::Sidecar,
-    /// The Responses API's stored answers (off unless enabled, as in vLLM).
-    responses: responses::Store,
+    /// The Responses API's stored answers (off unless enabled, as in vLLM); one store shared
+    /// by every rank of a data-parallel server.
+    responses: Arc<responses::Store>,
     /// `/v1/messages` merges inline system messages into the leading one when the chat
     /// template refuses a system message after the first turn (vLLM probes it at startup).
     merge_inline_system: bool,
@@ -364,9 +382,12 @@ struct Shared {
 pub struct SimServer {
     /// The HTTP address (port resolved).
     pub addr: SocketAddr,
-    /// The bound KV events PUB endpoint, if enabled.
+    /// The bound KV events PUB endpoint, if enabled (rank 0's with data parallelism).
     pub kv_events_endpoint: Option<String>,
-    /// The bound KV events replay endpoint, if enabled.
+    /// Every rank's bound KV events PUB endpoint, in rank order (one without data
+    /// parallelism; empty when disabled).
+    pub kv_events_endpoints: Vec<String>,
+    /// The bound KV events replay endpoint, if enabled (rank 0's with data parallelism).
     pub kv_events_replay_endpoint: Option<String>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -418,32 +439,116 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
             "--kv-events-replay-endpoint needs --kv-events-endpoint".into(),
         ));
     }
-    let model = args.model.clone().unwrap_or_else(|| profile.model.clone());
+    let ranks = dp::engine_ranks(args.data_parallel_size, args.data_parallel_rank)?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .map_err(|e| SimError::Io(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
     let addr = listener
         .local_addr()
         .map_err(|e| SimError::Io(e.to_string()))?;
+    let pipeline = text_pipeline(&args)?;
+    // One store per API server: with data parallelism every rank's answers are kept where
+    // the API server is, as vLLM's `response_store` lives in the API process.
+    let store = Arc::new(responses::Store::new(args.responses_store_enabled()?));
+    let (shutdown, shutdown_rx) = watch::channel(false);
+    let epoch = Instant::now();
+    let mut engines = Vec::with_capacity(ranks.len());
+    let mut tasks = Vec::with_capacity(ranks.len() + 1);
+    for rank in ranks {
+        let shared = engine_state(
+            &args,
+            &profile,
+            addr,
+            rank,
+            &pipeline,
+            &store,
+            epoch,
+            &shutdown_rx,
+        )
+        .await?;
+        tasks.push(tokio::spawn(drive(shared.clone(), shutdown_rx.clone())));
+        engines.push(shared);
+    }
+    let kv_events_endpoints: Vec<String> = engines
+        .iter()
+        .filter_map(|s| s.publisher.as_ref().map(|p| p.endpoint.clone()))
+        .collect();
+    let kv_events_replay_endpoint = engines
+        .first()
+        .and_then(|s| s.publisher.as_ref())
+        .and_then(|p| p.replay_endpoint.clone());
+    let app = dp::front(
+        engines
+            .iter()
+            .cloned()
+            .map(|s| (router(s.clone()), s))
+            .collect(),
+    );
+    let mut stop = shutdown_rx;
+    tasks.push(tokio::spawn(async move {
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!("vllm-sim http server failed: {e}");
+        }
+    }));
+    Ok(SimServer {
+        addr,
+        kv_events_endpoint: kv_events_endpoints.first().cloned(),
+        kv_events_endpoints,
+        kv_events_replay_endpoint,
+        shutdown,
+        tasks,
+    })
+}
 
+/// The state of one engine (one data-parallel rank) of the server at `addr`: its engine, its
+/// KV-event publisher (bound at the configured endpoint offset by the rank, as vLLM does) and
+/// its `engine="<rank>"` metrics.
+#[allow(clippy::too_many_arguments)]
+async fn engine_state(
+    args: &SimArgs,
+    profile: &Profile,
+    addr: SocketAddr,
+    rank: u32,
+    (tokenizer, template): &TextPipeline,
+    store: &Arc<responses::Store>,
+    epoch: Instant,
+    shutdown_rx: &watch::Receiver<bool>,
+) -> Result<Arc<Shared>, SimError> {
+    let offset = |endpoint: &str| {
+        vllm_wire::kv_events::offset_endpoint_port(endpoint, rank).ok_or_else(|| {
+            SimError::Config(format!(
+                "KV-event endpoint {endpoint} cannot be offset to data-parallel rank {rank}"
+            ))
+        })
+    };
     let publisher = match &args.kv_events_endpoint {
-        Some(ep) => Some(
-            Publisher::start(
-                ep,
-                args.kv_events_replay_endpoint.as_deref(),
-                &args.kv_events_topic,
-                DEFAULT_BUFFER_STEPS,
+        Some(ep) => {
+            let replay = args
+                .kv_events_replay_endpoint
+                .as_deref()
+                .map(offset)
+                .transpose()?;
+            Some(
+                Publisher::start(
+                    &offset(ep)?,
+                    replay.as_deref(),
+                    &args.kv_events_topic,
+                    DEFAULT_BUFFER_STEPS,
+                    rank,
+                )
+                .await?,
             )
-            .await?,
-        ),
+        }
         None => None,
     };
-
-    let (tokenizer, template) = text_pipeline(&args)?;
-    let store_enabled = args.responses_store_enabled()?;
+    let model = args.model.clone().unwrap_or_else(|| profile.model.clone());
     let merge_inline_system = messages::template_needs_merged_system(template.as_ref());
     let mut cfg = EngineConfig::new(profile.clone());
-    cfg.seed = args.seed;
+    // Each rank's jitter is its own, as each engine core's step times are.
+    cfg.seed = args.seed ^ u64::from(rank).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     cfg.output_vocab = tokenizer.output_vocab().into();
     cfg.kv_events = publisher.is_some();
     let max_loras = args.max_loras.unwrap_or(args.lora_modules.len() as u32);
@@ -452,18 +557,18 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
     let mut engine = Engine::new(cfg)?;
     engine.set_prefix_caching(!args.no_enable_prefix_caching);
     let (hang_tx, _) = watch::channel(false);
-    let (shutdown, shutdown_rx) = watch::channel(false);
     let loras: Vec<String> = args
         .lora_modules
         .iter()
         .map(|m| m.split('=').next().unwrap_or(m).to_owned())
         .collect();
-    let shared = Arc::new(Shared {
+    Ok(Arc::new(Shared {
         info: ServerInfo {
             model_name: model.clone(),
             block_size: profile.block_size,
             max_loras,
             prefix_caching_hash_algo: args.prefix_caching_hash_algo.clone(),
+            engine: rank,
         },
         model,
         loras,
@@ -471,7 +576,7 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         default_max_tokens: args.default_max_tokens,
         max_model_len: profile.max_model_len,
         clock: SimClock {
-            epoch: Instant::now(),
+            epoch,
             speed: args.speed,
         },
         engine: Mutex::new(engine),
@@ -488,43 +593,21 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         }),
         hang_tx,
         shutdown_rx: shutdown_rx.clone(),
-        rng: Mutex::new(SmallRng::seed_from_u64(args.seed ^ 0x5eed)),
-        tokenizer,
-        template,
+        rng: Mutex::new(SmallRng::seed_from_u64(
+            args.seed ^ 0x5eed ^ u64::from(rank),
+        )),
+        tokenizer: tokenizer.clone(),
+        template: template.clone(),
         publisher,
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
         pd: super::pd::Sidecar::new(profile.kv_bytes_per_token, args.kv_transfer_gbps),
-        responses: responses::Store::new(store_enabled),
+        responses: store.clone(),
         merge_inline_system,
-        ids: Mutex::new(SmallRng::seed_from_u64(id_seed(&addr))),
-    });
-    let kv_events_endpoint = shared.publisher.as_ref().map(|p| p.endpoint.clone());
-    let kv_events_replay_endpoint = shared
-        .publisher
-        .as_ref()
-        .and_then(|p| p.replay_endpoint.clone());
-
-    let driver = tokio::spawn(drive(shared.clone(), shutdown_rx.clone()));
-    let app = router(shared);
-    let mut stop = shutdown_rx;
-    let http = tokio::spawn(async move {
-        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        });
-        if let Err(e) = serve.await {
-            tracing::error!("vllm-sim http server failed: {e}");
-        }
-    });
-    Ok(SimServer {
-        addr,
-        kv_events_endpoint,
-        kv_events_replay_endpoint,
-        shutdown,
-        tasks: vec![driver, http],
-    })
+        ids: Mutex::new(SmallRng::seed_from_u64(id_seed(&addr) ^ u64::from(rank))),
+    }))
 }
 
 /// A seed no other process shares: the bound address, the wall clock and the process id.
@@ -569,6 +652,7 @@ pub const MAX_REQUEST_BODY_BYTES: usize = 64 * 1024 * 1024;
 fn router(shared: Arc<Shared>) -> Router {
     let replica = HeaderValue::from_str(&shared.replica)
         .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+    let rank = shared.info.engine;
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -605,8 +689,12 @@ fn router(shared: Arc<Shared>) -> Router {
         .layer(middleware::map_response(move |mut res: Response| {
             let replica = replica.clone();
             async move {
-                res.headers_mut()
-                    .insert(HeaderName::from_static(REPLICA_HEADER), replica);
+                let headers = res.headers_mut();
+                headers.insert(HeaderName::from_static(REPLICA_HEADER), replica);
+                headers.insert(
+                    HeaderName::from_static(DP_RANK_HEADER),
+                    HeaderValue::from(rank),
+                );
                 res
             }
         }))

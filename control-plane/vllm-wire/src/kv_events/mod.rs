@@ -38,6 +38,63 @@ pub use router::{
     decode_message, parse_medium,
 };
 
+/// The endpoint data-parallel rank `rank`'s publisher uses when the engines are configured
+/// with `endpoint`: vLLM 0.33 offsets a TCP port by the rank (`tcp://*:5557` -> rank 2 on
+/// `tcp://*:5559`), leaves port 0 to the OS and suffixes `inproc://` names with `_dp<rank>`
+/// (`ZmqEventPublisher.offset_endpoint_port` in `vllm/distributed/kv_events.py`). The
+/// simulator binds where this says and the control plane subscribes there, so both follow the
+/// one rule. `None` where vLLM would refuse to start (another transport, a port that is not a
+/// number) or the offset leaves the port range.
+pub fn offset_endpoint_port(endpoint: &str, rank: u32) -> Option<String> {
+    if rank == 0 {
+        return Some(endpoint.to_owned());
+    }
+    if endpoint.contains("inproc") {
+        return Some(format!("{endpoint}_dp{rank}"));
+    }
+    match endpoint.rsplit_once(':') {
+        Some((base, port)) if endpoint.contains("tcp") => {
+            let port: u16 = port.parse().ok()?;
+            if port == 0 {
+                return Some(endpoint.to_owned());
+            }
+            let port = u16::try_from(u32::from(port) + rank).ok()?;
+            Some(format!("{base}:{port}"))
+        }
+        None if endpoint.contains("tcp") => Some(endpoint.to_owned()),
+        // vLLM refuses other transports (`ipc://`) for ranks above 0.
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod offset_tests {
+    use super::offset_endpoint_port;
+
+    #[test]
+    fn ranks_offset_tcp_ports_as_vllm_does() {
+        let at = |e: &str, r| offset_endpoint_port(e, r);
+        assert_eq!(at("tcp://*:5557", 0).as_deref(), Some("tcp://*:5557"));
+        assert_eq!(at("tcp://*:5557", 2).as_deref(), Some("tcp://*:5559"));
+        assert_eq!(
+            at("tcp://10.0.0.5:5557", 3).as_deref(),
+            Some("tcp://10.0.0.5:5560")
+        );
+        // Port 0 is the OS's choice for every rank.
+        assert_eq!(
+            at("tcp://127.0.0.1:0", 1).as_deref(),
+            Some("tcp://127.0.0.1:0")
+        );
+        assert_eq!(
+            at("inproc://cache", 1).as_deref(),
+            Some("inproc://cache_dp1")
+        );
+        assert_eq!(at("tcp://*:65535", 1), None);
+        assert_eq!(at("tcp://*:x", 1), None);
+        assert_eq!(at("ipc:///tmp/kv", 1), None);
+    }
+}
+
 use rmpv::Value;
 
 /// The replay socket's end-of-replay sequence frame: `-1` as 8 signed big-endian bytes.

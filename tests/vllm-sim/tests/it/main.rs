@@ -4,5 +4,6 @@ mod common;
 
 mod agent_apis;
 mod chat_template_golden;
+mod data_parallel;
 mod live;
 mod vllm_compat;
