@@ -144,7 +144,44 @@ pub struct EndpointConfig {
     /// `prefill` replica is never a decode target; it prefills long prompts for one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<scorer_core::disagg::EndpointRole>,
+    /// vLLM's `--data-parallel-size` when the server runs several engines behind this one
+    /// address (vLLM's internal load balancer): each rank becomes an endpoint of its own,
+    /// `address#dp<rank>`, with its own index, load (the page's `engine="<rank>"` series) and
+    /// KV events (`kv_events` with the port offset by the rank, as vLLM binds them); requests
+    /// carry `X-data-parallel-rank`. Unset or 1: one engine. For the external-load-balancer
+    /// layout (one port per rank) list each rank's address as an endpoint instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_size: Option<u32>,
 }
+
+impl EndpointConfig {
+    /// The engines this server runs, as endpoints: itself, or one per data-parallel rank
+    /// (named `address#dp<rank>`, KV-event sockets offset by the rank as vLLM offsets them).
+    pub fn engines(&self) -> Vec<EndpointConfig> {
+        let size = self.data_parallel_size.unwrap_or(1);
+        if size <= 1 {
+            return vec![self.clone()];
+        }
+        let offset = |socket: &Option<String>, rank| {
+            socket
+                .as_deref()
+                .and_then(|s| vllm_wire::kv_events::offset_endpoint_port(s, rank))
+        };
+        (0..size)
+            .map(|rank| EndpointConfig {
+                address: scorer_core::address::rank_endpoint(&self.address, rank),
+                kv_events: offset(&self.kv_events, rank),
+                kv_events_replay: offset(&self.kv_events_replay, rank),
+                data_parallel_size: None,
+                ..self.clone()
+            })
+            .collect()
+    }
+}
+
+/// The most data-parallel ranks one endpoint may declare (vLLM deployments run up to a few
+/// hundred; more is a typo).
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
 
 /// How precise routes' prompts become token ids.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -414,22 +451,31 @@ impl Config {
         Ok(config)
     }
 
-    /// Endpoint addresses in configuration order.
-    pub fn endpoint_addresses(&self) -> Vec<String> {
-        self.endpoints.iter().map(|e| e.address.clone()).collect()
-    }
-
-    /// Endpoints with a KV-event publisher, as subscriber sources.
-    pub fn event_sources(&self) -> Vec<crate::kv_events::EventSource> {
+    /// Every engine the router scores, in configuration order: each endpoint, or each of its
+    /// data-parallel ranks ([`EndpointConfig::engines`]).
+    pub fn engines(&self) -> Vec<EndpointConfig> {
         self.endpoints
             .iter()
+            .flat_map(EndpointConfig::engines)
+            .collect()
+    }
+
+    /// The engines' endpoint addresses in configuration order (ranks as `ip:port#dp<rank>`).
+    pub fn endpoint_addresses(&self) -> Vec<String> {
+        self.engines().into_iter().map(|e| e.address).collect()
+    }
+
+    /// Engines with a KV-event publisher, as subscriber sources.
+    pub fn event_sources(&self) -> Vec<crate::kv_events::EventSource> {
+        self.engines()
+            .into_iter()
             .filter_map(|e| {
                 Some(crate::kv_events::EventSource {
-                    address: e.address.clone(),
-                    endpoint: e.kv_events.clone()?,
-                    replay_endpoint: e.kv_events_replay.clone(),
+                    endpoint: e.kv_events?,
+                    address: e.address,
+                    replay_endpoint: e.kv_events_replay,
                     topic: self.precise.kv_events_topic.clone(),
-                    model: e.model.clone().unwrap_or_default(),
+                    model: e.model.unwrap_or_default(),
                 })
             })
             .collect()
@@ -453,10 +499,17 @@ impl Config {
         if self.endpoints.is_empty() && self.discovery.is_none() {
             return Err(ConfigError::NoEndpoints);
         }
-        if self.endpoints.len() > MAX_ENDPOINTS {
-            return Err(ConfigError::TooManyEndpoints {
-                count: self.endpoints.len(),
-            });
+        let engines: usize = self
+            .endpoints
+            .iter()
+            .map(|e| {
+                e.data_parallel_size
+                    .unwrap_or(1)
+                    .clamp(1, MAX_DATA_PARALLEL_SIZE) as usize
+            })
+            .sum();
+        if engines > MAX_ENDPOINTS {
+            return Err(ConfigError::TooManyEndpoints { count: engines });
         }
         let mut seen = HashSet::new();
         for (index, e) in self.endpoints.iter().enumerate() {
@@ -498,6 +551,43 @@ impl Config {
                         reason,
                     })?;
                 }
+            }
+            match e.data_parallel_size {
+                Some(0) => {
+                    return Err(ConfigError::BadEndpoint {
+                        index,
+                        address: e.address.clone(),
+                        reason: "data_parallel_size 0 (at least 1)".into(),
+                    });
+                }
+                Some(n) if n > MAX_DATA_PARALLEL_SIZE => {
+                    return Err(ConfigError::BadEndpoint {
+                        index,
+                        address: e.address.clone(),
+                        reason: format!(
+                            "data_parallel_size {n} (at most {MAX_DATA_PARALLEL_SIZE})"
+                        ),
+                    });
+                }
+                Some(n) => {
+                    // Every rank's sockets must exist: vLLM offsets the ports by the rank.
+                    for (field, value) in [
+                        ("kv_events", &e.kv_events),
+                        ("kv_events_replay", &e.kv_events_replay),
+                    ] {
+                        let Some(v) = value else { continue };
+                        if vllm_wire::kv_events::offset_endpoint_port(v, n - 1).is_none() {
+                            return Err(ConfigError::BadZmqEndpoint {
+                                index,
+                                field,
+                                value: v.clone(),
+                                reason: "its port offset by the last data-parallel rank \
+                                         is not a port",
+                            });
+                        }
+                    }
+                }
+                None => {}
             }
             if e.kv_events_replay.is_some() && e.kv_events.is_none() {
                 return Err(ConfigError::BadZmqEndpoint {
@@ -910,6 +1000,76 @@ router: {}
         );
         assert!(err(&format!("{MINIMAL}scrape_interval_ms: fast\n")).contains("invalid config"));
         assert!(err("listen: [1, 2]\n").contains("invalid config"));
+    }
+
+    #[test]
+    fn a_data_parallel_server_is_one_endpoint_per_rank() {
+        let c = Config::from_yaml(
+            "endpoints:\n  - address: 10.0.0.1:8000\n    data_parallel_size: 3\n    \
+             kv_events: tcp://10.0.0.1:5557\n    kv_events_replay: tcp://10.0.0.1:5600\n  \
+             - address: 10.0.0.2:8000\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.endpoint_addresses(),
+            [
+                "10.0.0.1:8000#dp0",
+                "10.0.0.1:8000#dp1",
+                "10.0.0.1:8000#dp2",
+                "10.0.0.2:8000"
+            ]
+        );
+        let sources = c.event_sources();
+        let sockets: Vec<_> = sources
+            .iter()
+            .map(|s| {
+                (
+                    s.address.as_str(),
+                    s.endpoint.as_str(),
+                    s.replay_endpoint.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            sockets,
+            [
+                (
+                    "10.0.0.1:8000#dp0",
+                    "tcp://10.0.0.1:5557",
+                    Some("tcp://10.0.0.1:5600")
+                ),
+                (
+                    "10.0.0.1:8000#dp1",
+                    "tcp://10.0.0.1:5558",
+                    Some("tcp://10.0.0.1:5601")
+                ),
+                (
+                    "10.0.0.1:8000#dp2",
+                    "tcp://10.0.0.1:5559",
+                    Some("tcp://10.0.0.1:5602")
+                ),
+            ]
+        );
+        assert!(
+            err("endpoints:\n  - address: 10.0.0.1:8000\n    data_parallel_size: 0\n")
+                .contains("data_parallel_size 0")
+        );
+        assert!(
+            err(
+                "endpoints:\n  - address: 10.0.0.1:8000\n    data_parallel_size: 4\n    \
+                 kv_events: tcp://10.0.0.1:65534\n"
+            )
+            .contains("last data-parallel rank")
+        );
+        let many = format!(
+            "endpoints:\n  - address: 10.0.0.1:8000\n    data_parallel_size: {}\n",
+            MAX_ENDPOINTS + 1
+        );
+        assert!(
+            err(&many).contains("endpoints configured"),
+            "{}",
+            err(&many)
+        );
     }
 
     #[test]

@@ -127,19 +127,20 @@ impl ControlPlane {
             .with_admission(config.admission.clone().map(admission::Gate::new))
             .with_slo(config.slo.clone().map(|c| {
                 let pools = config
-                    .endpoints
-                    .iter()
-                    .filter_map(|e| Some((e.address.clone(), e.model.clone()?)))
+                    .engines()
+                    .into_iter()
+                    .filter_map(|e| Some((e.address, e.model?)))
                     .collect();
                 slo::SloWindow::new(c, pools)
             }))
             .with_sync(config.sync.log_entries, state::first_replica_tag(entropy))
             .with_replication(outbox_tx),
         );
-        for e in &config.endpoints {
+        let engines = config.engines();
+        for e in &engines {
             state.set_configured_models(&e.address, e.served_model_names());
         }
-        for e in &config.endpoints {
+        for e in &engines {
             if let Some(role) = e.role {
                 state.set_role(&e.address, role);
             }

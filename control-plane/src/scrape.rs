@@ -23,8 +23,9 @@ use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
 use crate::pools::{parse_lora_info, parse_models};
-use crate::prom::{PromError, scrape_vllm_metrics};
+use crate::prom::{PromError, scrape_vllm_engine_metrics, scrape_vllm_metrics};
 use crate::state::State;
+use scorer_core::address::split_rank;
 
 /// How and how often endpoints are scraped.
 #[derive(Debug, Clone)]
@@ -109,16 +110,21 @@ pub fn client(settings: &ScrapeSettings) -> HttpClient {
 }
 
 /// Fetches and parses `http://{address}/metrics` once, within `settings.timeout`: the load
-/// metrics, and the LoRA adapters when the page has `vllm:lora_requests_info`.
+/// metrics, and the LoRA adapters when the page has `vllm:lora_requests_info`. For a
+/// data-parallel rank (`ip:port#dp<rank>`) the server's page is read for that engine's series.
 pub async fn scrape_once(
     client: &HttpClient,
     address: &str,
     settings: &ScrapeSettings,
 ) -> Result<(EndpointMetrics, Option<LoraState>), ScrapeError> {
-    let body = fetch(client, address, "/metrics", "text/plain", settings).await?;
+    let (server, rank) = split_rank(address);
+    let body = fetch(client, server, "/metrics", "text/plain", settings).await?;
     let text = std::str::from_utf8(&body).map_err(|e| PromError::NotUtf8(e.valid_up_to()))?;
     // Both read only their own series' lines: a vLLM page is 500+ lines, they need about 13.
-    let metrics = scrape_vllm_metrics(text)?;
+    let metrics = match rank {
+        Some(rank) => scrape_vllm_engine_metrics(text, rank)?,
+        None => scrape_vllm_metrics(text)?,
+    };
     let lora = parse_lora_info(text);
     Ok((metrics, lora))
 }
@@ -129,7 +135,14 @@ pub async fn models_once(
     address: &str,
     settings: &ScrapeSettings,
 ) -> Result<Vec<ServedModel>, ScrapeError> {
-    let body = fetch(client, address, "/v1/models", "application/json", settings).await?;
+    let body = fetch(
+        client,
+        split_rank(address).0,
+        "/v1/models",
+        "application/json",
+        settings,
+    )
+    .await?;
     Ok(parse_models(&body)?)
 }
 

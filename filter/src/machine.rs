@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use scorer_core::address::split_rank;
 use scorer_core::canon::{self, CanonError};
 use scorer_core::hash::{block_hashes, request_seed};
 use scorer_core::protocol::{
@@ -34,6 +35,10 @@ pub const AGENT_SESSION_HEADERS: [&str; 3] =
     ["x-claude-code-session-id", "session-id", "session_id"];
 /// Disaggregated-prefill header that only the router may set; clients' copies are removed.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+/// vLLM's data-parallel rank header (`vllm/entrypoints/generate/base/serving.py`): the engine
+/// of a `--data-parallel-size` server that runs the request. Set when the chosen endpoint is a
+/// rank (`ip:port#dp<rank>`); only the router may set it, so clients' copies are removed.
+pub const DATA_PARALLEL_RANK_HEADER: &str = "x-data-parallel-rank";
 /// Request header asking for the explain header (`1`); honoured only with `allow_explain`.
 pub const EXPLAIN_HEADER: &str = "x-kvroute-explain";
 /// Response header explaining the routing decision; a client-sent copy is always removed.
@@ -409,6 +414,7 @@ impl RequestMachine {
             };
             if is(&self.config.destination_header)
                 || is(PREFILLER_HEADER)
+                || is(DATA_PARALLEL_RANK_HEADER)
                 || is(DECISION_HEADER)
                 || is(LOCAL_REPLY_HEADER)
                 || (!trusted && identity())
@@ -661,7 +667,16 @@ impl RequestMachine {
     /// destination (and prefiller) headers, remembers the decision for the outcome report.
     /// `resume` when the request is paused outside a callback (an asynchronous answer).
     fn route_to(&mut self, r: RouteResponse, now_ms: u64, resume: bool) -> Step {
-        let value = r.endpoints.join(",");
+        // The proxy routes to servers; a data-parallel rank travels in vLLM's own header.
+        let mut servers: Vec<&str> = Vec::with_capacity(r.endpoints.len());
+        for e in &r.endpoints {
+            let (server, _) = split_rank(e);
+            if !servers.contains(&server) {
+                servers.push(server);
+            }
+        }
+        let value = servers.join(",");
+        let rank = r.endpoints.first().and_then(|e| split_rank(e).1);
         if self.explain {
             self.decision = Some(format!(
                 "id={}; reason={}; endpoint={}; cached_blocks={}",
@@ -682,6 +697,12 @@ impl RequestMachine {
             name: self.config.destination_header.clone(),
             value,
         }];
+        if let Some(rank) = rank {
+            effects.push(Effect::SetRequestHeader {
+                name: DATA_PARALLEL_RANK_HEADER.into(),
+                value: rank.to_string(),
+            });
+        }
         if let Some(prefiller) = r.prefiller.filter(|p| is_endpoint(p)) {
             effects.push(Effect::SetRequestHeader {
                 name: PREFILLER_HEADER.into(),
@@ -934,10 +955,13 @@ impl RequestMachine {
         let usage = self.usage.usage().unwrap_or_default();
         Some(Outcome {
             decision_id: routed.decision_id,
-            endpoint: self
-                .upstream
-                .clone()
-                .unwrap_or_else(|| routed.endpoint.clone()),
+            // Where it was served: the proxy's upstream when known (a fallback may have taken
+            // it elsewhere), the decision's endpoint when that is the same server (the
+            // upstream address carries no data-parallel rank).
+            endpoint: match &self.upstream {
+                Some(u) if u != split_rank(&routed.endpoint).0 => u.clone(),
+                _ => routed.endpoint.clone(),
+            },
             status: self.status,
             ttfb_ms: self
                 .first_byte_ms
@@ -2226,6 +2250,42 @@ mod tests {
                     .contains(&Effect::Count(Counter::FailOpen(FailKind::BadResponse)))
             );
         }
+    }
+
+    #[test]
+    fn a_data_parallel_rank_goes_in_vllms_header_and_its_server_in_the_destination() {
+        let mut h = post(CHAT);
+        h.push(("X-Data-Parallel-Rank", "3"));
+        let step = machine().on_request_headers(headers(&h), false);
+        assert!(
+            step.effects
+                .contains(&Effect::RemoveRequestHeader("x-data-parallel-rank".into())),
+            "a client's copy is removed: {step:?}"
+        );
+        let mut m = machine();
+        to_dispatch(&mut m, &[], &chat_body("hi"));
+        let body = serde_json::to_vec(&RouteResponse {
+            decision_id: 1,
+            endpoints: vec![
+                "10.0.0.1:8000#dp2".into(),
+                "10.0.0.1:8000#dp0".into(),
+                "10.0.0.2:8000#dp1".into(),
+            ],
+            ..RouteResponse::default()
+        })
+        .unwrap();
+        let effects = m.on_route_response(Some(200), &body, 101).effects;
+        assert!(effects.contains(&Effect::SetRequestHeader {
+            name: "x-gateway-destination-endpoint".into(),
+            value: "10.0.0.1:8000,10.0.0.2:8000".into()
+        }));
+        assert!(effects.contains(&Effect::SetRequestHeader {
+            name: DATA_PARALLEL_RANK_HEADER.into(),
+            value: "2".into()
+        }));
+        // Served by the chosen server: the outcome names the rank; by a fallback: the server.
+        m.on_response_headers(Some(200), Some("10.0.0.1:8000"));
+        assert_eq!(m.on_done(150).unwrap().endpoint, "10.0.0.1:8000#dp2");
     }
 
     #[test]

@@ -3,6 +3,12 @@
 //! Every decision lists every candidate with its address for explain output. Cloning a
 //! `String` per candidate was the largest allocation cost of `Router::route` in profiles, so the
 //! router keeps each address once behind an `Arc` and candidates share it.
+//!
+//! An endpoint is one engine: a vLLM server's `ip:port`, or one data-parallel rank of a server
+//! that runs several engines behind one API (`--data-parallel-size`), written
+//! `ip:port#dp<rank>` ([`rank_endpoint`], [`split_rank`]). Each rank has its own cache and
+//! load, so the router scores and indexes ranks as endpoints of their own; only the edges that
+//! talk to the server (the proxy's destination, scrapes, KV-event sockets) split the rank off.
 
 use std::fmt;
 use std::ops::Deref;
@@ -106,9 +112,44 @@ impl<'de> Deserialize<'de> for EndpointAddress {
     }
 }
 
+/// What separates a server's `ip:port` from a data-parallel rank in an endpoint's name.
+pub const RANK_SEPARATOR: &str = "#dp";
+
+/// The endpoint name of data-parallel rank `rank` of the server at `server` (`ip:port`).
+pub fn rank_endpoint(server: &str, rank: u32) -> String {
+    format!("{server}{RANK_SEPARATOR}{rank}")
+}
+
+/// An endpoint's server address and data-parallel rank: `("10.0.0.5:8000", Some(2))` for
+/// `10.0.0.5:8000#dp2`, the whole name and `None` for an endpoint without a rank (or with a
+/// suffix that is not a rank number).
+pub fn split_rank(endpoint: &str) -> (&str, Option<u32>) {
+    match endpoint.rsplit_once(RANK_SEPARATOR) {
+        Some((server, rank)) if !rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()) => {
+            match rank.parse() {
+                Ok(rank) => (server, Some(rank)),
+                Err(_) => (endpoint, None),
+            }
+        }
+        _ => (endpoint, None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_is_named_after_its_server_and_split_back() {
+        let e = rank_endpoint("10.0.0.5:8000", 2);
+        assert_eq!(e, "10.0.0.5:8000#dp2");
+        assert_eq!(split_rank(&e), ("10.0.0.5:8000", Some(2)));
+        assert_eq!(split_rank("[::1]:8000#dp0"), ("[::1]:8000", Some(0)));
+        assert_eq!(split_rank("10.0.0.5:8000"), ("10.0.0.5:8000", None));
+        assert_eq!(split_rank("10.0.0.5:8000#dp"), ("10.0.0.5:8000#dp", None));
+        assert_eq!(split_rank("10.0.0.5:8000#dpx"), ("10.0.0.5:8000#dpx", None));
+        assert_eq!(split_rank("a:1#dp99999999999"), ("a:1#dp99999999999", None));
+    }
 
     #[test]
     fn reads_compares_and_serialises_like_a_string() {

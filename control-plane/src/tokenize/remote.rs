@@ -90,13 +90,15 @@ impl RemoteTokenizer {
             .map_err(|_| TokenizeError::Timeout(self.timeout))?
     }
 
-    /// One tokenisation call to `address`.
+    /// One tokenisation call to `address` (a data-parallel rank's server answers for it: the
+    /// tokenizer is the API server's).
     async fn call(
         &self,
         address: &str,
         path: &str,
         body: Bytes,
     ) -> Result<Vec<u32>, TokenizeError> {
+        let address = scorer_core::address::split_rank(address).0;
         let request = Request::post(format!("http://{address}{path}"))
             .header(HOST, address)
             .header(CONTENT_TYPE, "application/json")

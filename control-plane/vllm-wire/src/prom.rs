@@ -255,6 +255,23 @@ pub fn scrape_vllm_metrics(text: &str) -> Result<EndpointMetrics, PromError> {
     metrics_from(samples_named(text, &READ_SERIES))
 }
 
+/// [`scrape_vllm_metrics`] for one engine of a data-parallel server (vLLM
+/// `--data-parallel-size`): only the samples labelled `engine="<engine>"`, so each rank is
+/// scored on its own load, cache usage and rates. Samples without an `engine` label count for
+/// no engine.
+pub fn scrape_vllm_engine_metrics(text: &str, engine: u32) -> Result<EndpointMetrics, PromError> {
+    let want = engine.to_string();
+    metrics_from(samples_named(text, &READ_SERIES).filter(move |s| match s {
+        Ok(s) => match s.label("engine") {
+            Ok(Some(e)) => e == want.as_str(),
+            Ok(None) => false,
+            // Kept, so the malformed label is reported where it is read.
+            Err(_) => true,
+        },
+        Err(_) => true,
+    }))
+}
+
 /// Routing metrics from a page's samples.
 fn metrics_from<'a>(
     samples: impl Iterator<Item = Result<Sample<'a>, PromError>>,
@@ -625,6 +642,34 @@ fn unescape_value(s: &str) -> Result<(Cow<'_, str>, &str), SyntaxError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_engine_of_a_data_parallel_page_reads_as_its_own_endpoint() {
+        let page = "vllm:num_requests_running{model_name=\"m\",engine=\"0\"} 3.0\n\
+                    vllm:num_requests_running{model_name=\"m\",engine=\"1\"} 1.0\n\
+                    vllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 2.0\n\
+                    vllm:num_requests_waiting{model_name=\"m\",engine=\"1\"} 0.0\n\
+                    vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"0\"} 0.75\n\
+                    vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"1\"} 0.25\n\
+                    vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"0\"} 1.0\n\
+                    vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\",engine=\"1\"} 1.0\n";
+        let whole = scrape_vllm_metrics(page).unwrap();
+        assert_eq!((whole.running, whole.waiting), (4, 2));
+        assert_eq!(whole.capacity_tokens, Some(3200));
+        let one = scrape_vllm_engine_metrics(page, 1).unwrap();
+        assert_eq!((one.running, one.waiting, one.kv_usage), (1, 0, 0.25));
+        assert_eq!(
+            (one.capacity_tokens, one.block_size),
+            (Some(1600), Some(16))
+        );
+        let zero = scrape_vllm_engine_metrics(page, 0).unwrap();
+        assert_eq!((zero.running, zero.waiting, zero.kv_usage), (3, 2, 0.75));
+        // An engine the page does not have is missing its gauges.
+        assert_eq!(
+            scrape_vllm_engine_metrics(page, 2),
+            Err(PromError::Missing(RUNNING))
+        );
+    }
 
     #[test]
     fn reads_calibration_counters_summed_over_engines_or_none() {
