@@ -243,8 +243,9 @@ pub fn replica_of(out: &StreamOutcome, fleet: &Fleet) -> String {
         .replica
         .clone()
         .unwrap_or_else(|| panic!("response without x-vllm-sim-replica ({})", fleet.describe()));
+    let server = scorer_core::address::split_rank(&replica).0.to_string();
     assert!(
-        fleet.replica_addresses().contains(&replica),
+        fleet.replica_addresses().contains(&server),
         "unknown replica {replica} ({})",
         fleet.describe()
     );

@@ -12,6 +12,7 @@ mod common;
 mod agent_apis;
 mod bad_input;
 mod calibration;
+mod data_parallel;
 mod demo;
 mod disagg;
 mod envoy;

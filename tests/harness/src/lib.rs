@@ -47,6 +47,9 @@ pub const ENVOY_FILE_DISCOVERY_TEMPLATE: &str = "envoy-config/envoy-file-discove
 pub const WASM_RELATIVE_PATH: &str = "wasm32-unknown-unknown/release/kvroute_filter.wasm";
 /// Response header the simulator sets to name the replica that served a request.
 pub const REPLICA_HEADER: &str = "x-vllm-sim-replica";
+/// Response header a simulator with several data-parallel ranks behind one API sets to name
+/// the rank that served a request (`vllm_sim::server::DP_RANK_HEADER`).
+pub const DP_RANK_HEADER: &str = "x-vllm-sim-dp-rank";
 /// Request header the filter writes and Envoy's override_host policy reads.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 
@@ -431,6 +434,11 @@ pub struct HttpResponse {
 }
 
 impl HttpResponse {
+    /// The engine that answered, as [`replica_from_headers`] names it.
+    pub fn replica(&self) -> Option<String> {
+        engine_name(self.header(REPLICA_HEADER)?, self.header(DP_RANK_HEADER))
+    }
+
     /// First value of header `name` (case-insensitive).
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
@@ -478,12 +486,20 @@ pub fn header_pairs(headers: &hyper::HeaderMap) -> Vec<(String, String)> {
 }
 
 /// The replica that answered, from the `x-vllm-sim-replica` header the simulator stamps on
-/// every response; `None` when no replica did (Envoy or the filter answered itself).
+/// every response, named as the router names endpoints: `ip:port`, or `ip:port#dp<rank>` for
+/// a rank of a data-parallel server; `None` when no replica did (Envoy or the filter answered
+/// itself).
 pub fn replica_from_headers(headers: &hyper::HeaderMap) -> Option<String> {
-    headers
-        .get(REPLICA_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
+    let header = |name| headers.get(name).and_then(|v| v.to_str().ok());
+    engine_name(header(REPLICA_HEADER)?, header(DP_RANK_HEADER))
+}
+
+/// `replica`, or its rank `ip:port#dp<rank>` when `rank` names one.
+fn engine_name(replica: &str, rank: Option<&str>) -> Option<String> {
+    Some(match rank.and_then(|r| r.parse().ok()) {
+        Some(rank) => scorer_core::address::rank_endpoint(replica, rank),
+        None => replica.to_string(),
+    })
 }
 
 impl Default for HttpClient {

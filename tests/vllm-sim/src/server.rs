@@ -78,8 +78,8 @@ pub const VERSION: &str = "0.33.0+sim";
 /// Response header naming the replica that served a request.
 pub const REPLICA_HEADER: &str = "x-vllm-sim-replica";
 
-/// Response header naming the data-parallel rank (engine) that served a request: 0 without
-/// data parallelism.
+/// Response header naming the data-parallel rank (engine) that served a request, sent by a
+/// server that runs several ranks behind its one API (`--data-parallel-size` above 1).
 pub const DP_RANK_HEADER: &str = "x-vllm-sim-dp-rank";
 
 /// Command line of `vllm-sim`.
@@ -477,11 +477,11 @@ pub async fn start(args: SimArgs) -> Result<SimServer, SimError> {
         .first()
         .and_then(|s| s.publisher.as_ref())
         .and_then(|p| p.replay_endpoint.clone());
+    let several = engines.len() > 1;
     let app = dp::front(
         engines
             .iter()
-            .cloned()
-            .map(|s| (router(s.clone()), s))
+            .map(|s| (router(s.clone(), several), s.clone()))
             .collect(),
     );
     let mut stop = shutdown_rx;
@@ -649,10 +649,12 @@ fn text_pipeline(args: &SimArgs) -> Result<TextPipeline, SimError> {
 /// which sets none.
 pub const MAX_REQUEST_BODY_BYTES: usize = 64 * 1024 * 1024;
 
-fn router(shared: Arc<Shared>) -> Router {
+/// The routes of one engine. `rank_header`: name the engine's rank in [`DP_RANK_HEADER`]
+/// (a server with several ranks behind its one API).
+fn router(shared: Arc<Shared>, rank_header: bool) -> Router {
     let replica = HeaderValue::from_str(&shared.replica)
         .unwrap_or_else(|_| HeaderValue::from_static("unknown"));
-    let rank = shared.info.engine;
+    let rank = rank_header.then_some(shared.info.engine);
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -691,10 +693,12 @@ fn router(shared: Arc<Shared>) -> Router {
             async move {
                 let headers = res.headers_mut();
                 headers.insert(HeaderName::from_static(REPLICA_HEADER), replica);
-                headers.insert(
-                    HeaderName::from_static(DP_RANK_HEADER),
-                    HeaderValue::from(rank),
-                );
+                if let Some(rank) = rank {
+                    headers.insert(
+                        HeaderName::from_static(DP_RANK_HEADER),
+                        HeaderValue::from(rank),
+                    );
+                }
                 res
             }
         }))

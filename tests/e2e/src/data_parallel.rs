@@ -1,0 +1,177 @@
+//! Data-parallel servers through real Envoy (issue #18 point 4): two `vllm-sim` servers with
+//! `--data-parallel-size 4` each (vLLM's internal load balancer: four engines, each with its
+//! own cache, behind one API), configured with `data_parallel_size: 4`. The router scores the
+//! eight ranks as endpoints, the proxy sends each request to its server with
+//! `X-data-parallel-rank`, and a multi-turn workload must keep every turn on the rank that
+//! holds its conversation, as well as eight separate replicas do.
+
+use std::time::Duration;
+
+use kvroute_harness::{Fleet, FleetConfig, HttpClient, Tools};
+use serde_json::{Value, json};
+
+use crate::common::{self, Conversation, replica_header};
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(240);
+const MODEL: &str = "kvroute-e2e-data-parallel";
+const RANKS: usize = 4;
+const CONVERSATIONS: u64 = 12;
+const TURNS: usize = 5;
+
+/// Two servers of four ranks each, or (`ranks` 1) eight plain replicas; `decision` is the
+/// filter's decision mode.
+fn topology(name: &str, ranks: usize, decision: &str) -> FleetConfig {
+    let mut cfg = common::fleet_config(name, 8 / ranks, MODEL);
+    cfg.plugin_config =
+        json!({"decision": decision, "sync_interval_ms": 50, "allow_explain": true});
+    if ranks > 1 {
+        cfg.sim_args = vec!["--data-parallel-size".into(), ranks.to_string()];
+        cfg.endpoint_extra = vec![json!({"data_parallel_size": ranks}); 8 / ranks];
+    }
+    cfg
+}
+
+/// What a run's follow-up turns did: turns that stayed on their predecessor's engine, and the
+/// prompt tokens served from cache.
+#[derive(Debug, Default)]
+struct Run {
+    followed: u32,
+    follow_ups: u32,
+    cached: u64,
+    prompt: u64,
+    engines: std::collections::BTreeSet<String>,
+}
+
+impl Run {
+    fn hit_rate(&self) -> f64 {
+        self.cached as f64 / self.prompt.max(1) as f64
+    }
+    fn follow_rate(&self) -> f64 {
+        f64::from(self.followed) / f64::from(self.follow_ups.max(1))
+    }
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{} turns stayed, hit rate {:.3}, {} engines used",
+            self.followed,
+            self.follow_ups,
+            self.hit_rate(),
+            self.engines.len()
+        )
+    }
+}
+
+/// The endpoint the explain header names (`endpoint=...`).
+fn explained_endpoint(resp: &kvroute_harness::HttpResponse) -> Option<String> {
+    let decision = resp.header("x-kvroute-decision")?;
+    decision
+        .split("; ")
+        .find_map(|part| part.strip_prefix("endpoint="))
+        .map(str::to_string)
+}
+
+/// `CONVERSATIONS` conversations of `TURNS` turns, started 150 ms apart, every turn asking
+/// for the decision to be explained and (to show the proxy owns it) carrying a client
+/// `X-data-parallel-rank` that is out of range for every server.
+async fn run(fleet: &Fleet) -> Run {
+    let client = HttpClient::new();
+    let runs = (0..CONVERSATIONS).map(|c| {
+        let client = &client;
+        async move {
+            tokio::time::sleep(Duration::from_millis(150) * c as u32).await;
+            let mut conv = Conversation::new(MODEL, 7_000 + c, 800, 80);
+            let mut out = Run::default();
+            let mut previous: Option<String> = None;
+            for _ in 0..TURNS {
+                let mut body = conv.ask(8);
+                body["stream"] = json!(false);
+                let headers = [("x-kvroute-explain", "1"), ("x-data-parallel-rank", "9")];
+                let resp =
+                    common::chat_ok(client, fleet, &body, &headers, Duration::from_secs(30)).await;
+                // The engine that served it, named as the router names endpoints.
+                let engine = resp.replica().unwrap_or_else(|| replica_header(&resp));
+                assert_eq!(
+                    explained_endpoint(&resp).as_deref(),
+                    Some(engine.as_str()),
+                    "the explain header names the engine that served ({})",
+                    fleet.describe()
+                );
+                let answer: Value = serde_json::from_str(&resp.body).expect("json answer");
+                conv.messages.push(json!({
+                    "role": "assistant",
+                    "content": answer["choices"][0]["message"]["content"].clone()
+                }));
+                if let Some(prev) = &previous {
+                    out.follow_ups += 1;
+                    out.followed += u32::from(*prev == engine);
+                    let usage = &answer["usage"];
+                    out.cached += usage["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0);
+                    out.prompt += usage["prompt_tokens"].as_u64().unwrap_or(0);
+                }
+                out.engines.insert(engine.clone());
+                previous = Some(engine);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            out
+        }
+    });
+    let mut total = Run::default();
+    for r in futures_util::future::join_all(runs).await {
+        total.followed += r.followed;
+        total.follow_ups += r.follow_ups;
+        total.cached += r.cached;
+        total.prompt += r.prompt;
+        total.engines.extend(r.engines);
+    }
+    total
+}
+
+async fn measured(name: &str, ranks: usize, decision: &str, tools: &Tools) -> Run {
+    let fleet = common::start_fleet(topology(name, ranks, decision), tools).await;
+    if decision == "local" {
+        crate::local_decisions::wait_synced(&fleet, 2.0).await;
+    }
+    let run = run(&fleet).await;
+    eprintln!("data_parallel: {name}: {run}");
+    if ranks > 1 {
+        // Every engine is a rank of one of the two servers, and the ranks were all used.
+        assert!(
+            run.engines.iter().all(|e| e.contains("#dp")),
+            "{:?}",
+            run.engines
+        );
+    }
+    assert!(
+        run.engines.len() >= 6,
+        "{name}: conversations spread over the engines: {:?}",
+        run.engines
+    );
+    run
+}
+
+// Each turn lands on the rank holding its conversation, through the route call and through
+// the filter's local decisions, with the hit rate of eight separate replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_turn_lands_on_the_rank_that_holds_its_prefix() {
+    let tools = common::tools();
+    common::bounded(TEST_TIMEOUT, async {
+        let separate = measured("e2e-dp-separate", 1, "control-plane", &tools).await;
+        for decision in ["control-plane", "local"] {
+            let ranks = measured(&format!("e2e-dp-{decision}"), RANKS, decision, &tools).await;
+            assert!(
+                ranks.follow_rate() >= 0.95,
+                "{decision}: only {ranks} (separate replicas: {separate})"
+            );
+            assert!(
+                ranks.hit_rate() >= separate.hit_rate() - 0.02,
+                "{decision}: {ranks}, against separate replicas' {separate}"
+            );
+        }
+    })
+    .await;
+}
