@@ -421,10 +421,11 @@ pub async fn wait_cp_metrics(
         .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()))
 }
 
-/// Waits (at most `timeout`) until the control plane reports every replica's KV-event stream
-/// live: precise scoring trusts an endpoint only from then on.
+/// Waits (at most `timeout`) until the control plane reports every engine's KV-event stream
+/// live (each replica's, or each data-parallel rank's): precise scoring trusts an endpoint
+/// only from then on.
 pub async fn wait_events_live(fleet: &Fleet, timeout: Duration) {
-    let addresses = fleet.replica_addresses();
+    let addresses = fleet.engine_addresses();
     wait_cp_metrics(fleet, "every KV-event stream live", timeout, |m| {
         addresses
             .iter()

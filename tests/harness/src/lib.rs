@@ -664,6 +664,11 @@ pub struct FleetConfig {
     /// Literal edits `(from, to)` of the rendered Envoy configuration, each of which must
     /// match: a test that needs a shorter timeout than the shipped one says which.
     pub envoy_edits: Vec<(String, String)>,
+    /// vLLM's `--data-parallel-size` of every replica (1: none): each runs that many engines
+    /// behind its one API, its KV-event sockets on runs of consecutive ports (rank `r` at the
+    /// base + `r`), and its control-plane entry says `data_parallel_size`, so the router
+    /// scores the ranks as endpoints ([`Fleet::engine_addresses`]).
+    pub data_parallel_size: u32,
 }
 
 impl FleetConfig {
@@ -693,6 +698,7 @@ impl FleetConfig {
             pod_port: None,
             discovery: None,
             envoy_edits: Vec::new(),
+            data_parallel_size: 1,
         }
     }
 }
@@ -1129,6 +1135,21 @@ impl Fleet {
         self.replicas.iter().map(|r| r.address.clone()).collect()
     }
 
+    /// The endpoints the router scores: the replicas, or with
+    /// [`FleetConfig::data_parallel_size`] each replica's ranks (`ip:port#dp<rank>`).
+    pub fn engine_addresses(&self) -> Vec<String> {
+        let ranks = self.config.data_parallel_size;
+        self.replicas
+            .iter()
+            .flat_map(|r| match ranks {
+                0 | 1 => vec![r.address.clone()],
+                n => (0..n)
+                    .map(|rank| scorer_core::address::rank_endpoint(&r.address, rank))
+                    .collect(),
+            })
+            .collect()
+    }
+
     /// The HTTP client the fleet uses for probes.
     pub fn client(&self) -> &HttpClient {
         &self.client
@@ -1501,13 +1522,21 @@ async fn start_replica_at(
             .args(["--model", &config.model])
             .args(["--seed", &(config.seed + index as u64).to_string()])
             .args(&config.sim_args);
+        if config.data_parallel_size > 1 {
+            cmd.args([
+                "--data-parallel-size",
+                &config.data_parallel_size.to_string(),
+            ]);
+        }
         let kv_events = if let Some(kv) = place.as_ref().and_then(|p| p.kv_events.clone()) {
             cmd.args(["--kv-events-endpoint", &kv.0])
                 .args(["--kv-events-replay-endpoint", &kv.1]);
             Some(kv)
         } else if config.kv_events {
-            let pub_ep = format!("tcp://127.0.0.1:{}", free_port()?);
-            let replay_ep = format!("tcp://127.0.0.1:{}", free_port()?);
+            // Rank r of a data-parallel replica binds the base port + r, as vLLM does.
+            let ports = config.data_parallel_size.max(1) as u16;
+            let pub_ep = format!("tcp://127.0.0.1:{}", free_port_run(ports)?);
+            let replay_ep = format!("tcp://127.0.0.1:{}", free_port_run(ports)?);
             cmd.args(["--kv-events-endpoint", &pub_ep])
                 .args(["--kv-events-replay-endpoint", &replay_ep]);
             Some((pub_ep, replay_ep))
@@ -1774,6 +1803,9 @@ fn endpoint_entry(config: &FleetConfig, index: usize, replica: &Replica) -> Valu
             "kv_events": pub_ep, "kv_events_replay": replay_ep}),
         None => json!({"address": replica.address}),
     };
+    if config.data_parallel_size > 1 {
+        entry["data_parallel_size"] = json!(config.data_parallel_size);
+    }
     let extra = config.endpoint_extra.get(index).and_then(Value::as_object);
     if let (Some(entry), Some(extra)) = (entry.as_object_mut(), extra) {
         entry.extend(extra.clone());
