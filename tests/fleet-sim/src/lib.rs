@@ -2,6 +2,7 @@
 //!
 //! - [`workload`] reads Mooncake traces and generates synthetic workloads;
 //! - [`policy`] holds the routing policies compared (peers and kvroute's own `Router`);
+//! - [`data_parallel`] groups replicas into data-parallel servers for rank-blind routers;
 //! - [`des`] replays a workload through the engines of [`vllm_sim`] in virtual time;
 //! - [`fairness`] runs the two-tenant fairness benchmark (admission in front of the router);
 //! - [`disagg`] runs the prefill/decode disaggregation benchmark (colocated vs disaggregated);
@@ -9,6 +10,7 @@
 //! - [`matrix`] runs workloads x profiles x loads x seeds x policies with intervals;
 //! - [`report`] turns runs into tables, JSON and SVG.
 
+pub mod data_parallel;
 pub mod des;
 pub mod disagg;
 pub mod events;

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
+use fleet_sim::data_parallel;
 use fleet_sim::des::{RunOptions, RunResult, SimConfig, run_with};
 use fleet_sim::policy::{
     DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with, check_policy, regroup_policy_specs,
@@ -211,6 +212,15 @@ struct CompareArgs {
     /// is about 4; code less; Cyrillic or Greek text in UTF-8 more.
     #[arg(long, default_value_t = DEFAULT_TEXT_BYTES_PER_TOKEN)]
     text_bytes_per_token: f64,
+    /// vLLM's `--data-parallel-size`: the replicas are servers of this many engines each
+    /// (consecutive replicas). Routers that know ranks pick an engine; the others pick a
+    /// server and its own balancer picks the rank (`fleet_sim::data_parallel`).
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: usize,
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 #[derive(Serialize)]
@@ -226,6 +236,9 @@ struct Summary {
     speedup: f64,
     seed: u64,
     text_bytes_per_token: f64,
+    /// Engines per server (`--data-parallel-size`), when above 1.
+    #[serde(skip_serializing_if = "is_one")]
+    data_parallel_size: usize,
     results: Vec<PolicySummary>,
     /// Subagent fan-out per policy, for workloads with forks (`agentic`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -434,14 +447,24 @@ fn run_all(
     };
     let mut runs = Vec::new();
     for name in policies {
+        let ranks = args.data_parallel_size;
+        let blind = ranks > 1 && !data_parallel::is_rank_aware(name);
+        let endpoints = if blind {
+            cfg.replicas / ranks
+        } else {
+            cfg.replicas
+        };
         let mut policy = build_with(
             name,
-            cfg.replicas,
+            endpoints,
             args.seed,
             router,
             args.text_bytes_per_token,
         )
         .with_context(|| format!("unknown policy {name}"))?;
+        if blind {
+            policy = Box::new(data_parallel::RankBlind::new(policy, cfg.replicas, ranks));
+        }
         eprint!("  {name:<20} speedup {speedup:<5} ... ");
         std::io::stderr().flush().ok();
         let started = Instant::now();
@@ -465,6 +488,9 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     }
     if !args.speedup.is_finite() || args.speedup <= 0.0 {
         bail!("--speedup must be > 0");
+    }
+    if args.data_parallel_size == 0 || !args.replicas.is_multiple_of(args.data_parallel_size) {
+        bail!("--data-parallel-size must be at least 1 and divide --replicas");
     }
     if !args.text_bytes_per_token.is_finite() || args.text_bytes_per_token <= 0.0 {
         bail!("--text-bytes-per-token must be > 0");
@@ -594,6 +620,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         let summary = Summary {
             workload: args.workload.clone(),
             replicas: args.replicas,
+            data_parallel_size: args.data_parallel_size,
             speedup: args.speedup,
             seed: args.seed,
             text_bytes_per_token: args.text_bytes_per_token,
