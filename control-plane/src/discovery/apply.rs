@@ -390,6 +390,7 @@ mod tests {
                 kv_events_port: None,
                 kv_events_replay_port: None,
                 model: None,
+                data_parallel_size: None,
                 interval_ms: 100,
             }),
             file: None,

@@ -42,10 +42,8 @@ pub fn endpoints_from_addrs(
 ) -> EndpointSet {
     addrs
         .into_iter()
-        .map(|a| {
-            let e = template.endpoint(a.ip(), name);
-            (e.address.clone(), e)
-        })
+        .flat_map(|a| template.endpoints(a.ip(), name))
+        .map(|e| (e.address.clone(), e))
         .collect()
 }
 
@@ -106,8 +104,9 @@ mod tests {
             kv_events_port: Some(5557),
             kv_events_replay_port: None,
             model: None,
+            data_parallel_size: None,
         };
-        let set = endpoints_from_addrs("vllm.llm.svc", addrs, &template);
+        let set = endpoints_from_addrs("vllm.llm.svc", addrs.clone(), &template);
         assert_eq!(
             set.keys().collect::<Vec<_>>(),
             vec!["10.1.0.5:8000", "10.1.0.7:8000", "[fd00::5]:8000"]
@@ -117,6 +116,17 @@ mod tests {
             Some("tcp://[fd00::5]:5557")
         );
         assert_eq!(set["10.1.0.5:8000"].name.as_deref(), Some("vllm.llm.svc"));
+        // Data-parallel replicas: one endpoint per rank, its KV events on the port + rank.
+        let ranks = EndpointTemplate {
+            data_parallel_size: Some(2),
+            ..template
+        };
+        let set = endpoints_from_addrs("vllm.llm.svc", addrs, &ranks);
+        assert_eq!(set.len(), 6);
+        assert_eq!(
+            set["10.1.0.7:8000#dp1"].kv_events.as_deref(),
+            Some("tcp://10.1.0.7:5558")
+        );
     }
 
     fn config(name: &str) -> DnsDiscovery {
@@ -126,6 +136,7 @@ mod tests {
             kv_events_port: None,
             kv_events_replay_port: None,
             model: None,
+            data_parallel_size: None,
             interval_ms: 100,
         }
     }

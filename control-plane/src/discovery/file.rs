@@ -132,8 +132,10 @@ pub fn parse_endpoint_file(path: &str, text: &str) -> Result<EndpointSet, FileDi
         ..Config::default()
     };
     check.validate().map_err(|e| invalid(e.to_string()))?;
+    // A data-parallel server's ranks are endpoints of their own, as in the static list.
     Ok(endpoints
-        .into_iter()
+        .iter()
+        .flat_map(EndpointConfig::engines)
         .map(|e| {
             let endpoint = DiscoveredEndpoint {
                 address: e.address.clone(),

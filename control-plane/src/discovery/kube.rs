@@ -505,14 +505,17 @@ impl PodTracker {
     pub fn endpoints(&self) -> EndpointSet {
         self.pods
             .values()
-            .filter_map(|pod| {
-                let mut e = self.template.endpoint(pod.ready_ip()?, &pod.key());
-                e.role = pod
+            .filter_map(|pod| Some((pod, pod.ready_ip()?)))
+            .flat_map(|(pod, ip)| {
+                let role = pod
                     .metadata
                     .labels
                     .get(ROLE_LABEL)
                     .and_then(|v| scorer_core::disagg::EndpointRole::from_label(v));
-                Some((e.address.clone(), e))
+                self.template
+                    .endpoints(ip, &pod.key())
+                    .into_iter()
+                    .map(move |e| (e.address.clone(), super::DiscoveredEndpoint { role, ..e }))
             })
             .collect()
     }
@@ -584,6 +587,7 @@ mod tests {
             kv_events_port,
             kv_events_replay_port: kv_events_port.map(|p| p + 1),
             model: Some("llama3".into()),
+            data_parallel_size: None,
         }
     }
 

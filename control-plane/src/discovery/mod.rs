@@ -62,22 +62,38 @@ pub struct EndpointTemplate {
     pub kv_events_replay_port: Option<u16>,
     /// Served model name.
     pub model: Option<String>,
+    /// vLLM's `--data-parallel-size` of every replica (see `endpoints[].data_parallel_size`).
+    pub data_parallel_size: Option<u32>,
 }
 
 impl EndpointTemplate {
-    /// The endpoint at `ip`, named `name`; addresses use the canonical `SocketAddr` text.
-    pub fn endpoint(&self, ip: std::net::IpAddr, name: &str) -> DiscoveredEndpoint {
+    /// The endpoints at `ip`, named `name`: the replica, or one per data-parallel rank
+    /// (`ip:port#dp<rank>`, KV-event ports offset by the rank as vLLM binds them); addresses
+    /// use the canonical `SocketAddr` text.
+    pub fn endpoints(&self, ip: std::net::IpAddr, name: &str) -> Vec<DiscoveredEndpoint> {
         let at = |port: u16| std::net::SocketAddr::new(ip, port).to_string();
-        DiscoveredEndpoint {
+        let server = crate::config::EndpointConfig {
             address: at(self.port),
             kv_events: self.kv_events_port.map(|p| format!("tcp://{}", at(p))),
             kv_events_replay: self
                 .kv_events_replay_port
                 .map(|p| format!("tcp://{}", at(p))),
             model: self.model.clone(),
-            name: Some(name.to_string()),
-            role: None,
-        }
+            data_parallel_size: self.data_parallel_size,
+            ..crate::config::EndpointConfig::default()
+        };
+        server
+            .engines()
+            .into_iter()
+            .map(|e| DiscoveredEndpoint {
+                address: e.address,
+                kv_events: e.kv_events,
+                kv_events_replay: e.kv_events_replay,
+                model: e.model,
+                name: Some(name.to_string()),
+                role: None,
+            })
+            .collect()
     }
 }
 
@@ -183,6 +199,9 @@ pub struct KubernetesDiscovery {
     /// Served model name of these replicas (see `endpoints[].model`).
     #[serde(default)]
     pub model: Option<String>,
+    /// vLLM's `--data-parallel-size` of these replicas (see `endpoints[].data_parallel_size`).
+    #[serde(default)]
+    pub data_parallel_size: Option<u32>,
     /// API server base URL; default: in-cluster `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`.
     /// `http://127.0.0.1:8001` works with `kubectl proxy`.
     #[serde(default)]
@@ -237,6 +256,9 @@ pub struct DnsDiscovery {
     /// Served model name of these replicas (see `endpoints[].model`).
     #[serde(default)]
     pub model: Option<String>,
+    /// vLLM's `--data-parallel-size` of these replicas (see `endpoints[].data_parallel_size`).
+    #[serde(default)]
+    pub data_parallel_size: Option<u32>,
     /// How often the name is resolved again.
     #[serde(default = "default_dns_interval_ms")]
     pub interval_ms: u64,
@@ -320,6 +342,20 @@ fn port_ok(field: &'static str, port: Option<u16>) -> Result<(), DiscoveryConfig
     Ok(())
 }
 
+/// A data-parallel size must be 1..=[`crate::config::MAX_DATA_PARALLEL_SIZE`].
+fn ranks_ok(field: &'static str, size: Option<u32>) -> Result<(), DiscoveryConfigError> {
+    match size {
+        Some(n) if n == 0 || n > crate::config::MAX_DATA_PARALLEL_SIZE => {
+            Err(DiscoveryConfigError::OutOfRange {
+                field,
+                value: n.to_string(),
+                range: "1..=1024",
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
 impl KubernetesDiscovery {
     /// The ports and model every ready pod gets, with `port` (configured or the pool's).
     pub fn template(&self, port: u16) -> EndpointTemplate {
@@ -328,6 +364,7 @@ impl KubernetesDiscovery {
             kv_events_port: self.kv_events_port,
             kv_events_replay_port: self.kv_events_replay_port,
             model: self.model.clone(),
+            data_parallel_size: self.data_parallel_size,
         }
     }
 
@@ -365,6 +402,7 @@ impl KubernetesDiscovery {
         }
         port_ok("kubernetes.port", self.port)?;
         port_ok("kubernetes.kv_events_port", self.kv_events_port)?;
+        ranks_ok("kubernetes.data_parallel_size", self.data_parallel_size)?;
         port_ok(
             "kubernetes.kv_events_replay_port",
             self.kv_events_replay_port,
@@ -401,6 +439,7 @@ impl DnsDiscovery {
             kv_events_port: self.kv_events_port,
             kv_events_replay_port: self.kv_events_replay_port,
             model: self.model.clone(),
+            data_parallel_size: self.data_parallel_size,
         }
     }
 
@@ -413,6 +452,7 @@ impl DnsDiscovery {
         }
         port_ok("dns.port", Some(self.port))?;
         port_ok("dns.kv_events_port", self.kv_events_port)?;
+        ranks_ok("dns.data_parallel_size", self.data_parallel_size)?;
         port_ok("dns.kv_events_replay_port", self.kv_events_replay_port)?;
         if !(100..=3_600_000).contains(&self.interval_ms) {
             return Err(DiscoveryConfigError::OutOfRange {
@@ -599,6 +639,7 @@ mod tests {
                 kv_events_port: None,
                 kv_events_replay_port: None,
                 model: None,
+                data_parallel_size: None,
                 interval_ms: 5000
             })
         );
