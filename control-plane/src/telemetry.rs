@@ -422,8 +422,10 @@ pub fn registry(state: Arc<State>) -> Registry {
          the cache hits the index believed in (reason mismatch), degraded while its KV-event \
          stream is down (no_kv_events), its engine's block_size differs from the configured \
          one (block_size), its stream lost batches no replay filled and has not run clean since \
-         (kv_event_gap), or its events do not hold the blocks the router hashed for the \
-         requests it served (hash_mismatch), back to exact when that ends",
+         (kv_event_gap), its events store only KV-cache groups the index cannot use \
+         (event_groups), its events do not hold the blocks the router hashed for the \
+         requests it served (hash_mismatch), or its engine counts prompts in other tokens \
+         than its pool (bytes_per_token), back to exact when that ends",
         t.routing_state_changes,
     );
     r.register(

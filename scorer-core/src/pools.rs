@@ -166,6 +166,12 @@ pub struct FleetState {
 }
 
 impl FleetState {
+    /// Which endpoints serve `model` (its pool), without counting anything: what checks that
+    /// compare an endpoint with the rest of its pool read.
+    pub fn eligible(&self, model: &str, slots: usize, policy: UnknownModelPolicy) -> Eligibility {
+        self.catalog.eligibility(model, slots, policy)
+    }
+
     /// Which endpoints may serve `model`, counting unknown models; `Err` is the refusal the
     /// filter sends back.
     pub fn admit(

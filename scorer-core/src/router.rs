@@ -41,7 +41,7 @@ use crate::reuse::{
 };
 use crate::self_check::{
     EndpointCheck, EventGapCheck, EventGroupCheck, EventHashCheck, RoutingState, SelfCheckConfig,
-    StateChange, StateReason,
+    StateChange, StateReason, TokenRatioCheck,
 };
 use crate::token_ratio::TokenRatio;
 
@@ -394,6 +394,10 @@ struct Slot {
     /// store only other groups it is `degraded` (reason `event_groups`) and scored from the
     /// approximate index.
     event_groups: EventGroupCheck,
+    /// Whether its engine counts canonical prompt bytes in as many tokens as the rest of its
+    /// pool: when it clearly does not it is `degraded` (reason `bytes_per_token`) and scored
+    /// from the approximate index.
+    bytes_per_token: TokenRatioCheck,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
     /// The fleet numbers of the outcomes it served ([`crate::reuse`]).
@@ -461,8 +465,8 @@ impl Slot {
     /// The state and its reason: load-only on a mismatch; else degraded when the engine's
     /// block size is not the configured one, while an expected KV-event stream is down, while
     /// it has not run clean since it lost batches, while its events store only KV-cache groups
-    /// the index cannot use, or while its events do not hold the blocks the router hashes;
-    /// else exact.
+    /// the index cannot use, while its events do not hold the blocks the router hashes, or
+    /// while it counts prompts in other tokens than its pool; else exact.
     fn state_and_reason(&self) -> (RoutingState, Option<StateReason>) {
         if self.check.load_only() {
             (RoutingState::LoadOnly, Some(StateReason::Mismatch))
@@ -476,6 +480,8 @@ impl Slot {
             (RoutingState::Degraded, Some(StateReason::EventGroups))
         } else if self.hashes.mismatched() {
             (RoutingState::Degraded, Some(StateReason::HashMismatch))
+        } else if self.bytes_per_token.drifted() {
+            (RoutingState::Degraded, Some(StateReason::BytesPerToken))
         } else {
             (RoutingState::Exact, None)
         }
@@ -485,7 +491,7 @@ impl Slot {
     /// configured size that lost no batch since it last ran clean, and holds the blocks the
     /// router hashes.
     fn precise_usable(&self) -> bool {
-        self.events_whole() && !self.hashes.mismatched()
+        self.events_whole() && !self.hashes.mismatched() && !self.bytes_per_token.drifted()
     }
 
     /// Whether its event index says what the engine holds, in the engine's hashes: a live
@@ -1303,6 +1309,7 @@ impl Router {
             event_gap: EventGapCheck::default(),
             hashes: EventHashCheck::default(),
             event_groups: EventGroupCheck::default(),
+            bytes_per_token: TokenRatioCheck::default(),
             served: ServedTotals::default(),
             reuse: ReuseTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
@@ -1581,6 +1588,49 @@ impl Router {
         self.check_slot(address, |slot, config| {
             slot.event_groups.batch(usable, other_groups, config);
         });
+    }
+
+    /// Teaches endpoint `id` that a prompt of `prompt_bytes` canonical bytes was `tokens`
+    /// tokens there, then compares its learned ratio with the rest of its pool's
+    /// ([`TokenRatioCheck`]; every 8th outcome, as the ratios move slowly).
+    fn judge_bytes_per_token(
+        &mut self,
+        id: EndpointId,
+        pool: PoolKey,
+        prompt_bytes: u64,
+        tokens: u32,
+    ) {
+        let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
+            return;
+        };
+        slot.bytes_per_token.observe(prompt_bytes, tokens);
+        let check = &self.config.self_check;
+        if !check.enabled
+            || slot.bytes_per_token.ratio(check).is_none()
+            || slot.served.outcomes % 8 != 0
+        {
+            return;
+        }
+        let model = self.reuse_pools.name(pool).to_string();
+        let eligible = self.fleet.eligible(
+            &model,
+            self.slots.len(),
+            crate::pools::UnknownModelPolicy::PassThrough,
+        );
+        let mut others: Vec<f64> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != usize::from(id.0) && eligible.allows(i))
+            .filter_map(|(_, s)| s.as_ref()?.bytes_per_token.ratio(check))
+            .collect();
+        let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
+            return;
+        };
+        let was = slot.state_and_reason();
+        slot.bytes_per_token
+            .judge(&mut others, &self.config.self_check);
+        self.note_transition(id, was);
     }
 
     /// Runs `change` on `address`'s slot with the self-check settings, then notes the
@@ -2710,6 +2760,9 @@ impl Router {
             && let Some(tokens) = outcome.prompt_tokens
         {
             self.token_ratio.observe(entry.prompt_bytes, tokens);
+            if served_by == entry.endpoint {
+                self.judge_bytes_per_token(served_by, entry.pool, entry.prompt_bytes, tokens);
+            }
         }
         if let Some(actual) = outcome.cached_tokens {
             self.stats.predicted_cached_tokens += u64::from(entry.predicted_cached_tokens);
@@ -4459,6 +4512,78 @@ mod tests {
         assert_eq!(state(&r), (RoutingState::Exact, None));
         assert_eq!(scored_precisely(&mut r, 2), Some(true));
         assert_degraded_and_back(&mut r, a, StateReason::EventGroups, "one change each way");
+    }
+
+    // Issue #18: an endpoint whose engine counts the router's canonical bytes in clearly more
+    // tokens than the rest of its pool (another tokeniser behind the same model name) is
+    // `degraded` (reason bytes_per_token) and scored from the approximate index; a shift of
+    // the whole traffic moves every endpoint alike and says nothing; once it counts as the
+    // others do again, it is trusted again.
+    #[test]
+    fn an_endpoint_that_counts_other_tokens_than_its_pool_is_degraded_until_it_agrees() {
+        let endpoints = [
+            "10.0.0.0:8000",
+            "10.0.0.1:8000",
+            "10.0.0.2:8000",
+            "10.0.0.3:8000",
+        ];
+        let odd = endpoints[3];
+        let mut r = router_with_live_streams(RouterConfig::default(), &endpoints);
+        let mut now = 0;
+        // Serves `n` requests wherever the router sends them; endpoint e counts a request's
+        // bytes in `bytes / per_token(e)` tokens.
+        let mut serve = |r: &mut Router, n: u64, per_token: &dyn Fn(&str) -> f64| {
+            for i in 0..n {
+                now += 1_000;
+                let text = format!("request {now} {}", "words ".repeat(400));
+                let d = r.route(&request(&text), now, i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let chosen = d.candidates[0].endpoint.to_string();
+                let tokens = (text.len() as f64 / per_token(&chosen)) as u32;
+                r.feedback(
+                    &Outcome {
+                        decision_id: d.response.decision_id,
+                        endpoint: chosen,
+                        status: 200,
+                        prompt_tokens: Some(tokens),
+                        cached_tokens: Some(0),
+                        ..Default::default()
+                    },
+                    now + 10,
+                );
+            }
+            now
+        };
+        let state_of = |r: &Router, e: &str| {
+            let v = r.endpoints(0);
+            let v = v.iter().find(|v| v.address == e).unwrap();
+            (v.routing_state, v.state_reason)
+        };
+        // English prose everywhere, then code (fewer bytes a token) everywhere: no verdict.
+        serve(&mut r, 200, &|_| 4.0);
+        serve(&mut r, 200, &|_| 2.5);
+        assert!(
+            r.take_state_changes().is_empty(),
+            "a traffic shift is no drift"
+        );
+        // One endpoint's engine counts half again as many tokens.
+        let now = serve(&mut r, 400, &|e| if e == odd { 1.6 } else { 2.5 });
+        assert_eq!(
+            state_of(&r, odd),
+            (RoutingState::Degraded, Some(StateReason::BytesPerToken))
+        );
+        for e in &endpoints[..3] {
+            assert_eq!(state_of(&r, e), (RoutingState::Exact, None), "{e}");
+        }
+        assert_eq!(scored_precisely(&mut r, odd, now + 1), Some(false));
+        // It counts as the others do again: trusted again.
+        serve(&mut r, 800, &|_| 2.5);
+        assert_eq!(state_of(&r, odd), (RoutingState::Exact, None));
+        assert_degraded_and_back(
+            &mut r,
+            odd,
+            StateReason::BytesPerToken,
+            "one change each way",
+        );
     }
 
     // The ceiling is one cache as large as the fleet's KV: the window follows the endpoints'

@@ -81,6 +81,21 @@ pub struct SelfCheckConfig {
     /// default, so a filter built before it still accepts the copy's configuration.
     #[serde(skip_serializing_if = "is_default_unusable_group_batches")]
     pub unusable_group_batches: u32,
+    /// How far (as a fraction) an endpoint's learned canonical bytes per prompt token may sit
+    /// from the median of the other endpoints of its pool before it is `degraded` (reason
+    /// `bytes_per_token`); it is trusted again within half that. 0 turns the check off. Left
+    /// out of the serialized form at its default, as `unusable_group_batches` is.
+    #[serde(skip_serializing_if = "is_default_bytes_per_token_drift")]
+    pub bytes_per_token_drift: f64,
+}
+
+/// The default of [`SelfCheckConfig::bytes_per_token_drift`]: tokenisers of one model family
+/// count the same text within about a tenth of each other, so a quarter apart is another
+/// tokeniser or template, not noise.
+const DEFAULT_BYTES_PER_TOKEN_DRIFT: f64 = 0.25;
+
+fn is_default_bytes_per_token_drift(v: &f64) -> bool {
+    *v == DEFAULT_BYTES_PER_TOKEN_DRIFT
 }
 
 /// The default of [`SelfCheckConfig::unusable_group_batches`].
@@ -104,6 +119,7 @@ impl Default for SelfCheckConfig {
             clean_batches_after_gap: 32,
             confirm_after_ms: 1_000,
             unusable_group_batches: DEFAULT_UNUSABLE_GROUP_BATCHES,
+            bytes_per_token_drift: DEFAULT_BYTES_PER_TOKEN_DRIFT,
         }
     }
 }
@@ -159,6 +175,11 @@ pub enum StateReason {
     /// spec kind the decoder does not know): the event index stays empty while the stream
     /// looks healthy, so the approximate index stands in ([`EventGroupCheck`]).
     EventGroups,
+    /// The endpoint counts the router's canonical prompt bytes in a clearly different number
+    /// of tokens than the rest of its pool (another tokeniser or chat template behind the same
+    /// model name): its token-hashed KV events cannot match the router's tokenisation, so the
+    /// approximate index stands in ([`TokenRatioCheck`]).
+    BytesPerToken,
 }
 
 impl StateReason {
@@ -171,6 +192,7 @@ impl StateReason {
             StateReason::KvEventGap => "kv_event_gap",
             StateReason::HashMismatch => "hash_mismatch",
             StateReason::EventGroups => "event_groups",
+            StateReason::BytesPerToken => "bytes_per_token",
         }
     }
 }
@@ -391,6 +413,82 @@ impl EventGroupCheck {
     /// Whether the endpoint's events have stored only unusable groups for long enough.
     pub fn unusable(&self) -> bool {
         self.unusable
+    }
+}
+
+/// Whether one endpoint's engine counts prompts as the rest of its pool does. The router
+/// learns, per endpoint, how many canonical prompt bytes (the text the filter hashes) its
+/// engine counts as one token (`usage.prompt_tokens` of its outcomes, decayed like
+/// [`crate::token_ratio::TokenRatio`]). Endpoints of one model share a tokeniser and chat
+/// template, so their ratios agree however the traffic's language shifts (a shift moves them
+/// all); one that sits more than [`SelfCheckConfig::bytes_per_token_drift`] from the median
+/// of the others, each with [`SelfCheckConfig::min_samples`] outcomes, tokenises otherwise,
+/// and its KV events (hashed from its token ids) cannot match the router's. It is trusted
+/// again once within half that distance. Two other endpoints at least: with one, which side
+/// drifted cannot be told.
+#[derive(Debug, Clone)]
+pub struct TokenRatioCheck {
+    ratio: crate::token_ratio::TokenRatio,
+    drifted: bool,
+}
+
+impl Default for TokenRatioCheck {
+    fn default() -> Self {
+        Self {
+            ratio: crate::token_ratio::TokenRatio::new(0.0, true),
+            drifted: false,
+        }
+    }
+}
+
+impl TokenRatioCheck {
+    /// A served request of `prompt_bytes` canonical bytes counted `prompt_tokens` tokens.
+    pub fn observe(&mut self, prompt_bytes: u64, prompt_tokens: u32) {
+        self.ratio.observe(prompt_bytes, prompt_tokens);
+    }
+
+    /// The endpoint's learned bytes per token, once it has `config.min_samples` outcomes.
+    pub fn ratio(&self, config: &SelfCheckConfig) -> Option<f64> {
+        let enough = self.ratio.samples() as usize >= config.min_samples.max(1);
+        self.ratio.observed().filter(|_| enough)
+    }
+
+    /// Judges the endpoint against `others`, the learned ratios of the rest of its pool.
+    pub fn judge(&mut self, others: &mut [f64], config: &SelfCheckConfig) {
+        let drift = config.bytes_per_token_drift;
+        let Some(own) = self.ratio(config) else {
+            return;
+        };
+        if !(drift.is_finite() && drift > 0.0) {
+            self.drifted = false;
+            return;
+        }
+        if others.len() < 2 {
+            return;
+        }
+        others.sort_by(f64::total_cmp);
+        let mid = others.len() / 2;
+        let median = if others.len().is_multiple_of(2) {
+            (others[mid - 1] + others[mid]) / 2.0
+        } else {
+            others[mid]
+        };
+        if median <= 0.0 {
+            return;
+        }
+        // Symmetric in log space: twice as many bytes per token is as far off as half.
+        let off = (own / median).ln().abs();
+        let bound = if self.drifted {
+            (1.0 + drift / 2.0).ln()
+        } else {
+            (1.0 + drift).ln()
+        };
+        self.drifted = off > bound;
+    }
+
+    /// Whether the endpoint tokenises otherwise than its pool.
+    pub fn drifted(&self) -> bool {
+        self.drifted
     }
 }
 

@@ -24,6 +24,8 @@ pub struct TokenRatio {
     /// Decayed sums of the observed requests' canonical bytes and prompt tokens.
     bytes: f64,
     tokens: f64,
+    /// Requests observed (saturating).
+    samples: u32,
 }
 
 impl TokenRatio {
@@ -34,16 +36,23 @@ impl TokenRatio {
             learn,
             bytes: 0.0,
             tokens: 0.0,
+            samples: 0,
         }
     }
 
     /// Canonical bytes per token to use now.
     pub fn bytes_per_token(&self) -> f64 {
-        if self.tokens > 0.0 {
-            self.bytes / self.tokens
-        } else {
-            self.configured
-        }
+        self.observed().unwrap_or(self.configured)
+    }
+
+    /// The ratio the observed requests show, `None` before any (or with learning off).
+    pub fn observed(&self) -> Option<f64> {
+        (self.tokens > 0.0).then(|| self.bytes / self.tokens)
+    }
+
+    /// Requests observed so far (saturating).
+    pub fn samples(&self) -> u32 {
+        self.samples
     }
 
     /// Records that a request of `prompt_bytes` canonical bytes counted `prompt_tokens` tokens
@@ -58,6 +67,7 @@ impl TokenRatio {
         }
         self.bytes = self.bytes * DECAY + prompt_bytes as f64;
         self.tokens = self.tokens * DECAY + f64::from(prompt_tokens);
+        self.samples = self.samples.saturating_add(1);
     }
 }
 
