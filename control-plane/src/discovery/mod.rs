@@ -163,29 +163,21 @@ fn default_pool_api_version() -> String {
 #[serde(deny_unknown_fields)]
 pub struct KubernetesDiscovery {
     /// Namespace of the pods; default: the control plane's own (service-account namespace).
-    #[serde(default)]
     pub namespace: Option<String>,
     /// Pods to select (`matchLabels` / `matchExpressions`); exclusive with `inference_pool`.
-    #[serde(default)]
     pub selector: Option<LabelSelector>,
     /// Follow this InferencePool's selector and target port instead of `selector`.
-    #[serde(default)]
     pub inference_pool: Option<InferencePoolRef>,
     /// vLLM's HTTP port on the pods; required with `selector`, overrides the pool's port.
-    #[serde(default)]
     pub port: Option<u16>,
     /// Port of vLLM's KV-event ZMQ publisher (`--kv-events-config ... tcp://*:PORT`), if used.
-    #[serde(default)]
     pub kv_events_port: Option<u16>,
     /// Port of vLLM's KV-event replay socket (`replay_endpoint`), if used.
-    #[serde(default)]
     pub kv_events_replay_port: Option<u16>,
     /// Served model name of these replicas (see `endpoints[].model`).
-    #[serde(default)]
     pub model: Option<String>,
     /// API server base URL; default: in-cluster `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`.
     /// `http://127.0.0.1:8001` works with `kubectl proxy`.
-    #[serde(default)]
     pub api_server: Option<String>,
     /// Bearer token file, re-read on every request (projected tokens rotate).
     #[serde(default = "default_token_file")]
@@ -229,13 +221,10 @@ pub struct DnsDiscovery {
     /// vLLM's HTTP port.
     pub port: u16,
     /// Port of the KV-event publisher on every replica, if used.
-    #[serde(default)]
     pub kv_events_port: Option<u16>,
     /// Port of the KV-event replay socket on every replica, if used.
-    #[serde(default)]
     pub kv_events_replay_port: Option<u16>,
     /// Served model name of these replicas (see `endpoints[].model`).
-    #[serde(default)]
     pub model: Option<String>,
     /// How often the name is resolved again.
     #[serde(default = "default_dns_interval_ms")]
