@@ -245,17 +245,17 @@ pub fn fork_table(rows: &[ForkSummary]) -> String {
 
 /// Renders summaries as an aligned text table.
 pub fn table(rows: &[PolicySummary]) -> String {
-    let ms = |v: f64| format!("{v:.0}");
+    let whole = |v: f64| format!("{v:.0}");
     TextTable::new()
         .left("policy", 20, |r: &PolicySummary| r.policy.clone())
         .right("requests", 8, |r| r.requests.to_string())
-        .right("ttft_mean", 10, |r| ms(r.ttft_ms.mean))
-        .right("ttft_p50", 10, |r| ms(r.ttft_ms.p50))
-        .right("ttft_p90", 10, |r| ms(r.ttft_ms.p90))
-        .right("ttft_p99", 10, |r| ms(r.ttft_ms.p99))
-        .right("e2e_p50", 10, |r| ms(r.e2e_ms.p50))
-        .right("e2e_p99", 10, |r| ms(r.e2e_ms.p99))
-        .right("out_tok/s", 9, |r| ms(r.output_tokens_per_s))
+        .right("ttft_mean", 10, |r| whole(r.ttft_ms.mean))
+        .right("ttft_p50", 10, |r| whole(r.ttft_ms.p50))
+        .right("ttft_p90", 10, |r| whole(r.ttft_ms.p90))
+        .right("ttft_p99", 10, |r| whole(r.ttft_ms.p99))
+        .right("e2e_p50", 10, |r| whole(r.e2e_ms.p50))
+        .right("e2e_p99", 10, |r| whole(r.e2e_ms.p99))
+        .right("out_tok/s", 9, |r| whole(r.output_tokens_per_s))
         .right("hit_rate", 8, |r| format!("{:.3}", r.prefix_hit_rate))
         .right("preempt", 8, |r| r.preemptions.to_string())
         .render(rows)
