@@ -25,7 +25,7 @@ use serde_json::{Value, json};
 
 use kvroute_harness::loadgen::words;
 use kvroute_harness::{
-    Fleet, FleetConfig, HarnessError, HttpClient, TextTable, Tools, prometheus_sum,
+    Fleet, FleetConfig, HarnessError, HttpClient, TextTable, Tools, percent, prometheus_sum,
     prometheus_sum_with,
 };
 use vllm_sim::tokenizer::{CHATML_JINJA, SPECIAL_TOKENS, train_byte_level_bpe};
@@ -321,9 +321,7 @@ pub fn render_table(rows: &[TokenizeRow]) -> String {
         .right("µs/request", 12, |r| format!("{:.1}", r.us_per_request))
         .right("tokens/req", 11, |r| format!("{:.0}", r.tokens_per_request))
         .right("tokens/s", 12, |r| format!("{:.0}", r.tokens_per_s))
-        .right("cache hit", 10, |r| {
-            format!("{:.1}%", r.cache_hit_share * 100.0)
-        })
+        .right("cache hit", 10, |r| percent(r.cache_hit_share))
         .render(rows)
 }
 

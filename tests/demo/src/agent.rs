@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use kvroute_harness::loadgen::{self, RequestError, TtftStats};
-use kvroute_harness::{HttpClient, TextTable};
+use kvroute_harness::{HttpClient, TextTable, percent};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde::Serialize;
@@ -311,12 +311,8 @@ pub fn render_table(rows: &[AgentSummary]) -> String {
             format!("{:>5}/{:<3}", r.turns_ok, r.turns_planned)
         })
         .right("broken", 7, |r| r.chains_broken.to_string())
-        .right("404 attempts", 13, |r| {
-            format!("{:.1}%", r.chain_failure_rate * 100.0)
-        })
-        .right("TTFT p50", 9, |r| format!("{:.0}ms", r.ttft_ms.p50))
-        .right("TTFT p90", 9, |r| format!("{:.0}ms", r.ttft_ms.p90))
-        .right("TTFT p99", 9, |r| format!("{:.0}ms", r.ttft_ms.p99))
+        .right("404 attempts", 13, |r| percent(r.chain_failure_rate))
+        .ttft_columns(9, |r| &r.ttft_ms)
         .right("cached/turn", 11, |r| {
             format!("{:.0}", r.mean_cached_tokens)
         })

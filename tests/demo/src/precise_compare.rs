@@ -19,7 +19,7 @@ use serde_json::json;
 
 use kvroute_harness::loadgen::{self, RunResult, RunSummary, Workload};
 use kvroute_harness::{
-    Fleet, FleetConfig, HarnessError, RouterKind, TextTable, Tools, prometheus_sum,
+    Fleet, FleetConfig, HarnessError, RouterKind, TextTable, Tools, percent, prometheus_sum,
 };
 
 /// How the filter asks the control plane to score every route of a run.
@@ -431,12 +431,8 @@ pub fn render_table(rows: &[ModeSummary]) -> String {
         .left("mode", w, |r: &ModeSummary| r.mode.clone())
         .right("requests", 8, |r| r.run.requests.to_string())
         .right("errors", 6, |r| r.run.errors.to_string())
-        .right("TTFT p50", 10, |r| format!("{:.0}ms", r.run.ttft_ms.p50))
-        .right("TTFT p90", 10, |r| format!("{:.0}ms", r.run.ttft_ms.p90))
-        .right("TTFT p99", 10, |r| format!("{:.0}ms", r.run.ttft_ms.p99))
-        .right("prefix hit", 10, |r| {
-            format!("{:.1}%", r.run.prefix_cache_hit_rate * 100.0)
-        })
+        .ttft_columns(10, |r| &r.run.ttft_ms)
+        .right("prefix hit", 10, |r| percent(r.run.prefix_cache_hit_rate))
         .right("predicted", 11, |r| {
             format!("{:.0}", r.predicted_cached_tokens)
         })

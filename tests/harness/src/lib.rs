@@ -17,7 +17,7 @@
 pub mod loadgen;
 pub mod table;
 
-pub use table::TextTable;
+pub use table::{TextTable, percent};
 
 use std::fmt::Write as _;
 use std::fs;

@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::{HttpClient, TextTable};
+use crate::{HttpClient, TextTable, percent};
 
 /// Why one request failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -623,22 +623,32 @@ pub fn summarize(router: &str, run: &RunResult, prefix_cache_hit_rate: f64) -> R
     }
 }
 
+/// Whole milliseconds with their unit, `123ms`: the tables' latency cells.
+fn whole_ms(v: f64) -> String {
+    format!("{v:.0}ms")
+}
+
+impl<'a, R> TextTable<'a, R> {
+    /// Right-aligned `TTFT p50`, `TTFT p90` and `TTFT p99` columns of `width` from the row's
+    /// [`TtftStats`]: the latency every demo table shows.
+    pub fn ttft_columns(self, width: usize, ttft: impl Fn(&R) -> &TtftStats + Copy + 'a) -> Self {
+        self.right("TTFT p50", width, move |r| whole_ms(ttft(r).p50))
+            .right("TTFT p90", width, move |r| whole_ms(ttft(r).p90))
+            .right("TTFT p99", width, move |r| whole_ms(ttft(r).p99))
+    }
+}
+
 /// The demo's one table.
 pub fn render_table(rows: &[RunSummary]) -> String {
-    let ms = |v: f64| format!("{v:.0}ms");
     TextTable::new()
         .left("router", 12, |r: &RunSummary| r.router.clone())
         .right("requests", 8, |r| r.requests.to_string())
         .right("errors", 6, |r| r.errors.to_string())
-        .right("TTFT p50", 10, |r| ms(r.ttft_ms.p50))
-        .right("TTFT p90", 10, |r| ms(r.ttft_ms.p90))
-        .right("TTFT p99", 10, |r| ms(r.ttft_ms.p99))
-        .right("e2e p50", 10, |r| ms(r.e2e_ms.p50))
-        .right("e2e p99", 10, |r| ms(r.e2e_ms.p99))
+        .ttft_columns(10, |r| &r.ttft_ms)
+        .right("e2e p50", 10, |r| whole_ms(r.e2e_ms.p50))
+        .right("e2e p99", 10, |r| whole_ms(r.e2e_ms.p99))
         .right("out tok/s", 10, |r| format!("{:.1}", r.output_tokens_per_s))
-        .right("prefix hit", 10, |r| {
-            format!("{:.1}%", r.prefix_cache_hit_rate * 100.0)
-        })
+        .right("prefix hit", 10, |r| percent(r.prefix_cache_hit_rate))
         .render(rows)
 }
 

@@ -89,6 +89,12 @@ impl<'a, R> TextTable<'a, R> {
     }
 }
 
+/// A share (0 to 1) as a percentage with one decimal, `12.5%`: how the tables print hit rates
+/// and failure rates.
+pub fn percent(share: f64) -> String {
+    format!("{:.1}%", share * 100.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
