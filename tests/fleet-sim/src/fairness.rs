@@ -10,6 +10,7 @@
 
 use crate::des::{EngineSteps, arriving, build_engines};
 use crate::events::EventQueue;
+use kvroute_harness::TextTable;
 use scorer_core::fairness::{Admission, AdmissionConfig, ReplicaLoad, ShedReason};
 use scorer_core::protocol::RouteRequest;
 use serde::Serialize;
@@ -364,32 +365,24 @@ pub fn compare(s: &Scenario) -> Result<FairnessReport, SimError> {
 
 /// The printed table.
 pub fn table(report: &FairnessReport) -> String {
-    let mut out = format!(
-        "{:<24} {:>9} {:>9} {:>10} {:>10} | {:>7} {:>7} {:>9} {:>12}\n",
-        "run",
-        "int sent",
-        "int shed",
-        "int p50 ms",
-        "int p99 ms",
-        "b sent",
-        "b shed",
-        "b done",
-        "b goodput/s"
-    );
-    for r in &report.runs {
-        out.push_str(&format!(
-            "{:<24} {:>9} {:>9} {:>10.0} {:>10.0} | {:>7} {:>7} {:>9} {:>12.0}\n",
-            r.mode.as_str(),
-            r.interactive.sent,
-            r.interactive.shed,
-            r.interactive.ttft_ms.p50,
-            r.interactive.ttft_ms.p99,
-            r.batch.sent,
-            r.batch.shed,
-            r.batch.finished,
-            r.batch.goodput_tokens_per_s,
-        ));
-    }
+    let mut out = TextTable::new()
+        .left("run", 24, |r: &FairnessRun| r.mode.as_str().to_string())
+        .right("int sent", 9, |r| r.interactive.sent.to_string())
+        .right("int shed", 9, |r| r.interactive.shed.to_string())
+        .right("int p50 ms", 10, |r| {
+            format!("{:.0}", r.interactive.ttft_ms.p50)
+        })
+        .right("int p99 ms", 10, |r| {
+            format!("{:.0}", r.interactive.ttft_ms.p99)
+        })
+        .left("|", 1, |_| "|".to_string())
+        .right("b sent", 7, |r| r.batch.sent.to_string())
+        .right("b shed", 7, |r| r.batch.shed.to_string())
+        .right("b done", 9, |r| r.batch.finished.to_string())
+        .right("b goodput/s", 12, |r| {
+            format!("{:.0}", r.batch.goodput_tokens_per_s)
+        })
+        .render(&report.runs);
     out.push_str(&format!(
         "interactive TTFT p99 / alone: {:.2}x without admission, {:.2}x with fair admission\n",
         report.ttft_p99_ratio_no_admission, report.ttft_p99_ratio_fair

@@ -36,6 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use kvroute_harness::TextTable;
 use serde::Serialize;
 use vllm_sim::{Profile, SimError};
 
@@ -860,86 +861,66 @@ pub fn table(report: &MatrixReport) -> String {
         "seeds {:?}, {} replicas, ~{} requests per workload; TTFT in ms, mean ± 95% t-interval over seeds",
         report.seeds, report.replicas, report.requests
     );
-    let _ = writeln!(
-        s,
-        "{:<14} {:<32} {:>4} {:<18} {:>13} {:>13} {:>13} {:>11} {:>9} {:>6} {:>8}",
-        "workload",
-        "pool",
-        "load",
-        "policy",
-        "TTFT p50",
-        "TTFT p90",
-        "TTFT p99",
-        "hit rate",
-        "out tok/s",
-        "rej",
-        "p50/orcl"
+    let policies: Vec<(&CellReport, &PolicyCell)> = report
+        .cells
+        .iter()
+        .flat_map(|c| c.policies.iter().map(move |p| (c, p)))
+        .collect();
+    let or_dash = |r: Option<f64>, digits: usize| r.map_or("-".into(), |r| format!("{r:.digits$}"));
+    s.push_str(
+        &TextTable::new()
+            .left("workload", 14, |(c, _): &(&CellReport, &PolicyCell)| {
+                c.workload.clone()
+            })
+            .left("pool", 32, |(c, _)| c.pool.clone())
+            .right("load", 4, |(c, _)| format!("{:.1}", c.load))
+            .left("policy", 18, |(_, p)| p.policy.clone())
+            .right("TTFT p50", 13, |(_, p)| fmt_iv(&p.ttft_p50_ms))
+            .right("TTFT p90", 13, |(_, p)| fmt_iv(&p.ttft_p90_ms))
+            .right("TTFT p99", 13, |(_, p)| fmt_iv(&p.ttft_p99_ms))
+            .right("hit rate", 11, |(_, p)| {
+                let hit = &p.prefix_hit_rate;
+                format!("{:.3}±{:.3}", hit.mean, hit.half)
+            })
+            .right("out tok/s", 9, |(_, p)| {
+                format!("{:.0}", p.output_tokens_per_s.mean)
+            })
+            .right("rej", 6, |(_, p)| format!("{:.1}", p.rejected))
+            .right("p50/orcl", 8, |(_, p)| or_dash(p.p50_vs_oracle, 2))
+            .render(&policies),
     );
-    for c in &report.cells {
-        for p in &c.policies {
-            let _ = writeln!(
-                s,
-                "{:<14} {:<32} {:>4.1} {:<18} {:>13} {:>13} {:>13} {:>11} {:>9.0} {:>6.1} {:>8}",
-                c.workload,
-                c.pool,
-                c.load,
-                p.policy,
-                fmt_iv(&p.ttft_p50_ms),
-                fmt_iv(&p.ttft_p90_ms),
-                fmt_iv(&p.ttft_p99_ms),
-                format!(
-                    "{:.3}±{:.3}",
-                    p.prefix_hit_rate.mean, p.prefix_hit_rate.half
-                ),
-                p.output_tokens_per_s.mean,
-                p.rejected,
-                p.p50_vs_oracle.map_or("-".into(), |r| format!("{r:.2}")),
-            );
-        }
-    }
     let _ = writeln!(s);
     let _ = writeln!(
         s,
         "kvroute (RouterConfig::default()) against the best peer per cell (ok = at or below within the intervals)"
     );
-    let _ = writeln!(
-        s,
-        "{:<14} {:<32} {:>4} {:<20} {:>9} {:<20} {:>9} {:>8} {:>13} {:>13}",
-        "workload",
-        "pool",
-        "load",
-        "best peer p50",
-        "kv/peer",
-        "best peer p99",
-        "kv/peer",
-        "kv/orcl",
-        "precise p90/",
-        "precise hit-"
+    let verdicts: Vec<(&CellReport, &Verdict)> = report
+        .cells
+        .iter()
+        .filter_map(|c| Some((c, c.verdict.as_ref()?)))
+        .collect();
+    // A ratio and its mark share the ratio's column, so the mark runs one past the header.
+    let marked =
+        |ratio: f64, ok: bool| format!("{ratio:>5.2} {:<4}", if ok { "ok" } else { "LOSS" });
+    s.push_str(
+        &TextTable::new()
+            .left("workload", 14, |(c, _): &(&CellReport, &Verdict)| {
+                c.workload.clone()
+            })
+            .left("pool", 32, |(c, _)| c.pool.clone())
+            .right("load", 4, |(c, _)| format!("{:.1}", c.load))
+            .left("best peer p50", 20, |(_, v)| v.best_peer_p50.clone())
+            .right("kv/peer", 9, |(_, v)| marked(v.p50_ratio, v.p50_ok))
+            .left("best peer p99", 20, |(_, v)| v.best_peer_p99.clone())
+            .right("kv/peer", 9, |(_, v)| marked(v.p99_ratio, v.p99_ok))
+            .right("kv/orcl", 8, |(_, v)| or_dash(v.p50_vs_oracle, 2))
+            .right("precise p90/", 13, |(_, v)| or_dash(v.precise_p90_ratio, 3))
+            .right("precise hit-", 13, |(_, v)| {
+                v.precise_hit_gain
+                    .map_or("-".into(), |r| format!("{r:+.4}"))
+            })
+            .render(&verdicts),
     );
-    for c in &report.cells {
-        let Some(v) = &c.verdict else {
-            continue;
-        };
-        let mark = |ok: bool| if ok { "ok" } else { "LOSS" };
-        let _ = writeln!(
-            s,
-            "{:<14} {:<32} {:>4.1} {:<20} {:>5.2} {:<4} {:<20} {:>5.2} {:<4} {:>8} {:>13} {:>13}",
-            c.workload,
-            c.pool,
-            c.load,
-            v.best_peer_p50,
-            v.p50_ratio,
-            mark(v.p50_ok),
-            v.best_peer_p99,
-            v.p99_ratio,
-            mark(v.p99_ok),
-            v.p50_vs_oracle.map_or("-".into(), |r| format!("{r:.2}")),
-            v.precise_p90_ratio
-                .map_or("-".into(), |r| format!("{r:.3}")),
-            v.precise_hit_gain
-                .map_or("-".into(), |r| format!("{r:+.4}")),
-        );
-    }
     // The simulated engines deliver every hit they hold, so any change is a false alarm.
     let (mut changes, mut runs) = (0u64, 0usize);
     for summary in report

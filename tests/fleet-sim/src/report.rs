@@ -1,5 +1,6 @@
 //! Summaries of runs: percentiles, the printed table, the JSON summary and SVG plots.
 
+use kvroute_harness::TextTable;
 use serde::Serialize;
 
 use super::des::{RequestRecord, RunResult};
@@ -227,59 +228,37 @@ impl ForkSummary {
 
 /// Renders fork summaries as an aligned text table.
 pub fn fork_table(rows: &[ForkSummary]) -> String {
-    let mut out = format!(
-        "{:<20} {:>7} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9}\n",
-        "subagent forks",
-        "bursts",
-        "forks",
-        "replicas",
-        "prefills",
-        "stayed",
-        "ttft p50",
-        "ttft p99",
-        "e2e p50"
-    );
-    for r in rows {
-        out.push_str(&format!(
-            "{:<20} {:>7} {:>6} {:>9.2} {:>9.2} {:>6.0}% {:>9.0} {:>9.0} {:>9.0}\n",
-            r.policy,
-            r.bursts,
-            r.forks,
-            r.replicas_per_burst,
-            r.context_prefills_per_burst,
-            r.stayed * 100.0,
-            r.ttft_ms.p50,
-            r.ttft_ms.p99,
-            r.e2e_ms.p50
-        ));
-    }
-    out
+    TextTable::new()
+        .left("subagent forks", 20, |r: &ForkSummary| r.policy.clone())
+        .right("bursts", 7, |r| r.bursts.to_string())
+        .right("forks", 6, |r| r.forks.to_string())
+        .right("replicas", 9, |r| format!("{:.2}", r.replicas_per_burst))
+        .right("prefills", 9, |r| {
+            format!("{:.2}", r.context_prefills_per_burst)
+        })
+        .right("stayed", 7, |r| format!("{:.0}%", r.stayed * 100.0))
+        .right("ttft p50", 9, |r| format!("{:.0}", r.ttft_ms.p50))
+        .right("ttft p99", 9, |r| format!("{:.0}", r.ttft_ms.p99))
+        .right("e2e p50", 9, |r| format!("{:.0}", r.e2e_ms.p50))
+        .render(rows)
 }
 
 /// Renders summaries as an aligned text table.
 pub fn table(rows: &[PolicySummary]) -> String {
-    let mut out = format!(
-        "{:<20} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8}\n",
-        "policy",
-        "requests",
-        "ttft_mean",
-        "ttft_p50",
-        "ttft_p90",
-        "ttft_p99",
-        "e2e_p50",
-        "e2e_p99",
-        "out_tok/s",
-        "hit_rate",
-        "preempt"
-    );
-    for r in rows {
-        out.push_str(&format!(
-            "{:<20} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>9.0} {:>8.3} {:>8}\n",
-            r.policy, r.requests, r.ttft_ms.mean, r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99, r.e2e_ms.p50, r.e2e_ms.p99,
-            r.output_tokens_per_s, r.prefix_hit_rate, r.preemptions
-        ));
-    }
-    out
+    let whole = |v: f64| format!("{v:.0}");
+    TextTable::new()
+        .left("policy", 20, |r: &PolicySummary| r.policy.clone())
+        .right("requests", 8, |r| r.requests.to_string())
+        .right("ttft_mean", 10, |r| whole(r.ttft_ms.mean))
+        .right("ttft_p50", 10, |r| whole(r.ttft_ms.p50))
+        .right("ttft_p90", 10, |r| whole(r.ttft_ms.p90))
+        .right("ttft_p99", 10, |r| whole(r.ttft_ms.p99))
+        .right("e2e_p50", 10, |r| whole(r.e2e_ms.p50))
+        .right("e2e_p99", 10, |r| whole(r.e2e_ms.p99))
+        .right("out_tok/s", 9, |r| whole(r.output_tokens_per_s))
+        .right("hit_rate", 8, |r| format!("{:.3}", r.prefix_hit_rate))
+        .right("preempt", 8, |r| r.preemptions.to_string())
+        .render(rows)
 }
 
 const COLORS: &[&str] = &[

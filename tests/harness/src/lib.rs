@@ -15,6 +15,9 @@
 //!   `<target>/wasm32-unknown-unknown/release/kvroute_filter.wasm`.
 
 pub mod loadgen;
+pub mod table;
+
+pub use table::{TextTable, percent};
 
 use std::fmt::Write as _;
 use std::fs;

@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::HttpClient;
+use crate::{HttpClient, TextTable, percent};
 
 /// Why one request failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -623,37 +623,33 @@ pub fn summarize(router: &str, run: &RunResult, prefix_cache_hit_rate: f64) -> R
     }
 }
 
+/// Whole milliseconds with their unit, `123ms`: the tables' latency cells.
+fn whole_ms(v: f64) -> String {
+    format!("{v:.0}ms")
+}
+
+impl<'a, R> TextTable<'a, R> {
+    /// Right-aligned `TTFT p50`, `TTFT p90` and `TTFT p99` columns of `width` from the row's
+    /// [`TtftStats`]: the latency every demo table shows.
+    pub fn ttft_columns(self, width: usize, ttft: impl Fn(&R) -> &TtftStats + Copy + 'a) -> Self {
+        self.right("TTFT p50", width, move |r| whole_ms(ttft(r).p50))
+            .right("TTFT p90", width, move |r| whole_ms(ttft(r).p90))
+            .right("TTFT p99", width, move |r| whole_ms(ttft(r).p99))
+    }
+}
+
 /// The demo's one table.
 pub fn render_table(rows: &[RunSummary]) -> String {
-    let mut out = format!(
-        "{:<12} {:>8} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
-        "router",
-        "requests",
-        "errors",
-        "TTFT p50",
-        "TTFT p90",
-        "TTFT p99",
-        "e2e p50",
-        "e2e p99",
-        "out tok/s",
-        "prefix hit"
-    );
-    for r in rows {
-        out.push_str(&format!(
-            "{:<12} {:>8} {:>6} {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>8.0}ms {:>10.1} {:>9.1}%\n",
-            r.router,
-            r.requests,
-            r.errors,
-            r.ttft_ms.p50,
-            r.ttft_ms.p90,
-            r.ttft_ms.p99,
-            r.e2e_ms.p50,
-            r.e2e_ms.p99,
-            r.output_tokens_per_s,
-            r.prefix_cache_hit_rate * 100.0
-        ));
-    }
-    out
+    TextTable::new()
+        .left("router", 12, |r: &RunSummary| r.router.clone())
+        .right("requests", 8, |r| r.requests.to_string())
+        .right("errors", 6, |r| r.errors.to_string())
+        .ttft_columns(10, |r| &r.ttft_ms)
+        .right("e2e p50", 10, |r| whole_ms(r.e2e_ms.p50))
+        .right("e2e p99", 10, |r| whole_ms(r.e2e_ms.p99))
+        .right("out tok/s", 10, |r| format!("{:.1}", r.output_tokens_per_s))
+        .right("prefix hit", 10, |r| percent(r.prefix_cache_hit_rate))
+        .render(rows)
 }
 
 #[cfg(test)]

@@ -29,6 +29,7 @@ use hashbrown::{HashMap, HashSet};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
+use vllm_wire::kv_events::{BlockHash, BlockStored, block_extra_keys};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::SimError;
@@ -155,32 +156,15 @@ pub struct RequestSummary {
     pub lora: Option<String>,
 }
 
-/// A run of consecutive full blocks that became cached, as one vLLM `BlockStored` event
-/// carries it; the GPU tier and the CPU offload tier publish the same payload.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StoredBlocks {
-    /// Chained hashes of the stored blocks, in sequence order.
-    pub block_hashes: Vec<u64>,
-    /// Hash of the block before the first stored one; `None` at the start of a sequence.
-    pub parent_block_hash: Option<u64>,
-    /// Tokens of the stored blocks, all of them, concatenated.
-    pub token_ids: Vec<u32>,
-    /// Tokens per block.
-    pub block_size: u32,
-    /// LoRA adapter id (1-based, in order of first use).
-    pub lora_id: Option<u32>,
-    /// LoRA adapter name.
-    pub lora_name: Option<String>,
-    /// The request's cache salt, set only on a run that starts at block 0 (the one block
-    /// whose extra keys hold it in vLLM).
-    pub cache_salt: Option<String>,
-}
-
 /// A KV cache event, as vLLM publishes them (medium `GPU`, or `CPU` for the offload tier).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+///
+/// A run of stored blocks is vllm-wire's [`BlockStored`] as the GPU tier fills it (medium
+/// `GPU`, no KV group, the extra keys of every block: LoRA name, and the cache salt on block 0);
+/// [`crate::kv_events::wire_event`] sets the medium and group of the tier that publishes it.
+#[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {
     /// Full blocks became cached on the GPU.
-    BlockStored(StoredBlocks),
+    BlockStored(BlockStored),
     /// A cached block was evicted (one event per block, as vLLM 0.33 does; a duplicate copy of
     /// a block reports the same hash again when it goes).
     BlockRemoved {
@@ -190,7 +174,7 @@ pub enum KvEvent {
     /// The prefix cache was reset.
     AllBlocksCleared,
     /// Blocks were written to the CPU offload tier (`BlockStored` with medium `CPU`).
-    OffloadStored(StoredBlocks),
+    OffloadStored(BlockStored),
     /// A block left the CPU offload tier (`BlockRemoved` with medium `CPU`).
     OffloadRemoved {
         /// The dropped hashes.
@@ -198,7 +182,7 @@ pub enum KvEvent {
     },
     /// Blocks of a hybrid model's sliding-window layers became cached: `BlockStored` with
     /// `group_idx` [`SLIDING_WINDOW_GROUP`], the same hashes as the full-attention run.
-    WindowStored(StoredBlocks),
+    WindowStored(BlockStored),
     /// A sliding-window block was dropped (`BlockRemoved` with `group_idx`
     /// [`SLIDING_WINDOW_GROUP`]): it fell out of the window, or the full-attention copy went.
     WindowRemoved {
@@ -307,10 +291,30 @@ impl Req {
     }
 
     /// The cache salt for an event whose run starts at block `first`: only block 0 carries it.
-    fn salt_if_first(&self, first: usize) -> Option<String> {
-        (first == 0)
-            .then(|| self.cache_salt.as_deref().map(str::to_owned))
-            .flatten()
+    /// vLLM's `BlockStored` for this request's full blocks `first..=last`: the GPU tier and
+    /// the CPU offload tier publish the same run.
+    fn stored(&self, first: usize, last: usize, bs: u32) -> BlockStored {
+        let bsz = bs as usize;
+        let hashes = &self.block_hashes[first..=last];
+        // vLLM keeps the salt in block 0's extra keys only.
+        let salt = self.cache_salt.as_deref().filter(|_| first == 0);
+        BlockStored {
+            lora_id: self.lora_id.map(u64::from),
+            lora_name: self.lora_name.as_deref().map(str::to_owned),
+            extra_keys: Some(block_extra_keys(
+                hashes.len(),
+                self.lora_name.as_deref(),
+                salt,
+            )),
+            ..BlockStored::on_gpu(
+                hashes.iter().copied().map(BlockHash::Int).collect(),
+                first
+                    .checked_sub(1)
+                    .map(|p| BlockHash::Int(self.block_hashes[p])),
+                self.tokens[first * bsz..(last + 1) * bsz].to_vec(),
+                bs,
+            )
+        }
     }
 
     fn output_len(&self) -> u32 {
@@ -391,7 +395,6 @@ impl CpuTier {
 
 /// One `OffloadStored` per contiguous run of newly offloaded block indices of `r`.
 fn offload_events(r: &Req, offloaded: &[usize], bs: u32, events: &mut Vec<KvEvent>) {
-    let bsz = bs as usize;
     let mut start = 0;
     while start < offloaded.len() {
         let mut end = start + 1;
@@ -399,15 +402,7 @@ fn offload_events(r: &Req, offloaded: &[usize], bs: u32, events: &mut Vec<KvEven
             end += 1;
         }
         let (first, last) = (offloaded[start], offloaded[end - 1]);
-        events.push(KvEvent::OffloadStored(StoredBlocks {
-            block_hashes: r.block_hashes[first..=last].to_vec(),
-            parent_block_hash: first.checked_sub(1).map(|p| r.block_hashes[p]),
-            token_ids: r.tokens[first * bsz..(last + 1) * bsz].to_vec(),
-            block_size: bs,
-            lora_id: r.lora_id,
-            lora_name: r.lora_name.as_deref().map(str::to_owned),
-            cache_salt: r.salt_if_first(first),
-        }));
+        events.push(KvEvent::OffloadStored(r.stored(first, last, bs)));
         start = end;
     }
 }
@@ -941,7 +936,8 @@ impl Engine {
         let mut copies = Vec::new();
         for e in &events[from..] {
             if let KvEvent::BlockStored(run) = e {
-                self.window_blocks.extend(&run.block_hashes);
+                self.window_blocks
+                    .extend(run.block_hashes.iter().map(BlockHash::to_u64));
                 copies.push(KvEvent::WindowStored(run.clone()));
             }
         }
@@ -986,7 +982,8 @@ impl Engine {
         let stored_from = out.kv_events.len();
         if full > r.num_registered {
             r.hashes_up_to(full as usize, bs as usize);
-            let mut run: Option<KvEvent> = None;
+            // The run of blocks stored so far, first and last index.
+            let mut run: Option<(usize, usize)> = None;
             let mut offloaded: Vec<usize> = Vec::new();
             for i in r.num_registered..full {
                 let i = i as usize;
@@ -1005,35 +1002,15 @@ impl Engine {
                     continue;
                 }
                 if stored {
-                    let h = r.block_hashes[i];
-                    let toks = &r.tokens[i * bs as usize..(i + 1) * bs as usize];
-                    match &mut run {
-                        Some(KvEvent::BlockStored(StoredBlocks {
-                            block_hashes,
-                            token_ids,
-                            ..
-                        })) => {
-                            block_hashes.push(h);
-                            token_ids.extend_from_slice(toks);
-                        }
-                        _ => {
-                            run = Some(KvEvent::BlockStored(StoredBlocks {
-                                block_hashes: vec![h],
-                                parent_block_hash: i.checked_sub(1).map(|p| r.block_hashes[p]),
-                                token_ids: toks.to_vec(),
-                                block_size: bs,
-                                lora_id: r.lora_id,
-                                lora_name: r.lora_name.as_deref().map(str::to_owned),
-                                cache_salt: r.salt_if_first(i),
-                            }))
-                        }
-                    }
-                } else if let Some(ev) = run.take() {
-                    out.kv_events.push(ev);
+                    run = Some((run.map_or(i, |(first, _)| first), i));
+                } else if let Some((first, last)) = run.take() {
+                    out.kv_events
+                        .push(KvEvent::BlockStored(r.stored(first, last, bs)));
                 }
             }
-            if let Some(ev) = run {
-                out.kv_events.push(ev);
+            if let Some((first, last)) = run {
+                out.kv_events
+                    .push(KvEvent::BlockStored(r.stored(first, last, bs)));
             }
             if emit {
                 out.kv_events
@@ -1111,6 +1088,11 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Published block hashes as the engine's own u64s.
+    fn ints(hashes: &[BlockHash]) -> Vec<u64> {
+        hashes.iter().map(BlockHash::to_u64).collect()
+    }
 
     /// 8 blocks of 4 tokens, 1000 prefill tokens/s, 10..20 ms decode steps.
     fn tiny(blocks: u64) -> EngineConfig {
@@ -1382,11 +1364,11 @@ mod tests {
         e.add_request(req(1, &prompt, 1)).unwrap();
         let outs = drain(&mut e, 0.0);
         let events: Vec<&KvEvent> = outs.iter().flat_map(|o| &o.kv_events).collect();
-        let runs = |pick: fn(&KvEvent) -> Option<&StoredBlocks>| -> Vec<u64> {
+        let runs = |pick: fn(&KvEvent) -> Option<&BlockStored>| -> Vec<u64> {
             events
                 .iter()
                 .filter_map(|e| pick(e))
-                .flat_map(|r| r.block_hashes.clone())
+                .flat_map(|r| ints(&r.block_hashes))
                 .collect()
         };
         let h = hashes(&prompt, 4);
@@ -1454,9 +1436,7 @@ mod tests {
             .iter()
             .flat_map(|o| &o.kv_events)
             .filter_map(|e| match e {
-                KvEvent::BlockStored(StoredBlocks { block_hashes, .. }) => {
-                    Some(block_hashes.clone())
-                }
+                KvEvent::BlockStored(BlockStored { block_hashes, .. }) => Some(ints(block_hashes)),
                 _ => None,
             })
             .collect();
@@ -1562,7 +1542,7 @@ mod tests {
             .iter()
             .flat_map(|o| &o.kv_events)
             .flat_map(|e| match e {
-                KvEvent::BlockStored(StoredBlocks { block_hashes, .. }) => block_hashes.clone(),
+                KvEvent::BlockStored(BlockStored { block_hashes, .. }) => ints(block_hashes),
                 _ => vec![],
             })
             .collect();
@@ -1582,27 +1562,27 @@ mod tests {
         let h = hashes(&toks(0..9), 4);
         assert_eq!(
             outs[0].kv_events,
-            vec![KvEvent::BlockStored(StoredBlocks {
-                block_hashes: h.clone(),
-                parent_block_hash: None,
-                token_ids: toks(0..8),
-                block_size: 4,
-                lora_id: None,
-                lora_name: None,
-                cache_salt: None,
+            vec![KvEvent::BlockStored(BlockStored {
+                extra_keys: Some(block_extra_keys(2, None, None)),
+                ..BlockStored::on_gpu(
+                    h.iter().copied().map(BlockHash::Int).collect(),
+                    None,
+                    toks(0..8),
+                    4
+                )
             })]
         );
         e.add_request(req(2, &toks(0..13), 1)).unwrap();
         let outs = drain(&mut e, 1.0);
         match &outs[0].kv_events[..] {
             [
-                KvEvent::BlockStored(StoredBlocks {
+                KvEvent::BlockStored(BlockStored {
                     parent_block_hash,
                     token_ids,
                     ..
                 }),
             ] => {
-                assert_eq!(*parent_block_hash, Some(h[1]));
+                assert_eq!(*parent_block_hash, Some(BlockHash::Int(h[1])));
                 assert_eq!(token_ids, &toks(8..12));
             }
             other => panic!("unexpected events {other:?}"),
@@ -1654,7 +1634,7 @@ mod tests {
         let outs = drain(&mut e, 1.0);
         assert_eq!(summaries(&outs)[&2].cached_tokens, 0);
         match &outs[0].kv_events[0] {
-            KvEvent::BlockStored(StoredBlocks {
+            KvEvent::BlockStored(BlockStored {
                 lora_id, lora_name, ..
             }) => {
                 assert_eq!(*lora_id, Some(1));
@@ -1662,6 +1642,11 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    /// The cache salt a stored run's extra keys carry, read as the control plane reads it.
+    fn salt_of(run: &BlockStored) -> Option<String> {
+        vllm_wire::kv_events::cache_salt(run.extra_keys.as_ref(), run.lora_name.as_deref())
     }
 
     fn salted(id: RequestId, prompt: &[u32], salt: &str) -> EngineRequest {
@@ -1689,14 +1674,15 @@ mod tests {
         assert_eq!(cached, 0, "no hit on the unsalted copy");
         match &outs[0].kv_events[..] {
             [
-                KvEvent::BlockStored(StoredBlocks {
-                    cache_salt,
-                    parent_block_hash: None,
-                    block_hashes,
-                    ..
-                }),
+                KvEvent::BlockStored(
+                    run @ BlockStored {
+                        parent_block_hash: None,
+                        block_hashes,
+                        ..
+                    },
+                ),
             ] => {
-                assert_eq!(cache_salt.as_deref(), Some("a"));
+                assert_eq!(salt_of(run).as_deref(), Some("a"));
                 assert_eq!(block_hashes.len(), 3);
             }
             other => panic!("unexpected {other:?}"),
@@ -1713,12 +1699,13 @@ mod tests {
         assert_eq!(summaries(&outs)[&4].cached_tokens, 12);
         match &outs[0].kv_events[..] {
             [
-                KvEvent::BlockStored(StoredBlocks {
-                    cache_salt: None,
-                    parent_block_hash: Some(_),
-                    ..
-                }),
-            ] => {}
+                KvEvent::BlockStored(
+                    run @ BlockStored {
+                        parent_block_hash: Some(_),
+                        ..
+                    },
+                ),
+            ] if salt_of(run).is_none() => {}
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -1735,8 +1722,8 @@ mod tests {
         let outs = drain(&mut e, 2.0);
         assert_eq!(summaries(&outs)[&3].cached_tokens, 0, "salted again");
         match &outs[0].kv_events[..] {
-            [KvEvent::BlockStored(StoredBlocks { cache_salt, .. })] => {
-                assert_eq!(cache_salt.as_deref(), Some("b"));
+            [KvEvent::BlockStored(run)] => {
+                assert_eq!(salt_of(run).as_deref(), Some("b"));
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -1789,7 +1776,7 @@ mod tests {
             .collect();
         assert_eq!(offloaded.len(), 1, "{offloaded:?}");
         match offloaded[0] {
-            KvEvent::OffloadStored(StoredBlocks {
+            KvEvent::OffloadStored(BlockStored {
                 block_hashes,
                 token_ids,
                 parent_block_hash,

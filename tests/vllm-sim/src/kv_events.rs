@@ -19,8 +19,8 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 use vllm_wire::kv_events::{
-    BlockHash, BlockRemoved, BlockStored, WireBatch, WireEvent, block_extra_keys, encode_batch,
-    replay_end, replay_messages,
+    BlockHash, BlockRemoved, BlockStored, WireBatch, WireEvent, encode_batch, replay_end,
+    replay_messages,
 };
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -32,8 +32,8 @@ pub const DEFAULT_BUFFER_STEPS: usize = 10_000;
 
 /// One engine event as vLLM 0.33's GPU block pool publishes it: medium `GPU` (`CPU` for the
 /// offload tier), KV group 0 (a hybrid model's sliding-window layers: group
-/// [`SLIDING_WINDOW_GROUP`]), no spec kind, the extra keys of every block (LoRA name, and the
-/// cache salt on block 0).
+/// [`SLIDING_WINDOW_GROUP`]), no spec kind; a stored run as the engine filled it otherwise
+/// (with the extra keys of every block: LoRA name, and the cache salt on block 0).
 pub fn wire_event(ev: &KvEvent) -> WireEvent {
     let ints = |hs: &[u64]| hs.iter().copied().map(BlockHash::Int).collect();
     // The CPU offload tier publishes the same events with medium `CPU`.
@@ -48,20 +48,10 @@ pub fn wire_event(ev: &KvEvent) -> WireEvent {
     match ev {
         KvEvent::BlockStored(s) | KvEvent::OffloadStored(s) | KvEvent::WindowStored(s) => {
             WireEvent::BlockStored(BlockStored {
-                block_hashes: ints(&s.block_hashes),
-                parent_block_hash: s.parent_block_hash.map(BlockHash::Int),
-                token_ids: s.token_ids.clone(),
-                block_size: s.block_size,
-                lora_id: s.lora_id.map(u64::from),
                 medium: Some(medium.into()),
-                lora_name: s.lora_name.clone(),
-                extra_keys: Some(block_extra_keys(
-                    s.block_hashes.len(),
-                    s.lora_name.as_deref(),
-                    s.cache_salt.as_deref(),
-                )),
                 group_idx: Some(group),
                 kv_cache_spec_kind: None,
+                ..s.clone()
             })
         }
         KvEvent::BlockRemoved { block_hashes }
@@ -291,21 +281,23 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: Bytes) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::StoredBlocks;
+    use vllm_wire::kv_events::{BlockHash, block_extra_keys};
     use vllm_wire::kv_events::{EventBatch, decode_batch};
     use vllm_wire::rmpv::Value;
 
     #[test]
     fn engine_events_are_published_as_a_gpu_block_pool_does() {
         let events = vec![
-            KvEvent::BlockStored(StoredBlocks {
-                block_hashes: vec![1, u64::MAX],
-                parent_block_hash: None,
-                token_ids: (0..32).collect(),
-                block_size: 16,
+            KvEvent::BlockStored(BlockStored {
                 lora_id: Some(2),
                 lora_name: Some("sql".into()),
-                cache_salt: Some("t1".into()),
+                extra_keys: Some(block_extra_keys(2, Some("sql"), Some("t1"))),
+                ..BlockStored::on_gpu(
+                    vec![BlockHash::Int(1), BlockHash::Int(u64::MAX)],
+                    None,
+                    (0..32).collect(),
+                    16,
+                )
             }),
             KvEvent::OffloadRemoved {
                 block_hashes: vec![u64::MAX],

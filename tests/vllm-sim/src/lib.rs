@@ -23,7 +23,7 @@ pub mod tokenizer;
 
 pub use engine::{
     Engine, EngineConfig, EngineRequest, EngineStats, KvEvent, RequestEvent, RequestId,
-    RequestSummary, StepOutput, StoredBlocks,
+    RequestSummary, StepOutput,
 };
 pub use profile::{BUILTIN_PROFILES, Profile};
 

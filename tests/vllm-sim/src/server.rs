@@ -660,16 +660,8 @@ fn router(shared: Arc<Shared>, rank_header: bool) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions/render", post(render_chat))
         .route("/v1/completions/render", post(render_completion))
-        .route("/v1/responses", post(responses::create))
-        .route("/v1/responses/render", post(responses::render))
-        .route("/v1/responses/{response_id}", get(responses::retrieve))
-        .route(
-            "/v1/responses/{response_id}/cancel",
-            post(responses::cancel),
-        )
-        .route("/v1/messages", post(messages::create))
-        .route("/v1/messages/count_tokens", post(messages::count_tokens))
-        .route("/v1/messages/render", post(messages::render))
+        .merge(responses::routes())
+        .merge(messages::routes())
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/v1/models", get(models))
@@ -1898,6 +1890,11 @@ async fn sim_stats(State(s): State<Arc<Shared>>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `json!` object as the body map the API modules' checks take.
+    pub(crate) fn obj(v: Value) -> serde_json::Map<String, Value> {
+        v.as_object().cloned().unwrap()
+    }
 
     #[test]
     fn the_store_switch_is_read_as_python_reads_it() {

@@ -308,6 +308,23 @@ fn write(caller: &mut Caller<'_, HostState>, ptr: i32, bytes: &[u8]) -> wasmtime
     }
 }
 
+/// Writes a getter's result at `ptr` and answers `OK`, as every getter that succeeds does.
+fn answer(caller: &mut Caller<'_, HostState>, ptr: i32, bytes: &[u8]) -> wasmtime::Result<i32> {
+    write(caller, ptr, bytes)?;
+    Ok(status::OK)
+}
+
+/// [`return_bytes`], answering `OK`: how the getters of variable-length values succeed.
+fn answer_bytes(
+    caller: &mut Caller<'_, HostState>,
+    bytes: &[u8],
+    ret_ptr: i32,
+    ret_size: i32,
+) -> wasmtime::Result<i32> {
+    return_bytes(caller, bytes, ret_ptr, ret_size)?;
+    Ok(status::OK)
+}
+
 /// Copies `bytes` into guest memory allocated with the module's `malloc` and writes the
 /// pointer and size to the return slots.
 fn return_bytes(
@@ -383,66 +400,54 @@ fn lowercase_map(pairs: &[(&str, &str)]) -> HeaderMap {
 // The imports.
 
 fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
-    linker.func_wrap(
-        "env",
-        "proxy_log",
-        |mut c: Caller<'_, HostState>, level: i32, ptr: i32, len: i32| {
-            let message = read_string(&mut c, ptr, len)?;
-            c.data_mut().logs.push(LogEntry {
-                level: level as u32,
-                message,
-            });
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_get_log_level",
-        |mut c: Caller<'_, HostState>, ret: i32| {
-            write(&mut c, ret, &0u32.to_le_bytes())?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_get_current_time_nanoseconds",
-        |mut c: Caller<'_, HostState>, ret: i32| {
-            let now = c.data().now_ns;
-            write(&mut c, ret, &now.to_le_bytes())?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_set_tick_period_milliseconds",
-        |mut c: Caller<'_, HostState>, ms: i32| {
-            c.data_mut().tick_period_ms = ms as u32;
-            status::OK
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+    // Registers the `env` import `$name`: proxy-wasm passes the host state's caller first and
+    // then `i32`s (an argument of another type says so), so each import states only its
+    // arguments' names and body.
+    macro_rules! host_fn {
+        (@ty) => { i32 };
+        (@ty $ty:ty) => { $ty };
+        ($name:literal, |$c:pat_param $(, $arg:ident $(: $ty:ty)?)*| $body:expr) => {
+            linker.func_wrap(
+                "env",
+                $name,
+                |$c: Caller<'_, HostState> $(, $arg: host_fn!(@ty $($ty)?))*| $body,
+            )?
+        };
+    }
+    host_fn!("proxy_log", |mut c, level, ptr, len| {
+        let message = read_string(&mut c, ptr, len)?;
+        c.data_mut().logs.push(LogEntry {
+            level: level as u32,
+            message,
+        });
+        Ok(status::OK)
+    });
+    host_fn!("proxy_get_log_level", |mut c, ret| {
+        answer(&mut c, ret, &0u32.to_le_bytes())
+    });
+    host_fn!("proxy_get_current_time_nanoseconds", |mut c, ret| {
+        let now = c.data().now_ns;
+        answer(&mut c, ret, &now.to_le_bytes())
+    });
+    host_fn!("proxy_set_tick_period_milliseconds", |mut c, ms| {
+        c.data_mut().tick_period_ms = ms as u32;
+        status::OK
+    });
+    host_fn!(
         "proxy_get_buffer_bytes",
-        |mut c: Caller<'_, HostState>,
-         kind: i32,
-         start: i32,
-         max: i32,
-         ret_ptr: i32,
-         ret_size: i32| {
+        |mut c, kind, start, max, ret_ptr, ret_size| {
             let Some(buffer) = c.data_mut().buffer(kind) else {
                 return Ok(status::NOT_FOUND);
             };
             let start = (start as u32 as usize).min(buffer.len());
             let end = start.saturating_add(max as u32 as usize).min(buffer.len());
             let bytes = buffer[start..end].to_vec();
-            return_bytes(&mut c, &bytes, ret_ptr, ret_size)?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+            answer_bytes(&mut c, &bytes, ret_ptr, ret_size)
+        }
+    );
+    host_fn!(
         "proxy_set_buffer_bytes",
-        |mut c: Caller<'_, HostState>, kind: i32, start: i32, size: i32, ptr: i32, len: i32| {
+        |mut c, kind, start, size, ptr, len| {
             let bytes = read(&mut c, ptr, len)?;
             let Some(buffer) = c.data_mut().buffer(kind) else {
                 return Ok(status::NOT_FOUND);
@@ -451,45 +456,33 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             let end = start.saturating_add(size as u32 as usize).min(buffer.len());
             buffer.splice(start..end, bytes);
             Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+        }
+    );
+    host_fn!(
         "proxy_get_header_map_pairs",
-        |mut c: Caller<'_, HostState>, kind: i32, ret_ptr: i32, ret_size: i32| {
+        |mut c, kind, ret_ptr, ret_size| {
             let Some((map, _)) = c.data_mut().map(kind) else {
                 return Ok(status::NOT_FOUND);
             };
             let bytes = serialize_map(map);
-            return_bytes(&mut c, &bytes, ret_ptr, ret_size)?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_set_header_map_pairs",
-        |mut c: Caller<'_, HostState>, kind: i32, ptr: i32, len: i32| {
-            let bytes = read(&mut c, ptr, len)?;
-            let Some(new) = deserialize_map(&bytes) else {
-                return Ok(status::BAD_ARGUMENT);
-            };
-            Ok(c.data_mut().edit_map(kind, |map| {
-                *map = new
-                    .into_iter()
-                    .map(|(k, v)| (k.to_ascii_lowercase(), v))
-                    .collect();
-            }))
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+            answer_bytes(&mut c, &bytes, ret_ptr, ret_size)
+        }
+    );
+    host_fn!("proxy_set_header_map_pairs", |mut c, kind, ptr, len| {
+        let bytes = read(&mut c, ptr, len)?;
+        let Some(new) = deserialize_map(&bytes) else {
+            return Ok(status::BAD_ARGUMENT);
+        };
+        Ok(c.data_mut().edit_map(kind, |map| {
+            *map = new
+                .into_iter()
+                .map(|(k, v)| (k.to_ascii_lowercase(), v))
+                .collect();
+        }))
+    });
+    host_fn!(
         "proxy_get_header_map_value",
-        |mut c: Caller<'_, HostState>,
-         kind: i32,
-         kptr: i32,
-         klen: i32,
-         ret_ptr: i32,
-         ret_size: i32| {
+        |mut c, kind, kptr, klen, ret_ptr, ret_size| {
             let key = read_string(&mut c, kptr, klen)?;
             let Some((map, _)) = c.data_mut().map(kind) else {
                 return Ok(status::NOT_FOUND);
@@ -501,24 +494,21 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             else {
                 return Ok(status::NOT_FOUND);
             };
-            return_bytes(&mut c, &value, ret_ptr, ret_size)?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+            answer_bytes(&mut c, &value, ret_ptr, ret_size)
+        }
+    );
+    host_fn!(
         "proxy_remove_header_map_value",
-        |mut c: Caller<'_, HostState>, kind: i32, kptr: i32, klen: i32| {
+        |mut c, kind, kptr, klen| {
             let key = read_string(&mut c, kptr, klen)?;
             Ok(c.data_mut().edit_map(kind, |map| {
                 map.retain(|(k, _)| !k.eq_ignore_ascii_case(&key));
             }))
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+        }
+    );
+    host_fn!(
         "proxy_replace_header_map_value",
-        |mut c: Caller<'_, HostState>, kind: i32, kptr: i32, klen: i32, vptr: i32, vlen: i32| {
+        |mut c, kind, kptr, klen, vptr, vlen| {
             let key = read_string(&mut c, kptr, klen)?.to_ascii_lowercase();
             let value = read(&mut c, vptr, vlen)?;
             Ok(c.data_mut()
@@ -533,61 +523,46 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                     }
                     None => map.push((key, value)),
                 }))
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+        }
+    );
+    host_fn!(
         "proxy_add_header_map_value",
-        |mut c: Caller<'_, HostState>, kind: i32, kptr: i32, klen: i32, vptr: i32, vlen: i32| {
+        |mut c, kind, kptr, klen, vptr, vlen| {
             let key = read_string(&mut c, kptr, klen)?.to_ascii_lowercase();
             let value = read(&mut c, vptr, vlen)?;
             Ok(c.data_mut().edit_map(kind, |map| map.push((key, value))))
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+        }
+    );
+    host_fn!(
         "proxy_get_property",
-        |mut c: Caller<'_, HostState>, pptr: i32, plen: i32, ret_ptr: i32, ret_size: i32| {
+        |mut c, pptr, plen, ret_ptr, ret_size| {
             let path = read(&mut c, pptr, plen)?;
             let Some(value) = c.data().properties.get(&path).cloned() else {
                 return Ok(status::NOT_FOUND);
             };
-            return_bytes(&mut c, &value, ret_ptr, ret_size)?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_set_property",
-        |mut c: Caller<'_, HostState>, pptr: i32, plen: i32, vptr: i32, vlen: i32| {
-            let path = read(&mut c, pptr, plen)?;
-            let value = read(&mut c, vptr, vlen)?;
-            c.data_mut().properties.insert(path, value);
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+            answer_bytes(&mut c, &value, ret_ptr, ret_size)
+        }
+    );
+    host_fn!("proxy_set_property", |mut c, pptr, plen, vptr, vlen| {
+        let path = read(&mut c, pptr, plen)?;
+        let value = read(&mut c, vptr, vlen)?;
+        c.data_mut().properties.insert(path, value);
+        Ok(status::OK)
+    });
+    host_fn!(
         "proxy_get_shared_data",
-        |mut c: Caller<'_, HostState>,
-         kptr: i32,
-         klen: i32,
-         ret_ptr: i32,
-         ret_size: i32,
-         ret_cas: i32| {
+        |mut c, kptr, klen, ret_ptr, ret_size, ret_cas| {
             let key = read_string(&mut c, kptr, klen)?;
             let Some((value, cas)) = c.data().shared_data.get(&key).cloned() else {
                 return Ok(status::NOT_FOUND);
             };
             return_bytes(&mut c, &value, ret_ptr, ret_size)?;
-            write(&mut c, ret_cas, &cas.to_le_bytes())?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+            answer(&mut c, ret_cas, &cas.to_le_bytes())
+        }
+    );
+    host_fn!(
         "proxy_set_shared_data",
-        |mut c: Caller<'_, HostState>, kptr: i32, klen: i32, vptr: i32, vlen: i32, cas: i32| {
+        |mut c, kptr, klen, vptr, vlen, cas| {
             let key = read_string(&mut c, kptr, klen)?;
             let value = read(&mut c, vptr, vlen)?;
             let data = &mut c.data_mut().shared_data;
@@ -597,12 +572,11 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             }
             data.insert(key, (value, current.wrapping_add(1).max(1)));
             Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+        }
+    );
+    host_fn!(
         "proxy_register_shared_queue",
-        |mut c: Caller<'_, HostState>, nptr: i32, nlen: i32, ret_id: i32| {
+        |mut c, nptr, nlen, ret_id| {
             let name = read_string(&mut c, nptr, nlen)?;
             let queues = &mut c.data_mut().queues;
             let id = match queues.iter().position(|(n, _)| *n == name) {
@@ -613,45 +587,32 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                 }
             } as u32
                 + 1;
-            write(&mut c, ret_id, &id.to_le_bytes())?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+            answer(&mut c, ret_id, &id.to_le_bytes())
+        }
+    );
+    host_fn!(
         "proxy_resolve_shared_queue",
-        |mut c: Caller<'_, HostState>,
-         _vptr: i32,
-         _vlen: i32,
-         nptr: i32,
-         nlen: i32,
-         ret_id: i32| {
+        |mut c, _vptr, _vlen, nptr, nlen, ret_id| {
             let name = read_string(&mut c, nptr, nlen)?;
             let Some(i) = c.data().queues.iter().position(|(n, _)| *n == name) else {
                 return Ok(status::NOT_FOUND);
             };
-            write(&mut c, ret_id, &(i as u32 + 1).to_le_bytes())?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_enqueue_shared_queue",
-        |mut c: Caller<'_, HostState>, id: i32, vptr: i32, vlen: i32| {
-            let value = read(&mut c, vptr, vlen)?;
-            match slot(id).and_then(|i| c.data_mut().queues.get_mut(i)) {
-                Some((_, q)) => {
-                    q.push_back(value);
-                    Ok(status::OK)
-                }
-                None => Ok(status::NOT_FOUND),
+            answer(&mut c, ret_id, &(i as u32 + 1).to_le_bytes())
+        }
+    );
+    host_fn!("proxy_enqueue_shared_queue", |mut c, id, vptr, vlen| {
+        let value = read(&mut c, vptr, vlen)?;
+        match slot(id).and_then(|i| c.data_mut().queues.get_mut(i)) {
+            Some((_, q)) => {
+                q.push_back(value);
+                Ok(status::OK)
             }
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+            None => Ok(status::NOT_FOUND),
+        }
+    });
+    host_fn!(
         "proxy_dequeue_shared_queue",
-        |mut c: Caller<'_, HostState>, id: i32, ret_ptr: i32, ret_size: i32| {
+        |mut c, id, ret_ptr, ret_size| {
             let item = match slot(id).and_then(|i| c.data_mut().queues.get_mut(i)) {
                 Some((_, q)) => q.pop_front(),
                 None => return Ok(status::NOT_FOUND),
@@ -659,42 +620,24 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
             let Some(item) = item else {
                 return Ok(status::EMPTY);
             };
-            return_bytes(&mut c, &item, ret_ptr, ret_size)?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_continue_stream",
-        |mut c: Caller<'_, HostState>, kind: i32| {
-            let Some(stream) = c.data_mut().stream() else {
-                return status::NOT_FOUND;
-            };
-            match kind {
-                0 => stream.resume_request = true,
-                1 => stream.resume_response = true,
-                _ => return status::BAD_ARGUMENT,
-            }
-            status::OK
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_close_stream",
-        |_c: Caller<'_, HostState>, _kind: i32| status::OK,
-    )?;
-    linker.func_wrap(
-        "env",
+            answer_bytes(&mut c, &item, ret_ptr, ret_size)
+        }
+    );
+    host_fn!("proxy_continue_stream", |mut c, kind| {
+        let Some(stream) = c.data_mut().stream() else {
+            return status::NOT_FOUND;
+        };
+        match kind {
+            0 => stream.resume_request = true,
+            1 => stream.resume_response = true,
+            _ => return status::BAD_ARGUMENT,
+        }
+        status::OK
+    });
+    host_fn!("proxy_close_stream", |_c, _kind| status::OK);
+    host_fn!(
         "proxy_send_local_response",
-        |mut c: Caller<'_, HostState>,
-         code: i32,
-         _dptr: i32,
-         _dlen: i32,
-         bptr: i32,
-         blen: i32,
-         hptr: i32,
-         hlen: i32,
-         _grpc: i32| {
+        |mut c, code, _dptr, _dlen, bptr, blen, hptr, hlen, _grpc| {
             let body = read(&mut c, bptr, blen)?;
             let headers = deserialize_map(&read(&mut c, hptr, hlen)?).unwrap_or_default();
             let state = c.data_mut();
@@ -708,22 +651,11 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                     .collect(),
             });
             Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+        }
+    );
+    host_fn!(
         "proxy_http_call",
-        |mut c: Caller<'_, HostState>,
-         uptr: i32,
-         ulen: i32,
-         hptr: i32,
-         hlen: i32,
-         bptr: i32,
-         blen: i32,
-         _tptr: i32,
-         _tlen: i32,
-         timeout_ms: i32,
-         ret_token: i32| {
+        |mut c, uptr, ulen, hptr, hlen, bptr, blen, _tptr, _tlen, timeout_ms, ret_token| {
             let upstream = read_string(&mut c, uptr, ulen)?;
             let Some(headers) = deserialize_map(&read(&mut c, hptr, hlen)?) else {
                 return Ok(status::BAD_ARGUMENT);
@@ -754,151 +686,98 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
                 body,
                 timeout_ms: timeout_ms as u32,
             });
-            write(&mut c, ret_token, &token.to_le_bytes())?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_set_effective_context",
-        |mut c: Caller<'_, HostState>, id: i32| {
-            c.data_mut().active_context = id as u32;
-            status::OK
-        },
-    )?;
-    linker.func_wrap(
-        "env",
+            answer(&mut c, ret_token, &token.to_le_bytes())
+        }
+    );
+    host_fn!("proxy_set_effective_context", |mut c, id| {
+        c.data_mut().active_context = id as u32;
+        status::OK
+    });
+    host_fn!(
         "proxy_call_foreign_function",
-        |_c: Caller<'_, HostState>, _n: i32, _nl: i32, _a: i32, _al: i32, _rp: i32, _rs: i32| {
-            status::NOT_FOUND
-        },
-    )?;
+        |_c, _n, _nl, _a, _al, _rp, _rs| { status::NOT_FOUND }
+    );
     // gRPC callouts are not simulated: starting one fails like a host without gRPC support.
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_call",
-        |_c: Caller<'_, HostState>,
-         _up: i32,
-         _ul: i32,
-         _sv: i32,
-         _sl: i32,
-         _me: i32,
-         _ml: i32,
-         _md: i32,
-         _mdl: i32,
-         _msg: i32,
-         _msgl: i32,
-         _timeout: i32,
-         _ret: i32| status::INTERNAL_FAILURE,
-    )?;
-    linker.func_wrap(
-        "env",
+    host_fn!("proxy_grpc_call", |_c,
+                                 _up,
+                                 _ul,
+                                 _sv,
+                                 _sl,
+                                 _me,
+                                 _ml,
+                                 _md,
+                                 _mdl,
+                                 _msg,
+                                 _msgl,
+                                 _timeout,
+                                 _ret| {
+        status::INTERNAL_FAILURE
+    });
+    host_fn!(
         "proxy_grpc_stream",
-        |_c: Caller<'_, HostState>,
-         _up: i32,
-         _ul: i32,
-         _sv: i32,
-         _sl: i32,
-         _me: i32,
-         _ml: i32,
-         _md: i32,
-         _mdl: i32,
-         _ret: i32| { status::INTERNAL_FAILURE },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_send",
-        |_c: Caller<'_, HostState>, _t: i32, _p: i32, _l: i32, _e: i32| status::NOT_FOUND,
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_cancel",
-        |_c: Caller<'_, HostState>, _t: i32| status::NOT_FOUND,
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_close",
-        |_c: Caller<'_, HostState>, _t: i32| status::NOT_FOUND,
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_get_status",
-        |mut c: Caller<'_, HostState>, ret_code: i32, ret_ptr: i32, ret_size: i32| {
-            write(&mut c, ret_code, &0u32.to_le_bytes())?;
-            return_bytes(&mut c, b"", ret_ptr, ret_size)?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap("env", "proxy_done", |mut c: Caller<'_, HostState>| {
+        |_c, _up, _ul, _sv, _sl, _me, _ml, _md, _mdl, _ret| { status::INTERNAL_FAILURE }
+    );
+    host_fn!("proxy_grpc_send", |_c, _t, _p, _l, _e| {
+        status::NOT_FOUND
+    });
+    host_fn!("proxy_grpc_cancel", |_c, _t| status::NOT_FOUND);
+    host_fn!("proxy_grpc_close", |_c, _t| status::NOT_FOUND);
+    host_fn!("proxy_get_status", |mut c, ret_code, ret_ptr, ret_size| {
+        write(&mut c, ret_code, &0u32.to_le_bytes())?;
+        answer_bytes(&mut c, b"", ret_ptr, ret_size)
+    });
+    host_fn!("proxy_done", |mut c| {
         c.data_mut().done_calls += 1;
         status::OK
-    })?;
-    linker.func_wrap(
-        "env",
-        "proxy_define_metric",
-        |mut c: Caller<'_, HostState>, kind: i32, nptr: i32, nlen: i32, ret_id: i32| {
-            let name = read_string(&mut c, nptr, nlen)?;
-            if !(0..=2).contains(&kind) {
-                return Ok(status::BAD_ARGUMENT);
+    });
+    host_fn!("proxy_define_metric", |mut c, kind, nptr, nlen, ret_id| {
+        let name = read_string(&mut c, nptr, nlen)?;
+        if !(0..=2).contains(&kind) {
+            return Ok(status::BAD_ARGUMENT);
+        }
+        let metrics = &mut c.data_mut().metrics;
+        let index = match metrics.iter().position(|m| m.name == name) {
+            Some(i) => i,
+            None => {
+                metrics.push(Metric {
+                    kind: kind as u32,
+                    name,
+                    value: 0,
+                    samples: Vec::new(),
+                });
+                metrics.len() - 1
             }
-            let metrics = &mut c.data_mut().metrics;
-            let index = match metrics.iter().position(|m| m.name == name) {
-                Some(i) => i,
-                None => {
-                    metrics.push(Metric {
-                        kind: kind as u32,
-                        name,
-                        value: 0,
-                        samples: Vec::new(),
-                    });
-                    metrics.len() - 1
-                }
-            };
-            write(&mut c, ret_id, &(index as u32 + 1).to_le_bytes())?;
-            Ok(status::OK)
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_increment_metric",
-        |mut c: Caller<'_, HostState>, id: i32, offset: i64| {
-            let Some(metric) = slot(id).and_then(|i| c.data_mut().metrics.get_mut(i)) else {
-                return status::NOT_FOUND;
-            };
-            // Envoy: counters only go up; histograms cannot be incremented.
-            if (metric.kind == 0 && offset < 0) || metric.kind == 2 {
-                return status::BAD_ARGUMENT;
-            }
-            metric.value += offset;
-            status::OK
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_record_metric",
-        |mut c: Caller<'_, HostState>, id: i32, value: i64| {
-            let Some(metric) = slot(id).and_then(|i| c.data_mut().metrics.get_mut(i)) else {
-                return status::NOT_FOUND;
-            };
-            metric.value = value;
-            if metric.kind == 2 {
-                metric.samples.push(value as u64);
-            }
-            status::OK
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_get_metric",
-        |mut c: Caller<'_, HostState>, id: i32, ret: i32| {
-            let value = match slot(id).and_then(|i| c.data().metrics.get(i)) {
-                Some(m) => m.value as u64,
-                None => return Ok(status::NOT_FOUND),
-            };
-            write(&mut c, ret, &value.to_le_bytes())?;
-            Ok(status::OK)
-        },
-    )?;
+        };
+        answer(&mut c, ret_id, &(index as u32 + 1).to_le_bytes())
+    });
+    host_fn!("proxy_increment_metric", |mut c, id, offset: i64| {
+        let Some(metric) = slot(id).and_then(|i| c.data_mut().metrics.get_mut(i)) else {
+            return status::NOT_FOUND;
+        };
+        // Envoy: counters only go up; histograms cannot be incremented.
+        if (metric.kind == 0 && offset < 0) || metric.kind == 2 {
+            return status::BAD_ARGUMENT;
+        }
+        metric.value += offset;
+        status::OK
+    });
+    host_fn!("proxy_record_metric", |mut c, id, value: i64| {
+        let Some(metric) = slot(id).and_then(|i| c.data_mut().metrics.get_mut(i)) else {
+            return status::NOT_FOUND;
+        };
+        metric.value = value;
+        if metric.kind == 2 {
+            metric.samples.push(value as u64);
+        }
+        status::OK
+    });
+    host_fn!("proxy_get_metric", |mut c, id, ret| {
+        let value = match slot(id).and_then(|i| c.data().metrics.get(i)) {
+            Some(m) => m.value as u64,
+            None => return Ok(status::NOT_FOUND),
+        };
+        answer(&mut c, ret, &value.to_le_bytes())
+    });
     Ok(())
 }
 

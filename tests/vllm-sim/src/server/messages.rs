@@ -17,10 +17,12 @@
 
 use std::sync::Arc;
 
+use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
+use axum::routing::post;
 use serde_json::{Map, Value, json};
 
 use super::validation::{self, FieldError};
@@ -31,6 +33,14 @@ use super::{
 use crate::engine::RequestSummary;
 use crate::tokenizer::{ChatMessage, ChatTemplate};
 use vllm_wire::agent_chat;
+
+/// Anthropic's Messages API paths, which the server mounts beside the OpenAI ones.
+pub(super) fn routes() -> Router<Arc<Shared>> {
+    Router::new()
+        .route("/v1/messages", post(create))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/messages/render", post(render))
+}
 
 /// Block types `AnthropicContentBlock` accepts.
 const BLOCK_TYPES: [&str; 9] = [

@@ -23,10 +23,12 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 use hashbrown::HashMap;
 use parking_lot::Mutex;
 use serde_json::{Map, Value, json};
@@ -38,6 +40,15 @@ use super::{
     cache_write_tokens, disaggregation, query_bool, sse_response, unix_now_secs, vllm_validation,
 };
 use crate::engine::RequestSummary;
+
+/// The Responses API's paths, which the server mounts beside the chat and completion APIs.
+pub(super) fn routes() -> Router<Arc<Shared>> {
+    Router::new()
+        .route("/v1/responses", post(create))
+        .route("/v1/responses/render", post(render))
+        .route("/v1/responses/{response_id}", get(retrieve))
+        .route("/v1/responses/{response_id}/cancel", post(cancel))
+}
 
 /// vLLM's switch for the store (`vllm/envs.py`), read as `bool(int(value))`.
 pub const STORE_ENV: &str = "VLLM_ENABLE_RESPONSES_API_STORE";
@@ -1132,6 +1143,7 @@ pub(super) async fn render(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::tests::obj;
 
     fn role_content(m: &Value) -> (String, Value) {
         (
@@ -1208,17 +1220,16 @@ mod tests {
 
     #[test]
     fn tool_choice_rules() {
-        let body = |v: Value| v.as_object().cloned().unwrap();
-        assert_eq!(check_tool_usage(&body(json!({}))).unwrap(), "none");
+        assert_eq!(check_tool_usage(&obj(json!({}))).unwrap(), "none");
         assert_eq!(
-            check_tool_usage(&body(json!({"tools": [{"type": "function", "name": "f"}]}))).unwrap(),
+            check_tool_usage(&obj(json!({"tools": [{"type": "function", "name": "f"}]}))).unwrap(),
             "auto"
         );
-        let e = check_tool_usage(&body(json!({"tool_choice": "required"}))).unwrap_err();
+        let e = check_tool_usage(&obj(json!({"tool_choice": "required"}))).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("tool_choice"));
         let named = json!({"tools": [{"type": "function", "name": "f"}],
                            "tool_choice": {"type": "function", "name": "g"}});
-        assert!(check_tool_usage(&body(named)).is_err());
+        assert!(check_tool_usage(&obj(named)).is_err());
     }
 
     #[test]

@@ -334,11 +334,8 @@ fn py_str(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::tests::obj;
     use serde_json::json;
-
-    fn obj(v: Value) -> Map<String, Value> {
-        v.as_object().cloned().unwrap()
-    }
 
     #[test]
     fn a_missing_field_reads_as_fastapi_and_vllm_render_it() {

@@ -19,11 +19,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use vllm_sim::engine::{KvEvent, StoredBlocks};
+use vllm_sim::engine::KvEvent;
 use vllm_sim::kv_events::wire_batch;
 use vllm_sim::metrics::ServerInfo;
 use vllm_wire::kv_events::{
-    BlockHash, WireBatch, WireEvent, cache_salt, decode_batch, encode_batch,
+    BlockHash, BlockStored, WireBatch, WireEvent, block_extra_keys, cache_salt, decode_batch,
+    encode_batch,
 };
 
 /// The simulator's own fixtures (metric names and a captured `/metrics` page).
@@ -36,27 +37,40 @@ fn wire_fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../control-plane/vllm-wire/tests/fixtures/vllm")
 }
 
-/// The engine events a decoded batch reports: hashes as integers, the salt as the router reads
-/// it (`vllm_wire::kv_events::cache_salt`). Each store and removal here is on the GPU.
+/// The engine events a decoded batch reports: what the engine knows of a run (hashes as
+/// integers, LoRA, the salt as the router reads it with `vllm_wire::kv_events::cache_salt`),
+/// the extra keys rebuilt from those as the engine builds them. Each store and removal here is
+/// on the GPU.
 fn engine_events(batch: &WireBatch) -> Vec<KvEvent> {
+    let int = |h: &BlockHash| BlockHash::Int(h.to_u64());
     let ints = |hs: &[BlockHash]| hs.iter().map(BlockHash::to_u64).collect();
     batch
         .events
         .iter()
         .map(|e| match e {
-            WireEvent::BlockStored(s) => KvEvent::BlockStored(StoredBlocks {
-                block_hashes: ints(&s.block_hashes),
-                parent_block_hash: s.parent_block_hash.as_ref().map(BlockHash::to_u64),
-                token_ids: s.token_ids.clone(),
-                block_size: s.block_size,
-                lora_id: s.lora_id.map(|l| u32::try_from(l).unwrap()),
-                lora_name: s.lora_name.clone(),
-                cache_salt: s
+            WireEvent::BlockStored(s) => {
+                let salt = s
                     .parent_block_hash
                     .is_none()
                     .then(|| cache_salt(s.extra_keys.as_ref(), s.lora_name.as_deref()))
-                    .flatten(),
-            }),
+                    .flatten();
+                let blocks = s.block_hashes.len();
+                KvEvent::BlockStored(BlockStored {
+                    lora_id: s.lora_id,
+                    lora_name: s.lora_name.clone(),
+                    extra_keys: Some(block_extra_keys(
+                        blocks,
+                        s.lora_name.as_deref(),
+                        salt.as_deref(),
+                    )),
+                    ..BlockStored::on_gpu(
+                        s.block_hashes.iter().map(int).collect(),
+                        s.parent_block_hash.as_ref().map(int),
+                        s.token_ids.clone(),
+                        s.block_size,
+                    )
+                })
+            }
             WireEvent::BlockRemoved(r) => KvEvent::BlockRemoved {
                 block_hashes: ints(&r.block_hashes),
             },
@@ -75,11 +89,8 @@ fn the_engines_events_are_the_events_a_vllm_block_pool_publishes() {
     assert!(
         events.iter().any(|e| matches!(
             e,
-            KvEvent::BlockStored(StoredBlocks {
-                cache_salt: Some(_),
-                lora_name: Some(_),
-                ..
-            })
+            KvEvent::BlockStored(s) if s.lora_name.is_some()
+                && cache_salt(s.extra_keys.as_ref(), s.lora_name.as_deref()).is_some()
         )),
         "the scenario has a salted LoRA store"
     );
