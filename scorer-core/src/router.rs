@@ -3104,15 +3104,11 @@ fn cold_latency_from_warm(candidates: &mut [(EndpointId, CandidateScore)], min_s
         .filter(|(_, c)| c.latency_samples >= min_samples)
         .map(|(_, c)| c.latency_ms)
         .collect();
-    if warm.is_empty() || warm.len() == candidates.len() {
+    if warm.len() == candidates.len() {
         return;
     }
-    warm.sort_by(f64::total_cmp);
-    let mid = warm.len() / 2;
-    let median = if warm.len().is_multiple_of(2) {
-        (warm[mid - 1] + warm[mid]) / 2.0
-    } else {
-        warm[mid]
+    let Some(median) = crate::self_check::median(&mut warm) else {
+        return;
     };
     for (_, c) in candidates
         .iter_mut()
@@ -4368,18 +4364,9 @@ mod tests {
         assert_eq!(scored_precisely(&mut r, 1), Some(true));
         r.update_metrics(a, scraped(2 * block_tokens), 2);
         r.update_metrics(a, scraped(2 * block_tokens), 3);
-        assert_eq!(
-            state(&r),
-            (RoutingState::Degraded, Some(StateReason::BlockSize))
-        );
-        assert_eq!(
-            scored_precisely(&mut r, 4),
-            Some(false),
-            "approximate while its blocks differ"
-        );
+        assert_degraded_approximate(&mut r, a, StateReason::BlockSize, 4);
         r.update_metrics(a, scraped(block_tokens), 5);
-        assert_eq!(state(&r), (RoutingState::Exact, None));
-        assert_eq!(scored_precisely(&mut r, 6), Some(true));
+        assert_exact_precise(&mut r, a, 6);
         assert_degraded_and_back(
             &mut r,
             a,
@@ -4404,6 +4391,34 @@ mod tests {
             r.set_event_stream(e, true);
         }
         r
+    }
+
+    /// Endpoint `a`'s routing state and its reason.
+    fn state_of(r: &Router, a: &str) -> (RoutingState, Option<StateReason>) {
+        let views = r.endpoints(0);
+        let v = views
+            .iter()
+            .find(|v| v.address == a)
+            .expect("a known endpoint");
+        (v.routing_state, v.state_reason)
+    }
+
+    /// Asserts that `a` is degraded for `reason` and that a precise request routed at `now`
+    /// scores it from the approximate index.
+    fn assert_degraded_approximate(r: &mut Router, a: &str, reason: StateReason, now: u64) {
+        assert_eq!(state_of(r, a), (RoutingState::Degraded, Some(reason)));
+        assert_eq!(
+            scored_precisely(r, a, now),
+            Some(false),
+            "approximate while {reason:?}"
+        );
+    }
+
+    /// Asserts that `a` is exact and that a precise request routed at `now` scores it from its
+    /// event index.
+    fn assert_exact_precise(r: &mut Router, a: &str, now: u64) {
+        assert_eq!(state_of(r, a), (RoutingState::Exact, None));
+        assert_eq!(scored_precisely(r, a, now), Some(true));
     }
 
     /// Whether a precise request of three token blocks routed at `now` scored `endpoint` from
@@ -4441,15 +4456,7 @@ mod tests {
         assert_eq!(state(&r), (RoutingState::Exact, None), "no gap: exact");
 
         r.note_event_gap(a);
-        assert_eq!(
-            state(&r),
-            (RoutingState::Degraded, Some(StateReason::KvEventGap))
-        );
-        assert_eq!(
-            scored_precisely(&mut r, 2),
-            Some(false),
-            "approximate while the gap is outstanding"
-        );
+        assert_degraded_approximate(&mut r, a, StateReason::KvEventGap, 2);
         for _ in 0..3 {
             r.note_event_batch_in_sequence(a);
         }
@@ -4463,8 +4470,7 @@ mod tests {
             "still losing batches: the count started again"
         );
         r.note_event_batch_in_sequence(a);
-        assert_eq!(state(&r), (RoutingState::Exact, None));
-        assert_eq!(scored_precisely(&mut r, 3), Some(true));
+        assert_exact_precise(&mut r, a, 3);
         assert_degraded_and_back(
             &mut r,
             a,
@@ -4490,27 +4496,17 @@ mod tests {
         let a = "10.0.0.0:8000";
         let mut r = router_with_live_streams(config, &[a]);
         let state = first_state;
-        let scored_precisely = |r: &mut Router, now| scored_precisely(r, a, now);
         // A healthy hybrid stream: both kinds in one batch, or other groups alone now and then.
         r.note_event_groups(a, 1, 1);
         r.note_event_groups(a, 0, 1);
         r.note_event_groups(a, 0, 0);
         r.note_event_groups(a, 0, 1);
         assert_eq!(state(&r), (RoutingState::Exact, None));
+        // Three batches in a row stored only other groups.
         r.note_event_groups(a, 0, 1);
-        assert_eq!(
-            state(&r),
-            (RoutingState::Degraded, Some(StateReason::EventGroups)),
-            "three batches in a row stored only other groups"
-        );
-        assert_eq!(
-            scored_precisely(&mut r, 1),
-            Some(false),
-            "approximate while degraded"
-        );
+        assert_degraded_approximate(&mut r, a, StateReason::EventGroups, 1);
         r.note_event_groups(a, 2, 0);
-        assert_eq!(state(&r), (RoutingState::Exact, None));
-        assert_eq!(scored_precisely(&mut r, 2), Some(true));
+        assert_exact_precise(&mut r, a, 2);
         assert_degraded_and_back(&mut r, a, StateReason::EventGroups, "one change each way");
     }
 
@@ -4553,11 +4549,6 @@ mod tests {
             }
             now
         };
-        let state_of = |r: &Router, e: &str| {
-            let v = r.endpoints(0);
-            let v = v.iter().find(|v| v.address == e).unwrap();
-            (v.routing_state, v.state_reason)
-        };
         // English prose everywhere, then code (fewer bytes a token) everywhere: no verdict.
         serve(&mut r, 200, &|_| 4.0);
         serve(&mut r, 200, &|_| 2.5);
@@ -4567,14 +4558,10 @@ mod tests {
         );
         // One endpoint's engine counts half again as many tokens.
         let now = serve(&mut r, 400, &|e| if e == odd { 1.6 } else { 2.5 });
-        assert_eq!(
-            state_of(&r, odd),
-            (RoutingState::Degraded, Some(StateReason::BytesPerToken))
-        );
+        assert_degraded_approximate(&mut r, odd, StateReason::BytesPerToken, now + 1);
         for e in &endpoints[..3] {
             assert_eq!(state_of(&r, e), (RoutingState::Exact, None), "{e}");
         }
-        assert_eq!(scored_precisely(&mut r, odd, now + 1), Some(false));
         // It counts as the others do again: trusted again.
         serve(&mut r, 800, &|_| 2.5);
         assert_eq!(state_of(&r, odd), (RoutingState::Exact, None));

@@ -466,16 +466,9 @@ impl TokenRatioCheck {
         if others.len() < 2 {
             return;
         }
-        others.sort_by(f64::total_cmp);
-        let mid = others.len() / 2;
-        let median = if others.len().is_multiple_of(2) {
-            (others[mid - 1] + others[mid]) / 2.0
-        } else {
-            others[mid]
-        };
-        if median <= 0.0 {
+        let Some(median) = median(others).filter(|m| *m > 0.0) else {
             return;
-        }
+        };
         // Symmetric in log space: twice as many bytes per token is as far off as half.
         let off = (own / median).ln().abs();
         let bound = if self.drifted {
@@ -489,6 +482,18 @@ impl TokenRatioCheck {
     /// Whether the endpoint tokenises otherwise than its pool.
     pub fn drifted(&self) -> bool {
         self.drifted
+    }
+}
+
+/// The median of `values` (sorting them), `None` when there are none: what a check that
+/// compares one endpoint with its peers takes as the peers' typical value.
+pub(crate) fn median(values: &mut [f64]) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    match values.len() {
+        0 => None,
+        n if n.is_multiple_of(2) => Some((values[mid - 1] + values[mid]) / 2.0),
+        _ => Some(values[mid]),
     }
 }
 
