@@ -143,11 +143,8 @@ pub async fn run(
         std::fs::write(&cfg, yaml)?;
         let mut cmd = Command::new(&tools.control_plane);
         cmd.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
-        let mut proc = ManagedProcess::spawn(
-            "control-plane-scale",
-            cmd,
-            &out_dir.join(format!("control-plane-scale-{n}.log")),
-        )?;
+        let mut proc =
+            ManagedProcess::spawn_logged_in(&format!("control-plane-scale-{n}"), cmd, out_dir)?;
         let metrics_url = format!("http://127.0.0.1:{admin}/metrics");
         let scrapes_ok = async || -> anyhow::Result<f64> {
             let text = client.get(&metrics_url, Duration::from_secs(5)).await?.body;

@@ -165,6 +165,23 @@ pub async fn post_chat(
     .await
 }
 
+/// POSTs JSON `body` to `url` (any API's path) and reads the whole answer, asserting a 200;
+/// a failure names `fleet`'s logs.
+pub async fn post_json_ok(
+    client: &HttpClient,
+    fleet: &Fleet,
+    url: &str,
+    body: &Value,
+    timeout: Duration,
+) -> HttpResponse {
+    let r = client
+        .post_json(url, body, timeout)
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e} ({})", fleet.describe()));
+    assert_eq!(r.status, 200, "{url}: {} ({})", r.body, fleet.describe());
+    r
+}
+
 /// [`post_chat`] through `fleet`'s Envoy with `fleet`'s client, which is what most tests send.
 pub async fn chat_through(
     fleet: &Fleet,

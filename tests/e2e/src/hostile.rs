@@ -71,6 +71,16 @@ async fn cp_value(fleet: &Fleet, name: &str) -> f64 {
     prometheus_sum(&common::cp_metrics(fleet).await, name)
 }
 
+/// A fleet of `replicas` whose filter and control plane take `plugin` and `control_plane`
+/// (each test here sets both: the defence it checks lives in one or the other).
+async fn hostile_fleet(name: &str, replicas: usize, plugin: Value, control_plane: Value) -> Fleet {
+    common::start_configured(name, replicas, MODEL, |cfg| {
+        cfg.plugin_config = plugin;
+        cfg.control_plane_extra = control_plane;
+    })
+    .await
+}
+
 /// Defect 1: a control plane stalled for 3 s (SIGSTOP) while a client sends 20 req/s. Every
 /// request fails open after the filter's route timeout, and the control plane, resumed, works
 /// through the route calls queued in its socket. Before the fix each became an in-flight entry
@@ -80,10 +90,12 @@ async fn cp_value(fleet: &Fleet, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_control_plane_leaves_no_phantom_load() {
     common::bounded(TEST_TIMEOUT, async {
-        let fleet = common::start_configured("e2e-hostile-stall", 2, MODEL, |cfg| {
-            cfg.plugin_config = json!({"route_timeout_ms": 150});
-            cfg.control_plane_extra = admission(4.0);
-        })
+        let fleet = hostile_fleet(
+            "e2e-hostile-stall",
+            2,
+            json!({"route_timeout_ms": 150}),
+            admission(4.0),
+        )
         .await;
         let (before, _) = sequential(&fleet, 1, 5).await;
         assert_eq!(before.get(&200), Some(&5), "{before:?}");
@@ -133,10 +145,12 @@ async fn a_stalled_control_plane_leaves_no_phantom_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_api_call_cannot_take_a_replica_out_or_release_others_load() {
     common::bounded(TEST_TIMEOUT, async {
-        let fleet = common::start_configured("e2e-hostile-api", 2, MODEL, |cfg| {
-            cfg.plugin_config = json!({"auth_token": TOKEN, "route_timeout_ms": 5000});
-            cfg.control_plane_extra = json!({"auth_token": TOKEN});
-        })
+        let fleet = hostile_fleet(
+            "e2e-hostile-api",
+            2,
+            json!({"auth_token": TOKEN, "route_timeout_ms": 5000}),
+            json!({"auth_token": TOKEN}),
+        )
         .await;
         let cp = fleet.control_plane.as_ref().unwrap();
         let api = format!("http://{}", cp.api_address);
@@ -249,10 +263,12 @@ async fn one_api_call_cannot_take_a_replica_out_or_release_others_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequential_client_is_never_shed_for_its_own_finished_requests() {
     common::bounded(TEST_TIMEOUT, async {
-        let fleet = common::start_configured("e2e-hostile-lag", 2, MODEL, |cfg| {
-            cfg.plugin_config = json!({"feedback_interval_ms": 1000, "route_timeout_ms": 5000});
-            cfg.control_plane_extra = admission(4.0);
-        })
+        let fleet = hostile_fleet(
+            "e2e-hostile-lag",
+            2,
+            json!({"feedback_interval_ms": 1000, "route_timeout_ms": 5000}),
+            admission(4.0),
+        )
         .await;
         let started = Instant::now();
         let (statuses, _) = sequential(&fleet, 1, 100).await;
@@ -270,17 +286,19 @@ async fn a_sequential_client_is_never_shed_for_its_own_finished_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_cannot_claim_another_tenant() {
     common::bounded(TEST_TIMEOUT, async {
-        let fleet = common::start_configured("e2e-hostile-tenant", 1, MODEL, |cfg| {
-            cfg.plugin_config = json!({"route_timeout_ms": 5000});
-            cfg.control_plane_extra = json!({
+        let fleet = hostile_fleet(
+            "e2e-hostile-tenant",
+            1,
+            json!({"route_timeout_ms": 5000}),
+            json!({
                 "admission": {
                     "queue_limit": 100.0,
                     "kv_limit": 1.0,
                     "default_tenant": {"max_prompt_bytes": 2000},
                     "tenants": {"vip": {"weight": 1.0}},
                 }
-            });
-        })
+            }),
+        )
         .await;
         let body = common::user_chat(MODEL, &common::words(3, 1_000), 4);
         for header in ["x-kvroute-tenant", "x-llm-d-inference-fairness-id"] {
@@ -295,14 +313,8 @@ async fn a_client_cannot_claim_another_tenant() {
         }
         // A short prompt passes, whatever it claims.
         let short = common::user_chat(MODEL, &common::words(4, 20), 4);
-        let r = common::chat_through(
-            &fleet,
-            &short,
-            &[("x-kvroute-tenant", "vip")],
-            REQUEST_TIMEOUT,
-        )
-        .await;
-        assert_eq!(r.status, 200, "{}", r.body);
+        let claimed = [("x-kvroute-tenant", "vip")];
+        common::chat_ok(fleet.client(), &fleet, &short, &claimed, REQUEST_TIMEOUT).await;
     })
     .await;
 }

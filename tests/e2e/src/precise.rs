@@ -327,16 +327,13 @@ async fn predicted_cached_tokens_match_under_eviction() {
 /// A small byte-level BPE model directory with a ChatML template behind a BOS token, as a
 /// Hugging Face model ships it.
 fn model_dir(name: &str) -> PathBuf {
-    use vllm_sim::tokenizer::write_chatml_model_dir;
     let corpus = [
         "You are a terse assistant. Conversation about caches and routers.",
         "the of and to in is was that for on with as by at from it an be this are",
         "which or have not has but were had their one all been can more its new other",
         "data model cache token request server route fleet block prefix latency batch queue",
     ];
-    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
-    write_chatml_model_dir(&dir, &corpus, 500).unwrap();
-    dir
+    vllm_sim::tokenizer::temp_chatml_model_dir(name, &corpus, 500).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -437,17 +434,7 @@ async fn agent_conversations_are_predicted_within_five_percent(api: AgentApi, na
                 let seed = 700 + c as u64;
                 let (path, body) = api.turn(seed, history, text(seed * 10 + turn, 150));
                 let url = format!("{}{path}", fleet.url());
-                let r = common::request(
-                    &client,
-                    "POST",
-                    &url,
-                    &[("content-type", "application/json")],
-                    Some(body.to_string()),
-                    REQUEST_TIMEOUT,
-                    &fleet,
-                )
-                .await;
-                assert_eq!(r.status, 200, "{}", r.body);
+                let r = common::post_json_ok(&client, &fleet, &url, &body, REQUEST_TIMEOUT).await;
                 let answer: Value = serde_json::from_str(&r.body).unwrap();
                 engine_cached += api.answered(&answer, history);
                 // A user's think time: the engine's events for this turn land before the next.

@@ -320,6 +320,12 @@ pub struct ManagedProcess {
 }
 
 impl ManagedProcess {
+    /// [`ManagedProcess::spawn`] with its log at `dir/<name>.log`, where the tools and the
+    /// tests look for a process's log.
+    pub fn spawn_logged_in(name: &str, command: Command, dir: &Path) -> Result<ManagedProcess> {
+        Self::spawn(name, command, &dir.join(format!("{name}.log")))
+    }
+
     /// Starts `command` in its own process group with stdout+stderr appended to `log`.
     pub fn spawn(name: &str, mut command: Command, log: &Path) -> Result<ManagedProcess> {
         use std::os::unix::process::CommandExt as _;

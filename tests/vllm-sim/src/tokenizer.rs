@@ -320,6 +320,18 @@ pub fn write_chatml_model_dir(
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).map_err(io)
 }
 
+/// [`write_chatml_model_dir`] into a directory of the system's temporary folder named for
+/// `name` and this process (so parallel test binaries never share one); returns it.
+pub fn temp_chatml_model_dir(
+    name: &str,
+    corpus: &[&str],
+    vocab_size: usize,
+) -> Result<PathBuf, SimError> {
+    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+    write_chatml_model_dir(&dir, corpus, vocab_size)?;
+    Ok(dir)
+}
+
 /// What vLLM takes from `tokenizer_config.json` beside the tokenizer: the special tokens a chat
 /// template refers to, and the model's own chat template.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -519,11 +519,7 @@ async fn http_decisions(
         cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["--profile", "fast", "--model", bench::MODEL])
             .args(["--kv-capacity-tokens", "8000000"]);
-        let mut sim = ManagedProcess::spawn(
-            "vllm-sim-metrics",
-            cmd,
-            &out_dir.join("vllm-sim-metrics.log"),
-        )?;
+        let mut sim = ManagedProcess::spawn_logged_in("vllm-sim-metrics", cmd, out_dir)?;
         let url = format!("http://127.0.0.1:{port}/metrics");
         let text = bench::wait_while_running(
             &mut sim,
@@ -562,11 +558,7 @@ async fn http_decisions(
         None => Command::new(&tools.control_plane),
     };
     cmd.arg("--config").arg(&cfg).env("RUST_LOG", "warn");
-    let mut proc = ManagedProcess::spawn(
-        "control-plane-bench",
-        cmd,
-        &out_dir.join("control-plane-bench.log"),
-    )?;
+    let mut proc = ManagedProcess::spawn_logged_in("control-plane-bench", cmd, out_dir)?;
     let admin_metrics = format!("http://127.0.0.1:{admin}/metrics");
     let gauge = async |name: &str| -> f64 {
         client
@@ -630,11 +622,7 @@ async fn http_decisions(
             .arg(&data)
             .args(["-p", &proc.pid().to_string(), "--", "sleep"])
             .arg(args.load_seconds.to_string());
-        Some(ManagedProcess::spawn(
-            "perf",
-            c,
-            &out_dir.join("perf-record.log"),
-        )?)
+        Some(ManagedProcess::spawn_logged_in("perf-record", c, out_dir)?)
     } else {
         None
     };

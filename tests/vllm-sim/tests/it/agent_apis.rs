@@ -648,9 +648,8 @@ async fn messages_errors_take_vllms_shapes() {
 
 #[tokio::test]
 async fn paths_a_generative_vllm_does_not_mount_are_404_and_detokenize_works() {
-    let dir = std::env::temp_dir().join(format!("vllm-sim-agent-{}", std::process::id()));
-    vllm_sim::tokenizer::write_chatml_model_dir(
-        &dir,
+    let dir = vllm_sim::tokenizer::temp_chatml_model_dir(
+        "sim-agent",
         &[
             "hello world, the cache keeps the prefix",
             "of every request so routing works",

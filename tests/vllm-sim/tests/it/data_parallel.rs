@@ -134,18 +134,27 @@ async fn first_batch(sub: &mut SubSocket, mut send: impl AsyncFnMut(u32)) -> Val
     panic!("no KV-event batch");
 }
 
-#[tokio::test]
-async fn each_rank_publishes_its_kv_events_on_the_port_offset_by_its_rank() {
-    // A fixed base port: port 0 would leave every rank to the OS, as in vLLM.
+/// A server of `size` ranks (or only `rank`, the external-load-balancer layout) publishing KV
+/// events from a fixed base port (port 0 would leave every rank to the OS, as in vLLM), and
+/// that base port.
+async fn publishing(size: &str, rank: Option<&str>) -> (vllm_sim::server::SimServer, u16) {
     let base = kvroute_harness::free_port_run(3).expect("free ports");
     let endpoint = format!("tcp://127.0.0.1:{base}");
-    let sim = start(&[
+    let mut args = vec![
         "--data-parallel-size",
-        "3",
+        size,
         "--kv-events-endpoint",
         &endpoint,
-    ])
-    .await;
+    ];
+    if let Some(rank) = rank {
+        args.extend(["--data-parallel-rank", rank]);
+    }
+    (start(&args).await, base)
+}
+
+#[tokio::test]
+async fn each_rank_publishes_its_kv_events_on_the_port_offset_by_its_rank() {
+    let (sim, base) = publishing("3", None).await;
     let want: Vec<String> = (0..3)
         .map(|r| format!("tcp://127.0.0.1:{}", base + r))
         .collect();
@@ -167,17 +176,7 @@ async fn each_rank_publishes_its_kv_events_on_the_port_offset_by_its_rank() {
     }
 
     // The external-load-balancer layout: one rank per server, stamped and offset the same.
-    let base = kvroute_harness::free_port_run(3).expect("free ports");
-    let endpoint = format!("tcp://127.0.0.1:{base}");
-    let one = start(&[
-        "--data-parallel-size",
-        "3",
-        "--data-parallel-rank",
-        "2",
-        "--kv-events-endpoint",
-        &endpoint,
-    ])
-    .await;
+    let (one, base) = publishing("3", Some("2")).await;
     assert_eq!(
         one.kv_events_endpoints,
         vec![format!("tcp://127.0.0.1:{}", base + 2)]

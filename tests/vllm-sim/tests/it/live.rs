@@ -655,8 +655,6 @@ async fn speed_scales_wall_time_not_simulated_time() {
 
 #[tokio::test]
 async fn a_real_tokenizer_and_chat_template_keep_chat_turns_cached() {
-    use vllm_sim::tokenizer::write_chatml_model_dir;
-
     let corpus = [
         "You are a terse assistant. Answer in one line.",
         "Explain how a prefix cache helps the next turn of a conversation.",
@@ -664,9 +662,8 @@ async fn a_real_tokenizer_and_chat_template_keep_chat_turns_cached() {
         "which or have not has but were had their one all been can more its new other",
         "Thanks! And how does the router pick a replica for each request?",
     ];
-    let dir = std::env::temp_dir().join(format!("kvroute-sim-tok-{}", std::process::id()));
     // The model's own template comes from tokenizer_config.json, as in vLLM.
-    write_chatml_model_dir(&dir, &corpus, 400).unwrap();
+    let dir = vllm_sim::tokenizer::temp_chatml_model_dir("sim-tok", &corpus, 400).unwrap();
     let sim = start(&["--tokenizer", dir.to_str().unwrap()]).await;
     let c = HttpClient::new();
     let base = sim.url();
