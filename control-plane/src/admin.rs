@@ -29,6 +29,8 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 #[derive(Debug)]
 struct Admin {
     state: Arc<State>,
+    /// Precise mode's tokenizer and kept prompts, for `/debug/mismatch`'s diverging block.
+    precise: Option<Arc<crate::tokenize::Precise>>,
     registry: Registry,
     /// Sparkline samples; the sampler task stops once this is dropped with the router.
     history: Arc<History>,
@@ -36,8 +38,14 @@ struct Admin {
 
 /// The admin router; serve it on `admin_listen`. Inside a tokio runtime it also starts the
 /// fleet page's sampler, which lives as long as the router. With `admin_token`, every page
-/// but `/healthz` and `/metrics` asks for it (see [`PageAuth`]).
-pub fn router(state: Arc<State>, admin_token: Option<String>) -> axum::Router {
+/// but `/healthz` and `/metrics` asks for it (see [`PageAuth`]). `precise` (the control
+/// plane's tokenizer and its kept prompts) lets `/debug/mismatch` show where a precise
+/// prompt's two views part.
+pub fn router(
+    state: Arc<State>,
+    admin_token: Option<String>,
+    precise: Option<Arc<crate::tokenize::Precise>>,
+) -> axum::Router {
     let mut registry = telemetry::registry(state.clone());
     registry.register_collector(Box::new(fleet_page::ObservabilityCollector(state.clone())));
     if let Some(gate) = state.admission() {
@@ -79,6 +87,7 @@ pub fn router(state: Arc<State>, admin_token: Option<String>) -> axum::Router {
         .fallback(not_found)
         .with_state(Arc::new(Admin {
             state,
+            precise,
             registry,
             history,
         }))
@@ -184,10 +193,37 @@ async fn decisions(
     Json(admin.state.recent_decisions(q.limit.unwrap_or(100))).into_response()
 }
 
+/// One `/debug/mismatch` entry: the router's record and, for a precise decision whose prompt
+/// is still kept, both views' token ids of the block where they part.
+#[derive(serde::Serialize)]
+struct MismatchView {
+    #[serde(flatten)]
+    record: scorer_core::reuse::MismatchRecord,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    diverging_block: Option<crate::tokenize::kept::DivergingBlock>,
+}
+
 /// The worst recent outcomes that delivered less than the index believed: predicted, believed
-/// and delivered tokens, and the engine block where the two views of the prompt part.
+/// and delivered tokens, and the engine block where the two views of the prompt part; for
+/// precise decisions, that block's token ids as the router tokenised the prompt and as the
+/// serving replica's render API renders it (asked now, concurrently, each within the
+/// tokenizer's timeout).
 async fn mismatch(AxumState(admin): AxumState<Arc<Admin>>) -> Response {
-    Json(admin.state.mismatches()).into_response()
+    let records = admin.state.mismatches();
+    let views = records.into_iter().map(|record| {
+        let precise = admin.precise.clone();
+        async move {
+            let diverging_block = match &precise {
+                Some(p) => p.diverging_block(&record).await,
+                None => None,
+            };
+            MismatchView {
+                record,
+                diverging_block,
+            }
+        }
+    });
+    Json(futures_util::future::join_all(views).await).into_response()
 }
 
 async fn decision(AxumState(admin): AxumState<Arc<Admin>>, Path(id): Path<String>) -> Response {

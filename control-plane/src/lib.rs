@@ -262,7 +262,11 @@ impl ControlPlane {
                 }
             }));
         }
-        let admin_router = admin::router(state.clone(), config.admin_token.clone());
+        let admin_router = admin::router(
+            state.clone(),
+            config.admin_token.clone(),
+            Some(precise.clone()),
+        );
         let mut api_task = tokio::spawn(serve(api, api_router, stop_rx.clone()));
         let mut admin_task = tokio::spawn(serve(admin, admin_router, stop_rx));
         tracing::info!(

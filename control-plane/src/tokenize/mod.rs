@@ -12,6 +12,7 @@
 pub mod cache;
 #[cfg(feature = "hf-tokenizer")]
 pub mod hf;
+pub mod kept;
 pub mod remote;
 
 use std::collections::HashSet;
@@ -101,6 +102,10 @@ enum Backend {
 /// Turns precise route requests into token-block hashes.
 pub struct Precise {
     backend: Backend,
+    /// Recent precise prompts, for `/debug/mismatch`'s diverging block ([`kept`]).
+    kept: kept::KeptPrompts,
+    /// Asks a replica's render API for its view of a kept prompt.
+    render: remote::RemoteTokenizer,
     /// Whole-prompt cache of the remote backend.
     prompts: TokenCache,
     /// Configured base model names (hash seeds of blocks stored without LoRA).
@@ -140,6 +145,11 @@ impl Precise {
         };
         Ok(Self {
             backend,
+            kept: kept::KeptPrompts::default(),
+            render: remote::RemoteTokenizer::new(
+                crate::config::RemoteApi::Render,
+                Duration::from_millis(p.tokenize_timeout_ms),
+            ),
             prompts: TokenCache::new(p.cache_entries),
             base_models: config
                 .endpoints
@@ -165,18 +175,30 @@ impl Precise {
     /// `prompt_text`, which is consumed. Returns how the request will be scored: `precise`, or
     /// why it stays approximate. `None` when the request did not ask for precise mode.
     pub async fn prepare(&self, state: &State, request: &mut RouteRequest) -> Option<&'static str> {
-        let text = request.prompt_text.take()?;
+        self.prepare_kept(state, request).await.0
+    }
+
+    /// [`Precise::prepare`], also returning the tokenised prompt for [`Precise::keep`] once
+    /// the decision has an id.
+    pub async fn prepare_kept(
+        &self,
+        state: &State,
+        request: &mut RouteRequest,
+    ) -> (Option<&'static str>, Option<kept::KeptPrompt>) {
+        let Some(text) = request.prompt_text.take() else {
+            return (None, None);
+        };
         if matches!(self.backend, Backend::None) {
-            return Some("no_tokenizer");
+            return (Some("no_tokenizer"), None);
         }
         if !state.any_event_stream() {
-            return Some("no_event_stream");
+            return (Some("no_event_stream"), None);
         }
         let started = Instant::now();
-        let result = self.tokenize(state, request.api, &text).await;
+        let result = self.tokenize_prompt(state, request.api, &text).await;
         let t = state.telemetry();
-        match result {
-            Ok(tokenized) => {
+        let how = match result {
+            Ok((tokenized, api, prompt)) => {
                 t.observe_tokenize(
                     self.backend_name(),
                     "ok",
@@ -194,7 +216,12 @@ impl Precise {
                 hashes.truncate(self.max_hashes);
                 request.token_block_hashes = hashes;
                 request.prompt_tokens = u32::try_from(tokenized.ids.len()).unwrap_or(u32::MAX);
-                Some("precise")
+                let kept = kept::KeptPrompt {
+                    api,
+                    prompt,
+                    ids: tokenized.ids,
+                };
+                return (Some("precise"), Some(kept));
             }
             // Not a failure: the prompt's tokens depend on what only the replica knows.
             Err(e @ TokenizeError::Unsupported(_)) => {
@@ -206,7 +233,37 @@ impl Precise {
                 tracing::debug!(error = %e, "tokenisation failed: routing approximately");
                 Some("tokenize_error")
             }
+        };
+        (how, None)
+    }
+
+    /// Keeps decision `decision_id`'s tokenised prompt for `/debug/mismatch` (bounded).
+    pub fn keep(&self, decision_id: u64, prompt: kept::KeptPrompt) {
+        self.kept.keep(decision_id, prompt);
+    }
+
+    /// For a precise decision's mismatch record, the router's and the serving engine's token
+    /// ids of the block where its delivered hit ended; `None` when the record is not precise
+    /// or its prompt is no longer kept. Asks the replica's render API.
+    pub async fn diverging_block(
+        &self,
+        record: &scorer_core::reuse::MismatchRecord,
+    ) -> Option<kept::DivergingBlock> {
+        if !record.precise {
+            return None;
         }
+        let prompt = self.kept.get(record.decision_id)?;
+        let engine = self
+            .render
+            .render_at(&record.endpoint, prompt.api, &prompt.prompt)
+            .await
+            .map_err(|e| e.to_string());
+        Some(kept::DivergingBlock::of(
+            record.parting_block,
+            record.block_tokens,
+            &prompt.ids,
+            engine,
+        ))
     }
 
     /// Token ids of `prompt_text` (the request's prompt fields as a JSON object).
@@ -216,6 +273,19 @@ impl Precise {
         api: Option<ApiKind>,
         prompt_text: &str,
     ) -> Result<Tokenized, TokenizeError> {
+        self.tokenize_prompt(state, api, prompt_text)
+            .await
+            .map(|(tokenized, _, _)| tokenized)
+    }
+
+    /// [`Precise::tokenize`], with the API and prompt fields the ids are of (the agent APIs as
+    /// the chat request vLLM makes of them).
+    async fn tokenize_prompt(
+        &self,
+        state: &State,
+        api: Option<ApiKind>,
+        prompt_text: &str,
+    ) -> Result<(Tokenized, ApiKind, Map<String, Value>), TokenizeError> {
         let prompt: Map<String, Value> = serde_json::from_str(prompt_text)
             .map_err(|e| TokenizeError::BadPrompt(format!("not a JSON object: {e}")))?;
         let api = match api {
@@ -247,7 +317,7 @@ impl Precise {
             ApiKind::Completion => {
                 // A prompt of token ids needs no tokenizer.
                 if let Some(ids) = token_id_prompt(prompt.get("prompt")) {
-                    return Ok(Tokenized { ids, cached: 0 });
+                    return Ok((Tokenized { ids, cached: 0 }, api, prompt));
                 }
                 match prompt.get("prompt") {
                     Some(Value::String(_)) => {}
@@ -266,23 +336,26 @@ impl Precise {
             Backend::Remote(r) => {
                 let key = xxh3_64_with_seed(key_text.as_bytes(), api as u64);
                 if let Some(ids) = self.prompts.get(key) {
-                    return Ok(Tokenized {
+                    let tokenized = Tokenized {
                         cached: ids.len(),
                         ids: ids.to_vec(),
-                    });
+                    };
+                    return Ok((tokenized, api, prompt));
                 }
                 let ids = r.tokenize(state, api, &prompt).await?;
                 self.prompts.insert(key, ids.clone().into());
-                Ok(Tokenized { ids, cached: 0 })
+                Ok((Tokenized { ids, cached: 0 }, api, prompt))
             }
             #[cfg(feature = "hf-tokenizer")]
             // CPU work (segment caching keeps it to each turn's new text): off the async
             // workers, so a long prompt does not stall other requests.
             Backend::Hf(h) => {
                 let h = h.clone();
-                tokio::task::spawn_blocking(move || h.tokenize(api, &prompt))
-                    .await
-                    .map_err(|e| TokenizeError::Tokenizer(format!("tokenizer task: {e}")))?
+                tokio::task::spawn_blocking(move || {
+                    h.tokenize(api, &prompt).map(|t| (t, api, prompt))
+                })
+                .await
+                .map_err(|e| TokenizeError::Tokenizer(format!("tokenizer task: {e}")))?
             }
         }
     }

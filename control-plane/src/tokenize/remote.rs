@@ -90,6 +90,23 @@ impl RemoteTokenizer {
             .map_err(|_| TokenizeError::Timeout(self.timeout))?
     }
 
+    /// Token ids of `prompt` as the replica at `address` renders it (whatever this client's
+    /// API: the diagnosis of `/debug/mismatch` asks the replica that served).
+    pub async fn render_at(
+        &self,
+        address: &str,
+        api: ApiKind,
+        prompt: &Map<String, Value>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let (path, body) = self.request(api, prompt);
+        let body = Bytes::from(
+            serde_json::to_vec(&body).map_err(|e| TokenizeError::BadPrompt(e.to_string()))?,
+        );
+        tokio::time::timeout(self.timeout, self.call(address, path, body))
+            .await
+            .map_err(|_| TokenizeError::Timeout(self.timeout))?
+    }
+
     /// One tokenisation call to `address` (a data-parallel rank's server answers for it: the
     /// tokenizer is the API server's).
     async fn call(

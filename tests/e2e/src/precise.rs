@@ -29,7 +29,7 @@ use kvroute_harness::loadgen::stream_chat;
 use kvroute_harness::{Fleet, HttpClient, HttpResponse, REPLICA_HEADER, Tools, prometheus_sum};
 use serde_json::{Value, json};
 
-use crate::common::{self, Conversation, cp_metrics, endpoint_value, replica_of, tools};
+use crate::common::{self, Conversation, cp_get, cp_metrics, endpoint_value, replica_of, tools};
 
 /// Every test finishes within this, or fails.
 const TEST_TIMEOUT: Duration = Duration::from_secs(120);
@@ -66,6 +66,26 @@ async fn precise_fleet_with(
     tokenizer: &Tokenizer,
     sim_args: &[String],
 ) -> Fleet {
+    precise_fleet_lasting(
+        tools,
+        name,
+        replicas,
+        tokenizer,
+        sim_args,
+        SPECULATIVE_TTL_MS,
+    )
+    .await
+}
+
+/// [`precise_fleet_with`] whose routed requests' speculative entries live `ttl_ms`.
+async fn precise_fleet_lasting(
+    tools: &Tools,
+    name: &str,
+    replicas: usize,
+    tokenizer: &Tokenizer,
+    sim_args: &[String],
+    ttl_ms: u64,
+) -> Fleet {
     let mut cfg = common::fleet_config(name, replicas, MODEL);
     cfg.sim_args = vec!["--speed".into(), "5".into()];
     cfg.sim_args.extend_from_slice(sim_args);
@@ -84,7 +104,7 @@ async fn precise_fleet_with(
     };
     // The replicas run the H100 profile at 5x speed: 50 prefill tokens a millisecond, which
     // the router's queue model (and the eviction it predicts from it) must know.
-    cfg.control_plane_router = common::precise_router(SPECULATIVE_TTL_MS);
+    cfg.control_plane_router = common::precise_router(ttl_ms);
     cfg.plugin_config = json!({
         "route_timeout_ms": 3000,
         "allow_explain": true,
@@ -354,6 +374,57 @@ async fn in_process_tokenizer_matches_the_engines() {
         assert!(
             cached > fresh,
             "cached {cached} vs fresh {fresh} tokens:\n{m}"
+        );
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// Issue #18 point 3: for a precise request that delivered less than the index believed,
+// `/debug/mismatch` shows the router's and the engine's token ids of the block where they
+// part. A replica started with another chat template (its render API too) writes a preamble
+// first: the router's speculative entries for turn 1 make it believe turn 2's prefix there,
+// the engine delivers none of it, and block 0 differs between the two views.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatch_shows_both_views_of_the_first_diverging_block() {
+    let tools = tools();
+    let name = "e2e-precise-diverging";
+    let dir = model_dir(name);
+    bounded(async {
+        let hf = Tokenizer::Hf(dir.clone());
+        let fleet = precise_fleet_lasting(&tools, name, 1, &hf, &[], 10_000).await;
+        let replica = fleet.replica_addresses()[0].clone();
+        let fault = json!({"other_chat_template": true, "other_render_template": true});
+        common::set_sim_fault(fleet.client(), &replica, &fault).await;
+        let client = HttpClient::new();
+        let mut conv = Conversation::new(MODEL, 31, 300, 40);
+        let mut found = None;
+        for _ in 0..6 {
+            conv.turn(&client, &fleet, 8, &[]).await;
+            let list: Value = serde_json::from_str(&cp_get(&fleet, "/debug/mismatch").await)
+                .expect("a JSON list");
+            found = list
+                .as_array()
+                .and_then(|l| l.iter().find(|r| r["diverging_block"].is_object()).cloned());
+            if found.is_some() {
+                break;
+            }
+        }
+        let record = found.unwrap_or_else(|| {
+            panic!(
+                "no precise mismatch with a diverging block ({})",
+                fleet.describe()
+            )
+        });
+        eprintln!("diverging block: {record}");
+        let block = &record["diverging_block"];
+        assert_eq!(block["same_tokens"], false, "{record:#}");
+        let (router, engine) = (&block["router_token_ids"], &block["engine_token_ids"]);
+        assert!(
+            router.as_array().is_some_and(|r| !r.is_empty())
+                && engine.as_array().is_some_and(|e| !e.is_empty())
+                && router != engine,
+            "{record:#}"
         );
     })
     .await;

@@ -295,6 +295,12 @@ pub struct FaultState {
     /// the render API keep the pool's template, as the router's tokenizer has it (a router
     /// tokenising through this replica's render API would otherwise see either template).
     pub other_chat_template: bool,
+    /// With `other_chat_template`: the render API (`/v1/chat/completions/render`) renders with
+    /// the other template too, as the whole server of a replica started with another
+    /// `--chat-template` does; what a diagnosis reads the engine's token ids from. Off by
+    /// default because a router tokenising through the replicas' render API would then see
+    /// either template.
+    pub other_render_template: bool,
     /// The engine knows every LoRA adapter under another name (`<name>-alias`): its block
     /// hashes and KV events name the alias, not the adapter the requests name, as a replica
     /// that loaded the adapter under another name behind a model rewrite would.
@@ -1107,6 +1113,17 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
 }
 
 impl Shared {
+    /// Puts what the `other_chat_template` fault's template writes before the conversation
+    /// in front of `prompt`.
+    fn write_other_template(&self, prompt: &mut Vec<u32>) -> Result<(), ApiError> {
+        let preamble = self
+            .tokenizer
+            .encode(OTHER_TEMPLATE_PREAMBLE, false)
+            .map_err(|e| bad_request(e.to_string()))?;
+        prompt.splice(0..0, preamble);
+        Ok(())
+    }
+
     /// Validates the `model` field; returns the LoRA adapter it names, if any.
     fn resolve_model(&self, model: Option<&str>) -> Result<Option<String>, ApiError> {
         match model {
@@ -1260,11 +1277,7 @@ async fn chat_completions(
     let msgs = s.chat_messages(&req.messages)?;
     let mut prompt = s.chat_prompt(&msgs, req.add_generation_prompt, req.add_special_tokens)?;
     if s.fault.lock().other_chat_template {
-        let preamble = s
-            .tokenizer
-            .encode(OTHER_TEMPLATE_PREAMBLE, false)
-            .map_err(|e| bad_request(e.to_string()))?;
-        prompt.splice(0..0, preamble);
+        s.write_other_template(&mut prompt)?;
     }
     let (remote_prefilled, kv_transfer) =
         disaggregation(&s, &headers, "/v1/chat/completions", &body, prompt.len()).await;
@@ -1736,11 +1749,15 @@ async fn detokenize(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
 async fn render_chat(State(s): State<Arc<Shared>>, body: Bytes) -> ApiResult {
     let req: ChatRequest = parse(&body)?;
     s.resolve_model(req.model.as_deref())?;
-    let tokens = s.chat_prompt(
+    let mut tokens = s.chat_prompt(
         &s.chat_messages(&req.messages)?,
         req.add_generation_prompt,
         req.add_special_tokens,
     )?;
+    let fault = s.fault.lock().clone();
+    if fault.other_chat_template && fault.other_render_template {
+        s.write_other_template(&mut tokens)?;
+    }
     Ok(axum::Json(json!({"token_ids": tokens, "model": s.model})).into_response())
 }
 
