@@ -1,7 +1,8 @@
 //! The control plane's Prometheus text parser (`vllm_wire::prom`, a sans-IO crate: no tokio or
 //! axum under ASan). Whatever a replica's `/metrics` returns, parsing
 //! must end without a panic, in linear time, and an accepted page must yield sane numbers; the
-//! scrape path (`scrape_vllm_metrics`) must read what the full parser reads.
+//! scrape path (`scrape_vllm_metrics`) must read what the full parser reads, and one
+//! data-parallel engine's view (`scrape_vllm_engine_metrics`) must end as cleanly.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -23,6 +24,12 @@ fuzz_target!(|input: &[u8]| {
     }
     if let Ok(m) = scraped {
         assert!((0.0..=1.0).contains(&m.kv_usage), "kv_usage {}", m.kv_usage);
+    }
+    // One data-parallel engine's view of the page ends cleanly and is sane too.
+    for engine in 0..3 {
+        if let Ok(m) = prom::scrape_vllm_engine_metrics(text, engine) {
+            assert!((0.0..=1.0).contains(&m.kv_usage), "kv_usage {}", m.kv_usage);
+        }
     }
     for sample in prom::samples(text).take(10_000) {
         let Ok(sample) = sample else {
