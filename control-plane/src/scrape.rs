@@ -5,6 +5,8 @@
 //! `unreachable_after_failures` consecutive failures (refused, timed out, non-200, unparsable)
 //! it stops being a candidate until a scrape succeeds.
 
+use std::collections::HashMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -109,16 +111,61 @@ pub fn client(settings: &ScrapeSettings) -> HttpClient {
         .build(connector)
 }
 
+/// The newest `/metrics` page of each data-parallel server: its ranks are endpoints with
+/// scrape loops of their own, and one fetch a tick serves them all. The first rank to ask in a
+/// tick fetches (the others wait for it) and the page serves whoever asks within half a scrape
+/// interval. A failed fetch is not kept: each rank tries again.
+#[derive(Debug, Default)]
+pub struct SharedPages {
+    pages: parking_lot::Mutex<HashMap<String, Arc<PageSlot>>>,
+}
+
+/// One server's newest page and when it was fetched; the lock makes the other ranks of a tick
+/// wait for the fetch in flight.
+type PageSlot = tokio::sync::Mutex<Option<(Instant, Bytes)>>;
+
+impl SharedPages {
+    /// `server`'s page no older than `max_age`, from `fetch` when there is none.
+    async fn get(
+        &self,
+        server: &str,
+        max_age: Duration,
+        fetch: impl Future<Output = Result<Bytes, ScrapeError>>,
+    ) -> Result<Bytes, ScrapeError> {
+        let slot = self
+            .pages
+            .lock()
+            .entry(server.to_owned())
+            .or_default()
+            .clone();
+        let mut page = slot.lock().await;
+        if let Some((at, body)) = page.as_ref()
+            && at.elapsed() < max_age
+        {
+            return Ok(body.clone());
+        }
+        let body = fetch.await?;
+        *page = Some((Instant::now(), body.clone()));
+        Ok(body)
+    }
+}
+
 /// Fetches and parses `http://{address}/metrics` once, within `settings.timeout`: the load
 /// metrics, and the LoRA adapters when the page has `vllm:lora_requests_info`. For a
-/// data-parallel rank (`ip:port#dp<rank>`) the server's page is read for that engine's series.
+/// data-parallel rank (`ip:port#dp<rank>`) the server's page (shared with its other ranks
+/// through `pages`) is read for that engine's series.
 pub async fn scrape_once(
     client: &HttpClient,
     address: &str,
     settings: &ScrapeSettings,
+    pages: &SharedPages,
 ) -> Result<(EndpointMetrics, Option<LoraState>), ScrapeError> {
     let (server, rank) = split_rank(address);
-    let body = fetch(client, server, "/metrics", "text/plain", settings).await?;
+    let fetched = fetch(client, server, "/metrics", "text/plain", settings);
+    let body = match rank {
+        Some(_) => pages.get(server, settings.interval / 2, fetched).await?,
+        None => fetched.await?,
+    };
     let text = std::str::from_utf8(&body).map_err(|e| PromError::NotUtf8(e.valid_up_to()))?;
     // Both read only their own series' lines: a vLLM page is 500+ lines, they need about 13.
     let metrics = match rank {
@@ -225,7 +272,7 @@ async fn scrape_loop(
         }
         let started = Instant::now();
         let result = tokio::select! {
-            r = scrape_once(&client, &address, &settings) => r,
+            r = scrape_once(&client, &address, &settings, state.shared_pages()) => r,
             _ = shutdown.changed() => return,
         };
         let elapsed = started.elapsed();
@@ -271,5 +318,44 @@ async fn scrape_loop(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    // Four ranks of one server ask for its page in the same tick: one fetch serves them all,
+    // until the page is older than the age allowed; a failed fetch is not kept.
+    #[tokio::test]
+    async fn the_ranks_of_a_server_share_one_fetch_a_tick() {
+        let pages = SharedPages::default();
+        let fetches = AtomicU32::new(0);
+        let fetch = || async {
+            fetches.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok::<_, ScrapeError>(Bytes::from_static(b"page"))
+        };
+        let age = Duration::from_millis(200);
+        let asks = (0..4).map(|_| pages.get("10.0.0.5:8000", age, fetch()));
+        for page in futures_util::future::join_all(asks).await {
+            assert_eq!(page.unwrap(), Bytes::from_static(b"page"));
+        }
+        assert_eq!(fetches.load(Ordering::Relaxed), 1);
+        // Another server has its own page.
+        pages.get("10.0.0.6:8000", age, fetch()).await.unwrap();
+        assert_eq!(fetches.load(Ordering::Relaxed), 2);
+        // Too old: fetched again.
+        tokio::time::sleep(age).await;
+        pages.get("10.0.0.5:8000", age, fetch()).await.unwrap();
+        assert_eq!(fetches.load(Ordering::Relaxed), 3);
+        let failed = pages.get("10.0.0.7:8000", age, async {
+            Err::<Bytes, _>(ScrapeError::Status(503))
+        });
+        assert!(failed.await.is_err());
+        pages.get("10.0.0.7:8000", age, fetch()).await.unwrap();
+        assert_eq!(fetches.load(Ordering::Relaxed), 4);
     }
 }

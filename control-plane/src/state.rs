@@ -59,6 +59,9 @@ pub struct State {
     /// Whether the state is ready to serve: always without replication; with it, once this
     /// replica has replayed the shared stream (`/readyz`).
     ready: std::sync::atomic::AtomicBool,
+    /// The newest `/metrics` page of each data-parallel server, which its ranks' scrape loops
+    /// share.
+    pages: crate::scrape::SharedPages,
 }
 
 /// What one endpoint is known to serve, from configuration and from polling.
@@ -280,7 +283,13 @@ impl State {
             replication: None,
             replica_id: (seed ^ (u64::from(std::process::id()) << 40)) | 1,
             ready: std::sync::atomic::AtomicBool::new(true),
+            pages: crate::scrape::SharedPages::default(),
         })
+    }
+
+    /// The `/metrics` pages data-parallel ranks share ([`crate::scrape::SharedPages`]).
+    pub fn shared_pages(&self) -> &crate::scrape::SharedPages {
+        &self.pages
     }
 
     /// Shares the log with other control-plane replicas through `outbox` (the `replication:`
