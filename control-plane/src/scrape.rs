@@ -111,8 +111,8 @@ pub fn client(settings: &ScrapeSettings) -> HttpClient {
         .build(connector)
 }
 
-/// The newest `/metrics` page of each data-parallel server: its ranks are endpoints with
-/// scrape loops of their own, and one fetch a tick serves them all. The first rank to ask in a
+/// The newest `/metrics` page (and `/v1/models` list) of each data-parallel server: its ranks
+/// are endpoints with scrape loops of their own, and one fetch a tick serves them all. The first rank to ask in a
 /// tick fetches (the others wait for it) and the page serves whoever asks within half a scrape
 /// interval. A failed fetch is not kept: each rank tries again.
 #[derive(Debug, Default)]
@@ -125,19 +125,15 @@ pub struct SharedPages {
 type PageSlot = tokio::sync::Mutex<Option<(Instant, Bytes)>>;
 
 impl SharedPages {
-    /// `server`'s page no older than `max_age`, from `fetch` when there is none.
+    /// The page kept under `key` (a server, or a server and path) no older than `max_age`,
+    /// from `fetch` when there is none.
     async fn get(
         &self,
-        server: &str,
+        key: &str,
         max_age: Duration,
         fetch: impl Future<Output = Result<Bytes, ScrapeError>>,
     ) -> Result<Bytes, ScrapeError> {
-        let slot = self
-            .pages
-            .lock()
-            .entry(server.to_owned())
-            .or_default()
-            .clone();
+        let slot = self.pages.lock().entry(key.to_owned()).or_default().clone();
         let mut page = slot.lock().await;
         if let Some((at, body)) = page.as_ref()
             && at.elapsed() < max_age
@@ -176,22 +172,31 @@ pub async fn scrape_once(
     Ok((metrics, lora))
 }
 
-/// Fetches and parses `http://{address}/v1/models` once: the models the endpoint serves.
+/// Fetches and parses `http://{address}/v1/models` once: the models the endpoint serves. A
+/// data-parallel rank reads its server's list, shared with the other ranks through `pages`
+/// for half a models interval.
 pub async fn models_once(
     client: &HttpClient,
     address: &str,
     settings: &ScrapeSettings,
+    pages: &SharedPages,
 ) -> Result<Vec<ServedModel>, ScrapeError> {
-    let body = fetch(
-        client,
-        split_rank(address).0,
-        "/v1/models",
-        "application/json",
-        settings,
-    )
-    .await?;
+    let (server, rank) = split_rank(address);
+    let fetched = fetch(client, server, MODELS_PATH, "application/json", settings);
+    let body = match rank {
+        Some(_) => {
+            let key = format!("{server}{MODELS_PATH}");
+            pages
+                .get(&key, settings.models_interval / 2, fetched)
+                .await?
+        }
+        None => fetched.await?,
+    };
     Ok(parse_models(&body)?)
 }
+
+/// vLLM's model list.
+const MODELS_PATH: &str = "/v1/models";
 
 /// GETs `path` of `address` within `settings.timeout` and returns the 200 body.
 async fn fetch(
@@ -287,7 +292,7 @@ async fn scrape_loop(
                 if due {
                     models_polled = Some(Instant::now());
                     let polled = tokio::select! {
-                        r = models_once(&client, &address, &settings) => r,
+                        r = models_once(&client, &address, &settings, state.shared_pages()) => r,
                         _ = shutdown.changed() => return,
                     };
                     match polled {
