@@ -156,6 +156,40 @@ pub struct BatchApplied {
     pub dropped: Option<ApplyError>,
 }
 
+/// A per-endpoint status record that knows its endpoint's address.
+trait EndpointStatus: Default {
+    /// A fresh record for `address`.
+    fn named(address: &str) -> Self;
+}
+
+impl EndpointStatus for KvStreamStatus {
+    fn named(address: &str) -> Self {
+        Self {
+            address: address.to_string(),
+            ..Self::default()
+        }
+    }
+}
+
+impl EndpointStatus for ScrapeStatus {
+    fn named(address: &str) -> Self {
+        Self {
+            address: address.to_string(),
+            ..Self::default()
+        }
+    }
+}
+
+/// `address`'s record in a per-endpoint status table, created on first use.
+fn endpoint_status<'t, T: EndpointStatus>(
+    table: &'t mut BTreeMap<String, T>,
+    address: &str,
+) -> &'t mut T {
+    table
+        .entry(address.to_string())
+        .or_insert_with(|| T::named(address))
+}
+
 /// How scraping one endpoint is going: what `/debug/scrapes` shows.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ScrapeStatus {
@@ -765,12 +799,7 @@ impl State {
     ) {
         let now = self.now_ms();
         let mut scrapes = self.scrapes.lock();
-        let status = scrapes
-            .entry(address.to_string())
-            .or_insert_with(|| ScrapeStatus {
-                address: address.to_string(),
-                ..Default::default()
-            });
+        let status = endpoint_status(&mut scrapes, address);
         status.last_duration_ms = elapsed.as_secs_f64() * 1e3;
         match error {
             None => {
@@ -900,13 +929,7 @@ impl State {
     /// Updates `address`'s KV-stream status with `f` (created on first use).
     pub fn kv_stream<R>(&self, address: &str, f: impl FnOnce(&mut KvStreamStatus) -> R) -> R {
         let mut streams = self.kv_streams.lock();
-        let status = streams
-            .entry(address.to_string())
-            .or_insert_with(|| KvStreamStatus {
-                address: address.to_string(),
-                ..Default::default()
-            });
-        f(status)
+        f(endpoint_status(&mut streams, address))
     }
 
     /// Whether any endpoint's KV-event stream is connected (else precise scoring cannot help,

@@ -255,7 +255,7 @@ impl Precise {
         let prompt = self.kept.get(record.decision_id)?;
         let engine = self
             .render
-            .render_at(&record.endpoint, prompt.api, &prompt.prompt)
+            .render_at(&record.endpoint, &prompt)
             .await
             .map_err(|e| e.to_string());
         Some(kept::DivergingBlock::of(

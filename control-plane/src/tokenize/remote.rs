@@ -21,6 +21,7 @@ use scorer_core::router::Health;
 use serde_json::{Map, Value};
 
 use super::TokenizeError;
+use super::kept::KeptPrompt;
 use crate::config::RemoteApi;
 use crate::state::State;
 
@@ -65,19 +66,38 @@ impl RemoteTokenizer {
             .filter(|e| e.health == Health::Ready)
             .map(|e| e.address)
             .collect();
-        if ready.is_empty() {
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        self.ask(&ready, first, api, prompt).await
+    }
+
+    /// Token ids of a kept prompt as the replica at `address` renders it (whatever this
+    /// client's API: the diagnosis of `/debug/mismatch` asks the replica that served).
+    pub async fn render_at(
+        &self,
+        address: &str,
+        kept: &KeptPrompt,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        self.ask(&[address.to_owned()], 0, kept.api, &kept.prompt)
+            .await
+    }
+
+    /// Asks `addresses` in turn from the `first`th, at most two of them (a replica that refuses
+    /// or fails is not the prompt's fault: one more is tried), all within the timeout.
+    async fn ask(
+        &self,
+        addresses: &[String],
+        first: usize,
+        api: ApiKind,
+        prompt: &Map<String, Value>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        if addresses.is_empty() {
             return Err(TokenizeError::NoEndpoint);
         }
-        let (path, body) = self.request(api, prompt);
-        let body = Bytes::from(
-            serde_json::to_vec(&body).map_err(|e| TokenizeError::BadPrompt(e.to_string()))?,
-        );
-        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        let (path, body) = self.encoded_request(api, prompt)?;
         let attempts = async {
-            // A replica that refuses or fails is not the prompt's fault: try one more.
             let mut last = TokenizeError::NoEndpoint;
-            for i in 0..ready.len().min(2) {
-                let address = &ready[(first + i) % ready.len()];
+            for i in 0..addresses.len().min(2) {
+                let address = &addresses[(first + i) % addresses.len()];
                 match self.call(address, path, body.clone()).await {
                     Ok(ids) => return Ok(ids),
                     Err(e) => last = e,
@@ -86,23 +106,6 @@ impl RemoteTokenizer {
             Err(last)
         };
         tokio::time::timeout(self.timeout, attempts)
-            .await
-            .map_err(|_| TokenizeError::Timeout(self.timeout))?
-    }
-
-    /// Token ids of `prompt` as the replica at `address` renders it (whatever this client's
-    /// API: the diagnosis of `/debug/mismatch` asks the replica that served).
-    pub async fn render_at(
-        &self,
-        address: &str,
-        api: ApiKind,
-        prompt: &Map<String, Value>,
-    ) -> Result<Vec<u32>, TokenizeError> {
-        let (path, body) = self.request(api, prompt);
-        let body = Bytes::from(
-            serde_json::to_vec(&body).map_err(|e| TokenizeError::BadPrompt(e.to_string()))?,
-        );
-        tokio::time::timeout(self.timeout, self.call(address, path, body))
             .await
             .map_err(|_| TokenizeError::Timeout(self.timeout))?
     }
@@ -139,6 +142,18 @@ impl RemoteTokenizer {
             });
         }
         parse_ids(&bytes)
+    }
+
+    /// [`RemoteTokenizer::request`] with the body encoded, as every call sends it.
+    fn encoded_request(
+        &self,
+        api: ApiKind,
+        prompt: &Map<String, Value>,
+    ) -> Result<(&'static str, Bytes), TokenizeError> {
+        let (path, body) = self.request(api, prompt);
+        let body =
+            serde_json::to_vec(&body).map_err(|e| TokenizeError::BadPrompt(e.to_string()))?;
+        Ok((path, Bytes::from(body)))
     }
 
     /// Path and body of the call for `api`.
