@@ -704,9 +704,11 @@ impl RequestMachine {
             });
         }
         if let Some(prefiller) = r.prefiller.filter(|p| is_endpoint(p)) {
+            // The P/D sidecar connects to a server: a data-parallel rank's name is cut to it
+            // (the sidecar's protocol has no rank; that server's balancer picks one).
             effects.push(Effect::SetRequestHeader {
                 name: PREFILLER_HEADER.into(),
-                value: prefiller,
+                value: split_rank(&prefiller).0.to_string(),
             });
         }
         if resume {
@@ -2308,6 +2310,13 @@ mod tests {
                 name: PREFILLER_HEADER.into(),
                 value: "10.0.0.9:8000".into()
             })
+        );
+        assert!(
+            answered("10.0.0.9:8000#dp3").contains(&Effect::SetRequestHeader {
+                name: PREFILLER_HEADER.into(),
+                value: "10.0.0.9:8000".into()
+            }),
+            "a data-parallel prefiller is named by its server"
         );
         assert!(!answered("bad,value").iter().any(
             |e| matches!(e, Effect::SetRequestHeader { name, .. } if name == PREFILLER_HEADER)
