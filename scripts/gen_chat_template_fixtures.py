@@ -24,7 +24,8 @@ What the cases cover: plain chat, multi-turn, system messages (given and default
 generation prompt, unicode, content given as a list of text parts (flattened first the way
 vLLM's "string" content format does, since vLLM, not transformers, does that step), extra
 template variables (vLLM's chat_template_kwargs), tool definitions with tool calls and tool
-results, `null` fields in messages, and conversations the template must reject.
+results, `null` fields in messages, a last message left open (`continue_final_message`, with
+and without whitespace the template trims), and conversations the template must reject.
 
 Known differences between our rendering and transformers' are listed in KNOWN_DIFFERENCES
 with the reason; the Rust tests assert that those cases still differ, and that no other does.
@@ -125,7 +126,7 @@ PARTS = [
 
 
 def case(name, template, messages, add_generation_prompt=True, tools=None, kwargs=None,
-         content_format=None):
+         content_format=None, continue_final_message=False):
     return {
         "name": name,
         "template": template,
@@ -134,7 +135,21 @@ def case(name, template, messages, add_generation_prompt=True, tools=None, kwarg
         "kwargs": kwargs or {},
         "add_generation_prompt": add_generation_prompt,
         "content_format": content_format,
+        "continue_final_message": continue_final_message,
     }
+
+
+# A conversation whose last message the model is to continue (vLLM's request field
+# `continue_final_message`, which it passes to apply_chat_template without a generation prompt).
+PREFILLED = [
+    {"role": "user", "content": "Give me a positive affirmation for today!"},
+    {"role": "assistant", "content": "Ok! Here you go:"},
+]
+# The same, the assistant's text ending in whitespace a template may trim.
+PREFILLED_SPACE = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "  Blue, and  \n"},
+]
 
 
 CASES = [
@@ -176,6 +191,14 @@ CASES = [
           {"role": "assistant", "content": "<think>again</think>6"}], add_generation_prompt=False),
     case("python_methods/tools", "python_methods", TOOL_CONVERSATION, tools=[WEATHER_TOOL, TIME_TOOL]),
     case("python_methods/unicode", "python_methods", UNICODE),
+    case("chatml/continue_final_message", "chatml", PREFILLED, add_generation_prompt=False,
+         continue_final_message=True),
+    case("chatml/continue_final_message_spaces", "chatml", PREFILLED_SPACE,
+         add_generation_prompt=False, continue_final_message=True),
+    case("header_style/continue_final_message", "header_style", PREFILLED,
+         add_generation_prompt=False, continue_final_message=True),
+    case("header_style/continue_final_message_trimmed", "header_style", PREFILLED_SPACE,
+         add_generation_prompt=False, continue_final_message=True),
 ]
 
 
@@ -267,12 +290,17 @@ def main():
         if rendered_from is not None:
             record["content_format"] = c["content_format"]
             record["rendered_from"] = rendered_from
+        options = {}
+        if c["continue_final_message"]:
+            record["continue_final_message"] = True
+            options["continue_final_message"] = True
         try:
             text = tok.apply_chat_template(
                 messages,
                 tools=copy.deepcopy(c["tools"]),
                 tokenize=False,
                 add_generation_prompt=c["add_generation_prompt"],
+                **options,
                 **copy.deepcopy(c["kwargs"]),
             )
             record["expected"] = text

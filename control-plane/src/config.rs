@@ -224,6 +224,12 @@ pub struct PreciseSettings {
     pub tokenizer_config: Option<PathBuf>,
     /// `hf` backend: a Jinja chat template file overriding the one in `tokenizer_config`.
     pub chat_template: Option<PathBuf>,
+    /// `hf` backend: the replicas' `--default-chat-template-kwargs` (e.g.
+    /// `{enable_thinking: false}`), which vLLM merges under each request's
+    /// `chat_template_kwargs`; give the same here so the router renders as the replicas do.
+    /// (The `remote` backend needs none: the replicas' render API applies their own.)
+    #[serde(skip_serializing_if = "serde_json::Map::is_empty")]
+    pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// Tokenised prompt segments (hf) or whole prompts (remote) kept for reuse.
     pub cache_entries: usize,
     /// Topic prefix subscribed to on every publisher (vLLM's `topic`; empty = all).
@@ -247,6 +253,7 @@ impl Default for PreciseSettings {
             tokenizer_json: None,
             tokenizer_config: None,
             chat_template: None,
+            default_chat_template_kwargs: serde_json::Map::new(),
             cache_entries: 65_536,
             kv_events_topic: String::new(),
             kv_connect_timeout_ms: 2_000,

@@ -45,6 +45,8 @@ pub struct HfTokenizer {
     /// The template rejects a system message after the first turn (vLLM's probe), so vLLM
     /// merges a Messages request's inline system messages into the leading one.
     merge_inline_system: bool,
+    /// The replicas' `--default-chat-template-kwargs`, merged under each request's.
+    default_kwargs: Map<String, Value>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -92,13 +94,15 @@ impl HfTokenizer {
                 .unwrap_or_default()
                 .to_owned()
         };
-        Self::new(
+        let mut tokenizer = Self::new(
             &json,
             template.as_deref(),
             &token("bos_token"),
             &token("eos_token"),
             p.cache_entries,
-        )
+        )?;
+        tokenizer.default_kwargs = p.default_chat_template_kwargs.clone();
+        Ok(tokenizer)
     }
 
     /// A tokenizer from the bytes of a `tokenizer.json` and an optional chat template.
@@ -134,6 +138,7 @@ impl HfTokenizer {
             requests: AtomicU64::new(0),
             split_ok: AtomicBool::new(true),
             merge_inline_system: true,
+            default_kwargs: Map::new(),
         };
         tokenizer.merge_inline_system = tokenizer.rejects_inline_system();
         Ok(tokenizer)
@@ -202,13 +207,20 @@ impl HfTokenizer {
             .and_then(Value::as_array)
             .ok_or_else(|| TokenizeError::BadPrompt("messages must be an array".into()))?;
         let mut ctx = Map::new();
-        if let Some(Value::Object(kwargs)) = prompt.get("chat_template_kwargs") {
-            ctx.extend(kwargs.clone());
-        }
-        ctx.insert(
-            "messages".into(),
-            Value::Array(messages.iter().map(flatten_message).collect()),
-        );
+        let request_kwargs = match prompt.get("chat_template_kwargs") {
+            Some(Value::Object(kwargs)) => kwargs.clone(),
+            _ => Map::new(),
+        };
+        ctx.extend(merged_kwargs(&self.default_kwargs, request_kwargs));
+        let messages: Vec<Value> = messages.iter().map(flatten_message).collect();
+        // The text a `continue_final_message` prompt ends in (vLLM: the last message's).
+        let final_text = messages
+            .last()
+            .and_then(|m| m.get("content"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        ctx.insert("messages".into(), Value::Array(messages));
         for key in ["tools", "documents"] {
             if let Some(v) = prompt.get(key).filter(|v| !v.is_null()) {
                 ctx.insert(key.into(), v.clone());
@@ -220,18 +232,27 @@ impl HfTokenizer {
             "add_generation_prompt".into(),
             Value::Bool(flag("add_generation_prompt", true)),
         );
-        ctx.insert(
-            "continue_final_message".into(),
-            Value::Bool(flag("continue_final_message", false)),
-        );
+        let continue_final = flag("continue_final_message", false);
+        ctx.insert("continue_final_message".into(), Value::Bool(continue_final));
         ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
         ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        template
+        let rendered = template
             .render(&ctx, now)
-            .map_err(|e| TokenizeError::Template(e.to_string()))
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        if !continue_final {
+            return Ok(rendered);
+        }
+        // As transformers does for vLLM: the prompt ends right after the final message's text.
+        vllm_wire::chat_template::cut_after_final_message(&rendered, &final_text).ok_or_else(|| {
+            TokenizeError::Template(
+                "continue_final_message is set but the final message does not appear in the \
+                 chat after applying the chat template"
+                    .into(),
+            )
+        })
     }
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
@@ -332,6 +353,22 @@ fn config_template(config: &Value) -> Option<String> {
 }
 
 /// vLLM's "string" content format: a list of text parts becomes their texts joined by newlines.
+/// The template variables vLLM 0.33 renders with: the server's defaults, then the request's
+/// over them, where a request value of `null` or `"auto"` leaves the default (`merge_kwargs` in
+/// `vllm/renderers/params.py`, applied only when the server has defaults).
+fn merged_kwargs(defaults: &Map<String, Value>, request: Map<String, Value>) -> Map<String, Value> {
+    if defaults.is_empty() {
+        return request;
+    }
+    let mut merged = defaults.clone();
+    merged.extend(
+        request
+            .into_iter()
+            .filter(|(_, v)| !v.is_null() && v.as_str() != Some("auto")),
+    );
+    merged
+}
+
 fn flatten_message(m: &Value) -> Value {
     let mut m = m.clone();
     if let Some(Value::Array(parts)) = m.get("content") {
@@ -388,6 +425,30 @@ pub(crate) mod tests {
 
     fn tokenizer() -> HfTokenizer {
         HfTokenizer::new(&test_tokenizer_json(), Some(CHATML), "", "", 1024).unwrap()
+    }
+
+    // The replicas' `--default-chat-template-kwargs` sit under the request's, and a request
+    // value of null or "auto" leaves the default, as vLLM 0.33 merges them.
+    #[test]
+    fn server_default_template_kwargs_sit_under_the_requests() {
+        let template = "{{ mode }}|{{ messages[0].content }}";
+        let mut t = HfTokenizer::new(&test_tokenizer_json(), Some(template), "", "", 16).unwrap();
+        t.default_kwargs = serde_json::json!({"mode": "server"})
+            .as_object()
+            .unwrap()
+            .clone();
+        let with = |t: &HfTokenizer, kwargs: Value| {
+            let mut p = prompt(&[("user", "hi")]);
+            p.insert("chat_template_kwargs".into(), kwargs);
+            t.render(&p).unwrap()
+        };
+        assert_eq!(t.render(&prompt(&[("user", "hi")])).unwrap(), "server|hi");
+        assert_eq!(with(&t, serde_json::json!({"mode": "client"})), "client|hi");
+        assert_eq!(with(&t, serde_json::json!({"mode": "auto"})), "server|hi");
+        assert_eq!(with(&t, serde_json::json!({"mode": null})), "server|hi");
+        // Without server defaults the request's values stand as given.
+        t.default_kwargs.clear();
+        assert_eq!(with(&t, serde_json::json!({"mode": "auto"})), "auto|hi");
     }
 
     fn prompt(msgs: &[(&str, &str)]) -> Map<String, Value> {

@@ -36,6 +36,8 @@ struct Case<'a> {
     #[serde(borrow)]
     kwargs: &'a RawValue,
     add_generation_prompt: bool,
+    #[serde(default)]
+    continue_final_message: bool,
     expected: Option<String>,
     expected_error: Option<String>,
     #[serde(default)]
@@ -66,6 +68,9 @@ fn prompt(case: &Case<'_>) -> Map<String, Value> {
     }
     if case.kwargs.get() != "{}" {
         text.push_str(&format!(r#","chat_template_kwargs":{}"#, case.kwargs.get()));
+    }
+    if case.continue_final_message {
+        text.push_str(r#","continue_final_message":true"#);
     }
     text.push('}');
     serde_json::from_str(&text).unwrap()

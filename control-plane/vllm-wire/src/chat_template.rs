@@ -88,6 +88,25 @@ impl ChatTemplate {
     }
 }
 
+/// `rendered` cut right after the final message's text `final_text`, as transformers'
+/// `apply_chat_template(continue_final_message=True)` cuts it (vLLM's request field of that
+/// name): the model continues the message instead of answering it. The cut is after the last
+/// occurrence of the text stripped of surrounding whitespace; when the template kept the text
+/// and its trailing whitespace, that whitespace stays too. `None` when the template dropped the
+/// text (transformers refuses such a request). Checked against transformers by the golden
+/// fixtures (`scripts/gen_chat_template_fixtures.py`, `continue_final_message` cases).
+pub fn cut_after_final_message(rendered: &str, final_text: &str) -> Option<String> {
+    let stripped = final_text.trim();
+    let at = rendered.rfind(stripped)?;
+    let from_text = final_text.trim_start();
+    let end = if rendered[at..].starts_with(from_text) {
+        at + from_text.len()
+    } else {
+        at + stripped.len()
+    };
+    Some(rendered[..end].to_owned())
+}
+
 /// transformers' `tojson` filter: `json.dumps(value, ensure_ascii=False, indent=indent)`, so
 /// Python's `", "`/`": "` separators and no HTML escaping (minijinja's built-in, like Jinja's,
 /// writes `'`, `<`, `>` and `&` as `\u0027`...: a tool description would not match).
@@ -231,6 +250,25 @@ pub fn strftime(fmt: &str, unix_s: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_continued_final_message_is_cut_after_its_text() {
+        let rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhalf<|im_end|>\n";
+        assert_eq!(
+            cut_after_final_message(rendered, "half").as_deref(),
+            Some("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhalf")
+        );
+        // Trailing spacing the template trimmed is not kept; spacing it kept is.
+        assert_eq!(
+            cut_after_final_message("A: half.\nB", "half. ").as_deref(),
+            Some("A: half.")
+        );
+        assert_eq!(
+            cut_after_final_message("A:   half.  \n<end>", "  half.  \n").as_deref(),
+            Some("A:   half.  \n")
+        );
+        assert_eq!(cut_after_final_message("nothing", "gone"), None);
+    }
     use serde_json::json;
 
     #[test]

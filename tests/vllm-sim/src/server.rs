@@ -1093,21 +1093,6 @@ impl PromptEnd {
     }
 }
 
-/// `rendered` cut after the last occurrence of `final_text`, as transformers cuts a
-/// `continue_final_message` prompt; `None` when the template dropped the text.
-fn cut_after_final_message(rendered: &str, final_text: &str) -> Option<String> {
-    let at = rendered.rfind(final_text.trim())?;
-    // The template kept the text's trailing spacing: keep it too; else cut at the trimmed end.
-    let kept = final_text == final_text.trim_start() && rendered[at..].starts_with(final_text);
-    let end = at
-        + if kept {
-            final_text.len()
-        } else {
-            final_text.trim().len()
-        };
-    Some(rendered[..end].to_owned())
-}
-
 fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid request body: {e}")))
 }
@@ -1232,12 +1217,14 @@ impl Shared {
             .map_err(|e| bad_request(e.to_string()))?;
         if end == PromptEnd::ContinueFinal {
             let last = msgs.last().map_or("", |m| m.content.as_str());
-            text = cut_after_final_message(&text, last).ok_or_else(|| {
-                bad_request(
-                    "continue_final_message is set but the final message does not appear in \
+            text = vllm_wire::chat_template::cut_after_final_message(&text, last).ok_or_else(
+                || {
+                    bad_request(
+                        "continue_final_message is set but the final message does not appear in \
                      the chat after applying the chat template!",
-                )
-            })?;
+                    )
+                },
+            )?;
         }
         self.tokenizer
             .encode(&text, add_special_tokens)
@@ -1944,20 +1931,5 @@ mod tests {
             flatten_content(&json!([{"type": "mystery"}])),
             Err(ContentError::Invalid(_))
         ));
-    }
-
-    #[test]
-    fn a_continued_final_message_is_cut_after_its_text() {
-        let rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhalf<|im_end|>\n";
-        assert_eq!(
-            cut_after_final_message(rendered, "half").as_deref(),
-            Some("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhalf")
-        );
-        // Trailing spacing the template trimmed is not kept.
-        assert_eq!(
-            cut_after_final_message("A: half.\nB", "half. ").as_deref(),
-            Some("A: half.")
-        );
-        assert_eq!(cut_after_final_message("nothing", "gone"), None);
     }
 }
