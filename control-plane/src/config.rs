@@ -134,7 +134,9 @@ pub struct EndpointConfig {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub models: Vec<String>,
     /// The replica's KV-event PUB socket (vLLM `--kv-events-config` `endpoint`), e.g.
-    /// `tcp://10.0.0.5:5557`; unset means the replica is always scored approximately.
+    /// `tcp://10.0.0.5:5557`, or `auto`: ask the server's `GET /kv_event_sources` (vLLM
+    /// 0.33) for every rank's publisher and replay socket; unset means the replica is always
+    /// scored approximately.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<String>,
     /// The replica's replay ROUTER socket (`replay_endpoint`); without it a gap drops state.
@@ -162,10 +164,9 @@ impl EndpointConfig {
         if size <= 1 {
             return vec![self.clone()];
         }
-        let offset = |socket: &Option<String>, rank| {
-            socket
-                .as_deref()
-                .and_then(|s| vllm_wire::kv_events::offset_endpoint_port(s, rank))
+        let offset = |socket: &Option<String>, rank| match socket.as_deref() {
+            Some(AUTO_KV_EVENTS) => Some(AUTO_KV_EVENTS.to_owned()),
+            other => other.and_then(|s| vllm_wire::kv_events::offset_endpoint_port(s, rank)),
         };
         (0..size)
             .map(|rank| EndpointConfig {
@@ -178,6 +179,9 @@ impl EndpointConfig {
             .collect()
     }
 }
+
+/// `endpoints[].kv_events: auto`: the publishers come from the server's `/kv_event_sources`.
+pub const AUTO_KV_EVENTS: &str = "auto";
 
 /// The most data-parallel ranks one endpoint may declare (vLLM deployments run up to a few
 /// hundred; more is a typo).
@@ -472,10 +476,12 @@ impl Config {
         self.engines().into_iter().map(|e| e.address).collect()
     }
 
-    /// Engines with a KV-event publisher, as subscriber sources.
+    /// Engines with a configured KV-event publisher, as subscriber sources (those with
+    /// `kv_events: auto` are found at run time: [`Config::auto_event_servers`]).
     pub fn event_sources(&self) -> Vec<crate::kv_events::EventSource> {
         self.engines()
             .into_iter()
+            .filter(|e| e.kv_events.as_deref() != Some(AUTO_KV_EVENTS))
             .filter_map(|e| {
                 Some(crate::kv_events::EventSource {
                     endpoint: e.kv_events?,
@@ -484,6 +490,28 @@ impl Config {
                     topic: self.precise.kv_events_topic.clone(),
                     model: e.model.unwrap_or_default(),
                 })
+            })
+            .collect()
+    }
+
+    /// The endpoints whose publishers are to be asked for (`kv_events: auto`): each server
+    /// with its engines' endpoint names and ranks.
+    pub fn auto_event_servers(&self) -> Vec<crate::kv_events::sources::AutoServer> {
+        self.endpoints
+            .iter()
+            .filter(|e| e.kv_events.as_deref() == Some(AUTO_KV_EVENTS))
+            .map(|e| crate::kv_events::sources::AutoServer {
+                server: e.address.clone(),
+                engines: e
+                    .engines()
+                    .into_iter()
+                    .map(|engine| {
+                        let rank = scorer_core::address::split_rank(&engine.address).1;
+                        (engine.address, rank.unwrap_or(0))
+                    })
+                    .collect(),
+                model: e.model.clone().unwrap_or_default(),
+                topic: self.precise.kv_events_topic.clone(),
             })
             .collect()
     }
@@ -550,7 +578,10 @@ impl Config {
                 ("kv_events", &e.kv_events),
                 ("kv_events_replay", &e.kv_events_replay),
             ] {
-                if let Some(v) = value {
+                if let Some(v) = value
+                    .as_ref()
+                    .filter(|v| *v != AUTO_KV_EVENTS || field != "kv_events")
+                {
                     check_zmq_endpoint(v).map_err(|reason| ConfigError::BadZmqEndpoint {
                         index,
                         field,
@@ -582,7 +613,9 @@ impl Config {
                         ("kv_events", &e.kv_events),
                         ("kv_events_replay", &e.kv_events_replay),
                     ] {
-                        let Some(v) = value else { continue };
+                        let Some(v) = value.as_ref().filter(|v| *v != AUTO_KV_EVENTS) else {
+                            continue;
+                        };
                         if vllm_wire::kv_events::offset_endpoint_port(v, n - 1).is_none() {
                             return Err(ConfigError::BadZmqEndpoint {
                                 index,
@@ -595,6 +628,14 @@ impl Config {
                     }
                 }
                 None => {}
+            }
+            if e.kv_events.as_deref() == Some(AUTO_KV_EVENTS) && e.kv_events_replay.is_some() {
+                return Err(ConfigError::BadZmqEndpoint {
+                    index,
+                    field: "kv_events_replay",
+                    value: e.kv_events_replay.clone().unwrap_or_default(),
+                    reason: "with kv_events: auto the server lists its replay sockets",
+                });
             }
             if e.kv_events_replay.is_some() && e.kv_events.is_none() {
                 return Err(ConfigError::BadZmqEndpoint {
@@ -1076,6 +1117,36 @@ router: {}
             err(&many).contains("endpoints configured"),
             "{}",
             err(&many)
+        );
+    }
+
+    #[test]
+    fn kv_events_auto_asks_the_server_for_every_ranks_publisher() {
+        let c = Config::from_yaml(
+            "endpoints:\n  - address: 10.0.0.1:8000\n    data_parallel_size: 2\n    \
+             kv_events: auto\n  - address: 10.0.0.2:8000\n    kv_events: tcp://10.0.0.2:5557\n",
+        )
+        .unwrap();
+        // Only the configured socket is subscribed at start; the others are asked for.
+        let sources = c.event_sources();
+        assert_eq!(sources.len(), 1);
+        assert_eq!(sources[0].address, "10.0.0.2:8000");
+        let auto = c.auto_event_servers();
+        assert_eq!(auto.len(), 1);
+        assert_eq!(auto[0].server, "10.0.0.1:8000");
+        assert_eq!(
+            auto[0].engines,
+            [
+                ("10.0.0.1:8000#dp0".to_string(), 0),
+                ("10.0.0.1:8000#dp1".to_string(), 1)
+            ]
+        );
+        assert!(
+            err(
+                "endpoints:\n  - address: 10.0.0.1:8000\n    kv_events: auto\n    \
+                 kv_events_replay: tcp://10.0.0.1:5600\n"
+            )
+            .contains("lists its replay sockets")
         );
     }
 

@@ -208,7 +208,7 @@ impl ControlPlane {
         let mut background = scrape::spawn(
             state.clone(),
             config.endpoint_addresses(),
-            settings,
+            settings.clone(),
             stop_rx.clone(),
         );
         background.push(tokio::spawn(housekeeping(state.clone(), stop_rx.clone())));
@@ -221,15 +221,22 @@ impl ControlPlane {
             )));
         }
         let p = &config.precise;
+        let subscriber = kv_events::SubscriberSettings {
+            connect_timeout: Duration::from_millis(p.kv_connect_timeout_ms),
+            replay_timeout: Duration::from_millis(p.kv_replay_timeout_ms),
+            reconnect_min: Duration::from_millis(p.kv_reconnect_min_ms),
+            reconnect_max: Duration::from_millis(p.kv_reconnect_max_ms),
+        };
         background.extend(kv_events::subscriber::spawn(
             state.clone(),
             config.event_sources(),
-            kv_events::SubscriberSettings {
-                connect_timeout: Duration::from_millis(p.kv_connect_timeout_ms),
-                replay_timeout: Duration::from_millis(p.kv_replay_timeout_ms),
-                reconnect_min: Duration::from_millis(p.kv_reconnect_min_ms),
-                reconnect_max: Duration::from_millis(p.kv_reconnect_max_ms),
-            },
+            subscriber.clone(),
+            stop_rx.clone(),
+        ));
+        background.extend(kv_events::sources::spawn(
+            state.clone(),
+            config.auto_event_servers(),
+            (settings.clone(), subscriber),
             stop_rx.clone(),
         ));
 

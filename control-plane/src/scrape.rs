@@ -198,6 +198,17 @@ pub async fn models_once(
 /// vLLM's model list.
 const MODELS_PATH: &str = "/v1/models";
 
+/// GETs `path` of the server at `address` (JSON) within `settings.timeout` and returns the
+/// 200 body: the scrape client's way of asking a replica anything else.
+pub async fn get(
+    client: &HttpClient,
+    address: &str,
+    path: &str,
+    settings: &ScrapeSettings,
+) -> Result<Bytes, ScrapeError> {
+    fetch(client, address, path, "application/json", settings).await
+}
+
 /// GETs `path` of `address` within `settings.timeout` and returns the 200 body.
 async fn fetch(
     client: &HttpClient,

@@ -104,17 +104,7 @@ pub fn spawn(
     settings: SubscriberSettings,
     shutdown: watch::Receiver<bool>,
 ) -> Vec<JoinHandle<()>> {
-    sources
-        .into_iter()
-        .map(|source| {
-            tokio::spawn(run(
-                state.clone(),
-                source,
-                settings.clone(),
-                shutdown.clone(),
-            ))
-        })
-        .collect()
+    super::spawn_each(&state, sources, &settings, &shutdown, run)
 }
 
 /// Reconnect loop of one source.

@@ -26,7 +26,8 @@ enum Routing {
     /// Approximate, decided in the filter on its synced copy.
     Local,
     /// Precise: every engine's KV events (each rank's on its own port), prompts tokenised
-    /// through the replicas' render API.
+    /// through the replicas' render API; the publishers are found through each server's
+    /// `/kv_event_sources` (`kv_events: auto`).
     Precise,
 }
 
@@ -49,6 +50,8 @@ fn topology(name: &str, ranks: u32, routing: Routing) -> FleetConfig {
         cfg.plugin_config["route_timeout_ms"] = json!(3000);
         cfg.plugin_config["routes"] =
             json!([{"path": "/v1/chat/completions", "api": "chat", "mode": "precise"}]);
+        let auto = json!({"kv_events": "auto", "kv_events_replay": null});
+        cfg.endpoint_extra = vec![auto; 8 / ranks as usize];
     }
     cfg
 }
@@ -209,7 +212,7 @@ async fn each_turn_lands_on_the_rank_that_holds_its_prefix() {
 }
 
 // Precise mode on data-parallel servers: each rank's KV events (stamped with the rank, on the
-// server's port + rank) feed that rank's index.
+// server's port + rank, found through the server's `/kv_event_sources`) feed that rank's index.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn precise_mode_reads_each_ranks_kv_events() {
     let tools = common::tools();

@@ -103,6 +103,10 @@ pub struct Publisher {
     pub endpoint: String,
     /// Where the replay ROUTER socket is bound, if any.
     pub replay_endpoint: Option<String>,
+    /// The topic frame of its messages.
+    pub topic: String,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
     sender: mpsc::UnboundedSender<Command>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -123,6 +127,7 @@ impl Publisher {
             .await
             .map_err(|e| SimError::Io(format!("cannot bind kv events socket {endpoint}: {e}")))?;
         let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
+        let topic_name = topic.to_owned();
         let topic = Bytes::from(topic.as_bytes().to_vec());
         let mut tasks = Vec::new();
 
@@ -206,9 +211,27 @@ impl Publisher {
         Ok(Self {
             endpoint: bound.to_string(),
             replay_endpoint: replay_bound,
+            topic: topic_name,
+            buffer_steps,
             sender,
             tasks,
         })
+    }
+
+    /// What vLLM's `GET /kv_event_sources` lists for this publisher (its resolved
+    /// `KVEventsConfig`; vLLM's default high-water mark and queue size, which the simulator
+    /// does not enforce).
+    pub fn config(&self) -> vllm_wire::kv_events::PublisherConfig {
+        vllm_wire::kv_events::PublisherConfig {
+            enable_kv_cache_events: true,
+            publisher: Some("zmq".into()),
+            endpoint: self.endpoint.clone(),
+            replay_endpoint: self.replay_endpoint.clone(),
+            buffer_steps: self.buffer_steps as u64,
+            hwm: 100_000,
+            max_queue_size: 100_000,
+            topic: self.topic.clone(),
+        }
     }
 
     /// Queues one batch (the events of one engine step) for publishing.

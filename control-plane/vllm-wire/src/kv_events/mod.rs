@@ -28,6 +28,7 @@
 mod decode;
 mod encode;
 mod router;
+mod sources;
 #[cfg(test)]
 mod test_util;
 
@@ -37,6 +38,7 @@ pub use router::{
     EventBatch, EventMessage, FULL_ATTENTION_KINDS, Skipped, cache_salt, decode_event_batch,
     decode_message, parse_medium,
 };
+pub use sources::{PublisherConfig, SourcesError, connect_endpoint, parse_event_sources};
 
 /// The endpoint data-parallel rank `rank`'s publisher uses when the engines are configured
 /// with `endpoint`: vLLM 0.33 offsets a TCP port by the rank (`tcp://*:5557` -> rank 2 on

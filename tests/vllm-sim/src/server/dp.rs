@@ -15,7 +15,8 @@
 //!
 //! The server-wide paths answer for every rank: `/metrics` is one page with each engine's
 //! series (as vLLM's one registry writes them), `/load` sums, `/reset_prefix_cache` and
-//! `POST /sim/fault` apply to every rank, `/sim/stats` lists them under `ranks`. A server
+//! `POST /sim/fault` apply to every rank, `/sim/stats` lists them under `ranks`, and
+//! `/kv_event_sources` lists every rank's publisher. A server
 //! without data parallelism (one rank) goes through the same front, so the header is checked
 //! the same way: vLLM refuses any rank but 0 there.
 
@@ -78,6 +79,9 @@ pub(super) fn front(ranks: Vec<(Router, Arc<Shared>)>) -> Router {
 
 async fn dispatch(ranks: &[Rank], req: Request) -> Response {
     let path = req.uri().path();
+    if req.method() == Method::GET && path == "/kv_event_sources" {
+        return event_sources(ranks);
+    }
     if ranks.len() > 1 {
         match (req.method(), path) {
             (&Method::GET, "/metrics") => return metrics(ranks, req).await,
@@ -105,6 +109,19 @@ async fn dispatch(ranks: &[Rank], req: Request) -> Response {
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     };
     forward(rank, req).await
+}
+
+/// vLLM 0.33's `GET /kv_event_sources`: each publishing engine's resolved publisher, keyed by
+/// its data-parallel rank (`{}` when none publishes).
+fn event_sources(ranks: &[Rank]) -> Response {
+    let sources: std::collections::BTreeMap<String, _> = ranks
+        .iter()
+        .filter_map(|r| {
+            let publisher = r.engine.publisher.as_ref()?;
+            Some((r.engine.info.engine.to_string(), publisher.config()))
+        })
+        .collect();
+    axum::Json(sources).into_response()
 }
 
 /// The header's rank as vLLM reads it: `int(value)`, anything else as no header.

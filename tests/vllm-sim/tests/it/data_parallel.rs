@@ -161,6 +161,18 @@ async fn each_rank_publishes_its_kv_events_on_the_port_offset_by_its_rank() {
     assert_eq!(sim.kv_events_endpoints, want);
     let c = HttpClient::new();
     let url = sim.url();
+    // vLLM's list of every rank's publisher, as a router discovers them.
+    let listed = c
+        .get(&format!("{url}/kv_event_sources"), T)
+        .await
+        .expect("sources");
+    let sources = vllm_wire::kv_events::parse_event_sources(listed.body.as_bytes()).unwrap();
+    let endpoints: Vec<&str> = sources.values().map(|p| p.endpoint.as_str()).collect();
+    assert_eq!(
+        endpoints,
+        want.iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    assert!(sources.values().all(|p| p.is_zmq()));
     for rank in 0..3u32 {
         let mut sub = SubSocket::new();
         sub.connect(&want[rank as usize]).await.expect("connect");
