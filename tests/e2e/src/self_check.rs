@@ -144,8 +144,11 @@ async fn never_became(fleet: &Fleet, endpoint: &str, want: &str, requests: u64) 
     );
 }
 
-/// Continues `conversations` one turn each, round and round, until `endpoint`'s state is
-/// `want`; returns the requests it took.
+/// Continues `conversations` one turn each, round and round (a pause of a quarter probe
+/// interval between rounds), until `endpoint`'s state is `want`; returns the requests it took.
+/// Twenty rounds outlast two probes: the first probe after a fix may credit histories the
+/// replica was sent while still broken, which it never cached; that probe fails, and the next
+/// comes twice the interval later.
 async fn continue_until(
     fleet: &Fleet,
     conversations: &mut [Conversation],
@@ -154,7 +157,7 @@ async fn continue_until(
 ) -> u64 {
     let client = fleet.client().clone();
     let mut requests = 0;
-    for _ in 0..10 {
+    for _ in 0..20 {
         for c in conversations.iter_mut() {
             c.turn(&client, fleet, 4, &[]).await;
             requests += 1;
@@ -162,6 +165,7 @@ async fn continue_until(
                 return requests;
             }
         }
+        tokio::time::sleep(Duration::from_millis(PROBE_AFTER_MS / 4)).await;
     }
     never_became(fleet, endpoint, want, requests).await
 }
