@@ -868,12 +868,7 @@ pub fn table(report: &MatrixReport) -> String {
         .collect();
     let or_dash = |r: Option<f64>, digits: usize| r.map_or("-".into(), |r| format!("{r:.digits$}"));
     s.push_str(
-        &TextTable::new()
-            .left("workload", 14, |(c, _): &(&CellReport, &PolicyCell)| {
-                c.workload.clone()
-            })
-            .left("pool", 32, |(c, _)| c.pool.clone())
-            .right("load", 4, |(c, _)| format!("{:.1}", c.load))
+        &cell_table::<PolicyCell>()
             .left("policy", 18, |(_, p)| p.policy.clone())
             .right("TTFT p50", 13, |(_, p)| fmt_iv(&p.ttft_p50_ms))
             .right("TTFT p90", 13, |(_, p)| fmt_iv(&p.ttft_p90_ms))
@@ -903,12 +898,7 @@ pub fn table(report: &MatrixReport) -> String {
     let marked =
         |ratio: f64, ok: bool| format!("{ratio:>5.2} {:<4}", if ok { "ok" } else { "LOSS" });
     s.push_str(
-        &TextTable::new()
-            .left("workload", 14, |(c, _): &(&CellReport, &Verdict)| {
-                c.workload.clone()
-            })
-            .left("pool", 32, |(c, _)| c.pool.clone())
-            .right("load", 4, |(c, _)| format!("{:.1}", c.load))
+        &cell_table::<Verdict>()
             .left("best peer p50", 20, |(_, v)| v.best_peer_p50.clone())
             .right("kv/peer", 9, |(_, v)| marked(v.p50_ratio, v.p50_ok))
             .left("best peer p99", 20, |(_, v)| v.best_peer_p99.clone())
@@ -941,6 +931,17 @@ pub fn table(report: &MatrixReport) -> String {
         );
     }
     s
+}
+
+/// A table of one row per cell and `T` (a policy's figures, a verdict), opening with the
+/// cell's workload, pool and load columns.
+fn cell_table<'r, T>() -> TextTable<'r, (&'r CellReport, &'r T)> {
+    TextTable::new()
+        .left("workload", 14, |(c, _): &(&CellReport, &T)| {
+            c.workload.clone()
+        })
+        .left("pool", 32, |(c, _)| c.pool.clone())
+        .right("load", 4, |(c, _)| format!("{:.1}", c.load))
 }
 
 #[cfg(test)]
