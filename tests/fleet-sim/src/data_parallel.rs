@@ -15,6 +15,7 @@
 use crate::policy::{Policy, PolicyRequest, ReplicaSnapshot};
 use scorer_core::calibration::EngineCounters;
 use scorer_core::precise::KvEvent;
+use vllm_sim::server::dp::balance_score;
 
 /// The policies whose real routers pick a data-parallel rank themselves.
 pub const RANK_AWARE: &[&str] = &[
@@ -36,9 +37,8 @@ pub fn is_rank_aware(spec: &str) -> bool {
 /// A rank-blind router in front of data-parallel servers: `inner` routes over servers (built
 /// for `replicas / ranks` endpoints, fed each server's summed metrics and every rank's KV
 /// events under the server's index), then the server picks the rank as vLLM's DP client does
-/// (`DPLBAsyncMPClient.get_core_engine_for_request`, `vllm/v1/engine/core_client.py`): the
-/// lowest `max(in flight, waiting + running) + 6 x waiting x max(0, kv_usage - 0.5)`, the
-/// first rank on ties, with the engines' counts as of the last scrape.
+/// (the lowest [`balance_score`], the first rank on ties), with the engines' counts as of the
+/// last scrape.
 pub struct RankBlind {
     inner: Box<dyn Policy>,
     ranks: usize,
@@ -63,16 +63,14 @@ impl RankBlind {
     fn pick_rank(&self, server: usize) -> usize {
         let first = server * self.ranks;
         let score = |engine: usize| {
-            let in_flight = f64::from(self.in_flight.get(engine).copied().unwrap_or(0));
-            let Some(Some(s)) = self.snapshots.get(engine) else {
-                return in_flight;
-            };
-            let waiting = f64::from(s.waiting);
-            let mut score = in_flight.max(waiting + f64::from(s.running));
-            if s.waiting > 0 {
-                score += waiting * 6.0 * (s.kv_usage - 0.5).max(0.0);
-            }
-            score
+            let in_flight = self.in_flight.get(engine).copied().unwrap_or(0);
+            let s = self
+                .snapshots
+                .get(engine)
+                .copied()
+                .flatten()
+                .unwrap_or_default();
+            balance_score(in_flight, s.waiting, s.running, s.kv_usage)
         };
         (first..first + self.ranks)
             .min_by(|&a, &b| score(a).total_cmp(&score(b)).then(a.cmp(&b)))

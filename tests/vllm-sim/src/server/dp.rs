@@ -139,17 +139,31 @@ fn generates(method: &Method, path: &str) -> bool {
         )
 }
 
-/// vLLM's DP client choice: the lowest score, the first rank on ties.
+/// How loaded vLLM's DP client judges an engine (`DPLBAsyncMPClient.get_core_engine_for_request`
+/// with one API server): the greater of the requests it has in flight there and the engine's
+/// waiting plus running, plus `6 x waiting x max(0, kv_usage - 0.5)`. The lowest score wins,
+/// the first rank on ties. fleet-sim's rank-blind servers choose by it too.
+pub fn balance_score(in_flight: u32, waiting: u32, running: u32, kv_usage: f64) -> f64 {
+    let queued = f64::from(waiting);
+    let mut score = f64::from(in_flight).max(queued + f64::from(running));
+    if waiting > 0 {
+        score += queued * 6.0 * (kv_usage - 0.5).max(0.0);
+    }
+    score
+}
+
+/// vLLM's DP client choice: the lowest [`balance_score`], the first rank on ties.
 fn least_loaded(ranks: &[Rank]) -> usize {
     let mut best = (f64::INFINITY, 0);
     for (i, rank) in ranks.iter().enumerate() {
         let stats = rank.engine.engine.lock().stats();
-        let in_flight = f64::from(rank.in_flight.load(Ordering::Relaxed));
-        let waiting = f64::from(stats.num_waiting);
-        let mut score = in_flight.max(waiting + f64::from(stats.num_running));
-        if stats.num_waiting > 0 {
-            score += waiting * 6.0 * (stats.kv_cache_usage - 0.5).max(0.0);
-        }
+        let in_flight = rank.in_flight.load(Ordering::Relaxed);
+        let score = balance_score(
+            in_flight,
+            stats.num_waiting,
+            stats.num_running,
+            stats.kv_cache_usage,
+        );
         if score < best.0 {
             best = (score, i);
         }
