@@ -243,18 +243,11 @@ async fn route(AxumState(app): AxumState<Arc<App>>, request: Request) -> Respons
         app.state
             .await_stored_response(&request, app.settings.stored_response_wait)
             .await;
-        let (how, kept) = app
+        let mut response = app
             .settings
             .precise
-            .prepare_kept(&app.state, &mut request)
+            .route(&app.state, &mut request, |r| app.state.route(r))
             .await;
-        if let Some(how) = how {
-            app.state.telemetry().count_precise_route(how);
-        }
-        let mut response = app.state.route(&request);
-        if let Some(kept) = kept.filter(|_| !response.endpoints.is_empty()) {
-            app.settings.precise.keep(response.decision_id, kept);
-        }
         if !response.endpoints.is_empty() {
             response.decision_tag = app.tags.sign(response.decision_id, peer);
         }

@@ -519,16 +519,16 @@ impl Exchange {
         state
             .await_stored_response(&request, self.picker.stored_response_wait)
             .await;
-        let (how, kept) = self.picker.precise.prepare_kept(state, &mut request).await;
-        if let Some(how) = how {
-            state.telemetry().count_precise_route(how);
-        }
-        let started = std::time::Instant::now();
-        let response = state.route(&request);
-        state.telemetry().observe_route(started.elapsed());
-        if let Some(kept) = kept.filter(|_| !response.endpoints.is_empty()) {
-            self.picker.precise.keep(response.decision_id, kept);
-        }
+        let response = self
+            .picker
+            .precise
+            .route(state, &mut request, |r| {
+                let started = std::time::Instant::now();
+                let response = state.route(r);
+                state.telemetry().observe_route(started.elapsed());
+                response
+            })
+            .await;
         serde_json::to_vec(&response).ok()
     }
 

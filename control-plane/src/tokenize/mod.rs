@@ -19,7 +19,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use scorer_core::hash::{request_seed, token_block_hashes};
-use scorer_core::protocol::{ApiKind, RouteRequest};
+use scorer_core::protocol::{ApiKind, RouteRequest, RouteResponse};
 use serde_json::{Map, Value};
 use vllm_wire::agent_chat::{self, AgentChatError};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -178,9 +178,30 @@ impl Precise {
         self.prepare_kept(state, request).await.0
     }
 
-    /// [`Precise::prepare`], also returning the tokenised prompt for [`Precise::keep`] once
-    /// the decision has an id.
-    pub async fn prepare_kept(
+    /// Routes `request` with `route` (the caller's call of the router, timed as it likes):
+    /// prepares it first ([`Precise::prepare`], counting how it will be scored), and keeps a
+    /// precise prompt for `/debug/mismatch` under the decision's id once it has one. What the
+    /// route API and the Endpoint Picker both do with a route call.
+    pub async fn route(
+        &self,
+        state: &State,
+        request: &mut RouteRequest,
+        route: impl FnOnce(&RouteRequest) -> RouteResponse,
+    ) -> RouteResponse {
+        let (how, kept) = self.prepare_kept(state, request).await;
+        if let Some(how) = how {
+            state.telemetry().count_precise_route(how);
+        }
+        let response = route(request);
+        if let Some(kept) = kept.filter(|_| !response.endpoints.is_empty()) {
+            self.kept.keep(response.decision_id, kept);
+        }
+        response
+    }
+
+    /// [`Precise::prepare`], also returning the tokenised prompt to keep once the decision has
+    /// an id.
+    async fn prepare_kept(
         &self,
         state: &State,
         request: &mut RouteRequest,
@@ -235,11 +256,6 @@ impl Precise {
             }
         };
         (how, None)
-    }
-
-    /// Keeps decision `decision_id`'s tokenised prompt for `/debug/mismatch` (bounded).
-    pub fn keep(&self, decision_id: u64, prompt: kept::KeptPrompt) {
-        self.kept.keep(decision_id, prompt);
     }
 
     /// For a precise decision's mismatch record, the router's and the serving engine's token
