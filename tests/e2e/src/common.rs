@@ -500,3 +500,75 @@ pub fn run_bounded(mut cmd: Command, what: &str, limit: Duration) -> Output {
         stderr: err_t.join().unwrap_or_default(),
     }
 }
+
+/// Turn statistics of a phase: turns that followed their predecessor's replica, and the
+/// prompt tokens served from cache.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Turns {
+    /// Follow-up turns served where their predecessor was.
+    pub followed: u32,
+    /// Follow-up turns.
+    pub follow_ups: u32,
+    /// Their prompt tokens served from cache.
+    pub cached: u64,
+    /// Their prompt tokens.
+    pub prompt: u64,
+}
+
+impl std::fmt::Display for Turns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{} turns followed, hit rate {:.3}",
+            self.followed,
+            self.follow_ups,
+            self.hit_rate()
+        )
+    }
+}
+
+impl Turns {
+    /// Counts one follow-up turn: whether it was served where its predecessor was, and its
+    /// cached and prompt tokens.
+    pub fn follow_up(&mut self, followed: bool, cached: u64, prompt: u64) {
+        self.follow_ups += 1;
+        self.followed += u32::from(followed);
+        self.cached += cached;
+        self.prompt += prompt;
+    }
+
+    /// Adds another phase's (or conversation's) counts.
+    pub fn add(&mut self, other: Turns) {
+        self.followed += other.followed;
+        self.follow_ups += other.follow_ups;
+        self.cached += other.cached;
+        self.prompt += other.prompt;
+    }
+    /// Share of follow-up turns that followed their predecessor.
+    pub fn follow_rate(&self) -> f64 {
+        f64::from(self.followed) / f64::from(self.follow_ups.max(1))
+    }
+    /// Share of their prompt tokens served from cache.
+    pub fn hit_rate(&self) -> f64 {
+        self.cached as f64 / self.prompt.max(1) as f64
+    }
+    /// Fails the test unless the hit rate is at least `floor`.
+    pub fn assert_hit_rate(&self, floor: f64, phase: &str, fleet: &Fleet) {
+        assert!(
+            self.hit_rate() >= floor,
+            "{phase}: hit rate {:.3}, below {floor:.3} ({})",
+            self.hit_rate(),
+            fleet.describe()
+        );
+    }
+    /// Fails the test unless at least `min` of the follow-up turns followed their cache.
+    pub fn assert_followed(&self, min: f64, phase: &str, fleet: &Fleet) {
+        assert!(
+            self.follow_rate() >= min,
+            "{phase}: only {}/{} turns followed their cache ({})",
+            self.followed,
+            self.follow_ups,
+            fleet.describe()
+        );
+    }
+}

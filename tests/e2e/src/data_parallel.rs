@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvroute_harness::{Fleet, FleetConfig, HttpClient, Tools};
 use serde_json::{Value, json};
 
-use crate::common::{self, Conversation, replica_header};
+use crate::common::{self, Conversation, Turns, replica_header};
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(240);
 const MODEL: &str = "kvroute-e2e-data-parallel";
@@ -56,36 +56,16 @@ fn topology(name: &str, ranks: u32, routing: Routing) -> FleetConfig {
     cfg
 }
 
-/// What a run's follow-up turns did: turns that stayed on their predecessor's engine, and the
-/// prompt tokens served from cache.
+/// What a run's follow-up turns did, and the engines that served its turns.
 #[derive(Debug, Default)]
 struct Run {
-    followed: u32,
-    follow_ups: u32,
-    cached: u64,
-    prompt: u64,
+    turns: Turns,
     engines: std::collections::BTreeSet<String>,
-}
-
-impl Run {
-    fn hit_rate(&self) -> f64 {
-        self.cached as f64 / self.prompt.max(1) as f64
-    }
-    fn follow_rate(&self) -> f64 {
-        f64::from(self.followed) / f64::from(self.follow_ups.max(1))
-    }
 }
 
 impl std::fmt::Display for Run {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}/{} turns stayed, hit rate {:.3}, {} engines used",
-            self.followed,
-            self.follow_ups,
-            self.hit_rate(),
-            self.engines.len()
-        )
+        write!(f, "{}, {} engines used", self.turns, self.engines.len())
     }
 }
 
@@ -130,13 +110,14 @@ async fn run(fleet: &Fleet) -> Run {
                     "content": answer["choices"][0]["message"]["content"].clone()
                 }));
                 if let Some(prev) = &previous {
-                    out.follow_ups += 1;
-                    out.followed += u32::from(*prev == engine);
                     let usage = &answer["usage"];
-                    out.cached += usage["prompt_tokens_details"]["cached_tokens"]
-                        .as_u64()
-                        .unwrap_or(0);
-                    out.prompt += usage["prompt_tokens"].as_u64().unwrap_or(0);
+                    out.turns.follow_up(
+                        *prev == engine,
+                        usage["prompt_tokens_details"]["cached_tokens"]
+                            .as_u64()
+                            .unwrap_or(0),
+                        usage["prompt_tokens"].as_u64().unwrap_or(0),
+                    );
                 }
                 out.engines.insert(engine.clone());
                 previous = Some(engine);
@@ -147,10 +128,7 @@ async fn run(fleet: &Fleet) -> Run {
     });
     let mut total = Run::default();
     for r in futures_util::future::join_all(runs).await {
-        total.followed += r.followed;
-        total.follow_ups += r.follow_ups;
-        total.cached += r.cached;
-        total.prompt += r.prompt;
+        total.turns.add(r.turns);
         total.engines.extend(r.engines);
     }
     total
@@ -186,11 +164,11 @@ async fn measured(name: &str, ranks: u32, routing: Routing, tools: &Tools) -> Ru
 /// Fails unless `ranks` kept its turns on their engines and reused as much as `separate`.
 fn assert_as_separate(ranks: &Run, separate: &Run, what: &str) {
     assert!(
-        ranks.follow_rate() >= 0.95,
+        ranks.turns.follow_rate() >= 0.95,
         "{what}: only {ranks} (separate replicas: {separate})"
     );
     assert!(
-        ranks.hit_rate() >= separate.hit_rate() - 0.02,
+        ranks.turns.hit_rate() >= separate.turns.hit_rate() - 0.02,
         "{what}: {ranks}, against separate replicas' {separate}"
     );
 }

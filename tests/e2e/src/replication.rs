@@ -9,7 +9,7 @@ use std::time::Duration;
 use kvroute_harness::{Fleet, FleetConfig, HttpClient, Tools, prometheus_sample};
 use serde_json::json;
 
-use crate::common::{self, Conversation, replica_of, tools};
+use crate::common::{self, Conversation, Turns, replica_of, tools};
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(240);
 const MODEL: &str = "kvroute-e2e-replication";
@@ -38,62 +38,6 @@ fn callout_topology(name: &str) -> FleetConfig {
     cfg
 }
 
-/// Turn statistics of a phase: turns that followed their predecessor's replica, and the
-/// prompt tokens served from cache.
-#[derive(Debug, Default, Clone, Copy)]
-struct Turns {
-    followed: u32,
-    follow_ups: u32,
-    cached: u64,
-    prompt: u64,
-}
-
-impl std::fmt::Display for Turns {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}/{} turns followed, hit rate {:.3}",
-            self.followed,
-            self.follow_ups,
-            self.hit_rate()
-        )
-    }
-}
-
-impl Turns {
-    fn add(&mut self, other: Turns) {
-        self.followed += other.followed;
-        self.follow_ups += other.follow_ups;
-        self.cached += other.cached;
-        self.prompt += other.prompt;
-    }
-    fn follow_rate(&self) -> f64 {
-        f64::from(self.followed) / f64::from(self.follow_ups.max(1))
-    }
-    fn hit_rate(&self) -> f64 {
-        self.cached as f64 / self.prompt.max(1) as f64
-    }
-    /// Fails the test unless the hit rate is at least `floor`.
-    fn assert_hit_rate(&self, floor: f64, phase: &str, fleet: &Fleet) {
-        assert!(
-            self.hit_rate() >= floor,
-            "{phase}: hit rate {:.3}, below {floor:.3} ({})",
-            self.hit_rate(),
-            fleet.describe()
-        );
-    }
-    /// Fails the test unless at least `min` of the follow-up turns followed their cache.
-    fn assert_followed(&self, min: f64, phase: &str, fleet: &Fleet) {
-        assert!(
-            self.follow_rate() >= min,
-            "{phase}: only {}/{} turns followed their cache ({})",
-            self.followed,
-            self.follow_ups,
-            fleet.describe()
-        );
-    }
-}
-
 /// `conversations` conversations of `turns` turns each, all at once; turn t of conversation c
 /// goes to Envoy (c + t) mod 2. A failed request fails the test.
 async fn run_turns(fleet: &Fleet, first_seed: u64, conversations: u64, turns: usize) -> Turns {
@@ -114,10 +58,11 @@ async fn run_turns(fleet: &Fleet, first_seed: u64, conversations: u64, turns: us
                 let out = conv.send(client, fleet, url, &body, &[]).await;
                 let replica = replica_of(&out, fleet);
                 if let Some(prev) = &previous {
-                    stats.follow_ups += 1;
-                    stats.followed += u32::from(*prev == replica);
-                    stats.cached += out.cached_tokens.unwrap_or(0);
-                    stats.prompt += out.prompt_tokens.unwrap_or(0);
+                    stats.follow_up(
+                        *prev == replica,
+                        out.cached_tokens.unwrap_or(0),
+                        out.prompt_tokens.unwrap_or(0),
+                    );
                 }
                 previous = Some(replica);
                 tokio::time::sleep(BETWEEN_TURNS).await;
