@@ -1611,9 +1611,8 @@ impl Router {
         {
             return;
         }
-        let model = self.reuse_pools.name(pool).to_string();
         let eligible = self.fleet.eligible(
-            &model,
+            self.reuse_pools.name(pool),
             self.slots.len(),
             crate::pools::UnknownModelPolicy::PassThrough,
         );
