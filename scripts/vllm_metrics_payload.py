@@ -18,6 +18,9 @@ connectors, the KV-residency histograms of ``kv_cache_metrics``) are left out, a
     python3 -m venv /tmp/promvenv && /tmp/promvenv/bin/pip install prometheus_client
     /tmp/promvenv/bin/python scripts/vllm_metrics_payload.py \\
         --wheel /tmp/vllmwheel/vllm-0.33.0-*.whl > tests/bench/fixtures/vllm-0.33-metrics.txt
+
+``--render-cost NAMES`` prints instead what rendering the page costs the replica, whole and
+restricted to the control plane's series (docs/BENCHMARKS.md has the command).
 """
 
 import argparse
@@ -137,6 +140,10 @@ def metric_definitions(source):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wheel", required=True, help="the vllm==0.33.0 wheel (glob allowed)")
+    ap.add_argument("--render-cost", metavar="NAMES",
+                    help="instead of the page, print what rendering it costs, whole and "
+                         "restricted to these comma-separated sample names (the control "
+                         "plane's: vllm_wire::prom::SCRAPED_SERIES)")
     args = ap.parse_args()
     wheel = sorted(glob.glob(args.wheel))[0]
     with zipfile.ZipFile(wheel) as z:
@@ -189,7 +196,32 @@ def main():
                 child.inc(12345)
             else:
                 child.set(GAUGE_VALUES.get(name, 3))
+    if args.render_cost:
+        render_cost(registry, args.render_cost.split(","))
+        return
     sys.stdout.write(generate_latest(registry).decode())
+
+
+def render_cost(registry, names):
+    """Prints what rendering the page costs the replica (vLLM's API server renders it in Python
+    on every scrape), whole and restricted to ``names`` as ``/metrics/?name[]=`` restricts it."""
+    import time
+
+    def per_render_us(reg):
+        best = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(200):
+                body = generate_latest(reg)
+            best.append((time.perf_counter() - t) / 200 * 1e6)
+        return sorted(best)[2], len(body)
+
+    whole_us, whole_b = per_render_us(registry)
+    small_us, small_b = per_render_us(registry.restricted_registry(names))
+    print(f"whole page:      {whole_b:>6} B, {whole_us:8.1f} us CPU per render")
+    print(f"restricted page: {small_b:>6} B, {small_us:8.1f} us CPU per render "
+          f"({len(names)} sample names)")
+    print(f"at one scrape every 100 ms: {whole_us / 1e5:.2%} vs {small_us / 1e5:.2%} of a core")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,8 @@ use scorer_core::lora::LoraState;
 use scorer_core::pools::ServedModel;
 use serde::Deserialize;
 
+pub use crate::prom::LORA_INFO;
 use crate::prom::samples_named;
-
-/// The LoRA gauge vLLM exports; its value is a timestamp, its labels carry the adapters.
-pub const LORA_INFO: &str = "vllm:lora_requests_info";
 
 /// Why a `/v1/models` answer is unusable.
 #[derive(Debug, thiserror::Error)]

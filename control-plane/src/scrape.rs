@@ -1,5 +1,9 @@
 //! Scrapes each endpoint's `/metrics` on a fixed tick and feeds the router.
 //!
+//! A scrape asks for only the series the router reads (`/metrics/?name[]=…`, which vLLM's
+//! `prometheus_client` honours), and falls back to the whole page for an endpoint that does
+//! not serve it ([`MetricsPage`]).
+//!
 //! One task per endpoint, each with its own deadline, so one slow replica never delays the
 //! others. A success updates the endpoint's load and makes it a candidate again; after
 //! `unreachable_after_failures` consecutive failures (refused, timed out, non-200, unparsable)
@@ -7,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -25,7 +29,10 @@ use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
 use crate::pools::{parse_lora_info, parse_models};
-use crate::prom::{PromError, scrape_vllm_engine_metrics, scrape_vllm_metrics};
+use crate::prom::{
+    PromError, SCRAPED_SERIES, restricted_metrics_path, scrape_vllm_engine_metrics,
+    scrape_vllm_metrics,
+};
 use crate::state::State;
 use scorer_core::address::split_rank;
 
@@ -146,20 +153,83 @@ impl SharedPages {
     }
 }
 
-/// Fetches and parses `http://{address}/metrics` once, within `settings.timeout`: the load
-/// metrics, and the LoRA adapters when the page has `vllm:lora_requests_info`. For a
-/// data-parallel rank (`ip:port#dp<rank>`) the server's page (shared with its other ranks
-/// through `pages`) is read for that engine's series.
+/// `/metrics/?name[]=…` for [`SCRAPED_SERIES`], built once.
+static RESTRICTED_PATH: LazyLock<String> =
+    LazyLock::new(|| restricted_metrics_path(&SCRAPED_SERIES));
+
+/// Which page an endpoint's scrapes ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetricsPage {
+    /// `/metrics/?name[]=…`, only the series the router reads: about 3 KB of a vLLM 0.33 page's
+    /// 58, so both the replica (which renders it in Python) and the control plane do a
+    /// twentieth of the work. Every scrape starts here.
+    #[default]
+    Restricted,
+    /// `/metrics`, the whole page: for an endpoint whose restricted page failed (not found, not
+    /// metrics, missing a series) while its whole page worked.
+    Whole,
+}
+
+impl MetricsPage {
+    fn path(self) -> &'static str {
+        match self {
+            Self::Restricted => RESTRICTED_PATH.as_str(),
+            Self::Whole => "/metrics",
+        }
+    }
+}
+
+/// Scrapes `address` as `page` says, falling back for good to the whole page when the
+/// restricted one fails where the whole one works (a server that does not serve `/metrics/`,
+/// or answers it with something else). A timeout or refused connection is the endpoint's
+/// failure, not the page's, and is returned as it is.
+pub async fn scrape(
+    client: &HttpClient,
+    address: &str,
+    settings: &ScrapeSettings,
+    pages: &SharedPages,
+    page: &mut MetricsPage,
+) -> Result<(EndpointMetrics, Option<LoraState>), ScrapeError> {
+    let first = scrape_once(client, address, settings, pages, *page).await;
+    match first {
+        Err(ScrapeError::Status(_) | ScrapeError::Body(_) | ScrapeError::Parse(_))
+            if *page == MetricsPage::Restricted =>
+        {
+            let whole = scrape_once(client, address, settings, pages, MetricsPage::Whole).await;
+            if whole.is_ok() {
+                tracing::info!(
+                    endpoint = %address,
+                    error = %first.as_ref().err().map(|e| e.to_string()).unwrap_or_default(),
+                    "the restricted /metrics/ page failed; scraping the whole /metrics page"
+                );
+                *page = MetricsPage::Whole;
+                return whole;
+            }
+            first
+        }
+        other => other,
+    }
+}
+
+/// Fetches and parses `page` of `address` once, within `settings.timeout`: the load metrics,
+/// and the LoRA adapters when the page has `vllm:lora_requests_info`. For a data-parallel rank
+/// (`ip:port#dp<rank>`) the server's page (shared with its other ranks through `pages`) is
+/// read for that engine's series.
 pub async fn scrape_once(
     client: &HttpClient,
     address: &str,
     settings: &ScrapeSettings,
     pages: &SharedPages,
+    page: MetricsPage,
 ) -> Result<(EndpointMetrics, Option<LoraState>), ScrapeError> {
     let (server, rank) = split_rank(address);
-    let fetched = fetch(client, server, "/metrics", "text/plain", settings);
+    let path = page.path();
+    let fetched = fetch(client, server, path, "text/plain", settings);
     let body = match rank {
-        Some(_) => pages.get(server, settings.interval / 2, fetched).await?,
+        Some(_) => {
+            let key = format!("{server} {page:?}");
+            pages.get(&key, settings.interval / 2, fetched).await?
+        }
         None => fetched.await?,
     };
     let text = std::str::from_utf8(&body).map_err(|e| PromError::NotUtf8(e.valid_up_to()))?;
@@ -276,6 +346,7 @@ async fn scrape_loop(
     let mut down = false;
     // When `/v1/models` was last asked (None: never); polled after a successful scrape.
     let mut models_polled: Option<Instant> = None;
+    let mut page = MetricsPage::default();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -288,7 +359,7 @@ async fn scrape_loop(
         }
         let started = Instant::now();
         let result = tokio::select! {
-            r = scrape_once(&client, &address, &settings, state.shared_pages()) => r,
+            r = scrape(&client, &address, &settings, state.shared_pages(), &mut page) => r,
             _ = shutdown.changed() => return,
         };
         let elapsed = started.elapsed();
@@ -373,5 +444,99 @@ mod tests {
         assert!(failed.await.is_err());
         pages.get("10.0.0.7:8000", age, fetch()).await.unwrap();
         assert_eq!(fetches.load(Ordering::Relaxed), 4);
+    }
+
+    /// A page with the series routing needs and one it does not.
+    const PAGE: &str = "# TYPE vllm:num_requests_running gauge\n\
+                        vllm:num_requests_running 2\n\
+                        vllm:num_requests_waiting 1\n\
+                        vllm:kv_cache_usage_perc 0.5\n\
+                        vllm:iteration_tokens_total_bucket{le=\"1.0\"} 7\n";
+
+    /// A server answering `/metrics` with [`PAGE`] and `/metrics/` as `restricted` says
+    /// (`None`: as vLLM does, with the `name[]` samples only); it counts the requests per path.
+    async fn server(
+        restricted: Option<(u16, &'static str)>,
+    ) -> (String, Arc<parking_lot::Mutex<Vec<String>>>) {
+        use axum::extract::Request;
+        let asked = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let log = asked.clone();
+        let app = axum::Router::new().fallback(move |req: Request| {
+            let log = log.clone();
+            async move {
+                let uri = req.uri().clone();
+                log.lock().push(uri.path().to_owned());
+                match (uri.path(), restricted) {
+                    ("/metrics", _) => (hyper::StatusCode::OK, PAGE.to_owned()),
+                    ("/metrics/", Some((status, body))) => (
+                        hyper::StatusCode::from_u16(status).unwrap(),
+                        body.to_owned(),
+                    ),
+                    ("/metrics/", None) => {
+                        let names = uri.query().and_then(vllm_wire::prom::requested_names);
+                        let page = vllm_wire::prom::restrict_page(PAGE, &names.unwrap());
+                        (hyper::StatusCode::OK, page)
+                    }
+                    _ => (hyper::StatusCode::NOT_FOUND, String::new()),
+                }
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (address, asked)
+    }
+
+    // A scrape asks for the series the router reads; an endpoint that does not serve them at
+    // `/metrics/` is scraped through its whole page from then on, and one that is down is not
+    // moved off the restricted page.
+    #[tokio::test]
+    async fn scrapes_ask_for_the_read_series_and_fall_back_to_the_whole_page() {
+        let settings = ScrapeSettings {
+            interval: Duration::from_millis(100),
+            timeout: Duration::from_secs(5),
+            unreachable_after: 3,
+            max_body_bytes: 1 << 20,
+            models_interval: Duration::ZERO,
+        };
+        let client = client(&settings);
+        let pages = SharedPages::default();
+        let cases = [
+            (
+                None,
+                MetricsPage::Restricted,
+                ["/metrics/", "/metrics/"].as_slice(),
+            ),
+            (
+                Some((404, "Not Found")),
+                MetricsPage::Whole,
+                &["/metrics/", "/metrics", "/metrics"],
+            ),
+            (
+                Some((200, "<html></html>")),
+                MetricsPage::Whole,
+                &["/metrics/", "/metrics", "/metrics"],
+            ),
+        ];
+        for (restricted, after, paths) in cases {
+            let (address, asked) = server(restricted).await;
+            let mut page = MetricsPage::default();
+            for _ in 0..2 {
+                let (m, _) = scrape(&client, &address, &settings, &pages, &mut page)
+                    .await
+                    .unwrap();
+                assert_eq!((m.running, m.waiting, m.kv_usage), (2, 1, 0.5));
+            }
+            assert_eq!(page, after, "{restricted:?}");
+            assert_eq!(*asked.lock(), paths, "{restricted:?}");
+        }
+        // An endpoint that is down stays on the restricted page.
+        let mut page = MetricsPage::default();
+        let refused = scrape(&client, "127.0.0.1:1", &settings, &pages, &mut page).await;
+        assert!(
+            matches!(refused, Err(ScrapeError::Request(_))),
+            "{refused:?}"
+        );
+        assert_eq!(page, MetricsPage::Restricted);
     }
 }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::Router;
+use axum::http::Uri;
 use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -29,6 +30,18 @@ pub struct MetricsFleet {
 impl MetricsFleet {
     /// Binds `n` listeners on 127.0.0.1 (free ports) serving `metrics_text`.
     pub async fn start(n: usize, metrics_text: String) -> std::io::Result<MetricsFleet> {
+        Self::start_serving(n, metrics_text, false).await
+    }
+
+    /// [`MetricsFleet::start`], and with `restricted` the listeners also serve vLLM's
+    /// `/metrics/?name[]=…` (only the named samples, `vllm_wire::prom::restrict_page`);
+    /// without it `/metrics/` is not found, as on a server that does not have it, and a
+    /// scraper falls back to the whole page.
+    pub async fn start_serving(
+        n: usize,
+        metrics_text: String,
+        restricted: bool,
+    ) -> std::io::Result<MetricsFleet> {
         let text = Arc::new(metrics_text);
         let changing = Arc::new(AtomicBool::new(false));
         let mut addresses = Vec::with_capacity(n);
@@ -47,9 +60,26 @@ impl MetricsFleet {
                 };
                 std::future::ready(page)
             };
-            let app = Router::new()
+            let whole = metrics.clone();
+            let restricted_page = move |uri: Uri| {
+                let page = whole();
+                async move {
+                    let names = uri.query().and_then(vllm_wire::prom::requested_names);
+                    match names {
+                        Some(names) => vllm_wire::prom::restrict_page(&page.await, &names),
+                        None => page.await,
+                    }
+                }
+            };
+            let mut app = Router::new()
                 .route("/metrics", get(metrics))
                 .route("/health", get(|| std::future::ready("")));
+            if restricted {
+                app = app.route(
+                    vllm_wire::prom::RESTRICTED_METRICS_PATH,
+                    get(restricted_page),
+                );
+            }
             let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
             addresses.push(listener.local_addr()?.to_string());
             tasks.push(tokio::spawn(async move {

@@ -31,6 +31,10 @@ pub const VLLM_PAYLOAD: &str = include_str!("../fixtures/vllm-0.33-metrics.txt")
 pub struct ScaleRow {
     /// Scrape targets.
     pub endpoints: usize,
+    /// The page scraped: `whole` (`/metrics`; the listeners do not serve `/metrics/`, so the
+    /// control plane falls back to it, as it scraped before asking for its series) or
+    /// `restricted` (`/metrics/?name[]=…`, only the series the router reads).
+    pub page: &'static str,
     /// Bytes of one `/metrics` answer.
     pub payload_bytes: usize,
     /// The control plane's `scrape_interval_ms` (its default).
@@ -126,8 +130,15 @@ pub async fn run(
     window: Duration,
 ) -> anyhow::Result<Vec<ScaleRow>> {
     let mut rows = Vec::new();
-    for &n in sizes {
-        let fleet = MetricsFleet::start(n, VLLM_PAYLOAD.to_string())
+    let restricted_bytes =
+        vllm_wire::prom::restrict_page(VLLM_PAYLOAD, &vllm_wire::prom::SCRAPED_SERIES).len();
+    let pages = [
+        ("whole", VLLM_PAYLOAD.len()),
+        ("restricted", restricted_bytes),
+    ];
+    for (&n, (page, payload_bytes)) in sizes.iter().flat_map(|n| pages.iter().map(move |p| (n, p)))
+    {
+        let fleet = MetricsFleet::start_serving(n, VLLM_PAYLOAD.to_string(), *page == "restricted")
             .await
             .context("cannot bind the metrics listeners")?;
         let api = harness::free_port()?;
@@ -212,7 +223,8 @@ pub async fn run(
         drop(fleet);
         let row = ScaleRow {
             endpoints: n,
-            payload_bytes: VLLM_PAYLOAD.len(),
+            page,
+            payload_bytes: *payload_bytes,
             scrape_interval_ms: SCRAPE_INTERVAL_MS,
             scrapes_per_s: scrapes / elapsed,
             usable_endpoints: usable,

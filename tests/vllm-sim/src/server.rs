@@ -45,7 +45,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Query, Request, State};
-use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::http::{HeaderName, HeaderValue, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -679,6 +679,7 @@ fn router(shared: Arc<Shared>, rank_header: bool) -> Router {
         .route("/load", get(load))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/metrics", get(metrics))
+        .route(vllm_wire::prom::RESTRICTED_METRICS_PATH, get(metrics))
         .route("/sim/fault", get(get_fault).post(set_fault))
         .route("/sim/stats", get(sim_stats))
         .fallback(not_found)
@@ -1797,7 +1798,9 @@ async fn reset_prefix_cache(
     Ok(axum::Json(json!({"success": success})).into_response())
 }
 
-async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+/// vLLM's `/metrics`: the whole page at `/metrics`, and at `/metrics/` only the samples a
+/// `name[]` query names (`vllm_wire::prom::RESTRICTED_METRICS_PATH` says why the two differ).
+async fn metrics(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
     if s.fault.lock().garbage_metrics {
         let body = "vllm:num_requests_running{model_name=\"\x01 }} NaNbogus\n# TYPE\n\u{fffd}{{{";
         return ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response();
@@ -1812,6 +1815,13 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         s.aborted.load(Ordering::Relaxed),
         now,
     );
+    let names = (uri.path() == vllm_wire::prom::RESTRICTED_METRICS_PATH)
+        .then(|| uri.query().and_then(vllm_wire::prom::requested_names))
+        .flatten();
+    let page = match names {
+        Some(names) => vllm_wire::prom::restrict_page(&page, &names),
+        None => page,
+    };
     (
         [(
             header::CONTENT_TYPE,

@@ -1351,12 +1351,14 @@ fn print_scale(figures: &ScaleFigures) {
     let rows = &figures.rows;
     if !rows.is_empty() {
         println!(
-            "\n== control plane at scale (vLLM 0.33-shaped /metrics, {} B, scraped every {} ms; no traffic) ==",
-            rows[0].payload_bytes, rows[0].scrape_interval_ms
+            "\n== control plane at scale (vLLM 0.33-shaped /metrics, scraped every {} ms; no traffic) ==",
+            rows[0].scrape_interval_ms
         );
         println!(
-            "{:>10} {:>10} {:>8} {:>10} {:>12} {:>9} {:>14} {:>12} {:>12}",
+            "{:>10} {:>11} {:>8} {:>10} {:>8} {:>10} {:>12} {:>9} {:>14} {:>12} {:>12}",
             "endpoints",
+            "page",
+            "page B",
             "scrapes/s",
             "usable",
             "CPU cores",
@@ -1368,8 +1370,10 @@ fn print_scale(figures: &ScaleFigures) {
         );
         for r in rows {
             println!(
-                "{:>10} {:>10.0} {:>8} {:>10.3} {:>12.3} {:>9.1} {:>14} {:>12.0} {:>12.0}",
+                "{:>10} {:>11} {:>8} {:>10.0} {:>8} {:>10.3} {:>12.3} {:>9.1} {:>14} {:>12.0} {:>12.0}",
                 r.endpoints,
+                r.page,
+                r.payload_bytes,
                 r.scrapes_per_s,
                 r.usable_endpoints,
                 r.cpu_cores,
@@ -1387,14 +1391,16 @@ fn print_scale(figures: &ScaleFigures) {
              ticks, fleet at rest and with every scrape's numbers moving)",
             kvroute_bench::scale::STEADY_TICKS
         );
-        if let Some(last) = rows.last() {
+        let largest = rows.iter().map(|r| r.endpoints).max().unwrap_or(0);
+        for last in rows.iter().filter(|r| r.endpoints == largest) {
             let replicas = 1_000;
             let (cores, [whole, rest, busy]) = kvroute_bench::scale::extrapolate(last, replicas);
             println!(
-                "{replicas:>10} (scaled from {} endpoints): {cores:.2} cores scraping every {} ms, \
-                 {:.2} at 1 s; sync per copy at {tick_ms} ms: whole tables {:.2} MB/s, \
+                "{replicas:>10} (scaled from {} endpoints, {} page): {cores:.2} cores scraping \
+                 every {} ms, {:.2} at 1 s; sync per copy at {tick_ms} ms: whole tables {:.2} MB/s, \
                  deltas {:.2} MB/s at rest, {:.2} MB/s busy",
                 last.endpoints,
+                last.page,
                 last.scrape_interval_ms,
                 cores * last.scrape_interval_ms as f64 / 1_000.0,
                 whole / 1e6,

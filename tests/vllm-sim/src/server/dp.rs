@@ -84,7 +84,10 @@ async fn dispatch(ranks: &[Rank], req: Request) -> Response {
     }
     if ranks.len() > 1 {
         match (req.method(), path) {
-            (&Method::GET, "/metrics") => return metrics(ranks, req).await,
+            // Each rank restricts a `/metrics/` page itself; the merge keeps what they kept.
+            (&Method::GET, "/metrics" | vllm_wire::prom::RESTRICTED_METRICS_PATH) => {
+                return metrics(ranks, req).await;
+            }
             (&Method::GET, "/load") => return load(ranks, req).await,
             (&Method::GET, "/sim/stats") => return stats(ranks, req).await,
             (&Method::POST, "/sim/fault" | "/reset_prefix_cache") => {

@@ -90,7 +90,45 @@ async fn the_rank_header_picks_an_engine_with_a_cache_of_its_own() {
         .sum();
     assert!(hits >= 48.0, "rank 2 counted its hit: {hits}");
     // The router's parser reads the page.
-    vllm_wire::prom::parse_vllm_metrics(&page).expect("parses");
+    let whole = vllm_wire::prom::parse_vllm_metrics(&page).expect("parses");
+
+    // `/metrics/?name[]=…` (vLLM's prometheus_client mount) serves only the named samples, for
+    // every engine; `/metrics` ignores the query, as vLLM's instrumentator route does.
+    let names = vllm_wire::prom::READ_SERIES;
+    let path = vllm_wire::prom::restricted_metrics_path(&names);
+    let small = c
+        .get(&format!("{}{path}", sim.url()), T)
+        .await
+        .expect("metrics/");
+    assert_eq!(small.status, 200);
+    assert!(small.body.len() * 10 < page.len(), "{}", small.body);
+    assert_eq!(
+        small
+            .body
+            .matches("# HELP vllm:num_requests_running ")
+            .count(),
+        1
+    );
+    for sample in vllm_wire::prom::samples(&small.body) {
+        let sample = sample.expect("well formed");
+        assert!(names.contains(&sample.name), "{}", sample.name);
+    }
+    let restricted = vllm_wire::prom::parse_vllm_metrics(&small.body).expect("parses");
+    assert_eq!(restricted.capacity_tokens, whole.capacity_tokens);
+    assert_eq!(
+        vllm_wire::prom::scrape_vllm_engine_metrics(&small.body, 2).map(|m| m.capacity_tokens),
+        vllm_wire::prom::scrape_vllm_engine_metrics(&page, 2).map(|m| m.capacity_tokens)
+    );
+    let query = path.split_once('?').expect("query").1;
+    let ignored = c
+        .get(&format!("{}/metrics?{query}", sim.url()), T)
+        .await
+        .expect("metrics?");
+    assert!(
+        ignored
+            .body
+            .contains("# HELP vllm:e2e_request_latency_seconds ")
+    );
 }
 
 #[tokio::test]
