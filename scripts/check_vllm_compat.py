@@ -42,6 +42,10 @@ vllm-sim use) and the simulator's fixtures 4-6 into ``--metrics-out`` (default
 6. ``agent_capture.json``: Responses, Messages, count_tokens, error and detokenize answers (JSON
    and SSE) CAPTURED from a live ``vllm-sim`` (``--capture`` or ``--capture-agents``, which
    needs no pyzmq), checked against 5.
+7. With ``--metrics-route``: vLLM's own ``/metrics`` routing
+   (``vllm/entrypoints/serve/instrumentator/metrics.py``, run under FastAPI) ignores ``name[]``
+   on ``/metrics`` and honours it on ``/metrics/``, which the control plane's scrapes rely on;
+   with ``--capture``/``--capture-agents``, vllm-sim must answer both paths the same way.
 
 Usage (msgspec, and pyzmq for --capture, in .venv):
 
@@ -718,6 +722,63 @@ def capture_agents(sim_bin: str, out: pathlib.Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+METRICS_ROUTER = "vllm/entrypoints/serve/instrumentator/metrics.py"
+
+
+def check_metrics_route(read, sim_bin: str | None) -> None:
+    """Runs vLLM's own ``attach_router`` (FastAPI, prometheus_client and
+    prometheus-fastapi-instrumentator must be installed) and checks what the control plane's
+    restricted scrape relies on: ``/metrics`` ignores ``name[]`` and ``/metrics/`` honours it.
+    With ``sim_bin``, vllm-sim must answer both paths the same way."""
+    import types
+
+    import prometheus_client
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    stub = types.ModuleType("vllm.v1.metrics.prometheus")
+    stub.get_prometheus_registry = lambda: prometheus_client.REGISTRY
+    saved = {k: sys.modules.get(k) for k in ("vllm", "vllm.v1", "vllm.v1.metrics", stub.__name__)}
+    for name in ("vllm", "vllm.v1", "vllm.v1.metrics"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules[stub.__name__] = stub
+    try:
+        mod = types.ModuleType("vllm_metrics_router")
+        exec(compile(read(METRICS_ROUTER), METRICS_ROUTER, "exec"), mod.__dict__)
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+    gauge = prometheus_client.Gauge("vllm:num_requests_running", "r", ["engine"])
+    gauge.labels("0").set(3)
+    prometheus_client.Gauge("vllm:num_requests_waiting", "w", ["engine"]).labels("0").set(1)
+    app = FastAPI()
+    mod.attach_router(app)
+    client = TestClient(app)
+    query = "name%5B%5D=vllm%3Anum_requests_running"
+
+    def series(text: str) -> set[str]:
+        return {line.split("{")[0] for line in text.splitlines()
+                if line.startswith("vllm:")}
+
+    vllm = {path: series(client.get(f"{path}?{query}").text) for path in ("/metrics", "/metrics/")}
+    if "vllm:num_requests_waiting" not in vllm["/metrics"]:
+        fail("vLLM's /metrics honours name[]: the control plane may scrape it directly")
+    if vllm["/metrics/"] != {"vllm:num_requests_running"}:
+        fail(f"vLLM's /metrics/?name[]= served {sorted(vllm['/metrics/'])}")
+    print("vLLM 0.33's /metrics ignores name[]; /metrics/ serves only the named samples")
+    if sim_bin:
+        with running_sim(sim_bin, []) as base:
+            for path in ("/metrics", "/metrics/"):
+                got = series(http(f"{base}{path}?{query}"))
+                restricted = got == {"vllm:num_requests_running"}
+                if restricted != (path == "/metrics/"):
+                    fail(f"vllm-sim's {path}?name[]= served {sorted(got)}")
+        print("vllm-sim answers /metrics and /metrics/?name[]= as vLLM does")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_wheel = next(iter(sorted(glob.glob("/tmp/vllmwheel/vllm-0.33.0-*.whl"))), None)
@@ -736,6 +797,10 @@ def main() -> None:
     ap.add_argument("--openai-wheel", default=default_openai,
                     help="an openai SDK wheel (vLLM builds Responses items and events from its "
                          "classes); without it those are not checked")
+    ap.add_argument("--metrics-route", action="store_true",
+                    help="run vLLM's own /metrics routing (needs fastapi, httpx, "
+                         "prometheus_client, prometheus-fastapi-instrumentator and regex) and "
+                         "check name[] on /metrics and /metrics/, and vllm-sim's with --capture")
     args = ap.parse_args()
     if not args.wheel:
         sys.exit("no wheel: pip download vllm==0.33.0 --no-deps -d /tmp/vllmwheel")
@@ -785,6 +850,8 @@ def main() -> None:
     check_capture(out, mods["map"])
     check_metrics(metrics_out, names)
     check_agents(metrics_out / "agent_capture.json", fields)
+    if args.metrics_route:
+        check_metrics_route(read, args.capture or args.capture_agents)
     if FAILURES:
         sys.exit(f"{len(FAILURES)} incompatibilities")
     print("vllm-sim is compatible with vLLM 0.33.0")
