@@ -59,7 +59,14 @@ pub struct ScaleRow {
     pub sync_delta_idle_bytes: f64,
     /// The same with every scrape's numbers moving (a busy fleet: each scrape is a change).
     pub sync_delta_busy_bytes: f64,
+    /// Control-plane CPU per copy syncing at the default interval on the busy fleet, in cores:
+    /// [`SYNC_COPIES`] copies sync at once for the window and the scraping's own CPU rate
+    /// (`cpu_cores`) is taken off.
+    pub sync_cpu_cores_per_copy: f64,
 }
+
+/// Copies syncing at once while the sync CPU is measured (4 Envoys x 4 workers).
+pub const SYNC_COPIES: usize = 16;
 
 /// In-process cost of reading one payload, µs (the median of several timed runs).
 #[derive(Debug, Clone, Serialize)]
@@ -219,6 +226,8 @@ pub async fn run(
         // Every endpoint scraped with moving numbers before the copy starts counting.
         tokio::time::sleep(Duration::from_millis(3 * SCRAPE_INTERVAL_MS)).await;
         let busy = steady_sync_bytes(client, &sync_url, &first).await?;
+        let sync_cpu = copies_sync_cpu(client, &sync_url, &proc, window / 2).await?;
+        let sync_cpu_cores_per_copy = ((sync_cpu - cpu_s / elapsed) / SYNC_COPIES as f64).max(0.0);
         proc.kill();
         drop(fleet);
         let row = ScaleRow {
@@ -239,6 +248,7 @@ pub async fn run(
             sync_bytes_per_s_per_copy: tick.body.len() as f64 * 1e3 / SYNC_INTERVAL_MS,
             sync_delta_idle_bytes: idle,
             sync_delta_busy_bytes: busy,
+            sync_cpu_cores_per_copy,
         };
         eprintln!("[scale] {row:?}");
         rows.push(row);
@@ -258,6 +268,43 @@ async fn sync(
     }
     let json = serde_json::from_str(&answer.body).context("sync answer is not JSON")?;
     Ok((json, answer.body.len()))
+}
+
+/// The control plane's CPU, in cores, while [`SYNC_COPIES`] fresh copies each sync every
+/// [`SYNC_INTERVAL_MS`] for `window` (scraping goes on meanwhile).
+async fn copies_sync_cpu(
+    client: &HttpClient,
+    url: &str,
+    proc: &ManagedProcess,
+    window: Duration,
+) -> anyhow::Result<f64> {
+    let mut firsts = Vec::with_capacity(SYNC_COPIES);
+    for _ in 0..SYNC_COPIES {
+        firsts.push(sync(client, url, &json!({})).await?.0);
+    }
+    let (cpu0, t0) = (cpu_seconds(proc.pid())?, Instant::now());
+    let mut copies = tokio::task::JoinSet::new();
+    for first in firsts {
+        let (client, url) = (client.clone(), url.to_owned());
+        copies.spawn(async move {
+            let mut last = first.clone();
+            let mut tick = tokio::time::interval(Duration::from_millis(SYNC_INTERVAL_MS as u64));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            while t0.elapsed() < window {
+                tick.tick().await;
+                let cursor = json!({
+                    "replica": first["replica"], "since": last["next"], "log": last["log"],
+                    "table": last["table"], "table_version": last["table_version"],
+                });
+                last = sync(&client, &url, &cursor).await?.0;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(copy) = copies.join_next().await {
+        copy??;
+    }
+    Ok((cpu_seconds(proc.pid())? - cpu0) / t0.elapsed().as_secs_f64())
 }
 
 /// Ticks a copy syncs over in [`steady_sync_bytes`] (one second at the default interval).
@@ -289,8 +336,9 @@ async fn steady_sync_bytes(
 
 /// The row's figures scaled to `replicas` at the row's per-scrape cost and the default
 /// interval: what one control plane would need for them (the router itself holds at most
-/// `scorer_core::index::MAX_ENDPOINTS` endpoints, so a larger fleet is several pools). Cores,
-/// then sync bytes per second per copy: whole tables, steady deltas at rest, busy.
+/// `scorer_core::index::MAX_ENDPOINTS` endpoints, so a larger fleet is several pools). Cores
+/// scraping, then sync bytes per second per copy: whole tables, steady deltas at rest, busy.
+/// A busy copy's sync CPU grows with the endpoints that change: [`sync_cores_per_copy`].
 pub fn extrapolate(row: &ScaleRow, replicas: usize) -> (f64, [f64; 3]) {
     let scrapes_per_s = replicas as f64 * 1e3 / row.scrape_interval_ms as f64;
     let cores = scrapes_per_s * row.cpu_ms_per_scrape / 1e3;
@@ -302,6 +350,11 @@ pub fn extrapolate(row: &ScaleRow, replicas: usize) -> (f64, [f64; 3]) {
         per_s(row.sync_delta_busy_bytes),
     ];
     (cores, sync)
+}
+
+/// The row's busy-fleet sync CPU per copy scaled to `replicas`, in cores.
+pub fn sync_cores_per_copy(row: &ScaleRow, replicas: usize) -> f64 {
+    row.sync_cpu_cores_per_copy / row.endpoints as f64 * replicas as f64
 }
 
 fn clock_ticks_per_second() -> anyhow::Result<f64> {

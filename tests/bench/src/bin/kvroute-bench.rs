@@ -1355,7 +1355,7 @@ fn print_scale(figures: &ScaleFigures) {
             rows[0].scrape_interval_ms
         );
         println!(
-            "{:>10} {:>11} {:>8} {:>10} {:>8} {:>10} {:>12} {:>9} {:>14} {:>12} {:>12}",
+            "{:>10} {:>11} {:>8} {:>10} {:>8} {:>10} {:>12} {:>9} {:>14} {:>12} {:>12} {:>14}",
             "endpoints",
             "page",
             "page B",
@@ -1366,11 +1366,12 @@ fn print_scale(figures: &ScaleFigures) {
             "RSS MiB",
             "whole table B",
             "delta B rest",
-            "delta B busy"
+            "delta B busy",
+            "sync CPU/copy"
         );
         for r in rows {
             println!(
-                "{:>10} {:>11} {:>8} {:>10.0} {:>8} {:>10.3} {:>12.3} {:>9.1} {:>14} {:>12.0} {:>12.0}",
+                "{:>10} {:>11} {:>8} {:>10.0} {:>8} {:>10.3} {:>12.3} {:>9.1} {:>14} {:>12.0} {:>12.0} {:>14.4}",
                 r.endpoints,
                 r.page,
                 r.payload_bytes,
@@ -1381,15 +1382,18 @@ fn print_scale(figures: &ScaleFigures) {
                 r.rss_mib,
                 r.sync_answer_bytes,
                 r.sync_delta_idle_bytes,
-                r.sync_delta_busy_bytes
+                r.sync_delta_busy_bytes,
+                r.sync_cpu_cores_per_copy
             );
         }
         let tick_ms = scorer_core::sync::DEFAULT_SYNC_INTERVAL_MS;
         println!(
             "(sync answers per {tick_ms} ms tick: the whole table, what every tick carried before \
              deltas and what a copy naming no table still gets; the mean steady delta over {} \
-             ticks, fleet at rest and with every scrape's numbers moving)",
-            kvroute_bench::scale::STEADY_TICKS
+             ticks, fleet at rest and with every scrape's numbers moving; the control plane's \
+             CPU per copy syncing on the busy fleet, in cores, from {} copies at once)",
+            kvroute_bench::scale::STEADY_TICKS,
+            kvroute_bench::scale::SYNC_COPIES
         );
         let largest = rows.iter().map(|r| r.endpoints).max().unwrap_or(0);
         for last in rows.iter().filter(|r| r.endpoints == largest) {
@@ -1398,14 +1402,15 @@ fn print_scale(figures: &ScaleFigures) {
             println!(
                 "{replicas:>10} (scaled from {} endpoints, {} page): {cores:.2} cores scraping \
                  every {} ms, {:.2} at 1 s; sync per copy at {tick_ms} ms: whole tables {:.2} MB/s, \
-                 deltas {:.2} MB/s at rest, {:.2} MB/s busy",
+                 deltas {:.2} MB/s at rest, {:.2} MB/s busy, costing {:.3} cores per copy",
                 last.endpoints,
                 last.page,
                 last.scrape_interval_ms,
                 cores * last.scrape_interval_ms as f64 / 1_000.0,
                 whole / 1e6,
                 rest / 1e6,
-                busy / 1e6
+                busy / 1e6,
+                kvroute_bench::scale::sync_cores_per_copy(last, replicas)
             );
         }
     }
