@@ -51,6 +51,8 @@ pub struct RequestRecord {
     pub predicted_cached_tokens: Option<u32>,
     /// The engine refused it (too long for the model or the cache).
     pub rejected: bool,
+    /// It reached its replica without passing through the router ([`RunOptions::unseen_fraction`]).
+    pub unseen: bool,
 }
 
 /// The outcome of one run.
@@ -102,6 +104,32 @@ pub struct RunOptions {
     pub max_tokens: Option<u32>,
     /// One profile per replica for a mixed-hardware pool; empty runs `cfg.profile` everywhere.
     pub replica_profiles: Vec<Profile>,
+    /// The share of the traffic that reaches the replicas without passing through the router
+    /// (another gateway, clients that call a replica directly), picked per session (per request
+    /// without one) and sent to a replica by a hash of it. The router never sees these
+    /// requests; they fill and evict the same caches, which a precise router learns from the
+    /// engines' KV events and an approximate one cannot. Reports cover the routed requests.
+    pub unseen_fraction: f64,
+}
+
+/// Whether request `i` bypasses the router under `options`, and the replica it goes to.
+fn unseen_replica(
+    workload: &Workload,
+    options: &RunOptions,
+    i: usize,
+    seed: u64,
+    replicas: usize,
+) -> Option<usize> {
+    if options.unseen_fraction <= 0.0 {
+        return None;
+    }
+    let key = match workload.requests[i].session {
+        Some(session) => session.wrapping_mul(2).wrapping_add(1),
+        None => (i as u64).wrapping_mul(2),
+    };
+    let h = xxhash_rust::xxh3::xxh3_64_with_seed(&key.to_le_bytes(), seed ^ 0x756e_7365_656e);
+    let unit = (h >> 11) as f64 / (1u64 << 53) as f64;
+    (unit < options.unseen_fraction).then(|| (h % replicas as u64) as usize)
 }
 
 /// Replays `workload` through `cfg.replicas` engines routed by `policy`; the client sends no
@@ -210,16 +238,18 @@ pub fn run_with(
                     }
                     _ => workload.prompt_tokens(i),
                 };
+                let unseen = unseen_replica(workload, options, i, cfg.seed, cfg.replicas);
                 records[i] = RequestRecord {
                     arrival_ms: now,
                     prompt_tokens: tokens.len() as u32,
+                    unseen: unseen.is_some(),
                     ..RequestRecord::default()
                 };
                 if let Some(d) = dependents.get(&i) {
                     context.insert(i, (tokens.clone(), d.len()));
                 }
                 let request = policy_request(workload, options, i, &tokens);
-                if held.is_empty() && !policy.holds_in_queue(&request, now) {
+                if unseen.is_some() || (held.is_empty() && !policy.holds_in_queue(&request, now)) {
                     ready.push(Held { id: i, tokens });
                 } else {
                     held.push_back(Held { id: i, tokens });
@@ -243,7 +273,9 @@ pub fn run_with(
                             if let Some((c, _)) = context.get_mut(&i) {
                                 c.push(*token_id);
                             }
-                            policy.on_first_token(i, r, now);
+                            if !records[i].unseen {
+                                policy.on_first_token(i, r, now);
+                            }
                         }
                         RequestEvent::Token { request, token_id } => {
                             let i = *request as usize;
@@ -258,7 +290,9 @@ pub fn run_with(
                             records[i].finish_ms = Some(now);
                             records[i].output_tokens = summary.output_tokens;
                             unresolved -= 1;
-                            policy.on_finish(i, r, now, summary.cached_tokens);
+                            if !records[i].unseen {
+                                policy.on_finish(i, r, now, summary.cached_tokens);
+                            }
                             release(i, now, &mut queue);
                         }
                     }
@@ -300,12 +334,18 @@ pub fn run_with(
                 engines: &fleet.engines,
                 busy_until_ms: &busy_until,
             };
-            let replica = policy
-                .route_exact(&request, &exact, now)
-                .unwrap_or_else(|| policy.route(&request, now))
-                .min(cfg.replicas - 1);
+            let unseen = unseen_replica(workload, options, i, cfg.seed, cfg.replicas);
+            let replica = match unseen {
+                Some(replica) => replica,
+                None => policy
+                    .route_exact(&request, &exact, now)
+                    .unwrap_or_else(|| policy.route(&request, now))
+                    .min(cfg.replicas - 1),
+            };
             records[i].replica = replica;
-            records[i].predicted_cached_tokens = policy.predicted_cached_tokens(i);
+            if unseen.is_none() {
+                records[i].predicted_cached_tokens = policy.predicted_cached_tokens(i);
+            }
             let output = options
                 .max_tokens
                 .map_or(spec.output_tokens, |cap| spec.output_tokens.min(cap.max(1)));
@@ -316,7 +356,9 @@ pub fn run_with(
             {
                 records[i].rejected = true;
                 unresolved -= 1;
-                policy.on_finish(i, replica, now, 0);
+                if unseen.is_none() {
+                    policy.on_finish(i, replica, now, 0);
+                }
                 release(i, now, &mut queue);
             }
         }
@@ -500,6 +542,7 @@ mod tests {
     #[derive(Default)]
     struct Spy {
         seen: Vec<(usize, Option<u32>)>,
+        finished: Vec<usize>,
         scrapes: Vec<f64>,
         interval: Option<f64>,
         next: usize,
@@ -519,6 +562,47 @@ mod tests {
             self.next += 1;
             self.next % 2
         }
+        fn on_finish(&mut self, request: usize, _: usize, _: f64, _: u32) {
+            self.finished.push(request);
+        }
+    }
+
+    // Traffic that bypasses the router is picked per session, never reaches the policy (no
+    // route, no outcome), and is left out of the report; the rest is routed as usual.
+    #[test]
+    fn unseen_traffic_bypasses_the_router_by_session() {
+        let workload = from_spec("multi-turn:conversations=20,turns=3,rps=8", 4).unwrap();
+        let options = RunOptions {
+            unseen_fraction: 0.4,
+            ..RunOptions::default()
+        };
+        let mut spy = Spy::default();
+        let result = run_with(&workload, &mut spy, &cfg(), &options).unwrap();
+        let unseen: Vec<usize> = (0..result.records.len())
+            .filter(|&i| result.records[i].unseen)
+            .collect();
+        assert!(!unseen.is_empty() && unseen.len() < workload.requests.len() / 2 + 20);
+        let mut routed: Vec<usize> = spy.seen.iter().map(|&(id, _)| id).collect();
+        routed.sort_unstable();
+        let expected: Vec<usize> = (0..result.records.len())
+            .filter(|&i| !result.records[i].unseen)
+            .collect();
+        assert_eq!(routed, expected);
+        spy.finished.sort_unstable();
+        assert_eq!(spy.finished, expected);
+        // A conversation is seen or unseen as a whole.
+        for (i, r) in workload.requests.iter().enumerate() {
+            for (j, q) in workload.requests.iter().enumerate() {
+                if r.session.is_some() && r.session == q.session {
+                    assert_eq!(result.records[i].unseen, result.records[j].unseen);
+                }
+            }
+        }
+        let summary = crate::report::PolicySummary::of(&result);
+        assert_eq!(summary.requests, expected.len());
+        // Without the option nothing is unseen.
+        let all = run(&workload, &mut Spy::default(), &cfg()).unwrap();
+        assert!(all.records.iter().all(|r| !r.unseen));
     }
 
     fn cfg() -> SimConfig {

@@ -93,6 +93,10 @@ struct MatrixArgs {
     /// Write every run's per-request records as CSV into this folder.
     #[arg(long)]
     records: Option<PathBuf>,
+    /// The share of every cell's traffic that reaches the replicas without passing through the
+    /// router (per session; see `compare --unseen-fraction`).
+    #[arg(long, default_value_t = 0.0)]
+    unseen_fraction: f64,
 }
 
 #[derive(clap::Args)]
@@ -217,6 +221,20 @@ struct CompareArgs {
     /// server and its own balancer picks the rank (`fleet_sim::data_parallel`).
     #[arg(long, default_value_t = 1)]
     data_parallel_size: usize,
+    /// The share of the traffic that reaches the replicas without passing through the router
+    /// (another gateway, clients calling a replica directly), picked per session and placed by
+    /// a hash of it. Their cache fills and evictions reach a precise router as KV events and an
+    /// approximate one not at all. The figures cover the routed requests only.
+    #[arg(long, default_value_t = 0.0)]
+    unseen_fraction: f64,
+}
+
+/// `--unseen-fraction`, checked.
+fn unseen_fraction(f: f64) -> anyhow::Result<f64> {
+    if !(0.0..1.0).contains(&f) {
+        bail!("--unseen-fraction must be in [0, 1), not {f}");
+    }
+    Ok(f)
 }
 
 fn is_one(n: &usize) -> bool {
@@ -313,6 +331,7 @@ fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
         bail!("--workloads / --pools leave no cell");
     }
     spec.records_dir = args.records.clone();
+    spec.unseen_fraction = unseen_fraction(args.unseen_fraction)?;
     eprintln!(
         "fleet-sim matrix: {} cells x {} seeds x {} policies on {} threads",
         spec.cells.len(),
@@ -443,6 +462,7 @@ fn run_all(
     workload.speed_up(speedup);
     let options = RunOptions {
         max_tokens: client_max_tokens(&args.workload)?,
+        unseen_fraction: unseen_fraction(args.unseen_fraction)?,
         ..RunOptions::default()
     };
     let mut runs = Vec::new();

@@ -261,6 +261,9 @@ pub struct MatrixSpec {
     /// Where to write every run's per-request records (CSV, one file per cell, seed and
     /// policy), for looking at what a policy did request by request; `None` writes nothing.
     pub records_dir: Option<PathBuf>,
+    /// The share of each cell's traffic that bypasses the router
+    /// ([`RunOptions::unseen_fraction`]); 0 in the default matrix.
+    pub unseen_fraction: f64,
 }
 
 /// The shipped Mooncake trace.
@@ -300,6 +303,7 @@ impl MatrixSpec {
             threads: 2,
             router: scorer_core::router::RouterConfig::default(),
             records_dir: None,
+            unseen_fraction: 0.0,
         }
     }
 
@@ -328,6 +332,7 @@ impl MatrixSpec {
             threads: 2,
             router: scorer_core::router::RouterConfig::default(),
             records_dir: None,
+            unseen_fraction: 0.0,
         }
     }
 }
@@ -422,6 +427,7 @@ fn sim_setup(
         } else {
             Vec::new()
         },
+        ..RunOptions::default()
     };
     (cfg, options)
 }
@@ -781,7 +787,8 @@ fn run_job(
 ) -> Result<Vec<PolicySummary>, MatrixError> {
     let replicas = spec.replicas;
     let (workload, max_tokens, _) = cell_workload(cell, seed, spec, trace, replicas)?;
-    let (cfg, options) = sim_setup(cell, seed, max_tokens, replicas);
+    let (cfg, mut options) = sim_setup(cell, seed, max_tokens, replicas);
+    options.unseen_fraction = spec.unseen_fraction;
     let mut out = Vec::with_capacity(spec.policies.len());
     for name in &spec.policies {
         // kvroute: scorer-core's defaults (or `--router-config`), no per-profile setting.

@@ -87,13 +87,24 @@ pub struct PolicySummary {
 }
 
 impl PolicySummary {
-    /// Summarises one run.
+    /// Summarises one run: the requests the router routed (traffic that bypassed it, when a
+    /// run has some, is left out, and the hit rate is then the routed requests' own).
     pub fn of(run: &RunResult) -> Self {
         let done: Vec<_> = run
             .records
             .iter()
-            .filter(|r| r.finish_ms.is_some())
+            .filter(|r| r.finish_ms.is_some() && !r.unseen)
             .collect();
+        let any_unseen = run.records.iter().any(|r| r.unseen);
+        let routed_hit_rate = || {
+            let prompt: u64 = done.iter().map(|r| u64::from(r.prompt_tokens)).sum();
+            let cached: u64 = done.iter().map(|r| u64::from(r.cached_tokens)).sum();
+            if prompt > 0 {
+                cached as f64 / prompt as f64
+            } else {
+                0.0
+            }
+        };
         let mut ttft: Vec<f64> = done
             .iter()
             .filter_map(|r| Some(r.first_token_ms? - r.arrival_ms))
@@ -114,7 +125,11 @@ impl PolicySummary {
         Self {
             policy: run.policy.clone(),
             requests: done.len(),
-            rejected: run.records.iter().filter(|r| r.rejected).count(),
+            rejected: run
+                .records
+                .iter()
+                .filter(|r| r.rejected && !r.unseen)
+                .count(),
             ttft_ms: Latency::of(&mut ttft),
             e2e_ms: Latency::of(&mut e2e),
             output_tokens_per_s: if run.makespan_ms > 0.0 {
@@ -122,7 +137,9 @@ impl PolicySummary {
             } else {
                 0.0
             },
-            prefix_hit_rate: if run.prefix_queries > 0 {
+            prefix_hit_rate: if any_unseen {
+                routed_hit_rate()
+            } else if run.prefix_queries > 0 {
                 run.prefix_hits as f64 / run.prefix_queries as f64
             } else {
                 0.0
@@ -133,7 +150,13 @@ impl PolicySummary {
                 .then(|| (predicted - actual).abs() / actual),
             local_decision_fraction: run.local_decision_fraction,
             routing_state_changes: run.routing_state_changes,
-            busiest_replica_share: busiest_share(&run.records),
+            busiest_replica_share: busiest_share(
+                &run.records
+                    .iter()
+                    .filter(|r| !r.unseen)
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            ),
             reuse: run.reuse,
         }
     }
