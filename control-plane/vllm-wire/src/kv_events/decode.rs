@@ -5,6 +5,7 @@
 
 use rmpv::Value;
 
+use super::scan::{self, Shape};
 use super::{BlockHash, BlockRemoved, BlockStored, WireBatch, WireEvent};
 
 /// Most nested msgpack levels accepted (real batches use four).
@@ -96,33 +97,39 @@ pub fn decode_seq(frame: &[u8]) -> Result<u64, DecodeError> {
 }
 
 /// Decodes a msgpack `KVEventBatch` payload, as published by any vLLM version.
+///
+/// The payload is checked whole first ([`scan::skip`]), so a malformed one fails as not
+/// msgpack before any field is read. Containers are then walked as byte slices and only the
+/// small fields become `rmpv::Value`s; token ids and integer block hashes are read straight
+/// from the bytes ([`scan::u32s`], [`scan::hashes`]), falling back to the `Value` path (and its
+/// errors) for anything else.
 pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
-    let mut rest = payload;
-    let value = rmpv::decode::read_value_with_max_depth(&mut rest, MAX_DEPTH)
-        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    if !rest.is_empty() {
-        return Err(DecodeError::TrailingBytes(rest.len()));
+    let end = scan::skip(payload, 0, MAX_DEPTH)?;
+    if end != payload.len() {
+        return Err(DecodeError::TrailingBytes(payload.len() - end));
     }
-    let (ts, events, rank) = match &value {
-        Value::Array(a) => (a.first(), a.get(1), a.get(2)),
-        Value::Map(m) => (
-            map_get(m, "ts"),
-            map_get(m, "events"),
-            map_get(m, "data_parallel_rank"),
+    let (ts, events, rank) = match scan::shape(payload)? {
+        Shape::Array(a) => (a.first().copied(), a.get(1).copied(), a.get(2).copied()),
+        Shape::Map(m) => (
+            map_get(&m, "ts"),
+            map_get(&m, "events"),
+            map_get(&m, "data_parallel_rank"),
         ),
-        other => return Err(type_error("batch", "array", other)),
+        Shape::Other => return Err(type_error("batch", "array", &value(payload)?)),
     };
     let ts = match ts {
-        Some(v) => as_f64(v, &|| "batch.ts".into())?,
+        Some(v) => as_f64(&value(v)?, &|| "batch.ts".into())?,
         None => return Err(missing("batch", "ts")),
     };
     let events = match events {
-        Some(Value::Array(a)) => a,
-        Some(other) => return Err(type_error("batch.events", "array", other)),
+        Some(v) => match scan::shape(v)? {
+            Shape::Array(a) => a,
+            _ => return Err(type_error("batch.events", "array", &value(v)?)),
+        },
         None => return Err(missing("batch", "events")),
     };
-    let data_parallel_rank = match rank.filter(|v| !v.is_nil()) {
-        Some(v) => Some(as_u32(v, &|| "batch.data_parallel_rank".into())?),
+    let data_parallel_rank = match rank.filter(|v| !scan::is_nil(v)) {
+        Some(v) => Some(as_u32(&value(v)?, &|| "batch.data_parallel_rank".into())?),
         None => None,
     };
     Ok(WireBatch {
@@ -136,48 +143,58 @@ pub fn decode_batch(payload: &[u8]) -> Result<WireBatch, DecodeError> {
     })
 }
 
-/// An event's fields, whichever encoding it came in.
+/// The `rmpv::Value` of a slice [`scan::skip`] accepted.
+fn value(mut v: &[u8]) -> Result<Value, DecodeError> {
+    rmpv::decode::read_value_with_max_depth(&mut v, MAX_DEPTH)
+        .map_err(|e| DecodeError::Msgpack(e.to_string()))
+}
+
+/// An event's fields as byte slices, whichever encoding it came in.
 enum Fields<'a> {
-    Map(&'a [(Value, Value)]),
-    Array(&'a [Value], &'static [&'static str]),
+    Map(Vec<(&'a [u8], &'a [u8])>),
+    /// The elements after the tag, and their names in order.
+    Array(Vec<&'a [u8]>, &'static [&'static str]),
 }
 
 impl<'a> Fields<'a> {
     /// The field's value; `None` when absent or nil.
-    fn get(&self, name: &str) -> Option<&'a Value> {
+    fn get(&self, name: &str) -> Option<&'a [u8]> {
         let v = match self {
             Fields::Map(m) => map_get(m, name),
-            Fields::Array(a, names) => names.iter().position(|n| *n == name).and_then(|i| a.get(i)),
+            Fields::Array(a, names) => names
+                .iter()
+                .position(|n| *n == name)
+                .and_then(|i| a.get(i + 1).copied()),
         };
-        v.filter(|v| !v.is_nil())
+        v.filter(|v| !scan::is_nil(v))
     }
 }
 
-fn decode_event<'a>(event: &'a Value, index: usize) -> Result<WireEvent, DecodeError> {
+fn decode_event(event: &[u8], index: usize) -> Result<WireEvent, DecodeError> {
     let at = |field: &str| format!("events[{index}].{field}");
-    let tag_of = |v: Option<&'a Value>| -> Result<&'a str, DecodeError> {
-        match v {
-            Some(v @ Value::String(_)) => as_str(v, &|| at("type")),
-            Some(other) => Err(type_error(&at("type"), "string", other)),
+    let tag_of = |v: Option<&[u8]>| -> Result<String, DecodeError> {
+        match v.map(value).transpose()? {
+            Some(v @ Value::String(_)) => as_str(&v, &|| at("type")).map(str::to_owned),
+            Some(other) => Err(type_error(&at("type"), "string", &other)),
             None => Err(missing(&format!("events[{index}]"), "type")),
         }
     };
-    let (tag, fields) = match event {
-        Value::Map(m) => (tag_of(map_get(m, "type"))?, Fields::Map(m)),
-        Value::Array(a) => {
-            let tag = tag_of(a.first())?;
-            let names = match tag {
+    let (tag, fields) = match scan::shape(event)? {
+        Shape::Map(m) => (tag_of(map_get(&m, "type"))?, Fields::Map(m)),
+        Shape::Array(a) => {
+            let tag = tag_of(a.first().copied())?;
+            let names = match tag.as_str() {
                 "BlockStored" => STORED_FIELDS,
                 "BlockRemoved" => REMOVED_FIELDS,
                 _ => &[],
             };
-            (tag, Fields::Array(&a[1..], names))
+            (tag, Fields::Array(a, names))
         }
-        other => {
+        Shape::Other => {
             return Err(type_error(
                 &format!("events[{index}]"),
                 "map or array",
-                other,
+                &value(event)?,
             ));
         }
     };
@@ -187,42 +204,52 @@ fn decode_event<'a>(event: &'a Value, index: usize) -> Result<WireEvent, DecodeE
             .ok_or_else(|| missing(&format!("events[{index}]"), field))
     };
     let opt_str = |field: &str| match fields.get(field) {
-        Some(v) => as_str(v, &|| at(field)).map(|s| Some(s.to_owned())),
+        Some(v) => as_str(&value(v)?, &|| at(field)).map(|s| Some(s.to_owned())),
         None => Ok(None),
     };
     let group_idx = match fields.get("group_idx") {
-        Some(v) => Some(as_u32(v, &|| at("group_idx"))?),
+        Some(v) => Some(as_u32(&value(v)?, &|| at("group_idx"))?),
         None => None,
     };
-    match tag {
+    let block_hashes = |v: &[u8]| match scan::hashes(v) {
+        Some(h) => Ok(h.into_iter().map(BlockHash::Int).collect()),
+        None => hashes(&value(v)?, &|| at("block_hashes")),
+    };
+    match tag.as_str() {
         "BlockStored" => Ok(WireEvent::BlockStored(BlockStored {
-            block_hashes: hashes(required("block_hashes")?, &|| at("block_hashes"))?,
+            block_hashes: block_hashes(required("block_hashes")?)?,
             parent_block_hash: match fields.get("parent_block_hash") {
-                Some(v) => Some(block_hash(v, &|| at("parent_block_hash"))?),
+                Some(v) => Some(block_hash(&value(v)?, &|| at("parent_block_hash"))?),
                 None => None,
             },
-            token_ids: match required("token_ids")? {
-                Value::Array(a) => token_ids(a, index)?,
-                other => return Err(type_error(&at("token_ids"), "array", other)),
+            token_ids: {
+                let v = required("token_ids")?;
+                match scan::u32s(v) {
+                    Some(ids) => ids,
+                    None => match value(v)? {
+                        Value::Array(a) => token_ids(&a, index)?,
+                        other => return Err(type_error(&at("token_ids"), "array", &other)),
+                    },
+                }
             },
-            block_size: as_u32(required("block_size")?, &|| at("block_size"))?,
+            block_size: as_u32(&value(required("block_size")?)?, &|| at("block_size"))?,
             lora_id: match fields.get("lora_id") {
-                Some(v) => Some(as_u64(v, &|| at("lora_id"))?),
+                Some(v) => Some(as_u64(&value(v)?, &|| at("lora_id"))?),
                 None => None,
             },
             medium: opt_str("medium")?,
             lora_name: opt_str("lora_name")?,
-            extra_keys: fields.get("extra_keys").cloned(),
+            extra_keys: fields.get("extra_keys").map(value).transpose()?,
             group_idx,
             kv_cache_spec_kind: opt_str("kv_cache_spec_kind")?,
         })),
         "BlockRemoved" => Ok(WireEvent::BlockRemoved(BlockRemoved {
-            block_hashes: hashes(required("block_hashes")?, &|| at("block_hashes"))?,
+            block_hashes: block_hashes(required("block_hashes")?)?,
             medium: opt_str("medium")?,
             group_idx,
         })),
         "AllBlocksCleared" => Ok(WireEvent::AllBlocksCleared),
-        other => Ok(WireEvent::Unknown(other.to_owned())),
+        _ => Ok(WireEvent::Unknown(tag)),
     }
 }
 
@@ -330,12 +357,13 @@ fn as_str<'a>(v: &'a Value, at: At<'_>) -> Result<&'a str, DecodeError> {
     }
 }
 
-/// The value of `key`; of duplicate keys the last one wins, as in a Python dict.
-fn map_get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
+/// The value of `key`; of duplicate keys the last one wins, as in a Python dict. A key matches
+/// when it is a msgpack string of the same bytes.
+fn map_get<'a>(m: &[(&[u8], &'a [u8])], key: &str) -> Option<&'a [u8]> {
     m.iter()
         .rev()
-        .find(|(k, _)| k.as_str() == Some(key))
-        .map(|(_, v)| v)
+        .find(|(k, _)| scan::str_bytes(k) == Some(key.as_bytes()))
+        .map(|(_, v)| *v)
 }
 
 fn missing(at: &str, field: &'static str) -> DecodeError {

@@ -28,6 +28,7 @@
 mod decode;
 mod encode;
 mod router;
+mod scan;
 mod sources;
 #[cfg(test)]
 mod test_util;
