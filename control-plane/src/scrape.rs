@@ -181,8 +181,9 @@ impl MetricsPage {
 
 /// Scrapes `address` as `page` says, falling back for good to the whole page when the
 /// restricted one fails where the whole one works (a server that does not serve `/metrics/`,
-/// or answers it with something else). A timeout or refused connection is the endpoint's
-/// failure, not the page's, and is returned as it is.
+/// or answers it with something else); when both fail, the whole page's error is returned. A
+/// timeout or refused connection is the endpoint's failure, not the page's, and is returned as
+/// it is.
 pub async fn scrape(
     client: &HttpClient,
     address: &str,
@@ -203,9 +204,10 @@ pub async fn scrape(
                     "the restricted /metrics/ page failed; scraping the whole /metrics page"
                 );
                 *page = MetricsPage::Whole;
-                return whole;
             }
-            first
+            // When both fail, the whole page's failure is the endpoint's (a server without
+            // `/metrics/` answers it 404 at once, whatever is wrong with its metrics).
+            whole
         }
         other => other,
     }
