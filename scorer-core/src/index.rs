@@ -153,6 +153,15 @@ impl PrefixIndex {
         }
     }
 
+    /// Sizes the table of block holders for `blocks` distinct blocks and the churn of an index
+    /// at its bound: twice that, because hashbrown rehashes its tombstones in place only while
+    /// the table is at most half full, and grows otherwise.
+    pub fn reserve_blocks(&mut self, blocks: usize) {
+        let want = blocks.saturating_mul(2);
+        self.holders
+            .reserve(want.saturating_sub(self.holders.len()));
+    }
+
     /// Bounds `id`'s share of the index to `capacity_blocks` (its KV capacity), evicting LRU.
     pub fn set_capacity(&mut self, id: EndpointId, capacity_blocks: usize) {
         self.slot(id).capacity = capacity_blocks;
@@ -387,6 +396,24 @@ fn pop_oldest(slot: &mut EndpointBlocks) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // An index sized for its bound keeps one holders table through churn at the bound: it never
+    // grows in steps, which a wasm VM would keep as its memory's high-water mark.
+    #[test]
+    fn a_reserved_index_does_not_grow_under_churn() {
+        let mut index = PrefixIndex::new(u64::MAX);
+        index.reserve_blocks(1_000);
+        let capacity = index.holders.capacity();
+        assert!(capacity >= 2_000);
+        for e in 0..4 {
+            index.set_capacity(EndpointId(e), 250);
+        }
+        for (i, chunk) in (0..40_000u64).collect::<Vec<_>>().chunks(16).enumerate() {
+            index.insert(EndpointId((i % 4) as u16), chunk, i as u64);
+        }
+        assert_eq!(index.holders.len(), 1_000);
+        assert_eq!(index.holders.capacity(), capacity);
+    }
 
     fn depths(index: &PrefixIndex, hashes: &[u64]) -> Vec<(u16, usize)> {
         let mut out = Vec::new();

@@ -1488,8 +1488,14 @@ impl Router {
         self.bound_every_index_share();
     }
 
-    /// Re-applies every endpoint's index bound (the fleet's size or the bound changed).
+    /// Re-applies every endpoint's index bound (the fleet's size or the bound changed). With a
+    /// configured bound the index's big table is sized for it at once, so it never grows in
+    /// steps (each step holds the old table and the new one, and a wasm VM's memory keeps its
+    /// high-water mark).
     fn bound_every_index_share(&mut self) {
+        if let Some(max) = self.max_index_blocks {
+            self.index.reserve_blocks(max);
+        }
         for i in 0..self.slots.len() {
             if self.slots[i].is_some() {
                 self.bound_index(EndpointId(i as u16));
