@@ -157,7 +157,23 @@ async fn continue_until(
 ) -> u64 {
     let client = fleet.client().clone();
     let mut requests = 0;
-    for _ in 0..20 {
+    for round in 0..20u64 {
+        // Two new conversations turn by turn at once. The old ones' histories may sit on both
+        // replicas by now (the broken one's turns went elsewhere), and one request at a time
+        // against two idle replicas can break every tie the same way. Two at once split by
+        // load, so the fixed replica gets histories only it holds, credited on its probe.
+        let mut pair = [0, 1].map(|i| Conversation::new(MODEL, 5_000 + 2 * round + i, 300, 30));
+        for _ in 0..3 {
+            let [a, b] = &mut pair;
+            tokio::join!(
+                a.turn(&client, fleet, 4, &[]),
+                b.turn(&client, fleet, 4, &[])
+            );
+            requests += 2;
+            if routing_state(fleet, endpoint).await == Some(want) {
+                return requests;
+            }
+        }
         for c in conversations.iter_mut() {
             c.turn(&client, fleet, 4, &[]).await;
             requests += 1;
