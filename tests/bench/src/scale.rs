@@ -292,10 +292,7 @@ async fn copies_sync_cpu(
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             while t0.elapsed() < window {
                 tick.tick().await;
-                let cursor = json!({
-                    "replica": first["replica"], "since": last["next"], "log": last["log"],
-                    "table": last["table"], "table_version": last["table_version"],
-                });
+                let cursor = synced_cursor(&first, &last);
                 last = sync(&client, &url, &cursor).await?.0;
             }
             anyhow::Ok(())
@@ -305,6 +302,15 @@ async fn copies_sync_cpu(
         copy??;
     }
     Ok((cpu_seconds(proc.pid())? - cpu0) / t0.elapsed().as_secs_f64())
+}
+
+/// The next sync request of a copy whose first answer was `first` and whose latest is `last`:
+/// the log position it reached and the table version it holds.
+fn synced_cursor(first: &serde_json::Value, last: &serde_json::Value) -> serde_json::Value {
+    json!({
+        "replica": first["replica"], "since": last["next"], "log": last["log"],
+        "table": last["table"], "table_version": last["table_version"],
+    })
 }
 
 /// Ticks a copy syncs over in [`steady_sync_bytes`] (one second at the default interval).
@@ -321,10 +327,7 @@ async fn steady_sync_bytes(
     let mut bytes = 0;
     for _ in 0..STEADY_TICKS {
         tokio::time::sleep(Duration::from_millis(SYNC_INTERVAL_MS as u64)).await;
-        let cursor = json!({
-            "replica": first["replica"], "since": last["next"], "log": last["log"],
-            "table": last["table"], "table_version": last["table_version"],
-        });
+        let cursor = synced_cursor(first, &last);
         // A control plane from before deltas answers every tick with the whole table: that is
         // its steady state, and measured as such.
         let (answer, size) = sync(client, url, &cursor).await?;
