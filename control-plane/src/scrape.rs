@@ -475,8 +475,11 @@ mod tests {
                         body.to_owned(),
                     ),
                     ("/metrics/", None) => {
-                        let names = uri.query().and_then(vllm_wire::prom::requested_names);
-                        let page = vllm_wire::prom::restrict_page(PAGE, &names.unwrap());
+                        let page = vllm_wire::prom::vllm_metrics_answer(
+                            "/metrics/",
+                            uri.query(),
+                            PAGE.into(),
+                        );
                         (hyper::StatusCode::OK, page)
                     }
                     _ => (hyper::StatusCode::NOT_FOUND, String::new()),

@@ -687,6 +687,20 @@ pub fn requested_names(query: &str) -> Option<Vec<String>> {
     (!names.is_empty()).then_some(names)
 }
 
+/// What a vLLM 0.33 server answers to `GET {path}?{query}` from its whole `page`: at
+/// [`RESTRICTED_METRICS_PATH`] only the samples a `name[]` query names, at `/metrics` the whole
+/// page whatever the query. The one place a simulated server (vllm-sim, the benchmarks'
+/// listeners) follows vLLM's two metrics routes.
+pub fn vllm_metrics_answer(path: &str, query: Option<&str>, page: String) -> String {
+    let names = (path == RESTRICTED_METRICS_PATH)
+        .then(|| query.and_then(requested_names))
+        .flatten();
+    match names {
+        Some(names) => restrict_page(&page, &names),
+        None => page,
+    }
+}
+
 /// What `prometheus_client`'s restricted registry serves from `text`: the sample lines whose
 /// sample name is in `names`, each family's `# HELP`/`# TYPE` lines kept only when one of its
 /// samples is. A server-side helper: vllm-sim and the scale benchmark answer `name[]` with it.
@@ -1071,6 +1085,14 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
         );
         assert_eq!(requested_names("name[]=&other=1"), None);
         assert_eq!(requested_names(""), None);
+        // vLLM's two routes: `/metrics` ignores the query, `/metrics/` honours it.
+        let answer = |path| vllm_metrics_answer(path, Some(query), VLLM_DP2.to_owned());
+        assert_eq!(answer("/metrics"), VLLM_DP2);
+        assert_eq!(answer("/metrics/"), restrict_page(VLLM_DP2, &READ_SERIES));
+        assert_eq!(
+            vllm_metrics_answer("/metrics/", None, VLLM_DP2.into()),
+            VLLM_DP2
+        );
     }
 
     // Lines of series the router does not read are checked only up to their name: a page that

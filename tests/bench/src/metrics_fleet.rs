@@ -63,13 +63,7 @@ impl MetricsFleet {
             let whole = metrics.clone();
             let restricted_page = move |uri: Uri| {
                 let page = whole();
-                async move {
-                    let names = uri.query().and_then(vllm_wire::prom::requested_names);
-                    match names {
-                        Some(names) => vllm_wire::prom::restrict_page(&page.await, &names),
-                        None => page.await,
-                    }
-                }
+                async move { vllm_wire::prom::vllm_metrics_answer(uri.path(), uri.query(), page.await) }
             };
             let mut app = Router::new()
                 .route("/metrics", get(metrics))

@@ -1815,13 +1815,7 @@ async fn metrics(State(s): State<Arc<Shared>>, uri: Uri) -> Response {
         s.aborted.load(Ordering::Relaxed),
         now,
     );
-    let names = (uri.path() == vllm_wire::prom::RESTRICTED_METRICS_PATH)
-        .then(|| uri.query().and_then(vllm_wire::prom::requested_names))
-        .flatten();
-    let page = match names {
-        Some(names) => vllm_wire::prom::restrict_page(&page, &names),
-        None => page,
-    };
+    let page = vllm_wire::prom::vllm_metrics_answer(uri.path(), uri.query(), page);
     (
         [(
             header::CONTENT_TYPE,
