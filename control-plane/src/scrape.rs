@@ -132,7 +132,7 @@ pub struct SharedPages {
 type PageSlot = tokio::sync::Mutex<Option<(Instant, Bytes)>>;
 
 impl SharedPages {
-    /// The page kept under `key` (a server, or a server and path) no older than `max_age`,
+    /// The page kept under `key` (a server and path) no older than `max_age`,
     /// from `fetch` when there is none.
     async fn get(
         &self,
@@ -224,16 +224,18 @@ pub async fn scrape_once(
     pages: &SharedPages,
     page: MetricsPage,
 ) -> Result<(EndpointMetrics, Option<LoraState>), ScrapeError> {
-    let (server, rank) = split_rank(address);
-    let path = page.path();
-    let fetched = fetch(client, server, path, "text/plain", settings);
-    let body = match rank {
-        Some(_) => {
-            let key = format!("{server} {page:?}");
-            pages.get(&key, settings.interval / 2, fetched).await?
-        }
-        None => fetched.await?,
-    };
+    let rank = split_rank(address).1;
+    let max_age = settings.interval / 2;
+    let body = fetch_server(
+        client,
+        address,
+        page.path(),
+        "text/plain",
+        settings,
+        pages,
+        max_age,
+    )
+    .await?;
     let text = std::str::from_utf8(&body).map_err(|e| PromError::NotUtf8(e.valid_up_to()))?;
     // Both read only their own series' lines: a vLLM page is 500+ lines, they need about 13.
     let metrics = match rank {
@@ -253,18 +255,34 @@ pub async fn models_once(
     settings: &ScrapeSettings,
     pages: &SharedPages,
 ) -> Result<Vec<ServedModel>, ScrapeError> {
-    let (server, rank) = split_rank(address);
-    let fetched = fetch(client, server, MODELS_PATH, "application/json", settings);
-    let body = match rank {
-        Some(_) => {
-            let key = format!("{server}{MODELS_PATH}");
-            pages
-                .get(&key, settings.models_interval / 2, fetched)
-                .await?
-        }
-        None => fetched.await?,
-    };
+    let max_age = settings.models_interval / 2;
+    let json = "application/json";
+    let body = fetch_server(client, address, MODELS_PATH, json, settings, pages, max_age).await?;
     Ok(parse_models(&body)?)
+}
+
+/// GETs `path` of the server `address` names. A data-parallel rank (`ip:port#dp<rank>`)
+/// shares the server's answer with its other ranks through `pages` for `max_age`, so one
+/// fetch a tick serves them all.
+async fn fetch_server(
+    client: &HttpClient,
+    address: &str,
+    path: &str,
+    accept: &'static str,
+    settings: &ScrapeSettings,
+    pages: &SharedPages,
+    max_age: Duration,
+) -> Result<Bytes, ScrapeError> {
+    let (server, rank) = split_rank(address);
+    let fetched = fetch(client, server, path, accept, settings);
+    match rank {
+        Some(_) => {
+            pages
+                .get(&format!("{server}{path}"), max_age, fetched)
+                .await
+        }
+        None => fetched.await,
+    }
 }
 
 /// vLLM's model list.
