@@ -242,6 +242,7 @@ pub fn run_with(
                 records[i] = RequestRecord {
                     arrival_ms: now,
                     prompt_tokens: tokens.len() as u32,
+                    replica: unseen.unwrap_or_default(),
                     unseen: unseen.is_some(),
                     ..RequestRecord::default()
                 };
@@ -334,7 +335,8 @@ pub fn run_with(
                 engines: &fleet.engines,
                 busy_until_ms: &busy_until,
             };
-            let unseen = unseen_replica(workload, options, i, cfg.seed, cfg.replicas);
+            // Picked at arrival: an unseen request's replica is already in its record.
+            let unseen = records[i].unseen.then_some(records[i].replica);
             let replica = match unseen {
                 Some(replica) => replica,
                 None => policy

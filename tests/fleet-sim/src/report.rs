@@ -150,32 +150,28 @@ impl PolicySummary {
                 .then(|| (predicted - actual).abs() / actual),
             local_decision_fraction: run.local_decision_fraction,
             routing_state_changes: run.routing_state_changes,
-            busiest_replica_share: busiest_share(
-                &run.records
-                    .iter()
-                    .filter(|r| !r.unseen)
-                    .cloned()
-                    .collect::<Vec<_>>(),
-            ),
+            busiest_replica_share: busiest_share(run.records.iter().filter(|r| !r.unseen)),
             reuse: run.reuse,
         }
     }
 }
 
 /// The share of `records` routed to the replica that got the most of them (0 when empty).
-fn busiest_share(records: &[RequestRecord]) -> f64 {
+fn busiest_share<'a>(records: impl IntoIterator<Item = &'a RequestRecord>) -> f64 {
     let mut per_replica: Vec<usize> = Vec::new();
+    let mut total = 0usize;
     for r in records {
         if per_replica.len() <= r.replica {
             per_replica.resize(r.replica + 1, 0);
         }
         per_replica[r.replica] += 1;
+        total += 1;
     }
     let busiest = per_replica.iter().copied().max().unwrap_or(0);
-    if records.is_empty() {
+    if total == 0 {
         0.0
     } else {
-        busiest as f64 / records.len() as f64
+        busiest as f64 / total as f64
     }
 }
 
@@ -504,7 +500,7 @@ mod tests {
         };
         let records = [on(2), on(2), on(0), on(2)];
         assert_eq!(busiest_share(&records), 0.75);
-        assert_eq!(busiest_share(&[]), 0.0);
+        assert_eq!(busiest_share(&[] as &[RequestRecord]), 0.0);
     }
 
     #[test]
