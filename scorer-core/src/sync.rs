@@ -112,8 +112,11 @@ pub struct SyncRequest {
     pub table_version: u64,
 }
 
-/// One entry of the replicated log.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One entry of the replicated log. On the wire an object tagged by `kind` (`decision`,
+/// `outcome`, `first_token`) beside the variant's fields; read by a hand-written
+/// [`Deserialize`] (see [`SyncEventVisitor`]) rather than serde's internally tagged one, which
+/// buffers every entry into a generic tree before reading it again.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum SyncEvent {
     /// A decision some router took.
@@ -138,6 +141,92 @@ pub enum SyncEvent {
         /// The decision.
         decision_id: u64,
     },
+}
+
+/// The three kinds of [`SyncEvent`], as `kind` spells them.
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum SyncEventKind {
+    Decision,
+    Outcome,
+    FirstToken,
+}
+
+/// The fields of every kind of [`SyncEvent`]; each kind's own fields are distinct, so each value
+/// is read straight into its type whatever the order, and unknown fields (a newer writer's) are
+/// skipped.
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum SyncEventField {
+    Kind,
+    Origin,
+    Record,
+    Outcome,
+    DecisionId,
+    #[serde(other)]
+    Unknown,
+}
+
+/// Reads a [`SyncEvent`] in one pass: a log answer holds thousands of them, and a proxy's VM
+/// reads every other router's entries on every tick.
+struct SyncEventVisitor;
+
+impl<'de> serde::de::Visitor<'de> for SyncEventVisitor {
+    type Value = SyncEvent;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a sync event (an object with `kind`)")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<SyncEvent, A::Error> {
+        use serde::de::Error;
+        let mut kind = None;
+        let mut origin = None;
+        let mut record: Option<Box<DecisionRecord>> = None;
+        let mut outcome = None;
+        let mut decision_id = None;
+        fn once<T, E: Error>(slot: &mut Option<T>, value: T, name: &'static str) -> Result<(), E> {
+            match slot.replace(value) {
+                Some(_) => Err(E::duplicate_field(name)),
+                None => Ok(()),
+            }
+        }
+        while let Some(field) = map.next_key::<SyncEventField>()? {
+            match field {
+                SyncEventField::Kind => once(&mut kind, map.next_value()?, "kind")?,
+                SyncEventField::Origin => once(&mut origin, map.next_value()?, "origin")?,
+                SyncEventField::Record => once(&mut record, map.next_value()?, "record")?,
+                SyncEventField::Outcome => once(&mut outcome, map.next_value()?, "outcome")?,
+                SyncEventField::DecisionId => {
+                    once(&mut decision_id, map.next_value()?, "decision_id")?;
+                }
+                SyncEventField::Unknown => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        let origin = origin.ok_or_else(|| A::Error::missing_field("origin"))?;
+        match kind.ok_or_else(|| A::Error::missing_field("kind"))? {
+            SyncEventKind::Decision => Ok(SyncEvent::Decision {
+                origin,
+                record: record.ok_or_else(|| A::Error::missing_field("record"))?,
+            }),
+            SyncEventKind::Outcome => Ok(SyncEvent::Outcome {
+                origin,
+                outcome: outcome.ok_or_else(|| A::Error::missing_field("outcome"))?,
+            }),
+            SyncEventKind::FirstToken => Ok(SyncEvent::FirstToken {
+                origin,
+                decision_id: decision_id.ok_or_else(|| A::Error::missing_field("decision_id"))?,
+            }),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SyncEvent {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(SyncEventVisitor)
+    }
 }
 
 impl SyncEvent {
@@ -843,6 +932,57 @@ mod tests {
             prompt_bytes: text.len() as u64,
             prompt_tokens: (text.len() / 4) as u32,
             ..RouteRequest::default()
+        }
+    }
+
+    // The hand-written reader takes what the derived writer writes, in any field order, skips
+    // fields it does not know, and refuses an entry without its kind or its variant's fields.
+    #[test]
+    fn sync_events_read_in_any_order() {
+        let events = vec![
+            SyncEvent::Decision {
+                origin: 3,
+                record: Box::new(DecisionRecord {
+                    decision_id: 7,
+                    endpoint: "10.0.0.1:8000".into(),
+                    request: chat(1, 2),
+                    age_ms: 5,
+                }),
+            },
+            SyncEvent::Outcome {
+                origin: 4,
+                outcome: Outcome {
+                    decision_id: 7,
+                    endpoint: "10.0.0.1:8000".into(),
+                    status: 200,
+                    ..Outcome::default()
+                },
+            },
+            SyncEvent::FirstToken {
+                origin: 5,
+                decision_id: 7,
+            },
+        ];
+        let json = serde_json::to_string(&events).unwrap();
+        assert_eq!(
+            serde_json::from_str::<Vec<SyncEvent>>(&json).unwrap(),
+            events
+        );
+        let reordered =
+            r#"{"origin":5,"newer_field":[1,{"a":2}],"decision_id":7,"kind":"first_token"}"#;
+        assert_eq!(
+            serde_json::from_str::<SyncEvent>(reordered).unwrap(),
+            events[2]
+        );
+        for bad in [
+            r#"{"origin":5,"decision_id":7}"#,
+            r#"{"kind":"decision","origin":5,"decision_id":7}"#,
+            r#"{"kind":"outcome","decision_id":7}"#,
+            r#"{"kind":"first_token","origin":1,"origin":2,"decision_id":7}"#,
+            r#"{"kind":"sideways","origin":5,"decision_id":7}"#,
+            r#"[1,2]"#,
+        ] {
+            assert!(serde_json::from_str::<SyncEvent>(bad).is_err(), "{bad}");
         }
     }
 
