@@ -20,7 +20,7 @@ use crate::protocol::ApiKind;
 mod agent;
 mod json;
 
-use json::{Field, Limit, fragment, json_object, parse, str_of};
+use json::{Content, Field, Limit, fragment, json_object, parse, str_of};
 
 /// Separates the fields of one message (role, name, content).
 pub(crate) const FIELD_SEP: u8 = 0x1f;
@@ -92,7 +92,7 @@ json_object! {
     struct Message<'a> {
         "role" => role: Cow<'a, str>,
         "name" => name: Cow<'a, str>,
-        "content" => content: &'a RawValue,
+        "content" => content: Content<'a>,
         "tool_calls" => tool_calls: &'a RawValue,
         "tool_call_id" => tool_call_id: Cow<'a, str>,
     }
@@ -261,12 +261,10 @@ pub(crate) fn salt(raw: Field<Cow<'_, str>>) -> Result<Option<String>, CanonErro
 
 /// Appends a message's content: a string, or an array of parts (text parts as text, other parts
 /// such as images by their JSON, so two different images never share a hash).
-fn push_content(out: &mut Vec<u8>, content: &RawValue) -> Result<(), CanonError> {
-    let raw = content.get();
-    match raw.as_bytes().first() {
-        Some(b'"') => out.extend_from_slice(str_of(raw)?.as_bytes()),
-        Some(b'[') => {
-            let parts: Vec<&RawValue> = fragment(raw, "content")?;
+fn push_content(out: &mut Vec<u8>, content: Content<'_>) -> Result<(), CanonError> {
+    match content {
+        Content::Text(text) => out.extend_from_slice(text.as_bytes()),
+        Content::Parts(parts) => {
             for part in parts {
                 let head: ContentPart<'_> = fragment(part.get(), "a content part")?;
                 match (head.kind.get("type")?.as_deref(), head.text.get("text")?) {
@@ -275,11 +273,6 @@ fn push_content(out: &mut Vec<u8>, content: &RawValue) -> Result<(), CanonError>
                 }
                 out.push(FIELD_SEP);
             }
-        }
-        _ => {
-            return Err(CanonError::InvalidBody(
-                "message content must be a string, an array or null".into(),
-            ));
         }
     }
     Ok(())

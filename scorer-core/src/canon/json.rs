@@ -156,6 +156,27 @@ impl<'de, T: Lenient<'de>> Lenient<'de> for Vec<T> {
     }
 }
 
+/// A message's `content`, read in one pass: its text when it is a string (not kept raw to be
+/// parsed a second time; a long prompt's text is most of the body), its parts' raw text when it
+/// is an array. Any other type is [`Field::Bad`].
+pub(crate) enum Content<'de> {
+    Text(Cow<'de, str>),
+    Parts(Vec<&'de RawValue>),
+}
+
+impl<'de> Lenient<'de> for Content<'de> {
+    fn from_str(s: Cow<'de, str>) -> Option<Self> {
+        Some(Content::Text(s))
+    }
+    fn from_seq<A: SeqAccess<'de>>(mut seq: A) -> Result<Option<Self>, A::Error> {
+        let mut parts = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+        while let Some(part) = seq.next_element::<&'de RawValue>()? {
+            parts.push(part);
+        }
+        Ok(Some(Content::Parts(parts)))
+    }
+}
+
 /// An output-token limit (`max_tokens` and kin) as the router's length hint: a number of any
 /// size or form (`1e3`, `5.0`, `2^70`, or a numeric string, which pydantic also takes)
 /// saturates to `0..=u32::MAX` (huge still says "long"); anything else is no hint. It never
