@@ -104,7 +104,7 @@ fn main() {
                 body,
                 now_ms,
                 || None,
-                |request| root.decide_or_prepare(request, now_ms, i),
+                |request| root.decide_or_prepare(request, now_ms, || i),
             );
         }
         spent[1] += t.elapsed();

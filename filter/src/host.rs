@@ -466,12 +466,12 @@ fn local_decision(
     now: u64,
 ) -> impl FnMut(&mut RouteRequest) -> Option<RouteResponse> + '_ {
     move |request| {
-        let nonce = now_ns().unwrap_or_default();
+        // The clock is read only when a call is prepared: a local decision needs no nonce.
         shared
             .as_ref()?
             .borrow_mut()
             .state
-            .decide_or_prepare(request, now, nonce)
+            .decide_or_prepare(request, now, || now_ns().unwrap_or_default())
     }
 }
 

@@ -219,12 +219,13 @@ impl RootState {
 
     /// [`RootState::decide_locally`], or, when that gives no answer, [`RootState::prepare_call`]:
     /// what the host's request contexts call. A precise request (it carries its prompt) is
-    /// never decided on a copy: the control plane tokenises it.
+    /// never decided on a copy: the control plane tokenises it. `nonce` is called only for a
+    /// call (each host clock read is a crossing out of the VM).
     pub fn decide_or_prepare(
         &mut self,
         request: &mut RouteRequest,
         now_ms: u64,
-        nonce: u64,
+        nonce: impl FnOnce() -> u64,
     ) -> Option<RouteResponse> {
         let answer = if request.prompt_text.is_some() {
             None
@@ -232,7 +233,7 @@ impl RootState {
             self.decide_locally(request, now_ms)
         };
         if answer.is_none() {
-            self.prepare_call(request, nonce);
+            self.prepare_call(request, nonce());
             if let (Some(call_id), Some(_)) = (request.call_id, self.local.as_ref()) {
                 push_bounded(
                     &mut self.awaited,
@@ -805,7 +806,7 @@ mod tests {
         fn a_route_calls_answer_is_adopted_by_the_copy_once() {
             let (_, mut b, mut cp) = deferring_pair();
             let mut long = long(2);
-            assert_eq!(b.decide_or_prepare(&mut long, 3, 7), None, "deferred");
+            assert_eq!(b.decide_or_prepare(&mut long, 3, || 7), None, "deferred");
             let call_id = long.call_id.expect("a route call");
             let decision = cp.1.route(&long, 3, 1);
             let endpoint = decision.response.endpoints[0].clone();
