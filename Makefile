@@ -58,9 +58,9 @@ setup-browser:
 		chromium --version; \
 	fi
 
-# The proxy-wasm filter Envoy loads.
+# The proxy-wasm filter Envoy loads, and the bench's filter that does nothing (tests/noop-filter).
 wasm:
-	$(CARGO) build --release -p filter --target $(WASM_TARGET)
+	$(CARGO) build --release -p filter -p noop-filter --target $(WASM_TARGET)
 
 # Every binary in release: the control plane, vllm-sim, fleet-sim, the kvroute CLI, the demo and
 # the bench drivers. (Plain `cargo build` builds only the product crates, the default members.)
@@ -102,7 +102,7 @@ demo-agent: setup build
 lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy -p filter -p scorer-core --target $(WASM_TARGET) -- -D warnings
+	$(CARGO) clippy -p filter -p scorer-core -p noop-filter --target $(WASM_TARGET) -- -D warnings
 	@# The fuzz targets are their own workspace; checking them here keeps them from rotting
 	@# when a type they build changes (running them is scripts/fuzz.sh).
 	$(CARGO) check --quiet --manifest-path fuzz/Cargo.toml --bins

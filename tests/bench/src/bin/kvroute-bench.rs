@@ -674,6 +674,17 @@ struct V8Figures {
     us_200k: Option<f64>,
 }
 
+/// The overhead row of kvroute's Envoy with a proxy-wasm filter that does nothing.
+const EMPTY_WASM: &str = "envoy+empty-wasm";
+
+/// `vllm-sim` arguments of the overhead section's one replica per row: instant answers, room
+/// for every concurrent request.
+fn fleet_sim_args() -> Vec<String> {
+    ["--profile", "fast", "--max-num-seqs", "256"]
+        .map(String::from)
+        .to_vec()
+}
+
 /// Prompt size and concurrency of the crowded overhead run.
 const CROWDED_BYTES: usize = 204_800;
 const CROWDED_CONCURRENCY: usize = 150;
@@ -726,14 +737,30 @@ async fn overhead_section(
         if local {
             cfg.plugin_config = json!({"decision": "local"});
         }
-        cfg.sim_args = vec![
-            "--profile".into(),
-            "fast".into(),
-            "--max-num-seqs".into(),
-            "256".into(),
-        ];
+        cfg.sim_args = fleet_sim_args();
         eprintln!("[overhead] starting Envoy ({label}) + 1 fast replica ...");
         fleets.push((label.to_string(), Fleet::start(cfg, tools).await?));
+    }
+    // kvroute's Envoy with a proxy-wasm filter that does nothing in place of kvroute's: what
+    // the wasm filter machinery alone costs per request (tests/noop-filter, built by `make
+    // wasm` beside the filter).
+    let empty_wasm = tools.wasm.with_file_name("kvroute_noop_filter.wasm");
+    if empty_wasm.is_file() {
+        let mut cfg = FleetConfig::new(&format!("bench-overhead-{EMPTY_WASM}"));
+        cfg.replicas = 1;
+        cfg.model = bench::MODEL.to_string();
+        cfg.sim_args = fleet_sim_args();
+        cfg.envoy_edits = vec![(
+            tools.wasm.display().to_string(),
+            empty_wasm.display().to_string(),
+        )];
+        eprintln!("[overhead] starting Envoy ({EMPTY_WASM}) + 1 fast replica ...");
+        fleets.push((EMPTY_WASM.to_string(), Fleet::start(cfg, tools).await?));
+    } else {
+        skipped.push(format!(
+            "overhead via {EMPTY_WASM}: {} not built (make wasm)",
+            empty_wasm.display()
+        ));
     }
     let client = fleets[0].1.client().clone();
     let upstream = fleets[0].1.replicas[0].address.clone();
@@ -745,15 +772,22 @@ async fn overhead_section(
         router_pid: None,
     }];
     for (label, f) in &fleets {
+        // The empty filter's control plane is started but never asked.
+        let kvroute = label != EMPTY_WASM;
         targets.push(Target {
             label: label.clone(),
             url: f.url(),
             kvroute_admin: f
                 .control_plane
                 .as_ref()
+                .filter(|_| kvroute)
                 .map(|_| f.envoy.admin_address.clone()),
             envoy_pid: Some(f.envoy.process().pid()),
-            router_pid: f.control_plane.as_ref().map(|c| c.process().pid()),
+            router_pid: f
+                .control_plane
+                .as_ref()
+                .filter(|_| kvroute)
+                .map(|c| c.process().pid()),
         });
     }
     // Peers in front of the very replica "direct" measures.

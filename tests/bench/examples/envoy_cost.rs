@@ -1,0 +1,109 @@
+//! Where Envoy's CPU per request goes with the kvroute filter: the same 1 KB chat request, at
+//! the max-rps run's concurrency (16), through Envoy configured as round robin, as kvroute's
+//! Envoy with the wasm filter disabled (`HttpFilter.disabled`), with a proxy-wasm filter that
+//! does nothing in its place (tests/noop-filter), and deciding in the proxy (`decision:
+//! local`); and a path kvroute's filter passes through (`POST /tokenize`).
+//!
+//! `cargo run --release -p kvroute-bench --example envoy_cost -- [rounds] [seconds] [label]
+//! [path]` after `make wasm build`. Prints Envoy's CPU µs per served request and req/s per
+//! variant. `label` and `path` keep only the variants whose label contains `label`, on `path`
+//! (to run `perf record -p <Envoy pid>` beside one: the pid is printed on stderr).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use kvroute_bench as bench;
+use kvroute_harness::{Fleet, FleetConfig, RouterKind, Tools};
+use serde_json::json;
+
+/// The edit that keeps the wasm filter configured but off for every route (Envoy's
+/// `HttpFilter.disabled`), so the rest of kvroute's Envoy configuration is measured alone.
+const DISABLE_WASM: (&str, &str) = (
+    "- name: envoy.filters.http.wasm\n            typed_config:",
+    "- name: envoy.filters.http.wasm\n            disabled: true\n            typed_config:",
+);
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let rounds: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(3);
+    let seconds: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(4);
+    let only = args.next().unwrap_or_default();
+    let only_path = args.next();
+    let tools = Tools::locate().context("envoy_cost needs the harness's tools")?;
+    let wasm = tools.wasm.display().to_string();
+    let empty = tools.wasm.with_file_name("kvroute_noop_filter.wasm");
+    anyhow::ensure!(empty.is_file(), "{} not built (make wasm)", empty.display());
+    let empty = empty.display().to_string();
+    let variants = [
+        ("round-robin", RouterKind::RoundRobin, None),
+        (
+            "kvroute config, wasm off",
+            RouterKind::Kvroute,
+            Some(DISABLE_WASM),
+        ),
+        (
+            "empty wasm filter",
+            RouterKind::Kvroute,
+            Some((wasm.as_str(), empty.as_str())),
+        ),
+        ("kvroute local", RouterKind::Kvroute, None),
+    ];
+    let mut fleets = Vec::new();
+    for (label, router, edit) in variants {
+        if !label.contains(only.as_str()) {
+            continue;
+        }
+        let mut cfg = FleetConfig::new(&format!("envoy-cost-{}", fleets.len()));
+        cfg.replicas = 1;
+        cfg.model = bench::MODEL.to_string();
+        cfg.router = router;
+        cfg.envoy_edits = edit
+            .into_iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        cfg.plugin_config = json!({"decision": "local"});
+        cfg.sim_args = ["--profile", "fast", "--max-num-seqs", "256"]
+            .map(String::from)
+            .to_vec();
+        fleets.push((label, Fleet::start(cfg, &tools).await?));
+    }
+    let bodies = Arc::new(
+        (0..32)
+            .map(|s| bench::chat_body(1_024, s, 1, false))
+            .collect::<Vec<_>>(),
+    );
+    for round in 0..rounds {
+        for path in ["/v1/chat/completions", "/tokenize"] {
+            if only_path.as_deref().is_some_and(|p| p != path) {
+                continue;
+            }
+            for (label, fleet) in &fleets {
+                let url = format!("{}{path}", fleet.url());
+                let pid = fleet.envoy.process().pid();
+                eprintln!("[envoy_cost] Envoy pid {pid} runs {label} on {path}");
+                let _ =
+                    bench::http_load(&url, bodies.clone(), 16, Duration::from_secs(1), 50).await;
+                let before = bench::scale::cpu_seconds(pid)?;
+                let r = bench::http_load(
+                    &url,
+                    bodies.clone(),
+                    16,
+                    Duration::from_secs(seconds),
+                    usize::MAX,
+                )
+                .await;
+                let after = bench::scale::cpu_seconds(pid)?;
+                let served = r.latencies_ms.len().max(1) as f64;
+                println!(
+                    "round {round} {path:<22} {label:<26} Envoy {:>6.1} µs/request {:>7.0} req/s errors {}",
+                    (after - before) * 1e6 / served,
+                    r.rps,
+                    r.errors
+                );
+            }
+        }
+    }
+    Ok(())
+}
