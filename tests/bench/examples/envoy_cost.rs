@@ -5,8 +5,9 @@
 //! local`); and a path kvroute's filter passes through (`POST /tokenize`).
 //!
 //! `cargo run --release -p kvroute-bench --example envoy_cost -- [rounds] [seconds] [label]
-//! [path]` after `make wasm build`. Prints Envoy's CPU µs per served request and req/s per
-//! variant. `label` and `path` keep only the variants whose label contains `label`, on `path`
+//! [path] [workers]` after `make wasm build`. Prints Envoy's CPU µs per served request and req/s
+//! per variant. `workers` is Envoy's worker count (2): with `decision: local` each worker's VM
+//! applies every other VM's decisions, so the local path's CPU per request grows with it. `label` and `path` keep only the variants whose label contains `label`, on `path`
 //! (to run `perf record -p <Envoy pid>` beside one: the pid is printed on stderr).
 
 use std::sync::Arc;
@@ -30,7 +31,8 @@ async fn main() -> anyhow::Result<()> {
     let rounds: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(3);
     let seconds: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(4);
     let only = args.next().unwrap_or_default();
-    let only_path = args.next();
+    let only_path = args.next().filter(|p| !p.is_empty());
+    let workers: u32 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(2);
     let tools = Tools::locate().context("envoy_cost needs the harness's tools")?;
     let wasm = tools.wasm.display().to_string();
     let empty = tools.wasm.with_file_name("kvroute_noop_filter.wasm");
@@ -57,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
         }
         let mut cfg = FleetConfig::new(&format!("envoy-cost-{}", fleets.len()));
         cfg.replicas = 1;
+        cfg.envoy_concurrency = workers;
         cfg.model = bench::MODEL.to_string();
         cfg.router = router;
         cfg.envoy_edits = edit
