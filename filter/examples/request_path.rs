@@ -2,7 +2,8 @@
 //! (parse, hash, decide), response, outcome, and the tick's sync call (built, answered by
 //! scorer-core's control-plane side, applied), amortised per request at a given request rate.
 //!
-//! `cargo run --release -p filter --example request_path -- [requests] [requests_per_tick] [workers]`
+//! `cargo run --release -p filter --example request_path -- [requests] [requests_per_tick]
+//! [workers] [body_bytes]`
 //!
 //! Requests alternate over `workers` VMs, each syncing once per `requests_per_tick` requests,
 //! so each applies the others' decisions as Envoy's workers do.
@@ -18,11 +19,11 @@ use kvroute_filter::root::RootState;
 use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
 use scorer_core::sync::{SyncLog, SyncRequest, serve_sync};
 
-fn body(seed: u64) -> Vec<u8> {
-    // About 1 KB of words, distinct per seed, as the bench's 1 KB chat body.
+fn body(seed: u64, bytes: usize) -> Vec<u8> {
+    // `bytes` of words, distinct per seed, as the bench's chat bodies.
     let mut words = String::new();
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    while words.len() < 1_000 {
+    while words.len() < bytes {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
@@ -41,6 +42,7 @@ fn main() {
     let requests: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(200_000);
     let per_tick: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(75);
     let workers: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2);
+    let bytes: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1_000);
     let mut roots: Vec<RootState> = (0..workers)
         .map(|_| {
             RootState::new(FilterConfig {
@@ -53,7 +55,7 @@ fn main() {
     let _ = router.upsert_endpoint("127.0.0.1:8000");
     router.update_metrics("127.0.0.1:8000", EndpointMetrics::default(), 0);
     let mut log = SyncLog::new(65_536, 5);
-    let bodies: Vec<Vec<u8>> = (0..32).map(body).collect();
+    let bodies: Vec<Vec<u8>> = (0..32).map(|s| body(s, bytes)).collect();
     let response = br#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":200,"total_tokens":201,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":192}}}"#;
     let headers: Vec<(&str, &[u8])> = vec![
         (":authority", b"127.0.0.1:10000"),
