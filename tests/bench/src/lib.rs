@@ -25,6 +25,7 @@ use kvroute_harness::loadgen::{percentile, words};
 use proxy_wasm_host::{FilterAction, FilterModule, HostError};
 
 pub mod aiperf;
+pub mod filter_v8;
 pub mod metrics_fleet;
 pub mod peers;
 pub mod scale;
@@ -46,6 +47,9 @@ pub enum BenchError {
     /// A body could not be canonicalised.
     #[error("canonicalise: {0}")]
     Canon(String),
+    /// A process of the topology (Envoy's admin) could not be asked.
+    #[error(transparent)]
+    Harness(#[from] kvroute_harness::HarnessError),
 }
 
 /// One row of the data-plane overhead table.

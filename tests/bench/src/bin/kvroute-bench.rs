@@ -994,67 +994,23 @@ async fn overhead_section(
     })
 }
 
-/// `(sum µs, count)` of the filter's `kvroute_hash_duration_us` histogram in Envoy's
-/// Prometheus output.
-async fn hash_histogram(client: &HttpClient, admin: &str) -> anyhow::Result<(f64, f64)> {
-    let url = format!("http://{admin}/stats/prometheus");
-    let body = client.get(&url, Duration::from_secs(5)).await?.body;
-    Ok((
-        harness::prometheus_sum(&body, "kvroute_hash_duration_us_sum"),
-        harness::prometheus_sum(&body, "kvroute_hash_duration_us_count"),
-    ))
-}
-
 /// Sends 16 KB and then 200 KB bodies through kvroute's Envoy and divides their bytes by the
-/// hashing time the filter recorded for them. Envoy merges histograms on its stats flush (every
-/// 5 s), so each phase waits until the count has moved by exactly the requests it sent.
+/// hashing time the filter recorded for them ([`kvroute_bench::filter_v8::parse_in_v8`]).
 async fn v8_figures(client: &HttpClient, admin: &str, base: &str) -> anyhow::Result<V8Figures> {
-    // Settle: the count must stay put across one flush so earlier requests are not attributed.
-    let mut last = hash_histogram(client, admin).await?;
-    for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(5_500)).await;
-        let now = hash_histogram(client, admin).await?;
-        if now.1 == last.1 {
-            break;
-        }
-        last = now;
-    }
-    let url = format!("{base}/v1/chat/completions");
-    let mut out = Vec::new();
-    for (size, n) in [(16_384usize, 300usize), (204_800, 100)] {
-        let bodies: Vec<String> = (0..16)
-            .map(|s| bench::chat_body(size, 100 + s, 1, false))
-            .collect();
-        let mean_len = bodies.iter().map(String::len).sum::<usize>() as f64 / bodies.len() as f64;
-        let r = bench::http_load(&url, Arc::new(bodies), 1, Duration::from_secs(60), n).await;
-        let sent = (r.latencies_ms.len() + r.errors) as f64;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let now = loop {
-            let now = hash_histogram(client, admin).await?;
-            if now.1 - last.1 >= sent || Instant::now() > deadline {
-                break now;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
-        let (d_sum, d_count) = (now.0 - last.0, now.1 - last.1);
-        last = now;
-        if d_count <= 0.0 || d_sum <= 0.0 {
-            out.push((None, None));
-            continue;
-        }
-        let us = d_sum / d_count;
-        // bytes per µs is MB/s.
-        out.push((Some(mean_len / us), Some(us)));
+    let sizes = [(16_384usize, 300usize), (204_800, 100)];
+    let out = kvroute_bench::filter_v8::parse_in_v8(client, admin, base, &sizes).await?;
+    for v in out.iter().flatten() {
         eprintln!(
-            "[filter-v8] {size} B: {d_count} bodies, {us:.1} µs each, {:.0} MB/s",
-            mean_len / us
+            "[filter-v8] {} B: {} bodies, {:.1} µs each, {:.0} MB/s",
+            v.bytes, v.bodies, v.us_per_body, v.mb_per_s
         );
     }
+    let figure = |i: usize| out.get(i).copied().flatten();
     Ok(V8Figures {
-        mb_per_s_16k: out[0].0,
-        us_16k: out[0].1,
-        mb_per_s_200k: out[1].0,
-        us_200k: out[1].1,
+        mb_per_s_16k: figure(0).map(|v| v.mb_per_s),
+        us_16k: figure(0).map(|v| v.us_per_body),
+        mb_per_s_200k: figure(1).map(|v| v.mb_per_s),
+        us_200k: figure(1).map(|v| v.us_per_body),
     })
 }
 
