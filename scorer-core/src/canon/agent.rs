@@ -9,7 +9,7 @@ use std::borrow::Cow;
 
 use serde_json::value::RawValue;
 
-use super::json::{Key, Limit, Members, end_in, fragment, json_object, parse, str_of};
+use super::json::{Content, Key, Limit, Members, end_in, fragment, json_object, parse, str_of};
 use super::{
     CanonError, CanonicalPrompt, FIELD_SEP, first_key, limit, prompt_of, push_record, push_tools,
     salt,
@@ -37,11 +37,11 @@ json_object! {
     struct Item<'a> {
         "type" => kind: Cow<'a, str>,
         "role" => role: Cow<'a, str>,
-        "content" => content: &'a RawValue,
+        "content" => content: Content<'a>,
         "name" => name: Cow<'a, str>,
         "arguments" => arguments: Cow<'a, str>,
         "call_id" => call_id: Cow<'a, str>,
-        "output" => output: &'a RawValue,
+        "output" => output: Content<'a>,
     }
 }
 
@@ -56,7 +56,7 @@ json_object! {
         "name" => name: Cow<'a, str>,
         "input" => input: &'a RawValue,
         "tool_use_id" => tool_use_id: Cow<'a, str>,
-        "content" => content: &'a RawValue,
+        "content" => content: Content<'a>,
         "cache_control" => cache_control: &'a RawValue,
     }
 }
@@ -172,7 +172,7 @@ fn push_item(out: &mut Vec<u8>, raw: &RawValue) -> Result<(), CanonError> {
 json_object! {
     struct MessagesBody<'a> {
         "model" => model: Cow<'a, str>,
-        "system" => system: &'a RawValue,
+        "system" => system: Content<'a>,
         "messages" => messages: Vec<AnthropicMessage<'a>>,
         "tools" => tools: Vec<&'a RawValue>,
         "stream" => stream: bool,
@@ -185,7 +185,7 @@ json_object! {
 json_object! {
     struct AnthropicMessage<'a> {
         "role" => role: Cow<'a, str>,
-        "content" => content: &'a RawValue,
+        "content" => content: Content<'a>,
     }
 }
 
@@ -279,22 +279,20 @@ fn claude_session(user_id: &str) -> Option<String> {
 
 /// Appends Responses content (a string, or parts: `input_text`/`output_text` by their text,
 /// `refusal` by its text, anything else, such as images and files, by its JSON).
-fn push_parts(out: &mut Vec<u8>, content: &RawValue) -> Result<(), CanonError> {
+fn push_parts(out: &mut Vec<u8>, content: Content<'_>) -> Result<(), CanonError> {
     push_blocks(out, content).map(drop)
 }
 
-/// Appends content of either API: a string, `null`, or an array of parts/blocks. Returns the
-/// length of `out` at the end of the last block that carried `cache_control` (its separator
-/// included), if one did.
-fn push_blocks(out: &mut Vec<u8>, content: &RawValue) -> Result<Option<usize>, CanonError> {
-    let raw = content.get();
-    match raw.as_bytes().first() {
-        Some(b'"') => {
-            out.extend_from_slice(str_of(raw)?.as_bytes());
+/// Appends content of either API: a string or an array of parts/blocks (`null` is absent, and
+/// skipped by the caller). Returns the length of `out` at the end of the last block that
+/// carried `cache_control` (its separator included), if one did.
+fn push_blocks(out: &mut Vec<u8>, content: Content<'_>) -> Result<Option<usize>, CanonError> {
+    match content {
+        Content::Text(text) => {
+            out.extend_from_slice(text.as_bytes());
             Ok(None)
         }
-        Some(b'[') => {
-            let blocks: Vec<&RawValue> = fragment(raw, "content")?;
+        Content::Parts(blocks) => {
             let mut marked = None;
             for block in blocks {
                 let this = push_block(out, block)?;
@@ -309,10 +307,6 @@ fn push_blocks(out: &mut Vec<u8>, content: &RawValue) -> Result<Option<usize>, C
             }
             Ok(marked)
         }
-        Some(b'n') => Ok(None),
-        _ => Err(CanonError::InvalidBody(
-            "content must be a string, an array or null".into(),
-        )),
     }
 }
 

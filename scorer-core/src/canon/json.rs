@@ -156,9 +156,10 @@ impl<'de, T: Lenient<'de>> Lenient<'de> for Vec<T> {
     }
 }
 
-/// A message's `content`, read in one pass: its text when it is a string (not kept raw to be
-/// parsed a second time; a long prompt's text is most of the body), its parts' raw text when it
-/// is an array. Any other type is [`Field::Bad`].
+/// A `content` (a chat or Anthropic message's, a Responses item's or a tool result's, or a
+/// Responses `output` or Anthropic `system`), read in one pass: its text when it is a string
+/// (not kept raw to be parsed a second time; a long prompt's text is most of the body), its
+/// parts' raw text when it is an array. Any other type is [`Field::Bad`].
 pub(crate) enum Content<'de> {
     Text(Cow<'de, str>),
     Parts(Vec<&'de RawValue>),
