@@ -34,22 +34,17 @@ async fn main() -> anyhow::Result<()> {
     let only_path = args.next().filter(|p| !p.is_empty());
     let workers: u32 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(2);
     let tools = Tools::locate().context("envoy_cost needs the harness's tools")?;
-    let wasm = tools.wasm.display().to_string();
-    let empty = tools.wasm.with_file_name("kvroute_noop_filter.wasm");
-    anyhow::ensure!(empty.is_file(), "{} not built (make wasm)", empty.display());
-    let empty = empty.display().to_string();
+    let empty = bench::empty_wasm_edit(&tools.wasm)
+        .map_err(|p| anyhow::anyhow!("{} not built (make wasm)", p.display()))?;
+    let disable = (DISABLE_WASM.0.to_string(), DISABLE_WASM.1.to_string());
     let variants = [
         ("round-robin", RouterKind::RoundRobin, None),
         (
             "kvroute config, wasm off",
             RouterKind::Kvroute,
-            Some(DISABLE_WASM),
+            Some(disable),
         ),
-        (
-            "empty wasm filter",
-            RouterKind::Kvroute,
-            Some((wasm.as_str(), empty.as_str())),
-        ),
+        ("empty wasm filter", RouterKind::Kvroute, Some(empty)),
         ("kvroute local", RouterKind::Kvroute, None),
     ];
     let mut fleets = Vec::new();
@@ -62,14 +57,9 @@ async fn main() -> anyhow::Result<()> {
         cfg.envoy_concurrency = workers;
         cfg.model = bench::MODEL.to_string();
         cfg.router = router;
-        cfg.envoy_edits = edit
-            .into_iter()
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-            .collect();
+        cfg.envoy_edits = edit.into_iter().collect();
         cfg.plugin_config = json!({"decision": "local"});
-        cfg.sim_args = ["--profile", "fast", "--max-num-seqs", "256"]
-            .map(String::from)
-            .to_vec();
+        cfg.sim_args = bench::overhead_sim_args();
         fleets.push((label, Fleet::start(cfg, &tools).await?));
     }
     let bodies = Arc::new(
@@ -88,22 +78,18 @@ async fn main() -> anyhow::Result<()> {
                 eprintln!("[envoy_cost] Envoy pid {pid} runs {label} on {path}");
                 let _ =
                     bench::http_load(&url, bodies.clone(), 16, Duration::from_secs(1), 50).await;
-                let before = bench::scale::cpu_seconds(pid)?;
-                let r = bench::http_load(
+                let (r, [envoy]) = bench::http_load_cpu(
                     &url,
                     bodies.clone(),
                     16,
                     Duration::from_secs(seconds),
-                    usize::MAX,
+                    [Some(pid)],
                 )
                 .await;
-                let after = bench::scale::cpu_seconds(pid)?;
-                let served = r.latencies_ms.len().max(1) as f64;
+                let envoy = envoy.context("Envoy's CPU time is unreadable")?;
                 println!(
-                    "round {round} {path:<22} {label:<26} Envoy {:>6.1} µs/request {:>7.0} req/s errors {}",
-                    (after - before) * 1e6 / served,
-                    r.rps,
-                    r.errors
+                    "round {round} {path:<22} {label:<26} Envoy {envoy:>6.1} µs/request {:>7.0} req/s errors {}",
+                    r.rps, r.errors
                 );
             }
         }

@@ -545,6 +545,53 @@ pub async fn http_load(
     }
 }
 
+/// [`http_load`] for at most `duration`, reading the CPU each of `pids` used meanwhile: the
+/// max-rps figure and, per process, its CPU µs per served request (`None` for no pid or an
+/// unreadable `/proc`).
+pub async fn http_load_cpu<const N: usize>(
+    url: &str,
+    bodies: Arc<Vec<String>>,
+    concurrency: usize,
+    duration: Duration,
+    pids: [Option<u32>; N],
+) -> (LoadResult, [Option<f64>; N]) {
+    let cpu = |pid: Option<u32>| pid.and_then(|p| scale::cpu_seconds(p).ok());
+    let before = pids.map(cpu);
+    let r = http_load(url, bodies, concurrency, duration, usize::MAX).await;
+    let served = r.latencies_ms.len().max(1) as f64;
+    let mut per_request = [None; N];
+    for (i, slot) in per_request.iter_mut().enumerate() {
+        if let (Some(before), Some(after)) = (before[i], cpu(pids[i])) {
+            *slot = Some((after - before) * 1e6 / served);
+        }
+    }
+    (r, per_request)
+}
+
+/// `vllm-sim` arguments of the overhead runs' one replica: instant answers, room for every
+/// concurrent request.
+pub fn overhead_sim_args() -> Vec<String> {
+    ["--profile", "fast", "--max-num-seqs", "256"]
+        .map(String::from)
+        .to_vec()
+}
+
+/// File name of the proxy-wasm filter that does nothing (`tests/noop-filter`), which `make
+/// wasm` builds beside kvroute's.
+pub const EMPTY_WASM_FILE: &str = "kvroute_noop_filter.wasm";
+
+/// The Envoy edit that loads the empty filter in place of kvroute's module at `wasm` (a
+/// [`kvroute_harness::FleetConfig::envoy_edits`] entry), or the empty filter's path when it
+/// is not built.
+pub fn empty_wasm_edit(wasm: &std::path::Path) -> Result<(String, String), std::path::PathBuf> {
+    let empty = wasm.with_file_name(EMPTY_WASM_FILE);
+    if empty.is_file() {
+        Ok((wasm.display().to_string(), empty.display().to_string()))
+    } else {
+        Err(empty)
+    }
+}
+
 /// Route-request bodies of 16 KB prompts (64 blocks), half sharing one of 64 prefixes.
 pub fn route_bodies(n: usize) -> Vec<String> {
     let mut rng = SmallRng::seed_from_u64(9);

@@ -677,14 +677,6 @@ struct V8Figures {
 /// The overhead row of kvroute's Envoy with a proxy-wasm filter that does nothing.
 const EMPTY_WASM: &str = "envoy+empty-wasm";
 
-/// `vllm-sim` arguments of the overhead section's one replica per row: instant answers, room
-/// for every concurrent request.
-fn fleet_sim_args() -> Vec<String> {
-    ["--profile", "fast", "--max-num-seqs", "256"]
-        .map(String::from)
-        .to_vec()
-}
-
 /// Prompt size and concurrency of the crowded overhead run.
 const CROWDED_BYTES: usize = 204_800;
 const CROWDED_CONCURRENCY: usize = 150;
@@ -737,30 +729,27 @@ async fn overhead_section(
         if local {
             cfg.plugin_config = json!({"decision": "local"});
         }
-        cfg.sim_args = fleet_sim_args();
+        cfg.sim_args = bench::overhead_sim_args();
         eprintln!("[overhead] starting Envoy ({label}) + 1 fast replica ...");
         fleets.push((label.to_string(), Fleet::start(cfg, tools).await?));
     }
     // kvroute's Envoy with a proxy-wasm filter that does nothing in place of kvroute's: what
     // the wasm filter machinery alone costs per request (tests/noop-filter, built by `make
     // wasm` beside the filter).
-    let empty_wasm = tools.wasm.with_file_name("kvroute_noop_filter.wasm");
-    if empty_wasm.is_file() {
-        let mut cfg = FleetConfig::new(&format!("bench-overhead-{EMPTY_WASM}"));
-        cfg.replicas = 1;
-        cfg.model = bench::MODEL.to_string();
-        cfg.sim_args = fleet_sim_args();
-        cfg.envoy_edits = vec![(
-            tools.wasm.display().to_string(),
-            empty_wasm.display().to_string(),
-        )];
-        eprintln!("[overhead] starting Envoy ({EMPTY_WASM}) + 1 fast replica ...");
-        fleets.push((EMPTY_WASM.to_string(), Fleet::start(cfg, tools).await?));
-    } else {
-        skipped.push(format!(
+    match bench::empty_wasm_edit(&tools.wasm) {
+        Ok(edit) => {
+            let mut cfg = FleetConfig::new(&format!("bench-overhead-{EMPTY_WASM}"));
+            cfg.replicas = 1;
+            cfg.model = bench::MODEL.to_string();
+            cfg.sim_args = bench::overhead_sim_args();
+            cfg.envoy_edits = vec![edit];
+            eprintln!("[overhead] starting Envoy ({EMPTY_WASM}) + 1 fast replica ...");
+            fleets.push((EMPTY_WASM.to_string(), Fleet::start(cfg, tools).await?));
+        }
+        Err(empty) => skipped.push(format!(
             "overhead via {EMPTY_WASM}: {} not built (make wasm)",
-            empty_wasm.display()
-        ));
+            empty.display()
+        )),
     }
     let client = fleets[0].1.client().clone();
     let upstream = fleets[0].1.replicas[0].address.clone();
@@ -881,24 +870,16 @@ async fn overhead_section(
             let mut errors = seq.errors;
             let (mut envoy_cpu, mut router_cpu) = (None, None);
             let max_rps = if size == SIZES[0] {
-                let cpu =
-                    |pid: Option<u32>| pid.and_then(|p| kvroute_bench::scale::cpu_seconds(p).ok());
-                let before = (cpu(t.envoy_pid), cpu(t.router_pid));
-                let r = bench::http_load(
+                let (r, [envoy, router]) = bench::http_load_cpu(
                     &url,
                     bodies.clone(),
                     args.concurrency,
                     Duration::from_secs(args.load_seconds),
-                    usize::MAX,
+                    [t.envoy_pid, t.router_pid],
                 )
                 .await;
                 errors += r.errors;
-                let served = r.latencies_ms.len().max(1) as f64;
-                let per_request = |before: Option<f64>, after: Option<f64>| {
-                    Some((after? - before?) * 1e6 / served)
-                };
-                envoy_cpu = per_request(before.0, cpu(t.envoy_pid));
-                router_cpu = per_request(before.1, cpu(t.router_pid));
+                (envoy_cpu, router_cpu) = (envoy, router);
                 Some(r.rps)
             } else {
                 None
