@@ -956,6 +956,14 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         "router.scoring.decode_occupancy_weight",
         s.decode_occupancy_weight,
     )?;
+    non_negative(
+        "router.scoring.prefill_contention_weight",
+        s.prefill_contention_weight,
+    )?;
+    positive(
+        "router.scoring.prefill_contention_window_ms",
+        s.prefill_contention_window_ms,
+    )?;
     non_negative("router.local.defer_above_ms", r.local.defer_above_ms)?;
     let p = &r.precise;
     range_u64(

@@ -106,6 +106,42 @@ pub struct ScoringConfig {
     pub guard_rel: f64,
     /// Costs within this many ms of the best count as a tie (broken by the seed).
     pub tie_ms: f64,
+    /// Weight of the prefill contention this request's decode would meet on a candidate. vLLM
+    /// runs prefill chunks in the same steps as decode, so a replica taking uncached prompt
+    /// tokens at a share `rho` of its prefill rate spends about `rho` of its time prefilling,
+    /// and a sequence decoding there takes about `1 / (1 - rho)` as long. The cost adds
+    /// `weight x expected output tokens x idle time per token x rho / (1 - rho)`, `rho` being
+    /// the uncached prompt tokens routed there over the last `prefill_contention_window_ms`
+    /// (decayed) plus this request's own, so the price is convex: a long miss costs most where
+    /// prefill already flows. The rate is the one calibration has learned for that
+    /// replica, the prior until it has (learned whether or not `calibration.enabled`: a
+    /// replica twice as fast takes twice the prefill for the same contention, which the prior
+    /// cannot tell). The expected output is `max_tokens` capped at `default_output_tokens`: a
+    /// client's cap is not its length. 0 turns it off. Left out of the serialized form at its
+    /// default, so a filter built before it still accepts the copy's configuration.
+    #[serde(skip_serializing_if = "is_default_contention_weight")]
+    pub prefill_contention_weight: f64,
+    /// Time constant of the decayed sum of uncached prompt tokens routed to each replica,
+    /// ms: how far back the prefill contention looks (about the life of a short request).
+    #[serde(skip_serializing_if = "is_default_contention_window")]
+    pub prefill_contention_window_ms: f64,
+}
+
+/// The default `prefill_contention_weight`. Chosen on fleet-sim's tuning split (seeds 1-2):
+/// TTFT geomean against the best peer p50 / p99 was 0.961 / 1.180 without the term, 0.909 /
+/// 1.136 at 0.5 and 0.915 / 1.142 at 1.0 (window 1 s), 0.916 / 1.162 at 0.25 (window 2 s);
+/// see docs/BENCHMARKS.md.
+const CONTENTION_WEIGHT: f64 = 0.5;
+/// The default `prefill_contention_window_ms`, chosen with the weight: at 0.5, a 0.5 s window
+/// gave 0.961 / 1.178, 1 s 0.909 / 1.136, 2 s 0.916 / 1.181 and 4 s 0.917 / 1.161.
+const CONTENTION_WINDOW_MS: f64 = 1000.0;
+
+fn is_default_contention_weight(w: &f64) -> bool {
+    *w == CONTENTION_WEIGHT
+}
+
+fn is_default_contention_window(w: &f64) -> bool {
+    *w == CONTENTION_WINDOW_MS
 }
 
 impl Default for ScoringConfig {
@@ -139,6 +175,8 @@ impl Default for ScoringConfig {
             guard_abs: 64,
             guard_rel: 1.5,
             tie_ms: 0.5,
+            prefill_contention_weight: CONTENTION_WEIGHT,
+            prefill_contention_window_ms: CONTENTION_WINDOW_MS,
         }
     }
 }
@@ -362,6 +400,8 @@ struct Slot {
     /// Prefill tokens sent here and not yet drained, as of `backlog_at_ms`.
     backlog_tokens: f64,
     backlog_at_ms: u64,
+    /// Uncached prompt tokens routed here, decayed: the prefill contention's inflow.
+    prefill_inflow: DecayedTokens,
     /// Prefill tokens of the router's streamed in-flight requests here whose first token has
     /// not been reported: the queue measured, where `backlog_tokens` is estimated from a rate.
     unconfirmed_tokens: f64,
@@ -695,7 +735,8 @@ pub struct CandidateScore {
     /// This request's own prefill.
     pub prefill_ms: f64,
     /// Slow-down from running sequences (their count, the stall of this request's prefill, the
-    /// decode occupancy of their prompts), plus the weighted estimate of this request's decode.
+    /// decode occupancy of their prompts), the prefill contention this request's decode would
+    /// meet, plus the weighted estimate of this request's decode.
     pub decode_ms: f64,
     /// KV-pressure penalty.
     pub kv_ms: f64,
@@ -1068,6 +1109,8 @@ struct Candidate<'s> {
     slot: &'s Slot,
     /// Its scrape, unless stale.
     fresh: Option<EndpointMetrics>,
+    /// The decision's time.
+    now_ms: u64,
 }
 
 /// How much of the prompt one candidate is believed to hold ([`cached_prefix`]).
@@ -1298,6 +1341,7 @@ impl Router {
             scraped_at_ms: 0,
             backlog_tokens: 0.0,
             backlog_at_ms: 0,
+            prefill_inflow: DecayedTokens::default(),
             unconfirmed_tokens: 0.0,
             buffered_tokens: 0.0,
             inflight: 0,
@@ -2237,6 +2281,7 @@ impl Router {
                 id: here,
                 slot,
                 fresh,
+                now_ms,
             };
             let mut cached = cached_prefix(candidate, &depths, shape, precise, &config.precise);
             believed[i] = cached.tokens as u32;
@@ -2432,6 +2477,8 @@ impl Router {
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
             slot.backlog_tokens += prefill;
+            let window = self.config.scoring.prefill_contention_window_ms;
+            slot.prefill_inflow.add(prefill, now_ms, window);
             if request.stream {
                 slot.unconfirmed_tokens += prefill;
             } else {
@@ -2647,6 +2694,10 @@ impl Router {
                 if !entry.awaiting_first_token {
                     slot.buffered_tokens = (slot.buffered_tokens - refund).max(0.0);
                 }
+                // Nor did it take prefill time there: its part of the contention goes too.
+                let window = self.config.scoring.prefill_contention_window_ms;
+                slot.prefill_inflow
+                    .remove(refund, entry.started_ms, now_ms, window);
             }
         }
         // Credit the endpoint that really served (Envoy may have used a fallback).
@@ -3245,6 +3296,7 @@ fn cost_terms(
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
         + s.decode_weight * f64::from(output_tokens) * itl_ms
+        + prefill_contention_ms(c, uncached, output_tokens, s)
         + s.decode_occupancy_weight
             * if s.decode_occupancy_per_request {
                 slot.inflight_kv.context_tokens()
@@ -3288,6 +3340,68 @@ fn cost_terms(
         prefill_ms,
         decode_ms,
         kv_ms,
+    }
+}
+
+/// The decode time `c`'s prefill contention would cost this request, weighted (see
+/// [`ScoringConfig::prefill_contention_weight`]).
+fn prefill_contention_ms(
+    c: Candidate<'_>,
+    uncached_tokens: f64,
+    output_tokens: u32,
+    s: &ScoringConfig,
+) -> f64 {
+    if s.prefill_contention_weight <= 0.0 {
+        return 0.0;
+    }
+    let slot = c.slot;
+    let window = s.prefill_contention_window_ms.max(1.0);
+    // With this request's own prefill: what its decode and every sequence there will run
+    // beside once it is placed (a long miss costs most where prefill already flows).
+    let inflow = slot.prefill_inflow.at(c.now_ms, window) + uncached_tokens;
+    let rate = if slot.learned.prefill_tokens_per_ms > 0.0 {
+        slot.learned.prefill_tokens_per_ms
+    } else {
+        slot.rates.prefill_tokens_per_ms
+    };
+    // Past 0.9 the replica is saturated with prefill: the factor stops at 9.
+    let rho = (inflow / window / rate.max(1e-9)).min(0.9);
+    let expected_output = f64::from(output_tokens.min(s.default_output_tokens));
+    s.prefill_contention_weight * expected_output * slot.rates.itl_ms_idle * rho / (1.0 - rho)
+}
+
+/// A token count that decays exponentially with time: what was added `t` ms ago counts
+/// `exp(-t / window)`.
+#[derive(Debug, Clone, Copy, Default)]
+struct DecayedTokens {
+    tokens: f64,
+    at_ms: u64,
+}
+
+impl DecayedTokens {
+    /// The count as of `now_ms`.
+    fn at(&self, now_ms: u64, window_ms: f64) -> f64 {
+        let elapsed = now_ms.saturating_sub(self.at_ms) as f64;
+        self.tokens * (-elapsed / window_ms.max(1.0)).exp()
+    }
+
+    /// Adds `tokens` at `now_ms` (an earlier time counts as the last one: clocks of copies may
+    /// step back).
+    fn add(&mut self, tokens: f64, now_ms: u64, window_ms: f64) {
+        self.tokens = self.at(now_ms, window_ms) + tokens;
+        self.at_ms = self.at_ms.max(now_ms);
+    }
+
+    /// Takes back `tokens` added at `added_ms`: what they still count at `now_ms`.
+    fn remove(&mut self, tokens: f64, added_ms: u64, now_ms: u64, window_ms: f64) {
+        let left = tokens
+            * Self {
+                tokens: 1.0,
+                at_ms: added_ms,
+            }
+            .at(now_ms, window_ms);
+        self.tokens = (self.at(now_ms, window_ms) - left).max(0.0);
+        self.at_ms = self.at_ms.max(now_ms);
     }
 }
 
@@ -3616,7 +3730,8 @@ mod tests {
 
     /// Asserts that one scoring term alone moves a request off its prefix holder: at `weight`
     /// (its default) the request leaves the holder, at 0 it stays. `pick` routes the scenario
-    /// with the term at a weight and returns (holder, chosen).
+    /// with the term at a weight (and any other term that would move it off) and returns
+    /// (holder, chosen).
     fn term_moves_off_the_holder(weight: f64, pick: impl Fn(f64) -> (String, String)) {
         let (holder, chosen) = pick(weight);
         assert_ne!(
@@ -3963,6 +4078,7 @@ mod tests {
         let follow_up = format!("{system}{}", "question words ".repeat(160));
         let pick = |stall_weight: f64| {
             let mut r = router(2);
+            r.config.scoring.prefill_contention_weight = 0.0;
             r.config.scoring.prefill_stall_weight = stall_weight;
             let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
             let busy = EndpointMetrics {
@@ -4031,6 +4147,7 @@ mod tests {
         let pick = |weight: f64| {
             let mut r = router(2);
             r.config.scoring.decode_occupancy_weight = 0.0;
+            r.config.scoring.prefill_contention_weight = 0.0;
             let holder = r.route(&request(&tools), 0, 1).response.endpoints[0].clone();
             // Placed there earlier (when it held little), as another router's decisions are.
             for k in 0..20u64 {
@@ -4043,6 +4160,63 @@ mod tests {
             (holder, chosen)
         };
         term_moves_off_the_holder(ScoringConfig::default().decode_occupancy_weight, pick);
+    }
+
+    // Four long prompts were just prefilled on the replica holding a conversation's context
+    // (their first tokens are in: no queue is left), and they are still decoding there. The
+    // conversation's next turn would decode in steps those prompts' prefill keeps stretching,
+    // and on an idle replica it pays its context's prefill once: the contention term prices the
+    // first above the second; without it the hit wins. Ten windows later nothing is left of it.
+    #[test]
+    fn a_turn_leaves_a_holder_that_is_absorbing_prefill() {
+        // About 2,000 tokens of context, four prompts of about 1,000 tokens; all streamed, so
+        // their first tokens take their prefill out of the measured queue.
+        let context = "a conversation's long context ".repeat(270);
+        let streamed = |text: &str| RouteRequest {
+            stream: true,
+            ..request(text)
+        };
+        let pick = |weight: f64| {
+            let mut r = router(2);
+            r.config.scoring.prefill_contention_weight = weight;
+            let first = r.route(&streamed(&context), 0, 1).response;
+            r.first_token(first.decision_id, 50);
+            let holder = first.endpoints[0].clone();
+            for k in 0..4u64 {
+                let other = format!("another prompt {k} ").repeat(240);
+                assert!(r.record_decision(&streamed(&other), &holder, 1_000 + k, 60_000, 0));
+                r.first_token(1_000 + k, 60_050);
+            }
+            let next = format!("{context} the next question");
+            let chosen = r.route(&streamed(&next), 60_100, 2).response.endpoints[0].clone();
+            (holder, chosen)
+        };
+        term_moves_off_the_holder(ScoringConfig::default().prefill_contention_weight, pick);
+
+        let mut r = router(1);
+        let probe =
+            |r: &mut Router, at: u64| r.route(&request("probe"), at, at).candidates[0].decode_ms;
+        let idle = probe(&mut r, 0);
+        r.route(&request(&"another prompt ".repeat(1_000)), 1_000, 1);
+        let busy = probe(&mut r, 1_001);
+        let window = ScoringConfig::default().prefill_contention_window_ms as u64;
+        // The prompt's request is still in flight: its occupancy and running sequence remain.
+        let later = probe(&mut r, 1_001 + 10 * window);
+        assert!(busy > idle + 1_000.0, "{idle} {busy}");
+        assert!(later < idle + 200.0, "{idle} {busy} {later}");
+    }
+
+    #[test]
+    fn decayed_tokens_decay_with_the_window_and_add_at_the_latest_time() {
+        let mut d = DecayedTokens::default();
+        d.add(1_000.0, 100, 1_000.0);
+        assert!((d.at(1_100, 1_000.0) - 1_000.0 / std::f64::consts::E).abs() < 1e-6);
+        // A copy's clock stepping back adds at the latest time seen, nothing is lost.
+        d.add(500.0, 50, 1_000.0);
+        assert!((d.at(100, 1_000.0) - 1_500.0).abs() < 1e-6);
+        // Taking back what was added leaves what came before, decayed.
+        d.remove(500.0, 100, 600, 1_000.0);
+        assert!((d.at(600, 1_000.0) - 1_000.0 * (-0.5f64).exp()).abs() < 1e-6);
     }
 
     // The occupancy counts a prefix its in-flight requests share once, and leaves their
@@ -4074,6 +4248,7 @@ mod tests {
         let mut r = router(1);
         r.config.scoring.decode_occupancy_weight = 1.0;
         r.config.scoring.decode_occupancy_per_request = true;
+        r.config.scoring.prefill_contention_weight = 0.0;
         let tokens = |ms: f64| ms * ScoringConfig::default().prefill_tokens_per_ms;
         let mut ids = Vec::new();
         let mut occupancy = Vec::new();

@@ -906,8 +906,14 @@ mod tests {
     use crate::router::Health;
     use crate::test_util::outcome_event;
 
+    /// A control plane whose copies score as it does. Its turns follow each other by
+    /// milliseconds, still in flight, as no client's do: the prefill contention (which prices
+    /// the prefill a replica took in the last second) is off, so what moves a turn here is the
+    /// replicated state alone.
     fn central(n: usize) -> Router {
-        let mut router = Router::new(RouterConfig::default(), 1);
+        let mut config = RouterConfig::default();
+        config.scoring.prefill_contention_weight = 0.0;
+        let mut router = Router::new(config, 1);
         for i in 0..n {
             let address = format!("10.0.0.{}:8000", i + 1);
             router.upsert_endpoint(&address).unwrap();
