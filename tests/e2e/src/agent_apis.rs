@@ -391,8 +391,9 @@ async fn wait_scraped(fleet: &Fleet, what: &str, ok: impl Fn(&[(String, u64, u64
 
 async fn a_marked_prefix_stays_on_its_holder_under_a_load_that_moves_an_unmarked_one(form: Form) {
     // Each running sequence costs a candidate `decode_ms_per_seq`; nothing else moves (no
-    // learned latency, no occupancy or contention term), so the load is what the test puts there. Marked
-    // prefixes count one future read (`cache_control.reuse_weight`, off by default).
+    // learned latency, no occupancy or contention term), so the load is what the test puts
+    // there. Marked prefixes count one future read (`cache_control.reuse_weight`, off by
+    // default).
     const PER_SEQ_MS: f64 = 100.0;
     const REUSE_WEIGHT: f64 = 1.0;
     common::bounded(TEST_TIMEOUT, async {
