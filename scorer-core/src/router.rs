@@ -3379,10 +3379,15 @@ struct DecayedTokens {
 }
 
 impl DecayedTokens {
+    /// What one token added at `from_ms` counts at `now_ms`.
+    fn decay(from_ms: u64, now_ms: u64, window_ms: f64) -> f64 {
+        let elapsed = now_ms.saturating_sub(from_ms) as f64;
+        (-elapsed / window_ms.max(1.0)).exp()
+    }
+
     /// The count as of `now_ms`.
     fn at(&self, now_ms: u64, window_ms: f64) -> f64 {
-        let elapsed = now_ms.saturating_sub(self.at_ms) as f64;
-        self.tokens * (-elapsed / window_ms.max(1.0)).exp()
+        self.tokens * Self::decay(self.at_ms, now_ms, window_ms)
     }
 
     /// Adds `tokens` at `now_ms` (an earlier time counts as the last one: clocks of copies may
@@ -3394,12 +3399,7 @@ impl DecayedTokens {
 
     /// Takes back `tokens` added at `added_ms`: what they still count at `now_ms`.
     fn remove(&mut self, tokens: f64, added_ms: u64, now_ms: u64, window_ms: f64) {
-        let left = tokens
-            * Self {
-                tokens: 1.0,
-                at_ms: added_ms,
-            }
-            .at(now_ms, window_ms);
+        let left = tokens * Self::decay(added_ms, now_ms, window_ms);
         self.tokens = (self.at(now_ms, window_ms) - left).max(0.0);
         self.at_ms = self.at_ms.max(now_ms);
     }

@@ -7,8 +7,9 @@
 //! `cargo run --release -p kvroute-bench --example envoy_cost -- [rounds] [seconds] [label]
 //! [path] [workers]` after `make wasm build`. Prints Envoy's CPU µs per served request and req/s
 //! per variant. `workers` is Envoy's worker count (2): with `decision: local` each worker's VM
-//! applies every other VM's decisions, so the local path's CPU per request grows with it. `label` and `path` keep only the variants whose label contains `label`, on `path`
-//! (to run `perf record -p <Envoy pid>` beside one: the pid is printed on stderr).
+//! applies every other VM's decisions, so the local path's CPU per request grows with it.
+//! `label` and `path` keep only the variants whose label contains `label`, on `path` (to run
+//! `perf record -p <Envoy pid>` beside one: the pid is printed on stderr).
 
 use std::sync::Arc;
 use std::time::Duration;
