@@ -27,6 +27,9 @@
 //!   latency first loses the share of the interval the engine spent prefilling: the prompt
 //!   tokens it computed meanwhile (`vllm:prompt_tokens_total` less
 //!   `vllm:prefix_cache_hits_total`, both counted as the prefill happens) at the learned rate.
+//!   A line no engine could have (an idle step at or below zero, or steps that shorten as the
+//!   cache fills) is the prefill the correction missed, most of it at high KV usage on a busy
+//!   replica; the prior's shape scaled to the data's mean stands in for it.
 //!
 //! Both start from a prior (the [`crate::router::ScoringConfig`] values, deliberately generic),
 //! so a replica predicts sensibly before its first scrape, and the data take over once the
@@ -179,7 +182,8 @@ impl LineFit {
     /// `(intercept, slope)`: the data's line blended with the prior line until the data weigh
     /// `prior_weight`, then the data's alone. Where the data's `x` barely varies, the
     /// data cannot tell slope from intercept, and the prior line is scaled through the data's
-    /// mean instead. The slope is never negative.
+    /// mean instead; so too where the data's line is not one an engine could have (an
+    /// intercept at or below zero, or a falling slope). The slope is never negative.
     fn solve(&self, prior: (f64, f64), prior_weight: f64, min_x_spread: f64) -> (f64, f64) {
         let (a0, b0) = prior;
         if self.w <= 1e-9 {
@@ -187,13 +191,22 @@ impl LineFit {
         }
         let (mx, my) = (self.wx / self.w, self.wy / self.w);
         let var_x = (self.wxx / self.w - mx * mx).max(0.0);
-        let (a, b) = if var_x > min_x_spread * min_x_spread {
+        let fitted = (var_x > min_x_spread * min_x_spread).then(|| {
             let b = (self.wxy / self.w - mx * my) / var_x;
             (my - b * mx, b)
-        } else {
-            let at_mean = a0 + b0 * mx;
-            let f = if at_mean > 1e-9 { my / at_mean } else { 1.0 };
-            (f * a0, f * b0)
+        });
+        // On a busy replica the samples at high `x` are also the ones most slowed by what the
+        // line does not model (prefill sharing the steps), and least squares can then put
+        // the intercept at or below zero under a slope many times too steep: an idle step of
+        // 0 ms and a full one of seconds (seen in fleet-sim under load). Only the prior's
+        // shape, scaled to the data, is left to trust there.
+        let (a, b) = match fitted {
+            Some((a, b)) if a > 0.0 && b >= 0.0 => (a, b),
+            _ => {
+                let at_mean = a0 + b0 * mx;
+                let f = if at_mean > 1e-9 { my / at_mean } else { 1.0 };
+                (f * a0, f * b0)
+            }
         };
         // The prior fades linearly: the data alone once they weigh `prior_weight`.
         let data = (self.w / prior_weight.max(1e-9)).min(1.0);
@@ -598,6 +611,35 @@ mod tests {
                 "{points} points: {rate} tokens/ms against a plain mean of {mean_rate}"
             );
         }
+    }
+
+    // A busy replica: the intervals with more KV in use are also the ones whose decode steps
+    // carried the most prefill, so the time per output token climbs far faster than KV usage
+    // explains. Least squares puts that line's intercept below zero; fleet-sim once showed an
+    // idle step of 0 ms and a full one of 3.4 s. The prior's shape, scaled to the data, stands.
+    #[test]
+    fn a_decode_line_no_engine_could_have_falls_back_to_the_prior_s_shape() {
+        let config = CalibrationConfig::default();
+        let mut cal = EndpointCalibration::default();
+        let mut c = EngineCounters::default();
+        for step in 0..100u64 {
+            // Ten intervals at half the KV in use, ten at 90 %, and so on.
+            let busy = (step / 10) % 2 == 1;
+            let (kv, itl_ms) = if busy { (0.9, 80.0) } else { (0.5, 20.0) };
+            c.itl_count += 100.0;
+            c.itl_seconds += 100.0 * itl_ms / 1000.0;
+            cal.observe(c, kv, step * 100, PRIOR, &config);
+        }
+        let got = cal.calibrated(PRIOR, &config);
+        assert!(got.itl_ms_idle > 1.0, "{got:?}");
+        let ratio = got.itl_ms_full / got.itl_ms_idle;
+        assert!(
+            (ratio - PRIOR.itl_ms_full / PRIOR.itl_ms_idle).abs() < 1e-6,
+            "{got:?}"
+        );
+        // Through the data's mean: 50 ms at a mean KV usage of 0.7.
+        let at_mean = got.itl_ms_idle + (got.itl_ms_full - got.itl_ms_idle) * 0.7;
+        assert!((at_mean - 50.0).abs() < 5.0, "{got:?}");
     }
 
     #[test]
