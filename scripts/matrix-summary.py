@@ -6,12 +6,16 @@
 Prints, for kvroute against the best peer per cell: cells whose TTFT p50 / p99 is at or below
 the best peer's (within the 95 % intervals), both, loss cells (either not), the geometric
 means of kvroute / best peer on p50 and p99, cells whose p50 is within 15 % of the oracle's,
-per pool and per workload geomeans, and the loss cells. With a second report (the baseline),
+kvroute's end-to-end p50 against the peer that finishes soonest in each cell (geomean, overall
+and per workload), per pool and per workload geomeans, and the loss cells. With a second report (the baseline),
 also the cells whose verdict changed.
 """
 import json
 import math
 import sys
+
+
+OWN = {"kvroute", "kvroute-precise", "kvroute-local", "oracle"}
 
 
 def verdicts(path):
@@ -23,8 +27,13 @@ def verdicts(path):
             continue
         key = (c["workload"], c["pool"], c["load"])
         k = next(p for p in c["policies"] if p["policy"] == "kvroute")
+        # End to end, against the peer that finishes soonest in this cell (the oracle and
+        # kvroute's own variants are not peers).
+        peers = [p for p in c["policies"] if p["policy"] not in OWN]
+        e2e_best = min(p["e2e_p50_ms"]["mean"] for p in peers) if peers else float("nan")
         out[key] = dict(v, e2e_p50=k["e2e_p50_ms"]["mean"], tok_s=k["output_tokens_per_s"]["mean"],
-                        hit=k["prefix_hit_rate"]["mean"])
+                        hit=k["prefix_hit_rate"]["mean"],
+                        e2e_ratio=k["e2e_p50_ms"]["mean"] / e2e_best)
     return out
 
 
@@ -44,6 +53,10 @@ def summary(vs, label):
           f"p99 {geomean([v['p99_ratio'] for v in vs.values()]):.3f}, "
           f"p50 within 15% of oracle {orc}, "
           f"geomean kvroute/oracle p50 {geomean([v['p50_vs_oracle'] or float('nan') for v in vs.values()]):.3f}")
+    print(f"  end-to-end p50 against the peer that finishes soonest, geomean "
+          f"{geomean([v['e2e_ratio'] for v in vs.values()]):.3f}; by workload: " + ", ".join(
+              f"{w} {geomean([v['e2e_ratio'] for k, v in vs.items() if k[0] == w]):.2f}"
+              for w in dict.fromkeys(k[0] for k in vs)))
     for axis, idx in (("pool", 1), ("workload", 0)):
         groups = {}
         for k, v in vs.items():
