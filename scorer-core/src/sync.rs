@@ -114,7 +114,7 @@ pub struct SyncRequest {
 
 /// One entry of the replicated log. On the wire an object tagged by `kind` (`decision`,
 /// `outcome`, `first_token`) beside the variant's fields; read by a hand-written
-/// [`Deserialize`] (see [`SyncEventVisitor`]) rather than serde's internally tagged one, which
+/// [`Deserialize`] (see `SyncEventVisitor`) rather than serde's internally tagged one, which
 /// buffers every entry into a generic tree before reading it again.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]

@@ -1,0 +1,312 @@
+//! The router's configuration: the scoring weights and the sections beside them.
+
+use serde::{Deserialize, Serialize};
+
+use crate::affinity::SessionConfig;
+use crate::calibration::CalibrationConfig;
+use crate::disagg::PdConfig;
+use crate::latency::LatencyConfig;
+use crate::lora::LoraConfig;
+use crate::pools::ModelsConfig;
+use crate::reuse::ReuseConfig;
+use crate::self_check::SelfCheckConfig;
+
+/// Tunables of the scorer. Defaults come from fleet-sim sweeps (see README).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScoringConfig {
+    /// Prefill throughput a replica is assumed to have before calibration has seen it work,
+    /// tokens per millisecond (with `calibration.enabled: false`, the rate for every replica).
+    pub prefill_tokens_per_ms: f64,
+    /// Weight of this request's own prefill in the cost. Above 1 it also charges the delay that
+    /// extra (uncached) work imposes on later requests to that replica, which keeps a
+    /// saturated fleet from trading cache hits for momentarily shorter queues.
+    pub prefill_weight: f64,
+    /// Added cost per active sequence on a replica (decode steps grow with batch size).
+    pub decode_ms_per_seq: f64,
+    /// Added cost at 100% KV usage, linear in usage: decode steps slow down as the batch's KV
+    /// grows (about two steps' worth of slow-down for a new request).
+    pub kv_decode_ms: f64,
+    /// Time per output token on an idle replica (a decode step with one short sequence), the
+    /// prior calibration starts from.
+    pub itl_ms_idle: f64,
+    /// Time per output token when the replica's KV cache is full, the prior calibration
+    /// starts from.
+    pub itl_ms_full: f64,
+    /// Weight of the stall this request's prefill imposes on the replica's running sequences:
+    /// vLLM runs prefill and decode in the same steps, so every one of the `active` sequences
+    /// there waits about this request's prefill time once. The cost adds `weight x active x
+    /// prefill_ms`; without it a shared prefix draws every conversation onto the one replica
+    /// that holds it, whose decode then crawls while its TTFT stays low.
+    pub prefill_stall_weight: f64,
+    /// Weight of a candidate's decode occupancy: the prompt tokens of the requests the router
+    /// has in flight there (a prefix they share counted once, as vLLM holds it; no expected
+    /// output), priced at the candidate's prefill rate. Each of them lengthens every decode
+    /// step there, and in a tool-call loop or a chat brings its next turn back to the replica
+    /// holding its context; without it a prefix every session shares (an agent's tool prompt)
+    /// keeps drawing new sessions onto its few holders, whose decode then crawls. Dynamo's
+    /// router weighs its workers' active KV blocks for the same reason.
+    pub decode_occupancy_weight: f64,
+    /// What the decode occupancy counts: `false`, the prompt tokens in flight with a prefix they
+    /// share counted once (the KV they hold); `true`, every request's whole context, a shared
+    /// prefix once per request (what each decode step reads: attention runs over each
+    /// sequence's own context, shared blocks or not). Off by default: see docs/BENCHMARKS.md.
+    /// Left out of the serialized form while off, so a filter built before it still accepts
+    /// the copy's configuration.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub decode_occupancy_per_request: bool,
+    /// Weight of the decode estimate (output tokens x time per token) in the cost: 0 scores
+    /// time to first token only, 1 scores time to the last token.
+    pub decode_weight: f64,
+    /// Output tokens assumed when a request sets no `max_tokens`.
+    pub default_output_tokens: u32,
+    /// KV usage above which a replica is penalised.
+    pub kv_pressure_threshold: f64,
+    /// Penalty at 100% KV usage, scaled linearly from the threshold.
+    pub kv_pressure_ms: f64,
+    /// Tokens assumed for each waiting request the router did not send itself.
+    pub unknown_request_tokens: f64,
+    /// Guard: a replica with this many more in-flight requests than the least loaded one ...
+    pub guard_abs: u32,
+    /// ... and this many times as many, is skipped while any other replica is usable.
+    pub guard_rel: f64,
+    /// Costs within this many ms of the best count as a tie (broken by the seed).
+    pub tie_ms: f64,
+    /// Weight of the prefill contention this request's decode would meet on a candidate. vLLM
+    /// runs prefill chunks in the same steps as decode, so a replica taking uncached prompt
+    /// tokens at a share `rho` of its prefill rate spends about `rho` of its time prefilling,
+    /// and a sequence decoding there takes about `1 / (1 - rho)` as long. The cost adds
+    /// `weight x expected output tokens x idle time per token x rho / (1 - rho)`, `rho` being
+    /// the uncached prompt tokens routed there over the last `prefill_contention_window_ms`
+    /// (decayed) plus this request's own, so the price is convex: a long miss costs most where
+    /// prefill already flows. The rate is the one calibration has learned for that
+    /// replica, the prior until it has (learned whether or not `calibration.enabled`: a
+    /// replica twice as fast takes twice the prefill for the same contention, which the prior
+    /// cannot tell). The expected output is `max_tokens` capped at `default_output_tokens`: a
+    /// client's cap is not its length. 0 turns it off. Left out of the serialized form at its
+    /// default, so a filter built before it still accepts the copy's configuration.
+    #[serde(skip_serializing_if = "is_default_contention_weight")]
+    pub prefill_contention_weight: f64,
+    /// Time constant of the decayed sum of uncached prompt tokens routed to each replica,
+    /// ms: how far back the prefill contention looks (about the life of a short request).
+    #[serde(skip_serializing_if = "is_default_contention_window")]
+    pub prefill_contention_window_ms: f64,
+}
+
+/// The default `prefill_contention_weight`. Chosen on fleet-sim's tuning split (seeds 1-2):
+/// TTFT geomean against the best peer p50 / p99 was 0.961 / 1.180 without the term, 0.909 /
+/// 1.136 at 0.5 and 0.915 / 1.142 at 1.0 (window 1 s), 0.916 / 1.162 at 0.25 (window 2 s);
+/// see docs/BENCHMARKS.md.
+const CONTENTION_WEIGHT: f64 = 0.5;
+/// The default `prefill_contention_window_ms`, chosen with the weight: at 0.5, a 0.5 s window
+/// gave 0.961 / 1.178, 1 s 0.909 / 1.136, 2 s 0.916 / 1.181 and 4 s 0.917 / 1.161.
+const CONTENTION_WINDOW_MS: f64 = 1000.0;
+
+fn is_default_contention_weight(w: &f64) -> bool {
+    *w == CONTENTION_WEIGHT
+}
+
+fn is_default_contention_window(w: &f64) -> bool {
+    *w == CONTENTION_WINDOW_MS
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        Self {
+            // A deliberately generic prior (a mid-size model on one GPU, roughly), not any one
+            // machine's figures: online calibration replaces all three per endpoint once it has
+            // served traffic (see `calibration`).
+            prefill_tokens_per_ms: 5.0,
+            prefill_weight: 2.0,
+            decode_ms_per_seq: 1.0,
+            kv_decode_ms: 0.0,
+            itl_ms_idle: 15.0,
+            itl_ms_full: 45.0,
+            decode_weight: 0.0,
+            // Chosen on fleet-sim's tuning split (seeds 1-2): 0.25 lowered the TTFT p50 geomean
+            // against the best peer from 1.25 to 1.05 with p99 unchanged (1.29); 0.5 and 1.0
+            // lowered p50 further but raised p99 (1.34, 1.39). Not a profile constant: the
+            // stall is the candidate's own prefill estimate times its running sequences.
+            prefill_stall_weight: 0.25,
+            // Chosen on fleet-sim's tuning split (seeds 1-2, with the fleet-wide measured queue):
+            // TTFT geomean against the best peer p50 / p99 was 1.00 / 1.17 at 0, 0.98 / 1.16 at
+            // 0.05, 0.96 / 1.18 at 0.1, 0.97 / 1.17 at 0.25 and 1.01 / 1.17 at 0.5; above 0.1
+            // the shared-prefix cells lose hits (p50 1.10 -> 1.15 at 0.25, 1.41 at 0.5).
+            decode_occupancy_weight: 0.1,
+            decode_occupancy_per_request: false,
+            default_output_tokens: 300,
+            kv_pressure_threshold: 0.9,
+            kv_pressure_ms: 500.0,
+            unknown_request_tokens: 512.0,
+            guard_abs: 64,
+            guard_rel: 1.5,
+            tie_ms: 0.5,
+            prefill_contention_weight: CONTENTION_WEIGHT,
+            prefill_contention_window_ms: CONTENTION_WINDOW_MS,
+        }
+    }
+}
+
+/// The `router.responses` section. vLLM keeps a stored response (`VLLM_ENABLE_RESPONSES_API_STORE`)
+/// in the memory of the replica that answered it, so a request continuing it, reading it or
+/// cancelling it must go there. The router learns response id → replica from outcome reports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoredResponsesConfig {
+    /// A response id is forgotten this long after it was stored or last used.
+    pub ttl_ms: u64,
+    /// Most response ids remembered (least recently used are dropped first): every copy of
+    /// the routing state holds this table, so it is bounded.
+    pub max_entries: usize,
+}
+
+impl Default for StoredResponsesConfig {
+    fn default() -> Self {
+        Self {
+            ttl_ms: 6 * 3_600_000,
+            max_entries: 50_000,
+        }
+    }
+}
+
+/// The `router.cache_control` section: how firmly a prefix the client marked with Anthropic's
+/// `cache_control` stays where it is cached. vLLM's cache ignores the markers (its LRU treats
+/// every block alike, so the index does too); what a marker tells the router is that the
+/// client will send that prefix again, so moving it costs its prefill now *and* on the turns
+/// that follow it to its new replica.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheControlConfig {
+    /// Future reads of a marked prefix the router counts on: a candidate holding `t` marked
+    /// tokens is credited `reuse_weight × t / prefill rate` ms on top of the prefill it saves
+    /// now, so the holder keeps a marked request until its extra wait exceeds that margin
+    /// (an unmarked one moves sooner). 0 (the default) treats marked and unmarked prefixes
+    /// alike. 1 is Anthropic's own break-even for a cache write (written to be read at least
+    /// once). Off by default because it has not paid on fleet-sim: on its agentic workload
+    /// with every prompt marked, as Claude Code marks them (tuning seeds 1-2), each weight
+    /// from 0.25 to 2 raised the end-to-end p50 (1,488 ms at 0; 1,693 at 0.25, 2,077 at 1)
+    /// by piling more sessions onto their holders, with TTFT p99 no better on the whole;
+    /// marking only the shared tool prompt did no better (2,005 ms at 1).
+    pub reuse_weight: f64,
+}
+
+impl Default for CacheControlConfig {
+    fn default() -> Self {
+        Self { reuse_weight: 0.0 }
+    }
+}
+
+impl CacheControlConfig {
+    /// Whether markers change nothing (`reuse_weight` 0 or less).
+    pub fn is_off(&self) -> bool {
+        self.reuse_weight.is_nan() || self.reuse_weight <= 0.0
+    }
+}
+
+/// Router-wide configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Canonical bytes a hash block covers (must match the filter's setting).
+    pub block_bytes: usize,
+    /// Canonical bytes per token, to turn blocks into tokens (the starting value when
+    /// `learn_bytes_per_token` is on).
+    pub bytes_per_token: f64,
+    /// Learn `bytes_per_token` from the engines' `usage.prompt_tokens` of routed requests (a
+    /// decayed average over about the last 50), so the approximate index counts tokens right
+    /// for the traffic's language without tuning.
+    pub learn_bytes_per_token: bool,
+    /// How long an approximate index entry lives without a touch.
+    pub index_ttl_ms: u64,
+    /// How long an in-flight entry lives without feedback (a lost report leaks nothing).
+    pub inflight_ttl_ms: u64,
+    /// Most prompt tokens, and most output tokens, one request is charged for: no served
+    /// model takes more, so a forged route call cannot price a replica busy for days.
+    pub max_request_tokens: u32,
+    /// Fallback endpoints returned after the chosen one.
+    pub fallbacks: usize,
+    /// Metrics older than this count as stale.
+    pub stale_after_ms: u64,
+    /// The scorer's tunables.
+    pub scoring: ScoringConfig,
+    /// Precise mode (KV events) tunables.
+    pub precise: PreciseConfig,
+    /// Model pools: how a request's `model` narrows the candidates.
+    pub models: ModelsConfig,
+    /// Session affinity: the bonus of a session's remembered replica.
+    pub sessions: SessionConfig,
+    /// Stored responses (Responses API): which replica holds each response id.
+    pub responses: StoredResponsesConfig,
+    /// LoRA awareness: adapter load and full-slot costs.
+    pub lora: LoraConfig,
+    /// The learned per-endpoint latency model (predicted TTFT / time per output token).
+    pub latency: LatencyConfig,
+    /// Online calibration: each endpoint's prefill rate and decode step time from its counters.
+    pub calibration: CalibrationConfig,
+    /// Prefill/decode disaggregation: when a request also gets a prefill endpoint.
+    pub pd: PdConfig,
+    /// Local decisions: which requests a proxy's copy leaves to the control plane.
+    pub local: crate::sync::LocalConfig,
+    /// Believed against delivered cache hits per endpoint, and the load-only fallback.
+    pub self_check: SelfCheckConfig,
+    /// Prefixes the client marked with `cache_control`: how much firmer they stay. Left out of
+    /// the configuration sent to copies while off, so copies built before it still parse it.
+    #[serde(skip_serializing_if = "CacheControlConfig::is_off")]
+    pub cache_control: CacheControlConfig,
+    /// The fleet numbers: the traffic's reuse ceiling, its window and pool bounds. Copies keep
+    /// no window, so the defaults are left out of the configuration sent to them (copies built
+    /// before it still parse it).
+    #[serde(skip_serializing_if = "ReuseConfig::is_default")]
+    pub reuse: ReuseConfig,
+}
+
+/// Tunables of precise mode: an index fed by the engines' KV events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreciseConfig {
+    /// Tokens per engine KV block (vLLM `block_size`); request token hashes use the same size.
+    pub block_tokens: usize,
+    /// How long a routed request's blocks count as present on its endpoint before events
+    /// confirm them, so a burst with one prefix does not scatter before the first events land.
+    pub speculative_ttl_ms: u64,
+    /// Credit for a block held in a CPU or storage tier, relative to GPU (recompute is 0).
+    pub offload_weight: f64,
+}
+
+impl Default for PreciseConfig {
+    fn default() -> Self {
+        Self {
+            block_tokens: 16,
+            speculative_ttl_ms: 2_000,
+            offload_weight: 0.5,
+        }
+    }
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            block_bytes: crate::hash::DEFAULT_BLOCK_BYTES,
+            bytes_per_token: 4.0,
+            learn_bytes_per_token: false,
+            index_ttl_ms: 120_000,
+            inflight_ttl_ms: 300_000,
+            max_request_tokens: 1 << 20,
+            fallbacks: 2,
+            stale_after_ms: 2_000,
+            scoring: ScoringConfig::default(),
+            precise: PreciseConfig::default(),
+            models: ModelsConfig::default(),
+            sessions: SessionConfig::default(),
+            responses: StoredResponsesConfig::default(),
+            lora: LoraConfig::default(),
+            latency: LatencyConfig::default(),
+            calibration: CalibrationConfig::default(),
+            pd: PdConfig::default(),
+            local: crate::sync::LocalConfig::default(),
+            self_check: SelfCheckConfig::default(),
+            cache_control: CacheControlConfig::default(),
+            reuse: ReuseConfig::default(),
+        }
+    }
+}

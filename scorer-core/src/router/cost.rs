@@ -1,0 +1,590 @@
+//! The cost of one candidate (stage 3 of a decision): the prefix it holds, the analytic
+//! estimate of wait, prefill and decode there, the learned correction, and the order the
+//! candidates are then tried in.
+
+use super::*;
+
+/// The learned model's adjustment of a candidate's cost: `blend × (learned − analytic)` for
+/// the wait-and-prefill part (the endpoint-invariant overhead left out, so warm and cold
+/// endpoints stay comparable) and for the weighted decode part. Zero while the endpoint has
+/// fewer than `min_samples` outcomes or the model is disabled.
+pub(super) fn learned_correction(
+    config: &LatencyConfig,
+    samples: u32,
+    predicted: &LatencyPrediction,
+    analytic_ttft_ms: f64,
+    weighted_output_tokens: f64,
+    analytic_tpot_ms: f64,
+) -> f64 {
+    if !config.enabled || samples < config.min_samples {
+        return 0.0;
+    }
+    let blend = config.blend.clamp(0.0, 1.0);
+    let ttft = predicted.ttft_variable_ms - analytic_ttft_ms;
+    let decode = weighted_output_tokens * (predicted.tpot_ms - analytic_tpot_ms);
+    let correction = blend * (ttft + decode);
+    if correction.is_finite() {
+        correction
+    } else {
+        0.0
+    }
+}
+
+/// Stage 3e: a candidate whose latency model is still cold (fewer than `min_samples`
+/// outcomes) is scored with the warm candidates' median correction instead of none. Without
+/// it, warm models that predict faster than the analytic prior beat every cold replica, the
+/// cold one never gets the outcomes that would warm it, and a replica that joins an idle pool
+/// stays unused (a rich-get-richer loop). The median stands for the pool's typical hardware; a
+/// cold replica that differs learns its own correction once it is served.
+pub(super) fn cold_latency_from_warm(
+    candidates: &mut [(EndpointId, CandidateScore)],
+    min_samples: u32,
+) {
+    let mut warm: Vec<f64> = candidates
+        .iter()
+        .filter(|(_, c)| c.latency_samples >= min_samples)
+        .map(|(_, c)| c.latency_ms)
+        .collect();
+    if warm.len() == candidates.len() {
+        return;
+    }
+    let Some(median) = crate::self_check::median(&mut warm) else {
+        return;
+    };
+    for (_, c) in candidates
+        .iter_mut()
+        .filter(|(_, c)| c.latency_samples < min_samples)
+    {
+        c.latency_ms = median;
+        c.total_ms += median;
+    }
+}
+
+/// Stage 3a: writes each index's matched prefix depth per endpoint slot into `buffers` (the
+/// event-fed ones only for a precise request) and returns them as a view.
+pub(super) fn look_up_prefixes<'s>(
+    buffers: &'s mut DepthBuffers,
+    index: &PrefixIndex,
+    precise: &PreciseIndexes,
+    request: &RouteRequest,
+    n: usize,
+) -> PrefixDepths<'s> {
+    let DepthBuffers {
+        matched,
+        gpu,
+        spec,
+        offload,
+    } = buffers;
+    let matched = zeroed(matched, n);
+    record_depths(index, &request.block_hashes, matched);
+    let is_precise = !request.token_block_hashes.is_empty();
+    // Only precise requests read these (through `cached_prefix`).
+    let per_endpoint = if is_precise { n } else { 0 };
+    let gpu = zeroed(gpu, per_endpoint);
+    let spec = zeroed(spec, per_endpoint);
+    let offload = zeroed(offload, per_endpoint);
+    if is_precise {
+        record_depths(&precise.gpu, &request.token_block_hashes, gpu);
+        record_depths(&precise.speculative, &request.token_block_hashes, spec);
+        record_depths(&precise.offload, &request.token_block_hashes, offload);
+    }
+    PrefixDepths {
+        approximate: matched,
+        gpu,
+        speculative: spec,
+        offload,
+    }
+}
+
+/// Stage 3b, per candidate: the prompt prefix `c` is believed to hold. A precise request on an
+/// endpoint with a live event stream reads the event-fed indexes (GPU or speculative, then
+/// offload tiers at their weight); any other reads the approximate index. The approximate index
+/// evicts at decision time, as the queued prefills will; the event-fed one learns of evictions
+/// only when they happen, after this request would be admitted, so its cached prefix is
+/// discounted for the queue ahead ([`lost_before_admission`]).
+pub(super) fn cached_prefix(
+    c: Candidate<'_>,
+    depths: &PrefixDepths<'_>,
+    shape: &RequestShape<'_>,
+    indexes: &PreciseIndexes,
+    config: &PreciseConfig,
+) -> CachedPrefix {
+    let i = usize::from(c.id.0);
+    let (slot, block_tokens, hittable) = (c.slot, shape.block_tokens, shape.hittable_blocks);
+    let precise = shape.precise && slot.precise_usable();
+    if !precise {
+        let tokens = (depths.approximate[i] as f64 * shape.tokens_per_block)
+            .min(shape.prompt_tokens - 1.0)
+            .max(0.0);
+        return CachedPrefix {
+            // The engine blocks the hit covers: the unit precise mode counts in.
+            blocks: (tokens / block_tokens.max(1) as f64) as usize,
+            tokens,
+            precise,
+        };
+    }
+    let gpu = depths.gpu[i];
+    let on_gpu = gpu.max(depths.speculative[i]).min(hittable);
+    let offloaded = depths.offload[i].min(hittable).saturating_sub(on_gpu);
+    let tokens =
+        (on_gpu * block_tokens) as f64 + config.offload_weight * (offloaded * block_tokens) as f64;
+    let tokens = tokens.min(shape.prompt_tokens - 1.0).max(0.0);
+    let tokens = if slot.backlog_tokens > 0.0 && gpu > 0 {
+        let gpu_index = &indexes.gpu;
+        let prefix = &shape.token_blocks[..gpu];
+        // The prefix's least recently used block bounds what goes before it: a turn's new
+        // blocks are stored after the history it re-used was touched. Sampled, as the
+        // in-flight KV is.
+        let older_blocks = kv_samples(prefix, 8)
+            .chain(prefix.last())
+            .filter_map(|&h| gpu_index.older_than(c.id, h))
+            .min()
+            .unwrap_or(0);
+        let cache = CacheView {
+            indexed_tokens: (gpu_index.len_for(c.id) * block_tokens) as f64,
+            older_tokens: (older_blocks * block_tokens) as f64,
+            full: indexes.evicting.contains(c.id),
+        };
+        // Only the GPU tier is evicted to make room; offloaded blocks stay.
+        let at_risk = ((on_gpu * block_tokens) as f64).min(tokens);
+        tokens - lost_before_admission(slot, cache, at_risk, shape.kv_blocks)
+    } else {
+        tokens
+    };
+    CachedPrefix {
+        blocks: on_gpu,
+        tokens,
+        precise,
+    }
+}
+
+/// Stage 3c, per candidate: the analytic estimate of how long the request would wait and
+/// prefill on `c` with `cached_tokens` of it cached (see the module doc).
+pub(super) fn cost_terms(
+    c: Candidate<'_>,
+    cached_tokens: f64,
+    shape: &RequestShape<'_>,
+    s: &ScoringConfig,
+) -> CostTerms {
+    let slot = c.slot;
+    let prompt_tokens = shape.prompt_tokens;
+    let output_tokens = shape.output_tokens;
+    let uncached = prompt_tokens - cached_tokens;
+    let (unknown_waiting, active) = slot.unseen_waiting_and_active(c.fresh);
+    let kv_usage = c.fresh.map_or(0.0, |m| m.kv_usage);
+    let rates = &slot.rates;
+    let queue_ms = (slot.backlog_tokens + f64::from(unknown_waiting) * s.unknown_request_tokens)
+        / rates.prefill_tokens_per_ms;
+    let prefill_ms = uncached / rates.prefill_tokens_per_ms;
+    let itl_ms =
+        rates.itl_ms_idle + (rates.itl_ms_full - rates.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
+    let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
+        + kv_usage * s.kv_decode_ms
+        + s.decode_weight * f64::from(output_tokens) * itl_ms
+        + prefill_contention_ms(c, uncached, output_tokens, s)
+        + s.decode_occupancy_weight
+            * if s.decode_occupancy_per_request {
+                slot.inflight_kv.context_tokens()
+            } else {
+                slot.inflight_kv.prompt_tokens()
+            }
+            / rates.prefill_tokens_per_ms;
+    // KV pressure from the scrape, or predicted from what the router itself has in flight
+    // here plus this request (the scrape lags a burst; past 1.0 the request would wait for
+    // memory, and the penalty keeps growing).
+    let predicted_kv = match slot.metrics.and_then(|m| m.capacity_tokens) {
+        Some(capacity) if capacity > 0 => {
+            let capacity = capacity as f64;
+            let upper = slot.inflight_kv.tokens + prompt_tokens + f64::from(output_tokens);
+            if upper / capacity > s.kv_pressure_threshold {
+                // Only near the limit is it worth the walk: the prompt's prefix that in-flight
+                // requests already hold here takes no new memory.
+                let KvBlocks {
+                    hashes,
+                    block_tokens,
+                } = shape.kv_blocks;
+                (upper - slot.inflight_kv.held_prefix_tokens(hashes, block_tokens)) / capacity
+            } else {
+                upper / capacity
+            }
+        }
+        _ => 0.0,
+    };
+    let kv_pressure = kv_usage.max(predicted_kv);
+    let kv_ms = if kv_pressure > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
+        s.kv_pressure_ms * (kv_pressure - s.kv_pressure_threshold) / (1.0 - s.kv_pressure_threshold)
+    } else {
+        0.0
+    };
+    CostTerms {
+        uncached_tokens: uncached,
+        active,
+        kv_usage,
+        itl_ms,
+        queue_ms,
+        prefill_ms,
+        decode_ms,
+        kv_ms,
+    }
+}
+
+/// The decode time `c`'s prefill contention would cost this request, weighted (see
+/// [`ScoringConfig::prefill_contention_weight`]).
+pub(super) fn prefill_contention_ms(
+    c: Candidate<'_>,
+    uncached_tokens: f64,
+    output_tokens: u32,
+    s: &ScoringConfig,
+) -> f64 {
+    if s.prefill_contention_weight <= 0.0 {
+        return 0.0;
+    }
+    let slot = c.slot;
+    let window = s.prefill_contention_window_ms.max(1.0);
+    // With this request's own prefill: what its decode and every sequence there will run
+    // beside once it is placed (a long miss costs most where prefill already flows).
+    let inflow = slot.prefill_inflow.at(c.now_ms, window) + uncached_tokens;
+    let rate = if slot.learned.prefill_tokens_per_ms > 0.0 {
+        slot.learned.prefill_tokens_per_ms
+    } else {
+        slot.rates.prefill_tokens_per_ms
+    };
+    // Past 0.9 the replica is saturated with prefill: the factor stops at 9.
+    let rho = (inflow / window / rate.max(1e-9)).min(0.9);
+    let expected_output = f64::from(output_tokens.min(s.default_output_tokens));
+    s.prefill_contention_weight * expected_output * slot.rates.itl_ms_idle * rho / (1.0 - rho)
+}
+
+/// A token count that decays exponentially with time: what was added `t` ms ago counts
+/// `exp(-t / window)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct DecayedTokens {
+    tokens: f64,
+    at_ms: u64,
+}
+
+impl DecayedTokens {
+    /// What one token added at `from_ms` counts at `now_ms`.
+    fn decay(from_ms: u64, now_ms: u64, window_ms: f64) -> f64 {
+        let elapsed = now_ms.saturating_sub(from_ms) as f64;
+        (-elapsed / window_ms.max(1.0)).exp()
+    }
+
+    /// The count as of `now_ms`.
+    pub(super) fn at(&self, now_ms: u64, window_ms: f64) -> f64 {
+        self.tokens * Self::decay(self.at_ms, now_ms, window_ms)
+    }
+
+    /// Adds `tokens` at `now_ms` (an earlier time counts as the last one: clocks of copies may
+    /// step back).
+    pub(super) fn add(&mut self, tokens: f64, now_ms: u64, window_ms: f64) {
+        self.tokens = self.at(now_ms, window_ms) + tokens;
+        self.at_ms = self.at_ms.max(now_ms);
+    }
+
+    /// Takes back `tokens` added at `added_ms`: what they still count at `now_ms`.
+    pub(super) fn remove(&mut self, tokens: f64, added_ms: u64, now_ms: u64, window_ms: f64) {
+        let left = tokens * Self::decay(added_ms, now_ms, window_ms);
+        self.tokens = (self.at(now_ms, window_ms) - left).max(0.0);
+        self.at_ms = self.at_ms.max(now_ms);
+    }
+}
+
+/// Stage 3d, per candidate: what moves `c`'s cost off its analytic terms: the session's
+/// remembered replica (while healthy), the `cache_control`-marked prefix held there, a LoRA
+/// adapter's cost, and the learned latency model's correction once it is warm.
+pub(super) fn steering(
+    c: Candidate<'_>,
+    terms: &CostTerms,
+    shape: &RequestShape<'_>,
+    pool: &CandidatePool<'_>,
+    model: &str,
+    fleet: &FleetState,
+    config: &RouterConfig,
+) -> Steering {
+    let (s, sessions) = (&config.scoring, &config.sessions);
+    let session_ms = if pool.session.remembered == Some(c.id)
+        && sessions.healthy(c.fresh.map(|m| (m.kv_usage, m.waiting)))
+    {
+        -sessions.bonus_ms
+    } else {
+        0.0
+    };
+    let lora_ms = if pool.adapter {
+        fleet.loras.cost_ms(c.id, model, &config.lora)
+    } else {
+        0.0
+    };
+    // The marked part of what is cached here: its prefill would be paid again by the turns
+    // that follow it elsewhere.
+    let held_marked = (shape.prompt_tokens - terms.uncached_tokens)
+        .min(shape.marked_tokens)
+        .max(0.0);
+    let cache_control_ms = match config.cache_control.reuse_weight {
+        w if w > 0.0 && held_marked > 0.0 => -w * held_marked / c.slot.rates.prefill_tokens_per_ms,
+        _ => 0.0,
+    };
+    let features = LatencyFeatures {
+        queue_tokens: terms.queue_ms * c.slot.rates.prefill_tokens_per_ms,
+        uncached_tokens: terms.uncached_tokens,
+        active: f64::from(terms.active),
+        kv_usage: terms.kv_usage,
+    };
+    let predicted = c.slot.latency.predict(&features);
+    let latency_ms = learned_correction(
+        &config.latency,
+        c.slot.latency.samples(),
+        &predicted,
+        terms.queue_ms + terms.prefill_ms + f64::from(terms.active) * s.decode_ms_per_seq,
+        s.decode_weight * f64::from(shape.output_tokens),
+        terms.itl_ms,
+    );
+    Steering {
+        session_ms,
+        cache_control_ms,
+        lora_ms,
+        latency_ms,
+        predicted,
+        features,
+    }
+}
+
+/// Stage 4a: marks the candidates the guard skips (far more in flight than the least loaded
+/// one, absolutely and relatively); a session's replica or a marked prefix's holder that the
+/// guard skips is overloaded, so it loses its bonus.
+pub(super) fn apply_guard(candidates: &mut [(EndpointId, CandidateScore)], s: &ScoringConfig) {
+    let min_inflight = candidates
+        .iter()
+        .map(|(_, c)| c.inflight)
+        .min()
+        .unwrap_or(0);
+    for (_, c) in candidates.iter_mut() {
+        c.guarded = c.inflight >= min_inflight + s.guard_abs
+            && f64::from(c.inflight) >= s.guard_rel * f64::from(min_inflight.max(1));
+        if c.guarded {
+            c.total_ms -= c.session_ms + c.cache_control_ms;
+            c.session_ms = 0.0;
+            c.cache_control_ms = 0.0;
+        }
+    }
+}
+
+/// Writes each endpoint's matched prefix depth into `out` (ids beyond `out` are ignored).
+pub(super) fn record_depths(index: &PrefixIndex, hashes: &[u64], out: &mut [usize]) {
+    index.matched_prefix(hashes, |id, depth| {
+        if let Some(m) = out.get_mut(usize::from(id.0)) {
+            *m = depth;
+        }
+    });
+}
+
+/// Writes into `keys` the candidates' order: unguarded first, then by total cost, stable, as
+/// keys `key_position` reads a position from. The full key of a candidate is one integer
+/// (guarded flag, cost in `f64::total_cmp` order, then the position, so an unstable sort gives
+/// the stable order). Sorting 64 of those was a tenth of a decision in profiles, so they are
+/// first sorted as `u64` (flag, top 55 bits of the cost, position), which is exact unless two
+/// candidates share those 55 bits and differ below them; that is checked, and only then are
+/// the full keys sorted. Candidates are large: they are moved once, after this.
+pub(super) fn cost_order(
+    candidates: &[(EndpointId, CandidateScore)],
+    keys: &mut Vec<u128>,
+    short: &mut Vec<u64>,
+) {
+    keys.clear();
+    keys.extend(candidates.iter().enumerate().map(|(i, (_, c))| {
+        let bits = c.total_ms.to_bits();
+        let ordered = if bits >> 63 == 1 {
+            !bits
+        } else {
+            bits | 1 << 63
+        };
+        u128::from(c.guarded) << 127 | u128::from(ordered) << 63 | i as u128
+    }));
+    if keys.len() <= 256 {
+        short.clear();
+        short.extend(
+            keys.iter()
+                .enumerate()
+                .map(|(i, k)| ((k >> 64) as u64 & !0xff) | i as u64),
+        );
+        short.sort_unstable();
+        let position = |s: u64| (s & 0xff) as usize;
+        let exact = short
+            .windows(2)
+            .all(|w| w[0] >> 8 != w[1] >> 8 || keys[position(w[0])] < keys[position(w[1])]);
+        if exact {
+            for (k, s) in keys.iter_mut().zip(short.iter()) {
+                *k = position(*s) as u128;
+            }
+            return;
+        }
+    }
+    keys.sort_unstable();
+}
+
+/// The candidate position a `cost_order` key carries.
+pub(super) fn key_position(key: u128) -> usize {
+    (key & ((1 << 63) - 1)) as usize
+}
+
+#[cfg(test)]
+mod cost_order_tests {
+    use super::*;
+
+    /// The order of the full keys, sorted directly.
+    fn reference(candidates: &[(EndpointId, CandidateScore)]) -> Vec<usize> {
+        let mut keys = Vec::new();
+        let mut short = Vec::new();
+        cost_order(candidates, &mut keys, &mut short);
+        let mut full: Vec<(bool, u64, usize)> = candidates
+            .iter()
+            .enumerate()
+            .map(|(i, (_, c))| {
+                let bits = c.total_ms.to_bits();
+                let ordered = if bits >> 63 == 1 {
+                    !bits
+                } else {
+                    bits | 1 << 63
+                };
+                (c.guarded, ordered, i)
+            })
+            .collect();
+        full.sort();
+        let got: Vec<usize> = keys.iter().map(|&k| key_position(k)).collect();
+        assert_eq!(
+            got,
+            full.iter().map(|f| f.2).collect::<Vec<_>>(),
+            "{candidates:?}"
+        );
+        got
+    }
+
+    fn candidate(total_ms: f64, guarded: bool) -> (EndpointId, CandidateScore) {
+        (
+            EndpointId(0),
+            CandidateScore {
+                total_ms,
+                guarded,
+                ..CandidateScore::default()
+            },
+        )
+    }
+
+    #[test]
+    fn short_keys_give_the_full_order_ties_and_near_ties_included() {
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        for round in 0..500 {
+            let n = 1 + round % 80;
+            let candidates: Vec<_> = (0..n)
+                .map(|_| {
+                    x = splitmix64(x);
+                    let base: f64 = [0.5, 12.0, -3.0, 1e9, 0.0][(x % 5) as usize];
+                    // Exact ties, ties below the short key's 55 cost bits, and ordinary spread.
+                    let cost = match (x >> 8) % 4 {
+                        0 => base,
+                        1 => f64::from_bits(base.to_bits() ^ ((x >> 20) & 0x1ff)),
+                        2 => base + (x >> 40) as f64 / 1e3,
+                        _ => -base,
+                    };
+                    candidate(cost, (x >> 4).is_multiple_of(7))
+                })
+                .collect();
+            reference(&candidates);
+        }
+        assert_eq!(
+            reference(&[
+                candidate(2.0, true),
+                candidate(2.0, false),
+                candidate(1.0, false)
+            ]),
+            vec![2, 1, 0]
+        );
+    }
+}
+
+/// The candidates' scores in `keys` order (a permutation of their positions), then the
+/// prefill-only ones: each score moves once into the returned vector.
+pub(super) fn in_cost_order(
+    candidates: Vec<(EndpointId, CandidateScore)>,
+    keys: &[u128],
+    prefill_only: Vec<(EndpointId, CandidateScore)>,
+) -> Vec<CandidateScore> {
+    // Same element size as `candidates` (the option uses a niche), so this reuses its buffer.
+    let mut taken: Vec<Option<(EndpointId, CandidateScore)>> =
+        candidates.into_iter().map(Some).collect();
+    let mut ordered = Vec::with_capacity(keys.len() + prefill_only.len());
+    ordered.extend(
+        keys.iter()
+            .filter_map(|&k| taken[key_position(k)].take().map(|(_, c)| c)),
+    );
+    ordered.extend(prefill_only.into_iter().map(|(_, c)| c));
+    ordered
+}
+
+/// What the router's indexes say about one endpoint's cache, for [`lost_before_admission`].
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CacheView {
+    /// Tokens the index believes the endpoint caches.
+    indexed_tokens: f64,
+    /// Cached tokens last touched before the request's prefix (they are evicted first).
+    older_tokens: f64,
+    /// The engine has been evicting: no free blocks are left, whatever the index counts (it
+    /// misses partly filled blocks and duplicates).
+    full: bool,
+}
+
+/// Cached prompt tokens on `slot`'s GPU that the prefill queued ahead of this request will
+/// evict before the engine admits it. A full cache makes room by evicting its least recently used
+/// blocks that no running request pins; the queued prefills allocate `backlog_tokens`, which
+/// first take free blocks, then the blocks touched before this prompt's prefix, then the
+/// prefix itself (its part that in-flight requests pin is safe). Without this the router
+/// promises a conversation's history on a replica whose queue will evict it, and the request
+/// pays the queue and the full prefill: precise mode's live tail under contention.
+pub(super) fn lost_before_admission(
+    slot: &Slot,
+    cache: CacheView,
+    gpu_cached_tokens: f64,
+    kv_blocks: KvBlocks<'_>,
+) -> f64 {
+    let capacity = match slot.metrics.and_then(|m| m.capacity_tokens) {
+        Some(c) if c > 0 => c as f64,
+        _ => return 0.0,
+    };
+    let ahead = slot.backlog_tokens;
+    // Pinned now: what in-flight requests hold, less what the queue has yet to allocate.
+    let pinned = (slot.inflight_kv.tokens - ahead).max(0.0);
+    let free = if cache.full {
+        0.0
+    } else {
+        capacity - cache.indexed_tokens.max(pinned).min(capacity)
+    };
+    let reaching_prefix = ahead - free - cache.older_tokens;
+    if reaching_prefix <= 0.0 {
+        return 0.0;
+    }
+    let held = slot
+        .inflight_kv
+        .held_prefix_tokens(kv_blocks.hashes, kv_blocks.block_tokens);
+    (gpu_cached_tokens - held).max(0.0).min(reaching_prefix)
+}
+
+/// How far (as a ratio) an endpoint's learned prefill rate may sit from the fleet's average and
+/// still count as the same hardware, scored at the average.
+pub(super) const SAME_HARDWARE: f64 = 1.3;
+
+/// The prior calibration starts each endpoint from: the configured scoring rates.
+pub(super) fn prior(s: &ScoringConfig) -> Prior {
+    Prior {
+        prefill_tokens_per_ms: s.prefill_tokens_per_ms,
+        itl_ms_idle: s.itl_ms_idle,
+        itl_ms_full: s.itl_ms_full,
+    }
+}
+
+/// The replica drains queued prefill at its prefill rate: forget what it has done since.
+pub(super) fn drain_backlog(slot: &mut Slot, now_ms: u64, tokens_per_ms: f64) {
+    let elapsed = now_ms.saturating_sub(slot.backlog_at_ms) as f64;
+    slot.buffered_tokens = (slot.buffered_tokens - elapsed * tokens_per_ms).max(0.0);
+    slot.backlog_tokens = slot.backlog_at(now_ms, tokens_per_ms);
+    slot.backlog_at_ms = now_ms.max(slot.backlog_at_ms);
+}
