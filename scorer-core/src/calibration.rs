@@ -29,7 +29,12 @@
 //!   `vllm:prefix_cache_hits_total`, both counted as the prefill happens) at the learned rate.
 //!   A line no engine could have (an idle step at or below zero, or steps that shorten as the
 //!   cache fills) is the prefill the correction missed, most of it at high KV usage on a busy
-//!   replica; the prior's shape scaled to the data's mean stands in for it.
+//!   replica; the prior's shape scaled to the data's mean stands in for it. The correction
+//!   cannot be exact: vLLM counts a prompt's tokens only when its first token comes out
+//!   (`IterationStats::update_from_output` in `vllm/v1/metrics/stats.py`;
+//!   `vllm:iteration_tokens_total` observes the same count), so the intervals in which a long
+//!   prompt is prefilled chunk by chunk show its cost in their step times but not in their
+//!   counters, and a replica that prefills long prompts all the time reads slow to decode.
 //!
 //! Both start from a prior (the [`crate::router::ScoringConfig`] values, deliberately generic),
 //! so a replica predicts sensibly before its first scrape, and the data take over once the
