@@ -7,8 +7,8 @@ Prints, for kvroute against the best peer per cell: cells whose TTFT p50 / p99 i
 the best peer's (within the 95 % intervals), both, loss cells (either not), the geometric
 means of kvroute / best peer on p50 and p99, cells whose p50 is within 15 % of the oracle's,
 kvroute's end-to-end p50 against the peer that finishes soonest in each cell (geomean, overall
-and per workload), per pool and per workload geomeans, and the loss cells. With a second report (the baseline),
-also the cells whose verdict changed.
+and per workload), per pool and per workload geomeans, and the loss cells. With a second report
+(the baseline), also the cells whose verdict changed.
 """
 import json
 import math

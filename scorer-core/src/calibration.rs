@@ -26,7 +26,7 @@
 //!   chunked prefill a decode token waits for the prefill chunks in its step, so the observed
 //!   latency first loses the share of the interval the engine spent prefilling: the prompt
 //!   tokens it computed meanwhile (`vllm:prompt_tokens_total` less
-//!   `vllm:prefix_cache_hits_total`, both counted as the prefill happens) at the learned rate.
+//!   `vllm:prefix_cache_hits_total`) at the learned rate.
 //!   A line no engine could have (an idle step at or below zero, or steps that shorten as the
 //!   cache fills) is the prefill the correction missed, most of it at high KV usage on a busy
 //!   replica; the prior's shape scaled to the data's mean stands in for it. The correction
