@@ -252,7 +252,11 @@ pub(super) fn prefill_contention_ms(
     // Past 0.9 the replica is saturated with prefill: the factor stops at 9.
     let rho = (inflow / window / rate.max(1e-9)).min(0.9);
     let expected_output = f64::from(output_tokens.min(s.default_output_tokens));
-    s.prefill_contention_weight * expected_output * slot.rates.itl_ms_idle * rho / (1.0 - rho)
+    // The configured idle step, never the learned one: the learned step time of a replica
+    // under prefill load already includes the prefill sharing its steps (vLLM counts prompt
+    // tokens only at the first token, so calibration cannot take it out), which is what this
+    // term prices; reading it would count the contention twice.
+    s.prefill_contention_weight * expected_output * s.itl_ms_idle * rho / (1.0 - rho)
 }
 
 /// A token count that decays exponentially with time: what was added `t` ms ago counts
