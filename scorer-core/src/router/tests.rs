@@ -497,6 +497,42 @@ fn a_turn_leaves_a_holder_that_is_absorbing_prefill() {
     assert!(later < idle + 200.0, "{idle} {busy} {later}");
 }
 
+// With learned rates on, a replica that has learned a decode step ten times the configured
+// one still has its prefill contention priced at the configured step: the learned step time
+// of a replica under prefill load already includes that prefill, so reading it would count
+// the contention twice.
+#[test]
+fn the_contention_prices_decode_at_the_configured_step_even_with_learned_rates() {
+    let decode_ms = |learn: bool| {
+        let mut r = router(1);
+        r.config.calibration.enabled = true;
+        let address = "10.0.0.0:8000";
+        if learn {
+            let mut counters = EngineCounters::default();
+            for scrape in 0..20u64 {
+                // 100 output tokens per scrape at ten times the configured idle step.
+                counters.itl_count += 100.0;
+                counters.itl_seconds += 100.0 * 10.0 * r.config.scoring.itl_ms_idle / 1000.0;
+                let metrics = EndpointMetrics {
+                    counters: Some(counters),
+                    ..Default::default()
+                };
+                r.update_metrics(address, metrics, scrape * 100);
+            }
+            let learned = r.endpoints(2_000)[0].calibration.itl_ms_idle;
+            assert!(learned > 5.0 * r.config.scoring.itl_ms_idle, "{learned}");
+        }
+        r.route(&request(&"another prompt ".repeat(1_000)), 2_000, 1);
+        r.route(&request("probe"), 2_001, 2).candidates[0].decode_ms
+    };
+    let (configured, learned) = (decode_ms(false), decode_ms(true));
+    assert!(configured > 100.0, "{configured}");
+    assert!(
+        (learned - configured).abs() < 1e-6,
+        "{configured} {learned}"
+    );
+}
+
 #[test]
 fn decayed_tokens_decay_with_the_window_and_add_at_the_latest_time() {
     let mut d = DecayedTokens::default();
