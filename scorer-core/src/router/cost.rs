@@ -244,11 +244,8 @@ pub(super) fn prefill_contention_ms(
     // With this request's own prefill: what its decode and every sequence there will run
     // beside once it is placed (a long miss costs most where prefill already flows).
     let inflow = slot.prefill_inflow.at(c.now_ms, window) + uncached_tokens;
-    let rate = if slot.learned.prefill_tokens_per_ms > 0.0 {
-        slot.learned.prefill_tokens_per_ms
-    } else {
-        slot.rates.prefill_tokens_per_ms
-    };
+    // The learned rate starts at the prior (`Calibrated::from_prior`), so it always has one.
+    let rate = slot.learned.prefill_tokens_per_ms;
     // Past 0.9 the replica is saturated with prefill: the factor stops at 9.
     let rho = (inflow / window / rate.max(1e-9)).min(0.9);
     let expected_output = f64::from(output_tokens.min(s.default_output_tokens));
