@@ -948,6 +948,7 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
     non_negative("router.scoring.itl_ms_idle", s.itl_ms_idle)?;
     non_negative("router.scoring.itl_ms_full", s.itl_ms_full)?;
     non_negative("router.scoring.decode_weight", s.decode_weight)?;
+    non_negative("router.scoring.agent_decode_weight", s.agent_decode_weight)?;
     non_negative(
         "router.scoring.prefill_stall_weight",
         s.prefill_stall_weight,
@@ -1180,6 +1181,10 @@ router: {}
             (
                 "router:\n  scoring:\n    decode_weight: -1\n",
                 "decode_weight",
+            ),
+            (
+                "router:\n  scoring:\n    agent_decode_weight: -1\n",
+                "agent_decode_weight",
             ),
             ("router:\n  precise:\n    block_tokens: 0\n", "block_tokens"),
             (

@@ -638,6 +638,7 @@ mod tests {
         // Two requests share a 64-token system segment; the second adds 40 tokens.
         let w = Workload {
             cache_control: workload::Marking::None,
+            api: scorer_core::protocol::ApiKind::Chat,
             name: "t".into(),
             requests: vec![
                 spec(PromptSource::Segments(vec![(1, 64), (2, 40)])),
@@ -657,6 +658,7 @@ mod tests {
     fn identical_prompts_never_reuse_their_last_token() {
         let w = Workload {
             cache_control: workload::Marking::None,
+            api: scorer_core::protocol::ApiKind::Chat,
             name: "t".into(),
             requests: vec![
                 spec(PromptSource::Segments(vec![(1, 64)])),

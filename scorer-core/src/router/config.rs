@@ -8,6 +8,7 @@ use crate::disagg::PdConfig;
 use crate::latency::LatencyConfig;
 use crate::lora::LoraConfig;
 use crate::pools::ModelsConfig;
+use crate::protocol::ApiKind;
 use crate::reuse::ReuseConfig;
 use crate::self_check::SelfCheckConfig;
 
@@ -55,9 +56,20 @@ pub struct ScoringConfig {
     /// the copy's configuration.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub decode_occupancy_per_request: bool,
-    /// Weight of the decode estimate (output tokens x time per token) in the cost: 0 scores
-    /// time to first token only, 1 scores time to the last token.
+    /// Weight of the decode estimate (expected output tokens x time per token) in the cost
+    /// of a chat or completion request (and of a route call that names no API): 0 scores
+    /// time to first token only, 1 scores time to the last token. The expected output is
+    /// `max_tokens` capped at `default_output_tokens`, as in the prefill contention: a
+    /// client's cap is not its length.
     pub decode_weight: f64,
+    /// The same weight for the agent APIs, `/v1/messages` and `/v1/responses`: an agent acts
+    /// on a whole answer (a tool call is useless until its last token), so these are scored
+    /// to the last token by default. On fleet-sim's tuning split this spread a subagent burst
+    /// instead of piling it on the replica holding its context, at some cost to the agentic
+    /// cells' TTFT tail (docs/BENCHMARKS.md). Left out of the serialized form at its default,
+    /// so a filter built before it still accepts the copy's configuration.
+    #[serde(skip_serializing_if = "is_default_agent_decode_weight")]
+    pub agent_decode_weight: f64,
     /// Output tokens assumed when a request sets no `max_tokens`.
     pub default_output_tokens: u32,
     /// KV usage above which a replica is penalised.
@@ -105,6 +117,13 @@ const CONTENTION_WEIGHT: f64 = 0.5;
 /// gave 0.961 / 1.178, 1 s 0.909 / 1.136, 2 s 0.916 / 1.181 and 4 s 0.917 / 1.161.
 const CONTENTION_WINDOW_MS: f64 = 1000.0;
 
+/// The default `agent_decode_weight`: time to the last token, what an agent waits for.
+const AGENT_DECODE_WEIGHT: f64 = 3.0;
+
+fn is_default_agent_decode_weight(w: &f64) -> bool {
+    *w == AGENT_DECODE_WEIGHT
+}
+
 fn is_default_contention_weight(w: &f64) -> bool {
     *w == CONTENTION_WEIGHT
 }
@@ -126,6 +145,7 @@ impl Default for ScoringConfig {
             itl_ms_idle: 15.0,
             itl_ms_full: 45.0,
             decode_weight: 0.0,
+            agent_decode_weight: AGENT_DECODE_WEIGHT,
             // Chosen on fleet-sim's tuning split (seeds 1-2): 0.25 lowered the TTFT p50 geomean
             // against the best peer from 1.25 to 1.05 with p99 unchanged (1.29); 0.5 and 1.0
             // lowered p50 further but raised p99 (1.34, 1.39). Not a profile constant: the
@@ -146,6 +166,17 @@ impl Default for ScoringConfig {
             tie_ms: 0.5,
             prefill_contention_weight: CONTENTION_WEIGHT,
             prefill_contention_window_ms: CONTENTION_WINDOW_MS,
+        }
+    }
+}
+
+impl ScoringConfig {
+    /// The decode weight for a request of `api`: `agent_decode_weight` for the agent APIs,
+    /// `decode_weight` for the rest (a route call that names no API included).
+    pub fn decode_weight_for(&self, api: Option<ApiKind>) -> f64 {
+        match api {
+            Some(ApiKind::Messages | ApiKind::Responses) => self.agent_decode_weight,
+            Some(ApiKind::Chat | ApiKind::Completion) | None => self.decode_weight,
         }
     }
 }

@@ -180,8 +180,8 @@ pub(super) fn cost_terms(
         rates.itl_ms_idle + (rates.itl_ms_full - rates.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
-        + s.decode_weight * f64::from(output_tokens) * itl_ms
-        + prefill_contention_ms(c, uncached, output_tokens, s)
+        + shape.decode_weight * shape.expected_output_tokens * itl_ms
+        + prefill_contention_ms(c, uncached, shape.expected_output_tokens, s)
         + s.decode_occupancy_weight
             * if s.decode_occupancy_per_request {
                 slot.inflight_kv.context_tokens()
@@ -233,7 +233,7 @@ pub(super) fn cost_terms(
 pub(super) fn prefill_contention_ms(
     c: Candidate<'_>,
     uncached_tokens: f64,
-    output_tokens: u32,
+    expected_output_tokens: f64,
     s: &ScoringConfig,
 ) -> f64 {
     if s.prefill_contention_weight <= 0.0 {
@@ -248,12 +248,11 @@ pub(super) fn prefill_contention_ms(
     let rate = slot.learned.prefill_tokens_per_ms;
     // Past 0.9 the replica is saturated with prefill: the factor stops at 9.
     let rho = (inflow / window / rate.max(1e-9)).min(0.9);
-    let expected_output = f64::from(output_tokens.min(s.default_output_tokens));
     // The configured idle step, never the learned one: the learned step time of a replica
     // under prefill load already includes the prefill sharing its steps (vLLM counts prompt
     // tokens only at the first token, so calibration cannot take it out), which is what this
     // term prices; reading it would count the contention twice.
-    s.prefill_contention_weight * expected_output * s.itl_ms_idle * rho / (1.0 - rho)
+    s.prefill_contention_weight * expected_output_tokens * s.itl_ms_idle * rho / (1.0 - rho)
 }
 
 /// A token count that decays exponentially with time: what was added `t` ms ago counts
@@ -337,7 +336,7 @@ pub(super) fn steering(
         c.slot.latency.samples(),
         &predicted,
         terms.queue_ms + terms.prefill_ms + f64::from(terms.active) * s.decode_ms_per_seq,
-        s.decode_weight * f64::from(shape.output_tokens),
+        shape.decode_weight * shape.expected_output_tokens,
         terms.itl_ms,
     );
     Steering {

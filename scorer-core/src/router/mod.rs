@@ -767,8 +767,14 @@ struct RequestShape<'r> {
     marked_tokens: f64,
     /// The request's canonical bytes, bounded by the blocks it hashed.
     prompt_bytes: u64,
-    /// `max_tokens`, or `scoring.default_output_tokens`.
+    /// `max_tokens`, or `scoring.default_output_tokens`: the most KV its answer can take.
     output_tokens: u32,
+    /// The output the decode terms price: `output_tokens` capped at
+    /// `scoring.default_output_tokens` (a client's cap is not its length; an Anthropic client
+    /// must send one, often tens of thousands).
+    expected_output_tokens: f64,
+    /// `scoring.decode_weight_for` the request's API.
+    decode_weight: f64,
     /// Tokens one approximate hash block stands for.
     tokens_per_block: f64,
     /// Tokens of one engine block (`precise.block_tokens`).
@@ -1895,16 +1901,20 @@ impl Router {
         let marked_tokens = (f64::from(request.marked_blocks) * tokens_per_block)
             .min(f64::from(tokens))
             .max(0.0);
+        let scoring = &self.config.scoring;
+        let output_tokens = request
+            .max_output_tokens
+            .unwrap_or(scoring.default_output_tokens)
+            .min(max_tokens);
         RequestShape {
             precise,
             tokens,
             prompt_bytes,
             prompt_tokens: f64::from(tokens.max(1)),
             marked_tokens,
-            output_tokens: request
-                .max_output_tokens
-                .unwrap_or(self.config.scoring.default_output_tokens)
-                .min(max_tokens),
+            output_tokens,
+            expected_output_tokens: f64::from(output_tokens.min(scoring.default_output_tokens)),
+            decode_weight: scoring.decode_weight_for(request.api),
             tokens_per_block,
             block_tokens,
             // vLLM recomputes at least the last prompt token, so only blocks of the first n-1 count.

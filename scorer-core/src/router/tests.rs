@@ -1,5 +1,6 @@
 use super::*;
 use crate::hash::{block_hashes, model_seed};
+use crate::protocol::ApiKind;
 
 fn router(n: usize) -> Router {
     let mut r = Router::new(RouterConfig::default(), 1);
@@ -531,6 +532,37 @@ fn the_contention_prices_decode_at_the_configured_step_even_with_learned_rates()
         (learned - configured).abs() < 1e-6,
         "{configured} {learned}"
     );
+}
+
+// An agent acts on a whole answer: a Messages or Responses request prices its decode
+// (`agent_decode_weight`), a chat request does not (`decode_weight` 0), and both price the
+// output they expect, never the client's cap (an Anthropic client must send one).
+#[test]
+fn an_agent_api_request_prices_its_expected_decode_and_a_chat_one_does_not() {
+    let s = ScoringConfig::default();
+    let decode_ms = |api: Option<ApiKind>, max_tokens: u32| {
+        let mut r = router(1);
+        let mut probe = request("probe");
+        probe.api = api;
+        probe.max_output_tokens = Some(max_tokens);
+        r.route(&probe, 0, 1).candidates[0].decode_ms
+    };
+    let chat = decode_ms(Some(ApiKind::Chat), 32_000);
+    assert_eq!(chat, decode_ms(None, 32_000));
+    assert_eq!(chat, decode_ms(Some(ApiKind::Completion), 32_000));
+    let expected = |tokens: u32| s.agent_decode_weight * f64::from(tokens) * s.itl_ms_idle;
+    for api in [ApiKind::Messages, ApiKind::Responses] {
+        // Capped at the default output, not 32,000 tokens' worth.
+        let capped = decode_ms(Some(api), 32_000) - chat;
+        assert!(
+            (capped - expected(s.default_output_tokens)).abs() < 1e-6,
+            "{capped}"
+        );
+        // A cap below the default is the most the answer can be.
+        let short = decode_ms(Some(api), 100) - decode_ms(Some(ApiKind::Chat), 100);
+        assert!((short - expected(100)).abs() < 1e-6, "{short}");
+    }
+    assert!(s.agent_decode_weight > 0.0 && s.decode_weight == 0.0);
 }
 
 #[test]

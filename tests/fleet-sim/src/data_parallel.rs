@@ -200,6 +200,7 @@ mod tests {
             max_tokens: None,
             session: None,
             marked_tokens: 0,
+            api: scorer_core::protocol::ApiKind::Chat,
         };
         let picks: Vec<usize> = (0..6).map(|_| p.route(&r, 0.0)).collect();
         assert_eq!(picks, vec![0, 4, 1, 5, 2, 6]);

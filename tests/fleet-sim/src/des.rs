@@ -163,6 +163,7 @@ fn policy_request<'a>(
         max_tokens: options.max_tokens,
         session: workload.requests[id].session,
         marked_tokens: workload.cache_control.marked_tokens(tokens.len()),
+        api: workload.api,
     }
 }
 

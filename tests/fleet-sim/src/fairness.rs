@@ -269,6 +269,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                             max_tokens: Some(output),
                             session: None,
                             marked_tokens: 0,
+                            api: scorer_core::protocol::ApiKind::Chat,
                         },
                         now,
                     )

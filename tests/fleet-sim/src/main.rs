@@ -168,8 +168,9 @@ struct FairnessArgs {
 
 #[derive(clap::Args)]
 struct CompareArgs {
-    /// A Mooncake `.jsonl` trace, or a generator: shared-prefix, multi-turn, long-doc, no-sharing
-    /// (options as `name:key=value,...`).
+    /// A Mooncake `.jsonl` trace, or a generator: shared-prefix, multi-turn, long-doc,
+    /// no-sharing, agentic (options as `name:key=value,...`; any generator takes
+    /// `api=chat|completion|messages|responses`, agentic speaking messages unless told).
     #[arg(long)]
     workload: String,
     /// Replicas in the fleet.

@@ -37,6 +37,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvroute_harness::TextTable;
+use scorer_core::protocol::ApiKind;
 use serde::Serialize;
 use vllm_sim::{Profile, SimError};
 
@@ -464,6 +465,7 @@ fn cell_workload(
             (
                 Workload {
                     cache_control: Marking::None,
+                    api: ApiKind::Chat,
                     name: "mooncake".into(),
                     requests,
                 },
@@ -723,6 +725,7 @@ pub fn run_matrix(
     } else {
         Workload {
             cache_control: Marking::None,
+            api: ApiKind::Chat,
             name: "none".into(),
             requests: Vec::new(),
         }
@@ -1005,6 +1008,7 @@ mod tests {
         let spec = MatrixSpec::quick(vec![3]);
         let empty = Workload {
             cache_control: Marking::None,
+            api: ApiKind::Chat,
             name: "none".into(),
             requests: Vec::new(),
         };
@@ -1033,6 +1037,7 @@ mod tests {
         spec.requests = 60;
         let empty = Workload {
             cache_control: Marking::None,
+            api: ApiKind::Chat,
             name: "none".into(),
             requests: Vec::new(),
         };

@@ -11,7 +11,7 @@ use scorer_core::calibration::EngineCounters;
 use scorer_core::hash::{model_seed, token_block_hashes};
 use scorer_core::index::{EndpointId, PrefixIndex};
 use scorer_core::precise::{KvEvent, PreciseTracker};
-use scorer_core::protocol::{FirstToken, Outcome, RouteRequest};
+use scorer_core::protocol::{ApiKind, FirstToken, Outcome, RouteRequest};
 use scorer_core::reuse::ReuseTotals;
 use scorer_core::router::{Decision, EndpointLoad, EndpointMetrics, Router, RouterConfig};
 use scorer_core::sync::{DecisionRecord, LocalRouter, SyncEvent, SyncLog, serve_sync};
@@ -77,6 +77,8 @@ pub struct PolicyRequest<'a> {
     /// Leading prompt tokens the client marked with `cache_control` (0: none); only kvroute
     /// reads it, as the peers ignore the marker.
     pub marked_tokens: u32,
+    /// The API the request came in on (its path); only kvroute reads it.
+    pub api: ApiKind,
 }
 
 /// A routing policy driven by fleet-sim's virtual clock.
@@ -1024,7 +1026,7 @@ impl Kvroute {
             max_output_tokens: r.max_tokens,
             session: r.session.map(|s| s.to_string()),
             prompt_text: None,
-            api: None,
+            api: Some(r.api),
             cache_salt: None,
             tenant: None,
             criticality: None,
@@ -1498,6 +1500,7 @@ mod tests {
                 max_tokens: None,
                 session: None,
                 marked_tokens: 0,
+                api: ApiKind::Chat,
             };
             policy.route(&request, id as f64);
         }
@@ -1511,6 +1514,7 @@ mod tests {
             max_tokens: None,
             session: None,
             marked_tokens: 0,
+            api: ApiKind::Chat,
         }
     }
 
@@ -1698,6 +1702,7 @@ mod local_tests {
                     max_tokens: Some(64),
                     session: None,
                     marked_tokens: 0,
+                    api: ApiKind::Chat,
                 };
                 let now = 1.0 + id as f64;
                 let (a, b) = (single.route(&request, now), copy.route(&request, now));
@@ -1740,6 +1745,7 @@ mod local_tests {
                     max_tokens: None,
                     session,
                     marked_tokens: 0,
+                    api: ApiKind::Chat,
                 },
                 now,
             );
@@ -1754,6 +1760,7 @@ mod local_tests {
                     max_tokens: None,
                     session,
                     marked_tokens: 0,
+                    api: ApiKind::Chat,
                 },
                 now,
             );

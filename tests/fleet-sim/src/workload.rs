@@ -7,6 +7,7 @@
 
 use std::path::Path;
 
+use scorer_core::protocol::ApiKind;
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -63,6 +64,9 @@ pub struct Workload {
     /// Which prefix of each prompt the client marks with Anthropic `cache_control`: what the
     /// router is told will be sent again.
     pub cache_control: Marking,
+    /// The API the client speaks, which a real request carries in its path: kvroute scores
+    /// the agent APIs to the last token (`scoring.agent_decode_weight`); the peers ignore it.
+    pub api: ApiKind,
 }
 
 /// Which prefix of each prompt a workload's client marks with `cache_control`.
@@ -199,6 +203,7 @@ impl Workload {
             .unwrap_or(name);
         Workload {
             cache_control: Marking::None,
+            api: ApiKind::Chat,
             name: stem,
             requests,
         }
@@ -318,6 +323,22 @@ impl Rng {
 struct GenOptions(Vec<(String, String)>);
 
 impl GenOptions {
+    /// The API the spec names (`api=chat|completion|messages|responses`), else `default`.
+    fn api(&self, default: ApiKind) -> Result<ApiKind, WorkloadError> {
+        let Some((_, v)) = self.0.iter().find(|(k, _)| k == "api") else {
+            return Ok(default);
+        };
+        match v.as_str() {
+            "chat" => Ok(ApiKind::Chat),
+            "completion" => Ok(ApiKind::Completion),
+            "messages" => Ok(ApiKind::Messages),
+            "responses" => Ok(ApiKind::Responses),
+            _ => Err(WorkloadError::BadSpec(format!(
+                "api={v} (chat, completion, messages, responses)"
+            ))),
+        }
+    }
+
     /// The values of `keys` in order, each its default unless the spec sets it.
     fn values<const N: usize>(&self, keys: [(&str, f64); N]) -> Result<[f64; N], WorkloadError> {
         let mut out = [0.0; N];
@@ -528,8 +549,17 @@ pub fn from_spec(spec: &str, seed: u64) -> Result<Workload, WorkloadError> {
         (true, false) => Marking::WholePrompt,
         (true, true) => Marking::Leading(marked as u32),
     };
+    // The agentic loop is a coding agent's (Claude Code's shape: a tool prompt, a growing
+    // tool loop, subagents forked off it), so it speaks Anthropic Messages unless told
+    // otherwise; the others are chat clients.
+    let api = options.api(if name == "agentic" {
+        ApiKind::Messages
+    } else {
+        ApiKind::Chat
+    })?;
     Ok(Workload {
         cache_control,
+        api,
         name: name.to_string(),
         requests,
     })
@@ -656,6 +686,19 @@ fn agentic(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_agentic_loop_speaks_messages_and_any_generator_takes_an_api() {
+        let agent = "agentic:agents=1,steps=2,system=40,task=5,tool=5,call=3,answer=3";
+        assert_eq!(from_spec(agent, 1).unwrap().api, ApiKind::Messages);
+        assert_eq!(from_spec("multi-turn", 1).unwrap().api, ApiKind::Chat);
+        let responses = from_spec(&format!("{agent},api=responses"), 1).unwrap();
+        assert_eq!(responses.api, ApiKind::Responses);
+        let chat = from_spec("shared-prefix:api=completion", 1).unwrap();
+        assert_eq!(chat.api, ApiKind::Completion);
+        let err = from_spec("multi-turn:api=grpc", 1).unwrap_err().to_string();
+        assert!(err.contains("api=grpc"), "{err}");
+    }
 
     #[test]
     fn cache_control_marks_a_generators_prompts_only_when_asked() {
