@@ -118,7 +118,7 @@ const CONTENTION_WEIGHT: f64 = 0.5;
 const CONTENTION_WINDOW_MS: f64 = 1000.0;
 
 /// The default `agent_decode_weight`: time to the last token, what an agent waits for.
-const AGENT_DECODE_WEIGHT: f64 = 3.0;
+const AGENT_DECODE_WEIGHT: f64 = 1.0;
 
 fn is_default_agent_decode_weight(w: &f64) -> bool {
     *w == AGENT_DECODE_WEIGHT

@@ -178,9 +178,20 @@ pub(super) fn cost_terms(
     let prefill_ms = uncached / rates.prefill_tokens_per_ms;
     let itl_ms =
         rates.itl_ms_idle + (rates.itl_ms_full - rates.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
+    // The decode estimate's step time: a decode step reads every running sequence's whole
+    // context, a prefix they share once per sequence, which the scraped usage (shared blocks
+    // once, and a scrape behind a burst) leaves out.
+    let read_fill = match slot.metrics.and_then(|m| m.capacity_tokens) {
+        Some(capacity) if capacity > 0 => {
+            (slot.inflight_kv.context_tokens() + prompt_tokens) / capacity as f64
+        }
+        _ => 0.0,
+    };
+    let decode_itl_ms = rates.itl_ms_idle
+        + (rates.itl_ms_full - rates.itl_ms_idle) * kv_usage.max(read_fill).clamp(0.0, 1.0);
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
-        + shape.decode_weight * shape.expected_output_tokens * itl_ms
+        + shape.decode_weight * shape.expected_output_tokens * decode_itl_ms
         + prefill_contention_ms(c, uncached, shape.expected_output_tokens, s)
         + s.decode_occupancy_weight
             * if s.decode_occupancy_per_request {

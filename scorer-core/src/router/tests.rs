@@ -565,6 +565,40 @@ fn an_agent_api_request_prices_its_expected_decode_and_a_chat_one_does_not() {
     assert!(s.agent_decode_weight > 0.0 && s.decode_weight == 0.0);
 }
 
+// A decode step reads every running sequence's whole context: each fork of one long
+// context in flight on a replica raises an agent request's decode estimate there by the
+// whole context, though they share it and the scraped usage has not moved.
+#[test]
+fn an_agent_request_s_decode_reads_every_in_flight_context_whole() {
+    let agent_over_chat = |forks: usize| {
+        let mut r = router(1);
+        // The prefill contention, the same for both probes but for each other's prefill, off.
+        r.config.scoring.prefill_contention_weight = 0.0;
+        let metrics = EndpointMetrics {
+            capacity_tokens: Some(200_000),
+            ..Default::default()
+        };
+        r.update_metrics("10.0.0.0:8000", metrics, 0);
+        let context = "a long agent context its subagents share ".repeat(400);
+        for k in 0..forks {
+            let mut fork = request(&format!("{context} subagent {k}"));
+            fork.api = Some(ApiKind::Messages);
+            r.route(&fork, 1 + k as u64, k as u64);
+        }
+        let mut decode_ms = |api| {
+            let mut probe = request("probe");
+            probe.api = Some(api);
+            r.route(&probe, 10, 99).candidates[0].decode_ms
+        };
+        decode_ms(ApiKind::Messages) - decode_ms(ApiKind::Chat)
+    };
+    let (none, one, two) = (agent_over_chat(0), agent_over_chat(1), agent_over_chat(2));
+    let first = one - none;
+    let second = two - one;
+    assert!(first > 50.0, "{none} {one}");
+    assert!((second - first).abs() < 0.01 * first, "{none} {one} {two}");
+}
+
 #[test]
 fn decayed_tokens_decay_with_the_window_and_add_at_the_latest_time() {
     let mut d = DecayedTokens::default();
