@@ -64,10 +64,12 @@ pub struct ScoringConfig {
     pub decode_weight: f64,
     /// The same weight for the agent APIs, `/v1/messages` and `/v1/responses`: an agent acts
     /// on a whole answer (a tool call is useless until its last token), so these are scored
-    /// to the last token by default. On fleet-sim's tuning split this spread a subagent burst
-    /// instead of piling it on the replica holding its context, at some cost to the agentic
-    /// cells' TTFT tail (docs/BENCHMARKS.md). Left out of the serialized form at its default,
-    /// so a filter built before it still accepts the copy's configuration.
+    /// to the last token by default. Chosen on fleet-sim's tuning split (seeds 1-2, agentic
+    /// cells): end to end against the fastest peer 1.42 -> 1.00 and TTFT against the best
+    /// peer 1.084 / 1.275 -> 0.846 / 1.224 at 1, where 2 and 3 lost cells; subagent bursts
+    /// spread instead of piling on the replica holding their context (docs/BENCHMARKS.md).
+    /// Left out of the serialized form at its default, so a filter built before it still
+    /// accepts the copy's configuration.
     #[serde(skip_serializing_if = "is_default_agent_decode_weight")]
     pub agent_decode_weight: f64,
     /// Output tokens assumed when a request sets no `max_tokens`.
