@@ -4,9 +4,10 @@
 //!
 //! Inputs:
 //! - a Mooncake-format trace (`timestamp`, `input_length`, `output_length`, `hash_ids`);
-//! - a JSONL log of OpenAI request bodies, one per line, either bare (`{"model", "messages",
-//!   ...}` or `{"model", "prompt", ...}`) or wrapped with an arrival time
-//!   (`{"timestamp": ms, "body": {...}}`). Bodies go through the filter's own canonicaliser and
+//! - a JSONL log of request bodies, one per line, either bare (`{"model", "messages",
+//!   ...}` or `{"model", "prompt", ...}`) or wrapped with an arrival time and the path
+//!   (`{"timestamp": ms, "path": "/v1/messages", "body": {...}}`; the path is how an Anthropic
+//!   Messages or a Responses body is told apart). Bodies go through the filter's own canonicaliser and
 //!   block hashing, so prefixes match exactly when the filter would see them match; each 256-byte
 //!   block becomes 64 simulated tokens (the filter's 4-bytes-a-token estimate);
 //! - any fleet-sim generator spec (`multi-turn:conversations=8`, ...).
@@ -106,10 +107,44 @@ impl Default for OpenAiOptions {
 struct Wrapped {
     #[serde(default)]
     timestamp: Option<f64>,
+    /// The request's path, which names its API (`/v1/messages`, `/v1/responses`, ...).
+    #[serde(default)]
+    path: Option<String>,
     body: serde_json::Value,
 }
 
-/// Reads a JSONL file of OpenAI request bodies (bare, or `{"timestamp": ms, "body": {...}}`).
+/// The API of one logged request: its path when the line has one (the only way to tell an
+/// Anthropic Messages body or a Responses body from a chat or an embeddings one), else chat
+/// for `messages` and completions for `prompt`.
+fn api_of(path: Option<&str>, body: &serde_json::Value) -> Result<ApiKind, String> {
+    if let Some(path) = path {
+        let route = path.split('?').next().unwrap_or_default();
+        return match route.trim_end_matches('/') {
+            r if r.ends_with("/chat/completions") => Ok(ApiKind::Chat),
+            r if r.ends_with("/completions") => Ok(ApiKind::Completion),
+            r if r.ends_with("/messages") => Ok(ApiKind::Messages),
+            r if r.ends_with("/responses") => Ok(ApiKind::Responses),
+            _ => Err(format!(
+                "path {path:?} is not one kvroute routes by prefix (/v1/chat/completions, \
+                 /v1/completions, /v1/messages, /v1/responses)"
+            )),
+        };
+    }
+    if body.get("messages").is_some() {
+        Ok(ApiKind::Chat)
+    } else if body.get("prompt").is_some() {
+        Ok(ApiKind::Completion)
+    } else {
+        Err(
+            "neither `messages` (chat) nor `prompt` (completions) in the body; a Messages or \
+             Responses body needs its `path` beside it"
+                .into(),
+        )
+    }
+}
+
+/// Reads a JSONL file of OpenAI request bodies (bare, or `{"timestamp": ms, "path": "/v1/...",
+/// "body": {...}}`). The workload speaks the API most of its requests use.
 pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, AnalyzeError> {
     if !(opts.rps.is_finite() && opts.rps > 0.0) {
         return Err(AnalyzeError::Invalid(
@@ -129,6 +164,7 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
     let mut clock = workload::Rng::new(opts.seed ^ 0xA11A_11CE);
     let mut t = 0.0;
     let mut requests = Vec::new();
+    let mut apis = Vec::new();
     for (n, line) in text.lines().enumerate() {
         let line_no = n + 1;
         if line.trim().is_empty() {
@@ -136,23 +172,15 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
         }
         let value: serde_json::Value =
             serde_json::from_str(line).map_err(|e| bad(line_no, e.to_string()))?;
-        let (timestamp, body) = if value.get("body").is_some() {
+        let (timestamp, path, body) = if value.get("body").is_some() {
             let w: Wrapped =
                 serde_json::from_value(value).map_err(|e| bad(line_no, e.to_string()))?;
-            (w.timestamp, w.body)
+            (w.timestamp, w.path, w.body)
         } else {
-            (None, value)
+            (None, None, value)
         };
-        let api = if body.get("messages").is_some() {
-            ApiKind::Chat
-        } else if body.get("prompt").is_some() {
-            ApiKind::Completion
-        } else {
-            return Err(bad(
-                line_no,
-                "neither `messages` (chat) nor `prompt` (completions) in the body".into(),
-            ));
-        };
+        let api = api_of(path.as_deref(), &body).map_err(|e| bad(line_no, e))?;
+        apis.push(api);
         let bytes = serde_json::to_vec(&body).map_err(|e| bad(line_no, e.to_string()))?;
         let prompt = canon::canonicalize(api, &bytes).map_err(|e| bad(line_no, e.to_string()))?;
         let arrival_ms = match timestamp {
@@ -187,7 +215,17 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
     if requests.is_empty() {
         return Err(AnalyzeError::Empty(name));
     }
-    Ok(Workload::from_trace(path, name, requests))
+    let mut workload = Workload::from_trace(path, name, requests);
+    workload.api = [
+        ApiKind::Chat,
+        ApiKind::Completion,
+        ApiKind::Messages,
+        ApiKind::Responses,
+    ]
+    .into_iter()
+    .max_by_key(|kind| apis.iter().filter(|a| *a == kind).count())
+    .unwrap_or(ApiKind::Chat);
+    Ok(workload)
 }
 
 /// Guesses the format of a JSONL file from its first non-empty line.
@@ -631,6 +669,38 @@ mod tests {
             output_tokens: 4,
             session: None,
         }
+    }
+
+    #[test]
+    fn a_logged_request_s_path_names_its_api() {
+        let chat = serde_json::json!({"model": "m", "messages": []});
+        let input = serde_json::json!({"model": "m", "input": "hi"});
+        assert_eq!(api_of(None, &chat), Ok(ApiKind::Chat));
+        assert_eq!(
+            api_of(None, &serde_json::json!({"prompt": "x"})),
+            Ok(ApiKind::Completion)
+        );
+        // Without its path a Messages body reads as chat and a Responses body as nothing.
+        assert!(
+            api_of(None, &input)
+                .unwrap_err()
+                .contains("needs its `path`")
+        );
+        assert_eq!(api_of(Some("/v1/messages"), &chat), Ok(ApiKind::Messages));
+        assert_eq!(
+            api_of(Some("/v1/responses?stream=true"), &input),
+            Ok(ApiKind::Responses)
+        );
+        assert_eq!(
+            api_of(Some("/v1/chat/completions"), &chat),
+            Ok(ApiKind::Chat)
+        );
+        assert_eq!(
+            api_of(Some("/v1/completions/"), &chat),
+            Ok(ApiKind::Completion)
+        );
+        let err = api_of(Some("/v1/embeddings"), &input).unwrap_err();
+        assert!(err.contains("/v1/embeddings"), "{err}");
     }
 
     #[test]

@@ -23,8 +23,9 @@ use vllm_sim::Profile;
              on a simulated vLLM fleet"
 )]
 pub struct AnalyzeArgs {
-    /// A Mooncake trace (.jsonl), a JSONL of OpenAI request bodies (bare or
-    /// `{"timestamp": ms, "body": {...}}`), or a fleet-sim generator spec such as
+    /// A Mooncake trace (.jsonl), a JSONL of request bodies (bare chat or completions, or
+    /// `{"timestamp": ms, "path": "/v1/messages", "body": {...}}`), or a fleet-sim generator
+    /// spec such as
     /// `multi-turn:conversations=32`.
     pub input: String,
     /// Input format.

@@ -168,6 +168,46 @@ fn openai_bodies_show_sharing_and_both_policies() {
     );
 }
 
+// An agent's log: Messages and Responses bodies, told apart by the path beside each.
+#[test]
+fn agent_bodies_are_read_by_their_path() {
+    let dir = scratch("agent");
+    let log = dir.join("requests.jsonl");
+    let tools = "You are a coding agent with these tools: read, edit, run. ".repeat(50);
+    let mut lines = Vec::new();
+    for i in 0..12 {
+        let (path, body) = if i % 2 == 0 {
+            (
+                "/v1/messages",
+                json!({"model": "m", "max_tokens": 32000, "system": tools,
+                       "messages": [{"role": "user", "content": [{"type": "text", "text": format!("task {i}")}]}]}),
+            )
+        } else {
+            (
+                "/v1/responses",
+                json!({"model": "m", "instructions": tools, "input": format!("task {i}")}),
+            )
+        };
+        lines.push(json!({"timestamp": i * 100, "path": path, "body": body}).to_string());
+    }
+    std::fs::write(&log, lines.join("\n") + "\n").unwrap();
+    let report = dir.join("report.json");
+    let (stdout, _) = run_ok(&[
+        log.to_str().unwrap(),
+        "--no-sim",
+        "--json",
+        report.to_str().unwrap(),
+    ]);
+    assert!(stdout.contains("prefix sharing"), "{stdout}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    // Each API's requests share its long tool prompt.
+    assert_eq!(report["sharing"]["requests"], 12);
+    assert!(
+        report["sharing"]["requests_with_reuse"].as_u64().unwrap() >= 10,
+        "{report:#}"
+    );
+}
+
 #[test]
 fn mooncake_trace_over_several_fleet_sizes_draws_both_charts() {
     let dir = scratch("mooncake");
@@ -230,6 +270,16 @@ fn bad_input_is_a_clear_error() {
             "{\"model\":\"m\",\"input\":\"embeddings\"}\n".into(),
             vec![],
             "neither `messages`",
+        ),
+        (
+            "{\"path\":\"/v1/embeddings\",\"body\":{\"model\":\"m\",\"input\":\"x\"}}\n".into(),
+            vec![],
+            "is not one kvroute routes by prefix",
+        ),
+        (
+            "{\"path\":\"/v1/messages\",\"body\":{\"model\":\"m\",\"messages\":3}}\n".into(),
+            vec![],
+            "requests.jsonl:1:",
         ),
         (
             "{\"timestamp\":-5,\"body\":{\"model\":\"m\",\"prompt\":\"x\"}}\n".into(),
