@@ -176,19 +176,27 @@ pub(super) fn cost_terms(
     let queue_ms = (slot.backlog_tokens + f64::from(unknown_waiting) * s.unknown_request_tokens)
         / rates.prefill_tokens_per_ms;
     let prefill_ms = uncached / rates.prefill_tokens_per_ms;
-    let itl_ms =
-        rates.itl_ms_idle + (rates.itl_ms_full - rates.itl_ms_idle) * kv_usage.clamp(0.0, 1.0);
+    // The replica's KV capacity in tokens, when its scrape says.
+    let capacity = slot
+        .metrics
+        .and_then(|m| m.capacity_tokens)
+        .filter(|&c| c > 0)
+        .map(|c| c as f64);
+    // Time per output token with the cache `fill` full: the rates' line.
+    let itl_at = |fill: f64| {
+        rates.itl_ms_idle + (rates.itl_ms_full - rates.itl_ms_idle) * fill.clamp(0.0, 1.0)
+    };
+    // At the scraped usage: what the learned latency model's features see, so its correction
+    // (`steering`) is taken against this step.
+    let itl_ms = itl_at(kv_usage);
     // The decode estimate's step time: a decode step reads every running sequence's whole
     // context, a prefix they share once per sequence, which the scraped usage (shared blocks
-    // once, and a scrape behind a burst) leaves out.
-    let read_fill = match slot.metrics.and_then(|m| m.capacity_tokens) {
-        Some(capacity) if capacity > 0 => {
-            (slot.inflight_kv.context_tokens() + prompt_tokens) / capacity as f64
-        }
-        _ => 0.0,
-    };
-    let decode_itl_ms = rates.itl_ms_idle
-        + (rates.itl_ms_full - rates.itl_ms_idle) * kv_usage.max(read_fill).clamp(0.0, 1.0);
+    // once, and a scrape behind a burst) leaves out. The learned model cannot see it either,
+    // so it stays on top of that model's correction.
+    let read_fill = capacity.map_or(0.0, |c| {
+        (slot.inflight_kv.context_tokens() + prompt_tokens) / c
+    });
+    let decode_itl_ms = itl_at(kv_usage.max(read_fill));
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
         + shape.decode_weight * shape.expected_output_tokens * decode_itl_ms
@@ -203,9 +211,8 @@ pub(super) fn cost_terms(
     // KV pressure from the scrape, or predicted from what the router itself has in flight
     // here plus this request (the scrape lags a burst; past 1.0 the request would wait for
     // memory, and the penalty keeps growing).
-    let predicted_kv = match slot.metrics.and_then(|m| m.capacity_tokens) {
-        Some(capacity) if capacity > 0 => {
-            let capacity = capacity as f64;
+    let predicted_kv = match capacity {
+        Some(capacity) => {
             let upper = slot.inflight_kv.tokens + prompt_tokens + f64::from(output_tokens);
             if upper / capacity > s.kv_pressure_threshold {
                 // Only near the limit is it worth the walk: the prompt's prefix that in-flight
@@ -219,7 +226,7 @@ pub(super) fn cost_terms(
                 upper / capacity
             }
         }
-        _ => 0.0,
+        None => 0.0,
     };
     let kv_pressure = kv_usage.max(predicted_kv);
     let kv_ms = if kv_pressure > s.kv_pressure_threshold && s.kv_pressure_threshold < 1.0 {
