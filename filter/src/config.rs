@@ -214,15 +214,9 @@ impl Default for FilterConfig {
 /// Every vLLM 0.33 path kvroute routes by default: the four generation APIs by their prompt's
 /// cached prefix, the rest of [`LOAD_PATHS`] by load.
 fn default_routes() -> Vec<RouteRule> {
-    let prompt = [
-        ("/v1/chat/completions", ApiKind::Chat),
-        ("/v1/completions", ApiKind::Completion),
-        ("/v1/responses", ApiKind::Responses),
-        ("/v1/messages", ApiKind::Messages),
-    ];
-    prompt
+    ApiKind::ALL
         .into_iter()
-        .map(|(path, api)| RouteRule::new(path, Some(api), RouteMode::Approximate))
+        .map(|api| RouteRule::new(api.path(), Some(api), RouteMode::Approximate))
         .chain(
             LOAD_PATHS
                 .into_iter()

@@ -32,6 +32,25 @@ pub enum ApiKind {
 }
 
 impl ApiKind {
+    /// Every API, in the order the filter's default routes list them.
+    pub const ALL: [ApiKind; 4] = [
+        ApiKind::Chat,
+        ApiKind::Completion,
+        ApiKind::Responses,
+        ApiKind::Messages,
+    ];
+
+    /// The path vLLM 0.33 serves the API on: the filter's default route for it, and how
+    /// `kvroute-analyze` tells a logged request's API.
+    pub fn path(self) -> &'static str {
+        match self {
+            ApiKind::Chat => "/v1/chat/completions",
+            ApiKind::Completion => "/v1/completions",
+            ApiKind::Responses => "/v1/responses",
+            ApiKind::Messages => "/v1/messages",
+        }
+    }
+
     /// The body fields that decide the engine's prompt tokens (template input and options):
     /// the filter forwards exactly these as `prompt_text` and the control plane's remote
     /// tokeniser sends exactly these to vLLM, so both sides agree on what a prompt is.

@@ -118,17 +118,24 @@ struct Wrapped {
 /// for `messages` and completions for `prompt`.
 fn api_of(path: Option<&str>, body: &serde_json::Value) -> Result<ApiKind, String> {
     if let Some(path) = path {
+        // A gateway may log the path under a prefix of its own (or without vLLM's `/v1`):
+        // what follows `/v1` in the API's path ends it. Chat comes before completions in
+        // `ALL`, so `/chat/completions` is found first.
         let route = path.split('?').next().unwrap_or_default();
-        return match route.trim_end_matches('/') {
-            r if r.ends_with("/chat/completions") => Ok(ApiKind::Chat),
-            r if r.ends_with("/completions") => Ok(ApiKind::Completion),
-            r if r.ends_with("/messages") => Ok(ApiKind::Messages),
-            r if r.ends_with("/responses") => Ok(ApiKind::Responses),
-            _ => Err(format!(
-                "path {path:?} is not one kvroute routes by prefix (/v1/chat/completions, \
-                 /v1/completions, /v1/messages, /v1/responses)"
-            )),
-        };
+        let route = route.trim_end_matches('/');
+        return ApiKind::ALL
+            .into_iter()
+            .find(|api| {
+                let path = api.path();
+                route.ends_with(path.strip_prefix("/v1").unwrap_or(path))
+            })
+            .ok_or_else(|| {
+                let paths: Vec<&str> = ApiKind::ALL.iter().map(|api| api.path()).collect();
+                format!(
+                    "path {path:?} is not one kvroute routes by prefix ({})",
+                    paths.join(", ")
+                )
+            });
     }
     if body.get("messages").is_some() {
         Ok(ApiKind::Chat)
@@ -216,15 +223,10 @@ pub fn read_openai_jsonl(path: &Path, opts: &OpenAiOptions) -> Result<Workload, 
         return Err(AnalyzeError::Empty(name));
     }
     let mut workload = Workload::from_trace(path, name, requests);
-    workload.api = [
-        ApiKind::Chat,
-        ApiKind::Completion,
-        ApiKind::Messages,
-        ApiKind::Responses,
-    ]
-    .into_iter()
-    .max_by_key(|kind| apis.iter().filter(|a| *a == kind).count())
-    .unwrap_or(ApiKind::Chat);
+    workload.api = ApiKind::ALL
+        .into_iter()
+        .max_by_key(|kind| apis.iter().filter(|a| *a == kind).count())
+        .unwrap_or(ApiKind::Chat);
     Ok(workload)
 }
 

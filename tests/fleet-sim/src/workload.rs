@@ -9,6 +9,7 @@ use std::path::Path;
 
 use scorer_core::protocol::ApiKind;
 use serde::Deserialize;
+use serde::de::IntoDeserializer as _;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::policy::SplitMix;
@@ -328,15 +329,12 @@ impl GenOptions {
         let Some((_, v)) = self.0.iter().find(|(k, _)| k == "api") else {
             return Ok(default);
         };
-        match v.as_str() {
-            "chat" => Ok(ApiKind::Chat),
-            "completion" => Ok(ApiKind::Completion),
-            "messages" => Ok(ApiKind::Messages),
-            "responses" => Ok(ApiKind::Responses),
-            _ => Err(WorkloadError::BadSpec(format!(
-                "api={v} (chat, completion, messages, responses)"
-            ))),
-        }
+        // The names are the wire's (`ApiKind`'s serde form).
+        ApiKind::deserialize(v.as_str().into_deserializer()).map_err(
+            |_: serde::de::value::Error| {
+                WorkloadError::BadSpec(format!("api={v} (chat, completion, messages, responses)"))
+            },
+        )
     }
 
     /// The values of `keys` in order, each its default unless the spec sets it.
