@@ -46,6 +46,10 @@ vllm-sim use) and the simulator's fixtures 4-6 into ``--metrics-out`` (default
    (``vllm/entrypoints/serve/instrumentator/metrics.py``, run under FastAPI) ignores ``name[]``
    on ``/metrics`` and honours it on ``/metrics/``, which the control plane's scrapes rely on;
    with ``--capture``/``--capture-agents``, vllm-sim must answer both paths the same way.
+8. When the prefix cache takes a block (``vllm/v1/core/kv_cache_manager.py``):
+   ``KVCacheManager.allocate_slots`` must call ``cache_blocks`` for the tokens it schedules,
+   so a block is found by any request admitted after it is scheduled, before it is computed.
+   vllm-sim's engine caches at the same point (``Engine::cache_scheduled``).
 
 Usage (msgspec, and pyzmq for --capture, in .venv):
 
@@ -82,6 +86,7 @@ import msgspec
 KV_EVENTS = "vllm/distributed/kv_events.py"
 KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
 LOGGERS = "vllm/v1/metrics/loggers.py"
+KV_CACHE_MANAGER = "vllm/v1/core/kv_cache_manager.py"
 CLASSES = ["EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
            "KVEventBatch"]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -779,6 +784,31 @@ def check_metrics_route(read, sim_bin: str | None) -> None:
         print("vllm-sim answers /metrics and /metrics/?name[]= as vLLM does")
 
 
+def check_cache_point(source: str) -> None:
+    """Check 8: vLLM caches a request's full blocks when it allocates their slots.
+
+    The engine's prefix-cache timing decides how often a prefix shared by requests arriving
+    together is prefilled, so a vLLM release that moved ``cache_blocks`` out of
+    ``allocate_slots`` (to after the step, say) would make vllm-sim's fan-out figures wrong.
+    """
+    tree = ast.parse(source)
+    for cls in ast.walk(tree):
+        if not (isinstance(cls, ast.ClassDef) and cls.name == "KVCacheManager"):
+            continue
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name == "allocate_slots":
+                calls = [n.func.attr for n in ast.walk(fn)
+                         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+                if "cache_blocks" in calls:
+                    print(f"{KV_CACHE_MANAGER}: allocate_slots caches blocks when they are "
+                          "scheduled, as vllm-sim's engine does")
+                    return
+                fail("KVCacheManager.allocate_slots no longer calls cache_blocks: "
+                     "vllm-sim's Engine::cache_scheduled caches blocks when they are scheduled")
+                return
+    fail(f"no KVCacheManager.allocate_slots in {KV_CACHE_MANAGER}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_wheel = next(iter(sorted(glob.glob("/tmp/vllmwheel/vllm-0.33.0-*.whl"))), None)
@@ -850,6 +880,7 @@ def main() -> None:
     check_capture(out, mods["map"])
     check_metrics(metrics_out, names)
     check_agents(metrics_out / "agent_capture.json", fields)
+    check_cache_point(read(KV_CACHE_MANAGER))
     if args.metrics_route:
         check_metrics_route(read, args.capture or args.capture_agents)
     if FAILURES:

@@ -14,8 +14,11 @@
 //! was preempted, waiting requests are admitted first-come-first-served while the batch has
 //! room, budget is left and their blocks fit. A newly admitted request reuses the longest run
 //! of cached full blocks of its tokens, but always recomputes at least its last token. Blocks
-//! that become full are cached (and published in one `BlockStored` per request and step) even
-//! when another request cached the same tokens concurrently, as vLLM does not de-duplicate.
+//! are cached (and published in one `BlockStored` per request and step) as soon as the tokens
+//! that fill them are scheduled, as vLLM's `KVCacheManager.allocate_slots` commits them, so a
+//! request admitted later in the same step, or beside another's chunked prefill, already
+//! finds them. The pool still keeps a second copy when two requests compute the same block
+//! (vLLM does not de-duplicate either).
 //!
 //! Step duration = `decode_step_s_min + (decode_step_s_full - decode_step_s_min) *
 //! batch_kv_tokens / kv_capacity_tokens + prefill_tokens / prefill_tokens_per_s`, times
@@ -687,6 +690,7 @@ impl Engine {
                 break;
             }
             self.grow(id, need);
+            self.cache_scheduled(id, num_new, &mut out);
             scheduled.push((id, num_new));
             budget -= num_new;
             i += 1;
@@ -715,6 +719,7 @@ impl Engine {
             {
                 lora_loads += 1;
             }
+            self.cache_scheduled(id, admitted, &mut out);
             self.waiting.remove(j);
             self.running.push(id);
             scheduled.push((id, admitted));
@@ -755,7 +760,7 @@ impl Engine {
         out.num_batched_tokens = scheduled.iter().map(|(_, n)| n).sum();
         self.stats.steps += 1;
 
-        // 4. Results: cache newly full blocks, sample tokens, finish requests.
+        // 4. Results: sample tokens, finish requests.
         let mut finished = Vec::new();
         for (id, n) in scheduled {
             self.complete(id, n, end_s, &mut out, &mut finished);
@@ -962,23 +967,21 @@ impl Engine {
         }
     }
 
-    fn complete(
-        &mut self,
-        id: RequestId,
-        n: u32,
-        end_s: f64,
-        out: &mut StepOutput,
-        finished: &mut Vec<RequestId>,
-    ) {
+    /// Caches the blocks that `n` more tokens of request `id` fill, when they are scheduled.
+    /// vLLM 0.33 commits a request's full blocks in `KVCacheManager.allocate_slots`, before
+    /// the step runs, so a request admitted later in the same step, or while this one's
+    /// chunked prefill goes on, already finds them; the step's KV writes precede its
+    /// attention reads layer by layer. Evictions caused so far are published first, in the
+    /// order vLLM's block pool queues its events.
+    fn cache_scheduled(&mut self, id: RequestId, n: u32, out: &mut StepOutput) {
+        self.flush_evictions(out);
         let bs = self.block_size;
         let emit = self.cfg.kv_events;
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
-        r.num_computed += n;
-
-        // Cache the blocks that just became full, one BlockStored per contiguous run.
-        let full = r.num_computed / bs;
+        // Cache the blocks that become full, one BlockStored per contiguous run.
+        let full = (r.num_computed + n) / bs;
         let stored_from = out.kv_events.len();
         if full > r.num_registered {
             r.hashes_up_to(full as usize, bs as usize);
@@ -1022,9 +1025,20 @@ impl Engine {
             r.num_registered = full;
             self.window_copies(&mut out.kv_events, stored_from);
         }
+    }
+
+    fn complete(
+        &mut self,
+        id: RequestId,
+        n: u32,
+        end_s: f64,
+        out: &mut StepOutput,
+        finished: &mut Vec<RequestId>,
+    ) {
         let Some(r) = self.reqs.get_mut(&id) else {
             return;
         };
+        r.num_computed += n;
 
         if r.num_computed < r.tokens.len() as u32 {
             return; // chunked prefill continues next step
@@ -1421,16 +1435,17 @@ mod tests {
     }
 
     #[test]
-    fn identical_concurrent_prompts_cache_duplicate_blocks() {
+    fn a_request_admitted_in_the_same_step_finds_the_blocks_scheduled_before_it() {
         let mut e = Engine::new(tiny(8)).unwrap();
         let prompt = toks(0..9); // two full blocks
         e.add_request(req(1, &prompt, 1)).unwrap();
         e.add_request(req(2, &prompt, 1)).unwrap();
         let outs = drain(&mut e, 0.0);
-        // Admitted in the same step, neither finds the other's blocks...
+        // vLLM commits request 1's blocks when it schedules them, so request 2, admitted
+        // right after it in the same step, hits them and computes only its last token.
         let s = summaries(&outs);
-        assert_eq!((s[&1].cached_tokens, s[&2].cached_tokens), (0, 0));
-        // ...so both cache (and publish) them, as vLLM does.
+        assert_eq!((s[&1].cached_tokens, s[&2].cached_tokens), (0, 8));
+        assert_eq!(outs[0].num_batched_tokens, 9 + 1);
         let h = hashes(&prompt, 4);
         let stored: Vec<Vec<u64>> = outs
             .iter()
@@ -1440,22 +1455,38 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(stored, vec![h[..2].to_vec(), h[..2].to_vec()]);
-        assert_eq!(e.stats().num_cached_blocks, 4);
-        // A later identical prompt hits the first copy.
-        e.add_request(req(3, &prompt, 1)).unwrap();
-        assert_eq!(summaries(&drain(&mut e, 1.0))[&3].cached_tokens, 8);
-        // Pressure evicts both copies, each reported: tail blocks first, request 2's copies
-        // (freed after request 1's, then re-freed by request 3) last.
-        e.add_request(req(4, &toks(100..129), 1)).unwrap();
-        let outs = drain(&mut e, 2.0);
-        let mut got = removed(&outs);
-        assert_eq!(got.len(), 4);
-        got.sort_unstable();
-        let mut want = vec![h[0], h[0], h[1], h[1]];
-        want.sort_unstable();
-        assert_eq!(got, want);
-        assert_eq!(e.stats().num_cached_blocks, 7, "request 4's full blocks");
+        assert_eq!(stored, vec![h[..2].to_vec()], "stored once");
+        assert_eq!(e.stats().num_cached_blocks, 2);
+    }
+
+    #[test]
+    fn a_request_arriving_during_another_s_chunked_prefill_finds_all_it_scheduled() {
+        let mut cfg = tiny(16);
+        cfg.profile.max_num_batched_tokens = 5;
+        let mut e = Engine::new(cfg).unwrap();
+        let prompt = toks(0..13); // three full blocks
+        e.add_request(req(1, &prompt, 1)).unwrap();
+        let first = e.step(0.0);
+        e.add_request(req(2, &prompt, 1)).unwrap();
+        let mut outs = vec![first];
+        outs.extend(drain(&mut e, outs[0].end_s));
+        // Request 1 takes each step's whole budget until its last chunk (running requests
+        // go first); request 2 is admitted beside that chunk and finds every block request
+        // 1 has scheduled, so the prompt's blocks are computed and published once.
+        let s = summaries(&outs);
+        assert_eq!((s[&1].cached_tokens, s[&2].cached_tokens), (0, 12));
+        let h = hashes(&prompt, 4);
+        let stored: Vec<u64> = outs
+            .iter()
+            .flat_map(|o| &o.kv_events)
+            .filter_map(|e| match e {
+                KvEvent::BlockStored(BlockStored { block_hashes, .. }) => Some(ints(block_hashes)),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert_eq!(stored, h[..3].to_vec());
+        assert_eq!(e.stats().num_cached_blocks, 3);
     }
 
     /// Requests 1 (tokens 0..12) and 2 (100..112), 12 output tokens each, run to idle in 8

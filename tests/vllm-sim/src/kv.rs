@@ -1,7 +1,7 @@
 //! The paged KV block pool with automatic prefix caching, shaped like vLLM 0.33's `BlockPool`.
 //!
-//! Every block has a reference count and, once full and computed, the chained hash of the
-//! tokens it holds. Blocks with no references sit in a free queue (an intrusive doubly linked
+//! Every block has a reference count and, once the tokens that fill it are scheduled, the
+//! chained hash of the tokens it holds. Blocks with no references sit in a free queue (an intrusive doubly linked
 //! list, so touching a cached block is O(1)). Freeing a request's blocks walks them tail first
 //! (vLLM frees `reversed(blocks)`) and, as `BlockPool.free_blocks` does, appends the cached ones
 //! to the back of the queue (they keep their hash and can still be hit) and prepends the
@@ -9,8 +9,8 @@
 //! front, so a cached block is evicted only when no empty block is left, and then the least
 //! recently freed first; within one request, its tail before its head.
 //!
-//! Like vLLM, the pool does not de-duplicate: two requests that compute the same block at the
-//! same time both cache it under the same hash. A lookup returns the copy cached first; each
+//! Like vLLM, the pool does not de-duplicate: two requests that compute the same block (one
+//! admitted before the other scheduled it) both cache it under the same hash. A lookup returns the copy cached first; each
 //! copy's eviction reports the hash once.
 
 use hashbrown::HashMap;
@@ -148,7 +148,7 @@ impl BlockPool {
         }
     }
 
-    /// Marks a full, computed block as holding `hash`. Returns false (and changes nothing)
+    /// Marks a full, scheduled block as holding `hash`. Returns false (and changes nothing)
     /// when the block already holds a hash. A hash already cached in another block is cached
     /// again (a duplicate copy), as vLLM does.
     pub fn register(&mut self, block: BlockId, hash: u64) -> bool {
