@@ -119,6 +119,13 @@ impl EndpointSet {
     }
 }
 
+/// One block's credit to one endpoint as a given touch made it ([`PrefixIndex::claim`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    hash: u64,
+    seq: u64,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Stamp {
     seq: u64,
@@ -201,6 +208,35 @@ impl PrefixIndex {
             .extend((first_seq..).zip(hashes).map(|(seq, &h)| (h, seq)));
         self.compact(id);
         self.evict_over_capacity(id);
+    }
+
+    /// The touch that last marked `hash` as held by `id`, to hand to [`PrefixIndex::unclaim`]
+    /// later; `None` when `id` does not hold it.
+    pub fn claim(&self, id: EndpointId, hash: u64) -> Option<Claim> {
+        let stamp = self.endpoints.get(usize::from(id.0))?.live.get(&hash)?;
+        Some(Claim {
+            hash,
+            seq: stamp.seq,
+        })
+    }
+
+    /// Takes back a block credited to `id` by a request its engine then refused unprefilled
+    /// (a 400, a 5xx before any token): unless a later request touched the block since, `id`
+    /// no longer holds it. The request's first newly credited block is enough: a prefix match
+    /// stops at the first block missing, so the blocks after it can no longer be matched there,
+    /// and they leave with the LRU order or the TTL.
+    pub fn unclaim(&mut self, id: EndpointId, claim: Claim) {
+        let Some(slot) = self.endpoints.get_mut(usize::from(id.0)) else {
+            return;
+        };
+        if slot
+            .live
+            .get(&claim.hash)
+            .is_some_and(|s| s.seq == claim.seq)
+        {
+            slot.live.remove(&claim.hash);
+            self.unset_holder(claim.hash, id);
+        }
     }
 
     /// Marks the leading `hashes` that `id` already holds as just used, adding nothing: a cache
@@ -463,6 +499,26 @@ mod tests {
         assert_eq!(depths(&idx, &[1, 2]), vec![(200, 1)]);
         idx.clear_endpoint(EndpointId(200));
         assert_eq!(idx.distinct_blocks(), 0);
+    }
+
+    #[test]
+    fn an_unclaimed_block_ends_the_prefix_unless_touched_since() {
+        let mut idx = PrefixIndex::new(u64::MAX / 2);
+        let (a, b) = (EndpointId(0), EndpointId(1));
+        idx.insert(a, &[1, 2, 3], 0);
+        idx.insert(b, &[1, 2, 3], 0);
+        let claim = idx.claim(a, 2).unwrap();
+        assert_eq!(idx.claim(a, 9), None);
+        idx.unclaim(a, claim);
+        assert_eq!(depths(&idx, &[1, 2, 3]), vec![(0, 1), (1, 3)]);
+        // Again: a stale claim changes nothing.
+        idx.unclaim(a, claim);
+        assert!(idx.holds(b, 2) && idx.holds(a, 3));
+        // A touch after the claim was taken makes it stale.
+        let claim = idx.claim(b, 2).unwrap();
+        idx.insert(b, &[1, 2], 1);
+        idx.unclaim(b, claim);
+        assert!(idx.holds(b, 2));
     }
 
     #[test]

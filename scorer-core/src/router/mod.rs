@@ -24,7 +24,7 @@ use crate::address::EndpointAddress;
 use crate::affinity::SessionStats;
 use crate::calibration::{Calibrated, EndpointCalibration, EngineCounters, Prior};
 use crate::disagg::EndpointRole;
-use crate::index::{EndpointId, EndpointSet, MAX_ENDPOINTS, PrefixIndex};
+use crate::index::{Claim, EndpointId, EndpointSet, MAX_ENDPOINTS, PrefixIndex};
 use crate::latency::{
     EndpointLatencyModel, LatencyConfig, LatencyFeatures, LatencyPrediction, Observation,
     PredictionErrors,
@@ -416,6 +416,9 @@ struct InFlight {
     /// The first block of the prompt as the router hashed it for the KV-event index (precise
     /// requests), looked up there once the endpoint served it ([`EventHashCheck`]).
     first_token_block: Option<u64>,
+    /// The first block the decision newly credited to its endpoint in the approximate index,
+    /// taken back if the engine refuses the request unprefilled ([`PrefixIndex::unclaim`]).
+    claim: Option<Claim>,
 }
 
 impl InFlight {
@@ -2174,7 +2177,7 @@ impl Router {
         let state = self.slots[usize::from(chosen.0)]
             .as_ref()
             .map_or(RoutingState::Exact, Slot::routing_state);
-        let entry = InFlight {
+        let mut entry = InFlight {
             endpoint: chosen,
             predicted_cached_tokens,
             believed_cached_tokens,
@@ -2196,6 +2199,7 @@ impl Router {
             precise: chosen_score.precise,
             state,
             first_token_block: request.token_block_hashes.first().copied(),
+            claim: None,
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -2211,6 +2215,19 @@ impl Router {
             slot.inflight_kv.add(&entry);
         }
         self.index.insert(chosen, &request.block_hashes, now_ms);
+        // Scoring matched this deep (the same call filled the buffer): the block after it is
+        // the first this decision credits.
+        let held = self
+            .scratch
+            .depths
+            .matched
+            .get(usize::from(chosen.0))
+            .copied()
+            .unwrap_or(0);
+        entry.claim = request
+            .block_hashes
+            .get(held)
+            .and_then(|&h| self.index.claim(chosen, h));
         if shape.precise {
             self.precise
                 .speculative
@@ -2407,6 +2424,15 @@ impl Router {
         // instead of pricing the endpoint as busy until it would have drained.
         let refused =
             !(200..300).contains(&outcome.status) && outcome.completion_tokens.unwrap_or(0) == 0;
+        // An HTTP error before any token: the engine cached nothing for it, so the prefix the
+        // decision credited is taken back. (A reset stream, status 0, may have been dropped
+        // mid-prefill, after vLLM cached the blocks it had scheduled: its credit stays.)
+        if refused
+            && (400..600).contains(&outcome.status)
+            && let Some(claim) = entry.claim
+        {
+            self.index.unclaim(entry.endpoint, claim);
+        }
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.release(&entry);
             if refused {

@@ -803,6 +803,49 @@ fn a_refused_request_refunds_its_prefill_backlog() {
     assert_eq!(backlog(&r), before);
 }
 
+// An engine that refused a request (a 400, a 5xx before any token) cached none of it: the
+// prefix the decision credited to it is taken back, or the same prompt, sent again, would be
+// routed there as a hit. A reset stream may have been dropped mid-prefill, after vLLM cached
+// what it had scheduled, and a later decision's touch is that decision's credit: both stay.
+#[test]
+fn a_refused_request_takes_back_the_prefix_it_credited() {
+    let text = "a prompt the engine will refuse ".repeat(40);
+    let outcome = |d: &Decision, status: u16| Outcome {
+        decision_id: d.response.decision_id,
+        endpoint: d.response.endpoints[0].clone(),
+        status,
+        ..Outcome::default()
+    };
+    let again = |r: &mut Router| r.route(&request(&text), 60_000, 9).response.cached_blocks;
+    for (status, kept) in [(400, false), (503, false), (0, true)] {
+        let mut r = router(4);
+        let d = r.route(&request(&text), 0, 1);
+        r.feedback(&outcome(&d, status), 5);
+        assert_eq!(again(&mut r) > 0, kept, "status {status}");
+    }
+    // Refused after a second decision touched the same blocks: they are its credit now.
+    let mut r = router(4);
+    let first = r.route(&request(&text), 0, 1);
+    let second = r.route(&request(&text), 1, 2);
+    assert_eq!(first.response.endpoints[0], second.response.endpoints[0]);
+    r.feedback(&outcome(&first, 400), 5);
+    assert!(again(&mut r) > 0);
+    // A prefix the endpoint held before the refused request keeps its credit; only what the
+    // request added goes.
+    let longer = format!("{text}{}", "and a refused follow-up ".repeat(40));
+    let follow_up = |status: u16| {
+        let mut r = router(4);
+        let served = r.route(&request(&text), 0, 1);
+        r.feedback(&outcome(&served, 200), 5);
+        let next = r.route(&request(&longer), 10, 2);
+        assert_eq!(next.response.endpoints[0], served.response.endpoints[0]);
+        r.feedback(&outcome(&next, status), 15);
+        r.route(&request(&longer), 60_000, 3).response.cached_blocks
+    };
+    let (kept, whole) = (follow_up(400), follow_up(200));
+    assert!(kept > 0 && kept < whole, "{kept} of {whole}");
+}
+
 // Issue #18: an endpoint whose engine delivers none of the hits the index believes it holds
 // (prefix caching off, another chat template, a salt left out of the hash) goes load-only:
 // its prefix is no longer credited. When it delivers again, it is trusted again.
