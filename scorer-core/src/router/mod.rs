@@ -419,6 +419,8 @@ struct InFlight {
     /// The first block the decision newly credited to its endpoint in the approximate index,
     /// taken back if the engine refuses the request unprefilled ([`PrefixIndex::unclaim`]).
     claim: Option<Claim>,
+    /// The same in the speculative index (precise requests).
+    speculative_claim: Option<Claim>,
 }
 
 impl InFlight {
@@ -2200,6 +2202,7 @@ impl Router {
             state,
             first_token_block: request.token_block_hashes.first().copied(),
             claim: None,
+            speculative_claim: None,
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -2232,6 +2235,17 @@ impl Router {
             self.precise
                 .speculative
                 .insert(chosen, &request.token_block_hashes, now_ms);
+            let held = self
+                .scratch
+                .depths
+                .spec
+                .get(usize::from(chosen.0))
+                .copied()
+                .unwrap_or(0);
+            entry.speculative_claim = request
+                .token_block_hashes
+                .get(held)
+                .and_then(|&h| self.precise.speculative.claim(chosen, h));
             // The engine's hit refreshes these blocks in its LRU order; no event says so.
             self.precise
                 .gpu
@@ -2427,11 +2441,13 @@ impl Router {
         // An HTTP error before any token: the engine cached nothing for it, so the prefix the
         // decision credited is taken back. (A reset stream, status 0, may have been dropped
         // mid-prefill, after vLLM cached the blocks it had scheduled: its credit stays.)
-        if refused
-            && (400..600).contains(&outcome.status)
-            && let Some(claim) = entry.claim
-        {
-            self.index.unclaim(entry.endpoint, claim);
+        if refused && (400..600).contains(&outcome.status) {
+            if let Some(claim) = entry.claim {
+                self.index.unclaim(entry.endpoint, claim);
+            }
+            if let Some(claim) = entry.speculative_claim {
+                self.precise.speculative.unclaim(entry.endpoint, claim);
+            }
         }
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.release(&entry);

@@ -365,3 +365,29 @@ fn an_engine_whose_events_never_hold_the_routers_blocks_is_degraded_until_they_d
         Some(StateReason::KvEventGap)
     );
 }
+
+// The speculative index credits a routed precise request's blocks until the engine's events
+// confirm them; a request the engine refused unprefilled never will, so its credit goes.
+#[test]
+fn a_refused_precise_request_takes_back_its_speculative_blocks() {
+    let tokens: Vec<u32> = (0..321).collect();
+    for (status, kept) in [(400, false), (0, true)] {
+        let mut r = router();
+        let d = r.route(&request(&tokens), 10, 3);
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: d.response.endpoints[0].clone(),
+                status,
+                ..Outcome::default()
+            },
+            20,
+        );
+        let again = r.route(&request(&tokens), 30, 4);
+        assert_eq!(
+            again.candidates[0].cached_blocks > 0,
+            kept,
+            "status {status}"
+        );
+    }
+}
