@@ -95,6 +95,12 @@ fn start_topology() -> Result<Topology, String> {
         .map_err(|e| format!("tokio runtime: {e}"))?;
     let mut cfg = common::fleet_config("e2e-bad-input", 2, MODEL);
     cfg.sim_args = vec!["--speed".into(), "5".into()];
+    // The affinity cases check that an odd body is routed like its well-formed twin. The router
+    // prices a request's decode by its `max_tokens` capped at `default_output_tokens`, so the
+    // twin of a body asking for 2^40 tokens, asking for 2, would be priced 150 times lighter
+    // and stay where the cases running beside it move the odd one by load. Capped at the
+    // twins' 2, every body here is priced alike.
+    cfg.control_plane_router = json!({"scoring": {"default_output_tokens": 2}});
     let fleet = rt
         .block_on(Fleet::start(cfg, &tools))
         .map_err(|e| format!("starting the bad-input fleet: {e}"))?;
