@@ -119,11 +119,33 @@ impl EndpointSet {
     }
 }
 
-/// One block's credit to one endpoint as a given touch made it ([`PrefixIndex::claim`]).
+/// The consecutive touches one [`PrefixIndex::insert`] stamped its blocks with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Touches {
+    first: u64,
+    len: u64,
+}
+
+impl Touches {
+    /// A claim on the blocks after the first `held` (those the endpoint held already are not
+    /// this insert's to take back); `None` when there are none.
+    pub fn claim_after(self, held: usize) -> Option<Claim> {
+        let held = held as u64;
+        (held < self.len).then_some(Claim {
+            seq: self.first + held,
+            blocks: self.len - held,
+        })
+    }
+}
+
+/// The blocks one insert credited to one endpoint, as its touches stamped them
+/// ([`Touches::claim_after`]), to take back with [`PrefixIndex::unclaim`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Claim {
-    hash: u64,
+    /// The first block's touch.
     seq: u64,
+    /// How many consecutive touches from it.
+    blocks: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -186,8 +208,9 @@ impl PrefixIndex {
         &mut self.endpoints[i]
     }
 
-    /// Records that `id` now holds `hashes` (touching them as most recently used).
-    pub fn insert(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) {
+    /// Records that `id` now holds `hashes` (touching them as most recently used). Returns the
+    /// touches it stamped them with, from which a [`Claim`] on a tail of them can be made.
+    pub fn insert(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) -> Touches {
         self.slot(id);
         let slot = &mut self.endpoints[usize::from(id.0)];
         let first_seq = self.seq + 1;
@@ -208,35 +231,38 @@ impl PrefixIndex {
             .extend((first_seq..).zip(hashes).map(|(seq, &h)| (h, seq)));
         self.compact(id);
         self.evict_over_capacity(id);
+        Touches {
+            first: first_seq,
+            len: hashes.len() as u64,
+        }
     }
 
-    /// The touch that last marked `hash` as held by `id`, to hand to [`PrefixIndex::unclaim`]
-    /// later; `None` when `id` does not hold it.
-    pub fn claim(&self, id: EndpointId, hash: u64) -> Option<Claim> {
-        let stamp = self.endpoints.get(usize::from(id.0))?.live.get(&hash)?;
-        Some(Claim {
-            hash,
-            seq: stamp.seq,
-        })
-    }
-
-    /// Takes back a block credited to `id` by a request its engine then refused unprefilled
-    /// (a 400, a 5xx before any token): unless a later request touched the block since, `id`
-    /// no longer holds it. The request's first newly credited block is enough: a prefix match
-    /// stops at the first block missing, so the blocks after it can no longer be matched there,
-    /// and they leave with the LRU order or the TTL.
+    /// Takes back the blocks credited to `id` for a request its engine then refused
+    /// unprefilled (a 400, a 5xx before any token), except those a later request touched
+    /// since. All of them go, not only the first: they would keep their share of `id`'s
+    /// capacity bound and evict blocks the engine does hold (a refused prompt longer than the
+    /// model's context is the common case, and the longest). One insert stamps its blocks
+    /// with consecutive touches, so they are found in the touch queue by one binary search.
     pub fn unclaim(&mut self, id: EndpointId, claim: Claim) {
         let Some(slot) = self.endpoints.get_mut(usize::from(id.0)) else {
             return;
         };
-        if slot
-            .live
-            .get(&claim.hash)
-            .is_some_and(|s| s.seq == claim.seq)
-        {
-            slot.live.remove(&claim.hash);
-            self.unset_holder(claim.hash, id);
+        let end = claim.seq.saturating_add(claim.blocks);
+        let from = slot.order.partition_point(|&(_, seq)| seq < claim.seq);
+        let mut taken = Vec::new();
+        for &(h, seq) in slot.order.range(from..) {
+            if seq >= end {
+                break;
+            }
+            if slot.live.get(&h).is_some_and(|s| s.seq == seq) {
+                slot.live.remove(&h);
+                taken.push(h);
+            }
         }
+        for h in taken {
+            self.unset_holder(h, id);
+        }
+        self.compact(id);
     }
 
     /// Marks the leading `hashes` that `id` already holds as just used, adding nothing: a cache
@@ -502,23 +528,41 @@ mod tests {
     }
 
     #[test]
-    fn an_unclaimed_block_ends_the_prefix_unless_touched_since() {
+    fn unclaimed_blocks_leave_unless_touched_since() {
         let mut idx = PrefixIndex::new(u64::MAX / 2);
         let (a, b) = (EndpointId(0), EndpointId(1));
-        idx.insert(a, &[1, 2, 3], 0);
-        idx.insert(b, &[1, 2, 3], 0);
-        let claim = idx.claim(a, 2).unwrap();
-        assert_eq!(idx.claim(a, 9), None);
+        idx.insert(b, &[1, 2, 3, 4], 0);
+        idx.insert(a, &[1], 0);
+        // `a` already held block 1; the insert credits 2, 3 and 4.
+        let claim = idx.insert(a, &[1, 2, 3, 4], 1).claim_after(1).unwrap();
+        assert_eq!(idx.insert(a, &[1], 1).claim_after(1), None);
+        // A later request touches block 3: its credit stays.
+        idx.insert(a, &[1, 2, 3], 2);
         idx.unclaim(a, claim);
-        assert_eq!(depths(&idx, &[1, 2, 3]), vec![(0, 1), (1, 3)]);
+        assert_eq!(depths(&idx, &[1, 2, 3, 4]), vec![(0, 3), (1, 4)]);
+        assert!(!idx.holds(a, 4) && idx.holds(b, 4));
+        assert_eq!(idx.len_for(a), 3);
         // Again: a stale claim changes nothing.
         idx.unclaim(a, claim);
-        assert!(idx.holds(b, 2) && idx.holds(a, 3));
-        // A touch after the claim was taken makes it stale.
-        let claim = idx.claim(b, 2).unwrap();
-        idx.insert(b, &[1, 2], 1);
+        assert_eq!(idx.len_for(a), 3);
+        // Untouched, every credited block goes, and its share of the capacity with it.
+        let claim = idx.insert(b, &[1, 2, 3, 4], 3).claim_after(0).unwrap();
         idx.unclaim(b, claim);
-        assert!(idx.holds(b, 2));
+        assert_eq!(idx.len_for(b), 0);
+        assert_eq!(depths(&idx, &[1, 2, 3, 4]), vec![(0, 3)]);
+    }
+
+    #[test]
+    fn a_claim_outlives_its_first_blocks_eviction() {
+        // A prompt longer than the endpoint's capacity evicts its own first blocks; the rest
+        // are still taken back.
+        let mut idx = PrefixIndex::new(u64::MAX / 2);
+        let a = EndpointId(0);
+        idx.set_capacity(a, 3);
+        let claim = idx.insert(a, &[1, 2, 3, 4, 5], 0).claim_after(0).unwrap();
+        assert_eq!(idx.len_for(a), 3);
+        idx.unclaim(a, claim);
+        assert_eq!(idx.len_for(a), 0);
     }
 
     #[test]

@@ -416,8 +416,8 @@ struct InFlight {
     /// The first block of the prompt as the router hashed it for the KV-event index (precise
     /// requests), looked up there once the endpoint served it ([`EventHashCheck`]).
     first_token_block: Option<u64>,
-    /// The first block the decision newly credited to its endpoint in the approximate index,
-    /// taken back if the engine refuses the request unprefilled ([`PrefixIndex::unclaim`]).
+    /// The blocks the decision newly credited to its endpoint in the approximate index, taken
+    /// back if the engine refuses the request unprefilled ([`PrefixIndex::unclaim`]).
     claim: Option<Claim>,
     /// The same in the speculative index (precise requests).
     speculative_claim: Option<Claim>,
@@ -2217,35 +2217,19 @@ impl Router {
             slot.inflight += 1;
             slot.inflight_kv.add(&entry);
         }
-        self.index.insert(chosen, &request.block_hashes, now_ms);
-        // Scoring matched this deep (the same call filled the buffer): the block after it is
-        // the first this decision credits.
-        let held = self
-            .scratch
-            .depths
-            .matched
-            .get(usize::from(chosen.0))
-            .copied()
-            .unwrap_or(0);
-        entry.claim = request
-            .block_hashes
-            .get(held)
-            .and_then(|&h| self.index.claim(chosen, h));
+        // Scoring matched this deep (the same call filled the buffer): the blocks after it are
+        // the ones this decision credits.
+        let held = |depths: &[usize]| depths.get(usize::from(chosen.0)).copied().unwrap_or(0);
+        entry.claim = self
+            .index
+            .insert(chosen, &request.block_hashes, now_ms)
+            .claim_after(held(&self.scratch.depths.matched));
         if shape.precise {
-            self.precise
+            entry.speculative_claim = self
+                .precise
                 .speculative
-                .insert(chosen, &request.token_block_hashes, now_ms);
-            let held = self
-                .scratch
-                .depths
-                .spec
-                .get(usize::from(chosen.0))
-                .copied()
-                .unwrap_or(0);
-            entry.speculative_claim = request
-                .token_block_hashes
-                .get(held)
-                .and_then(|&h| self.precise.speculative.claim(chosen, h));
+                .insert(chosen, &request.token_block_hashes, now_ms)
+                .claim_after(held(&self.scratch.depths.spec));
             // The engine's hit refreshes these blocks in its LRU order; no event says so.
             self.precise
                 .gpu
