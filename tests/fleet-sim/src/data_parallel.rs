@@ -148,6 +148,13 @@ impl Policy for RankBlind {
             .on_finish(id, replica / self.ranks, now_ms, cached_tokens);
     }
 
+    fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
+        if let Some(n) = self.in_flight.get_mut(replica) {
+            *n = n.saturating_sub(1);
+        }
+        self.inner.on_refused(id, replica / self.ranks, now_ms);
+    }
+
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_ms: f64) {
         self.inner
             .on_kv_events(replica / self.ranks, events, now_ms);

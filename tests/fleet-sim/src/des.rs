@@ -360,7 +360,7 @@ pub fn run_with(
                 records[i].rejected = true;
                 unresolved -= 1;
                 if unseen.is_none() {
-                    policy.on_finish(i, replica, now, 0);
+                    policy.on_refused(i, replica, now);
                 }
                 release(i, now, &mut queue);
             }
@@ -539,13 +539,15 @@ pub(crate) fn start_step<E>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::{client_max_tokens, from_spec};
+    use crate::workload::{RequestSpec, client_max_tokens, from_spec};
+    use scorer_core::protocol::ApiKind;
 
     /// Records what a router is shown, routing round robin.
     #[derive(Default)]
     struct Spy {
         seen: Vec<(usize, Option<u32>)>,
         finished: Vec<usize>,
+        refused: Vec<usize>,
         scrapes: Vec<f64>,
         interval: Option<f64>,
         next: usize,
@@ -568,6 +570,40 @@ mod tests {
         fn on_finish(&mut self, request: usize, _: usize, _: f64, _: u32) {
             self.finished.push(request);
         }
+        fn on_refused(&mut self, request: usize, _: usize, _: f64) {
+            self.refused.push(request);
+        }
+    }
+
+    // A prompt longer than the model's context is refused by the engine; the router hears of
+    // it as vLLM's 400, not as a request served with nothing cached, and kvroute keeps no
+    // prefix credit for it: the same prompt again is not a hit anywhere.
+    #[test]
+    fn a_refused_prompt_reaches_the_router_as_refused() {
+        let request = |arrival_ms: f64, tokens: u32| RequestSpec {
+            arrival_ms,
+            prompt: PromptSource::Segments(vec![(7, tokens)]),
+            output_tokens: 4,
+            session: None,
+        };
+        let workload = Workload {
+            name: "refused".into(),
+            requests: vec![
+                request(0.0, 200_000),
+                request(10.0, 300),
+                request(20.0, 200_000),
+            ],
+            cache_control: Default::default(),
+            api: ApiKind::Chat,
+        };
+        let mut spy = Spy::default();
+        let result = run(&workload, &mut spy, &cfg()).unwrap();
+        assert_eq!(spy.refused, vec![0, 2]);
+        assert_eq!(spy.finished, vec![1]);
+        assert!(result.records[0].rejected && result.records[2].rejected);
+        let mut kvroute = crate::policy::build("kvroute", 2, 1).unwrap();
+        run(&workload, kvroute.as_mut(), &cfg()).unwrap();
+        assert_eq!(kvroute.predicted_cached_tokens(2), Some(0));
     }
 
     // Traffic that bypasses the router is picked per session, never reaches the policy (no

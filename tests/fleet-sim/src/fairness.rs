@@ -281,7 +281,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                 {
                     shed[i] = true;
                     outstanding -= 1;
-                    router.on_finish(i, replica, now, 0);
+                    router.on_refused(i, replica, now);
                 }
             }
             Event::StepDone(r) => {

@@ -93,6 +93,12 @@ pub trait Policy {
     fn on_first_token(&mut self, _id: usize, _replica: usize, _now_ms: f64) {}
     /// The request finished; `cached_tokens` is what the engine reported.
     fn on_finish(&mut self, _id: usize, _replica: usize, _now_ms: f64, _cached_tokens: u32) {}
+    /// The engine refused the request before computing any of it (a prompt longer than the
+    /// model's context): vLLM answers 400, which is all a real router sees. Policies that only
+    /// count load treat it as finished.
+    fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
+        self.on_finish(id, replica, now_ms, 0);
+    }
     /// KV events of one replica (only delivered when `wants_kv_events`).
     fn on_kv_events(&mut self, _replica: usize, _events: &[KvEvent], _now_ms: f64) {}
     /// Whether this policy consumes KV events.
@@ -1122,6 +1128,13 @@ impl Policy for Kvroute {
             self.router.feedback(&outcome, now_ms as u64);
         }
     }
+    fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
+        self.deliver_first_tokens(now_ms as u64);
+        if let Some((decision_id, _)) = self.decisions.remove(&id) {
+            let outcome = refused(decision_id, &self.addresses[replica]);
+            self.router.feedback(&outcome, now_ms as u64);
+        }
+    }
     fn predicted_cached_tokens(&self, id: usize) -> Option<u32> {
         self.predicted.get(&id).copied()
     }
@@ -1349,6 +1362,47 @@ impl KvrouteLocal {
     }
 }
 
+impl KvrouteLocal {
+    /// Reports a request's outcome where its decision was taken: served with `cached` tokens,
+    /// or refused unprefilled (`None`, vLLM's 400).
+    fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
+        self.catch_up(now_ms);
+        let Some(decision) = self.decisions.remove(&id) else {
+            return;
+        };
+        let endpoint = &self.central.addresses[replica];
+        let outcome = match cached {
+            Some(cached_tokens) => Outcome {
+                decision_id: decision.decision_id,
+                endpoint: endpoint.clone(),
+                status: 200,
+                prompt_tokens: Some(decision.prompt_tokens),
+                cached_tokens: Some(cached_tokens),
+                ..Outcome::default()
+            },
+            None => refused(decision.decision_id, endpoint),
+        };
+        let at = now_ms as u64;
+        match decision.decider {
+            Decider::Copy(index) => self.copies[index].outcome(outcome, at),
+            Decider::Central => {
+                self.central.router.feedback(&outcome, at);
+                self.log.push(SyncEvent::Outcome { origin: 0, outcome }, at);
+            }
+        }
+    }
+}
+
+/// The outcome a proxy reports for a request vLLM refused before computing any of it.
+fn refused(decision_id: u64, endpoint: &str) -> Outcome {
+    Outcome {
+        decision_id,
+        endpoint: endpoint.to_string(),
+        status: 400,
+        ..Outcome::default()
+    }
+}
+
 impl Policy for KvrouteLocal {
     fn name(&self) -> &str {
         &self.name
@@ -1425,26 +1479,10 @@ impl Policy for KvrouteLocal {
         }
     }
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
-        self.catch_up(now_ms);
-        let Some(decision) = self.decisions.remove(&id) else {
-            return;
-        };
-        let outcome = Outcome {
-            decision_id: decision.decision_id,
-            endpoint: self.central.addresses[replica].clone(),
-            status: 200,
-            prompt_tokens: Some(decision.prompt_tokens),
-            cached_tokens: Some(cached_tokens),
-            ..Outcome::default()
-        };
-        let at = now_ms as u64;
-        match decision.decider {
-            Decider::Copy(index) => self.copies[index].outcome(outcome, at),
-            Decider::Central => {
-                self.central.router.feedback(&outcome, at);
-                self.log.push(SyncEvent::Outcome { origin: 0, outcome }, at);
-            }
-        }
+        self.report(id, replica, now_ms, Some(cached_tokens));
+    }
+    fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
+        self.report(id, replica, now_ms, None);
     }
     fn predicted_cached_tokens(&self, id: usize) -> Option<u32> {
         self.predicted.get(&id).copied()
