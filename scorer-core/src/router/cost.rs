@@ -176,12 +176,7 @@ pub(super) fn cost_terms(
     let queue_ms = (slot.backlog_tokens + f64::from(unknown_waiting) * s.unknown_request_tokens)
         / rates.prefill_tokens_per_ms;
     let prefill_ms = uncached / rates.prefill_tokens_per_ms;
-    // The replica's KV capacity in tokens, when its scrape says.
-    let capacity = slot
-        .metrics
-        .and_then(|m| m.capacity_tokens)
-        .filter(|&c| c > 0)
-        .map(|c| c as f64);
+    let capacity = slot.kv_capacity_tokens();
     // Time per output token with the cache `fill` full: the rates' line.
     let itl_at = |fill: f64| {
         rates.itl_ms_idle + (rates.itl_ms_full - rates.itl_ms_idle) * fill.clamp(0.0, 1.0)
@@ -564,9 +559,8 @@ pub(super) fn lost_before_admission(
     gpu_cached_tokens: f64,
     kv_blocks: KvBlocks<'_>,
 ) -> f64 {
-    let capacity = match slot.metrics.and_then(|m| m.capacity_tokens) {
-        Some(c) if c > 0 => c as f64,
-        _ => return 0.0,
+    let Some(capacity) = slot.kv_capacity_tokens() else {
+        return 0.0;
     };
     let ahead = slot.backlog_tokens;
     // Pinned now: what in-flight requests hold, less what the queue has yet to allocate.

@@ -182,6 +182,15 @@ impl Slot {
         (self.backlog_tokens - elapsed * tokens_per_ms).max(0.0)
     }
 
+    /// The replica's KV capacity in tokens, when its scrape says (a capacity of 0 says
+    /// nothing).
+    fn kv_capacity_tokens(&self) -> Option<f64> {
+        self.metrics
+            .and_then(|m| m.capacity_tokens)
+            .filter(|&c| c > 0)
+            .map(|c| c as f64)
+    }
+
     /// Waiting requests the router did not send, and the batch a new request joins: the queue
     /// and batch terms scoring and admission share. `fresh` is the scrape when not stale.
     fn unseen_waiting_and_active(&self, fresh: Option<EndpointMetrics>) -> (u32, u32) {

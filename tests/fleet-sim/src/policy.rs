@@ -1019,6 +1019,17 @@ impl Kvroute {
         }
     }
 
+    /// Reports request `id`'s outcome: served with `cached` tokens, or refused unprefilled
+    /// (`None`, vLLM's 400).
+    fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
+        self.deliver_first_tokens(now_ms as u64);
+        if let Some((decision_id, prompt_tokens)) = self.decisions.remove(&id) {
+            let outcome =
+                proxy_outcome(decision_id, &self.addresses[replica], prompt_tokens, cached);
+            self.router.feedback(&outcome, now_ms as u64);
+        }
+    }
+
     /// The route call the filter would send for `r`: hashes of the text it sees, no tokens
     /// unless precise (shared with `kvroute-local`, so both policies see the same inputs).
     fn route_request(&self, r: &PolicyRequest<'_>) -> RouteRequest {
@@ -1115,25 +1126,10 @@ impl Policy for Kvroute {
         }
     }
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
-        self.deliver_first_tokens(now_ms as u64);
-        if let Some((decision_id, prompt_tokens)) = self.decisions.remove(&id) {
-            let outcome = Outcome {
-                decision_id,
-                endpoint: self.addresses[replica].clone(),
-                status: 200,
-                prompt_tokens: Some(prompt_tokens),
-                cached_tokens: Some(cached_tokens),
-                ..Outcome::default()
-            };
-            self.router.feedback(&outcome, now_ms as u64);
-        }
+        self.report(id, replica, now_ms, Some(cached_tokens));
     }
     fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
-        self.deliver_first_tokens(now_ms as u64);
-        if let Some((decision_id, _)) = self.decisions.remove(&id) {
-            let outcome = refused(decision_id, &self.addresses[replica]);
-            self.router.feedback(&outcome, now_ms as u64);
-        }
+        self.report(id, replica, now_ms, None);
     }
     fn predicted_cached_tokens(&self, id: usize) -> Option<u32> {
         self.predicted.get(&id).copied()
@@ -1360,9 +1356,7 @@ impl KvrouteLocal {
             self.ticks += 1;
         }
     }
-}
 
-impl KvrouteLocal {
     /// Reports a request's outcome where its decision was taken: served with `cached` tokens,
     /// or refused unprefilled (`None`, vLLM's 400).
     fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
@@ -1370,18 +1364,12 @@ impl KvrouteLocal {
         let Some(decision) = self.decisions.remove(&id) else {
             return;
         };
-        let endpoint = &self.central.addresses[replica];
-        let outcome = match cached {
-            Some(cached_tokens) => Outcome {
-                decision_id: decision.decision_id,
-                endpoint: endpoint.clone(),
-                status: 200,
-                prompt_tokens: Some(decision.prompt_tokens),
-                cached_tokens: Some(cached_tokens),
-                ..Outcome::default()
-            },
-            None => refused(decision.decision_id, endpoint),
-        };
+        let outcome = proxy_outcome(
+            decision.decision_id,
+            &self.central.addresses[replica],
+            decision.prompt_tokens,
+            cached,
+        );
         let at = now_ms as u64;
         match decision.decider {
             Decider::Copy(index) => self.copies[index].outcome(outcome, at),
@@ -1393,13 +1381,29 @@ impl KvrouteLocal {
     }
 }
 
-/// The outcome a proxy reports for a request vLLM refused before computing any of it.
-fn refused(decision_id: u64, endpoint: &str) -> Outcome {
-    Outcome {
-        decision_id,
-        endpoint: endpoint.to_string(),
-        status: 400,
-        ..Outcome::default()
+/// The outcome a proxy reports for a request of `prompt_tokens`: served with `cached` tokens
+/// cached, or refused by vLLM before computing any of it (`None`: a 400, no usage).
+fn proxy_outcome(
+    decision_id: u64,
+    endpoint: &str,
+    prompt_tokens: u32,
+    cached: Option<u32>,
+) -> Outcome {
+    match cached {
+        Some(cached_tokens) => Outcome {
+            decision_id,
+            endpoint: endpoint.to_string(),
+            status: 200,
+            prompt_tokens: Some(prompt_tokens),
+            cached_tokens: Some(cached_tokens),
+            ..Outcome::default()
+        },
+        None => Outcome {
+            decision_id,
+            endpoint: endpoint.to_string(),
+            status: 400,
+            ..Outcome::default()
+        },
     }
 }
 
