@@ -50,6 +50,10 @@ vllm-sim use) and the simulator's fixtures 4-6 into ``--metrics-out`` (default
    ``KVCacheManager.allocate_slots`` must call ``cache_blocks`` for the tokens it schedules,
    so a block is found by any request admitted after it is scheduled, before it is computed.
    vllm-sim's engine caches at the same point (``Engine::cache_scheduled``).
+9. How long a request may be (``vllm/entrypoints/serve/utils/api_utils.py``): ``get_max_tokens``
+   must refuse only an input longer than ``max_model_len`` and clamp the output to
+   ``max_model_len - input_length``, as vllm-sim's ``Engine::add_request`` does (a prompt whose
+   ``max_tokens`` overruns the context is served, not refused).
 
 Usage (msgspec, and pyzmq for --capture, in .venv):
 
@@ -87,6 +91,7 @@ KV_EVENTS = "vllm/distributed/kv_events.py"
 KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
 LOGGERS = "vllm/v1/metrics/loggers.py"
 KV_CACHE_MANAGER = "vllm/v1/core/kv_cache_manager.py"
+API_UTILS = "vllm/entrypoints/serve/utils/api_utils.py"
 CLASSES = ["EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
            "KVEventBatch"]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -809,6 +814,34 @@ def check_cache_point(source: str) -> None:
     fail(f"no KVCacheManager.allocate_slots in {KV_CACHE_MANAGER}")
 
 
+def check_context_limit(source: str) -> None:
+    """Check 9: vLLM clamps the output to the context left and refuses only a longer input.
+
+    Which requests an engine refuses decides how much of a long-prompt trace is served at all
+    (and what a router sees come back as a 400), so a vLLM release that refused
+    ``prompt + max_tokens > max_model_len`` again would make vllm-sim's refusals wrong.
+    """
+    for fn in ast.walk(ast.parse(source)):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == "get_max_tokens"):
+            continue
+        raises_on_long_input = any(
+            isinstance(n, ast.If) and ast.unparse(n.test) == "max_model_len < input_length"
+            and any(isinstance(b, ast.Raise) for b in n.body)
+            for n in ast.walk(fn))
+        clamps = any(
+            isinstance(n, ast.Assign) and ast.unparse(n.value) == "max_model_len - input_length"
+            for n in ast.walk(fn))
+        if raises_on_long_input and clamps:
+            print(f"{API_UTILS}: get_max_tokens refuses only an input longer than the context "
+                  "and clamps the output to what is left, as vllm-sim's engine does")
+            return
+        fail("get_max_tokens no longer refuses only max_model_len < input_length and clamps "
+             "the output to max_model_len - input_length: vllm-sim's Engine::add_request "
+             "follows that rule")
+        return
+    fail(f"no get_max_tokens in {API_UTILS}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_wheel = next(iter(sorted(glob.glob("/tmp/vllmwheel/vllm-0.33.0-*.whl"))), None)
@@ -881,6 +914,7 @@ def main() -> None:
     check_metrics(metrics_out, names)
     check_agents(metrics_out / "agent_capture.json", fields)
     check_cache_point(read(KV_CACHE_MANAGER))
+    check_context_limit(read(API_UTILS))
     if args.metrics_route:
         check_metrics_route(read, args.capture or args.capture_agents)
     if FAILURES:

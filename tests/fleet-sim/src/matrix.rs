@@ -13,7 +13,7 @@
 //!   a round-robin pilot run at that rate measures round robin's hit rate `h`, and the final
 //!   rate puts round robin's *uncached* prefill at a fraction of the capacity:
 //!   [`MODERATE_LOAD`] (round robin is busy but keeps up) and [`SATURATING_LOAD`] (it cannot:
-//!   with decode steps on top, its queues grow for the whole run). Requests longer than the
+//!   with decode steps on top, its queues grow for the whole run). Prompts that fill the
 //!   pool's `max_model_len` are refused by the engines and left out of the offered load.
 //!   Closed-loop workloads (multi-turn, agentic: a turn waits for the previous one) keep their
 //!   think and tool times; their sessions start at the rate that offers that load, and a
@@ -204,7 +204,7 @@ impl Pool {
             .sum()
     }
 
-    /// The longest request every replica accepts.
+    /// The context every replica accepts: a shorter prompt is served, its output clamped.
     pub fn max_model_len(&self) -> u32 {
         self.profiles
             .iter()
@@ -476,7 +476,7 @@ fn cell_workload(
     // Requests no replica accepts are left out of the offered load (the engines refuse them).
     let limit = cell.pool.max_model_len();
     let fits = (0..w.requests.len())
-        .filter(|&i| w.prompt_len(i) + w.requests[i].output_tokens <= limit)
+        .filter(|&i| w.prompt_len(i) < limit)
         .count() as f64
         / w.requests.len().max(1) as f64;
     let capacity = cell.pool.prefill_capacity(replicas) / fits.max(1e-3);

@@ -509,15 +509,27 @@ impl Engine {
                 "max_tokens must be at least 1".into(),
             ));
         }
+        // vLLM 0.33 refuses only a prompt that leaves no room for one output token and clamps
+        // the output to the context left (`get_max_tokens` in
+        // `vllm/entrypoints/serve/utils/api_utils.py`); a `max_tokens` above the whole context
+        // is refused before the engine (the server's check).
         let prompt = req.prompt_tokens.len() as u64;
-        let total = prompt + u64::from(req.max_output_tokens);
-        if total > u64::from(p.max_model_len) {
+        let limit = u64::from(p.max_model_len);
+        if prompt == limit {
+            // No room left: the clamped budget is 0, which `SamplingParams` refuses.
+            return Err(SimError::InvalidRequest(
+                "max_tokens must be at least 1, got 0.".into(),
+            ));
+        }
+        if prompt > limit {
             return Err(SimError::InvalidRequest(format!(
-                "this model's maximum context length is {} tokens, but {prompt} prompt tokens \
-                 plus {} output tokens were requested",
-                p.max_model_len, req.max_output_tokens
+                "This model's maximum context length is {limit} tokens. However, your prompt \
+                 contains {prompt} input tokens, which exceeds this limit even without any \
+                 output tokens. Please reduce the length of the input prompt."
             )));
         }
+        let max_output = u64::from(req.max_output_tokens).min(limit - prompt) as u32;
+        let total = prompt + u64::from(max_output);
         let blocks_needed = total.div_ceil(u64::from(self.block_size));
         if blocks_needed > u64::from(self.pool.num_blocks()) {
             return Err(SimError::InvalidRequest(format!(
@@ -542,13 +554,13 @@ impl Engine {
             chain_seed,
         );
         let mut tokens = req.prompt_tokens;
-        tokens.reserve(req.max_output_tokens as usize);
+        tokens.reserve(max_output as usize);
         self.reqs.insert(
             req.id,
             Req {
                 prompt_len: tokens.len() as u32,
                 tokens,
-                max_output: req.max_output_tokens,
+                max_output,
                 lora_id,
                 lora_name,
                 cache_salt: req
@@ -1927,10 +1939,26 @@ mod tests {
             e.add_request(req(1, &[1], 1)),
             Err(SimError::DuplicateRequest(1))
         ));
+    }
+
+    /// vLLM 0.33 serves a prompt whose `max_tokens` overruns the context, generating only as
+    /// many tokens as fit, and refuses a prompt that leaves no room for one.
+    #[test]
+    fn the_output_is_clamped_to_the_context_and_a_full_prompt_refused() {
         let mut cfg = tiny(1 << 20);
         cfg.profile.max_model_len = 100;
         let mut e = Engine::new(cfg).unwrap();
-        assert!(e.add_request(req(1, &toks(0..90), 11)).is_err());
+        e.add_request(req(1, &toks(0..90), 50)).unwrap();
+        let outs = drain(&mut e, 0.0);
+        assert_eq!(outputs(&outs, 1).len(), 10, "clamped to the 10 tokens left");
+        let err = e.add_request(req(2, &toks(0..100), 1)).unwrap_err();
+        assert!(err.to_string().contains("at least 1, got 0"), "{err}");
+        let err = e.add_request(req(3, &toks(0..101), 1)).unwrap_err();
+        assert!(
+            err.to_string().contains("maximum context length is 100"),
+            "{err}"
+        );
+        e.add_request(req(4, &toks(0..99), 1)).unwrap();
     }
 
     #[test]

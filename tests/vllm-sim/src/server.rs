@@ -1403,6 +1403,15 @@ struct StepText {
 impl Generation {
     /// Queues `job` in the engine.
     fn start(s: &Arc<Shared>, job: EngineJob) -> Result<Self, ApiError> {
+        // vLLM's `TokenizeParams` refuses an output budget above the whole context; a smaller
+        // one that overruns the context left is clamped by the engine.
+        if let Some(max) = job.max_tokens.filter(|&m| m > s.max_model_len) {
+            return Err(bad_request(format!(
+                "max_tokens={max} cannot be greater than max_model_len={}. Please request \
+                 fewer output tokens.",
+                s.max_model_len
+            )));
+        }
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         let arrival_s = s.clock.now();

@@ -426,7 +426,11 @@ async fn failure_injection_and_clear_errors() {
     assert_eq!(post(&c, &url, unknown).await.status, 404);
     let r = post(&c, &url, chat("hi", 200_000, false)).await;
     assert_eq!(r.status, 400);
-    assert!(error_message(&r).contains("maximum context length"));
+    assert!(
+        error_message(&r).contains("cannot be greater than max_model_len=131072"),
+        "{}",
+        error_message(&r)
+    );
     assert_eq!(post(&c, &url, json!({"messages": []})).await.status, 400);
     assert_eq!(
         post(&c, &format!("{base}/sim/fault"), json!({"bogus": 1}))
