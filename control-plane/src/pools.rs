@@ -31,9 +31,12 @@ struct ModelCard {
     id: String,
     #[serde(default)]
     parent: Option<String>,
+    #[serde(default)]
+    max_model_len: Option<u32>,
 }
 
-/// Parses a `/v1/models` body into the models it lists (adapters keep their `parent`).
+/// Parses a `/v1/models` body into the models it lists (adapters keep their `parent`, base
+/// models their `max_model_len`).
 pub fn parse_models(body: &[u8]) -> Result<Vec<ServedModel>, ModelsError> {
     let list: ModelList = serde_json::from_slice(body)?;
     Ok(list
@@ -42,6 +45,7 @@ pub fn parse_models(body: &[u8]) -> Result<Vec<ServedModel>, ModelsError> {
         .map(|c| ServedModel {
             id: c.id,
             parent: c.parent.filter(|p| !p.is_empty()),
+            max_model_len: c.max_model_len.filter(|&n| n > 0),
         })
         .collect())
 }
@@ -53,11 +57,15 @@ pub fn merge_catalogue(configured: &[String], polled: Option<&[ServedModel]>) ->
         .map(|id| ServedModel {
             id: id.clone(),
             parent: None,
+            max_model_len: None,
         })
         .collect();
     for m in polled.unwrap_or_default() {
         match out.iter_mut().find(|o| o.id == m.id) {
-            Some(o) => o.parent = m.parent.clone(),
+            Some(o) => {
+                o.parent = m.parent.clone();
+                o.max_model_len = m.max_model_len;
+            }
             None => out.push(m.clone()),
         }
     }
@@ -106,11 +114,13 @@ mod tests {
     #[test]
     fn vllm_model_list_with_adapters() {
         let body = br#"{"object":"list","data":[
-            {"id":"meta-llama/Llama-3.1-8B","object":"model","root":"meta-llama/Llama-3.1-8B","parent":null},
+            {"id":"meta-llama/Llama-3.1-8B","object":"model","root":"meta-llama/Llama-3.1-8B","parent":null,"max_model_len":16384},
             {"id":"sql-lora","object":"model","root":"/adapters/sql","parent":"meta-llama/Llama-3.1-8B"}]}"#;
         let models = parse_models(body).unwrap();
         assert_eq!(models.len(), 2);
         assert_eq!(models[0].parent, None);
+        assert_eq!(models[0].max_model_len, Some(16_384));
+        assert_eq!(models[1].max_model_len, None);
         assert_eq!(models[1].parent.as_deref(), Some("meta-llama/Llama-3.1-8B"));
         assert!(parse_models(b"<html>").is_err());
         assert!(parse_models(br#"{"data":[{"name":"x"}]}"#).is_err());
@@ -122,15 +132,22 @@ mod tests {
             ServedModel {
                 id: "a".into(),
                 parent: None,
+                max_model_len: Some(8_192),
             },
             ServedModel {
                 id: "a-sql".into(),
                 parent: Some("a".into()),
+                max_model_len: None,
             },
         ];
         let merged = merge_catalogue(&["a".into(), "alias".into()], Some(&polled));
         let ids: Vec<&str> = merged.iter().map(|m| m.id.as_str()).collect();
         assert_eq!(ids, ["a", "alias", "a-sql"]);
+        assert_eq!(
+            merged[0].max_model_len,
+            Some(8_192),
+            "the polled card's context"
+        );
         assert!(merge_catalogue(&[], None).is_empty());
     }
 
@@ -212,12 +229,29 @@ impl prometheus_client::collector::Collector for FleetFeaturesCollector {
                 ("passed", f.pools.unknown_model_passed),
             ],
         )?;
+        labelled_counters(
+            &mut encoder,
+            "context_length",
+            "Requests longer than some endpoint's context (max_model_len in /v1/models), by \
+             action: narrowed (sent only where it fits), exceeded (fits nowhere: routed by \
+             load, its prompt credited to no endpoint, since every engine refuses it)",
+            "action",
+            [
+                ("narrowed", f.pools.context_narrowed),
+                ("exceeded", f.pools.context_exceeded),
+            ],
+        )?;
         type Getter = fn(&crate::state::EndpointFeatures) -> Option<f64>;
-        let per_endpoint: [(&str, &str, Getter); 4] = [
+        let per_endpoint: [(&str, &str, Getter); 5] = [
             (
                 "endpoint_models",
                 "Models (base and LoRA adapters) the endpoint serves, from config and /v1/models",
                 |e| e.models.map(|n| n as f64),
+            ),
+            (
+                "endpoint_max_model_len",
+                "The longest context the endpoint's /v1/models cards give (max_model_len)",
+                |e| e.max_model_len.map(f64::from),
             ),
             (
                 "endpoint_lora_running",

@@ -96,6 +96,8 @@ pub struct EndpointFeatures {
     pub address: String,
     /// Models it serves, when known.
     pub models: Option<usize>,
+    /// The longest context its `/v1/models` cards give (`max_model_len`), when one does.
+    pub max_model_len: Option<u32>,
     /// Adapters of running requests, when reported.
     pub lora_running: Option<usize>,
     /// Adapters of waiting requests, when reported.
@@ -520,6 +522,9 @@ impl State {
                 let lora = r.lora_state(&e.address);
                 EndpointFeatures {
                     models: r.served_models(&e.address).map(<[_]>::len),
+                    max_model_len: r
+                        .served_models(&e.address)
+                        .and_then(|m| m.iter().filter_map(|m| m.max_model_len).max()),
                     lora_running: lora.map(|l| l.running.len()),
                     lora_waiting: lora.map(|l| l.waiting.len()),
                     max_lora: lora.map(|l| l.max_lora),

@@ -41,6 +41,11 @@ pub struct ServedModel {
     /// For a LoRA adapter, the base model it applies to (`parent`); `None` for a base model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// The context length in the card (`max_model_len`; vLLM gives it for base models, an
+    /// adapter shares its parent's): the engine refuses a prompt that fills it, so the router
+    /// sends such a prompt where the context is longer and credits no endpoint with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<u32>,
 }
 
 /// Which endpoints may serve one request, as decided by its model.
@@ -98,6 +103,21 @@ impl ModelCatalog {
         self.served.known().flatten().any(|m| m.id == model)
     }
 
+    /// The context length `id` serves `model` with, when its card says (an adapter's is its
+    /// parent's; no model named: the endpoint's first base model, which vLLM serves then).
+    pub fn context_limit(&self, id: EndpointId, model: &str) -> Option<u32> {
+        let models = self.served.get(id)?;
+        let card = if model.is_empty() {
+            models.iter().find(|m| m.parent.is_none())?
+        } else {
+            models.iter().find(|m| m.id == model)?
+        };
+        card.max_model_len.or_else(|| {
+            let parent = card.parent.as_deref()?;
+            models.iter().find(|m| m.id == parent)?.max_model_len
+        })
+    }
+
     /// Whether some endpoint lists `model` as a LoRA adapter (it has a parent).
     pub fn is_adapter(&self, model: &str) -> bool {
         self.served
@@ -148,6 +168,13 @@ pub struct PoolStats {
     pub unknown_model_rejected: u64,
     /// Requests for a model no endpoint serves, routed anyway (`unknown_model: pass_through`).
     pub unknown_model_passed: u64,
+    /// Requests too long for some of their pool's contexts, sent only where they fit.
+    #[serde(default)]
+    pub context_narrowed: u64,
+    /// Requests too long for every context of their pool: routed by load and credited to no
+    /// endpoint's index, since the engine refuses them wherever they go.
+    #[serde(default)]
+    pub context_exceeded: u64,
 }
 
 /// The router's per-endpoint fleet features in one place: served models, sessions, adapters.
@@ -230,6 +257,7 @@ mod tests {
         ServedModel {
             id: id.into(),
             parent: None,
+            max_model_len: None,
         }
     }
 
@@ -237,7 +265,31 @@ mod tests {
         ServedModel {
             id: id.into(),
             parent: Some(parent.into()),
+            max_model_len: None,
         }
+    }
+
+    #[test]
+    fn an_adapter_has_its_parents_context_and_no_model_the_first_base_models() {
+        let mut c = ModelCatalog::default();
+        let long = ServedModel {
+            max_model_len: Some(32_768),
+            ..base("b")
+        };
+        c.set(EndpointId(0), vec![long, adapter("b-sql", "b"), base("c")]);
+        assert_eq!(c.context_limit(EndpointId(0), "b-sql"), Some(32_768));
+        assert_eq!(c.context_limit(EndpointId(0), ""), Some(32_768));
+        assert_eq!(
+            c.context_limit(EndpointId(0), "c"),
+            None,
+            "the card gives none"
+        );
+        assert_eq!(c.context_limit(EndpointId(0), "zzz"), None);
+        assert_eq!(
+            c.context_limit(EndpointId(1), "b"),
+            None,
+            "catalogue unknown"
+        );
     }
 
     #[test]
@@ -330,6 +382,7 @@ mod router_tests {
             .map(|(id, parent)| ServedModel {
                 id: (*id).into(),
                 parent: parent.map(str::to_owned),
+                max_model_len: None,
             })
             .collect()
     }
@@ -346,6 +399,41 @@ mod router_tests {
             assert_eq!(d.response.endpoints, vec![A.to_string()]);
         }
         assert_eq!(r.served_models(B).map(<[_]>::len), Some(2));
+    }
+
+    fn with_context(id: &str, max_model_len: u32) -> Vec<ServedModel> {
+        vec![ServedModel {
+            id: id.into(),
+            parent: None,
+            max_model_len: Some(max_model_len),
+        }]
+    }
+
+    // A mixed pool: a prompt (or an output budget) too long for one replica's context goes
+    // only to the replica whose context holds it; a short one may go to either.
+    #[test]
+    fn a_request_goes_only_where_its_context_holds_it() {
+        let mut r = router(RouterConfig::default());
+        r.set_served_models(A, with_context("llama", 8_192));
+        r.set_served_models(B, with_context("llama", 32_768));
+        let long = RouteRequest {
+            prompt_tokens: 10_000,
+            ..request("llama", None)
+        };
+        let budget = RouteRequest {
+            max_output_tokens: Some(16_000),
+            ..request("llama", None)
+        };
+        for t in 0..10 {
+            let d = r.route(&long, t * 1_000, t);
+            assert_eq!(d.response.endpoints, vec![B.to_string()]);
+            let d = r.route(&budget, t * 1_000, t);
+            assert_eq!(d.response.endpoints, vec![B.to_string()]);
+            let d = r.route(&request("llama", None), t * 1_000, t);
+            assert_eq!(d.response.endpoints.len(), 2, "a short prompt fits both");
+        }
+        assert_eq!(r.pool_stats().context_narrowed, 20);
+        assert_eq!(r.pool_stats().context_exceeded, 0);
     }
 
     #[test]

@@ -20,6 +20,7 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
+use crate::pools::ServedModel;
 use crate::protocol::{FirstToken, Outcome, RouteRequest};
 use crate::router::{Decision, EndpointMetrics, Router, RouterConfig};
 
@@ -282,6 +283,10 @@ pub struct EndpointSnapshot {
     /// ages do not).
     #[serde(default)]
     pub metrics_age_ms: u64,
+    /// The models it serves (`/v1/models` and configuration), once known: a copy routes each
+    /// request within its model's pool and within the context the endpoint serves it with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub models: Option<Vec<ServedModel>>,
 }
 
 fn usable_by_default() -> bool {
@@ -872,6 +877,9 @@ fn apply_snapshot(router: &mut Router, endpoint: &EndpointSnapshot, now_ms: u64)
     if router.upsert_endpoint(&endpoint.address).is_err() {
         return;
     }
+    if let Some(models) = &endpoint.models {
+        router.set_served_models(&endpoint.address, models.clone());
+    }
     if !endpoint.usable {
         router.mark_unreachable(&endpoint.address);
     } else if let Some(metrics) = endpoint.metrics {
@@ -1199,6 +1207,43 @@ mod tests {
             let d = a.route(&chat(3, 1), 6, 9).unwrap();
             assert_eq!(d.response.endpoints[0], "10.0.0.1:8000");
         }
+    }
+
+    // A copy routes within model pools and contexts as the control plane does: what each
+    // endpoint serves reaches it with the endpoint's snapshot, in a whole table and as a change.
+    #[test]
+    fn the_model_catalogue_is_mirrored() {
+        let (mut log, mut hub, mut a, _) = two_synced_copies(100, 2);
+        let card = |id: &str, max_model_len| ServedModel {
+            id: id.into(),
+            parent: None,
+            max_model_len,
+        };
+        hub.set_served_models("10.0.0.1:8000", vec![card("m", Some(1_000))]);
+        hub.set_served_models("10.0.0.2:8000", vec![card("other", None)]);
+        sync(&mut log, &mut hub, &mut a, 5);
+        let routed = |a: &mut LocalRouter, request: &RouteRequest, now: u64| {
+            a.route(request, now, now).unwrap().response.endpoints
+        };
+        for now in 6..10 {
+            assert_eq!(routed(&mut a, &chat(now, 1), now), ["10.0.0.1:8000"]);
+        }
+        // The other endpoint now serves `m` too, with a longer context: a prompt too long
+        // for the first goes there alone.
+        hub.set_served_models("10.0.0.2:8000", vec![card("m", Some(100_000))]);
+        sync(&mut log, &mut hub, &mut a, 20);
+        let long = chat(1, 8);
+        assert!(long.prompt_tokens > 1_000);
+        assert_eq!(routed(&mut a, &long, 21), ["10.0.0.2:8000"]);
+        let copy = a.router().unwrap();
+        assert_eq!(copy.pool_stats().context_narrowed, 1);
+        // A copy that starts now gets the whole table, catalogues included.
+        let mut late = LocalRouter::new(8);
+        sync(&mut log, &mut hub, &mut late, 30);
+        assert_eq!(
+            late.router().unwrap().served_models("10.0.0.2:8000"),
+            Some(&[card("m", Some(100_000))][..])
+        );
     }
 
     // An endpoint the control plane has added but not scraped yet is usable there, and so in

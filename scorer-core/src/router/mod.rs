@@ -266,13 +266,19 @@ impl Slot {
             && !self.event_groups.unusable()
     }
 
-    /// What a copy needs of this endpoint ([`Router::endpoint_snapshots`]).
-    fn snapshot(&self, now_ms: u64) -> crate::sync::EndpointSnapshot {
+    /// What a copy needs of this endpoint ([`Router::endpoint_snapshots`]), with the models
+    /// it serves when they are known.
+    fn snapshot(
+        &self,
+        now_ms: u64,
+        models: Option<&[ServedModel]>,
+    ) -> crate::sync::EndpointSnapshot {
         crate::sync::EndpointSnapshot {
             address: self.address.to_string(),
             usable: self.health == Health::Ready,
             metrics: self.metrics.filter(|_| self.health == Health::Ready),
             metrics_age_ms: now_ms.saturating_sub(self.scraped_at_ms),
+            models: models.map(<[ServedModel]>::to_vec),
         }
     }
 }
@@ -286,6 +292,28 @@ const FIRST_TOKEN_WINDOW_MS: u64 = 10_000;
 /// one map entry per 512 tokens keeps the union within one sample of exact at a fraction of the
 /// cost (every block of a prompt cost 13k instructions per decision in `route_loop`).
 const KV_SAMPLE_TOKENS: f64 = 512.0;
+
+/// Whether an engine whose context is `limit` tokens refuses a prompt of `tokens` asking for
+/// `max_output` tokens: vLLM 0.33 refuses a prompt that leaves no room for one output token
+/// and an output budget above the whole context, and clamps a smaller budget to what is left
+/// (`get_max_tokens`, `vllm/entrypoints/serve/utils/api_utils.py`). No known limit: it fits.
+fn exceeds_context(limit: Option<u32>, tokens: u32, max_output: Option<u32>) -> bool {
+    limit.is_some_and(|limit| tokens >= limit || max_output.is_some_and(|m| m > limit))
+}
+
+/// `request` as the router accounts for one every engine refuses: no prompt, so it is routed
+/// by load and its blocks are credited to no endpoint (they will not be cached anywhere).
+fn without_prompt(request: &RouteRequest) -> RouteRequest {
+    RouteRequest {
+        block_hashes: Vec::new(),
+        token_block_hashes: Vec::new(),
+        prompt_bytes: 0,
+        prompt_tokens: 0,
+        marked_blocks: 0,
+        prompt_text: None,
+        ..request.clone()
+    }
+}
 
 /// How many blocks of `block_tokens` one sample stands for.
 fn kv_sample_blocks(block_tokens: f64) -> usize {
@@ -1535,9 +1563,17 @@ impl Router {
     /// Records which models `address` serves (its `/v1/models`, plus configured names), so
     /// requests for other models no longer go there.
     pub fn set_served_models(&mut self, address: &str, models: Vec<ServedModel>) {
-        if let Some(id) = self.endpoint_id(address) {
-            self.fleet.catalog.set(id, models);
+        let Some(id) = self.endpoint_id(address) else {
+            return;
+        };
+        if self.fleet.catalog.models(id) == Some(models.as_slice()) {
+            return;
         }
+        // Copies route on the catalogue too: a change is a change of the endpoint's snapshot.
+        if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
+            slot.version = self.table.next();
+        }
+        self.fleet.catalog.set(id, models);
     }
 
     /// The models `address` is known to serve (`None`: not known yet).
@@ -1700,9 +1736,16 @@ impl Router {
         }
 
         let shape = self.shape_request(request);
-        let pool = match self.select_pool(request, now_ms) {
+        let mut pool = match self.select_pool(request, now_ms) {
             Ok(pool) => pool,
             Err(reject) => return Some(rejected(decision_id, reject)),
+        };
+        let refused;
+        let (request, shape) = if self.fit_context(request, shape.tokens, &mut pool) {
+            (request, shape)
+        } else {
+            refused = without_prompt(request);
+            (&refused, self.shape_request(&refused))
         };
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
         let stored = self.stored_response_endpoint(request, now_ms);
@@ -1836,6 +1879,14 @@ impl Router {
                 recorded: None,
             });
         pool.recorded = Some(chosen);
+        let limit = self.fleet.catalog.context_limit(chosen, &request.model);
+        let refused;
+        let (request, shape) = if exceeds_context(limit, shape.tokens, request.max_output_tokens) {
+            refused = without_prompt(request);
+            (&refused, self.shape_request(&refused))
+        } else {
+            (request, shape)
+        };
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
         let Some(chosen_at) = candidates.iter().position(|(id, _)| *id == chosen) else {
             return false;
@@ -1963,6 +2014,50 @@ impl Router {
             session: SessionAffinity { key, remembered },
             recorded: None,
         })
+    }
+
+    /// Stage 2b: keeps `pool` to the usable endpoints whose context (`max_model_len` in their
+    /// `/v1/models` card) holds a prompt of `tokens` and the output budget asked for. Returns
+    /// false when none does: the engine will refuse the request wherever it goes, so the
+    /// caller routes it with no prompt (by load, crediting nothing to any index).
+    fn fit_context(
+        &mut self,
+        request: &RouteRequest,
+        tokens: u32,
+        pool: &mut CandidatePool,
+    ) -> bool {
+        let catalog = &self.fleet.catalog;
+        if catalog.is_empty() {
+            return true;
+        }
+        let fits = |i: usize| {
+            let limit = catalog.context_limit(EndpointId(i as u16), &request.model);
+            !exceeds_context(limit, tokens, request.max_output_tokens)
+        };
+        let usable = |i: usize, slot: &Option<Slot>| {
+            slot.as_ref().is_some_and(|s| s.health == Health::Ready) && pool.eligible.allows(i)
+        };
+        let (mut any_fit, mut any_short) = (false, false);
+        for (i, slot) in self.slots.iter().enumerate() {
+            if usable(i, slot) {
+                let fit = fits(i);
+                any_fit |= fit;
+                any_short |= !fit;
+            }
+        }
+        if !any_short {
+            return true;
+        }
+        if !any_fit {
+            self.fleet.stats.context_exceeded += 1;
+            return false;
+        }
+        let only = (0..self.slots.len())
+            .map(|i| usable(i, &self.slots[i]) && fits(i))
+            .collect();
+        pool.eligible = Eligibility::Only(only);
+        self.fleet.stats.context_narrowed += 1;
+        true
     }
 
     /// Stage 3: every usable endpoint of `pool` as a scored candidate, in slot order: its
@@ -2749,10 +2844,23 @@ impl Router {
     /// What a local copy of this router needs of each endpoint (`sync`): its address, and its
     /// last scrape with that scrape's age, or none when the endpoint is unreachable.
     pub fn endpoint_snapshots(&self, now_ms: u64) -> Vec<crate::sync::EndpointSnapshot> {
+        self.snapshots_where(now_ms, |_| true)
+    }
+
+    /// The snapshots of the endpoints `pick` selects, in slot order.
+    fn snapshots_where(
+        &self,
+        now_ms: u64,
+        pick: impl Fn(&Slot) -> bool,
+    ) -> Vec<crate::sync::EndpointSnapshot> {
         self.slots
             .iter()
-            .flatten()
-            .map(|s| s.snapshot(now_ms))
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s.as_ref().filter(|s| pick(s))?)))
+            .map(|(i, s)| {
+                let models = self.fleet.catalog.models(EndpointId(i as u16));
+                s.snapshot(now_ms, models)
+            })
             .collect()
     }
 
@@ -2773,13 +2881,7 @@ impl Router {
         if since < self.table.floor || since > self.table.version {
             return None;
         }
-        let changed = self
-            .slots
-            .iter()
-            .flatten()
-            .filter(|s| s.version > since)
-            .map(|s| s.snapshot(now_ms))
-            .collect();
+        let changed = self.snapshots_where(now_ms, |s| s.version > since);
         let removed = self
             .table
             .removed

@@ -403,6 +403,7 @@ fn recorded_decisions_count_whatever_this_router_knows_of_the_endpoint() {
         vec![ServedModel {
             id: id.into(),
             parent: None,
+            max_model_len: None,
         }]
     };
     // Endpoint 0 was polled and lists the model; 1 not yet polled; 2 lists another model
@@ -1604,4 +1605,37 @@ fn endpoint_limit_is_an_error() {
     );
     r.remove_endpoint("e3");
     assert!(r.upsert_endpoint("one-more").is_ok());
+}
+
+// Every engine refuses a prompt longer than its context (a 400 before any token), so it is
+// routed by load and its blocks are credited nowhere: the next request with that prefix is
+// predicted no hit, and the blocks it would have pushed out of the index stay. A decision
+// another router took for it is accounted the same way.
+#[test]
+fn a_prompt_no_context_holds_is_credited_to_no_endpoint() {
+    let text = "a long document that no replica can take ".repeat(200);
+    let routed_twice = |max_model_len: Option<u32>| {
+        let mut r = router(2);
+        for i in 0..2 {
+            let served = vec![ServedModel {
+                id: "m".into(),
+                parent: None,
+                max_model_len,
+            }];
+            r.set_served_models(&format!("10.0.0.{i}:8000"), served);
+        }
+        let first = r.route(&request(&text), 0, 1);
+        assert_eq!(first.response.endpoints.len(), 2, "routed all the same");
+        r.record_decision(&request(&text), "10.0.0.1:8000", 1 << 40, 5_000, 0);
+        let again = r.route(&request(&text), 10_000, 2);
+        (
+            again.response.cached_blocks,
+            r.pool_stats().context_exceeded,
+        )
+    };
+    let (cached, exceeded) = routed_twice(Some(1_000));
+    assert_eq!((cached, exceeded), (0, 2));
+    let (cached, exceeded) = routed_twice(Some(100_000));
+    assert!(cached > 0, "within the context the prompt is credited");
+    assert_eq!(exceeded, 0);
 }

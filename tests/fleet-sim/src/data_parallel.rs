@@ -99,6 +99,7 @@ fn server_snapshot(engines: &[ReplicaSnapshot]) -> Option<ReplicaSnapshot> {
         capacity_tokens: capacity,
         block_size: first.block_size,
         max_batched_tokens: first.max_batched_tokens,
+        max_model_len: first.max_model_len,
         counters: EngineCounters {
             prompt_tokens: sum(|c| c.prompt_tokens),
             prefix_cache_hit_tokens: sum(|c| c.prefix_cache_hit_tokens),
@@ -191,6 +192,7 @@ mod tests {
             block_size: 16,
             max_batched_tokens: 8192,
             counters: EngineCounters::default(),
+            max_model_len: 0,
         }
     }
 

@@ -10,6 +10,7 @@ use hashbrown::HashMap;
 use scorer_core::calibration::EngineCounters;
 use scorer_core::hash::{model_seed, token_block_hashes};
 use scorer_core::index::{EndpointId, PrefixIndex};
+use scorer_core::pools::ServedModel;
 use scorer_core::precise::{KvEvent, PreciseTracker};
 use scorer_core::protocol::{ApiKind, FirstToken, Outcome, RouteRequest};
 use scorer_core::reuse::ReuseTotals;
@@ -37,6 +38,9 @@ pub struct ReplicaSnapshot {
     pub max_batched_tokens: u32,
     /// The counters online calibration reads (`vllm:prompt_tokens_total` and friends).
     pub counters: EngineCounters,
+    /// The context length in the engine's `/v1/models` card (`max_model_len`; 0: not known),
+    /// which a control plane polls beside the scrape.
+    pub max_model_len: u32,
 }
 
 impl ReplicaSnapshot {
@@ -49,6 +53,7 @@ impl ReplicaSnapshot {
             capacity_tokens: profile.kv_capacity_tokens,
             block_size: profile.block_size,
             max_batched_tokens: profile.max_num_batched_tokens,
+            max_model_len: profile.max_model_len,
             counters: EngineCounters {
                 prompt_tokens: stats.prompt_tokens as f64,
                 prefix_cache_hit_tokens: stats.prefix_cache_hits as f64,
@@ -1096,6 +1101,15 @@ impl Policy for Kvroute {
                 ..Default::default()
             };
             self.router.update_metrics(a, m, now_ms as u64);
+            if s.max_model_len > 0 {
+                // The control plane's `/v1/models` poll (a no-op while the card is unchanged).
+                let card = ServedModel {
+                    id: MODEL.into(),
+                    parent: None,
+                    max_model_len: Some(s.max_model_len),
+                };
+                self.router.set_served_models(a, vec![card]);
+            }
         }
     }
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_ms: f64) {
