@@ -252,7 +252,12 @@ pub struct RouterConfig {
     /// decayed average over about the last 50), so the approximate index counts tokens right
     /// for the traffic's language without tuning.
     pub learn_bytes_per_token: bool,
-    /// How long an approximate index entry lives without a touch.
+    /// How long an approximate index entry lives without a touch. vLLM keeps a block until
+    /// its memory is needed, however old, and each endpoint's index is already bounded by its
+    /// KV capacity, least recently used first: the TTL only bounds how long a belief outlives
+    /// what the router cannot see (traffic that bypasses it, an endpoint that stops
+    /// reporting). Default 10 minutes (chosen on the tuning split: 2 minutes forgot prefixes a
+    /// Mooncake window reuses minutes later that the engines still held).
     pub index_ttl_ms: u64,
     /// How long an in-flight entry lives without feedback (a lost report leaks nothing).
     pub inflight_ttl_ms: u64,
@@ -325,7 +330,7 @@ impl Default for RouterConfig {
             block_bytes: crate::hash::DEFAULT_BLOCK_BYTES,
             bytes_per_token: 4.0,
             learn_bytes_per_token: false,
-            index_ttl_ms: 120_000,
+            index_ttl_ms: 600_000,
             inflight_ttl_ms: 300_000,
             max_request_tokens: 1 << 20,
             fallbacks: 2,
