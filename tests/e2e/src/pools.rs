@@ -99,6 +99,88 @@ async fn pools_test(name: &str, body: impl AsyncFnOnce(&Fleet, &HttpClient)) {
     .await;
 }
 
+/// Replicas 0 and 1 serve `pool-a` with a 1,024-token context, replica 2 with vLLM's default;
+/// the proxies decide as `decision` says. Returned once the control plane has read every
+/// card's `max_model_len` (and, deciding locally, the proxies have synced since).
+async fn start_mixed_contexts(tools: &Tools, name: &str, decision: &str) -> Fleet {
+    let mut cfg = common::fleet_config(name, 3, "pool-a");
+    let short = ["--max-model-len", "1024"].map(String::from).to_vec();
+    cfg.per_replica_args = vec![short.clone(), short, Vec::new()];
+    cfg.plugin_config = json!({"decision": decision, "sync_interval_ms": 50});
+    cfg.control_plane_extra = json!({"models_interval_ms": 200});
+    let fleet = common::start_fleet(cfg, tools).await;
+    let addresses: Vec<String> = fleet.replicas.iter().map(|r| r.address.clone()).collect();
+    wait_for(&fleet, "every context learned", |text| {
+        let contexts: Vec<Option<f64>> = addresses
+            .iter()
+            .map(|a| {
+                prometheus_sample(
+                    text,
+                    &format!("kvroute_endpoint_max_model_len{{endpoint=\"{a}\"}}"),
+                )
+            })
+            .collect();
+        contexts == [Some(1024.0), Some(1024.0), Some(131_072.0)]
+    })
+    .await;
+    if decision == "local" {
+        // Two syncs after the catalogues changed: every copy holds them.
+        let applied = fleet.envoy_counter_all("kvroute_sync_applied").await;
+        let deadline = Instant::now() + CATALOGUE_TIMEOUT;
+        while fleet.envoy_counter_all("kvroute_sync_applied").await < applied + 2.0 {
+            assert!(Instant::now() < deadline, "no syncs ({})", fleet.describe());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    fleet
+}
+
+// A prompt longer than some replicas' context (`max_model_len` in their `/v1/models` card) is
+// sent only where it fits, whether the control plane or the proxy decides, so none is refused;
+// a short one may go anywhere; an output budget no context holds gets the engine's own 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_goes_only_where_its_context_holds_it() {
+    let tools = tools();
+    common::bounded(TEST_TIMEOUT, async {
+        for decision in ["control-plane", "local"] {
+            let fleet =
+                start_mixed_contexts(&tools, &format!("e2e-context-{decision}"), decision).await;
+            let client = HttpClient::new();
+            for seed in 0..6u64 {
+                // About 1,500 words: more than 1,024 tokens however they are counted.
+                let long = common::user_chat("pool-a", &common::words(700 + seed, 1_500), 4);
+                let resp = chat(&client, &fleet, &long, &[]).await;
+                assert_eq!(
+                    served_by(&resp, &fleet),
+                    2,
+                    "{decision}: a long prompt fits only there"
+                );
+                let short = chat_body("pool-a", 800 + seed, None);
+                assert_eq!(
+                    chat(&client, &fleet, &short, &[]).await.status,
+                    200,
+                    "{decision}"
+                );
+            }
+            let mut budget = chat_body("pool-a", 900, None);
+            budget["max_tokens"] = json!(200_000);
+            let resp = chat(&client, &fleet, &budget, &[]).await;
+            assert_eq!(resp.status, 400, "{decision}: {}", resp.body);
+            assert!(resp.body.contains("max_model_len"), "{}", resp.body);
+            if decision == "control-plane" {
+                let text = common::cp_metrics(&fleet).await;
+                let counted = |action: &str| {
+                    let name = format!("kvroute_context_length_total{{action=\"{action}\"}}");
+                    prometheus_sample(&text, &name)
+                };
+                assert_eq!(counted("narrowed"), Some(6.0), "{text}");
+                assert_eq!(counted("exceeded"), Some(1.0), "{text}");
+            }
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_reach_only_their_models_pool_and_unknown_models_get_404() {
     pools_test("e2e-pools", async |fleet, client| {
