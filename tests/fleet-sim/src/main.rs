@@ -228,6 +228,10 @@ struct CompareArgs {
     /// approximate one not at all. The figures cover the routed requests only.
     #[arg(long, default_value_t = 0.0)]
     unseen_fraction: f64,
+    /// Write each policy's per-request records as CSV into this folder (`POLICY.csv`, the
+    /// matrix's columns; `scripts/records-summary.py` reads them).
+    #[arg(long)]
+    records: Option<PathBuf>,
 }
 
 /// `--unseen-fraction`, checked.
@@ -545,6 +549,14 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     };
     eprintln!("fleet-sim: {} on {} replicas", args.workload, args.replicas);
     let (workload, runs) = run_all(&args, &policies, &cfg, &router, args.speedup)?;
+    if let Some(dir) = &args.records {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (name, run) in policies.iter().zip(&runs) {
+            let file = dir.join(format!("{}.csv", name.replace([':', ',', '='], "_")));
+            std::fs::write(&file, fleet_sim::matrix::records_csv(&workload, run))
+                .with_context(|| format!("writing {}", file.display()))?;
+        }
+    }
     let results: Vec<PolicySummary> = runs.iter().map(PolicySummary::of).collect();
     println!("{}", table(&results));
     let forks: Vec<ForkSummary> = runs
