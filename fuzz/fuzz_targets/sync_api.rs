@@ -7,11 +7,12 @@
 //! panics; the log never holds more than its bound; an answer's `next` never goes backwards
 //! for a replica; a local copy only ever routes to endpoints the control plane named, and a
 //! copy fed only the control plane's answers (whole tables or deltas) holds exactly its
-//! endpoints after each.
+//! endpoints, and their model catalogues, after each.
 #![no_main]
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use scorer_core::pools::ServedModel;
 use scorer_core::protocol::{Outcome, RouteRequest};
 use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
 use scorer_core::sync::{
@@ -38,6 +39,13 @@ enum Step {
     Replicate { id: u64, first: u64 },
     /// Raw bytes as a stream message's entries, at stream position `seq`.
     StreamEntries { seq: u64, bytes: Vec<u8> },
+    /// The control plane polls an endpoint's `/v1/models`: serving `m` or another model, with
+    /// a context of this many tokens or none in the card.
+    Catalogue {
+        endpoint: u8,
+        serves_m: bool,
+        max_model_len: Option<u16>,
+    },
 }
 
 const LOG_BOUND: usize = 16;
@@ -102,6 +110,14 @@ fuzz_target!(|steps: Vec<Step>| {
                     };
                     let copy = copies[i].router().map(addresses);
                     assert_eq!(copy, Some(addresses(&hub)), "the copy's table is the hub's");
+                    let copy = copies[i].router().expect("a copy after an answer");
+                    for address in ENDPOINTS {
+                        assert_eq!(
+                            copy.served_models(address),
+                            hub.served_models(address),
+                            "the copy's catalogue is the hub's"
+                        );
+                    }
                 }
             }
             Step::RawAnswer { copy, bytes } => {
@@ -137,6 +153,19 @@ fuzz_target!(|steps: Vec<Step>| {
                 let _ = log.take_outbox();
                 assert!(log.len() <= LOG_BOUND);
                 assert!(log.next_seq() >= before, "the log's numbers went backwards");
+            }
+            Step::Catalogue {
+                endpoint,
+                serves_m,
+                max_model_len,
+            } => {
+                let address = ENDPOINTS[usize::from(endpoint) % ENDPOINTS.len()];
+                let card = ServedModel {
+                    id: if serves_m { "m" } else { "other" }.into(),
+                    parent: None,
+                    max_model_len: max_model_len.map(u32::from),
+                };
+                hub.set_served_models(address, vec![card]);
             }
             Step::Churn { endpoint, up } => {
                 let address = ENDPOINTS[usize::from(endpoint) % ENDPOINTS.len()];

@@ -285,6 +285,7 @@ pub struct EndpointSnapshot {
     pub metrics_age_ms: u64,
     /// The models it serves (`/v1/models` and configuration), once known: a copy routes each
     /// request within its model's pool and within the context the endpoint serves it with.
+    /// Absent: not known, and a copy forgets what it held.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub models: Option<Vec<ServedModel>>,
 }
@@ -877,8 +878,9 @@ fn apply_snapshot(router: &mut Router, endpoint: &EndpointSnapshot, now_ms: u64)
     if router.upsert_endpoint(&endpoint.address).is_err() {
         return;
     }
-    if let Some(models) = &endpoint.models {
-        router.set_served_models(&endpoint.address, models.clone());
+    match &endpoint.models {
+        Some(models) => router.set_served_models(&endpoint.address, models.clone()),
+        None => router.forget_served_models(&endpoint.address),
     }
     if !endpoint.usable {
         router.mark_unreachable(&endpoint.address);

@@ -1576,6 +1576,21 @@ impl Router {
         self.fleet.catalog.set(id, models);
     }
 
+    /// Forgets what `address` serves (its catalogue is not known any more): a copy mirrors a
+    /// control plane that has not polled the endpoint since it came back.
+    pub fn forget_served_models(&mut self, address: &str) {
+        let Some(id) = self.endpoint_id(address) else {
+            return;
+        };
+        if self.fleet.catalog.models(id).is_none() {
+            return;
+        }
+        if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
+            slot.version = self.table.next();
+        }
+        self.fleet.catalog.clear(id);
+    }
+
     /// The models `address` is known to serve (`None`: not known yet).
     pub fn served_models(&self, address: &str) -> Option<&[ServedModel]> {
         self.fleet.catalog.models(self.endpoint_id(address)?)

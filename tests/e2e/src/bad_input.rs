@@ -1216,20 +1216,44 @@ fn nan_temperature_is_routed_by_its_prefix() {
     );
 }
 
+// A `max_tokens` above every replica's context (`max_model_len` in `/v1/models`) is refused
+// by whichever engine gets it, so the router routes it by load and credits its prompt to no
+// replica, even one holding that prompt; the engine's 400 passes through.
 #[test]
-fn max_tokens_of_2_pow_40_is_routed_by_its_prefix() {
-    affinity_case(
-        "max_tokens_2_pow_40_affinity",
-        "max_tokens 2^40",
-        "",
-        |plain, _| {
-            let odd = plain
-                .to_string()
-                .replace(r#""max_tokens":2"#, r#""max_tokens":1099511627776"#);
-            assert!(odd.contains("1099511627776"), "{odd}");
-            odd
-        },
-    );
+fn max_tokens_of_2_pow_40_is_refused_by_the_engine_and_credited_nowhere() {
+    case("max_tokens_2_pow_40", async |t| {
+        let label = "max_tokens 2^40";
+        let plain = json!({"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": affinity_prompt(label)}]});
+        let odd = plain
+            .to_string()
+            .replace(r#""max_tokens":2"#, r#""max_tokens":1099511627776"#);
+        assert!(odd.contains("1099511627776"), "{odd}");
+        let (first, _) = explained_decision(t, label, &bytes_of(&plain)).await;
+        assert_eq!(first.status, 200, "{label}: {}", first.describe());
+        // The control plane learns the contexts from its `/v1/models` polls: ask until it has.
+        let mut attempt = 0;
+        let (r, fields) = loop {
+            attempt += 1;
+            let (r, fields) = explained_decision(t, label, odd.as_bytes()).await;
+            eprintln!("{label} (attempt {attempt}): {fields:?} {}", r.describe());
+            if decision_field(&fields, "cached_blocks") == Some("0") || attempt == 20 {
+                break (r, fields);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        assert_eq!(
+            r.status,
+            400,
+            "{label}: the engine's answer: {}",
+            r.describe()
+        );
+        assert_eq!(
+            decision_field(&fields, "cached_blocks"),
+            Some("0"),
+            "{label}: a request no context holds is routed with no prompt: {fields:?}"
+        );
+    });
 }
 
 post_cases! {
