@@ -8,47 +8,10 @@ use std::borrow::Cow;
 
 use scorer_core::lora::LoraState;
 use scorer_core::pools::ServedModel;
-use serde::Deserialize;
 
 pub use crate::prom::LORA_INFO;
 use crate::prom::samples_named;
-
-/// Why a `/v1/models` answer is unusable.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelsError {
-    /// Not the OpenAI list shape (`{"object":"list","data":[{"id":..}, ..]}`).
-    #[error("not an OpenAI model list: {0}")]
-    Shape(#[from] serde_json::Error),
-}
-
-#[derive(Deserialize)]
-struct ModelList {
-    data: Vec<ModelCard>,
-}
-
-#[derive(Deserialize)]
-struct ModelCard {
-    id: String,
-    #[serde(default)]
-    parent: Option<String>,
-    #[serde(default)]
-    max_model_len: Option<u32>,
-}
-
-/// Parses a `/v1/models` body into the models it lists (adapters keep their `parent`, base
-/// models their `max_model_len`).
-pub fn parse_models(body: &[u8]) -> Result<Vec<ServedModel>, ModelsError> {
-    let list: ModelList = serde_json::from_slice(body)?;
-    Ok(list
-        .data
-        .into_iter()
-        .map(|c| ServedModel {
-            id: c.id,
-            parent: c.parent.filter(|p| !p.is_empty()),
-            max_model_len: c.max_model_len.filter(|&n| n > 0),
-        })
-        .collect())
-}
+pub use vllm_wire::models::{ModelsError, parse_models};
 
 /// The catalogue of one endpoint: configured names first, then polled ones not already there.
 pub fn merge_catalogue(configured: &[String], polled: Option<&[ServedModel]>) -> Vec<ServedModel> {
@@ -110,21 +73,6 @@ pub fn parse_lora_info(text: &str) -> Option<LoraState> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn vllm_model_list_with_adapters() {
-        let body = br#"{"object":"list","data":[
-            {"id":"meta-llama/Llama-3.1-8B","object":"model","root":"meta-llama/Llama-3.1-8B","parent":null,"max_model_len":16384},
-            {"id":"sql-lora","object":"model","root":"/adapters/sql","parent":"meta-llama/Llama-3.1-8B"}]}"#;
-        let models = parse_models(body).unwrap();
-        assert_eq!(models.len(), 2);
-        assert_eq!(models[0].parent, None);
-        assert_eq!(models[0].max_model_len, Some(16_384));
-        assert_eq!(models[1].max_model_len, None);
-        assert_eq!(models[1].parent.as_deref(), Some("meta-llama/Llama-3.1-8B"));
-        assert!(parse_models(b"<html>").is_err());
-        assert!(parse_models(br#"{"data":[{"name":"x"}]}"#).is_err());
-    }
 
     #[test]
     fn configured_names_and_polled_models_merge() {

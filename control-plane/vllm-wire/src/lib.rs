@@ -6,6 +6,7 @@
 //!   decoder (every encoding vLLM has shipped), one encoder (byte for byte what vLLM 0.33
 //!   writes), and the router's view of a batch;
 //! - [`prom`]: the Prometheus text parser for the vLLM gauges routing needs;
+//! - [`models`]: the `/v1/models` list (served models, adapters, each model's context);
 //! - [`agent_chat`]: an Anthropic Messages or OpenAI Responses prompt as the chat messages
 //!   vLLM builds from it before it applies the chat template;
 //! - `chat_template` (feature `chat-template`): a chat template rendered like transformers'
@@ -16,6 +17,7 @@
 
 pub mod agent_chat;
 pub mod kv_events;
+pub mod models;
 pub mod prom;
 
 #[cfg(feature = "chat-template")]
