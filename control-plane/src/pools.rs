@@ -180,9 +180,10 @@ impl prometheus_client::collector::Collector for FleetFeaturesCollector {
         labelled_counters(
             &mut encoder,
             "context_length",
-            "Requests longer than some endpoint's context (max_model_len in /v1/models), by \
-             action: narrowed (sent only where it fits), exceeded (fits nowhere: routed by \
-             load, its prompt credited to no endpoint, since every engine refuses it)",
+            "Requests this control plane routed that were longer than some endpoint's context \
+             (max_model_len in /v1/models), by action: narrowed (sent only where it fits), \
+             exceeded (fits nowhere: routed by load, its prompt credited to no endpoint, since \
+             every engine refuses it); proxies deciding locally apply the rule uncounted",
             "action",
             [
                 ("narrowed", f.pools.context_narrowed),
