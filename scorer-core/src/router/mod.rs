@@ -1563,32 +1563,31 @@ impl Router {
     /// Records which models `address` serves (its `/v1/models`, plus configured names), so
     /// requests for other models no longer go there.
     pub fn set_served_models(&mut self, address: &str, models: Vec<ServedModel>) {
-        let Some(id) = self.endpoint_id(address) else {
-            return;
-        };
-        if self.fleet.catalog.models(id) == Some(models.as_slice()) {
-            return;
-        }
-        // Copies route on the catalogue too: a change is a change of the endpoint's snapshot.
-        if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
-            slot.version = self.table.next();
-        }
-        self.fleet.catalog.set(id, models);
+        self.replace_catalogue(address, Some(models));
     }
 
     /// Forgets what `address` serves (its catalogue is not known any more): a copy mirrors a
     /// control plane that has not polled the endpoint since it came back.
     pub fn forget_served_models(&mut self, address: &str) {
+        self.replace_catalogue(address, None);
+    }
+
+    /// Makes `models` (`None`: not known) `address`'s catalogue. Copies route on the catalogue
+    /// too, so a change is a change of the endpoint's snapshot.
+    fn replace_catalogue(&mut self, address: &str, models: Option<Vec<ServedModel>>) {
         let Some(id) = self.endpoint_id(address) else {
             return;
         };
-        if self.fleet.catalog.models(id).is_none() {
+        if self.fleet.catalog.models(id) == models.as_deref() {
             return;
         }
         if let Some(slot) = self.slots[usize::from(id.0)].as_mut() {
             slot.version = self.table.next();
         }
-        self.fleet.catalog.clear(id);
+        match models {
+            Some(models) => self.fleet.catalog.set(id, models),
+            None => self.fleet.catalog.clear(id),
+        }
     }
 
     /// The models `address` is known to serve (`None`: not known yet).
@@ -2856,8 +2855,9 @@ impl Router {
         self.state_changes.drain(..).collect()
     }
 
-    /// What a local copy of this router needs of each endpoint (`sync`): its address, and its
-    /// last scrape with that scrape's age, or none when the endpoint is unreachable.
+    /// What a local copy of this router needs of each endpoint (`sync`): its address, its last
+    /// scrape with that scrape's age (none when the endpoint is unreachable), and its catalogue
+    /// when known.
     pub fn endpoint_snapshots(&self, now_ms: u64) -> Vec<crate::sync::EndpointSnapshot> {
         self.snapshots_where(now_ms, |_| true)
     }
