@@ -31,8 +31,11 @@ pub const SYNC_PATH: &str = "/v1/sync";
 /// replica ([`SyncResponse::replica`]), so ids from different proxies never collide.
 pub const REPLICA_SHIFT: u32 = 40;
 
-/// How long after the last decision another router took a copy still counts as deciding beside
-/// others ([`LocalConfig::defer_above_ms`]); a copy alone decides everything itself.
+/// How long after it last saw another router a copy still counts as deciding beside others
+/// ([`LocalConfig::defer_above_ms`]): one of their decisions applied, or the control plane
+/// naming other copies syncing with it ([`SyncResponse::others`]). A copy alone decides
+/// everything itself. Also how long the control plane counts a copy as syncing after its last
+/// call.
 pub const OTHERS_DECIDING_WINDOW_MS: u64 = 60_000;
 
 /// How often a proxy's copy syncs by default (the filter's `sync_interval_ms`, and fleet-sim's
@@ -298,6 +301,10 @@ fn is_zero(value: &u64) -> bool {
     *value == 0
 }
 
+fn is_zero_u32(value: &u32) -> bool {
+    *value == 0
+}
+
 /// The control plane's answer to a [`SyncRequest`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SyncResponse {
@@ -339,6 +346,12 @@ pub struct SyncResponse {
     /// whole-table answer (fixed for a table's lifetime, so deltas leave it out).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<RouterConfig>,
+    /// Other copies that synced with this control plane within [`OTHERS_DECIDING_WINDOW_MS`].
+    /// They decide beside the caller before any of their decisions reach it: without this, a
+    /// cold fleet's first burst (every copy fresh, none yet seeing another's decisions) was
+    /// decided by each copy as if alone, and its long misses piled up.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub others: u32,
 }
 
 /// The control plane's replicated log: a bounded ring of decisions and outcomes.
@@ -372,6 +385,9 @@ pub struct SyncLog {
     table: u64,
     /// Replicated: entries pushed here, on their way to the shared stream.
     outbox: Option<Vec<SyncEvent>>,
+    /// When each copy last synced here (by replica tag), for [`SyncResponse::others`]; tags
+    /// silent for [`OTHERS_DECIDING_WINDOW_MS`] are dropped, so it holds the live copies only.
+    synced_at_ms: hashbrown::HashMap<u32, u64>,
 }
 
 impl SyncLog {
@@ -389,6 +405,7 @@ impl SyncLog {
             id: (u64::from(first_replica) << 1) | 1,
             table: (u64::from(first_replica) << 1) | 1,
             outbox: None,
+            synced_at_ms: hashbrown::HashMap::new(),
         }
     }
 
@@ -501,6 +518,20 @@ impl SyncLog {
         self.entries.is_empty()
     }
 
+    /// Notes that copy `replica` synced at `now_ms` and returns how many other copies synced
+    /// within [`OTHERS_DECIDING_WINDOW_MS`] (forgetting the ones silent longer).
+    pub fn note_sync(&mut self, replica: u32, now_ms: u64) -> u32 {
+        self.synced_at_ms
+            .retain(|_, at| now_ms.saturating_sub(*at) <= OTHERS_DECIDING_WINDOW_MS);
+        let others = self
+            .synced_at_ms
+            .keys()
+            .filter(|&&tag| tag != replica)
+            .count();
+        self.synced_at_ms.insert(replica, now_ms);
+        u32::try_from(others).unwrap_or(u32::MAX)
+    }
+
     /// A replica tag never handed out before by this log.
     pub fn assign_replica(&mut self) -> u32 {
         let tag = self.next_replica;
@@ -568,6 +599,7 @@ pub fn serve_sync(
         Some(replica) => (replica, request.since),
         None => (log.assign_replica(), 0),
     };
+    let others = log.note_sync(replica, now_ms);
     let decisions = request
         .decisions
         .into_iter()
@@ -614,6 +646,7 @@ pub fn serve_sync(
         table: log.table(),
         table_version: router.table_version(),
         config: (!delta).then(|| router.config().clone()),
+        others,
     }
 }
 
@@ -634,8 +667,9 @@ pub struct LocalRouter {
     pending_first_tokens: VecDeque<FirstToken>,
     max_pending: usize,
     local_decisions: u64,
-    /// When this copy last applied a decision another router took.
-    others_decided_at_ms: Option<u64>,
+    /// When this copy last saw another router deciding beside it: applied one of their
+    /// decisions, or was told of other copies syncing ([`SyncResponse::others`]).
+    others_seen_at_ms: Option<u64>,
     /// Until when it defers nothing ([`LocalRouter::pause_deferral`]).
     deferral_paused_until_ms: u64,
     /// The bound on its prefix index ([`LocalRouter::with_max_index_blocks`]).
@@ -660,7 +694,7 @@ impl LocalRouter {
             pending_first_tokens: VecDeque::new(),
             max_pending: max_pending.max(1),
             local_decisions: 0,
-            others_decided_at_ms: None,
+            others_seen_at_ms: None,
             deferral_paused_until_ms: 0,
             max_index_blocks: None,
         }
@@ -692,7 +726,7 @@ impl LocalRouter {
     /// the caller makes the route call (its decision reaches this copy with the next sync).
     pub fn route(&mut self, request: &RouteRequest, now_ms: u64, seed: u64) -> Option<Decision> {
         let others_deciding = self
-            .others_decided_at_ms
+            .others_seen_at_ms
             .is_some_and(|at| now_ms.saturating_sub(at) <= OTHERS_DECIDING_WINDOW_MS);
         let router = self.router.as_mut()?;
         let defer_above_ms = router.config().local.defer_above_ms;
@@ -847,10 +881,13 @@ impl LocalRouter {
         for endpoint in &response.endpoints {
             apply_snapshot(router, endpoint, now_ms);
         }
+        if response.others > 0 {
+            self.others_seen_at_ms = Some(now_ms);
+        }
         let mine = response.replica;
         for event in &response.events {
             if matches!(event, SyncEvent::Decision { origin, .. } if *origin != mine) {
-                self.others_decided_at_ms = Some(now_ms);
+                self.others_seen_at_ms = Some(now_ms);
             }
             event.apply_to(router, now_ms);
         }
@@ -1088,6 +1125,36 @@ mod tests {
             c.route(&long(5), 7, 5).is_some(),
             "threshold 0: every request local"
         );
+    }
+
+    // A cold fleet: two copies synced, neither has seen the other decide. The control plane
+    // names the other copy, so a long miss goes to it at once (the first burst's misses would
+    // otherwise all go where each copy alone thinks idlest); a copy alone keeps deciding, and
+    // one whose fellow went silent for the window decides alone again.
+    #[test]
+    fn a_copy_told_of_others_syncing_defers_before_any_of_their_decisions() {
+        let long = |n: u64| chat(n, 8);
+        let mut log = SyncLog::new(1_000, 1);
+        let mut hub = central(4);
+        let (mut a, mut b) = (LocalRouter::new(64), LocalRouter::new(64));
+        sync(&mut log, &mut hub, &mut a, 0);
+        assert!(a.route(&long(1), 1, 1).is_some(), "alone: decided here");
+        sync(&mut log, &mut hub, &mut b, 2);
+        sync(&mut log, &mut hub, &mut a, 2);
+        assert_eq!(hub.stats().recorded_decisions, 1);
+        assert!(b.route(&long(2), 3, 2).is_none(), "b was told of a");
+        assert!(
+            b.route(&chat(3, 1), 3, 3).is_some(),
+            "a short one stays local"
+        );
+        // a saw b's sync only: no decision of b's had reached it.
+        assert!(a.route(&long(4), 3, 4).is_none(), "a was told of b");
+        // b stops syncing; after the window a decides alone again.
+        let later = 3 + OTHERS_DECIDING_WINDOW_MS + 1;
+        sync(&mut log, &mut hub, &mut a, later);
+        let after = later + OTHERS_DECIDING_WINDOW_MS + 1;
+        sync(&mut log, &mut hub, &mut a, after);
+        assert!(a.route(&long(5), after, 5).is_some(), "b went silent");
     }
 
     // A turn decided on one proxy pulls the next turn, decided on another proxy after one sync,
@@ -1584,8 +1651,9 @@ mod tests {
         let mut hub = central(4);
         let mut a = LocalRouter::new(64).with_max_index_blocks(Some(400));
         let mut b = LocalRouter::new(64);
-        sync(&mut log, &mut hub, &mut a, 0);
+        // b first: it has not heard of a when it decides, so it defers nothing.
         sync(&mut log, &mut hub, &mut b, 0);
+        sync(&mut log, &mut hub, &mut a, 0);
         // 100,000 tokens of KV each: 1,562 blocks of 64 tokens, more than a's share of 100.
         for c in 0..40 {
             b.route(&chat(100 + c, 4), 1, c).unwrap();
