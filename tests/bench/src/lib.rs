@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use rand::rngs::SmallRng;
 use rand::{Rng as _, SeedableRng as _};
@@ -498,28 +499,11 @@ pub async fn http_load(
                 if start.elapsed() >= duration {
                     break;
                 }
-                let body = Bytes::from(bodies[i % bodies.len()].clone());
+                let body = &bodies[i % bodies.len()];
                 i += concurrency;
-                let req = match hyper::Request::post(url.as_str())
-                    .header("content-type", "application/json")
-                    .body(Full::new(body))
-                {
-                    Ok(r) => r,
-                    Err(_) => {
-                        errors += 1;
-                        continue;
-                    }
-                };
-                let t0 = Instant::now();
-                let fut = async {
-                    let resp = client.request(req).await.ok()?;
-                    let ok = resp.status().is_success();
-                    let _ = resp.into_body().collect().await.ok()?;
-                    Some(ok)
-                };
-                match tokio::time::timeout(Duration::from_secs(10), fut).await {
-                    Ok(Some(true)) => lat.push(t0.elapsed().as_secs_f64() * 1e3),
-                    _ => errors += 1,
+                match post_once(&client, &url, body).await {
+                    Some(ms) => lat.push(ms),
+                    None => errors += 1,
                 }
             }
             (lat, errors)
@@ -543,6 +527,90 @@ pub async fn http_load(
         latencies_ms: latencies,
         errors,
     }
+}
+
+/// One JSON POST of `body` to `url` on `client`'s keep-alive connections: its latency in ms
+/// to the last byte of the response, or `None` for a non-2xx answer, a transport error or no
+/// answer within 10 s.
+async fn post_once(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    url: &str,
+    body: &str,
+) -> Option<f64> {
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .ok()?;
+    let t0 = Instant::now();
+    let fut = async {
+        let resp = client.request(req).await.ok()?;
+        let ok = resp.status().is_success();
+        let _ = resp.into_body().collect().await.ok()?;
+        Some(ok)
+    };
+    match tokio::time::timeout(Duration::from_secs(10), fut).await {
+        Ok(Some(true)) => Some(t0.elapsed().as_secs_f64() * 1e3),
+        _ => None,
+    }
+}
+
+/// Sequential samples of every URL in `urls`, interleaved in blocks: block by block, `block`
+/// requests to each URL in turn (the order rotated each round), the first `warmup` of each
+/// block not counted, one keep-alive client per URL, until each has `samples`. A slow or fast
+/// phase of the machine then falls on every URL alike, so the differences between them in one
+/// run are not its drift (the bars they are judged by are a few hundredths of a millisecond),
+/// while within a block each URL runs warm, as one client's back-to-back requests do. One
+/// [`LoadResult`] per URL, in order (`rps` is not a throughput here).
+pub async fn interleaved_sequential(
+    urls: &[String],
+    bodies: &[String],
+    block: usize,
+    warmup: usize,
+    samples: usize,
+) -> Vec<LoadResult> {
+    let clients: Vec<Client<HttpConnector, Full<Bytes>>> = urls
+        .iter()
+        .map(|_| {
+            Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(1)
+                .build_http()
+        })
+        .collect();
+    let counted = block.saturating_sub(warmup).max(1);
+    let mut latencies = vec![Vec::with_capacity(samples); urls.len()];
+    let mut errors = vec![0usize; urls.len()];
+    let start = Instant::now();
+    let mut sent = 0usize;
+    for round in 0..samples.div_ceil(counted) {
+        for k in 0..urls.len() {
+            let at = (round + k) % urls.len();
+            for i in 0..warmup + counted.min(samples - round * counted) {
+                let body = &bodies[(sent + i) % bodies.len().max(1)];
+                let latency = post_once(&clients[at], &urls[at], body).await;
+                if i < warmup {
+                    continue;
+                }
+                match latency {
+                    Some(ms) => latencies[at].push(ms),
+                    None => errors[at] += 1,
+                }
+            }
+        }
+        sent += warmup + counted;
+    }
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    latencies
+        .into_iter()
+        .zip(errors)
+        .map(|(mut l, errors)| {
+            l.sort_by(f64::total_cmp);
+            LoadResult {
+                rps: l.len() as f64 / secs,
+                latencies_ms: l,
+                errors,
+            }
+        })
+        .collect()
 }
 
 /// [`http_load`] for at most `duration`, reading the CPU each of `pids` used meanwhile: the

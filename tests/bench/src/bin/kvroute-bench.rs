@@ -852,17 +852,15 @@ async fn overhead_section(
                 .collect::<Vec<_>>(),
         );
         let mut direct = (0.0, 0.0);
-        for t in &targets {
-            let url = format!("{}/v1/chat/completions", t.url);
-            let _ = bench::http_load(&url, bodies.clone(), 1, Duration::from_secs(2), 10).await;
-            let seq = bench::http_load(
-                &url,
-                bodies.clone(),
-                1,
-                Duration::from_secs(30),
-                args.samples,
-            )
-            .await;
+        // Every row's sequential samples interleaved in blocks of 25 (the first 5 of each not
+        // counted), so the machine's drift during the run falls on all of them alike.
+        let urls: Vec<String> = targets
+            .iter()
+            .map(|t| format!("{}/v1/chat/completions", t.url))
+            .collect();
+        let sequential = bench::interleaved_sequential(&urls, &bodies, 25, 5, args.samples).await;
+        for ((t, url), seq) in targets.iter().zip(&urls).zip(sequential) {
+            let url = url.as_str();
             let (p50, p99) = (seq.p(50.0), seq.p(99.0));
             if t.label == "direct" {
                 direct = (p50, p99);
@@ -871,7 +869,7 @@ async fn overhead_section(
             let (mut envoy_cpu, mut router_cpu) = (None, None);
             let max_rps = if size == SIZES[0] {
                 let (r, [envoy, router]) = bench::http_load_cpu(
-                    &url,
+                    url,
                     bodies.clone(),
                     args.concurrency,
                     Duration::from_secs(args.load_seconds),
