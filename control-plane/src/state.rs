@@ -520,10 +520,10 @@ impl State {
             .into_iter()
             .map(|e| {
                 let lora = r.lora_state(&e.address);
+                let models = r.served_models(&e.address);
                 EndpointFeatures {
-                    models: r.served_models(&e.address).map(<[_]>::len),
-                    max_model_len: r
-                        .served_models(&e.address)
+                    models: models.map(<[_]>::len),
+                    max_model_len: models
                         .and_then(|m| m.iter().filter_map(|m| m.max_model_len).max()),
                     lora_running: lora.map(|l| l.running.len()),
                     lora_waiting: lora.map(|l| l.waiting.len()),

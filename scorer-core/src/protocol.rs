@@ -103,7 +103,8 @@ impl ApiKind {
     }
 }
 
-fn is_zero_u32(n: &u32) -> bool {
+/// Serde's test for leaving a zero count off the wire (here and in `sync`).
+pub(crate) fn is_zero_u32(n: &u32) -> bool {
     *n == 0
 }
 
@@ -508,7 +509,8 @@ pub struct RouteResponse {
     pub decision_tag: u64,
 }
 
-fn is_zero(v: &u64) -> bool {
+/// Serde's test for leaving a zero number off the wire (here and in `sync`).
+pub(crate) fn is_zero(v: &u64) -> bool {
     *v == 0
 }
 

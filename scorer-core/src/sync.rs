@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use crate::pools::ServedModel;
-use crate::protocol::{FirstToken, Outcome, RouteRequest};
+use crate::protocol::{FirstToken, Outcome, RouteRequest, is_zero, is_zero_u32};
 use crate::router::{Decision, EndpointMetrics, Router, RouterConfig};
 
 /// Path of the sync call a locally deciding proxy makes on its tick.
@@ -295,14 +295,6 @@ pub struct EndpointSnapshot {
 
 fn usable_by_default() -> bool {
     true
-}
-
-fn is_zero(value: &u64) -> bool {
-    *value == 0
-}
-
-fn is_zero_u32(value: &u32) -> bool {
-    *value == 0
 }
 
 /// The control plane's answer to a [`SyncRequest`].
