@@ -71,6 +71,15 @@ async fn cp_value(fleet: &Fleet, name: &str) -> f64 {
     prometheus_sum(&common::cp_metrics(fleet).await, name)
 }
 
+/// Whether the control plane's last scrape of every endpoint is fresh (`/debug/endpoints`).
+async fn scrapes_fresh(fleet: &Fleet) -> bool {
+    let body = common::cp_get(fleet, "/debug/endpoints").await;
+    let views: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    views
+        .as_array()
+        .is_some_and(|v| !v.is_empty() && v.iter().all(|e| e["stale"] == false))
+}
+
 /// A fleet of `replicas` whose filter and control plane take `plugin` and `control_plane`
 /// (each test here sets both: the defence it checks lives in one or the other).
 async fn hostile_fleet(name: &str, replicas: usize, plugin: Value, control_plane: Value) -> Fleet {
@@ -115,15 +124,23 @@ async fn a_stalled_control_plane_leaves_no_phantom_load() {
         assert_eq!(failed, 0, "requests during the stall fail open: {during:?}");
 
         // The resumed control plane decides the queued calls, then hears their withdrawals
-        // (the filter sends them again until one feedback call gets through).
+        // (the filter sends them again until one feedback call gets through). Its scrapes were
+        // stalled too: until one lands after the resume every replica's metrics are stale,
+        // which admission reads as full (docs/FEATURES.md), so the test waits for that as
+        // well; it is not load the stall left behind.
         let deadline = Instant::now() + Duration::from_secs(20);
         let inflight = loop {
             let inflight = cp_value(&fleet, "kvroute_inflight").await;
-            if inflight <= 2.0 || Instant::now() > deadline {
+            let fresh = scrapes_fresh(&fleet).await;
+            if (inflight <= 2.0 && fresh) || Instant::now() > deadline {
                 break inflight;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
+        assert!(
+            scrapes_fresh(&fleet).await,
+            "no scrape landed after the resume"
+        );
         let withdrawn = cp_value(&fleet, "kvroute_withdrawn_decisions_total").await;
         eprintln!(
             "stall: {} requests failed open, {withdrawn} withdrawn, {inflight} in flight after",
