@@ -3,7 +3,9 @@
 //! One global map answers "which endpoints hold block h" as a bitset, so a lookup costs one
 //! probe a block whatever the fleet size. Each endpoint also keeps an LRU of its blocks bounded by
 //! its KV capacity, and every entry has a TTL, so the index forgets what the replica has most
-//! likely evicted. Time is passed in; nothing here reads a clock.
+//! likely evicted. A block's entry carries one holder's LRU stamp beside the bitset, so a
+//! decision that matches a prompt and then re-stamps it for the chosen endpoint touches each
+//! block's memory once. Time is passed in; nothing here reads a clock.
 
 use std::collections::VecDeque;
 
@@ -148,47 +150,115 @@ pub struct Claim {
     blocks: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Stamp {
     seq: u64,
     at_ms: u64,
+}
+
+/// No endpoint: a [`Block`] whose stamp slot is free.
+const NO_OWNER: u16 = u16::MAX;
+
+/// One block of the index: who holds it, and one holder's LRU stamp kept beside that. A
+/// decision reads a prompt's blocks (the prefix match) and then re-stamps them for the endpoint
+/// it chose: with the stamp in the same entry, the second pass finds each block's memory
+/// already in cache, where a separate LRU map would cost a second random access a block (a
+/// 200 KB prompt has 800). Most blocks have one holder; the others' stamps live in their
+/// endpoint's `shared` map.
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    holders: EndpointSet,
+    stamp: Stamp,
+    /// Whose stamp `stamp` is (`NO_OWNER`: nobody's, every holder's is in its `shared`).
+    owner: u16,
 }
 
 /// One endpoint's blocks in LRU order (a lazily compacted queue of touches).
 #[derive(Debug, Default)]
 struct EndpointBlocks {
     capacity: usize,
-    live: HashMap<u64, Stamp>,
+    /// Blocks it holds.
+    len: usize,
+    /// Its stamps of the blocks whose [`Block`] keeps another holder's.
+    shared: HashMap<u64, Stamp>,
+    /// Every stamp it gave, oldest first; a touch is stale once its block was stamped again.
     order: VecDeque<(u64, u64)>,
 }
 
 /// Approximate prefix index over chained block hashes.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    holders: HashMap<u64, EndpointSet>,
+    blocks: HashMap<u64, Block>,
     endpoints: Vec<EndpointBlocks>,
     ttl_ms: u64,
     seq: u64,
+}
+
+/// `id`'s stamp of `block` (its own, or looked up in its `shared` map), when it holds it.
+fn stamp_of(block: &Block, id: EndpointId, hash: u64, slot: &EndpointBlocks) -> Option<Stamp> {
+    if block.owner == id.0 {
+        Some(block.stamp)
+    } else if block.holders.contains(id) {
+        slot.shared.get(&hash).copied()
+    } else {
+        None
+    }
+}
+
+/// Whether `touch` is `id`'s current stamp of `hash` (not superseded, still held).
+fn is_current(
+    blocks: &HashMap<u64, Block>,
+    slot: &EndpointBlocks,
+    id: EndpointId,
+    (hash, seq): (u64, u64),
+) -> Option<Stamp> {
+    let block = blocks.get(&hash)?;
+    stamp_of(block, id, hash, slot).filter(|s| s.seq == seq)
+}
+
+/// Forgets that `id` holds `hash`; whether it did.
+fn unset(
+    blocks: &mut HashMap<u64, Block>,
+    slot: &mut EndpointBlocks,
+    id: EndpointId,
+    hash: u64,
+) -> bool {
+    let Some(block) = blocks.get_mut(&hash) else {
+        return false;
+    };
+    if !block.holders.contains(id) {
+        return false;
+    }
+    block.holders.remove(id);
+    if block.owner == id.0 {
+        block.owner = NO_OWNER;
+    } else {
+        slot.shared.remove(&hash);
+    }
+    if block.holders.is_empty() {
+        blocks.remove(&hash);
+    }
+    slot.len -= 1;
+    true
 }
 
 impl PrefixIndex {
     /// An empty index whose entries live at most `ttl_ms` after their last touch.
     pub fn new(ttl_ms: u64) -> Self {
         Self {
-            holders: HashMap::new(),
+            blocks: HashMap::new(),
             endpoints: Vec::new(),
             ttl_ms,
             seq: 0,
         }
     }
 
-    /// Sizes the table of block holders for `blocks` distinct blocks and the churn of an index
-    /// at its bound: twice that, because hashbrown rehashes its tombstones in place only while
-    /// the table is at most half full, and grows otherwise.
+    /// Sizes the table of blocks for `blocks` distinct blocks and the churn of an index at its
+    /// bound: twice that, because hashbrown rehashes its tombstones in place only while the
+    /// table is at most half full, and grows otherwise.
     pub fn reserve_blocks(&mut self, blocks: usize) {
         let want = blocks.saturating_mul(2);
-        self.holders
-            .reserve(want.saturating_sub(self.holders.len()));
+        self.blocks.reserve(want.saturating_sub(self.blocks.len()));
     }
 
     /// Bounds `id`'s share of the index to `capacity_blocks` (its KV capacity), evicting LRU.
@@ -212,19 +282,56 @@ impl PrefixIndex {
     /// touches it stamped them with, from which a [`Claim`] on a tail of them can be made.
     pub fn insert(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) -> Touches {
         self.slot(id);
-        let slot = &mut self.endpoints[usize::from(id.0)];
-        let first_seq = self.seq + 1;
-        let mut seq = self.seq;
+        let Self {
+            blocks,
+            endpoints,
+            seq: last,
+            ..
+        } = self;
+        let slot = &mut endpoints[usize::from(id.0)];
+        let first_seq = *last + 1;
+        let mut seq = *last;
         for &h in hashes {
             seq += 1;
             let stamp = Stamp { seq, at_ms: now_ms };
-            // A re-touched block is already in `holders`: skip that probe of the big map (the
-            // common case for multi-turn chats and shared prefixes).
-            if slot.live.insert(h, stamp).is_none() {
-                self.holders.entry(h).or_default().insert(id);
+            match blocks.entry(h) {
+                hashbrown::hash_map::Entry::Occupied(mut e) => {
+                    let block = e.get_mut();
+                    if block.owner == id.0 {
+                        block.stamp = stamp;
+                    } else if block.holders.contains(id) {
+                        // Held, its stamp in `shared`: moved into the block when that is free.
+                        if block.owner == NO_OWNER {
+                            slot.shared.remove(&h);
+                            block.owner = id.0;
+                            block.stamp = stamp;
+                        } else {
+                            slot.shared.insert(h, stamp);
+                        }
+                    } else {
+                        block.holders.insert(id);
+                        slot.len += 1;
+                        if block.owner == NO_OWNER {
+                            block.owner = id.0;
+                            block.stamp = stamp;
+                        } else {
+                            slot.shared.insert(h, stamp);
+                        }
+                    }
+                }
+                hashbrown::hash_map::Entry::Vacant(e) => {
+                    let mut holders = EndpointSet::default();
+                    holders.insert(id);
+                    e.insert(Block {
+                        holders,
+                        stamp,
+                        owner: id.0,
+                    });
+                    slot.len += 1;
+                }
             }
         }
-        self.seq = seq;
+        *last = seq;
         // The touches in order, appended in one go (pushing them one by one showed at ~40
         // instructions a block in profiles).
         slot.order
@@ -244,23 +351,23 @@ impl PrefixIndex {
     /// model's context is the common case, and the longest). One insert stamps its blocks
     /// with consecutive touches, so they are found in the touch queue by one binary search.
     pub fn unclaim(&mut self, id: EndpointId, claim: Claim) {
-        let Some(slot) = self.endpoints.get_mut(usize::from(id.0)) else {
+        let Self {
+            blocks, endpoints, ..
+        } = self;
+        let Some(slot) = endpoints.get_mut(usize::from(id.0)) else {
             return;
         };
         let end = claim.seq.saturating_add(claim.blocks);
         let from = slot.order.partition_point(|&(_, seq)| seq < claim.seq);
-        let mut taken = Vec::new();
-        for &(h, seq) in slot.order.range(from..) {
-            if seq >= end {
-                break;
-            }
-            if slot.live.get(&h).is_some_and(|s| s.seq == seq) {
-                slot.live.remove(&h);
-                taken.push(h);
-            }
-        }
+        let taken: Vec<u64> = slot
+            .order
+            .range(from..)
+            .take_while(|&&(_, seq)| seq < end)
+            .filter(|&&touch| is_current(blocks, slot, id, touch).is_some())
+            .map(|&(h, _)| h)
+            .collect();
         for h in taken {
-            self.unset_holder(h, id);
+            unset(blocks, slot, id, h);
         }
         self.compact(id);
     }
@@ -268,92 +375,100 @@ impl PrefixIndex {
     /// Marks the leading `hashes` that `id` already holds as just used, adding nothing: a cache
     /// hit refreshes a block's place in the engine's LRU order without any event saying so.
     pub fn touch(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) {
-        let Some(slot) = self.endpoints.get_mut(usize::from(id.0)) else {
+        let Self {
+            blocks,
+            endpoints,
+            seq,
+            ..
+        } = self;
+        let Some(slot) = endpoints.get_mut(usize::from(id.0)) else {
             return;
         };
         for &h in hashes {
-            let Some(stamp) = slot.live.get_mut(&h) else {
+            let Some(block) = blocks.get_mut(&h) else {
                 break;
             };
-            self.seq += 1;
-            *stamp = Stamp {
-                seq: self.seq,
+            let stamp = Stamp {
+                seq: *seq + 1,
                 at_ms: now_ms,
             };
-            slot.order.push_back((h, self.seq));
+            if block.owner == id.0 {
+                block.stamp = stamp;
+            } else if let Some(s) = block
+                .holders
+                .contains(id)
+                .then(|| slot.shared.get_mut(&h))
+                .flatten()
+            {
+                *s = stamp;
+            } else {
+                break;
+            }
+            *seq += 1;
+            slot.order.push_back((h, *seq));
         }
         self.compact(id);
     }
 
     /// Forgets that `id` holds `hash` (a `BlockRemoved` event in precise mode).
     pub fn remove(&mut self, id: EndpointId, hash: u64) {
-        let slot = self.slot(id);
-        if slot.live.remove(&hash).is_some() {
-            self.unset_holder(hash, id);
-        }
+        self.slot(id);
+        let slot = &mut self.endpoints[usize::from(id.0)];
+        unset(&mut self.blocks, slot, id, hash);
     }
 
     /// Forgets everything about `id` (endpoint removed, cache cleared, event stream lost).
     pub fn clear_endpoint(&mut self, id: EndpointId) {
-        let slot = self.slot(id);
-        let hashes: Vec<u64> = slot.live.drain().map(|(h, _)| h).collect();
-        slot.order.clear();
-        for h in hashes {
-            self.unset_holder(h, id);
-        }
-    }
-
-    fn unset_holder(&mut self, hash: u64, id: EndpointId) {
-        if let Some(set) = self.holders.get_mut(&hash) {
-            set.remove(id);
-            if set.is_empty() {
-                self.holders.remove(&hash);
+        self.slot(id);
+        let slot = &mut self.endpoints[usize::from(id.0)];
+        // Every block it holds has its current touch in the queue.
+        for touch in std::mem::take(&mut slot.order) {
+            if is_current(&self.blocks, slot, id, touch).is_some() {
+                unset(&mut self.blocks, slot, id, touch.0);
             }
         }
+        slot.shared.clear();
+        slot.len = 0;
     }
 
     fn evict_over_capacity(&mut self, id: EndpointId) {
-        loop {
-            let slot = self.slot(id);
-            if slot.live.len() <= slot.capacity {
+        self.slot(id);
+        let slot = &mut self.endpoints[usize::from(id.0)];
+        while slot.len > slot.capacity {
+            let Some(touch) = slot.order.pop_front() else {
                 return;
+            };
+            if is_current(&self.blocks, slot, id, touch).is_some() {
+                unset(&mut self.blocks, slot, id, touch.0);
             }
-            let Some(h) = pop_oldest(slot) else { return };
-            self.unset_holder(h, id);
         }
     }
 
     /// Drops the stale touches that pile up in an endpoint's queue when hot blocks are re-touched.
     fn compact(&mut self, id: EndpointId) {
-        let slot = self.slot(id);
-        if slot.order.len() > 2 * slot.live.len() + 64 {
-            let live = &slot.live;
-            slot.order
-                .retain(|(h, seq)| live.get(h).is_some_and(|s| s.seq == *seq));
+        self.slot(id);
+        let slot = &mut self.endpoints[usize::from(id.0)];
+        if slot.order.len() > 2 * slot.len + 64 {
+            let mut order = std::mem::take(&mut slot.order);
+            order.retain(|&touch| is_current(&self.blocks, slot, id, touch).is_some());
+            slot.order = order;
         }
     }
 
     /// Drops entries whose TTL ran out. Cheap when nothing expired: one look at each queue head.
     pub fn expire(&mut self, now_ms: u64) {
-        for i in 0..self.endpoints.len() {
+        let ttl = self.ttl_ms;
+        for (i, slot) in self.endpoints.iter_mut().enumerate() {
             let id = EndpointId(i as u16);
-            loop {
-                let ttl = self.ttl_ms;
-                let slot = &mut self.endpoints[i];
-                let Some(&(h, seq)) = slot.order.front() else {
-                    break;
-                };
-                match slot.live.get(&h) {
-                    Some(s) if s.seq == seq => {
-                        if s.at_ms.saturating_add(ttl) > now_ms {
-                            break;
+            while let Some(&touch) = slot.order.front() {
+                match is_current(&self.blocks, slot, id, touch) {
+                    Some(s) if s.at_ms.saturating_add(ttl) > now_ms => break,
+                    current => {
+                        slot.order.pop_front();
+                        // Current (and expired): forget it; stale: the pop was all.
+                        if current.is_some() {
+                            unset(&mut self.blocks, slot, id, touch.0);
                         }
-                        slot.order.pop_front();
-                        slot.live.remove(&h);
-                        self.unset_holder(h, id);
-                    }
-                    _ => {
-                        slot.order.pop_front();
                     }
                 }
             }
@@ -363,10 +478,10 @@ impl PrefixIndex {
     /// For each endpoint holding at least the first block, how many leading blocks of `hashes`
     /// it holds (contiguous prefix only, as a prefix cache reuses). Calls `found(id, depth)`.
     pub fn matched_prefix(&self, hashes: &[u64], mut found: impl FnMut(EndpointId, usize)) {
-        let Some(first) = hashes.first().and_then(|h| self.holders.get(h)) else {
+        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
             return;
         };
-        let mut alive = *first;
+        let mut alive = first.holders;
         // Probe a chunk of blocks before walking it: the probes are independent cache misses
         // into a large map, and issuing them together lets the CPU overlap them (this loop is
         // memory-bound). At most one chunk of probes is wasted after the last match.
@@ -375,8 +490,8 @@ impl PrefixIndex {
         for chunk in hashes[1..].chunks(CHUNK) {
             let mut sets = [EndpointSet::default(); CHUNK];
             for (slot, h) in sets.iter_mut().zip(chunk) {
-                if let Some(s) = self.holders.get(h) {
-                    *slot = *s;
+                if let Some(b) = self.blocks.get(h) {
+                    *slot = b.holders;
                 }
             }
             for set in &sets[..chunk.len()] {
@@ -401,14 +516,14 @@ impl PrefixIndex {
 
     /// Whether `id` holds the block `hash`.
     pub fn holds(&self, id: EndpointId, hash: u64) -> bool {
-        self.holders.get(&hash).is_some_and(|s| s.contains(id))
+        self.blocks
+            .get(&hash)
+            .is_some_and(|b| b.holders.contains(id))
     }
 
     /// Blocks indexed for `id`.
     pub fn len_for(&self, id: EndpointId) -> usize {
-        self.endpoints
-            .get(usize::from(id.0))
-            .map_or(0, |s| s.live.len())
+        self.endpoints.get(usize::from(id.0)).map_or(0, |s| s.len)
     }
 
     /// How many of `id`'s blocks were last touched before `hash` was: its rank from the
@@ -420,39 +535,30 @@ impl PrefixIndex {
     /// `hash`.
     pub fn older_than(&self, id: EndpointId, hash: u64) -> Option<usize> {
         let slot = self.endpoints.get(usize::from(id.0))?;
-        let seq = slot.live.get(&hash)?.seq;
+        let seq = stamp_of(self.blocks.get(&hash)?, id, hash, slot)?.seq;
         let position = slot.order.partition_point(|&(_, touched)| touched < seq);
-        let stale = slot.order.len().saturating_sub(slot.live.len());
+        let stale = slot.order.len().saturating_sub(slot.len);
         Some(position.saturating_sub(stale))
     }
 
     /// Distinct blocks in the index.
     pub fn distinct_blocks(&self) -> usize {
-        self.holders.len()
+        self.blocks.len()
     }
 
     /// Approximate heap bytes used, for the index-memory metric.
     pub fn approx_bytes(&self) -> usize {
-        let holder = self.holders.capacity() * (8 + std::mem::size_of::<EndpointSet>() + 1);
+        let blocks = self.blocks.capacity() * (8 + std::mem::size_of::<Block>() + 1);
         let per: usize = self
             .endpoints
             .iter()
             .map(|s| {
-                s.live.capacity() * (8 + std::mem::size_of::<Stamp>() + 1) + s.order.capacity() * 16
+                s.shared.capacity() * (8 + std::mem::size_of::<Stamp>() + 1)
+                    + s.order.capacity() * 16
             })
             .sum();
-        holder + per
+        blocks + per
     }
-}
-
-fn pop_oldest(slot: &mut EndpointBlocks) -> Option<u64> {
-    while let Some((h, seq)) = slot.order.pop_front() {
-        if slot.live.get(&h).is_some_and(|s| s.seq == seq) {
-            slot.live.remove(&h);
-            return Some(h);
-        }
-    }
-    None
 }
 
 #[cfg(test)]
@@ -465,16 +571,16 @@ mod tests {
     fn a_reserved_index_does_not_grow_under_churn() {
         let mut index = PrefixIndex::new(u64::MAX);
         index.reserve_blocks(1_000);
-        assert!(index.holders.capacity() >= 2_000);
-        let table = index.holders.allocation_size();
+        assert!(index.blocks.capacity() >= 2_000);
+        let table = index.blocks.allocation_size();
         for e in 0..4 {
             index.set_capacity(EndpointId(e), 250);
         }
         for (i, chunk) in (0..40_000u64).collect::<Vec<_>>().chunks(16).enumerate() {
             index.insert(EndpointId((i % 4) as u16), chunk, i as u64);
         }
-        assert_eq!(index.holders.len(), 1_000);
-        assert_eq!(index.holders.allocation_size(), table);
+        assert_eq!(index.blocks.len(), 1_000);
+        assert_eq!(index.blocks.allocation_size(), table);
     }
 
     fn depths(index: &PrefixIndex, hashes: &[u64]) -> Vec<(u16, usize)> {
@@ -592,5 +698,167 @@ mod tests {
         index.touch(e, &[4, 8, 5], 3);
         assert_eq!(index.older_than(e, 4), Some(4));
         assert_eq!(index.len_for(e), 5);
+    }
+
+    /// What the index promises, kept the plainest way: every (endpoint, block) with its
+    /// stamp; LRU and TTL eviction take the lowest stamps.
+    #[derive(Default)]
+    struct Model {
+        seq: u64,
+        capacity: HashMap<u16, usize>,
+        live: HashMap<(u16, u64), (u64, u64)>,
+    }
+
+    impl Model {
+        fn len_for(&self, id: u16) -> usize {
+            self.live.keys().filter(|(e, _)| *e == id).count()
+        }
+        fn oldest(&self, id: u16) -> Option<((u16, u64), (u64, u64))> {
+            self.live
+                .iter()
+                .filter(|((e, _), _)| *e == id)
+                .min_by_key(|(_, (seq, _))| *seq)
+                .map(|(k, v)| (*k, *v))
+        }
+        fn evict(&mut self, id: u16) {
+            while self.len_for(id) > self.capacity.get(&id).copied().unwrap_or(usize::MAX) {
+                let (key, _) = self.oldest(id).unwrap();
+                self.live.remove(&key);
+            }
+        }
+        fn insert(&mut self, id: u16, hashes: &[u64], now: u64) -> (u64, u64) {
+            let first = self.seq + 1;
+            for &h in hashes {
+                self.seq += 1;
+                self.live.insert((id, h), (self.seq, now));
+            }
+            self.evict(id);
+            (first, hashes.len() as u64)
+        }
+        fn touch(&mut self, id: u16, hashes: &[u64], now: u64) {
+            for &h in hashes {
+                let Some(stamp) = self.live.get_mut(&(id, h)) else {
+                    break;
+                };
+                self.seq += 1;
+                *stamp = (self.seq, now);
+            }
+        }
+        fn expire(&mut self, ttl: u64, now: u64) {
+            for id in 0..ENDPOINTS {
+                while let Some((key, (_, at))) = self.oldest(id) {
+                    if at.saturating_add(ttl) > now {
+                        break;
+                    }
+                    self.live.remove(&key);
+                }
+            }
+        }
+    }
+
+    const ENDPOINTS: u16 = 4;
+
+    // Random operations on the index and on the model, compared after each: which endpoints
+    // hold which prefix, how many blocks each holds, and the LRU rank (a lower bound of the
+    // exact one). A few endpoints over a few dozen blocks, so blocks are shared, stamps move
+    // between a block's entry and an endpoint's map, and claims, eviction and TTL all bite.
+    #[test]
+    fn the_index_agrees_with_a_plain_model_under_random_operations() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        for round in 0..20 {
+            let ttl = 50 + round * 10;
+            let mut index = PrefixIndex::new(ttl);
+            let mut model = Model::default();
+            let mut claims: Vec<(u16, Claim, (u64, u64))> = Vec::new();
+            let mut now = 0;
+            for _ in 0..400 {
+                now += next(4);
+                let id = next(u64::from(ENDPOINTS)) as u16;
+                let start = next(40);
+                let hashes: Vec<u64> = (start..start + 1 + next(12)).collect();
+                match next(20) {
+                    0..=9 => {
+                        let touches = index.insert(EndpointId(id), &hashes, now);
+                        let (first, len) = model.insert(id, &hashes, now);
+                        assert_eq!((touches.first, touches.len), (first, len));
+                        let held = next(len + 1) as usize;
+                        if let Some(claim) = touches.claim_after(held) {
+                            claims.push((id, claim, (first + held as u64, len - held as u64)));
+                        }
+                    }
+                    10..=12 => {
+                        index.touch(EndpointId(id), &hashes, now);
+                        model.touch(id, &hashes, now);
+                    }
+                    13 if !claims.is_empty() => {
+                        let (id, claim, (seq, n)) =
+                            claims.remove(next(claims.len() as u64) as usize);
+                        index.unclaim(EndpointId(id), claim);
+                        model
+                            .live
+                            .retain(|&(e, _), &mut (s, _)| e != id || s < seq || s >= seq + n);
+                    }
+                    14 => {
+                        index.remove(EndpointId(id), hashes[0]);
+                        model.live.remove(&(id, hashes[0]));
+                    }
+                    15 if next(8) == 0 => {
+                        index.clear_endpoint(EndpointId(id));
+                        model.live.retain(|&(e, _), _| e != id);
+                    }
+                    16 => {
+                        let capacity = 5 + next(30) as usize;
+                        index.set_capacity(EndpointId(id), capacity);
+                        model.capacity.insert(id, capacity);
+                        model.evict(id);
+                    }
+                    _ => {
+                        index.expire(now);
+                        model.expire(ttl, now);
+                    }
+                }
+                let probe: Vec<u64> = (next(40)..60).collect();
+                let mut want = Vec::new();
+                for e in 0..ENDPOINTS {
+                    let depth = probe
+                        .iter()
+                        .take_while(|h| model.live.contains_key(&(e, **h)))
+                        .count();
+                    if depth > 0 {
+                        want.push((e, depth));
+                    }
+                    assert_eq!(index.len_for(EndpointId(e)), model.len_for(e));
+                }
+                assert_eq!(depths(&index, &probe), want);
+                let distinct: std::collections::HashSet<u64> =
+                    model.live.keys().map(|(_, h)| *h).collect();
+                assert_eq!(index.distinct_blocks(), distinct.len());
+                for (&(e, h), &(seq, _)) in &model.live {
+                    assert!(index.holds(EndpointId(e), h));
+                    let exact = model
+                        .live
+                        .iter()
+                        .filter(|((o, _), (s, _))| *o == e && *s < seq)
+                        .count();
+                    let rank = index.older_than(EndpointId(e), h).unwrap();
+                    assert!(rank <= exact, "rank {rank} above the exact {exact}");
+                }
+                assert_eq!(index.older_than(EndpointId(0), 1_000), None);
+                // Each holder's stamp is in exactly one place.
+                for (i, slot) in index.endpoints.iter().enumerate() {
+                    let id = EndpointId(i as u16);
+                    let held = index.blocks.values().filter(|b| b.holders.contains(id));
+                    let elsewhere = held.clone().filter(|b| b.owner != id.0).count();
+                    assert_eq!(slot.len, held.count());
+                    assert_eq!(slot.shared.len(), elsewhere);
+                }
+            }
+        }
     }
 }
