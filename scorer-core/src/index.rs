@@ -121,7 +121,8 @@ impl EndpointSet {
     }
 }
 
-/// The consecutive touches one [`PrefixIndex::insert`] stamped its blocks with.
+/// The consecutive touches one [`PrefixIndex::insert`] stamped its blocks with (the last block
+/// the first touch).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Touches {
     first: u64,
@@ -133,8 +134,9 @@ impl Touches {
     /// this insert's to take back); `None` when there are none.
     pub fn claim_after(self, held: usize) -> Option<Claim> {
         let held = held as u64;
+        // The blocks after `held` are the prompt's tail: its first touches.
         (held < self.len).then_some(Claim {
-            seq: self.first + held,
+            seq: self.first,
             blocks: self.len - held,
         })
     }
@@ -280,6 +282,12 @@ impl PrefixIndex {
 
     /// Records that `id` now holds `hashes` (touching them as most recently used). Returns the
     /// touches it stamped them with, from which a [`Claim`] on a tail of them can be made.
+    ///
+    /// The tail is stamped first, so it is evicted before the head: vLLM frees a request's
+    /// blocks in reverse (`free_blocks(reversed(...))` in vLLM 0.33's
+    /// `v1/core/single_type_kv_cache_manager.py`, "the first block will be evicted first"),
+    /// so its LRU drops a prompt's last blocks and keeps the prefix others share. Stamped head
+    /// first, an index at its bound would drop the first block and with it the whole match.
     pub fn insert(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) -> Touches {
         self.slot(id);
         let Self {
@@ -291,7 +299,7 @@ impl PrefixIndex {
         let slot = &mut endpoints[usize::from(id.0)];
         let first_seq = *last + 1;
         let mut seq = *last;
-        for &h in hashes {
+        for &h in hashes.iter().rev() {
             seq += 1;
             let stamp = Stamp { seq, at_ms: now_ms };
             match blocks.entry(h) {
@@ -334,8 +342,11 @@ impl PrefixIndex {
         *last = seq;
         // The touches in order, appended in one go (pushing them one by one showed at ~40
         // instructions a block in profiles).
-        slot.order
-            .extend((first_seq..).zip(hashes).map(|(seq, &h)| (h, seq)));
+        slot.order.extend(
+            (first_seq..)
+                .zip(hashes.iter().rev())
+                .map(|(seq, &h)| (h, seq)),
+        );
         self.compact(id);
         self.evict_over_capacity(id);
         Touches {
@@ -374,7 +385,9 @@ impl PrefixIndex {
 
     /// Marks the leading `hashes` that `id` already holds as just used, adding nothing: a cache
     /// hit refreshes a block's place in the engine's LRU order without any event saying so.
+    /// Tail first, as [`PrefixIndex::insert`] stamps.
     pub fn touch(&mut self, id: EndpointId, hashes: &[u64], now_ms: u64) {
+        let held = hashes.iter().take_while(|&&h| self.holds(id, h)).count();
         let Self {
             blocks,
             endpoints,
@@ -384,27 +397,20 @@ impl PrefixIndex {
         let Some(slot) = endpoints.get_mut(usize::from(id.0)) else {
             return;
         };
-        for &h in hashes {
+        for &h in hashes[..held].iter().rev() {
             let Some(block) = blocks.get_mut(&h) else {
                 break;
             };
+            *seq += 1;
             let stamp = Stamp {
-                seq: *seq + 1,
+                seq: *seq,
                 at_ms: now_ms,
             };
             if block.owner == id.0 {
                 block.stamp = stamp;
-            } else if let Some(s) = block
-                .holders
-                .contains(id)
-                .then(|| slot.shared.get_mut(&h))
-                .flatten()
-            {
+            } else if let Some(s) = slot.shared.get_mut(&h) {
                 *s = stamp;
-            } else {
-                break;
             }
-            *seq += 1;
             slot.order.push_back((h, *seq));
         }
         self.compact(id);
@@ -601,15 +607,18 @@ mod tests {
     }
 
     #[test]
-    fn capacity_evicts_least_recently_used() {
+    fn capacity_evicts_least_recently_used_a_prompts_tail_first() {
         let mut idx = PrefixIndex::new(10_000);
         idx.set_capacity(EndpointId(3), 3);
         idx.insert(EndpointId(3), &[1, 2, 3], 0);
-        idx.insert(EndpointId(3), &[1], 1); // touch 1: 2 is now the oldest
-        idx.insert(EndpointId(3), &[4], 2);
+        idx.insert(EndpointId(3), &[4], 1);
+        // The prompt's last block goes, as vLLM evicts it; its prefix still matches.
         assert_eq!(idx.len_for(EndpointId(3)), 3);
-        assert_eq!(depths(&idx, &[1]), vec![(3, 1)]);
-        assert!(depths(&idx, &[2]).is_empty());
+        assert_eq!(depths(&idx, &[1, 2, 3]), vec![(3, 2)]);
+        idx.insert(EndpointId(3), &[2], 2); // touch 2: 1 is now the oldest
+        idx.insert(EndpointId(3), &[5], 3);
+        assert!(depths(&idx, &[1]).is_empty());
+        assert_eq!(depths(&idx, &[2]), vec![(3, 1)]);
     }
 
     #[test]
@@ -659,8 +668,8 @@ mod tests {
     }
 
     #[test]
-    fn a_claim_outlives_its_first_blocks_eviction() {
-        // A prompt longer than the endpoint's capacity evicts its own first blocks; the rest
+    fn a_claim_outlives_the_eviction_of_some_of_its_blocks() {
+        // A prompt longer than the endpoint's capacity evicts its own last blocks; the rest
         // are still taken back.
         let mut idx = PrefixIndex::new(u64::MAX / 2);
         let a = EndpointId(0);
@@ -684,14 +693,16 @@ mod tests {
     fn older_than_ranks_a_block_from_the_least_recently_used_end() {
         let mut index = PrefixIndex::new(u64::MAX / 4);
         let e = EndpointId(0);
+        // A prompt's tail is its oldest block (vLLM frees tail first).
         index.insert(e, &[1, 2, 3], 0);
         index.insert(e, &[4, 5], 1);
-        assert_eq!(index.older_than(e, 1), Some(0));
-        assert_eq!(index.older_than(e, 4), Some(3));
+        assert_eq!(index.older_than(e, 3), Some(0));
+        assert_eq!(index.older_than(e, 1), Some(2));
+        assert_eq!(index.older_than(e, 4), Some(4));
         // Touching the first prompt again makes it the newest; its old touches are stale.
         index.insert(e, &[1, 2, 3], 2);
-        assert_eq!(index.older_than(e, 3), Some(4));
-        assert_eq!(index.older_than(e, 4), Some(0));
+        assert_eq!(index.older_than(e, 3), Some(2));
+        assert_eq!(index.older_than(e, 4), Some(1));
         assert_eq!(index.older_than(e, 9), None);
         assert_eq!(index.older_than(EndpointId(7), 1), None);
         // A touch refreshes held blocks only, up to the first it does not hold.
@@ -728,7 +739,7 @@ mod tests {
         }
         fn insert(&mut self, id: u16, hashes: &[u64], now: u64) -> (u64, u64) {
             let first = self.seq + 1;
-            for &h in hashes {
+            for &h in hashes.iter().rev() {
                 self.seq += 1;
                 self.live.insert((id, h), (self.seq, now));
             }
@@ -736,12 +747,13 @@ mod tests {
             (first, hashes.len() as u64)
         }
         fn touch(&mut self, id: u16, hashes: &[u64], now: u64) {
-            for &h in hashes {
-                let Some(stamp) = self.live.get_mut(&(id, h)) else {
-                    break;
-                };
+            let held = hashes
+                .iter()
+                .take_while(|h| self.live.contains_key(&(id, **h)))
+                .count();
+            for &h in hashes[..held].iter().rev() {
                 self.seq += 1;
-                *stamp = (self.seq, now);
+                self.live.insert((id, h), (self.seq, now));
             }
         }
         fn expire(&mut self, ttl: u64, now: u64) {
@@ -789,7 +801,7 @@ mod tests {
                         assert_eq!((touches.first, touches.len), (first, len));
                         let held = next(len + 1) as usize;
                         if let Some(claim) = touches.claim_after(held) {
-                            claims.push((id, claim, (first + held as u64, len - held as u64)));
+                            claims.push((id, claim, (first, len - held as u64)));
                         }
                     }
                     10..=12 => {
