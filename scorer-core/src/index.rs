@@ -221,6 +221,72 @@ impl Block {
     }
 }
 
+/// Shards of the block table.
+const SHARDS: usize = 16;
+
+/// Every block of the index, in [`SHARDS`] hash maps chosen by bits of the block's hash. A
+/// hash map grows by doubling and holds the old table and the new one while it moves them; one
+/// table of all blocks would hold half as much again as itself at that moment (a wasm VM keeps
+/// that high-water mark as its memory) and move every block in one call (a pause on the request
+/// that triggers it). Sharded, each move is a sixteenth of that.
+#[derive(Debug, Default)]
+struct BlockTable {
+    shards: [HashMap<u64, Block>; SHARDS],
+}
+
+impl BlockTable {
+    /// A block's shard: the top bits of its hash, mixed first so that keys that are not
+    /// uniform hashes (tests, sequential ids) spread too.
+    fn shard(hash: u64) -> usize {
+        (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize % SHARDS
+    }
+
+    fn get(&self, hash: &u64) -> Option<&Block> {
+        self.shards[Self::shard(*hash)].get(hash)
+    }
+
+    fn get_mut(&mut self, hash: &u64) -> Option<&mut Block> {
+        self.shards[Self::shard(*hash)].get_mut(hash)
+    }
+
+    fn entry(
+        &mut self,
+        hash: u64,
+    ) -> hashbrown::hash_map::Entry<'_, u64, Block, hashbrown::DefaultHashBuilder> {
+        self.shards[Self::shard(hash)].entry(hash)
+    }
+
+    fn remove(&mut self, hash: &u64) {
+        self.shards[Self::shard(*hash)].remove(hash);
+    }
+
+    fn len(&self) -> usize {
+        self.shards.iter().map(HashMap::len).sum()
+    }
+
+    fn capacity(&self) -> usize {
+        self.shards.iter().map(HashMap::capacity).sum()
+    }
+
+    /// Room for `additional` more blocks, spread evenly over the shards.
+    fn reserve(&mut self, additional: usize) {
+        let each = additional.div_ceil(SHARDS);
+        for shard in &mut self.shards {
+            shard.reserve(each);
+        }
+    }
+
+    #[cfg(test)]
+    fn allocation_size(&self) -> usize {
+        self.shards.iter().map(HashMap::allocation_size).sum()
+    }
+
+    #[cfg(test)]
+    fn values(&self) -> impl Iterator<Item = &Block> + Clone {
+        self.shards.iter().flat_map(HashMap::values)
+    }
+}
+
 /// One endpoint's blocks in LRU order (a lazily compacted queue of touches).
 #[derive(Debug, Default)]
 struct EndpointBlocks {
@@ -236,7 +302,7 @@ struct EndpointBlocks {
 /// Approximate prefix index over chained block hashes.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    blocks: HashMap<u64, Block>,
+    blocks: BlockTable,
     endpoints: Vec<EndpointBlocks>,
     ttl_ms: u64,
     seq: u64,
@@ -255,7 +321,7 @@ fn stamp_of(block: &Block, id: EndpointId, hash: u64, slot: &EndpointBlocks) -> 
 
 /// Whether `touch` is `id`'s current stamp of `hash` (not superseded, still held).
 fn is_current(
-    blocks: &HashMap<u64, Block>,
+    blocks: &BlockTable,
     slot: &EndpointBlocks,
     id: EndpointId,
     (hash, seq): (u64, u64),
@@ -265,12 +331,7 @@ fn is_current(
 }
 
 /// Forgets that `id` holds `hash`; whether it did.
-fn unset(
-    blocks: &mut HashMap<u64, Block>,
-    slot: &mut EndpointBlocks,
-    id: EndpointId,
-    hash: u64,
-) -> bool {
+fn unset(blocks: &mut BlockTable, slot: &mut EndpointBlocks, id: EndpointId, hash: u64) -> bool {
     let Some(block) = blocks.get_mut(&hash) else {
         return false;
     };
@@ -294,7 +355,7 @@ impl PrefixIndex {
     /// An empty index whose entries live at most `ttl_ms` after their last touch.
     pub fn new(ttl_ms: u64) -> Self {
         Self {
-            blocks: HashMap::new(),
+            blocks: BlockTable::default(),
             endpoints: Vec::new(),
             ttl_ms,
             seq: 0,
