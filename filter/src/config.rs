@@ -177,7 +177,7 @@ pub struct FilterConfig {
     /// past this (the control plane expires what it never hears about).
     pub max_pending_reports: usize,
     /// In `local` mode: most prompt blocks the VM's copy indexes over all endpoints, the bulk
-    /// of its memory (about 140 bytes a block natively). Each endpoint keeps at most this
+    /// of its memory (about 120 bytes a block natively). Each endpoint keeps at most this
     /// divided by the endpoints (and never more than its KV capacity), its least recently used
     /// blocks evicted first. 0: only each endpoint's KV capacity bounds it.
     pub max_index_blocks: usize,
