@@ -103,6 +103,8 @@ lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p filter -p scorer-core -p noop-filter --target $(WASM_TARGET) -- -D warnings
+	@# The filter's developer feature (tests/bench/examples/v8_hash.rs) is built by nothing else.
+	$(CARGO) clippy -p filter --all-targets --features time-decision -- -D warnings
 	@# The fuzz targets are their own workspace; checking them here keeps them from rotting
 	@# when a type they build changes (running them is scripts/fuzz.sh).
 	$(CARGO) check --quiet --manifest-path fuzz/Cargo.toml --bins

@@ -600,7 +600,39 @@ impl RequestMachine {
         if target == Target::Prompt(ApiKind::Responses) {
             self.response_id = Some(ResponseIdScanner::default());
         }
-        self.decide_or_dispatch(request, now_ms, elapsed, decide)
+        #[cfg(not(feature = "time-decision"))]
+        return self.decide_or_dispatch(request, now_ms, elapsed, decide);
+        #[cfg(feature = "time-decision")]
+        return self.decide_or_dispatch_timed(request, now_ms, elapsed, clock_ns, decide);
+    }
+
+    /// [`RequestMachine::decide_or_dispatch`], with the step's [`Effect::HashMicros`] holding
+    /// the local decision's time instead of parse and hash (the `time-decision` feature: how
+    /// long a decision takes inside the proxy's VM, where native timings do not carry over).
+    #[cfg(feature = "time-decision")]
+    fn decide_or_dispatch_timed(
+        &mut self,
+        request: RouteRequest,
+        now_ms: u64,
+        elapsed: Option<Effect>,
+        mut clock_ns: impl FnMut() -> Option<u64>,
+        mut decide: impl FnMut(&mut RouteRequest) -> Option<RouteResponse>,
+    ) -> Step {
+        let mut micros = 0;
+        let mut step = self.decide_or_dispatch(request, now_ms, elapsed, |r| {
+            let started = clock_ns();
+            let answer = decide(r);
+            if let (Some(a), Some(b)) = (started, clock_ns()) {
+                micros = b.saturating_sub(a) / 1_000;
+            }
+            answer
+        });
+        for effect in &mut step.effects {
+            if let Effect::HashMicros(us) = effect {
+                *us = micros;
+            }
+        }
+        step
     }
 
     /// Routes `request` on the local decider's answer when it has a usable one (an endpoint
@@ -1980,10 +2012,19 @@ mod tests {
         m.on_request_headers(headers(&post(CHAT)), false);
         let body = chat_body(&"abc ".repeat(500));
         m.on_request_body(body.len(), true);
+        // With `time-decision` the figure is the decider's time, read around it.
+        #[cfg(not(feature = "time-decision"))]
         let mut reads = [1_000_000u64, 1_250_999].into_iter();
+        #[cfg(feature = "time-decision")]
+        let mut reads = [1_000_000u64, 1_250_999, 2_000_000, 2_007_000].into_iter();
         let step = m.on_body_complete_timed(&body, 5, || reads.next());
         assert_eq!(step.action, Action::Pause);
-        assert_eq!(step.effects[0], Effect::HashMicros(250));
+        let want = if cfg!(feature = "time-decision") {
+            7
+        } else {
+            250
+        };
+        assert_eq!(step.effects[0], Effect::HashMicros(want));
         assert!(matches!(step.effects[1], Effect::DispatchRoute { .. }));
 
         // No clock, no measurement; an unparseable body records none either.

@@ -5,6 +5,17 @@
 //!
 //! `cargo run --release -p kvroute-bench --example v8_hash` after `make wasm build`
 //! (`$KVROUTE_WASM` names another module to compare).
+//!
+//! The local decision's time instead of parse and hash: build the filter with its
+//! `time-decision` feature, in a target directory of its own so the shipped module stays as it
+//! is, and name that module (the MB/s column then means nothing):
+//!
+//! ```sh
+//! cargo build --release -p filter --target wasm32-unknown-unknown --features time-decision \
+//!     --target-dir target/time-decision
+//! KVROUTE_WASM=target/time-decision/wasm32-unknown-unknown/release/kvroute_filter.wasm \
+//!     cargo run --release -p kvroute-bench --example v8_hash
+//! ```
 
 use anyhow::Context;
 use kvroute_bench as bench;
