@@ -387,6 +387,13 @@ impl PrefixIndex {
         &mut self.endpoints[i]
     }
 
+    /// The block table and `id`'s blocks (made if new), borrowed apart: what every operation
+    /// that forgets or checks `id`'s touches needs at once.
+    fn split(&mut self, id: EndpointId) -> (&mut BlockTable, &mut EndpointBlocks) {
+        self.slot(id);
+        (&mut self.blocks, &mut self.endpoints[usize::from(id.0)])
+    }
+
     /// Records that `id` now holds `hashes` (touching them as most recently used). Returns the
     /// touches it stamped them with, from which a [`Claim`] on a tail of them can be made.
     ///
@@ -520,19 +527,17 @@ impl PrefixIndex {
 
     /// Forgets that `id` holds `hash` (a `BlockRemoved` event in precise mode).
     pub fn remove(&mut self, id: EndpointId, hash: u64) {
-        self.slot(id);
-        let slot = &mut self.endpoints[usize::from(id.0)];
-        unset(&mut self.blocks, slot, id, hash);
+        let (blocks, slot) = self.split(id);
+        unset(blocks, slot, id, hash);
     }
 
     /// Forgets everything about `id` (endpoint removed, cache cleared, event stream lost).
     pub fn clear_endpoint(&mut self, id: EndpointId) {
-        self.slot(id);
-        let slot = &mut self.endpoints[usize::from(id.0)];
+        let (blocks, slot) = self.split(id);
         // Every block it holds has its current touch in the queue.
         for touch in std::mem::take(&mut slot.order) {
-            if is_current(&self.blocks, slot, id, touch).is_some() {
-                unset(&mut self.blocks, slot, id, touch.0);
+            if is_current(blocks, slot, id, touch).is_some() {
+                unset(blocks, slot, id, touch.0);
             }
         }
         slot.shared.clear();
@@ -540,25 +545,23 @@ impl PrefixIndex {
     }
 
     fn evict_over_capacity(&mut self, id: EndpointId) {
-        self.slot(id);
-        let slot = &mut self.endpoints[usize::from(id.0)];
+        let (blocks, slot) = self.split(id);
         while slot.len > slot.capacity {
             let Some(touch) = slot.order.pop_front() else {
                 return;
             };
-            if is_current(&self.blocks, slot, id, touch).is_some() {
-                unset(&mut self.blocks, slot, id, touch.0);
+            if is_current(blocks, slot, id, touch).is_some() {
+                unset(blocks, slot, id, touch.0);
             }
         }
     }
 
     /// Drops the stale touches that pile up in an endpoint's queue when hot blocks are re-touched.
     fn compact(&mut self, id: EndpointId) {
-        self.slot(id);
-        let slot = &mut self.endpoints[usize::from(id.0)];
+        let (blocks, slot) = self.split(id);
         if slot.order.len() > 2 * slot.len + 64 {
             let mut order = std::mem::take(&mut slot.order);
-            order.retain(|&touch| is_current(&self.blocks, slot, id, touch).is_some());
+            order.retain(|&touch| is_current(blocks, slot, id, touch).is_some());
             slot.order = order;
         }
     }
