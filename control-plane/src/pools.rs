@@ -151,6 +151,13 @@ impl prometheus_client::collector::Collector for FleetFeaturesCollector {
             None,
             MetricType::Gauge,
         )?)?;
+        ConstGauge::new(f.session_return_share).encode(encoder.encode_descriptor(
+            "session_return_share",
+            "Learned share of recent sessions whose second request came within \
+             sessions.return_within_ms: what the session-start charge is scaled by",
+            None,
+            MetricType::Gauge,
+        )?)?;
         labelled_counters(
             &mut encoder,
             "stored_responses",

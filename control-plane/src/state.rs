@@ -78,6 +78,8 @@ pub struct FleetFeatures {
     pub sessions: SessionStats,
     /// Sessions remembered now.
     pub sessions_remembered: usize,
+    /// The learned share of sessions that came back soon (scales the session-start charge).
+    pub session_return_share: f64,
     /// Requests naming a stored response: pinned to its replica, unknown, unavailable.
     pub stored_responses: [(&'static str, u64); 3],
     /// Stored response ids remembered now.
@@ -537,6 +539,7 @@ impl State {
         FleetFeatures {
             sessions,
             sessions_remembered,
+            session_return_share: r.session_return_share(),
             stored_responses: [
                 ("pinned", stats.stored_response_pinned),
                 ("unknown", stats.stored_response_unknown),

@@ -488,10 +488,13 @@ mod router_tests {
         assert_eq!(d.response.endpoints[0], other);
         let (stats, len) = r.session_stats();
         assert_eq!((stats.misses, stats.hits, stats.broken, len), (1, 4, 1, 1));
-        // Without a bonus nothing is remembered.
+        // Without a bonus the session is still remembered (a later request is not a start,
+        // see `sessions.start_turns`), but no replica gets a bonus.
         let mut r = router(RouterConfig::default());
         r.route(&request("m", Some("s1")), 0, 0);
-        assert_eq!(r.session_stats().1, 0);
+        let d = r.route(&request("m", Some("s1")), 1, 1);
+        assert_eq!(r.session_stats().1, 1);
+        assert!(d.candidates.iter().all(|c| c.session_ms == 0.0));
     }
 
     #[test]

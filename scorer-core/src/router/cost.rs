@@ -192,10 +192,11 @@ pub(super) fn cost_terms(
         (slot.inflight_kv.context_tokens() + prompt_tokens) / c
     });
     let decode_itl_ms = itl_at(kv_usage.max(read_fill));
+    let contention_ms = prefill_contention_ms(c, uncached, shape.expected_output_tokens, s);
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
         + shape.decode_weight * shape.expected_output_tokens * decode_itl_ms
-        + prefill_contention_ms(c, uncached, shape.expected_output_tokens, s)
+        + contention_ms
         + s.decode_occupancy_weight
             * if s.decode_occupancy_per_request {
                 slot.inflight_kv.context_tokens()
@@ -237,8 +238,33 @@ pub(super) fn cost_terms(
         queue_ms,
         prefill_ms,
         decode_ms,
+        contention_ms,
         kv_ms,
     }
+}
+
+/// Stage 3c for a session's first request: what placing the session on `c` costs its later
+/// turns, `start_turns` of them (the configured turns times the share of sessions that came
+/// back soon). A later turn finds its history cached where this one runs, so it pays no
+/// prefill to speak of there, but it does pay for the sessions decoding beside it: the
+/// running sequences and the contexts they read, priced as they are now. That is the load
+/// that stays between turns (the sessions placed there); a queue and the prefill flowing
+/// in come and go within a turn, and near saturation their steep terms would make every
+/// start chase whichever replica reads a little lighter that instant, so they are left
+/// out, as is the request's own prefill (`cost_terms` with the whole prompt cached).
+/// Without this, the replica that holds a prefix every session shares (a system prompt,
+/// tool definitions) takes every new session while the others idle.
+pub(super) fn session_start_ms(
+    c: Candidate<'_>,
+    shape: &RequestShape<'_>,
+    start_turns: f64,
+    s: &ScoringConfig,
+) -> f64 {
+    if start_turns <= 0.0 {
+        return 0.0;
+    }
+    let later = cost_terms(c, (shape.prompt_tokens - 1.0).max(0.0), shape, s);
+    start_turns * (later.decode_ms - later.contention_ms)
 }
 
 /// The decode time `c`'s prefill contention would cost this request, weighted (see

@@ -504,6 +504,10 @@ pub struct CandidateScore {
     /// Session-affinity bonus (negative) of the session's remembered, healthy replica.
     #[serde(default)]
     pub session_ms: f64,
+    /// A session's first request: the decode-side load here charged again for the later
+    /// turns that will follow its cache here ([`crate::affinity::SessionConfig::start_turns`]).
+    #[serde(default)]
+    pub session_start_ms: f64,
     /// LoRA cost: loading the adapter, plus a penalty when all adapter slots hold others.
     #[serde(default)]
     pub lora_ms: f64,
@@ -854,13 +858,17 @@ struct CandidatePool<'r> {
     recorded: Option<EndpointId>,
 }
 
-/// A request's session, when affinity is on, and the replica that session remembers.
+/// A request's session and the replica that session remembers.
 #[derive(Debug, Clone, Copy, Default)]
 struct SessionAffinity<'r> {
-    /// The session key (`None`: no session, or `sessions.bonus_ms` is 0).
+    /// The session key (`None`: the request names no session).
     key: Option<&'r str>,
     /// Where the session went last, within `sessions.ttl_ms`.
     remembered: Option<EndpointId>,
+    /// Later turns this request's placement is charged for (0: no session, a session already
+    /// placed, or `sessions.start_turns` 0): `sessions.start_turns` times the share of recent
+    /// sessions that came back ([`crate::affinity::SessionTable::return_share`]).
+    start_turns: f64,
 }
 
 /// One usable endpoint while it is scored.
@@ -901,6 +909,9 @@ struct CostTerms {
     queue_ms: f64,
     prefill_ms: f64,
     decode_ms: f64,
+    /// The part of `decode_ms` that is prefill flowing in beside the decode
+    /// ([`prefill_contention_ms`]).
+    contention_ms: f64,
     kv_ms: f64,
 }
 
@@ -1624,6 +1635,12 @@ impl Router {
         (self.fleet.sessions.stats(), self.fleet.sessions.len())
     }
 
+    /// The learned share of recent sessions that came back soon, which scales the
+    /// session-start charge ([`crate::affinity::SessionTable::return_share`]).
+    pub fn session_return_share(&self) -> f64 {
+        self.fleet.sessions.return_share()
+    }
+
     /// Model-pool counters since start.
     pub fn pool_stats(&self) -> PoolStats {
         self.fleet.stats
@@ -2017,15 +2034,21 @@ impl Router {
             self.config.models.unknown_model,
         )?;
         let sessions = &self.config.sessions;
-        let key = request
-            .session
-            .as_deref()
-            .filter(|_| sessions.bonus_ms > 0.0);
+        let key = request.session.as_deref().filter(|k| !k.is_empty());
         let remembered = key.and_then(|k| self.fleet.sessions.lookup(k, now_ms, sessions.ttl_ms));
+        let start_turns = if key.is_some() && remembered.is_none() {
+            sessions.start_turns.max(0.0) * self.fleet.sessions.return_share()
+        } else {
+            0.0
+        };
         Ok(CandidatePool {
             eligible,
             adapter: self.fleet.is_adapter(&request.model),
-            session: SessionAffinity { key, remembered },
+            session: SessionAffinity {
+                key,
+                remembered,
+                start_turns,
+            },
             recorded: None,
         })
     }
@@ -2137,6 +2160,7 @@ impl Router {
                 cached.tokens = 0.0;
             }
             let terms = cost_terms(candidate, cached.tokens, shape, s);
+            let session_start_ms = session_start_ms(candidate, shape, pool.session.start_turns, s);
             let steer = steering(
                 candidate,
                 &terms,
@@ -2166,7 +2190,8 @@ impl Router {
                         + steer.latency_ms
                         + steer.session_ms
                         + steer.cache_control_ms
-                        + steer.lora_ms,
+                        + steer.lora_ms
+                        + session_start_ms,
                     inflight: slot.inflight,
                     guarded: false,
                     predicted_ttft_ms: steer.predicted.ttft_ms,
@@ -2175,6 +2200,7 @@ impl Router {
                     latency_ms: steer.latency_ms,
                     role: slot.role,
                     session_ms: steer.session_ms,
+                    session_start_ms,
                     cache_control_ms: steer.cache_control_ms,
                     lora_ms: steer.lora_ms,
                 },
@@ -2268,10 +2294,15 @@ impl Router {
         let chosen_score = ranking.chosen_score();
         if let Some(key) = session.key {
             self.fleet.sessions.count(session.remembered, chosen);
-            let max_sessions = self.config.sessions.max_sessions;
+            let sessions = &self.config.sessions;
+            let (ttl, soon, max) = (
+                sessions.ttl_ms,
+                sessions.return_within_ms,
+                sessions.max_sessions,
+            );
             self.fleet
                 .sessions
-                .remember(key, chosen, now_ms, max_sessions);
+                .remember_session(key, chosen, now_ms, ttl, soon, max);
         }
         if chosen_score.precise {
             self.stats.precise_decisions += 1;
@@ -2508,10 +2539,13 @@ impl Router {
             && (200..300).contains(&outcome.status)
             && let Some(served_by) = self.endpoint_id(&outcome.endpoint)
         {
-            let max = self.config.responses.max_entries;
+            let (ttl, max) = (
+                self.config.responses.ttl_ms,
+                self.config.responses.max_entries,
+            );
             self.fleet
                 .responses
-                .remember(response_id, served_by, now_ms, max);
+                .remember(response_id, served_by, now_ms, ttl, max);
         }
         let Some(entry) = self.inflight.remove(&outcome.decision_id) else {
             return;
