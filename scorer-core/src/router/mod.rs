@@ -794,6 +794,10 @@ struct PrefixDepths<'s> {
     speculative: &'s [usize],
     /// Engine blocks in CPU or storage tiers (idem).
     offload: &'s [usize],
+    /// A precise request that no endpoint's event-fed indexes hold any of, while the
+    /// approximate index (the routing history) places some of it: [`cached_prefix`] scores it
+    /// on the history.
+    history_only: bool,
 }
 
 /// What serving a request involves on any endpoint, worked out once per decision

@@ -164,6 +164,50 @@ fn speculative_entries_hold_a_burst_together_then_expire() {
     );
 }
 
+// A prompt the engines evicted everywhere is still routed where the history sent it: the
+// events place it nowhere, so the approximate index (the routing history) scores it, and a
+// busier replica that held it keeps its group together. Once an engine reports any of it
+// stored, the events decide again.
+#[test]
+fn a_prompt_evicted_everywhere_follows_its_history() {
+    let tokens: Vec<u32> = (0..800).collect();
+    let text = "a group's long system prompt ".repeat(110);
+    let with_history = |tokens: &[u32]| RouteRequest {
+        block_hashes: block_hashes(model_seed("m"), text.as_bytes(), 256),
+        prompt_bytes: text.len() as u64,
+        ..request(tokens)
+    };
+    let mut r = router();
+    let first = r.route(&with_history(&tokens), 0, 1);
+    let held = first.response.endpoints[0].clone();
+    let other = if held == "a:1" { "b:1" } else { "a:1" };
+    // The engine stored the prompt, then evicted all of it; the speculative entries expired.
+    r.apply_kv_event(&held, "m", &stored(&tokens[..784], Medium::Gpu), 10)
+        .unwrap();
+    let evicted = KvEvent::BlockRemoved {
+        block_hashes: (0..49).map(|i| 1000 + i).collect(),
+        medium: Medium::Gpu,
+    };
+    r.apply_kv_event(&held, "m", &evicted, 20).unwrap();
+    r.expire(60_000);
+    // The holder is the busier one now.
+    assert!(r.record_decision(&request(&[7; 64]), &held, 1 << 40, 60_000, 0));
+    let d = r.route(&with_history(&tokens), 60_001, 2);
+    assert_eq!(d.response.endpoints[0], held, "{:?}", d.candidates);
+    assert!(d.candidates.iter().all(|c| !c.precise));
+    // Any of it stored anywhere: the events decide, and they say the other replica.
+    r.apply_kv_event(
+        other,
+        "m",
+        &stored_from(5000, &tokens[..784], Medium::Gpu),
+        60_002,
+    )
+    .unwrap();
+    let d = r.route(&with_history(&tokens), 60_003, 3);
+    assert_eq!(d.response.endpoints[0], other, "{:?}", d.candidates);
+    assert!(d.candidates[0].precise);
+}
+
 #[test]
 fn a_queue_that_will_evict_a_history_takes_its_predicted_hit_away() {
     // One replica of 4,800 KV tokens, full: a 1,600-token history stored first, 3,200
