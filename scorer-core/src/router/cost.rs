@@ -68,6 +68,7 @@ pub(super) fn look_up_prefixes<'s>(
     precise: &PreciseIndexes,
     request: &RouteRequest,
     n: usize,
+    events_usable: impl Fn(usize) -> bool,
 ) -> PrefixDepths<'s> {
     let DepthBuffers {
         matched,
@@ -89,7 +90,13 @@ pub(super) fn look_up_prefixes<'s>(
         record_depths(&precise.offload, &request.token_block_hashes, offload);
     }
     let held = |depths: &[usize]| depths.iter().any(|&d| d > 0);
-    let history_only = is_precise && !(held(gpu) || held(spec) || held(offload)) && held(matched);
+    // The history of an endpoint whose events are not used is read for it anyway.
+    let history_on_events = matched
+        .iter()
+        .enumerate()
+        .any(|(i, &d)| d > 0 && events_usable(i));
+    let history_only =
+        is_precise && !(held(gpu) || held(spec) || held(offload)) && history_on_events;
     PrefixDepths {
         approximate: matched,
         gpu,
@@ -107,7 +114,9 @@ pub(super) fn look_up_prefixes<'s>(
 /// discounted for the queue ahead ([`lost_before_admission`]).
 ///
 /// A precise request that the events place nowhere (every block evicted from every replica)
-/// while the routing history does is scored on the approximate index: the history says where
+/// while the routing history places it on a replica whose events are used is scored on the
+/// approximate index (a replica whose events are not used is scored on it anyway, so its
+/// history alone changes nothing for the others): the history says where
 /// this prefix's requests have been going, and a miss sent there is prefilled where its
 /// group's next requests will look. Placed by load instead, the misses of caches that thrash
 /// spread each group over every replica and its later requests hit less (fleet-sim's

@@ -795,8 +795,8 @@ struct PrefixDepths<'s> {
     /// Engine blocks in CPU or storage tiers (idem).
     offload: &'s [usize],
     /// A precise request that no endpoint's event-fed indexes hold any of, while the
-    /// approximate index (the routing history) places some of it: [`cached_prefix`] scores it
-    /// on the history.
+    /// approximate index (the routing history) places some of it on an endpoint whose events
+    /// are used: [`cached_prefix`] scores it on the history everywhere.
     history_only: bool,
 }
 
@@ -2125,7 +2125,9 @@ impl Router {
             scratch,
             ..
         } = self;
-        let depths = look_up_prefixes(&mut scratch.depths, index, precise, request, n);
+        let depths = look_up_prefixes(&mut scratch.depths, index, precise, request, n, |i| {
+            slots[i].as_ref().is_some_and(Slot::precise_usable)
+        });
         // Written for every candidate before the chosen one's is read: no reset needed.
         let latency_features = &mut scratch.features;
         latency_features.resize(n, LatencyFeatures::default());

@@ -206,6 +206,23 @@ fn a_prompt_evicted_everywhere_follows_its_history() {
     let d = r.route(&with_history(&tokens), 60_003, 3);
     assert_eq!(d.response.endpoints[0], other, "{:?}", d.candidates);
     assert!(d.candidates[0].precise);
+
+    // The history of a replica whose events are not used (its stream is down) is read for it
+    // anyway: the others stay scored on their events.
+    let mut r = router();
+    let held = r.route(&with_history(&tokens), 0, 1).response.endpoints[0].clone();
+    let other = if held == "a:1" { "b:1" } else { "a:1" };
+    r.set_event_stream(&held, false);
+    r.expire(60_000);
+    let d = r.route(&with_history(&tokens), 60_001, 2);
+    let scored = |e: &str| {
+        d.candidates
+            .iter()
+            .find(|c| c.endpoint == e)
+            .unwrap()
+            .precise
+    };
+    assert!(!scored(&held) && scored(other), "{:?}", d.candidates);
 }
 
 #[test]
