@@ -155,7 +155,18 @@ pub struct Claim {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Stamp {
     seq: u64,
+    /// At most [`MAX_AT_MS`], so a [`Block`] can pack it.
     at_ms: u64,
+}
+
+impl Stamp {
+    /// Touch `seq` at `now_ms` (clamped to what a [`Block`] packs).
+    fn new(seq: u64, now_ms: u64) -> Self {
+        Self {
+            seq,
+            at_ms: now_ms.min(MAX_AT_MS),
+        }
+    }
 }
 
 /// No endpoint: a [`Block`] whose stamp slot is free.
@@ -212,7 +223,7 @@ impl Block {
     /// Keeps `stamp` as `owner`'s.
     fn own(&mut self, owner: u16, stamp: Stamp) {
         self.seq = stamp.seq;
-        self.at_and_owner = (stamp.at_ms.min(MAX_AT_MS) << 16) | u64::from(owner);
+        self.at_and_owner = (stamp.at_ms << 16) | u64::from(owner);
     }
 
     /// Keeps nobody's stamp.
@@ -415,10 +426,7 @@ impl PrefixIndex {
         let mut seq = *last;
         for &h in hashes.iter().rev() {
             seq += 1;
-            let stamp = Stamp {
-                seq,
-                at_ms: now_ms.min(MAX_AT_MS),
-            };
+            let stamp = Stamp::new(seq, now_ms);
             match blocks.entry(h) {
                 hashbrown::hash_map::Entry::Occupied(mut e) => {
                     let block = e.get_mut();
@@ -511,10 +519,7 @@ impl PrefixIndex {
                 break;
             };
             *seq += 1;
-            let stamp = Stamp {
-                seq: *seq,
-                at_ms: now_ms.min(MAX_AT_MS),
-            };
+            let stamp = Stamp::new(*seq, now_ms);
             if block.owner() == id.0 {
                 block.own(id.0, stamp);
             } else if let Some(s) = slot.shared.get_mut(&h) {
