@@ -90,13 +90,15 @@ pub(super) fn look_up_prefixes<'s>(
         record_depths(&precise.offload, &request.token_block_hashes, offload);
     }
     let held = |depths: &[usize]| depths.iter().any(|&d| d > 0);
-    // The history of an endpoint whose events are not used is read for it anyway.
-    let history_on_events = matched
-        .iter()
-        .enumerate()
-        .any(|(i, &d)| d > 0 && events_usable(i));
-    let history_only =
-        is_precise && !(held(gpu) || held(spec) || held(offload)) && history_on_events;
+    // Read only for a precise request the events place nowhere (an approximate one, most of
+    // them, pays nothing); the history of an endpoint whose events are not used is read for it
+    // anyway, so only the others' counts.
+    let history_only = is_precise
+        && !(held(gpu) || held(spec) || held(offload))
+        && matched
+            .iter()
+            .enumerate()
+            .any(|(i, &d)| d > 0 && events_usable(i));
     PrefixDepths {
         approximate: matched,
         gpu,
