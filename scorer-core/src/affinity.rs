@@ -168,11 +168,8 @@ impl SessionTable {
             self.judge_pending(now_ms, return_ms, max_sessions);
         }
         let hash = key_hash(key);
-        let live = self
-            .entries
-            .get(&hash)
-            .copied()
-            .filter(|e| now_ms.saturating_sub(e.touched_ms) < ttl_ms);
+        let previous = self.entries.get(&hash).copied();
+        let live = previous.filter(|e| now_ms.saturating_sub(e.touched_ms) < ttl_ms);
         let entry = match live {
             Some(e) => {
                 if !e.judged {
@@ -187,8 +184,10 @@ impl SessionTable {
                 }
             }
             None => {
-                // An expired entry still held is a session that ended.
-                self.drop_entry(hash);
+                // An expired entry still held (overwritten below) is a session that ended.
+                if previous.is_some_and(|e| !e.judged) {
+                    self.count_session(false);
+                }
                 if return_ms.is_some() {
                     self.pending.push_back((hash, now_ms));
                 }
