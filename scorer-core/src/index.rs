@@ -573,12 +573,24 @@ impl PrefixIndex {
 
     /// Drops entries whose TTL ran out. Cheap when nothing expired: one look at each queue head.
     pub fn expire(&mut self, now_ms: u64) {
+        self.expire_before(now_ms, |_| u64::MAX);
+    }
+
+    /// [`PrefixIndex::expire`], except that an endpoint's entries stamped at or after
+    /// `keep_from(id)` stay whatever their age: the speculative index keeps the blocks of
+    /// requests whose prefill has not been seen to run, however long their queue.
+    pub fn expire_before(&mut self, now_ms: u64, keep_from: impl Fn(EndpointId) -> u64) {
         let ttl = self.ttl_ms;
         for (i, slot) in self.endpoints.iter_mut().enumerate() {
             let id = EndpointId(i as u16);
+            let keep_from = keep_from(id);
             while let Some(&touch) = slot.order.front() {
                 match is_current(&self.blocks, slot, id, touch) {
-                    Some(s) if s.at_ms.saturating_add(ttl) > now_ms => break,
+                    // The queue is in touch order, and touches are stamped in time order:
+                    // everything behind a kept entry is kept too.
+                    Some(s) if s.at_ms.saturating_add(ttl) > now_ms || s.at_ms >= keep_from => {
+                        break;
+                    }
                     current => {
                         slot.order.pop_front();
                         // Current (and expired): forget it; stale: the pop was all.

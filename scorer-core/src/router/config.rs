@@ -307,8 +307,10 @@ pub struct RouterConfig {
 pub struct PreciseConfig {
     /// Tokens per engine KV block (vLLM `block_size`); request token hashes use the same size.
     pub block_tokens: usize,
-    /// How long a routed request's blocks count as present on its endpoint before events
-    /// confirm them, so a burst with one prefix does not scatter before the first events land.
+    /// How long a routed request's blocks count as present on its endpoint, unconfirmed by
+    /// events, once its prefill is seen to run (its first token, or its end): a burst with one
+    /// prefix does not scatter before the first events land. Until then they stay, however
+    /// long the queue ahead of it: no event can come sooner.
     pub speculative_ttl_ms: u64,
     /// Credit for a block held in a CPU or storage tier, relative to GPU (recompute is 0).
     pub offload_weight: f64,

@@ -770,6 +770,9 @@ struct RouteScratch {
     /// Sort keys of the candidates (see `cost_order`).
     keys: Vec<u128>,
     short_keys: Vec<u64>,
+    /// Per endpoint slot, when its oldest request whose prefill is not yet seen to run was
+    /// decided (`Router::expire`; `u64::MAX`: none).
+    pending_since: Vec<u64>,
 }
 
 /// Matched prefix depth per endpoint slot: approximate index, then precise GPU, speculative and
@@ -1666,7 +1669,6 @@ impl Router {
         self.fleet
             .responses
             .expire(now_ms, self.config.responses.ttl_ms);
-        self.precise.speculative.expire(now_ms);
         self.check_event_hashes(now_ms);
         while self
             .withdrawn
@@ -1692,6 +1694,22 @@ impl Router {
                 slot.release(&entry);
             }
         }
+        // A routed prompt's speculative blocks stand until its prefill is seen to run (its
+        // first token, or its end): its events cannot come sooner, however long its queue.
+        let mut pending = std::mem::take(&mut self.scratch.pending_since);
+        pending.clear();
+        pending.resize(self.slots.len(), u64::MAX);
+        for entry in self.inflight.values() {
+            if entry.speculative_claim.is_some()
+                && let Some(since) = pending.get_mut(usize::from(entry.endpoint.0))
+            {
+                *since = (*since).min(entry.started_ms);
+            }
+        }
+        self.precise
+            .speculative
+            .expire_before(now_ms, |id| pending[usize::from(id.0)]);
+        self.scratch.pending_since = pending;
     }
 
     /// Remembers a new in-flight entry for expiry, dropping answered ones from the queue when
@@ -2746,6 +2764,9 @@ impl Router {
         let Some(entry) = self.inflight.get_mut(&decision_id) else {
             return;
         };
+        // Its prefill ran: from here the events speak for its blocks, and the speculative ones
+        // expire as usual.
+        entry.speculative_claim = None;
         if !entry.awaiting_first_token {
             return;
         }
