@@ -154,22 +154,23 @@ pub(super) fn cached_prefix(
     let tokens = if slot.backlog_tokens > 0.0 && gpu > 0 {
         let gpu_index = &indexes.gpu;
         let prefix = &shape.token_blocks[..gpu];
-        // The prefix's least recently used block bounds what goes before it: a turn's new
-        // blocks are stored after the history it re-used was touched. Sampled, as the
-        // in-flight KV is.
-        let older_blocks = kv_samples(prefix, 8)
-            .chain(prefix.last())
-            .filter_map(|&h| gpu_index.older_than(c.id, h))
-            .min()
-            .unwrap_or(0);
+        // Sampled, as the in-flight KV is: every `KV_SAMPLE_STEP`th block and the last, each
+        // with how many blocks were touched before it here.
+        let ages = prefix
+            .iter()
+            .enumerate()
+            .skip(KV_SAMPLE_STEP - 1)
+            .step_by(KV_SAMPLE_STEP)
+            .chain(prefix.iter().enumerate().next_back())
+            .filter_map(|(at, &h)| gpu_index.older_than(c.id, h).map(|older| (at, older)));
         let cache = CacheView {
             indexed_tokens: (gpu_index.len_for(c.id) * block_tokens) as f64,
-            older_tokens: (older_blocks * block_tokens) as f64,
+            block_tokens: block_tokens.max(1),
             full: indexes.evicting.contains(c.id),
         };
         // Only the GPU tier is evicted to make room; offloaded blocks stay.
         let at_risk = ((on_gpu * block_tokens) as f64).min(tokens);
-        tokens - lost_before_admission(slot, cache, at_risk, shape.kv_blocks)
+        tokens - lost_before_admission(slot, cache, at_risk, ages, shape.kv_blocks)
     } else {
         tokens
     };
@@ -587,24 +588,35 @@ pub(super) fn in_cost_order(
 pub(super) struct CacheView {
     /// Tokens the index believes the endpoint caches.
     indexed_tokens: f64,
-    /// Cached tokens last touched before the request's prefix (they are evicted first).
-    older_tokens: f64,
+    /// Tokens of one engine block.
+    block_tokens: usize,
     /// The engine has been evicting: no free blocks are left, whatever the index counts (it
     /// misses partly filled blocks and duplicates).
     full: bool,
 }
 
+/// Blocks between two of a prefix's blocks that [`lost_before_admission`] samples.
+pub(super) const KV_SAMPLE_STEP: usize = 8;
+
 /// Cached prompt tokens on `slot`'s GPU that the prefill queued ahead of this request will
-/// evict before the engine admits it. A full cache makes room by evicting its least recently used
-/// blocks that no running request pins; the queued prefills allocate `backlog_tokens`, which
-/// first take free blocks, then the blocks touched before this prompt's prefix, then the
-/// prefix itself (its part that in-flight requests pin is safe). Without this the router
-/// promises a conversation's history on a replica whose queue will evict it, and the request
-/// pays the queue and the full prefill: precise mode's live tail under contention.
+/// evict before the engine admits it. A full cache makes room by evicting its least recently
+/// used blocks that no running request pins: the queued prefills allocate `backlog_tokens`,
+/// which first take free blocks, then that many blocks from the least recently used end. A
+/// prefix is reused up to its first evicted block, so it is cut at the first of its sampled
+/// blocks (`ages`: index in the prompt, blocks touched before it here, in prompt order)
+/// that the eviction reaches, less the blocks stamped just after that one (a prompt is
+/// stamped tail first, so its earlier blocks follow) while the eviction lasts; what in-flight
+/// requests pin is safe. Each block counts by its own place: the system prompt every request
+/// refreshes outlives the history behind it (counting the whole prefix from its oldest block
+/// evicted that too, and moved half of the L4 multi-turn conversations off their history).
+/// Without this the router promises a conversation's history on a replica whose queue will
+/// evict it, and the request pays the queue and the full prefill: precise mode's live tail
+/// under contention.
 pub(super) fn lost_before_admission(
     slot: &Slot,
     cache: CacheView,
     gpu_cached_tokens: f64,
+    ages: impl Iterator<Item = (usize, usize)>,
     kv_blocks: KvBlocks<'_>,
 ) -> f64 {
     let Some(capacity) = slot.kv_capacity_tokens() else {
@@ -618,14 +630,28 @@ pub(super) fn lost_before_admission(
     } else {
         capacity - cache.indexed_tokens.max(pinned).min(capacity)
     };
-    let reaching_prefix = ahead - free - cache.older_tokens;
-    if reaching_prefix <= 0.0 {
+    let block = cache.block_tokens as f64;
+    // Blocks the queue takes from the least recently used end.
+    let evicted = (ahead - free) / block;
+    if evicted <= 0.0 {
         return 0.0;
     }
     let held = slot
         .inflight_kv
         .held_prefix_tokens(kv_blocks.hashes, kv_blocks.block_tokens);
-    (gpu_cached_tokens - held).max(0.0).min(reaching_prefix)
+    // Blocks known kept: up to the last sampled block the eviction does not reach.
+    let mut kept = 0;
+    for (at, older) in ages {
+        let older = older as f64;
+        if (at + 1) as f64 * block <= held || older >= evicted {
+            kept = at + 1;
+            continue;
+        }
+        let also_evicted = (evicted - older).ceil() as usize;
+        let cut = (at + 1).saturating_sub(also_evicted).max(kept);
+        return (gpu_cached_tokens - (cut as f64 * block).max(held)).max(0.0);
+    }
+    0.0
 }
 
 /// How far (as a ratio) an endpoint's learned prefill rate may sit from the fleet's average and

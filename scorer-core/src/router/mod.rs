@@ -458,6 +458,10 @@ struct InFlight {
     claim: Option<Claim>,
     /// The same in the speculative index (precise requests).
     speculative_claim: Option<Claim>,
+    /// A precise request's token-block hashes, touched in the GPU index when it ends: vLLM
+    /// frees a finished request's blocks to the recently used end of its free queue (tail
+    /// first), so they outlive the blocks touched while it ran, whatever their events' age.
+    prompt_blocks: Box<[u64]>,
 }
 
 impl InFlight {
@@ -2376,6 +2380,7 @@ impl Router {
             first_token_block: request.token_block_hashes.first().copied(),
             claim: None,
             speculative_claim: None,
+            prompt_blocks: request.token_block_hashes.as_slice().into(),
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -2633,6 +2638,12 @@ impl Router {
             }
             _ => entry.endpoint,
         };
+        // The engine freed its blocks just now, to the recently used end of its free queue.
+        if !refused && !entry.prompt_blocks.is_empty() {
+            self.precise
+                .gpu
+                .touch(served_by, &entry.prompt_blocks, now_ms);
+        }
         let mut noted = None;
         let mut reuse = None;
         let mut mismatch = None;

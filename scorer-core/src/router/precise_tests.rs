@@ -262,15 +262,7 @@ fn a_queue_that_will_evict_a_history_takes_its_predicted_hit_away() {
     // least recently used blocks, the history among them, before the follow-up is
     // admitted; no event says so yet. Once a hit has refreshed the history, the same
     // queue evicts the other blocks first.
-    let mut r = Router::new(RouterConfig::default(), 1);
-    r.upsert_endpoint("a:1").unwrap();
-    r.set_event_stream("a:1", true);
-    let capacity = EndpointMetrics {
-        capacity_tokens: Some(4_800),
-        counters: None,
-        ..EndpointMetrics::default()
-    };
-    r.update_metrics("a:1", capacity, 0);
+    let mut r = small_replica();
     let history: Vec<u32> = (0..1_600).collect();
     let others: Vec<u32> = (50_000..53_200).collect();
     r.apply_kv_event("a:1", "m", &stored_from(1_000, &history, Medium::Gpu), 0)
@@ -283,23 +275,97 @@ fn a_queue_that_will_evict_a_history_takes_its_predicted_hit_away() {
     let queued_miss = r.route(&request(&miss), 100_000, 1);
     let queued = r.route(&request(&follow_up), 100_000, 2);
     assert_eq!(queued.candidates[0].cached_tokens, 0, "{queued:?}");
-    let answer = |r: &mut Router, d: Decision| {
-        let outcome = Outcome {
-            decision_id: d.response.decision_id,
-            ..Default::default()
-        };
-        r.feedback(&outcome, 200_000);
-    };
-    answer(&mut r, queued_miss);
-    answer(&mut r, queued);
+    answer(&mut r, queued_miss, 200_000);
+    answer(&mut r, queued, 200_000);
 
     // With no queue the history is all there; the hit refreshes it, so the 3,200 others
     // go first under the same queue.
     let idle = r.route(&request(&follow_up), 200_000, 3);
     assert_eq!(idle.candidates[0].cached_tokens, 1_600);
-    answer(&mut r, idle);
+    answer(&mut r, idle, 200_000);
     let _miss = r.route(&request(&miss), 300_000, 4);
     let queued = r.route(&request(&follow_up), 300_000, 5);
+    assert_eq!(queued.candidates[0].cached_tokens, 1_600, "{queued:?}");
+}
+
+/// One replica of 4,800 KV tokens whose events are live (the queue tests).
+fn small_replica() -> Router {
+    let mut r = Router::new(RouterConfig::default(), 1);
+    r.upsert_endpoint("a:1").unwrap();
+    r.set_event_stream("a:1", true);
+    let capacity = EndpointMetrics {
+        capacity_tokens: Some(4_800),
+        counters: None,
+        ..EndpointMetrics::default()
+    };
+    r.update_metrics("a:1", capacity, 0);
+    r
+}
+
+/// Reports `d` served: a 200 with one token.
+fn answer(r: &mut Router, d: Decision, now_ms: u64) {
+    let outcome = Outcome {
+        decision_id: d.response.decision_id,
+        endpoint: d.response.endpoints[0].clone(),
+        status: 200,
+        completion_tokens: Some(1),
+        ..Default::default()
+    };
+    r.feedback(&outcome, now_ms);
+}
+
+#[test]
+fn a_queue_evicts_a_history_but_not_the_system_prompt_every_request_refreshes() {
+    // A full replica: an 800-token system prompt and a conversation's 800-token history
+    // behind it, 3,200 other tokens stored after them, then another conversation refreshes
+    // the system prompt. A 3,200-token miss queued ahead evicts the least recently used
+    // 200 blocks: the history and 150 of the others. The follow-up keeps its system prompt.
+    let mut r = small_replica();
+    let history: Vec<u32> = (0..1_600).collect();
+    let others: Vec<u32> = (50_000..53_200).collect();
+    r.apply_kv_event("a:1", "m", &stored_from(1_000, &history, Medium::Gpu), 0)
+        .unwrap();
+    r.apply_kv_event("a:1", "m", &stored_from(5_000, &others, Medium::Gpu), 0)
+        .unwrap();
+    let another: Vec<u32> = (0..800).chain(70_000..70_100).collect();
+    let refresh = r.route(&request(&another), 100_000, 1);
+    assert_eq!(refresh.candidates[0].cached_tokens, 800);
+    answer(&mut r, refresh, 150_000);
+
+    let miss: Vec<u32> = (90_000..93_200).collect();
+    let follow_up: Vec<u32> = (0..1_700).collect();
+    let _miss = r.route(&request(&miss), 200_000, 2);
+    let queued = r.route(&request(&follow_up), 200_000, 3);
+    // Cut at the last sampled block the queue leaves (every eighth): up to 7 blocks short.
+    let cached = queued.candidates[0].cached_tokens;
+    assert!((800 - 7 * 16..=800).contains(&cached), "{queued:?}");
+}
+
+#[test]
+fn a_finished_requests_blocks_outlive_those_stored_while_it_ran() {
+    // A conversation's 1,600-token history is stored, its next turn is routed there, and
+    // 3,200 tokens of other traffic are stored while that turn runs. When it ends, vLLM frees
+    // its blocks to the recently used end of the free queue: a 3,200-token miss queued
+    // ahead of the turn after evicts the other traffic, not the history.
+    let mut r = small_replica();
+    let history: Vec<u32> = (0..1_600).collect();
+    r.apply_kv_event("a:1", "m", &stored_from(1_000, &history, Medium::Gpu), 0)
+        .unwrap();
+    let turn: Vec<u32> = (0..1_700).collect();
+    let running = r.route(&request(&turn), 100_000, 1);
+    let others: Vec<u32> = (50_000..53_200).collect();
+    r.apply_kv_event(
+        "a:1",
+        "m",
+        &stored_from(5_000, &others, Medium::Gpu),
+        100_001,
+    )
+    .unwrap();
+    answer(&mut r, running, 150_000);
+
+    let miss: Vec<u32> = (90_000..93_200).collect();
+    let _miss = r.route(&request(&miss), 200_000, 2);
+    let queued = r.route(&request(&turn), 200_000, 3);
     assert_eq!(queued.candidates[0].cached_tokens, 1_600, "{queued:?}");
 }
 
