@@ -601,17 +601,16 @@ pub(super) const KV_SAMPLE_STEP: usize = 8;
 /// Cached prompt tokens on `slot`'s GPU that the prefill queued ahead of this request will
 /// evict before the engine admits it. A full cache makes room by evicting its least recently
 /// used blocks that no running request pins: the queued prefills allocate `backlog_tokens`,
-/// which first take free blocks, then that many blocks from the least recently used end. A
-/// prefix is reused up to its first evicted block, so it is cut at the first of its sampled
-/// blocks (`ages`: index in the prompt, blocks touched before it here, in prompt order)
-/// that the eviction reaches, less the blocks stamped just after that one (a prompt is
-/// stamped tail first, so its earlier blocks follow) while the eviction lasts; what in-flight
-/// requests pin is safe. Each block counts by its own place: the system prompt every request
-/// refreshes outlives the history behind it (counting the whole prefix from its oldest block
-/// evicted that too, and moved half of the L4 multi-turn conversations off their history).
-/// Without this the router promises a conversation's history on a replica whose queue will
-/// evict it, and the request pays the queue and the full prefill: precise mode's live tail
-/// under contention.
+/// which first take free blocks, then the blocks touched before this prompt's oldest block,
+/// then the prefix from its oldest blocks on (a prompt is stamped tail first, so its tail
+/// goes first). `ages` are the prefix's sampled blocks in prompt order (index in the prompt,
+/// blocks touched before it here). The prefix's leading blocks that the eviction does not
+/// reach stay whatever the amount: the system prompt every request refreshes outlives the
+/// history behind it (counting the amount from the prefix's total evicted that too, and
+/// moved the L4 multi-turn conversations off their history). What in-flight requests pin
+/// is safe. Without this the router promises a conversation's history on a replica whose
+/// queue will evict it, and the request pays the queue and the full prefill: precise mode's
+/// live tail under contention.
 pub(super) fn lost_before_admission(
     slot: &Slot,
     cache: CacheView,
@@ -639,19 +638,26 @@ pub(super) fn lost_before_admission(
     let held = slot
         .inflight_kv
         .held_prefix_tokens(kv_blocks.hashes, kv_blocks.block_tokens);
-    // Blocks known kept: up to the last sampled block the eviction does not reach.
-    let mut kept = 0;
+    // The prefix's leading blocks the eviction does not reach (pinned, or touched after the
+    // blocks it takes), and the oldest of its sampled blocks.
+    let mut safe = 0;
+    let mut leading = true;
+    let mut oldest = usize::MAX;
     for (at, older) in ages {
-        let older = older as f64;
-        if (at + 1) as f64 * block <= held || older >= evicted {
-            kept = at + 1;
-            continue;
+        oldest = oldest.min(older);
+        leading &= (at + 1) as f64 * block <= held || older as f64 >= evicted;
+        if leading {
+            safe = at + 1;
         }
-        let also_evicted = (evicted - older).ceil() as usize;
-        let cut = (at + 1).saturating_sub(also_evicted).max(kept);
-        return (gpu_cached_tokens - (cut as f64 * block).max(held)).max(0.0);
     }
-    0.0
+    if oldest == usize::MAX {
+        return 0.0;
+    }
+    // What the eviction takes past the blocks older than the prefix, from the prefix's own
+    // oldest blocks on, but never its leading blocks it does not reach.
+    let reaching = (evicted - oldest as f64) * block;
+    let kept = (safe as f64 * block).max(held);
+    (gpu_cached_tokens - kept).max(0.0).min(reaching.max(0.0))
 }
 
 /// How far (as a ratio) an endpoint's learned prefill rate may sit from the fleet's average and
