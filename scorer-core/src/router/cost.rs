@@ -215,7 +215,20 @@ pub(super) fn cost_terms(
         (slot.inflight_kv.context_tokens() + prompt_tokens) / c
     });
     let decode_itl_ms = itl_at(kv_usage.max(read_fill));
-    let contention_ms = prefill_contention_ms(c, uncached, shape.expected_output_tokens, s);
+    // This request's own prefill counts as prefill flowing in, except for a request scored to
+    // its last token on an idle replica (nothing running there): its prefill is done before
+    // its decode starts, and no one else's decode runs beside it. Counted anyway, a miss on
+    // an idle replica read as seconds of contention (a 4,300-token tool prompt at the prior
+    // rate: 13.8 s), and an agent fleet left the replicas its shared prompt had not reached
+    // idle for good. For a request scored to its first token the own-prefill part stays:
+    // there it stands for the work a miss adds (fleet-sim's tuning split: without it on idle
+    // replicas, shared-prefix at load 1.2 scattered its groups, TTFT p50 x 1.2-1.4).
+    let own_prefill = if active == 0 && shape.decode_weight > 0.0 {
+        0.0
+    } else {
+        uncached
+    };
+    let contention_ms = prefill_contention_ms(c, own_prefill, shape.expected_output_tokens, s);
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
         + shape.decode_weight * shape.expected_output_tokens * decode_itl_ms
@@ -291,10 +304,11 @@ pub(super) fn session_start_ms(
 }
 
 /// The decode time `c`'s prefill contention would cost this request, weighted (see
-/// [`ScoringConfig::prefill_contention_weight`]).
+/// [`ScoringConfig::prefill_contention_weight`]), with `own_tokens` of this request's prefill
+/// counted into the inflow.
 pub(super) fn prefill_contention_ms(
     c: Candidate<'_>,
-    uncached_tokens: f64,
+    own_tokens: f64,
     expected_output_tokens: f64,
     s: &ScoringConfig,
 ) -> f64 {
@@ -303,9 +317,9 @@ pub(super) fn prefill_contention_ms(
     }
     let slot = c.slot;
     let window = s.prefill_contention_window_ms.max(1.0);
-    // With this request's own prefill: what its decode and every sequence there will run
-    // beside once it is placed (a long miss costs most where prefill already flows).
-    let inflow = slot.prefill_inflow.at(c.now_ms, window) + uncached_tokens;
+    // With `own_tokens` of this request's prefill: what its decode and every sequence there
+    // will run beside once it is placed (a long miss costs most where prefill already flows).
+    let inflow = slot.prefill_inflow.at(c.now_ms, window) + own_tokens;
     // The learned rate starts at the prior (`Calibrated::from_prior`), so it always has one.
     let rate = slot.learned.prefill_tokens_per_ms;
     // Past 0.9 the replica is saturated with prefill: the factor stops at 9.

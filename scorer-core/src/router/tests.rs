@@ -600,6 +600,9 @@ fn an_agent_api_request_prices_its_expected_decode_and_a_chat_one_does_not() {
     let s = ScoringConfig::default();
     let decode_ms = |api: Option<ApiKind>, max_tokens: u32| {
         let mut r = router(1);
+        // Only the decode weight differs here (an agent request on an idle replica also pays
+        // no contention for its own prefill, a chat one does).
+        r.config.scoring.prefill_contention_weight = 0.0;
         let mut probe = request("probe");
         probe.api = api;
         probe.max_output_tokens = Some(max_tokens);
@@ -621,6 +624,32 @@ fn an_agent_api_request_prices_its_expected_decode_and_a_chat_one_does_not() {
         assert!((short - expected(100)).abs() < 1e-6, "{short}");
     }
     assert!(s.agent_decode_weight > 0.0 && s.decode_weight == 0.0);
+}
+
+// A request scored to its last token pays no contention for its own prefill on an idle
+// replica: it prefills before it decodes, and nothing else decodes there. A chat request
+// still does (there the term stands for the work a miss adds), and so does an agent request
+// where something runs. Counted, a 4,000-token miss read as seconds of decode contention on
+// every idle replica, and an agent fleet never reached the replicas its shared tool prompt
+// had not (fleet-sim's agentic workload left 2 of 8 idle).
+#[test]
+fn an_agent_request_pays_no_contention_for_its_own_prefill_on_an_idle_replica() {
+    let s = ScoringConfig::default();
+    let prompt = "an agent's tool definitions and its task ".repeat(400);
+    let decode_ms = |api, busy: bool| {
+        let mut r = router(1);
+        if busy {
+            r.route(&request("another request, still running"), 0, 0);
+        }
+        let mut probe = request(&prompt);
+        probe.api = Some(api);
+        r.route(&probe, 1, 1).candidates[0].decode_ms
+    };
+    let own_decode = s.agent_decode_weight * f64::from(s.default_output_tokens) * s.itl_ms_idle;
+    let idle = decode_ms(ApiKind::Messages, false);
+    assert!((idle - own_decode).abs() < 1e-6, "{idle} {own_decode}");
+    assert!(decode_ms(ApiKind::Chat, false) > 1_000.0);
+    assert!(decode_ms(ApiKind::Messages, true) > own_decode + 1_000.0);
 }
 
 // A decode step reads every running sequence's whole context: each fork of one long
