@@ -262,13 +262,7 @@ fn a_queue_that_will_evict_a_history_takes_its_predicted_hit_away() {
     // least recently used blocks, the history among them, before the follow-up is
     // admitted; no event says so yet. Once a hit has refreshed the history, the same
     // queue evicts the other blocks first.
-    let mut r = small_replica();
-    let history: Vec<u32> = (0..1_600).collect();
-    let others: Vec<u32> = (50_000..53_200).collect();
-    r.apply_kv_event("a:1", "m", &stored_from(1_000, &history, Medium::Gpu), 0)
-        .unwrap();
-    r.apply_kv_event("a:1", "m", &stored_from(5_000, &others, Medium::Gpu), 0)
-        .unwrap();
+    let mut r = full_replica_with_history();
     let follow_up: Vec<u32> = (0..1_700).collect();
     let miss: Vec<u32> = (90_000..93_200).collect();
 
@@ -302,6 +296,19 @@ fn small_replica() -> Router {
     r
 }
 
+/// [`small_replica`], full: a 1,600-token history (prompt tokens 0..1,600) stored, then 3,200
+/// other tokens.
+fn full_replica_with_history() -> Router {
+    let mut r = small_replica();
+    let history: Vec<u32> = (0..1_600).collect();
+    let others: Vec<u32> = (50_000..53_200).collect();
+    r.apply_kv_event("a:1", "m", &stored_from(1_000, &history, Medium::Gpu), 0)
+        .unwrap();
+    r.apply_kv_event("a:1", "m", &stored_from(5_000, &others, Medium::Gpu), 0)
+        .unwrap();
+    r
+}
+
 /// Reports `d` served: a 200 with one token.
 fn answer(r: &mut Router, d: Decision, now_ms: u64) {
     let outcome = Outcome {
@@ -320,13 +327,7 @@ fn a_queue_evicts_a_history_but_not_the_system_prompt_every_request_refreshes() 
     // behind it, 3,200 other tokens stored after them, then another conversation refreshes
     // the system prompt. A 3,200-token miss queued ahead evicts the least recently used
     // 200 blocks: the history and 150 of the others. The follow-up keeps its system prompt.
-    let mut r = small_replica();
-    let history: Vec<u32> = (0..1_600).collect();
-    let others: Vec<u32> = (50_000..53_200).collect();
-    r.apply_kv_event("a:1", "m", &stored_from(1_000, &history, Medium::Gpu), 0)
-        .unwrap();
-    r.apply_kv_event("a:1", "m", &stored_from(5_000, &others, Medium::Gpu), 0)
-        .unwrap();
+    let mut r = full_replica_with_history();
     let another: Vec<u32> = (0..800).chain(70_000..70_100).collect();
     let refresh = r.route(&request(&another), 100_000, 1);
     assert_eq!(refresh.candidates[0].cached_tokens, 800);
