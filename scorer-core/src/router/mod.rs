@@ -172,6 +172,10 @@ struct Slot {
     version: u64,
     /// The scrape time copies were last sent (the refresh rule in `note_scrape`).
     sent_scrape_ms: u64,
+    /// Precise decisions here that credited speculative blocks, as (when, decision id), oldest
+    /// first: while one's prefill is not seen to run, the blocks credited since stay
+    /// ([`Router::expire`]). Answered ones leave from the front, lazily.
+    speculative_pending: VecDeque<(u64, u64)>,
 }
 
 impl Slot {
@@ -774,9 +778,6 @@ struct RouteScratch {
     /// Sort keys of the candidates (see `cost_order`).
     keys: Vec<u128>,
     short_keys: Vec<u64>,
-    /// Per endpoint slot, when its oldest request whose prefill is not yet seen to run was
-    /// decided (`Router::expire`; `u64::MAX`: none).
-    pending_since: Vec<u64>,
 }
 
 /// Matched prefix depth per endpoint slot: approximate index, then precise GPU, speculative and
@@ -1147,6 +1148,7 @@ impl Router {
             prefill_picks: 0,
             version: self.table.next(),
             sent_scrape_ms: 0,
+            speculative_pending: VecDeque::new(),
         });
         self.index.clear_endpoint(id);
         self.precise.clear(id);
@@ -1700,20 +1702,40 @@ impl Router {
         }
         // A routed prompt's speculative blocks stand until its prefill is seen to run (its
         // first token, or its end): its events cannot come sooner, however long its queue.
-        let mut pending = std::mem::take(&mut self.scratch.pending_since);
-        pending.clear();
-        pending.resize(self.slots.len(), u64::MAX);
-        for entry in self.inflight.values() {
-            if entry.speculative_claim.is_some()
-                && let Some(since) = pending.get_mut(usize::from(entry.endpoint.0))
-            {
-                *since = (*since).min(entry.started_ms);
+        let inflight = &self.inflight;
+        for slot in self.slots.iter_mut().flatten() {
+            while let Some(&(_, decision_id)) = slot.speculative_pending.front() {
+                if inflight
+                    .get(&decision_id)
+                    .is_some_and(|e| e.speculative_claim.is_some())
+                {
+                    break;
+                }
+                slot.speculative_pending.pop_front();
             }
         }
-        self.precise
-            .speculative
-            .expire_before(now_ms, |id| pending[usize::from(id.0)]);
-        self.scratch.pending_since = pending;
+        let slots = &self.slots;
+        self.precise.speculative.expire_before(now_ms, |id| {
+            slots
+                .get(usize::from(id.0))
+                .and_then(Option::as_ref)
+                .and_then(|slot| slot.speculative_pending.front())
+                .map_or(u64::MAX, |&(at, _)| at)
+        });
+    }
+
+    /// Remembers a precise decision whose speculative blocks wait for its prefill, dropping
+    /// answered ones when they outnumber what is in flight there.
+    fn track_speculative(&mut self, id: EndpointId, decision_id: u64, now_ms: u64) {
+        let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
+            return;
+        };
+        slot.speculative_pending.push_back((now_ms, decision_id));
+        if slot.speculative_pending.len() > 2 * slot.inflight as usize + 64 {
+            let live = &self.inflight;
+            slot.speculative_pending
+                .retain(|(_, d)| live.get(d).is_some_and(|e| e.speculative_claim.is_some()));
+        }
     }
 
     /// Remembers a new in-flight entry for expiry, dropping answered ones from the queue when
@@ -2416,8 +2438,12 @@ impl Router {
         if let Some(call) = request.call_id {
             self.calls.insert(call, decision_id);
         }
+        let speculative = entry.speculative_claim.is_some();
         self.inflight.insert(decision_id, entry);
         self.track_inflight(decision_id, now_ms);
+        if speculative {
+            self.track_speculative(chosen, decision_id, now_ms);
+        }
         let prefiller =
             self.pick_prefiller(request, chosen, chosen_score, &ranking.prefill_only, now_ms);
         match prefiller {
