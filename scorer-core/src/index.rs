@@ -578,17 +578,19 @@ impl PrefixIndex {
 
     /// [`PrefixIndex::expire`], except that an endpoint's entries stamped at or after
     /// `keep_from(id)` stay whatever their age: the speculative index keeps the blocks of
-    /// requests whose prefill has not been seen to run, however long their queue.
-    pub fn expire_before(&mut self, now_ms: u64, keep_from: impl Fn(EndpointId) -> u64) {
+    /// requests whose prefill has not been seen to run, however long their queue. `keep_from`
+    /// is asked only for an endpoint whose oldest entry outlived the TTL, at most once.
+    pub fn expire_before(&mut self, now_ms: u64, mut keep_from: impl FnMut(EndpointId) -> u64) {
         let ttl = self.ttl_ms;
         for (i, slot) in self.endpoints.iter_mut().enumerate() {
             let id = EndpointId(i as u16);
-            let keep_from = keep_from(id);
+            let mut kept_from = None;
             while let Some(&touch) = slot.order.front() {
                 match is_current(&self.blocks, slot, id, touch) {
+                    Some(s) if s.at_ms.saturating_add(ttl) > now_ms => break,
                     // The queue is in touch order, and touches are stamped in time order:
                     // everything behind a kept entry is kept too.
-                    Some(s) if s.at_ms.saturating_add(ttl) > now_ms || s.at_ms >= keep_from => {
+                    Some(s) if s.at_ms >= *kept_from.get_or_insert_with(|| keep_from(id)) => {
                         break;
                     }
                     current => {

@@ -780,6 +780,14 @@ struct RouteScratch {
     short_keys: Vec<u64>,
 }
 
+/// Whether in-flight decision `decision_id` credited speculative blocks whose prefill has not
+/// been seen to run ([`Router::expire`] keeps them).
+fn awaits_prefill(inflight: &HashMap<u64, InFlight>, decision_id: u64) -> bool {
+    inflight
+        .get(&decision_id)
+        .is_some_and(|e| e.speculative_claim.is_some())
+}
+
 /// Matched prefix depth per endpoint slot: approximate index, then precise GPU, speculative and
 /// offload indexes (the last three only for precise requests).
 #[derive(Debug, Default)]
@@ -1702,25 +1710,19 @@ impl Router {
         }
         // A routed prompt's speculative blocks stand until its prefill is seen to run (its
         // first token, or its end): its events cannot come sooner, however long its queue.
-        let inflight = &self.inflight;
-        for slot in self.slots.iter_mut().flatten() {
-            while let Some(&(_, decision_id)) = slot.speculative_pending.front() {
-                if inflight
-                    .get(&decision_id)
-                    .is_some_and(|e| e.speculative_claim.is_some())
-                {
-                    break;
-                }
-                slot.speculative_pending.pop_front();
-            }
-        }
-        let slots = &self.slots;
+        let (inflight, slots) = (&self.inflight, &mut self.slots);
         self.precise.speculative.expire_before(now_ms, |id| {
-            slots
-                .get(usize::from(id.0))
-                .and_then(Option::as_ref)
-                .and_then(|slot| slot.speculative_pending.front())
-                .map_or(u64::MAX, |&(at, _)| at)
+            let Some(slot) = slots.get_mut(usize::from(id.0)).and_then(Option::as_mut) else {
+                return u64::MAX;
+            };
+            let pending = &mut slot.speculative_pending;
+            while let Some(&(at, decision_id)) = pending.front() {
+                if awaits_prefill(inflight, decision_id) {
+                    return at;
+                }
+                pending.pop_front();
+            }
+            u64::MAX
         });
     }
 
@@ -1734,7 +1736,7 @@ impl Router {
         if slot.speculative_pending.len() > 2 * slot.inflight as usize + 64 {
             let live = &self.inflight;
             slot.speculative_pending
-                .retain(|(_, d)| live.get(d).is_some_and(|e| e.speculative_claim.is_some()));
+                .retain(|&(_, d)| awaits_prefill(live, d));
         }
     }
 
