@@ -37,7 +37,9 @@ pub struct SessionConfig {
     /// Chosen on fleet-sim's tuning split (seeds 1-2): 1 kept the TTFT geomeans against the
     /// best peer (0.879 / 1.140 against 0.874 / 1.140 without) for one more loss cell, and
     /// spread the agentic workload's sessions (busiest replica 33 % -> 25 %); 2 and 3 had
-    /// four loss cells.
+    /// four loss cells. Charged only to requests scored to their first token (chat,
+    /// completions): the agent APIs price their own decode turn by turn already (see
+    /// `session_start_ms`).
     pub start_turns: f64,
     /// A session counts as coming back (for the share `start_turns` is scaled by) when its
     /// next request follows the last within this long: the load a start is charged for is

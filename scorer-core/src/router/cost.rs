@@ -290,13 +290,23 @@ pub(super) fn cost_terms(
 /// out, as is the request's own prefill (`cost_terms` with the whole prompt cached).
 /// Without this, the replica that holds a prefix every session shares (a system prompt,
 /// tool definitions) takes every new session while the others idle.
+///
+/// Only for a request scored to its first token (chat, completions): one scored to its last
+/// token (the agent APIs, `decode_weight` > 0) already pays for the decode it will run beside
+/// the others in `cost_terms`, turn by turn, and an agent on an idle replica no longer pays
+/// for its own prefill there, which is what kept new agents on the holder. Charged as well,
+/// the decode counted twice and sent the subagents a fork starts off the replica that holds
+/// their parent's context: fleet-sim's fan-out on the tuning seeds prefilled that context
+/// 0.57 / 1.43 / 1.41 times per burst of three / eight / eight within milliseconds with the
+/// charge, 0.24 / 0.72 / 0.95 without (dynamo 0.69 / 1.30 / 0.97), with the forks still
+/// finishing first; docs/BENCHMARKS.md.
 pub(super) fn session_start_ms(
     c: Candidate<'_>,
     shape: &RequestShape<'_>,
     start_turns: f64,
     s: &ScoringConfig,
 ) -> f64 {
-    if start_turns <= 0.0 {
+    if start_turns <= 0.0 || shape.decode_weight > 0.0 {
         return 0.0;
     }
     let later = cost_terms(c, (shape.prompt_tokens - 1.0).max(0.0), shape, s);

@@ -455,17 +455,17 @@ fn a_new_session_leaves_a_prefix_holder_full_of_other_sessions_context() {
     term_moves_off_the_holder(ScoringConfig::default().decode_occupancy_weight, pick);
 }
 
-// Agents run on the replica holding the tool prompt they all share, and each came back for a
-// second turn soon (the sessions return). A new agent's first turn hits that prompt there;
-// on its own turn the hit is worth more than the other agents' decode beside it, but its
-// later turns will follow their cache there too, and the session-start charge prices their
-// decode beside the others once more: the new agent starts on the idle replica. Its next
-// turn, and a request naming no session, are not charged.
+// Chat sessions run on the replica holding the system prompt they all share, and each came
+// back for a second turn soon (the sessions return). A new session's first turn hits that
+// prompt there; on its own turn the hit is worth more than the other sessions' decode beside
+// it, but its later turns will follow their cache there too, and the session-start charge
+// prices their decode beside the others once more: the new session starts on the idle
+// replica. Its next turn, a request naming no session, and an agent API's first request
+// (which prices its own decode turn by turn already) are not charged.
 #[test]
 fn a_new_session_starts_away_from_a_holder_full_of_sessions_that_return() {
-    let tools = "tool definitions shared by every agent ".repeat(400);
-    let agent = |text: &str, session: &str| RouteRequest {
-        api: Some(ApiKind::Messages),
+    let system = "a system prompt shared by every session ".repeat(21);
+    let chat = |text: &str, session: &str| RouteRequest {
         session: Some(session.into()),
         ..request(text)
     };
@@ -473,6 +473,7 @@ fn a_new_session_starts_away_from_a_holder_full_of_sessions_that_return() {
         let mut r = router(2);
         r.config.scoring.decode_occupancy_weight = 0.0;
         r.config.scoring.prefill_contention_weight = 0.0;
+        r.config.scoring.prefill_stall_weight = 0.0;
         r.config.sessions.start_turns = turns;
         let metrics = EndpointMetrics {
             capacity_tokens: Some(400_000),
@@ -481,30 +482,36 @@ fn a_new_session_starts_away_from_a_holder_full_of_sessions_that_return() {
         for i in 0..2 {
             r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
         }
-        let holder = r.route(&request(&tools), 0, 1).response.endpoints[0].clone();
+        let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
         // Placed there earlier, as another router's decisions are; each came back a second
         // later.
-        for k in 0..6u64 {
-            let session = format!("agent {k}");
-            let context = format!("{tools} agent {k} {}", "tool output ".repeat(200));
-            assert!(r.record_decision(&agent(&context, &session), &holder, 100 + k, 10 + k, 0));
-            let next = format!("{context} and its tool's result");
-            assert!(r.record_decision(&agent(&next, &session), &holder, 200 + k, 1_010 + k, 0));
+        for k in 0..24u64 {
+            let session = format!("session {k}");
+            let context = format!("{system} session {k} {}", "a question ".repeat(20));
+            assert!(r.record_decision(&chat(&context, &session), &holder, 100 + k, 10 + k, 0));
+            let next = format!("{context} and its answer");
+            assert!(r.record_decision(&chat(&next, &session), &holder, 200 + k, 1_010 + k, 0));
         }
         assert!(
             r.session_return_share() > 0.8,
             "{}",
             r.session_return_share()
         );
-        let first = agent(&format!("{tools} a new agent's task"), "new agent");
+        let first = chat(&format!("{system} a new session's question"), "new");
         let d = r.route(&first, 2_000, 99);
         let chosen = d.response.endpoints[0].clone();
         if turns > 0.0 {
             assert!(d.candidates.iter().any(|c| c.session_start_ms > 0.0));
-            let second = agent(&format!("{tools} a new agent's task, go on"), "new agent");
+            let second = chat(&format!("{system} a new session's question, go on"), "new");
             let d = r.route(&second, 2_001, 100);
             assert!(d.candidates.iter().all(|c| c.session_start_ms == 0.0));
-            let d = r.route(&request(&format!("{tools} no session")), 2_002, 101);
+            let d = r.route(&request(&format!("{system} no session")), 2_002, 101);
+            assert!(d.candidates.iter().all(|c| c.session_start_ms == 0.0));
+            let agent = RouteRequest {
+                api: Some(ApiKind::Messages),
+                ..chat(&format!("{system} a new agent's task"), "agent")
+            };
+            let d = r.route(&agent, 2_003, 102);
             assert!(d.candidates.iter().all(|c| c.session_start_ms == 0.0));
         }
         (holder, chosen)
