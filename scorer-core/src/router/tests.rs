@@ -455,6 +455,28 @@ fn a_new_session_leaves_a_prefix_holder_full_of_other_sessions_context() {
     term_moves_off_the_holder(ScoringConfig::default().decode_occupancy_weight, pick);
 }
 
+/// Records `n` sessions' first turns (`first(k)`) on `on` and their second turns (the first
+/// and `reply`) a second later, as another router's decisions reach this one, so the learned
+/// share of sessions that come back is high.
+fn place_returning_sessions(
+    r: &mut Router,
+    on: &str,
+    n: u64,
+    make: impl Fn(&str, &str) -> RouteRequest,
+    first: impl Fn(u64) -> String,
+    reply: &str,
+) {
+    for k in 0..n {
+        let session = format!("session {k}");
+        let text = first(k);
+        assert!(r.record_decision(&make(&text, &session), on, 100 + k, 10 + k, 0));
+        let next = format!("{text} {reply}");
+        assert!(r.record_decision(&make(&next, &session), on, 200 + k, 1_010 + k, 0));
+    }
+    let share = r.session_return_share();
+    assert!(share > 0.8, "{share}");
+}
+
 // Chat sessions run on the replica holding the system prompt they all share, and each came
 // back for a second turn soon (the sessions return). A new session's first turn hits that
 // prompt there; on its own turn the hit is worth more than the other sessions' decode beside
@@ -483,20 +505,8 @@ fn a_new_session_starts_away_from_a_holder_full_of_sessions_that_return() {
             r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
         }
         let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
-        // Placed there earlier, as another router's decisions are; each came back a second
-        // later.
-        for k in 0..24u64 {
-            let session = format!("session {k}");
-            let context = format!("{system} session {k} {}", "a question ".repeat(20));
-            assert!(r.record_decision(&chat(&context, &session), &holder, 100 + k, 10 + k, 0));
-            let next = format!("{context} and its answer");
-            assert!(r.record_decision(&chat(&next, &session), &holder, 200 + k, 1_010 + k, 0));
-        }
-        assert!(
-            r.session_return_share() > 0.8,
-            "{}",
-            r.session_return_share()
-        );
+        let first = |k| format!("{system} session {k} {}", "a question ".repeat(20));
+        place_returning_sessions(&mut r, &holder, 24, chat, first, "and its answer");
         let first = chat(&format!("{system} a new session's question"), "new");
         let d = r.route(&first, 2_000, 99);
         let chosen = d.response.endpoints[0].clone();
@@ -517,6 +527,51 @@ fn a_new_session_starts_away_from_a_holder_full_of_sessions_that_return() {
         (holder, chosen)
     };
     term_moves_off_the_holder(crate::affinity::SessionConfig::default().start_turns, pick);
+}
+
+// A coding agent forks six subagents off its context in one millisecond: each fork is a new
+// session whose prompt is the parent's context plus its own task. The parent's replica holds
+// that context and runs the other agents' sessions, which came back soon; the other replica
+// is idle. Scored to the last token, each fork already pays for the decode beside those
+// sessions; charged for its later turns too, that decode counted twice and from the fourth
+// fork on the burst prefilled the context again on the idle replica. All six stay with it.
+#[test]
+fn a_subagent_burst_stays_with_its_parents_context_on_a_replica_with_room() {
+    let mut r = router(2);
+    let metrics = EndpointMetrics {
+        capacity_tokens: Some(400_000),
+        ..Default::default()
+    };
+    for i in 0..2 {
+        r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
+    }
+    let agent = |text: &str, session: &str| RouteRequest {
+        api: Some(ApiKind::Messages),
+        session: Some(session.into()),
+        ..request(text)
+    };
+    let tools = "tool definitions every agent shares ".repeat(100);
+    let context = format!(
+        "{tools} the parent's task {}",
+        "and its tool results ".repeat(600)
+    );
+    let parent = r.route(&agent(&context, "parent"), 0, 1).response.endpoints[0].clone();
+    // Other agents run there.
+    let task = |k| format!("{tools} agent {k}'s task");
+    place_returning_sessions(&mut r, &parent, 4, agent, task, "and its tool's result");
+    for k in 0..6u64 {
+        let fork = agent(
+            &format!("{context} subagent {k}'s task"),
+            &format!("parent/{k}"),
+        );
+        let d = r.route(&fork, 2_000, 10 + k);
+        assert_eq!(
+            d.response.endpoints[0], parent,
+            "fork {k}: {:?}",
+            d.candidates
+        );
+        assert!(d.candidates.iter().all(|c| c.session_start_ms == 0.0));
+    }
 }
 
 // Four long prompts were just prefilled on the replica holding a conversation's context
