@@ -56,7 +56,9 @@ pub struct LocalConfig {
     /// the control plane instead ([`Router::route_or_defer`]), while other routers decide
     /// beside this copy. Copies between syncs all see the same loads and would send such
     /// misses to the same replica; the control plane sees every one of them, and a route call
-    /// costs well under a millisecond against a prefill this long. 0: every approximate
+    /// costs well under a millisecond against a prefill this long. A session's first request
+    /// goes to the control plane as well, whatever its prefill: it places the whole session,
+    /// and copies cannot see each other's new sessions between syncs. 0: every approximate
     /// request is decided locally.
     pub defer_above_ms: f64,
 }

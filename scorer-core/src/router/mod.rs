@@ -1772,11 +1772,13 @@ impl Router {
     /// [`Router::route`] for a copy of the state that other routers decide beside
     /// ([`crate::sync::LocalRouter`]): `None`, with nothing accounted, when the request is a
     /// placement by load among several candidates (no candidate holds more of its prompt than
-    /// the chosen one) whose own prefill is predicted to take at least `defer_above_ms`. Such
-    /// a request is where the other routers' unseen decisions matter most (each copy sees the
-    /// same stale loads and would send its long misses to the same replica), and where a route
-    /// call's fraction of a millisecond is least: the caller asks the control plane, which sees
-    /// every such miss.
+    /// the chosen one) whose own prefill is predicted to take at least `defer_above_ms`, or
+    /// the first request of a session (a session key the router has not seen within the
+    /// session TTL) with more than one candidate. Such a request is where the other routers'
+    /// unseen decisions matter most (each copy sees the same stale loads and would send its
+    /// long misses, or the forks of one subagent burst, to the same replica), and where a
+    /// route call's fraction of a millisecond is least: the caller asks the control plane,
+    /// which sees every such request.
     pub fn route_or_defer(
         &mut self,
         request: &RouteRequest,
@@ -1845,11 +1847,17 @@ impl Router {
             Some(endpoint) => self.pin(&mut ranking, endpoint),
             None => false,
         };
+        // A session's first request is left to the control plane too, whatever it costs: it
+        // decides where the session's later turns go, and copies between syncs cannot see each
+        // other's new sessions (a subagent burst is a burst of them, each copy sending its
+        // forks to the replica that looked lightest before the others' forks landed there).
+        let session_start = pool.session.key.is_some() && pool.session.remembered.is_none();
         if let Some(threshold) = defer_above_ms
             && !pinned
             && ranking.candidates.len() > 1
-            && ranking.reason != RouteReason::Prefix
-            && ranking.chosen_score().prefill_ms >= threshold
+            && (session_start
+                || ranking.reason != RouteReason::Prefix
+                    && ranking.chosen_score().prefill_ms >= threshold)
         {
             self.stats.deferred += 1;
             self.stats.decisions -= 1;

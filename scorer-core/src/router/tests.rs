@@ -186,8 +186,9 @@ fn an_idle_endpoints_first_prefill_is_measured_while_others_report() {
     assert_eq!(queue_on(&probe, &idle), 0.0);
 }
 
-// A copy leaves only long placements by load to the control plane: never a hit, never a
-// short prompt, never a request with nowhere else to go, and it accounts for none of them.
+// A copy leaves long placements by load and sessions' first requests to the control plane:
+// never a hit or a short prompt of a session already placed, never a request with nowhere
+// else to go, and it accounts for none of them.
 #[test]
 fn only_a_long_placement_by_load_among_several_is_deferred() {
     let long = "a long document nobody has sent before ".repeat(400);
@@ -215,6 +216,24 @@ fn only_a_long_placement_by_load_among_several_is_deferred() {
         )
         .expect("a hit is decided where it is");
     assert_eq!(again.response.endpoints[0], first.response.endpoints[0]);
+
+    // A subagent fork: a hit on its parent's context, but a new session. Left to the control
+    // plane; once the control plane's decision has reached this copy, the session's next
+    // request is decided here.
+    let fork = RouteRequest {
+        session: Some("subagent 1".into()),
+        ..request(&format!("{long} and a subagent's task"))
+    };
+    assert!(r.route_or_defer(&fork, 10_001, 5, threshold).is_none());
+    assert!(r.record_decision(&fork, &first.response.endpoints[0], 77, 10_002, 0));
+    let next = RouteRequest {
+        session: Some("subagent 1".into()),
+        ..request(&format!(
+            "{long} and a subagent's task, and its tool's result"
+        ))
+    };
+    let decided = r.route_or_defer(&next, 10_003, 6, threshold);
+    assert!(decided.is_some_and(|d| d.response.endpoints[0] == first.response.endpoints[0]));
 }
 
 #[test]
