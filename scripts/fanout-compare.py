@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from fleetsim_cli import seeds_and_router_config
+
 POLICIES = "round-robin,least-request,sglang-cache-aware,llmd-optimized,dynamo,kvroute,kvroute-precise"
 FLEET_SIM = os.environ.get("FLEET_SIM", "target/release/fleet-sim")
 WORKLOADS = [
@@ -39,13 +41,7 @@ def run(workload, seed, out, router_config):
 
 
 def main():
-    args = sys.argv[1:]
-    router_config = None
-    if "--router-config" in args:
-        at = args.index("--router-config")
-        router_config = args[at + 1]
-        del args[at:at + 2]
-    seeds = [int(s) for s in (args[0] if args else "3,4,5,6,7").split(",")]
+    seeds, router_config = seeds_and_router_config(sys.argv[1:], "3,4,5,6,7")
     with tempfile.TemporaryDirectory() as tmp:
         for title, workload in WORKLOADS:
             rows = {}

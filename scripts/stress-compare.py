@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from fleetsim_cli import seeds_and_router_config
+
 FLEET_SIM = os.environ.get("FLEET_SIM", "target/release/fleet-sim")
 PEERS = ["round-robin", "least-request", "sglang-cache-aware", "llmd", "llmd-optimized", "dynamo"]
 WORKLOADS = ["multi-turn", "shared-prefix", "long-doc", "agentic",
@@ -48,13 +50,7 @@ def run(profile, workload, speedup, seed, out, router_config):
 
 
 def main():
-    args = sys.argv[1:]
-    router_config = None
-    if "--router-config" in args:
-        at = args.index("--router-config")
-        router_config = args[at + 1]
-        del args[at:at + 2]
-    seeds = [int(s) for s in (args[0] if args else "11,12,13,14,15").split(",")]
+    seeds, router_config = seeds_and_router_config(sys.argv[1:], "11,12,13,14,15")
     print("| profile | workload | load | kvroute TTFT p50 / p99 ms | best peer p50 | best peer p99 "
           "| p50 / p99 ratio | e2e p50 against the fastest peer |")
     print("|---|---|---|---|---|---|---|---|")
