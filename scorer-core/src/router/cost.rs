@@ -223,7 +223,7 @@ pub(super) fn cost_terms(
     // idle for good. For a request scored to its first token the own-prefill part stays:
     // there it stands for the work a miss adds (fleet-sim's tuning split: without it on idle
     // replicas, shared-prefix at load 1.2 scattered its groups, TTFT p50 x 1.2-1.4).
-    let own_prefill = if active == 0 && shape.decode_weight > 0.0 {
+    let own_prefill = if active == 0 && shape.scored_to_last_token() {
         0.0
     } else {
         uncached
@@ -306,7 +306,7 @@ pub(super) fn session_start_ms(
     start_turns: f64,
     s: &ScoringConfig,
 ) -> f64 {
-    if start_turns <= 0.0 || shape.decode_weight > 0.0 {
+    if start_turns <= 0.0 || shape.scored_to_last_token() {
         return 0.0;
     }
     let later = cost_terms(c, (shape.prompt_tokens - 1.0).max(0.0), shape, s);

@@ -780,6 +780,21 @@ struct RouteScratch {
     short_keys: Vec<u64>,
 }
 
+/// Appends `entry` (when, decision id) to a queue in time order whose answered decisions leave
+/// lazily from the front; past `bound` entries it drops every one `live` no longer holds, so
+/// a queue whose front stays live cannot grow without end.
+fn push_compacting(
+    queue: &mut VecDeque<(u64, u64)>,
+    entry: (u64, u64),
+    bound: usize,
+    live: impl Fn(u64) -> bool,
+) {
+    queue.push_back(entry);
+    if queue.len() > bound {
+        queue.retain(|&(_, id)| live(id));
+    }
+}
+
 /// Whether in-flight decision `decision_id` credited speculative blocks whose prefill has not
 /// been seen to run ([`Router::expire`] keeps them).
 fn awaits_prefill(inflight: &HashMap<u64, InFlight>, decision_id: u64) -> bool {
@@ -853,6 +868,14 @@ struct RequestShape<'r> {
     kv_blocks: KvBlocks<'r>,
 }
 
+impl RequestShape<'_> {
+    /// Scored to its last token (`decode_weight` > 0; by default the agent APIs): its cost
+    /// prices its own decode, turn by turn.
+    fn scored_to_last_token(&self) -> bool {
+        self.decode_weight > 0.0
+    }
+}
+
 /// A prompt's chained block hashes and the tokens each stands for: what in-flight KV
 /// accounting samples.
 #[derive(Debug, Clone, Copy)]
@@ -889,6 +912,13 @@ struct SessionAffinity<'r> {
     /// placed, or `sessions.start_turns` 0): `sessions.start_turns` times the share of recent
     /// sessions that came back ([`crate::affinity::SessionTable::return_share`]).
     start_turns: f64,
+}
+
+impl SessionAffinity<'_> {
+    /// The request starts a session: it names one the router has not seen within the TTL.
+    fn starts(&self) -> bool {
+        self.key.is_some() && self.remembered.is_none()
+    }
 }
 
 /// One usable endpoint while it is scored.
@@ -1732,22 +1762,25 @@ impl Router {
         let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
             return;
         };
-        slot.speculative_pending.push_back((now_ms, decision_id));
-        if slot.speculative_pending.len() > 2 * slot.inflight as usize + 64 {
-            let live = &self.inflight;
-            slot.speculative_pending
-                .retain(|&(_, d)| awaits_prefill(live, d));
-        }
+        let live = &self.inflight;
+        push_compacting(
+            &mut slot.speculative_pending,
+            (now_ms, decision_id),
+            2 * slot.inflight as usize + 64,
+            |d| awaits_prefill(live, d),
+        );
     }
 
     /// Remembers a new in-flight entry for expiry, dropping answered ones from the queue when
     /// they outnumber the live ones (memory stays proportional to what is really in flight).
     fn track_inflight(&mut self, decision_id: u64, now_ms: u64) {
-        self.inflight_order.push_back((now_ms, decision_id));
-        if self.inflight_order.len() > 2 * self.inflight.len() + 1024 {
-            let live = &self.inflight;
-            self.inflight_order.retain(|(_, id)| live.contains_key(id));
-        }
+        let live = &self.inflight;
+        push_compacting(
+            &mut self.inflight_order,
+            (now_ms, decision_id),
+            2 * live.len() + 1024,
+            |id| live.contains_key(&id),
+        );
     }
 
     /// Chooses endpoints for `request`. Never fails: with no usable endpoint the list is empty
@@ -1851,11 +1884,10 @@ impl Router {
         // decides where the session's later turns go, and copies between syncs cannot see each
         // other's new sessions (a subagent burst is a burst of them, each copy sending its
         // forks to the replica that looked lightest before the others' forks landed there).
-        let session_start = pool.session.key.is_some() && pool.session.remembered.is_none();
         if let Some(threshold) = defer_above_ms
             && !pinned
             && ranking.candidates.len() > 1
-            && (session_start
+            && (pool.session.starts()
                 || ranking.reason != RouteReason::Prefix
                     && ranking.chosen_score().prefill_ms >= threshold)
         {
@@ -2094,19 +2126,19 @@ impl Router {
         let sessions = &self.config.sessions;
         let key = request.session.as_deref().filter(|k| !k.is_empty());
         let remembered = key.and_then(|k| self.fleet.sessions.lookup(k, now_ms, sessions.ttl_ms));
-        let start_turns = if key.is_some() && remembered.is_none() {
-            sessions.start_turns.max(0.0) * self.fleet.sessions.return_share()
-        } else {
-            0.0
+        let mut session = SessionAffinity {
+            key,
+            remembered,
+            start_turns: 0.0,
         };
+        if session.starts() {
+            session.start_turns =
+                sessions.start_turns.max(0.0) * self.fleet.sessions.return_share();
+        }
         Ok(CandidatePool {
             eligible,
             adapter: self.fleet.is_adapter(&request.model),
-            session: SessionAffinity {
-                key,
-                remembered,
-                start_turns,
-            },
+            session,
             recorded: None,
         })
     }
