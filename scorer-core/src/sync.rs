@@ -61,14 +61,33 @@ pub struct LocalConfig {
     /// and copies cannot see each other's new sessions between syncs. 0: every approximate
     /// request is decided locally.
     pub defer_above_ms: f64,
+    /// The prefill contention's weight
+    /// ([`crate::router::ScoringConfig::prefill_contention_weight`]) for a request scored to
+    /// its first token (chat, completions) that a copy decides while other routers decide
+    /// beside it; a request scored to its last token (the agent APIs) keeps the scoring's
+    /// weight, as does everything the control plane decides. The term prices the prefill the
+    /// other routers sent to each replica over the last second, which a copy sees up to one
+    /// sync late, and for a first-token request it is a second-order price (its decode, not
+    /// its wait): on fleet-sim's local tuning seeds (101-120, 16 copies, 25 ms sync) the
+    /// multi-turn TTFT p99 ratio to the single router was 1.115 ± 0.048 at the scoring's 0.5
+    /// and 0.969 ± 0.029 at 0, shared-prefix and Mooncake unchanged (docs/BENCHMARKS.md).
+    /// Left out of the serialized form at its default, so a filter built before it still
+    /// accepts the copy's configuration.
+    #[serde(skip_serializing_if = "is_zero_weight")]
+    pub first_token_contention_weight: f64,
 }
 
 impl Default for LocalConfig {
     fn default() -> Self {
         Self {
             defer_above_ms: 50.0,
+            first_token_contention_weight: 0.0,
         }
     }
+}
+
+fn is_zero_weight(w: &f64) -> bool {
+    *w == 0.0
 }
 
 /// One decision a router took, reported so that every other copy accounts for it.
@@ -723,9 +742,12 @@ impl LocalRouter {
             .others_seen_at_ms
             .is_some_and(|at| now_ms.saturating_sub(at) <= OTHERS_DECIDING_WINDOW_MS);
         let router = self.router.as_mut()?;
-        let defer_above_ms = router.config().local.defer_above_ms;
-        let may_defer = others_deciding && now_ms >= self.deferral_paused_until_ms;
-        let decision = if may_defer && defer_above_ms > 0.0 {
+        let decision = if others_deciding {
+            let defer_above_ms = if now_ms >= self.deferral_paused_until_ms {
+                router.config().local.defer_above_ms
+            } else {
+                0.0
+            };
             router.route_or_defer(request, now_ms, seed, defer_above_ms)?
         } else {
             router.route(request, now_ms, seed)

@@ -228,7 +228,13 @@ pub(super) fn cost_terms(
     } else {
         uncached
     };
-    let contention_ms = prefill_contention_ms(c, own_prefill, shape.expected_output_tokens, s);
+    let contention_ms = prefill_contention_ms(
+        c,
+        own_prefill,
+        shape.expected_output_tokens,
+        shape.contention_weight,
+        s,
+    );
     let decode_ms = f64::from(active) * (s.decode_ms_per_seq + s.prefill_stall_weight * prefill_ms)
         + kv_usage * s.kv_decode_ms
         + shape.decode_weight * shape.expected_output_tokens * decode_itl_ms
@@ -313,16 +319,17 @@ pub(super) fn session_start_ms(
     start_turns * (later.decode_ms - later.contention_ms)
 }
 
-/// The decode time `c`'s prefill contention would cost this request, weighted (see
+/// The decode time `c`'s prefill contention would cost this request, times `weight` (see
 /// [`ScoringConfig::prefill_contention_weight`]), with `own_tokens` of this request's prefill
 /// counted into the inflow.
 pub(super) fn prefill_contention_ms(
     c: Candidate<'_>,
     own_tokens: f64,
     expected_output_tokens: f64,
+    weight: f64,
     s: &ScoringConfig,
 ) -> f64 {
-    if s.prefill_contention_weight <= 0.0 {
+    if weight <= 0.0 {
         return 0.0;
     }
     let slot = c.slot;
@@ -338,7 +345,7 @@ pub(super) fn prefill_contention_ms(
     // under prefill load already includes the prefill sharing its steps (vLLM counts prompt
     // tokens only at the first token, so calibration cannot take it out), which is what this
     // term prices; reading it would count the contention twice.
-    s.prefill_contention_weight * expected_output_tokens * s.itl_ms_idle * rho / (1.0 - rho)
+    weight * expected_output_tokens * s.itl_ms_idle * rho / (1.0 - rho)
 }
 
 /// A token count that decays exponentially with time: what was added `t` ms ago counts

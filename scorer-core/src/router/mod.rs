@@ -856,6 +856,10 @@ struct RequestShape<'r> {
     expected_output_tokens: f64,
     /// `scoring.decode_weight_for` the request's API.
     decode_weight: f64,
+    /// The prefill contention's weight for this request: `scoring.prefill_contention_weight`,
+    /// or `local.first_token_contention_weight` for one scored to its first token that a copy
+    /// decides beside other routers ([`Router::route_or_defer`]).
+    contention_weight: f64,
     /// Tokens one approximate hash block stands for.
     tokens_per_block: f64,
     /// Tokens of one engine block (`precise.block_tokens`).
@@ -1811,7 +1815,9 @@ impl Router {
     /// unseen decisions matter most (each copy sees the same stale loads and would send its
     /// long misses, or the forks of one subagent burst, to the same replica), and where a
     /// route call's fraction of a millisecond is least: the caller asks the control plane,
-    /// which sees every such request.
+    /// which sees every such request. `defer_above_ms` at or below 0 defers nothing. Either
+    /// way a request scored to its first token is scored with
+    /// `local.first_token_contention_weight` ([`crate::sync::LocalConfig`]).
     pub fn route_or_defer(
         &mut self,
         request: &RouteRequest,
@@ -1851,7 +1857,12 @@ impl Router {
             });
         }
 
-        let shape = self.shape_request(request);
+        let mut shape = self.shape_request(request);
+        // A copy beside other routers sees their prefill up to one sync late (see
+        // `LocalConfig::first_token_contention_weight`).
+        if defer_above_ms.is_some() && !shape.scored_to_last_token() {
+            shape.contention_weight = self.config.local.first_token_contention_weight;
+        }
         let mut pool = match self.select_pool(request, now_ms) {
             Ok(pool) => pool,
             Err(reject) => return Some(rejected(decision_id, reject)),
@@ -1861,7 +1872,12 @@ impl Router {
             (request, shape)
         } else {
             refused = without_prompt(request);
-            (&refused, self.shape_request(&refused))
+            let contention_weight = shape.contention_weight;
+            let shape = RequestShape {
+                contention_weight,
+                ..self.shape_request(&refused)
+            };
+            (&refused, shape)
         };
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
         let stored = self.stored_response_endpoint(request, now_ms);
@@ -1885,6 +1901,7 @@ impl Router {
         // other's new sessions (a subagent burst is a burst of them, each copy sending its
         // forks to the replica that looked lightest before the others' forks landed there).
         if let Some(threshold) = defer_above_ms
+            && threshold > 0.0
             && !pinned
             && ranking.candidates.len() > 1
             && (pool.session.starts()
@@ -2101,6 +2118,7 @@ impl Router {
             output_tokens,
             expected_output_tokens: f64::from(output_tokens.min(scoring.default_output_tokens)),
             decode_weight: scoring.decode_weight_for(request.api),
+            contention_weight: scoring.prefill_contention_weight,
             tokens_per_block,
             block_tokens,
             // vLLM recomputes at least the last prompt token, so only blocks of the first n-1 count.

@@ -637,6 +637,35 @@ fn a_turn_leaves_a_holder_that_is_absorbing_prefill() {
     assert!(later < idle + 200.0, "{idle} {busy} {later}");
 }
 
+// A copy deciding beside other routers sees their prefill up to one sync late: it scores a
+// chat request without the prefill contention (`local.first_token_contention_weight`, 0 by
+// default), and an agent request, scored to its last token, with the scoring's weight. The
+// same router deciding alone (`route`) prices both.
+#[test]
+fn a_copy_beside_others_leaves_the_contention_out_of_a_chat_request_only() {
+    let decode_ms = |api: Option<ApiKind>, beside_others: bool| {
+        let mut r = router(1);
+        r.route(&request(&"another prompt ".repeat(1_000)), 1_000, 1);
+        let mut probe = request("probe");
+        probe.api = api;
+        let decision = if beside_others {
+            r.route_or_defer(&probe, 1_001, 2, 0.0)
+                .expect("nothing deferred at 0")
+        } else {
+            r.route(&probe, 1_001, 2)
+        };
+        decision.candidates[0].decode_ms
+    };
+    let (chat_alone, chat_copy) = (decode_ms(None, false), decode_ms(None, true));
+    assert!(chat_alone > chat_copy + 100.0, "{chat_alone} {chat_copy}");
+    let agent = Some(ApiKind::Messages);
+    let (agent_alone, agent_copy) = (decode_ms(agent, false), decode_ms(agent, true));
+    assert!(
+        (agent_alone - agent_copy).abs() < 1e-9,
+        "{agent_alone} {agent_copy}"
+    );
+}
+
 // With learned rates on, a replica that has learned a decode step ten times the configured
 // one still has its prefill contention priced at the configured step: the learned step time
 // of a replica under prefill load already includes that prefill, so reading it would count
