@@ -966,6 +966,10 @@ fn validate_router(r: &RouterConfig) -> Result<(), ConfigError> {
         s.prefill_contention_window_ms,
     )?;
     non_negative("router.local.defer_above_ms", r.local.defer_above_ms)?;
+    non_negative(
+        "router.local.first_token_contention_weight",
+        r.local.first_token_contention_weight,
+    )?;
     let p = &r.precise;
     range_u64(
         "router.precise.block_tokens",
@@ -1220,6 +1224,10 @@ router: {}
             (
                 "router:\n  local:\n    defer_above_ms: -1\n",
                 "router.local.defer_above_ms",
+            ),
+            (
+                "router:\n  local:\n    first_token_contention_weight: .nan\n",
+                "router.local.first_token_contention_weight",
             ),
             (
                 "listen: 127.0.0.1:7000\nadmin_listen: 127.0.0.1:7000\n",

@@ -1828,6 +1828,8 @@ impl Router {
         self.decide(request, now_ms, seed, Some(defer_above_ms))
     }
 
+    /// [`Router::route`] (`defer_above_ms` `None`) and [`Router::route_or_defer`] (`Some`: a
+    /// copy deciding beside other routers) in one.
     fn decide(
         &mut self,
         request: &RouteRequest,
