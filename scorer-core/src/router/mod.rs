@@ -1859,12 +1859,8 @@ impl Router {
             });
         }
 
-        let mut shape = self.shape_request(request);
-        // A copy beside other routers sees their prefill up to one sync late (see
-        // `LocalConfig::first_token_contention_weight`).
-        if defer_above_ms.is_some() && !shape.scored_to_last_token() {
-            shape.contention_weight = self.config.local.first_token_contention_weight;
-        }
+        let beside_others = defer_above_ms.is_some();
+        let shape = self.shape_request(request, beside_others);
         let mut pool = match self.select_pool(request, now_ms) {
             Ok(pool) => pool,
             Err(reject) => return Some(rejected(decision_id, reject)),
@@ -1874,12 +1870,7 @@ impl Router {
             (request, shape)
         } else {
             refused = without_prompt(request);
-            let contention_weight = shape.contention_weight;
-            let shape = RequestShape {
-                contention_weight,
-                ..self.shape_request(&refused)
-            };
-            (&refused, shape)
+            (&refused, self.shape_request(&refused, beside_others))
         };
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
         let stored = self.stored_response_endpoint(request, now_ms);
@@ -2009,7 +2000,7 @@ impl Router {
         if now_ms != self.last_expire_ms {
             self.expire(now_ms);
         }
-        let shape = self.shape_request(request);
+        let shape = self.shape_request(request, false);
         let mut pool = self
             .select_pool(request, now_ms)
             .unwrap_or_else(|_| CandidatePool {
@@ -2023,7 +2014,7 @@ impl Router {
         let refused;
         let (request, shape) = if exceeds_context(limit, shape.tokens, request.max_output_tokens) {
             refused = without_prompt(request);
-            (&refused, self.shape_request(&refused))
+            (&refused, self.shape_request(&refused, false))
         } else {
             (request, shape)
         };
@@ -2062,8 +2053,13 @@ impl Router {
     }
 
     /// Stage 1: what serving `request` involves on any endpoint: its prompt in tokens, the
-    /// blocks a hit can cover, and the blocks its KV will hold once admitted.
-    fn shape_request<'r>(&self, request: &'r RouteRequest) -> RequestShape<'r> {
+    /// blocks a hit can cover, and the blocks its KV will hold once admitted. `beside_others`:
+    /// a copy deciding while other routers decide ([`Router::route_or_defer`]).
+    fn shape_request<'r>(
+        &self,
+        request: &'r RouteRequest,
+        beside_others: bool,
+    ) -> RequestShape<'r> {
         let tokens_per_block = self.tokens_per_block();
         // Precise mode: the event-fed GPU index (plus speculative entries of recent decisions)
         // and the offload tiers, in engine blocks.
@@ -2111,7 +2107,7 @@ impl Router {
             .max_output_tokens
             .unwrap_or(scoring.default_output_tokens)
             .min(max_tokens);
-        RequestShape {
+        let mut shape = RequestShape {
             precise,
             tokens,
             prompt_bytes,
@@ -2127,7 +2123,13 @@ impl Router {
             hittable_blocks: (tokens.saturating_sub(1) as usize) / block_tokens,
             token_blocks: &request.token_block_hashes,
             kv_blocks,
+        };
+        // A copy beside other routers sees their prefill up to one sync late (see
+        // `LocalConfig::first_token_contention_weight`).
+        if beside_others && !shape.scored_to_last_token() {
+            shape.contention_weight = self.config.local.first_token_contention_weight;
         }
+        shape
     }
 
     /// Stage 2: which endpoints may serve `request` (model pools and LoRA adapters, modules
