@@ -1482,3 +1482,19 @@ fn median(values: impl Iterator<Item = Option<f64>>) -> Option<f64> {
     known.sort_by(f64::total_cmp);
     known.get(known.len() / 2).copied()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn the_median_round_skips_unknown_values_and_takes_the_upper_middle() {
+        assert_eq!(
+            median([Some(3.0), None, Some(1.0), Some(2.0)].into_iter()),
+            Some(2.0)
+        );
+        assert_eq!(median([Some(4.0), Some(1.0)].into_iter()), Some(4.0));
+        assert_eq!(median([None, None].into_iter()), None);
+        assert_eq!(median(std::iter::empty()), None);
+    }
+}
