@@ -197,7 +197,7 @@ impl Slot {
 
     /// Waiting requests the router did not send, and the batch a new request joins: the queue
     /// and batch terms scoring and admission share. `fresh` is the scrape when not stale.
-    fn unseen_waiting_and_active(&self, fresh: Option<EndpointMetrics>) -> (u32, u32) {
+    fn unseen_waiting_and_active(&self, fresh: Option<&EndpointMetrics>) -> (u32, u32) {
         match fresh {
             Some(m) => (
                 m.waiting.saturating_sub(self.inflight),
@@ -930,8 +930,8 @@ impl SessionAffinity<'_> {
 struct Candidate<'s> {
     id: EndpointId,
     slot: &'s Slot,
-    /// Its scrape, unless stale.
-    fresh: Option<EndpointMetrics>,
+    /// Its scrape, unless stale (borrowed: a candidate is passed by value to every term).
+    fresh: Option<&'s EndpointMetrics>,
     /// The decision's time.
     now_ms: u64,
 }
@@ -2257,8 +2257,10 @@ impl Router {
             // A load-only endpoint's prefix is not credited, unless a probe runs.
             let credited = !config.self_check.enabled || slot.check.credits_prefix(now_ms);
             let here = EndpointId(i as u16);
+            let slot = &*slot;
             let fresh = slot
                 .metrics
+                .as_ref()
                 .filter(|_| now_ms.saturating_sub(slot.scraped_at_ms) <= stale_after);
             let candidate = Candidate {
                 id: here,
@@ -3092,7 +3094,7 @@ impl Router {
             };
             // The same queue and batch terms `route` scores, with the backlog drained to now.
             let backlog = slot.backlog_at(now_ms, slot.rates.prefill_tokens_per_ms);
-            let fresh = slot.metrics.filter(|_| !stale);
+            let fresh = slot.metrics.as_ref().filter(|_| !stale);
             let (unknown_waiting, active) = slot.unseen_waiting_and_active(fresh);
             let loaded = LatencyFeatures {
                 queue_tokens: backlog + f64::from(unknown_waiting) * s.unknown_request_tokens,
