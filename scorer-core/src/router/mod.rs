@@ -2212,7 +2212,9 @@ impl Router {
     /// Stage 3: every usable endpoint of `pool` as a scored candidate, in slot order: its
     /// cached prefix ([`cached_prefix`]), the analytic cost terms ([`cost_terms`]) and what
     /// steers them ([`steering`]: session bonus, LoRA cost, the learned latency correction).
-    /// Drains each candidate's backlog to `now_ms` and records its latency features.
+    /// Drains each candidate's backlog to `now_ms` and records its latency features. For a
+    /// recorded decision (`pool.recorded`) only the chosen endpoint gets its terms; the others
+    /// carry their cached prefix alone.
     fn score_candidates(
         &mut self,
         request: &RouteRequest,
@@ -2275,6 +2277,23 @@ impl Router {
                 cached.blocks = 0;
                 cached.tokens = 0.0;
             }
+            if pool.recorded.is_some_and(|chosen| chosen != here) {
+                // Recording another router's decision reads the chosen endpoint's terms
+                // (`account_choice`) and only the others' cached prefix (the fleet numbers'
+                // best credit): their cost terms would be thrown away, and with every copy
+                // applying every other copy's decisions they were most of the work.
+                candidates.push((
+                    here,
+                    CandidateScore {
+                        endpoint: slot.address.clone(),
+                        cached_blocks: cached.blocks as u32,
+                        cached_tokens: cached.tokens as u32,
+                        precise: cached.precise,
+                        ..CandidateScore::default()
+                    },
+                ));
+                continue;
+            }
             let terms = cost_terms(candidate, cached.tokens, shape, s);
             let session_start_ms = session_start_ms(candidate, shape, pool.session.start_turns, s);
             let steer = steering(
@@ -2322,7 +2341,8 @@ impl Router {
                 },
             ));
         }
-        if config.latency.enabled {
+        // A recorded decision's candidates are not ranked.
+        if config.latency.enabled && pool.recorded.is_none() {
             cold_latency_from_warm(&mut candidates, config.latency.min_samples);
         }
         candidates

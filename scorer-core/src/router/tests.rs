@@ -1422,6 +1422,59 @@ fn the_reuse_window_is_as_large_as_the_fleets_kv() {
     assert_eq!(r.reuse_window_blocks(), 12);
 }
 
+// A decision another router took is recorded with only its own endpoint's cost terms, but
+// every candidate's cached prefix still counts: a prompt recorded onto the endpoint that does
+// not hold it lost the reuse to load, exactly as if this router had spilled it.
+#[test]
+fn a_recorded_decision_off_the_holder_counts_the_holders_credit() {
+    let mut r = router(2);
+    for i in 0..2 {
+        r.update_metrics(&format!("10.0.0.{i}:8000"), EndpointMetrics::default(), 0);
+    }
+    let prompt = "a prompt another proxy routes ".repeat(200);
+    let first = serve_reported(&mut r, &prompt, 1, |_| 0);
+    let before = r.fleet_reuse();
+    let other = if first.endpoints[0] == "10.0.0.0:8000" {
+        "10.0.0.1:8000"
+    } else {
+        "10.0.0.0:8000"
+    };
+    let decision_id = 1 << 40;
+    assert!(r.record_decision(&request(&prompt), other, decision_id, 10_000, 0));
+    // The recorded endpoint carries the request; the holder does not.
+    let inflight = |r: &Router, address: &str| {
+        r.endpoints(10_000)
+            .into_iter()
+            .find(|e| e.address == address)
+            .map(|e| e.inflight)
+    };
+    assert_eq!(inflight(&r, other), Some(1));
+    assert_eq!(inflight(&r, &first.endpoints[0]), Some(0));
+    r.feedback(
+        &Outcome {
+            decision_id,
+            endpoint: other.into(),
+            status: 200,
+            prompt_tokens: Some(prompt.len() as u32 / 4),
+            cached_tokens: Some(0),
+            completion_tokens: Some(4),
+            ..Outcome::default()
+        },
+        10_000,
+    );
+    let after = r.fleet_reuse();
+    let offered = after.available_tokens - before.available_tokens;
+    assert!(offered > 0, "the prompt was seen before");
+    assert_eq!(
+        after.aimed_tokens, before.aimed_tokens,
+        "nothing held where it went"
+    );
+    assert_eq!(
+        after.gap_tokens.load_spill - before.gap_tokens.load_spill,
+        offered
+    );
+}
+
 /// Routes `text` at `now` and reports it served by its first endpoint, with as many prompt
 /// tokens as the router counted (4 bytes a token), of which `delivered(response)` from cache.
 fn serve_reported(
