@@ -3,10 +3,12 @@
 //! scorer-core's control-plane side, applied), amortised per request at a given request rate.
 //!
 //! `cargo run --release -p filter --example request_path -- [requests] [requests_per_tick]
-//! [workers] [body_bytes]`
+//! [workers] [body_bytes] [endpoints]`
 //!
 //! Requests alternate over `workers` VMs, each syncing once per `requests_per_tick` requests,
-//! so each applies the others' decisions as Envoy's workers do.
+//! so each applies the others' decisions as Envoy's workers do. The fleet has `endpoints`
+//! replicas (1), all idle: with more, every decision and every applied one weighs each. No
+//! request is deferred to the control plane (`local.defer_above_ms: 0`).
 //!
 //! A profiling aid for the wasm filter's CPU in Envoy: run it under `perf record` to see which
 //! functions a request costs. V8 runs the same code some 1.5-3x slower.
@@ -43,6 +45,7 @@ fn main() {
     let per_tick: u64 = args.next().and_then(|a| a.parse().ok()).unwrap_or(75);
     let workers: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2);
     let bytes: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1_000);
+    let endpoints: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1).max(1);
     let mut roots: Vec<RootState> = (0..workers)
         .map(|_| {
             RootState::new(FilterConfig {
@@ -51,9 +54,18 @@ fn main() {
             })
         })
         .collect();
-    let mut router = Router::new(RouterConfig::default(), 1);
-    let _ = router.upsert_endpoint("127.0.0.1:8000");
-    router.update_metrics("127.0.0.1:8000", EndpointMetrics::default(), 0);
+    // Every request is decided in a copy: none is left to the control plane, which here
+    // answers no route call (a lone endpoint never defers anyway).
+    let mut config = RouterConfig::default();
+    config.local.defer_above_ms = 0.0;
+    let mut router = Router::new(config, 1);
+    let addresses: Vec<String> = (0..endpoints)
+        .map(|i| format!("127.0.{}.{}:8000", i / 250, i % 250 + 1))
+        .collect();
+    for address in &addresses {
+        let _ = router.upsert_endpoint(address);
+        router.update_metrics(address, EndpointMetrics::default(), 0);
+    }
     let mut log = SyncLog::new(65_536, 5);
     let bodies: Vec<Vec<u8>> = (0..32).map(|s| body(s, bytes)).collect();
     let response = br#"{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":200,"total_tokens":201,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":192}}}"#;
@@ -83,7 +95,9 @@ fn main() {
                     continue;
                 };
                 sync_bytes += call.body.len();
-                router.update_metrics("127.0.0.1:8000", EndpointMetrics::default(), now_ms);
+                for address in &addresses {
+                    router.update_metrics(address, EndpointMetrics::default(), now_ms);
+                }
                 let answer = serve_sync(&mut log, &mut router, request, now_ms);
                 let answer = serde_json::to_vec(&answer).unwrap_or_default();
                 sync_bytes += answer.len();
@@ -111,7 +125,8 @@ fn main() {
         }
         spent[1] += t.elapsed();
         let t = Instant::now();
-        machine.on_response_headers(Some(200), Some("127.0.0.1:8000"));
+        // Served where it was sent (no upstream address: the decision's endpoint).
+        machine.on_response_headers(Some(200), None);
         let _ = machine.on_response_body(response, now_ms);
         if let Some(outcome) = machine.on_done(now_ms) {
             root.push_outcome(outcome, now_ms);

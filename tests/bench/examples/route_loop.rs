@@ -5,7 +5,9 @@
 //! The loop is [`kvroute_bench::router_inprocess`], the one `kvroute-bench` reports, so the
 //! profiled mix and the benchmarked one cannot drift apart.
 //!
-//! `cargo run --release -p kvroute-bench --example route_loop -- [decisions] [blocks] [endpoints]`
+//! `cargo run --release -p kvroute-bench --example route_loop -- [decisions] [blocks] [endpoints]
+//! [recorded]`: with `recorded`, then the same loop recording another router's decisions
+//! (`kvroute_bench::router_recorded`) on a second router filled alike.
 
 fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>());
@@ -19,4 +21,13 @@ fn main() {
         run.decisions_per_s,
         1e6 / run.decisions_per_s
     );
+    if std::env::args().nth(4).as_deref() == Some("recorded") {
+        let run = kvroute_bench::router_recorded(endpoints, blocks, decisions);
+        println!(
+            "{decisions} recorded decisions over {} blocks, {endpoints} endpoints: {:.0}/s ({:.2} us each)",
+            run.blocks,
+            run.decisions_per_s,
+            1e6 / run.decisions_per_s
+        );
+    }
 }

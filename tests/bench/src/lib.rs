@@ -159,6 +159,10 @@ pub struct FilterFigures {
 pub struct ControlPlaneFigures {
     /// `Router::route` + `feedback` per second, one thread.
     pub decisions_per_s_inprocess: f64,
+    /// Another router's decisions recorded (`Router::record_decision` + `feedback`) per
+    /// second, one thread: what a control plane, and each proxy copy, does for every request
+    /// some other copy decided.
+    pub decisions_per_s_recorded: f64,
     /// `POST /v1/route` per second against the release binary pinned to one core.
     pub decisions_per_s_http: f64,
     /// `PrefixIndex::approx_bytes / distinct_blocks` with the index filled.
@@ -234,67 +238,134 @@ fn chain_request(hashes: Vec<u64>) -> RouteRequest {
     }
 }
 
-/// Fills a router with `endpoints` endpoints and `blocks` distinct indexed blocks (chains of
-/// 64 blocks, i.e. 16 KB prompts), then times `decisions` routes of 16 KB prompts, half of
-/// which share a prefix with an indexed chain.
-pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> RouterBench {
-    let now = 1_000_000;
-    let mut router = Router::new(RouterConfig::default(), 1);
-    let mut ids = Vec::with_capacity(endpoints);
-    for i in 0..endpoints {
-        let address = format!("10.0.{}.{}:8000", i / 250, i % 250 + 1);
-        let id = router
-            .upsert_endpoint(&address)
-            .unwrap_or(EndpointId(i as u16));
-        router.update_metrics(
-            &address,
-            EndpointMetrics {
-                running: (i % 5) as u32,
-                waiting: 0,
-                kv_usage: 0.3,
-                capacity_tokens: Some(1_000_000),
-                counters: None,
-                ..Default::default()
-            },
+/// A router with `endpoints` endpoints and `blocks` distinct indexed blocks (chains of 64
+/// blocks, i.e. 16 KB prompts), and 1,024 requests of 16 KB prompts to time against it, half
+/// of them sharing a prefix with an indexed chain: what both in-process loops start from.
+struct FilledRouter {
+    router: Router,
+    addresses: Vec<String>,
+    requests: Vec<RouteRequest>,
+    now: u64,
+}
+
+impl FilledRouter {
+    fn new(endpoints: usize, blocks: usize) -> Self {
+        let now = 1_000_000;
+        let mut router = Router::new(RouterConfig::default(), 1);
+        let mut ids = Vec::with_capacity(endpoints);
+        let mut addresses = Vec::with_capacity(endpoints);
+        for i in 0..endpoints {
+            let address = format!("10.0.{}.{}:8000", i / 250, i % 250 + 1);
+            let id = router
+                .upsert_endpoint(&address)
+                .unwrap_or(EndpointId(i as u16));
+            router.update_metrics(
+                &address,
+                EndpointMetrics {
+                    running: (i % 5) as u32,
+                    waiting: 0,
+                    kv_usage: 0.3,
+                    capacity_tokens: Some(1_000_000),
+                    counters: None,
+                    ..Default::default()
+                },
+                now,
+            );
+            ids.push(id);
+            addresses.push(address);
+        }
+        let mut rng = SmallRng::seed_from_u64(42);
+        let mut chains: Vec<Vec<u64>> = Vec::with_capacity(blocks / CHAIN + 1);
+        let mut filled = 0;
+        while filled < blocks {
+            let chain: Vec<u64> = (0..CHAIN).map(|_| rng.random()).collect();
+            let id = ids[chains.len() % ids.len().max(1)];
+            router.index_mut().insert(id, &chain, now);
+            filled += CHAIN;
+            chains.push(chain);
+        }
+        let requests = (0..1024)
+            .map(|i| chain_request(mixed_hashes(&mut rng, &chains, i, CHAIN)))
+            .collect();
+        Self {
+            router,
+            addresses,
+            requests,
             now,
-        );
-        ids.push(id);
+        }
     }
-    let mut rng = SmallRng::seed_from_u64(42);
-    let mut chains: Vec<Vec<u64>> = Vec::with_capacity(blocks / CHAIN + 1);
-    let mut filled = 0;
-    while filled < blocks {
-        let chain: Vec<u64> = (0..CHAIN).map(|_| rng.random()).collect();
-        let id = ids[chains.len() % ids.len().max(1)];
-        router.index_mut().insert(id, &chain, now);
-        filled += CHAIN;
-        chains.push(chain);
+
+    /// The figures of the index as filled, for a loop of `decisions` timed after it.
+    fn bench(&self, decisions: usize) -> impl FnOnce(f64) -> RouterBench + use<> {
+        let distinct = self.router.index().distinct_blocks();
+        let bytes_per_block = self.router.index().approx_bytes() as f64 / distinct.max(1) as f64;
+        move |secs| RouterBench {
+            decisions_per_s: decisions as f64 / secs.max(1e-9),
+            bytes_per_block,
+            blocks: distinct,
+        }
     }
-    let distinct = router.index().distinct_blocks();
-    let bytes_per_block = router.index().approx_bytes() as f64 / distinct.max(1) as f64;
-    let mut requests = Vec::with_capacity(1024);
-    for i in 0..1024 {
-        let hashes = mixed_hashes(&mut rng, &chains, i, CHAIN);
-        requests.push(chain_request(hashes));
+
+    /// Records `decisions` decisions of another router and their outcomes (the loop
+    /// [`router_recorded`] times); returns how many the router took.
+    fn record(&mut self, decisions: usize) -> usize {
+        // Ids of another router's decisions (`sync`'s replica tags live in the high bits).
+        const OTHER: u64 = 1 << 48;
+        let mut recorded = 0;
+        for i in 0..decisions {
+            let request = &self.requests[i % self.requests.len()];
+            let endpoint = &self.addresses[i % self.addresses.len().max(1)];
+            let decision_id = OTHER + i as u64;
+            if self
+                .router
+                .record_decision(request, endpoint, decision_id, self.now, 0)
+            {
+                recorded += 1;
+            }
+            let outcome = Self::outcome(decision_id, endpoint.clone());
+            self.router.feedback(&outcome, self.now);
+        }
+        recorded
     }
-    let start = Instant::now();
-    for i in 0..decisions {
-        let d = router.route(&requests[i % requests.len()], now, i as u64);
-        let outcome = Outcome {
-            decision_id: d.response.decision_id,
-            endpoint: d.response.endpoints.first().cloned().unwrap_or_default(),
+
+    /// The outcome report of decision `decision_id`, served on `endpoint`.
+    fn outcome(decision_id: u64, endpoint: String) -> Outcome {
+        Outcome {
+            decision_id,
+            endpoint,
             status: 200,
             total_ms: 10,
             ..Outcome::default()
-        };
-        router.feedback(&outcome, now);
+        }
     }
-    let secs = start.elapsed().as_secs_f64().max(1e-9);
-    RouterBench {
-        decisions_per_s: decisions as f64 / secs,
-        bytes_per_block,
-        blocks: distinct,
+}
+
+/// Fills a router ([`FilledRouter`]), then times `decisions` routes of 16 KB prompts, each
+/// followed by its outcome report.
+pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> RouterBench {
+    let mut filled = FilledRouter::new(endpoints, blocks);
+    let (now, bench) = (filled.now, filled.bench(decisions));
+    let start = Instant::now();
+    for i in 0..decisions {
+        let request = &filled.requests[i % filled.requests.len()];
+        let d = filled.router.route(request, now, i as u64);
+        let endpoint = d.response.endpoints.first().cloned().unwrap_or_default();
+        let outcome = FilledRouter::outcome(d.response.decision_id, endpoint);
+        filled.router.feedback(&outcome, now);
     }
+    bench(start.elapsed().as_secs_f64())
+}
+
+/// Fills a router ([`FilledRouter`]), then times `decisions` decisions taken by another router
+/// (a proxy's copy, a peer control plane) recorded into it (`Router::record_decision`), each
+/// followed by its outcome: what a control plane, and every copy, does for each request some
+/// other copy decided. The chosen endpoints take turns.
+pub fn router_recorded(endpoints: usize, blocks: usize, decisions: usize) -> RouterBench {
+    let mut filled = FilledRouter::new(endpoints, blocks);
+    let bench = filled.bench(decisions);
+    let start = Instant::now();
+    filled.record(decisions);
+    bench(start.elapsed().as_secs_f64())
 }
 
 /// Native canonicalise + block-hash throughput in MB/s over `iters` bodies of `bytes`.
@@ -760,6 +831,12 @@ mod tests {
     fn chat_body_is_about_the_requested_size() {
         let b = chat_body(16_384, 1, 8, false);
         assert!(b.len() > 14_000 && b.len() < 20_000, "{}", b.len());
+    }
+
+    #[test]
+    fn the_recorded_loop_records_every_decision() {
+        let mut filled = FilledRouter::new(8, 6_400);
+        assert_eq!(filled.record(200), 200);
     }
 
     #[test]

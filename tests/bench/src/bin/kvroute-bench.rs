@@ -194,10 +194,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.endpoints, args.blocks
     );
     let rb = bench::router_inprocess(args.endpoints, args.blocks, 200_000);
+    let recorded = bench::router_recorded(args.endpoints, args.blocks, 200_000);
     loads.push(("router in-process".into(), loadavg()));
     eprintln!(
-        "[router] {:.0} decisions/s, {:.1} bytes/block",
-        rb.decisions_per_s, rb.bytes_per_block
+        "[router] {:.0} decisions/s, {:.0} recorded/s, {:.1} bytes/block",
+        rb.decisions_per_s, recorded.decisions_per_s, rb.bytes_per_block
     );
 
     // 2. Filter natively and in wasmtime; memory per in-flight request.
@@ -242,6 +243,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     loads.push(("router http".into(), loadavg()));
     let control_plane = ControlPlaneFigures {
         decisions_per_s_inprocess: rb.decisions_per_s,
+        decisions_per_s_recorded: recorded.decisions_per_s,
         decisions_per_s_http: http.rps,
         bytes_per_block: rb.bytes_per_block,
         indexed_blocks: rb.blocks,
@@ -301,6 +303,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "in-process decisions/s (1 thread)   {:>10.0}   target 100,000  {}",
         control_plane.decisions_per_s_inprocess,
         ratio(control_plane.decisions_per_s_inprocess, 100_000.0)
+    );
+    println!(
+        "recorded decisions/s (1 thread)     {:>10.0}   another router's, applied (no target)",
+        control_plane.decisions_per_s_recorded
     );
     println!(
         "HTTP decisions/s (1 core, {:>7} blocks) {:>6.0}   target  20,000  {}   p50 {:.2} ms  p99 {:.2} ms  errors {}",
