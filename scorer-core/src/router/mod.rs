@@ -2277,21 +2277,19 @@ impl Router {
                 cached.blocks = 0;
                 cached.tokens = 0.0;
             }
+            let held = CandidateScore {
+                endpoint: slot.address.clone(),
+                cached_blocks: cached.blocks as u32,
+                cached_tokens: cached.tokens as u32,
+                precise: cached.precise,
+                ..CandidateScore::default()
+            };
             if pool.recorded.is_some_and(|chosen| chosen != here) {
                 // Recording another router's decision reads the chosen endpoint's terms
                 // (`account_choice`) and only the others' cached prefix (the fleet numbers'
                 // best credit): their cost terms would be thrown away, and with every copy
                 // applying every other copy's decisions they were most of the work.
-                candidates.push((
-                    here,
-                    CandidateScore {
-                        endpoint: slot.address.clone(),
-                        cached_blocks: cached.blocks as u32,
-                        cached_tokens: cached.tokens as u32,
-                        precise: cached.precise,
-                        ..CandidateScore::default()
-                    },
-                ));
+                candidates.push((here, held));
                 continue;
             }
             let terms = cost_terms(candidate, cached.tokens, shape, s);
@@ -2309,10 +2307,6 @@ impl Router {
             candidates.push((
                 here,
                 CandidateScore {
-                    endpoint: slot.address.clone(),
-                    cached_blocks: cached.blocks as u32,
-                    cached_tokens: cached.tokens as u32,
-                    precise: cached.precise,
                     uncached_tokens: terms.uncached_tokens as u32,
                     queue_ms: terms.queue_ms,
                     prefill_ms: terms.prefill_ms,
@@ -2338,6 +2332,7 @@ impl Router {
                     session_start_ms,
                     cache_control_ms: steer.cache_control_ms,
                     lora_ms: steer.lora_ms,
+                    ..held
                 },
             ));
         }

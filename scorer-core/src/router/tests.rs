@@ -1427,10 +1427,7 @@ fn the_reuse_window_is_as_large_as_the_fleets_kv() {
 // not hold it lost the reuse to load, exactly as if this router had spilled it.
 #[test]
 fn a_recorded_decision_off_the_holder_counts_the_holders_credit() {
-    let mut r = router(2);
-    for i in 0..2 {
-        r.update_metrics(&format!("10.0.0.{i}:8000"), EndpointMetrics::default(), 0);
-    }
+    let mut r = scraped_router(2);
     let prompt = "a prompt another proxy routes ".repeat(200);
     let first = serve_reported(&mut r, &prompt, 1, |_| 0);
     let before = r.fleet_reuse();
@@ -1475,6 +1472,15 @@ fn a_recorded_decision_off_the_holder_counts_the_holders_credit() {
     );
 }
 
+/// A router of `n` endpoints, each scraped once at time 0 (idle, so usable).
+fn scraped_router(n: usize) -> Router {
+    let mut r = router(n);
+    for i in 0..n {
+        r.update_metrics(&format!("10.0.0.{i}:8000"), EndpointMetrics::default(), 0);
+    }
+    r
+}
+
 /// Routes `text` at `now` and reports it served by its first endpoint, with as many prompt
 /// tokens as the router counted (4 bytes a token), of which `delivered(response)` from cache.
 fn serve_reported(
@@ -1503,10 +1509,7 @@ fn serve_reported(
 // went), what the router aimed for, what the engine delivered, and the gap by reason.
 #[test]
 fn the_fleet_numbers_split_the_reuse_offered_by_what_became_of_it() {
-    let mut r = router(2);
-    for i in 0..2 {
-        r.update_metrics(&format!("10.0.0.{i}:8000"), EndpointMetrics::default(), 0);
-    }
+    let mut r = scraped_router(2);
     let prompt = "the same long prompt ".repeat(200);
     let first = serve_reported(&mut r, &prompt, 1, |_| 0);
     let cold = r.fleet_reuse();
