@@ -366,6 +366,14 @@ fn unset(blocks: &mut BlockTable, slot: &mut EndpointBlocks, id: EndpointId, has
     true
 }
 
+/// Forgets that `id` holds `hash` while its touch stays queued (not popped from the front):
+/// that touch is counted as an orphan, which [`PrefixIndex::compact`] must look up.
+fn forget(blocks: &mut BlockTable, slot: &mut EndpointBlocks, id: EndpointId, hash: u64) {
+    if unset(blocks, slot, id, hash) {
+        slot.orphans += 1;
+    }
+}
+
 impl PrefixIndex {
     /// An empty index whose entries live at most `ttl_ms` after their last touch.
     pub fn new(ttl_ms: u64) -> Self {
@@ -499,9 +507,7 @@ impl PrefixIndex {
             .map(|&(h, _)| h)
             .collect();
         for h in taken {
-            if unset(blocks, slot, id, h) {
-                slot.orphans += 1;
-            }
+            forget(blocks, slot, id, h);
         }
         self.compact(id);
     }
@@ -539,9 +545,7 @@ impl PrefixIndex {
     /// Forgets that `id` holds `hash` (a `BlockRemoved` event in precise mode).
     pub fn remove(&mut self, id: EndpointId, hash: u64) {
         let (blocks, slot) = self.split(id);
-        if unset(blocks, slot, id, hash) {
-            slot.orphans += 1;
-        }
+        forget(blocks, slot, id, hash);
     }
 
     /// Forgets everything about `id` (endpoint removed, cache cleared, event stream lost).
