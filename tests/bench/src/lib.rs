@@ -206,6 +206,16 @@ pub struct RouterBench {
     pub blocks: usize,
 }
 
+impl RouterBench {
+    /// These figures with the rate of `decisions` timed from `start` until now.
+    fn timed(self, decisions: usize, start: Instant) -> Self {
+        Self {
+            decisions_per_s: decisions as f64 / start.elapsed().as_secs_f64().max(1e-9),
+            ..self
+        }
+    }
+}
+
 /// The block hashes of the `i`-th measured request, `len` blocks: an even one extends a random
 /// chain of `chains` by a random length (a partial prefix hit), the rest of it (and every odd
 /// one) is fresh. The in-process and the HTTP benchmark measure the same mix this way.
@@ -295,13 +305,13 @@ impl FilledRouter {
         }
     }
 
-    /// The figures of the index as filled, for a loop of `decisions` timed after it.
-    fn bench(&self, decisions: usize) -> impl FnOnce(f64) -> RouterBench + use<> {
+    /// The index's figures as filled, before a timed loop adds to it
+    /// ([`RouterBench::timed`] adds the loop's rate).
+    fn figures(&self) -> RouterBench {
         let distinct = self.router.index().distinct_blocks();
-        let bytes_per_block = self.router.index().approx_bytes() as f64 / distinct.max(1) as f64;
-        move |secs| RouterBench {
-            decisions_per_s: decisions as f64 / secs.max(1e-9),
-            bytes_per_block,
+        RouterBench {
+            decisions_per_s: 0.0,
+            bytes_per_block: self.router.index().approx_bytes() as f64 / distinct.max(1) as f64,
             blocks: distinct,
         }
     }
@@ -312,9 +322,12 @@ impl FilledRouter {
         // Ids of another router's decisions (`sync`'s replica tags live in the high bits).
         const OTHER: u64 = 1 << 48;
         let mut recorded = 0;
+        if self.addresses.is_empty() {
+            return recorded;
+        }
         for i in 0..decisions {
             let request = &self.requests[i % self.requests.len()];
-            let endpoint = &self.addresses[i % self.addresses.len().max(1)];
+            let endpoint = &self.addresses[i % self.addresses.len()];
             let decision_id = OTHER + i as u64;
             if self
                 .router
@@ -344,7 +357,7 @@ impl FilledRouter {
 /// followed by its outcome report.
 pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> RouterBench {
     let mut filled = FilledRouter::new(endpoints, blocks);
-    let (now, bench) = (filled.now, filled.bench(decisions));
+    let (now, figures) = (filled.now, filled.figures());
     let start = Instant::now();
     for i in 0..decisions {
         let request = &filled.requests[i % filled.requests.len()];
@@ -353,7 +366,7 @@ pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> Ro
         let outcome = FilledRouter::outcome(d.response.decision_id, endpoint);
         filled.router.feedback(&outcome, now);
     }
-    bench(start.elapsed().as_secs_f64())
+    figures.timed(decisions, start)
 }
 
 /// Fills a router ([`FilledRouter`]), then times `decisions` decisions taken by another router
@@ -362,10 +375,10 @@ pub fn router_inprocess(endpoints: usize, blocks: usize, decisions: usize) -> Ro
 /// other copy decided. The chosen endpoints take turns.
 pub fn router_recorded(endpoints: usize, blocks: usize, decisions: usize) -> RouterBench {
     let mut filled = FilledRouter::new(endpoints, blocks);
-    let bench = filled.bench(decisions);
+    let figures = filled.figures();
     let start = Instant::now();
     filled.record(decisions);
-    bench(start.elapsed().as_secs_f64())
+    figures.timed(decisions, start)
 }
 
 /// Native canonicalise + block-hash throughput in MB/s over `iters` bodies of `bytes`.
