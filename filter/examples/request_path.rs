@@ -3,12 +3,15 @@
 //! scorer-core's control-plane side, applied), amortised per request at a given request rate.
 //!
 //! `cargo run --release -p filter --example request_path -- [requests] [requests_per_tick]
-//! [workers] [body_bytes] [endpoints]`
+//! [workers] [body_bytes] [endpoints] [capacity_tokens]`
 //!
 //! Requests alternate over `workers` VMs, each syncing once per `requests_per_tick` requests,
 //! so each applies the others' decisions as Envoy's workers do. The fleet has `endpoints`
 //! replicas (1), all idle: with more, every decision and every applied one weighs each. No
-//! request is deferred to the control plane (`local.defer_above_ms: 0`).
+//! request is deferred to the control plane (`local.defer_above_ms: 0`). With
+//! `capacity_tokens` (as `make bench`'s `fast` replica reports: 490000) each replica's index
+//! is bounded as its KV cache is, and a body cycle larger than it evicts on every request;
+//! without, nothing is ever evicted.
 //!
 //! A profiling aid for the wasm filter's CPU in Envoy: run it under `perf record` to see which
 //! functions a request costs. V8 runs the same code some 1.5-3x slower.
@@ -46,6 +49,10 @@ fn main() {
     let workers: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2);
     let bytes: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1_000);
     let endpoints: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(1).max(1);
+    let metrics = EndpointMetrics {
+        capacity_tokens: args.next().and_then(|a| a.parse().ok()),
+        ..EndpointMetrics::default()
+    };
     let mut roots: Vec<RootState> = (0..workers)
         .map(|_| {
             RootState::new(FilterConfig {
@@ -64,7 +71,7 @@ fn main() {
         .collect();
     for address in &addresses {
         let _ = router.upsert_endpoint(address);
-        router.update_metrics(address, EndpointMetrics::default(), 0);
+        router.update_metrics(address, metrics.clone(), 0);
     }
     let mut log = SyncLog::new(65_536, 5);
     let bodies: Vec<Vec<u8>> = (0..32).map(|s| body(s, bytes)).collect();
@@ -96,7 +103,7 @@ fn main() {
                 };
                 sync_bytes += call.body.len();
                 for address in &addresses {
-                    router.update_metrics(address, EndpointMetrics::default(), now_ms);
+                    router.update_metrics(address, metrics.clone(), now_ms);
                 }
                 let answer = serve_sync(&mut log, &mut router, request, now_ms);
                 let answer = serde_json::to_vec(&answer).unwrap_or_default();
