@@ -71,7 +71,7 @@ fn main() {
         .collect();
     for address in &addresses {
         let _ = router.upsert_endpoint(address);
-        router.update_metrics(address, metrics.clone(), 0);
+        router.update_metrics(address, metrics, 0);
     }
     let mut log = SyncLog::new(65_536, 5);
     let bodies: Vec<Vec<u8>> = (0..32).map(|s| body(s, bytes)).collect();
@@ -103,10 +103,12 @@ fn main() {
                 };
                 sync_bytes += call.body.len();
                 for address in &addresses {
-                    router.update_metrics(address, metrics.clone(), now_ms);
+                    router.update_metrics(address, metrics, now_ms);
                 }
+                // Answered as the control plane does: hash lists in base64 when the VM reads them.
+                let compact = request.compact_hashes;
                 let answer = serve_sync(&mut log, &mut router, request, now_ms);
-                let answer = serde_json::to_vec(&answer).unwrap_or_default();
+                let answer = scorer_core::sync::to_json(&answer, compact).unwrap_or_default();
                 sync_bytes += answer.len();
                 let t = Instant::now();
                 root.on_sync_response(Some(200), &answer, now_ms);
