@@ -303,6 +303,7 @@ async fn sync(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Bod
         if !app.state.is_ready() {
             return Err(catching_up());
         }
+        let compact = request.compact_hashes;
         let served = app.state.sync(request);
         app.state.telemetry().count_sync(
             served.decisions,
@@ -310,7 +311,21 @@ async fn sync(AxumState(app): AxumState<Arc<App>>, headers: HeaderMap, body: Bod
             served.reset,
             !served.response.delta,
         );
-        Ok::<_, ApiError>(Json(served.response).into_response())
+        // Hash lists in base64 only for a copy that said it reads them.
+        let body = scorer_core::sync::to_json(&served.response, compact).map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "serialize",
+                format!("cannot write the sync answer: {e}"),
+            )
+        })?;
+        Ok::<_, ApiError>(
+            (
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                body,
+            )
+                .into_response(),
+        )
     }
     .await;
     result.unwrap_or_else(|e| app.reject(SYNC_PATH, e))

@@ -308,7 +308,10 @@ impl RootState {
                 self.stats.sync_applied += 1;
                 true
             }
-            _ => {
+            (_, local) => {
+                if let Some(local) = local {
+                    local.sync_failed();
+                }
                 self.stats.sync_failed += 1;
                 self.control_plane_failed = true;
                 false
@@ -434,12 +437,15 @@ impl RootState {
             let lost = self.unacked.take();
             self.requeue(lost);
             self.requeue_withdrawn();
+            if let Some(local) = self.local.as_mut() {
+                local.sync_failed();
+            }
         }
         if let Some(local) = self.local.as_mut() {
             // Every tick: the copy pulls what others did even when it has nothing to report.
             let request = local.sync_request();
             let outcomes = request.outcomes.len();
-            return match serde_json::to_vec(&request) {
+            return match scorer_core::sync::to_json(&request, local.peer_reads_compact()) {
                 Ok(body) => {
                     self.urgent = false;
                     self.unacked = Some(request);
@@ -723,8 +729,9 @@ mod tests {
             let call = root.on_tick(now_ms).expect("a sync call every tick");
             assert_eq!(call.path, SYNC_PATH);
             let request: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+            let compact = request.compact_hashes;
             let answer = serve_sync(&mut cp.0, &mut cp.1, request, now_ms);
-            let body = serde_json::to_vec(&answer).unwrap();
+            let body = scorer_core::sync::to_json(&answer, compact).unwrap();
             assert!(root.on_sync_response(Some(200), &body, now_ms));
         }
 
@@ -902,6 +909,33 @@ mod tests {
             assert_eq!(report.decisions.len(), 1);
             assert_eq!(report.decisions[0].decision_id, answer.decision_id);
             assert_eq!((report.outcomes.len(), call.outcomes), (1, 1));
+        }
+
+        // Decisions carry their block hashes in base64 once an answer says the control plane
+        // reads them, and as arrays again after a failed sync (the next replica may be older).
+        #[test]
+        fn decisions_travel_in_the_form_the_control_plane_reads() {
+            let mut root = local_root();
+            let mut cp = control_plane();
+            let first = root.on_tick(0).unwrap();
+            let hello: SyncRequest = serde_json::from_slice(&first.body).unwrap();
+            assert!(hello.compact_hashes, "the copy says it reads base64");
+            let answer = serve_sync(&mut cp.0, &mut cp.1, hello, 0);
+            let body = scorer_core::sync::to_json(&answer, true).unwrap();
+            assert!(root.on_sync_response(Some(200), &body, 0));
+            let sent = |root: &mut RootState, now_ms| {
+                root.decide_locally(&mut request(), now_ms)
+                    .expect("decided locally");
+                let call = root.on_tick(now_ms + 1).unwrap();
+                let report: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+                assert_eq!(report.decisions[0].request.block_hashes, [1, 2, 3]);
+                String::from_utf8(call.body).unwrap()
+            };
+            let compact = sent(&mut root, 10);
+            assert!(compact.contains(r#""block_hashes":""#), "{compact}");
+            assert!(!root.on_sync_response(Some(503), b"", 12));
+            let plain = sent(&mut root, 20);
+            assert!(plain.contains(r#""block_hashes":[1,2,3]"#), "{plain}");
         }
 
         // A copy that has not synced for `max_state_age_ms` is not trusted.

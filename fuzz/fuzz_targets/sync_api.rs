@@ -1,5 +1,6 @@
 //! The sync protocol, from both ends: `POST /v1/sync` bodies a proxy sends (raw bytes, or
-//! well-formed reports with arbitrary decisions and outcomes) served by the control plane's
+//! well-formed reports with arbitrary decisions and outcomes, written as the copy would: hash
+//! lists in base64 once its control plane said it reads them) served by the control plane's
 //! side (`serve_sync` on a `Router` and a small `SyncLog`), and the answers a proxy applies
 //! (`LocalRouter::apply`, raw bytes or the control plane's own answers), and the shared
 //! stream of active-active control planes (the log switched to stream numbering, raw bytes as a
@@ -17,6 +18,7 @@ use scorer_core::protocol::{Outcome, RouteRequest};
 use scorer_core::router::{EndpointMetrics, Router, RouterConfig};
 use scorer_core::sync::{
     DecisionRecord, LocalRouter, SyncEvent, SyncLog, SyncRequest, SyncResponse, serve_sync,
+    to_json,
 };
 
 #[derive(Arbitrary, Debug)]
@@ -91,14 +93,20 @@ fuzz_target!(|steps: Vec<Step>| {
                         ..Outcome::default()
                     });
                 }
-                let replica = request.replica;
+                // On the wire in the form the copy would use (base64 hash lists once its control
+                // plane said it reads them): it reads back as it was.
+                let bytes = to_json(&request, copies[i].peer_reads_compact())
+                    .expect("a report serialises");
+                let read: SyncRequest = serde_json::from_slice(&bytes).expect("and parses");
+                assert_eq!(read, request, "a report survives the wire");
+                let (replica, compact) = (request.replica, request.compact_hashes);
                 let answer = serve_sync(&mut log, &mut hub, request, now_ms);
                 assert!(log.len() <= LOG_BOUND);
                 if replica == Some(answer.replica) && !answer.reset {
                     assert!(answer.next >= last_next[i], "next went backwards");
                 }
                 last_next[i] = answer.next;
-                let bytes = serde_json::to_vec(&answer).expect("an answer serialises");
+                let bytes = to_json(&answer, compact).expect("an answer serialises");
                 let answer: SyncResponse = serde_json::from_slice(&bytes).expect("and parses");
                 copies[i].apply(answer, now_ms);
                 if !raw_fed[i] {

@@ -11,6 +11,8 @@ use std::fmt;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
+pub mod hash_list;
+
 /// Path of the route call the filter makes to the control plane.
 pub const ROUTE_PATH: &str = "/v1/route";
 /// Path of the batched outcome report the filter sends from its root context.
@@ -113,8 +115,9 @@ pub(crate) fn is_zero_u32(n: &u32) -> bool {
 pub struct RouteRequest {
     /// The `model` field of the body (vLLM names a LoRA adapter as the model).
     pub model: String,
-    /// Chained block hashes of the canonical prompt, first block first.
-    #[serde(default)]
+    /// Chained block hashes of the canonical prompt, first block first (an array, or base64:
+    /// [`hash_list`]).
+    #[serde(default, with = "hash_list")]
     pub block_hashes: Vec<u64>,
     /// Size of the canonical prompt in bytes.
     #[serde(default)]
@@ -135,7 +138,7 @@ pub struct RouteRequest {
     pub session: Option<String>,
     /// Chained hashes of the prompt's token ids in engine-block units (precise mode). The
     /// control plane fills these after tokenising `prompt_text`; fleet-sim fills them directly.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "hash_list")]
     pub token_block_hashes: Vec<u64>,
     /// The request's prompt fields as a JSON object (`{"model","messages","tools",...}` for
     /// chat, `{"model","prompt"}` for completions); sent only on routes configured as precise,

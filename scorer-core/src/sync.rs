@@ -135,6 +135,10 @@ pub struct SyncRequest {
     /// The version of that table the copy holds ([`SyncResponse::table_version`]).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub table_version: u64,
+    /// The copy reads block-hash lists as base64 ([`crate::protocol::hash_list`]): the answer
+    /// may carry them so. Absent (an older copy): arrays only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compact_hashes: bool,
 }
 
 /// One entry of the replicated log. On the wire an object tagged by `kind` (`decision`,
@@ -365,6 +369,10 @@ pub struct SyncResponse {
     /// decided by each copy as if alone, and its long misses piled up.
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     pub others: u32,
+    /// The control plane reads block-hash lists as base64 ([`crate::protocol::hash_list`]):
+    /// the copy may send its next decisions so. Absent (an older control plane): arrays only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compact_hashes: bool,
 }
 
 /// The control plane's replicated log: a bounded ring of decisions and outcomes.
@@ -660,6 +668,17 @@ pub fn serve_sync(
         table_version: router.table_version(),
         config: (!delta).then(|| router.config().clone()),
         others,
+        compact_hashes: true,
+    }
+}
+
+/// Writes a sync message (either way) as JSON, its block-hash lists in base64 when the peer
+/// said it reads them ([`SyncRequest::compact_hashes`], [`SyncResponse::compact_hashes`]).
+pub fn to_json<T: Serialize>(message: &T, compact: bool) -> serde_json::Result<Vec<u8>> {
+    if compact {
+        crate::protocol::hash_list::compact(|| serde_json::to_vec(message))
+    } else {
+        serde_json::to_vec(message)
     }
 }
 
@@ -687,6 +706,10 @@ pub struct LocalRouter {
     deferral_paused_until_ms: u64,
     /// The bound on its prefix index ([`LocalRouter::with_max_index_blocks`]).
     max_index_blocks: Option<usize>,
+    /// The last answer came from a control plane that reads base64 hash lists
+    /// ([`SyncResponse::compact_hashes`]); forgotten when a sync fails, so a rolling upgrade
+    /// that puts an older replica behind the next call still reads it.
+    peer_reads_compact: bool,
 }
 
 impl LocalRouter {
@@ -710,6 +733,7 @@ impl LocalRouter {
             others_seen_at_ms: None,
             deferral_paused_until_ms: 0,
             max_index_blocks: None,
+            peer_reads_compact: false,
         }
     }
 
@@ -815,7 +839,20 @@ impl LocalRouter {
             first_tokens: self.pending_first_tokens.drain(..).collect(),
             table: self.table,
             table_version: self.table_version,
+            compact_hashes: true,
         }
+    }
+
+    /// Whether the next sync call may carry its decisions' hash lists in base64
+    /// ([`to_json`]): the last answer said the control plane reads them.
+    pub fn peer_reads_compact(&self) -> bool {
+        self.peer_reads_compact
+    }
+
+    /// A sync call failed: until an answer says otherwise, the next one is written so that
+    /// any control plane reads it.
+    pub fn sync_failed(&mut self) {
+        self.peer_reads_compact = false;
     }
 
     /// Puts the reports of a sync call that reached no control plane back in front of the
@@ -870,6 +907,7 @@ impl LocalRouter {
         self.table = response.table;
         self.table_version = response.table_version;
         self.synced_at_ms = Some(now_ms);
+        self.peer_reads_compact = response.compact_hashes;
         let Some(router) = self.router.as_mut() else {
             return;
         };
@@ -1638,6 +1676,46 @@ mod tests {
         a.apply(old_answer(&["10.0.0.2:8000"]), 10);
         assert_eq!(a.router().unwrap().endpoint_count(), 1);
         assert!(a.ready(10, 100));
+    }
+
+    // Hash lists travel in base64 only between a copy and a control plane that both said they
+    // read it; an older peer on either side gets (and sends) arrays, and both forms apply alike.
+    #[test]
+    fn hash_lists_are_compact_only_between_peers_that_read_them() {
+        let (mut log, mut hub, mut a, mut b) = two_synced_copies(100, 3);
+        assert!(
+            a.peer_reads_compact(),
+            "a control plane answering says it reads base64"
+        );
+        a.route(&chat(40, 3), 1, 1).unwrap();
+        let request = a.sync_request();
+        assert!(request.compact_hashes);
+        let wire = to_json(&request, a.peer_reads_compact()).unwrap();
+        assert!(String::from_utf8_lossy(&wire).contains(r#""block_hashes":""#));
+        let read: SyncRequest = serde_json::from_slice(&wire).unwrap();
+        assert_eq!(read, request);
+        serve_sync(&mut log, &mut hub, read, 1);
+        // b is an older copy: its request says nothing, so its answer carries arrays.
+        let mut old = b.sync_request();
+        old.compact_hashes = false;
+        let answer = serve_sync(&mut log, &mut hub, old.clone(), 2);
+        let wire = to_json(&answer, old.compact_hashes).unwrap();
+        assert!(String::from_utf8_lossy(&wire).contains(r#""block_hashes":["#));
+        let compact = to_json(&answer, true).unwrap();
+        assert!(compact.len() < wire.len());
+        for bytes in [wire, compact] {
+            assert_eq!(
+                serde_json::from_slice::<SyncResponse>(&bytes).unwrap(),
+                answer
+            );
+        }
+        b.apply(answer, 2);
+        assert_eq!(b.router().unwrap().stats().recorded_decisions, 1);
+        b.sync_failed();
+        assert!(
+            !b.peer_reads_compact(),
+            "after a failure, arrays until an answer says so"
+        );
     }
 
     // A copy that must start a fresh router (its `since` left the log) while its table is

@@ -976,6 +976,51 @@ async fn a_proxys_decision_reaches_other_proxies_and_loads_the_control_plane() {
     .await;
 }
 
+// A current filter sends its decisions' block hashes in base64 once told the control plane
+// reads them; they are read as arrays are, and go out in base64 only to copies that ask.
+#[tokio::test]
+async fn hash_lists_in_base64_go_only_to_copies_that_read_them() {
+    use base64::Engine as _;
+    let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
+    let r = start(test_config(&[a.addr])).await;
+    first_scrapes(&r, &[a.addr]).await;
+    let (status, hello) = post_sync(&r, &json!({ "compact_hashes": true }), &[]).await;
+    assert_eq!(status, 200, "{hello}");
+    assert_eq!(
+        hello["compact_hashes"], true,
+        "the control plane says it reads base64"
+    );
+    let proxy_a = hello["replica"].as_u64().unwrap();
+    let (current, next_current) = join(&r).await;
+    let (older, next_older) = join(&r).await;
+    let bytes: Vec<u8> = (1..5u64).flat_map(u64::to_le_bytes).collect();
+    let base64 = base64::engine::general_purpose::STANDARD.encode(bytes);
+    let mut request = route_request(1..5);
+    request["block_hashes"] = json!(base64);
+    let record = json!({ "decision_id": (proxy_a << 40) + 1, "endpoint": a.addr.to_string(), "request": request });
+    let report = json!({ "replica": proxy_a, "since": hello["next"], "decisions": [record], "compact_hashes": true });
+    let (status, answer) = post_sync(&r, &report, &[]).await;
+    assert_eq!(status, 200, "{answer}");
+    let hashes_seen =
+        |answer: &Value| answer["events"][0]["record"]["request"]["block_hashes"].clone();
+    let cursor = json!({ "replica": current, "since": next_current, "compact_hashes": true });
+    let (_, seen) = post_sync(&r, &cursor, &[]).await;
+    assert_eq!(hashes_seen(&seen), json!(base64), "{seen}");
+    let (_, seen) = post_sync(&r, &json!({ "replica": older, "since": next_older }), &[]).await;
+    assert_eq!(hashes_seen(&seen), json!([1, 2, 3, 4]), "{seen}");
+    // A list that is not whole hashes is refused, not half-read.
+    let mut bad = route_request(1..2);
+    bad["block_hashes"] = json!("AAAA");
+    let record = json!({ "decision_id": (proxy_a << 40) + 2, "endpoint": a.addr.to_string(), "request": bad });
+    let (status, _) = post_sync(
+        &r,
+        &json!({ "replica": proxy_a, "decisions": [record] }),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 400);
+}
+
 #[tokio::test]
 async fn route_call_decisions_and_feedback_appear_in_the_next_sync() {
     let a = FakeVllm::start(vllm_metrics(0, 0, 0.0)).await;
