@@ -263,7 +263,7 @@ pub(crate) fn salt(raw: Field<Cow<'_, str>>) -> Result<Option<String>, CanonErro
 /// such as images by their JSON, so two different images never share a hash).
 fn push_content(out: &mut Vec<u8>, content: Content<'_>) -> Result<(), CanonError> {
     match content {
-        Content::Text(text) => out.extend_from_slice(text.as_bytes()),
+        Content::Text(text) => out.extend_from_slice(&text),
         Content::Parts(parts) => {
             for part in parts {
                 let head: ContentPart<'_> = fragment(part.get(), "a content part")?;
@@ -430,6 +430,48 @@ mod tests {
         let odd = canonicalize(api, odd)
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(odd)));
         assert_eq!(odd, canonicalize(api, plain.as_bytes()).unwrap(), "{plain}");
+    }
+
+    // Content is read as bytes (serde_json's unchecked path, for speed) and checked here: what
+    // the checked read refused is still refused, with the two exceptions `check_text` names.
+    #[test]
+    fn content_read_as_bytes_is_checked_as_strings_were() {
+        let chat = |content: &[u8]| {
+            let mut body = br#"{"model":"m","messages":[{"role":"user","content":"#.to_vec();
+            body.extend_from_slice(content);
+            body.extend_from_slice(b"}]}");
+            canonicalize(ApiKind::Chat, &body)
+        };
+        // Text, escaped or not, ASCII or not, reads as its characters.
+        both(
+            ApiKind::Chat,
+            br#"{"messages":[{"role":"user","content":"\u041f\u0440\u0438 \"q\"\n\u00e9"}]}"#,
+            "{\"messages\":[{\"role\":\"user\",\"content\":\"\u{41f}\u{440}\u{438} \\\"q\\\"\\n\u{e9}\"}]}",
+        );
+        assert!(chat(br#"null"#).is_ok(), "null is no content");
+        for refused in [
+            &b"\"a\x01b\""[..],   // a raw control character
+            b"\"a\tb\"",          // even a tab
+            b"\"a\xc3\x28\"",     // not UTF-8
+            b"\"a\xc3\x28\\\"\"", // not UTF-8 beside an escape
+        ] {
+            assert!(
+                chat(refused).is_err(),
+                "{}",
+                String::from_utf8_lossy(refused)
+            );
+        }
+        // A raw surrogate beside an escape is still Python's (`python_compat`): U+FFFD.
+        let surrogate = chat(b"\"a\xed\xa0\x80b\\\"\"").unwrap();
+        assert_eq!(surrogate, chat("\"a\u{fffd}b\\\"\"".as_bytes()).unwrap());
+        // Not checked: a raw control character in a string that also has escapes (the body
+        // is invalid JSON either way; the engine refuses it).
+        assert!(chat(b"\"a\x01\\nb\"").is_ok());
+        // A wrong type fails the body at once, even with a later duplicate.
+        let mut dup = br#"{"messages":[{"role":"user","content":5,"content":"x"}]}"#.to_vec();
+        assert!(canonicalize(ApiKind::Chat, &dup).is_err());
+        dup = br#"{"messages":[{"role":"user","content":null,"content":"x"}]}"#.to_vec();
+        assert!(canonicalize(ApiKind::Chat, &dup).is_ok());
     }
 
     #[test]

@@ -289,7 +289,7 @@ fn push_parts(out: &mut Vec<u8>, content: Content<'_>) -> Result<(), CanonError>
 fn push_blocks(out: &mut Vec<u8>, content: Content<'_>) -> Result<Option<usize>, CanonError> {
     match content {
         Content::Text(text) => {
-            out.extend_from_slice(text.as_bytes());
+            out.extend_from_slice(&text);
             Ok(None)
         }
         Content::Parts(blocks) => {
