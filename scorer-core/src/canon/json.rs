@@ -172,7 +172,7 @@ impl<'de> Lenient<'de> for Content<'de> {
     /// Read as bytes, not as a string: serde_json then finds a string's end with memchr (SIMD
     /// in the filter's WebAssembly) instead of checking every byte's class a word at a time,
     /// and skips its own UTF-8 pass, which [`check_text`] does faster for the usual plain text.
-    /// In V8 a 200 KB chat body's canonicalisation took about 125 µs the other way.
+    /// A 200 KB chat body's canonicalisation in V8: 77-124 µs the other way, 39-53 this one.
     fn read<D: Deserializer<'de>>(d: D) -> Result<Field<Self>, D::Error> {
         d.deserialize_option(ContentVisitor)
     }
