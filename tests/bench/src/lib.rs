@@ -62,6 +62,9 @@ pub struct OverheadRow {
     pub prompt_bytes: usize,
     /// Median latency minus the direct median, ms.
     pub added_ms_p50: f64,
+    /// 95 % interval of `added_ms_p50` ([`median_difference_interval`] against direct's
+    /// samples); null for direct itself.
+    pub added_ms_p50_ci95: Option<[f64; 2]>,
     /// p99 latency minus the direct p99, ms.
     pub added_ms_p99: f64,
     /// Raw median latency, ms.
@@ -175,6 +178,38 @@ pub struct ControlPlaneFigures {
     pub http_latency_ms_p50: f64,
     /// HTTP latency p99, ms.
     pub http_latency_ms_p99: f64,
+}
+
+/// The 95 % interval of `median(a) - median(b)` (nearest-rank medians, as [`LoadResult::p`]),
+/// from `rounds` bootstrap resamples of each: requests drawn independently with replacement,
+/// seeded so a run's figures repeat. Whether two rows' medians of 200 sequential samples differ
+/// by more than the samples' own spread is the question issue #15's latency bars, a few
+/// hundredths of a millisecond apart, turn on. Requests sent back to back share the machine's
+/// state, so this understates the spread when the machine drifts within a block. `None` when
+/// either side has no samples.
+pub fn median_difference_interval(
+    a: &[f64],
+    b: &[f64],
+    rounds: usize,
+    seed: u64,
+) -> Option<[f64; 2]> {
+    if a.is_empty() || b.is_empty() || rounds == 0 {
+        return None;
+    }
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut median = |from: &[f64], scratch: &mut Vec<f64>| {
+        scratch.clear();
+        scratch.extend((0..from.len()).map(|_| from[rng.random_range(0..from.len())]));
+        let rank = (scratch.len() as f64 / 2.0).ceil() as usize;
+        let (_, m, _) = scratch.select_nth_unstable_by(rank.max(1) - 1, f64::total_cmp);
+        *m
+    };
+    let (mut sa, mut sb) = (Vec::with_capacity(a.len()), Vec::with_capacity(b.len()));
+    let mut diffs: Vec<f64> = (0..rounds)
+        .map(|_| median(a, &mut sa) - median(b, &mut sb))
+        .collect();
+    diffs.sort_unstable_by(f64::total_cmp);
+    Some([percentile(&diffs, 2.5), percentile(&diffs, 97.5)])
 }
 
 /// A chat-completions body of about `bytes` bytes of prompt; `seed` varies the text.
@@ -838,6 +873,21 @@ mod tests {
                 .iter()
                 .any(|c| c.block_hashes[0] == m0.block_hashes[0])
         );
+    }
+
+    #[test]
+    fn a_median_difference_interval_holds_the_shift_and_only_it() {
+        let base: Vec<f64> = (0..200).map(|i| 1.0 + f64::from(i % 17) * 0.01).collect();
+        let shifted: Vec<f64> = base.iter().map(|v| v + 0.1).collect();
+        let [lo, hi] = median_difference_interval(&shifted, &base, 1_000, 1).unwrap();
+        assert!(lo <= 0.1 + 1e-9 && 0.1 - 1e-9 <= hi, "{lo}..{hi}");
+        assert!(
+            lo > 0.0,
+            "a shift of 0.1 against a spread of 0.16 is resolved: {lo}"
+        );
+        let [lo, hi] = median_difference_interval(&base, &base, 1_000, 1).unwrap();
+        assert!(lo <= 0.0 && 0.0 <= hi, "{lo}..{hi}");
+        assert_eq!(median_difference_interval(&[], &base, 10, 1), None);
     }
 
     #[test]

@@ -275,12 +275,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut overhead = Vec::new();
     let mut crowded = Vec::new();
     let mut local_decision_fraction = None;
+    let mut latency_bars = Vec::new();
     let mut quality = Vec::new();
     if !args.micro_only {
         let measured = overhead_section(&args, &tools, &mut skipped).await?;
         overhead = measured.rows;
         crowded = measured.crowded;
         local_decision_fraction = measured.local_decision_fraction;
+        latency_bars = measured.latency_bars;
         if let Some(v8) = measured.v8 {
             filter.v8_mb_per_s_16k = v8.mb_per_s_16k;
             filter.v8_mb_per_s_200k = v8.mb_per_s_200k;
@@ -366,12 +368,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .and_then(|r| r.max_rps)
             .unwrap_or(0.0);
         println!(
-            "{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>14}{:>11}{:>12}{:>6}",
+            "{:<21}{:>9}{:>9}{:>9}{:>9}{:>13}{:>9}{:>9}{:>14}{:>11}{:>12}{:>6}",
             "router",
             "prompt",
             "p50 ms",
             "p99 ms",
             "+p50",
+            "+p50 95%",
             "+p99",
             "max rps",
             "rps/Envoy RR",
@@ -382,12 +385,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0}"));
         for r in &overhead {
             println!(
-                "{:<21}{:>9}{:>9.2}{:>9.2}{:>9.2}{:>9.2}{:>9}{:>14}{:>11}{:>12}{:>6}",
+                "{:<21}{:>9}{:>9.2}{:>9.2}{:>9.2}{:>13}{:>9.2}{:>9}{:>14}{:>11}{:>12}{:>6}",
                 r.router,
                 r.prompt_bytes,
                 r.latency_ms_p50,
                 r.latency_ms_p99,
                 r.added_ms_p50,
+                r.added_ms_p50_ci95
+                    .map_or("-".into(), |[lo, hi]| format!("{lo:.2}..{hi:.2}")),
                 r.added_ms_p99,
                 r.max_rps.map_or("-".into(), |v| format!("{v:.0}")),
                 r.max_rps
@@ -405,6 +410,21 @@ async fn run(args: Args) -> anyhow::Result<()> {
             println!(
                 "kvroute-local: {:.1}% of routed requests decided in the proxy (no route call)",
                 100.0 * fraction
+            );
+        }
+        for b in &latency_bars {
+            let interval = b.ci95.map_or(String::new(), |[lo, hi]| {
+                format!(" (95% interval {lo:+.2}..{hi:+.2})")
+            });
+            let verdict = match b.ci95 {
+                Some([_, hi]) if hi <= b.bar_ms => "met",
+                Some([lo, _]) if lo > b.bar_ms => "missed",
+                _ if b.ms <= b.bar_ms => "met (the bar is inside the interval)",
+                _ => "missed (the bar is inside the interval)",
+            };
+            println!(
+                "issue #15 bar at {} B: kvroute-local minus {} p50 {:+.2} ms{interval}, at most {:+.2}: {verdict}",
+                b.prompt_bytes, b.against, b.ms, b.bar_ms
             );
         }
         write_overhead_chart(&out_dir, &overhead)?;
@@ -451,6 +471,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "overhead": overhead,
         "crowded": crowded,
         "local_decision_fraction": local_decision_fraction,
+        "latency_bars": latency_bars,
         "quality": quality,
         "scale": scale.rows,
         "scale_parse": scale.parse,
@@ -707,6 +728,27 @@ struct Overhead {
     v8: Option<V8Figures>,
     /// Of the requests the `kvroute-local` row routed, the share its VMs decided locally.
     local_decision_fraction: Option<f64>,
+    /// The local path's p50 against plain Envoy's and the peers' behind Envoy: what issue
+    /// #15's latency bars compare.
+    latency_bars: Vec<LatencyBar>,
+}
+
+/// Resamples behind each latency interval ([`bench::median_difference_interval`]).
+const BOOTSTRAP_ROUNDS: usize = 2_000;
+
+/// One of issue #15's latency bars in this run: `kvroute-local`'s p50 minus `against`'s at one
+/// prompt size, with its 95 % interval; the bar is met when that is at most `bar_ms`.
+#[derive(Debug, Clone, serde::Serialize)]
+struct LatencyBar {
+    prompt_bytes: usize,
+    /// The row compared with (`round-robin` is plain Envoy).
+    against: String,
+    /// `kvroute-local`'s p50 minus `against`'s, ms.
+    ms: f64,
+    /// Its 95 % interval (bootstrap over both rows' samples).
+    ci95: Option<[f64; 2]>,
+    /// The most the bar allows, ms.
+    bar_ms: f64,
 }
 
 async fn overhead_section(
@@ -851,6 +893,7 @@ async fn overhead_section(
         }
     }
     let mut rows = Vec::new();
+    let mut latency_bars = Vec::new();
     for &size in &SIZES {
         let bodies = Arc::new(
             (0..32)
@@ -870,11 +913,56 @@ async fn overhead_section(
         } else {
             vec![None; targets.len()]
         };
+        // Direct is the first target: every row's interval is taken against its samples.
+        let direct_samples = sequential
+            .first()
+            .map(|d| d.latencies_ms.clone())
+            .unwrap_or_default();
+        let sample_of = |label: &str| {
+            targets
+                .iter()
+                .position(|t| t.label == label)
+                .map(|i| sequential[i].latencies_ms.clone())
+        };
+        // Issue #15's latency bars: over plain Envoy at most 0.10 ms at 1 and 16 KB, and below
+        // both peers behind Envoy at every size.
+        let against: &[(&str, f64)] = if size < SIZES[SIZES.len() - 1] {
+            &[
+                ("round-robin", 0.10),
+                ("envoy+sglang-router", 0.0),
+                ("envoy+vllm-router", 0.0),
+            ]
+        } else {
+            &[("envoy+sglang-router", 0.0), ("envoy+vllm-router", 0.0)]
+        };
+        if let Some(local) = sample_of(LOCAL) {
+            for &(other, bar_ms) in against {
+                let Some(theirs) = sample_of(other) else {
+                    continue;
+                };
+                let p50 = |v: &[f64]| kvroute_harness::loadgen::percentile(v, 50.0);
+                latency_bars.push(LatencyBar {
+                    prompt_bytes: size,
+                    against: other.to_string(),
+                    ms: p50(&local) - p50(&theirs),
+                    ci95: bench::median_difference_interval(&local, &theirs, BOOTSTRAP_ROUNDS, 7),
+                    bar_ms,
+                });
+            }
+        }
         for ((t, seq), load) in targets.iter().zip(sequential).zip(loads) {
             let (p50, p99) = (seq.p(50.0), seq.p(99.0));
-            if t.label == "direct" {
+            let added_ms_p50_ci95 = if t.label == "direct" {
                 direct = (p50, p99);
-            }
+                None
+            } else {
+                bench::median_difference_interval(
+                    &seq.latencies_ms,
+                    &direct_samples,
+                    BOOTSTRAP_ROUNDS,
+                    7,
+                )
+            };
             let mut errors = seq.errors;
             let (mut envoy_cpu, mut router_cpu) = (None, None);
             let max_rps = load.map(|load| {
@@ -891,6 +979,7 @@ async fn overhead_section(
                 router: t.label.clone(),
                 prompt_bytes: size,
                 added_ms_p50: p50 - direct.0,
+                added_ms_p50_ci95,
                 added_ms_p99: p99 - direct.1,
                 latency_ms_p50: p50,
                 latency_ms_p99: p99,
@@ -970,6 +1059,7 @@ async fn overhead_section(
         crowded,
         v8,
         local_decision_fraction,
+        latency_bars,
     })
 }
 
