@@ -82,6 +82,9 @@ pub struct RootState {
     /// The reports of the outstanding sync call, put back if it never reaches a control plane
     /// (one killed, or unreachable, while another would have answered the next tick).
     unacked: Option<SyncRequest>,
+    /// The outstanding sync call carried its hash lists in base64: a 400 for it may be an
+    /// older control-plane replica that cannot read them, so its reports go out again.
+    unacked_compact: bool,
     /// The latest [`RECENT_RESPONSES`] response ids this VM saw answered, with their replica.
     recent_responses: VecDeque<(String, String)>,
     /// An outcome naming a stored response waits for the next call: the host keeps the tick
@@ -142,6 +145,7 @@ impl RootState {
             stats: Stats::default(),
             local,
             unacked: None,
+            unacked_compact: false,
             recent_responses: VecDeque::new(),
             urgent: false,
             withdrawn: Vec::new(),
@@ -293,10 +297,13 @@ impl RootState {
     pub fn on_sync_response(&mut self, status: Option<u16>, body: &[u8], now_ms: u64) -> bool {
         self.feedback_in_flight_since_ms = None;
         let unacked = self.unacked.take();
-        if status.is_none_or(|s| s >= 500) {
+        let compact = std::mem::take(&mut self.unacked_compact);
+        if status.is_none_or(|s| s >= 500 || (compact && s == 400)) {
             // Not processed (no answer, or the control plane or the path to it failed): the
             // reports go out again with the next tick, to whichever replica answers it. A 4xx
-            // is the control plane refusing them, so they are not retried.
+            // is the control plane refusing them, so they are not retried, unless it is a 400
+            // for base64 hash lists, which an older replica in a rolling upgrade cannot read:
+            // the next call writes them as arrays.
             self.requeue(unacked);
         }
         let answer = status
@@ -445,10 +452,12 @@ impl RootState {
             // Every tick: the copy pulls what others did even when it has nothing to report.
             let request = local.sync_request();
             let outcomes = request.outcomes.len();
-            return match scorer_core::sync::to_json(&request, local.peer_reads_compact()) {
+            let compact = local.peer_reads_compact();
+            return match scorer_core::sync::to_json(&request, compact) {
                 Ok(body) => {
                     self.urgent = false;
                     self.unacked = Some(request);
+                    self.unacked_compact = compact;
                     self.feedback_in_flight_since_ms = Some(now_ms);
                     Some(FeedbackCall {
                         path: SYNC_PATH,
@@ -936,6 +945,21 @@ mod tests {
             assert!(!root.on_sync_response(Some(503), b"", 12));
             let plain = sent(&mut root, 20);
             assert!(plain.contains(r#""block_hashes":[1,2,3]"#), "{plain}");
+            // An older replica refuses base64 with a 400: the reports go again, as arrays.
+            let answer = serve_sync(&mut cp.0, &mut cp.1, SyncRequest::default(), 22);
+            let body = scorer_core::sync::to_json(&answer, true).unwrap();
+            assert!(root.on_sync_response(Some(200), &body, 22));
+            let refused = sent(&mut root, 30);
+            assert!(refused.contains(r#""block_hashes":""#), "{refused}");
+            assert!(!root.on_sync_response(Some(400), b"", 32));
+            let call = root.on_tick(40).unwrap();
+            let again: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+            assert_eq!(again.decisions.len(), 1, "the refused decision goes again");
+            assert!(
+                String::from_utf8(call.body)
+                    .unwrap()
+                    .contains(r#""block_hashes":[1,2,3]"#)
+            );
         }
 
         // A copy that has not synced for `max_state_age_ms` is not trusted.
