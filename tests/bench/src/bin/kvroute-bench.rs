@@ -913,17 +913,14 @@ async fn overhead_section(
         } else {
             vec![None; targets.len()]
         };
-        // Direct is the first target: every row's interval is taken against its samples.
-        let direct_samples = sequential
-            .first()
-            .map(|d| d.latencies_ms.clone())
-            .unwrap_or_default();
         let sample_of = |label: &str| {
             targets
                 .iter()
                 .position(|t| t.label == label)
                 .map(|i| sequential[i].latencies_ms.clone())
         };
+        // Every row's interval is taken against direct's samples.
+        let direct_samples = sample_of("direct").unwrap_or_default();
         // Issue #15's latency bars: over plain Envoy at most 0.10 ms at 1 and 16 KB, and below
         // both peers behind Envoy at every size.
         let against: &[(&str, f64)] = if size < SIZES[SIZES.len() - 1] {
