@@ -913,14 +913,14 @@ async fn overhead_section(
         } else {
             vec![None; targets.len()]
         };
-        let sample_of = |label: &str| {
+        let row = |label: &str| {
             targets
                 .iter()
                 .position(|t| t.label == label)
-                .map(|i| sequential[i].latencies_ms.clone())
+                .map(|i| &sequential[i])
         };
         // Every row's interval is taken against direct's samples.
-        let direct_samples = sample_of("direct").unwrap_or_default();
+        let direct_samples: &[f64] = row("direct").map_or(&[], |d| &d.latencies_ms);
         // Issue #15's latency bars: over plain Envoy at most 0.10 ms at 1 and 16 KB, and below
         // both peers behind Envoy at every size.
         let against: &[(&str, f64)] = if size < SIZES[SIZES.len() - 1] {
@@ -932,22 +932,26 @@ async fn overhead_section(
         } else {
             &[("envoy+sglang-router", 0.0), ("envoy+vllm-router", 0.0)]
         };
-        if let Some(local) = sample_of(LOCAL) {
+        if let Some(local) = row(LOCAL) {
             for &(other, bar_ms) in against {
-                let Some(theirs) = sample_of(other) else {
+                let Some(theirs) = row(other) else {
                     continue;
                 };
-                let p50 = |v: &[f64]| kvroute_harness::loadgen::percentile(v, 50.0);
                 latency_bars.push(LatencyBar {
                     prompt_bytes: size,
                     against: other.to_string(),
-                    ms: p50(&local) - p50(&theirs),
-                    ci95: bench::median_difference_interval(&local, &theirs, BOOTSTRAP_ROUNDS, 7),
+                    ms: local.p(50.0) - theirs.p(50.0),
+                    ci95: bench::median_difference_interval(
+                        &local.latencies_ms,
+                        &theirs.latencies_ms,
+                        BOOTSTRAP_ROUNDS,
+                        7,
+                    ),
                     bar_ms,
                 });
             }
         }
-        for ((t, seq), load) in targets.iter().zip(sequential).zip(loads) {
+        for ((t, seq), load) in targets.iter().zip(&sequential).zip(loads) {
             let (p50, p99) = (seq.p(50.0), seq.p(99.0));
             let added_ms_p50_ci95 = if t.label == "direct" {
                 direct = (p50, p99);
@@ -955,7 +959,7 @@ async fn overhead_section(
             } else {
                 bench::median_difference_interval(
                     &seq.latencies_ms,
-                    &direct_samples,
+                    direct_samples,
                     BOOTSTRAP_ROUNDS,
                     7,
                 )
