@@ -8,10 +8,10 @@
 //! costs about what it did (serde_json scans the string it writes).
 //!
 //! Readers take either form, so a message from an older writer still reads. Writers use the
-//! array unless told otherwise: [`compact`] switches the lists serialised inside it to base64,
-//! and the sync exchange uses it only towards a peer that said it reads them
-//! (`SyncRequest::compact_hashes`, `SyncResponse::compact_hashes`). Route calls, feedback and
-//! the replicas' shared stream keep the array.
+//! array unless told otherwise: [`crate::sync::to_json`] writes a sync message with its lists in
+//! base64 towards a peer that said it reads them (`SyncRequest::compact_hashes`,
+//! `SyncResponse::compact_hashes`). Route calls, feedback and the replicas' shared stream keep
+//! the array.
 
 use std::cell::Cell;
 use std::fmt;
@@ -28,8 +28,9 @@ thread_local! {
 
 /// Runs `serialise` with every block-hash list written as one base64 string. Serialisation is
 /// synchronous, so the switch covers exactly the messages built inside; it is restored on the
-/// way out, also by a panic.
-pub fn compact<R>(serialise: impl FnOnce() -> R) -> R {
+/// way out, also by a panic. Callers outside go through `sync::to_json`, the one place that
+/// decides when a peer gets base64.
+pub(crate) fn compact<R>(serialise: impl FnOnce() -> R) -> R {
     struct Restore(bool);
     impl Drop for Restore {
         fn drop(&mut self) {
