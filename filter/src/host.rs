@@ -185,6 +185,14 @@ fn call_status(num_headers: usize) -> Option<u16> {
     }
 }
 
+/// The stream's response code (Envoy's `response.code` property, an int64 in the host's byte
+/// order), when one was sent.
+fn response_code() -> Option<u16> {
+    let bytes = hostcalls::get_property(vec!["response", "code"]).ok()??;
+    let code = i64::from_le_bytes(bytes.as_slice().try_into().ok()?);
+    u16::try_from(code).ok().filter(|c| *c > 0)
+}
+
 fn status_of(map: MapType) -> Option<u16> {
     let value = hostcalls::get_map_value_bytes(map, ":status").ok()??;
     std::str::from_utf8(&value).ok()?.trim().parse().ok()
@@ -442,6 +450,20 @@ impl Request {
 
     fn finish(&mut self) {
         let now = now_ms();
+        if let Some(machine) = self.machine.as_mut() {
+            let wants = machine.wants_response_info();
+            // Envoy's stream info outlives the filter's callbacks, so both are readable in
+            // `on_done` and `on_log`: the final response code (a local reply's too) and the
+            // host of the last attempt.
+            let status = wants.status.then(response_code).flatten();
+            let upstream = wants
+                .upstream
+                .then(|| hostcalls::get_property(vec!["upstream", "address"]).ok())
+                .flatten()
+                .flatten()
+                .and_then(|b| String::from_utf8(b).ok());
+            machine.on_response_headers(status, upstream.as_deref());
+        }
         let Some(outcome) = self.machine.as_mut().and_then(|m| m.on_done(now)) else {
             return;
         };
@@ -561,13 +583,11 @@ impl HttpContext for Request {
                 warn!("kvroute: cannot set the explain header: {status:?}");
             }
         }
-        if machine.wants_response_body() {
-            let status = status_of(MapType::HttpResponseHeaders);
-            let upstream = hostcalls::get_property(vec!["upstream", "address"])
-                .ok()
-                .flatten()
-                .and_then(|b| String::from_utf8(b).ok());
-            machine.on_response_headers(status, upstream.as_deref());
+        // Only a streamed response's first chunk needs the status now; the rest is read once
+        // the client has the response (`finish`): each host call that returns data costs a
+        // V8 allocation callback, on the response's path if made here.
+        if machine.wants_status_early() {
+            machine.on_response_headers(status_of(MapType::HttpResponseHeaders), None);
         }
         HostAction::Continue
     }

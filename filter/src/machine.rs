@@ -934,7 +934,26 @@ impl RequestMachine {
         Step::go(effects)
     }
 
-    /// Response headers from upstream; `upstream` is the `ip:port` that served, when known.
+    /// Whether the host must read the status with the response headers: only a streamed
+    /// response's first chunk needs it (to report its first token). Everything else about the
+    /// response is read once the client has it ([`RequestMachine::wants_response_info`]), off
+    /// the response's path.
+    pub fn wants_status_early(&self) -> bool {
+        self.wants_response_body() && self.streamed && self.status == 0
+    }
+
+    /// Whether the host should read the response's status and upstream address before
+    /// [`RequestMachine::on_done`]: a routed request not yet finished. `status` is false when
+    /// the status is already known.
+    pub fn wants_response_info(&self) -> ResponseInfo {
+        ResponseInfo {
+            upstream: self.wants_response_body(),
+            status: self.wants_response_body() && self.status == 0,
+        }
+    }
+
+    /// The response's status and the `ip:port` that served, when known (read with the headers
+    /// or once the stream is done).
     pub fn on_response_headers(&mut self, status: Option<u16>, upstream: Option<&str>) {
         if let Some(status) = status {
             self.status = status;
@@ -1013,6 +1032,15 @@ impl RequestMachine {
             decision_tag: routed.decision_tag,
         })
     }
+}
+
+/// What [`RequestMachine::wants_response_info`] asks the host to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResponseInfo {
+    /// The upstream address that served.
+    pub upstream: bool,
+    /// The response's status code.
+    pub status: bool,
 }
 
 /// A `load` route's request: the body's `model` and its size in tokens, no prefix.
@@ -1542,6 +1570,58 @@ mod tests {
         );
         assert_eq!(streamed(false, 200), None);
         assert_eq!(streamed(true, 500), None);
+    }
+
+    // The host reads the status with the response headers only for a streamed response (its
+    // first chunk needs it); the status and upstream of any routed request are asked for once
+    // more before the outcome, and nothing after it.
+    #[test]
+    fn the_status_is_read_early_only_for_a_streamed_response() {
+        let routed = |stream: bool| {
+            let mut m = machine();
+            let body = serde_json::to_vec(&serde_json::json!({
+                "model": "m", "stream": stream,
+                "messages": [{"role": "user", "content": "hello"}]
+            }))
+            .unwrap();
+            to_dispatch(&mut m, &[], &body);
+            m.on_route_response(Some(200), &answer(&["10.0.0.1:8000"]), 103);
+            m
+        };
+        let both = ResponseInfo {
+            upstream: true,
+            status: true,
+        };
+        let mut buffered = routed(false);
+        assert!(!buffered.wants_status_early());
+        assert_eq!(buffered.wants_response_info(), both);
+        buffered.on_response_headers(Some(503), Some("10.0.0.2:8000"));
+        let outcome = buffered.on_done(150).unwrap();
+        assert_eq!(
+            (outcome.status, outcome.endpoint.as_str()),
+            (503, "10.0.0.2:8000")
+        );
+        assert_eq!(
+            buffered.wants_response_info(),
+            ResponseInfo {
+                upstream: false,
+                status: false
+            },
+            "nothing to read once finished"
+        );
+
+        let mut streamed = routed(true);
+        assert!(streamed.wants_status_early());
+        streamed.on_response_headers(Some(200), None);
+        assert!(!streamed.wants_status_early());
+        assert_eq!(
+            streamed.wants_response_info(),
+            ResponseInfo {
+                upstream: true,
+                status: false
+            },
+            "the status is known"
+        );
     }
 
     #[test]

@@ -159,3 +159,54 @@ async fn slo_gauges_follow_the_load() {
     })
     .await;
 }
+
+// A buffered (non-streamed) answer's status is read once the client has it, from Envoy's
+// `response.code`, not from the response headers: its outcome still says what the client got.
+// Refused requests (vLLM's 400 for `n` > 1) are reported as refusals and leave the SLO window
+// alone; answered ones are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_answers_report_the_status_the_client_got() {
+    common::bounded(TEST_TIMEOUT, async {
+        let fleet = common::start_configured("e2e-slo-buffered", 2, MODEL, |cfg| {
+            cfg.plugin_config = json!({"feedback_interval_ms": 100});
+            cfg.control_plane_extra = json!({
+                "slo": {"ttft_ms": 1000, "itl_ms": 200, "window_ms": 600_000}
+            });
+        })
+        .await;
+        let buffered = |seed: u64, n: u32| {
+            json!({
+                "model": MODEL,
+                "messages": [{"role": "user", "content": common::words(seed, 20)}],
+                "max_tokens": 4,
+                "n": n,
+            })
+        };
+        for i in 0..3 {
+            let resp = common::post_chat(
+                fleet.client(),
+                &fleet.url(),
+                &buffered(i, 2),
+                &[],
+                REQUEST_TIMEOUT,
+                &fleet,
+            )
+            .await;
+            assert_eq!(resp.status, 400, "{}", resp.body);
+        }
+        for i in 0..5 {
+            chat(&fleet, buffered(10 + i, 1)).await;
+        }
+        wait_samples(&fleet, 5.0).await;
+        // Every report is in by now (the refusals went first); another tick adds nothing.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let text = metrics(&fleet).await;
+        let samples = gauge(
+            &text,
+            "kvroute_slo_samples",
+            "pool=\"default\",kind=\"ttft\"",
+        );
+        assert_eq!(samples, Some(5.0), "{text}");
+    })
+    .await;
+}

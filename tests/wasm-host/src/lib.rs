@@ -537,8 +537,20 @@ fn link(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
         "proxy_get_property",
         |mut c, pptr, plen, ret_ptr, ret_size| {
             let path = read(&mut c, pptr, plen)?;
-            let Some(value) = c.data().properties.get(&path).cloned() else {
-                return Ok(status::NOT_FOUND);
+            let value = match c.data().properties.get(&path).cloned() {
+                Some(value) => value,
+                // As Envoy: the active stream's response code, an int64 in host byte order,
+                // once response headers were sent.
+                None if path == b"response\0code" => {
+                    let Some(code) = c.data_mut().stream().and_then(|s| {
+                        let (_, v) = s.response_headers.iter().find(|(k, _)| k == ":status")?;
+                        std::str::from_utf8(v).ok()?.parse::<i64>().ok()
+                    }) else {
+                        return Ok(status::NOT_FOUND);
+                    };
+                    code.to_le_bytes().to_vec()
+                }
+                None => return Ok(status::NOT_FOUND),
             };
             answer_bytes(&mut c, &value, ret_ptr, ret_size)
         }
