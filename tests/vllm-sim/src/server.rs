@@ -2,7 +2,8 @@
 //!
 //! A driver task runs the engine in scaled wall time: simulated time advances `speed` seconds
 //! per wall second. Busy, it runs steps back to back in simulated time and sleeps until each
-//! step's end (so sleep overshoot never accumulates); idle, it waits on a [`Notify`] and costs
+//! step's end (so sleep overshoot never accumulates; a step ending within a timer tick is not
+//! slept on); idle, it waits on a [`Notify`] and costs
 //! nothing, so many replicas share a small machine.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE streaming),
@@ -777,7 +778,7 @@ async fn drive(s: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
         }
         empty_steps = 0;
         let deadline = s.clock.instant_at(out.end_s);
-        if deadline > Instant::now() {
+        if deadline > Instant::now() + TIMER_RESOLUTION {
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline.into()) => {}
                 _ = shutdown.wait_for(|s| *s) => return,
@@ -792,6 +793,13 @@ async fn drive(s: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
         deliver(&s, out.end_s, out.events);
     }
 }
+
+/// tokio's timers tick in milliseconds: a sleep of a few microseconds lasts about a whole
+/// millisecond, so a step of the `fast` profile (20 µs) answered either at once (when its end
+/// had passed by the check) or a millisecond later, and an upstream measured through it read
+/// 0.3 or 1.3 ms by chance. A step ending less than this far ahead is not slept on: its
+/// events go out at once, at most this early, and the simulated clock keeps its own time.
+const TIMER_RESOLUTION: Duration = Duration::from_millis(1);
 
 /// Wall-clock Unix time, seconds (KV event batch timestamps, `lora_requests_info`).
 fn unix_now_s() -> f64 {
