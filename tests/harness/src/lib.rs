@@ -146,7 +146,8 @@ pub fn workspace_root() -> PathBuf {
 }
 
 /// The cargo profile directory of the running executable, e.g. `target/debug` for a test
-/// (`target/debug/deps/e2e-…`) and `target/release` for `kvroute-demo`.
+/// (`target/debug/deps/e2e-…`) and `target/release` for `kvroute-demo` or an example
+/// (`target/release/examples/…`).
 pub fn profile_dir() -> PathBuf {
     let fallback = || workspace_root().join("target").join("debug");
     let Ok(exe) = std::env::current_exe() else {
@@ -155,7 +156,11 @@ pub fn profile_dir() -> PathBuf {
     let Some(mut dir) = exe.parent().map(Path::to_path_buf) else {
         return fallback();
     };
-    if dir.file_name().is_some_and(|n| n == "deps") {
+    // Tests run from `<profile>/deps`, examples from `<profile>/examples`.
+    if dir
+        .file_name()
+        .is_some_and(|n| n == "deps" || n == "examples")
+    {
         dir.pop();
     }
     dir
