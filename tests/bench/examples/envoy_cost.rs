@@ -5,11 +5,15 @@
 //! local`); and a path kvroute's filter passes through (`POST /tokenize`).
 //!
 //! `cargo run --release -p kvroute-bench --example envoy_cost -- [rounds] [seconds] [label]
-//! [path] [workers]` after `make wasm build`. Prints Envoy's CPU µs per served request and req/s
-//! per variant. `workers` is Envoy's worker count (2): with `decision: local` each worker's VM
-//! applies every other VM's decisions, so the local path's CPU per request grows with it.
-//! `label` and `path` keep only the variants whose label contains `label`, on `path` (to run
-//! `perf record -p <Envoy pid>` beside one: the pid is printed on stderr).
+//! [path] [workers] [stream_tokens]` after `make wasm build`. Prints Envoy's CPU µs per served
+//! request and req/s per variant. `workers` is Envoy's worker count (2): with `decision: local`
+//! each worker's VM applies every other VM's decisions, so the local path's CPU per request
+//! grows with it. `label` and `path` keep only the variants whose label contains `label`, on
+//! `path` (to run `perf record -p <Envoy pid>` beside one: the pid is printed on stderr).
+//! `stream_tokens` above 0 streams that many tokens per request from a replica slowed fifty
+//! times (`--speed 0.02`: a token every millisecond or two), so each token is its own body
+//! chunk in Envoy, as a real engine's are: what a filter pays per chunk. With `KVROUTE_WASM_ALT` naming another
+//! build of the filter, it runs as one more variant in the same rounds.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,11 +38,12 @@ async fn main() -> anyhow::Result<()> {
     let only = args.next().unwrap_or_default();
     let only_path = args.next().filter(|p| !p.is_empty());
     let workers: u32 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(2);
+    let stream_tokens: u32 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(0);
     let tools = Tools::locate().context("envoy_cost needs the harness's tools")?;
     let empty = bench::empty_wasm_edit(&tools.wasm)
         .map_err(|p| anyhow::anyhow!("{} not built (make wasm)", p.display()))?;
     let disable = (DISABLE_WASM.0.to_string(), DISABLE_WASM.1.to_string());
-    let variants = [
+    let mut variants = vec![
         ("round-robin", RouterKind::RoundRobin, None),
         (
             "kvroute config, wasm off",
@@ -48,6 +53,16 @@ async fn main() -> anyhow::Result<()> {
         ("empty wasm filter", RouterKind::Kvroute, Some(empty)),
         ("kvroute local", RouterKind::Kvroute, None),
     ];
+    if let Some(alt) = std::env::var_os("KVROUTE_WASM_ALT") {
+        let alt = std::path::PathBuf::from(alt);
+        anyhow::ensure!(
+            alt.is_file(),
+            "KVROUTE_WASM_ALT: {} is not a file",
+            alt.display()
+        );
+        let edit = (tools.wasm.display().to_string(), alt.display().to_string());
+        variants.push(("kvroute local, alt", RouterKind::Kvroute, Some(edit)));
+    }
     let mut fleets = Vec::new();
     for (label, router, edit) in variants {
         if !label.contains(only.as_str()) {
@@ -61,11 +76,15 @@ async fn main() -> anyhow::Result<()> {
         cfg.envoy_edits = edit.into_iter().collect();
         cfg.plugin_config = json!({"decision": "local"});
         cfg.sim_args = bench::overhead_sim_args();
+        if stream_tokens > 0 {
+            cfg.sim_args
+                .extend(["--speed".to_string(), "0.02".to_string()]);
+        }
         fleets.push((label, Fleet::start(cfg, &tools).await?));
     }
     let bodies = Arc::new(
         (0..32)
-            .map(|s| bench::chat_body(1_024, s, 1, false))
+            .map(|s| bench::chat_body(1_024, s, stream_tokens.max(1), stream_tokens > 0))
             .collect::<Vec<_>>(),
     );
     for round in 0..rounds {
