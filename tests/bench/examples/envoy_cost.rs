@@ -10,6 +10,8 @@
 //! each worker's VM applies every other VM's decisions, so the local path's CPU per request
 //! grows with it. `label` and `path` keep only the variants whose label contains `label`, on
 //! `path` (to run `perf record -p <Envoy pid>` beside one: the pid is printed on stderr).
+//! `path` `idle` sends nothing and prints each Envoy's CPU over `seconds` as a share of a core
+//! (with `decision: local` each worker syncs every 25 ms whether or not requests come).
 //! `stream_tokens` above 0 streams that many tokens per request from a replica slowed fifty
 //! times (`--speed 0.02`: a token every millisecond or two), so each token is its own body
 //! chunk in Envoy, as a real engine's are: what a filter pays per chunk. With `KVROUTE_WASM_ALT` naming another
@@ -87,6 +89,23 @@ async fn main() -> anyhow::Result<()> {
             .map(|s| bench::chat_body(1_024, s, stream_tokens.max(1), stream_tokens > 0))
             .collect::<Vec<_>>(),
     );
+    if only_path.as_deref() == Some("idle") {
+        // No traffic: what each Envoy spends on its own (with `decision: local`, each worker's
+        // sync every `sync_interval_ms`).
+        for round in 0..rounds {
+            for (label, fleet) in &fleets {
+                let pid = fleet.envoy.process().pid();
+                let before = bench::scale::cpu_seconds(pid)?;
+                tokio::time::sleep(Duration::from_secs(seconds)).await;
+                let used = bench::scale::cpu_seconds(pid)? - before;
+                println!(
+                    "round {round} idle {label:<26} Envoy {:>5.2} % of a core",
+                    used * 100.0 / seconds as f64
+                );
+            }
+        }
+        return Ok(());
+    }
     for round in 0..rounds {
         for path in ["/v1/chat/completions", "/tokenize"] {
             if only_path.as_deref().is_some_and(|p| p != path) {
