@@ -42,29 +42,16 @@ async fn main() -> anyhow::Result<()> {
     let workers: u32 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(2);
     let stream_tokens: u32 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(0);
     let tools = Tools::locate().context("envoy_cost needs the harness's tools")?;
-    let empty = bench::empty_wasm_edit(&tools.wasm)
-        .map_err(|p| anyhow::anyhow!("{} not built (make wasm)", p.display()))?;
     let disable = (DISABLE_WASM.0.to_string(), DISABLE_WASM.1.to_string());
-    let mut variants = vec![
-        ("round-robin", RouterKind::RoundRobin, None),
+    let mut variants = bench::envoy_variants(&tools.wasm)?;
+    variants.insert(
+        1,
         (
             "kvroute config, wasm off",
             RouterKind::Kvroute,
             Some(disable),
         ),
-        ("empty wasm filter", RouterKind::Kvroute, Some(empty)),
-        ("kvroute local", RouterKind::Kvroute, None),
-    ];
-    if let Some(alt) = std::env::var_os("KVROUTE_WASM_ALT") {
-        let alt = std::path::PathBuf::from(alt);
-        anyhow::ensure!(
-            alt.is_file(),
-            "KVROUTE_WASM_ALT: {} is not a file",
-            alt.display()
-        );
-        let edit = (tools.wasm.display().to_string(), alt.display().to_string());
-        variants.push(("kvroute local, alt", RouterKind::Kvroute, Some(edit)));
-    }
+    );
     let mut fleets = Vec::new();
     for (label, router, edit) in variants {
         if !label.contains(only.as_str()) {

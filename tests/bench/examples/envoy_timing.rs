@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use kvroute_bench as bench;
-use kvroute_harness::{Fleet, FleetConfig, RouterKind, Tools};
+use kvroute_harness::{Fleet, FleetConfig, Tools};
 use serde_json::json;
 
 /// The stamps logged, each as ns from the request's first byte (`DS_RX_BEG`), in this order.
@@ -72,26 +72,9 @@ async fn main() -> anyhow::Result<()> {
         sizes = vec![1_024, 16_384];
     }
     let tools = Tools::locate().context("envoy_timing needs the harness's tools")?;
-    let empty = bench::empty_wasm_edit(&tools.wasm)
-        .map_err(|p| anyhow::anyhow!("{} not built (make wasm)", p.display()))?;
     let dir = std::env::temp_dir().join(format!("kvroute-envoy-timing-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let mut variants = vec![
-        ("round-robin", RouterKind::RoundRobin, None),
-        ("empty wasm filter", RouterKind::Kvroute, Some(empty)),
-        ("kvroute local", RouterKind::Kvroute, None),
-    ];
-    // A second build of the filter beside the first, to compare two builds in one run.
-    if let Some(alt) = std::env::var_os("KVROUTE_WASM_ALT") {
-        let alt = PathBuf::from(alt);
-        anyhow::ensure!(
-            alt.is_file(),
-            "KVROUTE_WASM_ALT: {} is not a file",
-            alt.display()
-        );
-        let edit = (tools.wasm.display().to_string(), alt.display().to_string());
-        variants.push(("kvroute local, alt", RouterKind::Kvroute, Some(edit)));
-    }
+    let variants = bench::envoy_variants(&tools.wasm)?;
     let mut fleets: Vec<(&str, Fleet, PathBuf)> = Vec::new();
     for (i, (label, router, edit)) in variants.into_iter().enumerate() {
         let log = dir.join(format!("access-{i}.log"));

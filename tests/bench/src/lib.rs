@@ -797,6 +797,39 @@ pub fn overhead_sim_args() -> Vec<String> {
         .to_vec()
 }
 
+/// An Envoy the examples measure side by side: its label, the router its fleet runs and the
+/// edit to kvroute's Envoy configuration, if any.
+pub type EnvoyVariant = (
+    &'static str,
+    kvroute_harness::RouterKind,
+    Option<(String, String)>,
+);
+
+/// The Envoys the examples compare, in order: plain Envoy round robin, kvroute's Envoy with the
+/// empty filter, kvroute's filter (the module at `wasm`), and, when `$KVROUTE_WASM_ALT` names
+/// another build of the filter, that build too: two builds run in the same rounds, as the
+/// machine's drift between two runs is larger than the differences they look for.
+pub fn envoy_variants(wasm: &std::path::Path) -> anyhow::Result<Vec<EnvoyVariant>> {
+    use kvroute_harness::RouterKind;
+    let empty = empty_wasm_edit(wasm)
+        .map_err(|p| anyhow::anyhow!("{} not built (make wasm)", p.display()))?;
+    let mut variants = vec![
+        ("round-robin", RouterKind::RoundRobin, None),
+        ("empty wasm filter", RouterKind::Kvroute, Some(empty)),
+        ("kvroute local", RouterKind::Kvroute, None),
+    ];
+    if let Some(alt) = std::env::var_os("KVROUTE_WASM_ALT").map(std::path::PathBuf::from) {
+        anyhow::ensure!(
+            alt.is_file(),
+            "KVROUTE_WASM_ALT: {} is not a file",
+            alt.display()
+        );
+        let edit = (wasm.display().to_string(), alt.display().to_string());
+        variants.push(("kvroute local, alt", RouterKind::Kvroute, Some(edit)));
+    }
+    Ok(variants)
+}
+
 /// File name of the proxy-wasm filter that does nothing (`tests/noop-filter`), which `make
 /// wasm` builds beside kvroute's.
 pub const EMPTY_WASM_FILE: &str = "kvroute_noop_filter.wasm";
