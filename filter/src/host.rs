@@ -85,9 +85,12 @@ impl Metrics {
 struct Shared {
     state: RootState,
     metrics: Metrics,
-    /// The tick was brought forward (to report a stored response at once); the next tick
-    /// puts the period back.
+    /// The tick was brought forward (to report a stored response at once, or to wake a
+    /// resting copy); the next tick puts the period back.
     tick_brought_forward: bool,
+    /// The tick period last set, ms ([`RootState::tick_period_ms`] changes when a copy
+    /// rests).
+    period_ms: u64,
 }
 
 /// The tick period that makes the next tick come at once.
@@ -98,13 +101,18 @@ impl Shared {
     /// belong to the root context, which receives their answers.
     fn on_tick(&mut self, now: u64) {
         let call = self.state.on_tick(now);
-        // Brought forward for a stored response: back to the period once it went out (while a
-        // previous call is still in flight, keep ticking soon).
+        // Brought forward: back to the period once the call went out (while a previous call
+        // is still in flight, keep ticking soon). A copy that starts or stops resting changes
+        // the period too.
         if self.tick_brought_forward && !self.state.urgent() {
             self.tick_brought_forward = false;
-            let period = Duration::from_millis(self.state.tick_period_ms());
-            if let Err(status) = hostcalls::set_tick_period(period) {
-                warn!("kvroute: cannot restore the tick period: {status:?}");
+            self.period_ms = 0;
+        }
+        let period_ms = self.state.tick_period_ms();
+        if !self.tick_brought_forward && period_ms != self.period_ms {
+            match hostcalls::set_tick_period(Duration::from_millis(period_ms)) {
+                Ok(()) => self.period_ms = period_ms,
+                Err(status) => warn!("kvroute: cannot set the tick period: {status:?}"),
             }
         }
         let Some(call) = call else {
@@ -288,6 +296,7 @@ impl RootContext for Root {
              decision {decision:?})"
         );
         let shared = Shared {
+            period_ms: state.tick_period_ms(),
             state,
             metrics: Metrics::define(),
             tick_brought_forward: false,
@@ -489,11 +498,15 @@ fn local_decision(
 ) -> impl FnMut(&mut RouteRequest) -> Option<RouteResponse> + '_ {
     move |request| {
         // The clock is read only when a call is prepared: a local decision needs no nonce.
-        shared
-            .as_ref()?
-            .borrow_mut()
+        let mut shared = shared.as_ref()?.borrow_mut();
+        let answer = shared
             .state
-            .decide_or_prepare(request, now, || now_ns().unwrap_or_default())
+            .decide_or_prepare(request, now, || now_ns().unwrap_or_default());
+        // A resting copy asked the control plane: it syncs at once, not a rest period later.
+        if shared.state.resting() {
+            shared.tick_now();
+        }
+        answer
     }
 }
 

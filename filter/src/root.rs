@@ -106,6 +106,18 @@ pub struct RootState {
     /// the answer can be applied to the copy at once ([`RootState::adopt`]); the oldest of
     /// more than [`MAX_AWAITED_CALLS`] are forgotten (their decisions arrive with the sync).
     awaited: VecDeque<(u64, RouteRequest)>,
+    /// When this VM last saw a request (its first tick until then): a copy nobody asked for
+    /// `max_state_age_ms` and with nothing to report stops syncing ([`RootState::on_tick`]).
+    last_request_ms: Option<u64>,
+    /// The copy slowed its syncs for want of requests, or has not synced since it woke: until
+    /// a sync is applied, requests ask the control plane, so none is decided on a copy that
+    /// stopped following the fleet closely.
+    resting: bool,
+    /// When the last sync call went out.
+    last_sync_ms: Option<u64>,
+    /// The last tick found nobody asked for `max_state_age_ms`: the host ticks once per
+    /// `max_state_age_ms` instead of every `sync_interval_ms` ([`RootState::tick_period_ms`]).
+    idle: bool,
 }
 
 /// Route calls a copy remembers the request of: more than one Envoy worker has in flight
@@ -154,6 +166,10 @@ impl RootState {
             call_seed: 0,
             calls: 0,
             control_plane_failed: false,
+            last_request_ms: None,
+            resting: false,
+            last_sync_ms: None,
+            idle: false,
         }
     }
 
@@ -216,6 +232,7 @@ impl RootState {
     /// feedback interval.
     pub fn tick_period_ms(&self) -> u64 {
         match self.config.decision {
+            DecisionMode::Local if self.idle => self.config.max_state_age_ms,
             DecisionMode::Local => self.config.sync_interval_ms,
             DecisionMode::ControlPlane => self.config.feedback_interval_ms,
         }
@@ -231,6 +248,8 @@ impl RootState {
         now_ms: u64,
         nonce: impl FnOnce() -> u64,
     ) -> Option<RouteResponse> {
+        self.last_request_ms = Some(now_ms);
+        self.idle = false;
         let answer = if request.prompt_text.is_some() {
             None
         } else {
@@ -264,7 +283,13 @@ impl RootState {
             request.previous_response_endpoint = Some(endpoint.clone());
         }
         let max_age = self.config.max_state_age_ms;
-        let local = self.local.as_mut().filter(|l| l.ready(now_ms, max_age))?;
+        // A resting copy stopped following the fleet: the control plane decides until it has
+        // synced again.
+        let resting = self.resting;
+        let local = self
+            .local
+            .as_mut()
+            .filter(|l| !resting && l.ready(now_ms, max_age))?;
         if std::mem::take(&mut self.control_plane_failed) {
             local.pause_deferral(now_ms.saturating_add(DEFERRAL_PAUSE_MS));
         }
@@ -286,6 +311,18 @@ impl RootState {
         }
         self.stats.decided_locally += 1;
         Some(decision.response)
+    }
+
+    /// Whether this VM saw a request (or started) within `max_state_age_ms` of `now_ms`.
+    fn asked_since(&self, now_ms: u64) -> bool {
+        self.last_request_ms
+            .is_none_or(|at| now_ms.saturating_sub(at) < self.config.max_state_age_ms)
+    }
+
+    /// Whether the copy rests (`decision: local`): it stopped syncing for want of requests, or
+    /// has not synced since one woke it.
+    pub fn resting(&self) -> bool {
+        self.resting
     }
 
     /// The VM's copy of the routing state, with `decision: local`.
@@ -313,6 +350,8 @@ impl RootState {
             (Some(answer), Some(local)) => {
                 local.apply(answer, now_ms);
                 self.stats.sync_applied += 1;
+                // Awake again once a request came while it rested.
+                self.resting = self.resting && !self.asked_since(now_ms);
                 true
             }
             (_, local) => {
@@ -448,14 +487,34 @@ impl RootState {
                 local.sync_failed();
             }
         }
+        // A VM's start counts as its last request: it syncs until its copy is ready.
+        self.last_request_ms.get_or_insert(now_ms);
+        let idle =
+            self.local.as_ref().is_some_and(|l| !l.has_pending()) && !self.asked_since(now_ms);
+        self.idle = idle;
+        if idle {
+            self.resting = true;
+        }
         if let Some(local) = self.local.as_mut() {
-            // Every tick: the copy pulls what others did even when it has nothing to report.
+            // Every tick the copy pulls what others did, even with nothing to report, while
+            // requests come. One nobody asked for `max_state_age_ms`, with nothing to report,
+            // rests: it syncs once every `max_state_age_ms` instead (an idle Envoy spent some
+            // 0.5 ms of CPU a sync, 2 % of a core per worker; docs/BENCHMARKS.md), enough to
+            // keep its place in the log, and the next request asks the control plane and wakes
+            // it.
+            let synced_lately = self
+                .last_sync_ms
+                .is_some_and(|at| now_ms.saturating_sub(at) < self.config.max_state_age_ms);
+            if idle && synced_lately {
+                return None;
+            }
             let request = local.sync_request();
             let outcomes = request.outcomes.len();
             let compact = local.peer_reads_compact();
             return match scorer_core::sync::to_json(&request, compact) {
                 Ok(body) => {
                     self.urgent = false;
+                    self.last_sync_ms = Some(now_ms);
                     self.unacked = Some(request);
                     self.unacked_compact = compact;
                     self.feedback_in_flight_since_ms = Some(now_ms);
@@ -970,6 +1029,98 @@ mod tests {
             tick(&mut root, &mut cp, 0);
             assert!(root.decide_locally(&mut request(), 1000).is_some());
             assert_eq!(root.decide_locally(&mut request(), 1001), None);
+        }
+
+        // A copy nobody asks rests once it has nothing to report: it syncs once a rest period
+        // instead of every tick. The next request asks the control plane (the copy stopped
+        // following the fleet closely), the tick after it syncs, and the copy decides again.
+        #[test]
+        fn an_idle_copy_rests_and_the_next_request_wakes_it() {
+            let mut root = local_root();
+            let mut cp = control_plane();
+            let rest_after = root.config().max_state_age_ms;
+            tick(&mut root, &mut cp, 0);
+            let answer = root
+                .decide_or_prepare(&mut request(), 10, || 1)
+                .expect("decided locally");
+            root.push_outcome(
+                Outcome {
+                    decision_id: answer.decision_id,
+                    endpoint: answer.endpoints[0].clone(),
+                    status: 200,
+                    ..Outcome::default()
+                },
+                20,
+            );
+            // Its reports go out, then it keeps syncing until nobody asked for `rest_after`.
+            tick(&mut root, &mut cp, 25);
+            tick(&mut root, &mut cp, 10 + rest_after - 1);
+            assert!(!root.resting());
+            assert!(root.on_tick(10 + rest_after).is_none(), "no call at rest");
+            assert!(root.resting());
+            assert_eq!(root.tick_period_ms(), rest_after, "the host ticks slower");
+            // At rest, one sync every `rest_after`: the copy keeps its place in the log.
+            let mut calls = 0;
+            let mut now = 10 + rest_after;
+            while now < 10 + 11 * rest_after {
+                now += 25;
+                if let Some(call) = root.on_tick(now) {
+                    calls += 1;
+                    let request: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+                    let answer = serve_sync(&mut cp.0, &mut cp.1, request, now);
+                    let body = scorer_core::sync::to_json(&answer, true).unwrap();
+                    assert!(root.on_sync_response(Some(200), &body, now));
+                    assert!(root.resting(), "a sync at rest does not wake it");
+                }
+            }
+            assert!(
+                (9..=10).contains(&calls),
+                "{calls} syncs in 10 rest periods"
+            );
+            // The next request goes to the control plane, and the copy syncs on the next tick.
+            let mut woken = request();
+            assert_eq!(root.decide_or_prepare(&mut woken, now + 10, || 2), None);
+            assert!(woken.call_id.is_some(), "a route call is prepared");
+            assert_eq!(root.tick_period_ms(), DEFAULT_SYNC_INTERVAL_MS);
+            tick(&mut root, &mut cp, now + 25);
+            assert!(!root.resting());
+            assert!(
+                root.decide_or_prepare(&mut request(), now + 30, || 3)
+                    .is_some()
+            );
+        }
+
+        // A resting copy still reports an outcome that arrives (a long stream ending) and
+        // stays at rest.
+        #[test]
+        fn a_resting_copy_still_reports_and_stays_at_rest() {
+            let mut root = local_root();
+            let mut cp = control_plane();
+            let rest_after = root.config().max_state_age_ms;
+            tick(&mut root, &mut cp, 0);
+            let answer = root
+                .decide_or_prepare(&mut request(), 10, || 1)
+                .expect("decided locally");
+            tick(&mut root, &mut cp, 25);
+            assert!(root.on_tick(10 + rest_after).is_none());
+            assert!(root.resting());
+            root.push_outcome(
+                Outcome {
+                    decision_id: answer.decision_id,
+                    endpoint: answer.endpoints[0].clone(),
+                    status: 200,
+                    ..Outcome::default()
+                },
+                90_000,
+            );
+            let call = root.on_tick(90_010).expect("the outcome goes out");
+            let report: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+            assert_eq!(report.outcomes.len(), 1);
+            let answer = serve_sync(&mut cp.0, &mut cp.1, report, 90_010);
+            let body = scorer_core::sync::to_json(&answer, true).unwrap();
+            assert!(root.on_sync_response(Some(200), &body, 90_010));
+            assert!(root.resting(), "no request came");
+            assert!(root.on_tick(90_035).is_none(), "synced lately");
         }
 
         // Reports of a sync that reached no control plane (a dead replica, a reset) go out

@@ -843,6 +843,14 @@ impl LocalRouter {
         }
     }
 
+    /// Whether the copy holds reports (decisions, outcomes, first tokens) the next sync call
+    /// would carry.
+    pub fn has_pending(&self) -> bool {
+        !self.pending_decisions.is_empty()
+            || !self.pending_outcomes.is_empty()
+            || !self.pending_first_tokens.is_empty()
+    }
+
     /// Whether the next sync call may carry its decisions' hash lists in base64
     /// ([`to_json`]): the last answer said the control plane reads them.
     pub fn peer_reads_compact(&self) -> bool {
