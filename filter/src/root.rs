@@ -795,12 +795,44 @@ mod tests {
         /// One tick's sync call, answered by the control plane's side of the protocol.
         fn tick(root: &mut RootState, cp: &mut (SyncLog, Router), now_ms: u64) {
             let call = root.on_tick(now_ms).expect("a sync call every tick");
+            answer_sync(root, cp, &call, now_ms);
+        }
+
+        /// `call` answered by the control plane's side of the protocol, the answer applied.
+        fn answer_sync(
+            root: &mut RootState,
+            cp: &mut (SyncLog, Router),
+            call: &FeedbackCall,
+            now_ms: u64,
+        ) -> SyncRequest {
             assert_eq!(call.path, SYNC_PATH);
             let request: SyncRequest = serde_json::from_slice(&call.body).unwrap();
             let compact = request.compact_hashes;
-            let answer = serve_sync(&mut cp.0, &mut cp.1, request, now_ms);
+            let answer = serve_sync(&mut cp.0, &mut cp.1, request.clone(), now_ms);
             let body = scorer_core::sync::to_json(&answer, compact).unwrap();
             assert!(root.on_sync_response(Some(200), &body, now_ms));
+            request
+        }
+
+        /// A served outcome of `answer`'s decision.
+        fn served(answer: &RouteResponse) -> Outcome {
+            Outcome {
+                decision_id: answer.decision_id,
+                endpoint: answer.endpoints[0].clone(),
+                status: 200,
+                ..Outcome::default()
+            }
+        }
+
+        /// A synced copy that decided one request at 10 ms and reported it at 25 ms.
+        fn reported_once(cp: &mut (SyncLog, Router)) -> (RootState, RouteResponse) {
+            let mut root = local_root();
+            tick(&mut root, cp, 0);
+            let answer = root
+                .decide_or_prepare(&mut request(), 10, || 1)
+                .expect("decided locally");
+            tick(&mut root, cp, 25);
+            (root, answer)
         }
 
         fn request() -> RouteRequest {
@@ -1036,24 +1068,12 @@ mod tests {
         // following the fleet closely), the tick after it syncs, and the copy decides again.
         #[test]
         fn an_idle_copy_rests_and_the_next_request_wakes_it() {
-            let mut root = local_root();
             let mut cp = control_plane();
+            let (mut root, answer) = reported_once(&mut cp);
             let rest_after = root.config().max_state_age_ms;
-            tick(&mut root, &mut cp, 0);
-            let answer = root
-                .decide_or_prepare(&mut request(), 10, || 1)
-                .expect("decided locally");
-            root.push_outcome(
-                Outcome {
-                    decision_id: answer.decision_id,
-                    endpoint: answer.endpoints[0].clone(),
-                    status: 200,
-                    ..Outcome::default()
-                },
-                20,
-            );
-            // Its reports go out, then it keeps syncing until nobody asked for `rest_after`.
-            tick(&mut root, &mut cp, 25);
+            // Its outcome goes out, then it keeps syncing until nobody asked for `rest_after`.
+            root.push_outcome(served(&answer), 26);
+            tick(&mut root, &mut cp, 30);
             tick(&mut root, &mut cp, 10 + rest_after - 1);
             assert!(!root.resting());
             assert!(root.on_tick(10 + rest_after).is_none(), "no call at rest");
@@ -1066,10 +1086,7 @@ mod tests {
                 now += 25;
                 if let Some(call) = root.on_tick(now) {
                     calls += 1;
-                    let request: SyncRequest = serde_json::from_slice(&call.body).unwrap();
-                    let answer = serve_sync(&mut cp.0, &mut cp.1, request, now);
-                    let body = scorer_core::sync::to_json(&answer, true).unwrap();
-                    assert!(root.on_sync_response(Some(200), &body, now));
+                    answer_sync(&mut root, &mut cp, &call, now);
                     assert!(root.resting(), "a sync at rest does not wake it");
                 }
             }
@@ -1084,41 +1101,23 @@ mod tests {
             assert_eq!(root.tick_period_ms(), DEFAULT_SYNC_INTERVAL_MS);
             tick(&mut root, &mut cp, now + 25);
             assert!(!root.resting());
-            assert!(
-                root.decide_or_prepare(&mut request(), now + 30, || 3)
-                    .is_some()
-            );
+            let again = root.decide_or_prepare(&mut request(), now + 30, || 3);
+            assert!(again.is_some(), "decided locally again");
         }
 
         // A resting copy still reports an outcome that arrives (a long stream ending) and
         // stays at rest.
         #[test]
         fn a_resting_copy_still_reports_and_stays_at_rest() {
-            let mut root = local_root();
             let mut cp = control_plane();
+            let (mut root, answer) = reported_once(&mut cp);
             let rest_after = root.config().max_state_age_ms;
-            tick(&mut root, &mut cp, 0);
-            let answer = root
-                .decide_or_prepare(&mut request(), 10, || 1)
-                .expect("decided locally");
-            tick(&mut root, &mut cp, 25);
             assert!(root.on_tick(10 + rest_after).is_none());
             assert!(root.resting());
-            root.push_outcome(
-                Outcome {
-                    decision_id: answer.decision_id,
-                    endpoint: answer.endpoints[0].clone(),
-                    status: 200,
-                    ..Outcome::default()
-                },
-                90_000,
-            );
+            root.push_outcome(served(&answer), 90_000);
             let call = root.on_tick(90_010).expect("the outcome goes out");
-            let report: SyncRequest = serde_json::from_slice(&call.body).unwrap();
+            let report = answer_sync(&mut root, &mut cp, &call, 90_010);
             assert_eq!(report.outcomes.len(), 1);
-            let answer = serve_sync(&mut cp.0, &mut cp.1, report, 90_010);
-            let body = scorer_core::sync::to_json(&answer, true).unwrap();
-            assert!(root.on_sync_response(Some(200), &body, 90_010));
             assert!(root.resting(), "no request came");
             assert!(root.on_tick(90_035).is_none(), "synced lately");
         }
