@@ -121,8 +121,9 @@ async fn main() -> anyhow::Result<()> {
             let col = |f: &dyn Fn(&[Option<f64>; POINTS.len()]) -> Option<f64>| {
                 median(rows.iter().filter_map(f).collect())
             };
-            // Indices into POINTS.
-            let (us_tx_end, us_rx_beg, ds_tx_end) = (2, 3, 6);
+            let at = |name: &str| POINTS.iter().position(|p| *p == name).expect("a stamp");
+            let (us_tx_end, us_rx_beg, ds_tx_end) =
+                (at("US_TX_END"), at("US_RX_BEG"), at("DS_TX_END"));
             let total = col(&|r| r[ds_tx_end]);
             let request_side = col(&|r| r[us_tx_end]);
             let upstream = col(&|r| Some(r[us_rx_beg]? - r[us_tx_end]?));
