@@ -119,6 +119,9 @@ pub struct QualityRow {
     pub errors: usize,
     /// Which load generator drove it.
     pub load_generator: String,
+    /// aiperf's `--random-seed`: the same for every router's first run of a workload; further
+    /// runs of the local path and the route call (issue #15's quality bar) use the next seeds.
+    pub aiperf_seed: u64,
     /// Every successful request's TTFT, ms, sorted (for the plots and the quality bars'
     /// intervals; not in the summary).
     #[serde(skip)]
@@ -197,50 +200,115 @@ pub fn median_difference_interval(
     rounds: usize,
     seed: u64,
 ) -> Option<[f64; 2]> {
-    bootstrap_interval(a, b, 50.0, rounds, seed, |x, y| x - y)
+    bootstrap_interval(&[(a, b)], 50.0, rounds, seed, |x, y| x - y)
 }
 
-/// The 95 % interval of `a`'s `q`-th percentile over `b`'s, from `rounds` bootstrap resamples
-/// of each (as [`median_difference_interval`]). Issue #15 asks the local path's TTFT p50 and
-/// p99 to stay within 5 % of the route call's; an aiperf p99 is one of the few slowest of a
-/// few hundred requests, so whether a ratio of 1.14 is the router or the run is this question.
-/// `None` when either side has no samples.
+/// The 95 % interval of `a`'s `q`-th percentile over `b`'s, each pooled over paired runs
+/// (`runs[i]` holds run `i`'s samples of both sides, from the same workload seed), from
+/// `rounds` bootstrap resamples: runs drawn with replacement, then each drawn run's requests
+/// on each side (one run: the requests alone, as [`median_difference_interval`]). Issue #15
+/// asks the local path's TTFT p50 and p99 to stay within 5 % of the route call's; an aiperf p99
+/// is one of the few slowest of a few hundred requests and a cold fleet's runs differ by more
+/// than their requests do, so whether a ratio of 1.14 is the router or the run is this
+/// question. `None` without runs or when a run has no samples on a side.
 pub fn percentile_ratio_interval(
-    a: &[f64],
-    b: &[f64],
+    runs: &[(&[f64], &[f64])],
     q: f64,
     rounds: usize,
     seed: u64,
 ) -> Option<[f64; 2]> {
-    bootstrap_interval(a, b, q, rounds, seed, |x, y| x / y)
+    bootstrap_interval(runs, q, rounds, seed, |x, y| x / y)
 }
 
-/// `combine(a's q-th percentile, b's)` over `rounds` resamples of both, its 2.5th and 97.5th
+/// `a`'s `q`-th percentile (nearest rank, as `percentile`) over the pooled samples of paired
+/// runs, over `b`'s: the point [`percentile_ratio_interval`] brackets. `None` as there.
+pub fn pooled_percentile_ratio(runs: &[(&[f64], &[f64])], q: f64) -> Option<f64> {
+    let [a, b] = pooled_percentiles(runs, q)?;
+    Some(a / b)
+}
+
+/// Each side's `q`-th percentile over every run's samples pooled. `None` as
+/// [`percentile_ratio_interval`].
+pub fn pooled_percentiles(runs: &[(&[f64], &[f64])], q: f64) -> Option<[f64; 2]> {
+    if runs.is_empty() || runs.iter().any(|(a, b)| a.is_empty() || b.is_empty()) {
+        return None;
+    }
+    let pooled = |side: usize| {
+        let mut all: Vec<f64> = runs
+            .iter()
+            .flat_map(|&(a, b)| (if side == 0 { a } else { b }).iter().copied())
+            .collect();
+        all.sort_unstable_by(f64::total_cmp);
+        percentile(&all, q)
+    };
+    Some([pooled(0), pooled(1)])
+}
+
+/// The 95 % interval of the ratio of two means over paired runs (`pairs[i]` = run `i`'s
+/// figures), from `rounds` resamples of the runs: for a figure with one value a run (the
+/// replicas' prefix hit rate). `None` with fewer than two runs, where nothing varies.
+pub fn runs_mean_ratio_interval(
+    pairs: &[(f64, f64)],
+    rounds: usize,
+    seed: u64,
+) -> Option<[f64; 2]> {
+    if pairs.len() < 2 || rounds == 0 {
+        return None;
+    }
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut values: Vec<f64> = (0..rounds)
+        .map(|_| {
+            let (mut a, mut b) = (0.0, 0.0);
+            for _ in 0..pairs.len() {
+                let (x, y) = pairs[rng.random_range(0..pairs.len())];
+                a += x;
+                b += y;
+            }
+            a / b
+        })
+        .collect();
+    values.sort_unstable_by(f64::total_cmp);
+    Some([percentile(&values, 2.5), percentile(&values, 97.5)])
+}
+
+/// `combine(a's q-th percentile, b's)`, each pooled over paired runs, over `rounds` resamples
+/// (runs with replacement, then requests within each drawn run), its 2.5th and 97.5th
 /// percentiles.
 fn bootstrap_interval(
-    a: &[f64],
-    b: &[f64],
+    runs: &[(&[f64], &[f64])],
     q: f64,
     rounds: usize,
     seed: u64,
     combine: impl Fn(f64, f64) -> f64,
 ) -> Option<[f64; 2]> {
-    if a.is_empty() || b.is_empty() || rounds == 0 {
+    if rounds == 0 || runs.is_empty() || runs.iter().any(|(a, b)| a.is_empty() || b.is_empty()) {
         return None;
     }
     let mut rng = SmallRng::seed_from_u64(seed);
     // Nearest rank, as `percentile`.
-    let mut resampled = |from: &[f64], scratch: &mut Vec<f64>| {
-        scratch.clear();
-        scratch.extend((0..from.len()).map(|_| from[rng.random_range(0..from.len())]));
-        let n = scratch.len();
+    let rank_of = |pool: &mut Vec<f64>| {
+        let n = pool.len();
         let rank = ((q / 100.0) * n as f64).ceil() as usize;
-        let (_, m, _) = scratch.select_nth_unstable_by(rank.clamp(1, n) - 1, f64::total_cmp);
+        let (_, m, _) = pool.select_nth_unstable_by(rank.clamp(1, n) - 1, f64::total_cmp);
         *m
     };
-    let (mut sa, mut sb) = (Vec::with_capacity(a.len()), Vec::with_capacity(b.len()));
+    let (mut pa, mut pb) = (Vec::new(), Vec::new());
     let mut values: Vec<f64> = (0..rounds)
-        .map(|_| combine(resampled(a, &mut sa), resampled(b, &mut sb)))
+        .map(|_| {
+            pa.clear();
+            pb.clear();
+            for _ in 0..runs.len() {
+                // One run is always itself: the draws stay those of a plain bootstrap.
+                let (a, b) = if runs.len() == 1 {
+                    runs[0]
+                } else {
+                    runs[rng.random_range(0..runs.len())]
+                };
+                pa.extend((0..a.len()).map(|_| a[rng.random_range(0..a.len())]));
+                pb.extend((0..b.len()).map(|_| b[rng.random_range(0..b.len())]));
+            }
+            combine(rank_of(&mut pa), rank_of(&mut pb))
+        })
         .collect();
     values.sort_unstable_by(f64::total_cmp);
     Some([percentile(&values, 2.5), percentile(&values, 97.5)])
@@ -961,13 +1029,53 @@ mod tests {
     fn a_percentile_ratio_interval_holds_the_scale_and_widens_in_the_tail() {
         let base: Vec<f64> = (0..300).map(|i| 50.0 + f64::from(i % 101)).collect();
         let slower: Vec<f64> = base.iter().map(|v| v * 1.2).collect();
-        let [lo, hi] = percentile_ratio_interval(&slower, &base, 50.0, 1_000, 1).unwrap();
+        let one = |a: &[f64], q| percentile_ratio_interval(&[(a, &base)], q, 1_000, 1);
+        let [lo, hi] = one(&slower, 50.0).unwrap();
         assert!(lo <= 1.2 + 1e-9 && 1.2 - 1e-9 <= hi, "{lo}..{hi}");
         assert!(lo > 1.0, "a 20 % shift of the median is resolved: {lo}");
-        let [lo50, hi50] = percentile_ratio_interval(&base, &base, 50.0, 1_000, 1).unwrap();
-        let [lo99, hi99] = percentile_ratio_interval(&base, &base, 99.0, 1_000, 1).unwrap();
+        let [lo50, hi50] = one(&base, 50.0).unwrap();
+        let [lo99, hi99] = one(&base, 99.0).unwrap();
         assert!(lo50 <= 1.0 && 1.0 <= hi50 && lo99 <= 1.0 && 1.0 <= hi99);
-        assert_eq!(percentile_ratio_interval(&base, &[], 99.0, 10, 1), None);
+        assert_eq!(
+            percentile_ratio_interval(&[(&base, &[])], 99.0, 10, 1),
+            None
+        );
+        assert_eq!(percentile_ratio_interval(&[], 99.0, 10, 1), None);
+    }
+
+    #[test]
+    fn runs_that_disagree_widen_the_pooled_interval() {
+        let base: Vec<f64> = (0..300).map(|i| 50.0 + f64::from(i % 101)).collect();
+        let scaled = |k: f64| base.iter().map(|v| v * k).collect::<Vec<f64>>();
+        let (slow, fast, same) = (scaled(1.3), scaled(0.8), scaled(1.0));
+        // Two runs that agree: as tight as one run of twice the requests.
+        let agree = [(&same[..], &base[..]), (&same[..], &base[..])];
+        let [alo, ahi] = percentile_ratio_interval(&agree, 50.0, 1_000, 2).unwrap();
+        // Two runs whose ratios are 1.3 and 0.8: the pooled point lies between them and the
+        // interval spans most of the way from one to the other.
+        let disagree = [(&slow[..], &base[..]), (&fast[..], &base[..])];
+        let point = pooled_percentile_ratio(&disagree, 50.0).unwrap();
+        assert!(point > 0.8 && point < 1.3, "{point}");
+        let [dlo, dhi] = percentile_ratio_interval(&disagree, 50.0, 1_000, 2).unwrap();
+        assert!(dlo <= point && point <= dhi, "{dlo}..{dhi} around {point}");
+        assert!(
+            dhi - dlo > 3.0 * (ahi - alo),
+            "{dlo}..{dhi} against {alo}..{ahi}"
+        );
+        assert!(dlo < 0.9 && dhi > 1.2, "{dlo}..{dhi}");
+        let [a, b] = pooled_percentiles(&agree, 50.0).unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn a_mean_ratio_over_runs_needs_two_runs() {
+        assert_eq!(runs_mean_ratio_interval(&[(0.9, 0.8)], 100, 1), None);
+        let [lo, hi] =
+            runs_mean_ratio_interval(&[(0.9, 0.8), (0.8, 0.8), (1.0, 0.8)], 500, 1).unwrap();
+        assert!(
+            lo >= 1.0 - 1e-9 && hi <= 1.25 + 1e-9 && lo < hi,
+            "{lo}..{hi}"
+        );
     }
 
     #[test]

@@ -60,6 +60,11 @@ struct Args {
     /// Scales the quality workloads' request counts (1 = the documented runs).
     #[arg(long, default_value_t = 1.0)]
     quality_scale: f64,
+    /// Runs of the local path and the route call on each quality workload (aiperf seeds 7, 8,
+    /// ...): the first is the table's, issue #15's quality bars pool them all. A cold fleet's
+    /// runs differ by more than a 5 % bar, so one run cannot settle it.
+    #[arg(long, default_value_t = 3)]
+    quality_runs: usize,
     /// Skip the Envoy overhead and quality sections (micro-benchmarks only).
     #[arg(long)]
     micro_only: bool,
@@ -98,8 +103,15 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if args.endpoints == 0 || args.endpoints > 1000 || args.samples == 0 || args.concurrency == 0 {
-        bail!("--endpoints must be 1..=1000, --samples and --concurrency at least 1");
+    if args.endpoints == 0
+        || args.endpoints > 1000
+        || args.samples == 0
+        || args.concurrency == 0
+        || args.quality_runs == 0
+    {
+        bail!(
+            "--endpoints must be 1..=1000, --samples, --concurrency and --quality-runs at least 1"
+        );
     }
     harness::check_positive("--speed", args.speed)?;
     harness::check_positive("--quality-scale", args.quality_scale)?;
@@ -174,14 +186,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if args.quality_only {
         let tools = Tools::locate().context("kvroute-bench needs its tools")?;
         let quality = quality_section(&args, &tools, &out_dir, &mut skipped).await?;
-        print_quality(&quality, args.speed);
+        print_quality(&quality.table, args.speed);
         let quality_bars = quality_bars(&quality);
         print_quality_bars(&quality_bars);
         loads.push(("quality".into(), loadavg()));
         println!("not measured: {skipped:?}\nload average: {loads:?}");
         let path = out_dir.join("quality-summary.json");
-        let summary = json!({"quality": quality, "quality_bars": quality_bars,
-            "load_average": loads, "not_measured": skipped});
+        let summary = json!({"quality": quality.table, "quality_repeats": quality.repeats,
+            "quality_bars": quality_bars, "load_average": loads, "not_measured": skipped});
         harness::write_json(&path, &summary)?;
         println!(
             "summary: {}  (took {:.0}s)",
@@ -279,7 +291,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut crowded = Vec::new();
     let mut local_decision_fraction = None;
     let mut latency_bars = Vec::new();
-    let mut quality = Vec::new();
+    let mut quality = QualityRuns {
+        table: Vec::new(),
+        repeats: Vec::new(),
+    };
     if !args.micro_only {
         let measured = overhead_section(&args, &tools, &mut skipped).await?;
         overhead = measured.rows;
@@ -453,8 +468,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     let quality_bars = quality_bars(&quality);
-    if !quality.is_empty() {
-        print_quality(&quality, args.speed);
+    if !quality.table.is_empty() {
+        print_quality(&quality.table, args.speed);
         print_quality_bars(&quality_bars);
     }
     print_scale(&scale);
@@ -472,7 +487,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "crowded": crowded,
         "local_decision_fraction": local_decision_fraction,
         "latency_bars": latency_bars,
-        "quality": quality,
+        "quality": quality.table,
+        "quality_repeats": quality.repeats,
         "quality_bars": quality_bars,
         "scale": scale.rows,
         "scale_parse": scale.parse,
@@ -753,63 +769,105 @@ fn verdict(value: f64, ci95: Option<[f64; 2]>, at_most: f64) -> &'static str {
 
 /// One of issue #15's quality bars in this run: on one aiperf workload, `kvroute-local`'s
 /// TTFT p50 or p99 over the route call's (at most 1.05), or the route call's prefix hit rate
-/// over the local path's (at most 1.05: the local path's at least 95 % of it; the replicas'
-/// counters give no per-request samples, so no interval).
+/// over the local path's (at most 1.05: the local path's at least 95 % of it), each over every
+/// seed both ran (`--quality-runs`).
 #[derive(Debug, Clone, serde::Serialize)]
 struct QualityBar {
     workload: String,
     /// `ttft_ms_p50`, `ttft_ms_p99` or `prefix_hit_rate`.
     figure: &'static str,
-    /// The local path's figure.
+    /// The local path's figure: a TTFT percentile over every run's requests pooled (nearest
+    /// rank), the mean of the runs' hit rates.
     local: f64,
-    /// The route call's figure.
+    /// The route call's figure, pooled the same way.
     route_call: f64,
     /// The ratio judged: local over route call for TTFT, route call over local for hit rate.
     ratio: f64,
-    /// Its 95 % interval (bootstrap over both runs' requests), for the TTFT ratios.
+    /// Its 95 % interval: bootstrap over the runs and, for TTFT, their requests; none for a
+    /// hit rate with one run (the replicas' counters give no per-request samples).
     ci95: Option<[f64; 2]>,
+    /// The aiperf seeds both paths ran.
+    seeds: Vec<u64>,
+    /// The ratio in each run alone, in seed order.
+    per_run: Vec<f64>,
     /// The most the bar allows.
     at_most: f64,
 }
 
-/// The local path against the route call on every workload both ran.
-fn quality_bars(quality: &[QualityRow]) -> Vec<QualityBar> {
+/// The local path against the route call on every workload both ran, pooled over the seeds
+/// both ran.
+fn quality_bars(runs: &QualityRuns) -> Vec<QualityBar> {
     const AT_MOST: f64 = 1.05;
+    let all: Vec<&QualityRow> = runs.table.iter().chain(&runs.repeats).collect();
     let mut bars = Vec::new();
-    for local in quality.iter().filter(|q| q.router == "kvroute-local") {
-        let Some(call) = quality
-            .iter()
-            .find(|q| q.router == "kvroute" && q.workload == local.workload)
-        else {
-            continue;
+    let mut workloads: Vec<&str> = Vec::new();
+    for q in &runs.table {
+        if !workloads.contains(&q.workload.as_str()) {
+            workloads.push(&q.workload);
+        }
+    }
+    for workload in workloads {
+        let of = |router: &str, seed: u64| {
+            all.iter()
+                .find(|q| q.router == router && q.workload == workload && q.aiperf_seed == seed)
         };
-        for (figure, q, a, b) in [
-            ("ttft_ms_p50", 50.0, local.ttft_ms.p50, call.ttft_ms.p50),
-            ("ttft_ms_p99", 99.0, local.ttft_ms.p99, call.ttft_ms.p99),
-        ] {
+        let mut seeds: Vec<u64> = all
+            .iter()
+            .filter(|q| q.workload == workload)
+            .map(|q| q.aiperf_seed)
+            .collect();
+        seeds.sort_unstable();
+        seeds.dedup();
+        let pairs: Vec<(u64, &QualityRow, &QualityRow)> = seeds
+            .into_iter()
+            .filter_map(|s| Some((s, *of("kvroute-local", s)?, *of("kvroute", s)?)))
+            .filter(|(_, l, c)| !l.ttft_samples_ms.is_empty() && !c.ttft_samples_ms.is_empty())
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let seeds: Vec<u64> = pairs.iter().map(|p| p.0).collect();
+        let samples: Vec<(&[f64], &[f64])> = pairs
+            .iter()
+            .map(|(_, l, c)| (&l.ttft_samples_ms[..], &c.ttft_samples_ms[..]))
+            .collect();
+        for (figure, q) in [("ttft_ms_p50", 50.0), ("ttft_ms_p99", 99.0)] {
+            let Some([local, route_call]) = bench::pooled_percentiles(&samples, q) else {
+                continue;
+            };
             bars.push(QualityBar {
-                workload: local.workload.clone(),
+                workload: workload.to_string(),
                 figure,
-                local: a,
-                route_call: b,
-                ratio: a / b,
-                ci95: bench::percentile_ratio_interval(
-                    &local.ttft_samples_ms,
-                    &call.ttft_samples_ms,
-                    q,
-                    BOOTSTRAP_ROUNDS,
-                    11,
-                ),
+                local,
+                route_call,
+                ratio: local / route_call,
+                ci95: bench::percentile_ratio_interval(&samples, q, BOOTSTRAP_ROUNDS, 11),
+                seeds: seeds.clone(),
+                per_run: samples
+                    .iter()
+                    .filter_map(|run| bench::pooled_percentile_ratio(&[*run], q))
+                    .collect(),
                 at_most: AT_MOST,
             });
         }
+        let hits: Vec<(f64, f64)> = pairs
+            .iter()
+            .map(|(_, l, c)| (c.prefix_hit_rate, l.prefix_hit_rate))
+            .collect();
+        let n = hits.len() as f64;
+        let (route_call, local) = (
+            hits.iter().map(|h| h.0).sum::<f64>() / n,
+            hits.iter().map(|h| h.1).sum::<f64>() / n,
+        );
         bars.push(QualityBar {
-            workload: local.workload.clone(),
+            workload: workload.to_string(),
             figure: "prefix_hit_rate",
-            local: local.prefix_hit_rate,
-            route_call: call.prefix_hit_rate,
-            ratio: call.prefix_hit_rate / local.prefix_hit_rate,
-            ci95: None,
+            local,
+            route_call,
+            ratio: route_call / local,
+            ci95: bench::runs_mean_ratio_interval(&hits, BOOTSTRAP_ROUNDS, 11),
+            per_run: hits.iter().map(|(c, l)| c / l).collect(),
+            seeds,
             at_most: AT_MOST,
         });
     }
@@ -834,8 +892,19 @@ fn print_quality_bars(bars: &[QualityBar]) {
                 b.route_call
             ),
         };
+        let runs = if b.per_run.len() > 1 {
+            let each: Vec<String> = b.per_run.iter().map(|r| format!("{r:.2}")).collect();
+            format!(
+                " [{} runs pooled, aiperf seeds {:?}; each run {}]",
+                b.per_run.len(),
+                b.seeds,
+                each.join(", ")
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "issue #15 quality bar, {}: {what}: {:.2}{interval}, at most {:.2}: {}",
+            "issue #15 quality bar, {}: {what}: {:.2}{interval}, at most {:.2}: {}{runs}",
             b.workload,
             b.ratio,
             b.at_most,
@@ -1241,12 +1310,24 @@ impl QualityRouter {
     }
 }
 
+/// aiperf's seed for every router's first run of a workload (the quality table's rows).
+const QUALITY_SEED: u64 = 7;
+
+/// The quality section's runs: every router once on each workload (the table), and the local
+/// path and the route call `--quality-runs` times in all (issue #15's quality bars pool them).
+struct QualityRuns {
+    /// Each router's first run of each workload.
+    table: Vec<QualityRow>,
+    /// The local path's and the route call's further runs, next seeds, order alternated.
+    repeats: Vec<QualityRow>,
+}
+
 async fn quality_section(
     args: &Args,
     tools: &Tools,
     out_dir: &std::path::Path,
     skipped: &mut Vec<String>,
-) -> anyhow::Result<Vec<QualityRow>> {
+) -> anyhow::Result<QualityRuns> {
     let mut routers = vec![
         QualityRouter::Envoy(RouterKind::Kvroute),
         QualityRouter::KvrouteLocal,
@@ -1255,108 +1336,59 @@ async fn quality_section(
     if !args.no_peers {
         routers.extend(Peer::ALL.map(QualityRouter::Peer));
     }
-    let model = "kvroute-bench-model";
-    let mut rows = Vec::new();
+    let mut runs = QualityRuns {
+        table: Vec::new(),
+        repeats: Vec::new(),
+    };
     let mut cdf_series = Vec::new();
     for (name, workload, concurrency, output_tokens) in quality_workloads(args.quality_scale) {
+        let run = |router, seed| QualityRun {
+            router,
+            name,
+            workload: workload.clone(),
+            concurrency,
+            output_tokens,
+            seed,
+        };
         for &router in &routers {
-            let label = router.label();
-            let mut cfg = FleetConfig::new(&format!("bench-quality-{label}"));
-            cfg.replicas = 8;
-            cfg.model = model.to_string();
-            cfg.router = match router {
-                QualityRouter::Envoy(k) => k,
-                QualityRouter::KvrouteLocal => {
-                    cfg.plugin_config = json!({"decision": "local"});
-                    RouterKind::Kvroute
-                }
-                // Peers stand in front of the replicas themselves; the fleet's Envoy is idle.
-                QualityRouter::Peer(_) => RouterKind::RoundRobin,
+            let Some(row) = run(router, QUALITY_SEED)
+                .measure(args, tools, out_dir, skipped)
+                .await?
+            else {
+                continue;
             };
-            cfg.sim_args = vec!["--speed".into(), args.speed.to_string()];
-            eprintln!("[quality] {name} via {label}: starting 8 cold replicas ...");
-            let fleet = Fleet::start(cfg, tools).await?;
-            let peer = match router {
-                QualityRouter::Peer(p) => {
-                    match PeerRouter::start(
-                        p,
-                        &fleet.replica_addresses(),
-                        &fleet.log_dir,
-                        fleet.client(),
-                    )
-                    .await
-                    {
-                        Ok(r) => Some(r),
-                        Err(e) => {
-                            skipped.push(format!("quality {name} via {label}: {e}"));
-                            continue;
-                        }
-                    }
-                }
-                QualityRouter::Envoy(_) | QualityRouter::KvrouteLocal => None,
-            };
-            let url = peer.as_ref().map_or_else(|| fleet.url(), |p| p.url.clone());
-            let run = AiperfRun {
-                url,
-                model: model.to_string(),
-                workload: workload.clone(),
-                concurrency,
-                output_tokens,
-                seed: 7,
-                artifact_dir: out_dir.join("aiperf").join(format!("{name}-{label}")),
-                timeout: Duration::from_secs(300),
-            };
-            let t0 = Instant::now();
-            let result = tokio::task::spawn_blocking(move || run.run()).await?;
-            let figures: AiperfFigures = match result {
-                Ok(f) => f,
-                Err(e) => {
-                    eprintln!("[quality] {name} via {label}: aiperf failed: {e}");
-                    skipped.push(format!("quality {name} via {label}: {e}"));
-                    continue;
-                }
-            };
-            let (hits, queries) = fleet.prefix_cache_totals().await?;
-            drop(peer);
-            drop(fleet);
-            let hit = if queries > 0.0 { hits / queries } else { 0.0 };
-            eprintln!(
-                "[quality] {name} via {label}: TTFT p50 {:.0} ms p99 {:.0} ms, {:.0} tok/s, hit {:.1}%, {} ok / {} errors ({:.0} s)",
-                figures.ttft_ms_p50,
-                figures.ttft_ms_p99,
-                figures.output_tokens_per_s,
-                hit * 100.0,
-                figures.completed,
-                figures.errors,
-                t0.elapsed().as_secs_f64()
-            );
-            let n = figures.ttft_samples_ms.len().max(1) as f64;
+            let n = row.ttft_samples_ms.len().max(1) as f64;
             cdf_series.push((
-                format!("{label} {name}"),
-                figures
-                    .ttft_samples_ms
+                format!("{} {name}", row.router),
+                row.ttft_samples_ms
                     .iter()
                     .enumerate()
                     .map(|(i, t)| (*t, (i + 1) as f64 / n))
                     .collect::<Vec<_>>(),
             ));
-            rows.push(QualityRow {
-                router: label.to_string(),
-                workload: name.to_string(),
-                ttft_ms: P50P99 {
-                    p50: figures.ttft_ms_p50,
-                    p99: figures.ttft_ms_p99,
-                },
-                itl_ms: P99 {
-                    p99: figures.itl_ms_p99,
-                },
-                output_tokens_per_s: figures.output_tokens_per_s,
-                prefix_hit_rate: hit,
-                requests: figures.completed + figures.errors,
-                errors: figures.errors,
-                load_generator: "aiperf 0.13.0".into(),
-                ttft_samples_ms: figures.ttft_samples_ms,
-            });
+            runs.table.push(row);
+        }
+        // The pair again on the next seeds, the order alternated so a drifting machine falls
+        // on both alike.
+        let pair = [
+            QualityRouter::Envoy(RouterKind::Kvroute),
+            QualityRouter::KvrouteLocal,
+        ];
+        for repeat in 1..args.quality_runs {
+            let seed = QUALITY_SEED + repeat as u64;
+            let order = if repeat % 2 == 1 {
+                [pair[1], pair[0]]
+            } else {
+                pair
+            };
+            for router in order {
+                if let Some(row) = run(router, seed)
+                    .measure(args, tools, out_dir, skipped)
+                    .await?
+                {
+                    runs.repeats.push(row);
+                }
+            }
         }
     }
     if !cdf_series.is_empty() {
@@ -1370,7 +1402,129 @@ async fn quality_section(
         );
         std::fs::write(out_dir.join("quality-ttft-cdf.svg"), svg)?;
     }
-    Ok(rows)
+    Ok(runs)
+}
+
+/// One aiperf run of a quality workload on a cold 8-replica fleet.
+struct QualityRun {
+    router: QualityRouter,
+    name: &'static str,
+    workload: AiperfWorkload,
+    concurrency: usize,
+    output_tokens: usize,
+    seed: u64,
+}
+
+impl QualityRun {
+    /// Starts the fleet (and the peer), runs aiperf, reads the replicas' hit rate. `None` (and
+    /// a line in `skipped`) when the peer would not start or aiperf failed.
+    async fn measure(
+        self,
+        args: &Args,
+        tools: &Tools,
+        out_dir: &std::path::Path,
+        skipped: &mut Vec<String>,
+    ) -> anyhow::Result<Option<QualityRow>> {
+        const MODEL: &str = "kvroute-bench-model";
+        let (name, router) = (self.name, self.router);
+        let label = router.label();
+        let mut cfg = FleetConfig::new(&format!("bench-quality-{label}"));
+        cfg.replicas = 8;
+        cfg.model = MODEL.to_string();
+        cfg.router = match router {
+            QualityRouter::Envoy(k) => k,
+            QualityRouter::KvrouteLocal => {
+                cfg.plugin_config = json!({"decision": "local"});
+                RouterKind::Kvroute
+            }
+            // Peers stand in front of the replicas themselves; the fleet's Envoy is idle.
+            QualityRouter::Peer(_) => RouterKind::RoundRobin,
+        };
+        cfg.sim_args = vec!["--speed".into(), args.speed.to_string()];
+        let seed = self.seed;
+        eprintln!(
+            "[quality] {name} via {label} (aiperf seed {seed}): starting 8 cold replicas ..."
+        );
+        let fleet = Fleet::start(cfg, tools).await?;
+        let peer = match router {
+            QualityRouter::Peer(p) => {
+                match PeerRouter::start(
+                    p,
+                    &fleet.replica_addresses(),
+                    &fleet.log_dir,
+                    fleet.client(),
+                )
+                .await
+                {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        skipped.push(format!("quality {name} via {label}: {e}"));
+                        return Ok(None);
+                    }
+                }
+            }
+            QualityRouter::Envoy(_) | QualityRouter::KvrouteLocal => None,
+        };
+        let url = peer.as_ref().map_or_else(|| fleet.url(), |p| p.url.clone());
+        // The table's runs keep the directories they always had.
+        let dir = if seed == QUALITY_SEED {
+            format!("{name}-{label}")
+        } else {
+            format!("{name}-{label}-seed{seed}")
+        };
+        let run = AiperfRun {
+            url,
+            model: MODEL.to_string(),
+            workload: self.workload,
+            concurrency: self.concurrency,
+            output_tokens: self.output_tokens,
+            seed,
+            artifact_dir: out_dir.join("aiperf").join(dir),
+            timeout: Duration::from_secs(300),
+        };
+        let t0 = Instant::now();
+        let result = tokio::task::spawn_blocking(move || run.run()).await?;
+        let figures: AiperfFigures = match result {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("[quality] {name} via {label}: aiperf failed: {e}");
+                skipped.push(format!("quality {name} via {label} (seed {seed}): {e}"));
+                return Ok(None);
+            }
+        };
+        let (hits, queries) = fleet.prefix_cache_totals().await?;
+        drop(peer);
+        drop(fleet);
+        let hit = if queries > 0.0 { hits / queries } else { 0.0 };
+        eprintln!(
+            "[quality] {name} via {label} (seed {seed}): TTFT p50 {:.0} ms p99 {:.0} ms, {:.0} tok/s, hit {:.1}%, {} ok / {} errors ({:.0} s)",
+            figures.ttft_ms_p50,
+            figures.ttft_ms_p99,
+            figures.output_tokens_per_s,
+            hit * 100.0,
+            figures.completed,
+            figures.errors,
+            t0.elapsed().as_secs_f64()
+        );
+        Ok(Some(QualityRow {
+            router: label.to_string(),
+            workload: name.to_string(),
+            ttft_ms: P50P99 {
+                p50: figures.ttft_ms_p50,
+                p99: figures.ttft_ms_p99,
+            },
+            itl_ms: P99 {
+                p99: figures.itl_ms_p99,
+            },
+            output_tokens_per_s: figures.output_tokens_per_s,
+            prefix_hit_rate: hit,
+            requests: figures.completed + figures.errors,
+            errors: figures.errors,
+            load_generator: "aiperf 0.13.0".into(),
+            aiperf_seed: seed,
+            ttft_samples_ms: figures.ttft_samples_ms,
+        }))
+    }
 }
 
 /// Prints the quality table with ratios to round robin side by side.
