@@ -1845,7 +1845,58 @@ fn median(values: impl Iterator<Item = Option<f64>>) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::*;
+
+    fn row(router: &str, workload: &str, seed: u64, scale: f64, hit: f64) -> QualityRow {
+        QualityRow {
+            router: router.into(),
+            workload: workload.into(),
+            ttft_ms: P50P99 { p50: 0.0, p99: 0.0 },
+            itl_ms: P99 { p99: 0.0 },
+            output_tokens_per_s: 0.0,
+            prefix_hit_rate: hit,
+            requests: 100,
+            errors: 0,
+            load_generator: "aiperf 0.13.0".into(),
+            aiperf_seed: seed,
+            ttft_samples_ms: (1..=100).map(|i| f64::from(i) * scale).collect(),
+        }
+    }
+
+    #[test]
+    fn quality_bars_pair_the_two_paths_seed_by_seed() {
+        let runs = QualityRuns {
+            table: vec![
+                row("kvroute", "chat", 7, 1.0, 0.8),
+                row("kvroute-local", "chat", 7, 1.1, 0.8),
+                row("round-robin", "chat", 7, 3.0, 0.2),
+            ],
+            repeats: vec![
+                row("kvroute-local", "chat", 8, 0.9, 0.9),
+                row("kvroute", "chat", 8, 1.0, 0.8),
+                // The route call failed on seed 9: the local run there is left out.
+                row("kvroute-local", "chat", 9, 5.0, 0.1),
+            ],
+        };
+        let bars = quality_bars(&runs);
+        assert_eq!(bars.len(), 3, "p50, p99 and hit rate for the one workload");
+        let p50 = &bars[0];
+        assert_eq!(p50.figure, "ttft_ms_p50");
+        assert_eq!(p50.seeds, vec![7, 8]);
+        assert_eq!(p50.per_run.len(), 2);
+        assert!((p50.per_run[0] - 1.1).abs() < 1e-9 && (p50.per_run[1] - 0.9).abs() < 1e-9);
+        assert!((p50.ratio - 1.0).abs() < 0.06, "pooled: {}", p50.ratio);
+        let [lo, hi] = p50.ci95.expect("an interval");
+        assert!(lo < 1.0 && hi > 1.0, "{lo}..{hi}");
+        let hit = &bars[2];
+        assert_eq!(hit.figure, "prefix_hit_rate");
+        assert!((hit.local - 0.85).abs() < 1e-9 && (hit.route_call - 0.8).abs() < 1e-9);
+        assert!(
+            hit.ci95.is_some(),
+            "two seeds give the hit rate an interval"
+        );
+        assert_eq!(verdict(hit.ratio, hit.ci95, hit.at_most), "met");
+    }
 
     #[test]
     fn the_median_round_skips_unknown_values_and_takes_the_upper_middle() {
