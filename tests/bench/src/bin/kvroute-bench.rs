@@ -1425,12 +1425,11 @@ impl QualityRun {
         out_dir: &std::path::Path,
         skipped: &mut Vec<String>,
     ) -> anyhow::Result<Option<QualityRow>> {
-        const MODEL: &str = "kvroute-bench-model";
         let (name, router) = (self.name, self.router);
         let label = router.label();
         let mut cfg = FleetConfig::new(&format!("bench-quality-{label}"));
         cfg.replicas = 8;
-        cfg.model = MODEL.to_string();
+        cfg.model = bench::MODEL.to_string();
         cfg.router = match router {
             QualityRouter::Envoy(k) => k,
             QualityRouter::KvrouteLocal => {
@@ -1474,7 +1473,7 @@ impl QualityRun {
         };
         let run = AiperfRun {
             url,
-            model: MODEL.to_string(),
+            model: bench::MODEL.to_string(),
             workload: self.workload,
             concurrency: self.concurrency,
             output_tokens: self.output_tokens,
