@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::{DiscoveredEndpoint, DiscoveryConfig, EndpointSet, diff};
+use super::{DiscoveredEndpoint, DiscoveredEndpoints, DiscoveryConfig, diff};
 use crate::config::Config;
 use crate::kv_events::{EventSource, SubscriberSettings};
 use crate::scrape::ScrapeSettings;
@@ -84,7 +84,7 @@ impl Running {
 pub struct Applier {
     state: Arc<State>,
     settings: Settings,
-    applied: EndpointSet,
+    applied: DiscoveredEndpoints,
     running: BTreeMap<String, Running>,
 }
 
@@ -102,18 +102,18 @@ impl Applier {
         Self {
             state,
             settings,
-            applied: EndpointSet::new(),
+            applied: DiscoveredEndpoints::new(),
             running: BTreeMap::new(),
         }
     }
 
     /// What is currently applied.
-    pub fn applied(&self) -> &EndpointSet {
+    pub fn applied(&self) -> &DiscoveredEndpoints {
         &self.applied
     }
 
     /// Brings the control plane to `set`.
-    pub async fn apply(&mut self, set: &EndpointSet) {
+    pub async fn apply(&mut self, set: &DiscoveredEndpoints) {
         let d = diff(&self.applied, set);
         for address in &d.removed {
             if let Some(r) = self.running.remove(address) {
@@ -231,7 +231,7 @@ mod tests {
         }
     }
 
-    fn set(eps: &[DiscoveredEndpoint]) -> EndpointSet {
+    fn set(eps: &[DiscoveredEndpoint]) -> DiscoveredEndpoints {
         eps.iter().map(|e| (e.address.clone(), e.clone())).collect()
     }
 
@@ -319,7 +319,7 @@ mod tests {
         applier.apply(&set(&[ep(&b, "llm/vllm-7")])).await;
         assert_eq!(routable(&state), vec![b.clone()]);
         assert_eq!(applier.applied()[&b].name.as_deref(), Some("llm/vllm-7"));
-        applier.apply(&EndpointSet::new()).await;
+        applier.apply(&DiscoveredEndpoints::new()).await;
         assert!(routable(&state).is_empty());
         applier.shutdown();
     }
@@ -374,7 +374,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         // Gone: no status left, and none comes back from a lingering task.
-        applier.apply(&EndpointSet::new()).await;
+        applier.apply(&DiscoveredEndpoints::new()).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(streams(&state).is_empty(), "{:?}", streams(&state));
     }

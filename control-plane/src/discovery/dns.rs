@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::{Backoff, DnsDiscovery, EndpointSet, EndpointTemplate, publish};
+use super::{Backoff, DiscoveredEndpoints, DnsDiscovery, EndpointTemplate, publish};
 
 /// Longest a single resolution may take.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -39,7 +39,7 @@ pub fn endpoints_from_addrs(
     name: &str,
     addrs: impl IntoIterator<Item = SocketAddr>,
     template: &EndpointTemplate,
-) -> EndpointSet {
+) -> DiscoveredEndpoints {
     addrs
         .into_iter()
         .flat_map(|a| template.endpoints(a.ip(), name))
@@ -48,7 +48,7 @@ pub fn endpoints_from_addrs(
 }
 
 /// Resolves `config.name` once.
-pub async fn resolve(config: &DnsDiscovery) -> Result<EndpointSet, DnsError> {
+pub async fn resolve(config: &DnsDiscovery) -> Result<DiscoveredEndpoints, DnsError> {
     let lookup = tokio::net::lookup_host((config.name.as_str(), config.port));
     let addrs = tokio::time::timeout(RESOLVE_TIMEOUT, lookup)
         .await
@@ -65,7 +65,7 @@ pub async fn resolve(config: &DnsDiscovery) -> Result<EndpointSet, DnsError> {
 }
 
 /// Resolves on `interval_ms` forever, publishing changes; retries failures sooner, with backoff.
-pub async fn run(config: DnsDiscovery, tx: watch::Sender<Option<EndpointSet>>) {
+pub async fn run(config: DnsDiscovery, tx: watch::Sender<Option<DiscoveredEndpoints>>) {
     let interval = Duration::from_millis(config.interval_ms);
     let mut backoff = Backoff::new(Duration::from_millis(200).min(interval), interval);
     loop {

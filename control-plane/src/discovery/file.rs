@@ -26,7 +26,7 @@ use std::time::{Duration, SystemTime};
 use serde::Deserialize;
 use tokio::sync::watch;
 
-use super::{DiscoveredEndpoint, EndpointSet, FileDiscovery, publish};
+use super::{DiscoveredEndpoint, DiscoveredEndpoints, FileDiscovery, publish};
 use crate::config::{Config, EndpointConfig};
 
 /// Largest endpoint file read; anything bigger is a mistake, not a fleet.
@@ -92,7 +92,10 @@ struct EndpointFile {
 ///
 /// `role` and `models` are rejected: discovered endpoints do not carry them yet, and silently
 /// ignoring them would route differently from what the file says.
-pub fn parse_endpoint_file(path: &str, text: &str) -> Result<EndpointSet, FileDiscoveryError> {
+pub fn parse_endpoint_file(
+    path: &str,
+    text: &str,
+) -> Result<DiscoveredEndpoints, FileDiscoveryError> {
     if text.trim().is_empty() {
         return Err(FileDiscoveryError::Empty(path.to_string()));
     }
@@ -151,7 +154,7 @@ pub fn parse_endpoint_file(path: &str, text: &str) -> Result<EndpointSet, FileDi
 }
 
 /// Reads and parses the file once.
-pub fn read_endpoint_file(path: &Path) -> Result<EndpointSet, FileDiscoveryError> {
+pub fn read_endpoint_file(path: &Path) -> Result<DiscoveredEndpoints, FileDiscoveryError> {
     let shown = path.display().to_string();
     let read_err = |source| FileDiscoveryError::Read {
         path: shown.clone(),
@@ -181,7 +184,7 @@ fn stamp(path: &Path) -> Option<Stamp> {
 }
 
 /// Polls the file forever, publishing every new good set; errors keep the last one.
-pub async fn run(config: FileDiscovery, tx: watch::Sender<Option<EndpointSet>>) {
+pub async fn run(config: FileDiscovery, tx: watch::Sender<Option<DiscoveredEndpoints>>) {
     let interval = Duration::from_millis(config.interval_ms);
     let path = config.path.clone();
     // The stamp of the last version read successfully, and the last error logged.
@@ -230,7 +233,7 @@ pub async fn run(config: FileDiscovery, tx: watch::Sender<Option<EndpointSet>>) 
 mod tests {
     use super::*;
 
-    fn parse(text: &str) -> Result<EndpointSet, String> {
+    fn parse(text: &str) -> Result<DiscoveredEndpoints, String> {
         parse_endpoint_file("eps.yaml", text).map_err(|e| e.to_string())
     }
 
@@ -296,7 +299,7 @@ mod tests {
         std::fs::rename(&tmp, path).unwrap();
     }
 
-    async fn next(rx: &mut watch::Receiver<Option<EndpointSet>>) -> Vec<String> {
+    async fn next(rx: &mut watch::Receiver<Option<DiscoveredEndpoints>>) -> Vec<String> {
         tokio::time::timeout(Duration::from_secs(5), rx.changed())
             .await
             .expect("published in time")

@@ -13,7 +13,7 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use super::{EndpointSet, EndpointTemplate};
+use super::{DiscoveredEndpoints, EndpointTemplate};
 
 /// Why API-server data could not be used.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -502,7 +502,7 @@ impl PodTracker {
 
     /// Ready pods as endpoints, keyed by canonical `ip:port` (what Envoy's override_host matches),
     /// with the prefill/decode role of their `llm-d.ai/role` label.
-    pub fn endpoints(&self) -> EndpointSet {
+    pub fn endpoints(&self) -> DiscoveredEndpoints {
         self.pods
             .values()
             .filter_map(|pod| Some((pod, pod.ready_ip()?)))
@@ -595,7 +595,7 @@ mod tests {
         LabelSelector::from_labels([("app".to_string(), "vllm-llama3".to_string())].into())
     }
 
-    fn addresses(set: &EndpointSet) -> Vec<&str> {
+    fn addresses(set: &DiscoveredEndpoints) -> Vec<&str> {
         set.keys().map(String::as_str).collect()
     }
 

@@ -28,7 +28,7 @@ use tokio_rustls::TlsConnector;
 use super::kube::{
     Applied, InferencePool, KubeError, LabelSelector, LineDecoder, PodList, PodTracker, WatchEvent,
 };
-use super::{Backoff, EndpointSet, InferencePoolRef, KubernetesDiscovery, publish};
+use super::{Backoff, DiscoveredEndpoints, InferencePoolRef, KubernetesDiscovery, publish};
 
 /// Largest list/get answer accepted (a PodList of a few thousand pods fits easily).
 const MAX_LIST_BYTES: usize = 64 << 20;
@@ -450,7 +450,7 @@ enum WatchEnd {
 async fn follow_watch(
     mut body: Incoming,
     tracker: &mut PodTracker,
-    tx: &watch::Sender<Option<EndpointSet>>,
+    tx: &watch::Sender<Option<DiscoveredEndpoints>>,
     idle_timeout: Duration,
 ) -> Result<WatchEnd, ClientError> {
     let mut decoder = LineDecoder::new(MAX_EVENT_BYTES);
@@ -496,7 +496,7 @@ async fn session(
     client: &ApiClient,
     config: &KubernetesDiscovery,
     namespace: &str,
-    tx: &watch::Sender<Option<EndpointSet>>,
+    tx: &watch::Sender<Option<DiscoveredEndpoints>>,
     backoff: &mut Backoff,
 ) -> Result<(), ClientError> {
     let (selector, port) = match (&config.inference_pool, &config.selector) {
@@ -546,7 +546,7 @@ async fn session(
 }
 
 /// Runs Kubernetes discovery until dropped.
-pub async fn run(config: KubernetesDiscovery, tx: watch::Sender<Option<EndpointSet>>) {
+pub async fn run(config: KubernetesDiscovery, tx: watch::Sender<Option<DiscoveredEndpoints>>) {
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
     let namespace = namespace(&config);
     let client = loop {
@@ -830,7 +830,7 @@ mod tests {
             .collect()
     }
 
-    async fn next_set(rx: &mut watch::Receiver<Option<EndpointSet>>) -> Vec<String> {
+    async fn next_set(rx: &mut watch::Receiver<Option<DiscoveredEndpoints>>) -> Vec<String> {
         tokio::time::timeout(Duration::from_secs(5), rx.changed())
             .await
             .expect("discovery published in time")

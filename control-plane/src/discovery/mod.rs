@@ -10,10 +10,10 @@
 //! - [`FileDiscovery`]: poll a YAML file of `ip:port` entries kept up to date by something else
 //!   (Consul-template, config management) ([`file`]); unlike DNS, every entry has its own port.
 //!
-//! Both publish the whole current [`EndpointSet`] into a `tokio::sync::watch` channel whenever
-//! it changes. A consumer compares it with what it applied last ([`diff`]) and adds or removes
-//! endpoints: the router slot, the `/metrics` scrape loop and, when `kv_events_port` is set,
-//! the KV-event subscription follow pod churn that way.
+//! Both publish the whole current [`DiscoveredEndpoints`] into a `tokio::sync::watch` channel
+//! whenever it changes. A consumer compares it with what it applied last ([`diff`]) and adds or
+//! removes endpoints: the router slot, the `/metrics` scrape loop and, when `kv_events_port` is
+//! set, the KV-event subscription follow pod churn that way.
 //!
 //! Failure policy: an API, DNS or file error never empties the set. The last known endpoints stay
 //! (their scrapes mark dead ones unreachable), and the source retries with backoff.
@@ -97,8 +97,9 @@ impl EndpointTemplate {
     }
 }
 
-/// The current replicas, keyed by address.
-pub type EndpointSet = BTreeMap<String, DiscoveredEndpoint>;
+/// The current replicas, keyed by address. (Not scorer-core's `EndpointSet`, the prefix
+/// index's bitset of endpoint ids: one name per concept.)
+pub type DiscoveredEndpoints = BTreeMap<String, DiscoveredEndpoint>;
 
 /// What changed between two endpoint sets.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -121,7 +122,7 @@ impl EndpointDiff {
 /// An address whose endpoint changed in any other way (a re-created pod that got the same IP,
 /// new KV-event ports, another model) is reported as removed and added again, so a consumer
 /// forgets the old replica's cache state and re-subscribes instead of keeping stale state.
-pub fn diff(old: &EndpointSet, new: &EndpointSet) -> EndpointDiff {
+pub fn diff(old: &DiscoveredEndpoints, new: &DiscoveredEndpoints) -> EndpointDiff {
     let mut d = EndpointDiff::default();
     for (address, before) in old {
         match new.get(address) {
@@ -479,7 +480,7 @@ impl FileDiscovery {
 /// configured endpoints before the first `Some`.
 ///
 /// Call it with a validated config; a config without a source publishes nothing.
-pub async fn run(config: DiscoveryConfig, tx: watch::Sender<Option<EndpointSet>>) {
+pub async fn run(config: DiscoveryConfig, tx: watch::Sender<Option<DiscoveredEndpoints>>) {
     match (config.kubernetes, config.dns, config.file) {
         (Some(k), _, _) => kube_client::run(k, tx).await,
         (None, Some(d), _) => dns::run(d, tx).await,
@@ -489,7 +490,10 @@ pub async fn run(config: DiscoveryConfig, tx: watch::Sender<Option<EndpointSet>>
 }
 
 /// Publishes `set` unless it equals what is already there; returns whether it changed.
-pub(crate) fn publish(tx: &watch::Sender<Option<EndpointSet>>, set: EndpointSet) -> bool {
+pub(crate) fn publish(
+    tx: &watch::Sender<Option<DiscoveredEndpoints>>,
+    set: DiscoveredEndpoints,
+) -> bool {
     tx.send_if_modified(|current| {
         if current.as_ref() == Some(&set) {
             false
@@ -556,7 +560,7 @@ mod tests {
         }
     }
 
-    fn set(eps: &[DiscoveredEndpoint]) -> EndpointSet {
+    fn set(eps: &[DiscoveredEndpoint]) -> DiscoveredEndpoints {
         eps.iter().map(|e| (e.address.clone(), e.clone())).collect()
     }
 
@@ -588,7 +592,7 @@ mod tests {
         let d = diff(&new, &renamed);
         assert_eq!(d.removed, vec!["10.0.0.4:8000"]);
         assert_eq!(d.added.len(), 1);
-        assert_eq!(diff(&EndpointSet::new(), &new).added.len(), 3);
+        assert_eq!(diff(&DiscoveredEndpoints::new(), &new).added.len(), 3);
     }
 
     fn parse(yaml: &str) -> Result<DiscoveryConfig, String> {
@@ -711,7 +715,7 @@ mod tests {
         rx.borrow_and_update();
         assert!(!publish(&tx, s));
         assert!(!rx.has_changed().unwrap());
-        assert!(publish(&tx, EndpointSet::new()));
+        assert!(publish(&tx, DiscoveredEndpoints::new()));
     }
 
     #[test]
