@@ -26,6 +26,7 @@ use kvroute_harness::loadgen::{percentile, words};
 use proxy_wasm_host::{FilterAction, FilterModule, HostError};
 
 pub mod aiperf;
+pub mod bars;
 pub mod filter_v8;
 pub mod metrics_fleet;
 pub mod peers;
