@@ -26,6 +26,7 @@ pub fn verdict(value: f64, ci95: Option<[f64; 2]>, at_most: f64) -> &'static str
 
 /// The quality section's runs: every router once on each workload (the table), and the local
 /// path and the route call `--quality-runs` times in all (issue #15's quality bars pool them).
+#[derive(Debug, Default)]
 pub struct QualityRuns {
     /// Each router's first run of each workload.
     pub table: Vec<QualityRow>,

@@ -294,10 +294,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut crowded = Vec::new();
     let mut local_decision_fraction = None;
     let mut latency_bars = Vec::new();
-    let mut quality = QualityRuns {
-        table: Vec::new(),
-        repeats: Vec::new(),
-    };
+    let mut quality = QualityRuns::default();
     if !args.micro_only {
         let measured = overhead_section(&args, &tools, &mut skipped).await?;
         overhead = measured.rows;
@@ -1206,10 +1203,7 @@ async fn quality_section(
     if !args.no_peers {
         routers.extend(Peer::ALL.map(QualityRouter::Peer));
     }
-    let mut runs = QualityRuns {
-        table: Vec::new(),
-        repeats: Vec::new(),
-    };
+    let mut runs = QualityRuns::default();
     let mut cdf_series = Vec::new();
     for (name, workload, concurrency, output_tokens) in quality_workloads(args.quality_scale) {
         let run = |router, seed| QualityRun {
