@@ -69,7 +69,8 @@ pub fn quality_bars(runs: &QualityRuns) -> Vec<QualityBar> {
     let all: Vec<&QualityRow> = runs.table.iter().chain(&runs.repeats).collect();
     let mut bars = Vec::new();
     let mut workloads: Vec<&str> = Vec::new();
-    for q in &runs.table {
+    // In the table's order; a workload whose seed-7 runs both failed still has its repeats.
+    for q in &all {
         if !workloads.contains(&q.workload.as_str()) {
             workloads.push(&q.workload);
         }
@@ -183,10 +184,15 @@ mod tests {
                 row("kvroute", "chat", 8, 1.0, 0.8),
                 // The route call failed on seed 9: the local run there is left out.
                 row("kvroute-local", "chat", 9, 5.0, 0.1),
+                // Both seed-7 runs of this workload failed: its later seeds still count.
+                row("kvroute-local", "agent", 8, 1.0, 0.5),
+                row("kvroute", "agent", 8, 1.0, 0.5),
             ],
         };
         let bars = quality_bars(&runs);
-        assert_eq!(bars.len(), 3, "p50, p99 and hit rate for the one workload");
+        assert_eq!(bars.len(), 6, "p50, p99 and hit rate for each workload");
+        assert_eq!(bars[3].workload, "agent");
+        assert_eq!(bars[3].seeds, vec![8]);
         let p50 = &bars[0];
         assert_eq!(p50.figure, "ttft_ms_p50");
         assert_eq!(p50.seeds, vec![7, 8]);
