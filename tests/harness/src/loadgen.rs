@@ -596,8 +596,14 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
+    sorted[nearest_rank_index(sorted.len(), p)]
+}
+
+/// The index of the `p`-th nearest-rank percentile among `len` sorted values (`len` at least
+/// 1): what [`percentile`] reads, for callers that select it without sorting.
+pub fn nearest_rank_index(len: usize, p: f64) -> usize {
+    let rank = ((p / 100.0) * len as f64).ceil() as usize;
+    rank.clamp(1, len) - 1
 }
 
 /// Summarises a run; `prefix_cache_hit_rate` comes from the replicas, not the client.
