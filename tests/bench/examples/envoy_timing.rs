@@ -55,14 +55,6 @@ fn parse_line(line: &str) -> Option<[Option<f64>; POINTS.len()]> {
     Some(out)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -118,8 +110,9 @@ async fn main() -> anyhow::Result<()> {
             let text = std::fs::read_to_string(log)?;
             let rows: Vec<[Option<f64>; POINTS.len()]> =
                 text.lines().skip(skip).filter_map(parse_line).collect();
+            // The median of the lines that have the stamps (NaN with none: a missing log).
             let col = |f: &dyn Fn(&[Option<f64>; POINTS.len()]) -> Option<f64>| {
-                median(rows.iter().filter_map(f).collect())
+                bench::bars::median(rows.iter().map(f)).unwrap_or(f64::NAN)
             };
             let at = |name: &str| POINTS.iter().position(|p| *p == name).expect("a stamp");
             let (us_tx_end, us_rx_beg, ds_tx_end) =

@@ -76,22 +76,20 @@ pub fn quality_bars(runs: &QualityRuns) -> Vec<QualityBar> {
         }
     }
     for workload in workloads {
-        let of = |router: &str, seed: u64| {
+        let of = |router: &'static str| {
             all.iter()
-                .find(|q| q.router == router && q.workload == workload && q.aiperf_seed == seed)
+                .copied()
+                .filter(move |q| q.router == router && q.workload == workload)
         };
-        let mut seeds: Vec<u64> = all
-            .iter()
-            .filter(|q| q.workload == workload)
-            .map(|q| q.aiperf_seed)
-            .collect();
-        seeds.sort_unstable();
-        seeds.dedup();
-        let pairs: Vec<(u64, &QualityRow, &QualityRow)> = seeds
-            .into_iter()
-            .filter_map(|s| Some((s, *of("kvroute-local", s)?, *of("kvroute", s)?)))
+        // Each local run with the route call's run on the same seed, in seed order.
+        let mut pairs: Vec<(u64, &QualityRow, &QualityRow)> = of("kvroute-local")
+            .filter_map(|l| {
+                let call = of("kvroute").find(|c| c.aiperf_seed == l.aiperf_seed)?;
+                Some((l.aiperf_seed, l, call))
+            })
             .filter(|(_, l, c)| !l.ttft_samples_ms.is_empty() && !c.ttft_samples_ms.is_empty())
             .collect();
+        pairs.sort_by_key(|p| p.0);
         if pairs.is_empty() {
             continue;
         }
