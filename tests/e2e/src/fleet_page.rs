@@ -364,14 +364,14 @@ async fn fleet_page_renders_in_headless_chromium() {
     let tools = tools();
     let body = async {
         // Precise mode, with the first replica's KV-event publisher pointed at a port nobody
-        // serves: the page shows that replica `degraded` (no_kv_events) beside exact ones.
+        // serves: the page shows that replica `degraded` (no_kv_events) beside exact ones. The
+        // ports stay held until the test ends, so no other test's replica can take them.
+        let (_events, events_url) = kvroute_harness::silent_tcp_endpoint().expect("a port");
+        let (_replay, replay_url) = kvroute_harness::silent_tcp_endpoint().expect("a port");
         let fleet = busy_fleet_with(&tools, "fleet-page-browser", 4, 1.0, |cfg| {
-            let dead = || {
-                let port = kvroute_harness::free_port().expect("a port");
-                format!("tcp://127.0.0.1:{port}")
-            };
             cfg.kv_events = true;
-            cfg.endpoint_extra = vec![json!({"kv_events": dead(), "kv_events_replay": dead()})];
+            cfg.endpoint_extra =
+                vec![json!({"kv_events": events_url, "kv_events_replay": replay_url})];
         })
         .await;
         let silent = fleet.replica_addresses()[0].to_string();

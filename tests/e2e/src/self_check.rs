@@ -302,15 +302,12 @@ async fn short_conversations(fleet: &Fleet, first_seed: u64, n: u64) {
 async fn a_replica_whose_event_publisher_never_answers_is_named_degraded() {
     let tools = tools();
     common::bounded(TEST_TIMEOUT, async {
-        let dead = |_| {
-            format!(
-                "tcp://127.0.0.1:{}",
-                kvroute_harness::free_port().expect("a port")
-            )
-        };
+        // Held until the test ends, so no other test's replica can take these ports.
+        let (_events, events_url) = kvroute_harness::silent_tcp_endpoint().expect("a port");
+        let (_replay, replay_url) = kvroute_harness::silent_tcp_endpoint().expect("a port");
         let mut cfg = common::fleet_config("e2e-self-check-events", 2, MODEL);
         cfg.kv_events = true;
-        cfg.endpoint_extra = vec![json!({"kv_events": dead(0), "kv_events_replay": dead(1)})];
+        cfg.endpoint_extra = vec![json!({"kv_events": events_url, "kv_events_replay": replay_url})];
         let fleet = common::start_fleet(cfg, &tools).await;
         let (silent, live) = two_replicas(&fleet);
         wait_one_degraded(

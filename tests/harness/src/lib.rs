@@ -293,6 +293,20 @@ pub fn free_port() -> Result<u16> {
     Ok(port)
 }
 
+/// A `tcp://127.0.0.1:port` endpoint that never speaks, and the listener that holds its port:
+/// a KV-event publisher or replay socket "nobody serves" for as long as the caller keeps the
+/// listener. A port that was merely free a moment ago ([`free_port`]) can be taken by another
+/// test's replica in a parallel suite, which then publishes real events on it. Connections are
+/// queued by the kernel and never accepted or answered.
+pub fn silent_tcp_endpoint() -> Result<(TcpListener, String)> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(io_err("binding 127.0.0.1:0"))?;
+    let port = listener
+        .local_addr()
+        .map_err(io_err("reading a bound address"))?
+        .port();
+    Ok((listener, format!("tcp://127.0.0.1:{port}")))
+}
+
 /// The first of `count` consecutive ports on 127.0.0.1 that were all free a moment ago: what
 /// a vLLM data-parallel deployment's KV-event publishers need (rank `r` binds the base port
 /// + `r`). Tries OS-picked bases until a run is free.
