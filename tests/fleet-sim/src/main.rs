@@ -87,6 +87,11 @@ struct MatrixArgs {
     /// Only cells of these workloads (comma-separated names), e.g. `agentic`.
     #[arg(long, value_delimiter = ',')]
     workloads: Option<Vec<String>>,
+    /// Also run these pools of profile files (comma-separated; `a.yaml+b.yaml` is a pool of
+    /// half each): every workload at both loads, as the shipped pools. Your own GPUs' profiles
+    /// (`tests/vllm-sim/profiles/` shows the format), or profiles kvroute was never tuned on.
+    #[arg(long = "pool", value_delimiter = ',')]
+    extra_pools: Vec<String>,
     /// Only cells of these pools (comma-separated names as the table prints them).
     #[arg(long, value_delimiter = ',')]
     pools: Option<Vec<String>>,
@@ -301,6 +306,11 @@ fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
     } else {
         MatrixSpec::full(seeds)
     };
+    for pool in &args.extra_pools {
+        let pool =
+            fleet_sim::matrix::Pool::from_files(pool).with_context(|| format!("--pool {pool}"))?;
+        spec.add_pool(pool);
+    }
     if let Some(p) = &args.policies {
         spec.policies = regroup_policy_specs(p);
     }

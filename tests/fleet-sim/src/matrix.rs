@@ -176,6 +176,23 @@ impl Pool {
         })
     }
 
+    /// A pool of profile files: `a.yaml`, or `a.yaml+b.yaml` for half of each (a mixed pool),
+    /// named by the profiles' own names as [`Pool::named`] names shipped ones. This is how a
+    /// user puts their own GPUs into the matrix, and how kvroute is tried on profiles it was
+    /// never tuned on.
+    pub fn from_files(spec: &str) -> Result<Pool, SimError> {
+        let profiles = spec
+            .split('+')
+            .map(|path| Profile::load(Path::new(path)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let name = profiles
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect::<Vec<_>>()
+            .join("+");
+        Ok(Pool { name, profiles })
+    }
+
     /// This pool with every cache at `tokens` (same per-token decode cost).
     pub fn with_cache(&self, tokens: u64) -> Pool {
         Pool {
@@ -334,6 +351,20 @@ impl MatrixSpec {
             router: scorer_core::router::RouterConfig::default(),
             records_dir: None,
             unseen_fraction: 0.0,
+        }
+    }
+
+    /// Adds `pool`'s cells: every workload at both loads, as a shipped pool has.
+    pub fn add_pool(&mut self, pool: Pool) {
+        for workload in MatrixWorkload::ALL {
+            for load in [MODERATE_LOAD, SATURATING_LOAD] {
+                self.cells.push(Cell {
+                    workload,
+                    pool: pool.clone(),
+                    load,
+                    tight: false,
+                });
+            }
         }
     }
 }
@@ -957,6 +988,30 @@ fn cell_table<'r, T>() -> TextTable<'r, (&'r CellReport, &'r T)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // `--pool a.yaml+b.yaml`: a pool named by its profiles as a shipped one is, with every
+    // workload at both loads; a file that is not there is an error naming it.
+    #[test]
+    fn a_pool_of_profile_files_is_named_by_its_profiles() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../vllm-sim/profiles");
+        let spec = format!(
+            "{}+{}",
+            dir.join("llama8b-h100.yaml").display(),
+            dir.join("llama8b-l4.yaml").display()
+        );
+        let pool = Pool::from_files(&spec).unwrap();
+        assert_eq!(pool.name, "llama8b-h100+llama8b-l4");
+        assert_eq!(pool.profiles.len(), 2);
+        let mut matrix = MatrixSpec::quick(vec![1]);
+        let before = matrix.cells.len();
+        matrix.add_pool(pool);
+        assert_eq!(matrix.cells.len(), before + 2 * MatrixWorkload::ALL.len());
+        let missing = Pool::from_files("no/such/profile.yaml").unwrap_err();
+        assert!(
+            missing.to_string().contains("no/such/profile.yaml"),
+            "{missing}"
+        );
+    }
 
     #[test]
     fn interval_is_the_t_interval_of_the_mean() {
