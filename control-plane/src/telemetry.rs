@@ -918,7 +918,12 @@ fn encode_latency_model(
     endpoints: &[EndpointView],
 ) -> fmt::Result {
     type Getter = fn(&EndpointView) -> Option<f64>;
-    let gauges: [(&str, &str, Getter); 6] = [
+    let gauges: [(&str, &str, Getter); 7] = [
+        (
+            "endpoint_prefill_slowdown",
+            "How many times slower than the pool's typical endpoint scoring prices the endpoint's prefill, from its first tokens (1: not slower)",
+            |e| Some(e.prefill_slowdown),
+        ),
         (
             "endpoint_prefill_tokens_per_second",
             "Prefill throughput scoring assumes for the endpoint: calibrated from its counters, or the prior",
@@ -1280,6 +1285,7 @@ mod latency_metric_tests {
             &[
                 "kvroute_endpoint_latency_samples_total{endpoint=\"10.0.0.1:80\"} 1",
                 "kvroute_endpoint_prefill_tokens_per_second{endpoint=\"10.0.0.1:80\"} 5000.0",
+                "kvroute_endpoint_prefill_slowdown{endpoint=\"10.0.0.1:80\"} 1.0",
                 "kvroute_endpoint_itl_idle_seconds{endpoint=\"10.0.0.1:80\"} 0.015",
                 "kvroute_endpoint_ttft_prediction_error_ratio{endpoint=\"10.0.0.1:80\"} 0.",
                 "kvroute_endpoint_ttft_prediction_error_ms{endpoint=\"10.0.0.1:80\"} ",

@@ -114,6 +114,10 @@ pub struct CalibrationConfig {
     pub prior_decode_tokens: f64,
     /// Half-life of an observation, in ms.
     pub half_life_ms: u64,
+    /// Whether an endpoint whose streamed first tokens show its prefill a GPU generation
+    /// slower than its pool's typical one is priced slower ([`ShownPrefill`]), whether or not
+    /// `enabled` is. On by default: it changes nothing in a pool of one kind of replica.
+    pub first_tokens: bool,
 }
 
 impl Default for CalibrationConfig {
@@ -122,6 +126,7 @@ impl Default for CalibrationConfig {
             enabled: false,
             prior_decode_tokens: 200.0,
             half_life_ms: 120_000,
+            first_tokens: true,
         }
     }
 }
@@ -491,6 +496,94 @@ impl EndpointCalibration {
     }
 }
 
+/// Prompt tokens a first token must have prefilled to say anything about the rate: below it
+/// the time is mostly the request's trip and the engine's step, not its prefill.
+const SHOWN_MIN_TOKENS: f64 = 1024.0;
+/// First tokens an endpoint's shown rate is the fastest of.
+const SHOWN_SAMPLES: usize = 8;
+/// Half-life of a slowdown since its endpoint last showed a rate. An endpoint priced slower
+/// gets few long prompts, so evidence that never aged would keep a replica that was slow once
+/// (its first requests after start, a stall) priced slow for good; decaying, its price comes
+/// back toward its peers' until it is competitive again and shows its rate anew, while a
+/// replica that really is a generation behind stays priced well above them for minutes.
+pub const SLOWDOWN_HALF_LIFE_MS: f64 = 60_000.0;
+/// How many times slower than its pool's typical endpoint an endpoint must show its prefill
+/// before it is scored slower: about the gap between two GPU generations. A smaller gap is
+/// as likely a busy replica or a short prompt's overhead as other hardware.
+pub const SLOWER_HARDWARE: f64 = 2.0;
+
+/// The prefill rates an endpoint's streamed first tokens showed lately, in tokens per ms: the
+/// prompt tokens a request had to wait for there (the router's belief of the queue ahead plus
+/// its own uncached tokens) over the time from its decision to its first token.
+///
+/// Why: counters-based calibration learns from *finished* requests, and on a slow replica a
+/// request with a long answer finishes a minute after it was sent. A pool of fast and slow
+/// GPUs scored at one prior rate sends the slow ones fresh misses all that time, each waiting
+/// seconds for its first token. A first token comes as soon as the prefill is done, so the
+/// first long prompt an endpoint serves already shows how fast it prefills.
+///
+/// The time also holds the trip, the report's delay and work the router did not know of, so
+/// a sample reads slower than the engine, never faster unless the believed queue was already
+/// done: the estimate is the fastest of the last [`SHOWN_SAMPLES`], and a busy replica's slow
+/// samples do not make it read slow while it has lately shown its speed. Memory is fixed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ShownPrefill {
+    /// (tokens per ms, when shown), a ring.
+    samples: [(f64, u64); SHOWN_SAMPLES],
+    len: usize,
+    next: usize,
+}
+
+impl ShownPrefill {
+    /// A first token at `now_ms`, `elapsed_ms` after the decision of a request that waited for
+    /// `tokens` of prefill there. Short prefills and nonsense are ignored; returns whether it
+    /// was a sample.
+    pub fn observe(&mut self, tokens: f64, elapsed_ms: f64, now_ms: u64) -> bool {
+        if tokens.is_nan() || tokens < SHOWN_MIN_TOKENS || !elapsed_ms.is_finite() {
+            return false;
+        }
+        let rate = (tokens / elapsed_ms.max(1.0)).min(MAX_TOKENS_PER_MS);
+        self.samples[self.next] = (rate, now_ms);
+        self.next = (self.next + 1) % SHOWN_SAMPLES;
+        self.len = (self.len + 1).min(SHOWN_SAMPLES);
+        true
+    }
+
+    /// The fastest rate shown lately (`None`: none shown yet).
+    pub fn fastest(&self) -> Option<f64> {
+        self.samples[..self.len]
+            .iter()
+            .map(|(rate, _)| *rate)
+            .reduce(f64::max)
+    }
+
+    /// When the last rate was shown (0 before any).
+    pub fn last_shown_ms(&self) -> u64 {
+        self.samples[..self.len]
+            .iter()
+            .map(|(_, at)| *at)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// `slowdown`, judged `age_ms` ago, as it counts now: its excess over 1 halves every
+/// [`SLOWDOWN_HALF_LIFE_MS`].
+pub fn decayed_slowdown(slowdown: f64, age_ms: u64) -> f64 {
+    1.0 + (slowdown - 1.0) * 0.5f64.powf(age_ms as f64 / SLOWDOWN_HALF_LIFE_MS)
+}
+
+/// How many times slower than `typical` (the pool's median shown rate) an endpoint that showed
+/// `fastest` is to be scored: the ratio when it is at least [`SLOWER_HARDWARE`], else 1.
+pub fn slowdown(fastest: f64, typical: f64) -> f64 {
+    let ratio = typical / fastest.max(f64::MIN_POSITIVE);
+    if ratio.is_finite() && ratio >= SLOWER_HARDWARE {
+        ratio
+    } else {
+        1.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -667,5 +760,46 @@ mod tests {
             cal.observe(c, f64::NAN, i as u64 * 100, PRIOR, &config);
         }
         assert_eq!(cal.calibrated(PRIOR, &config), before);
+    }
+    // Short prefills say nothing (their time is the trip); the estimate is the fastest of the
+    // last eight long ones, so one slow sample on a busy replica does not move it, and the
+    // ninth pushes the first out.
+    #[test]
+    fn shown_prefill_is_the_fastest_of_the_last_long_prefills() {
+        let mut shown = ShownPrefill::default();
+        assert_eq!(shown.fastest(), None);
+        assert!(!shown.observe(500.0, 10.0, 0));
+        shown.observe(f64::NAN, 10.0, 0);
+        shown.observe(4_000.0, f64::INFINITY, 0);
+        assert_eq!(shown.fastest(), None);
+        assert!(shown.observe(4_000.0, 400.0, 5));
+        shown.observe(4_000.0, 4_000.0, 6);
+        assert_eq!(shown.fastest(), Some(10.0));
+        assert_eq!(shown.last_shown_ms(), 6);
+        for _ in 0..7 {
+            shown.observe(2_000.0, 1_000.0, 7);
+        }
+        assert_eq!(shown.fastest(), Some(2.0));
+        // A first token reported at the decision's own millisecond reads as 1 ms, not zero.
+        shown.observe(2_000.0, 0.0, 8);
+        assert_eq!(shown.fastest(), Some(2_000.0));
+    }
+
+    #[test]
+    fn a_slowdown_halves_its_excess_every_half_life() {
+        assert_eq!(decayed_slowdown(5.0, 0), 5.0);
+        assert_eq!(decayed_slowdown(5.0, SLOWDOWN_HALF_LIFE_MS as u64), 3.0);
+        assert_eq!(decayed_slowdown(5.0, 2 * SLOWDOWN_HALF_LIFE_MS as u64), 2.0);
+        assert_eq!(decayed_slowdown(1.0, 7), 1.0);
+    }
+
+    #[test]
+    fn slowdown_counts_from_a_generation_apart() {
+        assert_eq!(slowdown(10.0, 10.0), 1.0);
+        assert_eq!(slowdown(6.0, 10.0), 1.0);
+        assert_eq!(slowdown(5.0, 10.0), 2.0);
+        assert_eq!(slowdown(1.25, 10.0), 8.0);
+        assert_eq!(slowdown(20.0, 10.0), 1.0);
+        assert_eq!(slowdown(0.0, 10.0), 1.0);
     }
 }

@@ -22,7 +22,10 @@ use serde::{Deserialize, Serialize};
 use crate::address::EndpointAddress;
 
 use crate::affinity::SessionStats;
-use crate::calibration::{Calibrated, EndpointCalibration, EngineCounters, Prior};
+use crate::calibration::{
+    Calibrated, EndpointCalibration, EngineCounters, Prior, ShownPrefill, decayed_slowdown,
+    slowdown,
+};
 use crate::disagg::EndpointRole;
 use crate::index::{Claim, EndpointId, EndpointSet, MAX_ENDPOINTS, PrefixIndex};
 use crate::latency::{
@@ -161,8 +164,15 @@ struct Slot {
     calibration: EndpointCalibration,
     /// ... what it has learned (the prior until it has done work) ...
     learned: Calibrated,
-    /// ... and the rates scoring uses: `learned` with `calibration.enabled`, else the prior.
+    /// ... and the rates scoring uses: `learned` with `calibration.enabled`, else the prior,
+    /// its prefill rate divided by `slowdown` until calibration has learned the endpoint's own.
     rates: Calibrated,
+    /// The prefill rates its streamed first tokens showed ([`ShownPrefill`]) ...
+    shown_prefill: ShownPrefill,
+    /// ... and how many times slower than its pool's typical endpoint that was when it last
+    /// showed one (1 unless at least [`crate::calibration::SLOWER_HARDWARE`]; see
+    /// [`Router::first_token`]), decaying since ([`decayed_slowdown`]).
+    slowdown: f64,
     /// Prefill, decode or both (disaggregated serving).
     role: EndpointRole,
     /// Times it was picked as a request's prefill endpoint.
@@ -179,6 +189,18 @@ struct Slot {
 }
 
 impl Slot {
+    /// Whether scoring uses the rates calibration learned from this endpoint's own counters
+    /// (then no first-token slowdown applies: they already are its hardware's).
+    fn owns_rates(&self, calibrating: bool) -> bool {
+        calibrating && self.learned.is_learned()
+    }
+
+    /// Its slowdown as it counts at `now_ms`, decayed since it last showed a rate.
+    fn slowdown_at(&self, now_ms: u64) -> f64 {
+        let age = now_ms.saturating_sub(self.shown_prefill.last_shown_ms());
+        decayed_slowdown(self.slowdown, age)
+    }
+
     /// Prefill tokens still queued at `now_ms`: the backlog drained at `tokens_per_ms` since
     /// the last decision.
     fn backlog_at(&self, now_ms: u64, tokens_per_ms: f64) -> f64 {
@@ -655,6 +677,10 @@ pub struct EndpointView {
     /// finished requests); scoring uses them with `calibration.enabled`.
     #[serde(default)]
     pub calibration: Calibrated,
+    /// How many times slower than its pool's typical endpoint scoring prices its prefill, from
+    /// what its first tokens showed (1: not slower; [`Router::first_token`]).
+    #[serde(default = "one")]
+    pub prefill_slowdown: f64,
     /// How far scoring trusts what the index says it holds ([`crate::self_check`]).
     #[serde(default)]
     pub routing_state: RoutingState,
@@ -778,6 +804,11 @@ struct RouteScratch {
     /// Sort keys of the candidates (see `cost_order`).
     keys: Vec<u128>,
     short_keys: Vec<u64>,
+}
+
+/// Serde's default of a ratio that means "no change".
+fn one() -> f64 {
+    1.0
 }
 
 /// Appends `entry` (when, decision id) to a queue in time order whose answered decisions leave
@@ -1186,6 +1217,8 @@ impl Router {
             calibration: EndpointCalibration::default(),
             learned: Calibrated::from_prior(prior(&self.config.scoring)),
             rates: Calibrated::from_prior(prior(&self.config.scoring)),
+            shown_prefill: ShownPrefill::default(),
+            slowdown: 1.0,
             role: EndpointRole::Both,
             prefill_picks: 0,
             version: self.table.next(),
@@ -1307,6 +1340,9 @@ impl Router {
         } else {
             Calibrated::from_prior(self::prior(scoring))
         };
+        if !slot.owns_rates(calibration.enabled) {
+            slot.rates.prefill_tokens_per_ms /= slot.slowdown_at(now_ms);
+        }
         if let Some(cap) = metrics.capacity_tokens {
             let engine_blocks = cap as usize / self.config.precise.block_tokens.max(1);
             self.precise.gpu.set_capacity(id, engine_blocks.max(1));
@@ -2889,9 +2925,58 @@ impl Router {
             return;
         }
         entry.awaiting_first_token = false;
+        let mut shown = false;
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.unconfirmed_tokens =
                 (slot.unconfirmed_tokens - f64::from(entry.prefill_tokens)).max(0.0);
+            // Only a prefill that had the endpoint (almost) to itself shows its rate: behind a
+            // queue the time is mostly the queue's, which the router may not know in full.
+            let own = f64::from(entry.prefill_tokens);
+            let queued = entry.latency_features.queue_tokens;
+            if self.config.calibration.first_tokens && !entry.remote_prefill && queued <= 0.1 * own
+            {
+                let elapsed = now_ms.saturating_sub(entry.started_ms) as f64;
+                shown = slot.shown_prefill.observe(own + queued, elapsed, now_ms);
+            }
+        }
+        if shown {
+            self.rescale_slow_endpoints(now_ms);
+        }
+    }
+
+    /// Scores each endpoint whose first tokens show its prefill at least
+    /// [`crate::calibration::SLOWER_HARDWARE`] times slower than the median endpoint's (of those
+    /// that have shown one) at the prior divided by that ratio, until calibration has learned
+    /// its own rates. A pool of two GPU generations is then told apart within the first long
+    /// prompt each serves, instead of a finished request's minute later on the slow ones. Every
+    /// endpoint counts toward one median, whatever model it serves.
+    fn rescale_slow_endpoints(&mut self, now_ms: u64) {
+        let mut shown: Vec<f64> = self
+            .slots
+            .iter()
+            .flatten()
+            .filter_map(|s| s.shown_prefill.fastest())
+            .collect();
+        if shown.len() < 2 {
+            return;
+        }
+        let Some(typical) = crate::self_check::median(&mut shown) else {
+            return;
+        };
+        let calibrating = self.config.calibration.enabled;
+        for slot in self.slots.iter_mut().flatten() {
+            let new = slot
+                .shown_prefill
+                .fastest()
+                .map_or(1.0, |fastest| slowdown(fastest, typical));
+            if new == slot.slowdown {
+                continue;
+            }
+            let was = slot.slowdown_at(now_ms);
+            slot.slowdown = new;
+            if !slot.owns_rates(calibrating) {
+                slot.rates.prefill_tokens_per_ms *= was / slot.slowdown_at(now_ms);
+            }
         }
     }
 
@@ -2960,6 +3045,7 @@ impl Router {
                 role: s.role,
                 prefill_picks: s.prefill_picks,
                 calibration: s.learned,
+                prefill_slowdown: s.slowdown_at(now_ms),
                 routing_state: s.routing_state(),
                 state_reason: s.state_reason(),
                 delivered_share: s.check.delivered_share(),

@@ -186,6 +186,54 @@ fn an_idle_endpoints_first_prefill_is_measured_while_others_report() {
     assert_eq!(queue_on(&probe, &idle), 0.0);
 }
 
+/// The prefill term `d` priced on `endpoint`.
+fn prefill_on(d: &Decision, endpoint: &str) -> f64 {
+    d.candidates
+        .iter()
+        .find(|c| c.endpoint.as_str() == endpoint)
+        .map(|c| c.prefill_ms)
+        .unwrap()
+}
+
+/// Two long misses, one on each of two endpoints, whose first tokens come `fast_ms` and
+/// `slow_ms` after their decisions; then a third long miss, priced on both. Returns (the
+/// slow endpoint's prefill over the fast one's, whether the third went to the fast one).
+fn third_after_first_tokens(fast_ms: u64, slow_ms: u64) -> (f64, bool) {
+    let mut r = router(2);
+    let fast = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let slow = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    let (fast_home, slow_home) = (&fast.response.endpoints[0], &slow.response.endpoints[0]);
+    assert_ne!(fast_home, slow_home);
+    r.first_token(fast.response.decision_id, fast_ms);
+    r.first_token(slow.response.decision_id, slow_ms);
+    let third = r.route(
+        &streamed(&"a third document ".repeat(2_000)),
+        slow_ms + 1,
+        3,
+    );
+    let ratio = prefill_on(&third, slow_home) / prefill_on(&third, fast_home);
+    (ratio, &third.response.endpoints[0] == fast_home)
+}
+
+// A pool of two GPU generations: the first long prompt each endpoint prefills shows its rate,
+// and the one that took ten times as long is priced slower from then on, long before any
+// request there has finished (which counters-based calibration would wait for).
+#[test]
+fn a_first_token_shows_an_endpoint_on_slower_hardware() {
+    let (ratio, to_fast) = third_after_first_tokens(1_000, 10_000);
+    // The median of the two shown rates is their midpoint: 5.5 times the slow one's.
+    assert!((ratio - 5.5).abs() < 0.01, "{ratio}");
+    assert!(to_fast);
+}
+
+// Replicas of one kind read apart by their queues and their prompts' overheads: a gap under
+// `SLOWER_HARDWARE` changes nothing.
+#[test]
+fn a_first_token_somewhat_slower_prices_nothing_differently() {
+    let (ratio, _) = third_after_first_tokens(1_000, 1_500);
+    assert_eq!(ratio, 1.0);
+}
+
 // A copy leaves long placements by load and sessions' first requests to the control plane:
 // never a hit or a short prompt of a session already placed, never a request with nowhere
 // else to go, and it accounts for none of them.
