@@ -699,11 +699,14 @@ impl State {
         let now = self.now_ms();
         let mut inner = self.inner.lock();
         for report in reports {
-            inner.router.first_token(report.decision_id, now);
+            inner
+                .router
+                .first_token_after(report.decision_id, now, report.ttft_ms);
             inner.sync.push(
                 SyncEvent::FirstToken {
                     origin: 0,
                     decision_id: report.decision_id,
+                    ttft_ms: report.ttft_ms,
                 },
                 now,
             );

@@ -988,6 +988,7 @@ impl RequestMachine {
                 first = self.routed.as_ref().map(|routed| FirstToken {
                     decision_id: routed.decision_id,
                     decision_tag: routed.decision_tag,
+                    ttft_ms: Some(now_ms.saturating_sub(routed.routed_ms)),
                 });
             }
         }
@@ -1538,7 +1539,8 @@ mod tests {
     }
 
     // A streamed response's first chunk is its first token: reported once, with the decision's
-    // tag; a buffered response's first chunk is its end, and an error's is no token.
+    // tag and the time since it was routed; a buffered response's first chunk is its end, and
+    // an error's is no token.
     #[test]
     fn a_streamed_responses_first_chunk_reports_its_first_token() {
         let streamed = |stream: bool, status: u16| {
@@ -1565,7 +1567,8 @@ mod tests {
             streamed(true, 200),
             Some(FirstToken {
                 decision_id: 42,
-                decision_tag: 0
+                decision_tag: 0,
+                ttft_ms: Some(7),
             })
         );
         assert_eq!(streamed(false, 200), None);

@@ -613,6 +613,7 @@ mod tests {
         let first = |id| FirstToken {
             decision_id: id,
             decision_tag: 9,
+            ttft_ms: None,
         };
         let mut r = RootState::new(FilterConfig::default());
         r.push_first_token(first(1), 0);

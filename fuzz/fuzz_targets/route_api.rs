@@ -215,6 +215,7 @@ fn run(input: Input) {
                             first_tokens: vec![FirstToken {
                                 decision_id: id.wrapping_add(u64::from(*back % 3)),
                                 decision_tag: 0,
+                                ttft_ms: Some(u64::from(*total_ms)),
                             }],
                         })
                         .unwrap_or_default()
@@ -222,7 +223,7 @@ fn run(input: Input) {
                 };
                 if let Ok(batch) = serde_json::from_slice::<FeedbackBatch>(&bytes) {
                     for first in &batch.first_tokens {
-                        router.first_token(first.decision_id, now);
+                        router.first_token_after(first.decision_id, now, first.ttft_ms);
                     }
                     for outcome in &batch.outcomes {
                         router.feedback(outcome, now);

@@ -563,6 +563,11 @@ pub struct FirstToken {
     /// The route answer's [`RouteResponse::decision_tag`], echoed.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub decision_tag: u64,
+    /// The proxy's own time from routing the request to its first token, ms. The router reads
+    /// a replica's prefill rate from it ([`crate::calibration::ShownPrefill`]): the report
+    /// itself arrives a feedback tick later, or after a failover to another control plane.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<u64>,
 }
 
 /// A batch of outcomes: the filter's root context flushes these on a tick.

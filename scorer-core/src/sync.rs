@@ -169,6 +169,9 @@ pub enum SyncEvent {
         origin: u32,
         /// The decision.
         decision_id: u64,
+        /// The proxy's time from routing to the first token ([`FirstToken::ttft_ms`]).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        ttft_ms: Option<u64>,
     },
 }
 
@@ -192,6 +195,7 @@ enum SyncEventField {
     Record,
     Outcome,
     DecisionId,
+    TtftMs,
     #[serde(other)]
     Unknown,
 }
@@ -214,6 +218,7 @@ impl<'de> serde::de::Visitor<'de> for SyncEventVisitor {
         let mut record: Option<Box<DecisionRecord>> = None;
         let mut outcome = None;
         let mut decision_id = None;
+        let mut ttft_ms: Option<Option<u64>> = None;
         fn once<T, E: Error>(slot: &mut Option<T>, value: T, name: &'static str) -> Result<(), E> {
             match slot.replace(value) {
                 Some(_) => Err(E::duplicate_field(name)),
@@ -229,6 +234,7 @@ impl<'de> serde::de::Visitor<'de> for SyncEventVisitor {
                 SyncEventField::DecisionId => {
                     once(&mut decision_id, map.next_value()?, "decision_id")?;
                 }
+                SyncEventField::TtftMs => once(&mut ttft_ms, map.next_value()?, "ttft_ms")?,
                 SyncEventField::Unknown => {
                     map.next_value::<serde::de::IgnoredAny>()?;
                 }
@@ -247,6 +253,7 @@ impl<'de> serde::de::Visitor<'de> for SyncEventVisitor {
             SyncEventKind::FirstToken => Ok(SyncEvent::FirstToken {
                 origin,
                 decision_id: decision_id.ok_or_else(|| A::Error::missing_field("decision_id"))?,
+                ttft_ms: ttft_ms.flatten(),
             }),
         }
     }
@@ -274,7 +281,11 @@ impl SyncEvent {
                 );
             }
             SyncEvent::Outcome { outcome, .. } => router.feedback(outcome, now_ms),
-            SyncEvent::FirstToken { decision_id, .. } => router.first_token(*decision_id, now_ms),
+            SyncEvent::FirstToken {
+                decision_id,
+                ttft_ms,
+                ..
+            } => router.first_token_after(*decision_id, now_ms, *ttft_ms),
         }
     }
 
@@ -641,6 +652,7 @@ pub fn serve_sync(
         .map(|first| SyncEvent::FirstToken {
             origin: replica,
             decision_id: first.decision_id,
+            ttft_ms: first.ttft_ms,
         });
     // Decisions first, as the copy took them before their first tokens and outcomes.
     for event in decisions.chain(first_tokens).chain(outcomes) {
@@ -823,7 +835,7 @@ impl LocalRouter {
     /// for the next sync.
     pub fn first_token(&mut self, first: FirstToken, now_ms: u64) {
         if let Some(router) = self.router.as_mut() {
-            router.first_token(first.decision_id, now_ms);
+            router.first_token_after(first.decision_id, now_ms, first.ttft_ms);
         }
         push_bounded(&mut self.pending_first_tokens, first, self.max_pending);
     }
@@ -1076,6 +1088,12 @@ mod tests {
             SyncEvent::FirstToken {
                 origin: 5,
                 decision_id: 7,
+                ttft_ms: None,
+            },
+            SyncEvent::FirstToken {
+                origin: 5,
+                decision_id: 8,
+                ttft_ms: Some(950),
             },
         ];
         let json = serde_json::to_string(&events).unwrap();
@@ -1139,6 +1157,7 @@ mod tests {
             FirstToken {
                 decision_id: decision.response.decision_id,
                 decision_tag: 0,
+                ttft_ms: Some(1),
             },
             2,
         );

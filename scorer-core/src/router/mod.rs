@@ -2913,6 +2913,14 @@ impl Router {
     /// without them, the estimate drained at the endpoint's rate. A buffered request shows no first token before its end and is
     /// counted by the estimate only.
     pub fn first_token(&mut self, decision_id: u64, now_ms: u64) {
+        self.first_token_after(decision_id, now_ms, None);
+    }
+
+    /// [`Router::first_token`] with the proxy's own time from routing to the first token
+    /// (`ttft_ms`, [`crate::protocol::FirstToken::ttft_ms`]): the prefill rate the endpoint
+    /// showed is read from it rather than from when the report arrived, which a feedback tick
+    /// or a failover to another control plane delays by up to seconds.
+    pub fn first_token_after(&mut self, decision_id: u64, now_ms: u64, ttft_ms: Option<u64>) {
         self.stats.first_tokens += 1;
         self.first_token_at_ms = Some(now_ms);
         let Some(entry) = self.inflight.get_mut(&decision_id) else {
@@ -2935,7 +2943,8 @@ impl Router {
             let queued = entry.latency_features.queue_tokens;
             if self.config.calibration.first_tokens && !entry.remote_prefill && queued <= 0.1 * own
             {
-                let elapsed = now_ms.saturating_sub(entry.started_ms) as f64;
+                let here = now_ms.saturating_sub(entry.started_ms);
+                let elapsed = ttft_ms.map_or(here, |t| t.min(here)) as f64;
                 shown = slot.shown_prefill.observe(own + queued, elapsed, now_ms);
             }
         }

@@ -3,7 +3,12 @@ use crate::hash::{block_hashes, model_seed};
 use crate::protocol::ApiKind;
 
 fn router(n: usize) -> Router {
-    let mut r = Router::new(RouterConfig::default(), 1);
+    router_with(RouterConfig::default(), n)
+}
+
+/// A router of `config` over `n` endpoints.
+fn router_with(config: RouterConfig, n: usize) -> Router {
+    let mut r = Router::new(config, 1);
     for i in 0..n {
         r.upsert_endpoint(&format!("10.0.0.{i}:8000")).unwrap();
     }
@@ -195,11 +200,18 @@ fn prefill_on(d: &Decision, endpoint: &str) -> f64 {
         .unwrap()
 }
 
+/// `router(n)` with `calibration.first_tokens` on.
+fn first_tokens_router(n: usize) -> Router {
+    let mut config = RouterConfig::default();
+    config.calibration.first_tokens = true;
+    router_with(config, n)
+}
+
 /// Two long misses, one on each of two endpoints, whose first tokens come `fast_ms` and
 /// `slow_ms` after their decisions; then a third long miss, priced on both. Returns (the
 /// slow endpoint's prefill over the fast one's, whether the third went to the fast one).
 fn third_after_first_tokens(fast_ms: u64, slow_ms: u64) -> (f64, bool) {
-    let mut r = router(2);
+    let mut r = first_tokens_router(2);
     let fast = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
     let slow = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
     let (fast_home, slow_home) = (&fast.response.endpoints[0], &slow.response.endpoints[0]);
@@ -226,12 +238,48 @@ fn a_first_token_shows_an_endpoint_on_slower_hardware() {
     assert!(to_fast);
 }
 
+// A report that arrives late (a feedback tick, a failover to another control plane) carries the
+// proxy's own time to the first token, and that is what the rate is read from: two replicas
+// that both prefilled in a second read alike, however late one's report came.
+#[test]
+fn a_late_first_token_report_reads_the_proxys_own_time() {
+    let mut r = first_tokens_router(2);
+    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
+    r.first_token_after(two.response.decision_id, 10_000, Some(1_000));
+    let third = r.route(&streamed(&"a third document ".repeat(2_000)), 10_001, 3);
+    let (a, b) = (&one.response.endpoints[0], &two.response.endpoints[0]);
+    assert_eq!(prefill_on(&third, a), prefill_on(&third, b));
+    // Without the proxy's time, the late report reads ten times slower.
+    let mut r = first_tokens_router(2);
+    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    r.first_token(one.response.decision_id, 1_000);
+    r.first_token(two.response.decision_id, 10_000);
+    let third = r.route(&streamed(&"a third document ".repeat(2_000)), 10_001, 3);
+    assert!(prefill_on(&third, b) > 5.0 * prefill_on(&third, a));
+}
+
 // Replicas of one kind read apart by their queues and their prompts' overheads: a gap under
 // `SLOWER_HARDWARE` changes nothing.
 #[test]
 fn a_first_token_somewhat_slower_prices_nothing_differently() {
     let (ratio, _) = third_after_first_tokens(1_000, 1_500);
     assert_eq!(ratio, 1.0);
+}
+
+// Off (the default), first tokens price nothing differently.
+#[test]
+fn first_tokens_show_nothing_by_default() {
+    let mut r = router(2);
+    let fast = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let slow = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    r.first_token(fast.response.decision_id, 1_000);
+    r.first_token(slow.response.decision_id, 10_000);
+    let third = r.route(&streamed(&"a third document ".repeat(2_000)), 10_001, 3);
+    let (a, b) = (&fast.response.endpoints[0], &slow.response.endpoints[0]);
+    assert_eq!(prefill_on(&third, a), prefill_on(&third, b));
 }
 
 // A copy leaves long placements by load and sessions' first requests to the control plane:

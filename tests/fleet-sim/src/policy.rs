@@ -949,8 +949,9 @@ impl Policy for Dynamo {
 struct Kvroute {
     router: Router,
     precise: bool,
-    /// Decision id and prompt tokens (the usage the engine reports) of each routed request.
-    decisions: HashMap<usize, (u64, u32)>,
+    /// Decision id, prompt tokens (the usage the engine reports) and routing time of each
+    /// routed request.
+    decisions: HashMap<usize, (u64, u32, u64)>,
     predicted: HashMap<usize, u32>,
     seed: SplitMix,
     addresses: Vec<String>,
@@ -959,8 +960,8 @@ struct Kvroute {
     /// Tokens of text one approximate hash block (`block_bytes`) covers.
     approx_block_tokens: usize,
     /// First-token reports on their way: (when the proxy's next feedback tick delivers it,
-    /// decision id), in order.
-    first_tokens: std::collections::VecDeque<(u64, u64)>,
+    /// decision id, the proxy's time from routing to the first token), in order.
+    first_tokens: std::collections::VecDeque<(u64, u64, u64)>,
 }
 /// The filter's feedback tick (`feedback_interval_ms` default): a first-token report waits for
 /// the next one, so the router hears of a first token up to this late.
@@ -1015,12 +1016,13 @@ impl Kvroute {
 
     /// Hands the router the first-token reports whose feedback tick has come by `now_ms`.
     fn deliver_first_tokens(&mut self, now_ms: u64) {
-        while let Some(&(due, decision_id)) = self.first_tokens.front() {
+        while let Some(&(due, decision_id, ttft_ms)) = self.first_tokens.front() {
             if due > now_ms {
                 break;
             }
             self.first_tokens.pop_front();
-            self.router.first_token(decision_id, due);
+            self.router
+                .first_token_after(decision_id, due, Some(ttft_ms));
         }
     }
 
@@ -1028,7 +1030,7 @@ impl Kvroute {
     /// (`None`, vLLM's 400).
     fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
         self.deliver_first_tokens(now_ms as u64);
-        if let Some((decision_id, prompt_tokens)) = self.decisions.remove(&id) {
+        if let Some((decision_id, prompt_tokens, _)) = self.decisions.remove(&id) {
             let outcome =
                 proxy_outcome(decision_id, &self.addresses[replica], prompt_tokens, cached);
             self.router.feedback(&outcome, now_ms as u64);
@@ -1128,15 +1130,23 @@ impl Policy for Kvroute {
             .route(&request, now_ms as u64, self.seed.next_u64());
         let pick = self.pick(&decision);
         let cached = decision.candidates.first().map_or(0, |c| c.cached_tokens);
-        self.decisions
-            .insert(r.id, (decision.response.decision_id, r.tokens.len() as u32));
+        self.decisions.insert(
+            r.id,
+            (
+                decision.response.decision_id,
+                r.tokens.len() as u32,
+                now_ms as u64,
+            ),
+        );
         self.predicted.insert(r.id, cached);
         pick
     }
     fn on_first_token(&mut self, id: usize, _: usize, now_ms: f64) {
-        if let Some(&(decision_id, _)) = self.decisions.get(&id) {
-            let due = (now_ms as u64 / FEEDBACK_TICK_MS + 1) * FEEDBACK_TICK_MS;
-            self.first_tokens.push_back((due, decision_id));
+        if let Some(&(decision_id, _, decided_ms)) = self.decisions.get(&id) {
+            let now = now_ms as u64;
+            let due = (now / FEEDBACK_TICK_MS + 1) * FEEDBACK_TICK_MS;
+            self.first_tokens
+                .push_back((due, decision_id, now.saturating_sub(decided_ms)));
         }
     }
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
@@ -1286,6 +1296,8 @@ struct LocalDecision {
     copy: usize,
     decision_id: u64,
     prompt_tokens: u32,
+    /// When it was routed (the proxy's first-token report measures from here).
+    routed_ms: u64,
 }
 
 /// kvroute deciding in the proxy (issue #15): `proxies x workers` copies of the routing state
@@ -1479,6 +1491,7 @@ impl Policy for KvrouteLocal {
                 copy: index,
                 decision_id: decision.response.decision_id,
                 prompt_tokens: r.tokens.len() as u32,
+                routed_ms: now_ms as u64,
             },
         );
         self.predicted.insert(r.id, cached);
@@ -1492,6 +1505,7 @@ impl Policy for KvrouteLocal {
             let first = FirstToken {
                 decision_id: decision.decision_id,
                 decision_tag: 0,
+                ttft_ms: Some((now_ms as u64).saturating_sub(decision.routed_ms)),
             };
             self.copies[decision.copy].first_token(first, now_ms as u64);
         }
