@@ -137,13 +137,17 @@ fn streamed(text: &str) -> RouteRequest {
     }
 }
 
-/// The queue term `d` priced on `endpoint`.
-fn queue_on(d: &Decision, endpoint: &str) -> f64 {
+/// `endpoint`'s candidate in `d`.
+fn candidate<'d>(d: &'d Decision, endpoint: &str) -> &'d CandidateScore {
     d.candidates
         .iter()
         .find(|c| c.endpoint.as_str() == endpoint)
-        .map(|c| c.queue_ms)
         .unwrap()
+}
+
+/// The queue term `d` priced on `endpoint`.
+fn queue_on(d: &Decision, endpoint: &str) -> f64 {
+    candidate(d, endpoint).queue_ms
 }
 
 // While first tokens are reported, a streamed request stays in its endpoint's queue until
@@ -193,11 +197,7 @@ fn an_idle_endpoints_first_prefill_is_measured_while_others_report() {
 
 /// The prefill term `d` priced on `endpoint`.
 fn prefill_on(d: &Decision, endpoint: &str) -> f64 {
-    d.candidates
-        .iter()
-        .find(|c| c.endpoint.as_str() == endpoint)
-        .map(|c| c.prefill_ms)
-        .unwrap()
+    candidate(d, endpoint).prefill_ms
 }
 
 /// `router(n)` with `calibration.first_tokens` on.
@@ -207,24 +207,24 @@ fn first_tokens_router(n: usize) -> Router {
     router_with(config, n)
 }
 
-/// Two long misses, one on each of two endpoints, whose first tokens come `fast_ms` and
-/// `slow_ms` after their decisions; then a third long miss, priced on both. Returns (the
-/// slow endpoint's prefill over the fast one's, whether the third went to the fast one).
-fn third_after_first_tokens(fast_ms: u64, slow_ms: u64) -> (f64, bool) {
-    let mut r = first_tokens_router(2);
-    let fast = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
-    let slow = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
-    let (fast_home, slow_home) = (&fast.response.endpoints[0], &slow.response.endpoints[0]);
-    assert_ne!(fast_home, slow_home);
-    r.first_token(fast.response.decision_id, fast_ms);
-    r.first_token(slow.response.decision_id, slow_ms);
-    let third = r.route(
-        &streamed(&"a third document ".repeat(2_000)),
-        slow_ms + 1,
-        3,
-    );
-    let ratio = prefill_on(&third, slow_home) / prefill_on(&third, fast_home);
-    (ratio, &third.response.endpoints[0] == fast_home)
+/// Two long misses, one on each of two endpoints, whose first tokens are reported as
+/// `(arrival ms, the proxy's own time)`; then a third long miss, priced on both. Returns (the
+/// second endpoint's prefill over the first one's, whether the third went to the first one).
+fn third_after_first_tokens(
+    mut r: Router,
+    first: (u64, Option<u64>),
+    second: (u64, Option<u64>),
+) -> (f64, bool) {
+    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
+    assert_ne!(one_home, two_home);
+    r.first_token_after(one.response.decision_id, first.0, first.1);
+    r.first_token_after(two.response.decision_id, second.0, second.1);
+    let at = first.0.max(second.0) + 1;
+    let third = r.route(&streamed(&"a third document ".repeat(2_000)), at, 3);
+    let ratio = prefill_on(&third, two_home) / prefill_on(&third, one_home);
+    (ratio, &third.response.endpoints[0] == one_home)
 }
 
 // A pool of two GPU generations: the first long prompt each endpoint prefills shows its rate,
@@ -232,7 +232,8 @@ fn third_after_first_tokens(fast_ms: u64, slow_ms: u64) -> (f64, bool) {
 // request there has finished (which counters-based calibration would wait for).
 #[test]
 fn a_first_token_shows_an_endpoint_on_slower_hardware() {
-    let (ratio, to_fast) = third_after_first_tokens(1_000, 10_000);
+    let (ratio, to_fast) =
+        third_after_first_tokens(first_tokens_router(2), (1_000, None), (10_000, None));
     // The median of the two shown rates is their midpoint: 5.5 times the slow one's.
     assert!((ratio - 5.5).abs() < 0.01, "{ratio}");
     assert!(to_fast);
@@ -240,46 +241,31 @@ fn a_first_token_shows_an_endpoint_on_slower_hardware() {
 
 // A report that arrives late (a feedback tick, a failover to another control plane) carries the
 // proxy's own time to the first token, and that is what the rate is read from: two replicas
-// that both prefilled in a second read alike, however late one's report came.
+// that both prefilled in a second read alike, however late one's report came (without that
+// time, the test above: ten times slower).
 #[test]
 fn a_late_first_token_report_reads_the_proxys_own_time() {
-    let mut r = first_tokens_router(2);
-    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
-    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
-    r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
-    r.first_token_after(two.response.decision_id, 10_000, Some(1_000));
-    let third = r.route(&streamed(&"a third document ".repeat(2_000)), 10_001, 3);
-    let (a, b) = (&one.response.endpoints[0], &two.response.endpoints[0]);
-    assert_eq!(prefill_on(&third, a), prefill_on(&third, b));
-    // Without the proxy's time, the late report reads ten times slower.
-    let mut r = first_tokens_router(2);
-    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
-    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
-    r.first_token(one.response.decision_id, 1_000);
-    r.first_token(two.response.decision_id, 10_000);
-    let third = r.route(&streamed(&"a third document ".repeat(2_000)), 10_001, 3);
-    assert!(prefill_on(&third, b) > 5.0 * prefill_on(&third, a));
+    let late = third_after_first_tokens(
+        first_tokens_router(2),
+        (1_000, Some(1_000)),
+        (10_000, Some(1_000)),
+    );
+    assert_eq!(late.0, 1.0);
 }
 
 // Replicas of one kind read apart by their queues and their prompts' overheads: a gap under
 // `SLOWER_HARDWARE` changes nothing.
 #[test]
 fn a_first_token_somewhat_slower_prices_nothing_differently() {
-    let (ratio, _) = third_after_first_tokens(1_000, 1_500);
+    let (ratio, _) = third_after_first_tokens(first_tokens_router(2), (1_000, None), (1_500, None));
     assert_eq!(ratio, 1.0);
 }
 
 // Off (the default), first tokens price nothing differently.
 #[test]
 fn first_tokens_show_nothing_by_default() {
-    let mut r = router(2);
-    let fast = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
-    let slow = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
-    r.first_token(fast.response.decision_id, 1_000);
-    r.first_token(slow.response.decision_id, 10_000);
-    let third = r.route(&streamed(&"a third document ".repeat(2_000)), 10_001, 3);
-    let (a, b) = (&fast.response.endpoints[0], &slow.response.endpoints[0]);
-    assert_eq!(prefill_on(&third, a), prefill_on(&third, b));
+    let (ratio, _) = third_after_first_tokens(router(2), (1_000, None), (10_000, None));
+    assert_eq!(ratio, 1.0);
 }
 
 // A copy leaves long placements by load and sessions' first requests to the control plane:
