@@ -517,7 +517,8 @@ pub const SLOWER_HARDWARE: f64 = 2.0;
 
 /// The prefill rates an endpoint's streamed first tokens showed lately, in tokens per ms: the
 /// prompt tokens a request had to wait for there (the router's belief of the queue ahead plus
-/// its own uncached tokens) over the time from its decision to its first token.
+/// its own uncached tokens) over the time to its first token (the proxy's own, from routing,
+/// when its report carries it; else the router's, from its decision to the report).
 ///
 /// Why: counters-based calibration learns from *finished* requests, and on a slow replica a
 /// request with a long answer finishes a minute after it was sent. A pool of fast and slow
@@ -525,10 +526,11 @@ pub const SLOWER_HARDWARE: f64 = 2.0;
 /// seconds for its first token. A first token comes as soon as the prefill is done, so the
 /// first long prompt an endpoint serves already shows how fast it prefills.
 ///
-/// The time also holds the trip, the report's delay and work the router did not know of, so
-/// a sample reads slower than the engine, never faster unless the believed queue was already
-/// done: the estimate is the fastest of the last [`SHOWN_SAMPLES`], and a busy replica's slow
-/// samples do not make it read slow while it has lately shown its speed. Memory is fixed.
+/// The time also holds the trip and work the router did not know of, so a sample reads slower
+/// than the engine, never faster unless the believed queue was already done or the engine had
+/// cached what the router believed it must prefill: the estimate is the fastest of the last
+/// [`SHOWN_SAMPLES`], and a busy replica's slow samples do not make it read slow while it has
+/// lately shown its speed. Memory is fixed.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ShownPrefill {
     /// (tokens per ms, when shown), a ring.
