@@ -292,27 +292,8 @@ pub fn default_trace() -> PathBuf {
 impl MatrixSpec {
     /// The default matrix: every workload on every pool at both loads, plus tight-cache cells.
     pub fn full(seeds: Vec<u64>) -> Self {
-        let mut cells = Vec::new();
-        for pool in MATRIX_POOLS {
-            let pool = Pool::named(pool).expect("matrix pools are shipped profiles");
-            for workload in MatrixWorkload::ALL {
-                for load in [MODERATE_LOAD, SATURATING_LOAD] {
-                    cells.push(Cell {
-                        workload,
-                        pool: pool.clone(),
-                        load,
-                        tight: false,
-                    });
-                }
-            }
-        }
-        cells.extend(tight_cells(&[
-            MatrixWorkload::SharedPrefix,
-            MatrixWorkload::Mooncake,
-            MatrixWorkload::Agentic,
-        ]));
-        Self {
-            cells,
+        let mut spec = Self {
+            cells: Vec::new(),
             seeds,
             policies: matrix_policies(),
             replicas: 8,
@@ -322,7 +303,16 @@ impl MatrixSpec {
             router: scorer_core::router::RouterConfig::default(),
             records_dir: None,
             unseen_fraction: 0.0,
+        };
+        for pool in MATRIX_POOLS {
+            spec.add_pool(Pool::named(pool).expect("matrix pools are shipped profiles"));
         }
+        spec.cells.extend(tight_cells(&[
+            MatrixWorkload::SharedPrefix,
+            MatrixWorkload::Mooncake,
+            MatrixWorkload::Agentic,
+        ]));
+        spec
     }
 
     /// A few small cells (finishes in well under two minutes on two cores).
