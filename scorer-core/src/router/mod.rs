@@ -165,8 +165,11 @@ struct Slot {
     /// ... what it has learned (the prior until it has done work) ...
     learned: Calibrated,
     /// ... and the rates scoring uses: `learned` with `calibration.enabled`, else the prior,
-    /// its prefill rate divided by `slowdown` until calibration has learned the endpoint's own.
+    /// its prefill rate `base_prefill_tokens_per_ms` divided by `slowdown` until calibration
+    /// has learned the endpoint's own ([`Slot::price_prefill`]).
     rates: Calibrated,
+    /// The prefill rate of `rates` before any slowdown.
+    base_prefill_tokens_per_ms: f64,
     /// The prefill rates its streamed first tokens showed ([`ShownPrefill`]) ...
     shown_prefill: ShownPrefill,
     /// ... and how many times slower than its pool's typical endpoint that was when it last
@@ -195,8 +198,22 @@ impl Slot {
         calibrating && self.learned.is_learned()
     }
 
+    /// Sets the prefill rate scoring uses: the base rate, divided by the slowdown as it counts
+    /// at `now_ms` unless calibration owns the endpoint's rates.
+    fn price_prefill(&mut self, now_ms: u64, calibrating: bool) {
+        let slowdown = if self.owns_rates(calibrating) {
+            1.0
+        } else {
+            self.slowdown_at(now_ms)
+        };
+        self.rates.prefill_tokens_per_ms = self.base_prefill_tokens_per_ms / slowdown;
+    }
+
     /// Its slowdown as it counts at `now_ms`, decayed since it last showed a rate.
     fn slowdown_at(&self, now_ms: u64) -> f64 {
+        if self.slowdown == 1.0 {
+            return 1.0;
+        }
         let age = now_ms.saturating_sub(self.shown_prefill.last_shown_ms());
         decayed_slowdown(self.slowdown, age)
     }
@@ -1217,6 +1234,8 @@ impl Router {
             calibration: EndpointCalibration::default(),
             learned: Calibrated::from_prior(prior(&self.config.scoring)),
             rates: Calibrated::from_prior(prior(&self.config.scoring)),
+            base_prefill_tokens_per_ms: Calibrated::from_prior(prior(&self.config.scoring))
+                .prefill_tokens_per_ms,
             shown_prefill: ShownPrefill::default(),
             slowdown: 1.0,
             role: EndpointRole::Both,
@@ -1340,9 +1359,8 @@ impl Router {
         } else {
             Calibrated::from_prior(self::prior(scoring))
         };
-        if !slot.owns_rates(calibration.enabled) {
-            slot.rates.prefill_tokens_per_ms /= slot.slowdown_at(now_ms);
-        }
+        slot.base_prefill_tokens_per_ms = slot.rates.prefill_tokens_per_ms;
+        slot.price_prefill(now_ms, calibration.enabled);
         if let Some(cap) = metrics.capacity_tokens {
             let engine_blocks = cap as usize / self.config.precise.block_tokens.max(1);
             self.precise.gpu.set_capacity(id, engine_blocks.max(1));
@@ -2981,11 +2999,8 @@ impl Router {
             if new == slot.slowdown {
                 continue;
             }
-            let was = slot.slowdown_at(now_ms);
             slot.slowdown = new;
-            if !slot.owns_rates(calibrating) {
-                slot.rates.prefill_tokens_per_ms *= was / slot.slowdown_at(now_ms);
-            }
+            slot.price_prefill(now_ms, calibrating);
         }
     }
 
