@@ -479,7 +479,8 @@ struct InFlight {
     /// The prefill tokens it added to its endpoint's backlog, refunded if the engine refuses
     /// it without prefilling.
     prefill_tokens: u32,
-    /// When it was decided here: no reported time may exceed the time since.
+    /// When it was decided, here or (a decision recorded from another router) by its
+    /// `age_ms` before it was heard of: no reported time may exceed the time since.
     started_ms: u64,
     /// Its prefill is in its endpoint's `unconfirmed_tokens` until its first token is reported.
     awaiting_first_token: bool,
@@ -2093,6 +2094,15 @@ impl Router {
             decision_id,
             now_ms,
         );
+        // Timed from when it was taken, not from when this router heard of it: a copy often
+        // hears of a decision in the same sync as its first token or its outcome, and timed
+        // from then a one-second prefill reads as instant (the rate a first token shows, and
+        // an outcome clamped to the time since the decision). Expiry still counts from now.
+        if age_ms > 0
+            && let Some(entry) = self.inflight.get_mut(&decision_id)
+        {
+            entry.started_ms = now_ms.saturating_sub(age_ms);
+        }
         if age_ms > 0
             && let Some(slot) = self.slots[usize::from(chosen.0)].as_mut()
         {
@@ -2961,9 +2971,14 @@ impl Router {
             let queued = entry.latency_features.queue_tokens;
             if self.config.calibration.first_tokens && !entry.remote_prefill && queued <= 0.1 * own
             {
-                let here = now_ms.saturating_sub(entry.started_ms);
-                let elapsed = ttft_ms.map_or(here, |t| t.min(here)) as f64;
-                shown = slot.shown_prefill.observe(own + queued, elapsed, now_ms);
+                // The proxy's own time when it sent one: the time since the decision as this
+                // router counts it falls short of it by however late the router heard of the
+                // decision, a sync interval or more for a copy, which for a short prefill
+                // reads as twice its rate.
+                let elapsed = ttft_ms.unwrap_or_else(|| now_ms.saturating_sub(entry.started_ms));
+                shown = slot
+                    .shown_prefill
+                    .observe(own + queued, elapsed as f64, now_ms);
             }
         }
         if shown {

@@ -253,6 +253,32 @@ fn a_late_first_token_report_reads_the_proxys_own_time() {
     assert_eq!(late.0, 1.0);
 }
 
+// A copy hears of another router's decision late (its `age_ms`), often in the same sync as
+// its first token: the rate is read from when the decision was taken. Read from when the copy
+// heard of it, a one-second prefill showed as instant, and the copy priced every endpoint
+// that had shown a true rate tens of times slower (as a real-Envoy test with two proxies did).
+#[test]
+fn a_decision_heard_of_late_is_timed_from_when_it_was_taken() {
+    let mut copy = first_tokens_router(2);
+    let own = copy.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let own_home = own.response.endpoints[0].clone();
+    let other = copy
+        .endpoints(0)
+        .into_iter()
+        .map(|e| e.address)
+        .find(|a| *a != own_home)
+        .expect("a second endpoint");
+    copy.first_token_after(own.response.decision_id, 1_000, Some(1_000));
+    // Another router's decision, taken at 0 and heard of with its first token at 1 s.
+    let theirs = (1 << crate::sync::REPLICA_SHIFT) + 1;
+    let request = streamed(&"a long document, two ".repeat(2_000));
+    assert!(copy.record_decision(&request, &other, theirs, 1_000, 1_000));
+    copy.first_token_after(theirs, 1_000, Some(1_000));
+    let third = copy.route(&streamed(&"a third document ".repeat(2_000)), 1_001, 2);
+    let ratio = prefill_on(&third, &own_home) / prefill_on(&third, &other);
+    assert_eq!(ratio, 1.0);
+}
+
 // Replicas of one kind read apart by their queues and their prompts' overheads: a gap under
 // `SLOWER_HARDWARE` changes nothing.
 #[test]
