@@ -200,10 +200,10 @@ fn prefill_on(d: &Decision, endpoint: &str) -> f64 {
     candidate(d, endpoint).prefill_ms
 }
 
-/// `router(n)` with `calibration.first_tokens` on.
-fn first_tokens_router(n: usize) -> Router {
+/// `router(n)` with `calibration.first_tokens` off.
+fn router_without_first_tokens(n: usize) -> Router {
     let mut config = RouterConfig::default();
-    config.calibration.first_tokens = true;
+    config.calibration.first_tokens = false;
     router_with(config, n)
 }
 
@@ -232,8 +232,7 @@ fn third_after_first_tokens(
 // request there has finished (which counters-based calibration would wait for).
 #[test]
 fn a_first_token_shows_an_endpoint_on_slower_hardware() {
-    let (ratio, to_fast) =
-        third_after_first_tokens(first_tokens_router(2), (1_000, None), (10_000, None));
+    let (ratio, to_fast) = third_after_first_tokens(router(2), (1_000, None), (10_000, None));
     // The median of the two shown rates is their midpoint: 5.5 times the slow one's.
     assert!((ratio - 5.5).abs() < 0.01, "{ratio}");
     assert!(to_fast);
@@ -245,11 +244,7 @@ fn a_first_token_shows_an_endpoint_on_slower_hardware() {
 // time, the test above: ten times slower).
 #[test]
 fn a_late_first_token_report_reads_the_proxys_own_time() {
-    let late = third_after_first_tokens(
-        first_tokens_router(2),
-        (1_000, Some(1_000)),
-        (10_000, Some(1_000)),
-    );
+    let late = third_after_first_tokens(router(2), (1_000, Some(1_000)), (10_000, Some(1_000)));
     assert_eq!(late.0, 1.0);
 }
 
@@ -259,7 +254,7 @@ fn a_late_first_token_report_reads_the_proxys_own_time() {
 // that had shown a true rate tens of times slower (as a real-Envoy test with two proxies did).
 #[test]
 fn a_decision_heard_of_late_is_timed_from_when_it_was_taken() {
-    let mut copy = first_tokens_router(2);
+    let mut copy = router(2);
     let own = copy.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
     let own_home = own.response.endpoints[0].clone();
     let other = copy
@@ -283,14 +278,18 @@ fn a_decision_heard_of_late_is_timed_from_when_it_was_taken() {
 // `SLOWER_HARDWARE` changes nothing.
 #[test]
 fn a_first_token_somewhat_slower_prices_nothing_differently() {
-    let (ratio, _) = third_after_first_tokens(first_tokens_router(2), (1_000, None), (1_500, None));
+    let (ratio, _) = third_after_first_tokens(router(2), (1_000, None), (1_500, None));
     assert_eq!(ratio, 1.0);
 }
 
-// Off (the default), first tokens price nothing differently.
+// Off, first tokens price nothing differently.
 #[test]
-fn first_tokens_show_nothing_by_default() {
-    let (ratio, _) = third_after_first_tokens(router(2), (1_000, None), (10_000, None));
+fn first_tokens_show_nothing_when_off() {
+    let (ratio, _) = third_after_first_tokens(
+        router_without_first_tokens(2),
+        (1_000, None),
+        (10_000, None),
+    );
     assert_eq!(ratio, 1.0);
 }
 
