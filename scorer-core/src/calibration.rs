@@ -533,24 +533,60 @@ pub const SLOWER_HARDWARE: f64 = 2.0;
 /// lately shown its speed. Memory is fixed.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ShownPrefill {
-    /// (tokens per ms, when shown), a ring.
-    samples: [(f64, u64); SHOWN_SAMPLES],
+    /// (tokens per ms, when shown, the decision that showed it), a ring.
+    samples: [(f64, u64, u64); SHOWN_SAMPLES],
     len: usize,
     next: usize,
 }
 
 impl ShownPrefill {
-    /// A first token at `now_ms`, `elapsed_ms` after the decision of a request that waited for
-    /// `tokens` of prefill there. Short prefills and nonsense are ignored; returns whether it
-    /// was a sample.
-    pub fn observe(&mut self, tokens: f64, elapsed_ms: f64, now_ms: u64) -> bool {
-        if tokens.is_nan() || tokens < SHOWN_MIN_TOKENS || !elapsed_ms.is_finite() {
+    /// A first token at `now_ms`, `elapsed_ms` after decision `decision_id`, of a request that
+    /// waited for `tokens` of prefill there. Short prefills and nonsense are ignored; returns
+    /// whether it was a sample.
+    pub fn observe(&mut self, tokens: f64, elapsed_ms: f64, now_ms: u64, decision_id: u64) -> bool {
+        let Some(rate) = shown_rate(tokens, elapsed_ms) else {
             return false;
-        }
-        let rate = (tokens / elapsed_ms.max(1.0)).min(MAX_TOKENS_PER_MS);
-        self.samples[self.next] = (rate, now_ms);
+        };
+        self.samples[self.next] = (rate, now_ms, decision_id);
         self.next = (self.next + 1) % SHOWN_SAMPLES;
         self.len = (self.len + 1).min(SHOWN_SAMPLES);
+        true
+    }
+
+    /// Decision `decision_id`'s outcome said how many tokens its prefill really was (`tokens`,
+    /// `None`: it was no sample after all, such as a prompt the engine had cached that the
+    /// router believed it must prefill, which read the replica many times faster than it is).
+    /// Its sample, if still held, is read again or forgotten. Returns whether it changed.
+    pub fn correct(&mut self, decision_id: u64, tokens: Option<f64>, elapsed_ms: f64) -> bool {
+        let Some(at) = self.samples[..self.len]
+            .iter()
+            .position(|(_, _, id)| *id == decision_id)
+        else {
+            return false;
+        };
+        if let Some(rate) = tokens.and_then(|t| shown_rate(t, elapsed_ms)) {
+            let changed = self.samples[at].0 != rate;
+            self.samples[at].0 = rate;
+            return changed;
+        }
+        // Forgotten: the ring keeps its order (oldest overwritten first) without it.
+        let mut kept = [(0.0, 0, 0); SHOWN_SAMPLES];
+        let mut len = 0;
+        for i in 0..self.len {
+            // Oldest first: a full ring's oldest is at `next`.
+            let index = if self.len == SHOWN_SAMPLES {
+                (self.next + i) % SHOWN_SAMPLES
+            } else {
+                i
+            };
+            if index != at {
+                kept[len] = self.samples[index];
+                len += 1;
+            }
+        }
+        self.samples = kept;
+        self.len = len;
+        self.next = len % SHOWN_SAMPLES;
         true
     }
 
@@ -558,7 +594,7 @@ impl ShownPrefill {
     pub fn fastest(&self) -> Option<f64> {
         self.samples[..self.len]
             .iter()
-            .map(|(rate, _)| *rate)
+            .map(|(rate, _, _)| *rate)
             .reduce(f64::max)
     }
 
@@ -566,10 +602,18 @@ impl ShownPrefill {
     pub fn last_shown_ms(&self) -> u64 {
         self.samples[..self.len]
             .iter()
-            .map(|(_, at)| *at)
+            .map(|(_, at, _)| *at)
             .max()
             .unwrap_or(0)
     }
+}
+
+/// The rate `tokens` of prefill in `elapsed_ms` shows, if they are a sample at all.
+fn shown_rate(tokens: f64, elapsed_ms: f64) -> Option<f64> {
+    if tokens.is_nan() || tokens < SHOWN_MIN_TOKENS || !elapsed_ms.is_finite() {
+        return None;
+    }
+    Some((tokens / elapsed_ms.max(1.0)).min(MAX_TOKENS_PER_MS))
 }
 
 /// `slowdown`, judged `age_ms` ago, as it counts now: its excess over 1 halves every
@@ -773,21 +817,53 @@ mod tests {
     fn shown_prefill_is_the_fastest_of_the_last_long_prefills() {
         let mut shown = ShownPrefill::default();
         assert_eq!(shown.fastest(), None);
-        assert!(!shown.observe(500.0, 10.0, 0));
-        shown.observe(f64::NAN, 10.0, 0);
-        shown.observe(4_000.0, f64::INFINITY, 0);
+        assert!(!shown.observe(500.0, 10.0, 0, 1));
+        shown.observe(f64::NAN, 10.0, 0, 2);
+        shown.observe(4_000.0, f64::INFINITY, 0, 3);
         assert_eq!(shown.fastest(), None);
-        assert!(shown.observe(4_000.0, 400.0, 5));
-        shown.observe(4_000.0, 4_000.0, 6);
+        assert!(shown.observe(4_000.0, 400.0, 5, 4));
+        shown.observe(4_000.0, 4_000.0, 6, 5);
         assert_eq!(shown.fastest(), Some(10.0));
         assert_eq!(shown.last_shown_ms(), 6);
-        for _ in 0..7 {
-            shown.observe(2_000.0, 1_000.0, 7);
+        for id in 0..7 {
+            shown.observe(2_000.0, 1_000.0, 7, 10 + id);
         }
         assert_eq!(shown.fastest(), Some(2.0));
         // A first token reported at the decision's own millisecond reads as 1 ms, not zero.
-        shown.observe(2_000.0, 0.0, 8);
+        shown.observe(2_000.0, 0.0, 8, 20);
         assert_eq!(shown.fastest(), Some(2_000.0));
+    }
+
+    // An outcome that says the prefill was not what the router believed reads its sample
+    // again, or forgets it; the ring then goes on overwriting its oldest sample.
+    #[test]
+    fn an_outcome_corrects_or_forgets_its_sample() {
+        let mut shown = ShownPrefill::default();
+        shown.observe(2_000.0, 1_000.0, 1, 1);
+        // Believed a 2,000-token miss, served from cache in 10 ms: 200 tokens/ms for now.
+        shown.observe(2_000.0, 10.0, 2, 2);
+        assert_eq!(shown.fastest(), Some(200.0));
+        // The engine had 1,950 of them cached: no sample.
+        assert!(shown.correct(2, None, 10.0));
+        assert_eq!(shown.fastest(), Some(2.0));
+        assert!(!shown.correct(2, None, 10.0), "already forgotten");
+        // A larger prefill than believed reads faster.
+        assert!(shown.correct(1, Some(3_000.0), 1_000.0));
+        assert_eq!(shown.fastest(), Some(3.0));
+        // Read again as too short: forgotten as well.
+        shown.observe(2_000.0, 1_000.0, 3, 3);
+        assert!(shown.correct(3, Some(500.0), 1_000.0));
+        assert_eq!(shown.fastest(), Some(3.0));
+        // A full ring minus one, then two more: the oldest (decision 1) goes first.
+        for id in 10..17 {
+            shown.observe(1_024.0, 1_024.0, 4, id);
+        }
+        assert_eq!(shown.fastest(), Some(3.0));
+        assert!(shown.correct(12, None, 1.0));
+        shown.observe(1_024.0, 1_024.0, 5, 17);
+        assert_eq!(shown.fastest(), Some(3.0));
+        shown.observe(1_024.0, 1_024.0, 5, 18);
+        assert_eq!(shown.fastest(), Some(1.0));
     }
 
     #[test]

@@ -484,6 +484,9 @@ struct InFlight {
     started_ms: u64,
     /// Its prefill is in its endpoint's `unconfirmed_tokens` until its first token is reported.
     awaiting_first_token: bool,
+    /// The time to its first token, when that was a sample of its endpoint's prefill rate
+    /// ([`ShownPrefill`]): the outcome, which says what the prefill really was, reads it again.
+    shown_after_ms: Option<u64>,
     /// The proxy's route call id, so the proxy can withdraw it (see [`Router::withdraw`]).
     call_id: Option<u64>,
     /// What the router knew of the request's reuse when it chose ([`crate::reuse`]).
@@ -2537,6 +2540,7 @@ impl Router {
             prefill_tokens: chosen_score.uncached_tokens,
             started_ms: now_ms,
             awaiting_first_token: request.stream,
+            shown_after_ms: None,
             call_id: request.call_id,
             aim,
             pool: self
@@ -2931,6 +2935,46 @@ impl Router {
             self.stats.predicted_cached_tokens += u64::from(entry.predicted_cached_tokens);
             self.stats.actual_cached_tokens += u64::from(actual);
         }
+        self.correct_shown_prefill(&entry, outcome, served_by, now_ms);
+    }
+
+    /// Reads the sample decision `entry`'s first token gave of its endpoint's prefill rate
+    /// again with what its outcome says the prefill was: the prompt's tokens less those the
+    /// engine had cached, where the router's count was its own estimate. A prompt the router
+    /// believed a miss that the engine served from cache read the endpoint many times faster
+    /// than it is, and in a pool of a few replicas that one sample made the others read twice
+    /// as slow as the median; now it lasts until its answer ends. A sample from a request
+    /// another endpoint served (Envoy's fallback) is forgotten. An outcome without usage
+    /// changes nothing.
+    fn correct_shown_prefill(
+        &mut self,
+        entry: &InFlight,
+        outcome: &Outcome,
+        served_by: EndpointId,
+        now_ms: u64,
+    ) {
+        let Some(elapsed) = entry.shown_after_ms else {
+            return;
+        };
+        let own = match (outcome.prompt_tokens, outcome.cached_tokens) {
+            _ if served_by != entry.endpoint => None,
+            (Some(prompt), Some(cached)) => Some(f64::from(prompt.saturating_sub(cached))),
+            _ => return,
+        };
+        let queued = entry.latency_features.queue_tokens;
+        // The same test as when it was taken: a prefill with (almost) nothing queued ahead.
+        let tokens = own
+            .filter(|own| queued <= 0.1 * own)
+            .map(|own| own + queued);
+        let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() else {
+            return;
+        };
+        if slot
+            .shown_prefill
+            .correct(outcome.decision_id, tokens, elapsed as f64)
+        {
+            self.rescale_slow_endpoints(now_ms);
+        }
     }
 
     /// The first token of decision `decision_id`'s response was seen: its prefill is done, so
@@ -2976,9 +3020,12 @@ impl Router {
                 // decision, a sync interval or more for a copy, which for a short prefill
                 // reads as twice its rate.
                 let elapsed = ttft_ms.unwrap_or_else(|| now_ms.saturating_sub(entry.started_ms));
-                shown = slot
-                    .shown_prefill
-                    .observe(own + queued, elapsed as f64, now_ms);
+                shown =
+                    slot.shown_prefill
+                        .observe(own + queued, elapsed as f64, now_ms, decision_id);
+                if shown {
+                    entry.shown_after_ms = Some(elapsed);
+                }
             }
         }
         if shown {
@@ -2999,18 +3046,17 @@ impl Router {
             .flatten()
             .filter_map(|s| s.shown_prefill.fastest())
             .collect();
-        if shown.len() < 2 {
-            return;
-        }
-        let Some(typical) = crate::self_check::median(&mut shown) else {
-            return;
+        // Fewer than two shown (a sample forgotten): no endpoint is slower than the others.
+        let typical = match shown.len() {
+            0 | 1 => None,
+            _ => crate::self_check::median(&mut shown),
         };
         let calibrating = self.config.calibration.enabled;
         for slot in self.slots.iter_mut().flatten() {
-            let new = slot
-                .shown_prefill
-                .fastest()
-                .map_or(1.0, |fastest| slowdown(fastest, typical));
+            let new = match (slot.shown_prefill.fastest(), typical) {
+                (Some(fastest), Some(typical)) => slowdown(fastest, typical),
+                _ => 1.0,
+            };
             if new == slot.slowdown {
                 continue;
             }

@@ -274,6 +274,40 @@ fn a_decision_heard_of_late_is_timed_from_when_it_was_taken() {
     assert_eq!(ratio, 1.0);
 }
 
+// A prompt the router believed a miss that the engine served from cache shows its replica
+// many times faster than it is, and with two replicas the other reads that much slower, until
+// the outcome's cached tokens take the sample back.
+#[test]
+fn an_outcome_takes_back_a_first_token_the_cache_served() {
+    let mut r = router(2);
+    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
+    assert_ne!(one_home, two_home);
+    r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
+    r.first_token_after(two.response.decision_id, 1_000, Some(10));
+    let slowdown = |r: &Router| {
+        r.endpoints(1_000)
+            .into_iter()
+            .find(|e| e.address == *one_home)
+            .map(|e| e.prefill_slowdown)
+    };
+    assert!(slowdown(&r).is_some_and(|s| s > 2.0), "{:?}", slowdown(&r));
+    let served_from_cache = Outcome {
+        decision_id: two.response.decision_id,
+        endpoint: two_home.clone(),
+        status: 200,
+        ttfb_ms: Some(10),
+        total_ms: 500,
+        prompt_tokens: Some(8_000),
+        completion_tokens: Some(20),
+        cached_tokens: Some(7_968),
+        ..Outcome::default()
+    };
+    r.feedback(&served_from_cache, 1_000);
+    assert_eq!(slowdown(&r), Some(1.0));
+}
+
 // Replicas of one kind read apart by their queues and their prompts' overheads: a gap under
 // `SLOWER_HARDWARE` changes nothing.
 #[test]
