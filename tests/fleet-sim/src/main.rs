@@ -81,7 +81,8 @@ struct MatrixArgs {
     #[arg(long)]
     json: Option<PathBuf>,
     /// kvroute router settings as YAML or JSON (`RouterConfig` fields), e.g.
-    /// `{calibration: {enabled: true}}`: one setting across every cell, never per profile.
+    /// `{calibration: {enabled: true}}`, or a file holding them: one setting across every
+    /// cell, never per profile.
     #[arg(long)]
     router_config: Option<String>,
     /// Only cells of these workloads (comma-separated names), e.g. `agentic`.
@@ -211,7 +212,8 @@ struct CompareArgs {
     #[arg(long, value_delimiter = ',')]
     sweep: Option<Vec<f64>>,
     /// kvroute router settings as YAML or JSON (`RouterConfig` fields, e.g.
-    /// `{scoring: {guard_abs: 32}}`), for sweeps of the scoring defaults.
+    /// `{scoring: {guard_abs: 32}}`), or a file holding them, for sweeps of the scoring
+    /// defaults.
     #[arg(long)]
     router_config: Option<String>,
     /// Metrics scrape interval of the simulated routers (virtual ms).
@@ -275,6 +277,22 @@ struct Summary {
     sweep: Vec<SweepPoint>,
 }
 
+/// `--router-config`: the settings inline, or the YAML or JSON file `arg` names.
+fn router_config(arg: &str) -> anyhow::Result<RouterConfig> {
+    let path = std::path::Path::new(arg);
+    if path.is_file() {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--router-config: reading {}", path.display()))?;
+        return serde_yaml_ng::from_str(&text)
+            .with_context(|| format!("--router-config: {}", path.display()));
+    }
+    // Settings have a key; a bare word is a file that is not there.
+    if !arg.contains(':') && !arg.contains('{') {
+        bail!("--router-config: no file {arg} (inline settings look like `{{scoring: {{...}}}}`)");
+    }
+    serde_yaml_ng::from_str(arg).context("--router-config")
+}
+
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Policies => {
@@ -332,8 +350,8 @@ fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
     if let Some(t) = &args.trace {
         spec.trace = t.clone();
     }
-    if let Some(text) = &args.router_config {
-        spec.router = serde_yaml_ng::from_str(text).context("--router-config")?;
+    if let Some(arg) = &args.router_config {
+        spec.router = router_config(arg)?;
     }
     if let Some(w) = &args.workloads {
         spec.cells
@@ -547,8 +565,8 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             bail!("{e}");
         }
     }
-    let router: RouterConfig = match &args.router_config {
-        Some(text) => serde_yaml_ng::from_str(text).context("--router-config")?,
+    let router = match &args.router_config {
+        Some(arg) => router_config(arg)?,
         None => RouterConfig::default(),
     };
     let cfg = SimConfig {
