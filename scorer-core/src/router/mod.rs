@@ -174,8 +174,11 @@ struct Slot {
     shown_prefill: ShownPrefill,
     /// ... and how many times slower than its pool's typical endpoint that was when it last
     /// showed one (1 unless at least [`crate::calibration::SLOWER_HARDWARE`]; see
-    /// [`Router::first_token`]), decaying since ([`decayed_slowdown`]).
+    /// [`Router::first_token`]), decaying since ([`decayed_slowdown`]) ...
     slowdown: f64,
+    /// ... it was judged: when it last showed a rate, or, for an endpoint that has shown none
+    /// in a pool where others have, when theirs were last judged.
+    judged_ms: u64,
     /// Prefill, decode or both (disaggregated serving).
     role: EndpointRole,
     /// Times it was picked as a request's prefill endpoint.
@@ -214,8 +217,7 @@ impl Slot {
         if self.slowdown == 1.0 {
             return 1.0;
         }
-        let age = now_ms.saturating_sub(self.shown_prefill.last_shown_ms());
-        decayed_slowdown(self.slowdown, age)
+        decayed_slowdown(self.slowdown, now_ms.saturating_sub(self.judged_ms))
     }
 
     /// Prefill tokens still queued at `now_ms`: the backlog drained at `tokens_per_ms` since
@@ -1242,6 +1244,7 @@ impl Router {
                 .prefill_tokens_per_ms,
             shown_prefill: ShownPrefill::default(),
             slowdown: 1.0,
+            judged_ms: 0,
             role: EndpointRole::Both,
             prefill_picks: 0,
             version: self.table.next(),
@@ -3052,15 +3055,34 @@ impl Router {
             _ => crate::self_check::median(&mut shown),
         };
         let calibrating = self.config.calibration.enabled;
+        // An endpoint that has shown no rate yet may be of either kind: it is priced at the
+        // mean of the shown endpoints' slowdowns (1 in a pool of one kind), so that in a pool
+        // of two GPU generations a cold replica is not taken for the fast kind.
+        let judged: Vec<f64> = self
+            .slots
+            .iter()
+            .flatten()
+            .filter_map(|s| Some(slowdown(s.shown_prefill.fastest()?, typical?)))
+            .collect();
+        let unshown = if judged.is_empty() {
+            1.0
+        } else {
+            judged.iter().sum::<f64>() / judged.len() as f64
+        };
         for slot in self.slots.iter_mut().flatten() {
-            let new = match (slot.shown_prefill.fastest(), typical) {
-                (Some(fastest), Some(typical)) => slowdown(fastest, typical),
-                _ => 1.0,
+            let (new, judged_ms) = match (slot.shown_prefill.fastest(), typical) {
+                (Some(fastest), Some(typical)) => (
+                    slowdown(fastest, typical),
+                    slot.shown_prefill.last_shown_ms(),
+                ),
+                (None, Some(_)) => (unshown, now_ms),
+                _ => (1.0, now_ms),
             };
-            if new == slot.slowdown {
+            if new == slot.slowdown && judged_ms == slot.judged_ms {
                 continue;
             }
             slot.slowdown = new;
+            slot.judged_ms = judged_ms;
             slot.price_prefill(now_ms, calibrating);
         }
     }

@@ -274,6 +274,47 @@ fn a_decision_heard_of_late_is_timed_from_when_it_was_taken() {
     assert_eq!(ratio, 1.0);
 }
 
+// In a pool of two GPU generations, a replica that has not yet shown its rate may be of
+// either: it is priced at the mean of the shown replicas' slowdowns, not taken for the fast
+// kind until its first long prompt says so. In a pool of one kind that mean is 1.
+#[test]
+fn a_replica_not_yet_shown_is_priced_at_its_pools_mean_slowdown() {
+    let mut r = router(3);
+    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
+    assert_ne!(one_home, two_home);
+    let slowdowns = |r: &Router| {
+        let all = r.endpoints(10_000);
+        let of = |a: &str| {
+            all.iter()
+                .find(|e| e.address == a)
+                .unwrap()
+                .prefill_slowdown
+        };
+        let cold = all
+            .iter()
+            .find(|e| e.address != *one_home && e.address != *two_home)
+            .unwrap();
+        (of(one_home), of(two_home), cold.prefill_slowdown)
+    };
+    r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
+    r.first_token_after(two.response.decision_id, 10_000, Some(1_500));
+    assert_eq!(slowdowns(&r), (1.0, 1.0, 1.0), "one kind");
+    let mut r = router(3);
+    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    assert_eq!(&one.response.endpoints[0], one_home);
+    assert_eq!(&two.response.endpoints[0], two_home);
+    r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
+    r.first_token_after(two.response.decision_id, 10_000, Some(10_000));
+    // The median of the two shown rates is their midpoint, 5.5 times the slow one's.
+    let (fast, slow, cold) = slowdowns(&r);
+    assert_eq!(fast, 1.0);
+    assert!((slow - 5.5).abs() < 0.01, "{slow}");
+    assert!((cold - 3.25).abs() < 0.01, "{cold}");
+}
+
 // A prompt the router believed a miss that the engine served from cache shows its replica
 // many times faster than it is, and with two replicas the other reads that much slower, until
 // the outcome's cached tokens take the sample back.
