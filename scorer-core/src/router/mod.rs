@@ -3039,7 +3039,8 @@ impl Router {
     /// Scores each endpoint whose first tokens show its prefill at least
     /// [`crate::calibration::SLOWER_HARDWARE`] times slower than the median endpoint's (of those
     /// that have shown one) at the prior divided by that ratio, until calibration has learned
-    /// its own rates. A pool of two GPU generations is then told apart within the first long
+    /// its own rates, and each endpoint that has shown none at the mean of the shown ones'
+    /// slowdowns. A pool of two GPU generations is then told apart within the first long
     /// prompt each serves, instead of a finished request's minute later on the slow ones. Every
     /// endpoint counts toward one median, whatever model it serves.
     fn rescale_slow_endpoints(&mut self, now_ms: u64) {
