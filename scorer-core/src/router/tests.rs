@@ -207,6 +207,22 @@ fn router_without_first_tokens(n: usize) -> Router {
     router_with(config, n)
 }
 
+/// Two long misses routed at 0, which land on two different endpoints.
+fn two_long_misses(r: &mut Router) -> (Decision, Decision) {
+    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
+    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    assert_ne!(one.response.endpoints[0], two.response.endpoints[0]);
+    (one, two)
+}
+
+/// The slowdown `r` prices `address`'s prefill at, at `at_ms`.
+fn slowdown_of(r: &Router, at_ms: u64, address: &str) -> f64 {
+    r.endpoints(at_ms)
+        .into_iter()
+        .find(|e| e.address == address)
+        .map_or(f64::NAN, |e| e.prefill_slowdown)
+}
+
 /// Two long misses, one on each of two endpoints, whose first tokens are reported as
 /// `(arrival ms, the proxy's own time)`; then a third long miss, priced on both. Returns (the
 /// second endpoint's prefill over the first one's, whether the third went to the first one).
@@ -215,10 +231,8 @@ fn third_after_first_tokens(
     first: (u64, Option<u64>),
     second: (u64, Option<u64>),
 ) -> (f64, bool) {
-    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
-    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    let (one, two) = two_long_misses(&mut r);
     let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
-    assert_ne!(one_home, two_home);
     r.first_token_after(one.response.decision_id, first.0, first.1);
     r.first_token_after(two.response.decision_id, second.0, second.1);
     let at = first.0.max(second.0) + 1;
@@ -279,37 +293,27 @@ fn a_decision_heard_of_late_is_timed_from_when_it_was_taken() {
 // kind until its first long prompt says so. In a pool of one kind that mean is 1.
 #[test]
 fn a_replica_not_yet_shown_is_priced_at_its_pools_mean_slowdown() {
-    let mut r = router(3);
-    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
-    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
-    let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
-    assert_ne!(one_home, two_home);
-    let slowdowns = |r: &Router| {
-        let all = r.endpoints(10_000);
-        let of = |a: &str| {
-            all.iter()
-                .find(|e| e.address == a)
-                .unwrap()
-                .prefill_slowdown
-        };
-        let cold = all
-            .iter()
+    // (fast, slow, cold): the slowdowns once the second long prefill took `second_ms`.
+    let slowdowns = |second_ms: u64| {
+        let mut r = router(3);
+        let (one, two) = two_long_misses(&mut r);
+        r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
+        r.first_token_after(two.response.decision_id, 10_000, Some(second_ms));
+        let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
+        let cold = r
+            .endpoints(10_000)
+            .into_iter()
             .find(|e| e.address != *one_home && e.address != *two_home)
-            .unwrap();
-        (of(one_home), of(two_home), cold.prefill_slowdown)
+            .expect("a third endpoint");
+        (
+            slowdown_of(&r, 10_000, one_home),
+            slowdown_of(&r, 10_000, two_home),
+            cold.prefill_slowdown,
+        )
     };
-    r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
-    r.first_token_after(two.response.decision_id, 10_000, Some(1_500));
-    assert_eq!(slowdowns(&r), (1.0, 1.0, 1.0), "one kind");
-    let mut r = router(3);
-    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
-    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
-    assert_eq!(&one.response.endpoints[0], one_home);
-    assert_eq!(&two.response.endpoints[0], two_home);
-    r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
-    r.first_token_after(two.response.decision_id, 10_000, Some(10_000));
+    assert_eq!(slowdowns(1_500), (1.0, 1.0, 1.0), "one kind");
     // The median of the two shown rates is their midpoint, 5.5 times the slow one's.
-    let (fast, slow, cold) = slowdowns(&r);
+    let (fast, slow, cold) = slowdowns(10_000);
     assert_eq!(fast, 1.0);
     assert!((slow - 5.5).abs() < 0.01, "{slow}");
     assert!((cold - 3.25).abs() < 0.01, "{cold}");
@@ -321,19 +325,12 @@ fn a_replica_not_yet_shown_is_priced_at_its_pools_mean_slowdown() {
 #[test]
 fn an_outcome_takes_back_a_first_token_the_cache_served() {
     let mut r = router(2);
-    let one = r.route(&streamed(&"a long document, one ".repeat(2_000)), 0, 1);
-    let two = r.route(&streamed(&"a long document, two ".repeat(2_000)), 0, 2);
+    let (one, two) = two_long_misses(&mut r);
     let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
-    assert_ne!(one_home, two_home);
     r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
     r.first_token_after(two.response.decision_id, 1_000, Some(10));
-    let slowdown = |r: &Router| {
-        r.endpoints(1_000)
-            .into_iter()
-            .find(|e| e.address == *one_home)
-            .map(|e| e.prefill_slowdown)
-    };
-    assert!(slowdown(&r).is_some_and(|s| s > 2.0), "{:?}", slowdown(&r));
+    let before = slowdown_of(&r, 1_000, one_home);
+    assert!(before > 2.0, "{before}");
     let served_from_cache = Outcome {
         decision_id: two.response.decision_id,
         endpoint: two_home.clone(),
@@ -346,7 +343,7 @@ fn an_outcome_takes_back_a_first_token_the_cache_served() {
         ..Outcome::default()
     };
     r.feedback(&served_from_cache, 1_000);
-    assert_eq!(slowdown(&r), Some(1.0));
+    assert_eq!(slowdown_of(&r, 1_000, one_home), 1.0);
 }
 
 // Replicas of one kind read apart by their queues and their prompts' overheads: a gap under
