@@ -921,7 +921,7 @@ fn encode_latency_model(
     let gauges: [(&str, &str, Getter); 7] = [
         (
             "endpoint_prefill_slowdown",
-            "How many times slower than the pool's typical endpoint scoring prices the endpoint's prefill, from its first tokens (1: not slower)",
+            "How many times slower than the pool's typical endpoint scoring prices the endpoint's prefill, from its first tokens, or the shown endpoints' mean for one that has shown none (1: not slower)",
             |e| Some(e.prefill_slowdown),
         ),
         (
