@@ -533,10 +533,10 @@ pub const SLOWER_HARDWARE: f64 = 2.0;
 /// lately shown its speed. Memory is fixed.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ShownPrefill {
-    /// (tokens per ms, when shown, the decision that showed it), a ring.
+    /// (tokens per ms, when shown, the decision that showed it), oldest first; the first
+    /// `len` are held.
     samples: [(f64, u64, u64); SHOWN_SAMPLES],
     len: usize,
-    next: usize,
 }
 
 impl ShownPrefill {
@@ -547,10 +547,18 @@ impl ShownPrefill {
         let Some(rate) = shown_rate(tokens, elapsed_ms) else {
             return false;
         };
-        self.samples[self.next] = (rate, now_ms, decision_id);
-        self.next = (self.next + 1) % SHOWN_SAMPLES;
-        self.len = (self.len + 1).min(SHOWN_SAMPLES);
+        if self.len == SHOWN_SAMPLES {
+            self.forget(0);
+        }
+        self.samples[self.len] = (rate, now_ms, decision_id);
+        self.len += 1;
         true
+    }
+
+    /// Drops the sample at `at`, keeping the others oldest first.
+    fn forget(&mut self, at: usize) {
+        self.samples.copy_within(at + 1..self.len, at);
+        self.len -= 1;
     }
 
     /// Decision `decision_id`'s outcome said how many tokens its prefill really was (`tokens`,
@@ -569,24 +577,7 @@ impl ShownPrefill {
             self.samples[at].0 = rate;
             return changed;
         }
-        // Forgotten: the ring keeps its order (oldest overwritten first) without it.
-        let mut kept = [(0.0, 0, 0); SHOWN_SAMPLES];
-        let mut len = 0;
-        for i in 0..self.len {
-            // Oldest first: a full ring's oldest is at `next`.
-            let index = if self.len == SHOWN_SAMPLES {
-                (self.next + i) % SHOWN_SAMPLES
-            } else {
-                i
-            };
-            if index != at {
-                kept[len] = self.samples[index];
-                len += 1;
-            }
-        }
-        self.samples = kept;
-        self.len = len;
-        self.next = len % SHOWN_SAMPLES;
+        self.forget(at);
         true
     }
 
@@ -835,7 +826,7 @@ mod tests {
     }
 
     // An outcome that says the prefill was not what the router believed reads its sample
-    // again, or forgets it; the ring then goes on overwriting its oldest sample.
+    // again, or forgets it; a new sample then still pushes out the oldest.
     #[test]
     fn an_outcome_corrects_or_forgets_its_sample() {
         let mut shown = ShownPrefill::default();
@@ -854,7 +845,7 @@ mod tests {
         shown.observe(2_000.0, 1_000.0, 3, 3);
         assert!(shown.correct(3, Some(500.0), 1_000.0));
         assert_eq!(shown.fastest(), Some(3.0));
-        // A full ring minus one, then two more: the oldest (decision 1) goes first.
+        // Eight held less one forgotten, then two more: the oldest (decision 1) goes first.
         for id in 10..17 {
             shown.observe(1_024.0, 1_024.0, 4, id);
         }

@@ -849,6 +849,14 @@ fn push_compacting(
     }
 }
 
+/// The prefill tokens a streamed request's first token times, when it is a sample of its
+/// endpoint's rate ([`ShownPrefill`]): only a prefill (`own` tokens) that had the endpoint
+/// (almost) to itself shows it; behind a queue (`queued`) the time is mostly the queue's, which
+/// the router may not know in full.
+fn sampled_prefill(own: f64, queued: f64) -> Option<f64> {
+    (queued <= 0.1 * own).then_some(own + queued)
+}
+
 /// Whether in-flight decision `decision_id` credited speculative blocks whose prefill has not
 /// been seen to run ([`Router::expire`] keeps them).
 fn awaits_prefill(inflight: &HashMap<u64, InFlight>, decision_id: u64) -> bool {
@@ -2100,23 +2108,22 @@ impl Router {
             decision_id,
             now_ms,
         );
-        // Timed from when it was taken, not from when this router heard of it: a copy often
-        // hears of a decision in the same sync as its first token or its outcome, and timed
-        // from then a one-second prefill reads as instant (the rate a first token shows, and
-        // an outcome clamped to the time since the decision). Expiry still counts from now.
-        if age_ms > 0
-            && let Some(entry) = self.inflight.get_mut(&decision_id)
-        {
-            entry.started_ms = now_ms.saturating_sub(age_ms);
-        }
-        if age_ms > 0
-            && let Some(slot) = self.slots[usize::from(chosen.0)].as_mut()
-        {
-            let done = (age_ms as f64 * slot.rates.prefill_tokens_per_ms).min(uncached);
-            slot.backlog_tokens = (slot.backlog_tokens - done).max(0.0);
-            // A streamed decision's first token, if it came, is in the log after it.
-            if !request.stream {
-                slot.buffered_tokens = (slot.buffered_tokens - done).max(0.0);
+        if age_ms > 0 {
+            // Timed from when it was taken, not from when this router heard of it: a copy
+            // often hears of a decision in the same sync as its first token or its outcome,
+            // and timed from then a one-second prefill reads as instant (the rate a first token
+            // shows, and an outcome clamped to the time since the decision). Expiry still
+            // counts from now.
+            if let Some(entry) = self.inflight.get_mut(&decision_id) {
+                entry.started_ms = now_ms.saturating_sub(age_ms);
+            }
+            if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
+                let done = (age_ms as f64 * slot.rates.prefill_tokens_per_ms).min(uncached);
+                slot.backlog_tokens = (slot.backlog_tokens - done).max(0.0);
+                // A streamed decision's first token, if it came, is in the log after it.
+                if !request.stream {
+                    slot.buffered_tokens = (slot.buffered_tokens - done).max(0.0);
+                }
             }
         }
         true
@@ -2964,11 +2971,7 @@ impl Router {
             (Some(prompt), Some(cached)) => Some(f64::from(prompt.saturating_sub(cached))),
             _ => return,
         };
-        let queued = entry.latency_features.queue_tokens;
-        // The same test as when it was taken: a prefill with (almost) nothing queued ahead.
-        let tokens = own
-            .filter(|own| queued <= 0.1 * own)
-            .map(|own| own + queued);
+        let tokens = own.and_then(|own| sampled_prefill(own, entry.latency_features.queue_tokens));
         let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() else {
             return;
         };
@@ -3012,20 +3015,21 @@ impl Router {
         if let Some(slot) = self.slots[usize::from(entry.endpoint.0)].as_mut() {
             slot.unconfirmed_tokens =
                 (slot.unconfirmed_tokens - f64::from(entry.prefill_tokens)).max(0.0);
-            // Only a prefill that had the endpoint (almost) to itself shows its rate: behind a
-            // queue the time is mostly the queue's, which the router may not know in full.
-            let own = f64::from(entry.prefill_tokens);
-            let queued = entry.latency_features.queue_tokens;
-            if self.config.calibration.first_tokens && !entry.remote_prefill && queued <= 0.1 * own
+            if self.config.calibration.first_tokens
+                && !entry.remote_prefill
+                && let Some(tokens) = sampled_prefill(
+                    f64::from(entry.prefill_tokens),
+                    entry.latency_features.queue_tokens,
+                )
             {
                 // The proxy's own time when it sent one: the time since the decision as this
                 // router counts it falls short of it by however late the router heard of the
                 // decision, a sync interval or more for a copy, which for a short prefill
                 // reads as twice its rate.
                 let elapsed = ttft_ms.unwrap_or_else(|| now_ms.saturating_sub(entry.started_ms));
-                shown =
-                    slot.shown_prefill
-                        .observe(own + queued, elapsed as f64, now_ms, decision_id);
+                shown = slot
+                    .shown_prefill
+                    .observe(tokens, elapsed as f64, now_ms, decision_id);
                 if shown {
                     entry.shown_after_ms = Some(elapsed);
                 }
@@ -3056,28 +3060,26 @@ impl Router {
             _ => crate::self_check::median(&mut shown),
         };
         let calibrating = self.config.calibration.enabled;
-        // An endpoint that has shown no rate yet may be of either kind: it is priced at the
-        // mean of the shown endpoints' slowdowns (1 in a pool of one kind), so that in a pool
-        // of two GPU generations a cold replica is not taken for the fast kind.
-        let judged: Vec<f64> = self
+        // Each endpoint's slowdown, if it has shown a rate and the pool a typical one.
+        let judged: Vec<Option<f64>> = self
             .slots
             .iter()
             .flatten()
-            .filter_map(|s| Some(slowdown(s.shown_prefill.fastest()?, typical?)))
+            .map(|s| Some(slowdown(s.shown_prefill.fastest()?, typical?)))
             .collect();
-        let unshown = if judged.is_empty() {
+        // An endpoint that has shown no rate yet may be of either kind: it is priced at the
+        // mean of the shown endpoints' slowdowns (1 in a pool of one kind), so that in a pool
+        // of two GPU generations a cold replica is not taken for the fast kind.
+        let shown_slowdowns: Vec<f64> = judged.iter().flatten().copied().collect();
+        let unshown = if shown_slowdowns.is_empty() {
             1.0
         } else {
-            judged.iter().sum::<f64>() / judged.len() as f64
+            shown_slowdowns.iter().sum::<f64>() / shown_slowdowns.len() as f64
         };
-        for slot in self.slots.iter_mut().flatten() {
-            let (new, judged_ms) = match (slot.shown_prefill.fastest(), typical) {
-                (Some(fastest), Some(typical)) => (
-                    slowdown(fastest, typical),
-                    slot.shown_prefill.last_shown_ms(),
-                ),
-                (None, Some(_)) => (unshown, now_ms),
-                _ => (1.0, now_ms),
+        for (slot, judged) in self.slots.iter_mut().flatten().zip(judged) {
+            let (new, judged_ms) = match judged {
+                Some(slowdown) => (slowdown, slot.shown_prefill.last_shown_ms()),
+                None => (unshown, now_ms),
             };
             if new == slot.slowdown && judged_ms == slot.judged_ms {
                 continue;
