@@ -701,7 +701,7 @@ impl State {
         for report in reports {
             inner
                 .router
-                .first_token_after(report.decision_id, now, report.ttft_ms);
+                .first_token(report.decision_id, now, report.ttft_ms);
             inner.sync.push(
                 SyncEvent::FirstToken {
                     origin: 0,

@@ -223,7 +223,7 @@ fn run(input: Input) {
                 };
                 if let Ok(batch) = serde_json::from_slice::<FeedbackBatch>(&bytes) {
                     for first in &batch.first_tokens {
-                        router.first_token_after(first.decision_id, now, first.ttft_ms);
+                        router.first_token(first.decision_id, now, first.ttft_ms);
                     }
                     for outcome in &batch.outcomes {
                         router.feedback(outcome, now);

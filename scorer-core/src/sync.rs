@@ -285,7 +285,7 @@ impl SyncEvent {
                 decision_id,
                 ttft_ms,
                 ..
-            } => router.first_token_after(*decision_id, now_ms, *ttft_ms),
+            } => router.first_token(*decision_id, now_ms, *ttft_ms),
         }
     }
 
@@ -835,7 +835,7 @@ impl LocalRouter {
     /// for the next sync.
     pub fn first_token(&mut self, first: FirstToken, now_ms: u64) {
         if let Some(router) = self.router.as_mut() {
-            router.first_token_after(first.decision_id, now_ms, first.ttft_ms);
+            router.first_token(first.decision_id, now_ms, first.ttft_ms);
         }
         push_bounded(&mut self.pending_first_tokens, first, self.max_pending);
     }

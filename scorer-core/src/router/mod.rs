@@ -2988,17 +2988,14 @@ impl Router {
     /// endpoint: an idle one has none to send), every endpoint's queue term is the prefill of
     /// its streamed requests still waiting for a first token, with no assumed rate (a rate off
     /// by 2x, as a prior is on other hardware, drains an estimate twice too fast or too slow);
-    /// without them, the estimate drained at the endpoint's rate. A buffered request shows no first token before its end and is
-    /// counted by the estimate only.
-    pub fn first_token(&mut self, decision_id: u64, now_ms: u64) {
-        self.first_token_after(decision_id, now_ms, None);
-    }
-
-    /// [`Router::first_token`] with the proxy's own time from routing to the first token
-    /// (`ttft_ms`, [`crate::protocol::FirstToken::ttft_ms`]): the prefill rate the endpoint
-    /// showed is read from it rather than from when the report arrived, which a feedback tick
-    /// or a failover to another control plane delays by up to seconds.
-    pub fn first_token_after(&mut self, decision_id: u64, now_ms: u64, ttft_ms: Option<u64>) {
+    /// without them, the estimate drained at the endpoint's rate. A buffered request shows no
+    /// first token before its end and is counted by the estimate only.
+    ///
+    /// `ttft_ms` is the proxy's own time from routing to the first token
+    /// ([`crate::protocol::FirstToken::ttft_ms`]): the prefill rate the endpoint showed is read
+    /// from it rather than from when the report arrived, which a feedback tick or a failover to
+    /// another control plane delays by up to seconds (`None`: an older proxy's report).
+    pub fn first_token(&mut self, decision_id: u64, now_ms: u64, ttft_ms: Option<u64>) {
         self.stats.first_tokens += 1;
         self.first_token_at_ms = Some(now_ms);
         let Some(entry) = self.inflight.get_mut(&decision_id) else {

@@ -183,8 +183,8 @@ fn a_queued_prompt_keeps_its_speculative_blocks_until_its_prefill_runs() {
     let second = r.route(&streamed, 5 * ttl, 2);
     assert_eq!(second.response.endpoints[0], held);
     assert!(second.candidates[0].cached_blocks > 0);
-    r.first_token(first.response.decision_id, 5 * ttl + 1);
-    r.first_token(second.response.decision_id, 5 * ttl + 1);
+    r.first_token(first.response.decision_id, 5 * ttl + 1, None);
+    r.first_token(second.response.decision_id, 5 * ttl + 1, None);
     r.expire(7 * ttl);
     let third = r.route(&streamed, 7 * ttl, 3);
     assert!(

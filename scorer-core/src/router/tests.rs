@@ -159,7 +159,7 @@ fn first_token_reports_measure_the_queue_instead_of_a_rate() {
     let system = "a shared system prompt ".repeat(300);
     let first = r.route(&streamed(&system), 0, 1);
     let home = first.response.endpoints[0].clone();
-    r.first_token(first.response.decision_id, 10);
+    r.first_token(first.response.decision_id, 10, None);
     let second = r.route(
         &streamed(&format!("{system} and a long question ").repeat(3)),
         20,
@@ -169,7 +169,7 @@ fn first_token_reports_measure_the_queue_instead_of_a_rate() {
     // Long after the prior rate would have drained it: still queued, not yet started.
     let probe = r.route(&request("unrelated"), 5_000, 3);
     assert!(queue_on(&probe, &home) > 0.0, "{probe:?}");
-    r.first_token(second.response.decision_id, 5_001);
+    r.first_token(second.response.decision_id, 5_001, None);
     let probe = r.route(&request("unrelated too"), 5_002, 4);
     assert_eq!(queue_on(&probe, &home), 0.0);
     assert_eq!(r.stats().first_tokens, 2);
@@ -183,14 +183,14 @@ fn first_token_reports_measure_the_queue_instead_of_a_rate() {
 fn an_idle_endpoints_first_prefill_is_measured_while_others_report() {
     let mut r = router(2);
     let busy = r.route(&streamed(&"one conversation ".repeat(200)), 0, 1);
-    r.first_token(busy.response.decision_id, 10);
+    r.first_token(busy.response.decision_id, 10, None);
     // 20,000 tokens: 4 s of queue at the prior rate, which would have drained them by 6 s.
     let long = r.route(&streamed(&"a long new document ".repeat(4_000)), 20, 2);
     let idle = long.response.endpoints[0].clone();
     assert_ne!(idle, busy.response.endpoints[0]);
     let probe = r.route(&request("unrelated"), 6_000, 3);
     assert!(queue_on(&probe, &idle) > 3_000.0, "{probe:?}");
-    r.first_token(long.response.decision_id, 6_001);
+    r.first_token(long.response.decision_id, 6_001, None);
     let probe = r.route(&request("unrelated too"), 6_002, 4);
     assert_eq!(queue_on(&probe, &idle), 0.0);
 }
@@ -233,8 +233,8 @@ fn third_after_first_tokens(
 ) -> (f64, bool) {
     let (one, two) = two_long_misses(&mut r);
     let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
-    r.first_token_after(one.response.decision_id, first.0, first.1);
-    r.first_token_after(two.response.decision_id, second.0, second.1);
+    r.first_token(one.response.decision_id, first.0, first.1);
+    r.first_token(two.response.decision_id, second.0, second.1);
     let at = first.0.max(second.0) + 1;
     let third = r.route(&streamed(&"a third document ".repeat(2_000)), at, 3);
     let ratio = prefill_on(&third, two_home) / prefill_on(&third, one_home);
@@ -277,12 +277,12 @@ fn a_decision_heard_of_late_is_timed_from_when_it_was_taken() {
         .map(|e| e.address)
         .find(|a| *a != own_home)
         .expect("a second endpoint");
-    copy.first_token_after(own.response.decision_id, 1_000, Some(1_000));
+    copy.first_token(own.response.decision_id, 1_000, Some(1_000));
     // Another router's decision, taken at 0 and heard of with its first token at 1 s.
     let theirs = (1 << crate::sync::REPLICA_SHIFT) + 1;
     let request = streamed(&"a long document, two ".repeat(2_000));
     assert!(copy.record_decision(&request, &other, theirs, 1_000, 1_000));
-    copy.first_token_after(theirs, 1_000, Some(1_000));
+    copy.first_token(theirs, 1_000, Some(1_000));
     let third = copy.route(&streamed(&"a third document ".repeat(2_000)), 1_001, 2);
     let ratio = prefill_on(&third, &own_home) / prefill_on(&third, &other);
     assert_eq!(ratio, 1.0);
@@ -297,8 +297,8 @@ fn a_replica_not_yet_shown_is_priced_at_its_pools_mean_slowdown() {
     let slowdowns = |second_ms: u64| {
         let mut r = router(3);
         let (one, two) = two_long_misses(&mut r);
-        r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
-        r.first_token_after(two.response.decision_id, 10_000, Some(second_ms));
+        r.first_token(one.response.decision_id, 1_000, Some(1_000));
+        r.first_token(two.response.decision_id, 10_000, Some(second_ms));
         let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
         let cold = r
             .endpoints(10_000)
@@ -327,8 +327,8 @@ fn an_outcome_takes_back_a_first_token_the_cache_served() {
     let mut r = router(2);
     let (one, two) = two_long_misses(&mut r);
     let (one_home, two_home) = (&one.response.endpoints[0], &two.response.endpoints[0]);
-    r.first_token_after(one.response.decision_id, 1_000, Some(1_000));
-    r.first_token_after(two.response.decision_id, 1_000, Some(10));
+    r.first_token(one.response.decision_id, 1_000, Some(1_000));
+    r.first_token(two.response.decision_id, 1_000, Some(10));
     let before = slowdown_of(&r, 1_000, one_home);
     assert!(before > 2.0, "{before}");
     let served_from_cache = Outcome {
@@ -790,12 +790,12 @@ fn a_turn_leaves_a_holder_that_is_absorbing_prefill() {
         let mut r = router(2);
         r.config.scoring.prefill_contention_weight = weight;
         let first = r.route(&streamed(&context), 0, 1).response;
-        r.first_token(first.decision_id, 50);
+        r.first_token(first.decision_id, 50, None);
         let holder = first.endpoints[0].clone();
         for k in 0..4u64 {
             let other = format!("another prompt {k} ").repeat(240);
             assert!(r.record_decision(&streamed(&other), &holder, 1_000 + k, 60_000, 0));
-            r.first_token(1_000 + k, 60_050);
+            r.first_token(1_000 + k, 60_050, None);
         }
         let next = format!("{context} the next question");
         let chosen = r.route(&streamed(&next), 60_100, 2).response.endpoints[0].clone();

@@ -1021,8 +1021,7 @@ impl Kvroute {
                 break;
             }
             self.first_tokens.pop_front();
-            self.router
-                .first_token_after(decision_id, due, Some(ttft_ms));
+            self.router.first_token(decision_id, due, Some(ttft_ms));
         }
     }
 
