@@ -59,12 +59,15 @@ for t in "${targets[@]}"; do
         cat fuzz-*.log >>"$log" 2>/dev/null || true
         rm -f fuzz-*.log
     fi
-    execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | awk '{s+=$2} END {print s+0}')
-    last=$(grep -E '^#[0-9]+' "$log" | tail -1 || true)
-    cov=$(grep -o 'cov: [0-9]*' <<<"$last" | awk '{print $2}')
-    ft=$(grep -o 'ft: [0-9]*' <<<"$last" | awk '{print $2}')
-    corp=$(grep -o 'corp: [0-9]*' <<<"$last" | awk '{print $2}')
-    eps=$(grep -o 'exec/s: [0-9]*' <<<"$last" | awk '{print $2}')
+    # A target that fails on its seed corpus logs no stats line: each figure is then '?', and
+    # a grep finding nothing must not end the script (pipefail) before the failure is listed.
+    execs=$( (grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" || true) | awk '{s+=$2} END {print s+0}')
+    last=$( (grep -E '^#[0-9]+' "$log" || true) | tail -1)
+    stat() { (grep -o "$1: [0-9]*" <<<"$last" || true) | awk '{print $2}'; }
+    cov=$(stat cov)
+    ft=$(stat ft)
+    corp=$(stat corp)
+    eps=$(stat exec/s)
     printf '%-16s %10s %10s %8s %8s %8s  %s\n' "$t" "$execs" "${eps:-?}" "${cov:-?}" "${ft:-?}" "${corp:-?}" "$status"
 done
 

@@ -1,6 +1,7 @@
 //! The plugin configuration parser (`FilterConfig::from_json`): Envoy hands it whatever an
-//! operator wrote. Accepted configurations must be self-consistent and survive a round trip
-//! through `api_for_path`.
+//! operator wrote. Accepted configurations must be self-consistent, and every route rule's path
+//! (with or without a query string) must find a rule of that path (the first, if it is listed
+//! twice) with its API; a load-only rule has none.
 #![no_main]
 
 use kvroute_filter::config::FilterConfig;
@@ -13,7 +14,10 @@ fuzz_target!(|input: &[u8]| {
     assert!(config.validate().is_ok());
     assert!(config.route_timeout_ms > 0 && config.block_bytes > 0 && config.max_body_bytes > 0);
     for rule in &config.routes {
-        assert!(config.api_for_path(&rule.path).is_some());
-        assert!(config.api_for_path(&format!("{}?q=1", rule.path)).is_some());
+        let first = config.routes.iter().find(|r| r.path == rule.path);
+        for path in [rule.path.clone(), format!("{}?q=1", rule.path)] {
+            assert_eq!(config.route_for_path(&path), first);
+            assert_eq!(config.api_for_path(&path), first.and_then(|r| r.api));
+        }
     }
 });
