@@ -1,5 +1,5 @@
 """Command-line arguments the fleet-sim comparison scripts share (`fanout-compare.py`,
-`stress-compare.py`): `[seeds] [--router-config JSON]`."""
+`stress-compare.py`, `conversation-compare.py`): `[seeds] [--router-config JSON]`."""
 
 
 def seeds_and_router_config(argv, default_seeds):
