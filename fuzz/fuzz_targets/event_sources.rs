@@ -1,19 +1,9 @@
 //! A server's `GET /kv_event_sources` answer (`vllm_wire::kv_events::parse_event_sources`), as
 //! `kv_events: auto` reads it, and the endpoint a subscriber connects to for each publisher:
 //! whatever a replica returns, parsing ends cleanly and every endpoint it yields keeps its port.
+//!
+//! The check is `kvroute_fuzz_checks::event_sources` (tests/fuzz-checks), which `cargo test`
+//! also runs on this target's seed corpus.
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
-use vllm_wire::kv_events::{connect_endpoint, parse_event_sources};
-
-fuzz_target!(|input: &[u8]| {
-    let Ok(sources) = parse_event_sources(input) else {
-        return;
-    };
-    for publisher in sources.values() {
-        let connect = connect_endpoint(&publisher.endpoint, "10.0.0.5");
-        if let Some((_, port)) = publisher.endpoint.rsplit_once(':') {
-            assert!(connect.ends_with(port), "{connect} lost the port of {}", publisher.endpoint);
-        }
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvroute_fuzz_checks::event_sources::check(data));
