@@ -119,8 +119,18 @@ pub struct CalibrationConfig {
     /// `enabled` is. On by default: it changes nothing in a pool of one kind of replica, and
     /// on fleet-sim's tuning split it cut the loss cells from 4 to 3 and the TTFT p99 geomean
     /// against the best peer from 1.14 to 1.10, all of it on the pool of two GPU generations
-    /// (README, "Online calibration").
+    /// (README, "Online calibration"). Left out of the serialized form at its default, so a
+    /// filter built before it still accepts the copy's configuration (it rejects unknown
+    /// fields, and a copy that cannot read its configuration never syncs).
+    #[serde(skip_serializing_if = "is_default_first_tokens")]
     pub first_tokens: bool,
+}
+
+/// The default of [`CalibrationConfig::first_tokens`].
+const FIRST_TOKENS: bool = true;
+
+fn is_default_first_tokens(on: &bool) -> bool {
+    *on == FIRST_TOKENS
 }
 
 impl Default for CalibrationConfig {
@@ -129,7 +139,7 @@ impl Default for CalibrationConfig {
             enabled: false,
             prior_decode_tokens: 200.0,
             half_life_ms: 120_000,
-            first_tokens: true,
+            first_tokens: FIRST_TOKENS,
         }
     }
 }
@@ -627,6 +637,27 @@ pub fn slowdown(fastest: f64, typical: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Off, the rule is sent (a filter built before it rejects the field: it was asked for);
+    // at its default it is not, and a copy reads its absence as the default.
+    #[test]
+    fn first_tokens_is_sent_only_when_turned_off() {
+        let on = serde_json::to_string(&CalibrationConfig::default()).unwrap();
+        assert!(!on.contains("first_tokens"), "{on}");
+        assert_eq!(
+            serde_json::from_str::<CalibrationConfig>(&on).unwrap(),
+            CalibrationConfig::default()
+        );
+        let off = CalibrationConfig {
+            first_tokens: false,
+            ..CalibrationConfig::default()
+        };
+        let text = serde_json::to_string(&off).unwrap();
+        assert_eq!(
+            serde_json::from_str::<CalibrationConfig>(&text).unwrap(),
+            off
+        );
+    }
 
     const PRIOR: Prior = Prior {
         prefill_tokens_per_ms: 4.0,

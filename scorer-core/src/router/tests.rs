@@ -2070,3 +2070,110 @@ fn a_prompt_no_context_holds_is_credited_to_no_endpoint() {
     assert!(cached > 0, "within the context the prompt is credited");
     assert_eq!(exceeded, 0);
 }
+
+/// Every field the default configuration sends to the proxies' copies, as key paths: what a
+/// filter built on 2026-12-06 (`c774960`) reads, checked against that build. A filter
+/// rejects unknown fields at every level, and a copy that cannot read its configuration never
+/// syncs, so a control plane upgraded before its proxies would break every proxy built before
+/// a field it sends. `calibration.first_tokens` did that once: sent at its new default, it put
+/// a filter of the day before on the slow path (620-700 Envoy µs a request against 150;
+/// docs/BENCHMARKS.md, 2026-12-07). A new field is left out of the serialized form at its
+/// default (`skip_serializing_if`), so this list stays as it is; growing it drops every older
+/// filter.
+const FIELDS_OLDER_FILTERS_READ: [&str; 71] = [
+    "block_bytes",
+    "bytes_per_token",
+    "calibration",
+    "calibration.enabled",
+    "calibration.half_life_ms",
+    "calibration.prior_decode_tokens",
+    "fallbacks",
+    "index_ttl_ms",
+    "inflight_ttl_ms",
+    "latency",
+    "latency.blend",
+    "latency.enabled",
+    "latency.error_smoothing",
+    "latency.forgetting",
+    "latency.min_samples",
+    "latency.overhead_ms",
+    "learn_bytes_per_token",
+    "local",
+    "local.defer_above_ms",
+    "lora",
+    "lora.full_penalty_ms",
+    "lora.load_ms",
+    "max_request_tokens",
+    "models",
+    "models.unknown_model",
+    "pd",
+    "pd.threshold_tokens",
+    "precise",
+    "precise.block_tokens",
+    "precise.offload_weight",
+    "precise.speculative_ttl_ms",
+    "responses",
+    "responses.max_entries",
+    "responses.ttl_ms",
+    "scoring",
+    "scoring.decode_ms_per_seq",
+    "scoring.decode_occupancy_weight",
+    "scoring.decode_weight",
+    "scoring.default_output_tokens",
+    "scoring.guard_abs",
+    "scoring.guard_rel",
+    "scoring.itl_ms_full",
+    "scoring.itl_ms_idle",
+    "scoring.kv_decode_ms",
+    "scoring.kv_pressure_ms",
+    "scoring.kv_pressure_threshold",
+    "scoring.prefill_stall_weight",
+    "scoring.prefill_tokens_per_ms",
+    "scoring.prefill_weight",
+    "scoring.tie_ms",
+    "scoring.unknown_request_tokens",
+    "self_check",
+    "self_check.clean_batches_after_gap",
+    "self_check.confirm_after_ms",
+    "self_check.enabled",
+    "self_check.enter_below",
+    "self_check.leave_above",
+    "self_check.max_probe_after_ms",
+    "self_check.min_believed_tokens",
+    "self_check.min_samples",
+    "self_check.probe_after_ms",
+    "self_check.window",
+    "sessions",
+    "sessions.bonus_ms",
+    "sessions.max_kv_usage",
+    "sessions.max_sessions",
+    "sessions.max_waiting",
+    "sessions.return_within_ms",
+    "sessions.start_turns",
+    "sessions.ttl_ms",
+    "stale_after_ms",
+];
+
+#[test]
+fn the_default_configuration_sends_only_fields_older_filters_read() {
+    fn paths(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+        for (key, value) in v.as_object().into_iter().flatten() {
+            let path = match prefix {
+                "" => key.clone(),
+                _ => format!("{prefix}.{key}"),
+            };
+            out.push(path.clone());
+            paths(&path, value, out);
+        }
+    }
+    let mut sent = Vec::new();
+    paths(
+        "",
+        &serde_json::to_value(RouterConfig::default()).unwrap(),
+        &mut sent,
+    );
+    sent.sort();
+    let mut readable: Vec<String> = FIELDS_OLDER_FILTERS_READ.map(String::from).to_vec();
+    readable.sort();
+    assert_eq!(sent, readable);
+}
