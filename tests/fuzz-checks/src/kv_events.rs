@@ -184,12 +184,9 @@ fn apply(batch: &decode::EventBatch) {
     assert!(decision.response.endpoints.len() <= 1);
 }
 
-/// The target's body: the input as libFuzzer's `fuzz_target!` would build it from the bytes
-/// (`arbitrary_take_rest`; bytes that build none are skipped), and what it must satisfy.
+/// The target's body: the input its bytes build (`crate::structured`), and what it must satisfy.
 pub fn check(data: &[u8]) {
-    if let Ok(input) = Input::arbitrary_take_rest(arbitrary::Unstructured::new(data)) {
-        check_input(input);
-    }
+    crate::structured(data, check_input);
 }
 
 fn check_input(input: Input) {

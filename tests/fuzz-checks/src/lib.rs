@@ -23,6 +23,14 @@ pub mod sync_api;
 /// A target's check: returns on an input that keeps every promise, panics on one that does not.
 pub type Check = fn(&[u8]);
 
+/// A structured target's input built from the bytes as libFuzzer's `fuzz_target!` builds it
+/// (`arbitrary_take_rest`), handed to `check`; bytes that build none are skipped, as there.
+fn structured<T: for<'a> arbitrary::Arbitrary<'a>>(data: &[u8], check: impl FnOnce(T)) {
+    if let Ok(input) = T::arbitrary_take_rest(arbitrary::Unstructured::new(data)) {
+        check(input);
+    }
+}
+
 /// The targets by name (as `fuzz/Cargo.toml` and `fuzz/corpus/` name them), with their checks.
 pub const TARGETS: [(&str, Check); 10] = [
     ("agent_chat", agent_chat::check),

@@ -253,14 +253,7 @@ fn run(input: Input) {
     let _ = router.endpoints(now);
 }
 
-/// The target's body: the input as libFuzzer's `fuzz_target!` would build it from the bytes
-/// (`arbitrary_take_rest`; bytes that build none are skipped), and what it must satisfy.
+/// The target's body: the input its bytes build (`crate::structured`), and what it must satisfy.
 pub fn check(data: &[u8]) {
-    if let Ok(input) = Input::arbitrary_take_rest(arbitrary::Unstructured::new(data)) {
-        check_input(input);
-    }
-}
-
-fn check_input(input: Input) {
-    run(input);
+    crate::structured(data, run);
 }

@@ -50,12 +50,9 @@ enum Step {
 const LOG_BOUND: usize = 16;
 const ENDPOINTS: [&str; 3] = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"];
 
-/// The target's body: the input as libFuzzer's `fuzz_target!` would build it from the bytes
-/// (`arbitrary_take_rest`; bytes that build none are skipped), and what it must satisfy.
+/// The target's body: the input its bytes build (`crate::structured`), and what it must satisfy.
 pub fn check(data: &[u8]) {
-    if let Ok(input) = <Vec<Step>>::arbitrary_take_rest(arbitrary::Unstructured::new(data)) {
-        check_input(input);
-    }
+    crate::structured(data, check_input);
 }
 
 fn check_input(steps: Vec<Step>) {
