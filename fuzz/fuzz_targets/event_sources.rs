@@ -1,9 +1,5 @@
-//! A server's `GET /kv_event_sources` answer (`vllm_wire::kv_events::parse_event_sources`), as
-//! `kv_events: auto` reads it, and the endpoint a subscriber connects to for each publisher:
-//! whatever a replica returns, parsing ends cleanly and every endpoint it yields keeps its port.
-//!
-//! The check is `kvroute_fuzz_checks::event_sources` (tests/fuzz-checks), which `cargo test`
-//! also runs on this target's seed corpus.
+//! What this target feeds and checks: `kvroute_fuzz_checks::event_sources` (tests/fuzz-checks).
+//! `cargo test` runs the target's seed corpus through the same check.
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| kvroute_fuzz_checks::event_sources::check(data));
