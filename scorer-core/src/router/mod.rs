@@ -3067,11 +3067,14 @@ impl Router {
         // An endpoint that has shown no rate yet may be of either kind: it is priced at the
         // mean of the shown endpoints' slowdowns (1 in a pool of one kind), so that in a pool
         // of two GPU generations a cold replica is not taken for the fast kind.
-        let shown_slowdowns: Vec<f64> = judged.iter().flatten().copied().collect();
-        let unshown = if shown_slowdowns.is_empty() {
+        let (sum, count) = judged
+            .iter()
+            .flatten()
+            .fold((0.0, 0u32), |(sum, n), slowdown| (sum + slowdown, n + 1));
+        let unshown = if count == 0 {
             1.0
         } else {
-            shown_slowdowns.iter().sum::<f64>() / shown_slowdowns.len() as f64
+            sum / f64::from(count)
         };
         for (slot, judged) in self.slots.iter_mut().flatten().zip(judged) {
             let (new, judged_ms) = match judged {
