@@ -53,6 +53,10 @@ pub struct RequestRecord {
     pub rejected: bool,
     /// It reached its replica without passing through the router ([`RunOptions::unseen_fraction`]).
     pub unseen: bool,
+    /// How much later than at the exact best replica its first token would have come, given
+    /// the fleet's exact state when it was routed ([`RunOptions::regret`]; see
+    /// [`crate::oracle::regret_ms`]).
+    pub regret_ms: Option<f64>,
 }
 
 /// The outcome of one run.
@@ -110,6 +114,10 @@ pub struct RunOptions {
     /// requests; they fill and evict the same caches, which a precise router learns from the
     /// engines' KV events and an approximate one cannot. Reports cover the routed requests.
     pub unseen_fraction: f64,
+    /// Measure every routed request's placement regret against the greedy oracle
+    /// ([`RequestRecord::regret_ms`]). It probes the replicas' exact state once per request
+    /// (what the oracle policy costs), so it is off unless asked for.
+    pub regret: bool,
 }
 
 /// Whether request `i` bypasses the router under `options`, and the replica it goes to.
@@ -348,6 +356,9 @@ pub fn run_with(
             records[i].replica = replica;
             if unseen.is_none() {
                 records[i].predicted_cached_tokens = policy.predicted_cached_tokens(i);
+                if options.regret {
+                    records[i].regret_ms = crate::oracle::regret_ms(&exact, &tokens, now, replica);
+                }
             }
             let output = options
                 .max_tokens
@@ -604,6 +615,28 @@ mod tests {
         let mut kvroute = crate::policy::build("kvroute", 2, 1).unwrap();
         run(&workload, kvroute.as_mut(), &cfg()).unwrap();
         assert_eq!(kvroute.predicted_cached_tokens(2), Some(0));
+    }
+
+    // Placement regret is measured against the oracle's own probes: the oracle's decisions
+    // have none, and a policy that ignores the caches has some on a workload that shares.
+    #[test]
+    fn the_oracle_places_with_no_regret_and_round_robin_with_some() {
+        let workload = from_spec("multi-turn:conversations=12,turns=3,rps=6", 2).unwrap();
+        let options = RunOptions {
+            regret: true,
+            ..RunOptions::default()
+        };
+        let mut oracle = crate::oracle::Oracle::new(1);
+        let result = run_with(&workload, &mut oracle, &cfg(), &options).unwrap();
+        let regrets: Vec<f64> = result.records.iter().filter_map(|r| r.regret_ms).collect();
+        assert_eq!(regrets.len(), workload.requests.len());
+        assert!(regrets.iter().all(|&r| r == 0.0), "{regrets:?}");
+        let mut rr = crate::policy::build("round-robin", 2, 1).unwrap();
+        let result = run_with(&workload, rr.as_mut(), &cfg(), &options).unwrap();
+        assert!(result.records.iter().any(|r| r.regret_ms > Some(1.0)));
+        // Off unless asked for.
+        let result = run(&workload, rr.as_mut(), &cfg()).unwrap();
+        assert!(result.records.iter().all(|r| r.regret_ms.is_none()));
     }
 
     // Traffic that bypasses the router is picked per session, never reaches the policy (no

@@ -15,7 +15,8 @@ use fleet_sim::policy::{
     DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with, check_policy, regroup_policy_specs,
 };
 use fleet_sim::report::{
-    ForkSummary, PolicySummary, fork_table, line_chart, line_chart_axes, table, ttft_cdf_series,
+    ForkSummary, PolicySummary, fork_table, line_chart, line_chart_axes, regret_table, table,
+    ttft_cdf_series,
 };
 use fleet_sim::workload::{Workload, client_max_tokens, from_spec};
 use scorer_core::router::RouterConfig;
@@ -103,6 +104,12 @@ struct MatrixArgs {
     /// router (per session; see `compare --unseen-fraction`).
     #[arg(long, default_value_t = 0.0)]
     unseen_fraction: f64,
+    /// Also measure every decision's placement regret against the greedy oracle (how much
+    /// later its first token comes than at the exact best replica) and print it for kvroute
+    /// and each cell's best peer on TTFT p99; every policy's is in the JSON. Costs an oracle's
+    /// probes per request.
+    #[arg(long)]
+    regret: bool,
 }
 
 #[derive(clap::Args)]
@@ -239,6 +246,12 @@ struct CompareArgs {
     /// matrix's columns; `scripts/records-summary.py` reads them).
     #[arg(long)]
     records: Option<PathBuf>,
+    /// Also measure every routed request's placement regret against the greedy oracle: how
+    /// much later its first token comes where the policy sent it than at the exact best
+    /// replica, given the fleet's exact state then. Prints a table (and adds `regret` to the
+    /// JSON summary); costs an oracle's probes per request.
+    #[arg(long)]
+    regret: bool,
 }
 
 /// `--unseen-fraction`, checked.
@@ -365,6 +378,7 @@ fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
     }
     spec.records_dir = args.records.clone();
     spec.unseen_fraction = unseen_fraction(args.unseen_fraction)?;
+    spec.regret = args.regret;
     eprintln!(
         "fleet-sim matrix: {} cells x {} seeds x {} policies on {} threads",
         spec.cells.len(),
@@ -496,6 +510,7 @@ fn run_all(
     let options = RunOptions {
         max_tokens: client_max_tokens(&args.workload)?,
         unseen_fraction: unseen_fraction(args.unseen_fraction)?,
+        regret: args.regret,
         ..RunOptions::default()
     };
     let mut runs = Vec::new();
@@ -587,6 +602,9 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     }
     let results: Vec<PolicySummary> = runs.iter().map(PolicySummary::of).collect();
     println!("{}", table(&results));
+    if args.regret {
+        println!("{}", regret_table(&results));
+    }
     let forks: Vec<ForkSummary> = runs
         .iter()
         .filter_map(|r| ForkSummary::of(&workload, r))

@@ -282,6 +282,9 @@ pub struct MatrixSpec {
     /// The share of each cell's traffic that bypasses the router
     /// ([`RunOptions::unseen_fraction`]); 0 in the default matrix.
     pub unseen_fraction: f64,
+    /// Measure every decision's placement regret against the greedy oracle
+    /// ([`RunOptions::regret`]); off in the default matrix (it costs an oracle's probes).
+    pub regret: bool,
 }
 
 /// The shipped Mooncake trace.
@@ -303,6 +306,7 @@ impl MatrixSpec {
             router: scorer_core::router::RouterConfig::default(),
             records_dir: None,
             unseen_fraction: 0.0,
+            regret: false,
         };
         for pool in MATRIX_POOLS {
             spec.add_pool(Pool::named(pool).expect("matrix pools are shipped profiles"));
@@ -341,6 +345,7 @@ impl MatrixSpec {
             router: scorer_core::router::RouterConfig::default(),
             records_dir: None,
             unseen_fraction: 0.0,
+            regret: false,
         }
     }
 
@@ -813,6 +818,7 @@ fn run_job(
     let (workload, max_tokens, _) = cell_workload(cell, seed, spec, trace, replicas)?;
     let (cfg, mut options) = sim_setup(cell, seed, max_tokens, replicas);
     options.unseen_fraction = spec.unseen_fraction;
+    options.regret = spec.regret;
     let mut out = Vec::with_capacity(spec.policies.len());
     for name in &spec.policies {
         // kvroute: scorer-core's defaults (or `--router-config`), no per-profile setting.
@@ -848,13 +854,13 @@ fn run_job(
 pub fn records_csv(workload: &Workload, run: &crate::des::RunResult) -> String {
     use std::fmt::Write;
     let mut s = String::from(
-        "id,arrival_ms,first_token_ms,finish_ms,replica,prompt_tokens,cached_tokens,output_tokens,session,depends_on,predicted_cached_tokens\n",
+        "id,arrival_ms,first_token_ms,finish_ms,replica,prompt_tokens,cached_tokens,output_tokens,session,depends_on,predicted_cached_tokens,regret_ms\n",
     );
     let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.1}"));
     for (i, r) in run.records.iter().enumerate() {
         let _ = writeln!(
             s,
-            "{i},{:.1},{},{},{},{},{},{},{},{},{}",
+            "{i},{:.1},{},{},{},{},{},{},{},{},{},{}",
             r.arrival_ms,
             opt(r.first_token_ms),
             opt(r.finish_ms),
@@ -870,6 +876,7 @@ pub fn records_csv(workload: &Workload, run: &crate::des::RunResult) -> String {
                 .map_or(String::new(), |v| v.to_string()),
             r.predicted_cached_tokens
                 .map_or(String::new(), |v| v.to_string()),
+            opt(r.regret_ms),
         );
     }
     s
@@ -961,7 +968,69 @@ pub fn table(report: &MatrixReport) -> String {
             "self-check: {changes} endpoint routing-state changes over {runs} kvroute runs"
         );
     }
+    let owned = regret_rows(report);
+    let regret: Vec<(&CellReport, &RegretRow)> = owned.iter().map(|(c, r)| (*c, r)).collect();
+    if !regret.is_empty() {
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "placement regret against the greedy oracle, kvroute and the best peer on TTFT p99 (means over seeds)"
+        );
+        s.push_str(
+            &cell_table::<RegretRow>()
+                .left("policy", 18, |(_, r)| r.policy.clone())
+                .right("off best", 9, |(_, r)| {
+                    format!("{:.1}%", r.off_best * 100.0)
+                })
+                .right("mean ms", 8, |(_, r)| format!("{:.1}", r.mean_ms))
+                .right("of ttft tail", 12, |(_, r)| {
+                    format!("{:.0}%", r.tail * 100.0)
+                })
+                .render(&regret),
+        );
+    }
     s
+}
+
+/// One policy's placement regret in a cell, averaged over its seeds.
+struct RegretRow {
+    policy: String,
+    /// Share of decisions off the exact best.
+    off_best: f64,
+    /// Mean regret (ms).
+    mean_ms: f64,
+    /// Share of the TTFT tail that is regret.
+    tail: f64,
+}
+
+/// kvroute's and the best p99 peer's regret per cell, where the runs measured it.
+fn regret_rows(report: &MatrixReport) -> Vec<(&CellReport, RegretRow)> {
+    let mut rows = Vec::new();
+    for cell in &report.cells {
+        let peer = cell.verdict.as_ref().map(|v| v.best_peer_p99.as_str());
+        for p in &cell.policies {
+            if p.policy != "kvroute" && Some(p.policy.as_str()) != peer {
+                continue;
+            }
+            let seeds: Vec<_> = p.seeds.iter().filter_map(|s| s.regret).collect();
+            if seeds.is_empty() {
+                continue;
+            }
+            let mean = |f: &dyn Fn(&crate::report::RegretSummary) -> f64| {
+                seeds.iter().map(f).sum::<f64>() / seeds.len() as f64
+            };
+            rows.push((
+                cell,
+                RegretRow {
+                    policy: p.policy.clone(),
+                    off_best: mean(&|r| r.off_best_share),
+                    mean_ms: mean(&|r| r.mean_ms),
+                    tail: mean(&|r| r.tail_share),
+                },
+            ));
+        }
+    }
+    rows
 }
 
 /// A table of one row per cell and `T` (a policy's figures, a verdict), opening with the

@@ -107,6 +107,32 @@ pub fn best_replica(
     ties[rng.below(ties.len())]
 }
 
+/// How much later than the exact best `pick` would give `tokens` its first token, given the
+/// fleet's exact state at `now_ms` (ms, 0 when `pick` is the best): a decision's *placement
+/// regret* against the greedy oracle. Like the oracle it ignores later arrivals, so it measures
+/// the decision, not the request's eventual TTFT. `None` when `pick` refuses the request or
+/// cannot make progress.
+pub fn regret_ms(fleet: &ExactFleet<'_>, tokens: &[u32], now_ms: f64, pick: usize) -> Option<f64> {
+    let picked = probe_ttft_ms(
+        fleet.engines.get(pick)?,
+        fleet.busy_until_ms.get(pick).copied().flatten(),
+        tokens,
+        now_ms,
+        f64::INFINITY,
+    )?;
+    // Only candidates faster than the pick matter: it is the bound that prunes the rest.
+    let mut best = picked;
+    for (i, engine) in fleet.engines.iter().enumerate() {
+        if i == pick {
+            continue;
+        }
+        if let Some(t) = probe_ttft_ms(engine, fleet.busy_until_ms[i], tokens, now_ms, best) {
+            best = best.min(t);
+        }
+    }
+    Some(picked - best)
+}
+
 /// The `oracle` policy (see the module docs).
 pub struct Oracle {
     rng: SplitMix,
@@ -197,6 +223,12 @@ mod tests {
         assert!((first - ttft[0]).abs() < 1e-9, "{first} vs {}", ttft[0]);
         let mut rng = SplitMix(1);
         assert_eq!(best_replica(&fleet, &request, now, &mut rng), 0);
+        // The regret of each pick is its probe's distance from the best one.
+        assert_eq!(regret_ms(&fleet, &request, now, 0), Some(0.0));
+        for i in 1..3 {
+            let regret = regret_ms(&fleet, &request, now, i).unwrap();
+            assert!((regret - (ttft[i] - ttft[0])).abs() < 1e-9, "{i}: {regret}");
+        }
         // A bound below the best prunes every candidate.
         assert!(probe_ttft_ms(&engines[0], None, &request, now, ttft[0] / 2.0).is_none());
     }

@@ -84,6 +84,70 @@ pub struct PolicySummary {
     /// aimed for, delivered, and the gap by reason (kvroute's policies).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reuse: Option<scorer_core::reuse::ReuseTotals>,
+    /// Placement regret against the greedy oracle (runs with `--regret`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regret: Option<RegretSummary>,
+}
+
+/// A run's placement regret: for each routed request, how much later its first token would
+/// come where the policy sent it than at the exact best replica, given the fleet's exact state
+/// at that moment ([`crate::oracle::regret_ms`]). It separates a tail made by placement (a
+/// request sent to a cold or queued replica while another would have served it at once) from
+/// a tail made by load (no replica could have served it sooner).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct RegretSummary {
+    /// Routed requests whose regret was measured.
+    pub decisions: usize,
+    /// Share of them placed more than [`OFF_BEST_MS`] later than the exact best.
+    pub off_best_share: f64,
+    /// Mean regret (ms).
+    pub mean_ms: f64,
+    /// 99th percentile of the regret (ms).
+    pub p99_ms: f64,
+    /// The largest regret (ms).
+    pub max_ms: f64,
+    /// Over the requests whose TTFT is at or above the run's TTFT p99: their regret summed
+    /// over their TTFT summed. Near 1, the tail is placement; near 0, load.
+    pub tail_share: f64,
+}
+
+/// Regret below this (ms) counts as placed at the best: a simulated step's rounding.
+pub const OFF_BEST_MS: f64 = 1.0;
+
+impl RegretSummary {
+    /// Summarises the regret of `done` (finished, routed requests); `None` when none has one.
+    fn of(done: &[&RequestRecord], ttft_p99: f64) -> Option<Self> {
+        let mut regrets: Vec<f64> = done.iter().filter_map(|r| r.regret_ms).collect();
+        if regrets.is_empty() {
+            return None;
+        }
+        let (mut tail_regret, mut tail_ttft) = (0.0, 0.0);
+        for r in done {
+            let (Some(first), Some(regret)) = (r.first_token_ms, r.regret_ms) else {
+                continue;
+            };
+            let ttft = first - r.arrival_ms;
+            if ttft >= ttft_p99 {
+                tail_regret += regret;
+                tail_ttft += ttft;
+            }
+        }
+        let n = regrets.len();
+        let off_best = regrets.iter().filter(|&&r| r > OFF_BEST_MS).count();
+        let latency = Latency::of(&mut regrets);
+        Some(Self {
+            decisions: n,
+            off_best_share: off_best as f64 / n as f64,
+            mean_ms: latency.mean,
+            p99_ms: latency.p99,
+            max_ms: regrets.last().copied().unwrap_or(0.0),
+            tail_share: if tail_ttft > 0.0 {
+                (tail_regret / tail_ttft).min(1.0)
+            } else {
+                0.0
+            },
+        })
+    }
 }
 
 impl PolicySummary {
@@ -122,6 +186,7 @@ impl PolicySummary {
                 actual += f64::from(r.cached_tokens);
             }
         }
+        let ttft_ms = Latency::of(&mut ttft);
         Self {
             policy: run.policy.clone(),
             requests: done.len(),
@@ -130,7 +195,7 @@ impl PolicySummary {
                 .iter()
                 .filter(|r| r.rejected && !r.unseen)
                 .count(),
-            ttft_ms: Latency::of(&mut ttft),
+            ttft_ms,
             e2e_ms: Latency::of(&mut e2e),
             output_tokens_per_s: if run.makespan_ms > 0.0 {
                 output as f64 / (run.makespan_ms / 1000.0)
@@ -152,6 +217,7 @@ impl PolicySummary {
             routing_state_changes: run.routing_state_changes,
             busiest_replica_share: busiest_share(run.records.iter().filter(|r| !r.unseen)),
             reuse: run.reuse,
+            regret: RegretSummary::of(&done, ttft_ms.p99),
         }
     }
 }
@@ -278,6 +344,29 @@ pub fn table(rows: &[PolicySummary]) -> String {
         .right("hit_rate", 8, |r| format!("{:.3}", r.prefix_hit_rate))
         .right("preempt", 8, |r| r.preemptions.to_string())
         .render(rows)
+}
+
+/// Renders the placement regret of the summaries that have one as an aligned text table.
+pub fn regret_table(rows: &[PolicySummary]) -> String {
+    let rows: Vec<(&str, RegretSummary)> = rows
+        .iter()
+        .filter_map(|r| Some((r.policy.as_str(), r.regret?)))
+        .collect();
+    TextTable::new()
+        .left("placement regret", 20, |r: &(&str, RegretSummary)| {
+            r.0.to_string()
+        })
+        .right("decisions", 9, |r| r.1.decisions.to_string())
+        .right("off best", 9, |r| {
+            format!("{:.1}%", r.1.off_best_share * 100.0)
+        })
+        .right("mean ms", 8, |r| format!("{:.1}", r.1.mean_ms))
+        .right("p99 ms", 8, |r| format!("{:.0}", r.1.p99_ms))
+        .right("max ms", 8, |r| format!("{:.0}", r.1.max_ms))
+        .right("of ttft tail", 12, |r| {
+            format!("{:.0}%", r.1.tail_share * 100.0)
+        })
+        .render(&rows)
 }
 
 const COLORS: &[&str] = &[
@@ -482,6 +571,32 @@ mod tests {
         assert_eq!(one_moved.stayed, 0.75);
         let plain = crate::workload::from_spec("multi-turn", 1).unwrap();
         assert_eq!(ForkSummary::of(&plain, &run), None);
+    }
+
+    // The regret summary: the share off the best, and how much of the TTFT tail (requests at
+    // or above the p99) is regret.
+    #[test]
+    fn regret_summarises_decisions_and_the_tails_share() {
+        let record = |ttft: f64, regret: f64| RequestRecord {
+            arrival_ms: 10.0,
+            first_token_ms: Some(10.0 + ttft),
+            finish_ms: Some(20.0 + ttft),
+            regret_ms: Some(regret),
+            ..RequestRecord::default()
+        };
+        let mut records: Vec<RequestRecord> = (0..98).map(|_| record(50.0, 0.0)).collect();
+        records.push(record(60.0, 0.5));
+        records.push(record(400.0, 300.0));
+        let done: Vec<&RequestRecord> = records.iter().collect();
+        let r = RegretSummary::of(&done, 400.0).unwrap();
+        assert_eq!(r.decisions, 100);
+        assert!((r.off_best_share - 0.01).abs() < 1e-12, "{r:?}");
+        assert!((r.mean_ms - 3.005).abs() < 1e-9, "{r:?}");
+        assert_eq!(r.max_ms, 300.0);
+        assert!((r.tail_share - 0.75).abs() < 1e-12, "{r:?}");
+        // No regret measured: no summary.
+        let plain = RequestRecord::default();
+        assert_eq!(RegretSummary::of(&[&plain], 0.0), None);
     }
 
     #[test]
