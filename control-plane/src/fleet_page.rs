@@ -169,7 +169,7 @@ pub struct Totals {
     pub precise_decisions: u64,
     /// Decisions with no usable endpoint (the filter failed open).
     pub no_endpoint: u64,
-    /// Decisions where the guard skipped the cheapest endpoint.
+    /// Decisions where the guard or the wait cap skipped the cheapest endpoint.
     pub guarded: u64,
     /// Outcomes received.
     pub outcomes: u64,

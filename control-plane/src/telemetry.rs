@@ -548,7 +548,7 @@ impl Collector for RouterCollector {
             ),
             (
                 "guarded_decisions",
-                "Decisions where the guard skipped the cheapest endpoint",
+                "Decisions where the guard or the wait cap skipped the cheapest endpoint",
                 s.guarded,
             ),
             (

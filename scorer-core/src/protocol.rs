@@ -389,7 +389,8 @@ pub enum RouteReason {
     Prefix,
     /// Chosen on load: no candidate holds a prefix, or a busier one holds a longer one.
     Load,
-    /// The guard skipped the cheapest candidate (too many requests in flight there).
+    /// The guard skipped the cheapest candidate: too many requests in flight there, or the
+    /// request's wait there past `scoring.wait_cap` times the soonest start.
     Guard,
     /// No usable endpoint: the list is empty and the filter fails open.
     NoEndpoint,

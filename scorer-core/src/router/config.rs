@@ -108,6 +108,29 @@ pub struct ScoringConfig {
     /// ms: how far back the prefill contention looks (about the life of a short request).
     #[serde(skip_serializing_if = "is_default_contention_window")]
     pub prefill_contention_window_ms: f64,
+    /// A request scored to its first token (chat, completions) is not sent where its own wait
+    /// (the queue ahead plus its prefill there) is more than this many times the soonest
+    /// start any candidate offers it, while a candidate within that bound is usable: such a
+    /// candidate is ordered after the rest, as a guarded one is. The load terms price what a
+    /// placement costs other requests (the decodes a long prefill stalls, the sessions
+    /// crowding a replica), and uncapped they could park one request behind tens of seconds
+    /// of other prefills to spare them: the cost of the TTFT tail. The agent APIs are left
+    /// out (their cost is the whole answer's, which a crowded replica does lengthen). A ratio,
+    /// not a time, so it holds on any hardware. 0 turns it off. Left out of the serialized
+    /// form at its default, so a filter built before it still accepts the copy's
+    /// configuration.
+    #[serde(skip_serializing_if = "is_default_wait_cap")]
+    pub wait_cap: f64,
+}
+
+/// The default `wait_cap`. Chosen on fleet-sim's tuning split (seeds 1-2): TTFT p50 / p99
+/// geomeans against the best peer and the end-to-end geomean were 0.864 / 1.084 / 0.960
+/// without the cap, 0.890 / 1.045 / 0.980 at 2.5, 0.873 / 1.044 / 0.971 at 3 and 0.862 /
+/// 1.048 / 0.954 at 4; docs/BENCHMARKS.md.
+const WAIT_CAP: f64 = 4.0;
+
+fn is_default_wait_cap(w: &f64) -> bool {
+    *w == WAIT_CAP
 }
 
 /// The default `prefill_contention_weight`. Chosen on fleet-sim's tuning split (seeds 1-2):
@@ -168,6 +191,7 @@ impl Default for ScoringConfig {
             tie_ms: 0.5,
             prefill_contention_weight: CONTENTION_WEIGHT,
             prefill_contention_window_ms: CONTENTION_WINDOW_MS,
+            wait_cap: WAIT_CAP,
         }
     }
 }

@@ -462,6 +462,23 @@ pub(super) fn apply_guard(candidates: &mut [(EndpointId, CandidateScore)], s: &S
     }
 }
 
+/// Stage 4b, for a request scored to its first token: marks the candidates whose own wait
+/// (queue plus prefill) is past `scoring.wait_cap` times the soonest start any candidate
+/// offers ([`ScoringConfig::wait_cap`]). They keep their cost and bonuses; the order puts
+/// them after the rest.
+pub(super) fn apply_wait_cap(candidates: &mut [(EndpointId, CandidateScore)], s: &ScoringConfig) {
+    if s.wait_cap <= 0.0 {
+        return;
+    }
+    let soonest = candidates
+        .iter()
+        .map(|(_, c)| c.wait_ms())
+        .fold(f64::INFINITY, f64::min);
+    for (_, c) in candidates.iter_mut() {
+        c.capped = c.wait_ms() > s.wait_cap * soonest;
+    }
+}
+
 /// Writes each endpoint's matched prefix depth into `out` (ids beyond `out` are ignored).
 pub(super) fn record_depths(index: &PrefixIndex, hashes: &[u64], out: &mut [usize]) {
     index.matched_prefix(hashes, |id, depth| {
@@ -491,7 +508,7 @@ pub(super) fn cost_order(
         } else {
             bits | 1 << 63
         };
-        u128::from(c.guarded) << 127 | u128::from(ordered) << 63 | i as u128
+        u128::from(c.set_aside()) << 127 | u128::from(ordered) << 63 | i as u128
     }));
     if keys.len() <= 256 {
         short.clear();
@@ -539,7 +556,7 @@ mod cost_order_tests {
                 } else {
                     bits | 1 << 63
                 };
-                (c.guarded, ordered, i)
+                (c.set_aside(), ordered, i)
             })
             .collect();
         full.sort();
@@ -561,6 +578,40 @@ mod cost_order_tests {
                 ..CandidateScore::default()
             },
         )
+    }
+
+    // A candidate whose wait is past the cap times the soonest start is set aside, whatever
+    // its cost; one within the bound, or any with the cap off, is not.
+    #[test]
+    fn the_wait_cap_sets_aside_waits_past_the_bound() {
+        let with = |queue_ms: f64, prefill_ms: f64, total_ms: f64| {
+            (
+                EndpointId(0),
+                CandidateScore {
+                    queue_ms,
+                    prefill_ms,
+                    total_ms,
+                    ..CandidateScore::default()
+                },
+            )
+        };
+        let mut s = ScoringConfig {
+            wait_cap: 4.0,
+            ..ScoringConfig::default()
+        };
+        let mut candidates = vec![
+            with(0.0, 100.0, 900.0),
+            with(300.0, 100.0, 800.0),
+            with(350.0, 100.0, 10.0),
+        ];
+        apply_wait_cap(&mut candidates, &s);
+        let capped: Vec<bool> = candidates.iter().map(|(_, c)| c.capped).collect();
+        assert_eq!(capped, vec![false, false, true]);
+        assert_eq!(reference(&candidates), vec![1, 0, 2]);
+        s.wait_cap = 0.0;
+        let mut fresh = vec![with(0.0, 100.0, 900.0), with(350.0, 100.0, 10.0)];
+        apply_wait_cap(&mut fresh, &s);
+        assert!(fresh.iter().all(|(_, c)| !c.capped));
     }
 
     #[test]

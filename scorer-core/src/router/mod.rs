@@ -554,6 +554,10 @@ pub struct CandidateScore {
     pub inflight: u32,
     /// Set when the guard skipped this candidate.
     pub guarded: bool,
+    /// Set when this request's wait here is past `scoring.wait_cap` times the soonest start
+    /// another candidate offers it: ordered after the rest, as a guarded one is.
+    #[serde(default)]
+    pub capped: bool,
     /// Session-affinity bonus (negative) of the session's remembered, healthy replica.
     #[serde(default)]
     pub session_ms: f64,
@@ -588,6 +592,18 @@ pub struct CandidateScore {
     pub role: EndpointRole,
 }
 
+impl CandidateScore {
+    /// This request's own wait here: the queue ahead plus its prefill.
+    pub fn wait_ms(&self) -> f64 {
+        self.queue_ms + self.prefill_ms
+    }
+
+    /// Ordered after the candidates that are not: guarded, or past the wait cap.
+    pub fn set_aside(&self) -> bool {
+        self.guarded || self.capped
+    }
+}
+
 /// A routing decision and its explanation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Decision {
@@ -604,7 +620,7 @@ pub struct RouterStats {
     pub decisions: u64,
     /// Decisions with no usable endpoint (the filter fails open).
     pub no_endpoint: u64,
-    /// Decisions where the guard skipped the cheapest candidate.
+    /// Decisions where the guard or the wait cap skipped the cheapest candidate.
     pub guarded: u64,
     /// Outcomes received.
     pub outcomes: u64,
@@ -1943,7 +1959,9 @@ impl Router {
         };
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
         let stored = self.stored_response_endpoint(request, now_ms);
-        let Some(mut ranking) = self.rank(candidates, decision_id, seed) else {
+        let Some(mut ranking) =
+            self.rank(candidates, decision_id, seed, !shape.scored_to_last_token())
+        else {
             self.stats.no_endpoint += 1;
             return Some(Decision {
                 response: RouteResponse {
@@ -2421,14 +2439,16 @@ impl Router {
     }
 
     /// Stage 4: sets prefill-only candidates aside (never decode targets; they may prefill for
-    /// the chosen one), applies the guard against piling onto one hot replica, orders the rest
-    /// (unguarded first, then by cost; near-ties shuffled by the seed) into `scratch.keys`, and
-    /// names the choice and its reason. `None`: no decode candidate at all.
+    /// the chosen one), applies the guard against piling onto one hot replica and, for a
+    /// request scored to its first token (`first_token`), the wait cap; orders the rest (those
+    /// neither guarded nor capped first, then by cost; near-ties shuffled by the seed) into
+    /// `scratch.keys`, and names the choice and its reason. `None`: no decode candidate at all.
     fn rank(
         &mut self,
         mut candidates: Vec<(EndpointId, CandidateScore)>,
         decision_id: u64,
         seed: u64,
+        first_token: bool,
     ) -> Option<Ranking> {
         let s = &self.config.scoring;
         let prefill_only = crate::disagg::split_prefill_only(&mut candidates, s.prefill_weight);
@@ -2436,6 +2456,9 @@ impl Router {
             return None;
         }
         apply_guard(&mut candidates, s);
+        if first_token {
+            apply_wait_cap(&mut candidates, s);
+        }
         // The order is worked out on small keys, and the candidates (large) are moved into it
         // once, at the end (`respond`).
         let RouteScratch {
@@ -2443,22 +2466,22 @@ impl Router {
         } = &mut self.scratch;
         cost_order(&candidates, keys, short_keys);
         let best = &candidates[key_position(keys[0])].1;
-        let (best_guarded, best_cost) = (best.guarded, best.total_ms);
+        let (best_aside, best_cost) = (best.set_aside(), best.total_ms);
         let ties = keys
             .iter()
             .map(|&k| &candidates[key_position(k)].1)
-            .take_while(|c| c.guarded == best_guarded && c.total_ms - best_cost <= s.tie_ms)
+            .take_while(|c| c.set_aside() == best_aside && c.total_ms - best_cost <= s.tie_ms)
             .count();
         if ties > 1 {
             let pick = (splitmix64(seed ^ decision_id) % ties as u64) as usize;
             keys.swap(0, pick);
         }
-        let any_guarded = candidates.iter().any(|(_, c)| c.guarded);
+        let any_guarded = candidates.iter().any(|(_, c)| c.set_aside());
         let cheapest_guarded = keys
             .iter()
             .map(|&k| &candidates[key_position(k)].1)
             .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
-            .is_some_and(|c| c.guarded);
+            .is_some_and(CandidateScore::set_aside);
         if cheapest_guarded {
             self.stats.guarded += 1;
         }

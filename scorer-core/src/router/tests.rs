@@ -29,7 +29,8 @@ fn request(text: &str) -> RouteRequest {
 /// Asserts that one scoring term alone moves a request off its prefix holder: at `weight`
 /// (its default) the request leaves the holder, at 0 it stays. `pick` routes the scenario
 /// with the term at a weight (and any other term that would move it off) and returns
-/// (holder, chosen).
+/// (holder, chosen). Each scenario turns the wait cap off: the cap bounds how far any term
+/// may move a request (`the_wait_cap_keeps_a_chat_request_off_a_queue_...`).
 fn term_moves_off_the_holder(weight: f64, pick: impl Fn(f64) -> (String, String)) {
     let (holder, chosen) = pick(weight);
     assert_ne!(
@@ -432,6 +433,8 @@ fn distinct_prompts_spread_over_the_fleet() {
 fn marked_probe(waiting: u32, marked: bool, reuse_weight: f64) -> (bool, Decision) {
     let mut config = RouterConfig::default();
     config.cache_control.reuse_weight = reuse_weight;
+    // The marker's worth in queued requests, not the wait cap's bound, is measured here.
+    config.scoring.wait_cap = 0.0;
     let mut r = Router::new(config, 1);
     let idle = EndpointMetrics::default();
     for i in 0..2 {
@@ -570,9 +573,10 @@ fn a_prefix_holder_busy_decoding_is_left_when_a_miss_elsewhere_stalls_no_one() {
         let mut r = router(2);
         r.config.scoring.prefill_contention_weight = 0.0;
         r.config.scoring.prefill_stall_weight = stall_weight;
+        r.config.scoring.wait_cap = 0.0;
         let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
         let busy = EndpointMetrics {
-            running: 60,
+            running: 200,
             kv_usage: 0.3,
             ..EndpointMetrics::default()
         };
@@ -646,6 +650,7 @@ fn a_new_session_leaves_a_prefix_holder_full_of_other_sessions_context() {
             assert!(r.record_decision(&request(&context), &holder, 1_000 + k, 10 + k, 0));
         }
         r.config.scoring.decode_occupancy_weight = weight;
+        r.config.scoring.wait_cap = 0.0;
         let next = format!("{tools} a new agent's task");
         let chosen = r.route(&request(&next), 60_000, 99).response.endpoints[0].clone();
         (holder, chosen)
@@ -695,6 +700,7 @@ fn a_new_session_starts_away_from_a_holder_full_of_sessions_that_return() {
         r.config.scoring.prefill_contention_weight = 0.0;
         r.config.scoring.prefill_stall_weight = 0.0;
         r.config.sessions.start_turns = turns;
+        r.config.scoring.wait_cap = 0.0;
         let metrics = EndpointMetrics {
             capacity_tokens: Some(400_000),
             ..Default::default()
@@ -789,6 +795,7 @@ fn a_turn_leaves_a_holder_that_is_absorbing_prefill() {
     let pick = |weight: f64| {
         let mut r = router(2);
         r.config.scoring.prefill_contention_weight = weight;
+        r.config.scoring.wait_cap = 0.0;
         let first = r.route(&streamed(&context), 0, 1).response;
         r.first_token(first.decision_id, 50, None);
         let holder = first.endpoints[0].clone();
@@ -2176,4 +2183,46 @@ fn the_default_configuration_sends_only_fields_older_filters_read() {
     let mut readable: Vec<String> = FIELDS_OLDER_FILTERS_READ.map(String::from).to_vec();
     readable.sort();
     assert_eq!(sent, readable);
+}
+
+/// Two endpoints: `.0` runs `running` sequences with nothing queued, `.1` runs nothing behind
+/// `waiting` queued requests. Routes a 5,000-token miss of `api` there with `wait_cap` and
+/// returns the chosen endpoint and whether the decision skipped a capped candidate.
+fn wait_cap_probe(api: ApiKind, wait_cap: f64) -> (String, bool) {
+    let mut config = RouterConfig::default();
+    config.scoring.wait_cap = wait_cap;
+    let mut r = router_with(config, 2);
+    let busy = EndpointMetrics {
+        running: 200,
+        ..EndpointMetrics::default()
+    };
+    let queued = EndpointMetrics {
+        waiting: 100,
+        ..EndpointMetrics::default()
+    };
+    r.update_metrics("10.0.0.0:8000", busy, 0);
+    r.update_metrics("10.0.0.1:8000", queued, 0);
+    let mut long = request(&"a long document to summarise ".repeat(690));
+    long.api = Some(api);
+    let d = r.route(&long, 10, 1);
+    let capped = d.candidates.iter().any(|c| c.capped);
+    (d.response.endpoints[0].clone(), capped)
+}
+
+// The load terms price the 200 decodes a 5,000-token prefill would stall on `.0`, enough to
+// send the request behind 100 queued requests on `.1`: about eleven times its soonest start.
+// The wait cap keeps a chat request off that queue; an agent API's request, whose cost is the
+// whole answer, is not capped.
+#[test]
+fn the_wait_cap_keeps_a_chat_request_off_a_queue_many_times_its_soonest_start() {
+    assert_eq!(
+        wait_cap_probe(ApiKind::Chat, 0.0),
+        ("10.0.0.1:8000".to_string(), false)
+    );
+    let (chosen, capped) = wait_cap_probe(ApiKind::Chat, RouterConfig::default().scoring.wait_cap);
+    assert_eq!((chosen.as_str(), capped), ("10.0.0.0:8000", true));
+    assert_eq!(
+        wait_cap_probe(ApiKind::Messages, RouterConfig::default().scoring.wait_cap),
+        ("10.0.0.1:8000".to_string(), false)
+    );
 }
