@@ -576,7 +576,7 @@ fn a_prefix_holder_busy_decoding_is_left_when_a_miss_elsewhere_stalls_no_one() {
         r.config.scoring.wait_cap = 0.0;
         let holder = r.route(&request(&system), 0, 1).response.endpoints[0].clone();
         let busy = EndpointMetrics {
-            running: 200,
+            running: 60,
             kv_usage: 0.3,
             ..EndpointMetrics::default()
         };
@@ -2185,9 +2185,9 @@ fn the_default_configuration_sends_only_fields_older_filters_read() {
     assert_eq!(sent, readable);
 }
 
-/// Two endpoints: `.0` runs `running` sequences with nothing queued, `.1` runs nothing behind
-/// `waiting` queued requests. Routes a 5,000-token miss of `api` there with `wait_cap` and
-/// returns the chosen endpoint and whether the decision skipped a capped candidate.
+/// Two endpoints: `.0` runs 200 sequences with nothing queued, `.1` runs nothing behind 100
+/// queued requests. Routes a 5,000-token miss of `api` there with `wait_cap` and returns the
+/// chosen endpoint and whether any candidate was capped.
 fn wait_cap_probe(api: ApiKind, wait_cap: f64) -> (String, bool) {
     let mut config = RouterConfig::default();
     config.scoring.wait_cap = wait_cap;
