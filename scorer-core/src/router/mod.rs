@@ -2476,13 +2476,13 @@ impl Router {
             let pick = (splitmix64(seed ^ decision_id) % ties as u64) as usize;
             keys.swap(0, pick);
         }
-        let any_guarded = candidates.iter().any(|(_, c)| c.set_aside());
-        let cheapest_guarded = keys
+        // The guard or the wait cap skipped the cheapest candidate.
+        let cheapest_set_aside = keys
             .iter()
             .map(|&k| &candidates[key_position(k)].1)
             .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms))
             .is_some_and(CandidateScore::set_aside);
-        if cheapest_guarded {
+        if cheapest_set_aside {
             self.stats.guarded += 1;
         }
         let chosen_at = key_position(keys[0]);
@@ -2492,7 +2492,7 @@ impl Router {
             .map(|(_, c)| c.cached_blocks)
             .max()
             .unwrap_or(0);
-        let reason = if cheapest_guarded && any_guarded {
+        let reason = if cheapest_set_aside {
             RouteReason::Guard
         } else if chosen_score.cached_blocks > 0 && chosen_score.cached_blocks == max_cached {
             RouteReason::Prefix
