@@ -7,7 +7,7 @@ Prints, for kvroute against the best peer per cell: cells whose TTFT p50 / p99 i
 the best peer's (within the 95 % intervals), both, loss cells (either not), the geometric
 means of kvroute / best peer on p50 and p99, cells whose p50 is within 15 % of the oracle's,
 kvroute's end-to-end p50 against the peer that finishes soonest in each cell (geomean, overall
-and per workload), per pool and per workload geomeans, and the loss cells. With a second report
+and per workload), per pool, per workload and per load geomeans, and the loss cells. With a second report
 (the baseline), also the cells whose verdict changed.
 """
 import json
@@ -57,7 +57,7 @@ def summary(vs, label):
           f"{geomean([v['e2e_ratio'] for v in vs.values()]):.3f}; by workload: " + ", ".join(
               f"{w} {geomean([v['e2e_ratio'] for k, v in vs.items() if k[0] == w]):.2f}"
               for w in dict.fromkeys(k[0] for k in vs)))
-    for axis, idx in (("pool", 1), ("workload", 0)):
+    for axis, idx in (("pool", 1), ("workload", 0), ("load", 2)):
         groups = {}
         for k, v in vs.items():
             groups.setdefault(k[idx], []).append(v)
