@@ -141,6 +141,10 @@ impl Policy for RankBlind {
         self.inner.on_first_token(id, replica / self.ranks, now_ms);
     }
 
+    fn on_usage(&mut self, id: usize, output_tokens: u32) {
+        self.inner.on_usage(id, output_tokens);
+    }
+
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
         if let Some(n) = self.in_flight.get_mut(replica) {
             *n = n.saturating_sub(1);

@@ -301,6 +301,7 @@ pub fn run_with(
                             records[i].output_tokens = summary.output_tokens;
                             unresolved -= 1;
                             if !records[i].unseen {
+                                policy.on_usage(i, summary.output_tokens);
                                 policy.on_finish(i, r, now, summary.cached_tokens);
                             }
                             release(i, now, &mut queue);

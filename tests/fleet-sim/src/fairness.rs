@@ -300,6 +300,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                             finished[i] = Some((now, summary.output_tokens));
                             outstanding -= 1;
                             last_ms = last_ms.max(now);
+                            router.on_usage(i, summary.output_tokens);
                             router.on_finish(i, r, now, summary.cached_tokens);
                         }
                         _ => {}

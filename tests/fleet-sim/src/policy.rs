@@ -96,6 +96,9 @@ pub trait Policy {
     fn on_metrics(&mut self, _replicas: &[ReplicaSnapshot], _now_ms: f64) {}
     /// The request's first token was streamed.
     fn on_first_token(&mut self, _id: usize, _replica: usize, _now_ms: f64) {}
+    /// The finished request's response reported `output_tokens` in its usage (called just
+    /// before `on_finish`); only kvroute reads it, as its proxy does.
+    fn on_usage(&mut self, _id: usize, _output_tokens: u32) {}
     /// The request finished; `cached_tokens` is what the engine reported.
     fn on_finish(&mut self, _id: usize, _replica: usize, _now_ms: f64, _cached_tokens: u32) {}
     /// The engine refused the request before computing any of it (a prompt longer than the
@@ -952,6 +955,8 @@ struct Kvroute {
     /// Decision id, prompt tokens (the usage the engine reports) and routing time of each
     /// routed request.
     decisions: HashMap<usize, (u64, u32, u64)>,
+    /// Output tokens finished requests' usage reported, until their outcome is built.
+    usage: HashMap<usize, u32>,
     predicted: HashMap<usize, u32>,
     seed: SplitMix,
     addresses: Vec<String>,
@@ -1005,6 +1010,7 @@ impl Kvroute {
             router,
             precise,
             decisions: HashMap::new(),
+            usage: HashMap::new(),
             predicted: HashMap::new(),
             seed: SplitMix(seed),
             addresses,
@@ -1030,8 +1036,14 @@ impl Kvroute {
     fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
         self.deliver_first_tokens(now_ms as u64);
         if let Some((decision_id, prompt_tokens, _)) = self.decisions.remove(&id) {
-            let outcome =
-                proxy_outcome(decision_id, &self.addresses[replica], prompt_tokens, cached);
+            let usage = self.usage.remove(&id);
+            let outcome = proxy_outcome(
+                decision_id,
+                &self.addresses[replica],
+                prompt_tokens,
+                cached,
+                usage,
+            );
             self.router.feedback(&outcome, now_ms as u64);
         }
     }
@@ -1147,6 +1159,9 @@ impl Policy for Kvroute {
             self.first_tokens
                 .push_back((due, decision_id, now.saturating_sub(decided_ms)));
         }
+    }
+    fn on_usage(&mut self, id: usize, output_tokens: u32) {
+        self.usage.insert(id, output_tokens);
     }
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
         self.report(id, replica, now_ms, Some(cached_tokens));
@@ -1321,6 +1336,8 @@ struct KvrouteLocal {
     ticks: u64,
     placement: SplitMix,
     decisions: HashMap<usize, LocalDecision>,
+    /// Output tokens finished requests' usage reported, until their outcome is built.
+    usage: HashMap<usize, u32>,
     predicted: HashMap<usize, u32>,
     /// Decisions the control plane took because the chosen copy was not ready.
     callouts: u64,
@@ -1352,6 +1369,7 @@ impl KvrouteLocal {
             ticks: 0,
             placement: SplitMix(seed ^ 0x10ca_1c09_1e5d_a7a5),
             decisions: HashMap::new(),
+            usage: HashMap::new(),
             predicted: HashMap::new(),
             callouts: 0,
         }
@@ -1394,6 +1412,7 @@ impl KvrouteLocal {
             &self.central.addresses[replica],
             decision.prompt_tokens,
             cached,
+            self.usage.remove(&id),
         );
         let at = now_ms as u64;
         match decision.decider {
@@ -1413,6 +1432,7 @@ fn proxy_outcome(
     endpoint: &str,
     prompt_tokens: u32,
     cached: Option<u32>,
+    completion_tokens: Option<u32>,
 ) -> Outcome {
     match cached {
         Some(cached_tokens) => Outcome {
@@ -1421,6 +1441,7 @@ fn proxy_outcome(
             status: 200,
             prompt_tokens: Some(prompt_tokens),
             cached_tokens: Some(cached_tokens),
+            completion_tokens,
             ..Outcome::default()
         },
         None => Outcome {
@@ -1508,6 +1529,9 @@ impl Policy for KvrouteLocal {
             };
             self.copies[decision.copy].first_token(first, now_ms as u64);
         }
+    }
+    fn on_usage(&mut self, id: usize, output_tokens: u32) {
+        self.usage.insert(id, output_tokens);
     }
     fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
         self.report(id, replica, now_ms, Some(cached_tokens));
