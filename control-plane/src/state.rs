@@ -279,6 +279,8 @@ pub struct Snapshot {
     pub sync_log_entries: usize,
     /// Canonical bytes per token the approximate index counts in (configured or learned).
     pub bytes_per_token: f64,
+    /// The output an agent request is expected to have, tokens (learned or the default).
+    pub agent_output_tokens: f64,
     /// The fleet numbers per pool (model): reuse available, aimed for, delivered, the gap.
     pub pools: Vec<(String, ReuseTotals)>,
 }
@@ -1000,6 +1002,7 @@ impl State {
             index_blocks: r.index().distinct_blocks(),
             index_bytes: r.index().approx_bytes(),
             bytes_per_token: r.bytes_per_token(),
+            agent_output_tokens: r.agent_output_tokens(),
             sync_log_entries: inner.sync.len(),
             pools: r.pool_reuse(),
         }

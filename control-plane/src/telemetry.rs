@@ -619,6 +619,14 @@ impl Collector for RouterCollector {
             None,
             MetricType::Gauge,
         )?)?;
+        ConstGauge::new(snap.agent_output_tokens).encode(encoder.encode_descriptor(
+            "agent_output_tokens",
+            "Output tokens an agent API request is expected to have when scored to its last \
+             token (the mean agent requests' usage reported, or \
+             router.scoring.default_output_tokens before 20 have)",
+            None,
+            MetricType::Gauge,
+        )?)?;
 
         type Getter = fn(&EndpointView) -> Option<f64>;
         let per_endpoint: [(&str, &str, Getter); 12] = [

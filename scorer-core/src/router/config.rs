@@ -121,6 +121,31 @@ pub struct ScoringConfig {
     /// configuration.
     #[serde(skip_serializing_if = "is_default_wait_cap")]
     pub wait_cap: f64,
+    /// A request scored to its last token (the agent APIs) prices its own decode at the mean
+    /// output such requests have had (from the usage their outcomes report, once
+    /// [`LEARNED_OUTPUT_MIN_SAMPLES`] have), capped by its `max_tokens`, instead of at
+    /// `default_output_tokens`: an agent's turns are mostly short tool calls, and its client's
+    /// cap (tens of thousands for Anthropic's API) says nothing of their length. Priced at the
+    /// default, a move off the replica holding the context read a decode saving several
+    /// times too large. Requests scored to their first token keep the default (there the
+    /// output only weighs the prefill contention, tuned with it). Left out of the serialized
+    /// form at its default, so a filter built before it still accepts the copy's
+    /// configuration.
+    #[serde(skip_serializing_if = "is_default_learn_agent_output")]
+    pub learn_agent_output: bool,
+}
+
+/// Outcomes with usage a request scored to its last token needs seen before the mean output
+/// replaces `default_output_tokens` for it ([`ScoringConfig::learn_agent_output`]).
+pub const LEARNED_OUTPUT_MIN_SAMPLES: u32 = 20;
+
+/// The default `learn_agent_output`. Chosen on fleet-sim's tuning split (seeds 1-2): TTFT p50
+/// / p99 geomeans against the best peer 0.862 / 1.048 -> 0.852 / 1.037, loss cells 4 -> 3,
+/// end to end 0.954 -> 0.956; docs/BENCHMARKS.md.
+const LEARN_AGENT_OUTPUT: bool = true;
+
+fn is_default_learn_agent_output(b: &bool) -> bool {
+    *b == LEARN_AGENT_OUTPUT
 }
 
 /// The default `wait_cap`. Chosen on fleet-sim's tuning split (seeds 1-2): TTFT p50 / p99
@@ -192,6 +217,7 @@ impl Default for ScoringConfig {
             prefill_contention_weight: CONTENTION_WEIGHT,
             prefill_contention_window_ms: CONTENTION_WINDOW_MS,
             wait_cap: WAIT_CAP,
+            learn_agent_output: LEARN_AGENT_OUTPUT,
         }
     }
 }

@@ -57,7 +57,8 @@ mod precise_tests;
 mod tests;
 
 pub use config::{
-    CacheControlConfig, PreciseConfig, RouterConfig, ScoringConfig, StoredResponsesConfig,
+    CacheControlConfig, LEARNED_OUTPUT_MIN_SAMPLES, PreciseConfig, RouterConfig, ScoringConfig,
+    StoredResponsesConfig,
 };
 use cost::*;
 
@@ -511,6 +512,29 @@ struct InFlight {
     /// frees a finished request's blocks to the recently used end of its free queue (tail
     /// first), so they outlive the blocks touched while it ran, whatever their events' age.
     prompt_blocks: Box<[u64]>,
+    /// Scored to its last token: its usage teaches [`Router::agent_output`].
+    scored_to_last_token: bool,
+}
+
+/// A running mean of the output tokens requests have had: the plain mean over the first
+/// hundred, then an exponential one (weight 1 %), so it follows a workload that changes.
+#[derive(Debug, Clone, Copy, Default)]
+struct OutputLength {
+    mean: f64,
+    samples: u32,
+}
+
+impl OutputLength {
+    fn observe(&mut self, tokens: u32) {
+        self.samples = self.samples.saturating_add(1);
+        let weight = (1.0 / f64::from(self.samples)).max(0.01);
+        self.mean += weight * (f64::from(tokens) - self.mean);
+    }
+
+    /// The mean, once `min_samples` have been seen.
+    fn mean(&self, min_samples: u32) -> Option<f64> {
+        (self.samples >= min_samples).then_some(self.mean)
+    }
 }
 
 impl InFlight {
@@ -789,6 +813,9 @@ pub struct Router {
     scratch: RouteScratch,
     /// Canonical bytes per token in force (configured or learned).
     token_ratio: TokenRatio,
+    /// The output lengths requests scored to their last token have had
+    /// ([`ScoringConfig::learn_agent_output`]).
+    agent_output: OutputLength,
     /// What changed in the endpoint table and when, for sync answers that carry only that.
     table: TableVersions,
     /// Most blocks the approximate index holds over all endpoints (a proxy's copy sets it,
@@ -1200,6 +1227,7 @@ impl Router {
             fleet: FleetState::default(),
             scratch: RouteScratch::default(),
             token_ratio: TokenRatio::new(config.bytes_per_token, config.learn_bytes_per_token),
+            agent_output: OutputLength::default(),
             first_token_at_ms: None,
             config,
             table: TableVersions::default(),
@@ -1221,6 +1249,18 @@ impl Router {
     /// when `learn_bytes_per_token` is on.
     pub fn bytes_per_token(&self) -> f64 {
         self.token_ratio.bytes_per_token()
+    }
+
+    /// The output an agent request without a lower `max_tokens` is expected to have, tokens:
+    /// the mean agent requests have had once learned, else `scoring.default_output_tokens`
+    /// ([`ScoringConfig::learn_agent_output`]); what `/metrics` shows.
+    pub fn agent_output_tokens(&self) -> f64 {
+        let scoring = &self.config.scoring;
+        scoring
+            .learn_agent_output
+            .then(|| self.agent_output.mean(LEARNED_OUTPUT_MIN_SAMPLES))
+            .flatten()
+            .unwrap_or(f64::from(scoring.default_output_tokens))
     }
 
     /// Adds an endpoint (idempotent) and returns its id.
@@ -2209,7 +2249,7 @@ impl Router {
             prompt_tokens: f64::from(tokens.max(1)),
             marked_tokens,
             output_tokens,
-            expected_output_tokens: f64::from(output_tokens.min(scoring.default_output_tokens)),
+            expected_output_tokens: f64::from(output_tokens).min(self.expected_output(request)),
             decode_weight: scoring.decode_weight_for(request.api),
             contention_weight: scoring.prefill_contention_weight,
             tokens_per_block,
@@ -2225,6 +2265,18 @@ impl Router {
             shape.contention_weight = self.config.local.first_token_contention_weight;
         }
         shape
+    }
+
+    /// The output the decode terms expect of `request` before its `max_tokens` caps it:
+    /// `scoring.default_output_tokens`, or for a request scored to its last token the mean
+    /// such requests have had ([`ScoringConfig::learn_agent_output`]).
+    fn expected_output(&self, request: &RouteRequest) -> f64 {
+        let scoring = &self.config.scoring;
+        if scoring.decode_weight_for(request.api) > 0.0 {
+            self.agent_output_tokens()
+        } else {
+            f64::from(scoring.default_output_tokens)
+        }
     }
 
     /// Stage 2: which endpoints may serve `request` (model pools and LoRA adapters, modules
@@ -2585,6 +2637,7 @@ impl Router {
             claim: None,
             speculative_claim: None,
             prompt_blocks: request.token_block_hashes.as_slice().into(),
+            scored_to_last_token: shape.scored_to_last_token(),
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -2956,6 +3009,12 @@ impl Router {
             self.mismatches.push(record);
         }
 
+        if entry.scored_to_last_token
+            && (200..300).contains(&outcome.status)
+            && let Some(tokens) = outcome.completion_tokens
+        {
+            self.agent_output.observe(tokens);
+        }
         if (200..300).contains(&outcome.status)
             && let Some(tokens) = outcome.prompt_tokens
         {

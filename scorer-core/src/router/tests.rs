@@ -922,6 +922,77 @@ fn an_agent_api_request_prices_its_expected_decode_and_a_chat_one_does_not() {
     assert!(s.agent_decode_weight > 0.0 && s.decode_weight == 0.0);
 }
 
+// An agent request's own decode is priced at the output agent requests have had once enough
+// outcomes reported it, not at the default: its client's `max_tokens` is a cap, and an agent's
+// turns are mostly short tool calls. Chat requests keep the default, and the mean never
+// raises a request past its own cap.
+#[test]
+fn an_agent_request_s_decode_is_priced_at_the_output_agents_have_had() {
+    let s = ScoringConfig::default();
+    let mut r = router(1);
+    r.config.scoring.prefill_contention_weight = 0.0;
+    let own_decode = |tokens: f64| s.agent_decode_weight * tokens * s.itl_ms_idle;
+    let probe = |r: &mut Router, api, max_tokens, now| {
+        let mut p = request("probe");
+        p.api = Some(api);
+        p.max_output_tokens = Some(max_tokens);
+        let d = r.route(&p, now, now);
+        // Answered without usage: it leaves the replica and teaches nothing.
+        let done = Outcome {
+            decision_id: d.response.decision_id,
+            endpoint: d.response.endpoints[0].clone(),
+            status: 200,
+            ..Outcome::default()
+        };
+        r.feedback(&done, now);
+        d.candidates[0].decode_ms
+    };
+    let chat = probe(&mut r, ApiKind::Chat, 32_000, 0);
+    let before = probe(&mut r, ApiKind::Messages, 32_000, 0) - chat;
+    assert!((before - own_decode(f64::from(s.default_output_tokens))).abs() < 1e-6);
+    // Agent turns of 60 output tokens each, one fewer than needed: still the default.
+    let agent_turn = |r: &mut Router, i: u64| {
+        let mut turn = request(&format!("tool result {i}"));
+        turn.api = Some(ApiKind::Messages);
+        let d = r.route(&turn, 10 + i, i);
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: d.response.endpoints[0].clone(),
+                status: 200,
+                completion_tokens: Some(60),
+                ..Outcome::default()
+            },
+            11 + i,
+        );
+    };
+    for i in 0..u64::from(LEARNED_OUTPUT_MIN_SAMPLES) - 1 {
+        agent_turn(&mut r, i);
+    }
+    let now = 1_000;
+    let chat = probe(&mut r, ApiKind::Chat, 32_000, now);
+    let unlearned = probe(&mut r, ApiKind::Messages, 32_000, now) - chat;
+    assert!((unlearned - before).abs() < 1e-6, "{unlearned} {before}");
+    assert_eq!(r.agent_output_tokens(), f64::from(s.default_output_tokens));
+    agent_turn(&mut r, 99);
+    let chat_after = probe(&mut r, ApiKind::Chat, 32_000, now);
+    assert!(
+        (chat_after - chat).abs() < 1e-6,
+        "chat moved: {chat} {chat_after}"
+    );
+    let learned = probe(&mut r, ApiKind::Messages, 32_000, now) - chat_after;
+    assert!((learned - own_decode(60.0)).abs() < 1e-6, "{learned}");
+    assert!((r.agent_output_tokens() - 60.0).abs() < 1e-9);
+    // A cap below the mean is still the most the answer can be.
+    let capped = probe(&mut r, ApiKind::Messages, 40, now) - probe(&mut r, ApiKind::Chat, 40, now);
+    assert!((capped - own_decode(40.0)).abs() < 1e-6, "{capped}");
+    // Off, the default again.
+    r.config.scoring.learn_agent_output = false;
+    let off =
+        probe(&mut r, ApiKind::Messages, 32_000, now) - probe(&mut r, ApiKind::Chat, 32_000, now);
+    assert!((off - before).abs() < 1e-6, "{off} {before}");
+}
+
 // A request scored to its last token pays no contention for its own prefill on an idle
 // replica: it prefills before it decodes, and nothing else decodes there. A chat request
 // still does (there the term stands for the work a miss adds), and so does an agent request
