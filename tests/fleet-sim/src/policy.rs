@@ -1035,8 +1035,8 @@ impl Kvroute {
     /// (`None`, vLLM's 400).
     fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
         self.deliver_first_tokens(now_ms as u64);
+        let usage = self.usage.remove(&id);
         if let Some((decision_id, prompt_tokens, _)) = self.decisions.remove(&id) {
-            let usage = self.usage.remove(&id);
             let outcome = proxy_outcome(
                 decision_id,
                 &self.addresses[replica],
@@ -1404,6 +1404,7 @@ impl KvrouteLocal {
     /// or refused unprefilled (`None`, vLLM's 400).
     fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
         self.catch_up(now_ms);
+        let usage = self.usage.remove(&id);
         let Some(decision) = self.decisions.remove(&id) else {
             return;
         };
@@ -1412,7 +1413,7 @@ impl KvrouteLocal {
             &self.central.addresses[replica],
             decision.prompt_tokens,
             cached,
-            self.usage.remove(&id),
+            usage,
         );
         let at = now_ms as u64;
         match decision.decider {
