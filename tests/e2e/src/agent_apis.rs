@@ -359,7 +359,9 @@ fn router_tokens(body: &Value) -> (f64, f64) {
     ((bytes as f64 / 4.0).ceil(), (bytes / 256 * 64) as f64)
 }
 
-/// The replicas' `running` as the control plane last scraped it, and its in-flight count.
+/// The replicas' `running` as the control plane last scraped it (0 once that scrape is
+/// stale: the router then prices the replica by its own in-flight count), and its in-flight
+/// count.
 async fn scraped(fleet: &Fleet) -> Vec<(String, u64, u64)> {
     let body = common::cp_get(fleet, "/debug/endpoints").await;
     let views: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
@@ -369,7 +371,11 @@ async fn scraped(fleet: &Fleet) -> Vec<(String, u64, u64)> {
         .map(|v| {
             (
                 v["address"].as_str().unwrap_or_default().to_string(),
-                v["metrics"]["running"].as_u64().unwrap_or(0),
+                if v["stale"].as_bool().unwrap_or(false) {
+                    0
+                } else {
+                    v["metrics"]["running"].as_u64().unwrap_or(0)
+                },
                 v["inflight"].as_u64().unwrap_or(0),
             )
         })
@@ -468,18 +474,22 @@ async fn a_marked_prefix_stays_on_its_holder_under_a_load_that_moves_an_unmarked
                 });
             }
         }
-        wait_scraped(&fleet, "the holders' running sequences", |v| {
+        // Before each turn 2: the control plane's last scrape of every holder is fresh and
+        // shows the load (on a busy machine a scrape can come late and go stale, and the
+        // router then prices the holder by its own in-flight count, which leaves the load out).
+        let loaded_fresh = |v: &[(String, u64, u64)]| {
             loaded.iter().all(|h| {
                 v.iter()
                     .any(|(a, running_now, _)| a == h && *running_now >= running)
             })
-        })
-        .await;
+        };
+        wait_scraped(&fleet, "the holders' running sequences", loaded_fresh).await;
 
         let marked = marked_turn(marked_seed, true, true);
         let r = post(&client, &fleet, "/v1/messages", &marked).await;
         assert_eq!(r.status, 200, "{}", r.body);
         let (marked_to, marked_cached) = (common::replica_header(&r), cache_read(&r));
+        wait_scraped(&fleet, "the holders' running sequences", loaded_fresh).await;
         let plain = marked_turn(plain_seed, true, false);
         let r = post(&client, &fleet, "/v1/messages", &plain).await;
         assert_eq!(r.status, 200, "{}", r.body);
