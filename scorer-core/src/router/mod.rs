@@ -2242,6 +2242,7 @@ impl Router {
             .max_output_tokens
             .unwrap_or(scoring.default_output_tokens)
             .min(max_tokens);
+        let decode_weight = scoring.decode_weight_for(request.api);
         let mut shape = RequestShape {
             precise,
             tokens,
@@ -2249,8 +2250,9 @@ impl Router {
             prompt_tokens: f64::from(tokens.max(1)),
             marked_tokens,
             output_tokens,
-            expected_output_tokens: f64::from(output_tokens).min(self.expected_output(request)),
-            decode_weight: scoring.decode_weight_for(request.api),
+            expected_output_tokens: f64::from(output_tokens)
+                .min(self.expected_output(decode_weight)),
+            decode_weight,
             contention_weight: scoring.prefill_contention_weight,
             tokens_per_block,
             block_tokens,
@@ -2267,15 +2269,15 @@ impl Router {
         shape
     }
 
-    /// The output the decode terms expect of `request` before its `max_tokens` caps it:
-    /// `scoring.default_output_tokens`, or for a request scored to its last token the mean
-    /// such requests have had ([`ScoringConfig::learn_agent_output`]).
-    fn expected_output(&self, request: &RouteRequest) -> f64 {
-        let scoring = &self.config.scoring;
-        if scoring.decode_weight_for(request.api) > 0.0 {
+    /// The output the decode terms expect of a request with `decode_weight` before its
+    /// `max_tokens` caps it: `scoring.default_output_tokens`, or for one scored to its last
+    /// token (`decode_weight` > 0) the mean such requests have had
+    /// ([`ScoringConfig::learn_agent_output`]).
+    fn expected_output(&self, decode_weight: f64) -> f64 {
+        if decode_weight > 0.0 {
             self.agent_output_tokens()
         } else {
-            f64::from(scoring.default_output_tokens)
+            f64::from(self.config.scoring.default_output_tokens)
         }
     }
 
