@@ -619,11 +619,15 @@ impl Collector for RouterCollector {
             None,
             MetricType::Gauge,
         )?)?;
-        ConstGauge::new(snap.agent_output_tokens).encode(encoder.encode_descriptor(
-            "agent_output_tokens",
+        let help = format!(
             "Output tokens an agent API request is expected to have when scored to its last \
              token (the mean agent requests' usage reported, or \
-             router.scoring.default_output_tokens before 20 have)",
+             router.scoring.default_output_tokens before {} have)",
+            scorer_core::router::LEARNED_OUTPUT_MIN_SAMPLES
+        );
+        ConstGauge::new(snap.agent_output_tokens).encode(encoder.encode_descriptor(
+            "agent_output_tokens",
+            &help,
             None,
             MetricType::Gauge,
         )?)?;
