@@ -159,7 +159,7 @@ impl MatrixWorkload {
 pub struct Pool {
     /// Name in tables.
     pub name: String,
-    /// The profiles, alternating over replicas.
+    /// The profiles, in equal shares over the replicas ([`Pool::replica_profiles`]).
     pub profiles: Vec<Profile>,
 }
 
@@ -205,17 +205,31 @@ impl Pool {
         }
     }
 
-    /// The profile of each of `replicas` replicas (the pool's profiles in equal shares).
-    pub fn replica_profiles(&self, replicas: usize) -> Vec<Profile> {
+    /// The profile of each of `replicas` replicas in `seed`'s run: the pool's profiles in
+    /// equal shares, laid out over the replica indexes in an order drawn from the seed. The
+    /// order a router lists its workers in (registration, discovery, pod IPs) says nothing of
+    /// their hardware; with the profiles in blocks every seed, a policy that breaks ties
+    /// towards the first worker (SGLang's `min_by_key`) would start on the same GPU in every
+    /// run, the fast one when it is listed first.
+    pub fn replica_profiles(&self, replicas: usize, seed: u64) -> Vec<Profile> {
         let k = self.profiles.len().max(1);
-        (0..replicas)
+        let mut profiles: Vec<Profile> = (0..replicas)
             .map(|i| self.profiles[(i * k / replicas.max(1)).min(k - 1)].clone())
-            .collect()
+            .collect();
+        if k > 1 {
+            // Fisher-Yates, with a stream of its own: the workload's and the policies' draws
+            // from the same seed stay as they were.
+            let mut rng = crate::policy::SplitMix(seed ^ 0x9007_1a40);
+            for i in (1..profiles.len()).rev() {
+                profiles.swap(i, rng.below(i + 1));
+            }
+        }
+        profiles
     }
 
     /// Summed prefill capacity of `replicas` replicas (tokens/s).
     pub fn prefill_capacity(&self, replicas: usize) -> f64 {
-        self.replica_profiles(replicas)
+        self.replica_profiles(replicas, 0)
             .iter()
             .map(|p| p.prefill_tokens_per_s)
             .sum()
@@ -440,7 +454,7 @@ fn sim_setup(
     max_tokens: Option<u32>,
     replicas: usize,
 ) -> (SimConfig, RunOptions) {
-    let profiles = cell.pool.replica_profiles(replicas);
+    let profiles = cell.pool.replica_profiles(replicas, seed);
     let cfg = SimConfig {
         replicas,
         profile: profiles[0].clone(),
@@ -1107,11 +1121,34 @@ mod tests {
     }
 
     #[test]
+    fn a_mixed_pool_s_hardware_sits_at_other_indexes_in_other_seeds() {
+        let pool = Pool::named("llama8b-h100+llama8b-a100-40g").unwrap();
+        let layout = |seed| -> Vec<String> {
+            pool.replica_profiles(8, seed)
+                .into_iter()
+                .map(|p| p.name)
+                .collect()
+        };
+        assert_eq!(layout(3), layout(3), "a seed's layout is reproducible");
+        let first: Vec<String> = (1..=7).map(|seed| layout(seed)[0].clone()).collect();
+        assert!(
+            first.iter().any(|n| n == "llama8b-h100") && first.iter().any(|n| n != "llama8b-h100"),
+            "the first worker is not always the same GPU: {first:?}"
+        );
+        let one = Pool::named("llama8b-h100").unwrap();
+        assert!(
+            one.replica_profiles(8, 3)
+                .iter()
+                .all(|p| p.name == "llama8b-h100")
+        );
+    }
+
+    #[test]
     fn loads_come_from_the_pools_capacity() {
         let pool = Pool::named("llama8b-h100+llama8b-a100-40g").unwrap();
-        let profiles = pool.replica_profiles(4);
-        assert_eq!(profiles[0].name, "llama8b-h100");
-        assert_eq!(profiles[3].name, "llama8b-a100-40g");
+        let profiles = pool.replica_profiles(4, 3);
+        let h100 = profiles.iter().filter(|p| p.name == "llama8b-h100").count();
+        assert_eq!(h100, 2, "half of each");
         assert_eq!(pool.prefill_capacity(4), 2.0 * 10_000.0 + 2.0 * 3_150.0);
         let cell = Cell {
             workload: MatrixWorkload::SharedPrefix,
