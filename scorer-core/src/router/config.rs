@@ -84,7 +84,8 @@ pub struct ScoringConfig {
     pub guard_abs: u32,
     /// ... and this many times as many, is skipped while any other replica is usable.
     pub guard_rel: f64,
-    /// Costs within this many ms of the best count as a tie (broken by the seed).
+    /// Costs within this many ms of the best count as a tie, which goes to the tied replica
+    /// with the most free KV (the seed draws among equals).
     pub tie_ms: f64,
     /// Weight of the prefill contention this request's decode would meet on a candidate. vLLM
     /// runs prefill chunks in the same steps as decode, so a replica taking uncached prompt

@@ -98,6 +98,39 @@ pub struct PrefixCacheCounters {
     pub queries: f64,
 }
 
+/// Free KV within this share of the most a near-tie has counts as the most: replicas of one
+/// kind, idle, tie exactly, and a few blocks of difference say nothing.
+const ROOMIEST_SHARE: f64 = 0.99;
+
+/// Which of the near-tied candidates `tied` (their keys, cheapest first) takes the request:
+/// one of those with the most free KV ([`Slot::free_kv_tokens`]), drawn by `seed`; a
+/// candidate whose capacity is unknown is among them. A new context lives longest where the
+/// most KV is free, and the cost terms cannot tell such replicas apart: idle ones cost the
+/// same whatever their GPU. In a pool of two GPU generations the idle replicas a new
+/// conversation may start on tie (a replica that has shown no rate is priced at its pool's
+/// mean slowdown), and the draw put it on the smaller-memory, slower GPU half the time.
+fn roomiest_tie(
+    slots: &[Option<Slot>],
+    candidates: &[(EndpointId, CandidateScore)],
+    tied: &[u128],
+    seed: u64,
+) -> usize {
+    let free: Vec<Option<f64>> = tied
+        .iter()
+        .map(|&k| {
+            let id = candidates[key_position(k)].0;
+            slots[usize::from(id.0)]
+                .as_ref()
+                .and_then(Slot::free_kv_tokens)
+        })
+        .collect();
+    let most = free.iter().flatten().fold(0.0f64, |a, &b| a.max(b));
+    let roomiest: Vec<usize> = (0..tied.len())
+        .filter(|&i| free[i].is_none_or(|f| f >= most * ROOMIEST_SHARE))
+        .collect();
+    roomiest[(splitmix64(seed) % roomiest.len() as u64) as usize]
+}
+
 /// Why an endpoint is not a candidate right now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -226,6 +259,14 @@ impl Slot {
     fn backlog_at(&self, now_ms: u64, tokens_per_ms: f64) -> f64 {
         let elapsed = now_ms.saturating_sub(self.backlog_at_ms) as f64;
         (self.backlog_tokens - elapsed * tokens_per_ms).max(0.0)
+    }
+
+    /// KV tokens free for a new context: the capacity less what the scrape shows in use and
+    /// what the router's in-flight requests hold, when the capacity is known.
+    fn free_kv_tokens(&self) -> Option<f64> {
+        let capacity = self.kv_capacity_tokens()?;
+        let used = self.metrics.map_or(0.0, |m| m.kv_usage) * capacity;
+        Some((capacity - used.max(self.inflight_kv.tokens)).max(0.0))
     }
 
     /// The replica's KV capacity in tokens, when its scrape says (a capacity of 0 says
@@ -2495,8 +2536,9 @@ impl Router {
     /// Stage 4: sets prefill-only candidates aside (never decode targets; they may prefill for
     /// the chosen one), applies the guard against piling onto one hot replica and, for a
     /// request scored to its first token (`first_token`), the wait cap; orders the rest (those
-    /// neither guarded nor capped first, then by cost; near-ties shuffled by the seed) into
-    /// `scratch.keys`, and names the choice and its reason. `None`: no decode candidate at all.
+    /// neither guarded nor capped first, then by cost; a near-tie to the one with the most free
+    /// KV, the seed drawing among equals, [`roomiest_tie`]) into `scratch.keys`, and names the
+    /// choice and its reason. `None`: no decode candidate at all.
     fn rank(
         &mut self,
         mut candidates: Vec<(EndpointId, CandidateScore)>,
@@ -2527,7 +2569,7 @@ impl Router {
             .take_while(|c| c.set_aside() == best_aside && c.total_ms - best_cost <= s.tie_ms)
             .count();
         if ties > 1 {
-            let pick = (splitmix64(seed ^ decision_id) % ties as u64) as usize;
+            let pick = roomiest_tie(&self.slots, &candidates, &keys[..ties], seed ^ decision_id);
             keys.swap(0, pick);
         }
         // The guard or the wait cap skipped the cheapest candidate.

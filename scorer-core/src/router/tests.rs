@@ -2297,3 +2297,31 @@ fn the_wait_cap_keeps_a_chat_request_off_a_queue_many_times_its_soonest_start() 
         ("10.0.0.1:8000".to_string(), false)
     );
 }
+
+#[test]
+fn a_tie_goes_to_the_replica_with_the_most_free_kv() {
+    // Two idle replicas cost a cold request the same; the one with twice the KV capacity (a
+    // larger GPU, or one with more memory left for the cache) takes it under every seed, and
+    // a replica whose capacity no scrape has told takes its turn in the draw.
+    let fleet = || {
+        let mut r = router(3);
+        for (i, tokens) in [(0, 100_000u64), (1, 200_000)] {
+            let metrics = EndpointMetrics {
+                capacity_tokens: Some(tokens),
+                counters: None,
+                ..EndpointMetrics::default()
+            };
+            r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, 0);
+        }
+        r
+    };
+    let mut chosen = std::collections::BTreeSet::new();
+    for seed in 0..32u64 {
+        let prompt = format!("cold prompt {seed} ").repeat(50);
+        let d = fleet().route(&request(&prompt), 10, seed);
+        chosen.insert(d.response.endpoints[0].clone());
+    }
+    let expected: std::collections::BTreeSet<String> =
+        ["10.0.0.1:8000", "10.0.0.2:8000"].map(String::from).into();
+    assert_eq!(chosen, expected);
+}
