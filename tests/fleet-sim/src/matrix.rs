@@ -227,7 +227,7 @@ impl Pool {
         profiles
     }
 
-    /// Summed prefill capacity of `replicas` replicas (tokens/s).
+    /// Summed prefill capacity of `replicas` replicas (tokens/s); a sum, so any seed's layout.
     pub fn prefill_capacity(&self, replicas: usize) -> f64 {
         self.replica_profiles(replicas, 0)
             .iter()
