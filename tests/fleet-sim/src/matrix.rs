@@ -212,11 +212,8 @@ impl Pool {
     /// towards the first worker (SGLang's `min_by_key`) would start on the same GPU in every
     /// run, the fast one when it is listed first.
     pub fn replica_profiles(&self, replicas: usize, seed: u64) -> Vec<Profile> {
-        let k = self.profiles.len().max(1);
-        let mut profiles: Vec<Profile> = (0..replicas)
-            .map(|i| self.profiles[(i * k / replicas.max(1)).min(k - 1)].clone())
-            .collect();
-        if k > 1 {
+        let mut profiles: Vec<Profile> = self.shares(replicas).cloned().collect();
+        if self.profiles.len() > 1 {
             // Fisher-Yates, with a stream of its own: the workload's and the policies' draws
             // from the same seed stay as they were.
             let mut rng = crate::policy::SplitMix(seed ^ 0x9007_1a40);
@@ -227,12 +224,16 @@ impl Pool {
         profiles
     }
 
-    /// Summed prefill capacity of `replicas` replicas (tokens/s); a sum, so any seed's layout.
+    /// The profile of each of `replicas` replicas, the pool's profiles in equal shares, in
+    /// blocks (the layout aside).
+    fn shares(&self, replicas: usize) -> impl Iterator<Item = &Profile> {
+        let k = self.profiles.len().max(1);
+        (0..replicas).map(move |i| &self.profiles[(i * k / replicas.max(1)).min(k - 1)])
+    }
+
+    /// Summed prefill capacity of `replicas` replicas (tokens/s).
     pub fn prefill_capacity(&self, replicas: usize) -> f64 {
-        self.replica_profiles(replicas, 0)
-            .iter()
-            .map(|p| p.prefill_tokens_per_s)
-            .sum()
+        self.shares(replicas).map(|p| p.prefill_tokens_per_s).sum()
     }
 
     /// The context every replica accepts: a shorter prompt is served, its output clamped.
