@@ -64,8 +64,14 @@ wasm:
 
 # Every binary in release: the control plane, vllm-sim, fleet-sim, the kvroute CLI, the demo and
 # the bench drivers. (Plain `cargo build` builds only the product crates, the default members.)
-build: wasm
+build: wasm envoy-module
 	$(CARGO) build --release --workspace --bins
+
+# kvroute as an Envoy dynamic module (filter/envoy-module): the native build of the filter for
+# Envoy >= 1.40, target/release/libkvroute_envoy_module.so (envoy-config/envoy-module-filter.yaml).
+.PHONY: envoy-module
+envoy-module:
+	$(CARGO) build --release -p envoy-module
 
 # What the tests run as processes, built once before any test starts: the debug vllm-sim,
 # kvroute-control-plane and kvroute-demo (built together with every test target, so cargo resolves

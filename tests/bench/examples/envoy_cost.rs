@@ -32,6 +32,9 @@ const DISABLE_WASM: (&str, &str) = (
     "- name: envoy.filters.http.wasm\n            disabled: true\n            typed_config:",
 );
 
+/// The row of kvroute as an Envoy dynamic module (`make envoy-module`), when it is built.
+const MODULE: &str = "kvroute dynamic module";
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -52,6 +55,9 @@ async fn main() -> anyhow::Result<()> {
             Some(disable),
         ),
     );
+    if kvroute_harness::locate_envoy_module().is_ok() {
+        variants.push((MODULE, RouterKind::Kvroute, None));
+    }
     let mut fleets = Vec::new();
     for (label, router, edit) in variants {
         if !label.contains(only.as_str()) {
@@ -63,6 +69,7 @@ async fn main() -> anyhow::Result<()> {
         cfg.model = bench::MODEL.to_string();
         cfg.router = router;
         cfg.envoy_edits = edit.into_iter().collect();
+        cfg.envoy_module = label == MODULE;
         cfg.plugin_config = json!({"decision": "local"});
         cfg.sim_args = bench::overhead_sim_args();
         if stream_tokens > 0 {

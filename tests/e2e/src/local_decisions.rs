@@ -89,6 +89,110 @@ async fn turns_follow_their_cache_when_proxies_decide_locally() {
     .await;
 }
 
+// The same routing as an Envoy dynamic module (filter/envoy-module): one copy for the process,
+// shared by both workers, so a turn follows its predecessor whichever worker takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dynamic_module_decides_locally_and_turns_follow_their_cache() {
+    common::bounded(TEST_TIMEOUT, async {
+        let fleet = common::start_configured("e2e-local-module", 4, MODEL, |cfg| {
+            cfg.plugin_config = json!({"decision": "local", "sync_interval_ms": 50});
+            cfg.envoy_concurrency = 2;
+            cfg.envoy_module = true;
+        })
+        .await;
+        // One copy per process.
+        wait_synced(&fleet, 1.0).await;
+        let client = HttpClient::new();
+        let (mut followed, mut follow_ups) = (0, 0);
+        for c in 0..8u64 {
+            let mut conv = Conversation::new(MODEL, 700 + c, 1_200, 150);
+            let mut previous = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
+            for _ in 2..=4 {
+                let now = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
+                follow_ups += 1;
+                if now == previous {
+                    followed += 1;
+                }
+                previous = now;
+            }
+        }
+        let routed = fleet.envoy_counter("kvroute_requests_routed").await;
+        let local = fleet.envoy_counter("kvroute_decisions_local").await;
+        eprintln!(
+            "dynamic module: {followed} of {follow_ups} turns followed their cache; \
+             {local} of {routed} routed requests decided locally"
+        );
+        assert!(
+            followed * 100 >= follow_ups * 95,
+            "only {followed} of {follow_ups} turns followed their cache ({})",
+            fleet.describe()
+        );
+        let first_turns = 8.0;
+        assert!(
+            local >= (routed - first_turns) * 0.9 && local > 0.0,
+            "{local} of {routed} routed requests were decided locally ({})",
+            fleet.describe()
+        );
+        // The response side: every streamed turn's first token and outcome reach the control
+        // plane in the module's syncs.
+        fleet
+            .wait_for_control_plane_metrics(
+                "32 first tokens and outcomes",
+                Duration::from_secs(10),
+                |m| {
+                    kvroute_harness::prometheus_sum(m, "kvroute_first_tokens_total") >= 32.0
+                        && kvroute_harness::prometheus_sum(m, "kvroute_feedback_outcomes_total")
+                            >= 32.0
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e} ({})", fleet.describe()));
+    })
+    .await;
+}
+
+// The module's route call (`decision: control-plane`, as precise routes and a stale copy use):
+// each request waits for the control plane's answer, then goes where it says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dynamic_module_asks_the_control_plane_when_told_to() {
+    common::bounded(TEST_TIMEOUT, async {
+        let fleet = common::start_configured("e2e-module-route-call", 3, MODEL, |cfg| {
+            cfg.plugin_config = json!({"decision": "control-plane"});
+            cfg.envoy_concurrency = 2;
+            cfg.envoy_module = true;
+        })
+        .await;
+        let client = HttpClient::new();
+        let (mut followed, mut follow_ups) = (0, 0);
+        for c in 0..4u64 {
+            let mut conv = Conversation::new(MODEL, 600 + c, 1_200, 150);
+            let mut previous = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
+            for _ in 2..=3 {
+                let now = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
+                follow_ups += 1;
+                followed += usize::from(now == previous);
+                previous = now;
+            }
+        }
+        let routed = fleet.envoy_counter("kvroute_requests_routed").await;
+        let local = fleet.envoy_counter("kvroute_decisions_local").await;
+        let fail_open = fleet.envoy_counter("kvroute_fail_open").await;
+        assert_eq!(
+            followed,
+            follow_ups,
+            "turns left their cache ({})",
+            fleet.describe()
+        );
+        assert_eq!(
+            (routed, local, fail_open),
+            (12.0, 0.0, 0.0),
+            "every request routed by the control plane's answer ({})",
+            fleet.describe()
+        );
+    })
+    .await;
+}
+
 // With the control plane gone, copies go stale, requests ask the control plane, fail open and
 // are served all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

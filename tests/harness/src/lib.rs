@@ -38,6 +38,11 @@ use serde_json::{Value, json};
 
 /// Template of the kvroute topology (wasm filter + override_host), relative to the workspace.
 pub const ENVOY_KVROUTE_TEMPLATE: &str = "envoy-config/envoy-demo.yaml";
+/// The HTTP filter entry that runs kvroute as an Envoy dynamic module in place of the wasm
+/// filter ([`FleetConfig::envoy_module`]).
+pub const ENVOY_MODULE_FILTER: &str = "envoy-config/envoy-module-filter.yaml";
+/// File name of the dynamic module (`filter/envoy-module`), beside the cargo profile's binaries.
+pub const ENVOY_MODULE_FILE: &str = "libkvroute_envoy_module.so";
 /// Envoy with the `ext_proc` filter calling the control plane's Endpoint Picker
 /// ([`FleetConfig::picker`]).
 pub const ENVOY_PICKER_TEMPLATE: &str = "envoy-config/envoy-picker.yaml";
@@ -220,6 +225,35 @@ impl Tools {
 pub fn locate_bin(name: &'static str, env_var: &str) -> Result<PathBuf> {
     let path = env_path(env_var).unwrap_or_else(|| profile_dir().join(name));
     require_file(name, path, env_var)
+}
+
+/// The dynamic module: `$KVROUTE_ENVOY_MODULE`, else beside the running executable (same cargo
+/// profile).
+pub fn locate_envoy_module() -> Result<PathBuf> {
+    locate_bin(ENVOY_MODULE_FILE, "KVROUTE_ENVOY_MODULE")
+}
+
+/// `rendered` (a kvroute Envoy configuration) with its wasm filter entry replaced by the
+/// dynamic module's ([`ENVOY_MODULE_FILTER`]) carrying `plugin_config`.
+pub fn swap_in_envoy_module(rendered: &str, plugin_config: &str) -> Result<String> {
+    const START: &str = "          - name: envoy.filters.http.wasm\n";
+    const END: &str = "failure_policy: FAIL_OPEN\n";
+    let missing = || HarnessError::Config("no wasm filter entry to replace".into());
+    let start = rendered.find(START).ok_or_else(missing)?;
+    let end = rendered[start..]
+        .find(END)
+        .map(|i| start + i + END.len())
+        .ok_or_else(missing)?;
+    let path = workspace_root().join(ENVOY_MODULE_FILTER);
+    let template =
+        fs::read_to_string(&path).map_err(io_err(format!("reading {}", path.display())))?;
+    let quoted_config = Value::String(plugin_config.to_string()).to_string();
+    let entry = render_template(
+        &template,
+        &[("PLUGIN_CONFIG", quoted_config)],
+        &path.display().to_string(),
+    )?;
+    Ok(format!("{}{entry}{}", &rendered[..start], &rendered[end..]))
 }
 
 /// The filter module: `$KVROUTE_WASM`, else the release wasm32 build in the target directory.
@@ -697,6 +731,10 @@ pub struct FleetConfig {
     /// base + `r`), and its control-plane entry says `data_parallel_size`, so the router
     /// scores the ranks as endpoints ([`Fleet::engine_addresses`]).
     pub data_parallel_size: u32,
+    /// Envoy runs kvroute as a dynamic module (`filter/envoy-module`, located by
+    /// [`locate_envoy_module`]) in place of the wasm filter, with the same plugin
+    /// configuration (kvroute topology).
+    pub envoy_module: bool,
 }
 
 impl FleetConfig {
@@ -726,6 +764,7 @@ impl FleetConfig {
             pod_port: None,
             discovery: None,
             envoy_edits: Vec::new(),
+            envoy_module: false,
             data_parallel_size: 1,
         }
     }
@@ -1909,6 +1948,9 @@ async fn start_envoy(
             Some(more) if !more.is_empty() => add_control_plane_hosts(&rendered, cp_port, more)?,
             _ => rendered,
         };
+        if config.envoy_module {
+            rendered = swap_in_envoy_module(&rendered, &plugin_config)?;
+        }
         for (from, to) in &config.envoy_edits {
             if !rendered.contains(from.as_str()) {
                 return Err(HarnessError::Config(format!(
@@ -1931,6 +1973,12 @@ async fn start_envoy(
             ])
             .args(["-l", &level])
             .args(["--component-log-level", "wasm:info"]);
+        if config.envoy_module {
+            let module = locate_envoy_module()?;
+            if let Some(dir) = module.parent() {
+                cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dir);
+            }
+        }
         let ready = [format!("http://127.0.0.1:{admin_port}/ready")];
         let log = log_dir.join(format!("{name}.log"));
         let process = spawn_ready(&name, cmd, &log, client, &ready).await?;
