@@ -6,8 +6,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvroute_harness::{
-    self as harness, eds_file_json, envoy_base_id, locate_envoy, locate_wasm, plugin_config_json,
-    render_envoy_config, write_atomically,
+    self as harness, ENVOY_KVROUTE_TEMPLATE, ENVOY_MODULE_FILTER, eds_file_json, envoy_base_id,
+    locate_envoy, locate_envoy_module, locate_wasm, plugin_config_json, render_envoy_config,
+    swap_in_envoy_module, write_atomically,
 };
 
 /// The Envoy bootstrap files in `envoy-config/` (templates included).
@@ -45,15 +46,33 @@ fn every_shipped_envoy_config_validates() {
         ("EDS_DIR", out_dir.display().to_string()),
     ];
     let mut failures = Vec::new();
+    let module_entry = harness::workspace_root().join(ENVOY_MODULE_FILTER);
     for config in &configs {
-        let rendered = render_envoy_config(
-            config, 19_000, 19_001, 19_002, &wasm, &plugin, &replicas, &eds_vars,
+        // The dynamic module's file is an HTTP filter entry, not a bootstrap: it is checked in
+        // place of the wasm entry of envoy-demo.yaml, loading the module this build made.
+        let module = *config == module_entry;
+        let template = if module {
+            harness::workspace_root().join(ENVOY_KVROUTE_TEMPLATE)
+        } else {
+            config.clone()
+        };
+        let mut rendered = render_envoy_config(
+            &template, 19_000, 19_001, 19_002, &wasm, &plugin, &replicas, &eds_vars,
         )
         .unwrap_or_else(|e| panic!("{e}"));
+        let mut cmd = Command::new(&envoy);
+        if module {
+            rendered = swap_in_envoy_module(&rendered, &plugin).unwrap_or_else(|e| panic!("{e}"));
+            let so = locate_envoy_module().unwrap_or_else(|e| panic!("{e}"));
+            cmd.env(
+                "ENVOY_DYNAMIC_MODULES_SEARCH_PATH",
+                so.parent().expect("the module's directory"),
+            );
+        }
         let name = config.file_name().map(|n| n.to_string_lossy().into_owned());
         let path = out_dir.join(name.unwrap_or_else(|| "config.yaml".into()));
         std::fs::write(&path, rendered).expect("writing the rendered config");
-        let mut child = Command::new(&envoy)
+        let mut child = cmd
             .args(["--mode", "validate", "-l", "warning"])
             .args([
                 "--base-id",

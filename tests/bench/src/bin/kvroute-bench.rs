@@ -293,6 +293,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut overhead = Vec::new();
     let mut crowded = Vec::new();
     let mut local_decision_fraction = None;
+    let mut module_local_decision_fraction = None;
     let mut latency_bars = Vec::new();
     let mut quality = QualityRuns::default();
     if !args.micro_only {
@@ -300,6 +301,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         overhead = measured.rows;
         crowded = measured.crowded;
         local_decision_fraction = measured.local_decision_fraction;
+        module_local_decision_fraction = measured.module_local_decision_fraction;
         latency_bars = measured.latency_bars;
         if let Some(v8) = measured.v8 {
             filter.v8_mb_per_s_16k = v8.mb_per_s_16k;
@@ -424,11 +426,39 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "(CPU µs/request: user+system time of Envoy and of the control plane or peer router \
              during the max-rps run, over the requests it served)"
         );
-        if let Some(fraction) = local_decision_fraction {
-            println!(
-                "kvroute-local: {:.1}% of routed requests decided in the proxy (no route call)",
-                100.0 * fraction
-            );
+        for (name, fraction) in [
+            (LOCAL, local_decision_fraction),
+            (MODULE, module_local_decision_fraction),
+        ] {
+            if let Some(fraction) = fraction {
+                println!(
+                    "{name}: {:.1}% of routed requests decided in the proxy (no route call)",
+                    100.0 * fraction
+                );
+            }
+        }
+        for name in [LOCAL, MODULE] {
+            let Some(rps) = overhead
+                .iter()
+                .find(|r| r.router == name && r.max_rps.is_some())
+                .and_then(|r| r.max_rps)
+            else {
+                continue;
+            };
+            if envoy_rps > 0.0 {
+                let share = rps / envoy_rps;
+                println!(
+                    "issue #15 bar, max req/s at 1 KB: {name} {:.0}% of plain Envoy's, at least \
+                     {:.0}%: {}",
+                    100.0 * share,
+                    100.0 * MAX_RPS_BAR,
+                    if share >= MAX_RPS_BAR {
+                        "met"
+                    } else {
+                        "missed"
+                    }
+                );
+            }
         }
         for b in &latency_bars {
             let interval = b.ci95.map_or(String::new(), |[lo, hi]| {
@@ -436,8 +466,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             });
             let verdict = verdict(b.ms, b.ci95, b.bar_ms);
             println!(
-                "issue #15 bar at {} B: kvroute-local minus {} p50 {:+.2} ms{interval}, at most {:+.2}: {verdict}",
-                b.prompt_bytes, b.against, b.ms, b.bar_ms
+                "issue #15 bar at {} B: {} minus {} p50 {:+.2} ms{interval}, at most {:+.2}: {verdict}",
+                b.prompt_bytes, b.router, b.against, b.ms, b.bar_ms
             );
         }
         write_overhead_chart(&out_dir, &overhead)?;
@@ -486,6 +516,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         "overhead": overhead,
         "crowded": crowded,
         "local_decision_fraction": local_decision_fraction,
+        "module_local_decision_fraction": module_local_decision_fraction,
         "latency_bars": latency_bars,
         "quality": quality.table,
         "quality_repeats": quality.repeats,
@@ -718,8 +749,15 @@ struct V8Figures {
     us_200k: Option<f64>,
 }
 
+/// The overhead row of kvroute deciding in the proxy with the wasm filter (`decision: local`).
+const LOCAL: &str = "kvroute-local";
 /// The overhead row of kvroute's Envoy with a proxy-wasm filter that does nothing.
 const EMPTY_WASM: &str = "envoy+empty-wasm";
+/// The overhead row of kvroute deciding in the proxy as an Envoy dynamic module
+/// (`filter/envoy-module`, `make envoy-module`) instead of the wasm filter.
+const MODULE: &str = "kvroute-module";
+/// Issue #15's bar on max req/s at 1 KB: at least this share of plain Envoy's.
+const MAX_RPS_BAR: f64 = 0.90;
 
 /// Prompt size and concurrency of the crowded overhead run.
 const CROWDED_BYTES: usize = 204_800;
@@ -745,6 +783,8 @@ struct Overhead {
     v8: Option<V8Figures>,
     /// Of the requests the `kvroute-local` row routed, the share its VMs decided locally.
     local_decision_fraction: Option<f64>,
+    /// The same for the `kvroute-module` row.
+    module_local_decision_fraction: Option<f64>,
     /// The local path's p50 against plain Envoy's and the peers' behind Envoy: what issue
     /// #15's latency bars compare.
     latency_bars: Vec<LatencyBar>,
@@ -789,14 +829,16 @@ fn print_quality_bars(bars: &[QualityBar]) {
     }
 }
 
-/// One of issue #15's latency bars in this run: `kvroute-local`'s p50 minus `against`'s at one
+/// One of issue #15's latency bars in this run: a local path's p50 minus `against`'s at one
 /// prompt size, with its 95 % interval; the bar is met when that is at most `bar_ms`.
 #[derive(Debug, Clone, serde::Serialize)]
 struct LatencyBar {
+    /// The row measured: `kvroute-local` (the wasm filter) or `kvroute-module`.
+    router: String,
     prompt_bytes: usize,
     /// The row compared with (`round-robin` is plain Envoy).
     against: String,
-    /// `kvroute-local`'s p50 minus `against`'s, ms.
+    /// `router`'s p50 minus `against`'s, ms.
     ms: f64,
     /// Its 95 % interval (bootstrap over both rows' samples).
     ci95: Option<[f64; 2]>,
@@ -810,7 +852,6 @@ async fn overhead_section(
     skipped: &mut Vec<String>,
 ) -> anyhow::Result<Overhead> {
     const SIZES: [usize; 3] = [1_024, 16_384, 204_800];
-    const LOCAL: &str = "kvroute-local";
     const PICKER: &str = "kvroute-picker";
     let mut fleets = Vec::new();
     // kvroute with the route call, kvroute deciding in the proxy (`decision: local`), kvroute
@@ -851,6 +892,21 @@ async fn overhead_section(
             "overhead via {EMPTY_WASM}: {} not built (make wasm)",
             empty.display()
         )),
+    }
+    // The same local decisions as kvroute-local, native in Envoy through its dynamic-module
+    // ABI (one routing copy per Envoy process instead of one per worker's VM).
+    match kvroute_harness::locate_envoy_module() {
+        Ok(_) => {
+            let mut cfg = FleetConfig::new(&format!("bench-overhead-{MODULE}"));
+            cfg.replicas = 1;
+            cfg.model = bench::MODEL.to_string();
+            cfg.sim_args = bench::overhead_sim_args();
+            cfg.plugin_config = json!({"decision": "local"});
+            cfg.envoy_module = true;
+            eprintln!("[overhead] starting Envoy ({MODULE}) + 1 fast replica ...");
+            fleets.push((MODULE.to_string(), Fleet::start(cfg, tools).await?));
+        }
+        Err(e) => skipped.push(format!("overhead via {MODULE}: {e} (make envoy-module)")),
     }
     let client = fleets[0].1.client().clone();
     let upstream = fleets[0].1.replicas[0].address.clone();
@@ -985,12 +1041,16 @@ async fn overhead_section(
         } else {
             &[("envoy+sglang-router", 0.0), ("envoy+vllm-router", 0.0)]
         };
-        if let Some(local) = row(LOCAL) {
+        for (name, local) in [LOCAL, MODULE]
+            .into_iter()
+            .filter_map(|name| Some((name, row(name)?)))
+        {
             for &(other, bar_ms) in against {
                 let Some(theirs) = row(other) else {
                     continue;
                 };
                 latency_bars.push(LatencyBar {
+                    router: name.to_string(),
                     prompt_bytes: size,
                     against: other.to_string(),
                     ms: local.p(50.0) - theirs.p(50.0),
@@ -1085,14 +1145,22 @@ async fn overhead_section(
     }
     drop(envoy_peers);
     drop(peer_routers);
-    let local_decision_fraction = match fleets.iter().find(|(label, _)| label == LOCAL) {
-        Some((_, fleet)) => {
-            let routed = fleet.envoy_counter("kvroute_requests_routed").await;
-            let local = fleet.envoy_counter("kvroute_decisions_local").await;
-            (routed > 0.0).then(|| local / routed)
+    let mut local_decision_fractions = Vec::new();
+    for (label, fleet) in fleets.iter().filter(|(l, _)| l == LOCAL || l == MODULE) {
+        let routed = fleet.envoy_counter("kvroute_requests_routed").await;
+        let local = fleet.envoy_counter("kvroute_decisions_local").await;
+        if routed > 0.0 {
+            local_decision_fractions.push((label.clone(), local / routed));
         }
-        None => None,
+    }
+    let fraction_of = |name: &str| {
+        local_decision_fractions
+            .iter()
+            .find(|(l, _)| l == name)
+            .map(|(_, f)| *f)
     };
+    let (local_decision_fraction, module_local_decision_fraction) =
+        (fraction_of(LOCAL), fraction_of(MODULE));
     // The filter's own parse+hash time inside V8, from Envoy's histogram of it.
     let v8 = match targets.iter().find(|t| t.kvroute_admin.is_some()) {
         Some(t) => {
@@ -1113,6 +1181,7 @@ async fn overhead_section(
         crowded,
         v8,
         local_decision_fraction,
+        module_local_decision_fraction,
         latency_bars,
     })
 }
