@@ -20,6 +20,7 @@ use scorer_core::protocol::{ROUTE_PATH, RouteRequest, RouteResponse};
 use crate::TOKEN_HEADER;
 use crate::config::FilterConfig;
 use crate::machine::{Action, BodyStep, Counter, Effect, RequestMachine, Step};
+use crate::metrics::{MetricIds, fail_open_warning};
 use crate::root::RootState;
 
 proxy_wasm::main! {{
@@ -28,56 +29,19 @@ proxy_wasm::main! {{
 }}
 
 /// Proxy metric ids (`None` when the host refused to define one).
-#[derive(Debug, Clone, Copy, Default)]
-struct Metrics {
-    routed: Option<u32>,
-    skipped: Option<u32>,
-    fail_open: Option<u32>,
-    body_parse_errors: Option<u32>,
-    outcomes_dropped: Option<u32>,
-    feedback_sent: Option<u32>,
-    feedback_failed: Option<u32>,
-    route_latency_ms: Option<u32>,
-    hash_duration_us: Option<u32>,
-    rejected: Option<u32>,
-    decided_locally: Option<u32>,
-    sync_applied: Option<u32>,
-    sync_failed: Option<u32>,
+type Metrics = MetricIds<u32>;
+
+fn define_metrics() -> Metrics {
+    MetricIds::define(
+        |name| hostcalls::define_metric(MetricType::Counter, name).ok(),
+        |name| hostcalls::define_metric(MetricType::Histogram, name).ok(),
+    )
 }
 
-impl Metrics {
-    fn define() -> Self {
-        let counter = |name| hostcalls::define_metric(MetricType::Counter, name).ok();
-        Metrics {
-            routed: counter("kvroute_requests_routed"),
-            skipped: counter("kvroute_requests_skipped"),
-            fail_open: counter("kvroute_fail_open"),
-            body_parse_errors: counter("kvroute_body_parse_errors"),
-            outcomes_dropped: counter("kvroute_outcomes_dropped"),
-            feedback_sent: counter("kvroute_feedback_sent"),
-            feedback_failed: counter("kvroute_feedback_failed"),
-            rejected: counter("kvroute_requests_rejected"),
-            decided_locally: counter("kvroute_decisions_local"),
-            sync_applied: counter("kvroute_sync_applied"),
-            sync_failed: counter("kvroute_sync_failed"),
-            route_latency_ms: hostcalls::define_metric(
-                MetricType::Histogram,
-                "kvroute_route_latency_ms",
-            )
-            .ok(),
-            hash_duration_us: hostcalls::define_metric(
-                MetricType::Histogram,
-                "kvroute_hash_duration_us",
-            )
-            .ok(),
-        }
-    }
-
-    fn bump(id: Option<u32>) {
-        if let Some(id) = id {
-            // A metric the host rejects is not worth failing a request over.
-            let _ = hostcalls::increment_metric(id, 1);
-        }
+fn bump(id: Option<u32>) {
+    if let Some(id) = id {
+        // A metric the host rejects is not worth failing a request over.
+        let _ = hostcalls::increment_metric(id, 1);
     }
 }
 
@@ -135,36 +99,16 @@ impl Shared {
 
     /// Counts how a tick's call (a feedback batch, or with `decision: local` a sync) ended.
     fn count_tick_call(&self, ok: bool) {
-        let local = self.state.local().is_some();
-        let metric = match (local, ok) {
-            (true, true) => self.metrics.sync_applied,
-            (true, false) => self.metrics.sync_failed,
-            (false, true) => self.metrics.feedback_sent,
-            (false, false) => self.metrics.feedback_failed,
-        };
-        Metrics::bump(metric);
+        bump(self.metrics.tick_call(self.state.local().is_some(), ok));
     }
 
     fn count(&mut self, counter: Counter) {
         let first = self.state.count(counter);
-        match counter {
-            Counter::Routed => Metrics::bump(self.metrics.routed),
-            Counter::Skipped(_) => Metrics::bump(self.metrics.skipped),
-            Counter::Rejected(_) => Metrics::bump(self.metrics.rejected),
-            Counter::DecidedLocally => Metrics::bump(self.metrics.decided_locally),
-            Counter::FailOpen(kind) => {
-                Metrics::bump(self.metrics.fail_open);
-                if kind == crate::machine::FailKind::BodyParse {
-                    Metrics::bump(self.metrics.body_parse_errors);
-                }
-                if first {
-                    warn!(
-                        "kvroute: request failed open ({}); later occurrences are only counted \
-                         in kvroute_fail_open",
-                        kind.as_str()
-                    );
-                }
-            }
+        for id in self.metrics.counted(counter) {
+            bump(Some(id));
+        }
+        if let (Counter::FailOpen(kind), true) = (counter, first) {
+            warn!("{}", fail_open_warning(kind));
         }
     }
 }
@@ -298,7 +242,7 @@ impl RootContext for Root {
         let shared = Shared {
             period_ms: state.tick_period_ms(),
             state,
-            metrics: Metrics::define(),
+            metrics: define_metrics(),
             tick_brought_forward: false,
         };
         self.shared = Some(Rc::new(RefCell::new(shared)));
@@ -480,7 +424,7 @@ impl Request {
             let mut shared = shared.borrow_mut();
             let queued = shared.state.push_outcome(outcome, now);
             if queued.dropped {
-                Metrics::bump(shared.metrics.outcomes_dropped);
+                bump(shared.metrics.outcomes_dropped);
             }
             if queued.flush_now {
                 shared.tick_now();

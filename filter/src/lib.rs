@@ -18,6 +18,7 @@
 //! - [`config`]: the plugin configuration JSON;
 //! - [`machine`]: the per-request state machine, returning actions and effects;
 //! - [`usage`]: bounded scanning of response bodies for the `usage` object;
+//! - [`metrics`]: the proxy metrics' names and what bumps each, for every host;
 //! - [`root`]: root-context state (outcome queue, counters, the local routing copy);
 //! - `host` (wasm32 only): the only module that touches proxy-wasm.
 //!
@@ -44,6 +45,7 @@
 
 pub mod config;
 pub mod machine;
+pub mod metrics;
 pub mod response_id;
 pub mod root;
 pub mod usage;

@@ -282,6 +282,87 @@ pub unsafe fn header<'a>(header: &EnvoyHttpHeader) -> (&'a [u8], &'a [u8]) {
     }
 }
 
+/// `envoy_dynamic_module_callback_http_filter{,_config}_http_callout`.
+type CalloutFn = unsafe extern "C" fn(
+    *mut c_void,
+    *mut u64,
+    ModuleBuffer,
+    *mut ModuleHttpHeader,
+    usize,
+    ModuleBuffer,
+    u64,
+) -> u32;
+/// `envoy_dynamic_module_callback_http_filter{,_config}_{increment_counter,record_histogram_value}`.
+type MetricFn = unsafe extern "C" fn(*mut c_void, usize, *mut ModuleBuffer, usize, u64) -> u32;
+/// `envoy_dynamic_module_callback_http_filter_config_define_{counter,histogram}`.
+type DefineFn =
+    unsafe extern "C" fn(*mut c_void, ModuleBuffer, *mut ModuleBuffer, usize, *mut usize) -> u32;
+
+/// Starts a one-shot call with `start`; its id, or `None` when Envoy could not start it
+/// (unknown cluster, no healthy host, missing pseudo-headers).
+///
+/// # Safety
+/// `raw` must be the pointer `start` takes, valid for this call on its thread.
+unsafe fn callout(
+    start: CalloutFn,
+    raw: *mut c_void,
+    cluster: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout_ms: u64,
+) -> Option<u64> {
+    let mut headers: Vec<ModuleHttpHeader> = headers
+        .iter()
+        .map(|(k, v)| ModuleHttpHeader::of(k, v))
+        .collect();
+    let mut id = 0u64;
+    // SAFETY: the caller vouches for `raw`; every buffer is alive for the call, and Envoy
+    // writes the id only into `id`.
+    let result = unsafe {
+        start(
+            raw,
+            &mut id,
+            ModuleBuffer::of(cluster.as_bytes()),
+            headers.as_mut_ptr(),
+            headers.len(),
+            ModuleBuffer::of(body),
+            timeout_ms,
+        )
+    };
+    (result == CALLOUT_INIT_SUCCESS).then_some(id)
+}
+
+/// Adds `value` to metric `id` with `update` (no labels); a refused update is not worth more
+/// than the count.
+///
+/// # Safety
+/// `raw` must be the pointer `update` takes, valid for this call on its thread.
+unsafe fn update_metric(update: MetricFn, raw: *mut c_void, id: Option<usize>, value: u64) {
+    if let Some(id) = id {
+        // SAFETY: the caller vouches for `raw`; no labels.
+        let _ = unsafe { update(raw, id, std::ptr::null_mut(), 0, value) };
+    }
+}
+
+/// Defines metric `name` with `define` (no labels); `None` when Envoy refused.
+///
+/// # Safety
+/// `raw` must be the configuration pointer, on the main thread.
+unsafe fn define_metric(define: DefineFn, raw: *mut c_void, name: &str) -> Option<usize> {
+    let mut id = 0usize;
+    // SAFETY: the caller vouches for `raw`; `id` is a valid place to write.
+    let result = unsafe {
+        define(
+            raw,
+            ModuleBuffer::of(name.as_bytes()),
+            std::ptr::null_mut(),
+            0,
+            &mut id,
+        )
+    };
+    (result == METRICS_SUCCESS).then_some(id)
+}
+
 /// One HTTP stream's filter in Envoy, for the duration of one hook call. Not `Send`: Envoy's
 /// stream callbacks may only be called from the stream's worker, inside its hooks.
 #[derive(Debug)]
@@ -479,55 +560,42 @@ impl Stream<'_> {
         body: &[u8],
         timeout_ms: u64,
     ) -> Option<u64> {
-        let mut raw: Vec<ModuleHttpHeader> = headers
-            .iter()
-            .map(|(k, v)| ModuleHttpHeader::of(k, v))
-            .collect();
-        let mut id = 0u64;
-        // SAFETY: `raw` is this hook's filter; every buffer is alive for the call.
-        let result = unsafe {
-            envoy_dynamic_module_callback_http_filter_http_callout(
+        // SAFETY: `raw` is this hook's filter.
+        unsafe {
+            callout(
+                envoy_dynamic_module_callback_http_filter_http_callout,
                 self.raw,
-                &mut id,
-                ModuleBuffer::of(cluster.as_bytes()),
-                raw.as_mut_ptr(),
-                raw.len(),
-                ModuleBuffer::of(body),
+                cluster,
+                headers,
+                body,
                 timeout_ms,
             )
-        };
-        (result == CALLOUT_INIT_SUCCESS).then_some(id)
+        }
     }
 
     /// Adds 1 to counter `id` (defined on this stream's configuration).
     pub fn bump(&mut self, id: Option<usize>) {
-        if let Some(id) = id {
-            // SAFETY: `raw` is this hook's filter; no labels.
-            let _ = unsafe {
-                envoy_dynamic_module_callback_http_filter_increment_counter(
-                    self.raw,
-                    id,
-                    std::ptr::null_mut(),
-                    0,
-                    1,
-                )
-            };
+        // SAFETY: `raw` is this hook's filter.
+        unsafe {
+            update_metric(
+                envoy_dynamic_module_callback_http_filter_increment_counter,
+                self.raw,
+                id,
+                1,
+            )
         }
     }
 
     /// Records `value` on histogram `id`.
     pub fn record(&mut self, id: Option<usize>, value: u64) {
-        if let Some(id) = id {
-            // SAFETY: `raw` is this hook's filter; no labels.
-            let _ = unsafe {
-                envoy_dynamic_module_callback_http_filter_record_histogram_value(
-                    self.raw,
-                    id,
-                    std::ptr::null_mut(),
-                    0,
-                    value,
-                )
-            };
+        // SAFETY: `raw` is this hook's filter.
+        unsafe {
+            update_metric(
+                envoy_dynamic_module_callback_http_filter_record_histogram_value,
+                self.raw,
+                id,
+                value,
+            )
         }
     }
 }
@@ -557,49 +625,38 @@ impl ConfigHandle {
 
     /// Defines a counter; `None` when Envoy refused.
     pub fn define_counter(&self, name: &str) -> Option<usize> {
-        let mut id = 0usize;
-        // SAFETY: main thread, configuration hook; `id` is a valid place to write.
-        let result = unsafe {
-            envoy_dynamic_module_callback_http_filter_config_define_counter(
+        // SAFETY: main thread, configuration hook.
+        unsafe {
+            define_metric(
+                envoy_dynamic_module_callback_http_filter_config_define_counter,
                 self.raw,
-                ModuleBuffer::of(name.as_bytes()),
-                std::ptr::null_mut(),
-                0,
-                &mut id,
+                name,
             )
-        };
-        (result == METRICS_SUCCESS).then_some(id)
+        }
     }
 
     /// Defines a histogram; `None` when Envoy refused.
     pub fn define_histogram(&self, name: &str) -> Option<usize> {
-        let mut id = 0usize;
-        // SAFETY: as in `define_counter`.
-        let result = unsafe {
-            envoy_dynamic_module_callback_http_filter_config_define_histogram(
+        // SAFETY: main thread, configuration hook.
+        unsafe {
+            define_metric(
+                envoy_dynamic_module_callback_http_filter_config_define_histogram,
                 self.raw,
-                ModuleBuffer::of(name.as_bytes()),
-                std::ptr::null_mut(),
-                0,
-                &mut id,
+                name,
             )
-        };
-        (result == METRICS_SUCCESS).then_some(id)
+        }
     }
 
     /// Adds 1 to counter `id` outside any stream.
     pub fn bump(&self, id: Option<usize>) {
-        if let Some(id) = id {
-            // SAFETY: main thread (config-scheduled event or config callout answer).
-            let _ = unsafe {
-                envoy_dynamic_module_callback_http_filter_config_increment_counter(
-                    self.raw,
-                    id,
-                    std::ptr::null_mut(),
-                    0,
-                    1,
-                )
-            };
+        // SAFETY: main thread (config-scheduled event or config callout answer).
+        unsafe {
+            update_metric(
+                envoy_dynamic_module_callback_http_filter_config_increment_counter,
+                self.raw,
+                id,
+                1,
+            )
         }
     }
 
@@ -611,24 +668,17 @@ impl ConfigHandle {
         body: &[u8],
         timeout_ms: u64,
     ) -> Option<u64> {
-        let mut raw: Vec<ModuleHttpHeader> = headers
-            .iter()
-            .map(|(k, v)| ModuleHttpHeader::of(k, v))
-            .collect();
-        let mut id = 0u64;
-        // SAFETY: main thread; every buffer is alive for the call.
-        let result = unsafe {
-            envoy_dynamic_module_callback_http_filter_config_http_callout(
+        // SAFETY: main thread.
+        unsafe {
+            callout(
+                envoy_dynamic_module_callback_http_filter_config_http_callout,
                 self.raw,
-                &mut id,
-                ModuleBuffer::of(cluster.as_bytes()),
-                raw.as_mut_ptr(),
-                raw.len(),
-                ModuleBuffer::of(body),
+                cluster,
+                headers,
+                body,
                 timeout_ms,
             )
-        };
-        (result == CALLOUT_INIT_SUCCESS).then_some(id)
+        }
     }
 
     /// A scheduler that posts events to this configuration on the main thread, from any

@@ -33,6 +33,23 @@ fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
     })
 }
 
+/// Runs `f` on the stream's filter and a handle on Envoy's side of it, behind [`guarded`];
+/// `fallback` when there is no filter.
+fn on_stream<T: Copy>(
+    what: &str,
+    envoy: *mut c_void,
+    filter_ptr: *const c_void,
+    fallback: T,
+    f: impl FnOnce(&mut Filter, &mut abi::Stream<'_>) -> T,
+) -> T {
+    guarded(what, fallback, || {
+        // SAFETY: both are the pointers Envoy passed to the hook being run, used only within
+        // it.
+        let (filter, mut stream) = unsafe { (filter(filter_ptr), abi::Stream::new(envoy)) };
+        filter.map_or(fallback, |filter| f(filter, &mut stream))
+    })
+}
+
 /// # Safety
 /// `ptr` must be a pointer [`envoy_dynamic_module_on_http_filter_new`] returned and not yet
 /// destroyed; Envoy calls one stream's hooks from one thread, one at a time.
@@ -152,15 +169,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     filter_ptr: *const c_void,
     end_of_stream: bool,
 ) -> u32 {
-    guarded("request_headers", CONTINUE, || {
-        // SAFETY: this hook's pointers, used only within it.
-        let (Some(filter), mut stream) = (unsafe { filter(filter_ptr) }, unsafe {
-            abi::Stream::new(envoy)
-        }) else {
-            return CONTINUE;
-        };
-        verdict(filter.on_request_headers(&mut stream, end_of_stream))
-    })
+    on_stream(
+        "request_headers",
+        envoy,
+        filter_ptr,
+        CONTINUE,
+        |filter, stream| verdict(filter.on_request_headers(stream, end_of_stream)),
+    )
 }
 
 /// A request body chunk.
@@ -170,15 +185,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     filter_ptr: *const c_void,
     end_of_stream: bool,
 ) -> u32 {
-    guarded("request_body", CONTINUE, || {
-        // SAFETY: this hook's pointers, used only within it.
-        let (Some(filter), mut stream) = (unsafe { filter(filter_ptr) }, unsafe {
-            abi::Stream::new(envoy)
-        }) else {
-            return CONTINUE;
-        };
-        verdict(filter.on_request_body(&mut stream, end_of_stream))
-    })
+    on_stream(
+        "request_body",
+        envoy,
+        filter_ptr,
+        CONTINUE,
+        |filter, stream| verdict(filter.on_request_body(stream, end_of_stream)),
+    )
 }
 
 /// Request trailers.
@@ -187,15 +200,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
     envoy: *mut c_void,
     filter_ptr: *const c_void,
 ) -> u32 {
-    guarded("request_trailers", CONTINUE, || {
-        // SAFETY: this hook's pointers, used only within it.
-        let (Some(filter), mut stream) = (unsafe { filter(filter_ptr) }, unsafe {
-            abi::Stream::new(envoy)
-        }) else {
-            return CONTINUE;
-        };
-        verdict(filter.on_request_trailers(&mut stream))
-    })
+    on_stream(
+        "request_trailers",
+        envoy,
+        filter_ptr,
+        CONTINUE,
+        |filter, stream| verdict(filter.on_request_trailers(stream)),
+    )
 }
 
 /// Response headers.
@@ -205,15 +216,16 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     filter_ptr: *const c_void,
     _end_of_stream: bool,
 ) -> u32 {
-    guarded("response_headers", CONTINUE, || {
-        // SAFETY: this hook's pointers, used only within it.
-        if let (Some(filter), mut stream) = (unsafe { filter(filter_ptr) }, unsafe {
-            abi::Stream::new(envoy)
-        }) {
-            filter.on_response_headers(&mut stream);
-        }
-        CONTINUE
-    })
+    on_stream(
+        "response_headers",
+        envoy,
+        filter_ptr,
+        CONTINUE,
+        |filter, stream| {
+            filter.on_response_headers(stream);
+            CONTINUE
+        },
+    )
 }
 
 /// A response body chunk.
@@ -223,15 +235,16 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     filter_ptr: *const c_void,
     _end_of_stream: bool,
 ) -> u32 {
-    guarded("response_body", CONTINUE, || {
-        // SAFETY: this hook's pointers, used only within it.
-        if let (Some(filter), mut stream) = (unsafe { filter(filter_ptr) }, unsafe {
-            abi::Stream::new(envoy)
-        }) {
-            filter.on_response_body(&mut stream);
-        }
-        CONTINUE
-    })
+    on_stream(
+        "response_body",
+        envoy,
+        filter_ptr,
+        CONTINUE,
+        |filter, stream| {
+            filter.on_response_body(stream);
+            CONTINUE
+        },
+    )
 }
 
 /// Response trailers: nothing to do.
@@ -249,14 +262,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     envoy: *mut c_void,
     filter_ptr: *const c_void,
 ) {
-    guarded("stream_complete", (), || {
-        // SAFETY: this hook's pointers, used only within it.
-        if let (Some(filter), mut stream) = (unsafe { filter(filter_ptr) }, unsafe {
-            abi::Stream::new(envoy)
-        }) {
-            filter.on_stream_complete(&mut stream);
-        }
-    })
+    on_stream(
+        "stream_complete",
+        envoy,
+        filter_ptr,
+        (),
+        |filter, stream| filter.on_stream_complete(stream),
+    )
 }
 
 /// The route call's answer.
@@ -271,18 +283,22 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
     body_chunks: *mut EnvoyBuffer,
     body_chunks_size: usize,
 ) {
-    guarded("http_callout_done", (), || {
-        // SAFETY: this hook's pointers and arrays, used only within it.
-        let (Some(filter), mut stream, headers, body) = (
-            unsafe { filter(filter_ptr) },
-            unsafe { abi::Stream::new(envoy) },
-            unsafe { headers(response_headers, headers_size) },
-            unsafe { chunks(body_chunks, body_chunks_size) },
-        ) else {
-            return;
-        };
-        filter.on_callout_done(&mut stream, result == CALLOUT_SUCCESS, &headers, &body);
-    })
+    on_stream(
+        "http_callout_done",
+        envoy,
+        filter_ptr,
+        (),
+        |filter, stream| {
+            // SAFETY: the arrays Envoy passed to this hook, used only within it.
+            let (headers, body) = unsafe {
+                (
+                    headers(response_headers, headers_size),
+                    chunks(body_chunks, body_chunks_size),
+                )
+            };
+            filter.on_callout_done(stream, result == CALLOUT_SUCCESS, &headers, &body)
+        },
+    )
 }
 
 /// The tick, posted by the tick thread or a request (main thread).

@@ -22,8 +22,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kvroute_filter::TOKEN_HEADER;
 use kvroute_filter::config::FilterConfig;
 use kvroute_filter::machine::{
-    Action, BodyStep, Counter, DECISION_HEADER, Effect, FailKind, RequestMachine, Step,
+    Action, BodyStep, Counter, DECISION_HEADER, Effect, RequestMachine, Step,
 };
+use kvroute_filter::metrics::{MetricIds, fail_open_warning};
 use kvroute_filter::root::RootState;
 use parking_lot::Mutex;
 use scorer_core::protocol::{ROUTE_PATH, RouteRequest, RouteResponse};
@@ -35,6 +36,17 @@ const TICK: u64 = 1;
 /// How long a tick waits while a call it needs answered is in flight (wasm's 1 ms tick).
 const URGENT_TICK: Duration = Duration::from_millis(1);
 
+/// Why a filter configuration was refused (Envoy then rejects it).
+#[derive(Debug, thiserror::Error)]
+pub enum ModuleError {
+    /// The `filter_config` JSON is not a valid plugin configuration.
+    #[error(transparent)]
+    Config(#[from] kvroute_filter::config::ConfigError),
+    /// The tick thread could not be started.
+    #[error("cannot start the tick thread: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
 /// What a request hook tells Envoy: go on, or hold the request (its body is buffered).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -44,44 +56,8 @@ pub enum Verdict {
     Hold,
 }
 
-/// Proxy metric ids (`None` when Envoy refused to define one). Same names as the wasm filter's.
-#[derive(Debug, Clone, Copy, Default)]
-struct Metrics {
-    routed: Option<usize>,
-    skipped: Option<usize>,
-    fail_open: Option<usize>,
-    body_parse_errors: Option<usize>,
-    outcomes_dropped: Option<usize>,
-    feedback_sent: Option<usize>,
-    feedback_failed: Option<usize>,
-    route_latency_ms: Option<usize>,
-    hash_duration_us: Option<usize>,
-    rejected: Option<usize>,
-    decided_locally: Option<usize>,
-    sync_applied: Option<usize>,
-    sync_failed: Option<usize>,
-}
-
-impl Metrics {
-    fn define(envoy: &ConfigHandle) -> Self {
-        let counter = |name| envoy.define_counter(name);
-        Metrics {
-            routed: counter("kvroute_requests_routed"),
-            skipped: counter("kvroute_requests_skipped"),
-            fail_open: counter("kvroute_fail_open"),
-            body_parse_errors: counter("kvroute_body_parse_errors"),
-            outcomes_dropped: counter("kvroute_outcomes_dropped"),
-            feedback_sent: counter("kvroute_feedback_sent"),
-            feedback_failed: counter("kvroute_feedback_failed"),
-            rejected: counter("kvroute_requests_rejected"),
-            decided_locally: counter("kvroute_decisions_local"),
-            sync_applied: counter("kvroute_sync_applied"),
-            sync_failed: counter("kvroute_sync_failed"),
-            route_latency_ms: envoy.define_histogram("kvroute_route_latency_ms"),
-            hash_duration_us: envoy.define_histogram("kvroute_hash_duration_us"),
-        }
-    }
-}
+/// Proxy metric ids (`None` when Envoy refused to define one): the wasm filter's names.
+type Metrics = MetricIds<usize>;
 
 /// What every worker's requests and the main thread's tick share.
 #[derive(Debug)]
@@ -170,8 +146,8 @@ fn joined<'a>(chunks: &[&'a [u8]]) -> std::borrow::Cow<'a, [u8]> {
 
 impl Module {
     /// Reads the configuration JSON (the filter's `filter_config` string) and starts the tick.
-    pub fn new(envoy: ConfigHandle, config: &[u8]) -> Result<Self, String> {
-        let config = FilterConfig::from_json(config).map_err(|e| e.to_string())?;
+    pub fn new(envoy: ConfigHandle, config: &[u8]) -> Result<Self, ModuleError> {
+        let config = FilterConfig::from_json(config)?;
         let decision = config.decision;
         let cluster = config.control_plane_cluster.clone();
         let mut state = RootState::new(config);
@@ -180,7 +156,10 @@ impl Module {
             config: Arc::clone(state.config()),
             period_ms: AtomicU64::new(state.tick_period_ms().max(1)),
             state: Mutex::new(state),
-            metrics: Metrics::define(&envoy),
+            metrics: MetricIds::define(
+                |name| envoy.define_counter(name),
+                |name| envoy.define_histogram(name),
+            ),
             tick_posted: AtomicBool::new(false),
             scheduler: Mutex::new(envoy.scheduler()),
         });
@@ -200,7 +179,7 @@ impl Module {
                     }
                 }
             })
-            .map_err(|e| format!("cannot start the tick thread: {e}"))?;
+            .map_err(ModuleError::Thread)?;
         abi::log(
             LogLevel::Info,
             &format!(
@@ -269,13 +248,7 @@ impl Module {
 
     fn count_tick_call(&self, ok: bool) {
         let local = self.inner.config.decision == kvroute_filter::config::DecisionMode::Local;
-        let m = &self.inner.metrics;
-        self.envoy.bump(match (local, ok) {
-            (true, true) => m.sync_applied,
-            (true, false) => m.sync_failed,
-            (false, true) => m.feedback_sent,
-            (false, false) => m.feedback_failed,
-        });
+        self.envoy.bump(self.inner.metrics.tick_call(local, ok));
     }
 }
 
@@ -497,27 +470,11 @@ impl Filter {
                 Effect::ResumeRequest => stream.continue_decoding(),
                 Effect::Count(counter) => {
                     let first = self.inner.state.lock().count(counter);
-                    match counter {
-                        Counter::Routed => stream.bump(metrics.routed),
-                        Counter::Skipped(_) => stream.bump(metrics.skipped),
-                        Counter::Rejected(_) => stream.bump(metrics.rejected),
-                        Counter::DecidedLocally => stream.bump(metrics.decided_locally),
-                        Counter::FailOpen(kind) => {
-                            stream.bump(metrics.fail_open);
-                            if kind == FailKind::BodyParse {
-                                stream.bump(metrics.body_parse_errors);
-                            }
-                            if first {
-                                abi::log(
-                                    LogLevel::Warn,
-                                    &format!(
-                                        "kvroute: request failed open ({}); later occurrences \
-                                         are only counted in kvroute_fail_open",
-                                        kind.as_str()
-                                    ),
-                                );
-                            }
-                        }
+                    for id in metrics.counted(counter) {
+                        stream.bump(Some(id));
+                    }
+                    if let (Counter::FailOpen(kind), true) = (counter, first) {
+                        abi::log(LogLevel::Warn, &fail_open_warning(kind));
                     }
                 }
                 Effect::RouteLatencyMs(ms) => stream.record(metrics.route_latency_ms, ms),

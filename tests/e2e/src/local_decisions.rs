@@ -45,6 +45,31 @@ pub(crate) async fn wait_synced(fleet: &Fleet, vms: f64) {
     }
 }
 
+/// Plays `conversations` (seeded from `first_seed`) for `turns` turns each, `pause` before
+/// every follow-up: how many follow-ups landed on their predecessor's replica, of how many.
+async fn follow_turns(
+    fleet: &Fleet,
+    client: &HttpClient,
+    first_seed: u64,
+    conversations: u64,
+    turns: usize,
+    pause: Duration,
+) -> (usize, usize) {
+    let (mut followed, mut follow_ups) = (0, 0);
+    for c in 0..conversations {
+        let mut conv = Conversation::new(MODEL, first_seed + c, 1_200, 150);
+        let mut previous = replica_of(&conv.turn(client, fleet, 8, &[]).await, fleet);
+        for _ in 1..turns {
+            tokio::time::sleep(pause).await;
+            let now = replica_of(&conv.turn(client, fleet, 8, &[]).await, fleet);
+            follow_ups += 1;
+            followed += usize::from(now == previous);
+            previous = now;
+        }
+    }
+    (followed, follow_ups)
+}
+
 // Turn N+1 lands where turn N was served, decided locally, for at least 95% of turns; and the
 // follow-up decisions really were local.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -52,21 +77,9 @@ async fn turns_follow_their_cache_when_proxies_decide_locally() {
     common::bounded(TEST_TIMEOUT, async {
         let fleet = start_local("e2e-local", 4).await;
         let client = HttpClient::new();
-        let (mut followed, mut follow_ups) = (0, 0);
-        for c in 0..8u64 {
-            let mut conv = Conversation::new(MODEL, 900 + c, 1_200, 150);
-            let mut previous = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
-            for _ in 2..=4 {
-                // Longer than a sync interval plus a round trip: the other copy has heard.
-                tokio::time::sleep(Duration::from_millis(150)).await;
-                let now = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
-                follow_ups += 1;
-                if now == previous {
-                    followed += 1;
-                }
-                previous = now;
-            }
-        }
+        // A pause longer than a sync interval plus a round trip: the other copy has heard.
+        let (followed, follow_ups) =
+            follow_turns(&fleet, &client, 900, 8, 4, Duration::from_millis(150)).await;
         assert!(
             followed * 100 >= follow_ups * 95,
             "only {followed} of {follow_ups} turns followed their cache ({})",
@@ -103,19 +116,8 @@ async fn the_dynamic_module_decides_locally_and_turns_follow_their_cache() {
         // One copy per process.
         wait_synced(&fleet, 1.0).await;
         let client = HttpClient::new();
-        let (mut followed, mut follow_ups) = (0, 0);
-        for c in 0..8u64 {
-            let mut conv = Conversation::new(MODEL, 700 + c, 1_200, 150);
-            let mut previous = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
-            for _ in 2..=4 {
-                let now = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
-                follow_ups += 1;
-                if now == previous {
-                    followed += 1;
-                }
-                previous = now;
-            }
-        }
+        // No pause: both workers decide on the one copy.
+        let (followed, follow_ups) = follow_turns(&fleet, &client, 700, 8, 4, Duration::ZERO).await;
         let routed = fleet.envoy_counter("kvroute_requests_routed").await;
         let local = fleet.envoy_counter("kvroute_decisions_local").await;
         eprintln!(
@@ -163,17 +165,7 @@ async fn the_dynamic_module_asks_the_control_plane_when_told_to() {
         })
         .await;
         let client = HttpClient::new();
-        let (mut followed, mut follow_ups) = (0, 0);
-        for c in 0..4u64 {
-            let mut conv = Conversation::new(MODEL, 600 + c, 1_200, 150);
-            let mut previous = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
-            for _ in 2..=3 {
-                let now = replica_of(&conv.turn(&client, &fleet, 8, &[]).await, &fleet);
-                follow_ups += 1;
-                followed += usize::from(now == previous);
-                previous = now;
-            }
-        }
+        let (followed, follow_ups) = follow_turns(&fleet, &client, 600, 4, 3, Duration::ZERO).await;
         let routed = fleet.envoy_counter("kvroute_requests_routed").await;
         let local = fleet.envoy_counter("kvroute_decisions_local").await;
         let fail_open = fleet.envoy_counter("kvroute_fail_open").await;
