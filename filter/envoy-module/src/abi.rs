@@ -32,6 +32,14 @@ pub struct ModuleBuffer {
     length: usize,
 }
 
+impl EnvoyBuffer {
+    /// The null buffer, for Envoy to overwrite.
+    const EMPTY: Self = EnvoyBuffer {
+        ptr: std::ptr::null(),
+        length: 0,
+    };
+}
+
 impl ModuleBuffer {
     fn of(bytes: &[u8]) -> Self {
         ModuleBuffer {
@@ -57,6 +65,16 @@ pub struct EnvoyHttpHeader {
     key_length: usize,
     value_ptr: *const u8,
     value_length: usize,
+}
+
+impl EnvoyHttpHeader {
+    /// The null header, for Envoy to overwrite.
+    const EMPTY: Self = EnvoyHttpHeader {
+        key_ptr: std::ptr::null(),
+        key_length: 0,
+        value_ptr: std::ptr::null(),
+        value_length: 0,
+    };
 }
 
 /// A header the module lends to Envoy for one call.
@@ -363,6 +381,23 @@ unsafe fn define_metric(define: DefineFn, raw: *mut c_void, name: &str) -> Optio
     (result == METRICS_SUCCESS).then_some(id)
 }
 
+/// `n` entries Envoy writes with `fill` into an array the module allocates (empty when there
+/// are none or Envoy could not give them).
+///
+/// # Safety
+/// `fill` must write at most `n` entries through the pointer it is given.
+unsafe fn filled<T: Copy>(n: usize, empty: T, fill: impl FnOnce(*mut T) -> bool) -> Vec<T> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut out = vec![empty; n];
+    if fill(out.as_mut_ptr()) {
+        out
+    } else {
+        Vec::new()
+    }
+}
+
 /// One HTTP stream's filter in Envoy, for the duration of one hook call. Not `Send`: Envoy's
 /// stream callbacks may only be called from the stream's worker, inside its hooks.
 #[derive(Debug)]
@@ -386,39 +421,22 @@ impl Stream<'_> {
 
     /// Every header of `map` (empty when Envoy has none to give).
     pub fn headers(&self, map: HeaderMap) -> Vec<(&[u8], &[u8])> {
-        // SAFETY: `raw` is this hook's filter; the array is sized as Envoy says and Envoy only
-        // writes that many entries; the entries live until the hook returns (bound to `&self`).
+        // SAFETY: `raw` is this hook's filter; the entries live until the hook returns (bound
+        // to `&self`).
         unsafe {
             let n = envoy_dynamic_module_callback_http_get_headers_size(self.raw, map as u32);
-            if n == 0 {
-                return Vec::new();
-            }
-            let mut raw = vec![
-                EnvoyHttpHeader {
-                    key_ptr: std::ptr::null(),
-                    key_length: 0,
-                    value_ptr: std::ptr::null(),
-                    value_length: 0,
-                };
-                n
-            ];
-            if !envoy_dynamic_module_callback_http_get_headers(
-                self.raw,
-                map as u32,
-                raw.as_mut_ptr(),
-            ) {
-                return Vec::new();
-            }
-            raw.iter().map(|h| header(h)).collect()
+            filled(n, EnvoyHttpHeader::EMPTY, |out| {
+                envoy_dynamic_module_callback_http_get_headers(self.raw, map as u32, out)
+            })
+            .iter()
+            .map(|h| header(h))
+            .collect()
         }
     }
 
     /// The first value of header `name` in `map`.
     pub fn header(&self, map: HeaderMap, name: &str) -> Option<&[u8]> {
-        let mut out = EnvoyBuffer {
-            ptr: std::ptr::null(),
-            length: 0,
-        };
+        let mut out = EnvoyBuffer::EMPTY;
         // SAFETY: `raw` is this hook's filter; `out` is a valid place for Envoy to write.
         let found = unsafe {
             envoy_dynamic_module_callback_http_get_header(
@@ -456,28 +474,15 @@ impl Stream<'_> {
 
     /// The slices of `body`, in order.
     pub fn body_chunks(&self, body: Body) -> Vec<&[u8]> {
-        // SAFETY: as in `headers`: the array is sized as Envoy says, the slices live until the
-        // hook returns.
+        // SAFETY: as in `headers`.
         unsafe {
             let n = envoy_dynamic_module_callback_http_get_body_chunks_size(self.raw, body as u32);
-            if n == 0 {
-                return Vec::new();
-            }
-            let mut raw = vec![
-                EnvoyBuffer {
-                    ptr: std::ptr::null(),
-                    length: 0,
-                };
-                n
-            ];
-            if !envoy_dynamic_module_callback_http_get_body_chunks(
-                self.raw,
-                body as u32,
-                raw.as_mut_ptr(),
-            ) {
-                return Vec::new();
-            }
-            raw.into_iter().map(|b| bytes(b)).collect()
+            filled(n, EnvoyBuffer::EMPTY, |out| {
+                envoy_dynamic_module_callback_http_get_body_chunks(self.raw, body as u32, out)
+            })
+            .into_iter()
+            .map(|b| bytes(b))
+            .collect()
         }
     }
 
@@ -526,10 +531,7 @@ impl Stream<'_> {
 
     /// The last upstream attempt's `host:port` (`upstream.address`).
     pub fn upstream_address(&self) -> Option<String> {
-        let mut out = EnvoyBuffer {
-            ptr: std::ptr::null(),
-            length: 0,
-        };
+        let mut out = EnvoyBuffer::EMPTY;
         // SAFETY: `raw` is this hook's filter; `out` is a valid place to write.
         let ok = unsafe {
             envoy_dynamic_module_callback_http_filter_get_attribute_string(

@@ -123,16 +123,22 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     })
 }
 
+/// Frees a `T` this module gave Envoy (a configuration, a stream's filter).
+///
+/// # Safety
+/// `ptr` is null or came from `Box::into_raw` of a `Box<T>`, and is freed once.
+unsafe fn free<T>(what: &str, ptr: *const c_void) {
+    if !ptr.is_null() {
+        // SAFETY: forwarded from the caller's contract.
+        guarded(what, (), || drop(unsafe { Box::from_raw(ptr as *mut T) }));
+    }
+}
+
 /// The configuration is gone: stop its tick and free it.
 #[unsafe(no_mangle)]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
-    if !config.is_null() {
-        guarded("config_destroy", (), || {
-            // SAFETY: `config` came from `Box::into_raw` in `config_new`; Envoy destroys it
-            // once.
-            drop(unsafe { Box::from_raw(config as *mut Module) })
-        });
-    }
+    // SAFETY: `config` came from `config_new`'s `Box::into_raw`; Envoy destroys it once.
+    unsafe { free::<Module>("config_destroy", config) }
 }
 
 /// A new stream.
@@ -153,13 +159,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
 /// The stream is gone.
 #[unsafe(no_mangle)]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(filter: *const c_void) {
-    if !filter.is_null() {
-        guarded("filter_destroy", (), || {
-            // SAFETY: `filter` came from `Box::into_raw` in `filter_new`; Envoy destroys it
-            // once.
-            drop(unsafe { Box::from_raw(filter as *mut Filter) })
-        });
-    }
+    // SAFETY: `filter` came from `filter_new`'s `Box::into_raw`; Envoy destroys it once.
+    unsafe { free::<Filter>("filter_destroy", filter) }
 }
 
 /// Request headers.
