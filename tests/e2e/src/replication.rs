@@ -311,3 +311,42 @@ async fn losing_nats_mid_run_costs_no_request() {
     })
     .await;
 }
+
+// The same active-active topology with kvroute as an Envoy dynamic module (one copy per Envoy
+// process instead of one per worker): turns that alternate between the two Envoys follow
+// their cache through two control planes and NATS, and a control plane killed under load costs
+// no request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dynamic_module_shares_state_through_two_control_planes() {
+    heavy_test(async |tools| {
+        let mut cfg = topology("e2e-replication-module", 2);
+        cfg.envoy_module = true;
+        let fleet = common::start_fleet(cfg, tools).await;
+        // Two copies (one per Envoy), a few syncs each.
+        crate::local_decisions::wait_synced(&fleet, 2.0).await;
+        let shared = run_turns(&fleet, 8_000, 10, 4).await;
+        eprintln!("replication (dynamic module): two control planes over NATS {shared}");
+        shared.assert_followed(0.95, "the dynamic module, two control planes", &fleet);
+        let during = {
+            let pid = fleet.control_planes()[0].process().pid();
+            let load = run_turns(&fleet, 9_000, 8, 5);
+            let kill = async {
+                tokio::time::sleep(Duration::from_millis(700)).await;
+                let killed = std::process::Command::new("kill")
+                    .args(["-9", &pid.to_string()])
+                    .status();
+                assert!(killed.is_ok_and(|s| s.success()), "kill -9 {pid} failed");
+            };
+            let (turns, ()) = tokio::join!(load, kill);
+            turns
+        };
+        eprintln!("replication (dynamic module): control plane 0 killed under load: {during}");
+        during.assert_followed(0.9, "the dynamic module, a control plane killed", &fleet);
+        during.assert_hit_rate(
+            shared.hit_rate() - 0.05,
+            "the dynamic module, a control plane killed",
+            &fleet,
+        );
+    })
+    .await;
+}
