@@ -162,6 +162,8 @@ async fn the_dynamic_module_asks_the_control_plane_when_told_to() {
             cfg.plugin_config = json!({"decision": "control-plane"});
             cfg.envoy_concurrency = 2;
             cfg.envoy_module = true;
+            cfg.control_plane_router = json!({"models": {"unknown_model": "reject"}});
+            cfg.control_plane_extra = json!({"models_interval_ms": 200});
         })
         .await;
         let client = HttpClient::new();
@@ -180,6 +182,35 @@ async fn the_dynamic_module_asks_the_control_plane_when_told_to() {
             (12.0, 0.0, 0.0),
             "every request routed by the control plane's answer ({})",
             fleet.describe()
+        );
+        // A refusal is answered by the module itself (Envoy's local reply), in OpenAI's
+        // error shape: a model nobody serves, once the control plane has read the catalogues.
+        let body = common::user_chat("gpt-9", "hello there", 4);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let resp = loop {
+            let resp = common::post_chat(
+                &client,
+                &fleet.url(),
+                &body,
+                &[],
+                Duration::from_secs(10),
+                &fleet,
+            )
+            .await;
+            // vLLM's own 404 until then (`NotFoundError`).
+            if !resp.body.contains("NotFoundError") || std::time::Instant::now() > deadline {
+                break resp;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(resp.status, 404, "{} ({})", resp.body, fleet.describe());
+        let err: serde_json::Value =
+            serde_json::from_str(&resp.body).unwrap_or_else(|e| panic!("{e}: {:?}", resp.body));
+        assert_eq!(err["error"]["type"], "model_not_found", "{err:#}");
+        assert_eq!(
+            fleet.envoy_counter("kvroute_requests_rejected").await,
+            1.0,
+            "the module counted the refusal"
         );
     })
     .await;
