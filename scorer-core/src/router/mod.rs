@@ -115,20 +115,25 @@ fn roomiest_tie(
     tied: &[u128],
     seed: u64,
 ) -> usize {
-    let free: Vec<Option<f64>> = tied
-        .iter()
-        .map(|&k| {
-            let id = candidates[key_position(k)].0;
-            slots[usize::from(id.0)]
-                .as_ref()
-                .and_then(Slot::free_kv_tokens)
-        })
-        .collect();
-    let most = free.iter().flatten().fold(0.0f64, |a, &b| a.max(b));
-    let roomiest: Vec<usize> = (0..tied.len())
-        .filter(|&i| free[i].is_none_or(|f| f >= most * ROOMIEST_SHARE))
-        .collect();
-    roomiest[(splitmix64(seed) % roomiest.len() as u64) as usize]
+    // Two passes over a handful of candidates, no allocation: this runs on every near-tie.
+    let free = |k: u128| {
+        let id = candidates[key_position(k)].0;
+        slots[usize::from(id.0)]
+            .as_ref()
+            .and_then(Slot::free_kv_tokens)
+    };
+    let most = tied.iter().filter_map(|&k| free(k)).fold(0.0f64, f64::max);
+    let roomy = |k: u128| free(k).is_none_or(|f| f >= most * ROOMIEST_SHARE);
+    let count = tied.iter().filter(|&&k| roomy(k)).count();
+    if count == 0 {
+        return 0;
+    }
+    let pick = (splitmix64(seed) % count as u64) as usize;
+    tied.iter()
+        .enumerate()
+        .filter(|&(_, &k)| roomy(k))
+        .nth(pick)
+        .map_or(0, |(i, _)| i)
 }
 
 /// Why an endpoint is not a candidate right now.
