@@ -114,13 +114,14 @@ fn roomiest_tie(
     candidates: &[(EndpointId, CandidateScore)],
     tied: &[u128],
     seed: u64,
+    (now_ms, stale_after): (u64, u64),
 ) -> usize {
     // Two passes over a handful of candidates, no allocation: this runs on every near-tie.
     let free = |k: u128| {
         let id = candidates[key_position(k)].0;
         slots[usize::from(id.0)]
             .as_ref()
-            .and_then(Slot::free_kv_tokens)
+            .and_then(|slot| slot.free_kv_tokens(now_ms, stale_after))
     };
     let most = tied.iter().filter_map(|&k| free(k)).fold(0.0f64, f64::max);
     let roomy = |k: u128| free(k).is_none_or(|f| f >= most * ROOMIEST_SHARE);
@@ -267,11 +268,14 @@ impl Slot {
     }
 
     /// KV tokens free for a new context: the capacity less what the scrape shows in use and
-    /// what the router's in-flight requests hold, when the capacity is known.
-    fn free_kv_tokens(&self) -> Option<f64> {
+    /// what the router's in-flight requests hold, when the capacity is known. A scrape older
+    /// than `stale_after` ms shows nothing in use (as the cost terms read it); the capacity,
+    /// which does not change, is still its.
+    fn free_kv_tokens(&self, now_ms: u64, stale_after: u64) -> Option<f64> {
         let capacity = self.kv_capacity_tokens()?;
-        let used = self.metrics.map_or(0.0, |m| m.kv_usage) * capacity;
-        Some((capacity - used.max(self.inflight_kv.tokens)).max(0.0))
+        let fresh = now_ms.saturating_sub(self.scraped_at_ms) <= stale_after;
+        let usage = self.metrics.filter(|_| fresh).map_or(0.0, |m| m.kv_usage);
+        Some((capacity - (usage * capacity).max(self.inflight_kv.tokens)).max(0.0))
     }
 
     /// The replica's KV capacity in tokens, when its scrape says (a capacity of 0 says
@@ -2045,9 +2049,13 @@ impl Router {
         };
         let candidates = self.score_candidates(request, &shape, &pool, now_ms);
         let stored = self.stored_response_endpoint(request, now_ms);
-        let Some(mut ranking) =
-            self.rank(candidates, decision_id, seed, !shape.scored_to_last_token())
-        else {
+        let Some(mut ranking) = self.rank(
+            candidates,
+            decision_id,
+            seed,
+            now_ms,
+            !shape.scored_to_last_token(),
+        ) else {
             self.stats.no_endpoint += 1;
             return Some(Decision {
                 response: RouteResponse {
@@ -2543,12 +2551,14 @@ impl Router {
     /// request scored to its first token (`first_token`), the wait cap; orders the rest (those
     /// neither guarded nor capped first, then by cost; a near-tie to the one with the most free
     /// KV, the seed drawing among equals, [`roomiest_tie`]) into `scratch.keys`, and names the
-    /// choice and its reason. `None`: no decode candidate at all.
+    /// choice and its reason. `None`: no decode candidate at all. `now_ms` tells a fresh
+    /// scrape from a stale one.
     fn rank(
         &mut self,
         mut candidates: Vec<(EndpointId, CandidateScore)>,
         decision_id: u64,
         seed: u64,
+        now_ms: u64,
         first_token: bool,
     ) -> Option<Ranking> {
         let s = &self.config.scoring;
@@ -2574,7 +2584,13 @@ impl Router {
             .take_while(|c| c.set_aside() == best_aside && c.total_ms - best_cost <= s.tie_ms)
             .count();
         if ties > 1 {
-            let pick = roomiest_tie(&self.slots, &candidates, &keys[..ties], seed ^ decision_id);
+            let pick = roomiest_tie(
+                &self.slots,
+                &candidates,
+                &keys[..ties],
+                seed ^ decision_id,
+                (now_ms, self.config.stale_after_ms),
+            );
             keys.swap(0, pick);
         }
         // The guard or the wait cap skipped the cheapest candidate.

@@ -2325,3 +2325,29 @@ fn a_tie_goes_to_the_replica_with_the_most_free_kv() {
         ["10.0.0.1:8000", "10.0.0.2:8000"].map(String::from).into();
     assert_eq!(chosen, expected);
 }
+
+#[test]
+fn a_stale_scrape_s_usage_does_not_break_a_tie() {
+    // Two replicas of one capacity, idle as far as the router knows. Replica 0's last scrape
+    // said it was 90 % full, but that scrape is older than `stale_after_ms`: the cost terms
+    // no longer read it, and neither does the tie-break, so the seed draws between both.
+    let mut chosen = std::collections::BTreeSet::new();
+    for seed in 0..32u64 {
+        let mut r = router(2);
+        let stale_after = r.config().stale_after_ms;
+        for (i, usage) in [(0, 0.9), (1, 0.0)] {
+            let metrics = EndpointMetrics {
+                capacity_tokens: Some(100_000),
+                kv_usage: usage,
+                counters: None,
+                ..EndpointMetrics::default()
+            };
+            let at = if i == 0 { 0 } else { stale_after + 5 };
+            r.update_metrics(&format!("10.0.0.{i}:8000"), metrics, at);
+        }
+        let prompt = format!("cold prompt {seed} ").repeat(50);
+        let d = r.route(&request(&prompt), stale_after + 10, seed);
+        chosen.insert(d.response.endpoints[0].clone());
+    }
+    assert_eq!(chosen.len(), 2, "{chosen:?}");
+}
