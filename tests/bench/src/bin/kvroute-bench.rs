@@ -1242,6 +1242,9 @@ enum QualityRouter {
     /// kvroute deciding in the proxy (`decision: local`), against the route call of
     /// `Envoy(RouterKind::Kvroute)` on the same workload (issue #15's quality bar).
     KvrouteLocal,
+    /// The same local decisions by kvroute's Envoy dynamic module (`filter/envoy-module`),
+    /// on the table's seed only.
+    KvrouteModule,
     Peer(Peer),
 }
 
@@ -1249,7 +1252,8 @@ impl QualityRouter {
     fn label(self) -> &'static str {
         match self {
             QualityRouter::Envoy(k) => k.label(),
-            QualityRouter::KvrouteLocal => "kvroute-local",
+            QualityRouter::KvrouteLocal => LOCAL,
+            QualityRouter::KvrouteModule => MODULE,
             QualityRouter::Peer(p) => p.label(),
         }
     }
@@ -1267,8 +1271,12 @@ async fn quality_section(
     let mut routers = vec![
         QualityRouter::Envoy(RouterKind::Kvroute),
         QualityRouter::KvrouteLocal,
-        QualityRouter::Envoy(RouterKind::RoundRobin),
     ];
+    match kvroute_harness::locate_envoy_module() {
+        Ok(_) => routers.push(QualityRouter::KvrouteModule),
+        Err(e) => skipped.push(format!("quality via {MODULE}: {e} (make envoy-module)")),
+    }
+    routers.push(QualityRouter::Envoy(RouterKind::RoundRobin));
     if !args.no_peers {
         routers.extend(Peer::ALL.map(QualityRouter::Peer));
     }
@@ -1369,6 +1377,11 @@ impl QualityRun {
                 cfg.plugin_config = json!({"decision": "local"});
                 RouterKind::Kvroute
             }
+            QualityRouter::KvrouteModule => {
+                cfg.plugin_config = json!({"decision": "local"});
+                cfg.envoy_module = true;
+                RouterKind::Kvroute
+            }
             // Peers stand in front of the replicas themselves; the fleet's Envoy is idle.
             QualityRouter::Peer(_) => RouterKind::RoundRobin,
         };
@@ -1395,7 +1408,9 @@ impl QualityRun {
                     }
                 }
             }
-            QualityRouter::Envoy(_) | QualityRouter::KvrouteLocal => None,
+            QualityRouter::Envoy(_)
+            | QualityRouter::KvrouteLocal
+            | QualityRouter::KvrouteModule => None,
         };
         let url = peer.as_ref().map_or_else(|| fleet.url(), |p| p.url.clone());
         // The table's runs keep the directories they always had.
