@@ -68,7 +68,7 @@ build: wasm envoy-module
 	$(CARGO) build --release --workspace --bins
 
 # kvroute as an Envoy dynamic module (filter/envoy-module): the native build of the filter for
-# Envoy >= 1.40, target/release/libkvroute_envoy_module.so (envoy-config/envoy-module-filter.yaml).
+# Envoy >= 1.40, target/release/libkvroute_envoy_module.so (envoy-config/dynamic-module/http-filter.yaml).
 .PHONY: envoy-module
 envoy-module:
 	$(CARGO) build --release -p envoy-module

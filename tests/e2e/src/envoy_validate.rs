@@ -46,18 +46,18 @@ fn every_shipped_envoy_config_validates() {
         ("EDS_DIR", out_dir.display().to_string()),
     ];
     let mut failures = Vec::new();
+    // Every bootstrap, then envoy-demo.yaml with the dynamic module's HTTP filter entry in
+    // place of the wasm one, loading the module this build made.
     let module_entry = harness::workspace_root().join(ENVOY_MODULE_FILTER);
-    for config in &configs {
-        // The dynamic module's file is an HTTP filter entry, not a bootstrap: it is checked in
-        // place of the wasm entry of envoy-demo.yaml, loading the module this build made.
+    let demo = harness::workspace_root().join(ENVOY_KVROUTE_TEMPLATE);
+    let checks = configs
+        .iter()
+        .map(|c| (c, c))
+        .chain(std::iter::once((&module_entry, &demo)));
+    for (config, template) in checks {
         let module = *config == module_entry;
-        let template = if module {
-            harness::workspace_root().join(ENVOY_KVROUTE_TEMPLATE)
-        } else {
-            config.clone()
-        };
         let mut rendered = render_envoy_config(
-            &template, 19_000, 19_001, 19_002, &wasm, &plugin, &replicas, &eds_vars,
+            template, 19_000, 19_001, 19_002, &wasm, &plugin, &replicas, &eds_vars,
         )
         .unwrap_or_else(|e| panic!("{e}"));
         let mut cmd = Command::new(&envoy);

@@ -40,7 +40,7 @@ use serde_json::{Value, json};
 pub const ENVOY_KVROUTE_TEMPLATE: &str = "envoy-config/envoy-demo.yaml";
 /// The HTTP filter entry that runs kvroute as an Envoy dynamic module in place of the wasm
 /// filter ([`FleetConfig::envoy_module`]).
-pub const ENVOY_MODULE_FILTER: &str = "envoy-config/envoy-module-filter.yaml";
+pub const ENVOY_MODULE_FILTER: &str = "envoy-config/dynamic-module/http-filter.yaml";
 /// File name of the dynamic module (`filter/envoy-module`), beside the cargo profile's binaries.
 pub const ENVOY_MODULE_FILE: &str = "libkvroute_envoy_module.so";
 /// Envoy with the `ext_proc` filter calling the control plane's Endpoint Picker
