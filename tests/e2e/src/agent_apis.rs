@@ -405,7 +405,12 @@ async fn a_marked_prefix_stays_on_its_holder_under_a_load_that_moves_an_unmarked
     common::bounded(TEST_TIMEOUT, async {
         let fleet = common::start_configured("e2e-cache-control", 4, MODEL, |cfg| {
             form.apply(cfg);
+            // A scrape that comes late on a busy machine must not go stale between the wait
+            // below and the decision (the router would then price the loaded holder by its
+            // own in-flight count, which leaves the load out: one full `make test` saw the
+            // unmarked turn stay).
             cfg.control_plane_router = json!({
+                "stale_after_ms": 30_000,
                 "scoring": {
                     "decode_ms_per_seq": PER_SEQ_MS,
                     "decode_occupancy_weight": 0.0,
