@@ -2025,6 +2025,31 @@ mod tests {
     }
 
     #[test]
+    fn the_module_replaces_the_wasm_entry_or_says_there_is_none() {
+        let rendered = "          http_filters:\n          - name: envoy.filters.http.wasm\n            \
+                        typed_config: {}\n                failure_policy: FAIL_OPEN\n          \
+                        - name: envoy.filters.http.router\n";
+        let swapped = swap_in_envoy_module(rendered, r#"{"decision":"local"}"#).unwrap();
+        assert!(
+            !swapped.contains("- name: envoy.filters.http.wasm"),
+            "{swapped}"
+        );
+        assert!(
+            swapped.contains("envoy.filters.http.dynamic_modules"),
+            "{swapped}"
+        );
+        assert!(
+            swapped.contains(r#"value: "{\"decision\":\"local\"}""#),
+            "{swapped}"
+        );
+        assert!(
+            swapped.ends_with("- name: envoy.filters.http.router\n"),
+            "{swapped}"
+        );
+        assert!(swap_in_envoy_module("http_filters: []\n", "{}").is_err());
+    }
+
+    #[test]
     fn render_template_fills_and_rejects_leftovers() {
         let t = "# ${DOC} stays\nport: ${P}\nx: ${Q}\n";
         let err = render_template(t, &[("P", "1".into())], "t").unwrap_err();
