@@ -89,6 +89,23 @@ async fn control_plane_metric(fleet: &Fleet, index: usize, series: &str) -> f64 
     prometheus_sample(&text, series).unwrap_or(0.0)
 }
 
+/// Kills control plane 0 (`kill -9`) 700 ms into 8 conversations of 5 turns (seeded from
+/// `first_seed`): the turns, every one served (a failed request fails the test). By pid: the
+/// load borrows the fleet; a later `restart` reaps the process.
+async fn kill_under_load(fleet: &Fleet, first_seed: u64) -> Turns {
+    let pid = fleet.control_planes()[0].process().pid();
+    let load = run_turns(fleet, first_seed, 8, 5);
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let killed = std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status();
+        assert!(killed.is_ok_and(|s| s.success()), "kill -9 {pid} failed");
+    };
+    let (turns, ()) = tokio::join!(load, kill);
+    turns
+}
+
 /// The frame of every test here: they start two control planes, NATS and several Envoys, so
 /// each runs alone among the heavy tests ([`common::HEAVY`]), within [`TEST_TIMEOUT`], with
 /// the located tools.
@@ -143,20 +160,7 @@ async fn two_control_planes_share_state_through_nats() {
 
         // Kill control plane 0 while conversations run: every request is served (send panics
         // otherwise) and turns keep following their cache through the survivor.
-        let during = {
-            let pid = fleet.control_planes()[0].process().pid();
-            let load = run_turns(&fleet, 5_000, 8, 5);
-            let kill = async {
-                tokio::time::sleep(Duration::from_millis(700)).await;
-                // By pid: the load borrows the fleet; `restart` below reaps the process.
-                let killed = std::process::Command::new("kill")
-                    .args(["-9", &pid.to_string()])
-                    .status();
-                assert!(killed.is_ok_and(|s| s.success()), "kill -9 {pid} failed");
-            };
-            let (turns, ()) = tokio::join!(load, kill);
-            turns
-        };
+        let during = kill_under_load(&fleet, 5_000).await;
         eprintln!("replication: control plane 0 killed under load: {during}");
         let phase = "a control plane killed under load";
         during.assert_followed(0.9, phase, &fleet);
@@ -327,19 +331,7 @@ async fn the_dynamic_module_shares_state_through_two_control_planes() {
         let shared = run_turns(&fleet, 8_000, 10, 4).await;
         eprintln!("replication (dynamic module): two control planes over NATS {shared}");
         shared.assert_followed(0.95, "the dynamic module, two control planes", &fleet);
-        let during = {
-            let pid = fleet.control_planes()[0].process().pid();
-            let load = run_turns(&fleet, 9_000, 8, 5);
-            let kill = async {
-                tokio::time::sleep(Duration::from_millis(700)).await;
-                let killed = std::process::Command::new("kill")
-                    .args(["-9", &pid.to_string()])
-                    .status();
-                assert!(killed.is_ok_and(|s| s.success()), "kill -9 {pid} failed");
-            };
-            let (turns, ()) = tokio::join!(load, kill);
-            turns
-        };
+        let during = kill_under_load(&fleet, 9_000).await;
         eprintln!("replication (dynamic module): control plane 0 killed under load: {during}");
         during.assert_followed(0.9, "the dynamic module, a control plane killed", &fleet);
         during.assert_hit_rate(
