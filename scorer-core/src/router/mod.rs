@@ -273,9 +273,22 @@ impl Slot {
     /// which does not change, is still its.
     fn free_kv_tokens(&self, now_ms: u64, stale_after: u64) -> Option<f64> {
         let capacity = self.kv_capacity_tokens()?;
-        let fresh = now_ms.saturating_sub(self.scraped_at_ms) <= stale_after;
-        let usage = self.metrics.filter(|_| fresh).map_or(0.0, |m| m.kv_usage);
+        let usage = self
+            .fresh_metrics(now_ms, stale_after)
+            .map_or(0.0, |m| m.kv_usage);
         Some((capacity - (usage * capacity).max(self.inflight_kv.tokens)).max(0.0))
+    }
+
+    /// Whether its last scrape is older than `stale_after` ms: then no load is read from it.
+    fn stale(&self, now_ms: u64, stale_after: u64) -> bool {
+        now_ms.saturating_sub(self.scraped_at_ms) > stale_after
+    }
+
+    /// The last scrape, unless it is [`Slot::stale`].
+    fn fresh_metrics(&self, now_ms: u64, stale_after: u64) -> Option<&EndpointMetrics> {
+        self.metrics
+            .as_ref()
+            .filter(|_| !self.stale(now_ms, stale_after))
     }
 
     /// The replica's KV capacity in tokens, when its scrape says (a capacity of 0 says
@@ -2463,10 +2476,7 @@ impl Router {
             let credited = !config.self_check.enabled || slot.check.credits_prefix(now_ms);
             let here = EndpointId(i as u16);
             let slot = &*slot;
-            let fresh = slot
-                .metrics
-                .as_ref()
-                .filter(|_| now_ms.saturating_sub(slot.scraped_at_ms) <= stale_after);
+            let fresh = slot.fresh_metrics(now_ms, stale_after);
             let candidate = Candidate {
                 id: here,
                 slot,
@@ -3289,7 +3299,7 @@ impl Router {
             .map(|(i, s)| EndpointView {
                 address: s.address.to_string(),
                 health: s.health,
-                stale: now_ms.saturating_sub(s.scraped_at_ms) > self.config.stale_after_ms,
+                stale: s.stale(now_ms, self.config.stale_after_ms),
                 metrics: s.metrics,
                 inflight: s.inflight,
                 backlog_tokens: s.backlog_tokens,
@@ -3444,7 +3454,7 @@ impl Router {
         let reference = f64::from(reference_tokens.max(1));
         for (i, slot) in self.slots.iter().enumerate() {
             let Some(slot) = slot else { continue };
-            let stale = now_ms.saturating_sub(slot.scraped_at_ms) > self.config.stale_after_ms;
+            let stale = slot.stale(now_ms, self.config.stale_after_ms);
             let model = if learned.enabled && slot.latency.samples() >= learned.min_samples {
                 &slot.latency
             } else {
