@@ -74,8 +74,8 @@ struct Inner {
 }
 
 impl Inner {
-    /// Runs the tick soon, on the main thread (a stored response to report, a resting copy
-    /// woken by a request).
+    /// Runs the tick soon, on the main thread: the tick thread's period is up, or a stored
+    /// response is to be reported, or a request woke a resting copy.
     fn tick_now(&self) {
         if !self.tick_posted.swap(true, Ordering::AcqRel)
             && let Some(scheduler) = self.scheduler.lock().as_ref()
@@ -132,6 +132,11 @@ fn post_headers<'a>(config: &'a FilterConfig, path: &'a str) -> Vec<(&'a str, &'
 /// The `:status` of a call's answer.
 pub fn status_of(headers: &[(&[u8], &[u8])]) -> Option<u16> {
     let (_, value) = headers.iter().find(|(k, _)| *k == b":status")?;
+    parse_status(value)
+}
+
+/// A `:status` header's value as a number.
+fn parse_status(value: &[u8]) -> Option<u16> {
     std::str::from_utf8(value).ok()?.trim().parse().ok()
 }
 
@@ -172,11 +177,7 @@ impl Module {
                 while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(
                     Duration::from_millis(ticking.period_ms.load(Ordering::Relaxed)),
                 ) {
-                    if !ticking.tick_posted.swap(true, Ordering::AcqRel)
-                        && let Some(scheduler) = ticking.scheduler.lock().as_ref()
-                    {
-                        scheduler.commit(TICK);
-                    }
+                    ticking.tick_now();
                 }
             })
             .map_err(ModuleError::Thread)?;
@@ -194,12 +195,11 @@ impl Module {
         })
     }
 
-    /// A new stream's filter.
+    /// A new stream's filter (from the shared configuration: no lock on the shared state).
     pub fn new_filter(&self) -> Filter {
-        let machine = self.inner.state.lock().new_request();
         Filter {
             inner: Arc::clone(&self.inner),
-            machine: Some(machine),
+            machine: RequestMachine::new(Arc::clone(&self.inner.config)),
             finished: false,
         }
     }
@@ -263,20 +263,18 @@ impl Drop for Module {
     }
 }
 
-/// One HTTP stream. Without a machine it passes everything through.
+/// One HTTP stream.
 #[derive(Debug)]
 pub struct Filter {
     inner: Arc<Inner>,
-    machine: Option<RequestMachine>,
+    machine: RequestMachine,
     finished: bool,
 }
 
 impl Filter {
     /// Request headers: route from them, or hold the request for its body.
     pub fn on_request_headers(&mut self, stream: &mut Stream<'_>, end_of_stream: bool) -> Verdict {
-        let Some(machine) = self.machine.as_mut() else {
-            return Verdict::Continue;
-        };
+        let machine = &mut self.machine;
         let now = now_ms();
         let headers = stream.headers(HeaderMap::Request);
         let step = machine.on_request_headers_with(
@@ -293,9 +291,7 @@ impl Filter {
 
     /// A request body chunk: hold (buffer) until the last, then read and route.
     pub fn on_request_body(&mut self, stream: &mut Stream<'_>, end_of_stream: bool) -> Verdict {
-        let Some(machine) = self.machine.as_mut() else {
-            return Verdict::Continue;
-        };
+        let machine = &mut self.machine;
         let whole = stream.received_is_buffered_request_body();
         let size = stream.body_size(Body::ReceivedRequest)
             + if whole {
@@ -309,18 +305,14 @@ impl Filter {
 
     /// Request trailers end the body.
     pub fn on_request_trailers(&mut self, stream: &mut Stream<'_>) -> Verdict {
-        let Some(machine) = self.machine.as_mut() else {
-            return Verdict::Continue;
-        };
+        let machine = &mut self.machine;
         let body_step = machine.on_request_trailers();
         self.body_step(stream, body_step, false)
     }
 
     /// Response headers: the explain header, and a streamed answer's status.
     pub fn on_response_headers(&mut self, stream: &mut Stream<'_>) {
-        let Some(machine) = self.machine.as_mut() else {
-            return;
-        };
+        let machine = &mut self.machine;
         if let Some(value) = machine.decision_header()
             && !stream.set_header(HeaderMap::Response, DECISION_HEADER, Some(value))
         {
@@ -329,16 +321,14 @@ impl Filter {
         if machine.wants_status_early() {
             let status = stream
                 .header(HeaderMap::Response, ":status")
-                .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse().ok());
+                .and_then(parse_status);
             machine.on_response_headers(status, None);
         }
     }
 
     /// A response body chunk: scanned for the first token and `usage`.
     pub fn on_response_body(&mut self, stream: &mut Stream<'_>) {
-        let Some(machine) = self.machine.as_mut() else {
-            return;
-        };
+        let machine = &mut self.machine;
         if !machine.wants_response_body() {
             return;
         }
@@ -356,9 +346,7 @@ impl Filter {
             return;
         }
         let now = now_ms();
-        let Some(machine) = self.machine.as_mut() else {
-            return;
-        };
+        let machine = &mut self.machine;
         let wants = machine.wants_response_info();
         let status = wants.status.then(|| stream.response_code()).flatten();
         let upstream = wants.upstream.then(|| stream.upstream_address()).flatten();
@@ -383,9 +371,7 @@ impl Filter {
         headers: &[(&[u8], &[u8])],
         body: &[&[u8]],
     ) {
-        let Some(machine) = self.machine.as_mut() else {
-            return;
-        };
+        let machine = &mut self.machine;
         // A failed call (reset, timeout, answer too large) reads as one without headers, as
         // the wasm host reports it.
         let status = if ok { status_of(headers) } else { None };
@@ -399,9 +385,7 @@ impl Filter {
         body_step: BodyStep,
         with_received: bool,
     ) -> Verdict {
-        let Some(machine) = self.machine.as_mut() else {
-            return Verdict::Continue;
-        };
+        let machine = &mut self.machine;
         let step = match body_step {
             BodyStep::Step(step) => step,
             BodyStep::ReadBody(_) => {
@@ -450,20 +434,17 @@ impl Filter {
                     }
                 }
                 Effect::DispatchRoute { body } => {
-                    let config = Arc::clone(&self.inner.config);
+                    let config = &self.inner.config;
                     let sent = stream.callout(
                         &config.control_plane_cluster,
-                        &post_headers(&config, ROUTE_PATH),
+                        &post_headers(config, ROUTE_PATH),
                         &body,
                         config.route_timeout_ms,
                     );
-                    let Some(machine) = self.machine.as_mut() else {
-                        continue;
-                    };
                     if sent.is_some() {
-                        machine.on_dispatched();
+                        self.machine.on_dispatched();
                     } else {
-                        let failed = machine.on_dispatch_failed();
+                        let failed = self.machine.on_dispatch_failed();
                         action = self.execute(stream, failed);
                     }
                 }
