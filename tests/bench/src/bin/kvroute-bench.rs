@@ -846,6 +846,17 @@ struct LatencyBar {
     bar_ms: f64,
 }
 
+/// The fleet of overhead row `label`: Envoy (as `edit` sets it up) over one `fast` replica.
+fn overhead_config(label: &str, edit: impl FnOnce(&mut FleetConfig)) -> FleetConfig {
+    let mut cfg = FleetConfig::new(&format!("bench-overhead-{label}"));
+    cfg.replicas = 1;
+    cfg.model = bench::MODEL.to_string();
+    cfg.sim_args = bench::overhead_sim_args();
+    edit(&mut cfg);
+    eprintln!("[overhead] starting Envoy ({label}) + 1 fast replica ...");
+    cfg
+}
+
 async fn overhead_section(
     args: &Args,
     tools: &Tools,
@@ -863,16 +874,13 @@ async fn overhead_section(
         (PICKER, RouterKind::Kvroute, false, true),
         ("round-robin", RouterKind::RoundRobin, false, false),
     ] {
-        let mut cfg = FleetConfig::new(&format!("bench-overhead-{label}"));
-        cfg.replicas = 1;
-        cfg.model = bench::MODEL.to_string();
-        cfg.router = router;
-        cfg.picker = picker;
-        if local {
-            cfg.plugin_config = json!({"decision": "local"});
-        }
-        cfg.sim_args = bench::overhead_sim_args();
-        eprintln!("[overhead] starting Envoy ({label}) + 1 fast replica ...");
+        let cfg = overhead_config(label, |cfg| {
+            cfg.router = router;
+            cfg.picker = picker;
+            if local {
+                cfg.plugin_config = json!({"decision": "local"});
+            }
+        });
         fleets.push((label.to_string(), Fleet::start(cfg, tools).await?));
     }
     // kvroute's Envoy with a proxy-wasm filter that does nothing in place of kvroute's: what
@@ -880,12 +888,7 @@ async fn overhead_section(
     // wasm` beside the filter).
     match bench::empty_wasm_edit(&tools.wasm) {
         Ok(edit) => {
-            let mut cfg = FleetConfig::new(&format!("bench-overhead-{EMPTY_WASM}"));
-            cfg.replicas = 1;
-            cfg.model = bench::MODEL.to_string();
-            cfg.sim_args = bench::overhead_sim_args();
-            cfg.envoy_edits = vec![edit];
-            eprintln!("[overhead] starting Envoy ({EMPTY_WASM}) + 1 fast replica ...");
+            let cfg = overhead_config(EMPTY_WASM, |cfg| cfg.envoy_edits = vec![edit]);
             fleets.push((EMPTY_WASM.to_string(), Fleet::start(cfg, tools).await?));
         }
         Err(empty) => skipped.push(format!(
@@ -897,13 +900,10 @@ async fn overhead_section(
     // ABI (one routing copy per Envoy process instead of one per worker's VM).
     match kvroute_harness::locate_envoy_module() {
         Ok(_) => {
-            let mut cfg = FleetConfig::new(&format!("bench-overhead-{MODULE}"));
-            cfg.replicas = 1;
-            cfg.model = bench::MODEL.to_string();
-            cfg.sim_args = bench::overhead_sim_args();
-            cfg.plugin_config = json!({"decision": "local"});
-            cfg.envoy_module = true;
-            eprintln!("[overhead] starting Envoy ({MODULE}) + 1 fast replica ...");
+            let cfg = overhead_config(MODULE, |cfg| {
+                cfg.plugin_config = json!({"decision": "local"});
+                cfg.envoy_module = true;
+            });
             fleets.push((MODULE.to_string(), Fleet::start(cfg, tools).await?));
         }
         Err(e) => skipped.push(format!("overhead via {MODULE}: {e} (make envoy-module)")),
