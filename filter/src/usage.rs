@@ -210,8 +210,10 @@ impl KeyScanner {
     }
 }
 
+/// Where `needle` first occurs in `haystack`: a token stream's every chunk is scanned, so this
+/// is memchr's vectorised search rather than a compare at every offset.
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+    memchr::memmem::find(haystack, needle)
 }
 
 pub(crate) fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
