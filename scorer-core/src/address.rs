@@ -124,7 +124,12 @@ pub fn rank_endpoint(server: &str, rank: u32) -> String {
 /// `10.0.0.5:8000#dp2`, the whole name and `None` for an endpoint without a rank (or with a
 /// suffix that is not a rank number).
 pub fn split_rank(endpoint: &str) -> (&str, Option<u32>) {
-    match endpoint.rsplit_once(RANK_SEPARATOR) {
+    // Split at the last `#` (a char search: every routed request splits its endpoints, and a
+    // `str` pattern builds a substring searcher each call); a rank's digits hold no `#`.
+    let split = endpoint
+        .rsplit_once(RANK_SEPARATOR.as_bytes()[0] as char)
+        .and_then(|(server, tail)| Some((server, tail.strip_prefix(&RANK_SEPARATOR[1..])?)));
+    match split {
         Some((server, rank)) if !rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()) => {
             match rank.parse() {
                 Ok(rank) => (server, Some(rank)),
@@ -149,6 +154,10 @@ mod tests {
         assert_eq!(split_rank("10.0.0.5:8000#dp"), ("10.0.0.5:8000#dp", None));
         assert_eq!(split_rank("10.0.0.5:8000#dpx"), ("10.0.0.5:8000#dpx", None));
         assert_eq!(split_rank("a:1#dp99999999999"), ("a:1#dp99999999999", None));
+        // The last `#dp` decides, and anything after it must be digits.
+        assert_eq!(split_rank("a:1#dp#dp2"), ("a:1#dp", Some(2)));
+        assert_eq!(split_rank("a:1#dp1#x"), ("a:1#dp1#x", None));
+        assert_eq!(split_rank("a:1#dp1#"), ("a:1#dp1#", None));
     }
 
     #[test]
