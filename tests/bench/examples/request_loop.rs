@@ -74,36 +74,10 @@ fn main() -> anyhow::Result<()> {
         }
         let body = bodies[i % bodies.len()].as_bytes();
         let mut machine = RequestMachine::new(Arc::clone(&config));
-        let _ = machine.on_request_headers_with(headers.iter().copied(), false, now_ms, |_| None);
-        if let BodyStep::ReadBody(_) = machine.on_request_body(body.len(), true) {
-            let step = machine.on_body_complete_with(
-                body,
-                now_ms,
-                || Some(0),
-                |request| root.decide_or_prepare(request, now_ms, || 0),
-            );
-            for effect in step.effects {
-                match effect {
-                    Effect::Count(counter) => {
-                        root.count(counter);
-                    }
-                    Effect::SetRequestHeader { .. } => routed += 1,
-                    _ => {}
-                }
-            }
-        }
-        let _ = machine.decision_header();
-        if machine.wants_response_body() {
-            let _ = machine.on_response_body(answer, now_ms);
-        }
-        let wants = machine.wants_response_info();
-        machine.on_response_headers(
-            wants.status.then_some(200),
-            wants.upstream.then_some(addresses[i % endpoints].as_str()),
-        );
-        if let Some(outcome) = machine.on_done(now_ms) {
-            let _ = root.push_outcome(outcome, now_ms);
-        }
+        request_headers(&mut machine, &headers, now_ms);
+        routed += request_body(&mut machine, &mut root, body, now_ms);
+        response(&mut machine, answer, &addresses[i % endpoints], now_ms);
+        done(&mut machine, &mut root, now_ms);
     }
     let filter = started.elapsed().saturating_sub(control_plane);
     let per_request = |d: std::time::Duration| d.as_secs_f64() * 1e6 / requests as f64;
@@ -116,4 +90,60 @@ fn main() -> anyhow::Result<()> {
         root.stats().decided_locally,
     );
     Ok(())
+}
+
+// One function per hook, never inlined, so a profile splits the request's cost by phase.
+
+#[inline(never)]
+fn request_headers(machine: &mut RequestMachine, headers: &[(&str, &[u8])], now_ms: u64) {
+    let _ = machine.on_request_headers_with(headers.iter().copied(), false, now_ms, |_| None);
+}
+
+/// The body read, parsed, hashed and decided; 1 when the request was given a destination.
+#[inline(never)]
+fn request_body(
+    machine: &mut RequestMachine,
+    root: &mut RootState,
+    body: &[u8],
+    now_ms: u64,
+) -> usize {
+    let mut routed = 0;
+    if let BodyStep::ReadBody(_) = machine.on_request_body(body.len(), true) {
+        let step = machine.on_body_complete_with(
+            body,
+            now_ms,
+            || Some(0),
+            |request| root.decide_or_prepare(request, now_ms, || 0),
+        );
+        for effect in step.effects {
+            match effect {
+                Effect::Count(counter) => {
+                    root.count(counter);
+                }
+                Effect::SetRequestHeader { .. } => routed += 1,
+                _ => {}
+            }
+        }
+    }
+    routed
+}
+
+#[inline(never)]
+fn response(machine: &mut RequestMachine, answer: &[u8], upstream: &str, now_ms: u64) {
+    let _ = machine.decision_header();
+    if machine.wants_response_body() {
+        let _ = machine.on_response_body(answer, now_ms);
+    }
+    let wants = machine.wants_response_info();
+    machine.on_response_headers(
+        wants.status.then_some(200),
+        wants.upstream.then_some(upstream),
+    );
+}
+
+#[inline(never)]
+fn done(machine: &mut RequestMachine, root: &mut RootState, now_ms: u64) {
+    if let Some(outcome) = machine.on_done(now_ms) {
+        let _ = root.push_outcome(outcome, now_ms);
+    }
 }
