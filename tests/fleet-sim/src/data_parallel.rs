@@ -12,7 +12,7 @@
 //! KV-event indexer ignores the rank) and plain load balancers (round robin, least request)
 //! pick servers.
 
-use crate::policy::{Policy, PolicyRequest, ReplicaSnapshot};
+use crate::policy::{Policy, PolicyRequest, ReplicaSnapshot, Served};
 use scorer_core::calibration::EngineCounters;
 use scorer_core::precise::KvEvent;
 use vllm_sim::server::dp::balance_score;
@@ -141,16 +141,12 @@ impl Policy for RankBlind {
         self.inner.on_first_token(id, replica / self.ranks, now_ms);
     }
 
-    fn on_usage(&mut self, id: usize, output_tokens: u32) {
-        self.inner.on_usage(id, output_tokens);
-    }
-
-    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
+    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, served: Served) {
         if let Some(n) = self.in_flight.get_mut(replica) {
             *n = n.saturating_sub(1);
         }
         self.inner
-            .on_finish(id, replica / self.ranks, now_ms, cached_tokens);
+            .on_finish(id, replica / self.ranks, now_ms, served);
     }
 
     fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
@@ -218,9 +214,9 @@ mod tests {
         let picks: Vec<usize> = (0..6).map(|_| p.route(&r, 0.0)).collect();
         assert_eq!(picks, vec![0, 4, 1, 5, 2, 6]);
         // A scrape showing rank 0 busy moves the next pick of server 0 past it.
-        p.on_finish(0, 0, 1.0, 0);
-        p.on_finish(0, 1, 1.0, 0);
-        p.on_finish(0, 2, 1.0, 0);
+        p.on_finish(0, 0, 1.0, Served::default());
+        p.on_finish(0, 1, 1.0, Served::default());
+        p.on_finish(0, 2, 1.0, Served::default());
         let mut scraped = vec![snapshot(0, 0); 8];
         scraped[0] = snapshot(3, 0);
         p.on_metrics(&scraped, 2.0);

@@ -13,7 +13,7 @@ use hashbrown::HashMap;
 use scorer_core::precise::KvEvent as CoreKvEvent;
 use vllm_wire::kv_events::EventBatch;
 
-use super::policy::{ExactFleet, Policy, PolicyRequest, ReplicaSnapshot};
+use super::policy::{ExactFleet, Policy, PolicyRequest, ReplicaSnapshot, Served};
 use super::workload::{PromptSource, Workload, push_stream};
 use vllm_sim::{Engine, EngineConfig, EngineRequest, KvEvent, Profile, RequestEvent, SimError};
 
@@ -301,8 +301,15 @@ pub fn run_with(
                             records[i].output_tokens = summary.output_tokens;
                             unresolved -= 1;
                             if !records[i].unseen {
-                                policy.on_usage(i, summary.output_tokens);
-                                policy.on_finish(i, r, now, summary.cached_tokens);
+                                policy.on_finish(
+                                    i,
+                                    r,
+                                    now,
+                                    Served {
+                                        cached_tokens: summary.cached_tokens,
+                                        output_tokens: Some(summary.output_tokens),
+                                    },
+                                );
                             }
                             release(i, now, &mut queue);
                         }
@@ -579,7 +586,7 @@ mod tests {
             self.next += 1;
             self.next % 2
         }
-        fn on_finish(&mut self, request: usize, _: usize, _: f64, _: u32) {
+        fn on_finish(&mut self, request: usize, _: usize, _: f64, _: Served) {
             self.finished.push(request);
         }
         fn on_refused(&mut self, request: usize, _: usize, _: f64) {

@@ -15,7 +15,7 @@ use scorer_core::fairness::{Admission, AdmissionConfig, ReplicaLoad, ShedReason}
 use scorer_core::protocol::RouteRequest;
 use serde::Serialize;
 
-use super::policy::{self, PolicyRequest, ReplicaSnapshot};
+use super::policy::{self, PolicyRequest, ReplicaSnapshot, Served};
 use super::report::Latency;
 use super::workload::push_stream;
 use vllm_sim::{Profile, RequestEvent, SimError};
@@ -300,8 +300,15 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
                             finished[i] = Some((now, summary.output_tokens));
                             outstanding -= 1;
                             last_ms = last_ms.max(now);
-                            router.on_usage(i, summary.output_tokens);
-                            router.on_finish(i, r, now, summary.cached_tokens);
+                            router.on_finish(
+                                i,
+                                r,
+                                now,
+                                Served {
+                                    cached_tokens: summary.cached_tokens,
+                                    output_tokens: Some(summary.output_tokens),
+                                },
+                            );
                         }
                         _ => {}
                     }

@@ -86,6 +86,17 @@ pub struct PolicyRequest<'a> {
     pub api: ApiKind,
 }
 
+/// What a finished request's response reported: the engine's cached tokens and, from its
+/// `usage`, the output tokens (only kvroute reads them, as its proxy does; `None` where a
+/// test finishes a request without them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Served {
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u32,
+    /// `usage.completion_tokens`.
+    pub output_tokens: Option<u32>,
+}
+
 /// A routing policy driven by fleet-sim's virtual clock.
 pub trait Policy {
     /// Name in tables (the CLI name).
@@ -96,16 +107,13 @@ pub trait Policy {
     fn on_metrics(&mut self, _replicas: &[ReplicaSnapshot], _now_ms: f64) {}
     /// The request's first token was streamed.
     fn on_first_token(&mut self, _id: usize, _replica: usize, _now_ms: f64) {}
-    /// The finished request's response reported `output_tokens` in its usage (called just
-    /// before `on_finish`); only kvroute reads it, as its proxy does.
-    fn on_usage(&mut self, _id: usize, _output_tokens: u32) {}
-    /// The request finished; `cached_tokens` is what the engine reported.
-    fn on_finish(&mut self, _id: usize, _replica: usize, _now_ms: f64, _cached_tokens: u32) {}
+    /// The request finished; `served` is what its response reported.
+    fn on_finish(&mut self, _id: usize, _replica: usize, _now_ms: f64, _served: Served) {}
     /// The engine refused the request before computing any of it (a prompt longer than the
     /// model's context): vLLM answers 400, which is all a real router sees. Policies that only
     /// count load treat it as finished.
     fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
-        self.on_finish(id, replica, now_ms, 0);
+        self.on_finish(id, replica, now_ms, Served::default());
     }
     /// KV events of one replica (only delivered when `wants_kv_events`).
     fn on_kv_events(&mut self, _replica: usize, _events: &[KvEvent], _now_ms: f64) {}
@@ -430,7 +438,7 @@ impl Policy for CountPolicy {
         self.load.add(r.id, pick);
         pick
     }
-    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
+    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: Served) {
         self.load.finish(id);
     }
 }
@@ -604,7 +612,7 @@ impl Policy for SglangCacheAware {
         self.load.add(r.id, pick);
         pick
     }
-    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
+    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: Served) {
         self.load.finish(id);
     }
 }
@@ -785,7 +793,7 @@ impl Policy for LlmdOptimized {
     fn on_first_token(&mut self, id: usize, _: usize, _: f64) {
         self.release(id);
     }
-    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: u32) {
+    fn on_finish(&mut self, id: usize, _: usize, _: f64, _: Served) {
         self.release(id);
     }
 }
@@ -931,7 +939,7 @@ impl Policy for Dynamo {
             slot.prefill_pending = false;
         }
     }
-    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, _: u32) {
+    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, _: Served) {
         self.on_first_token(id, replica, now_ms);
         if let Some(slot) = self.active.remove(&id) {
             let active = &mut self.active_blocks[slot.worker];
@@ -955,8 +963,6 @@ struct Kvroute {
     /// Decision id, prompt tokens (the usage the engine reports) and routing time of each
     /// routed request.
     decisions: HashMap<usize, (u64, u32, u64)>,
-    /// Output tokens finished requests' usage reported, until their outcome is built.
-    usage: HashMap<usize, u32>,
     predicted: HashMap<usize, u32>,
     seed: SplitMix,
     addresses: Vec<String>,
@@ -1010,7 +1016,6 @@ impl Kvroute {
             router,
             precise,
             decisions: HashMap::new(),
-            usage: HashMap::new(),
             predicted: HashMap::new(),
             seed: SplitMix(seed),
             addresses,
@@ -1031,18 +1036,16 @@ impl Kvroute {
         }
     }
 
-    /// Reports request `id`'s outcome: served with `cached` tokens, or refused unprefilled
-    /// (`None`, vLLM's 400).
-    fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
+    /// Reports request `id`'s outcome: `served`, or refused unprefilled (`None`, vLLM's 400).
+    fn report(&mut self, id: usize, replica: usize, now_ms: f64, served: Option<Served>) {
         self.deliver_first_tokens(now_ms as u64);
-        let usage = self.usage.remove(&id);
         if let Some((decision_id, prompt_tokens, _)) = self.decisions.remove(&id) {
             let outcome = proxy_outcome(
                 decision_id,
                 &self.addresses[replica],
                 prompt_tokens,
-                cached,
-                usage,
+                served.map(|s| s.cached_tokens),
+                served.and_then(|s| s.output_tokens),
             );
             self.router.feedback(&outcome, now_ms as u64);
         }
@@ -1160,11 +1163,8 @@ impl Policy for Kvroute {
                 .push_back((due, decision_id, now.saturating_sub(decided_ms)));
         }
     }
-    fn on_usage(&mut self, id: usize, output_tokens: u32) {
-        self.usage.insert(id, output_tokens);
-    }
-    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
-        self.report(id, replica, now_ms, Some(cached_tokens));
+    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, served: Served) {
+        self.report(id, replica, now_ms, Some(served));
     }
     fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
         self.report(id, replica, now_ms, None);
@@ -1336,8 +1336,6 @@ struct KvrouteLocal {
     ticks: u64,
     placement: SplitMix,
     decisions: HashMap<usize, LocalDecision>,
-    /// Output tokens finished requests' usage reported, until their outcome is built.
-    usage: HashMap<usize, u32>,
     predicted: HashMap<usize, u32>,
     /// Decisions the control plane took because the chosen copy was not ready.
     callouts: u64,
@@ -1369,7 +1367,6 @@ impl KvrouteLocal {
             ticks: 0,
             placement: SplitMix(seed ^ 0x10ca_1c09_1e5d_a7a5),
             decisions: HashMap::new(),
-            usage: HashMap::new(),
             predicted: HashMap::new(),
             callouts: 0,
         }
@@ -1400,11 +1397,10 @@ impl KvrouteLocal {
         }
     }
 
-    /// Reports a request's outcome where its decision was taken: served with `cached` tokens,
-    /// or refused unprefilled (`None`, vLLM's 400).
-    fn report(&mut self, id: usize, replica: usize, now_ms: f64, cached: Option<u32>) {
+    /// Reports a request's outcome where its decision was taken: `served`, or refused
+    /// unprefilled (`None`, vLLM's 400).
+    fn report(&mut self, id: usize, replica: usize, now_ms: f64, served: Option<Served>) {
         self.catch_up(now_ms);
-        let usage = self.usage.remove(&id);
         let Some(decision) = self.decisions.remove(&id) else {
             return;
         };
@@ -1412,8 +1408,8 @@ impl KvrouteLocal {
             decision.decision_id,
             &self.central.addresses[replica],
             decision.prompt_tokens,
-            cached,
-            usage,
+            served.map(|s| s.cached_tokens),
+            served.and_then(|s| s.output_tokens),
         );
         let at = now_ms as u64;
         match decision.decider {
@@ -1531,11 +1527,8 @@ impl Policy for KvrouteLocal {
             self.copies[decision.copy].first_token(first, now_ms as u64);
         }
     }
-    fn on_usage(&mut self, id: usize, output_tokens: u32) {
-        self.usage.insert(id, output_tokens);
-    }
-    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, cached_tokens: u32) {
-        self.report(id, replica, now_ms, Some(cached_tokens));
+    fn on_finish(&mut self, id: usize, replica: usize, now_ms: f64, served: Served) {
+        self.report(id, replica, now_ms, Some(served));
     }
     fn on_refused(&mut self, id: usize, replica: usize, now_ms: f64) {
         self.report(id, replica, now_ms, None);
@@ -1807,8 +1800,8 @@ mod local_tests {
                 );
                 // Every other request finishes before the next one arrives.
                 if id % 2 == 0 {
-                    single.on_finish(id, a, now + 0.5, 0);
-                    copy.on_finish(id, b, now + 0.5, 0);
+                    single.on_finish(id, a, now + 0.5, Served::default());
+                    copy.on_finish(id, b, now + 0.5, Served::default());
                 }
                 id += 1;
             }
@@ -1844,7 +1837,7 @@ mod local_tests {
                 now,
             );
             let first_by = policy.decisions[&id1].decider;
-            policy.on_finish(id1, first, now + 20.0, 0);
+            policy.on_finish(id1, first, now + 20.0, Served::default());
             // Two intervals: turn 1's copy has pushed its decision and every copy has pulled it.
             now += 2.0 * 50.0 + 21.0;
             let second = policy.route(
@@ -1868,7 +1861,7 @@ mod local_tests {
             if second_by != first_by {
                 other_copy += 1;
             }
-            policy.on_finish(id2, second, now + 20.0, 0);
+            policy.on_finish(id2, second, now + 20.0, Served::default());
             now += 30.0;
         }
         // Only first turns (2,000-token misses) may have gone to the control plane.
