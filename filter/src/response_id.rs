@@ -12,6 +12,9 @@ pub const MAX_SCANNED_BYTES: usize = 64 * 1024;
 /// Longest id kept (vLLM's are 37 bytes).
 const MAX_ID_BYTES: usize = 128;
 const PREFIX: &[u8] = b"resp_";
+/// The `"id"` key's finder, built once.
+static ID_KEY: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"id\""));
 
 /// Streaming scanner; feed it every response body chunk in order.
 #[derive(Debug)]
@@ -24,7 +27,7 @@ pub struct ResponseIdScanner {
 impl Default for ResponseIdScanner {
     fn default() -> Self {
         ResponseIdScanner {
-            keys: KeyScanner::new(b"\"id\""),
+            keys: KeyScanner::new(&ID_KEY),
             scanned: 0,
             id: None,
         }

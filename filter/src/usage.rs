@@ -9,11 +9,16 @@
 //! a stream reports input in `message_start` and output in `message_delta`, so later
 //! objects only fill in what they carry).
 
+use std::sync::LazyLock;
+
+use memchr::memmem;
 use serde::Deserialize;
 
 /// Longest partial `"usage":{...}` object kept between chunks; larger ones are skipped.
 const MAX_CARRY_BYTES: usize = 8 * 1024;
-const KEY: &[u8] = b"\"usage\"";
+/// The `"usage"` key's finder, built once.
+static USAGE_KEY: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
 
 /// Token counts from a response's `usage` object.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -99,7 +104,7 @@ pub struct UsageScanner {
 impl Default for UsageScanner {
     fn default() -> Self {
         UsageScanner {
-            keys: KeyScanner::new(KEY),
+            keys: KeyScanner::new(&USAGE_KEY),
             latest: None,
         }
     }
@@ -138,18 +143,33 @@ impl UsageScanner {
 
 /// Finds every occurrence of one JSON key in a body that arrives in chunks and hands the bytes
 /// after it to a value parser, keeping only a bounded tail between chunks.
+///
+/// A chunk is scanned where it lies; only what a chunk boundary cuts is copied: the last few
+/// bytes, which may begin a key (`tail`), or a key whose value has not ended (`partial`). A
+/// token stream's every event is a chunk, so this is the filter's per-chunk cost.
 #[derive(Debug)]
 pub(crate) struct KeyScanner {
-    key: &'static [u8],
-    carry: Vec<u8>,
+    finder: &'static memmem::Finder<'static>,
+    /// The body's last bytes (at most the key's length less one, none a value consumed).
+    tail: Vec<u8>,
+    /// The byte before `tail` (the escaped-quote test of a key starting at `tail[0]`).
+    before_tail: Option<u8>,
+    /// The body's last byte so far.
+    last: Option<u8>,
+    /// A key and the start of its value, cut by the end of the last chunk.
+    partial: Vec<u8>,
 }
 
 impl KeyScanner {
-    /// A scanner for `key` (with its quotes, e.g. `"usage"`).
-    pub(crate) fn new(key: &'static [u8]) -> Self {
+    /// A scanner for `finder`'s key (with its quotes, e.g. `"usage"`); the finder is built
+    /// once per process, not per request.
+    pub(crate) fn new(finder: &'static memmem::Finder<'static>) -> Self {
         KeyScanner {
-            key,
-            carry: Vec::new(),
+            finder,
+            tail: Vec::new(),
+            before_tail: None,
+            last: None,
+            partial: Vec::new(),
         }
     }
 
@@ -166,15 +186,90 @@ impl KeyScanner {
         if chunk.is_empty() {
             return;
         }
-        let key = self.key;
-        let mut buf = std::mem::take(&mut self.carry);
-        buf.extend_from_slice(chunk);
-        let mut pos = 0;
-        let mut keep_from = None;
-        while let Some(offset) = find(&buf[pos..], key) {
+        let key_len = self.finder.needle().len();
+        if !self.partial.is_empty() || chunk.len() < key_len {
+            // A value the last chunk cut, or a chunk too short to hold a key: scan it joined
+            // to what came before (a key at the start of `partial` was already checked).
+            let (mut joined, before) = if self.partial.is_empty() {
+                (std::mem::take(&mut self.tail), self.before_tail)
+            } else {
+                self.tail.clear();
+                (std::mem::take(&mut self.partial), None)
+            };
+            joined.extend_from_slice(chunk);
+            self.scan(&joined, 0, before, max_carry, &parse, &mut found);
+            return;
+        }
+        let before_chunk = self.last;
+        let mut from = 0;
+        if !self.tail.is_empty() {
+            // A key cut by the boundary starts in `tail` and, the chunk being at least a key
+            // long, ends in the seam.
+            let mut seam = std::mem::take(&mut self.tail);
+            let tail_len = seam.len();
+            seam.extend_from_slice(&chunk[..key_len - 1]);
+            if let Some(start) = self.finder.find(&seam).filter(|&start| start < tail_len) {
+                let before = match start {
+                    0 => self.before_tail,
+                    _ => Some(seam[start - 1]),
+                };
+                let after_key = start + key_len - tail_len;
+                from = after_key;
+                if before != Some(b'\\') {
+                    match parse(&chunk[after_key..]) {
+                        Parse::Complete {
+                            found: value,
+                            consumed,
+                        } => {
+                            from = after_key + consumed;
+                            if let Some(value) = value
+                                && !found(value)
+                            {
+                                self.stop();
+                                return;
+                            }
+                        }
+                        Parse::Incomplete => {
+                            seam.truncate(tail_len);
+                            seam.drain(..start);
+                            seam.extend_from_slice(chunk);
+                            self.last = chunk.last().copied();
+                            self.partial = if seam.len() <= max_carry {
+                                seam
+                            } else {
+                                Vec::new()
+                            };
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+        self.scan(chunk, from, before_chunk, max_carry, &parse, &mut found);
+    }
+
+    /// Scans `buf` from `from` (`before`: the byte before `buf[0]`), then keeps what the
+    /// next chunk needs: a cut value in `partial`, else the last bytes in `tail`.
+    fn scan<T>(
+        &mut self,
+        buf: &[u8],
+        from: usize,
+        before: Option<u8>,
+        max_carry: usize,
+        parse: &impl Fn(&[u8]) -> Parse<T>,
+        found: &mut impl FnMut(T) -> bool,
+    ) {
+        let key_len = self.finder.needle().len();
+        self.last = buf.last().copied().or(before);
+        let mut pos = from.min(buf.len());
+        while let Some(offset) = self.finder.find(&buf[pos..]) {
             let start = pos + offset;
-            let after_key = start + key.len();
-            if start > 0 && buf[start - 1] == b'\\' {
+            let after_key = start + key_len;
+            let escaped = match start {
+                0 => before == Some(b'\\'),
+                _ => buf[start - 1] == b'\\',
+            };
+            if escaped {
                 // An escaped quote: the key text is inside a JSON string, not a key.
                 pos = after_key;
                 continue;
@@ -188,32 +283,39 @@ impl KeyScanner {
                     if let Some(value) = value
                         && !found(value)
                     {
+                        self.stop();
                         return;
                     }
                 }
                 Parse::Incomplete => {
-                    keep_from = Some(start);
-                    break;
+                    self.tail.clear();
+                    self.partial = if buf.len() - start <= max_carry {
+                        buf[start..].to_vec()
+                    } else {
+                        Vec::new()
+                    };
+                    return;
                 }
             }
         }
-        self.carry = match keep_from {
-            Some(start) if buf.len() - start <= max_carry => buf[start..].to_vec(),
-            Some(_) => Vec::new(),
-            // Keep enough to recognise a key split across two chunks.
-            None => buf[buf
-                .len()
-                .saturating_sub(key.len() - 1)
-                .max(pos.min(buf.len()))..]
-                .to_vec(),
+        // Keep enough to recognise a key split across two chunks.
+        let keep = buf
+            .len()
+            .saturating_sub(key_len - 1)
+            .max(pos.min(buf.len()));
+        self.before_tail = match keep {
+            0 => before,
+            _ => Some(buf[keep - 1]),
         };
+        self.tail.clear();
+        self.tail.extend_from_slice(&buf[keep..]);
     }
-}
 
-/// Where `needle` first occurs in `haystack`: a token stream's every chunk is scanned, so this
-/// is memchr's vectorised search rather than a compare at every offset.
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::find(haystack, needle)
+    /// The caller has what it wanted: nothing is kept.
+    fn stop(&mut self) {
+        self.tail.clear();
+        self.partial.clear();
+    }
 }
 
 pub(crate) fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
@@ -329,6 +431,29 @@ mod tests {
         }
     }
 
+    // Chunk boundaries anywhere (a key, its escape, its value cut) read as the whole body.
+    #[test]
+    fn every_split_into_three_reads_as_the_whole() {
+        let stream =
+            b"data: {\"usage\":null,\"x\":\"a \\\"usage\\\":{\\\"prompt_tokens\\\":9}\"}\n\n\
+            data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":2}}\n\n";
+        // A key inside a string, its value an object that parses: never a usage.
+        let quoted = br#"{"x":"the \"usage\":{} here"}"#;
+        assert_eq!(scan(&[quoted]), None);
+        for body in [JSON, &stream[..], &quoted[..]] {
+            let whole = scan(&[body]);
+            for i in 0..=body.len() {
+                for j in i..=body.len() {
+                    assert_eq!(
+                        scan(&[&body[..i], &body[i..j], &body[j..]]),
+                        whole,
+                        "split at {i} and {j}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn sse_stream_takes_the_last_usage() {
         let events: [&[u8]; 4] = [
@@ -382,10 +507,10 @@ mod tests {
         s.feed(b"\"usage\":{\"prompt_tokens\":1,\"x\":\"");
         for _ in 0..1000 {
             s.feed(&[b'a'; 1024]);
-            assert!(s.keys.carry.len() <= MAX_CARRY_BYTES + 1024);
+            assert!(s.keys.partial.len() <= MAX_CARRY_BYTES + 1024);
         }
         s.feed(b"\"}, \"usage\":{\"prompt_tokens\":5}");
         assert_eq!(s.usage().unwrap().prompt_tokens, Some(5));
-        assert!(s.keys.carry.len() < 16);
+        assert!(s.keys.partial.is_empty() && s.keys.tail.len() < 16);
     }
 }
