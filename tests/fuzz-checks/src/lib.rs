@@ -17,6 +17,7 @@ pub mod filter_machine;
 pub mod kv_events;
 pub mod models_list;
 pub mod prom_parser;
+pub mod response_usage;
 pub mod route_api;
 pub mod sync_api;
 
@@ -32,7 +33,7 @@ fn structured<T: for<'a> arbitrary::Arbitrary<'a>>(data: &[u8], check: impl FnOn
 }
 
 /// The targets by name (as `fuzz/Cargo.toml` and `fuzz/corpus/` name them), with their checks.
-pub const TARGETS: [(&str, Check); 10] = [
+pub const TARGETS: [(&str, Check); 11] = [
     ("agent_chat", agent_chat::check),
     ("canonicalize", canonicalize::check),
     ("event_sources", event_sources::check),
@@ -41,6 +42,7 @@ pub const TARGETS: [(&str, Check); 10] = [
     ("kv_events", kv_events::check),
     ("models_list", models_list::check),
     ("prom_parser", prom_parser::check),
+    ("response_usage", response_usage::check),
     ("route_api", route_api::check),
     ("sync_api", sync_api::check),
 ];
