@@ -216,20 +216,13 @@ impl KeyScanner {
                 let after_key = start + key_len - tail_len;
                 from = after_key;
                 if before != Some(b'\\') {
-                    match parse(&chunk[after_key..]) {
-                        Parse::Complete {
-                            found: value,
-                            consumed,
-                        } => {
-                            from = after_key + consumed;
-                            if let Some(value) = value
-                                && !found(value)
-                            {
-                                self.stop();
-                                return;
-                            }
+                    match value_after_key(&chunk[after_key..], &parse, &mut found) {
+                        Next::After(consumed) => from = after_key + consumed,
+                        Next::Stop => {
+                            self.stop();
+                            return;
                         }
-                        Parse::Incomplete => {
+                        Next::Cut => {
                             seam.truncate(tail_len);
                             seam.drain(..start);
                             seam.extend_from_slice(chunk);
@@ -274,20 +267,13 @@ impl KeyScanner {
                 pos = after_key;
                 continue;
             }
-            match parse(&buf[after_key..]) {
-                Parse::Complete {
-                    found: value,
-                    consumed,
-                } => {
-                    pos = after_key + consumed;
-                    if let Some(value) = value
-                        && !found(value)
-                    {
-                        self.stop();
-                        return;
-                    }
+            match value_after_key(&buf[after_key..], parse, found) {
+                Next::After(consumed) => pos = after_key + consumed,
+                Next::Stop => {
+                    self.stop();
+                    return;
                 }
-                Parse::Incomplete => {
+                Next::Cut => {
                     self.tail.clear();
                     self.partial = if buf.len() - start <= max_carry {
                         buf[start..].to_vec()
@@ -315,6 +301,37 @@ impl KeyScanner {
     fn stop(&mut self) {
         self.tail.clear();
         self.partial.clear();
+    }
+}
+
+/// What a key's value makes of the scan.
+enum Next {
+    /// Go on after the value's `usize` bytes.
+    After(usize),
+    /// The caller has what it wanted.
+    Stop,
+    /// The value runs past the bytes at hand.
+    Cut,
+}
+
+/// Parses the value after a key and hands a wanted one to `found`.
+fn value_after_key<T>(
+    rest: &[u8],
+    parse: &impl Fn(&[u8]) -> Parse<T>,
+    found: &mut impl FnMut(T) -> bool,
+) -> Next {
+    match parse(rest) {
+        Parse::Complete {
+            found: value,
+            consumed,
+        } => {
+            if value.is_some_and(|value| !found(value)) {
+                Next::Stop
+            } else {
+                Next::After(consumed)
+            }
+        }
+        Parse::Incomplete => Next::Cut,
     }
 }
 
