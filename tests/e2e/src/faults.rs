@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use http_body_util::BodyExt;
 use kvroute_harness::{
     ENVOY_KVROUTE_TEMPLATE, HttpClient, ManagedProcess, Tools, control_plane_yaml, envoy_base_id,
-    free_port, log_tail, plugin_config_json, prometheus_sum, render_envoy_config, target_dir,
-    workspace_root,
+    free_port_besides, log_tail, plugin_config_json, prometheus_sum, render_envoy_config,
+    target_dir, workspace_root,
 };
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
@@ -326,8 +326,16 @@ impl Topo {
         std::fs::create_dir_all(&log_dir).expect("log dir");
         let client = HttpClient::new();
         let mut sims = Vec::new();
+        // Every port this topology picks, bound now or later (a replica that starts late, the
+        // control plane restarted on its ports): none may be picked twice.
+        let mut picked = Vec::new();
+        fn pick(picked: &mut Vec<u16>) -> u16 {
+            let port = free_port_besides(picked).expect("port");
+            picked.push(port);
+            port
+        }
         for i in 0..replicas {
-            let port = free_port().expect("port");
+            let port = pick(&mut picked);
             let process = if i < running {
                 Some(spawn_sim(&tools, &log_dir, port, i).await)
             } else {
@@ -335,8 +343,8 @@ impl Topo {
             };
             sims.push(Sim { port, process });
         }
-        let cp_api_port = free_port().expect("port");
-        let cp_admin_port = free_port().expect("port");
+        let cp_api_port = pick(&mut picked);
+        let cp_admin_port = pick(&mut picked);
         let proxy = FaultProxy::start(format!("127.0.0.1:{cp_api_port}")).await;
         let addresses: Vec<String> = sims.iter().map(Sim::address).collect();
 
@@ -345,8 +353,8 @@ impl Topo {
         let mut attempt = 0;
         let (envoy, listen, admin) = loop {
             attempt += 1;
-            let listen = free_port().expect("port");
-            let admin = free_port().expect("port");
+            let listen = pick(&mut picked);
+            let admin = pick(&mut picked);
             let rendered = render_envoy_config(
                 &workspace_root().join(ENVOY_KVROUTE_TEMPLATE),
                 listen,

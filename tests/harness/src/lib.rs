@@ -327,6 +327,22 @@ pub fn free_port() -> Result<u16> {
     Ok(port)
 }
 
+/// A free port (as [`free_port`]) that is none of `taken`. The OS may hand back a port it
+/// handed out a moment ago, so a topology that picks several ports before binding them (a
+/// process started later, or restarted on its port) must not get one twice.
+pub fn free_port_besides(taken: &[u16]) -> Result<u16> {
+    for _ in 0..64 {
+        let port = free_port()?;
+        if !taken.contains(&port) {
+            return Ok(port);
+        }
+    }
+    Err(HarnessError::Io {
+        context: "finding a free port not already picked".into(),
+        source: std::io::Error::other("none found in 64 tries"),
+    })
+}
+
 /// A `tcp://127.0.0.1:port` endpoint that never speaks, and the listener that holds its port:
 /// a KV-event publisher or replay socket "nobody serves" for as long as the caller keeps the
 /// listener. A port that was merely free a moment ago ([`free_port`]) can be taken by another
