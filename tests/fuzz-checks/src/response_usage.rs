@@ -1,8 +1,8 @@
 //! The response scanners (`UsageScanner`, `ResponseIdScanner`) over a body cut into chunks
 //! anywhere: the first byte says how many cuts, the next that many bytes where (as fractions
 //! of the body), the rest is the body. Besides "never panics": below the scanners' carry
-//! limits, the chunked body reads exactly as the whole one, and the scanners keep no more
-//! than those limits between chunks.
+//! limits, the chunked body reads exactly as the whole one (what they keep between chunks is
+//! bounded by their own unit tests, which see it).
 
 use kvroute_filter::response_id::ResponseIdScanner;
 use kvroute_filter::usage::UsageScanner;
