@@ -226,6 +226,26 @@ fn default_routes() -> Vec<RouteRule> {
 }
 
 impl FilterConfig {
+    /// The headers of a JSON POST to the control plane at `path`, for either host: each names
+    /// the authority its own way (`authority_header`: proxy-wasm's `:authority`, Envoy's
+    /// dynamic-module callouts `host`). The shared secret rides along when one is set.
+    pub fn control_plane_post<'a>(
+        &'a self,
+        authority_header: &'static str,
+        path: &'a str,
+    ) -> Vec<(&'a str, &'a str)> {
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path),
+            (authority_header, self.control_plane_authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        if let Some(token) = &self.auth_token {
+            headers.push((crate::TOKEN_HEADER, token.as_str()));
+        }
+        headers
+    }
+
     /// Parses and validates a plugin configuration. Empty or whitespace-only input means
     /// defaults (Envoy passes an empty buffer when `configuration` is unset).
     pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
@@ -395,6 +415,21 @@ fn is_header_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Both hosts send the same POST, each naming the authority its own way; the secret only
+    // when one is set.
+    #[test]
+    fn a_control_plane_post_carries_the_authority_and_the_secret() {
+        let mut config = FilterConfig::default();
+        let headers = config.control_plane_post("host", "/v1/sync");
+        assert!(headers.contains(&(":path", "/v1/sync")));
+        assert!(headers.contains(&("host", config.control_plane_authority.as_str())));
+        assert!(!headers.iter().any(|(k, _)| *k == crate::TOKEN_HEADER));
+        config.auth_token = Some("s3cret".into());
+        let headers = config.control_plane_post(":authority", "/v1/route");
+        assert!(headers.contains(&(":authority", config.control_plane_authority.as_str())));
+        assert!(headers.contains(&(crate::TOKEN_HEADER, "s3cret")));
+    }
 
     #[test]
     fn empty_means_defaults() {

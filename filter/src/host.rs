@@ -17,7 +17,6 @@ use proxy_wasm::types::{
 };
 use scorer_core::protocol::{ROUTE_PATH, RouteRequest, RouteResponse};
 
-use crate::TOKEN_HEADER;
 use crate::config::FilterConfig;
 use crate::machine::{Action, BodyStep, Counter, Effect, RequestMachine, Step};
 use crate::metrics::{MetricIds, fail_open_warning};
@@ -147,23 +146,14 @@ fn response_code() -> Option<u16> {
 
 fn status_of(map: MapType) -> Option<u16> {
     let value = hostcalls::get_map_value_bytes(map, ":status").ok()??;
-    std::str::from_utf8(&value).ok()?.trim().parse().ok()
+    crate::parse_status(&value)
 }
 
 /// POSTs JSON to the control plane; returns the call's token.
 fn post(config: &FilterConfig, path: &str, body: &[u8], timeout_ms: u64) -> Option<u32> {
-    let mut headers = vec![
-        (":method", "POST"),
-        (":path", path),
-        (":authority", config.control_plane_authority.as_str()),
-        ("content-type", "application/json"),
-    ];
-    if let Some(token) = &config.auth_token {
-        headers.push((TOKEN_HEADER, token.as_str()));
-    }
     hostcalls::dispatch_http_call(
         &config.control_plane_cluster,
-        headers,
+        config.control_plane_post(":authority", path),
         Some(body),
         Vec::new(),
         Duration::from_millis(timeout_ms),

@@ -55,3 +55,8 @@ mod host;
 
 /// Header carrying the shared secret on calls to the control plane.
 pub const TOKEN_HEADER: &str = "x-kvroute-token";
+
+/// A `:status` header's value as a number (every host reads the answers' status this way).
+pub fn parse_status(value: &[u8]) -> Option<u16> {
+    std::str::from_utf8(value).ok()?.trim().parse().ok()
+}

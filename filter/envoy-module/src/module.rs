@@ -19,12 +19,12 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvroute_filter::TOKEN_HEADER;
 use kvroute_filter::config::FilterConfig;
 use kvroute_filter::machine::{
     Action, BodyStep, Counter, DECISION_HEADER, Effect, RequestMachine, Step,
 };
 use kvroute_filter::metrics::{MetricIds, fail_open_warning};
+use kvroute_filter::parse_status;
 use kvroute_filter::root::RootState;
 use parking_lot::Mutex;
 use scorer_core::protocol::{ROUTE_PATH, RouteRequest, RouteResponse};
@@ -33,6 +33,8 @@ use crate::abi::{self, Body, ConfigHandle, HeaderMap, LogLevel, Scheduler, Strea
 
 /// The one scheduled event: run the tick.
 const TICK: u64 = 1;
+/// How Envoy's dynamic-module callouts name the control plane's authority.
+const CALLOUT_AUTHORITY: &str = "host";
 /// How long a tick waits while a call it needs answered is in flight (wasm's 1 ms tick).
 const URGENT_TICK: Duration = Duration::from_millis(1);
 
@@ -115,29 +117,10 @@ fn now_ns() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// The headers of a POST to the control plane.
-fn post_headers<'a>(config: &'a FilterConfig, path: &'a str) -> Vec<(&'a str, &'a str)> {
-    let mut headers = vec![
-        (":method", "POST"),
-        (":path", path),
-        ("host", config.control_plane_authority.as_str()),
-        ("content-type", "application/json"),
-    ];
-    if let Some(token) = &config.auth_token {
-        headers.push((TOKEN_HEADER, token.as_str()));
-    }
-    headers
-}
-
 /// The `:status` of a call's answer.
 pub fn status_of(headers: &[(&[u8], &[u8])]) -> Option<u16> {
     let (_, value) = headers.iter().find(|(k, _)| *k == b":status")?;
     parse_status(value)
-}
-
-/// A `:status` header's value as a number.
-fn parse_status(value: &[u8]) -> Option<u16> {
-    std::str::from_utf8(value).ok()?.trim().parse().ok()
 }
 
 /// `chunks` as one slice, copying only when there are several.
@@ -220,7 +203,7 @@ impl Module {
         let config = &self.inner.config;
         let sent = self.envoy.callout(
             &config.control_plane_cluster,
-            &post_headers(config, call.path),
+            &config.control_plane_post(CALLOUT_AUTHORITY, call.path),
             &call.body,
             config.feedback_timeout_ms,
         );
@@ -437,7 +420,7 @@ impl Filter {
                     let config = &self.inner.config;
                     let sent = stream.callout(
                         &config.control_plane_cluster,
-                        &post_headers(config, ROUTE_PATH),
+                        &config.control_plane_post(CALLOUT_AUTHORITY, ROUTE_PATH),
                         &body,
                         config.route_timeout_ms,
                     );
