@@ -31,7 +31,7 @@ pub struct Usage {
     pub cached_tokens: Option<u32>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct RawUsage {
     #[serde(default)]
     prompt_tokens: Option<u32>,
@@ -88,7 +88,7 @@ impl Usage {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct RawDetails {
     #[serde(default)]
     cached_tokens: Option<u32>,
@@ -371,11 +371,14 @@ fn parse_value(rest: &[u8]) -> Parse<Usage> {
         Err(parse) => return parse,
     };
     match rest[i] {
+        // The usual object is read where it lies, without finding its end first.
+        b'{' if let Some((usage, len)) = fast::usage(&rest[i..]) => Parse::Complete {
+            found: Some(usage),
+            consumed: i + len,
+        },
         b'{' => match object_end(&rest[i..]) {
             Some(len) => Parse::Complete {
-                found: serde_json::from_slice::<RawUsage>(&rest[i..i + len])
-                    .ok()
-                    .map(RawUsage::into_usage),
+                found: read_usage(&rest[i..i + len]),
                 consumed: i + len,
             },
             None if rest.len() - i > MAX_CARRY_BYTES => Parse::Complete {
@@ -388,6 +391,103 @@ fn parse_value(rest: &[u8]) -> Parse<Usage> {
             found: None,
             consumed: i,
         },
+    }
+}
+
+/// One complete `usage` object in vLLM's OpenAI terms, `None` when it is not one serde would
+/// read as [`RawUsage`] (a field of the wrong type, a key twice, bad JSON).
+///
+/// Every routed response carries one, so the common shape (ASCII keys without escapes, integer
+/// counts, details objects) is read by hand (`fast::usage`): serde's derive checks every key
+/// as UTF-8 and matches it as a string, several times the work for a 100-byte object. Anything
+/// the hand reader does not know for certain goes to serde, so the answer is always serde's
+/// (the `response_usage` fuzz target and a unit test compare the two).
+pub fn read_usage(object: &[u8]) -> Option<Usage> {
+    match fast::usage(object) {
+        Some((usage, len)) if skip_ws(object, len) == object.len() => Some(usage),
+        _ => read_usage_with_serde(object),
+    }
+}
+
+/// [`read_usage`] through serde alone: the reference the hand reader must agree with.
+#[doc(hidden)]
+pub fn read_usage_with_serde(object: &[u8]) -> Option<Usage> {
+    serde_json::from_slice::<RawUsage>(object)
+        .ok()
+        .map(RawUsage::into_usage)
+}
+
+/// The hand reader of the usual `usage` object ([`scorer_core::plain_json`]: certain or
+/// silent).
+mod fast {
+    use scorer_core::plain_json::Reader;
+
+    use super::{RawDetails, RawUsage, Usage};
+
+    /// The usage and the object's length when the object at the start of `bytes` is
+    /// certainly read so, `None` to ask serde (which includes an object not complete yet).
+    pub(super) fn usage(bytes: &[u8]) -> Option<(Usage, usize)> {
+        let mut r = Reader::new(bytes);
+        let mut raw = RawUsage::default();
+        let mut seen = 0u16;
+        r.object(|r, key| {
+            let (bit, count) = match key {
+                b"prompt_tokens" => (0, &mut raw.prompt_tokens),
+                b"completion_tokens" => (1, &mut raw.completion_tokens),
+                b"input_tokens" => (2, &mut raw.input_tokens),
+                b"output_tokens" => (3, &mut raw.output_tokens),
+                b"cache_read_input_tokens" => (4, &mut raw.cache_read_input_tokens),
+                b"cache_creation_input_tokens" => (5, &mut raw.cache_creation_input_tokens),
+                b"prompt_tokens_details" => {
+                    once(&mut seen, 6)?;
+                    raw.prompt_tokens_details = details(r)?;
+                    return Some(());
+                }
+                b"input_tokens_details" => {
+                    once(&mut seen, 7)?;
+                    raw.input_tokens_details = details(r)?;
+                    return Some(());
+                }
+                _ => return r.skip(),
+            };
+            once(&mut seen, bit)?;
+            *count = self::count(r)?;
+            Some(())
+        })?;
+        Some((raw.into_usage(), r.position()))
+    }
+
+    /// serde refuses a field twice.
+    fn once(seen: &mut u16, bit: u32) -> Option<()> {
+        let first = *seen & (1 << bit) == 0;
+        *seen |= 1 << bit;
+        first.then_some(())
+    }
+
+    /// A count: `null` (absent) or an unsigned integer that fits `u32`.
+    fn count(r: &mut Reader<'_>) -> Option<Option<u32>> {
+        if r.null() {
+            return Some(None);
+        }
+        u32::try_from(r.unsigned()?).ok().map(Some)
+    }
+
+    /// `prompt_tokens_details`: `null` or an object whose `cached_tokens` is a count.
+    fn details(r: &mut Reader<'_>) -> Option<Option<RawDetails>> {
+        if r.null() {
+            return Some(None);
+        }
+        let mut details = RawDetails::default();
+        let mut seen = 0;
+        r.object(|r, key| {
+            if key != b"cached_tokens" {
+                return r.skip();
+            }
+            once(&mut seen, 0)?;
+            details.cached_tokens = count(r)?;
+            Some(())
+        })?;
+        Some(Some(details))
     }
 }
 
@@ -529,5 +629,90 @@ mod tests {
         s.feed(b"\"}, \"usage\":{\"prompt_tokens\":5}");
         assert_eq!(s.usage().unwrap().prompt_tokens, Some(5));
         assert!(s.keys.partial.is_empty() && s.keys.tail.len() < 16);
+    }
+
+    /// The usage objects each API sends, as vLLM 0.33 writes them (and with the spacing a
+    /// pretty-printing proxy would add).
+    const OBJECTS: &[&[u8]] = &[
+        br#"{"prompt_tokens":256,"total_tokens":272,"completion_tokens":16,"prompt_tokens_details":{"cached_tokens":128}}"#,
+        br#"{"prompt_tokens":9,"total_tokens":10,"completion_tokens":1,"prompt_tokens_details":null}"#,
+        br#"{"input_tokens":90,"input_tokens_details":{"cached_tokens":64},"output_tokens":4,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":94}"#,
+        br#"{"input_tokens":7,"cache_creation_input_tokens":0,"cache_read_input_tokens":80,"output_tokens":3,"server_tool_use":null,"service_tier":"standard"}"#,
+        br#"{"output_tokens":5}"#,
+        b"{ \"prompt_tokens\" : 12 ,\n \"completion_tokens\":0,\"x\":[1,-2,[],{},true,false,null,\"s\"]}",
+        br#"{}"#,
+    ];
+
+    #[test]
+    fn the_hand_reader_takes_what_vllm_sends() {
+        for object in OBJECTS {
+            let read = fast::usage(object);
+            assert_eq!(read.map(|(_, len)| len), Some(object.len()));
+            assert_eq!(read.map(|(usage, _)| usage), read_usage_with_serde(object));
+        }
+        assert_eq!(
+            read_usage(OBJECTS[0]),
+            Some(Usage {
+                prompt_tokens: Some(256),
+                completion_tokens: Some(16),
+                cached_tokens: Some(128),
+            })
+        );
+    }
+
+    // The hand reader never answers differently from serde: every object above with one byte
+    // removed, replaced by a byte that changes JSON's meaning, or doubled.
+    #[test]
+    fn the_hand_reader_agrees_with_serde_on_every_one_byte_change() {
+        const BYTES: &[u8] = b"\"\\-+09.eE{}[],: \tnul\x01\x7f\xc3";
+        let mut variants = 0;
+        for object in OBJECTS {
+            for at in 0..object.len() {
+                let mut removed = object.to_vec();
+                removed.remove(at);
+                let mut doubled = object.to_vec();
+                doubled.insert(at, object[at]);
+                for variant in [removed, doubled].into_iter().chain(BYTES.iter().map(|&b| {
+                    let mut v = object.to_vec();
+                    v[at] = b;
+                    v
+                })) {
+                    variants += 1;
+                    assert_eq!(
+                        read_usage(&variant),
+                        read_usage_with_serde(&variant),
+                        "{}",
+                        String::from_utf8_lossy(&variant)
+                    );
+                }
+            }
+        }
+        assert!(variants > 5_000, "{variants}");
+    }
+
+    #[test]
+    fn counts_serde_refuses_are_refused() {
+        for object in [
+            &br#"{"prompt_tokens":4294967296}"#[..],
+            br#"{"prompt_tokens":-1}"#,
+            br#"{"prompt_tokens":1.0}"#,
+            br#"{"prompt_tokens":1,"prompt_tokens":2}"#,
+            br#"{"prompt_tokens_details":{"cached_tokens":1,"cached_tokens":1}}"#,
+            br#"{"prompt_tokens":01}"#,
+        ] {
+            assert_eq!(
+                read_usage(object),
+                None,
+                "{}",
+                String::from_utf8_lossy(object)
+            );
+            assert_eq!(read_usage_with_serde(object), None);
+        }
+        assert_eq!(
+            read_usage(br#"{"prompt_tokens":4294967295}"#)
+                .unwrap()
+                .prompt_tokens,
+            Some(u32::MAX)
+        );
     }
 }

@@ -33,6 +33,7 @@ pub mod hash;
 pub mod index;
 pub mod latency;
 pub mod lora;
+pub mod plain_json;
 pub mod pools;
 pub mod precise;
 pub mod protocol;

@@ -2,10 +2,11 @@
 //! anywhere: the first byte says how many cuts, the next that many bytes where (as fractions
 //! of the body), the rest is the body. Besides "never panics": below the scanners' carry
 //! limits, the chunked body reads exactly as the whole one (what they keep between chunks is
-//! bounded by their own unit tests, which see it).
+//! bounded by their own unit tests, which see it). And the hand reader of a `usage` object
+//! answers what serde does for the same bytes (the input read as one object).
 
 use kvroute_filter::response_id::ResponseIdScanner;
-use kvroute_filter::usage::UsageScanner;
+use kvroute_filter::usage::{UsageScanner, read_usage, read_usage_with_serde};
 
 /// At most this many cuts (a stream's events are many small chunks).
 const MAX_CUTS: usize = 16;
@@ -15,6 +16,11 @@ const EXACT_UP_TO: usize = 8 * 1024;
 
 /// See the module documentation.
 pub fn check(data: &[u8]) {
+    assert_eq!(
+        read_usage(data),
+        read_usage_with_serde(data),
+        "usage object"
+    );
     let Some((&n, rest)) = data.split_first() else {
         return;
     };
