@@ -18,6 +18,7 @@ use serde_json::value::RawValue;
 use crate::protocol::ApiKind;
 
 mod agent;
+mod fast;
 mod json;
 
 use json::{Content, Field, Limit, fragment, json_object, parse, str_of};
@@ -123,21 +124,49 @@ const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
 /// surrogates and the rest of what Python's `json` takes). Pure and allocation-light: strings
 /// are borrowed when they carry no escapes.
 pub fn canonicalize(api: ApiKind, body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
+    canonicalize_reading(api, body, Reading::ByHandFirst)
+}
+
+/// [`canonicalize`] with every body read by serde: the reference the hand reader of plain
+/// chat bodies must agree with (its tests and the `canonicalize` fuzz target compare them).
+#[doc(hidden)]
+pub fn canonicalize_with_serde(api: ApiKind, body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
+    canonicalize_reading(api, body, Reading::Serde)
+}
+
+/// Who reads a chat body.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    /// The hand reader ([`fast`]) when it is certain, serde otherwise.
+    ByHandFirst,
+    /// serde alone.
+    Serde,
+}
+
+fn canonicalize_reading(
+    api: ApiKind,
+    body: &[u8],
+    reading: Reading,
+) -> Result<CanonicalPrompt, CanonError> {
     let body = body.strip_prefix(UTF8_BOM).unwrap_or(body);
-    match canonicalize_strict(api, body) {
+    match canonicalize_strict(api, body, reading) {
         // A second read only for a body serde_json refused, and only when it had something
         // Python takes: valid bodies never pay for it.
         Err(CanonError::InvalidBody(e)) => match json::python_compat(body) {
-            Some(body) => canonicalize_strict(api, &body),
+            Some(body) => canonicalize_strict(api, &body, reading),
             None => Err(CanonError::InvalidBody(e)),
         },
         other => other,
     }
 }
 
-fn canonicalize_strict(api: ApiKind, body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
+fn canonicalize_strict(
+    api: ApiKind,
+    body: &[u8],
+    reading: Reading,
+) -> Result<CanonicalPrompt, CanonError> {
     match api {
-        ApiKind::Chat => canonicalize_chat(body),
+        ApiKind::Chat => canonicalize_chat(body, reading),
         ApiKind::Completion => canonicalize_completion(body),
         ApiKind::Responses => agent::canonicalize_responses(body),
         ApiKind::Messages => agent::canonicalize_messages(body),
@@ -190,13 +219,26 @@ pub(crate) fn prompt_of(
     })
 }
 
-fn canonicalize_chat(body: &[u8]) -> Result<CanonicalPrompt, CanonError> {
-    let parsed: ChatBody<'_> = parse(body, "the body")?;
+fn canonicalize_chat(body: &[u8], reading: Reading) -> Result<CanonicalPrompt, CanonError> {
+    let by_hand = match reading {
+        Reading::ByHandFirst => fast::chat(body),
+        Reading::Serde => None,
+    };
+    let parsed = match by_hand {
+        Some(parsed) => parsed,
+        None => parse(body, "the body")?,
+    };
+    chat_prompt(parsed, body.len())
+}
+
+/// A chat body's prompt, however it was read (`capacity`: the body's length, which the
+/// canonical bytes rarely exceed).
+fn chat_prompt(parsed: ChatBody<'_>, capacity: usize) -> Result<CanonicalPrompt, CanonError> {
     let messages = parsed
         .messages
         .get("messages")?
         .ok_or(CanonError::MissingPrompt)?;
-    let mut out = Vec::with_capacity(body.len());
+    let mut out = Vec::with_capacity(capacity);
     if let Some(tools) = parsed.tools.get("tools")? {
         push_tools(&mut out, tools.get().as_bytes());
     }

@@ -2,9 +2,10 @@
 //! hashing. Beyond "never panics", it checks the properties routing relies on: the result is
 //! deterministic, hashes cover exactly the full blocks, and a chat, Messages or Responses body's
 //! canonical bytes with its last message (input item) dropped are a byte prefix of the full
-//! body's (turn N is a prefix of N+1).
+//! body's (turn N is a prefix of N+1). And the hand reader of plain chat bodies reads every
+//! body as serde does (`canonicalize_with_serde`).
 
-use scorer_core::canon::canonicalize;
+use scorer_core::canon::{canonicalize, canonicalize_with_serde};
 use scorer_core::hash::{DEFAULT_BLOCK_BYTES, block_hashes, request_seed};
 use scorer_core::protocol::ApiKind;
 use serde_json::Value;
@@ -24,7 +25,13 @@ pub fn check(input: &[u8]) {
         0 => DEFAULT_BLOCK_BYTES,
         n => usize::from(n),
     };
-    let Ok(prompt) = canonicalize(api, body) else {
+    let read = canonicalize(api, body);
+    assert_eq!(
+        read,
+        canonicalize_with_serde(api, body),
+        "read apart from serde"
+    );
+    let Ok(prompt) = read else {
         return;
     };
     assert_eq!(
