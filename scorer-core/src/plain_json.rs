@@ -262,12 +262,29 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Whether every byte is ASCII at or above the space (what JSON takes raw in a string; one
-/// pass LLVM vectorises, which it does not for a range that leaves out DEL).
+/// Whether every byte is ASCII at or above the space (what JSON takes raw in a string).
+///
+/// Eight bytes at a time: a byte below the space has its top bit set once the space is taken
+/// off (wrapping), and a byte at or above 0x80 has it already, so the OR of `x | (x - spaces)`
+/// has a top bit set exactly when some byte is neither. A borrow out of a byte below the space
+/// may flag the byte above it too, but only when that byte is flagged already: the answer is
+/// exact. (A per-byte range test was about 1.3 instructions a byte.)
 fn plain_ascii(bytes: &[u8]) -> bool {
-    bytes
-        .chunks(64)
-        .all(|c| c.iter().fold(true, |ok, &b| ok & (0x20..0x80).contains(&b)))
+    const TOP: u64 = 0x8080_8080_8080_8080;
+    const SPACES: u64 = 0x2020_2020_2020_2020;
+    let mut words = bytes.chunks_exact(8);
+    let mut flags = 0u64;
+    for word in &mut words {
+        let mut le = [0u8; 8];
+        le.copy_from_slice(word);
+        let x = u64::from_le_bytes(le);
+        flags |= x | x.wrapping_sub(SPACES);
+    }
+    let tail = words
+        .remainder()
+        .iter()
+        .fold(0u8, |acc, &b| acc | b | b.wrapping_sub(0x20));
+    flags & TOP == 0 && tail & 0x80 == 0
 }
 
 #[cfg(test)]
@@ -326,6 +343,17 @@ mod tests {
             Reader::new(b"\"plain\"").text(),
             Some(Cow::Borrowed(b"plain"))
         ));
+    }
+
+    #[test]
+    fn plain_ascii_is_the_space_to_del() {
+        for b in 0..=255u8 {
+            let mut text = vec![b'a'; 100];
+            text[77] = b;
+            assert_eq!(plain_ascii(&text), (0x20..0x80).contains(&b), "{b:#x}");
+            assert_eq!(plain_ascii(&text[70..]), (0x20..0x80).contains(&b), "{b:#x}");
+        }
+        assert!(plain_ascii(b""));
     }
 
     #[test]
