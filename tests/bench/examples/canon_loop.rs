@@ -14,7 +14,11 @@ use scorer_core::protocol::ApiKind;
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let bodies: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(100_000);
+    let bodies: usize = args
+        .next()
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(100_000);
     let prompt_bytes: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1_024);
     let read = match args.next().as_deref() {
         None | Some("hand") => canonicalize,
