@@ -76,13 +76,8 @@ impl<'a> Reader<'a> {
             self.eat(b':')?;
             self.ws();
             member(self, key)?;
-            match self.peek()? {
-                b',' => self.at += 1,
-                b'}' => {
-                    self.at += 1;
-                    return Some(());
-                }
-                _ => return None,
+            if !self.another(b'}')? {
+                return Some(());
             }
         }
     }
@@ -96,14 +91,21 @@ impl<'a> Reader<'a> {
         loop {
             self.ws();
             element(self)?;
-            match self.peek()? {
-                b',' => self.at += 1,
-                b']' => {
-                    self.at += 1;
-                    return Some(());
-                }
-                _ => return None,
+            if !self.another(b']')? {
+                return Some(());
             }
+        }
+    }
+
+    /// After a member or an element: consumes a `,` (`true`: another follows) or `close`
+    /// (`false`: the container ends).
+    fn another(&mut self, close: u8) -> Option<bool> {
+        let next = self.peek()?;
+        self.at += 1;
+        match next {
+            b',' => Some(true),
+            b if b == close => Some(false),
+            _ => None,
         }
     }
 
