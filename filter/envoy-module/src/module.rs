@@ -433,7 +433,13 @@ impl Filter {
                 }
                 Effect::ResumeRequest => stream.continue_decoding(),
                 Effect::Count(counter) => {
-                    let first = self.inner.state.lock().count(counter);
+                    // `decide_locally` counted a local decision under the decision's own lock
+                    // (`RootState::count` does nothing with it): both workers would take the
+                    // shared lock once more a request for nothing.
+                    let first = match counter {
+                        Counter::DecidedLocally => false,
+                        _ => self.inner.state.lock().count(counter),
+                    };
                     for id in metrics.counted(counter) {
                         stream.bump(Some(id));
                     }
