@@ -49,29 +49,46 @@ impl ResponseIdScanner {
         let chunk = &chunk[..chunk.len().min(room)];
         self.scanned += chunk.len();
         let id = &mut self.id;
-        self.keys.feed(chunk, MAX_ID_BYTES + 16, parse_id, |found| {
+        self.keys.feed(chunk, MAX_CARRY_BYTES, parse_id, |found| {
             *id = Some(found);
             false
         });
     }
 }
 
+/// Bytes of the scanner's carry (a key cut by a chunk boundary is kept with what follows it).
+const MAX_CARRY_BYTES: usize = MAX_ID_BYTES + 16;
+/// Bytes after the `"id"` key within which [`parse_id`] decides: the key and these fit in the
+/// carry, so a key a chunk boundary cuts is never dropped and a chunked body reads exactly as
+/// the whole one. (Deciding on more, as it once did, let the whole body see a long value's
+/// closing quote that the chunked one had given up on: the `response_usage` fuzz target.)
+const WINDOW: usize = MAX_CARRY_BYTES - "\"id\"".len();
+
 /// Parses `: "resp_..."` after an `"id"` key; other ids (a message's `msg_...`) complete
-/// without one.
+/// without one. Decides on the first [`WINDOW`] bytes alone: what does not complete within
+/// them is no response id.
 fn parse_id(rest: &[u8]) -> Parse<String> {
-    let i = match value_start(rest) {
+    let full = rest.len() >= WINDOW;
+    let window = &rest[..rest.len().min(WINDOW)];
+    let i = match value_start(window) {
         Ok(i) => i,
+        Err(Parse::Incomplete) if full => {
+            return Parse::Complete {
+                found: None,
+                consumed: window.len(),
+            };
+        }
         Err(parse) => return parse,
     };
-    if rest[i] != b'"' {
+    if window[i] != b'"' {
         return Parse::Complete {
             found: None,
             consumed: i,
         };
     }
-    let value = &rest[i + 1..];
+    let value = &window[i + 1..];
     let Some(len) = value.iter().position(|&b| b == b'"') else {
-        return if value.len() > MAX_ID_BYTES {
+        return if full || value.len() > MAX_ID_BYTES {
             Parse::Complete {
                 found: None,
                 consumed: i,
@@ -128,6 +145,33 @@ mod tests {
         assert_eq!(scan(&[b"\xff\xfe{\"id\":"]), None);
         let long = format!(r#"{{"id":"resp_{}"}}"#, "a".repeat(200));
         assert_eq!(scan(&[long.as_bytes()]), None);
+    }
+
+    // Found by the `response_usage` fuzz target: an `"id"` whose string runs past the window
+    // and closes only at the next object's first quote. The whole body once saw that quote
+    // and skipped the next object's key; the chunked one had given up on the value and found
+    // the key. Both now give up within the window and find it.
+    #[test]
+    fn a_value_longer_than_the_window_reads_alike_whole_and_chunked() {
+        let mut body = br#"{"id":"chatcmp"#.to_vec();
+        body.extend_from_slice(&[0x0f; 150]);
+        body.extend_from_slice(br#"{"id":"resp_a","x":1}"#);
+        let whole = scan(&[&body]);
+        assert_eq!(whole.as_deref(), Some("resp_a"));
+        for cut in 1..body.len() {
+            assert_eq!(scan(&[&body[..cut], &body[cut..]]), whole, "cut at {cut}");
+        }
+        // Whitespace past the window: no id there, whole or chunked.
+        let spaced = format!(r#"{{"id"{}:"resp_b"}}"#, " ".repeat(WINDOW));
+        let spaced = spaced.as_bytes();
+        assert_eq!(scan(&[spaced]), None);
+        for cut in 1..spaced.len() {
+            assert_eq!(
+                scan(&[&spaced[..cut], &spaced[cut..]]),
+                None,
+                "cut at {cut}"
+            );
+        }
     }
 
     #[test]
