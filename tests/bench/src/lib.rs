@@ -72,8 +72,13 @@ pub struct OverheadRow {
     pub latency_ms_p50: f64,
     /// Raw p99 latency, ms.
     pub latency_ms_p99: f64,
-    /// Closed-loop requests/s at the load client's concurrency (1 KB prompts only; else null).
+    /// Closed-loop requests/s at the load client's concurrency (1 KB prompts only; else null):
+    /// the median of `max_rps_rounds`.
     pub max_rps: Option<f64>,
+    /// Each interleaved round's requests/s, in order (every row's round `i` ran close in time,
+    /// so a ratio of two rows is fairest round by round); empty where `max_rps` is null.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub max_rps_rounds: Vec<f64>,
     /// Envoy's CPU time per request in the max-rps run, µs (rows with an Envoy; else null).
     pub envoy_cpu_us_per_request: Option<f64>,
     /// CPU time per request of the routing process beside or instead of Envoy in that run (the
