@@ -12,6 +12,7 @@
 use std::sync::LazyLock;
 
 use memchr::memmem;
+use scorer_core::plain_json::skip_ws;
 use serde::Deserialize;
 
 /// Longest partial `"usage":{...}` object kept between chunks; larger ones are skipped.
@@ -335,13 +336,6 @@ fn value_after_key<T>(
     }
 }
 
-pub(crate) fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
-    while i < bytes.len() && matches!(bytes[i], b' ' | b'\t' | b'\r' | b'\n') {
-        i += 1;
-    }
-    i
-}
-
 /// Where a key's value starts: after `ws : ws`. `Err` is what to answer when there is none
 /// (not a key, or not complete yet).
 pub(crate) fn value_start<T>(rest: &[u8]) -> Result<usize, Parse<T>> {
@@ -420,7 +414,7 @@ pub fn read_usage_with_serde(object: &[u8]) -> Option<Usage> {
 /// The hand reader of the usual `usage` object ([`scorer_core::plain_json`]: certain or
 /// silent).
 mod fast {
-    use scorer_core::plain_json::Reader;
+    use scorer_core::plain_json::{Reader, Seen};
 
     use super::{RawDetails, RawUsage, Usage};
 
@@ -429,7 +423,7 @@ mod fast {
     pub(super) fn usage(bytes: &[u8]) -> Option<(Usage, usize)> {
         let mut r = Reader::new(bytes);
         let mut raw = RawUsage::default();
-        let mut seen = 0u16;
+        let mut seen = Seen::default();
         r.object(|r, key| {
             let (bit, count) = match key {
                 b"prompt_tokens" => (0, &mut raw.prompt_tokens),
@@ -439,29 +433,22 @@ mod fast {
                 b"cache_read_input_tokens" => (4, &mut raw.cache_read_input_tokens),
                 b"cache_creation_input_tokens" => (5, &mut raw.cache_creation_input_tokens),
                 b"prompt_tokens_details" => {
-                    once(&mut seen, 6)?;
+                    seen.first(6)?;
                     raw.prompt_tokens_details = details(r)?;
                     return Some(());
                 }
                 b"input_tokens_details" => {
-                    once(&mut seen, 7)?;
+                    seen.first(7)?;
                     raw.input_tokens_details = details(r)?;
                     return Some(());
                 }
                 _ => return r.skip(),
             };
-            once(&mut seen, bit)?;
+            seen.first(bit)?;
             *count = self::count(r)?;
             Some(())
         })?;
         Some((raw.into_usage(), r.position()))
-    }
-
-    /// serde refuses a field twice.
-    fn once(seen: &mut u16, bit: u32) -> Option<()> {
-        let first = *seen & (1 << bit) == 0;
-        *seen |= 1 << bit;
-        first.then_some(())
     }
 
     /// A count: `null` (absent) or an unsigned integer that fits `u32`.
@@ -478,12 +465,12 @@ mod fast {
             return Some(None);
         }
         let mut details = RawDetails::default();
-        let mut seen = 0;
+        let mut seen = Seen::default();
         r.object(|r, key| {
             if key != b"cached_tokens" {
                 return r.skip();
             }
-            once(&mut seen, 0)?;
+            seen.first(0)?;
             details.cached_tokens = count(r)?;
             Some(())
         })?;

@@ -14,6 +14,29 @@ use std::borrow::Cow;
 /// Containers deeper than this inside a skipped value are left to serde.
 pub const MAX_DEPTH: u32 = 8;
 
+/// Where the JSON whitespace (space, tab, CR, LF) that starts at `from` in `bytes` ends.
+pub fn skip_ws(bytes: &[u8], mut from: usize) -> usize {
+    while let Some(b' ' | b'\t' | b'\r' | b'\n') = bytes.get(from) {
+        from += 1;
+    }
+    from
+}
+
+/// The keys of one object a hand reader has read, by the bit its caller gives each. serde
+/// refuses a field twice, or (the canonicaliser's lenient readers) keeps its last occurrence;
+/// a hand reader leaves either to serde.
+#[derive(Debug, Default)]
+pub struct Seen(u32);
+
+impl Seen {
+    /// `Some` the first time `key` (a bit number below 32) is read, `None` after.
+    pub fn first(&mut self, key: u32) -> Option<()> {
+        let first = self.0 & (1 << key) == 0;
+        self.0 |= 1 << key;
+        first.then_some(())
+    }
+}
+
 /// A cursor over one JSON text.
 #[derive(Debug, Clone)]
 pub struct Reader<'a> {
@@ -40,9 +63,7 @@ impl<'a> Reader<'a> {
 
     /// Skips JSON whitespace.
     pub fn ws(&mut self) {
-        while let Some(b' ' | b'\t' | b'\r' | b'\n') = self.bytes.get(self.at) {
-            self.at += 1;
-        }
+        self.at = skip_ws(self.bytes, self.at);
     }
 
     /// The next byte after whitespace, not consumed.

@@ -388,12 +388,7 @@ fn push_without_cache_control(out: &mut Vec<u8>, raw: &RawValue) -> Result<bool,
     };
     // What goes: a leading run of markers up to the first kept key, then each later marker
     // with the separator before it (from the end of the value before it to its own end).
-    let skip_ws = |at: usize| {
-        text.bytes()
-            .skip(at)
-            .position(|b| !b.is_ascii_whitespace())
-            .map_or(text.len(), |n| at + n)
-    };
+    let skip_ws = |at: usize| crate::plain_json::skip_ws(text.as_bytes(), at).min(text.len());
     let mut cuts = Vec::new();
     if first_kept > 0 {
         let value_before = end_in(text, members[first_kept - 1].1.get())?;

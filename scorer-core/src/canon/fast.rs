@@ -10,7 +10,7 @@
 
 use std::borrow::Cow;
 
-use crate::plain_json::Reader;
+use crate::plain_json::{Reader, Seen};
 
 use super::json::{Content, Field, Limit};
 use super::{ChatBody, Message};
@@ -22,36 +22,23 @@ pub(super) fn chat(body: &[u8]) -> Option<ChatBody<'_>> {
     let mut seen = Seen::default();
     r.object(|r, key| {
         match key {
-            b"model" => out.model = seen.once(0, text(r))?,
-            b"messages" => out.messages = seen.once(1, messages(r))?,
-            b"tools" => seen.once(2, absent(r))?,
+            b"model" => out.model = seen.first(0).and(text(r))?,
+            b"messages" => out.messages = seen.first(1).and(messages(r))?,
+            b"tools" => seen.first(2).and(absent(r))?,
             b"stream" => {
-                out.stream = seen.once(3, or_null(r, |r| r.bool()))?;
+                out.stream = seen.first(3).and(or_null(r, |r| r.bool()))?;
             }
-            b"max_tokens" => out.max_tokens = seen.once(4, limit(r))?,
-            b"max_completion_tokens" => out.max_completion_tokens = seen.once(5, limit(r))?,
-            b"user" => out.user = seen.once(6, text(r))?,
-            b"prompt_cache_key" => out.prompt_cache_key = seen.once(7, text(r))?,
-            b"safety_identifier" => out.safety_identifier = seen.once(8, text(r))?,
-            b"cache_salt" => out.cache_salt = seen.once(9, text(r))?,
+            b"max_tokens" => out.max_tokens = seen.first(4).and(limit(r))?,
+            b"max_completion_tokens" => out.max_completion_tokens = seen.first(5).and(limit(r))?,
+            b"user" => out.user = seen.first(6).and(text(r))?,
+            b"prompt_cache_key" => out.prompt_cache_key = seen.first(7).and(text(r))?,
+            b"safety_identifier" => out.safety_identifier = seen.first(8).and(text(r))?,
+            b"cache_salt" => out.cache_salt = seen.first(9).and(text(r))?,
             _ => r.skip()?,
         }
         Some(())
     })?;
     r.at_end().then_some(out)
-}
-
-/// Keys read so far: serde keeps a key's last occurrence, which this reader leaves to it.
-#[derive(Default)]
-struct Seen(u32);
-
-impl Seen {
-    /// `read`, when `bit`'s key has not been read before.
-    fn once<T>(&mut self, bit: u32, read: Option<T>) -> Option<T> {
-        let first = self.0 & (1 << bit) == 0;
-        self.0 |= 1 << bit;
-        if first { read } else { None }
-    }
 }
 
 /// `null` (absent), or what `read` reads.
@@ -105,13 +92,15 @@ fn message<'a>(r: &mut Reader<'a>) -> Option<Message<'a>> {
     let mut seen = Seen::default();
     r.object(|r, key| {
         match key {
-            b"role" => out.role = seen.once(0, text(r))?,
-            b"name" => out.name = seen.once(1, text(r))?,
+            b"role" => out.role = seen.first(0).and(text(r))?,
+            b"name" => out.name = seen.first(1).and(text(r))?,
             b"content" => {
-                out.content = seen.once(2, or_null(r, |r| r.text().map(Content::Text)))?;
+                out.content = seen
+                    .first(2)
+                    .and(or_null(r, |r| r.text().map(Content::Text)))?;
             }
-            b"tool_calls" => seen.once(3, absent(r))?,
-            b"tool_call_id" => out.tool_call_id = seen.once(4, text(r))?,
+            b"tool_calls" => seen.first(3).and(absent(r))?,
+            b"tool_call_id" => out.tool_call_id = seen.first(4).and(text(r))?,
             _ => r.skip()?,
         }
         Some(())
