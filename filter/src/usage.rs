@@ -370,9 +370,11 @@ fn parse_value(rest: &[u8]) -> Parse<Usage> {
             found: Some(usage),
             consumed: i + len,
         },
+        // The hand reader declined it (it reads a prefix alike however much follows): an
+        // object serde must read, or one not complete yet.
         b'{' => match object_end(&rest[i..]) {
             Some(len) => Parse::Complete {
-                found: read_usage(&rest[i..i + len]),
+                found: read_usage_with_serde(&rest[i..i + len]),
                 consumed: i + len,
             },
             None if rest.len() - i > MAX_CARRY_BYTES => Parse::Complete {
