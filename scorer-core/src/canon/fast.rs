@@ -76,15 +76,14 @@ fn limit(r: &mut Reader<'_>) -> Option<Field<Limit>> {
 }
 
 fn messages<'a>(r: &mut Reader<'a>) -> Option<Field<Vec<Message<'a>>>> {
-    if r.null() {
-        return Some(Field::Absent);
-    }
-    let mut out = Vec::new();
-    r.array(|r| {
-        out.push(message(r)?);
-        Some(())
-    })?;
-    Some(Field::Value(out))
+    or_null(r, |r| {
+        let mut out = Vec::new();
+        r.array(|r| {
+            out.push(message(r)?);
+            Some(())
+        })?;
+        Some(out)
+    })
 }
 
 fn message<'a>(r: &mut Reader<'a>) -> Option<Message<'a>> {
