@@ -382,11 +382,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if !overhead.is_empty() {
         println!("\n== data-plane overhead (upstream vllm-sim --profile fast, max_tokens 1) ==");
-        let envoy_rps = overhead
+        let envoy = overhead
             .iter()
-            .find(|r| r.router == "round-robin" && r.max_rps.is_some())
-            .and_then(|r| r.max_rps)
-            .unwrap_or(0.0);
+            .find(|r| r.router == "round-robin" && r.max_rps.is_some());
+        let envoy_rps = envoy.and_then(|r| r.max_rps).unwrap_or(0.0);
+        let envoy_rounds = envoy.map_or(&[][..], |r| &r.max_rps_rounds[..]);
         println!(
             "{:<21}{:>9}{:>9}{:>9}{:>9}{:>13}{:>9}{:>9}{:>14}{:>11}{:>12}{:>6}",
             "router",
@@ -437,10 +437,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 );
             }
         }
-        let envoy_rounds = overhead
-            .iter()
-            .find(|r| r.router == "round-robin" && r.max_rps.is_some())
-            .map_or(&[][..], |r| &r.max_rps_rounds[..]);
         for name in [LOCAL, MODULE] {
             let Some(row) = overhead
                 .iter()
@@ -1744,12 +1740,20 @@ fn print_scale(figures: &ScaleFigures) {
 /// data path, as the machine's load drifted between the two rows.
 const MAX_RPS_ROUNDS: usize = 3;
 
-/// One target's max-rps run (req/s, each process's CPU per request, errors), or its figure:
-/// the median over [`MAX_RPS_ROUNDS`] of each and every round's errors.
+/// One target's max-rps run: req/s, each process's CPU per request, errors.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    rps: f64,
+    envoy_cpu: Option<f64>,
+    router_cpu: Option<f64>,
+    errors: usize,
+}
+
+/// One target's figure over [`MAX_RPS_ROUNDS`] runs: the median of each, every round's
+/// errors, and each round's req/s in order.
 #[derive(Debug, Clone, Copy)]
 struct MaxRps {
     rps: f64,
-    /// Each round's req/s, in order (for a figure, the rounds it is the median of).
     rounds: [f64; MAX_RPS_ROUNDS],
     envoy_cpu: Option<f64>,
     router_cpu: Option<f64>,
@@ -1765,7 +1769,7 @@ async fn max_rps_rounds(
     bodies: &Arc<Vec<String>>,
     args: &Args,
 ) -> Vec<Option<MaxRps>> {
-    let mut runs: Vec<Vec<MaxRps>> = vec![Vec::new(); targets.len()];
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); targets.len()];
     for round in 0..MAX_RPS_ROUNDS {
         for (i, (t, url)) in targets.iter().zip(urls).enumerate() {
             let (r, [envoy, router]) = bench::http_load_cpu(
@@ -1780,9 +1784,8 @@ async fn max_rps_rounds(
                 "[overhead] max rps round {round} {}: {:.0} req/s, Envoy {envoy:?} µs/request",
                 t.label, r.rps
             );
-            runs[i].push(MaxRps {
+            runs[i].push(Run {
                 rps: r.rps,
-                rounds: [r.rps; MAX_RPS_ROUNDS],
                 envoy_cpu: envoy,
                 router_cpu: router,
                 errors: r.errors,
@@ -1793,7 +1796,7 @@ async fn max_rps_rounds(
         .map(|rounds| {
             Some(MaxRps {
                 rps: median(rounds.iter().map(|r| Some(r.rps)))?,
-                rounds: std::array::from_fn(|i| rounds.get(i).map_or(f64::NAN, |r| r.rps)),
+                rounds: std::array::from_fn(|i| rounds[i].rps),
                 envoy_cpu: median(rounds.iter().map(|r| r.envoy_cpu)),
                 router_cpu: median(rounds.iter().map(|r| r.router_cpu)),
                 errors: rounds.iter().map(|r| r.errors).sum(),
