@@ -12,9 +12,11 @@ pub const MAX_SCANNED_BYTES: usize = 64 * 1024;
 /// Longest id kept (vLLM's are 37 bytes).
 const MAX_ID_BYTES: usize = 128;
 const PREFIX: &[u8] = b"resp_";
-/// The `"id"` key's finder, built once.
+/// The key, with its quotes.
+const KEY: &[u8] = b"\"id\"";
+/// The key's finder, built once.
 static ID_KEY: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"id\""));
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(KEY));
 
 /// Streaming scanner; feed it every response body chunk in order.
 #[derive(Debug)]
@@ -62,7 +64,7 @@ const MAX_CARRY_BYTES: usize = MAX_ID_BYTES + 16;
 /// carry, so a key a chunk boundary cuts is never dropped and a chunked body reads exactly as
 /// the whole one. (Deciding on more, as it once did, let the whole body see a long value's
 /// closing quote that the chunked one had given up on: the `response_usage` fuzz target.)
-const WINDOW: usize = MAX_CARRY_BYTES - "\"id\"".len();
+const WINDOW: usize = MAX_CARRY_BYTES - KEY.len();
 
 /// Parses `: "resp_..."` after an `"id"` key; other ids (a message's `msg_...`) complete
 /// without one. Decides on the first [`WINDOW`] bytes alone: what does not complete within
