@@ -420,12 +420,21 @@ impl EventGroupCheck {
 /// learns, per endpoint, how many canonical prompt bytes (the text the filter hashes) its
 /// engine counts as one token (`usage.prompt_tokens` of its outcomes, decayed like
 /// [`crate::token_ratio::TokenRatio`]). Endpoints of one model share a tokeniser and chat
-/// template, so their ratios agree however the traffic's language shifts (a shift moves them
-/// all); one that sits more than [`SelfCheckConfig::bytes_per_token_drift`] from the median
-/// of the others, each with [`SelfCheckConfig::min_samples`] outcomes, tokenises otherwise,
-/// and its KV events (hashed from its token ids) cannot match the router's. It is trusted
-/// again once within half that distance. Two other endpoints at least: with one, which side
-/// drifted cannot be told.
+/// template, so their ratios agree when they serve the same mix of text (a shift of the whole
+/// traffic moves them all); one that sits more than [`SelfCheckConfig::bytes_per_token_drift`]
+/// from the median of the others, each with [`SelfCheckConfig::min_samples`] outcomes,
+/// tokenises otherwise, and its KV events (hashed from its token ids) cannot match the
+/// router's. It is trusted again once within half that distance. Two other endpoints at
+/// least: with one, which side drifted cannot be told.
+///
+/// Cache-aware routing does not give every endpoint the same mix, though: the sessions over
+/// Cyrillic documents stay where their prefix is, the code reviews where theirs is, and the
+/// byte ratios move apart with no tokeniser at fault. So the bound also grows with how far
+/// the other endpoints' ratios already spread (three robust standard deviations, from their
+/// median absolute deviation in log space, the usual outlier rule): an endpoint is judged
+/// against the spread its own pool shows. Precise requests are checked in the router's own
+/// token count instead of bytes (the router's `token_count` check), where the mix cannot
+/// move the ratio.
 #[derive(Debug, Clone)]
 pub struct TokenRatioCheck {
     ratio: crate::token_ratio::TokenRatio,
@@ -466,15 +475,22 @@ impl TokenRatioCheck {
         if others.len() < 2 {
             return;
         }
-        let Some(median) = median(others).filter(|m| *m > 0.0) else {
+        let Some(middle) = median(others).filter(|m| *m > 0.0) else {
             return;
         };
         // Symmetric in log space: twice as many bytes per token is as far off as half.
-        let off = (own / median).ln().abs();
+        let off = (own / middle).ln().abs();
+        let mut deviations: Vec<f64> = others
+            .iter()
+            .filter(|r| **r > 0.0)
+            .map(|r| (r / middle).ln().abs())
+            .collect();
+        // 1.4826 x MAD estimates a normal spread's standard deviation.
+        let spread = 1.4826 * median(&mut deviations).unwrap_or(0.0);
         let bound = if self.drifted {
-            (1.0 + drift / 2.0).ln()
+            (1.0 + drift / 2.0).ln().max(1.5 * spread)
         } else {
-            (1.0 + drift).ln()
+            (1.0 + drift).ln().max(3.0 * spread)
         };
         self.drifted = off > bound;
     }
@@ -610,6 +626,29 @@ impl EventHashCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A check that learned `ratio` bytes per token, judged against `others`.
+    fn judged(ratio: f64, others: &[f64]) -> bool {
+        let config = SelfCheckConfig::default();
+        let mut check = TokenRatioCheck::default();
+        for _ in 0..config.min_samples {
+            check.observe((ratio * 1_000.0) as u64, 1_000);
+        }
+        check.judge(&mut others.to_vec(), &config);
+        check.drifted()
+    }
+
+    #[test]
+    fn an_endpoint_is_judged_against_the_spread_its_pool_shows() {
+        // Others agree: 40 % more bytes a token is another tokeniser.
+        assert!(judged(5.6, &[4.0, 4.0, 4.1]));
+        assert!(!judged(4.4, &[4.0, 4.0, 4.1]));
+        // Others already spread as far (prose, code and tables where their prefixes are):
+        // the Cyrillic documents' endpoint is one more mix, not a verdict.
+        assert!(!judged(5.6, &[2.7, 3.2, 4.5]));
+        // Twice the spread's reach is still out.
+        assert!(judged(12.0, &[2.7, 3.2, 4.5]));
+    }
 
     fn feed(c: &mut EndpointCheck, n: usize, believed: u32, delivered: u32) -> Vec<StateChange> {
         let config = SelfCheckConfig::default();

@@ -191,9 +191,14 @@ struct Slot {
     /// approximate index.
     event_groups: EventGroupCheck,
     /// Whether its engine counts canonical prompt bytes in as many tokens as the rest of its
-    /// pool: when it clearly does not it is `degraded` (reason `bytes_per_token`) and scored
-    /// from the approximate index.
+    /// pool (approximate requests): when it clearly does not it is `degraded` (reason
+    /// `bytes_per_token`) and scored from the approximate index.
     bytes_per_token: TokenRatioCheck,
+    /// The same for precise requests, in the router's own token count of each prompt rather
+    /// than its bytes: the ratio is about 1 whatever the text's language, so it stays with its
+    /// pool's when cache-aware routing gives one endpoint the Cyrillic documents and another
+    /// the code, which moves byte ratios apart with no tokeniser at fault.
+    token_count: TokenRatioCheck,
     /// What the engine reported for requests it served (for per-endpoint hit rates).
     served: ServedTotals,
     /// The fleet numbers of the outcomes it served ([`crate::reuse`]).
@@ -351,7 +356,7 @@ impl Slot {
             (RoutingState::Degraded, Some(StateReason::EventGroups))
         } else if self.hashes.mismatched() {
             (RoutingState::Degraded, Some(StateReason::HashMismatch))
-        } else if self.bytes_per_token.drifted() {
+        } else if self.counts_otherwise() {
             (RoutingState::Degraded, Some(StateReason::BytesPerToken))
         } else {
             (RoutingState::Exact, None)
@@ -362,7 +367,28 @@ impl Slot {
     /// configured size that lost no batch since it last ran clean, and holds the blocks the
     /// router hashes.
     fn precise_usable(&self) -> bool {
-        self.events_whole() && !self.hashes.mismatched() && !self.bytes_per_token.drifted()
+        self.events_whole() && !self.hashes.mismatched() && !self.counts_otherwise()
+    }
+
+    /// Whether its engine counts prompts in other tokens than its pool, by either check.
+    fn counts_otherwise(&self) -> bool {
+        self.bytes_per_token.drifted() || self.token_count.drifted()
+    }
+
+    /// The check that learns from prompts counted as `counted` counts them.
+    fn count_check(&self, counted: Counted) -> &TokenRatioCheck {
+        match counted {
+            Counted::Bytes(_) => &self.bytes_per_token,
+            Counted::Tokens(_) => &self.token_count,
+        }
+    }
+
+    /// [`Slot::count_check`], to teach or judge.
+    fn count_check_mut(&mut self, counted: Counted) -> &mut TokenRatioCheck {
+        match counted {
+            Counted::Bytes(_) => &mut self.bytes_per_token,
+            Counted::Tokens(_) => &mut self.token_count,
+        }
     }
 
     /// Whether its event index says what the engine holds, in the engine's hashes: a live
@@ -577,6 +603,19 @@ struct InFlight {
     prompt_blocks: Box<[u64]>,
     /// Scored to its last token: its usage teaches [`Router::agent_output`].
     scored_to_last_token: bool,
+    /// A precise request's prompt tokens as the router's tokeniser counted them, checked
+    /// against the engine's count ([`Slot::token_count`]); `None` for approximate requests,
+    /// whose bytes are checked instead.
+    counted_tokens: Option<u32>,
+}
+
+/// What the router counted a served prompt in, for the endpoint's token-count checks.
+#[derive(Debug, Clone, Copy)]
+enum Counted {
+    /// Canonical bytes (approximate requests).
+    Bytes(u64),
+    /// The router's own tokens (precise requests).
+    Tokens(u32),
 }
 
 /// A running mean of the output tokens requests have had: the plain mean over the first
@@ -1361,6 +1400,7 @@ impl Router {
             hashes: EventHashCheck::default(),
             event_groups: EventGroupCheck::default(),
             bytes_per_token: TokenRatioCheck::default(),
+            token_count: TokenRatioCheck::default(),
             served: ServedTotals::default(),
             reuse: ReuseTotals::default(),
             latency: EndpointLatencyModel::new(&self.config.scoring, &self.config.latency),
@@ -1655,23 +1695,21 @@ impl Router {
         });
     }
 
-    /// Teaches endpoint `id` that a prompt of `prompt_bytes` canonical bytes was `tokens`
+    /// Teaches endpoint `id` that a prompt the router counted as `counted` was `tokens`
     /// tokens there, then compares its learned ratio with the rest of its pool's
     /// ([`TokenRatioCheck`]; every 8th outcome, as the ratios move slowly).
-    fn judge_bytes_per_token(
-        &mut self,
-        id: EndpointId,
-        pool: PoolKey,
-        prompt_bytes: u64,
-        tokens: u32,
-    ) {
+    fn judge_token_count(&mut self, id: EndpointId, pool: PoolKey, counted: Counted, tokens: u32) {
         let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
             return;
         };
-        slot.bytes_per_token.observe(prompt_bytes, tokens);
+        let units = match counted {
+            Counted::Bytes(bytes) => bytes,
+            Counted::Tokens(own) => u64::from(own),
+        };
+        slot.count_check_mut(counted).observe(units, tokens);
         let check = &self.config.self_check;
         if !check.enabled
-            || slot.bytes_per_token.ratio(check).is_none()
+            || slot.count_check(counted).ratio(check).is_none()
             || slot.served.outcomes % 8 != 0
         {
             return;
@@ -1686,13 +1724,13 @@ impl Router {
             .iter()
             .enumerate()
             .filter(|&(i, _)| i != usize::from(id.0) && eligible.allows(i))
-            .filter_map(|(_, s)| s.as_ref()?.bytes_per_token.ratio(check))
+            .filter_map(|(_, s)| s.as_ref()?.count_check(counted).ratio(check))
             .collect();
         let Some(slot) = self.slots[usize::from(id.0)].as_mut() else {
             return;
         };
         let was = slot.state_and_reason();
-        slot.bytes_per_token
+        slot.count_check_mut(counted)
             .judge(&mut others, &self.config.self_check);
         self.note_transition(id, was);
     }
@@ -2713,6 +2751,7 @@ impl Router {
             speculative_claim: None,
             prompt_blocks: request.token_block_hashes.as_slice().into(),
             scored_to_last_token: shape.scored_to_last_token(),
+            counted_tokens: shape.precise.then_some(shape.tokens),
         };
         if let Some(slot) = self.slots[usize::from(chosen.0)].as_mut() {
             let prefill = f64::from(chosen_score.uncached_tokens);
@@ -3095,7 +3134,11 @@ impl Router {
         {
             self.token_ratio.observe(entry.prompt_bytes, tokens);
             if served_by == entry.endpoint {
-                self.judge_bytes_per_token(served_by, entry.pool, entry.prompt_bytes, tokens);
+                let counted = match entry.counted_tokens {
+                    Some(own) => Counted::Tokens(own),
+                    None => Counted::Bytes(entry.prompt_bytes),
+                };
+                self.judge_token_count(served_by, entry.pool, counted, tokens);
             }
         }
         if let Some(actual) = outcome.cached_tokens {

@@ -549,3 +549,84 @@ fn a_refused_precise_request_takes_back_its_speculative_blocks() {
         );
     }
 }
+
+// Precise requests are checked in the router's own token count, not in bytes: the endpoint
+// the Cyrillic documents stick to (more bytes a token than the prose elsewhere) counts as
+// many tokens as the router's tokeniser did and stays exact, where its bytes alone would have
+// read as another tokeniser; one whose engine counts other tokens is still degraded.
+#[test]
+fn a_precise_endpoint_serving_other_text_than_its_pool_is_judged_by_its_token_count() {
+    let endpoints = ["a:1", "b:1", "c:1", "d:1"];
+    let (cyrillic, odd) = (endpoints[3], endpoints[2]);
+    let mut r = Router::new(RouterConfig::default(), 1);
+    for a in endpoints {
+        r.upsert_endpoint(a).unwrap();
+        r.set_event_stream(a, true);
+    }
+    let mut now = 0;
+    // Serves `n` precise prompts of 1,008 tokens, half of them in Cyrillic (5.6 bytes a
+    // token, else 4): the engine stores what it computed, and usage is reported where a
+    // prompt's language matches its endpoint's (so the Cyrillic endpoint's bytes read 5.6 a
+    // token and the others' 4), counting `tokens(endpoint)` tokens there.
+    let mut serve = |r: &mut Router, n: u32, tokens: &dyn Fn(&str) -> u32| {
+        for i in 0..n {
+            now += 1_000;
+            // Half the prompts, in no pattern the endpoints' turns could follow.
+            let in_cyrillic = u64::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 63 == 1;
+            let first = (now as u32) << 4;
+            let prompt: Vec<u32> = (first..first + 1_008).collect();
+            let bytes: u64 = if in_cyrillic { 5_645 } else { 4_032 };
+            let text_blocks = bytes / 256;
+            let request = RouteRequest {
+                block_hashes: (0..text_blocks)
+                    .map(|b| u64::from(first) << 8 | b)
+                    .collect(),
+                prompt_bytes: bytes,
+                ..request(&prompt)
+            };
+            let d = r.route(
+                &request,
+                now,
+                u64::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            );
+            let chosen = d.response.endpoints[0].clone();
+            r.apply_kv_event(
+                &chosen,
+                "m",
+                &stored_from(u64::from(first), &prompt, Medium::Gpu),
+                now,
+            )
+            .unwrap();
+            let matches = (chosen == cyrillic) == in_cyrillic;
+            r.feedback(
+                &Outcome {
+                    decision_id: d.response.decision_id,
+                    prompt_tokens: matches.then(|| tokens(&chosen)),
+                    cached_tokens: Some(0),
+                    endpoint: chosen,
+                    status: 200,
+                    ..Default::default()
+                },
+                now + 10,
+            );
+        }
+        now
+    };
+    serve(&mut r, 800, &|_| 1_008);
+    let changes = r.take_state_changes();
+    assert!(
+        changes.is_empty(),
+        "another language is no other tokeniser: {changes:?}"
+    );
+    serve(&mut r, 800, &|e| if e == odd { 1_613 } else { 1_008 });
+    let state = |r: &Router, a: &str| {
+        let v = r.endpoints(0);
+        let v = v.iter().find(|v| v.address == a).expect("known");
+        (v.routing_state, v.state_reason)
+    };
+    assert_eq!(
+        state(&r, odd),
+        (RoutingState::Degraded, Some(StateReason::BytesPerToken))
+    );
+    assert_eq!(state(&r, cyrillic), (RoutingState::Exact, None));
+}
