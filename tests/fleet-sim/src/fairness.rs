@@ -207,7 +207,7 @@ pub fn run(s: &Scenario, mode: Mode) -> Result<FairnessRun, SimError> {
         s.replicas,
         s.seed,
         &config,
-        policy::DEFAULT_TEXT_BYTES_PER_TOKEN,
+        policy::TextModel::default(),
     )
     .ok_or_else(|| SimError::Config("no kvroute policy".into()))?;
     let mut admission = (mode == Mode::Fair).then(|| Admission::new(s.admission.clone()));

@@ -12,7 +12,8 @@ use clap::{Parser, Subcommand};
 use fleet_sim::data_parallel;
 use fleet_sim::des::{RunOptions, RunResult, SimConfig, run_with};
 use fleet_sim::policy::{
-    DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, build_with, check_policy, regroup_policy_specs,
+    DEFAULT_TEXT_BYTES_PER_TOKEN, POLICY_NAMES, TextModel, build_with, check_policy,
+    regroup_policy_specs,
 };
 use fleet_sim::report::{
     ForkSummary, PolicySummary, fork_table, line_chart, line_chart_axes, regret_table, table,
@@ -104,6 +105,9 @@ struct MatrixArgs {
     /// router (per session; see `compare --unseen-fraction`).
     #[arg(long, default_value_t = 0.0)]
     unseen_fraction: f64,
+    /// Spell every stream's tokens in one of four text styles (see `compare --text-styles`).
+    #[arg(long)]
+    text_styles: bool,
     /// Also measure every decision's placement regret against the greedy oracle (how much
     /// later its first token comes than at the exact best replica) and print it for kvroute
     /// and each cell's best peer on TTFT p99; every policy's is in the JSON. Costs an oracle's
@@ -229,8 +233,13 @@ struct CompareArgs {
     /// Canonical text bytes per token of the workload, what kvroute's approximate filter sees
     /// (its router converts back with its own `bytes_per_token`, 4 by default). English prose
     /// is about 4; code less; Cyrillic or Greek text in UTF-8 more.
-    #[arg(long, default_value_t = DEFAULT_TEXT_BYTES_PER_TOKEN)]
+    #[arg(long, default_value_t = DEFAULT_TEXT_BYTES_PER_TOKEN, conflicts_with = "text_styles")]
     text_bytes_per_token: f64,
+    /// Spell each stream (system prompt, document, message, answer) in one of four text
+    /// styles, 2.7 to 5.6 bytes a token, 4 on average (`fleet_sim::workload::TEXT_STYLES`): the
+    /// router's ratio is right on average and wrong for every document, as with real text.
+    #[arg(long)]
+    text_styles: bool,
     /// vLLM's `--data-parallel-size`: the replicas are servers of this many engines each
     /// (consecutive replicas). Routers that know ranks pick an engine; the others pick a
     /// server and its own balancer picks the rank (`fleet_sim::data_parallel`).
@@ -279,6 +288,9 @@ struct Summary {
     speedup: f64,
     seed: u64,
     text_bytes_per_token: f64,
+    /// `--text-styles`: the text's bytes per token vary by stream (4 on average).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    text_styles: bool,
     /// Engines per server (`--data-parallel-size`), when above 1.
     #[serde(skip_serializing_if = "is_one")]
     data_parallel_size: usize,
@@ -379,6 +391,9 @@ fn matrix(args: MatrixArgs) -> anyhow::Result<()> {
     spec.records_dir = args.records.clone();
     spec.unseen_fraction = unseen_fraction(args.unseen_fraction)?;
     spec.regret = args.regret;
+    if args.text_styles {
+        spec.text = TextModel::Styled;
+    }
     eprintln!(
         "fleet-sim matrix: {} cells x {} seeds x {} policies on {} threads",
         spec.cells.len(),
@@ -527,7 +542,11 @@ fn run_all(
             endpoints,
             args.seed,
             router,
-            args.text_bytes_per_token,
+            if args.text_styles {
+                TextModel::Styled
+            } else {
+                TextModel::Uniform(args.text_bytes_per_token)
+            },
         )
         .with_context(|| format!("unknown policy {name}"))?;
         if blind {
@@ -703,6 +722,7 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
             speedup: args.speedup,
             seed: args.seed,
             text_bytes_per_token: args.text_bytes_per_token,
+            text_styles: args.text_styles,
             results,
             forks,
             sweep,

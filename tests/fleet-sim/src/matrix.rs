@@ -42,7 +42,7 @@ use serde::Serialize;
 use vllm_sim::{Profile, SimError};
 
 use crate::des::{RunOptions, SimConfig, run_with};
-use crate::policy::{self, DEFAULT_TEXT_BYTES_PER_TOKEN};
+use crate::policy::{self, TextModel};
 use crate::report::PolicySummary;
 use crate::workload::{
     Marking, Workload, WorkloadError, client_max_tokens, from_spec, read_mooncake,
@@ -300,6 +300,9 @@ pub struct MatrixSpec {
     /// Measure every decision's placement regret against the greedy oracle
     /// ([`RunOptions::regret`]); off in the default matrix (it costs an oracle's probes).
     pub regret: bool,
+    /// How the text spells its tokens to kvroute's approximate filter (uniform 4 bytes a token
+    /// in the default matrix; `--text-styles` for [`TextModel::Styled`]).
+    pub text: TextModel,
 }
 
 /// The shipped Mooncake trace.
@@ -322,6 +325,7 @@ impl MatrixSpec {
             records_dir: None,
             unseen_fraction: 0.0,
             regret: false,
+            text: TextModel::default(),
         };
         for pool in MATRIX_POOLS {
             spec.add_pool(Pool::named(pool).expect("matrix pools are shipped profiles"));
@@ -361,6 +365,7 @@ impl MatrixSpec {
             records_dir: None,
             unseen_fraction: 0.0,
             regret: false,
+            text: TextModel::default(),
         }
     }
 
@@ -837,14 +842,8 @@ fn run_job(
     let mut out = Vec::with_capacity(spec.policies.len());
     for name in &spec.policies {
         // kvroute: scorer-core's defaults (or `--router-config`), no per-profile setting.
-        let mut p = policy::build_with(
-            name,
-            replicas,
-            seed,
-            &spec.router,
-            DEFAULT_TEXT_BYTES_PER_TOKEN,
-        )
-        .ok_or_else(|| MatrixError::Policy(name.clone()))?;
+        let mut p = policy::build_with(name, replicas, seed, &spec.router, spec.text)
+            .ok_or_else(|| MatrixError::Policy(name.clone()))?;
         let run = run_with(&workload, p.as_mut(), &cfg, &options)?;
         if let Some(dir) = &spec.records_dir {
             let file = format!(

@@ -239,6 +239,24 @@ pub fn regroup_policy_specs(pieces: &[String]) -> Vec<String> {
 /// router's default `bytes_per_token`, so approximate mode's estimate is right on average.
 pub const DEFAULT_TEXT_BYTES_PER_TOKEN: f64 = 4.0;
 
+/// What the workload's text looks like to a router that reads bytes, not tokens (kvroute's
+/// approximate filter); every other policy reads token ids.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TextModel {
+    /// Every token spells this many canonical bytes: approximate mode's picture is exact when
+    /// the ratio is the router's.
+    Uniform(f64),
+    /// Each stream is one of [`crate::workload::TEXT_STYLES`] and its tokens spell 1 to 8 bytes
+    /// ([`crate::workload::token_text`]): right on average, wrong for each document.
+    Styled,
+}
+
+impl Default for TextModel {
+    fn default() -> Self {
+        TextModel::Uniform(DEFAULT_TEXT_BYTES_PER_TOKEN)
+    }
+}
+
 /// Builds the policy called `name` for `replicas` replicas, with kvroute's scoring defaults.
 pub fn build(name: &str, replicas: usize, seed: u64) -> Option<Box<dyn Policy>> {
     build_with(
@@ -246,20 +264,20 @@ pub fn build(name: &str, replicas: usize, seed: u64) -> Option<Box<dyn Policy>> 
         replicas,
         seed,
         &RouterConfig::default(),
-        DEFAULT_TEXT_BYTES_PER_TOKEN,
+        TextModel::default(),
     )
 }
 
 /// Builds the policy called `name` (a spec [`check_policy`] accepts); kvroute policies take
 /// `kvroute` as their router config
-/// (block sizes are set by the mode). `text_bytes_per_token` is how many canonical bytes the
-/// workload's text spends per token: the approximate filter sees bytes, not tokens.
+/// (block sizes are set by the mode). `text` is how the workload's text spells its tokens:
+/// the approximate filter sees bytes, not tokens.
 pub fn build_with(
     name: &str,
     replicas: usize,
     seed: u64,
     kvroute: &RouterConfig,
-    text_bytes_per_token: f64,
+    text: TextModel,
 ) -> Option<Box<dyn Policy>> {
     let (name, options) = name.split_once(':').unwrap_or((name, ""));
     if !options.is_empty() && name != "kvroute-local" {
@@ -292,26 +310,14 @@ pub fn build_with(
         "llmd-optimized" => Box::new(LlmdOptimized::new(replicas, seed)),
         "oracle" => Box::new(crate::oracle::Oracle::new(seed)),
         "dynamo" => Box::new(Dynamo::new(replicas, seed)),
-        "kvroute" => Box::new(Kvroute::new(
-            replicas,
-            seed,
-            false,
-            kvroute.clone(),
-            text_bytes_per_token,
-        )),
-        "kvroute-precise" => Box::new(Kvroute::new(
-            replicas,
-            seed,
-            true,
-            kvroute.clone(),
-            text_bytes_per_token,
-        )),
+        "kvroute" => Box::new(Kvroute::new(replicas, seed, false, kvroute.clone(), text)),
+        "kvroute-precise" => Box::new(Kvroute::new(replicas, seed, true, kvroute.clone(), text)),
         "kvroute-local" => Box::new(KvrouteLocal::new(
             replicas,
             seed,
             LocalSettings::parse(options).ok()?,
             kvroute.clone(),
-            text_bytes_per_token,
+            text,
         )),
         _ => return None,
     })
@@ -966,9 +972,9 @@ struct Kvroute {
     predicted: HashMap<usize, u32>,
     seed: SplitMix,
     addresses: Vec<String>,
-    /// Canonical bytes the workload's text spends per token.
-    text_bytes_per_token: f64,
-    /// Tokens of text one approximate hash block (`block_bytes`) covers.
+    /// How the workload's text spells its tokens.
+    text: TextModel,
+    /// Tokens of text one approximate hash block (`block_bytes`) covers (uniform text).
     approx_block_tokens: usize,
     /// First-token reports on their way: (when the proxy's next feedback tick delivers it,
     /// decision id, the proxy's time from routing to the first token), in order.
@@ -980,24 +986,20 @@ const FEEDBACK_TICK_MS: u64 = 200;
 /// Approximate mode hashes 256-byte blocks of canonical text, as the filter does.
 const KVROUTE_APPROX_BLOCK_BYTES: usize = 256;
 impl Kvroute {
-    fn new(
-        n: usize,
-        seed: u64,
-        precise: bool,
-        base: RouterConfig,
-        text_bytes_per_token: f64,
-    ) -> Self {
+    fn new(n: usize, seed: u64, precise: bool, base: RouterConfig, text: TextModel) -> Self {
         let config = RouterConfig {
             block_bytes: KVROUTE_APPROX_BLOCK_BYTES,
             ..base
         };
         // The filter cuts text, not tokens: a block holds however many tokens its bytes
         // encode, while the router converts it back with its configured `bytes_per_token`.
-        let text_bytes_per_token = if text_bytes_per_token.is_finite() && text_bytes_per_token > 0.0
-        {
-            text_bytes_per_token
-        } else {
-            DEFAULT_TEXT_BYTES_PER_TOKEN
+        let text = match text {
+            TextModel::Uniform(r) if !(r.is_finite() && r > 0.0) => TextModel::default(),
+            other => other,
+        };
+        let text_bytes_per_token = match text {
+            TextModel::Uniform(r) => r,
+            TextModel::Styled => DEFAULT_TEXT_BYTES_PER_TOKEN,
         };
         let approx_block_tokens =
             ((KVROUTE_APPROX_BLOCK_BYTES as f64 / text_bytes_per_token).round() as usize).max(1);
@@ -1019,7 +1021,7 @@ impl Kvroute {
             predicted: HashMap::new(),
             seed: SplitMix(seed),
             addresses,
-            text_bytes_per_token,
+            text,
             approx_block_tokens,
             first_tokens: std::collections::VecDeque::new(),
         }
@@ -1054,13 +1056,40 @@ impl Kvroute {
     /// The route call the filter would send for `r`: hashes of the text it sees, no tokens
     /// unless precise (shared with `kvroute-local`, so both policies see the same inputs).
     fn route_request(&self, r: &PolicyRequest<'_>) -> RouteRequest {
+        let (block_hashes, prompt_bytes, marked_blocks) = match self.text {
+            TextModel::Uniform(ratio) => (
+                token_block_hashes(model_seed(MODEL), r.tokens, self.approx_block_tokens),
+                (r.tokens.len() as f64 * ratio).round() as u64,
+                // The filter marks the whole blocks inside the marked prefix.
+                r.marked_tokens as usize / self.approx_block_tokens,
+            ),
+            TextModel::Styled => {
+                // The filter's own hashing of the text the tokens spell.
+                let text = crate::workload::text_of(r.tokens);
+                let marked = r.tokens.get(..r.marked_tokens as usize).unwrap_or(r.tokens);
+                (
+                    scorer_core::hash::block_hashes(
+                        model_seed(MODEL),
+                        &text,
+                        KVROUTE_APPROX_BLOCK_BYTES,
+                    ),
+                    text.len() as u64,
+                    crate::workload::text_of(marked).len() / KVROUTE_APPROX_BLOCK_BYTES,
+                )
+            }
+        };
         RouteRequest {
             model: MODEL.into(),
-            block_hashes: token_block_hashes(model_seed(MODEL), r.tokens, self.approx_block_tokens),
-            prompt_bytes: (r.tokens.len() as f64 * self.text_bytes_per_token).round() as u64,
-            prompt_tokens: r.tokens.len() as u32,
-            // The filter marks the whole blocks inside the marked prefix.
-            marked_blocks: (r.marked_tokens as usize / self.approx_block_tokens) as u32,
+            block_hashes,
+            prompt_bytes,
+            // Precise: the control plane's tokeniser's count; else the filter's estimate, 4
+            // bytes a token (the router counts from the bytes).
+            prompt_tokens: if self.precise {
+                r.tokens.len() as u32
+            } else {
+                u32::try_from(prompt_bytes.div_ceil(4)).unwrap_or(u32::MAX)
+            },
+            marked_blocks: marked_blocks as u32,
             max_output_tokens: r.max_tokens,
             session: r.session.map(|s| s.to_string()),
             prompt_text: None,
@@ -1347,13 +1376,13 @@ impl KvrouteLocal {
         seed: u64,
         settings: LocalSettings,
         base: RouterConfig,
-        text_bytes_per_token: f64,
+        text: TextModel,
     ) -> Self {
         let copies = settings.proxies * settings.workers;
         KvrouteLocal {
             settings,
             name: settings.name(),
-            central: Kvroute::new(n, seed, false, base, text_bytes_per_token),
+            central: Kvroute::new(n, seed, false, base, text),
             log: SyncLog::new(LOCAL_LOG_CAPACITY, 1),
             copies: (0..copies)
                 .map(|_| {
@@ -1571,19 +1600,18 @@ mod tests {
 
     /// What approximate kvroute predicts cached for a prompt it routed once before.
     fn predicted_repeat(text_bytes_per_token: f64) -> u32 {
-        let mut policy = build_with(
-            "kvroute",
-            2,
-            1,
-            &RouterConfig::default(),
-            text_bytes_per_token,
-        )
-        .expect("kvroute is a policy");
         let tokens: Vec<u32> = (1000..1640).collect();
+        predicted_repeat_of(&tokens, TextModel::Uniform(text_bytes_per_token))
+    }
+
+    /// What approximate kvroute predicts cached for `tokens` routed once before.
+    fn predicted_repeat_of(tokens: &[u32], text: TextModel) -> u32 {
+        let mut policy = build_with("kvroute", 2, 1, &RouterConfig::default(), text)
+            .expect("kvroute is a policy");
         for id in 0..2 {
             let request = PolicyRequest {
                 id,
-                tokens: &tokens,
+                tokens,
                 max_tokens: None,
                 session: None,
                 marked_tokens: 0,
@@ -1669,6 +1697,27 @@ mod tests {
             "{doubled} vs {right}"
         );
     }
+
+    #[test]
+    fn styled_text_is_counted_at_the_routers_ratio_not_its_own() {
+        // The router counts 4 bytes a token: a stream of denser text (fewer bytes a token)
+        // looks shorter to it than it is, a stream of sparser text longer.
+        let mut seen = [false; 2];
+        for stream in 0..32u64 {
+            let mut tokens = Vec::new();
+            crate::workload::push_stream(&mut tokens, stream, 2_000);
+            let bytes = crate::workload::text_of(&tokens).len() as f64;
+            let predicted = f64::from(predicted_repeat_of(&tokens, TextModel::Styled));
+            // Whole 256-byte blocks of the text, at 4 bytes a token.
+            let expected = (bytes / 256.0).floor() * 64.0;
+            assert!(
+                (predicted - expected).abs() <= 64.0,
+                "{predicted} vs {expected}"
+            );
+            seen[usize::from(bytes > 4.0 * 2_000.0)] = true;
+        }
+        assert_eq!(seen, [true, true], "streams of both kinds");
+    }
 }
 
 #[cfg(test)]
@@ -1694,7 +1743,7 @@ mod local_tests {
             seed,
             LocalSettings::parse(options).unwrap(),
             RouterConfig::default(),
-            DEFAULT_TEXT_BYTES_PER_TOKEN,
+            TextModel::default(),
         )
     }
 
@@ -1760,13 +1809,7 @@ mod local_tests {
     #[test]
     fn one_copy_that_synced_once_is_a_single_router() {
         let n = 4;
-        let mut single = Kvroute::new(
-            n,
-            9,
-            false,
-            RouterConfig::default(),
-            DEFAULT_TEXT_BYTES_PER_TOKEN,
-        );
+        let mut single = Kvroute::new(n, 9, false, RouterConfig::default(), TextModel::default());
         // Ties break by seed and decision id; number the single router's decisions as the
         // copy's (replica tag 1, the log's first) so the two are comparable bit for bit.
         single.router = Router::new(

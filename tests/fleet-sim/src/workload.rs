@@ -94,9 +94,75 @@ impl Marking {
     }
 }
 
-/// Deterministic token `i` of stream `stream`.
+/// A kind of text, by how many bytes of UTF-8 a tokenizer spends on one of its tokens.
+///
+/// A stream (a system prompt, a document, a user message, an answer) is one style, and draws
+/// its token ids from its style's quarter of the vocabulary, so a token id says what it spells
+/// ([`token_text`]). Only a router that reads text (kvroute's approximate filter, through
+/// `--text-styles`) sees the difference; engines and token-reading routers see the same ids.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TextStyle {
+    /// Name in docs.
+    pub name: &'static str,
+    /// Mean UTF-8 bytes a token of this style spells.
+    pub bytes_per_token: f64,
+}
+
+/// The styles, one per quarter of the vocabulary. The ratios are assumptions of the order
+/// reported for Llama-3-class BPE vocabularies, not measured here (no tokenizer file is on
+/// this machine): English prose about 4.5 bytes a token, source code about 3.2, structured
+/// text (JSON, tables, logs, numbers) about 2.7, Cyrillic in UTF-8 (two bytes a letter) about
+/// 5.6. Their mean is 4.0, the router's default `bytes_per_token`, so the styled model is right
+/// on average and wrong for every single document, as real traffic is.
+pub const TEXT_STYLES: [TextStyle; 4] = [
+    TextStyle {
+        name: "prose",
+        bytes_per_token: 4.5,
+    },
+    TextStyle {
+        name: "code",
+        bytes_per_token: 3.2,
+    },
+    TextStyle {
+        name: "structured",
+        bytes_per_token: 2.7,
+    },
+    TextStyle {
+        name: "cyrillic",
+        bytes_per_token: 5.6,
+    },
+];
+
+/// Token ids of one style's band of the vocabulary.
+const STYLE_BAND: u64 = VOCAB / TEXT_STYLES.len() as u64;
+
+/// Deterministic token `i` of stream `stream`, from the band of the stream's style.
 fn token(stream: u64, i: u32) -> u32 {
-    TOKEN_BASE + (xxh3_64_with_seed(&i.to_le_bytes(), stream) % VOCAB) as u32
+    let style = xxh3_64_with_seed(b"style", stream) % TEXT_STYLES.len() as u64;
+    let id = style * STYLE_BAND + xxh3_64_with_seed(&i.to_le_bytes(), stream) % STYLE_BAND;
+    TOKEN_BASE + id as u32
+}
+
+/// Appends the UTF-8 bytes token `id` spells under the styled text model: 1 to 8 bytes whose
+/// mean over the style's band is the style's `bytes_per_token`, the same bytes every time.
+pub fn token_text(id: u32, out: &mut Vec<u8>) {
+    let band = u64::from(id.saturating_sub(TOKEN_BASE)) / STYLE_BAND;
+    let style = TEXT_STYLES[(band as usize).min(TEXT_STYLES.len() - 1)];
+    let h = xxh3_64_with_seed(&id.to_le_bytes(), 0x7E47);
+    let unit = |bits: u64| (bits & 0xFFFF_FFFF) as f64 / 4_294_967_296.0;
+    // floor(x + U[0,1)) has mean x: lengths spread 3 bytes around the style's mean.
+    let spread = style.bytes_per_token - 1.5 + 3.0 * unit(h) + unit(h >> 32);
+    let len = (spread.floor() as usize).clamp(1, 8);
+    out.extend_from_slice(&h.to_le_bytes()[..len]);
+}
+
+/// The text `tokens` spell under the styled text model ([`token_text`]).
+pub fn text_of(tokens: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(tokens.len() * 4);
+    for &t in tokens {
+        token_text(t, &mut out);
+    }
+    out
 }
 
 /// Appends `len` tokens of `stream` to `out`.
@@ -713,6 +779,34 @@ mod tests {
         // The same requests either way: only what the client tells the router differs.
         assert_eq!(plain.requests, marked.requests);
         assert_eq!(plain.requests, system.requests);
+    }
+
+    #[test]
+    fn a_stream_spells_its_styles_bytes_per_token_on_average() {
+        for stream in 0..64u64 {
+            let mut tokens = Vec::new();
+            push_stream(&mut tokens, stream, 4_000);
+            // One band, so one style, for the whole stream.
+            let band = |t: &u32| u64::from(t - TOKEN_BASE) / STYLE_BAND;
+            assert!(tokens.iter().all(|t| band(t) == band(&tokens[0])));
+            let style = TEXT_STYLES[band(&tokens[0]) as usize];
+            let text = text_of(&tokens);
+            let ratio = text.len() as f64 / tokens.len() as f64;
+            assert!(
+                (ratio - style.bytes_per_token).abs() < 0.1,
+                "{}: {ratio}",
+                style.name
+            );
+            // The same tokens spell the same text.
+            assert_eq!(text, text_of(&tokens));
+        }
+        let mean = TEXT_STYLES.iter().map(|s| s.bytes_per_token).sum::<f64>() / 4.0;
+        assert!((mean - crate::policy::DEFAULT_TEXT_BYTES_PER_TOKEN).abs() < 1e-9);
+        for id in [0, TOKEN_BASE, TOKEN_BASE + 119_999, u32::MAX] {
+            let mut out = Vec::new();
+            token_text(id, &mut out);
+            assert!((1..=8).contains(&out.len()), "{id}");
+        }
     }
 
     #[test]
