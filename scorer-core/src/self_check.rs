@@ -175,10 +175,11 @@ pub enum StateReason {
     /// spec kind the decoder does not know): the event index stays empty while the stream
     /// looks healthy, so the approximate index stands in ([`EventGroupCheck`]).
     EventGroups,
-    /// The endpoint counts the router's canonical prompt bytes in a clearly different number
-    /// of tokens than the rest of its pool (another tokeniser or chat template behind the same
-    /// model name): its token-hashed KV events cannot match the router's tokenisation, so the
-    /// approximate index stands in ([`TokenRatioCheck`]).
+    /// The endpoint counts prompts in a clearly different number of tokens than the rest of
+    /// its pool (another tokeniser or chat template behind the same model name): its
+    /// token-hashed KV events cannot match the router's tokenisation, so the approximate index
+    /// stands in ([`TokenRatioCheck`], on canonical bytes for approximate requests and on the
+    /// router's own token count for precise ones).
     BytesPerToken,
 }
 
