@@ -356,7 +356,9 @@ impl Slot {
             (RoutingState::Degraded, Some(StateReason::EventGroups))
         } else if self.hashes.mismatched() {
             (RoutingState::Degraded, Some(StateReason::HashMismatch))
-        } else if self.counts_otherwise() {
+        } else if self.events_expected && self.counts_otherwise() {
+            // Only an endpoint with a KV-event index to distrust is degraded for this: without
+            // one, its cache hits are the text's and no tokeniser can break them.
             (RoutingState::Degraded, Some(StateReason::BytesPerToken))
         } else {
             (RoutingState::Exact, None)

@@ -1585,6 +1585,30 @@ fn events_of_unusable_kv_groups_only_degrade_until_a_usable_store() {
 // `degraded` (reason bytes_per_token) and scored from the approximate index; a shift of
 // the whole traffic moves every endpoint alike and says nothing; once it counts as the
 // others do again, it is trusted again.
+/// Serves `n` approximate prompts wherever `r` sends them, the `k`-th at `now + 1,000 k`;
+/// endpoint e counts a prompt's bytes in `bytes / per_token(e)` tokens. Returns the last time.
+fn serve_counting(r: &mut Router, now: &mut u64, n: u64, per_token: &dyn Fn(&str) -> f64) -> u64 {
+    for i in 0..n {
+        *now += 1_000;
+        let text = format!("request {now} {}", "words ".repeat(400));
+        let d = r.route(&request(&text), *now, i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let chosen = d.candidates[0].endpoint.to_string();
+        let tokens = (text.len() as f64 / per_token(&chosen)) as u32;
+        r.feedback(
+            &Outcome {
+                decision_id: d.response.decision_id,
+                endpoint: chosen,
+                status: 200,
+                prompt_tokens: Some(tokens),
+                cached_tokens: Some(0),
+                ..Default::default()
+            },
+            *now + 10,
+        );
+    }
+    *now
+}
+
 #[test]
 fn an_endpoint_that_counts_other_tokens_than_its_pool_is_degraded_until_it_agrees() {
     let endpoints = [
@@ -1596,28 +1620,8 @@ fn an_endpoint_that_counts_other_tokens_than_its_pool_is_degraded_until_it_agree
     let odd = endpoints[3];
     let mut r = router_with_live_streams(RouterConfig::default(), &endpoints);
     let mut now = 0;
-    // Serves `n` requests wherever the router sends them; endpoint e counts a request's
-    // bytes in `bytes / per_token(e)` tokens.
     let mut serve = |r: &mut Router, n: u64, per_token: &dyn Fn(&str) -> f64| {
-        for i in 0..n {
-            now += 1_000;
-            let text = format!("request {now} {}", "words ".repeat(400));
-            let d = r.route(&request(&text), now, i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            let chosen = d.candidates[0].endpoint.to_string();
-            let tokens = (text.len() as f64 / per_token(&chosen)) as u32;
-            r.feedback(
-                &Outcome {
-                    decision_id: d.response.decision_id,
-                    endpoint: chosen,
-                    status: 200,
-                    prompt_tokens: Some(tokens),
-                    cached_tokens: Some(0),
-                    ..Default::default()
-                },
-                now + 10,
-            );
-        }
-        now
+        serve_counting(r, &mut now, n, per_token)
     };
     // English prose everywhere, then code (fewer bytes a token) everywhere: no verdict.
     serve(&mut r, 200, &|_| 4.0);
@@ -1641,6 +1645,20 @@ fn an_endpoint_that_counts_other_tokens_than_its_pool_is_degraded_until_it_agree
         StateReason::BytesPerToken,
         "one change each way",
     );
+}
+
+// `degraded` says an endpoint's KV-event index cannot be trusted. An endpoint without one
+// (approximate mode) has its cache hits from the text whatever its tokeniser, so counting
+// other tokens than its pool labels nothing there.
+#[test]
+fn an_endpoint_without_kv_events_is_not_degraded_for_its_token_count() {
+    let mut r = router(4);
+    let mut now = 0;
+    serve_counting(&mut r, &mut now, 400, &|e| {
+        if e == "10.0.0.3:8000" { 1.6 } else { 2.5 }
+    });
+    assert!(r.take_state_changes().is_empty());
+    assert_eq!(state_of(&r, "10.0.0.3:8000"), (RoutingState::Exact, None));
 }
 
 // The ceiling is one cache as large as the fleet's KV: the window follows the endpoints'
