@@ -1064,9 +1064,14 @@ impl Kvroute {
                 r.marked_tokens as usize / self.approx_block_tokens,
             ),
             TextModel::Styled => {
-                // The filter's own hashing of the text the tokens spell.
-                let text = crate::workload::text_of(r.tokens);
-                let marked = r.tokens.get(..r.marked_tokens as usize).unwrap_or(r.tokens);
+                // The filter's own hashing of the text the tokens spell, spelled once: the
+                // marked prefix first, to know where it ends.
+                let marked = (r.marked_tokens as usize).min(r.tokens.len());
+                let (head, tail) = r.tokens.split_at(marked);
+                let mut text = Vec::new();
+                crate::workload::spell(head, &mut text);
+                let marked_bytes = text.len();
+                crate::workload::spell(tail, &mut text);
                 (
                     scorer_core::hash::block_hashes(
                         model_seed(MODEL),
@@ -1074,7 +1079,7 @@ impl Kvroute {
                         KVROUTE_APPROX_BLOCK_BYTES,
                     ),
                     text.len() as u64,
-                    crate::workload::text_of(marked).len() / KVROUTE_APPROX_BLOCK_BYTES,
+                    marked_bytes / KVROUTE_APPROX_BLOCK_BYTES,
                 )
             }
         };

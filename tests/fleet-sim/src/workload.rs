@@ -139,13 +139,6 @@ pub const TEXT_STYLES: [TextStyle; 4] = [
 /// Token ids of one style's band of the vocabulary.
 const STYLE_BAND: u64 = VOCAB / TEXT_STYLES.len() as u64;
 
-/// Deterministic token `i` of stream `stream`, from the band of the stream's style.
-fn token(stream: u64, i: u32) -> u32 {
-    let style = xxh3_64_with_seed(b"style", stream) % TEXT_STYLES.len() as u64;
-    let id = style * STYLE_BAND + xxh3_64_with_seed(&i.to_le_bytes(), stream) % STYLE_BAND;
-    TOKEN_BASE + id as u32
-}
-
 /// Appends the UTF-8 bytes token `id` spells under the styled text model: 1 to 8 bytes whose
 /// mean over the style's band is the style's `bytes_per_token`, the same bytes every time.
 pub fn token_text(id: u32, out: &mut Vec<u8>) {
@@ -159,18 +152,28 @@ pub fn token_text(id: u32, out: &mut Vec<u8>) {
     out.extend_from_slice(&h.to_le_bytes()[..len]);
 }
 
-/// The text `tokens` spell under the styled text model ([`token_text`]).
-pub fn text_of(tokens: &[u32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(tokens.len() * 4);
+/// Appends the text `tokens` spell under the styled text model ([`token_text`]) to `out`.
+pub fn spell(tokens: &[u32], out: &mut Vec<u8>) {
+    out.reserve(tokens.len() * 4);
     for &t in tokens {
-        token_text(t, &mut out);
+        token_text(t, out);
     }
+}
+
+/// The text `tokens` spell under the styled text model ([`spell`]).
+pub fn text_of(tokens: &[u32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    spell(tokens, &mut out);
     out
 }
 
-/// Appends `len` tokens of `stream` to `out`.
+/// Appends `len` deterministic tokens of `stream` to `out`, from the band of the stream's
+/// style (drawn once per stream).
 pub fn push_stream(out: &mut Vec<u32>, stream: u64, len: u32) {
-    out.extend((0..len).map(|i| token(stream, i)));
+    let band = xxh3_64_with_seed(b"style", stream) % TEXT_STYLES.len() as u64 * STYLE_BAND;
+    out.extend((0..len).map(|i| {
+        TOKEN_BASE + (band + xxh3_64_with_seed(&i.to_le_bytes(), stream) % STYLE_BAND) as u32
+    }));
 }
 
 /// Output tokens a request generates: deterministic per request index, so a later turn can
